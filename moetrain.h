@@ -1,0 +1,4593 @@
+/* moetrain.h — a minimal trainer for DeepSeek-V3-style Mixture-of-Experts models.
+ *
+ * stb-style single header. In exactly one C (or C++) file:
+ *     #define MOETRAIN_IMPLEMENTATION
+ *     #include "moetrain.h"
+ * Everywhere else include it plainly. Override MT_MALLOC / MT_REALLOC / MT_FREE
+ * before the implementation to use your allocator. Nothing in here calls exit();
+ * every function that can fail returns non-zero and fills an mt_err message.
+ * There is no global mutable state.
+ *
+ * The training step is a GRAPH: a flat list of nodes over a table of values.
+ * It is built once (forward from the model code, backward by a reverse pass,
+ * then gradient reduction, clipping, AdamW and the expert-bias update),
+ * optimized by passes, written to a rank- and device-agnostic ARTIFACT, and
+ * executed by an interpreter bound to one rank's mesh coordinates and device.
+ *
+ * TABLE OF CONTENTS
+ *   1.  Basics: allocation, errors, hashing, random numbers, thread pool
+ *   2.  Config, presets, run hyper-parameters
+ *   3.  Mesh
+ *   4.  Graph IR: dtypes, roles, queues, symbols, values, nodes, the op table
+ *   5.  Builder: the model forward, reverse-mode autodiff, optimizer
+ *   6.  Passes: memory planning
+ *   7.  Artifact: write, validate + load, fingerprint, dump
+ *   8.  CPU reference ops (forward/backward pairs, plain C)
+ *   9.  Collectives
+ *   10. Runtime: bind, init, step
+ *   11. Checkpoints: safetensors with Hugging Face DeepSeek-V3 names
+ *   12. Data: token shards, raw bytes, the embedded default corpus
+ *   13. Metrics: FLOPs per token, MFU, SVG loss curve
+ *
+ * Shapes are written in comments as [rows, cols]; N = batch*seq_len tokens,
+ * D = dim, H = heads, E = routed experts, K = top_k, V = vocab.
+ *
+ * Precision: the CPU reference computes in mt_real, float by default. Build
+ * with -DMT_REAL=double to run everything in float64 (gradient checks do).
+ */
+#ifndef MOETRAIN_H
+#define MOETRAIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#ifndef MT_REAL
+#define MT_REAL float
+#endif
+typedef MT_REAL mt_real;
+
+#define MT_VERSION_STRING "moetrain 0.1"
+#define MT_KERNELS_VERSION "moetrain-kernels 1"   /* bump when any kernel's numerics change */
+#define MT_FORMAT_VERSION 1u                       /* artifact format */
+
+/* ========================================================================
+ * 1. Basics
+ * ====================================================================== */
+
+typedef struct { char msg[1024]; } mt_err;
+
+int mt_errf(mt_err *e, const char *fmt, ...);          /* set message, return -1 */
+uint64_t mt_hash(const void *p, size_t n, uint64_t h); /* FNV-1a 64; h = MT_HASH_INIT to start */
+#define MT_HASH_INIT 0xcbf29ce484222325ull
+
+typedef struct { uint64_t s[4]; } mt_rng;               /* xoshiro256** */
+void mt_rng_seed(mt_rng *r, uint64_t seed);
+uint64_t mt_rng_u64(mt_rng *r);
+double mt_rng_uniform(mt_rng *r);                       /* [0, 1) */
+double mt_rng_normal(mt_rng *r);                        /* N(0, 1) */
+
+/* A small fixed pool of worker threads. Work is split by index ranges that do
+ * not depend on the thread count's timing, and every output element is
+ * computed by exactly one thread in a fixed order, so results are bitwise
+ * identical for any number of threads. */
+typedef struct mt_pool mt_pool;
+typedef void (*mt_pool_fn)(void *ctx, int64_t begin, int64_t end);
+int mt_pool_create(mt_pool **p, int n_threads, mt_err *err);  /* n_threads <= 1: no threads */
+void mt_pool_destroy(mt_pool *p);
+void mt_pool_for(mt_pool *p, int64_t n, mt_pool_fn fn, void *ctx); /* fn over [0,n) in chunks */
+int mt_pool_threads(const mt_pool *p);
+double mt_now(void);                                    /* wall-clock seconds */
+
+/* ========================================================================
+ * 2. Config, presets, run hyper-parameters
+ * ====================================================================== */
+
+enum { MT_SCORE_SOFTMAX = 0, MT_SCORE_SIGMOID = 1 };
+
+/* The DeepSeek-V3 family. Field names follow torchtitan's ModelArgs. */
+typedef struct {
+    int dim;                 /* model width D */
+    int n_layers;            /* transformer blocks */
+    int n_dense_layers;      /* the first n_dense_layers use a dense SwiGLU FFN, the rest MoE */
+    int n_heads;             /* attention heads H */
+    int q_lora_rank;         /* 0: q = x Wq; else q = norm(x Wqa) Wqb */
+    int kv_lora_rank;        /* compressed kv width */
+    int qk_nope_head_dim;    /* per-head q/k width without rotary */
+    int qk_rope_head_dim;    /* per-head q/k rotary width (k's rotary part is shared by heads) */
+    int v_head_dim;          /* per-head value width */
+    int inter_dim;           /* dense FFN hidden width */
+    int moe_inter_dim;       /* one expert's hidden width */
+    int n_routed_experts;    /* E */
+    int n_shared_experts;    /* shared expert hidden = n_shared_experts * moe_inter_dim */
+    int top_k;               /* experts per token K */
+    int score_func;          /* MT_SCORE_SOFTMAX | MT_SCORE_SIGMOID */
+    int route_norm;          /* renormalise the top-k weights to sum 1 */
+    float route_scale;       /* multiply routing weights */
+    int n_expert_groups;     /* group-limited routing: experts split in groups ... */
+    int n_limited_groups;    /* ... and each token may use experts of this many groups */
+    float rope_theta;
+    float rope_factor;       /* YaRN factor; applies when > 1 and seq_len > original_seq_len */
+    float beta_fast, beta_slow;
+    int original_seq_len;    /* YaRN: the context the model was trained at */
+    float mscale;            /* YaRN attention-scale coefficient */
+    int vocab_size;          /* V */
+    int seq_len;             /* T */
+    int batch;               /* B */
+    float norm_eps;
+    float load_balance_coeff;/* auxiliary-loss-free bias step; 0 disables the update */
+} mt_config;
+
+/* One table describes every config field: the CLI (--name value), the artifact,
+ * checkpoint metadata and --dump all walk it. */
+enum { MT_FIELD_INT = 0, MT_FIELD_FLOAT = 1 };
+typedef struct { const char *name; int type; size_t offset; const char *help; } mt_field;
+extern const mt_field mt_config_fields[];
+extern const int mt_n_config_fields;
+
+int mt_config_preset(mt_config *c, const char *name, mt_err *err); /* tiny | debug | mid | 16b */
+const char *mt_config_preset_names(void);
+int mt_config_set(mt_config *c, const char *key, const char *value, mt_err *err); /* one field */
+int mt_config_validate(const mt_config *c, mt_err *err);
+int mt_config_is_moe_layer(const mt_config *c, int layer);
+int mt_config_yarn(const mt_config *c);   /* YaRN applies: rope_factor > 1 and seq_len > original_seq_len */
+int mt_config_equal(const mt_config *a, const mt_config *b);
+
+/* Run hyper-parameters. They are not part of the step graph's structure: they
+ * are fed to it every step as the `hparams` input, so one artifact serves any
+ * learning rate or schedule. */
+typedef struct {
+    float lr, min_lr_ratio;        /* peak learning rate; final = lr * min_lr_ratio */
+    int warmup_steps, decay_steps; /* linear warmup, then cosine decay over decay_steps */
+    float beta1, beta2, eps, weight_decay, grad_clip; /* AdamW; grad_clip <= 0: off */
+} mt_hparams;
+enum { MT_HP_LR, MT_HP_MIN_LR_RATIO, MT_HP_WARMUP, MT_HP_DECAY, MT_HP_BETA1, MT_HP_BETA2,
+       MT_HP_EPS, MT_HP_WD, MT_HP_CLIP, MT_HP_COUNT = 16 };
+void mt_hparams_default(mt_hparams *h);
+void mt_hparams_pack(const mt_hparams *h, float out[MT_HP_COUNT]);
+double mt_lr_at(const float hp[MT_HP_COUNT], int step);  /* the schedule (also used by the graph) */
+
+/* ========================================================================
+ * 3. Mesh
+ * World = dp_replicate x dp_shard x tp; expert parallelism borrows ep ranks
+ * from dp_shard x tp. Ranks are numbered row-major over (dp_replicate,
+ * dp_shard, tp). Within dp_shard x tp (flat index f = shard*tp + tp_coord),
+ * a rank's EP coordinate is f % ep and its expert-data-parallel (edp)
+ * coordinate f / ep: ranks with the same edp coordinate hold all experts
+ * between them; ranks with the same ep coordinate hold the same experts.
+ * ====================================================================== */
+
+enum { MT_DIM_DP_REPLICATE = 0, MT_DIM_DP_SHARD = 1, MT_DIM_TP = 2, MT_DIM_EP = 3,
+       MT_DIM_EDP = 4, MT_NDIMS = 5 };
+#define MT_DIMBIT(d) (1u << (d))
+typedef struct { int32_t size[MT_NDIMS]; } mt_mesh;   /* size[MT_DIM_EDP] is derived */
+extern const char *const mt_dim_names[MT_NDIMS];
+
+void mt_mesh_single(mt_mesh *m);                       /* 1 x 1 x 1, ep 1 */
+int mt_mesh_init(mt_mesh *m, int dp_replicate, int dp_shard, int tp, int ep, mt_err *err);
+int mt_mesh_world(const mt_mesh *m);
+int mt_mesh_validate(const mt_mesh *m, const mt_config *c, mt_err *err);
+void mt_mesh_coords(const mt_mesh *m, int rank, int coord[MT_NDIMS]);
+
+/* ========================================================================
+ * 4. Graph IR
+ * ====================================================================== */
+
+/* dtypes. F32 is the master/statistics precision (mt_real on the CPU
+ * backend); BF16 appears only in CUDA-target graphs; I32 for indices. */
+enum { MT_F32 = 0, MT_BF16 = 1, MT_I32 = 2, MT_NDTYPES = 3 };
+
+/* roles: where a value lives and who owns it. */
+enum {
+    MT_ROLE_PARAM = 0,   /* trainable or persistent model state (persistent region) */
+    MT_ROLE_GRAD,        /* gradient of a param (persistent) */
+    MT_ROLE_OPT,         /* AdamW moments (persistent) */
+    MT_ROLE_INPUT,       /* written by the host before each step (persistent) */
+    MT_ROLE_CONST,       /* bytes stored in the artifact, uploaded at bind (persistent) */
+    MT_ROLE_OUTPUT,      /* read by the host after each step (persistent) */
+    MT_ROLE_ACT,         /* forward activation (arena) */
+    MT_ROLE_AGRAD,       /* gradient of an activation (arena) */
+    MT_ROLE_SCRATCH,     /* op workspace (arena) */
+    MT_NROLES
+};
+#define MT_ROLE_IN_ARENA(r) ((r) >= MT_ROLE_ACT)
+
+/* queues: which stream a node runs on. */
+enum { MT_Q_COMPUTE = 0, MT_Q_DP = 1, MT_Q_EP = 2, MT_NQUEUES = 3 };
+extern const char *const mt_queue_names[MT_NQUEUES];
+
+/* value flags */
+enum {
+    MT_VF_TRAINABLE = 1u << 0,  /* param with a gradient and AdamW state */
+    MT_VF_DECAY = 1u << 1,      /* weight decay applies */
+    MT_VF_EXPERTS = 1u << 2,    /* param stacked over local experts: dims[0] = E_local; name has '*' */
+    MT_VF_COUNTS = 1u << 3,     /* output: tokens per expert of one MoE layer */
+};
+enum { MT_INIT_NONE = 0, MT_INIT_ZERO, MT_INIT_ONE, MT_INIT_NORMAL };
+
+/* Symbols: what a rank learns only at bind or run time. */
+enum { MT_SYM_COORD = 0, MT_SYM_SIZE = 1 };
+typedef struct {
+    char name[32];
+    int32_t kind;      /* MT_SYM_COORD: this rank's coordinate on mesh_dim; MT_SYM_SIZE: data-dependent */
+    int32_t mesh_dim;  /* for COORD */
+    int64_t max;       /* upper bound (COORD: size-1; SIZE: memory is planned at this bound) */
+} mt_symbol;
+
+#define MT_MAX_DIMS 4
+#define MT_NAME_LEN 80
+typedef struct {
+    char name[MT_NAME_LEN];   /* unique; params use Hugging Face names ('*' = expert index) */
+    int32_t dtype, role, ndim, init;
+    uint32_t flags;
+    int64_t dims[MT_MAX_DIMS];/* >= 0: literal; < 0: symbol -(dim+1) */
+    float init_std;
+    int32_t param;            /* GRAD/OPT: the param it belongs to; else -1 */
+    int64_t offset;           /* byte offset in its region (persistent or arena); -1 = unplanned */
+    int64_t nbytes;           /* bytes at the symbols' upper bounds */
+    int64_t data_offset;      /* CONST: offset of its bytes in the constants blob; else -1 */
+} mt_value;
+
+#define MT_MAX_IN 8
+#define MT_MAX_OUT 4
+#define MT_MAX_ATTR 8
+enum { MT_PHASE_FORWARD = 0, MT_PHASE_BACKWARD = 1, MT_PHASE_OPTIMIZER = 2 };
+typedef struct {
+    int32_t op, queue, phase, layer;   /* layer: -1 outside blocks */
+    int32_t n_in, n_out;
+    int32_t in[MT_MAX_IN];             /* value ids; -1 = absent optional input */
+    int32_t out[MT_MAX_OUT];
+    int32_t iattr[MT_MAX_ATTR];
+    uint32_t sym_mask;                 /* bit i: iattr[i] is a symbol id, resolved at bind */
+    float fattr[4];
+} mt_node;
+
+/* The op table. Each op has a CPU reference in section 8, a shape check,
+ * and (for forward ops) a backward rule in section 5.
+ *   X(name, n_in, n_out, differentiable) */
+#define MT_OPS(X)                                                                 \
+    X(EMBED, 2, 1, 1)            /* tokens[N] i32, wte[V,D] -> x[N,D] */          \
+    X(EMBED_BWD, 2, 1, 0)        /* dx[N,D], tokens -> dwte[V,D] */               \
+    X(RMSNORM, 2, 2, 1)          /* x[N,D], w[D] -> y[N,D], rstd[N] f32; f0 eps */\
+    X(RMSNORM_BWD, 4, 2, 0)      /* dy, x, w, rstd -> dx, dw */                   \
+    X(MATMUL, 2, 1, 1)           /* A, B -> C = op(A) op(B); i0 transA i1 transB */\
+    X(SPLIT, 1, 2, 1)            /* x[N,a+b] -> x1[N,a], x2[N,b] */               \
+    X(CONCAT, 2, 1, 0)           /* x1[N,a], x2[N,b] -> x[N,a+b] */               \
+    X(MLA_ROPE, 5, 3, 1)         /* q, kv, kpe, cos, sin -> Q, K, V */            \
+    X(MLA_ROPE_BWD, 5, 3, 0)     /* dQ, dK, dV, cos, sin -> dq, dkv, dkpe */      \
+    X(ATTENTION, 3, 2, 1)        /* Q, K, V -> O[N,H*dv], lse[N,H] f32 */         \
+    X(ATTENTION_BWD, 6, 3, 0)    /* Q, K, V, O, lse, dO -> dQ, dK, dV */          \
+    X(SWIGLU, 2, 1, 1)           /* g, u -> silu(g)*u */                          \
+    X(SWIGLU_BWD, 3, 2, 0)       /* g, u, dh -> dg, du */                         \
+    X(ADD, 2, 1, 1)              /* a, b -> a+b */                                \
+    X(ROUTER, 2, 4, 1)           /* logits[N,E] f32, bias[E] -> idx, w, scores, counts */ \
+    X(ROUTER_BWD, 4, 1, 0)       /* scores, idx, w, dw -> dlogits[N,E] */         \
+    X(MOE_PERMUTE, 2, 3, 1)      /* x[N,D], idx[N,K] -> xs[NK,D], slot[NK], offs[E+1] */ \
+    X(MOE_PERMUTE_BWD, 2, 1, 0)  /* dxs, slot -> dx[N,D] */                       \
+    X(EP_COUNTS, 1, 1, 0)        /* offs[E+1] -> recv[ep,E_local] i32 (all-to-all) */ \
+    X(EP_DISPATCH, 3, 2, 1)      /* xs, offs, recv -> xr[R,D], roffs[E_local+1] (all-to-all-v) */ \
+    X(EP_COMBINE, 3, 1, 1)       /* yr[R,D], offs, recv -> ys[NK,D] (reverse all-to-all-v) */ \
+    X(GMM, 3, 1, 1)              /* X[R,K], W[E,M,K], offs[E+1] -> Y[R,M] = X_e W_e^T */ \
+    X(GMM_DX, 3, 1, 0)           /* dY[R,M], W[E,M,K], offs -> dX[R,K] = dY_e W_e */ \
+    X(GMM_DW, 3, 1, 0)           /* dY[R,M], X[R,K], offs -> dW[E,M,K] = dY_e^T X_e */ \
+    X(MOE_COMBINE, 3, 1, 1)      /* ys[NK,D], slot[NK], w[N,K] -> y[N,D] */       \
+    X(MOE_COMBINE_BWD, 4, 2, 0)  /* dy, ys, slot, w -> dys, dw */                 \
+    X(CROSS_ENTROPY, 2, 2, 1)    /* logits[N,V], targets[N] -> loss[1] f32, lse[N] f32 */ \
+    X(CROSS_ENTROPY_BWD, 3, 1, 0)/* logits, lse, targets -> dlogits */            \
+    X(SUMSQ, 2, 1, 0)            /* g, acc_in (optional) -> acc_out[1] f32 */     \
+    X(ALLREDUCE, 1, 1, 0)        /* x -> x (in place); i0 mesh-dim mask, i1 group, i2 avg */ \
+    X(LR_SCHEDULE, 2, 1, 0)      /* hparams[16] f32, step[1] i32 -> lr[1] f32 */  \
+    X(CLIP, 2, 2, 0)             /* sumsq[1], hparams -> coef[1], norm[1] */      \
+    X(ADAMW, 8, 4, 0)            /* p, g, m, v, lr, coef, hparams, step -> p, m, v, p_bf16 (optional) */ \
+    X(EXPERT_BIAS_UPDATE, 2, 1, 0) /* bias[E], counts[E] i32 -> bias; f0 coeff */
+
+enum {
+#define MT_OP_ENUM(name, ni, no, d) MT_OP_##name,
+    MT_OPS(MT_OP_ENUM)
+#undef MT_OP_ENUM
+    MT_NOPS
+};
+typedef struct { const char *name; int n_in, n_out, differentiable; } mt_op_info;
+extern const mt_op_info mt_ops[MT_NOPS];
+
+/* Well-known values of a graph, by slot. */
+enum {
+    MT_IO_TOKENS = 0,  /* input  [N] i32 */
+    MT_IO_TARGETS,     /* input  [N] i32 */
+    MT_IO_STEP,        /* input  [1] i32: 0-based optimizer step */
+    MT_IO_HPARAMS,     /* input  [16] f32: mt_hparams_pack() */
+    MT_IO_LOSS,        /* output [1] f32 */
+    MT_IO_GRAD_NORM,   /* output [1] f32 (train graphs) */
+    MT_IO_LR,          /* output [1] f32 (train graphs) */
+    MT_IO_LOGITS,      /* output [N,V] (forward graphs) */
+    MT_NIO
+};
+
+/* The compile target: which backend the plan is for. It is part of the
+ * fingerprint; it names an architecture, never a device ordinal. */
+enum { MT_BACKEND_CPU = 0, MT_BACKEND_CUDA = 1 };
+typedef struct {
+    int32_t backend;
+    int32_t real_bytes;   /* CPU: sizeof(mt_real) of the build; CUDA: 4 */
+    char arch[16];        /* "cpu" or e.g. "sm_90a" */
+} mt_target;
+void mt_target_cpu(mt_target *t);
+void mt_target_cuda(mt_target *t, const char *arch);
+
+enum { MT_GRAPH_TRAIN = 0, MT_GRAPH_FORWARD = 1 };
+
+typedef struct { int32_t op; int64_t m, n, k; int32_t algo; } mt_tuning;  /* GEMM choice per shape */
+
+typedef struct {
+    mt_config cfg;
+    mt_mesh mesh;
+    mt_target target;
+    int32_t kind;              /* MT_GRAPH_TRAIN | MT_GRAPH_FORWARD */
+    mt_value *values; int n_values, cap_values;
+    mt_node *nodes; int n_nodes, cap_nodes;
+    mt_symbol *syms; int n_syms;
+    uint8_t *consts; int64_t consts_bytes;
+    mt_tuning *tuning; int n_tuning;
+    int32_t io[MT_NIO];        /* value ids of the well-known values; -1 = absent */
+    int32_t n_forward_nodes;   /* nodes [0, n_forward_nodes) are the forward */
+    int64_t persist_bytes;     /* persistent region (params, grads, moments, io, consts) */
+    int64_t arena_bytes;       /* activations and scratch, as planned */
+    int64_t naive_arena_bytes; /* sum of all arena values: the plan's baseline */
+    int32_t planned;           /* 0: naive (eager) layout, 1: liveness-planned */
+} mt_graph;
+
+void mt_graph_free(mt_graph *g);
+int64_t mt_dtype_bytes(const mt_graph *g, int dtype);
+int64_t mt_value_numel_max(const mt_graph *g, const mt_value *v);  /* symbols at their bounds */
+int mt_graph_find(const mt_graph *g, const char *name);           /* value id or -1 */
+int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err); /* arity + shapes */
+
+/* ========================================================================
+ * 5. Builder
+ * ====================================================================== */
+
+/* Build a step graph: MT_GRAPH_TRAIN = forward + backward + gradient
+ * reduction + clipping + AdamW + expert-bias update; MT_GRAPH_FORWARD =
+ * forward with logits as an output. The memory layout is naive (eager). */
+int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target *t,
+             int kind, mt_err *err);
+
+/* ========================================================================
+ * 6. Passes
+ * ====================================================================== */
+
+void mt_plan_naive(mt_graph *g);                     /* eager: every value its own bytes */
+int mt_pass_plan_memory(mt_graph *g, mt_err *err);   /* liveness-based arena reuse */
+void mt_value_live_range(const mt_graph *g, int v, int *first, int *last);
+typedef struct { int plan_memory; } mt_passes;       /* which optimizing passes run */
+void mt_passes_all(mt_passes *p);
+void mt_passes_none(mt_passes *p);                   /* eager */
+int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err);
+
+/* One call: build + passes. This is what `precompile` and in-process compile do. */
+int mt_compile(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target *t,
+               int kind, const mt_passes *p, mt_err *err);
+
+/* ========================================================================
+ * 7. Artifact
+ * ====================================================================== */
+
+int mt_artifact_write(const mt_graph *g, uint8_t **bytes, size_t *len, mt_err *err);
+int mt_artifact_save(const mt_graph *g, const char *path, mt_err *err);
+int mt_artifact_read(mt_graph *g, const uint8_t *bytes, size_t len, mt_err *err);
+int mt_artifact_load(mt_graph *g, const char *path, mt_err *err);
+uint64_t mt_fingerprint(const mt_graph *g);          /* config, mesh, format, kernels, target */
+void mt_graph_dump(const mt_graph *g, FILE *f);      /* the readable plan */
+int mt_read_file(const char *path, uint8_t **bytes, size_t *len, mt_err *err);
+
+/* ========================================================================
+ * 8. CPU reference ops (declared here so tests and the CUDA tests can call them)
+ * ====================================================================== */
+
+void mt_cpu_embed_forward(mt_real *x, const int32_t *tok, const mt_real *wte, int N, int D);
+void mt_cpu_embed_backward(mt_real *dwte, const mt_real *dx, const int32_t *tok, int N, int V, int D);
+void mt_cpu_rmsnorm_forward(mt_real *y, mt_real *rstd, const mt_real *x, const mt_real *w,
+                            int N, int D, float eps);
+void mt_cpu_rmsnorm_backward(mt_real *dx, mt_real *dw, const mt_real *dy, const mt_real *x,
+                             const mt_real *w, const mt_real *rstd, int N, int D);
+void mt_cpu_matmul(mt_pool *pool, mt_real *C, const mt_real *A, const mt_real *B,
+                   int M, int Nn, int K, int ta, int tb);  /* C[M,Nn] = op(A)[M,K] op(B)[K,Nn] */
+void mt_cpu_split(mt_real *x1, mt_real *x2, const mt_real *x, int N, int a, int b);
+void mt_cpu_concat(mt_real *x, const mt_real *x1, const mt_real *x2, int N, int a, int b);
+void mt_cpu_rope_tables(mt_real *cosv, mt_real *sinv, const mt_config *c); /* [T, dr/2] each */
+double mt_attention_scale(const mt_config *c);
+void mt_cpu_mla_rope_forward(mt_real *Q, mt_real *K, mt_real *Vv, const mt_real *q, const mt_real *kv,
+                             const mt_real *kpe, const mt_real *cosv, const mt_real *sinv,
+                             int N, int T, int H, int dn, int dr, int dv);
+void mt_cpu_mla_rope_backward(mt_real *dq, mt_real *dkv, mt_real *dkpe, const mt_real *dQ,
+                              const mt_real *dK, const mt_real *dV, const mt_real *cosv,
+                              const mt_real *sinv, int N, int T, int H, int dn, int dr, int dv);
+void mt_cpu_attention_forward(mt_pool *pool, mt_real *O, mt_real *lse, const mt_real *Q,
+                              const mt_real *K, const mt_real *Vv, int B, int T, int H, int dq,
+                              int dv, float scale);
+void mt_cpu_attention_backward(mt_pool *pool, mt_real *dQ, mt_real *dK, mt_real *dV,
+                               const mt_real *Q, const mt_real *K, const mt_real *Vv,
+                               const mt_real *O, const mt_real *lse, const mt_real *dO, int B,
+                               int T, int H, int dq, int dv, float scale);
+void mt_cpu_swiglu_forward(mt_real *h, const mt_real *g, const mt_real *u, int64_t n);
+void mt_cpu_swiglu_backward(mt_real *dg, mt_real *du, const mt_real *g, const mt_real *u,
+                            const mt_real *dh, int64_t n);
+void mt_cpu_add(mt_real *c, const mt_real *a, const mt_real *b, int64_t n);
+void mt_cpu_router_forward(int32_t *idx, mt_real *w, mt_real *scores, int32_t *counts,
+                           const mt_real *logits, const mt_real *bias, int N, int E, int K,
+                           int score_func, int route_norm, float route_scale, int n_groups,
+                           int n_limited);
+void mt_cpu_router_backward(mt_real *dlogits, const mt_real *scores, const int32_t *idx,
+                            const mt_real *w, const mt_real *dw, int N, int E, int K,
+                            int score_func, int route_norm, float route_scale);
+int mt_cpu_moe_permute(mt_real *xs, int32_t *slot, int32_t *offs, const mt_real *x,
+                       const int32_t *idx, int N, int D, int K, int E);
+void mt_cpu_moe_permute_backward(mt_real *dx, const mt_real *dxs, const int32_t *slot, int N,
+                                 int D, int K);
+void mt_cpu_gmm(mt_pool *pool, mt_real *Y, const mt_real *X, const mt_real *W, const int32_t *offs,
+                int E, int M, int K);                       /* Y_e = X_e W_e^T */
+void mt_cpu_gmm_dx(mt_pool *pool, mt_real *dX, const mt_real *dY, const mt_real *W,
+                   const int32_t *offs, int E, int M, int K); /* dX_e = dY_e W_e */
+void mt_cpu_gmm_dw(mt_pool *pool, mt_real *dW, const mt_real *dY, const mt_real *X,
+                   const int32_t *offs, int E, int M, int K); /* dW_e = dY_e^T X_e */
+void mt_cpu_moe_combine_forward(mt_real *y, const mt_real *ys, const int32_t *slot,
+                                const mt_real *w, int N, int D, int K);
+void mt_cpu_moe_combine_backward(mt_real *dys, mt_real *dw, const mt_real *dy, const mt_real *ys,
+                                 const int32_t *slot, const mt_real *w, int N, int D, int K);
+void mt_cpu_cross_entropy_forward(mt_pool *pool, mt_real *loss, mt_real *lse,
+                                  const mt_real *logits, const int32_t *tgt, int N, int V);
+void mt_cpu_cross_entropy_backward(mt_pool *pool, mt_real *dlogits, const mt_real *logits,
+                                   const mt_real *lse, const int32_t *tgt, int N, int V);
+void mt_cpu_adamw(mt_real *p, mt_real *m, mt_real *v, const mt_real *g, int64_t n, double lr,
+                  double coef, const float hp[MT_HP_COUNT], int step, int decay);
+void mt_cpu_expert_bias_update(mt_real *bias, const int32_t *counts, int E, float coeff);
+
+/* ========================================================================
+ * 9. Collectives
+ * A communicator per mesh-dimension group. On one rank every group has size
+ * 1 and collectives are identities; the node stays in the graph.
+ * ====================================================================== */
+
+typedef struct {
+    int size, rank;     /* group size and this rank's position (mesh order) */
+} mt_group;
+
+/* ========================================================================
+ * 10. Runtime
+ * ====================================================================== */
+
+typedef struct {
+    int rank, world, local_rank;
+    int coord[MT_NDIMS];
+    int device;        /* CUDA device ordinal from the binding; -1 = CPU */
+    int n_threads;     /* CPU worker threads; 0 = number of cores */
+    int poison;        /* fill the arena with NaN before each step (tests) */
+} mt_binding;
+void mt_binding_single(mt_binding *b);   /* rank 0 of 1, CPU */
+
+typedef struct mt_runtime mt_runtime;
+typedef struct {
+    double loss, grad_norm, lr;
+    double seconds;
+} mt_step_stats;
+
+int mt_runtime_create(mt_runtime **rt, const mt_graph *g, const mt_binding *b, mt_err *err);
+void mt_runtime_destroy(mt_runtime *rt);
+const mt_graph *mt_runtime_graph(const mt_runtime *rt);
+void mt_runtime_init_params(mt_runtime *rt, uint64_t seed);   /* deterministic per param */
+int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *targets, int step,
+                    const mt_hparams *hp, mt_step_stats *st, mt_err *err);
+void *mt_runtime_value(mt_runtime *rt, int value_id);          /* host pointer (CPU) */
+int mt_runtime_copy_params(mt_runtime *dst, const mt_runtime *src, mt_err *err); /* by name */
+int mt_runtime_expert_counts(mt_runtime *rt, int moe_index, int32_t *counts); /* E counts */
+int mt_runtime_n_moe_layers(const mt_runtime *rt);
+
+/* ========================================================================
+ * 11. Checkpoints (safetensors, Hugging Face DeepSeek-V3 names and layouts)
+ * DIR/model.safetensors (F32 weights + our config in __metadata__),
+ * DIR/config.json (transformers' DeepseekV3Config), DIR/optimizer.safetensors.
+ * ====================================================================== */
+
+int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err);
+int mt_checkpoint_read_config(const char *dir, mt_config *c, mt_err *err);
+int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err); /* step may be NULL */
+
+/* ========================================================================
+ * 12. Data
+ * ====================================================================== */
+
+typedef struct {
+    int32_t *tokens;
+    int64_t n;
+    int max_token;      /* largest token id present */
+} mt_dataset;
+int mt_data_load(mt_dataset *d, const char *path, mt_err *err); /* llm.c .bin shard or raw bytes */
+int mt_data_default(mt_dataset *d, mt_err *err);                /* the embedded corpus */
+void mt_data_free(mt_dataset *d);
+/* B windows of T+1 tokens at random offsets: tokens[b*T+t], targets = next token. */
+int mt_data_batch(const mt_dataset *d, mt_rng *r, int B, int T, int32_t *tokens, int32_t *targets,
+                  mt_err *err);
+
+/* ========================================================================
+ * 13. Metrics
+ * ====================================================================== */
+
+typedef struct { int64_t total, embedding, dense, sparse_active, sparse_total; } mt_param_count;
+void mt_count_params(const mt_config *c, mt_param_count *pc);
+double mt_flops_per_token(const mt_config *c);   /* torchtitan's DeepSeek-V3 formula */
+int mt_write_svg(const char *path, const double *loss, int n, const char *title, mt_err *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOETRAIN_H */
+
+/* ************************************************************************
+ *
+ *                           IMPLEMENTATION
+ *
+ * ********************************************************************** */
+#ifdef MOETRAIN_IMPLEMENTATION
+#ifndef MOETRAIN_IMPLEMENTATION_DONE
+#define MOETRAIN_IMPLEMENTATION_DONE
+
+#include <errno.h>
+#include <float.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef MT_MALLOC
+#define MT_MALLOC(n) malloc(n)
+#define MT_REALLOC(p, n) realloc(p, n)
+#define MT_FREE(p) free(p)
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ========================================================================
+ * 1. Basics
+ * ====================================================================== */
+
+int mt_errf(mt_err *e, const char *fmt, ...) {
+    if (e) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+        va_end(ap);
+    }
+    return -1;
+}
+
+uint64_t mt_hash(const void *p, size_t n, uint64_t h) {
+    const uint8_t *b = (const uint8_t *)p;
+    for (size_t i = 0; i < n; i++) { h ^= b[i]; h *= 0x100000001b3ull; }
+    return h;
+}
+
+static uint64_t mt__splitmix(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+void mt_rng_seed(mt_rng *r, uint64_t seed) {
+    for (int i = 0; i < 4; i++) r->s[i] = mt__splitmix(&seed);
+}
+static uint64_t mt__rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+uint64_t mt_rng_u64(mt_rng *r) {
+    uint64_t *s = r->s, out = mt__rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3]; s[2] ^= t; s[3] = mt__rotl(s[3], 45);
+    return out;
+}
+double mt_rng_uniform(mt_rng *r) { return (double)(mt_rng_u64(r) >> 11) * (1.0 / 9007199254740992.0); }
+double mt_rng_normal(mt_rng *r) {
+    double u1 = mt_rng_uniform(r), u2 = mt_rng_uniform(r);
+    if (u1 < 1e-300) u1 = 1e-300;
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+double mt_now(void) {
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void *mt__calloc(size_t n) { void *p = MT_MALLOC(n ? n : 1); if (p) memset(p, 0, n ? n : 1); return p; }
+
+/* --- thread pool: the caller thread takes chunk 0, workers the rest --- */
+struct mt_pool {
+    int n;                      /* total threads including the caller */
+    pthread_t *th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work, cv_done;
+    uint64_t generation;        /* bumped for each parallel-for */
+    int pending, quit;
+    mt_pool_fn fn; void *ctx; int64_t total;
+};
+typedef struct { mt_pool *p; int id; } mt__worker_arg;
+
+static void mt__pool_chunk(int64_t total, int nthreads, int id, int64_t *b, int64_t *e) {
+    int64_t per = total / nthreads, rem = total % nthreads;
+    *b = id * per + (id < rem ? id : rem);
+    *e = *b + per + (id < rem ? 1 : 0);
+}
+static void *mt__pool_main(void *arg) {
+    mt__worker_arg *wa = (mt__worker_arg *)arg;
+    mt_pool *p = wa->p; int id = wa->id;
+    MT_FREE(wa);
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&p->mu);
+        while (!p->quit && p->generation == seen) pthread_cond_wait(&p->cv_work, &p->mu);
+        if (p->quit) { pthread_mutex_unlock(&p->mu); return NULL; }
+        seen = p->generation;
+        mt_pool_fn fn = p->fn; void *ctx = p->ctx; int64_t total = p->total;
+        pthread_mutex_unlock(&p->mu);
+        int64_t b, e;
+        mt__pool_chunk(total, p->n, id, &b, &e);
+        if (b < e) fn(ctx, b, e);
+        pthread_mutex_lock(&p->mu);
+        if (--p->pending == 0) pthread_cond_signal(&p->cv_done);
+        pthread_mutex_unlock(&p->mu);
+    }
+}
+int mt_pool_create(mt_pool **out, int n_threads, mt_err *err) {
+    *out = NULL;
+    if (n_threads <= 1) return 0;  /* NULL pool = run inline */
+    mt_pool *p = (mt_pool *)mt__calloc(sizeof *p);
+    if (!p) return mt_errf(err, "out of memory creating the thread pool");
+    p->n = n_threads;
+    p->th = (pthread_t *)mt__calloc(sizeof(pthread_t) * (size_t)n_threads);
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv_work, NULL);
+    pthread_cond_init(&p->cv_done, NULL);
+    for (int i = 1; i < n_threads; i++) {
+        mt__worker_arg *wa = (mt__worker_arg *)MT_MALLOC(sizeof *wa);
+        wa->p = p; wa->id = i;
+        if (pthread_create(&p->th[i], NULL, mt__pool_main, wa) != 0) {
+            MT_FREE(wa);
+            p->n = i;  /* destroy joins only the started ones */
+            mt_pool_destroy(p);
+            return mt_errf(err, "could not start worker thread %d of %d", i, n_threads);
+        }
+    }
+    *out = p;
+    return 0;
+}
+void mt_pool_destroy(mt_pool *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    p->quit = 1;
+    pthread_cond_broadcast(&p->cv_work);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 1; i < p->n; i++) pthread_join(p->th[i], NULL);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv_work);
+    pthread_cond_destroy(&p->cv_done);
+    MT_FREE(p->th);
+    MT_FREE(p);
+}
+int mt_pool_threads(const mt_pool *p) { return p ? p->n : 1; }
+void mt_pool_for(mt_pool *p, int64_t n, mt_pool_fn fn, void *ctx) {
+    if (n <= 0) return;
+    if (!p || n == 1) { fn(ctx, 0, n); return; }
+    pthread_mutex_lock(&p->mu);
+    p->fn = fn; p->ctx = ctx; p->total = n;
+    p->pending = p->n - 1;
+    p->generation++;
+    pthread_cond_broadcast(&p->cv_work);
+    pthread_mutex_unlock(&p->mu);
+    int64_t b, e;
+    mt__pool_chunk(n, p->n, 0, &b, &e);
+    if (b < e) fn(ctx, b, e);
+    pthread_mutex_lock(&p->mu);
+    while (p->pending > 0) pthread_cond_wait(&p->cv_done, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* ========================================================================
+ * 2. Config, presets, run hyper-parameters
+ * ====================================================================== */
+
+#define MT__F(name, type, help) { #name, type, offsetof(mt_config, name), help }
+const mt_field mt_config_fields[] = {
+    MT__F(dim, MT_FIELD_INT, "model width"),
+    MT__F(n_layers, MT_FIELD_INT, "transformer blocks"),
+    MT__F(n_dense_layers, MT_FIELD_INT, "leading blocks with a dense FFN"),
+    MT__F(n_heads, MT_FIELD_INT, "attention heads"),
+    MT__F(q_lora_rank, MT_FIELD_INT, "query low-rank width (0 = none)"),
+    MT__F(kv_lora_rank, MT_FIELD_INT, "compressed key/value width"),
+    MT__F(qk_nope_head_dim, MT_FIELD_INT, "per-head q/k width without RoPE"),
+    MT__F(qk_rope_head_dim, MT_FIELD_INT, "per-head q/k RoPE width"),
+    MT__F(v_head_dim, MT_FIELD_INT, "per-head value width"),
+    MT__F(inter_dim, MT_FIELD_INT, "dense FFN hidden width"),
+    MT__F(moe_inter_dim, MT_FIELD_INT, "expert hidden width"),
+    MT__F(n_routed_experts, MT_FIELD_INT, "routed experts"),
+    MT__F(n_shared_experts, MT_FIELD_INT, "shared experts (0 = none)"),
+    MT__F(top_k, MT_FIELD_INT, "experts per token"),
+    MT__F(score_func, MT_FIELD_INT, "router scores: softmax | sigmoid"),
+    MT__F(route_norm, MT_FIELD_INT, "renormalise top-k weights (0/1)"),
+    MT__F(route_scale, MT_FIELD_FLOAT, "routing weight scale"),
+    MT__F(n_expert_groups, MT_FIELD_INT, "expert groups for group-limited routing"),
+    MT__F(n_limited_groups, MT_FIELD_INT, "groups a token may use"),
+    MT__F(rope_theta, MT_FIELD_FLOAT, "RoPE base"),
+    MT__F(rope_factor, MT_FIELD_FLOAT, "YaRN factor (1 = off)"),
+    MT__F(beta_fast, MT_FIELD_FLOAT, "YaRN beta_fast"),
+    MT__F(beta_slow, MT_FIELD_FLOAT, "YaRN beta_slow"),
+    MT__F(original_seq_len, MT_FIELD_INT, "YaRN original context"),
+    MT__F(mscale, MT_FIELD_FLOAT, "YaRN attention mscale"),
+    MT__F(vocab_size, MT_FIELD_INT, "vocabulary"),
+    MT__F(seq_len, MT_FIELD_INT, "sequence length"),
+    MT__F(batch, MT_FIELD_INT, "sequences per step (per data-parallel rank)"),
+    MT__F(norm_eps, MT_FIELD_FLOAT, "RMSNorm epsilon"),
+    MT__F(load_balance_coeff, MT_FIELD_FLOAT, "expert-bias step (0 = off)"),
+};
+#undef MT__F
+const int mt_n_config_fields = (int)(sizeof mt_config_fields / sizeof mt_config_fields[0]);
+
+static void mt__config_common(mt_config *c) {
+    memset(c, 0, sizeof *c);
+    c->score_func = MT_SCORE_SOFTMAX;
+    c->route_norm = 0;
+    c->route_scale = 1.0f;
+    c->n_expert_groups = 1;
+    c->n_limited_groups = 1;
+    c->rope_theta = 10000.0f;
+    c->rope_factor = 1.0f;
+    c->beta_fast = 32.0f;
+    c->beta_slow = 1.0f;
+    c->mscale = 1.0f;
+    c->norm_eps = 1e-6f;
+    c->load_balance_coeff = 1e-3f;
+}
+
+const char *mt_config_preset_names(void) { return "tiny, debug, mid, 16b"; }
+
+int mt_config_preset(mt_config *c, const char *name, mt_err *err) {
+    mt__config_common(c);
+    if (!strcmp(name, "tiny")) {          /* CPU tests: seconds per step on 2 cores */
+        c->dim = 64; c->n_layers = 3; c->n_dense_layers = 1; c->n_heads = 4;
+        c->q_lora_rank = 0; c->kv_lora_rank = 32;
+        c->qk_nope_head_dim = 16; c->qk_rope_head_dim = 8; c->v_head_dim = 16;
+        c->inter_dim = 192; c->moe_inter_dim = 48;
+        c->n_routed_experts = 8; c->n_shared_experts = 1; c->top_k = 2;
+        c->score_func = MT_SCORE_SIGMOID; c->route_norm = 1; c->route_scale = 1.0f;
+        c->vocab_size = 256; c->seq_len = 64; c->batch = 8;
+        c->original_seq_len = 64;
+    } else if (!strcmp(name, "debug")) { /* torchtitan's DeepSeek-V3 debugmodel */
+        c->dim = 256; c->n_layers = 6; c->n_dense_layers = 1; c->n_heads = 16;
+        c->q_lora_rank = 0; c->kv_lora_rank = 512;
+        c->qk_nope_head_dim = 128; c->qk_rope_head_dim = 64; c->v_head_dim = 128;
+        c->inter_dim = 1024; c->moe_inter_dim = 256;
+        c->n_routed_experts = 8; c->n_shared_experts = 2; c->top_k = 3;
+        c->score_func = MT_SCORE_SOFTMAX; c->route_norm = 0; c->route_scale = 1.0f;
+        c->vocab_size = 2048; c->seq_len = 2048; c->batch = 8;
+        c->original_seq_len = 4096;
+    } else if (!strcmp(name, "mid")) {   /* a single-GPU benchmark config */
+        c->dim = 2048; c->n_layers = 8; c->n_dense_layers = 1; c->n_heads = 16;
+        c->q_lora_rank = 0; c->kv_lora_rank = 512;
+        c->qk_nope_head_dim = 128; c->qk_rope_head_dim = 64; c->v_head_dim = 128;
+        c->inter_dim = 10944; c->moe_inter_dim = 1408;
+        c->n_routed_experts = 64; c->n_shared_experts = 2; c->top_k = 6;
+        c->score_func = MT_SCORE_SOFTMAX; c->route_norm = 0; c->route_scale = 1.0f;
+        c->vocab_size = 102400; c->seq_len = 4096; c->batch = 2;
+        c->original_seq_len = 4096;
+    } else if (!strcmp(name, "16b")) {   /* DeepSeek-V3 16B / V2-Lite-like */
+        c->dim = 2048; c->n_layers = 27; c->n_dense_layers = 1; c->n_heads = 16;
+        c->q_lora_rank = 0; c->kv_lora_rank = 512;
+        c->qk_nope_head_dim = 128; c->qk_rope_head_dim = 64; c->v_head_dim = 128;
+        c->inter_dim = 10944; c->moe_inter_dim = 1408;
+        c->n_routed_experts = 64; c->n_shared_experts = 2; c->top_k = 6;
+        c->score_func = MT_SCORE_SOFTMAX; c->route_norm = 0; c->route_scale = 1.0f;
+        c->vocab_size = 102400; c->seq_len = 4096; c->batch = 8;
+        c->original_seq_len = 4096;
+    } else {
+        return mt_errf(err, "unknown preset '%s' (known: %s)", name, mt_config_preset_names());
+    }
+    return 0;
+}
+
+static const mt_field *mt__find_field(const char *key) {
+    for (int i = 0; i < mt_n_config_fields; i++) {
+        const char *a = mt_config_fields[i].name, *b = key;
+        while (*a && (*a == *b || (*a == '_' && *b == '-'))) { a++; b++; }
+        if (!*a && !*b) return &mt_config_fields[i];
+    }
+    return NULL;
+}
+
+static int mt__parse_int(const char *s, long long lo, long long hi, long long *out) {
+    char *end; errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+static int mt__parse_float(const char *s, double *out) {
+    char *end; errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) return -1;
+    *out = v;
+    return 0;
+}
+
+int mt_config_set(mt_config *c, const char *key, const char *value, mt_err *err) {
+    const mt_field *f = mt__find_field(key);
+    if (!f) return mt_errf(err, "unknown config field '%s'", key);
+    if (!strcmp(f->name, "score_func")) {
+        if (!strcmp(value, "softmax")) c->score_func = MT_SCORE_SOFTMAX;
+        else if (!strcmp(value, "sigmoid")) c->score_func = MT_SCORE_SIGMOID;
+        else return mt_errf(err, "--score-func takes softmax or sigmoid, not '%s'", value);
+        return 0;
+    }
+    if (f->type == MT_FIELD_INT) {
+        long long v;
+        if (mt__parse_int(value, INT_MIN, INT_MAX, &v))
+            return mt_errf(err, "--%s takes an integer, not '%s'", f->name, value);
+        *(int *)((char *)c + f->offset) = (int)v;
+    } else {
+        double v;
+        if (mt__parse_float(value, &v))
+            return mt_errf(err, "--%s takes a number, not '%s'", f->name, value);
+        *(float *)((char *)c + f->offset) = (float)v;
+    }
+    return 0;
+}
+
+int mt_config_yarn(const mt_config *c) { return c->rope_factor > 1.0f && c->seq_len > c->original_seq_len; }
+
+int mt_config_is_moe_layer(const mt_config *c, int layer) {
+    return layer >= c->n_dense_layers && c->n_routed_experts > 0;
+}
+
+int mt_config_validate(const mt_config *c, mt_err *err) {
+#define MT__REQ(cond, ...) do { if (!(cond)) return mt_errf(err, "invalid config: " __VA_ARGS__); } while (0)
+    MT__REQ(c->dim >= 1 && c->dim <= 65536, "dim %d must be in 1..65536", c->dim);
+    MT__REQ(c->n_layers >= 1 && c->n_layers <= 1024, "n_layers %d must be in 1..1024", c->n_layers);
+    MT__REQ(c->n_dense_layers >= 0 && c->n_dense_layers <= c->n_layers,
+            "n_dense_layers %d must be in 0..n_layers", c->n_dense_layers);
+    MT__REQ(c->n_heads >= 1 && c->n_heads <= 1024, "n_heads %d must be in 1..1024", c->n_heads);
+    MT__REQ(c->q_lora_rank >= 0 && c->q_lora_rank <= 65536, "q_lora_rank %d out of range", c->q_lora_rank);
+    MT__REQ(c->kv_lora_rank >= 1 && c->kv_lora_rank <= 65536, "kv_lora_rank %d out of range", c->kv_lora_rank);
+    MT__REQ(c->qk_nope_head_dim >= 1 && c->qk_nope_head_dim <= 1024, "qk_nope_head_dim %d out of range", c->qk_nope_head_dim);
+    MT__REQ(c->qk_rope_head_dim >= 2 && c->qk_rope_head_dim <= 1024 && c->qk_rope_head_dim % 2 == 0,
+            "qk_rope_head_dim %d must be even, 2..1024", c->qk_rope_head_dim);
+    MT__REQ(c->v_head_dim >= 1 && c->v_head_dim <= 1024, "v_head_dim %d out of range", c->v_head_dim);
+    MT__REQ(c->n_dense_layers == 0 || (c->inter_dim >= 1 && c->inter_dim <= 1 << 20), "inter_dim %d out of range", c->inter_dim);
+    int has_moe = c->n_dense_layers < c->n_layers;
+    if (has_moe) {
+        MT__REQ(c->n_routed_experts >= 1 && c->n_routed_experts <= 4096, "n_routed_experts %d must be in 1..4096", c->n_routed_experts);
+        MT__REQ(c->top_k >= 1 && c->top_k <= c->n_routed_experts && c->top_k <= 64,
+                "top_k %d must be in 1..min(64, n_routed_experts)", c->top_k);
+        MT__REQ(c->moe_inter_dim >= 1 && c->moe_inter_dim <= 1 << 20, "moe_inter_dim %d out of range", c->moe_inter_dim);
+        MT__REQ(c->n_shared_experts >= 0 && c->n_shared_experts <= 64, "n_shared_experts %d out of range", c->n_shared_experts);
+        MT__REQ(c->n_expert_groups >= 1 && c->n_routed_experts % c->n_expert_groups == 0,
+                "n_expert_groups %d must divide n_routed_experts %d", c->n_expert_groups, c->n_routed_experts);
+        MT__REQ(c->n_limited_groups >= 1 && c->n_limited_groups <= c->n_expert_groups,
+                "n_limited_groups %d must be in 1..n_expert_groups", c->n_limited_groups);
+        MT__REQ(c->n_limited_groups * (c->n_routed_experts / c->n_expert_groups) >= c->top_k,
+                "the %d limited groups hold fewer than top_k=%d experts", c->n_limited_groups, c->top_k);
+    }
+    MT__REQ(c->score_func == MT_SCORE_SOFTMAX || c->score_func == MT_SCORE_SIGMOID, "score_func %d unknown", c->score_func);
+    MT__REQ(c->route_norm == 0 || c->route_norm == 1, "route_norm must be 0 or 1");
+    MT__REQ(isfinite(c->route_scale) && c->route_scale > 0, "route_scale must be > 0");
+    MT__REQ(isfinite(c->rope_theta) && c->rope_theta > 1, "rope_theta must be > 1");
+    MT__REQ(isfinite(c->rope_factor) && c->rope_factor >= 1, "rope_factor must be >= 1");
+    MT__REQ(isfinite(c->beta_fast) && isfinite(c->beta_slow) && c->beta_fast > 0 && c->beta_slow > 0,
+            "beta_fast and beta_slow must be > 0");
+    MT__REQ(c->rope_factor == 1 || c->original_seq_len >= 1, "original_seq_len must be >= 1 with YaRN");
+    MT__REQ(isfinite(c->mscale) && c->mscale >= 0, "mscale must be >= 0");
+    MT__REQ(c->vocab_size >= 2 && c->vocab_size <= (1 << 24), "vocab_size %d must be in 2..2^24", c->vocab_size);
+    MT__REQ(c->seq_len >= 1 && c->seq_len <= (1 << 20), "seq_len %d must be in 1..2^20", c->seq_len);
+    MT__REQ(c->batch >= 1 && c->batch <= (1 << 16), "batch %d must be in 1..65536", c->batch);
+    MT__REQ((int64_t)c->batch * c->seq_len <= (1 << 24), "batch*seq_len must be <= 2^24 tokens");
+    MT__REQ(isfinite(c->norm_eps) && c->norm_eps > 0, "norm_eps must be > 0");
+    MT__REQ(isfinite(c->load_balance_coeff) && c->load_balance_coeff >= 0, "load_balance_coeff must be >= 0");
+#undef MT__REQ
+    return 0;
+}
+
+int mt_config_equal(const mt_config *a, const mt_config *b) {
+    for (int i = 0; i < mt_n_config_fields; i++) {
+        const mt_field *f = &mt_config_fields[i];
+        if (memcmp((const char *)a + f->offset, (const char *)b + f->offset, 4)) return 0;
+    }
+    return 1;
+}
+
+void mt_hparams_default(mt_hparams *h) {
+    h->lr = 3e-3f; h->min_lr_ratio = 0.1f;
+    h->warmup_steps = 20; h->decay_steps = 1000;
+    h->beta1 = 0.9f; h->beta2 = 0.95f; h->eps = 1e-8f;
+    h->weight_decay = 0.1f; h->grad_clip = 1.0f;
+}
+void mt_hparams_pack(const mt_hparams *h, float out[MT_HP_COUNT]) {
+    memset(out, 0, sizeof(float) * MT_HP_COUNT);
+    out[MT_HP_LR] = h->lr; out[MT_HP_MIN_LR_RATIO] = h->min_lr_ratio;
+    out[MT_HP_WARMUP] = (float)h->warmup_steps; out[MT_HP_DECAY] = (float)h->decay_steps;
+    out[MT_HP_BETA1] = h->beta1; out[MT_HP_BETA2] = h->beta2; out[MT_HP_EPS] = h->eps;
+    out[MT_HP_WD] = h->weight_decay; out[MT_HP_CLIP] = h->grad_clip;
+}
+/* Linear warmup from lr/warmup to lr, then cosine decay to lr*min_lr_ratio at
+ * step decay_steps, constant after. */
+double mt_lr_at(const float hp[MT_HP_COUNT], int step) {
+    double lr = hp[MT_HP_LR], warm = hp[MT_HP_WARMUP], decay = hp[MT_HP_DECAY];
+    double lo = lr * hp[MT_HP_MIN_LR_RATIO];
+    if (step < warm) return lr * (step + 1) / warm;
+    if (decay <= warm || step >= decay) return step >= decay ? lo : lr;
+    double t = (step - warm) / (decay - warm);
+    return lo + 0.5 * (lr - lo) * (1.0 + cos(3.141592653589793 * t));
+}
+
+/* ========================================================================
+ * 3. Mesh
+ * ====================================================================== */
+
+const char *const mt_dim_names[MT_NDIMS] = {"dp_replicate", "dp_shard", "tp", "ep", "edp"};
+
+void mt_mesh_single(mt_mesh *m) { for (int d = 0; d < MT_NDIMS; d++) m->size[d] = 1; }
+int mt_mesh_init(mt_mesh *m, int dp_replicate, int dp_shard, int tp, int ep, mt_err *err) {
+    m->size[MT_DIM_DP_REPLICATE] = dp_replicate; m->size[MT_DIM_DP_SHARD] = dp_shard;
+    m->size[MT_DIM_TP] = tp; m->size[MT_DIM_EP] = ep;
+    m->size[MT_DIM_EDP] = (ep >= 1 && (dp_shard * tp) % ep == 0) ? dp_shard * tp / ep : 0;
+    for (int d = 0; d < MT_DIM_EDP; d++)
+        if (m->size[d] < 1 || m->size[d] > 4096)
+            return mt_errf(err, "mesh %s size %d must be in 1..4096", mt_dim_names[d], m->size[d]);
+    if (!m->size[MT_DIM_EDP])
+        return mt_errf(err, "ep=%d must divide dp_shard*tp=%d", ep, dp_shard * tp);
+    return 0;
+}
+int mt_mesh_world(const mt_mesh *m) {
+    return m->size[MT_DIM_DP_REPLICATE] * m->size[MT_DIM_DP_SHARD] * m->size[MT_DIM_TP];
+}
+int mt_mesh_validate(const mt_mesh *m, const mt_config *c, mt_err *err) {
+    mt_mesh chk;
+    if (mt_mesh_init(&chk, m->size[0], m->size[1], m->size[2], m->size[3], err)) return -1;
+    if (chk.size[MT_DIM_EDP] != m->size[MT_DIM_EDP])
+        return mt_errf(err, "mesh edp size %d should be dp_shard*tp/ep = %d", m->size[MT_DIM_EDP],
+                       chk.size[MT_DIM_EDP]);
+    if (c->n_dense_layers < c->n_layers && c->n_routed_experts % m->size[MT_DIM_EP])
+        return mt_errf(err, "ep=%d must divide n_routed_experts=%d", m->size[MT_DIM_EP], c->n_routed_experts);
+    if (m->size[MT_DIM_TP] != 1)
+        return mt_errf(err, "tensor parallelism (tp=%d) is not supported yet; use tp=1", m->size[MT_DIM_TP]);
+    return 0;
+}
+void mt_mesh_coords(const mt_mesh *m, int rank, int coord[MT_NDIMS]) {
+    int tp = m->size[MT_DIM_TP], sh = m->size[MT_DIM_DP_SHARD];
+    coord[MT_DIM_TP] = rank % tp;
+    coord[MT_DIM_DP_SHARD] = (rank / tp) % sh;
+    coord[MT_DIM_DP_REPLICATE] = rank / (tp * sh);
+    int f = coord[MT_DIM_DP_SHARD] * tp + coord[MT_DIM_TP];
+    coord[MT_DIM_EP] = f % m->size[MT_DIM_EP];
+    coord[MT_DIM_EDP] = f / m->size[MT_DIM_EP];
+}
+
+/* ========================================================================
+ * 4. Graph IR
+ * ====================================================================== */
+
+const mt_op_info mt_ops[MT_NOPS] = {
+#define MT_OP_INFO(name, ni, no, d) {#name, ni, no, d},
+    MT_OPS(MT_OP_INFO)
+#undef MT_OP_INFO
+};
+const char *const mt_queue_names[MT_NQUEUES] = {"compute", "dp", "ep"};
+static const char *const mt__dtype_names[MT_NDTYPES] = {"f32", "bf16", "i32"};
+static const char *const mt__role_names[MT_NROLES] = {"param", "grad", "opt", "input", "const",
+                                                     "output", "act", "agrad", "scratch"};
+
+void mt_target_cpu(mt_target *t) {
+    memset(t, 0, sizeof *t);
+    t->backend = MT_BACKEND_CPU;
+    t->real_bytes = (int32_t)sizeof(mt_real);
+    snprintf(t->arch, sizeof t->arch, "cpu");
+}
+void mt_target_cuda(mt_target *t, const char *arch) {
+    memset(t, 0, sizeof *t);
+    t->backend = MT_BACKEND_CUDA;
+    t->real_bytes = 4;
+    snprintf(t->arch, sizeof t->arch, "%s", arch ? arch : "sm_90a");
+}
+
+int64_t mt_dtype_bytes(const mt_graph *g, int dtype) {
+    switch (dtype) {
+    case MT_F32: return g->target.real_bytes;
+    case MT_BF16: return 2;
+    case MT_I32: return 4;
+    }
+    return 0;
+}
+
+/* A dim as an upper bound: literal, or its symbol's max. */
+static int64_t mt__dim_max(const mt_graph *g, int64_t d) {
+    if (d >= 0) return d;
+    int s = (int)(-d - 1);
+    return (s < g->n_syms) ? g->syms[s].max : 0;
+}
+int64_t mt_value_numel_max(const mt_graph *g, const mt_value *v) {
+    int64_t n = 1;
+    for (int i = 0; i < v->ndim; i++) n *= mt__dim_max(g, v->dims[i]);
+    return n;
+}
+int mt_graph_find(const mt_graph *g, const char *name) {
+    for (int i = 0; i < g->n_values; i++)
+        if (!strcmp(g->values[i].name, name)) return i;
+    return -1;
+}
+void mt_graph_free(mt_graph *g) {
+    if (!g) return;
+    MT_FREE(g->values); MT_FREE(g->nodes); MT_FREE(g->syms);
+    MT_FREE(g->consts); MT_FREE(g->tuning);
+    memset(g, 0, sizeof *g);
+}
+
+/* --- shape checks: one per op, used by the builder and the loader --- */
+
+typedef struct { const mt_graph *g; const mt_node *n; mt_err *err; } mt__ck;
+
+static const mt_value *mt__in(const mt__ck *c, int i) {
+    int v = c->n->in[i];
+    return v >= 0 ? &c->g->values[v] : NULL;
+}
+static const mt_value *mt__out(const mt__ck *c, int i) {
+    int v = c->n->out[i];
+    return v >= 0 ? &c->g->values[v] : NULL;
+}
+/* dims of v must equal the list (use MT__ANY to skip one); symbols compare by identity */
+#define MT__ANY INT64_MIN
+static int mt__shape(const mt__ck *c, const mt_value *v, const char *what, int ndim, int64_t d0,
+                     int64_t d1, int64_t d2) {
+    int64_t want[3] = {d0, d1, d2};
+    if (!v) return mt_errf(c->err, "%s: %s is missing", mt_ops[c->n->op].name, what);
+    int ok = v->ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++) ok = want[i] == MT__ANY || v->dims[i] == want[i];
+    if (!ok) {
+        char got[96] = "", exp[96] = "";
+        for (int i = 0; i < v->ndim; i++)
+            snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", i ? "," : "", (long long)v->dims[i]);
+        for (int i = 0; i < ndim; i++) {
+            if (want[i] == MT__ANY) snprintf(exp + strlen(exp), sizeof exp - strlen(exp), "%s?", i ? "," : "");
+            else snprintf(exp + strlen(exp), sizeof exp - strlen(exp), "%s%lld", i ? "," : "", (long long)want[i]);
+        }
+        return mt_errf(c->err, "%s: %s '%s' has shape [%s], expected [%s]", mt_ops[c->n->op].name,
+                       what, v->name, got, exp);
+    }
+    return 0;
+}
+static int mt__is_index(const mt__ck *c, const mt_value *v, const char *what, int want_index) {
+    if (!v) return mt_errf(c->err, "%s: %s is missing", mt_ops[c->n->op].name, what);
+    if ((v->dtype == MT_I32) != want_index)
+        return mt_errf(c->err, "%s: %s '%s' must be %s", mt_ops[c->n->op].name, what, v->name,
+                       want_index ? "i32" : "floating point");
+    return 0;
+}
+static int mt__same_numel(const mt__ck *c, const mt_value *a, const mt_value *b) {
+    if (mt_value_numel_max(c->g, a) != mt_value_numel_max(c->g, b))
+        return mt_errf(c->err, "%s: '%s' and '%s' differ in size", mt_ops[c->n->op].name, a->name, b->name);
+    return 0;
+}
+static int mt__persistent(const mt__ck *c, const mt_value *v) {
+    if (MT_ROLE_IN_ARENA(v->role))
+        return mt_errf(c->err, "%s updates '%s' in place, which must not be an arena value",
+                       mt_ops[c->n->op].name, v->name);
+    return 0;
+}
+static int mt__int_attr(const mt__ck *c, int i, int lo, int hi) {
+    if (c->n->sym_mask & (1u << i)) return 0; /* checked at bind */
+    int v = c->n->iattr[i];
+    if (v < lo || v > hi)
+        return mt_errf(c->err, "%s: attribute %d = %d outside %d..%d", mt_ops[c->n->op].name, i, v, lo, hi);
+    return 0;
+}
+
+/* Which operands are i32 indices (bit i set) and which are floating point.
+ * Returns 1 for ops whose operand may be either (ALLREDUCE). */
+static int mt__index_operands(int op, uint32_t *in, uint32_t *out) {
+    *in = 0; *out = 0;
+    switch (op) {
+    case MT_OP_EMBED: *in = 1u; break;
+    case MT_OP_EMBED_BWD: *in = 2u; break;
+    case MT_OP_ROUTER: *out = 1u | 8u; break;
+    case MT_OP_ROUTER_BWD: *in = 2u; break;
+    case MT_OP_MOE_PERMUTE: *in = 2u; *out = 2u | 4u; break;
+    case MT_OP_MOE_PERMUTE_BWD: *in = 2u; break;
+    case MT_OP_EP_COUNTS: *in = 1u; *out = 1u; break;
+    case MT_OP_EP_DISPATCH: *in = 2u | 4u; *out = 2u; break;
+    case MT_OP_EP_COMBINE: *in = 2u | 4u; break;
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: *in = 4u; break;
+    case MT_OP_MOE_COMBINE: *in = 2u; break;
+    case MT_OP_MOE_COMBINE_BWD: *in = 4u; break;
+    case MT_OP_CROSS_ENTROPY: *in = 2u; break;
+    case MT_OP_CROSS_ENTROPY_BWD: *in = 4u; break;
+    case MT_OP_LR_SCHEDULE: *in = 2u; break;
+    case MT_OP_ADAMW: *in = 128u; break;
+    case MT_OP_EXPERT_BIAS_UPDATE: *in = 2u; break;
+    case MT_OP_ALLREDUCE: return 1;
+    }
+    return 0;
+}
+
+#define MT__T(x) do { if (x) return -1; } while (0)
+int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
+    if (n->op < 0 || n->op >= MT_NOPS) return mt_errf(err, "unknown op %d", n->op);
+    const mt_op_info *oi = &mt_ops[n->op];
+    if (n->n_in != oi->n_in || n->n_out != oi->n_out)
+        return mt_errf(err, "%s has %d inputs/%d outputs, expected %d/%d", oi->name, n->n_in, n->n_out,
+                       oi->n_in, oi->n_out);
+    if (n->queue < 0 || n->queue >= MT_NQUEUES) return mt_errf(err, "%s: bad queue %d", oi->name, n->queue);
+    if (n->phase < 0 || n->phase > MT_PHASE_OPTIMIZER) return mt_errf(err, "%s: bad phase %d", oi->name, n->phase);
+    for (int i = 0; i < MT_MAX_IN; i++)
+        if (n->in[i] < -1 || n->in[i] >= g->n_values || (i >= n->n_in && n->in[i] != -1))
+            return mt_errf(err, "%s: input %d refers to value %d of %d", oi->name, i, n->in[i], g->n_values);
+    for (int i = 0; i < MT_MAX_OUT; i++)
+        if (n->out[i] < -1 || n->out[i] >= g->n_values || (i >= n->n_out && n->out[i] != -1))
+            return mt_errf(err, "%s: output %d refers to value %d of %d", oi->name, i, n->out[i], g->n_values);
+    for (int i = 0; i < MT_MAX_ATTR; i++)
+        if ((n->sym_mask & (1u << i)) && (n->iattr[i] < 0 || n->iattr[i] >= g->n_syms))
+            return mt_errf(err, "%s: attribute %d names symbol %d of %d", oi->name, i, n->iattr[i], g->n_syms);
+    if (n->sym_mask >> MT_MAX_ATTR) return mt_errf(err, "%s: bad symbol mask", oi->name);
+    for (int i = 0; i < 4; i++)
+        if (!isfinite(n->fattr[i])) return mt_errf(err, "%s: attribute f%d is not finite", oi->name, i);
+    mt__ck c = {g, n, err};
+    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
+    /* required inputs/outputs (optional ones handled per op below) */
+    for (int i = 0; i < n->n_in; i++) {
+        int optional = (n->op == MT_OP_SUMSQ && i == 1) || (n->op == MT_OP_CONCAT);
+        if (n->in[i] < 0 && !optional) return mt_errf(err, "%s: input %d missing", oi->name, i);
+    }
+    for (int i = 0; i < n->n_out; i++) {
+        int optional = (n->op == MT_OP_ADAMW && i == 3);
+        if (n->out[i] < 0 && !optional) return mt_errf(err, "%s: output %d missing", oi->name, i);
+    }
+    switch (n->op) {
+    case MT_OP_EMBED:
+        MT__T(mt__is_index(&c, a, "tokens", 1));
+        MT__T(mt__shape(&c, a, "tokens", 1, MT__ANY, 0, 0));
+        MT__T(mt__shape(&c, b, "wte", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, o, "x", 2, a->dims[0], b->dims[1], 0));
+        break;
+    case MT_OP_EMBED_BWD:
+        MT__T(mt__is_index(&c, b, "tokens", 1));
+        MT__T(mt__shape(&c, a, "dx", 2, b->dims[0], MT__ANY, 0));
+        MT__T(mt__shape(&c, o, "dwte", 2, MT__ANY, a->dims[1], 0));
+        break;
+    case MT_OP_RMSNORM:
+        MT__T(mt__shape(&c, a, "x", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, b, "w", 1, a->dims[1], 0, 0));
+        MT__T(mt__shape(&c, o, "y", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "rstd", 1, a->dims[0], 0, 0));
+        if (!(n->fattr[0] > 0)) return mt_errf(err, "RMSNORM: eps must be > 0");
+        break;
+    case MT_OP_RMSNORM_BWD:
+        MT__T(mt__shape(&c, b, "x", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, a, "dy", 2, b->dims[0], b->dims[1], 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "w", 1, b->dims[1], 0, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 3), "rstd", 1, b->dims[0], 0, 0));
+        MT__T(mt__shape(&c, o, "dx", 2, b->dims[0], b->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "dw", 1, b->dims[1], 0, 0));
+        break;
+    case MT_OP_MATMUL: {
+        MT__T(mt__int_attr(&c, 0, 0, 1)); MT__T(mt__int_attr(&c, 1, 0, 1));
+        MT__T(mt__shape(&c, a, "A", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, b, "B", 2, MT__ANY, MT__ANY, 0));
+        int64_t M = a->dims[n->iattr[0] ? 1 : 0], K = a->dims[n->iattr[0] ? 0 : 1];
+        int64_t Kb = b->dims[n->iattr[1] ? 1 : 0], Nn = b->dims[n->iattr[1] ? 0 : 1];
+        if (K != Kb) return mt_errf(err, "MATMUL: inner sizes of '%s' and '%s' differ", a->name, b->name);
+        MT__T(mt__shape(&c, o, "C", 2, M, Nn, 0));
+        break;
+    }
+    case MT_OP_SPLIT: {
+        const mt_value *o1 = mt__out(&c, 1);
+        MT__T(mt__shape(&c, a, "x", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, o, "x1", 2, a->dims[0], MT__ANY, 0));
+        MT__T(mt__shape(&c, o1, "x2", 2, a->dims[0], a->dims[1] - o->dims[1], 0));
+        break;
+    }
+    case MT_OP_CONCAT: {
+        MT__T(mt__shape(&c, o, "x", 2, MT__ANY, MT__ANY, 0));
+        int64_t wa = n->iattr[0];
+        if (wa < 0 || wa > o->dims[1]) return mt_errf(err, "CONCAT: split point %lld outside 0..%lld", (long long)wa, (long long)o->dims[1]);
+        if (a) MT__T(mt__shape(&c, a, "x1", 2, o->dims[0], wa, 0));
+        if (b) MT__T(mt__shape(&c, b, "x2", 2, o->dims[0], o->dims[1] - wa, 0));
+        break;
+    }
+    case MT_OP_MLA_ROPE: case MT_OP_MLA_ROPE_BWD: {
+        MT__T(mt__int_attr(&c, 0, 1, 1024)); MT__T(mt__int_attr(&c, 1, 1, 1024));
+        MT__T(mt__int_attr(&c, 2, 2, 1024)); MT__T(mt__int_attr(&c, 3, 1, 1024));
+        MT__T(mt__int_attr(&c, 4, 1, 1 << 20));
+        int64_t H = n->iattr[0], dn = n->iattr[1], dr = n->iattr[2], dv = n->iattr[3], T = n->iattr[4];
+        if (dr % 2) return mt_errf(err, "%s: rope width %lld is odd", oi->name, (long long)dr);
+        int fwd = n->op == MT_OP_MLA_ROPE;
+        const mt_value *q = fwd ? a : o, *kv = fwd ? b : mt__out(&c, 1), *kpe = fwd ? mt__in(&c, 2) : mt__out(&c, 2);
+        const mt_value *Q = fwd ? o : a, *K = fwd ? mt__out(&c, 1) : b, *V = fwd ? mt__out(&c, 2) : mt__in(&c, 2);
+        MT__T(mt__shape(&c, q, "q", 2, MT__ANY, H * (dn + dr), 0));
+        int64_t N = q->dims[0];
+        if (N % T) return mt_errf(err, "%s: %lld tokens is not a multiple of seq_len %lld", oi->name, (long long)N, (long long)T);
+        MT__T(mt__shape(&c, kv, "kv", 2, N, H * (dn + dv), 0));
+        MT__T(mt__shape(&c, kpe, "kpe", 2, N, dr, 0));
+        MT__T(mt__shape(&c, Q, "Q", 2, N, H * (dn + dr), 0));
+        MT__T(mt__shape(&c, K, "K", 2, N, H * (dn + dr), 0));
+        MT__T(mt__shape(&c, V, "V", 2, N, H * dv, 0));
+        MT__T(mt__shape(&c, mt__in(&c, fwd ? 3 : 3), "cos", 2, T, dr / 2, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 4), "sin", 2, T, dr / 2, 0));
+        break;
+    }
+    case MT_OP_ATTENTION: case MT_OP_ATTENTION_BWD: {
+        MT__T(mt__int_attr(&c, 0, 1, 1024)); MT__T(mt__int_attr(&c, 1, 1, 2048));
+        MT__T(mt__int_attr(&c, 2, 1, 2048)); MT__T(mt__int_attr(&c, 3, 1, 1 << 20));
+        int64_t H = n->iattr[0], dq = n->iattr[1], dv = n->iattr[2], T = n->iattr[3];
+        MT__T(mt__shape(&c, a, "Q", 2, MT__ANY, H * dq, 0));
+        int64_t N = a->dims[0];
+        if (N % T) return mt_errf(err, "%s: %lld tokens is not a multiple of seq_len %lld", oi->name, (long long)N, (long long)T);
+        MT__T(mt__shape(&c, b, "K", 2, N, H * dq, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "V", 2, N, H * dv, 0));
+        if (n->op == MT_OP_ATTENTION) {
+            MT__T(mt__shape(&c, o, "O", 2, N, H * dv, 0));
+            MT__T(mt__shape(&c, mt__out(&c, 1), "lse", 2, N, H, 0));
+        } else {
+            MT__T(mt__shape(&c, mt__in(&c, 3), "O", 2, N, H * dv, 0));
+            MT__T(mt__shape(&c, mt__in(&c, 4), "lse", 2, N, H, 0));
+            MT__T(mt__shape(&c, mt__in(&c, 5), "dO", 2, N, H * dv, 0));
+            MT__T(mt__shape(&c, o, "dQ", 2, N, H * dq, 0));
+            MT__T(mt__shape(&c, mt__out(&c, 1), "dK", 2, N, H * dq, 0));
+            MT__T(mt__shape(&c, mt__out(&c, 2), "dV", 2, N, H * dv, 0));
+        }
+        if (!(n->fattr[0] > 0)) return mt_errf(err, "%s: scale must be > 0", oi->name);
+        break;
+    }
+    case MT_OP_SWIGLU: case MT_OP_ADD:
+        MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, b, "b", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, o, "out", 2, a->dims[0], a->dims[1], 0));
+        break;
+    case MT_OP_SWIGLU_BWD:
+        MT__T(mt__shape(&c, a, "g", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, b, "u", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "dh", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, o, "dg", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "du", 2, a->dims[0], a->dims[1], 0));
+        break;
+    case MT_OP_ROUTER: case MT_OP_ROUTER_BWD: {
+        MT__T(mt__int_attr(&c, 0, 1, 64)); MT__T(mt__int_attr(&c, 1, 0, 1)); MT__T(mt__int_attr(&c, 2, 0, 1));
+        MT__T(mt__int_attr(&c, 3, 1, 4096)); MT__T(mt__int_attr(&c, 4, 1, 4096));
+        int64_t K = n->iattr[0];
+        const mt_value *lg = n->op == MT_OP_ROUTER ? a : o;
+        MT__T(mt__shape(&c, lg, "logits", 2, MT__ANY, MT__ANY, 0));
+        int64_t N = lg->dims[0], E = lg->dims[1];
+        if (K > E || E % n->iattr[3] || n->iattr[4] > n->iattr[3])
+            return mt_errf(err, "ROUTER: top_k/groups inconsistent with %lld experts", (long long)E);
+        if (n->op == MT_OP_ROUTER) {
+            MT__T(mt__shape(&c, b, "bias", 1, E, 0, 0));
+            MT__T(mt__is_index(&c, o, "idx", 1)); MT__T(mt__shape(&c, o, "idx", 2, N, K, 0));
+            MT__T(mt__shape(&c, mt__out(&c, 1), "w", 2, N, K, 0));
+            MT__T(mt__shape(&c, mt__out(&c, 2), "scores", 2, N, E, 0));
+            MT__T(mt__is_index(&c, mt__out(&c, 3), "counts", 1));
+            MT__T(mt__shape(&c, mt__out(&c, 3), "counts", 1, E, 0, 0));
+        } else {
+            MT__T(mt__shape(&c, a, "scores", 2, N, E, 0));
+            MT__T(mt__is_index(&c, b, "idx", 1)); MT__T(mt__shape(&c, b, "idx", 2, N, K, 0));
+            MT__T(mt__shape(&c, mt__in(&c, 2), "w", 2, N, K, 0));
+            MT__T(mt__shape(&c, mt__in(&c, 3), "dw", 2, N, K, 0));
+        }
+        break;
+    }
+    case MT_OP_MOE_PERMUTE: {
+        MT__T(mt__int_attr(&c, 0, 1, 4096));
+        MT__T(mt__shape(&c, a, "x", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__is_index(&c, b, "idx", 1)); MT__T(mt__shape(&c, b, "idx", 2, a->dims[0], MT__ANY, 0));
+        int64_t NK = a->dims[0] * b->dims[1];
+        MT__T(mt__shape(&c, o, "xs", 2, NK, a->dims[1], 0));
+        MT__T(mt__is_index(&c, mt__out(&c, 1), "slot", 1)); MT__T(mt__shape(&c, mt__out(&c, 1), "slot", 1, NK, 0, 0));
+        MT__T(mt__is_index(&c, mt__out(&c, 2), "offs", 1)); MT__T(mt__shape(&c, mt__out(&c, 2), "offs", 1, n->iattr[0] + 1, 0, 0));
+        break;
+    }
+    case MT_OP_MOE_PERMUTE_BWD:
+        MT__T(mt__int_attr(&c, 0, 1, 64));
+        MT__T(mt__shape(&c, a, "dxs", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__is_index(&c, b, "slot", 1)); MT__T(mt__shape(&c, b, "slot", 1, a->dims[0], 0, 0));
+        if (a->dims[0] % n->iattr[0]) return mt_errf(err, "MOE_PERMUTE_BWD: rows not a multiple of top_k");
+        MT__T(mt__shape(&c, o, "dx", 2, a->dims[0] / n->iattr[0], a->dims[1], 0));
+        break;
+    case MT_OP_EP_COUNTS: /* i0 mesh mask, i1 group, i2 ep size, i3 E_local, i4 ep coord (symbol) */
+        MT__T(mt__int_attr(&c, 2, 1, 4096)); MT__T(mt__int_attr(&c, 3, 1, 4096));
+        MT__T(mt__is_index(&c, a, "offs", 1));
+        MT__T(mt__shape(&c, a, "offs", 1, (int64_t)n->iattr[2] * n->iattr[3] + 1, 0, 0));
+        MT__T(mt__is_index(&c, o, "recv", 1));
+        MT__T(mt__shape(&c, o, "recv", 2, n->iattr[2], n->iattr[3], 0));
+        break;
+    case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE: {
+        MT__T(mt__int_attr(&c, 2, 1, 4096)); MT__T(mt__int_attr(&c, 3, 1, 4096));
+        int64_t ep = n->iattr[2], El = n->iattr[3];
+        const mt_value *src = a, *dst = o;
+        MT__T(mt__shape(&c, src, "x", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, dst, "y", 2, MT__ANY, src->dims[1], 0));
+        MT__T(mt__is_index(&c, b, "offs", 1)); MT__T(mt__shape(&c, b, "offs", 1, ep * El + 1, 0, 0));
+        MT__T(mt__is_index(&c, mt__in(&c, 2), "recv", 1)); MT__T(mt__shape(&c, mt__in(&c, 2), "recv", 2, ep, El, 0));
+        if (n->op == MT_OP_EP_DISPATCH) {
+            MT__T(mt__is_index(&c, mt__out(&c, 1), "roffs", 1));
+            MT__T(mt__shape(&c, mt__out(&c, 1), "roffs", 1, El + 1, 0, 0));
+        }
+        break;
+    }
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: {
+        const mt_value *W = n->op == MT_OP_GMM_DW ? o : b, *offs = mt__in(&c, 2);
+        MT__T(mt__shape(&c, W, "W", 3, MT__ANY, MT__ANY, MT__ANY));
+        int64_t E = W->dims[0], M = W->dims[1], K = W->dims[2];
+        MT__T(mt__is_index(&c, offs, "offs", 1)); MT__T(mt__shape(&c, offs, "offs", 1, E + 1, 0, 0));
+        if (n->op == MT_OP_GMM) {
+            MT__T(mt__shape(&c, a, "X", 2, MT__ANY, K, 0));
+            MT__T(mt__shape(&c, o, "Y", 2, a->dims[0], M, 0));
+        } else if (n->op == MT_OP_GMM_DX) {
+            MT__T(mt__shape(&c, a, "dY", 2, MT__ANY, M, 0));
+            MT__T(mt__shape(&c, o, "dX", 2, a->dims[0], K, 0));
+        } else {
+            MT__T(mt__shape(&c, a, "dY", 2, MT__ANY, M, 0));
+            MT__T(mt__shape(&c, b, "X", 2, a->dims[0], K, 0));
+        }
+        break;
+    }
+    case MT_OP_MOE_COMBINE:
+        MT__T(mt__is_index(&c, b, "slot", 1)); MT__T(mt__shape(&c, b, "slot", 1, MT__ANY, 0, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "w", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, a, "ys", 2, b->dims[0], MT__ANY, 0));
+        if (mt__in(&c, 2)->dims[0] * mt__in(&c, 2)->dims[1] != b->dims[0])
+            return mt_errf(err, "MOE_COMBINE: weights and slots disagree");
+        MT__T(mt__shape(&c, o, "y", 2, mt__in(&c, 2)->dims[0], a->dims[1], 0));
+        break;
+    case MT_OP_MOE_COMBINE_BWD: {
+        const mt_value *ys = b, *slot = mt__in(&c, 2), *w = mt__in(&c, 3);
+        MT__T(mt__is_index(&c, slot, "slot", 1)); MT__T(mt__shape(&c, slot, "slot", 1, MT__ANY, 0, 0));
+        MT__T(mt__shape(&c, w, "w", 2, MT__ANY, MT__ANY, 0));
+        if (w->dims[0] * w->dims[1] != slot->dims[0]) return mt_errf(err, "MOE_COMBINE_BWD: weights and slots disagree");
+        MT__T(mt__shape(&c, ys, "ys", 2, slot->dims[0], MT__ANY, 0));
+        MT__T(mt__shape(&c, a, "dy", 2, w->dims[0], ys->dims[1], 0));
+        MT__T(mt__shape(&c, o, "dys", 2, slot->dims[0], ys->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "dw", 2, w->dims[0], w->dims[1], 0));
+        break;
+    }
+    case MT_OP_CROSS_ENTROPY: case MT_OP_CROSS_ENTROPY_BWD: {
+        MT__T(mt__shape(&c, a, "logits", 2, MT__ANY, MT__ANY, 0));
+        const mt_value *tg = n->op == MT_OP_CROSS_ENTROPY ? b : mt__in(&c, 2);
+        MT__T(mt__is_index(&c, tg, "targets", 1)); MT__T(mt__shape(&c, tg, "targets", 1, a->dims[0], 0, 0));
+        if (n->op == MT_OP_CROSS_ENTROPY) {
+            MT__T(mt__shape(&c, o, "loss", 1, 1, 0, 0));
+            MT__T(mt__shape(&c, mt__out(&c, 1), "lse", 1, a->dims[0], 0, 0));
+        } else {
+            MT__T(mt__shape(&c, b, "lse", 1, a->dims[0], 0, 0));
+            MT__T(mt__shape(&c, o, "dlogits", 2, a->dims[0], a->dims[1], 0));
+        }
+        break;
+    }
+    case MT_OP_SUMSQ:
+        MT__T(mt__is_index(&c, a, "g", 0));
+        if (b) MT__T(mt__shape(&c, b, "acc_in", 1, 1, 0, 0));
+        MT__T(mt__shape(&c, o, "acc_out", 1, 1, 0, 0));
+        break;
+    case MT_OP_ALLREDUCE:
+        MT__T(mt__int_attr(&c, 0, 0, (1 << MT_NDIMS) - 1)); MT__T(mt__int_attr(&c, 1, 0, 7));
+        MT__T(mt__int_attr(&c, 2, 0, 1));
+        if (n->in[0] != n->out[0]) return mt_errf(err, "ALLREDUCE must be in place");
+        MT__T(mt__persistent(&c, a));
+        break;
+    case MT_OP_LR_SCHEDULE:
+        MT__T(mt__shape(&c, a, "hparams", 1, MT_HP_COUNT, 0, 0));
+        MT__T(mt__is_index(&c, b, "step", 1)); MT__T(mt__shape(&c, b, "step", 1, 1, 0, 0));
+        MT__T(mt__shape(&c, o, "lr", 1, 1, 0, 0));
+        break;
+    case MT_OP_CLIP:
+        MT__T(mt__shape(&c, a, "sumsq", 1, 1, 0, 0));
+        MT__T(mt__shape(&c, b, "hparams", 1, MT_HP_COUNT, 0, 0));
+        MT__T(mt__shape(&c, o, "coef", 1, 1, 0, 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "norm", 1, 1, 0, 0));
+        break;
+    case MT_OP_ADAMW: {
+        MT__T(mt__int_attr(&c, 0, 0, 1));
+        const mt_value *p = a, *gr = b, *m = mt__in(&c, 2), *v = mt__in(&c, 3);
+        if (p->dtype != MT_F32 || gr->dtype != MT_F32 || m->dtype != MT_F32 || v->dtype != MT_F32)
+            return mt_errf(err, "ADAMW: param, grad and moments of '%s' must be f32", p->name);
+        MT__T(mt__same_numel(&c, p, gr)); MT__T(mt__same_numel(&c, p, m)); MT__T(mt__same_numel(&c, p, v));
+        MT__T(mt__shape(&c, mt__in(&c, 4), "lr", 1, 1, 0, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 5), "coef", 1, 1, 0, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 6), "hparams", 1, MT_HP_COUNT, 0, 0));
+        MT__T(mt__is_index(&c, mt__in(&c, 7), "step", 1));
+        if (n->out[0] != n->in[0] || n->out[1] != n->in[2] || n->out[2] != n->in[3])
+            return mt_errf(err, "ADAMW must update param and moments in place");
+        MT__T(mt__persistent(&c, p)); MT__T(mt__persistent(&c, m)); MT__T(mt__persistent(&c, v));
+        if (n->out[3] >= 0) { MT__T(mt__same_numel(&c, p, mt__out(&c, 3))); MT__T(mt__persistent(&c, mt__out(&c, 3))); }
+        break;
+    }
+    case MT_OP_EXPERT_BIAS_UPDATE:
+        MT__T(mt__shape(&c, a, "bias", 1, MT__ANY, 0, 0));
+        MT__T(mt__is_index(&c, b, "counts", 1)); MT__T(mt__shape(&c, b, "counts", 1, a->dims[0], 0, 0));
+        if (n->out[0] != n->in[0]) return mt_errf(err, "EXPERT_BIAS_UPDATE must be in place");
+        MT__T(mt__persistent(&c, a));
+        break;
+    }
+    /* every operand is an index (i32) or floating point, as the op says */
+    uint32_t in_idx, out_idx;
+    if (mt__index_operands(n->op, &in_idx, &out_idx) == 0) {
+        for (int i = 0; i < n->n_in; i++) {
+            const mt_value *v = mt__in(&c, i);
+            if (v) MT__T(mt__is_index(&c, v, "input", (int)((in_idx >> i) & 1)));
+        }
+        for (int i = 0; i < n->n_out; i++) {
+            const mt_value *v = mt__out(&c, i);
+            if (v) MT__T(mt__is_index(&c, v, "output", (int)((out_idx >> i) & 1)));
+        }
+    }
+    return 0;
+}
+#undef MT__T
+
+/* ========================================================================
+ * 5. Builder
+ * The model code below reads like a forward pass, but each call appends a
+ * node to the graph instead of computing. The backward is then derived by
+ * walking the forward nodes in reverse and applying each op's rule.
+ * ====================================================================== */
+
+typedef struct {
+    int32_t grad;            /* id of dLoss/dvalue, or -1 */
+    int32_t master;          /* for a compute shadow: its f32 master; else -1 */
+    int32_t req;             /* depends on a trainable param */
+} mt__vinfo;
+typedef struct {
+    mt_graph *g;
+    mt_err *err;
+    int failed;
+    int phase, layer;
+    int act;                 /* activation dtype: MT_F32 (CPU) or MT_BF16 (CUDA) */
+    mt__vinfo *vi;           /* per value */
+    int cap;
+    int32_t *params; int n_params, cap_params;   /* trainable masters, creation order */
+    int32_t *counts; int32_t *biases; int n_moe; /* per MoE layer */
+    uint64_t *names; int names_cap, n_names;     /* hash set of value names */
+    int cos, sin;            /* RoPE tables */
+    int sym_coord[MT_NDIMS], sym_recv;
+} mt__builder;
+
+static int mt__grow(void **p, int *cap, int need, size_t elem) {
+    if (need <= *cap) return 0;
+    int nc = *cap ? *cap : 64;
+    while (nc < need) nc *= 2;
+    void *q = MT_REALLOC(*p, (size_t)nc * elem);
+    if (!q) return -1;
+    memset((char *)q + (size_t)*cap * elem, 0, (size_t)(nc - *cap) * elem);
+    *p = q; *cap = nc;
+    return 0;
+}
+
+static int mt__fail(mt__builder *b, const char *fmt, const char *a) {
+    if (!b->failed) { mt_errf(b->err, fmt, a); b->failed = 1; }
+    return -1;
+}
+
+/* name set: returns 1 if newly inserted */
+static int mt__name_insert(mt__builder *b, const char *name) {
+    if (b->n_names * 2 + 2 > b->names_cap) {
+        int nc = b->names_cap ? b->names_cap * 2 : 1024;
+        uint64_t *t = (uint64_t *)mt__calloc(sizeof(uint64_t) * (size_t)nc);
+        if (!t) return -1;
+        for (int i = 0; i < b->names_cap; i++)
+            if (b->names[i]) {
+                int j = (int)(b->names[i] % (uint64_t)nc);
+                while (t[j]) j = (j + 1) % nc;
+                t[j] = b->names[i];
+            }
+        MT_FREE(b->names); b->names = t; b->names_cap = nc;
+    }
+    uint64_t h = mt_hash(name, strlen(name), MT_HASH_INIT) | 1;
+    int j = (int)(h % (uint64_t)b->names_cap);
+    while (b->names[j]) { if (b->names[j] == h) return 0; j = (j + 1) % b->names_cap; }
+    b->names[j] = h; b->n_names++;
+    return 1;
+}
+
+/* Create a value. Names are made unique by appending '#2', '#3', ... */
+static int mt__value(mt__builder *b, const char *name, int dtype, int role, int ndim, int64_t d0,
+                     int64_t d1, int64_t d2) {
+    if (b->failed) return -1;
+    mt_graph *g = b->g;
+    if (mt__grow((void **)&g->values, &g->cap_values, g->n_values + 1, sizeof(mt_value)) ||
+        mt__grow((void **)&b->vi, &b->cap, g->n_values + 1, sizeof(mt__vinfo)))
+        return mt__fail(b, "%sout of memory", "");
+    int id = g->n_values++;
+    mt_value *v = &g->values[id];
+    memset(v, 0, sizeof *v);
+    char nm[MT_NAME_LEN];
+    snprintf(nm, sizeof nm, "%s", name);
+    for (int k = 2; mt__name_insert(b, nm) == 0; k++) snprintf(nm, sizeof nm, "%.*s#%d", MT_NAME_LEN - 8, name, k);
+    memcpy(v->name, nm, sizeof nm);
+    v->dtype = dtype; v->role = role; v->ndim = ndim;
+    v->dims[0] = d0; v->dims[1] = d1; v->dims[2] = d2;
+    v->param = -1; v->offset = -1; v->data_offset = -1;
+    v->nbytes = mt_value_numel_max(g, v) * mt_dtype_bytes(g, dtype);
+    b->vi[id].grad = -1; b->vi[id].req = 0; b->vi[id].master = -1;
+    return id;
+}
+
+/* An activation named "L<layer>.<suffix>" (or "<suffix>" outside blocks). */
+static int mt__act(mt__builder *b, const char *suffix, int dtype, int ndim, int64_t d0, int64_t d1,
+                   int64_t d2) {
+    char nm[MT_NAME_LEN];
+    if (b->layer >= 0) snprintf(nm, sizeof nm, "L%d.%s", b->layer, suffix);
+    else snprintf(nm, sizeof nm, "%s", suffix);
+    int role = b->phase == MT_PHASE_FORWARD ? MT_ROLE_ACT : MT_ROLE_AGRAD;
+    return mt__value(b, nm, dtype, role, ndim, d0, d1, d2);
+}
+
+static mt_node mt__node(mt__builder *b, int op) {
+    mt_node n;
+    memset(&n, 0, sizeof n);
+    n.op = op; n.queue = MT_Q_COMPUTE; n.phase = b->phase; n.layer = b->layer;
+    n.n_in = mt_ops[op].n_in; n.n_out = mt_ops[op].n_out;
+    for (int i = 0; i < MT_MAX_IN; i++) n.in[i] = -1;
+    for (int i = 0; i < MT_MAX_OUT; i++) n.out[i] = -1;
+    return n;
+}
+
+static void mt__push(mt__builder *b, mt_node *n) {
+    if (b->failed) return;
+    mt_graph *g = b->g;
+    mt_err e;
+    if (mt_check_node(g, n, &e)) { mt__fail(b, "internal error building the graph: %s", e.msg); return; }
+    if (mt__grow((void **)&g->nodes, &g->cap_nodes, g->n_nodes + 1, sizeof(mt_node))) { mt__fail(b, "%sout of memory", ""); return; }
+    g->nodes[g->n_nodes++] = *n;
+    if (n->phase == MT_PHASE_FORWARD && mt_ops[n->op].differentiable) {
+        int r = 0;
+        for (int i = 0; i < n->n_in; i++) if (n->in[i] >= 0 && b->vi[n->in[i]].req) r = 1;
+        for (int i = 0; i < n->n_out; i++) if (n->out[i] >= 0) b->vi[n->out[i]].req = r;
+    }
+}
+
+/* --- parameters --- */
+
+/* A parameter (f32 master). Returns the id the forward computes with: the
+ * master itself, or on a bf16 target a bf16 shadow that AdamW refreshes. */
+static int mt__param(mt__builder *b, const char *name, int init, float std, uint32_t flags,
+                     int compute_dtype, int ndim, int64_t d0, int64_t d1, int64_t d2) {
+    int p = mt__value(b, name, MT_F32, MT_ROLE_PARAM, ndim, d0, d1, d2);
+    if (p < 0) return -1;
+    mt_value *v = &b->g->values[p];
+    v->init = init; v->init_std = std; v->flags = flags;
+    if (!(flags & MT_VF_TRAINABLE)) return p;
+    b->vi[p].req = 1;
+    if (mt__grow((void **)&b->params, &b->cap_params, b->n_params + 1, sizeof(int32_t))) return mt__fail(b, "%sout of memory", "");
+    b->params[b->n_params++] = p;
+    if (compute_dtype == MT_F32) return p;
+    char nm[MT_NAME_LEN];
+    snprintf(nm, sizeof nm, "%.*s@bf16", MT_NAME_LEN - 8, name);
+    int s = mt__value(b, nm, compute_dtype, MT_ROLE_PARAM, ndim, d0, d1, d2);
+    if (s < 0) return -1;
+    b->g->values[s].param = p;
+    b->g->values[s].flags = flags & MT_VF_EXPERTS;
+    b->vi[s].req = 1; b->vi[s].master = p;
+    return s;
+}
+static int mt__weight(mt__builder *b, const char *name, float std, int64_t rows, int64_t cols) {
+    return mt__param(b, name, MT_INIT_NORMAL, std, MT_VF_TRAINABLE | MT_VF_DECAY, b->act, 2, rows, cols, 0);
+}
+static int mt__norm_weight(mt__builder *b, const char *name, int64_t n) {
+    return mt__param(b, name, MT_INIT_ONE, 0, MT_VF_TRAINABLE, MT_F32, 1, n, 0, 0);
+}
+
+/* --- the forward vocabulary: one function per op --- */
+
+static int mt__linear(mt__builder *b, int x, int W, const char *name) {  /* [N,in] x [out,in]^T */
+    if (b->failed) return -1;
+    const mt_value *xv = &b->g->values[x], *wv = &b->g->values[W];
+    int dt = wv->dtype == MT_F32 && b->act != MT_F32 ? MT_F32 : b->act;
+    int y = mt__act(b, name, dt, 2, xv->dims[0], wv->dims[0], 0);
+    mt_node n = mt__node(b, MT_OP_MATMUL);
+    n.in[0] = x; n.in[1] = W; n.out[0] = y; n.iattr[0] = 0; n.iattr[1] = 1;
+    mt__push(b, &n);
+    return y;
+}
+static int mt__rmsnorm_eps(mt__builder *b, int x, int w, const char *name, float eps) {
+    if (b->failed) return -1;
+    const mt_value *xv = &b->g->values[x];
+    char nm[MT_NAME_LEN];
+    int y = mt__act(b, name, b->act, 2, xv->dims[0], xv->dims[1], 0);
+    snprintf(nm, sizeof nm, "%s.rstd", name);
+    int r = mt__act(b, nm, MT_F32, 1, b->g->values[x].dims[0], 0, 0);
+    mt_node n = mt__node(b, MT_OP_RMSNORM);
+    n.in[0] = x; n.in[1] = w; n.out[0] = y; n.out[1] = r; n.fattr[0] = eps;
+    mt__push(b, &n);
+    return y;
+}
+static int mt__rmsnorm(mt__builder *b, int x, int w, const char *name) {
+    return mt__rmsnorm_eps(b, x, w, name, b->g->cfg.norm_eps);
+}
+/* The latent norms (q_a, kv_a) use eps 1e-6 whatever norm_eps is, as in
+ * DeepSeek-V3's reference code and transformers. */
+#define MT_LATENT_NORM_EPS 1e-6f
+static int mt__binary(mt__builder *b, int op, int x, int y, const char *name) { /* ADD, SWIGLU */
+    if (b->failed) return -1;
+    const mt_value *xv = &b->g->values[x];
+    int o = mt__act(b, name, xv->dtype, 2, xv->dims[0], xv->dims[1], 0);
+    mt_node n = mt__node(b, op);
+    n.in[0] = x; n.in[1] = y; n.out[0] = o;
+    mt__push(b, &n);
+    return o;
+}
+
+/* SwiGLU FFN: down(silu(gate(x)) * up(x)). prefix = "model.layers.L.mlp." */
+static int mt__ffn(mt__builder *b, int x, const char *prefix, int hidden, const char *tag) {
+    const mt_config *c = &b->g->cfg;
+    char nm[MT_NAME_LEN], an[64];
+    float std = 0.02f, out_std = 0.02f / sqrtf(2.0f * (float)(b->layer + 1));
+    snprintf(nm, sizeof nm, "%sgate_proj.weight", prefix);
+    int wg = mt__weight(b, nm, std, hidden, c->dim);
+    snprintf(nm, sizeof nm, "%sup_proj.weight", prefix);
+    int wu = mt__weight(b, nm, std, hidden, c->dim);
+    snprintf(nm, sizeof nm, "%sdown_proj.weight", prefix);
+    int wd = mt__weight(b, nm, out_std, c->dim, hidden);
+    snprintf(an, sizeof an, "%s.gate", tag); int g = mt__linear(b, x, wg, an);
+    snprintf(an, sizeof an, "%s.up", tag); int u = mt__linear(b, x, wu, an);
+    snprintf(an, sizeof an, "%s.h", tag); int h = mt__binary(b, MT_OP_SWIGLU, g, u, an);
+    snprintf(an, sizeof an, "%s.out", tag);
+    return mt__linear(b, h, wd, an);
+}
+
+/* Multi-head latent attention. x: normed input [N,D] -> [N,D]. */
+static int mt__mla(mt__builder *b, int x) {
+    const mt_config *c = &b->g->cfg;
+    int64_t N = (int64_t)c->batch * c->seq_len, D = c->dim, H = c->n_heads;
+    int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim, dq = dn + dr;
+    int64_t kvl = c->kv_lora_rank;
+    char p[MT_NAME_LEN], nm[MT_NAME_LEN];
+    snprintf(p, sizeof p, "model.layers.%d.self_attn.", b->layer);
+#define MT__PN(s) (snprintf(nm, sizeof nm, "%s" s, p), nm)
+    int q;
+    if (c->q_lora_rank > 0) {                             /* q = norm(x Wqa) Wqb */
+        int wqa = mt__weight(b, MT__PN("q_a_proj.weight"), 0.02f, c->q_lora_rank, D);
+        int qa = mt__linear(b, x, wqa, "attn.q_a");
+        int wqn = mt__norm_weight(b, MT__PN("q_a_layernorm.weight"), c->q_lora_rank);
+        int qan = mt__rmsnorm_eps(b, qa, wqn, "attn.q_a_norm", MT_LATENT_NORM_EPS);
+        int wqb = mt__weight(b, MT__PN("q_b_proj.weight"), 0.02f, H * dq, c->q_lora_rank);
+        q = mt__linear(b, qan, wqb, "attn.q");            /* [N, H*dq] */
+    } else {
+        int wq = mt__weight(b, MT__PN("q_proj.weight"), 0.02f, H * dq, D);
+        q = mt__linear(b, x, wq, "attn.q");               /* [N, H*dq] */
+    }
+    int wkva = mt__weight(b, MT__PN("kv_a_proj_with_mqa.weight"), 0.02f, kvl + dr, D);
+    int kva = mt__linear(b, x, wkva, "attn.kv_a");        /* [N, kvl+dr] */
+    int ckv = mt__act(b, "attn.ckv", b->act, 2, N, kvl, 0);
+    int kpe = mt__act(b, "attn.kpe", b->act, 2, N, dr, 0);
+    mt_node n = mt__node(b, MT_OP_SPLIT);
+    n.in[0] = kva; n.out[0] = ckv; n.out[1] = kpe;
+    mt__push(b, &n);
+    int wkvn = mt__norm_weight(b, MT__PN("kv_a_layernorm.weight"), kvl);
+    int ckvn = mt__rmsnorm_eps(b, ckv, wkvn, "attn.ckv_norm", MT_LATENT_NORM_EPS);
+    int wkvb = mt__weight(b, MT__PN("kv_b_proj.weight"), 0.02f, H * (dn + dv), kvl);
+    int kv = mt__linear(b, ckvn, wkvb, "attn.kv");        /* [N, H*(dn+dv)] */
+    int Q = mt__act(b, "attn.Q", b->act, 2, N, H * dq, 0);
+    int K = mt__act(b, "attn.K", b->act, 2, N, H * dq, 0);
+    int V = mt__act(b, "attn.V", b->act, 2, N, H * dv, 0);
+    n = mt__node(b, MT_OP_MLA_ROPE);
+    n.in[0] = q; n.in[1] = kv; n.in[2] = kpe; n.in[3] = b->cos; n.in[4] = b->sin;
+    n.out[0] = Q; n.out[1] = K; n.out[2] = V;
+    n.iattr[0] = (int)H; n.iattr[1] = (int)dn; n.iattr[2] = (int)dr; n.iattr[3] = (int)dv; n.iattr[4] = c->seq_len;
+    mt__push(b, &n);
+    int O = mt__act(b, "attn.O", b->act, 2, N, H * dv, 0);
+    int lse = mt__act(b, "attn.lse", MT_F32, 2, N, H, 0);
+    n = mt__node(b, MT_OP_ATTENTION);
+    n.in[0] = Q; n.in[1] = K; n.in[2] = V; n.out[0] = O; n.out[1] = lse;
+    n.iattr[0] = (int)H; n.iattr[1] = (int)dq; n.iattr[2] = (int)dv; n.iattr[3] = c->seq_len;
+    n.fattr[0] = (float)mt_attention_scale(c);
+    mt__push(b, &n);
+    int wo = mt__weight(b, MT__PN("o_proj.weight"), 0.02f / sqrtf(2.0f * (float)(b->layer + 1)), D, H * dv);
+#undef MT__PN
+    return mt__linear(b, O, wo, "attn.out");
+}
+
+/* Mixture of experts. x: normed input [N,D] -> [N,D].
+ * route -> permute by expert -> EP exchange -> grouped SwiGLU -> EP exchange
+ * back -> weighted combine, plus shared experts. */
+static int mt__moe(mt__builder *b, int x) {
+    const mt_config *c = &b->g->cfg;
+    const mt_mesh *m = &b->g->mesh;
+    int64_t N = (int64_t)c->batch * c->seq_len, D = c->dim, E = c->n_routed_experts, K = c->top_k;
+    int64_t ep = m->size[MT_DIM_EP], El = E / ep, F = c->moe_inter_dim;
+    float out_std = 0.02f / sqrtf(2.0f * (float)(b->layer + 1));
+    char p[MT_NAME_LEN], nm[MT_NAME_LEN];
+    snprintf(p, sizeof p, "model.layers.%d.mlp.", b->layer);
+#define MT__PN(s) (snprintf(nm, sizeof nm, "%s" s, p), nm)
+    /* router: fp32 logits and scores */
+    int wr = mt__param(b, MT__PN("gate.weight"), MT_INIT_NORMAL, out_std, MT_VF_TRAINABLE | MT_VF_DECAY,
+                       MT_F32, 2, E, D, 0);
+    int bias = mt__param(b, MT__PN("gate.e_score_correction_bias"), MT_INIT_ZERO, 0, 0, MT_F32, 1, E, 0, 0);
+    int logits = mt__linear(b, x, wr, "moe.logits");      /* [N,E] f32 */
+    int idx = mt__act(b, "moe.topk_idx", MT_I32, 2, N, K, 0);
+    int w = mt__act(b, "moe.topk_w", MT_F32, 2, N, K, 0);
+    int scores = mt__act(b, "moe.scores", MT_F32, 2, N, E, 0);
+    snprintf(nm, sizeof nm, "L%d.moe.counts", b->layer);
+    int counts = mt__value(b, nm, MT_I32, MT_ROLE_OUTPUT, 1, E, 0, 0);
+    if (counts >= 0) b->g->values[counts].flags = MT_VF_COUNTS;
+    mt_node n = mt__node(b, MT_OP_ROUTER);
+    n.in[0] = logits; n.in[1] = bias;
+    n.out[0] = idx; n.out[1] = w; n.out[2] = scores; n.out[3] = counts;
+    n.iattr[0] = (int)K; n.iattr[1] = c->score_func; n.iattr[2] = c->route_norm;
+    n.iattr[3] = c->n_expert_groups; n.iattr[4] = c->n_limited_groups; n.fattr[0] = c->route_scale;
+    mt__push(b, &n);
+    b->counts[b->n_moe] = counts; b->biases[b->n_moe] = bias; b->n_moe++;
+    /* permute tokens into expert-major order */
+    int xs = mt__act(b, "moe.xs", b->act, 2, N * K, D, 0);
+    int slot = mt__act(b, "moe.slot", MT_I32, 1, N * K, 0, 0);
+    int offs = mt__act(b, "moe.offs", MT_I32, 1, E + 1, 0, 0);
+    n = mt__node(b, MT_OP_MOE_PERMUTE);
+    n.in[0] = x; n.in[1] = idx; n.out[0] = xs; n.out[1] = slot; n.out[2] = offs; n.iattr[0] = (int)E;
+    mt__push(b, &n);
+    /* expert-parallel exchange: counts, then tokens (identity when ep = 1) */
+    int recv = mt__act(b, "moe.ep_recv_counts", MT_I32, 2, ep, El, 0);
+    n = mt__node(b, MT_OP_EP_COUNTS);
+    n.queue = MT_Q_EP; n.in[0] = offs; n.out[0] = recv;
+    n.iattr[0] = (int)MT_DIMBIT(MT_DIM_EP); n.iattr[2] = (int)ep; n.iattr[3] = (int)El;
+    n.iattr[4] = b->sym_coord[MT_DIM_EP]; n.sym_mask = 1u << 4;
+    mt__push(b, &n);
+    int64_t R = -(int64_t)b->sym_recv - 1;                /* tokens my experts receive */
+    int xr = mt__act(b, "moe.xr", b->act, 2, R, D, 0);
+    int roffs = mt__act(b, "moe.roffs", MT_I32, 1, El + 1, 0, 0);
+    n = mt__node(b, MT_OP_EP_DISPATCH);
+    n.queue = MT_Q_EP; n.in[0] = xs; n.in[1] = offs; n.in[2] = recv; n.out[0] = xr; n.out[1] = roffs;
+    n.iattr[0] = (int)MT_DIMBIT(MT_DIM_EP); n.iattr[2] = (int)ep; n.iattr[3] = (int)El;
+    n.iattr[4] = b->sym_coord[MT_DIM_EP]; n.sym_mask = 1u << 4;
+    mt__push(b, &n);
+    /* grouped SwiGLU experts over my El local experts */
+    int wg = mt__param(b, MT__PN("experts.*.gate_proj.weight"), MT_INIT_NORMAL, 0.02f,
+                       MT_VF_TRAINABLE | MT_VF_DECAY | MT_VF_EXPERTS, b->act, 3, El, F, D);
+    int wu = mt__param(b, MT__PN("experts.*.up_proj.weight"), MT_INIT_NORMAL, 0.02f,
+                       MT_VF_TRAINABLE | MT_VF_DECAY | MT_VF_EXPERTS, b->act, 3, El, F, D);
+    int wd = mt__param(b, MT__PN("experts.*.down_proj.weight"), MT_INIT_NORMAL, out_std,
+                       MT_VF_TRAINABLE | MT_VF_DECAY | MT_VF_EXPERTS, b->act, 3, El, D, F);
+    int gm[3] = {wg, wu, wd}, gout[3];
+    const char *gname[3] = {"moe.gate", "moe.up", "moe.yr"};
+    int gin = xr;
+    for (int i = 0; i < 3; i++) {
+        if (i == 2) gin = mt__binary(b, MT_OP_SWIGLU, gout[0], gout[1], "moe.h");
+        gout[i] = mt__act(b, gname[i], b->act, 2, R, i == 2 ? D : F, 0);
+        n = mt__node(b, MT_OP_GMM);
+        n.in[0] = gin; n.in[1] = gm[i]; n.in[2] = roffs; n.out[0] = gout[i];
+        mt__push(b, &n);
+    }
+    int ys = mt__act(b, "moe.ys", b->act, 2, N * K, D, 0);
+    n = mt__node(b, MT_OP_EP_COMBINE);
+    n.queue = MT_Q_EP; n.in[0] = gout[2]; n.in[1] = offs; n.in[2] = recv; n.out[0] = ys;
+    n.iattr[0] = (int)MT_DIMBIT(MT_DIM_EP); n.iattr[2] = (int)ep; n.iattr[3] = (int)El;
+    n.iattr[4] = b->sym_coord[MT_DIM_EP]; n.sym_mask = 1u << 4;
+    mt__push(b, &n);
+    int y = mt__act(b, "moe.routed", b->act, 2, N, D, 0);
+    n = mt__node(b, MT_OP_MOE_COMBINE);
+    n.in[0] = ys; n.in[1] = slot; n.in[2] = w; n.out[0] = y;
+    mt__push(b, &n);
+    if (c->n_shared_experts > 0) {
+        int s = mt__ffn(b, x, MT__PN("shared_experts."), c->n_shared_experts * c->moe_inter_dim, "moe.shared");
+        y = mt__binary(b, MT_OP_ADD, y, s, "moe.out");
+    }
+#undef MT__PN
+    return y;
+}
+
+/* Block: x + attn(norm(x)), then + ffn(norm(.)). */
+static int mt__block(mt__builder *b, int x) {
+    const mt_config *c = &b->g->cfg;
+    char nm[MT_NAME_LEN];
+    snprintf(nm, sizeof nm, "model.layers.%d.input_layernorm.weight", b->layer);
+    int h = mt__rmsnorm(b, x, mt__norm_weight(b, nm, c->dim), "attn_norm");
+    x = mt__binary(b, MT_OP_ADD, x, mt__mla(b, h), "resid1");
+    snprintf(nm, sizeof nm, "model.layers.%d.post_attention_layernorm.weight", b->layer);
+    h = mt__rmsnorm(b, x, mt__norm_weight(b, nm, c->dim), "ffn_norm");
+    int f;
+    if (mt_config_is_moe_layer(c, b->layer)) {
+        f = mt__moe(b, h);
+    } else {
+        snprintf(nm, sizeof nm, "model.layers.%d.mlp.", b->layer);
+        f = mt__ffn(b, h, nm, c->inter_dim, "ffn");
+    }
+    return mt__binary(b, MT_OP_ADD, x, f, "resid2");
+}
+
+/* Constant: copies n reals into the constants blob in the target's f32 format. */
+static int mt__const(mt__builder *b, const char *name, const mt_real *data, int64_t rows, int64_t cols) {
+    int v = mt__value(b, name, MT_F32, MT_ROLE_CONST, 2, rows, cols, 0);
+    if (v < 0) return -1;
+    mt_graph *g = b->g;
+    int64_t n = rows * cols, rb = g->target.real_bytes, at = (g->consts_bytes + 63) & ~(int64_t)63;
+    uint8_t *blob = (uint8_t *)MT_REALLOC(g->consts, (size_t)(at + n * rb));
+    if (!blob) return mt__fail(b, "%sout of memory", "");
+    memset(blob + g->consts_bytes, 0, (size_t)(at - g->consts_bytes));
+    for (int64_t i = 0; i < n; i++) {
+        if (rb == 4) { float f = (float)data[i]; memcpy(blob + at + i * 4, &f, 4); }
+        else { double d = (double)data[i]; memcpy(blob + at + i * 8, &d, 8); }
+    }
+    g->consts = blob; g->consts_bytes = at + n * rb;
+    g->values[v].data_offset = at;
+    return v;
+}
+
+static int mt__forward(mt__builder *b) {
+    mt_graph *g = b->g;
+    const mt_config *c = &g->cfg;
+    int64_t N = (int64_t)c->batch * c->seq_len, D = c->dim, V = c->vocab_size;
+    b->phase = MT_PHASE_FORWARD; b->layer = -1;
+    g->io[MT_IO_TOKENS] = mt__value(b, "tokens", MT_I32, MT_ROLE_INPUT, 1, N, 0, 0);
+    g->io[MT_IO_TARGETS] = mt__value(b, "targets", MT_I32, MT_ROLE_INPUT, 1, N, 0, 0);
+    {   /* RoPE tables, computed once here and shipped in the artifact */
+        int64_t half = c->qk_rope_head_dim / 2;
+        mt_real *cs = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(2 * c->seq_len * half));
+        if (!cs) return mt__fail(b, "%sout of memory", "");
+        mt_cpu_rope_tables(cs, cs + c->seq_len * half, c);
+        b->cos = mt__const(b, "rope.cos", cs, c->seq_len, half);
+        b->sin = mt__const(b, "rope.sin", cs + c->seq_len * half, c->seq_len, half);
+        MT_FREE(cs);
+    }
+    int wte = mt__param(b, "model.embed_tokens.weight", MT_INIT_NORMAL, 1.0f,
+                        MT_VF_TRAINABLE | MT_VF_DECAY, b->act, 2, V, D, 0);
+    int x = mt__act(b, "embed", b->act, 2, N, D, 0);
+    mt_node n = mt__node(b, MT_OP_EMBED);
+    n.in[0] = g->io[MT_IO_TOKENS]; n.in[1] = wte; n.out[0] = x;
+    mt__push(b, &n);
+    for (int l = 0; l < c->n_layers && !b->failed; l++) {
+        b->layer = l;
+        x = mt__block(b, x);
+    }
+    b->layer = -1;
+    int xn = mt__rmsnorm(b, x, mt__norm_weight(b, "model.norm.weight", D), "final_norm");
+    int wout = mt__weight(b, "lm_head.weight", 1.0f / sqrtf((float)D), V, D);
+    int logits = mt__linear(b, xn, wout, "logits");      /* [N,V] */
+    if (g->kind == MT_GRAPH_FORWARD && logits >= 0) g->values[logits].role = MT_ROLE_OUTPUT;
+    g->io[MT_IO_LOGITS] = g->kind == MT_GRAPH_FORWARD ? logits : -1;
+    g->io[MT_IO_LOSS] = mt__value(b, "loss", MT_F32, MT_ROLE_OUTPUT, 1, 1, 0, 0);
+    int lse = mt__act(b, "loss.lse", MT_F32, 1, N, 0, 0);
+    n = mt__node(b, MT_OP_CROSS_ENTROPY);
+    n.in[0] = logits; n.in[1] = g->io[MT_IO_TARGETS]; n.out[0] = g->io[MT_IO_LOSS]; n.out[1] = lse;
+    mt__push(b, &n);
+    return b->failed ? -1 : 0;
+}
+
+/* --- reverse mode --- */
+
+/* The value that holds dLoss/dv: a GRAD (f32, persistent) for params and
+ * their shadows, an activation gradient otherwise. */
+static int mt__grad_value(mt__builder *b, int v) {
+    if (b->failed) return -1;
+    int m = b->vi[v].master >= 0 ? b->vi[v].master : v;
+    const mt_value *mv = &b->g->values[m];
+    char nm[MT_NAME_LEN];
+    if (mv->role == MT_ROLE_PARAM) {
+        snprintf(nm, sizeof nm, "grad.%.*s", MT_NAME_LEN - 8, mv->name);
+        int gv = mt__value(b, nm, MT_F32, MT_ROLE_GRAD, mv->ndim, mv->dims[0], mv->dims[1], mv->dims[2]);
+        if (gv >= 0) b->g->values[gv].param = m;
+        return gv;
+    }
+    snprintf(nm, sizeof nm, "d.%.*s", MT_NAME_LEN - 8, mv->name);
+    return mt__value(b, nm, mv->dtype, MT_ROLE_AGRAD, mv->ndim, mv->dims[0], mv->dims[1], mv->dims[2]);
+}
+/* A gradient output for input v, or -1 if v needs none. */
+static int mt__gout(mt__builder *b, int v) { return (v >= 0 && b->vi[v].req) ? mt__grad_value(b, v) : -1; }
+
+/* Record gv as (a contribution to) dLoss/dv. */
+static void mt__acc(mt__builder *b, int v, int gv) {
+    if (b->failed || v < 0 || gv < 0 || !b->vi[v].req) return;
+    int m = b->vi[v].master >= 0 ? b->vi[v].master : v;
+    if (b->vi[m].grad < 0) { b->vi[m].grad = gv; return; }
+    const mt_value old = b->g->values[b->vi[m].grad];   /* copy: mt__value may move the table */
+    int sum = mt__value(b, old.name, old.dtype, old.role, old.ndim, old.dims[0], old.dims[1], old.dims[2]);
+    if (sum < 0) return;
+    b->g->values[sum].param = old.param;
+    mt_node n = mt__node(b, MT_OP_ADD);
+    n.in[0] = b->vi[m].grad; n.in[1] = gv; n.out[0] = sum;
+    mt__push(b, &n);
+    b->vi[m].grad = sum;
+}
+
+/* The backward rule of one forward node. Emits nodes that read the node's
+ * inputs/outputs and the gradients of its outputs, and accumulates the
+ * gradients of its inputs. */
+static void mt__backward_rule(mt__builder *b, const mt_node *f) {
+    const int32_t *in = f->in, *out = f->out;
+    int dy = b->vi[out[0]].grad;
+    mt_node n;
+    switch (f->op) {
+    case MT_OP_EMBED: {
+        int dw = mt__gout(b, in[1]);
+        if (dw < 0 || dy < 0) return;
+        n = mt__node(b, MT_OP_EMBED_BWD);
+        n.in[0] = dy; n.in[1] = in[0]; n.out[0] = dw;
+        mt__push(b, &n); mt__acc(b, in[1], dw);
+        return;
+    }
+    case MT_OP_RMSNORM: {
+        if (dy < 0) return;
+        n = mt__node(b, MT_OP_RMSNORM_BWD);
+        n.in[0] = dy; n.in[1] = in[0]; n.in[2] = in[1]; n.in[3] = out[1];
+        n.out[0] = mt__gout(b, in[0]); n.out[1] = mt__gout(b, in[1]);
+        if (n.out[0] < 0 || n.out[1] < 0) { mt__fail(b, "internal error: RMSNORM input '%s' without gradient", b->g->values[in[0]].name); return; }
+        mt__push(b, &n); mt__acc(b, in[0], n.out[0]); mt__acc(b, in[1], n.out[1]);
+        return;
+    }
+    case MT_OP_MATMUL: {     /* C = op(A) op(B) */
+        if (dy < 0) return;
+        int ta = f->iattr[0], tb = f->iattr[1];
+        int dA = mt__gout(b, in[0]), dB = mt__gout(b, in[1]);
+        if (dA >= 0) {       /* ta=0: dA = dC op(B)^T ; ta=1: dA = op(B) dC^T */
+            n = mt__node(b, MT_OP_MATMUL);
+            if (!ta) { n.in[0] = dy; n.in[1] = in[1]; n.iattr[0] = 0; n.iattr[1] = !tb; }
+            else { n.in[0] = in[1]; n.in[1] = dy; n.iattr[0] = tb; n.iattr[1] = 1; }
+            n.out[0] = dA; mt__push(b, &n); mt__acc(b, in[0], dA);
+        }
+        if (dB >= 0) {       /* tb=0: dB = op(A)^T dC ; tb=1: dB = dC^T op(A) */
+            n = mt__node(b, MT_OP_MATMUL);
+            if (!tb) { n.in[0] = in[0]; n.in[1] = dy; n.iattr[0] = !ta; n.iattr[1] = 0; }
+            else { n.in[0] = dy; n.in[1] = in[0]; n.iattr[0] = 1; n.iattr[1] = ta; }
+            n.out[0] = dB; mt__push(b, &n); mt__acc(b, in[1], dB);
+        }
+        return;
+    }
+    case MT_OP_SPLIT: {
+        int dx = mt__gout(b, in[0]);
+        if (dx < 0) return;
+        n = mt__node(b, MT_OP_CONCAT);
+        n.in[0] = b->vi[out[0]].grad; n.in[1] = b->vi[out[1]].grad; n.out[0] = dx;
+        n.iattr[0] = (int)b->g->values[out[0]].dims[1];
+        mt__push(b, &n); mt__acc(b, in[0], dx);
+        return;
+    }
+    case MT_OP_MLA_ROPE: {
+        int dQ = b->vi[out[0]].grad, dK = b->vi[out[1]].grad, dV = b->vi[out[2]].grad;
+        if (dQ < 0 || dK < 0 || dV < 0) { mt__fail(b, "internal error: attention inputs of '%s' lack gradients", b->g->values[out[0]].name); return; }
+        n = mt__node(b, MT_OP_MLA_ROPE_BWD);
+        n.in[0] = dQ; n.in[1] = dK; n.in[2] = dV; n.in[3] = in[3]; n.in[4] = in[4];
+        n.out[0] = mt__gout(b, in[0]); n.out[1] = mt__gout(b, in[1]); n.out[2] = mt__gout(b, in[2]);
+        memcpy(n.iattr, f->iattr, sizeof n.iattr);
+        mt__push(b, &n);
+        for (int i = 0; i < 3; i++) mt__acc(b, in[i], n.out[i]);
+        return;
+    }
+    case MT_OP_ATTENTION: {
+        if (dy < 0) return;
+        n = mt__node(b, MT_OP_ATTENTION_BWD);
+        n.in[0] = in[0]; n.in[1] = in[1]; n.in[2] = in[2]; n.in[3] = out[0]; n.in[4] = out[1]; n.in[5] = dy;
+        for (int i = 0; i < 3; i++) n.out[i] = mt__gout(b, in[i]);
+        memcpy(n.iattr, f->iattr, sizeof n.iattr);
+        n.fattr[0] = f->fattr[0];
+        mt__push(b, &n);
+        for (int i = 0; i < 3; i++) mt__acc(b, in[i], n.out[i]);
+        return;
+    }
+    case MT_OP_SWIGLU: {
+        if (dy < 0) return;
+        n = mt__node(b, MT_OP_SWIGLU_BWD);
+        n.in[0] = in[0]; n.in[1] = in[1]; n.in[2] = dy;
+        n.out[0] = mt__gout(b, in[0]); n.out[1] = mt__gout(b, in[1]);
+        mt__push(b, &n); mt__acc(b, in[0], n.out[0]); mt__acc(b, in[1], n.out[1]);
+        return;
+    }
+    case MT_OP_ADD:
+        mt__acc(b, in[0], dy); mt__acc(b, in[1], dy);
+        return;
+    case MT_OP_ROUTER: {      /* only the weights carry gradient; selection is discrete */
+        int dw = b->vi[out[1]].grad, dl = mt__gout(b, in[0]);
+        if (dw < 0 || dl < 0) return;
+        n = mt__node(b, MT_OP_ROUTER_BWD);
+        n.in[0] = out[2]; n.in[1] = out[0]; n.in[2] = out[1]; n.in[3] = dw; n.out[0] = dl;
+        memcpy(n.iattr, f->iattr, sizeof n.iattr); n.fattr[0] = f->fattr[0];
+        mt__push(b, &n); mt__acc(b, in[0], dl);
+        return;
+    }
+    case MT_OP_MOE_PERMUTE: {
+        int dx = mt__gout(b, in[0]);
+        if (dy < 0 || dx < 0) return;
+        n = mt__node(b, MT_OP_MOE_PERMUTE_BWD);
+        n.in[0] = dy; n.in[1] = out[1]; n.out[0] = dx;
+        n.iattr[0] = (int)b->g->values[in[1]].dims[1];
+        mt__push(b, &n); mt__acc(b, in[0], dx);
+        return;
+    }
+    case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE: {  /* each is the other's adjoint */
+        int dx = mt__gout(b, in[0]);
+        if (dy < 0 || dx < 0) return;
+        n = mt__node(b, f->op == MT_OP_EP_DISPATCH ? MT_OP_EP_COMBINE : MT_OP_EP_DISPATCH);
+        n.queue = f->queue;
+        n.in[0] = dy; n.in[1] = in[1]; n.in[2] = in[2]; n.out[0] = dx;
+        if (n.op == MT_OP_EP_DISPATCH) n.out[1] = mt__act(b, "moe.roffs.bwd", MT_I32, 1, b->g->values[in[2]].dims[1] + 1, 0, 0);
+        memcpy(n.iattr, f->iattr, sizeof n.iattr); n.sym_mask = f->sym_mask;
+        mt__push(b, &n); mt__acc(b, in[0], dx);
+        return;
+    }
+    case MT_OP_GMM: {
+        if (dy < 0) return;
+        int dX = mt__gout(b, in[0]), dW = mt__gout(b, in[1]);
+        if (dX >= 0) {
+            n = mt__node(b, MT_OP_GMM_DX);
+            n.in[0] = dy; n.in[1] = in[1]; n.in[2] = in[2]; n.out[0] = dX;
+            mt__push(b, &n); mt__acc(b, in[0], dX);
+        }
+        if (dW >= 0) {
+            n = mt__node(b, MT_OP_GMM_DW);
+            n.in[0] = dy; n.in[1] = in[0]; n.in[2] = in[2]; n.out[0] = dW;
+            mt__push(b, &n); mt__acc(b, in[1], dW);
+        }
+        return;
+    }
+    case MT_OP_MOE_COMBINE: {
+        if (dy < 0) return;
+        n = mt__node(b, MT_OP_MOE_COMBINE_BWD);
+        n.in[0] = dy; n.in[1] = in[0]; n.in[2] = in[1]; n.in[3] = in[2];
+        n.out[0] = mt__gout(b, in[0]); n.out[1] = mt__gout(b, in[2]);
+        if (n.out[0] < 0 || n.out[1] < 0) { mt__fail(b, "internal error: MoE combine of '%s' lacks gradients", b->g->values[out[0]].name); return; }
+        mt__push(b, &n); mt__acc(b, in[0], n.out[0]); mt__acc(b, in[2], n.out[1]);
+        return;
+    }
+    case MT_OP_CROSS_ENTROPY: {   /* the loss: dLoss/dloss = 1 */
+        int dl = mt__gout(b, in[0]);
+        if (dl < 0) return;
+        n = mt__node(b, MT_OP_CROSS_ENTROPY_BWD);
+        n.in[0] = in[0]; n.in[1] = out[1]; n.in[2] = in[1]; n.out[0] = dl;
+        mt__push(b, &n); mt__acc(b, in[0], dl);
+        return;
+    }
+    }
+    mt__fail(b, "internal error: no backward rule for %s", mt_ops[f->op].name);
+}
+
+static int mt__backward(mt__builder *b) {
+    mt_graph *g = b->g;
+    int n_fwd = g->n_forward_nodes;
+    b->phase = MT_PHASE_BACKWARD;
+    for (int i = n_fwd - 1; i >= 0 && !b->failed; i--) {
+        mt_node f = g->nodes[i];   /* copy: pushing may move the array */
+        if (!mt_ops[f.op].differentiable) continue;
+        int any = f.op == MT_OP_CROSS_ENTROPY;
+        for (int k = 0; k < f.n_out; k++) if (f.out[k] >= 0 && b->vi[f.out[k]].grad >= 0) any = 1;
+        if (!any) continue;
+        b->layer = f.layer;
+        mt__backward_rule(b, &f);
+    }
+    b->layer = -1;
+    return b->failed ? -1 : 0;
+}
+
+/* --- gradient reduction, clipping, AdamW, expert-bias update --- */
+
+static int mt__optimizer(mt__builder *b) {
+    mt_graph *g = b->g;
+    b->phase = MT_PHASE_OPTIMIZER; b->layer = -1;
+    int hp = g->io[MT_IO_HPARAMS], step = g->io[MT_IO_STEP];
+    uint32_t dense_dims = MT_DIMBIT(MT_DIM_DP_REPLICATE) | MT_DIMBIT(MT_DIM_DP_SHARD);
+    uint32_t expert_dims = MT_DIMBIT(MT_DIM_DP_REPLICATE) | MT_DIMBIT(MT_DIM_EDP);
+    mt_node n;
+    /* the logged loss is the mean over data-parallel ranks */
+    n = mt__node(b, MT_OP_ALLREDUCE);
+    n.queue = MT_Q_DP; n.in[0] = n.out[0] = g->io[MT_IO_LOSS]; n.iattr[0] = (int)dense_dims; n.iattr[2] = 1;
+    mt__push(b, &n);
+    for (int i = 0; i < b->n_params && !b->failed; i++) {
+        int p = b->params[i], gv = b->vi[p].grad;
+        if (gv < 0) return mt__fail(b, "internal error: parameter '%s' received no gradient", g->values[p].name);
+        n = mt__node(b, MT_OP_ALLREDUCE);         /* mean over the ranks that replicate p */
+        n.queue = MT_Q_DP; n.in[0] = n.out[0] = gv;
+        n.iattr[0] = (int)((g->values[p].flags & MT_VF_EXPERTS) ? expert_dims : dense_dims);
+        n.iattr[2] = 1;
+        mt__push(b, &n);
+    }
+    int acc = -1;                                  /* global gradient norm, fixed order */
+    for (int i = 0; i < b->n_params && !b->failed; i++) {
+        int o = mt__value(b, "gnorm.sumsq", MT_F32, MT_ROLE_SCRATCH, 1, 1, 0, 0);
+        n = mt__node(b, MT_OP_SUMSQ);
+        n.in[0] = b->vi[b->params[i]].grad; n.in[1] = acc; n.out[0] = o;
+        mt__push(b, &n);
+        acc = o;
+    }
+    g->io[MT_IO_LR] = mt__value(b, "lr", MT_F32, MT_ROLE_OUTPUT, 1, 1, 0, 0);
+    n = mt__node(b, MT_OP_LR_SCHEDULE);
+    n.in[0] = hp; n.in[1] = step; n.out[0] = g->io[MT_IO_LR];
+    mt__push(b, &n);
+    int coef = mt__value(b, "clip.coef", MT_F32, MT_ROLE_SCRATCH, 1, 1, 0, 0);
+    g->io[MT_IO_GRAD_NORM] = mt__value(b, "grad_norm", MT_F32, MT_ROLE_OUTPUT, 1, 1, 0, 0);
+    n = mt__node(b, MT_OP_CLIP);
+    n.in[0] = acc; n.in[1] = hp; n.out[0] = coef; n.out[1] = g->io[MT_IO_GRAD_NORM];
+    mt__push(b, &n);
+    for (int i = 0; i < b->n_params && !b->failed; i++) {
+        int p = b->params[i];
+        const mt_value pv = g->values[p];
+        char nm[MT_NAME_LEN];
+        snprintf(nm, sizeof nm, "exp_avg.%.*s", MT_NAME_LEN - 10, pv.name);
+        int m = mt__value(b, nm, MT_F32, MT_ROLE_OPT, pv.ndim, pv.dims[0], pv.dims[1], pv.dims[2]);
+        snprintf(nm, sizeof nm, "exp_avg_sq.%.*s", MT_NAME_LEN - 12, pv.name);
+        int v = mt__value(b, nm, MT_F32, MT_ROLE_OPT, pv.ndim, pv.dims[0], pv.dims[1], pv.dims[2]);
+        if (m < 0 || v < 0) return -1;
+        g->values[m].param = p; g->values[v].param = p;
+        g->values[m].init = g->values[v].init = MT_INIT_ZERO;
+        int shadow = -1;
+        for (int s = 0; s < g->n_values; s++)
+            if (b->vi[s].master == p) { shadow = s; break; }
+        n = mt__node(b, MT_OP_ADAMW);
+        n.in[0] = p; n.in[1] = b->vi[p].grad; n.in[2] = m; n.in[3] = v; n.in[4] = g->io[MT_IO_LR];
+        n.in[5] = coef; n.in[6] = hp; n.in[7] = step;
+        n.out[0] = p; n.out[1] = m; n.out[2] = v; n.out[3] = shadow;
+        n.iattr[0] = (pv.flags & MT_VF_DECAY) ? 1 : 0;
+        mt__push(b, &n);
+    }
+    /* auxiliary-loss-free balancing: counts summed over every rank that sees
+     * different tokens, then bias += coeff * sign(mean - count), centred */
+    for (int i = 0; i < b->n_moe && !b->failed; i++) {
+        if (g->cfg.load_balance_coeff <= 0) break;
+        b->layer = (int)(g->cfg.n_dense_layers + i);
+        n = mt__node(b, MT_OP_ALLREDUCE);
+        n.queue = MT_Q_DP; n.in[0] = n.out[0] = b->counts[i]; n.iattr[0] = (int)dense_dims;
+        mt__push(b, &n);
+        n = mt__node(b, MT_OP_EXPERT_BIAS_UPDATE);
+        n.in[0] = n.out[0] = b->biases[i]; n.in[1] = b->counts[i]; n.fattr[0] = g->cfg.load_balance_coeff;
+        mt__push(b, &n);
+    }
+    b->layer = -1;
+    return b->failed ? -1 : 0;
+}
+
+int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target *t, int kind,
+             mt_err *err) {
+    memset(g, 0, sizeof *g);
+    if (mt_config_validate(c, err) || mt_mesh_validate(m, c, err)) return -1;
+    if (kind != MT_GRAPH_TRAIN && kind != MT_GRAPH_FORWARD) return mt_errf(err, "unknown graph kind %d", kind);
+    g->cfg = *c; g->mesh = *m; g->target = *t; g->kind = kind;
+    for (int i = 0; i < MT_NIO; i++) g->io[i] = -1;
+    mt__builder bb;
+    memset(&bb, 0, sizeof bb);
+    mt__builder *b = &bb;
+    b->g = g; b->err = err; b->layer = -1;
+    b->act = t->backend == MT_BACKEND_CUDA ? MT_BF16 : MT_F32;
+    b->counts = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(c->n_layers + 1));
+    b->biases = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(c->n_layers + 1));
+    /* symbols: one coordinate per mesh dimension, and the data-dependent
+     * number of tokens this rank's experts receive */
+    g->syms = (mt_symbol *)mt__calloc(sizeof(mt_symbol) * (MT_NDIMS + 1));
+    if (!g->syms || !b->counts || !b->biases) { mt_errf(err, "out of memory"); goto fail; }
+    for (int d = 0; d < MT_NDIMS; d++) {
+        mt_symbol *s = &g->syms[g->n_syms];
+        snprintf(s->name, sizeof s->name, "coord.%s", mt_dim_names[d]);
+        s->kind = MT_SYM_COORD; s->mesh_dim = d; s->max = m->size[d] - 1;
+        b->sym_coord[d] = g->n_syms++;
+    }
+    {
+        mt_symbol *s = &g->syms[g->n_syms];
+        snprintf(s->name, sizeof s->name, "ep_recv_tokens");
+        s->kind = MT_SYM_SIZE; s->mesh_dim = MT_DIM_EP;
+        s->max = (int64_t)c->batch * c->seq_len * c->top_k * m->size[MT_DIM_EP];
+        b->sym_recv = g->n_syms++;
+    }
+    if (kind == MT_GRAPH_TRAIN) {
+        g->io[MT_IO_STEP] = mt__value(b, "step", MT_I32, MT_ROLE_INPUT, 1, 1, 0, 0);
+        g->io[MT_IO_HPARAMS] = mt__value(b, "hparams", MT_F32, MT_ROLE_INPUT, 1, MT_HP_COUNT, 0, 0);
+    }
+    if (mt__forward(b)) goto fail;
+    g->n_forward_nodes = g->n_nodes;
+    if (kind == MT_GRAPH_TRAIN && (mt__backward(b) || mt__optimizer(b))) goto fail;
+    MT_FREE(b->vi); MT_FREE(b->params);
+    MT_FREE(b->counts); MT_FREE(b->biases); MT_FREE(b->names);
+    mt_plan_naive(g);
+    return 0;
+fail:
+    MT_FREE(b->vi); MT_FREE(b->params);
+    MT_FREE(b->counts); MT_FREE(b->biases); MT_FREE(b->names);
+    mt_graph_free(g);
+    return -1;
+}
+
+/* ========================================================================
+ * 6. Passes
+ * ====================================================================== */
+
+#define MT_ALIGN 256
+static int64_t mt__align(int64_t x) { return (x + MT_ALIGN - 1) & ~(int64_t)(MT_ALIGN - 1); }
+
+/* first[v] = index of the node that writes v first, last[v] = index of the
+ * last node that reads or writes it; -1 if no node touches v. */
+static void mt__live_ranges(const mt_graph *g, int32_t *first, int32_t *last) {
+    for (int v = 0; v < g->n_values; v++) first[v] = last[v] = -1;
+    for (int i = 0; i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        for (int k = 0; k < n->n_in; k++) {
+            int v = n->in[k];
+            if (v < 0) continue;
+            if (first[v] < 0) first[v] = i;
+            last[v] = i;
+        }
+        for (int k = 0; k < n->n_out; k++) {
+            int v = n->out[k];
+            if (v < 0) continue;
+            if (first[v] < 0) first[v] = i;
+            last[v] = i;
+        }
+    }
+}
+void mt_value_live_range(const mt_graph *g, int v, int *first, int *last) {
+    *first = *last = -1;
+    for (int i = 0; i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        int touch = 0;
+        for (int k = 0; k < n->n_in; k++) touch |= n->in[k] == v;
+        for (int k = 0; k < n->n_out; k++) touch |= n->out[k] == v;
+        if (touch) { if (*first < 0) *first = i; *last = i; }
+    }
+}
+
+/* Persistent values always get their own bytes, in value order. */
+static void mt__plan_persistent(mt_graph *g) {
+    int64_t p = 0;
+    for (int v = 0; v < g->n_values; v++) {
+        mt_value *x = &g->values[v];
+        if (MT_ROLE_IN_ARENA(x->role)) continue;
+        x->offset = p;
+        p = mt__align(p + x->nbytes);
+    }
+    g->persist_bytes = p;
+}
+
+void mt_plan_naive(mt_graph *g) {
+    mt__plan_persistent(g);
+    int64_t a = 0;
+    for (int v = 0; v < g->n_values; v++) {
+        mt_value *x = &g->values[v];
+        if (!MT_ROLE_IN_ARENA(x->role)) continue;
+        x->offset = a;
+        a = mt__align(a + x->nbytes);
+    }
+    g->arena_bytes = g->naive_arena_bytes = a;
+    g->planned = 0;
+}
+
+typedef struct { int64_t size, offset; int32_t first, last, id; } mt__slot;
+static int mt__by_size_desc(const void *a, const void *b) {
+    const mt__slot *x = (const mt__slot *)a, *y = (const mt__slot *)b;
+    if (x->size != y->size) return x->size > y->size ? -1 : 1;
+    if (x->first != y->first) return x->first < y->first ? -1 : 1;
+    return x->id - y->id;
+}
+static int mt__by_offset(const void *a, const void *b) {
+    const mt__slot *x = *(const mt__slot *const *)a, *y = *(const mt__slot *const *)b;
+    if (x->offset != y->offset) return x->offset < y->offset ? -1 : 1;
+    return x->id - y->id;
+}
+
+/* Liveness-based arena reuse: place the largest values first, each at the
+ * lowest offset that does not overlap a placed value alive at the same time. */
+int mt_pass_plan_memory(mt_graph *g, mt_err *err) {
+    mt_plan_naive(g);
+    int nv = g->n_values, n = 0;
+    int32_t *first = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(nv + 1));
+    int32_t *last = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(nv + 1));
+    mt__slot *s = (mt__slot *)MT_MALLOC(sizeof(mt__slot) * (size_t)(nv + 1));
+    mt__slot **busy = (mt__slot **)MT_MALLOC(sizeof(mt__slot *) * (size_t)(nv + 1));
+    if (!first || !last || !s || !busy) {
+        MT_FREE(first); MT_FREE(last); MT_FREE(s); MT_FREE(busy);
+        return mt_errf(err, "out of memory planning memory");
+    }
+    mt__live_ranges(g, first, last);
+    for (int v = 0; v < nv; v++) {
+        if (!MT_ROLE_IN_ARENA(g->values[v].role)) continue;
+        mt__slot x = {mt__align(g->values[v].nbytes), 0, first[v], last[v], v};
+        if (x.first < 0) x.first = x.last = INT32_MAX;  /* never touched: alone at the end of time */
+        s[n++] = x;
+    }
+    qsort(s, (size_t)n, sizeof *s, mt__by_size_desc);
+    int64_t top = 0;
+    for (int i = 0; i < n; i++) {
+        int nb = 0;
+        for (int j = 0; j < i; j++)
+            if (s[j].first <= s[i].last && s[i].first <= s[j].last) busy[nb++] = &s[j];
+        qsort(busy, (size_t)nb, sizeof *busy, mt__by_offset);
+        int64_t at = 0;
+        for (int j = 0; j < nb; j++) {
+            if (busy[j]->offset >= at + s[i].size) break;     /* fits in the gap before it */
+            int64_t end = busy[j]->offset + busy[j]->size;
+            if (end > at) at = end;
+        }
+        s[i].offset = at;
+        if (at + s[i].size > top) top = at + s[i].size;
+        g->values[s[i].id].offset = at;
+    }
+    g->arena_bytes = top;
+    g->planned = 1;
+    MT_FREE(first); MT_FREE(last); MT_FREE(s); MT_FREE(busy);
+    return 0;
+}
+
+/* No two values that are alive at the same time share a byte; persistent
+ * values never share bytes; everything lies inside its region. */
+int mt_plan_check(const mt_graph *g, mt_err *err) {
+    int nv = g->n_values;
+    int32_t *first = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(nv + 1));
+    int32_t *last = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(nv + 1));
+    mt__slot *s = (mt__slot *)MT_MALLOC(sizeof(mt__slot) * (size_t)(nv + 1));
+    mt__slot **ord = (mt__slot **)MT_MALLOC(sizeof(mt__slot *) * (size_t)(nv + 1));
+    int rc = 0;
+    if (!first || !last || !s || !ord) { rc = mt_errf(err, "out of memory checking the plan"); goto done; }
+    mt__live_ranges(g, first, last);
+    for (int pass = 0; pass < 2 && !rc; pass++) {     /* 0: persistent, 1: arena */
+        int n = 0;
+        int64_t limit = pass ? g->arena_bytes : g->persist_bytes;
+        for (int v = 0; v < nv; v++) {
+            const mt_value *x = &g->values[v];
+            if (MT_ROLE_IN_ARENA(x->role) != pass) continue;
+            if (x->offset < 0 || x->nbytes < 0 || x->offset > limit - x->nbytes) {
+                rc = mt_errf(err, "value '%s' (%lld bytes at %lld) lies outside its %s region of %lld bytes",
+                             x->name, (long long)x->nbytes, (long long)x->offset, pass ? "arena" : "persistent",
+                             (long long)limit);
+                break;
+            }
+            mt__slot e = {x->nbytes, x->offset, pass ? first[v] : 0, pass ? last[v] : INT32_MAX, v};
+            if (pass && e.first < 0) continue;   /* never alive */
+            s[n] = e; ord[n] = &s[n]; n++;
+        }
+        if (rc) break;
+        qsort(ord, (size_t)n, sizeof *ord, mt__by_offset);
+        /* sweep by offset; compare each value with the later ones that start before it ends */
+        for (int i = 0; i < n && !rc; i++)
+            for (int j = i + 1; j < n && ord[j]->offset < ord[i]->offset + ord[i]->size; j++) {
+                if (ord[i]->size == 0 || ord[j]->size == 0) continue;
+                if (ord[i]->first <= ord[j]->last && ord[j]->first <= ord[i]->last) {
+                    rc = mt_errf(err, "memory plan overlap: '%s' and '%s' are alive at the same time and share bytes",
+                                 g->values[ord[i]->id].name, g->values[ord[j]->id].name);
+                    break;
+                }
+            }
+    }
+done:
+    MT_FREE(first); MT_FREE(last); MT_FREE(s); MT_FREE(ord);
+    return rc;
+}
+
+void mt_passes_all(mt_passes *p) { p->plan_memory = 1; }
+void mt_passes_none(mt_passes *p) { p->plan_memory = 0; }
+int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
+    if (p->plan_memory) return mt_pass_plan_memory(g, err);
+    mt_plan_naive(g);
+    return 0;
+}
+int mt_compile(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target *t, int kind,
+               const mt_passes *p, mt_err *err) {
+    if (mt_build(g, c, m, t, kind, err)) return -1;
+    if (mt_run_passes(g, p, err)) { mt_graph_free(g); return -1; }
+    return 0;
+}
+
+/* ========================================================================
+ * 7. Artifact
+ * Layout (all integers little-endian):
+ *   "MOETRAIN" | u32 format version | u32 n_sections | u64 file size
+ *   n_sections x { u32 id | u32 0 | u64 offset | u64 length | u64 checksum }
+ *   u64 checksum of all the bytes above
+ *   sections: CONFIG MESH SYMBOLS VALUES NODES CONSTS TUNING PLAN FINGERPRINT
+ * Checksums are FNV-1a 64, which changes for any single-byte change. The
+ * file holds no pointers, device ordinals, rank numbers or communicators.
+ * ====================================================================== */
+
+enum { MT_SEC_CONFIG = 1, MT_SEC_MESH, MT_SEC_SYMBOLS, MT_SEC_VALUES, MT_SEC_NODES, MT_SEC_CONSTS,
+       MT_SEC_TUNING, MT_SEC_PLAN, MT_SEC_FINGERPRINT, MT_NSECTIONS = 9 };
+static const char *const mt__sec_names[MT_NSECTIONS + 1] = {"?", "config", "mesh", "symbols", "values",
+                                                            "nodes", "constants", "tuning", "plan", "fingerprint"};
+#define MT__HDR_FIXED 24
+#define MT__SEC_ENTRY 32
+
+typedef struct { uint8_t *p; size_t n, cap; int oom; } mt__buf;
+static void mt__put(mt__buf *b, const void *src, size_t n) {
+    if (b->oom) return;
+    if (b->n + n > b->cap) {
+        size_t nc = b->cap ? b->cap : 4096;
+        while (nc < b->n + n) nc *= 2;
+        uint8_t *q = (uint8_t *)MT_REALLOC(b->p, nc);
+        if (!q) { b->oom = 1; return; }
+        b->p = q; b->cap = nc;
+    }
+    memcpy(b->p + b->n, src, n);
+    b->n += n;
+}
+static void mt__u32(mt__buf *b, uint32_t x) {
+    uint8_t t[4] = {(uint8_t)x, (uint8_t)(x >> 8), (uint8_t)(x >> 16), (uint8_t)(x >> 24)};
+    mt__put(b, t, 4);
+}
+static void mt__u64(mt__buf *b, uint64_t x) { mt__u32(b, (uint32_t)x); mt__u32(b, (uint32_t)(x >> 32)); }
+static void mt__i32(mt__buf *b, int32_t x) { mt__u32(b, (uint32_t)x); }
+static void mt__i64(mt__buf *b, int64_t x) { mt__u64(b, (uint64_t)x); }
+static void mt__f32(mt__buf *b, float f) { uint32_t u; memcpy(&u, &f, 4); mt__u32(b, u); }
+static void mt__fixstr(mt__buf *b, const char *s, size_t n) {  /* exactly n bytes, NUL padded */
+    char t[256];
+    memset(t, 0, sizeof t);
+    snprintf(t, n < sizeof t ? n : sizeof t, "%s", s);
+    mt__put(b, t, n);
+}
+
+typedef struct { const uint8_t *p; size_t n, at; int bad; } mt__rd;
+static uint32_t mt__g32(mt__rd *r) {
+    if (r->bad || r->n - r->at < 4 || r->at > r->n) { r->bad = 1; return 0; }
+    const uint8_t *q = r->p + r->at;
+    r->at += 4;
+    return (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24;
+}
+static uint64_t mt__g64(mt__rd *r) { uint64_t lo = mt__g32(r); return lo | (uint64_t)mt__g32(r) << 32; }
+static int32_t mt__gi32(mt__rd *r) { return (int32_t)mt__g32(r); }
+static int64_t mt__gi64(mt__rd *r) { return (int64_t)mt__g64(r); }
+static float mt__gf32(mt__rd *r) { uint32_t u = mt__g32(r); float f; memcpy(&f, &u, 4); return f; }
+static void mt__gfix(mt__rd *r, char *dst, size_t n) {
+    if (r->bad || r->n - r->at < n) { r->bad = 1; memset(dst, 0, n); return; }
+    memcpy(dst, r->p + r->at, n);
+    r->at += n;
+}
+static int mt__fixstr_ok(const char *s, size_t n) {   /* NUL-terminated, printable, NUL padded */
+    size_t len = 0;
+    while (len < n && s[len]) len++;
+    if (len == 0 || len == n) return 0;
+    for (size_t i = 0; i < len; i++) if ((unsigned char)s[i] < 32 || (unsigned char)s[i] > 126) return 0;
+    for (size_t i = len; i < n; i++) if (s[i]) return 0;
+    return 1;
+}
+
+/* Readable summary of what the fingerprint covers. */
+static void mt__fingerprint_text(const mt_graph *g, char *out, size_t n) {
+    int at = snprintf(out, n, "format=%u kernels=\"%s\" target=%s/%s/real%d graph=%s mesh=%dx%dx%d/ep%d config:",
+                      MT_FORMAT_VERSION, MT_KERNELS_VERSION, g->target.backend == MT_BACKEND_CUDA ? "cuda" : "cpu",
+                      g->target.arch, (int)g->target.real_bytes, g->kind == MT_GRAPH_TRAIN ? "train" : "forward",
+                      g->mesh.size[0], g->mesh.size[1], g->mesh.size[2], g->mesh.size[3]);
+    for (int i = 0; i < mt_n_config_fields && at > 0 && (size_t)at < n; i++) {
+        const mt_field *f = &mt_config_fields[i];
+        const void *p = (const char *)&g->cfg + f->offset;
+        if (f->type == MT_FIELD_INT) at += snprintf(out + at, n - (size_t)at, " %s=%d", f->name, *(const int *)p);
+        else at += snprintf(out + at, n - (size_t)at, " %s=%.9g", f->name, (double)*(const float *)p);
+    }
+}
+uint64_t mt_fingerprint(const mt_graph *g) {
+    char text[4096];
+    mt__fingerprint_text(g, text, sizeof text);
+    return mt_hash(text, strlen(text), MT_HASH_INIT);
+}
+
+static void mt__write_section(mt__buf *b, int id, const mt_graph *g) {
+    switch (id) {
+    case MT_SEC_CONFIG:
+        mt__i32(b, g->target.backend); mt__i32(b, g->target.real_bytes); mt__fixstr(b, g->target.arch, 16);
+        mt__i32(b, g->kind);
+        mt__u32(b, (uint32_t)mt_n_config_fields);
+        for (int i = 0; i < mt_n_config_fields; i++) {
+            const mt_field *f = &mt_config_fields[i];
+            uint32_t bits;
+            memcpy(&bits, (const char *)&g->cfg + f->offset, 4);
+            mt__fixstr(b, f->name, 32); mt__u32(b, (uint32_t)f->type); mt__u32(b, bits);
+        }
+        break;
+    case MT_SEC_MESH:
+        mt__u32(b, MT_NDIMS);
+        for (int d = 0; d < MT_NDIMS; d++) mt__i32(b, g->mesh.size[d]);
+        break;
+    case MT_SEC_SYMBOLS:
+        mt__u32(b, (uint32_t)g->n_syms);
+        for (int i = 0; i < g->n_syms; i++) {
+            const mt_symbol *s = &g->syms[i];
+            mt__fixstr(b, s->name, 32); mt__i32(b, s->kind); mt__i32(b, s->mesh_dim); mt__i64(b, s->max);
+        }
+        break;
+    case MT_SEC_VALUES:
+        mt__u32(b, (uint32_t)g->n_values);
+        for (int i = 0; i < g->n_values; i++) {
+            const mt_value *v = &g->values[i];
+            mt__fixstr(b, v->name, MT_NAME_LEN);
+            mt__i32(b, v->dtype); mt__i32(b, v->role); mt__i32(b, v->ndim); mt__i32(b, v->init);
+            mt__u32(b, v->flags);
+            for (int d = 0; d < MT_MAX_DIMS; d++) mt__i64(b, v->dims[d]);
+            mt__f32(b, v->init_std); mt__i32(b, v->param);
+            mt__i64(b, v->offset); mt__i64(b, v->nbytes); mt__i64(b, v->data_offset);
+        }
+        break;
+    case MT_SEC_NODES:
+        mt__u32(b, (uint32_t)g->n_nodes); mt__i32(b, g->n_forward_nodes);
+        for (int i = 0; i < g->n_nodes; i++) {
+            const mt_node *n = &g->nodes[i];
+            mt__i32(b, n->op); mt__i32(b, n->queue); mt__i32(b, n->phase); mt__i32(b, n->layer);
+            mt__i32(b, n->n_in); mt__i32(b, n->n_out);
+            for (int k = 0; k < MT_MAX_IN; k++) mt__i32(b, n->in[k]);
+            for (int k = 0; k < MT_MAX_OUT; k++) mt__i32(b, n->out[k]);
+            for (int k = 0; k < MT_MAX_ATTR; k++) mt__i32(b, n->iattr[k]);
+            mt__u32(b, n->sym_mask);
+            for (int k = 0; k < 4; k++) mt__f32(b, n->fattr[k]);
+        }
+        break;
+    case MT_SEC_CONSTS:
+        mt__put(b, g->consts, (size_t)g->consts_bytes);
+        break;
+    case MT_SEC_TUNING:
+        mt__u32(b, (uint32_t)g->n_tuning);
+        for (int i = 0; i < g->n_tuning; i++) {
+            const mt_tuning *t = &g->tuning[i];
+            mt__i32(b, t->op); mt__i64(b, t->m); mt__i64(b, t->n); mt__i64(b, t->k); mt__i32(b, t->algo);
+        }
+        break;
+    case MT_SEC_PLAN:
+        mt__i64(b, g->persist_bytes); mt__i64(b, g->arena_bytes); mt__i64(b, g->naive_arena_bytes);
+        mt__i32(b, g->planned);
+        mt__u32(b, MT_NIO);
+        for (int i = 0; i < MT_NIO; i++) mt__i32(b, g->io[i]);
+        break;
+    case MT_SEC_FINGERPRINT: {
+        char text[4096];
+        mt__fingerprint_text(g, text, sizeof text);
+        mt__u64(b, mt_fingerprint(g));
+        mt__u32(b, (uint32_t)strlen(text));
+        mt__put(b, text, strlen(text));
+        break;
+    }
+    }
+}
+
+int mt_artifact_write(const mt_graph *g, uint8_t **bytes, size_t *len, mt_err *err) {
+    mt__buf sec[MT_NSECTIONS + 1];
+    memset(sec, 0, sizeof sec);
+    size_t hdr = MT__HDR_FIXED + MT__SEC_ENTRY * MT_NSECTIONS + 8, total = hdr;
+    int oom = 0;
+    for (int id = 1; id <= MT_NSECTIONS; id++) {
+        mt__write_section(&sec[id], id, g);
+        oom |= sec[id].oom;
+        total += sec[id].n;
+    }
+    mt__buf out;
+    memset(&out, 0, sizeof out);
+    if (!oom) {
+        mt__put(&out, "MOETRAIN", 8);
+        mt__u32(&out, MT_FORMAT_VERSION); mt__u32(&out, MT_NSECTIONS); mt__u64(&out, (uint64_t)total);
+        size_t off = hdr;
+        for (int id = 1; id <= MT_NSECTIONS; id++) {
+            mt__u32(&out, (uint32_t)id); mt__u32(&out, 0);
+            mt__u64(&out, off); mt__u64(&out, sec[id].n);
+            mt__u64(&out, mt_hash(sec[id].p, sec[id].n, MT_HASH_INIT));
+            off += sec[id].n;
+        }
+        mt__u64(&out, mt_hash(out.p, out.n, MT_HASH_INIT));
+        for (int id = 1; id <= MT_NSECTIONS; id++) mt__put(&out, sec[id].p, sec[id].n);
+    }
+    for (int id = 1; id <= MT_NSECTIONS; id++) MT_FREE(sec[id].p);
+    if (oom || out.oom) { MT_FREE(out.p); return mt_errf(err, "out of memory writing the artifact"); }
+    *bytes = out.p; *len = out.n;
+    return 0;
+}
+
+int mt_artifact_save(const mt_graph *g, const char *path, mt_err *err) {
+    uint8_t *bytes; size_t len;
+    if (mt_artifact_write(g, &bytes, &len, err)) return -1;
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "wb");
+    if (!f) { MT_FREE(bytes); return mt_errf(err, "cannot write '%s': %s", tmp, strerror(errno)); }
+    size_t w = fwrite(bytes, 1, len, f);
+    int bad = w != len || fflush(f) != 0;
+    bad |= fclose(f) != 0;
+    MT_FREE(bytes);
+    if (bad) { remove(tmp); return mt_errf(err, "writing '%s' failed (disk full?)", tmp); }
+    if (rename(tmp, path)) { remove(tmp); return mt_errf(err, "cannot rename '%s' to '%s': %s", tmp, path, strerror(errno)); }
+    return 0;
+}
+
+int mt_read_file(const char *path, uint8_t **bytes, size_t *len, mt_err *err) {
+    *bytes = NULL; *len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return mt_errf(err, "cannot open '%s': %s", path, strerror(errno));
+    struct stat st;
+    if (stat(path, &st) || !S_ISREG(st.st_mode)) { fclose(f); return mt_errf(err, "'%s' is not a regular file", path); }
+    size_t n = (size_t)st.st_size;
+    uint8_t *p = (uint8_t *)MT_MALLOC(n ? n : 1);
+    if (!p) { fclose(f); return mt_errf(err, "out of memory reading '%s' (%zu bytes)", path, n); }
+    if (fread(p, 1, n, f) != n) { MT_FREE(p); fclose(f); return mt_errf(err, "short read on '%s'", path); }
+    fclose(f);
+    *bytes = p; *len = n;
+    return 0;
+}
+
+/* --- validation of a loaded graph: everything an interpreter will trust --- */
+static int mt__validate_graph(const mt_graph *g, mt_err *err) {
+    mt_err e;
+    if (g->target.backend != MT_BACKEND_CPU && g->target.backend != MT_BACKEND_CUDA)
+        return mt_errf(err, "config: unknown backend %d", g->target.backend);
+    if (!(g->target.real_bytes == 4 || (g->target.backend == MT_BACKEND_CPU && g->target.real_bytes == 8)))
+        return mt_errf(err, "config: bad real size %d", g->target.real_bytes);
+    if (!mt__fixstr_ok(g->target.arch, sizeof g->target.arch)) return mt_errf(err, "config: bad architecture name");
+    if (g->kind != MT_GRAPH_TRAIN && g->kind != MT_GRAPH_FORWARD) return mt_errf(err, "config: bad graph kind %d", g->kind);
+    if (mt_config_validate(&g->cfg, &e)) return mt_errf(err, "config section: %s", e.msg);
+    if (mt_mesh_validate(&g->mesh, &g->cfg, &e)) return mt_errf(err, "mesh section: %s", e.msg);
+    for (int i = 0; i < g->n_syms; i++) {
+        const mt_symbol *s = &g->syms[i];
+        if (!mt__fixstr_ok(s->name, sizeof s->name)) return mt_errf(err, "symbol %d: bad name", i);
+        if (s->kind != MT_SYM_COORD && s->kind != MT_SYM_SIZE) return mt_errf(err, "symbol '%s': bad kind", s->name);
+        if (s->mesh_dim < 0 || s->mesh_dim >= MT_NDIMS) return mt_errf(err, "symbol '%s': bad mesh dimension", s->name);
+        if (s->max < 0 || s->max > ((int64_t)1 << 40)) return mt_errf(err, "symbol '%s': bound %lld out of range", s->name, (long long)s->max);
+        if (s->kind == MT_SYM_COORD && s->max != g->mesh.size[s->mesh_dim] - 1)
+            return mt_errf(err, "symbol '%s': bound disagrees with the mesh", s->name);
+    }
+    for (int i = 0; i < g->n_values; i++) {
+        const mt_value *v = &g->values[i];
+        if (!mt__fixstr_ok(v->name, MT_NAME_LEN)) return mt_errf(err, "value %d: bad name", i);
+        if (v->dtype < 0 || v->dtype >= MT_NDTYPES) return mt_errf(err, "value '%s': bad dtype %d", v->name, v->dtype);
+        if (v->dtype == MT_BF16 && g->target.backend != MT_BACKEND_CUDA) return mt_errf(err, "value '%s': bf16 in a CPU graph", v->name);
+        if (v->role < 0 || v->role >= MT_NROLES) return mt_errf(err, "value '%s': bad role %d", v->name, v->role);
+        if (v->ndim < 1 || v->ndim > MT_MAX_DIMS) return mt_errf(err, "value '%s': bad rank %d", v->name, v->ndim);
+        if (v->init < MT_INIT_NONE || v->init > MT_INIT_NORMAL || !isfinite(v->init_std) || v->init_std < 0 || v->init_std > 100)
+            return mt_errf(err, "value '%s': bad initializer", v->name);
+        if (v->flags & ~(uint32_t)(MT_VF_TRAINABLE | MT_VF_DECAY | MT_VF_EXPERTS | MT_VF_COUNTS))
+            return mt_errf(err, "value '%s': unknown flags 0x%x", v->name, v->flags);
+        int64_t numel = 1;
+        for (int d = 0; d < MT_MAX_DIMS; d++) {
+            int64_t x = v->dims[d];
+            if (d >= v->ndim) { if (x) return mt_errf(err, "value '%s': unused dim %d is %lld", v->name, d, (long long)x); continue; }
+            if (x < 0 && -x - 1 >= g->n_syms) return mt_errf(err, "value '%s': dim %d names a missing symbol", v->name, d);
+            if (x > ((int64_t)1 << 40)) return mt_errf(err, "value '%s': dim %d = %lld too large", v->name, d, (long long)x);
+            int64_t m = mt__dim_max(g, x);
+            if (m && numel > (((int64_t)1 << 48) / m)) return mt_errf(err, "value '%s': too many elements", v->name);
+            numel *= m;
+        }
+        if (v->nbytes != numel * mt_dtype_bytes(g, v->dtype))
+            return mt_errf(err, "value '%s': size %lld bytes, its shape needs %lld", v->name, (long long)v->nbytes,
+                           (long long)(numel * mt_dtype_bytes(g, v->dtype)));
+        if (v->param < -1 || v->param >= g->n_values || (v->param >= 0 && g->values[v->param].role != MT_ROLE_PARAM))
+            return mt_errf(err, "value '%s': bad owner %d", v->name, v->param);
+        if (v->role == MT_ROLE_CONST) {
+            if (v->data_offset < 0 || v->data_offset > g->consts_bytes || v->nbytes > g->consts_bytes - v->data_offset)
+                return mt_errf(err, "constant '%s': bytes %lld+%lld outside the %lld-byte constants section", v->name,
+                               (long long)v->data_offset, (long long)v->nbytes, (long long)g->consts_bytes);
+        } else if (v->data_offset != -1) {
+            return mt_errf(err, "value '%s': data offset on a non-constant", v->name);
+        }
+        for (int d = 0; d < v->ndim; d++)
+            if (v->dims[d] < 0 && (v->role == MT_ROLE_CONST || !MT_ROLE_IN_ARENA(v->role)))
+                return mt_errf(err, "value '%s': symbolic size outside the arena", v->name);
+    }
+    if (g->persist_bytes < 0 || g->arena_bytes < 0 || g->naive_arena_bytes < g->arena_bytes ||
+        g->persist_bytes > ((int64_t)1 << 46) || g->naive_arena_bytes > ((int64_t)1 << 46))
+        return mt_errf(err, "plan: region sizes out of range");
+    if (g->planned != 0 && g->planned != 1) return mt_errf(err, "plan: bad planned flag");
+    if (g->n_forward_nodes < 0 || g->n_forward_nodes > g->n_nodes) return mt_errf(err, "nodes: bad forward count");
+    /* nodes: shapes, then every value is written before it is read, and arena values once */
+    uint8_t *state = (uint8_t *)mt__calloc((size_t)g->n_values + 1);  /* 0 unwritten, 1 written */
+    if (!state) return mt_errf(err, "out of memory validating");
+    for (int i = 0; i < g->n_values; i++) {
+        int r = g->values[i].role;
+        state[i] = (r == MT_ROLE_PARAM || r == MT_ROLE_OPT || r == MT_ROLE_INPUT || r == MT_ROLE_CONST) ? 1 : 0;
+    }
+    for (int i = 0; i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        if (mt_check_node(g, n, &e)) { MT_FREE(state); return mt_errf(err, "node %d: %s", i, e.msg); }
+        if ((n->phase == MT_PHASE_FORWARD) != (i < g->n_forward_nodes)) { MT_FREE(state); return mt_errf(err, "node %d: phase disagrees with the forward count", i); }
+        for (int k = 0; k < n->n_in; k++)
+            if (n->in[k] >= 0 && !state[n->in[k]]) {
+                MT_FREE(state);
+                return mt_errf(err, "node %d (%s) reads '%s' before anything writes it", i, mt_ops[n->op].name, g->values[n->in[k]].name);
+            }
+        for (int k = 0; k < n->n_out; k++) {
+            int v = n->out[k];
+            if (v < 0) continue;
+            if (state[v] && MT_ROLE_IN_ARENA(g->values[v].role)) {
+                MT_FREE(state);
+                return mt_errf(err, "node %d (%s) writes arena value '%s' a second time", i, mt_ops[n->op].name, g->values[v].name);
+            }
+            state[v] = 1;
+        }
+    }
+    MT_FREE(state);
+    /* well-known values */
+    static const struct { int slot, role, dtype, train, fwd; } io[MT_NIO] = {
+        {MT_IO_TOKENS, MT_ROLE_INPUT, MT_I32, 1, 1}, {MT_IO_TARGETS, MT_ROLE_INPUT, MT_I32, 1, 1},
+        {MT_IO_STEP, MT_ROLE_INPUT, MT_I32, 1, 0}, {MT_IO_HPARAMS, MT_ROLE_INPUT, MT_F32, 1, 0},
+        {MT_IO_LOSS, MT_ROLE_OUTPUT, MT_F32, 1, 1}, {MT_IO_GRAD_NORM, MT_ROLE_OUTPUT, MT_F32, 1, 0},
+        {MT_IO_LR, MT_ROLE_OUTPUT, MT_F32, 1, 0}, {MT_IO_LOGITS, MT_ROLE_OUTPUT, MT_F32, 0, 1}};
+    int64_t N = (int64_t)g->cfg.batch * g->cfg.seq_len;
+    for (int i = 0; i < MT_NIO; i++) {
+        int v = g->io[io[i].slot], want = g->kind == MT_GRAPH_TRAIN ? io[i].train : io[i].fwd;
+        if (!want) { if (v != -1) return mt_errf(err, "plan: unexpected well-known value %d", i); continue; }
+        if (v < 0 || v >= g->n_values) return mt_errf(err, "plan: well-known value %d missing", i);
+        const mt_value *x = &g->values[v];
+        if (x->role != io[i].role || (x->dtype != io[i].dtype && !(i == MT_IO_LOGITS && x->dtype == MT_BF16)))
+            return mt_errf(err, "plan: well-known value '%s' has the wrong role or dtype", x->name);
+        int64_t want_n = 1;
+        if (i == MT_IO_TOKENS || i == MT_IO_TARGETS) want_n = N;
+        else if (i == MT_IO_HPARAMS) want_n = (int64_t)MT_HP_COUNT;
+        else if (i == MT_IO_LOGITS) want_n = N * g->cfg.vocab_size;
+        if (mt_value_numel_max(g, x) != want_n) return mt_errf(err, "plan: well-known value '%s' has the wrong size", x->name);
+    }
+    for (int i = 0; i < g->n_tuning; i++)
+        if (g->tuning[i].op < 0 || g->tuning[i].op >= MT_NOPS || g->tuning[i].m < 0 || g->tuning[i].n < 0 || g->tuning[i].k < 0)
+            return mt_errf(err, "tuning entry %d is invalid", i);
+    if (mt_plan_check(g, &e)) return mt_errf(err, "plan: %s", e.msg);
+    return 0;
+}
+
+static int mt__read_section(mt_graph *g, int id, mt__rd *r, mt_err *err) {
+    switch (id) {
+    case MT_SEC_CONFIG: {
+        g->target.backend = mt__gi32(r); g->target.real_bytes = mt__gi32(r);
+        mt__gfix(r, g->target.arch, 16);
+        g->kind = mt__gi32(r);
+        uint32_t nf = mt__g32(r);
+        if (r->bad) break;
+        if (nf != (uint32_t)mt_n_config_fields)
+            return mt_errf(err, "config section has %u fields, this build has %d", nf, mt_n_config_fields);
+        for (uint32_t i = 0; i < nf && !r->bad; i++) {
+            char name[32];
+            mt__gfix(r, name, 32);
+            uint32_t type = mt__g32(r), bits = mt__g32(r);
+            if (r->bad) break;
+            const mt_field *f = &mt_config_fields[i];
+            if (strncmp(name, f->name, 32) || type != (uint32_t)f->type)
+                return mt_errf(err, "config section: field %u is '%.31s', this build expects '%s'", i, name, f->name);
+            memcpy((char *)&g->cfg + f->offset, &bits, 4);
+        }
+        break;
+    }
+    case MT_SEC_MESH: {
+        uint32_t nd = mt__g32(r);
+        if (!r->bad && nd != MT_NDIMS) return mt_errf(err, "mesh section has %u dimensions, expected %d", nd, MT_NDIMS);
+        for (int d = 0; d < MT_NDIMS; d++) g->mesh.size[d] = mt__gi32(r);
+        break;
+    }
+    case MT_SEC_SYMBOLS: {
+        uint32_t n = mt__g32(r);
+        if (r->bad) break;
+        if (n > 64 || (size_t)n * 48 > r->n - r->at) return mt_errf(err, "symbols section: count %u does not fit", n);
+        g->syms = (mt_symbol *)mt__calloc(sizeof(mt_symbol) * (n + 1));
+        if (!g->syms) return mt_errf(err, "out of memory");
+        g->n_syms = (int)n;
+        for (uint32_t i = 0; i < n; i++) {
+            mt_symbol *s = &g->syms[i];
+            mt__gfix(r, s->name, 32); s->kind = mt__gi32(r); s->mesh_dim = mt__gi32(r); s->max = mt__gi64(r);
+        }
+        break;
+    }
+    case MT_SEC_VALUES: {
+        uint32_t n = mt__g32(r);
+        size_t rec = MT_NAME_LEN + 5 * 4 + MT_MAX_DIMS * 8 + 8 + 3 * 8;
+        if (r->bad) break;
+        if (n > (1u << 24) || (size_t)n * rec > r->n - r->at) return mt_errf(err, "values section: count %u does not fit", n);
+        g->values = (mt_value *)mt__calloc(sizeof(mt_value) * (n + 1));
+        if (!g->values) return mt_errf(err, "out of memory");
+        g->n_values = g->cap_values = (int)n;
+        for (uint32_t i = 0; i < n; i++) {
+            mt_value *v = &g->values[i];
+            mt__gfix(r, v->name, MT_NAME_LEN);
+            v->dtype = mt__gi32(r); v->role = mt__gi32(r); v->ndim = mt__gi32(r); v->init = mt__gi32(r);
+            v->flags = mt__g32(r);
+            for (int d = 0; d < MT_MAX_DIMS; d++) v->dims[d] = mt__gi64(r);
+            v->init_std = mt__gf32(r); v->param = mt__gi32(r);
+            v->offset = mt__gi64(r); v->nbytes = mt__gi64(r); v->data_offset = mt__gi64(r);
+        }
+        break;
+    }
+    case MT_SEC_NODES: {
+        uint32_t n = mt__g32(r);
+        size_t rec = 4 * (6 + MT_MAX_IN + MT_MAX_OUT + MT_MAX_ATTR + 1 + 4);
+        g->n_forward_nodes = mt__gi32(r);
+        if (r->bad) break;
+        if (n > (1u << 24) || (size_t)n * rec > r->n - r->at) return mt_errf(err, "nodes section: count %u does not fit", n);
+        g->nodes = (mt_node *)mt__calloc(sizeof(mt_node) * (n + 1));
+        if (!g->nodes) return mt_errf(err, "out of memory");
+        g->n_nodes = g->cap_nodes = (int)n;
+        for (uint32_t i = 0; i < n; i++) {
+            mt_node *x = &g->nodes[i];
+            x->op = mt__gi32(r); x->queue = mt__gi32(r); x->phase = mt__gi32(r); x->layer = mt__gi32(r);
+            x->n_in = mt__gi32(r); x->n_out = mt__gi32(r);
+            for (int k = 0; k < MT_MAX_IN; k++) x->in[k] = mt__gi32(r);
+            for (int k = 0; k < MT_MAX_OUT; k++) x->out[k] = mt__gi32(r);
+            for (int k = 0; k < MT_MAX_ATTR; k++) x->iattr[k] = mt__gi32(r);
+            x->sym_mask = mt__g32(r);
+            for (int k = 0; k < 4; k++) x->fattr[k] = mt__gf32(r);
+        }
+        break;
+    }
+    case MT_SEC_CONSTS:
+        g->consts_bytes = (int64_t)r->n;
+        g->consts = (uint8_t *)MT_MALLOC(r->n ? r->n : 1);
+        if (!g->consts) return mt_errf(err, "out of memory");
+        memcpy(g->consts, r->p, r->n);
+        r->at = r->n;
+        break;
+    case MT_SEC_TUNING: {
+        uint32_t n = mt__g32(r);
+        if (r->bad) break;
+        if (n > (1u << 20) || (size_t)n * 32 > r->n - r->at) return mt_errf(err, "tuning section: count %u does not fit", n);
+        g->tuning = (mt_tuning *)mt__calloc(sizeof(mt_tuning) * (n + 1));
+        if (!g->tuning) return mt_errf(err, "out of memory");
+        g->n_tuning = (int)n;
+        for (uint32_t i = 0; i < n; i++) {
+            mt_tuning *t = &g->tuning[i];
+            t->op = mt__gi32(r); t->m = mt__gi64(r); t->n = mt__gi64(r); t->k = mt__gi64(r); t->algo = mt__gi32(r);
+        }
+        break;
+    }
+    case MT_SEC_PLAN: {
+        g->persist_bytes = mt__gi64(r); g->arena_bytes = mt__gi64(r); g->naive_arena_bytes = mt__gi64(r);
+        g->planned = mt__gi32(r);
+        uint32_t nio = mt__g32(r);
+        if (!r->bad && nio != MT_NIO) return mt_errf(err, "plan section lists %u well-known values, expected %d", nio, MT_NIO);
+        for (int i = 0; i < MT_NIO; i++) g->io[i] = mt__gi32(r);
+        break;
+    }
+    case MT_SEC_FINGERPRINT: {
+        uint64_t fp = mt__g64(r);
+        uint32_t tl = mt__g32(r);
+        if (r->bad) break;
+        if (tl >= 4096 || tl != r->n - r->at) return mt_errf(err, "fingerprint section: bad text length %u", tl);
+        char text[4096];
+        memcpy(text, r->p + r->at, tl);
+        text[tl] = 0;
+        r->at += tl;
+        /* the graph is complete by now (fingerprint is the last section) */
+        uint64_t mine = mt_fingerprint(g);
+        if (fp != mine) {
+            char here[4096];
+            mt__fingerprint_text(g, here, sizeof here);
+            return mt_errf(err, "fingerprint mismatch: the artifact was made for\n  %s\nbut this build, for the same contents, expects\n  %s\n"
+                                "re-run precompile with this build", text, here);
+        }
+        break;
+    }
+    }
+    if (r->bad) return mt_errf(err, "%s section is truncated", mt__sec_names[id]);
+    if (r->at != r->n) return mt_errf(err, "%s section has %zu unexpected trailing bytes", mt__sec_names[id], r->n - r->at);
+    return 0;
+}
+
+int mt_artifact_read(mt_graph *g, const uint8_t *p, size_t len, mt_err *err) {
+    memset(g, 0, sizeof *g);
+    mt_err e;
+    if (len < MT__HDR_FIXED) return mt_errf(err, "not a moetrain artifact: %zu bytes is shorter than the header", len);
+    if (memcmp(p, "MOETRAIN", 8)) return mt_errf(err, "not a moetrain artifact (bad magic)");
+    mt__rd r = {p, len, 8, 0};
+    uint32_t ver = mt__g32(&r), ns = mt__g32(&r);
+    uint64_t fsize = mt__g64(&r);
+    if (ver != MT_FORMAT_VERSION)
+        return mt_errf(err, "artifact format version %u, this build reads version %u: re-run precompile with this build", ver, MT_FORMAT_VERSION);
+    if (fsize != len)
+        return mt_errf(err, "artifact is truncated or padded: its header says %llu bytes, the file has %zu", (unsigned long long)fsize, len);
+    if (ns != MT_NSECTIONS) return mt_errf(err, "artifact has %u sections, this format has %d", ns, MT_NSECTIONS);
+    size_t hdr = MT__HDR_FIXED + (size_t)MT__SEC_ENTRY * ns + 8;
+    if (len < hdr) return mt_errf(err, "artifact is truncated inside its section table");
+    mt__rd hr = {p, len, hdr - 8, 0};
+    uint64_t want = mt__g64(&hr);
+    if (mt_hash(p, hdr - 8, MT_HASH_INIT) != want) return mt_errf(err, "artifact header checksum mismatch (corrupt file)");
+    uint64_t off[MT_NSECTIONS + 1], slen[MT_NSECTIONS + 1];
+    size_t expect = hdr;
+    for (uint32_t i = 0; i < ns; i++) {
+        uint32_t id = mt__g32(&r), zero = mt__g32(&r);
+        uint64_t o = mt__g64(&r), l = mt__g64(&r), sum = mt__g64(&r);
+        if (id != i + 1 || zero) return mt_errf(err, "section table entry %u is malformed", i);
+        if (o != expect || o > len || l > len - o) return mt_errf(err, "%s section lies outside the file", mt__sec_names[id]);
+        if (mt_hash(p + o, (size_t)l, MT_HASH_INIT) != sum) return mt_errf(err, "%s section checksum mismatch (corrupt file)", mt__sec_names[id]);
+        off[id] = o; slen[id] = l;
+        expect = (size_t)(o + l);
+    }
+    if (expect != len) return mt_errf(err, "artifact has %zu bytes after its last section", len - expect);
+    for (int id = 1; id <= MT_NSECTIONS; id++) {
+        mt__rd sr = {p + off[id], (size_t)slen[id], 0, 0};
+        if (mt__read_section(g, id, &sr, &e)) { mt_graph_free(g); return mt_errf(err, "%s", e.msg); }
+    }
+    if (mt__validate_graph(g, &e)) { mt_graph_free(g); return mt_errf(err, "invalid artifact: %s", e.msg); }
+    return 0;
+}
+
+int mt_artifact_load(mt_graph *g, const char *path, mt_err *err) {
+    uint8_t *bytes; size_t len;
+    mt_err e;
+    memset(g, 0, sizeof *g);
+    if (mt_read_file(path, &bytes, &len, err)) return -1;
+    int rc = mt_artifact_read(g, bytes, len, &e);
+    MT_FREE(bytes);
+    if (rc) return mt_errf(err, "%s: %s", path, e.msg);
+    return 0;
+}
+
+static void mt__dims_str(const mt_graph *g, const mt_value *v, char *out, size_t n) {
+    int at = 0;
+    out[0] = 0;
+    for (int d = 0; d < v->ndim && at >= 0 && (size_t)at < n; d++) {
+        if (v->dims[d] >= 0) at += snprintf(out + at, n - (size_t)at, "%s%lld", d ? "," : "", (long long)v->dims[d]);
+        else at += snprintf(out + at, n - (size_t)at, "%s%s", d ? "," : "", g->syms[-v->dims[d] - 1].name);
+    }
+}
+static const char *mt__human(double bytes, char *buf) {
+    const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int i = 0;
+    while (bytes >= 1024 && i < 4) { bytes /= 1024; i++; }
+    sprintf(buf, i ? "%.2f %s" : "%.0f %s", bytes, u[i]);
+    return buf;
+}
+
+void mt_graph_dump(const mt_graph *g, FILE *f) {
+    char b1[32], b2[32], b3[32], dims[160];
+    fprintf(f, "moetrain step graph (format %u, %s)\n", MT_FORMAT_VERSION, g->kind == MT_GRAPH_TRAIN ? "train" : "forward");
+    fprintf(f, "fingerprint %016llx  target %s %s (real %d bytes)\n", (unsigned long long)mt_fingerprint(g),
+            g->target.backend == MT_BACKEND_CUDA ? "cuda" : "cpu", g->target.arch, (int)g->target.real_bytes);
+    fprintf(f, "\n== config\n");
+    for (int i = 0; i < mt_n_config_fields; i++) {
+        const mt_field *fl = &mt_config_fields[i];
+        const void *p = (const char *)&g->cfg + fl->offset;
+        if (!strcmp(fl->name, "score_func")) fprintf(f, "  %-20s %s\n", fl->name, *(const int *)p ? "sigmoid" : "softmax");
+        else if (fl->type == MT_FIELD_INT) fprintf(f, "  %-20s %d\n", fl->name, *(const int *)p);
+        else fprintf(f, "  %-20s %g\n", fl->name, (double)*(const float *)p);
+    }
+    fprintf(f, "\n== mesh\n  ");
+    for (int d = 0; d < MT_NDIMS; d++) fprintf(f, "%s=%d%s", mt_dim_names[d], g->mesh.size[d], d + 1 < MT_NDIMS ? "  " : "\n");
+    fprintf(f, "\n== symbols (bound at load/run time)\n");
+    for (int i = 0; i < g->n_syms; i++)
+        fprintf(f, "  s%-3d %-20s %-6s %s max=%lld\n", i, g->syms[i].name, g->syms[i].kind == MT_SYM_COORD ? "coord" : "size",
+                mt_dim_names[g->syms[i].mesh_dim], (long long)g->syms[i].max);
+    int32_t *first = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(g->n_values + 1));
+    int32_t *last = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(g->n_values + 1));
+    if (first && last) mt__live_ranges(g, first, last);
+    fprintf(f, "\n== values (%d)\n  %-5s %-52s %-7s %-4s %-22s %12s %10s  %s\n", g->n_values, "id", "name", "role", "type", "shape", "offset", "bytes", "live");
+    for (int i = 0; i < g->n_values; i++) {
+        const mt_value *v = &g->values[i];
+        mt__dims_str(g, v, dims, sizeof dims);
+        fprintf(f, "  v%-4d %-52s %-7s %-4s [%-20s] %12lld %10lld", i, v->name, mt__role_names[v->role], mt__dtype_names[v->dtype],
+                dims, (long long)v->offset, (long long)v->nbytes);
+        if (first && last && first[i] >= 0) fprintf(f, "  %d..%d", first[i], last[i]);
+        fprintf(f, "\n");
+    }
+    MT_FREE(first); MT_FREE(last);
+    static const char *const phase[] = {"fwd", "bwd", "opt"};
+    fprintf(f, "\n== nodes (%d: %d forward)\n", g->n_nodes, g->n_forward_nodes);
+    for (int i = 0; i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        fprintf(f, "  n%-5d %-3s %-7s L%-3d %-18s", i, phase[n->phase], mt_queue_names[n->queue], n->layer, mt_ops[n->op].name);
+        for (int k = 0; k < n->n_in; k++) fprintf(f, "%s%s", k ? ", " : " ", n->in[k] >= 0 ? g->values[n->in[k]].name : "-");
+        fprintf(f, " ->");
+        for (int k = 0; k < n->n_out; k++) fprintf(f, "%s%s", k ? ", " : " ", n->out[k] >= 0 ? g->values[n->out[k]].name : "-");
+        int na = 0;
+        for (int k = 0; k < MT_MAX_ATTR; k++) if (n->iattr[k] || (n->sym_mask >> k & 1)) na = k + 1;
+        if (na) {
+            fprintf(f, "  [");
+            for (int k = 0; k < na; k++) {
+                if (n->sym_mask >> k & 1) fprintf(f, "%s%s", k ? " " : "", g->syms[n->iattr[k]].name);
+                else fprintf(f, "%s%d", k ? " " : "", n->iattr[k]);
+            }
+            fprintf(f, "]");
+        }
+        if (n->fattr[0] != 0) fprintf(f, " f=%g", (double)n->fattr[0]);
+        fprintf(f, "\n");
+    }
+    fprintf(f, "\n== collectives (communicators are resolved per rank at bind time)\n");
+    for (int i = 0; i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        if (n->queue == MT_Q_COMPUTE) continue;
+        fprintf(f, "  n%-5d %-12s queue=%-3s group=%d over", i, mt_ops[n->op].name, mt_queue_names[n->queue], n->iattr[1]);
+        for (int d = 0; d < MT_NDIMS; d++) if ((uint32_t)n->iattr[0] >> d & 1) fprintf(f, " %s(%d)", mt_dim_names[d], g->mesh.size[d]);
+        fprintf(f, "  %s\n", n->in[0] >= 0 ? g->values[n->in[0]].name : "");
+    }
+    fprintf(f, "\n== memory plan (%s)\n", g->planned ? "liveness-planned arena" : "naive: every value its own bytes");
+    fprintf(f, "  persistent %s, arena %s (naive %s, %.1f%% saved)\n", mt__human((double)g->persist_bytes, b1),
+            mt__human((double)g->arena_bytes, b2), mt__human((double)g->naive_arena_bytes, b3),
+            g->naive_arena_bytes ? 100.0 * (1.0 - (double)g->arena_bytes / (double)g->naive_arena_bytes) : 0.0);
+    fprintf(f, "  constants %lld bytes, tuning entries %d\n", (long long)g->consts_bytes, g->n_tuning);
+}
+
+/* ========================================================================
+ * 8. CPU reference ops
+ * The specification the CUDA kernels are tested against. Plain loops; the
+ * only cleverness is splitting independent rows over the thread pool.
+ * Reductions run in a fixed order, so results are bitwise reproducible.
+ * ====================================================================== */
+
+/* --- embedding --- */
+void mt_cpu_embed_forward(mt_real *x, const int32_t *tok, const mt_real *wte, int N, int D) {
+    for (int n = 0; n < N; n++) memcpy(x + (int64_t)n * D, wte + (int64_t)tok[n] * D, sizeof(mt_real) * (size_t)D);
+}
+void mt_cpu_embed_backward(mt_real *dwte, const mt_real *dx, const int32_t *tok, int N, int V, int D) {
+    memset(dwte, 0, sizeof(mt_real) * (size_t)V * (size_t)D);
+    for (int n = 0; n < N; n++) {               /* token order: deterministic */
+        mt_real *row = dwte + (int64_t)tok[n] * D;
+        const mt_real *g = dx + (int64_t)n * D;
+        for (int d = 0; d < D; d++) row[d] += g[d];
+    }
+}
+
+/* --- RMSNorm: y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps) --- */
+void mt_cpu_rmsnorm_forward(mt_real *y, mt_real *rstd, const mt_real *x, const mt_real *w, int N, int D,
+                            float eps) {
+    for (int n = 0; n < N; n++) {
+        const mt_real *xr = x + (int64_t)n * D;
+        double ss = 0;
+        for (int d = 0; d < D; d++) ss += (double)xr[d] * xr[d];
+        mt_real r = (mt_real)(1.0 / sqrt(ss / D + eps));
+        rstd[n] = r;
+        for (int d = 0; d < D; d++) y[(int64_t)n * D + d] = xr[d] * r * w[d];
+    }
+}
+/* dx = rstd * (w*dy) - rstd^3/D * x * sum(w*dy*x);  dw = sum_n dy * x * rstd */
+void mt_cpu_rmsnorm_backward(mt_real *dx, mt_real *dw, const mt_real *dy, const mt_real *x, const mt_real *w,
+                             const mt_real *rstd, int N, int D) {
+    memset(dw, 0, sizeof(mt_real) * (size_t)D);
+    for (int n = 0; n < N; n++) {
+        const mt_real *xr = x + (int64_t)n * D, *g = dy + (int64_t)n * D;
+        double r = rstd[n], dot = 0;
+        for (int d = 0; d < D; d++) dot += (double)w[d] * g[d] * xr[d];
+        double c = r * r * r * dot / D;
+        for (int d = 0; d < D; d++) {
+            dx[(int64_t)n * D + d] = (mt_real)(r * w[d] * g[d] - c * xr[d]);
+            dw[d] += (mt_real)(g[d] * xr[d] * r);
+        }
+    }
+}
+
+/* --- matmul: C[M,Nn] = op(A)[M,K] op(B)[K,Nn], row-major, op = transpose if flag --- */
+typedef struct { mt_real *C; const mt_real *A, *B; int M, Nn, K, ta, tb; } mt__mm;
+
+static mt_real mt__dot(const mt_real *a, const mt_real *b, int K) {
+    mt_real acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int k = 0;
+    for (; k + 8 <= K; k += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[k + l] * b[k + l];
+    mt_real tail = 0;
+    for (; k < K; k++) tail += a[k] * b[k];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+}
+static void mt__mm_rows(void *ctx, int64_t i0, int64_t i1) {
+    const mt__mm *m = (const mt__mm *)ctx;
+    int Nn = m->Nn, K = m->K, M = m->M;
+    for (int64_t i = i0; i < i1; i++) {
+        mt_real *c = m->C + i * Nn;
+        if (!m->ta && m->tb) {                  /* C[i,j] = A[i,:] . B[j,:]   (x W^T) */
+            for (int j = 0; j < Nn; j++) c[j] = mt__dot(m->A + i * K, m->B + (int64_t)j * K, K);
+        } else if (!m->tb) {                    /* C[i,:] = sum_k opA[i,k] B[k,:] */
+            for (int j = 0; j < Nn; j++) c[j] = 0;
+            for (int k = 0; k < K; k++) {
+                mt_real a = m->ta ? m->A[(int64_t)k * M + i] : m->A[i * K + k];
+                const mt_real *b = m->B + (int64_t)k * Nn;
+                for (int j = 0; j < Nn; j++) c[j] += a * b[j];
+            }
+        } else {                                /* C[i,j] = sum_k A[k,i] B[j,k] */
+            for (int j = 0; j < Nn; j++) {
+                mt_real s = 0;
+                for (int k = 0; k < K; k++) s += m->A[(int64_t)k * M + i] * m->B[(int64_t)j * K + k];
+                c[j] = s;
+            }
+        }
+    }
+}
+void mt_cpu_matmul(mt_pool *pool, mt_real *C, const mt_real *A, const mt_real *B, int M, int Nn, int K,
+                   int ta, int tb) {
+    mt__mm m = {C, A, B, M, Nn, K, ta, tb};
+    mt_pool_for(pool, M, mt__mm_rows, &m);
+}
+
+/* --- split / concat along columns --- */
+void mt_cpu_split(mt_real *x1, mt_real *x2, const mt_real *x, int N, int a, int b) {
+    for (int n = 0; n < N; n++) {
+        memcpy(x1 + (int64_t)n * a, x + (int64_t)n * (a + b), sizeof(mt_real) * (size_t)a);
+        memcpy(x2 + (int64_t)n * b, x + (int64_t)n * (a + b) + a, sizeof(mt_real) * (size_t)b);
+    }
+}
+void mt_cpu_concat(mt_real *x, const mt_real *x1, const mt_real *x2, int N, int a, int b) {
+    for (int n = 0; n < N; n++) {
+        mt_real *row = x + (int64_t)n * (a + b);
+        if (x1) memcpy(row, x1 + (int64_t)n * a, sizeof(mt_real) * (size_t)a);
+        else memset(row, 0, sizeof(mt_real) * (size_t)a);
+        if (x2) memcpy(row + a, x2 + (int64_t)n * b, sizeof(mt_real) * (size_t)b);
+        else memset(row + a, 0, sizeof(mt_real) * (size_t)b);
+    }
+}
+
+/* --- RoPE (optionally YaRN) ---
+ * Pairs (x[2i], x[2i+1]) of the rotary part rotate by angle t*freq_i, the
+ * complex-multiplication convention of the original DeepSeek code. With YaRN
+ * (rope_factor > 1) the low frequencies are divided by the factor, blended
+ * by a linear ramp between the correction dims of beta_fast and beta_slow. */
+static double mt__yarn_dim(double rotations, int dim, double base, int orig_len) {
+    return dim * log(orig_len / (rotations * 2 * 3.141592653589793)) / (2 * log(base));
+}
+void mt_cpu_rope_tables(mt_real *cosv, mt_real *sinv, const mt_config *c) {
+    int dr = c->qk_rope_head_dim, half = dr / 2;
+    double base = c->rope_theta;
+    double lo = 0, hi = 0;
+    int yarn = mt_config_yarn(c);
+    if (yarn) {
+        lo = floor(mt__yarn_dim(c->beta_fast, dr, base, c->original_seq_len));
+        hi = ceil(mt__yarn_dim(c->beta_slow, dr, base, c->original_seq_len));
+        if (lo < 0) lo = 0;
+        if (hi > dr - 1) hi = dr - 1;
+        if (lo == hi) hi += 0.001;
+    }
+    for (int i = 0; i < half; i++) {
+        double f = pow(base, -2.0 * i / dr);
+        if (yarn) {
+            double ramp = (i - lo) / (hi - lo);
+            ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+            double smooth = 1 - ramp;
+            f = f / c->rope_factor * (1 - smooth) + f * smooth;
+        }
+        for (int t = 0; t < c->seq_len; t++) {
+            cosv[(int64_t)t * half + i] = (mt_real)cos(t * f);
+            sinv[(int64_t)t * half + i] = (mt_real)sin(t * f);
+        }
+    }
+}
+/* softmax scale: 1/sqrt(qk head dim), times mscale^2 under YaRN */
+double mt_attention_scale(const mt_config *c) {
+    double s = 1.0 / sqrt((double)(c->qk_nope_head_dim + c->qk_rope_head_dim));
+    if (mt_config_yarn(c)) {
+        double m = 0.1 * c->mscale * log(c->rope_factor) + 1.0;
+        s *= m * m;
+    }
+    return s;
+}
+
+/* --- MLA assembly: per head, Q = [q_nope, rope(q_pe)], K = [k_nope, rope(k_pe)]
+ *     with k_pe shared by all heads, V = v. q [N,H*(dn+dr)], kv [N,H*(dn+dv)],
+ *     kpe [N,dr]; token n sits at position n % T. --- */
+static void mt__rotate(mt_real *out, const mt_real *in, const mt_real *c, const mt_real *s, int half, int inverse) {
+    for (int i = 0; i < half; i++) {
+        mt_real x0 = in[2 * i], x1 = in[2 * i + 1], sn = inverse ? -s[i] : s[i];
+        out[2 * i] = x0 * c[i] - x1 * sn;
+        out[2 * i + 1] = x0 * sn + x1 * c[i];
+    }
+}
+void mt_cpu_mla_rope_forward(mt_real *Q, mt_real *K, mt_real *Vv, const mt_real *q, const mt_real *kv,
+                             const mt_real *kpe, const mt_real *cosv, const mt_real *sinv, int N, int T, int H,
+                             int dn, int dr, int dv) {
+    int dq = dn + dr, half = dr / 2;
+    for (int n = 0; n < N; n++) {
+        const mt_real *c = cosv + (int64_t)(n % T) * half, *s = sinv + (int64_t)(n % T) * half;
+        mt_real kr[1024];
+        mt__rotate(kr, kpe + (int64_t)n * dr, c, s, half, 0);
+        for (int h = 0; h < H; h++) {
+            const mt_real *qh = q + ((int64_t)n * H + h) * dq, *kvh = kv + ((int64_t)n * H + h) * (dn + dv);
+            mt_real *Qh = Q + ((int64_t)n * H + h) * dq, *Kh = K + ((int64_t)n * H + h) * dq;
+            memcpy(Qh, qh, sizeof(mt_real) * (size_t)dn);
+            mt__rotate(Qh + dn, qh + dn, c, s, half, 0);
+            memcpy(Kh, kvh, sizeof(mt_real) * (size_t)dn);
+            memcpy(Kh + dn, kr, sizeof(mt_real) * (size_t)dr);
+            memcpy(Vv + ((int64_t)n * H + h) * dv, kvh + dn, sizeof(mt_real) * (size_t)dv);
+        }
+    }
+}
+void mt_cpu_mla_rope_backward(mt_real *dq, mt_real *dkv, mt_real *dkpe, const mt_real *dQ, const mt_real *dK,
+                              const mt_real *dV, const mt_real *cosv, const mt_real *sinv, int N, int T, int H,
+                              int dn, int dr, int dv) {
+    int dq_ = dn + dr, half = dr / 2;
+    for (int n = 0; n < N; n++) {
+        const mt_real *c = cosv + (int64_t)(n % T) * half, *s = sinv + (int64_t)(n % T) * half;
+        mt_real acc[1024], tmp[1024];
+        for (int i = 0; i < dr; i++) acc[i] = 0;
+        for (int h = 0; h < H; h++) {
+            const mt_real *dQh = dQ + ((int64_t)n * H + h) * dq_, *dKh = dK + ((int64_t)n * H + h) * dq_;
+            mt_real *dqh = dq + ((int64_t)n * H + h) * dq_, *dkvh = dkv + ((int64_t)n * H + h) * (dn + dv);
+            memcpy(dqh, dQh, sizeof(mt_real) * (size_t)dn);
+            mt__rotate(dqh + dn, dQh + dn, c, s, half, 1);     /* the rotation's transpose */
+            memcpy(dkvh, dKh, sizeof(mt_real) * (size_t)dn);
+            memcpy(dkvh + dn, dV + ((int64_t)n * H + h) * dv, sizeof(mt_real) * (size_t)dv);
+            mt__rotate(tmp, dKh + dn, c, s, half, 1);
+            for (int i = 0; i < dr; i++) acc[i] += tmp[i];       /* k_pe is shared: sum heads */
+        }
+        memcpy(dkpe + (int64_t)n * dr, acc, sizeof(mt_real) * (size_t)dr);
+    }
+}
+
+/* --- causal attention, one (batch, head) pair per task; never stores T x T ---
+ * Q,K [N, H*dq], V,O [N, H*dv], lse [N, H] (log-sum-exp of the scaled scores). */
+typedef struct {
+    mt_real *O, *lse, *dQ, *dK, *dV;
+    const mt_real *Q, *K, *V, *Oc, *lsec, *dO;
+    int B, T, H, dq, dv;
+    float scale;
+} mt__attn;
+static void mt__attn_fwd(void *ctx, int64_t t0, int64_t t1) {
+    const mt__attn *a = (const mt__attn *)ctx;
+    int T = a->T, H = a->H, dq = a->dq, dv = a->dv;
+    mt_real *p = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)T);
+    double *o = (double *)MT_MALLOC(sizeof(double) * (size_t)dv);
+    if (!p || !o) { MT_FREE(p); MT_FREE(o); return; }  /* results stay NaN-poisoned: caught by the caller */
+    for (int64_t task = t0; task < t1; task++) {
+        int b = (int)(task / H), h = (int)(task % H);
+        for (int i = 0; i < T; i++) {
+            int64_t ni = (int64_t)b * T + i;
+            const mt_real *q = a->Q + (ni * H + h) * dq;
+            mt_real mx = -INFINITY;
+            for (int j = 0; j <= i; j++) {
+                p[j] = a->scale * mt__dot(q, a->K + (((int64_t)b * T + j) * H + h) * dq, dq);
+                if (p[j] > mx) mx = p[j];
+            }
+            double l = 0;
+            for (int d = 0; d < dv; d++) o[d] = 0;
+            for (int j = 0; j <= i; j++) {
+                double e = exp((double)(p[j] - mx));
+                l += e;
+                const mt_real *v = a->V + (((int64_t)b * T + j) * H + h) * dv;
+                for (int d = 0; d < dv; d++) o[d] += e * v[d];
+            }
+            mt_real *out = a->O + (ni * H + h) * dv;
+            for (int d = 0; d < dv; d++) out[d] = (mt_real)(o[d] / l);
+            a->lse[ni * H + h] = (mt_real)(mx + log(l));
+        }
+    }
+    MT_FREE(p); MT_FREE(o);
+}
+void mt_cpu_attention_forward(mt_pool *pool, mt_real *O, mt_real *lse, const mt_real *Q, const mt_real *K,
+                              const mt_real *Vv, int B, int T, int H, int dq, int dv, float scale) {
+    mt__attn a;
+    memset(&a, 0, sizeof a);
+    a.O = O; a.lse = lse; a.Q = Q; a.K = K; a.V = Vv; a.B = B; a.T = T; a.H = H; a.dq = dq; a.dv = dv; a.scale = scale;
+    mt_pool_for(pool, (int64_t)B * H, mt__attn_fwd, &a);
+}
+/* P_ij = exp(s_ij - lse_i); dS_ij = P_ij (dO_i.V_j - dO_i.O_i);
+ * dQ_i = scale sum_j dS_ij K_j; dK_j = scale sum_i dS_ij Q_i; dV_j = sum_i P_ij dO_i */
+static void mt__attn_bwd(void *ctx, int64_t t0, int64_t t1) {
+    const mt__attn *a = (const mt__attn *)ctx;
+    int T = a->T, H = a->H, dq = a->dq, dv = a->dv;
+    for (int64_t task = t0; task < t1; task++) {
+        int b = (int)(task / H), h = (int)(task % H);
+        for (int j = 0; j < T; j++) {
+            int64_t nj = (int64_t)b * T + j;
+            memset(a->dK + (nj * H + h) * dq, 0, sizeof(mt_real) * (size_t)dq);
+            memset(a->dV + (nj * H + h) * dv, 0, sizeof(mt_real) * (size_t)dv);
+        }
+        for (int i = 0; i < T; i++) {
+            int64_t ni = (int64_t)b * T + i;
+            const mt_real *q = a->Q + (ni * H + h) * dq, *dOi = a->dO + (ni * H + h) * dv;
+            mt_real Di = mt__dot(dOi, a->Oc + (ni * H + h) * dv, dv), L = a->lsec[ni * H + h];
+            mt_real *dQi = a->dQ + (ni * H + h) * dq;
+            for (int d = 0; d < dq; d++) dQi[d] = 0;
+            for (int j = 0; j <= i; j++) {
+                int64_t nj = (int64_t)b * T + j;
+                const mt_real *k = a->K + (nj * H + h) * dq, *v = a->V + (nj * H + h) * dv;
+                mt_real pij = (mt_real)exp((double)(a->scale * mt__dot(q, k, dq) - L));
+                mt_real ds = pij * (mt__dot(dOi, v, dv) - Di) * a->scale;
+                mt_real *dKj = a->dK + (nj * H + h) * dq, *dVj = a->dV + (nj * H + h) * dv;
+                for (int d = 0; d < dq; d++) { dQi[d] += ds * k[d]; dKj[d] += ds * q[d]; }
+                for (int d = 0; d < dv; d++) dVj[d] += pij * dOi[d];
+            }
+        }
+    }
+}
+void mt_cpu_attention_backward(mt_pool *pool, mt_real *dQ, mt_real *dK, mt_real *dV, const mt_real *Q,
+                               const mt_real *K, const mt_real *Vv, const mt_real *O, const mt_real *lse,
+                               const mt_real *dO, int B, int T, int H, int dq, int dv, float scale) {
+    mt__attn a;
+    memset(&a, 0, sizeof a);
+    a.dQ = dQ; a.dK = dK; a.dV = dV; a.Q = Q; a.K = K; a.V = Vv; a.Oc = O; a.lsec = lse; a.dO = dO;
+    a.B = B; a.T = T; a.H = H; a.dq = dq; a.dv = dv; a.scale = scale;
+    mt_pool_for(pool, (int64_t)B * H, mt__attn_bwd, &a);
+}
+
+/* --- SwiGLU: h = silu(g) * u --- */
+static mt_real mt__sigmoid(mt_real x) { return (mt_real)(1.0 / (1.0 + exp(-(double)x))); }
+void mt_cpu_swiglu_forward(mt_real *h, const mt_real *g, const mt_real *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) h[i] = g[i] * mt__sigmoid(g[i]) * u[i];
+}
+void mt_cpu_swiglu_backward(mt_real *dg, mt_real *du, const mt_real *g, const mt_real *u, const mt_real *dh,
+                            int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        mt_real s = mt__sigmoid(g[i]);
+        dg[i] = dh[i] * u[i] * s * (1 + g[i] * (1 - s));
+        du[i] = dh[i] * g[i] * s;
+    }
+}
+void mt_cpu_add(mt_real *c, const mt_real *a, const mt_real *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) c[i] = a[i] + b[i];
+}
+
+/* --- router ---
+ * scores = softmax(logits) or sigmoid(logits), in fp32. Selection uses
+ * scores + bias (the bias balances load and never touches the weights).
+ * Group-limited: a group's score is the sum of its two best biased scores;
+ * only the best n_limited groups are eligible. Ties go to the lower index.
+ * Weights are the unbiased scores of the chosen experts, optionally
+ * normalised to sum 1 (+1e-20), times route_scale. */
+void mt_cpu_router_forward(int32_t *idx, mt_real *w, mt_real *scores, int32_t *counts, const mt_real *logits,
+                           const mt_real *bias, int N, int E, int K, int score_func, int route_norm,
+                           float route_scale, int n_groups, int n_limited) {
+    memset(counts, 0, sizeof(int32_t) * (size_t)E);
+    mt_real *sel = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)E);
+    mt_real *gscore = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)n_groups);
+    if (!sel || !gscore) { MT_FREE(sel); MT_FREE(gscore); return; }
+    int per = E / n_groups;
+    for (int n = 0; n < N; n++) {
+        const mt_real *l = logits + (int64_t)n * E;
+        mt_real *s = scores + (int64_t)n * E;
+        if (score_func == MT_SCORE_SIGMOID) {
+            for (int e = 0; e < E; e++) s[e] = mt__sigmoid(l[e]);
+        } else {
+            mt_real mx = l[0];
+            for (int e = 1; e < E; e++) if (l[e] > mx) mx = l[e];
+            double z = 0;
+            for (int e = 0; e < E; e++) z += exp((double)(l[e] - mx));
+            for (int e = 0; e < E; e++) s[e] = (mt_real)(exp((double)(l[e] - mx)) / z);
+        }
+        for (int e = 0; e < E; e++) sel[e] = s[e] + bias[e];
+        if (n_groups > 1) {
+            for (int gi = 0; gi < n_groups; gi++) {           /* top-2 sum (or max of 1) */
+                mt_real b1 = -INFINITY, b2 = -INFINITY;
+                for (int e = gi * per; e < (gi + 1) * per; e++) {
+                    if (sel[e] > b1) { b2 = b1; b1 = sel[e]; }
+                    else if (sel[e] > b2) b2 = sel[e];
+                }
+                gscore[gi] = per >= 2 ? b1 + b2 : b1;
+            }
+            uint8_t keep[4096];
+            memset(keep, 0, (size_t)n_groups);
+            for (int r = 0; r < n_limited; r++) {
+                int best = -1;
+                for (int gi = 0; gi < n_groups; gi++)
+                    if (!keep[gi] && (best < 0 || gscore[gi] > gscore[best])) best = gi;
+                keep[best] = 1;
+            }
+            for (int e = 0; e < E; e++) if (!keep[e / per]) sel[e] = -INFINITY;
+        }
+        double sum = 0;
+        for (int k = 0; k < K; k++) {                         /* repeated argmax */
+            int best = -1;
+            for (int e = 0; e < E; e++)
+                if (sel[e] != -INFINITY && (best < 0 || sel[e] > sel[best])) best = e;
+            if (best < 0) best = 0;  /* unreachable: config guarantees K eligible experts */
+            sel[best] = -INFINITY;
+            idx[(int64_t)n * K + k] = best;
+            w[(int64_t)n * K + k] = s[best];
+            sum += s[best];
+            counts[best]++;
+        }
+        for (int k = 0; k < K; k++) {
+            double x = w[(int64_t)n * K + k];
+            if (route_norm) x /= (sum + 1e-20);
+            w[(int64_t)n * K + k] = (mt_real)(x * route_scale);
+        }
+    }
+    MT_FREE(sel); MT_FREE(gscore);
+}
+void mt_cpu_router_backward(mt_real *dlogits, const mt_real *scores, const int32_t *idx, const mt_real *w,
+                            const mt_real *dw, int N, int E, int K, int score_func, int route_norm,
+                            float route_scale) {
+    (void)w;
+    for (int n = 0; n < N; n++) {
+        const mt_real *s = scores + (int64_t)n * E;
+        const int32_t *ix = idx + (int64_t)n * K;
+        const mt_real *g = dw + (int64_t)n * K;
+        mt_real *dl = dlogits + (int64_t)n * E;
+        double S = 0, gr = 0;
+        for (int k = 0; k < K; k++) { S += s[ix[k]]; gr += (double)g[k] * s[ix[k]]; }
+        for (int e = 0; e < E; e++) dl[e] = 0;                 /* dl holds d(scores) first */
+        for (int k = 0; k < K; k++) {
+            double dr = route_norm ? route_scale * (g[k] / (S + 1e-20) - gr / ((S + 1e-20) * (S + 1e-20)))
+                                   : (double)route_scale * g[k];
+            dl[ix[k]] += (mt_real)dr;
+        }
+        if (score_func == MT_SCORE_SIGMOID) {
+            for (int e = 0; e < E; e++) dl[e] = dl[e] * s[e] * (1 - s[e]);
+        } else {
+            double dot = 0;
+            for (int e = 0; e < E; e++) dot += (double)dl[e] * s[e];
+            for (int e = 0; e < E; e++) dl[e] = (mt_real)(s[e] * (dl[e] - dot));
+        }
+    }
+}
+
+/* --- permutation into expert-major order ---
+ * Assignment a = n*K + k goes to row slot[a] of xs; rows of expert e are
+ * offs[e]..offs[e+1], in token order. Returns -1 on an expert id out of range. */
+int mt_cpu_moe_permute(mt_real *xs, int32_t *slot, int32_t *offs, const mt_real *x, const int32_t *idx, int N,
+                       int D, int K, int E) {
+    int64_t NK = (int64_t)N * K;
+    for (int e = 0; e <= E; e++) offs[e] = 0;
+    for (int64_t a = 0; a < NK; a++) {
+        if (idx[a] < 0 || idx[a] >= E) return -1;
+        offs[idx[a] + 1]++;
+    }
+    for (int e = 0; e < E; e++) offs[e + 1] += offs[e];
+    int32_t *cur = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)E);
+    if (!cur) return -1;
+    memcpy(cur, offs, sizeof(int32_t) * (size_t)E);
+    for (int64_t a = 0; a < NK; a++) {
+        int32_t s = cur[idx[a]]++;
+        slot[a] = s;
+        memcpy(xs + (int64_t)s * D, x + (a / K) * D, sizeof(mt_real) * (size_t)D);
+    }
+    MT_FREE(cur);
+    return 0;
+}
+void mt_cpu_moe_permute_backward(mt_real *dx, const mt_real *dxs, const int32_t *slot, int N, int D, int K) {
+    for (int n = 0; n < N; n++) {
+        mt_real *o = dx + (int64_t)n * D;
+        for (int d = 0; d < D; d++) o[d] = 0;
+        for (int k = 0; k < K; k++) {
+            const mt_real *r = dxs + (int64_t)slot[(int64_t)n * K + k] * D;
+            for (int d = 0; d < D; d++) o[d] += r[d];
+        }
+    }
+}
+
+/* --- grouped GEMMs over experts: rows offs[e]..offs[e+1] use W_e --- */
+typedef struct { mt_real *out; const mt_real *a, *b; const int32_t *offs; int E, M, K; } mt__gmm;
+static int mt__expert_of(const int32_t *offs, int E, int64_t r) {   /* offs[e] <= r < offs[e+1] */
+    int lo = 0, hi = E - 1;
+    while (lo < hi) { int mid = (lo + hi + 1) / 2; if (offs[mid] <= r) lo = mid; else hi = mid - 1; }
+    return lo;
+}
+static void mt__gmm_rows(void *ctx, int64_t r0, int64_t r1) {      /* Y[r] = W_e X[r] */
+    const mt__gmm *g = (const mt__gmm *)ctx;
+    for (int64_t r = r0; r < r1; r++) {
+        const mt_real *W = g->b + (int64_t)mt__expert_of(g->offs, g->E, r) * g->M * g->K;
+        for (int m = 0; m < g->M; m++) g->out[r * g->M + m] = mt__dot(g->a + r * g->K, W + (int64_t)m * g->K, g->K);
+    }
+}
+static void mt__gmm_dx_rows(void *ctx, int64_t r0, int64_t r1) {   /* dX[r] = dY[r] W_e */
+    const mt__gmm *g = (const mt__gmm *)ctx;
+    for (int64_t r = r0; r < r1; r++) {
+        const mt_real *W = g->b + (int64_t)mt__expert_of(g->offs, g->E, r) * g->M * g->K;
+        mt_real *o = g->out + r * g->K;
+        for (int k = 0; k < g->K; k++) o[k] = 0;
+        for (int m = 0; m < g->M; m++) {
+            mt_real a = g->a[r * g->M + m];
+            const mt_real *w = W + (int64_t)m * g->K;
+            for (int k = 0; k < g->K; k++) o[k] += a * w[k];
+        }
+    }
+}
+static void mt__gmm_dw_rows(void *ctx, int64_t t0, int64_t t1) {   /* dW_e[m,:] = sum_r dY[r,m] X[r,:] */
+    const mt__gmm *g = (const mt__gmm *)ctx;
+    for (int64_t t = t0; t < t1; t++) {
+        int e = (int)(t / g->M), m = (int)(t % g->M);
+        mt_real *o = g->out + t * g->K;
+        for (int k = 0; k < g->K; k++) o[k] = 0;
+        for (int64_t r = g->offs[e]; r < g->offs[e + 1]; r++) {
+            mt_real a = g->a[r * g->M + m];
+            const mt_real *x = g->b + r * g->K;
+            for (int k = 0; k < g->K; k++) o[k] += a * x[k];
+        }
+    }
+}
+void mt_cpu_gmm(mt_pool *pool, mt_real *Y, const mt_real *X, const mt_real *W, const int32_t *offs, int E, int M,
+                int K) {
+    mt__gmm g = {Y, X, W, offs, E, M, K};
+    mt_pool_for(pool, offs[E], mt__gmm_rows, &g);
+}
+void mt_cpu_gmm_dx(mt_pool *pool, mt_real *dX, const mt_real *dY, const mt_real *W, const int32_t *offs, int E,
+                   int M, int K) {
+    mt__gmm g = {dX, dY, W, offs, E, M, K};
+    mt_pool_for(pool, offs[E], mt__gmm_dx_rows, &g);
+}
+void mt_cpu_gmm_dw(mt_pool *pool, mt_real *dW, const mt_real *dY, const mt_real *X, const int32_t *offs, int E,
+                   int M, int K) {
+    mt__gmm g = {dW, dY, X, offs, E, M, K};
+    mt_pool_for(pool, (int64_t)E * M, mt__gmm_dw_rows, &g);
+}
+
+/* --- weighted combine back to token order: y[n] = sum_k w[n,k] ys[slot[n*K+k]] --- */
+void mt_cpu_moe_combine_forward(mt_real *y, const mt_real *ys, const int32_t *slot, const mt_real *w, int N, int D,
+                                int K) {
+    for (int n = 0; n < N; n++) {
+        mt_real *o = y + (int64_t)n * D;
+        for (int d = 0; d < D; d++) o[d] = 0;
+        for (int k = 0; k < K; k++) {
+            mt_real wk = w[(int64_t)n * K + k];
+            const mt_real *r = ys + (int64_t)slot[(int64_t)n * K + k] * D;
+            for (int d = 0; d < D; d++) o[d] += wk * r[d];
+        }
+    }
+}
+void mt_cpu_moe_combine_backward(mt_real *dys, mt_real *dw, const mt_real *dy, const mt_real *ys,
+                                 const int32_t *slot, const mt_real *w, int N, int D, int K) {
+    for (int n = 0; n < N; n++) {
+        const mt_real *g = dy + (int64_t)n * D;
+        for (int k = 0; k < K; k++) {
+            int64_t s = slot[(int64_t)n * K + k];
+            mt_real wk = w[(int64_t)n * K + k];
+            mt_real *o = dys + s * D;
+            for (int d = 0; d < D; d++) o[d] = wk * g[d];
+            dw[(int64_t)n * K + k] = mt__dot(g, ys + s * D, D);
+        }
+    }
+}
+
+/* --- cross-entropy, mean over tokens; lse saved for the backward --- */
+typedef struct { mt_real *out, *lse; const mt_real *logits, *lsec; const int32_t *tgt; int N, V; } mt__ce;
+static void mt__ce_fwd_rows(void *ctx, int64_t n0, int64_t n1) {
+    const mt__ce *c = (const mt__ce *)ctx;
+    for (int64_t n = n0; n < n1; n++) {
+        const mt_real *l = c->logits + n * c->V;
+        mt_real mx = l[0];
+        for (int v = 1; v < c->V; v++) if (l[v] > mx) mx = l[v];
+        double z = 0;
+        for (int v = 0; v < c->V; v++) z += exp((double)(l[v] - mx));
+        c->lse[n] = (mt_real)(mx + log(z));
+        c->out[n] = (mt_real)(mx + log(z) - l[c->tgt[n]]);   /* per-token loss, summed by the caller */
+    }
+}
+void mt_cpu_cross_entropy_forward(mt_pool *pool, mt_real *loss, mt_real *lse, const mt_real *logits,
+                                  const int32_t *tgt, int N, int V) {
+    mt_real *per = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)N);
+    if (!per) { loss[0] = (mt_real)NAN; return; }
+    mt__ce c = {per, lse, logits, NULL, tgt, N, V};
+    mt_pool_for(pool, N, mt__ce_fwd_rows, &c);
+    double s = 0;
+    for (int n = 0; n < N; n++) s += per[n];
+    loss[0] = (mt_real)(s / N);
+    MT_FREE(per);
+}
+static void mt__ce_bwd_rows(void *ctx, int64_t n0, int64_t n1) {
+    const mt__ce *c = (const mt__ce *)ctx;
+    double inv = 1.0 / c->N;
+    for (int64_t n = n0; n < n1; n++) {
+        const mt_real *l = c->logits + n * c->V;
+        mt_real *d = c->out + n * c->V;
+        for (int v = 0; v < c->V; v++) d[v] = (mt_real)(exp((double)(l[v] - c->lsec[n])) * inv);
+        d[c->tgt[n]] -= (mt_real)inv;
+    }
+}
+void mt_cpu_cross_entropy_backward(mt_pool *pool, mt_real *dlogits, const mt_real *logits, const mt_real *lse,
+                                   const int32_t *tgt, int N, int V) {
+    mt__ce c = {dlogits, NULL, logits, lse, tgt, N, V};
+    mt_pool_for(pool, N, mt__ce_bwd_rows, &c);
+}
+
+/* --- AdamW, as torch.optim.AdamW: decoupled decay, bias-corrected moments.
+ * coef scales the gradient (global-norm clipping); step is 0-based. --- */
+void mt_cpu_adamw(mt_real *p, mt_real *m, mt_real *v, const mt_real *g, int64_t n, double lr, double coef,
+                  const float hp[MT_HP_COUNT], int step, int decay) {
+    double b1 = hp[MT_HP_BETA1], b2 = hp[MT_HP_BETA2], eps = hp[MT_HP_EPS], wd = decay ? hp[MT_HP_WD] : 0;
+    double bc1 = 1 - pow(b1, step + 1), bc2 = 1 - pow(b2, step + 1);
+    double step_size = lr / bc1, bc2_sqrt = sqrt(bc2);
+    for (int64_t i = 0; i < n; i++) {
+        double gi = (double)g[i] * coef;
+        double mi = b1 * m[i] + (1 - b1) * gi;
+        double vi = b2 * v[i] + (1 - b2) * gi * gi;
+        m[i] = (mt_real)mi; v[i] = (mt_real)vi;
+        double pi = (double)p[i] * (1 - lr * wd);
+        p[i] = (mt_real)(pi - step_size * (double)m[i] / (sqrt((double)v[i]) / bc2_sqrt + eps));
+    }
+}
+
+/* --- auxiliary-loss-free balancing: bias += coeff*sign(mean - count), centred --- */
+void mt_cpu_expert_bias_update(mt_real *bias, const int32_t *counts, int E, float coeff) {
+    double mean = 0, dmean = 0;
+    for (int e = 0; e < E; e++) mean += counts[e];
+    mean /= E;
+    double delta[4096];
+    for (int e = 0; e < E; e++) {
+        double d = mean - counts[e];
+        delta[e] = coeff * (d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0);
+        dmean += delta[e];
+    }
+    dmean /= E;
+    for (int e = 0; e < E; e++) bias[e] += (mt_real)(delta[e] - dmean);
+}
+
+/* ========================================================================
+ * 9. Collectives
+ * A collective node names mesh dimensions (a bit mask), never a
+ * communicator. The group of ranks that differ only along those dimensions
+ * is resolved here from the binding. A group of one rank is the identity:
+ * the sum or mean of one value is that value, and an all-to-all with
+ * oneself keeps one's own rows.
+ * ====================================================================== */
+
+static int mt__group_size(const mt_mesh *m, uint32_t mask) {
+    int s = 1;
+    for (int d = 0; d < MT_NDIMS; d++) if (mask >> d & 1) s *= m->size[d];
+    return s;
+}
+
+struct mt_runtime {
+    mt_graph g;              /* the runtime's own copy of the graph */
+    mt_binding bind;
+    mt_pool *pool;
+    uint8_t *persist, *arena;
+    void **ptr;              /* per value: its bytes */
+    int64_t *rows;           /* per value: actual leading dim when it is symbolic */
+    int64_t *sym;            /* per symbol: bound value */
+    int32_t *counts; int n_moe;
+    int64_t n_tokens;
+};
+
+static int mt__allreduce(mt_runtime *rt, const mt_node *n, mt_err *err) {
+    int size = mt__group_size(&rt->g.mesh, (uint32_t)n->iattr[0]);
+    if (size == 1) return 0;
+    return mt_errf(err, "ALLREDUCE over %d ranks: multi-rank collectives are not implemented in this build", size);
+}
+
+/* EP_COUNTS: recv[src, e] = tokens rank src sends to my local expert e. */
+static int mt__ep_counts(mt_runtime *rt, const mt_node *n, mt_err *err) {
+    int ep = n->iattr[2], El = n->iattr[3], me = (int)rt->sym[n->iattr[4]];
+    const int32_t *offs = (const int32_t *)rt->ptr[n->in[0]];
+    int32_t *recv = (int32_t *)rt->ptr[n->out[0]];
+    if (ep != 1) return mt_errf(err, "expert parallelism over %d ranks is not implemented in this build", ep);
+    for (int e = 0; e < El; e++) recv[e] = offs[me * El + e + 1] - offs[me * El + e];
+    return 0;
+}
+/* EP_DISPATCH: my rows for my experts, expert-major; EP_COMBINE: the reverse. */
+static int mt__ep_exchange(mt_runtime *rt, const mt_node *n, int D, mt_err *err) {
+    int ep = n->iattr[2], El = n->iattr[3], me = (int)rt->sym[n->iattr[4]];
+    const int32_t *offs = (const int32_t *)rt->ptr[n->in[1]], *recv = (const int32_t *)rt->ptr[n->in[2]];
+    if (ep != 1) return mt_errf(err, "expert parallelism over %d ranks is not implemented in this build", ep);
+    const mt_value *src = &rt->g.values[n->in[0]], *dst = &rt->g.values[n->out[0]];
+    int64_t total = 0;
+    for (int e = 0; e < El; e++) {
+        if (recv[e] < 0) return mt_errf(err, "%s: negative token count", mt_ops[n->op].name);
+        total += recv[e];
+    }
+    int64_t lo = offs[me * El], cap_src = mt_value_numel_max(&rt->g, src) / D, cap_dst = mt_value_numel_max(&rt->g, dst) / D;
+    if (total > cap_src || total > cap_dst || lo < 0 || lo + total > (n->op == MT_OP_EP_DISPATCH ? cap_src : cap_dst))
+        return mt_errf(err, "%s: %lld tokens exceed the planned bound", mt_ops[n->op].name, (long long)total);
+    size_t row = sizeof(mt_real) * (size_t)D;
+    if (n->op == MT_OP_EP_DISPATCH) {
+        int32_t *roffs = (int32_t *)rt->ptr[n->out[1]];
+        roffs[0] = 0;
+        for (int e = 0; e < El; e++) roffs[e + 1] = roffs[e] + recv[e];
+        memcpy(rt->ptr[n->out[0]], (const uint8_t *)rt->ptr[n->in[0]] + lo * row, (size_t)total * row);
+        rt->rows[n->out[0]] = total;
+    } else {
+        memcpy((uint8_t *)rt->ptr[n->out[0]] + lo * row, rt->ptr[n->in[0]], (size_t)total * row);
+    }
+    return 0;
+}
+
+/* ========================================================================
+ * 10. Runtime
+ * ====================================================================== */
+
+void mt_binding_single(mt_binding *b) {
+    memset(b, 0, sizeof *b);
+    b->world = 1; b->device = -1;
+}
+
+static int mt__graph_clone(mt_graph *dst, const mt_graph *src) {
+    *dst = *src;
+    dst->values = (mt_value *)MT_MALLOC(sizeof(mt_value) * (size_t)(src->n_values + 1));
+    dst->nodes = (mt_node *)MT_MALLOC(sizeof(mt_node) * (size_t)(src->n_nodes + 1));
+    dst->syms = (mt_symbol *)MT_MALLOC(sizeof(mt_symbol) * (size_t)(src->n_syms + 1));
+    dst->consts = (uint8_t *)MT_MALLOC((size_t)src->consts_bytes + 1);
+    dst->tuning = (mt_tuning *)MT_MALLOC(sizeof(mt_tuning) * (size_t)(src->n_tuning + 1));
+    if (!dst->values || !dst->nodes || !dst->syms || !dst->consts || !dst->tuning) { mt_graph_free(dst); return -1; }
+    memcpy(dst->values, src->values, sizeof(mt_value) * (size_t)src->n_values);
+    memcpy(dst->nodes, src->nodes, sizeof(mt_node) * (size_t)src->n_nodes);
+    memcpy(dst->syms, src->syms, sizeof(mt_symbol) * (size_t)src->n_syms);
+    if (src->consts_bytes) memcpy(dst->consts, src->consts, (size_t)src->consts_bytes);
+    if (src->n_tuning) memcpy(dst->tuning, src->tuning, sizeof(mt_tuning) * (size_t)src->n_tuning);
+    dst->cap_values = src->n_values; dst->cap_nodes = src->n_nodes;
+    return 0;
+}
+
+/* Zeroed, 64-byte aligned; the original pointer sits just below. */
+static void *mt__aligned(size_t n) {
+    uint8_t *raw = (uint8_t *)MT_MALLOC(n + 64 + sizeof(void *));
+    if (!raw) return NULL;
+    uint8_t *p = (uint8_t *)(((uintptr_t)raw + sizeof(void *) + 63) & ~(uintptr_t)63);
+    memcpy(p - sizeof(void *), &raw, sizeof(void *));
+    memset(p, 0, n);
+    return p;
+}
+static void mt__aligned_free(void *p) {
+    if (!p) return;
+    void *raw;
+    memcpy(&raw, (uint8_t *)p - sizeof(void *), sizeof(void *));
+    MT_FREE(raw);
+}
+
+int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, mt_err *err) {
+    *out = NULL;
+    if (g->target.backend != MT_BACKEND_CPU)
+        return mt_errf(err, "this graph was compiled for %s (%s); this runtime executes CPU graphs: "
+                            "precompile with --device cpu", g->target.backend == MT_BACKEND_CUDA ? "CUDA" : "?", g->target.arch);
+    if (g->target.real_bytes != (int)sizeof(mt_real))
+        return mt_errf(err, "this graph was compiled for %d-byte reals, this build computes in %d-byte reals",
+                       g->target.real_bytes, (int)sizeof(mt_real));
+    if (b->world != mt_mesh_world(&g->mesh))
+        return mt_errf(err, "the graph's mesh has %d ranks, the launch has %d", mt_mesh_world(&g->mesh), b->world);
+    if (b->world != 1)
+        return mt_errf(err, "multi-rank execution (world %d) is not implemented in this build", b->world);
+    if (b->rank < 0 || b->rank >= b->world) return mt_errf(err, "rank %d outside world %d", b->rank, b->world);
+    mt_runtime *rt = (mt_runtime *)mt__calloc(sizeof *rt);
+    if (!rt) return mt_errf(err, "out of memory");
+    rt->bind = *b;
+    mt_mesh_coords(&g->mesh, b->rank, rt->bind.coord);
+    if (mt__graph_clone(&rt->g, g)) { MT_FREE(rt); return mt_errf(err, "out of memory copying the graph"); }
+    const mt_graph *G = &rt->g;
+    rt->persist = (uint8_t *)mt__aligned((size_t)G->persist_bytes);
+    rt->arena = (uint8_t *)mt__aligned((size_t)G->arena_bytes);
+    rt->ptr = (void **)mt__calloc(sizeof(void *) * (size_t)(G->n_values + 1));
+    rt->rows = (int64_t *)mt__calloc(sizeof(int64_t) * (size_t)(G->n_values + 1));
+    rt->sym = (int64_t *)mt__calloc(sizeof(int64_t) * (size_t)(G->n_syms + 1));
+    rt->counts = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(G->n_values + 1));
+    if (!rt->persist || !rt->arena || !rt->ptr || !rt->rows || !rt->sym || !rt->counts) {
+        char h1[32], h2[32];
+        mt_errf(err, "out of memory: the plan needs %s persistent + %s arena", mt__human((double)G->persist_bytes, h1),
+                mt__human((double)G->arena_bytes, h2));
+        mt_runtime_destroy(rt);
+        return -1;
+    }
+    /* bind symbols: coordinates from the binding, sizes at their bounds until data says otherwise */
+    for (int s = 0; s < G->n_syms; s++)
+        rt->sym[s] = G->syms[s].kind == MT_SYM_COORD ? rt->bind.coord[G->syms[s].mesh_dim] : G->syms[s].max;
+    for (int v = 0; v < G->n_values; v++) {
+        const mt_value *x = &G->values[v];
+        rt->ptr[v] = (MT_ROLE_IN_ARENA(x->role) ? rt->arena : rt->persist) + x->offset;
+        if (x->role == MT_ROLE_CONST) memcpy(rt->ptr[v], G->consts + x->data_offset, (size_t)x->nbytes);
+        if (x->flags & MT_VF_COUNTS) rt->counts[rt->n_moe++] = v;
+        rt->rows[v] = x->ndim ? mt__dim_max(G, x->dims[0]) : 1;
+    }
+    rt->n_tokens = (int64_t)G->cfg.batch * G->cfg.seq_len;
+    int nt = b->n_threads > 0 ? b->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (nt > 64) nt = 64;
+    if (mt_pool_create(&rt->pool, nt, err)) { mt_runtime_destroy(rt); return -1; }
+    *out = rt;
+    return 0;
+}
+
+void mt_runtime_destroy(mt_runtime *rt) {
+    if (!rt) return;
+    mt_pool_destroy(rt->pool);
+    mt__aligned_free(rt->persist); mt__aligned_free(rt->arena);
+    MT_FREE(rt->ptr); MT_FREE(rt->rows); MT_FREE(rt->sym); MT_FREE(rt->counts);
+    mt_graph_free(&rt->g);
+    MT_FREE(rt);
+}
+const mt_graph *mt_runtime_graph(const mt_runtime *rt) { return &rt->g; }
+void *mt_runtime_value(mt_runtime *rt, int v) { return (v >= 0 && v < rt->g.n_values) ? rt->ptr[v] : NULL; }
+int mt_runtime_n_moe_layers(const mt_runtime *rt) { return rt->n_moe; }
+int mt_runtime_expert_counts(mt_runtime *rt, int i, int32_t *counts) {
+    if (i < 0 || i >= rt->n_moe) return -1;
+    const mt_value *v = &rt->g.values[rt->counts[i]];
+    memcpy(counts, rt->ptr[rt->counts[i]], (size_t)v->nbytes);
+    return (int)v->dims[0];
+}
+
+/* The global index of local expert e of a stacked expert parameter. */
+static int mt__global_expert(const mt_runtime *rt, const mt_value *v, int e) {
+    return rt->bind.coord[MT_DIM_EP] * (int)v->dims[0] + e;
+}
+
+/* Each parameter draws from its own stream, seeded by (seed, name), so the
+ * values do not depend on creation order; stacked experts draw per global
+ * expert, so they do not depend on the expert-parallel layout either. */
+void mt_runtime_init_params(mt_runtime *rt, uint64_t seed) {
+    const mt_graph *G = &rt->g;
+    for (int i = 0; i < G->n_values; i++) {
+        const mt_value *v = &G->values[i];
+        if (v->role != MT_ROLE_PARAM && v->role != MT_ROLE_OPT) continue;
+        if (v->role == MT_ROLE_PARAM && v->param >= 0) continue;  /* compute shadows follow their master */
+        mt_real *p = (mt_real *)rt->ptr[i];
+        int64_t n = mt_value_numel_max(G, v);
+        int chunks = (v->flags & MT_VF_EXPERTS) ? (int)v->dims[0] : 1;
+        int64_t per = n / chunks;
+        for (int c = 0; c < chunks; c++) {
+            char nm[MT_NAME_LEN + 16];
+            snprintf(nm, sizeof nm, "%s", v->name);
+            char *star = strchr(nm, '*');
+            if (star) {
+                char rest[MT_NAME_LEN];
+                snprintf(rest, sizeof rest, "%s", star + 1);
+                snprintf(star, sizeof nm - (size_t)(star - nm), "%d%s", mt__global_expert(rt, v, c), rest);
+            }
+            mt_rng r;
+            mt_rng_seed(&r, mt_hash(nm, strlen(nm), seed * 0x9e3779b97f4a7c15ull + 1));
+            for (int64_t j = 0; j < per; j++) {
+                double x = 0;
+                switch (v->init) {
+                case MT_INIT_ONE: x = 1; break;
+                case MT_INIT_NORMAL:
+                    do { x = mt_rng_normal(&r); } while (x < -3 || x > 3);  /* truncated at 3 std */
+                    x *= v->init_std;
+                    break;
+                default: x = 0;
+                }
+                p[c * per + j] = (mt_real)x;
+            }
+        }
+    }
+}
+
+int mt_runtime_copy_params(mt_runtime *dst, const mt_runtime *src, mt_err *err) {
+    for (int i = 0; i < dst->g.n_values; i++) {
+        const mt_value *v = &dst->g.values[i];
+        if (v->role != MT_ROLE_PARAM) continue;
+        int j = mt_graph_find(&src->g, v->name);
+        if (j < 0 || src->g.values[j].nbytes != v->nbytes || src->g.values[j].dtype != v->dtype)
+            return mt_errf(err, "parameter '%s' is missing or differs in the source runtime", v->name);
+        memcpy(dst->ptr[i], src->ptr[j], (size_t)v->nbytes);
+    }
+    return 0;
+}
+
+/* Leading rows of a value: its dim 0, or for a symbolic dim what the data said. */
+static int64_t mt__nrows(const mt_runtime *rt, int v) {
+    const mt_value *x = &rt->g.values[v];
+    return x->dims[0] < 0 ? rt->rows[v] : x->dims[0];
+}
+static int64_t mt__cols(const mt_runtime *rt, int v) {
+    const mt_value *x = &rt->g.values[v];
+    int64_t c = 1;
+    for (int d = 1; d < x->ndim; d++) c *= x->dims[d];
+    return c;
+}
+
+static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
+    mt_graph *G = &rt->g;
+    void **P = rt->ptr;
+#define R_(i) ((mt_real *)P[n->in[i]])
+#define I_(i) ((int32_t *)P[n->in[i]])
+#define RO(i) ((mt_real *)P[n->out[i]])
+#define IO(i) ((int32_t *)P[n->out[i]])
+#define DIM(v, d) ((int)G->values[v].dims[d])
+    const int *a = n->iattr;
+    switch (n->op) {
+    case MT_OP_EMBED: mt_cpu_embed_forward(RO(0), I_(0), R_(1), DIM(n->in[0], 0), DIM(n->in[1], 1)); break;
+    case MT_OP_EMBED_BWD: mt_cpu_embed_backward(RO(0), R_(0), I_(1), DIM(n->in[1], 0), DIM(n->out[0], 0), DIM(n->out[0], 1)); break;
+    case MT_OP_RMSNORM: mt_cpu_rmsnorm_forward(RO(0), RO(1), R_(0), R_(1), (int)mt__nrows(rt, n->in[0]), DIM(n->in[0], 1), n->fattr[0]); break;
+    case MT_OP_RMSNORM_BWD: mt_cpu_rmsnorm_backward(RO(0), RO(1), R_(0), R_(1), R_(2), R_(3), (int)mt__nrows(rt, n->in[1]), DIM(n->in[1], 1)); break;
+    case MT_OP_MATMUL: {
+        int M = DIM(n->in[0], a[0] ? 1 : 0), K = DIM(n->in[0], a[0] ? 0 : 1), Nn = DIM(n->in[1], a[1] ? 0 : 1);
+        mt_cpu_matmul(rt->pool, RO(0), R_(0), R_(1), M, Nn, K, a[0], a[1]);
+        break;
+    }
+    case MT_OP_SPLIT: mt_cpu_split(RO(0), RO(1), R_(0), DIM(n->in[0], 0), DIM(n->out[0], 1), DIM(n->out[1], 1)); break;
+    case MT_OP_CONCAT:
+        mt_cpu_concat(RO(0), n->in[0] >= 0 ? R_(0) : NULL, n->in[1] >= 0 ? R_(1) : NULL, DIM(n->out[0], 0), a[0],
+                      DIM(n->out[0], 1) - a[0]);
+        break;
+    case MT_OP_MLA_ROPE:
+        mt_cpu_mla_rope_forward(RO(0), RO(1), RO(2), R_(0), R_(1), R_(2), R_(3), R_(4), DIM(n->in[0], 0), a[4], a[0], a[1], a[2], a[3]);
+        break;
+    case MT_OP_MLA_ROPE_BWD:
+        mt_cpu_mla_rope_backward(RO(0), RO(1), RO(2), R_(0), R_(1), R_(2), R_(3), R_(4), DIM(n->in[0], 0), a[4], a[0], a[1], a[2], a[3]);
+        break;
+    case MT_OP_ATTENTION:
+        mt_cpu_attention_forward(rt->pool, RO(0), RO(1), R_(0), R_(1), R_(2), DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
+        break;
+    case MT_OP_ATTENTION_BWD:
+        mt_cpu_attention_backward(rt->pool, RO(0), RO(1), RO(2), R_(0), R_(1), R_(2), R_(3), R_(4), R_(5),
+                                  DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
+        break;
+    case MT_OP_SWIGLU: mt_cpu_swiglu_forward(RO(0), R_(0), R_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
+    case MT_OP_SWIGLU_BWD: mt_cpu_swiglu_backward(RO(0), RO(1), R_(0), R_(1), R_(2), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
+    case MT_OP_ADD: mt_cpu_add(RO(0), R_(0), R_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
+    case MT_OP_ROUTER:
+        mt_cpu_router_forward(IO(0), RO(1), RO(2), IO(3), R_(0), R_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), a[0], a[1], a[2],
+                              n->fattr[0], a[3], a[4]);
+        break;
+    case MT_OP_ROUTER_BWD:
+        mt_cpu_router_backward(RO(0), R_(0), I_(1), R_(2), R_(3), DIM(n->in[0], 0), DIM(n->in[0], 1), a[0], a[1], a[2], n->fattr[0]);
+        break;
+    case MT_OP_MOE_PERMUTE:
+        if (mt_cpu_moe_permute(RO(0), IO(1), IO(2), R_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), DIM(n->in[1], 1), a[0]))
+            return mt_errf(err, "MOE_PERMUTE: expert index out of range (or out of memory)");
+        break;
+    case MT_OP_MOE_PERMUTE_BWD:
+        mt_cpu_moe_permute_backward(RO(0), R_(0), I_(1), DIM(n->out[0], 0), DIM(n->out[0], 1), a[0]);
+        break;
+    case MT_OP_EP_COUNTS: return mt__ep_counts(rt, n, err);
+    case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE: return mt__ep_exchange(rt, n, DIM(n->in[0], 1), err);
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: {
+        int wi = n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1];
+        int E = DIM(wi, 0), M = DIM(wi, 1), K = DIM(wi, 2);
+        const int32_t *offs = I_(2);
+        int64_t rows = mt__nrows(rt, n->in[0]);
+        for (int e = 0; e < E; e++)
+            if (offs[0] != 0 || offs[e + 1] < offs[e] || offs[E] > rows)
+                return mt_errf(err, "%s: bad expert offsets", mt_ops[n->op].name);
+        if (n->op == MT_OP_GMM) mt_cpu_gmm(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
+        else if (n->op == MT_OP_GMM_DX) mt_cpu_gmm_dx(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
+        else mt_cpu_gmm_dw(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
+        break;
+    }
+    case MT_OP_MOE_COMBINE:
+        mt_cpu_moe_combine_forward(RO(0), R_(0), I_(1), R_(2), DIM(n->in[2], 0), DIM(n->in[0], 1), DIM(n->in[2], 1));
+        break;
+    case MT_OP_MOE_COMBINE_BWD:
+        mt_cpu_moe_combine_backward(RO(0), RO(1), R_(0), R_(1), I_(2), R_(3), DIM(n->in[3], 0), DIM(n->in[1], 1), DIM(n->in[3], 1));
+        break;
+    case MT_OP_CROSS_ENTROPY:
+        mt_cpu_cross_entropy_forward(rt->pool, RO(0), RO(1), R_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1));
+        break;
+    case MT_OP_CROSS_ENTROPY_BWD:
+        mt_cpu_cross_entropy_backward(rt->pool, RO(0), R_(0), R_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1));
+        break;
+    case MT_OP_SUMSQ: {
+        const mt_real *g = R_(0);
+        int64_t cnt = mt_value_numel_max(G, &G->values[n->in[0]]);
+        double s = n->in[1] >= 0 ? (double)R_(1)[0] : 0.0;
+        for (int64_t i = 0; i < cnt; i++) s += (double)g[i] * g[i];
+        RO(0)[0] = (mt_real)s;
+        break;
+    }
+    case MT_OP_ALLREDUCE: return mt__allreduce(rt, n, err);
+    case MT_OP_LR_SCHEDULE: {
+        float hp[MT_HP_COUNT];
+        for (int i = 0; i < MT_HP_COUNT; i++) hp[i] = (float)R_(0)[i];
+        RO(0)[0] = (mt_real)mt_lr_at(hp, I_(1)[0]);
+        break;
+    }
+    case MT_OP_CLIP: {
+        double norm = sqrt((double)R_(0)[0]), clip = (double)R_(1)[MT_HP_CLIP];
+        RO(0)[0] = (mt_real)(clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0);
+        RO(1)[0] = (mt_real)norm;
+        break;
+    }
+    case MT_OP_ADAMW: {
+        float hp[MT_HP_COUNT];
+        for (int i = 0; i < MT_HP_COUNT; i++) hp[i] = (float)R_(6)[i];
+        mt_cpu_adamw(R_(0), R_(2), R_(3), R_(1), mt_value_numel_max(G, &G->values[n->in[0]]), (double)R_(4)[0],
+                     (double)R_(5)[0], hp, I_(7)[0], a[0]);
+        break;
+    }
+    case MT_OP_EXPERT_BIAS_UPDATE:
+        mt_cpu_expert_bias_update(R_(0), I_(1), DIM(n->in[0], 0), n->fattr[0]);
+        break;
+    default:
+        return mt_errf(err, "op %s has no CPU implementation", mt_ops[n->op].name);
+    }
+#undef R_
+#undef I_
+#undef RO
+#undef IO
+#undef DIM
+    /* symbolic leading dims follow the data: an output inherits input 0's rows */
+    for (int k = 0; k < n->n_out; k++) {
+        int v = n->out[k];
+        if (v >= 0 && G->values[v].dims[0] < 0 && n->op != MT_OP_EP_DISPATCH && n->in[0] >= 0)
+            rt->rows[v] = mt__nrows(rt, n->in[0]);
+    }
+    return 0;
+}
+
+int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *targets, int step, const mt_hparams *hp,
+                    mt_step_stats *st, mt_err *err) {
+    mt_graph *G = &rt->g;
+    double t0 = mt_now();
+    int V = G->cfg.vocab_size;
+    for (int64_t i = 0; i < rt->n_tokens; i++) {
+        if (tokens[i] < 0 || tokens[i] >= V) return mt_errf(err, "token %d at position %lld is outside the vocabulary (size %d)", tokens[i], (long long)i, V);
+        if (targets[i] < 0 || targets[i] >= V) return mt_errf(err, "target %d at position %lld is outside the vocabulary (size %d)", targets[i], (long long)i, V);
+    }
+    memcpy(rt->ptr[G->io[MT_IO_TOKENS]], tokens, sizeof(int32_t) * (size_t)rt->n_tokens);
+    memcpy(rt->ptr[G->io[MT_IO_TARGETS]], targets, sizeof(int32_t) * (size_t)rt->n_tokens);
+    if (G->kind == MT_GRAPH_TRAIN) {
+        if (!hp) return mt_errf(err, "a training step needs hyper-parameters");
+        if (step < 0) return mt_errf(err, "step must be >= 0");
+        float packed[MT_HP_COUNT];
+        mt_hparams_pack(hp, packed);
+        mt_real *h = (mt_real *)rt->ptr[G->io[MT_IO_HPARAMS]];
+        for (int i = 0; i < MT_HP_COUNT; i++) h[i] = (mt_real)packed[i];
+        ((int32_t *)rt->ptr[G->io[MT_IO_STEP]])[0] = step;
+    }
+    if (rt->bind.poison) memset(rt->arena, 0xff, (size_t)G->arena_bytes);   /* NaN floats, -1 ints */
+    for (int i = 0; i < G->n_nodes; i++) {
+        mt_err e;
+        if (mt__exec_cpu(rt, &G->nodes[i], &e))
+            return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+    }
+    if (st) {
+        memset(st, 0, sizeof *st);
+        st->loss = (double)((mt_real *)rt->ptr[G->io[MT_IO_LOSS]])[0];
+        if (G->kind == MT_GRAPH_TRAIN) {
+            st->grad_norm = (double)((mt_real *)rt->ptr[G->io[MT_IO_GRAD_NORM]])[0];
+            st->lr = (double)((mt_real *)rt->ptr[G->io[MT_IO_LR]])[0];
+        }
+        st->seconds = mt_now() - t0;
+    }
+    return 0;
+}
+
+/* ========================================================================
+ * 11. Checkpoints: safetensors with Hugging Face DeepSeek-V3 names
+ * A stacked expert parameter "...experts.*.gate_proj.weight" [E_local,F,D]
+ * is written as E_local tensors "...experts.<global e>.gate_proj.weight".
+ * ====================================================================== */
+
+typedef struct { char name[MT_NAME_LEN + 16]; int ndim; int64_t shape[3]; const mt_real *src; mt_real *dst; int64_t numel; } mt__tensor;
+
+/* The tensors of one role (PARAM masters, or one AdamW moment) under HF names. */
+static int mt__tensors(mt_runtime *rt, int role, const char *prefix, mt__tensor **out, int *n_out) {
+    const mt_graph *G = &rt->g;
+    int n = 0, cap = 0;
+    mt__tensor *t = NULL;
+    for (int i = 0; i < G->n_values; i++) {
+        const mt_value *v = &G->values[i];
+        if (v->role != role) continue;
+        if (role == MT_ROLE_PARAM && v->param >= 0) continue;           /* shadows */
+        if (role == MT_ROLE_OPT && strncmp(v->name, prefix, strlen(prefix))) continue;
+        int chunks = (v->flags & MT_VF_EXPERTS) || (role == MT_ROLE_OPT && v->param >= 0 && (G->values[v->param].flags & MT_VF_EXPERTS))
+                         ? (int)v->dims[0] : 1;
+        int64_t per = mt_value_numel_max(G, v) / chunks;
+        for (int c = 0; c < chunks; c++) {
+            if (mt__grow((void **)&t, &cap, n + 1, sizeof *t)) { MT_FREE(t); return -1; }
+            mt__tensor *x = &t[n++];
+            snprintf(x->name, sizeof x->name, "%s", role == MT_ROLE_OPT ? v->name + strlen(prefix) : v->name);
+            char *star = strchr(x->name, '*');
+            const mt_value *owner = role == MT_ROLE_OPT ? &G->values[v->param] : v;
+            if (star) {
+                char rest[MT_NAME_LEN];
+                snprintf(rest, sizeof rest, "%s", star + 1);
+                snprintf(star, sizeof x->name - (size_t)(star - x->name), "%d%s", mt__global_expert(rt, owner, c), rest);
+            }
+            x->ndim = chunks > 1 ? v->ndim - 1 : v->ndim;
+            for (int d = 0; d < x->ndim; d++) x->shape[d] = v->dims[d + (chunks > 1)];
+            x->src = (const mt_real *)rt->ptr[i] + c * per;
+            x->dst = (mt_real *)rt->ptr[i] + c * per;
+            x->numel = per;
+        }
+    }
+    *out = t; *n_out = n;
+    return 0;
+}
+
+static void mt__jstr(mt__buf *b, const char *s) { mt__put(b, "\"", 1); mt__put(b, s, strlen(s)); mt__put(b, "\"", 1); }
+static void mt__jfmt(mt__buf *b, const char *fmt, ...) {
+    char t[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t, sizeof t, fmt, ap);
+    va_end(ap);
+    mt__put(b, t, strlen(t));
+}
+
+static int mt__write_all(const char *path, const void *a, size_t na, const void *b, size_t nb, mt_err *err) {
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "wb");
+    if (!f) return mt_errf(err, "cannot write '%s': %s", tmp, strerror(errno));
+    int bad = fwrite(a, 1, na, f) != na || (nb && fwrite(b, 1, nb, f) != nb) || fflush(f) != 0;
+    bad |= fclose(f) != 0;
+    if (bad) { remove(tmp); return mt_errf(err, "writing '%s' failed (disk full?)", tmp); }
+    if (rename(tmp, path)) { remove(tmp); return mt_errf(err, "cannot rename '%s': %s", tmp, strerror(errno)); }
+    return 0;
+}
+
+/* safetensors: u64 header length, JSON header (8-byte padded), F32 data. */
+static int mt__safetensors_write(const char *path, const mt__tensor *t, int n, const mt_config *c, int step,
+                                 mt_err *err) {
+    mt__buf h;
+    memset(&h, 0, sizeof h);
+    mt__jfmt(&h, "{\"__metadata__\":{\"format\":\"pt\",\"mt.version\":\"%s\",\"mt.step\":\"%d\"", MT_VERSION_STRING, step);
+    for (int i = 0; c && i < mt_n_config_fields; i++) {
+        const mt_field *f = &mt_config_fields[i];
+        const void *p = (const char *)c + f->offset;
+        if (f->type == MT_FIELD_INT) mt__jfmt(&h, ",\"mt.%s\":\"%d\"", f->name, *(const int *)p);
+        else mt__jfmt(&h, ",\"mt.%s\":\"%.9g\"", f->name, (double)*(const float *)p);
+    }
+    mt__put(&h, "}", 1);
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        mt__put(&h, ",", 1); mt__jstr(&h, t[i].name);
+        mt__jfmt(&h, ":{\"dtype\":\"F32\",\"shape\":[");
+        for (int d = 0; d < t[i].ndim; d++) mt__jfmt(&h, "%s%lld", d ? "," : "", (long long)t[i].shape[d]);
+        mt__jfmt(&h, "],\"data_offsets\":[%lld,%lld]}", (long long)off, (long long)(off + 4 * t[i].numel));
+        off += 4 * t[i].numel;
+    }
+    mt__put(&h, "}", 1);
+    while ((h.n + 8) % 8) mt__put(&h, " ", 1);
+    float *data = (float *)MT_MALLOC((size_t)off + 4);
+    if (h.oom || !data) { MT_FREE(h.p); MT_FREE(data); return mt_errf(err, "out of memory writing '%s'", path); }
+    int64_t at = 0;
+    for (int i = 0; i < n; i++)
+        for (int64_t j = 0; j < t[i].numel; j++) data[at++] = (float)t[i].src[j];
+    uint8_t *file = (uint8_t *)MT_MALLOC(8 + h.n);
+    if (!file) { MT_FREE(h.p); MT_FREE(data); return mt_errf(err, "out of memory writing '%s'", path); }
+    uint64_t hl = h.n;
+    for (int i = 0; i < 8; i++) file[i] = (uint8_t)(hl >> (8 * i));
+    memcpy(file + 8, h.p, h.n);
+    int rc = mt__write_all(path, file, 8 + h.n, data, (size_t)off, err);
+    MT_FREE(h.p); MT_FREE(data); MT_FREE(file);
+    return rc;
+}
+
+/* --- a small JSON reader, enough for safetensors headers --- */
+typedef struct { const char *p, *end; int bad; } mt__js;
+static void mt__jws(mt__js *j) { while (j->p < j->end && (*j->p == ' ' || *j->p == '\n' || *j->p == '\r' || *j->p == '\t')) j->p++; }
+static int mt__jeat(mt__js *j, char c) {
+    mt__jws(j);
+    if (j->p < j->end && *j->p == c) { j->p++; return 1; }
+    return 0;
+}
+static void mt__jstring(mt__js *j, char *out, size_t cap) {  /* ASCII strings; escapes kept simple */
+    size_t n = 0;
+    mt__jws(j);
+    if (j->p >= j->end || *j->p != '"') { j->bad = 1; return; }
+    j->p++;
+    while (j->p < j->end && *j->p != '"') {
+        char ch = *j->p++;
+        if (ch == '\\') {
+            if (j->p >= j->end) { j->bad = 1; return; }
+            ch = *j->p++;
+            if (ch == 'u') { if (j->end - j->p < 4) { j->bad = 1; return; } j->p += 4; ch = '?'; }
+            else if (ch == 'n') ch = '\n'; else if (ch == 't') ch = '\t';
+        }
+        if (n + 1 < cap) out[n++] = ch; else { j->bad = 1; return; }
+    }
+    if (j->p >= j->end) { j->bad = 1; return; }
+    j->p++;
+    if (cap) out[n] = 0;
+}
+static int64_t mt__jint(mt__js *j) {
+    mt__jws(j);
+    int64_t v = 0; int digits = 0;
+    while (j->p < j->end && *j->p >= '0' && *j->p <= '9') {
+        if (v > (INT64_MAX - 9) / 10) { j->bad = 1; return 0; }
+        v = v * 10 + (*j->p++ - '0'); digits++;
+    }
+    if (!digits) j->bad = 1;
+    return v;
+}
+static void mt__jskip(mt__js *j, int depth) {  /* skip any value */
+    mt__jws(j);
+    if (depth > 32 || j->p >= j->end) { j->bad = 1; return; }
+    char ch = *j->p;
+    if (ch == '"') { char t[4096]; mt__jstring(j, t, sizeof t); return; }
+    if (ch == '{' || ch == '[') {
+        char close = ch == '{' ? '}' : ']';
+        j->p++;
+        if (mt__jeat(j, close)) return;
+        do {
+            if (ch == '{') { char t[4096]; mt__jstring(j, t, sizeof t); if (!mt__jeat(j, ':')) { j->bad = 1; return; } }
+            mt__jskip(j, depth + 1);
+        } while (!j->bad && mt__jeat(j, ','));
+        if (!mt__jeat(j, close)) j->bad = 1;
+        return;
+    }
+    while (j->p < j->end && *j->p != ',' && *j->p != '}' && *j->p != ']') j->p++;
+}
+
+typedef struct { char name[256]; int dtype; int ndim; int64_t shape[8]; int64_t begin, end; } mt__st_t;
+typedef struct { char key[64]; char val[256]; } mt__st_m;
+typedef struct {
+    uint8_t *file; size_t len;
+    const uint8_t *data; size_t data_len;
+    mt__st_t *t; int n, cap;
+    mt__st_m *m; int nm, mcap;
+} mt__st;
+enum { MT__ST_F32 = 0, MT__ST_BF16 = 1, MT__ST_F16 = 2 };
+
+static void mt__st_free(mt__st *s) { MT_FREE(s->file); MT_FREE(s->t); MT_FREE(s->m); memset(s, 0, sizeof *s); }
+
+static int mt__st_open(mt__st *s, const char *path, mt_err *err) {
+    memset(s, 0, sizeof *s);
+    if (mt_read_file(path, &s->file, &s->len, err)) return -1;
+    if (s->len < 8) { mt__st_free(s); return mt_errf(err, "'%s' is not a safetensors file (too short)", path); }
+    uint64_t hl = 0;
+    for (int i = 0; i < 8; i++) hl |= (uint64_t)s->file[i] << (8 * i);
+    if (hl < 2 || hl > s->len - 8 || hl > 100000000) { mt__st_free(s); return mt_errf(err, "'%s': bad safetensors header length", path); }
+    s->data = s->file + 8 + hl; s->data_len = s->len - 8 - (size_t)hl;
+    mt__js j = {(const char *)s->file + 8, (const char *)s->file + 8 + hl, 0};
+    if (!mt__jeat(&j, '{')) j.bad = 1;
+    while (!j.bad && !mt__jeat(&j, '}')) {
+        char key[256];
+        mt__jstring(&j, key, sizeof key);
+        if (j.bad || !mt__jeat(&j, ':')) { j.bad = 1; break; }
+        if (!strcmp(key, "__metadata__")) {
+            if (!mt__jeat(&j, '{')) { j.bad = 1; break; }
+            while (!j.bad && !mt__jeat(&j, '}')) {
+                if (mt__grow((void **)&s->m, &s->mcap, s->nm + 1, sizeof *s->m)) { j.bad = 1; break; }
+                mt__st_m *m = &s->m[s->nm++];
+                mt__jstring(&j, m->key, sizeof m->key);
+                if (!mt__jeat(&j, ':')) { j.bad = 1; break; }
+                mt__jstring(&j, m->val, sizeof m->val);
+                mt__jeat(&j, ',');
+            }
+        } else {
+            if (mt__grow((void **)&s->t, &s->cap, s->n + 1, sizeof *s->t)) { j.bad = 1; break; }
+            mt__st_t *t = &s->t[s->n++];
+            memset(t, 0, sizeof *t);
+            snprintf(t->name, sizeof t->name, "%s", key);
+            t->dtype = -1; t->begin = t->end = -1;
+            if (!mt__jeat(&j, '{')) { j.bad = 1; break; }
+            while (!j.bad && !mt__jeat(&j, '}')) {
+                char f[64];
+                mt__jstring(&j, f, sizeof f);
+                if (!mt__jeat(&j, ':')) { j.bad = 1; break; }
+                if (!strcmp(f, "dtype")) {
+                    char dt[16];
+                    mt__jstring(&j, dt, sizeof dt);
+                    t->dtype = !strcmp(dt, "F32") ? MT__ST_F32 : !strcmp(dt, "BF16") ? MT__ST_BF16 : !strcmp(dt, "F16") ? MT__ST_F16 : -2;
+                } else if (!strcmp(f, "shape")) {
+                    if (!mt__jeat(&j, '[')) { j.bad = 1; break; }
+                    if (!mt__jeat(&j, ']')) {
+                        do { if (t->ndim >= 8) { j.bad = 1; break; } t->shape[t->ndim++] = mt__jint(&j); } while (!j.bad && mt__jeat(&j, ','));
+                        if (!mt__jeat(&j, ']')) j.bad = 1;
+                    }
+                } else if (!strcmp(f, "data_offsets")) {
+                    if (!mt__jeat(&j, '[')) { j.bad = 1; break; }
+                    t->begin = mt__jint(&j);
+                    if (!mt__jeat(&j, ',')) { j.bad = 1; break; }
+                    t->end = mt__jint(&j);
+                    if (!mt__jeat(&j, ']')) j.bad = 1;
+                } else {
+                    mt__jskip(&j, 0);
+                }
+                mt__jeat(&j, ',');
+            }
+        }
+        mt__jeat(&j, ',');
+    }
+    if (j.bad) { mt__st_free(s); return mt_errf(err, "'%s': malformed safetensors header", path); }
+    for (int i = 0; i < s->n; i++) {
+        mt__st_t *t = &s->t[i];
+        int64_t numel = 1;
+        for (int d = 0; d < t->ndim; d++) {
+            if (t->shape[d] > ((int64_t)1 << 40) || (t->shape[d] && numel > ((int64_t)1 << 48) / t->shape[d])) { numel = -1; break; }
+            numel *= t->shape[d];
+        }
+        int64_t esz = t->dtype == MT__ST_F32 ? 4 : 2;
+        if (t->dtype < 0 || numel < 0 || t->begin < 0 || t->end < t->begin || (uint64_t)t->end > s->data_len ||
+            t->end - t->begin != numel * esz) {
+            char nm[256];
+            snprintf(nm, sizeof nm, "%s", t->name);
+            mt__st_free(s);
+            return mt_errf(err, "'%s': tensor '%s' has an unsupported dtype or inconsistent size/offsets", path, nm);
+        }
+    }
+    return 0;
+}
+static const mt__st_t *mt__st_find(const mt__st *s, const char *name) {
+    for (int i = 0; i < s->n; i++) if (!strcmp(s->t[i].name, name)) return &s->t[i];
+    return NULL;
+}
+static const char *mt__st_meta(const mt__st *s, const char *key) {
+    for (int i = 0; i < s->nm; i++) if (!strcmp(s->m[i].key, key)) return s->m[i].val;
+    return NULL;
+}
+static float mt__half_to_float(uint16_t h, int bf16) {
+    if (bf16) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+    int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
+    double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(m + 1024, e - 25);
+    return (float)(s ? -v : v);
+}
+
+static int mt__load_tensors(mt__st *s, const char *path, mt__tensor *t, int n, mt_err *err) {
+    for (int i = 0; i < n; i++) {
+        const mt__st_t *x = mt__st_find(s, t[i].name);
+        if (!x) return mt_errf(err, "'%s' has no tensor '%s'", path, t[i].name);
+        int same = x->ndim == t[i].ndim;
+        for (int d = 0; same && d < x->ndim; d++) same = x->shape[d] == t[i].shape[d];
+        if (!same) {
+            char a[96] = "", b[96] = "";
+            for (int d = 0; d < x->ndim; d++) snprintf(a + strlen(a), sizeof a - strlen(a), "%s%lld", d ? "," : "", (long long)x->shape[d]);
+            for (int d = 0; d < t[i].ndim; d++) snprintf(b + strlen(b), sizeof b - strlen(b), "%s%lld", d ? "," : "", (long long)t[i].shape[d]);
+            return mt_errf(err, "'%s': tensor '%s' has shape [%s], the model needs [%s]", path, t[i].name, a, b);
+        }
+        const uint8_t *src = s->data + x->begin;
+        for (int64_t j = 0; j < t[i].numel; j++) {
+            float f;
+            if (x->dtype == MT__ST_F32) memcpy(&f, src + 4 * j, 4);
+            else f = mt__half_to_float((uint16_t)(src[2 * j] | src[2 * j + 1] << 8), x->dtype == MT__ST_BF16);
+            t[i].dst[j] = (mt_real)f;
+        }
+    }
+    return 0;
+}
+
+/* A float as JSON that reads back as a float ("1.0", not "1"). */
+static const char *mt__jf(double x, char *buf) {
+    snprintf(buf, 32, "%.9g", x);
+    if (!strpbrk(buf, ".eEn")) strcat(buf, ".0");
+    return buf;
+}
+
+/* config.json for transformers' DeepseekV3ForCausalLM. Every key is explicit:
+ * the library's defaults are those of the 671B model. */
+static int mt__write_hf_config(const char *path, const mt_config *c, mt_err *err) {
+    mt__buf b;
+    memset(&b, 0, sizeof b);
+    int yarn = mt_config_yarn(c);
+    char rope[512], f1[32], f2[32], f3[32], f4[32], f5[32];
+    if (yarn)
+        snprintf(rope, sizeof rope, "{\"rope_type\": \"yarn\", \"rope_theta\": %s, \"factor\": %s, "
+                 "\"original_max_position_embeddings\": %d, \"beta_fast\": %s, \"beta_slow\": %s, \"mscale\": %s, "
+                 "\"mscale_all_dim\": %s, \"attention_factor\": 1.0}", mt__jf(c->rope_theta, f1), mt__jf(c->rope_factor, f2),
+                 c->original_seq_len, mt__jf(c->beta_fast, f3), mt__jf(c->beta_slow, f4), mt__jf(c->mscale, f5), f5);
+    else
+        snprintf(rope, sizeof rope, "{\"rope_type\": \"default\", \"rope_theta\": %s}", mt__jf(c->rope_theta, f1));
+    int max_pos = c->seq_len;
+    if (yarn && (int)(c->original_seq_len * c->rope_factor + 0.5f) > max_pos) max_pos = (int)(c->original_seq_len * c->rope_factor + 0.5f);
+    mt__jfmt(&b, "{\n  \"architectures\": [\"DeepseekV3ForCausalLM\"],\n  \"model_type\": \"deepseek_v3\",\n");
+    mt__jfmt(&b, "  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n  \"intermediate_size\": %d,\n  \"moe_intermediate_size\": %d,\n",
+             c->vocab_size, c->dim, c->inter_dim, c->moe_inter_dim);
+    mt__jfmt(&b, "  \"num_hidden_layers\": %d,\n  \"first_k_dense_replace\": %d,\n  \"moe_layer_freq\": 1,\n", c->n_layers, c->n_dense_layers);
+    mt__jfmt(&b, "  \"num_attention_heads\": %d,\n  \"num_key_value_heads\": %d,\n", c->n_heads, c->n_heads);
+    if (c->q_lora_rank > 0) mt__jfmt(&b, "  \"q_lora_rank\": %d,\n", c->q_lora_rank);
+    else mt__jfmt(&b, "  \"q_lora_rank\": null,\n");
+    mt__jfmt(&b, "  \"kv_lora_rank\": %d,\n  \"qk_nope_head_dim\": %d,\n  \"qk_rope_head_dim\": %d,\n  \"v_head_dim\": %d,\n",
+             c->kv_lora_rank, c->qk_nope_head_dim, c->qk_rope_head_dim, c->v_head_dim);
+    mt__jfmt(&b, "  \"n_routed_experts\": %d,\n  \"n_shared_experts\": %d,\n  \"num_experts_per_tok\": %d,\n",
+             c->n_routed_experts, c->n_shared_experts, c->top_k);
+    mt__jfmt(&b, "  \"n_group\": %d,\n  \"topk_group\": %d,\n  \"norm_topk_prob\": %s,\n  \"routed_scaling_factor\": %s,\n",
+             c->n_expert_groups, c->n_limited_groups, c->route_norm ? "true" : "false", mt__jf(c->route_scale, f1));
+    mt__jfmt(&b, "  \"scoring_func\": \"%s\",\n  \"topk_method\": \"noaux_tc\",\n  \"hidden_act\": \"silu\",\n",
+             c->score_func == MT_SCORE_SIGMOID ? "sigmoid" : "softmax");
+    mt__jfmt(&b, "  \"rms_norm_eps\": %s,\n  \"max_position_embeddings\": %d,\n  \"rope_theta\": %s,\n", mt__jf(c->norm_eps, f1),
+             max_pos, mt__jf(c->rope_theta, f2));
+    mt__jfmt(&b, "  \"rope_parameters\": %s,\n", rope);
+    mt__jfmt(&b, "  \"rope_interleave\": true,\n  \"attention_bias\": false,\n  \"attention_dropout\": 0.0,\n");
+    mt__jfmt(&b, "  \"tie_word_embeddings\": false,\n  \"num_nextn_predict_layers\": 0,\n  \"initializer_range\": 0.02,\n");
+    mt__jfmt(&b, "  \"use_cache\": false,\n  \"bos_token_id\": null,\n  \"eos_token_id\": null,\n  \"pad_token_id\": null,\n");
+    mt__jfmt(&b, "  \"dtype\": \"float32\"\n}\n");
+    if (b.oom) { MT_FREE(b.p); return mt_errf(err, "out of memory"); }
+    int rc = mt__write_all(path, b.p, b.n, NULL, 0, err);
+    MT_FREE(b.p);
+    return rc;
+}
+
+int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err) {
+    char path[4096];
+    if (mkdir(dir, 0755) && errno != EEXIST) return mt_errf(err, "cannot create directory '%s': %s", dir, strerror(errno));
+    mt__tensor *t = NULL;
+    int n = 0, rc;
+    if (mt__tensors(rt, MT_ROLE_PARAM, "", &t, &n)) return mt_errf(err, "out of memory");
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    rc = mt__safetensors_write(path, t, n, &rt->g.cfg, step, err);
+    MT_FREE(t);
+    if (rc) return -1;
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if (mt__write_hf_config(path, &rt->g.cfg, err)) return -1;
+    if (rt->g.kind != MT_GRAPH_TRAIN) return 0;
+    /* optimizer state: exp_avg.<name>, exp_avg_sq.<name> */
+    mt__tensor *m = NULL, *v = NULL;
+    int nm = 0, nv = 0;
+    if (mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", &m, &nm) || mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", &v, &nv)) {
+        MT_FREE(m); MT_FREE(v);
+        return mt_errf(err, "out of memory");
+    }
+    mt__tensor *all = (mt__tensor *)MT_MALLOC(sizeof(mt__tensor) * (size_t)(nm + nv + 1));
+    if (!all) { MT_FREE(m); MT_FREE(v); return mt_errf(err, "out of memory"); }
+    for (int i = 0; i < nm; i++) { all[i] = m[i]; snprintf(all[i].name, sizeof all[i].name, "exp_avg.%s", m[i].name); }
+    for (int i = 0; i < nv; i++) { all[nm + i] = v[i]; snprintf(all[nm + i].name, sizeof all[nm + i].name, "exp_avg_sq.%s", v[i].name); }
+    snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
+    rc = mt__safetensors_write(path, all, nm + nv, NULL, step, err);
+    MT_FREE(m); MT_FREE(v); MT_FREE(all);
+    return rc;
+}
+
+static void mt__ckpt_path(char *out, size_t n, const char *dir, const char *file) {
+    struct stat st;
+    if (!stat(dir, &st) && S_ISREG(st.st_mode)) snprintf(out, n, "%s", dir);   /* a file was given */
+    else snprintf(out, n, "%s/%s", dir, file);
+}
+
+int mt_checkpoint_read_config(const char *dir, mt_config *c, mt_err *err) {
+    char path[4096];
+    mt__ckpt_path(path, sizeof path, dir, "model.safetensors");
+    mt__st s;
+    if (mt__st_open(&s, path, err)) return -1;
+    mt__config_common(c);
+    for (int i = 0; i < mt_n_config_fields; i++) {
+        const mt_field *f = &mt_config_fields[i];
+        char key[64];
+        snprintf(key, sizeof key, "mt.%s", f->name);
+        const char *val = mt__st_meta(&s, key);
+        if (!val) {
+            mt__st_free(&s);
+            return mt_errf(err, "'%s' has no '%s' metadata: not written by moetrain, so the model's config is unknown", path, key);
+        }
+        mt_err e;
+        if (!strcmp(f->name, "score_func")) { long long v; if (mt__parse_int(val, 0, 1, &v)) { mt__st_free(&s); return mt_errf(err, "'%s': bad %s", path, key); } c->score_func = (int)v; }
+        else if (mt_config_set(c, f->name, val, &e)) { mt__st_free(&s); return mt_errf(err, "'%s': %s", path, e.msg); }
+    }
+    mt__st_free(&s);
+    return mt_config_validate(c, err);
+}
+
+int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err) {
+    char path[4096];
+    mt__ckpt_path(path, sizeof path, dir, "model.safetensors");
+    mt__st s;
+    if (mt__st_open(&s, path, err)) return -1;
+    mt__tensor *t = NULL;
+    int n = 0;
+    if (mt__tensors(rt, MT_ROLE_PARAM, "", &t, &n)) { mt__st_free(&s); return mt_errf(err, "out of memory"); }
+    int rc = mt__load_tensors(&s, path, t, n, err);
+    const char *st = mt__st_meta(&s, "mt.step");
+    long long stepv = 0;
+    if (!rc && st && mt__parse_int(st, 0, INT_MAX, &stepv)) stepv = 0;
+    mt__st_free(&s);
+    MT_FREE(t);
+    if (rc) return -1;
+    if (step) *step = (int)stepv;
+    /* optimizer state, when present and this is a training runtime */
+    mt__ckpt_path(path, sizeof path, dir, "optimizer.safetensors");
+    struct stat sb;
+    if (rt->g.kind != MT_GRAPH_TRAIN || stat(path, &sb)) return 0;
+    if (mt__st_open(&s, path, err)) return -1;
+    mt__tensor *m = NULL, *v = NULL;
+    int nm = 0, nv = 0;
+    rc = mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", &m, &nm) || mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", &v, &nv);
+    if (rc) rc = mt_errf(err, "out of memory");
+    for (int i = 0; !rc && i < nm; i++) { char x[MT_NAME_LEN + 16]; snprintf(x, sizeof x, "exp_avg.%s", m[i].name); memcpy(m[i].name, x, sizeof m[i].name); }
+    for (int i = 0; !rc && i < nv; i++) { char x[MT_NAME_LEN + 16]; snprintf(x, sizeof x, "exp_avg_sq.%s", v[i].name); memcpy(v[i].name, x, sizeof v[i].name); }
+    if (!rc) rc = mt__load_tensors(&s, path, m, nm, err);
+    if (!rc) rc = mt__load_tensors(&s, path, v, nv, err);
+    mt__st_free(&s);
+    MT_FREE(m); MT_FREE(v);
+    return rc ? -1 : 0;
+}
+
+/* ========================================================================
+ * 12. Data
+ * ====================================================================== */
+
+void mt_data_free(mt_dataset *d) { MT_FREE(d->tokens); memset(d, 0, sizeof *d); }
+
+/* llm.c / nanoGPT shards: 256 int32 header (magic 20240520, version 1,
+ * count) then uint16 tokens; llm.c's Llama-3 shards use magic 20240801,
+ * version 7, uint32 tokens. Anything else is read as raw bytes. */
+int mt_data_load(mt_dataset *d, const char *path, mt_err *err) {
+    memset(d, 0, sizeof *d);
+    uint8_t *b; size_t n;
+    if (mt_read_file(path, &b, &n, err)) return -1;
+    int32_t hdr[3] = {0, 0, 0};
+    if (n >= 1024) memcpy(hdr, b, sizeof hdr);
+    int width = 0;
+    if (n >= 1024 && hdr[0] == 20240520) width = 2;
+    else if (n >= 1024 && hdr[0] == 20240801) width = 4;
+    if (width) {
+        if ((width == 2 && hdr[1] != 1) || (width == 4 && hdr[1] != 7)) {
+            MT_FREE(b);
+            return mt_errf(err, "'%s': token shard version %d is not supported", path, hdr[1]);
+        }
+        if (hdr[2] < 0 || (size_t)hdr[2] != (n - 1024) / (size_t)width || (n - 1024) % (size_t)width) {
+            MT_FREE(b);
+            return mt_errf(err, "'%s': header says %d tokens but the file holds %zu bytes of tokens", path, hdr[2], n - 1024);
+        }
+        d->n = hdr[2];
+    } else {
+        d->n = (int64_t)n;
+    }
+    d->tokens = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(d->n + 1));
+    if (!d->tokens) { MT_FREE(b); return mt_errf(err, "out of memory loading '%s'", path); }
+    for (int64_t i = 0; i < d->n; i++) {
+        uint32_t t;
+        if (width == 2) t = (uint32_t)(b[1024 + 2 * i] | b[1024 + 2 * i + 1] << 8);
+        else if (width == 4) { memcpy(&t, b + 1024 + 4 * i, 4); }
+        else t = b[i];
+        if (t > INT32_MAX) { MT_FREE(b); mt_data_free(d); return mt_errf(err, "'%s': token %u out of range", path, t); }
+        d->tokens[i] = (int32_t)t;
+        if ((int)t > d->max_token) d->max_token = (int)t;
+    }
+    MT_FREE(b);
+    if (d->n < 2) { mt_data_free(d); return mt_errf(err, "'%s' holds fewer than 2 tokens", path); }
+    return 0;
+}
+
+/* The embedded default corpus: short stories from a small grammar, as bytes.
+ * It has structure at every scale (spelling, agreement, story templates and
+ * simple arithmetic), so a small model learns it well below the 5.545-nat
+ * uniform line within a minute on two cores. Fixed seed: always the same. */
+int mt_data_default(mt_dataset *d, mt_err *err) {
+    static const char *const names[] = {"Mia", "Tom", "Lily", "Ben", "Anna", "Max", "Zoe", "Sam", "Ella", "Leo"};
+    static const char *const animals[] = {"cat", "dog", "bird", "fox", "frog", "duck", "bear", "fish"};
+    static const char *const adjs[] = {"little", "big", "happy", "sleepy", "red", "funny", "brave", "tiny"};
+    static const char *const places[] = {"the park", "the garden", "the forest", "the river", "the hill", "the beach"};
+    static const char *const verbs[] = {"play", "run", "jump", "sing", "swim", "dance"};
+    static const char *const objects[] = {"ball", "kite", "box", "hat", "cake", "book", "boat", "drum"};
+    static const char *const colors[] = {"blue", "green", "yellow", "pink", "orange", "purple"};
+#define MT__PICK(arr) arr[mt_rng_u64(&r) % (sizeof arr / sizeof arr[0])]
+    mt__buf b;
+    memset(&b, 0, sizeof b);
+    mt_rng r;
+    mt_rng_seed(&r, 20240520);
+    char s[512];
+    while (b.n < 600000 && !b.oom) {
+        const char *n1 = MT__PICK(names), *n2 = MT__PICK(names), *an = MT__PICK(animals), *ad = MT__PICK(adjs);
+        const char *pl = MT__PICK(places), *vb = MT__PICK(verbs), *ob = MT__PICK(objects), *co = MT__PICK(colors);
+        int x = (int)(mt_rng_u64(&r) % 10), y = (int)(mt_rng_u64(&r) % 10);
+        switch (mt_rng_u64(&r) % 4) {
+        case 0:
+            snprintf(s, sizeof s, "Once upon a time, %s had a %s %s. Every day, %s and the %s went to %s to %s. "
+                                  "One day, they found a %s %s. %s was very happy.\n", n1, ad, an, n1, an, pl, vb, co, ob, n1);
+            break;
+        case 1:
+            snprintf(s, sizeof s, "%s saw a %s %s at %s. \"Can I %s with you?\" asked %s. \"Yes!\" said the %s. "
+                                  "They liked to %s all day.\n", n1, ad, an, pl, vb, n2, an, vb);
+            break;
+        case 2:
+            snprintf(s, sizeof s, "%s had %d %ss and %s gave %s %d more. Now %s has %d %ss.\n", n1, x, ob, n2, n1, y, n1, x + y, ob);
+            break;
+        default:
+            snprintf(s, sizeof s, "The %s %s liked the color %s. It wanted a %s %s. %s made a %s %s for the %s, "
+                                  "and the %s said thank you.\n", ad, an, co, co, ob, n1, co, ob, an, an);
+            break;
+        }
+        mt__put(&b, s, strlen(s));
+    }
+#undef MT__PICK
+    memset(d, 0, sizeof *d);
+    if (b.oom) { MT_FREE(b.p); return mt_errf(err, "out of memory building the default corpus"); }
+    d->n = (int64_t)b.n;
+    d->tokens = (int32_t *)MT_MALLOC(sizeof(int32_t) * b.n);
+    if (!d->tokens) { MT_FREE(b.p); return mt_errf(err, "out of memory building the default corpus"); }
+    for (size_t i = 0; i < b.n; i++) {
+        d->tokens[i] = b.p[i];
+        if (b.p[i] > d->max_token) d->max_token = b.p[i];
+    }
+    MT_FREE(b.p);
+    return 0;
+}
+
+int mt_data_batch(const mt_dataset *d, mt_rng *r, int B, int T, int32_t *tokens, int32_t *targets, mt_err *err) {
+    if (d->n < (int64_t)T + 1)
+        return mt_errf(err, "the dataset has %lld tokens; a sequence of %d needs at least %d", (long long)d->n, T, T + 1);
+    uint64_t span = (uint64_t)(d->n - T);   /* start offsets 0 .. n-T-1 */
+    for (int b = 0; b < B; b++) {
+        int64_t off = (int64_t)(mt_rng_u64(r) % span);
+        for (int t = 0; t < T; t++) {
+            tokens[(int64_t)b * T + t] = d->tokens[off + t];
+            targets[(int64_t)b * T + t] = d->tokens[off + t + 1];
+        }
+    }
+    return 0;
+}
+
+/* ========================================================================
+ * 13. Metrics
+ * ====================================================================== */
+
+void mt_count_params(const mt_config *c, mt_param_count *pc) {
+    int64_t D = c->dim, H = c->n_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
+    int64_t attn = (c->q_lora_rank ? D * c->q_lora_rank + c->q_lora_rank + (int64_t)c->q_lora_rank * H * (dn + dr)
+                                   : D * H * (dn + dr)) +
+                   D * (c->kv_lora_rank + dr) + c->kv_lora_rank + (int64_t)c->kv_lora_rank * H * (dn + dv) + H * dv * D;
+    int64_t norms = 2 * D, dense_ffn = 3 * D * c->inter_dim;
+    int64_t router = (int64_t)c->n_routed_experts * D, experts = (int64_t)c->n_routed_experts * 3 * D * c->moe_inter_dim;
+    int64_t shared = 3 * D * (int64_t)c->n_shared_experts * c->moe_inter_dim;
+    int n_moe = 0;
+    for (int l = 0; l < c->n_layers; l++) n_moe += mt_config_is_moe_layer(c, l);
+    int n_dense = c->n_layers - n_moe;
+    memset(pc, 0, sizeof *pc);
+    pc->embedding = (int64_t)c->vocab_size * D;
+    pc->sparse_total = n_moe * (router + experts + shared);
+    pc->sparse_active = n_moe * (router + shared + experts * c->top_k / (c->n_routed_experts ? c->n_routed_experts : 1));
+    pc->total = 2 * pc->embedding + D + c->n_layers * (attn + norms) + n_dense * dense_ffn + pc->sparse_total;
+    pc->dense = pc->total - pc->sparse_total;
+}
+/* torchtitan's DeepSeek-V3 formula: 6 * (dense - embedding + active sparse)
+ * + 6 * layers * heads * (qk_nope + qk_rope + v_head) * seq_len */
+double mt_flops_per_token(const mt_config *c) {
+    mt_param_count pc;
+    mt_count_params(c, &pc);
+    return 6.0 * (double)(pc.dense - pc.embedding + pc.sparse_active) +
+           6.0 * c->n_layers * c->n_heads * (double)(c->qk_nope_head_dim + c->qk_rope_head_dim + c->v_head_dim) * c->seq_len;
+}
+
+int mt_write_svg(const char *path, const double *loss, int n, const char *title, mt_err *err) {
+    FILE *f = fopen(path, "w");
+    if (!f) return mt_errf(err, "cannot write '%s': %s", path, strerror(errno));
+    double lo = INFINITY, hi = -INFINITY;
+    for (int i = 0; i < n; i++) if (isfinite(loss[i])) { if (loss[i] < lo) lo = loss[i]; if (loss[i] > hi) hi = loss[i]; }
+    if (!(lo < hi)) { lo = isfinite(lo) ? lo - 1 : 0; hi = lo + 2; }
+    const double W = 720, Hh = 420, L = 70, Rm = 20, Tm = 40, Bm = 50;
+    fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" font-family=\"sans-serif\" font-size=\"12\">\n", W, Hh);
+    fprintf(f, "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n<text x=\"%.0f\" y=\"24\" font-size=\"15\">%s</text>\n", L, title);
+    fprintf(f, "<line x1=\"%.0f\" y1=\"%.0f\" x2=\"%.0f\" y2=\"%.0f\" stroke=\"black\"/>\n", L, Hh - Bm, W - Rm, Hh - Bm);
+    fprintf(f, "<line x1=\"%.0f\" y1=\"%.0f\" x2=\"%.0f\" y2=\"%.0f\" stroke=\"black\"/>\n", L, Tm, L, Hh - Bm);
+    for (int k = 0; k <= 4; k++) {
+        double v = lo + (hi - lo) * k / 4, y = Hh - Bm - (Hh - Bm - Tm) * k / 4;
+        fprintf(f, "<text x=\"%.0f\" y=\"%.1f\" text-anchor=\"end\">%.3f</text>\n", L - 6, y + 4, v);
+        fprintf(f, "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", L, y, W - Rm, y);
+    }
+    fprintf(f, "<text x=\"%.0f\" y=\"%.0f\" text-anchor=\"middle\">step</text>\n", (L + W - Rm) / 2, Hh - 12);
+    fprintf(f, "<text x=\"%.0f\" y=\"%.0f\">%d</text>\n", W - Rm - 20, Hh - Bm + 16, n);
+    fprintf(f, "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"");
+    for (int i = 0; i < n; i++) {
+        if (!isfinite(loss[i])) continue;
+        double x = L + (W - Rm - L) * (n > 1 ? (double)i / (n - 1) : 0);
+        double y = Hh - Bm - (Hh - Bm - Tm) * (loss[i] - lo) / (hi - lo);
+        fprintf(f, "%.1f,%.1f ", x, y);
+    }
+    fprintf(f, "\"/>\n</svg>\n");
+    if (fclose(f)) return mt_errf(err, "writing '%s' failed", path);
+    return 0;
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOETRAIN_IMPLEMENTATION_DONE */
+#endif /* MOETRAIN_IMPLEMENTATION */

@@ -1,0 +1,369 @@
+/* train — train a DeepSeek-V3-style MoE model.
+ *
+ *   ./train                                   tiny model on the embedded corpus
+ *   ./train --preset debug --data shard.bin   another preset, your tokens
+ *   ./train --graph step.mtg                  run a precompiled step graph
+ *   ./train --load ckpt --forward tok.i32 --logits-out out.f32   forward only
+ *
+ * Run ./train --help for every option.
+ */
+#define MOETRAIN_IMPLEMENTATION
+#include "moetrain.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const char *preset, *graph, *data, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
+    int steps, log_every, threads, eager, seed;
+    mt_hparams hp;
+    int lr_set, decay_set;
+    int n_overrides;
+    const char *ov_key[128], *ov_val[128];
+} opts;
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: train [options]\n"
+            "  --preset NAME        model preset: %s (default tiny)\n"
+            "  --graph FILE         run a precompiled step graph (its config is used)\n"
+            "  --device cpu         backend (cpu; cuda graphs run in builds with CUDA)\n"
+            "  --data FILE          raw bytes, or an llm.c/nanoGPT .bin token shard (default: embedded corpus)\n"
+            "  --steps N            optimizer steps (default 300)\n"
+            "  --seed N             initialization and data-order seed (default 1)\n"
+            "  --lr X --warmup N --decay-steps N --min-lr-ratio X\n"
+            "  --beta1 X --beta2 X --eps X --weight-decay X --grad-clip X   AdamW (defaults: 3e-3, 20, steps, 0.1,\n"
+            "                       0.9, 0.95, 1e-8, 0.1, 1.0)\n"
+            "  --metrics FILE       JSON lines: step, loss, grad_norm, lr, tokens_per_s, expert_load\n"
+            "  --svg FILE           write the loss curve at the end\n"
+            "  --save DIR           write DIR/model.safetensors (Hugging Face names), config.json, optimizer\n"
+            "  --load DIR           start from a checkpoint written by --save\n"
+            "  --forward FILE       forward only: FILE holds batch*(seq_len+1) int32 tokens; prints the loss\n"
+            "  --logits-out FILE    with --forward: write float32 logits [batch*seq_len, vocab]\n"
+            "  --eager              no optimizing passes (the baseline)\n"
+            "  --threads N          CPU threads (default: all cores; results do not depend on it)\n"
+            "  --log-every N        print every N steps (default 1)\n"
+            "  --<field> VALUE      any config field, e.g. --dim 128 --top-k 4 --score-func sigmoid\n"
+            "config fields:",
+            mt_config_preset_names());
+    for (int i = 0; i < mt_n_config_fields; i++) fprintf(f, "%s %s", i % 6 ? "" : "\n   ", mt_config_fields[i].name);
+    fprintf(f, "\n");
+}
+
+static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) {
+    char *end;
+    long x = strtol(v, &end, 10);
+    if (!*v || *end || x < lo || x > hi) {
+        fprintf(stderr, "train: %s takes an integer in %d..%d, not '%s'\n", flag, lo, hi, v);
+        return -1;
+    }
+    *out = (int)x;
+    return 0;
+}
+static int parse_float(const char *flag, const char *v, float *out) {
+    char *end;
+    double x = strtod(v, &end);
+    if (!*v || *end || !(x == x) || x > 1e30 || x < -1e30) {
+        fprintf(stderr, "train: %s takes a number, not '%s'\n", flag, v);
+        return -1;
+    }
+    *out = (float)x;
+    return 0;
+}
+
+static int parse_args(int argc, char **argv, opts *o) {
+    memset(o, 0, sizeof *o);
+    o->preset = "tiny"; o->device = "cpu";
+    o->steps = 300; o->log_every = 1; o->seed = 1;
+    mt_hparams_default(&o->hp);
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); exit(0); }
+        if (!strcmp(a, "--eager")) { o->eager = 1; continue; }
+        if (strncmp(a, "--", 2)) { fprintf(stderr, "train: unexpected argument '%s' (see --help)\n", a); return -1; }
+        if (i + 1 >= argc) { fprintf(stderr, "train: %s needs a value\n", a); return -1; }
+        const char *v = argv[++i];
+        const char *k = a + 2;
+        int rc = 0;
+        if (!strcmp(k, "preset")) o->preset = v;
+        else if (!strcmp(k, "graph")) o->graph = v;
+        else if (!strcmp(k, "device")) o->device = v;
+        else if (!strcmp(k, "data")) o->data = v;
+        else if (!strcmp(k, "metrics")) o->metrics = v;
+        else if (!strcmp(k, "svg")) o->svg = v;
+        else if (!strcmp(k, "save")) o->save = v;
+        else if (!strcmp(k, "load")) o->load = v;
+        else if (!strcmp(k, "forward")) o->forward = v;
+        else if (!strcmp(k, "logits-out")) o->logits_out = v;
+        else if (!strcmp(k, "steps")) rc = parse_int(a, v, 0, 1 << 30, &o->steps);
+        else if (!strcmp(k, "seed")) rc = parse_int(a, v, 0, 0x7fffffff, &o->seed);
+        else if (!strcmp(k, "threads")) rc = parse_int(a, v, 1, 64, &o->threads);
+        else if (!strcmp(k, "log-every")) rc = parse_int(a, v, 1, 1 << 30, &o->log_every);
+        else if (!strcmp(k, "lr")) { rc = parse_float(a, v, &o->hp.lr); o->lr_set = 1; }
+        else if (!strcmp(k, "warmup")) rc = parse_int(a, v, 0, 1 << 30, &o->hp.warmup_steps);
+        else if (!strcmp(k, "decay-steps")) { rc = parse_int(a, v, 0, 1 << 30, &o->hp.decay_steps); o->decay_set = 1; }
+        else if (!strcmp(k, "min-lr-ratio")) rc = parse_float(a, v, &o->hp.min_lr_ratio);
+        else if (!strcmp(k, "beta1")) rc = parse_float(a, v, &o->hp.beta1);
+        else if (!strcmp(k, "beta2")) rc = parse_float(a, v, &o->hp.beta2);
+        else if (!strcmp(k, "eps")) rc = parse_float(a, v, &o->hp.eps);
+        else if (!strcmp(k, "weight-decay")) rc = parse_float(a, v, &o->hp.weight_decay);
+        else if (!strcmp(k, "grad-clip")) rc = parse_float(a, v, &o->hp.grad_clip);
+        else {
+            if (o->n_overrides >= 128) { fprintf(stderr, "train: too many options\n"); return -1; }
+            o->ov_key[o->n_overrides] = k; o->ov_val[o->n_overrides++] = v;
+        }
+        if (rc) return -1;
+    }
+    if (!o->decay_set) o->hp.decay_steps = o->steps;
+    if (!(o->hp.lr > 0) || o->hp.beta1 < 0 || o->hp.beta1 >= 1 || o->hp.beta2 < 0 || o->hp.beta2 >= 1 || !(o->hp.eps > 0) ||
+        o->hp.weight_decay < 0 || o->hp.min_lr_ratio < 0 || o->hp.min_lr_ratio > 1) {
+        fprintf(stderr, "train: AdamW settings out of range (need lr > 0, 0 <= betas < 1, eps > 0, weight decay >= 0, "
+                        "0 <= min-lr-ratio <= 1)\n");
+        return -1;
+    }
+    if (strcmp(o->device, "cpu")) {
+        fprintf(stderr, "train: --device %s: this build runs on the CPU only (CUDA execution is not built in yet)\n", o->device);
+        return -1;
+    }
+    if (o->logits_out && !o->forward) { fprintf(stderr, "train: --logits-out needs --forward\n"); return -1; }
+    return 0;
+}
+
+static int apply_overrides(const opts *o, mt_config *c) {
+    mt_err err;
+    for (int i = 0; i < o->n_overrides; i++)
+        if (mt_config_set(c, o->ov_key[i], o->ov_val[i], &err)) {
+            fprintf(stderr, "train: %s (see --help)\n", err.msg);
+            return -1;
+        }
+    return 0;
+}
+
+/* tokens/s, memory and load balance for one step's log line */
+static double load_imbalance(mt_runtime *rt, int32_t *counts, int E) {
+    int n = mt_runtime_n_moe_layers(rt);
+    if (!n) return 1.0;
+    double acc = 0;
+    for (int i = 0; i < n; i++) {
+        mt_runtime_expert_counts(rt, i, counts);
+        double mx = 0, sum = 0;
+        for (int e = 0; e < E; e++) { sum += counts[e]; if (counts[e] > mx) mx = counts[e]; }
+        acc += sum > 0 ? mx / (sum / E) : 1.0;
+    }
+    return acc / n;
+}
+
+static int run_forward(const opts *o, mt_config cfg) {
+    mt_err err;
+    mt_graph g;
+    mt_mesh mesh;
+    mt_target tgt;
+    mt_passes passes;
+    mt_mesh_single(&mesh);
+    mt_target_cpu(&tgt);
+    if (o->eager) mt_passes_none(&passes); else mt_passes_all(&passes);
+    if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_FORWARD, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
+    mt_binding bind;
+    mt_binding_single(&bind);
+    bind.n_threads = o->threads;
+    mt_runtime *rt;
+    if (mt_runtime_create(&rt, &g, &bind, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_graph_free(&g); return 1; }
+    mt_graph_free(&g);
+    if (o->load) {
+        if (mt_checkpoint_load(rt, o->load, NULL, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_runtime_destroy(rt); return 1; }
+    } else {
+        mt_runtime_init_params(rt, (uint64_t)o->seed);
+    }
+    uint8_t *bytes; size_t len;
+    if (mt_read_file(o->forward, &bytes, &len, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_runtime_destroy(rt); return 1; }
+    int B = cfg.batch, T = cfg.seq_len;
+    size_t want = (size_t)B * (size_t)(T + 1) * 4;
+    if (len != want) {
+        fprintf(stderr, "train: '%s' has %zu bytes; --batch %d --seq-len %d needs %zu (int32 [batch, seq_len+1])\n", o->forward,
+                len, B, T, want);
+        free(bytes); mt_runtime_destroy(rt);
+        return 1;
+    }
+    int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T), *tgt_ = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T);
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            memcpy(&tok[b * T + t], bytes + 4 * ((size_t)b * (T + 1) + t), 4);
+            memcpy(&tgt_[b * T + t], bytes + 4 * ((size_t)b * (T + 1) + t + 1), 4);
+        }
+    free(bytes);
+    mt_step_stats st;
+    int rc = 0;
+    if (mt_runtime_step(rt, tok, tgt_, 0, NULL, &st, &err)) { fprintf(stderr, "train: %s\n", err.msg); rc = 1; }
+    if (!rc) {
+        printf("loss %.9g\n", st.loss);
+        if (o->logits_out) {
+            const mt_graph *G = mt_runtime_graph(rt);
+            int lv = G->io[MT_IO_LOGITS];
+            int64_t n = (int64_t)B * T * cfg.vocab_size;
+            const mt_real *lg = (const mt_real *)mt_runtime_value(rt, lv);
+            float *f32 = (float *)malloc(sizeof(float) * (size_t)n);
+            for (int64_t i = 0; i < n; i++) f32[i] = (float)lg[i];
+            FILE *f = fopen(o->logits_out, "wb");
+            if (!f || fwrite(f32, sizeof(float), (size_t)n, f) != (size_t)n || fclose(f)) {
+                fprintf(stderr, "train: cannot write '%s'\n", o->logits_out);
+                rc = 1;
+            }
+            free(f32);
+        }
+    }
+    free(tok); free(tgt_);
+    mt_runtime_destroy(rt);
+    return rc;
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    if (parse_args(argc, argv, &o)) return 2;
+    mt_err err;
+    mt_config cfg;
+    mt_graph g;
+    memset(&g, 0, sizeof g);
+    int have_graph = 0;
+
+    /* 1. the model: from an artifact, a checkpoint, or a preset (+ overrides) */
+    if (o.graph) {
+        if (o.n_overrides) {
+            fprintf(stderr, "train: --graph fixes the model; '--%s' cannot change it (re-run precompile instead)\n", o.ov_key[0]);
+            return 2;
+        }
+        if (mt_artifact_load(&g, o.graph, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
+        if (g.kind != MT_GRAPH_TRAIN) { fprintf(stderr, "train: '%s' is a forward-only graph\n", o.graph); mt_graph_free(&g); return 1; }
+        cfg = g.cfg;
+        have_graph = 1;
+    } else if (o.load) {
+        if (mt_checkpoint_read_config(o.load, &cfg, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
+        if (apply_overrides(&o, &cfg)) return 2;
+    } else {
+        if (mt_config_preset(&cfg, o.preset, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 2; }
+        if (apply_overrides(&o, &cfg)) return 2;
+    }
+    if (mt_config_validate(&cfg, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 2; }
+    if (o.forward) return run_forward(&o, cfg);
+
+    /* 2. compile in-process unless an artifact was given */
+    if (!have_graph) {
+        mt_mesh mesh;
+        mt_target tgt;
+        mt_passes passes;
+        mt_mesh_single(&mesh);
+        mt_target_cpu(&tgt);
+        if (o.eager) mt_passes_none(&passes); else mt_passes_all(&passes);
+        double t0 = mt_now();
+        if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_TRAIN, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
+        printf("compiled the step graph in %.2f s: %d nodes, %d values\n", mt_now() - t0, g.n_nodes, g.n_values);
+    } else {
+        printf("loaded the step graph from %s: %d nodes, %d values\n", o.graph, g.n_nodes, g.n_values);
+    }
+
+    /* 3. bind to this process (one rank, CPU) */
+    mt_binding bind;
+    mt_binding_single(&bind);
+    bind.n_threads = o.threads;
+    mt_runtime *rt;
+    if (mt_runtime_create(&rt, &g, &bind, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_graph_free(&g); return 1; }
+    int step0 = 0;
+    mt_runtime_init_params(rt, (uint64_t)o.seed);
+    if (o.load && mt_checkpoint_load(rt, o.load, &step0, &err)) {
+        fprintf(stderr, "train: %s\n", err.msg);
+        mt_runtime_destroy(rt); mt_graph_free(&g);
+        return 1;
+    }
+
+    /* 4. data */
+    mt_dataset ds;
+    if (o.data ? mt_data_load(&ds, o.data, &err) : mt_data_default(&ds, &err)) {
+        fprintf(stderr, "train: %s\n", err.msg);
+        mt_runtime_destroy(rt); mt_graph_free(&g);
+        return 1;
+    }
+    if (ds.max_token >= cfg.vocab_size || ds.n < (int64_t)cfg.seq_len + 1) {
+        if (ds.max_token >= cfg.vocab_size)
+            fprintf(stderr, "train: the data holds token %d but the vocabulary has %d entries (set --vocab-size)\n", ds.max_token, cfg.vocab_size);
+        else
+            fprintf(stderr, "train: the data has %lld tokens, fewer than one sequence of %d\n", (long long)ds.n, cfg.seq_len + 1);
+        mt_data_free(&ds); mt_runtime_destroy(rt); mt_graph_free(&g);
+        return 1;
+    }
+
+    mt_param_count pc;
+    mt_count_params(&cfg, &pc);
+    char h1[32], h2[32], h3[32];
+    printf("model: %lld parameters (%lld active per token), %d layers, %d experts top-%d | data: %s, %lld tokens\n",
+           (long long)pc.total, (long long)(pc.dense + pc.sparse_active), cfg.n_layers, cfg.n_routed_experts, cfg.top_k,
+           o.data ? o.data : "embedded corpus", (long long)ds.n);
+    printf("memory: %s persistent + %s arena (naive %s) | %s | uniform loss ln(%d) = %.4f\n",
+           mt__human((double)g.persist_bytes, h1), mt__human((double)g.arena_bytes, h2),
+           mt__human((double)g.naive_arena_bytes, h3), g.planned ? "planned" : "eager", cfg.vocab_size,
+           log((double)cfg.vocab_size));
+    mt_graph_free(&g);
+
+    FILE *mf = NULL;
+    if (o.metrics && !(mf = fopen(o.metrics, "w"))) {
+        fprintf(stderr, "train: cannot write '%s'\n", o.metrics);
+        mt_data_free(&ds); mt_runtime_destroy(rt);
+        return 1;
+    }
+    int B = cfg.batch, T = cfg.seq_len, E = cfg.n_routed_experts > 0 ? cfg.n_routed_experts : 1;
+    int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T), *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T);
+    int32_t *counts = (int32_t *)malloc(sizeof(int32_t) * (size_t)E);
+    double *curve = (double *)malloc(sizeof(double) * (size_t)(o.steps + 1));
+    mt_rng data_rng;
+    mt_rng_seed(&data_rng, mt_hash("data", 4, (uint64_t)o.seed));
+    int rc = 0;
+    double t_start = mt_now(), first_loss = 0, last_loss = 0;
+    for (int s = 0; s < o.steps; s++) {
+        int step = step0 + s;
+        mt_step_stats st;
+        if (mt_data_batch(&ds, &data_rng, B, T, tok, tgt, &err) || mt_runtime_step(rt, tok, tgt, step, &o.hp, &st, &err)) {
+            fprintf(stderr, "train: %s\n", err.msg);
+            rc = 1;
+            break;
+        }
+        if (!isfinite(st.loss)) {
+            fprintf(stderr, "train: the loss is %g at step %d: training diverged (try a smaller --lr)\n", st.loss, step + 1);
+            rc = 1;
+            break;
+        }
+        curve[s] = st.loss;
+        if (s == 0) first_loss = st.loss;
+        last_loss = st.loss;
+        double tps = (double)B * T / st.seconds;
+        double lb = load_imbalance(rt, counts, E);
+        if ((s + 1) % o.log_every == 0 || s == 0 || s + 1 == o.steps)
+            printf("step %5d | loss %.6f | grad_norm %8.4f | lr %.3e | %8.0f tok/s | %7.1f ms | load max/mean %.2f\n", step + 1,
+                   st.loss, st.grad_norm, st.lr, tps, 1e3 * st.seconds, lb);
+        if (mf) {
+            fprintf(mf, "{\"step\":%d,\"loss\":%.9g,\"grad_norm\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"step_ms\":%.3f,\"expert_load\":[",
+                    step + 1, st.loss, st.grad_norm, st.lr, tps, 1e3 * st.seconds);
+            for (int i = 0; i < mt_runtime_n_moe_layers(rt); i++) {
+                mt_runtime_expert_counts(rt, i, counts);
+                fprintf(mf, "%s[", i ? "," : "");
+                for (int e = 0; e < E; e++) fprintf(mf, "%s%d", e ? "," : "", counts[e]);
+                fprintf(mf, "]");
+            }
+            fprintf(mf, "]}\n");
+            fflush(mf);
+        }
+    }
+    if (!rc && o.steps > 0)
+        printf("done: %d steps in %.1f s, loss %.4f -> %.4f\n", o.steps, mt_now() - t_start, first_loss, last_loss);
+    if (mf) fclose(mf);
+    if (!rc && o.svg && o.steps > 0) {
+        char title[128];
+        snprintf(title, sizeof title, "moetrain loss (%s, seed %d)", o.graph ? o.graph : o.preset, o.seed);
+        if (mt_write_svg(o.svg, curve, o.steps, title, &err)) { fprintf(stderr, "train: %s\n", err.msg); rc = 1; }
+    }
+    if (!rc && o.save) {
+        if (mt_checkpoint_save(rt, o.save, step0 + o.steps, &err)) { fprintf(stderr, "train: %s\n", err.msg); rc = 1; }
+        else printf("saved %s/model.safetensors, config.json, optimizer.safetensors\n", o.save);
+    }
+    free(tok); free(tgt); free(counts); free(curve);
+    mt_data_free(&ds);
+    mt_runtime_destroy(rt);
+    return rc;
+}
