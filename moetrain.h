@@ -463,11 +463,11 @@ typedef struct {
 typedef struct {
     int rank, world, local_rank;
     int coord[MT_NDIMS];
-    int device;        /* CUDA device ordinal from the binding; -1 = CPU */
+    int device;        /* CUDA device ordinal (the local rank); used by CUDA graphs */
     int n_threads;     /* CPU worker threads; 0 = number of cores */
     int poison;        /* fill the arena with NaN before each step (tests) */
 } mt_binding;
-void mt_binding_single(mt_binding *b);   /* rank 0 of 1, CPU */
+void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
 
 typedef struct mt_runtime mt_runtime;
 typedef struct {
@@ -478,13 +478,89 @@ typedef struct {
 int mt_runtime_create(mt_runtime **rt, const mt_graph *g, const mt_binding *b, mt_err *err);
 void mt_runtime_destroy(mt_runtime *rt);
 const mt_graph *mt_runtime_graph(const mt_runtime *rt);
-void mt_runtime_init_params(mt_runtime *rt, uint64_t seed);   /* deterministic per param */
+int mt_runtime_init_params(mt_runtime *rt, uint64_t seed, mt_err *err); /* deterministic per param */
 int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *targets, int step,
                     const mt_hparams *hp, mt_step_stats *st, mt_err *err);
-void *mt_runtime_value(mt_runtime *rt, int value_id);          /* host pointer (CPU) */
-int mt_runtime_copy_params(mt_runtime *dst, const mt_runtime *src, mt_err *err); /* by name */
+void *mt_runtime_value(mt_runtime *rt, int value_id);          /* its bytes (host on CPU, device on CUDA) */
+int mt_runtime_read(mt_runtime *rt, int value_id, void *dst, mt_err *err);        /* all bytes to host */
+int mt_runtime_write(mt_runtime *rt, int value_id, const void *src, mt_err *err); /* all bytes from host */
+int mt_runtime_sync_shadows(mt_runtime *rt, mt_err *err);      /* bf16 compute copies from the f32 masters */
+int mt_runtime_copy_params(mt_runtime *dst, mt_runtime *src, mt_err *err); /* by name */
 int mt_runtime_expert_counts(mt_runtime *rt, int moe_index, int32_t *counts); /* E counts */
 int mt_runtime_n_moe_layers(const mt_runtime *rt);
+int mt_runtime_backend(const mt_runtime *rt);                  /* MT_BACKEND_CPU or MT_BACKEND_CUDA */
+size_t mt_runtime_peak_bytes(const mt_runtime *rt);            /* device (or host) memory of the plan at peak */
+
+/* CUDA launchers (moetrain_kernels.cu). Declared when the build defines
+ * MT_CUDA; each mirrors the CPU reference op of section 8 with device
+ * pointers; "bf16" arguments are __nv_bfloat16 arrays. All run on the
+ * context's stream and return 0, or -1 with mt_cuda_error() set. */
+#ifdef MT_CUDA
+typedef struct mt_cuda mt_cuda;
+int mt_cuda_device_count(void);
+int mt_cuda_create(mt_cuda **c, int device, mt_err *err);
+void mt_cuda_destroy(mt_cuda *c);
+const char *mt_cuda_error(const mt_cuda *c);
+int mt_cuda_describe(char *out, int n);
+int mt_cuda_malloc(mt_cuda *c, void **p, size_t n);
+void mt_cuda_free(mt_cuda *c, void *p);
+int mt_cuda_copy(mt_cuda *c, void *dst, const void *src, size_t n, int kind); /* 0 h2d, 1 d2h, 2 d2d */
+int mt_cuda_memset(mt_cuda *c, void *p, int byte, size_t n);
+int mt_cuda_sync(mt_cuda *c);
+int mt_cuda_check_flag(mt_cuda *c);     /* data errors kernels flagged (bad expert index...), then clears */
+size_t mt_cuda_peak_bytes(mt_cuda *c);   /* device memory in use at the high-water mark */
+int mt_cuda_cast(mt_cuda *c, void *dst, int dst_dtype, const void *src, int src_dtype, int64_t n);
+size_t mt_cuda_embed_backward_workspace(int N);
+int mt_cuda_embed_forward(mt_cuda *c, void *x, const int32_t *tok, const void *wte, int N, int D);
+int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_t *tok, int N, int V, int D, void *ws);
+size_t mt_cuda_rmsnorm_backward_workspace(int N, int D);
+int mt_cuda_rmsnorm_forward(mt_cuda *c, void *y, float *rstd, const void *x, const float *w, int N, int D, float eps);
+int mt_cuda_rmsnorm_backward(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w,
+                             const float *rstd, int N, int D, void *ws);
+size_t mt_cuda_matmul_workspace(int M, int N, int K, int ct, int at, int bt);
+int mt_cuda_matmul(mt_cuda *c, void *C, int ct, const void *A, int at, const void *B, int bt, int M, int N, int K,
+                   int ta, int tb, void *ws);
+int mt_cuda_split(mt_cuda *c, void *x1, void *x2, const void *x, int N, int a, int b, int esz);
+int mt_cuda_concat(mt_cuda *c, void *x, const void *x1, const void *x2, int N, int a, int b, int esz);
+int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *q, const void *kv, const void *kpe,
+                             const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv);
+int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const void *dQ, const void *dK,
+                              const void *dV, const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv);
+size_t mt_cuda_attention_backward_workspace(int B, int T, int H, int dq, int dv);
+int mt_cuda_attention_forward(mt_cuda *c, const void *Q, const void *K, const void *V, void *O, float *lse, int B, int T,
+                              int H, int dq, int dv, float scale);
+int mt_cuda_attention_backward(mt_cuda *c, const void *Q, const void *K, const void *V, const void *O, const float *lse,
+                               const void *dO, void *dQ, void *dK, void *dV, void *ws, int B, int T, int H, int dq,
+                               int dv, float scale);
+int mt_cuda_swiglu_forward(mt_cuda *c, void *h, const void *g, const void *u, int64_t n);
+int mt_cuda_swiglu_backward(mt_cuda *c, void *dg, void *du, const void *g, const void *u, const void *dh, int64_t n);
+int mt_cuda_add(mt_cuda *c, void *out, const void *a, const void *b, int64_t n, int dtype);
+int mt_cuda_router_forward(mt_cuda *c, int32_t *idx, float *w, float *scores, int32_t *counts, const float *logits,
+                           const float *bias, int N, int E, int K, int score_func, int route_norm, float route_scale,
+                           int n_groups, int n_limited);
+int mt_cuda_router_backward(mt_cuda *c, float *dlogits, const float *scores, const int32_t *idx, const float *dw, int N,
+                            int E, int K, int score_func, int route_norm, float route_scale);
+int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, const void *x, const int32_t *idx, int N,
+                        int D, int K, int E);
+int mt_cuda_moe_permute_backward(mt_cuda *c, void *dx, const void *dxs, const int32_t *slot, int N, int D, int K);
+int mt_cuda_ep_counts(mt_cuda *c, int32_t *recv, const int32_t *offs, int E_local, int first_expert);
+int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_local);
+int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *host_offs, int E, int M,
+                int K, void *ws);   /* mode 0: Y=X W^T, 1: dX = dY W, 2: dW = dY^T X (f32 out) */
+int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32_t *slot, const float *w, int N, int D, int K);
+int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
+                                 const float *w, int N, int D, int K);
+size_t mt_cuda_cross_entropy_workspace(int N);
+int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const void *logits, const int32_t *tgt, int N, int V, void *ws);
+int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int V);
+size_t mt_cuda_sumsq_workspace(void);
+int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, void *ws);
+int mt_cuda_lr_schedule(mt_cuda *c, float *lr, const float *hp, const int32_t *step);
+int mt_cuda_clip(mt_cuda *c, float *coef, float *norm, const float *sumsq, const float *hp);
+int mt_cuda_adamw(mt_cuda *c, float *p, float *m, float *v, void *p_bf16, const float *g, int64_t n, const float *lr,
+                  const float *coef, const float *hp, const int32_t *step, int decay);
+int mt_cuda_expert_bias_update(mt_cuda *c, float *bias, const int32_t *counts, int E, float coeff);
+#endif
 
 /* ========================================================================
  * 11. Checkpoints (safetensors, Hugging Face DeepSeek-V3 names and layouts)
@@ -3581,13 +3657,19 @@ static int mt__group_size(const mt_mesh *m, uint32_t mask) {
 struct mt_runtime {
     mt_graph g;              /* the runtime's own copy of the graph */
     mt_binding bind;
-    mt_pool *pool;
-    uint8_t *persist, *arena;
+    int backend;             /* MT_BACKEND_CPU or MT_BACKEND_CUDA */
+    mt_pool *pool;           /* CPU worker threads */
+    uint8_t *persist, *arena;/* host memory (CPU) or device memory (CUDA) */
     void **ptr;              /* per value: its bytes */
     int64_t *rows;           /* per value: actual leading dim when it is symbolic */
     int64_t *sym;            /* per symbol: bound value */
     int32_t *counts; int n_moe;
     int64_t n_tokens;
+    void *cu;                /* mt_cuda context (CUDA builds) */
+    void *scratch;           /* CUDA: op workspace, sized for the hungriest node */
+    size_t scratch_bytes;
+    int32_t *host_offs;      /* CUDA: host copies of expert offsets, per value (see offs_at) */
+    int64_t *offs_at, *offs_stamp, stamp;
 };
 
 static int mt__allreduce(mt_runtime *rt, const mt_node *n, mt_err *err) {
@@ -3638,7 +3720,7 @@ static int mt__ep_exchange(mt_runtime *rt, const mt_node *n, int D, mt_err *err)
 
 void mt_binding_single(mt_binding *b) {
     memset(b, 0, sizeof *b);
-    b->world = 1; b->device = -1;
+    b->world = 1;
 }
 
 static int mt__graph_clone(mt_graph *dst, const mt_graph *src) {
@@ -3674,14 +3756,47 @@ static void mt__aligned_free(void *p) {
     MT_FREE(raw);
 }
 
+#ifdef MT_CUDA
+#define MT__CU(rt) ((mt_cuda *)(rt)->cu)
+/* Workspace the hungriest node needs (cuBLASLt has its own). */
+static size_t mt__cuda_scratch(const mt_graph *G) {
+    size_t need = mt_cuda_sumsq_workspace();
+    for (int i = 0; i < G->n_nodes; i++) {
+        const mt_node *n = &G->nodes[i];
+        const mt_value *a = n->in[0] >= 0 ? &G->values[n->in[0]] : NULL, *b = n->in[1] >= 0 ? &G->values[n->in[1]] : NULL;
+        size_t w = 0;
+        switch (n->op) {
+        case MT_OP_EMBED_BWD: w = mt_cuda_embed_backward_workspace((int)a->dims[0]); break;
+        case MT_OP_RMSNORM_BWD: w = mt_cuda_rmsnorm_backward_workspace((int)b->dims[0], (int)b->dims[1]); break;
+        case MT_OP_MATMUL: {
+            int M = (int)a->dims[n->iattr[0] ? 1 : 0], K = (int)a->dims[n->iattr[0] ? 0 : 1], Nn = (int)b->dims[n->iattr[1] ? 0 : 1];
+            w = mt_cuda_matmul_workspace(M, Nn, K, G->values[n->out[0]].dtype, a->dtype, b->dtype);
+            break;
+        }
+        case MT_OP_ATTENTION_BWD:
+            w = mt_cuda_attention_backward_workspace((int)(a->dims[0] / n->iattr[3]), n->iattr[3], n->iattr[0], n->iattr[1], n->iattr[2]);
+            break;
+        case MT_OP_CROSS_ENTROPY: w = mt_cuda_cross_entropy_workspace((int)a->dims[0]); break;
+        }
+        if (w > need) need = w;
+    }
+    return need;
+}
+#endif
+
 int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, mt_err *err) {
     *out = NULL;
-    if (g->target.backend != MT_BACKEND_CPU)
-        return mt_errf(err, "this graph was compiled for %s (%s); this runtime executes CPU graphs: "
-                            "precompile with --device cpu", g->target.backend == MT_BACKEND_CUDA ? "CUDA" : "?", g->target.arch);
-    if (g->target.real_bytes != (int)sizeof(mt_real))
+    if (g->target.backend == MT_BACKEND_CPU && g->target.real_bytes != (int)sizeof(mt_real))
         return mt_errf(err, "this graph was compiled for %d-byte reals, this build computes in %d-byte reals",
                        g->target.real_bytes, (int)sizeof(mt_real));
+#ifndef MT_CUDA
+    if (g->target.backend == MT_BACKEND_CUDA)
+        return mt_errf(err, "this graph was compiled for CUDA (%s) but this build has no CUDA support: "
+                            "build on a machine with the CUDA toolkit, or precompile with --device cpu", g->target.arch);
+#else
+    if (g->target.backend == MT_BACKEND_CUDA && sizeof(mt_real) != 4)
+        return mt_errf(err, "CUDA graphs need a float32 build (MT_REAL=float)");
+#endif
     if (b->world != mt_mesh_world(&g->mesh))
         return mt_errf(err, "the graph's mesh has %d ranks, the launch has %d", mt_mesh_world(&g->mesh), b->world);
     if (b->world != 1)
@@ -3690,21 +3805,56 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
     mt_runtime *rt = (mt_runtime *)mt__calloc(sizeof *rt);
     if (!rt) return mt_errf(err, "out of memory");
     rt->bind = *b;
+    rt->backend = g->target.backend;
     mt_mesh_coords(&g->mesh, b->rank, rt->bind.coord);
     if (mt__graph_clone(&rt->g, g)) { MT_FREE(rt); return mt_errf(err, "out of memory copying the graph"); }
     const mt_graph *G = &rt->g;
-    rt->persist = (uint8_t *)mt__aligned((size_t)G->persist_bytes);
-    rt->arena = (uint8_t *)mt__aligned((size_t)G->arena_bytes);
     rt->ptr = (void **)mt__calloc(sizeof(void *) * (size_t)(G->n_values + 1));
     rt->rows = (int64_t *)mt__calloc(sizeof(int64_t) * (size_t)(G->n_values + 1));
     rt->sym = (int64_t *)mt__calloc(sizeof(int64_t) * (size_t)(G->n_syms + 1));
     rt->counts = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(G->n_values + 1));
-    if (!rt->persist || !rt->arena || !rt->ptr || !rt->rows || !rt->sym || !rt->counts) {
-        char h1[32], h2[32];
-        mt_errf(err, "out of memory: the plan needs %s persistent + %s arena", mt__human((double)G->persist_bytes, h1),
-                mt__human((double)G->arena_bytes, h2));
-        mt_runtime_destroy(rt);
-        return -1;
+    if (!rt->ptr || !rt->rows || !rt->sym || !rt->counts) { mt_runtime_destroy(rt); return mt_errf(err, "out of memory"); }
+    if (rt->backend == MT_BACKEND_CPU) {
+        rt->persist = (uint8_t *)mt__aligned((size_t)G->persist_bytes);
+        rt->arena = (uint8_t *)mt__aligned((size_t)G->arena_bytes);
+        if (!rt->persist || !rt->arena) {
+            char h1[32], h2[32];
+            mt_errf(err, "out of memory: the plan needs %s persistent + %s arena", mt__human((double)G->persist_bytes, h1),
+                    mt__human((double)G->arena_bytes, h2));
+            mt_runtime_destroy(rt);
+            return -1;
+        }
+        int nt = b->n_threads > 0 ? b->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+        if (nt > 64) nt = 64;
+        if (mt_pool_create(&rt->pool, nt, err)) { mt_runtime_destroy(rt); return -1; }
+    } else {
+#ifdef MT_CUDA
+        mt_cuda *cu;
+        if (mt_cuda_create(&cu, b->device, err)) { mt_runtime_destroy(rt); return -1; }
+        rt->cu = cu;
+        rt->scratch_bytes = mt__cuda_scratch(G);
+        rt->offs_at = (int64_t *)mt__calloc(sizeof(int64_t) * (size_t)(G->n_values + 1));
+        rt->offs_stamp = (int64_t *)mt__calloc(sizeof(int64_t) * (size_t)(G->n_values + 1));
+        if (mt_cuda_malloc(cu, (void **)&rt->persist, (size_t)G->persist_bytes) ||
+            mt_cuda_malloc(cu, (void **)&rt->arena, (size_t)G->arena_bytes) ||
+            mt_cuda_malloc(cu, &rt->scratch, rt->scratch_bytes) || mt_cuda_memset(cu, rt->persist, 0, (size_t)G->persist_bytes)) {
+            mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
+            mt_runtime_destroy(rt);
+            return -1;
+        }
+        /* host copies of expert offsets: a slot for each value a grouped GEMM reads */
+        int64_t total = 0;
+        for (int i = 0; i < G->n_nodes; i++) {
+            int op = G->nodes[i].op, v = G->nodes[i].in[2];
+            if ((op == MT_OP_GMM || op == MT_OP_GMM_DX || op == MT_OP_GMM_DW) && rt->offs_at && !rt->offs_stamp[v]) {
+                rt->offs_at[v] = total;
+                rt->offs_stamp[v] = -1;
+                total += mt_value_numel_max(G, &G->values[v]);
+            }
+        }
+        rt->host_offs = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(total + 1));
+        if (!rt->host_offs || !rt->offs_at || !rt->offs_stamp) { mt_runtime_destroy(rt); return mt_errf(err, "out of memory"); }
+#endif
     }
     /* bind symbols: coordinates from the binding, sizes at their bounds until data says otherwise */
     for (int s = 0; s < G->n_syms; s++)
@@ -3712,14 +3862,11 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
     for (int v = 0; v < G->n_values; v++) {
         const mt_value *x = &G->values[v];
         rt->ptr[v] = (MT_ROLE_IN_ARENA(x->role) ? rt->arena : rt->persist) + x->offset;
-        if (x->role == MT_ROLE_CONST) memcpy(rt->ptr[v], G->consts + x->data_offset, (size_t)x->nbytes);
         if (x->flags & MT_VF_COUNTS) rt->counts[rt->n_moe++] = v;
         rt->rows[v] = x->ndim ? mt__dim_max(G, x->dims[0]) : 1;
+        if (x->role == MT_ROLE_CONST && mt_runtime_write(rt, v, G->consts + x->data_offset, err)) { mt_runtime_destroy(rt); return -1; }
     }
     rt->n_tokens = (int64_t)G->cfg.batch * G->cfg.seq_len;
-    int nt = b->n_threads > 0 ? b->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
-    if (nt > 64) nt = 64;
-    if (mt_pool_create(&rt->pool, nt, err)) { mt_runtime_destroy(rt); return -1; }
     *out = rt;
     return 0;
 }
@@ -3727,19 +3874,71 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
 void mt_runtime_destroy(mt_runtime *rt) {
     if (!rt) return;
     mt_pool_destroy(rt->pool);
-    mt__aligned_free(rt->persist); mt__aligned_free(rt->arena);
+    if (rt->backend == MT_BACKEND_CPU) {
+        mt__aligned_free(rt->persist); mt__aligned_free(rt->arena);
+    }
+#ifdef MT_CUDA
+    else if (rt->cu) {
+        mt_cuda_free(MT__CU(rt), rt->persist); mt_cuda_free(MT__CU(rt), rt->arena); mt_cuda_free(MT__CU(rt), rt->scratch);
+        mt_cuda_destroy(MT__CU(rt));
+    }
+#endif
     MT_FREE(rt->ptr); MT_FREE(rt->rows); MT_FREE(rt->sym); MT_FREE(rt->counts);
+    MT_FREE(rt->host_offs); MT_FREE(rt->offs_at); MT_FREE(rt->offs_stamp);
     mt_graph_free(&rt->g);
     MT_FREE(rt);
 }
 const mt_graph *mt_runtime_graph(const mt_runtime *rt) { return &rt->g; }
 void *mt_runtime_value(mt_runtime *rt, int v) { return (v >= 0 && v < rt->g.n_values) ? rt->ptr[v] : NULL; }
 int mt_runtime_n_moe_layers(const mt_runtime *rt) { return rt->n_moe; }
+int mt_runtime_backend(const mt_runtime *rt) { return rt->backend; }
+size_t mt_runtime_peak_bytes(const mt_runtime *rt) {
+#ifdef MT_CUDA
+    if (rt->backend == MT_BACKEND_CUDA) return mt_cuda_peak_bytes(MT__CU(rt));
+#endif
+    return (size_t)(rt->g.persist_bytes + rt->g.arena_bytes);
+}
+
+int mt_runtime_read(mt_runtime *rt, int v, void *dst, mt_err *err) {
+    if (v < 0 || v >= rt->g.n_values) return mt_errf(err, "no value %d", v);
+    size_t n = (size_t)rt->g.values[v].nbytes;
+    if (rt->backend == MT_BACKEND_CPU) { memcpy(dst, rt->ptr[v], n); return 0; }
+#ifdef MT_CUDA
+    if (mt_cuda_copy(MT__CU(rt), dst, rt->ptr[v], n, 1)) return mt_errf(err, "reading '%s': %s", rt->g.values[v].name, mt_cuda_error(MT__CU(rt)));
+#endif
+    return 0;
+}
+int mt_runtime_write(mt_runtime *rt, int v, const void *src, mt_err *err) {
+    if (v < 0 || v >= rt->g.n_values) return mt_errf(err, "no value %d", v);
+    size_t n = (size_t)rt->g.values[v].nbytes;
+    if (rt->backend == MT_BACKEND_CPU) { memcpy(rt->ptr[v], src, n); return 0; }
+#ifdef MT_CUDA
+    if (mt_cuda_copy(MT__CU(rt), rt->ptr[v], src, n, 0)) return mt_errf(err, "writing '%s': %s", rt->g.values[v].name, mt_cuda_error(MT__CU(rt)));
+#endif
+    return 0;
+}
+
+/* bf16 compute copies follow their f32 masters (after init or load) */
+int mt_runtime_sync_shadows(mt_runtime *rt, mt_err *err) {
+    (void)rt; (void)err;
+#ifdef MT_CUDA
+    const mt_graph *G = &rt->g;
+    if (rt->backend != MT_BACKEND_CUDA) return 0;
+    for (int i = 0; i < G->n_values; i++) {
+        const mt_value *v = &G->values[i];
+        if (v->role != MT_ROLE_PARAM || v->param < 0) continue;
+        if (mt_cuda_cast(MT__CU(rt), rt->ptr[i], v->dtype, rt->ptr[v->param], MT_F32, mt_value_numel_max(G, v)))
+            return mt_errf(err, "refreshing '%s': %s", v->name, mt_cuda_error(MT__CU(rt)));
+    }
+#endif
+    return 0;
+}
+
 int mt_runtime_expert_counts(mt_runtime *rt, int i, int32_t *counts) {
+    mt_err e;
     if (i < 0 || i >= rt->n_moe) return -1;
-    const mt_value *v = &rt->g.values[rt->counts[i]];
-    memcpy(counts, rt->ptr[rt->counts[i]], (size_t)v->nbytes);
-    return (int)v->dims[0];
+    if (mt_runtime_read(rt, rt->counts[i], counts, &e)) return -1;
+    return (int)rt->g.values[rt->counts[i]].dims[0];
 }
 
 /* The global index of local expert e of a stacked expert parameter. */
@@ -3750,14 +3949,15 @@ static int mt__global_expert(const mt_runtime *rt, const mt_value *v, int e) {
 /* Each parameter draws from its own stream, seeded by (seed, name), so the
  * values do not depend on creation order; stacked experts draw per global
  * expert, so they do not depend on the expert-parallel layout either. */
-void mt_runtime_init_params(mt_runtime *rt, uint64_t seed) {
+int mt_runtime_init_params(mt_runtime *rt, uint64_t seed, mt_err *err) {
     const mt_graph *G = &rt->g;
     for (int i = 0; i < G->n_values; i++) {
         const mt_value *v = &G->values[i];
         if (v->role != MT_ROLE_PARAM && v->role != MT_ROLE_OPT) continue;
         if (v->role == MT_ROLE_PARAM && v->param >= 0) continue;  /* compute shadows follow their master */
-        mt_real *p = (mt_real *)rt->ptr[i];
         int64_t n = mt_value_numel_max(G, v);
+        mt_real *p = rt->backend == MT_BACKEND_CPU ? (mt_real *)rt->ptr[i] : (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)n);
+        if (!p) return mt_errf(err, "out of memory initializing '%s'", v->name);
         int chunks = (v->flags & MT_VF_EXPERTS) ? (int)v->dims[0] : 1;
         int64_t per = n / chunks;
         for (int c = 0; c < chunks; c++) {
@@ -3784,19 +3984,29 @@ void mt_runtime_init_params(mt_runtime *rt, uint64_t seed) {
                 p[c * per + j] = (mt_real)x;
             }
         }
+        if (rt->backend != MT_BACKEND_CPU) {
+            int rc = mt_runtime_write(rt, i, p, err);
+            MT_FREE(p);
+            if (rc) return -1;
+        }
     }
+    return mt_runtime_sync_shadows(rt, err);
 }
 
-int mt_runtime_copy_params(mt_runtime *dst, const mt_runtime *src, mt_err *err) {
+int mt_runtime_copy_params(mt_runtime *dst, mt_runtime *src, mt_err *err) {
     for (int i = 0; i < dst->g.n_values; i++) {
         const mt_value *v = &dst->g.values[i];
-        if (v->role != MT_ROLE_PARAM) continue;
+        if (v->role != MT_ROLE_PARAM || v->param >= 0) continue;
         int j = mt_graph_find(&src->g, v->name);
         if (j < 0 || src->g.values[j].nbytes != v->nbytes || src->g.values[j].dtype != v->dtype)
             return mt_errf(err, "parameter '%s' is missing or differs in the source runtime", v->name);
-        memcpy(dst->ptr[i], src->ptr[j], (size_t)v->nbytes);
+        void *buf = MT_MALLOC((size_t)v->nbytes + 1);
+        if (!buf) return mt_errf(err, "out of memory");
+        int rc = mt_runtime_read(src, j, buf, err) || mt_runtime_write(dst, i, buf, err);
+        MT_FREE(buf);
+        if (rc) return -1;
     }
-    return 0;
+    return mt_runtime_sync_shadows(dst, err);
 }
 
 /* Leading rows of a value: its dim 0, or for a symbolic dim what the data said. */
@@ -3940,6 +4150,144 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
     return 0;
 }
 
+#ifdef MT_CUDA
+/* Host copy of a small device offsets array, fetched once per step. This is
+ * the one host synchronization per MoE layer: grouped GEMMs are launched per
+ * expert with host-known sizes. */
+static const int32_t *mt__offsets_on_host(mt_runtime *rt, int v, mt_err *err) {
+    int32_t *h = rt->host_offs + rt->offs_at[v];
+    if (rt->offs_stamp[v] == rt->stamp) return h;
+    if (mt_runtime_read(rt, v, h, err)) return NULL;
+    rt->offs_stamp[v] = rt->stamp;
+    return h;
+}
+
+static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
+    mt_graph *G = &rt->g;
+    mt_cuda *c = MT__CU(rt);
+    void **P = rt->ptr;
+#define V_(i) (P[n->in[i]])
+#define F_(i) ((float *)P[n->in[i]])
+#define I_(i) ((int32_t *)P[n->in[i]])
+#define VO(i) (P[n->out[i]])
+#define FO(i) ((float *)P[n->out[i]])
+#define IO(i) ((int32_t *)P[n->out[i]])
+#define DIM(v, d) ((int)G->values[v].dims[d])
+#define DT(v) (G->values[v].dtype)
+    const int *a = n->iattr;
+    int rc = 0;
+    switch (n->op) {
+    case MT_OP_EMBED: rc = mt_cuda_embed_forward(c, VO(0), I_(0), V_(1), DIM(n->in[0], 0), DIM(n->in[1], 1)); break;
+    case MT_OP_EMBED_BWD: rc = mt_cuda_embed_backward(c, FO(0), V_(0), I_(1), DIM(n->in[1], 0), DIM(n->out[0], 0), DIM(n->out[0], 1), rt->scratch); break;
+    case MT_OP_RMSNORM: rc = mt_cuda_rmsnorm_forward(c, VO(0), FO(1), V_(0), F_(1), (int)mt__nrows(rt, n->in[0]), DIM(n->in[0], 1), n->fattr[0]); break;
+    case MT_OP_RMSNORM_BWD:
+        rc = mt_cuda_rmsnorm_backward(c, VO(0), FO(1), V_(0), V_(1), F_(2), F_(3), (int)mt__nrows(rt, n->in[1]), DIM(n->in[1], 1), rt->scratch);
+        break;
+    case MT_OP_MATMUL: {
+        int M = DIM(n->in[0], a[0] ? 1 : 0), K = DIM(n->in[0], a[0] ? 0 : 1), Nn = DIM(n->in[1], a[1] ? 0 : 1);
+        rc = mt_cuda_matmul(c, VO(0), DT(n->out[0]), V_(0), DT(n->in[0]), V_(1), DT(n->in[1]), M, Nn, K, a[0], a[1], rt->scratch);
+        break;
+    }
+    case MT_OP_SPLIT:
+        rc = mt_cuda_split(c, VO(0), VO(1), V_(0), DIM(n->in[0], 0), DIM(n->out[0], 1), DIM(n->out[1], 1), (int)mt_dtype_bytes(G, DT(n->in[0])));
+        break;
+    case MT_OP_CONCAT:
+        rc = mt_cuda_concat(c, VO(0), n->in[0] >= 0 ? V_(0) : NULL, n->in[1] >= 0 ? V_(1) : NULL, DIM(n->out[0], 0), a[0],
+                            DIM(n->out[0], 1) - a[0], (int)mt_dtype_bytes(G, DT(n->out[0])));
+        break;
+    case MT_OP_MLA_ROPE:
+        rc = mt_cuda_mla_rope_forward(c, VO(0), VO(1), VO(2), V_(0), V_(1), V_(2), F_(3), F_(4), DIM(n->in[0], 0), a[4], a[0], a[1], a[2], a[3]);
+        break;
+    case MT_OP_MLA_ROPE_BWD:
+        rc = mt_cuda_mla_rope_backward(c, VO(0), VO(1), VO(2), V_(0), V_(1), V_(2), F_(3), F_(4), DIM(n->in[0], 0), a[4], a[0], a[1], a[2], a[3]);
+        break;
+    case MT_OP_ATTENTION:
+        rc = mt_cuda_attention_forward(c, V_(0), V_(1), V_(2), VO(0), FO(1), DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
+        break;
+    case MT_OP_ATTENTION_BWD:
+        rc = mt_cuda_attention_backward(c, V_(0), V_(1), V_(2), V_(3), F_(4), V_(5), VO(0), VO(1), VO(2), rt->scratch,
+                                        DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
+        break;
+    case MT_OP_SWIGLU: rc = mt_cuda_swiglu_forward(c, VO(0), V_(0), V_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
+    case MT_OP_SWIGLU_BWD: rc = mt_cuda_swiglu_backward(c, VO(0), VO(1), V_(0), V_(1), V_(2), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
+    case MT_OP_ADD: rc = mt_cuda_add(c, VO(0), V_(0), V_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0]), DT(n->in[0])); break;
+    case MT_OP_ROUTER:
+        rc = mt_cuda_router_forward(c, IO(0), FO(1), FO(2), IO(3), F_(0), F_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), a[0], a[1], a[2],
+                                    n->fattr[0], a[3], a[4]);
+        break;
+    case MT_OP_ROUTER_BWD:
+        rc = mt_cuda_router_backward(c, FO(0), F_(0), I_(1), F_(3), DIM(n->in[0], 0), DIM(n->in[0], 1), a[0], a[1], a[2], n->fattr[0]);
+        break;
+    case MT_OP_MOE_PERMUTE:
+        rc = mt_cuda_moe_permute(c, VO(0), IO(1), IO(2), V_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), DIM(n->in[1], 1), a[0]);
+        break;
+    case MT_OP_MOE_PERMUTE_BWD: rc = mt_cuda_moe_permute_backward(c, VO(0), V_(0), I_(1), DIM(n->out[0], 0), DIM(n->out[0], 1), a[0]); break;
+    case MT_OP_EP_COUNTS:
+        if (a[2] != 1) return mt_errf(err, "expert parallelism over %d ranks is not implemented in this build", a[2]);
+        rc = mt_cuda_ep_counts(c, IO(0), I_(0), a[3], (int)rt->sym[a[4]] * a[3]);
+        break;
+    case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE: {
+        if (a[2] != 1) return mt_errf(err, "expert parallelism over %d ranks is not implemented in this build", a[2]);
+        /* one rank: every row stays; rows [0, NK) of the source are the routed tokens */
+        const mt_value *src = &G->values[n->in[0]];
+        int64_t rows = mt__nrows(rt, n->in[0]);
+        size_t bytes = (size_t)rows * (size_t)mt__cols(rt, n->in[0]) * (size_t)mt_dtype_bytes(G, src->dtype);
+        rc = mt_cuda_copy(c, VO(0), V_(0), bytes, 2);
+        if (!rc && n->op == MT_OP_EP_DISPATCH) { rc = mt_cuda_ep_offsets(c, IO(1), I_(2), a[3]); rt->rows[n->out[0]] = rows; }
+        break;
+    }
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: {
+        int wi = n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1];
+        int E = DIM(wi, 0), M = DIM(wi, 1), K = DIM(wi, 2);
+        const int32_t *offs = mt__offsets_on_host(rt, n->in[2], err);
+        if (!offs) return -1;
+        int64_t rows = mt__nrows(rt, n->in[0]);
+        for (int e = 0; e < E; e++)
+            if (offs[0] != 0 || offs[e + 1] < offs[e] || offs[E] > rows) return mt_errf(err, "%s: bad expert offsets", mt_ops[n->op].name);
+        int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DX ? 1 : 2;
+        rc = mt_cuda_gmm(c, mode, VO(0), V_(0), V_(1), offs, E, M, K, rt->scratch);
+        break;
+    }
+    case MT_OP_MOE_COMBINE:
+        rc = mt_cuda_moe_combine_forward(c, VO(0), V_(0), I_(1), F_(2), DIM(n->in[2], 0), DIM(n->in[0], 1), DIM(n->in[2], 1));
+        break;
+    case MT_OP_MOE_COMBINE_BWD:
+        rc = mt_cuda_moe_combine_backward(c, VO(0), FO(1), V_(0), V_(1), I_(2), F_(3), DIM(n->in[3], 0), DIM(n->in[1], 1), DIM(n->in[3], 1));
+        break;
+    case MT_OP_CROSS_ENTROPY:
+        rc = mt_cuda_cross_entropy_forward(c, FO(0), FO(1), V_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), rt->scratch);
+        break;
+    case MT_OP_CROSS_ENTROPY_BWD: rc = mt_cuda_cross_entropy_backward(c, VO(0), V_(0), F_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1)); break;
+    case MT_OP_SUMSQ:
+        rc = mt_cuda_sumsq(c, FO(0), n->in[1] >= 0 ? F_(1) : NULL, F_(0), mt_value_numel_max(G, &G->values[n->in[0]]), rt->scratch);
+        break;
+    case MT_OP_ALLREDUCE: return mt__allreduce(rt, n, err);
+    case MT_OP_LR_SCHEDULE: rc = mt_cuda_lr_schedule(c, FO(0), F_(0), I_(1)); break;
+    case MT_OP_CLIP: rc = mt_cuda_clip(c, FO(0), FO(1), F_(0), F_(1)); break;
+    case MT_OP_ADAMW:
+        rc = mt_cuda_adamw(c, F_(0), F_(2), F_(3), n->out[3] >= 0 ? VO(3) : NULL, F_(1), mt_value_numel_max(G, &G->values[n->in[0]]),
+                           F_(4), F_(5), F_(6), I_(7), a[0]);
+        break;
+    case MT_OP_EXPERT_BIAS_UPDATE: rc = mt_cuda_expert_bias_update(c, F_(0), I_(1), DIM(n->in[0], 0), n->fattr[0]); break;
+    default: return mt_errf(err, "op %s has no CUDA implementation", mt_ops[n->op].name);
+    }
+#undef V_
+#undef F_
+#undef I_
+#undef VO
+#undef FO
+#undef IO
+#undef DIM
+#undef DT
+    if (rc) return mt_errf(err, "%s", mt_cuda_error(c));
+    for (int k = 0; k < n->n_out; k++) {
+        int v = n->out[k];
+        if (v >= 0 && G->values[v].dims[0] < 0 && n->op != MT_OP_EP_DISPATCH && n->in[0] >= 0) rt->rows[v] = mt__nrows(rt, n->in[0]);
+    }
+    return 0;
+}
+#endif
+
 int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *targets, int step, const mt_hparams *hp,
                     mt_step_stats *st, mt_err *err) {
     mt_graph *G = &rt->g;
@@ -3949,32 +4297,48 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
         if (tokens[i] < 0 || tokens[i] >= V) return mt_errf(err, "token %d at position %lld is outside the vocabulary (size %d)", tokens[i], (long long)i, V);
         if (targets[i] < 0 || targets[i] >= V) return mt_errf(err, "target %d at position %lld is outside the vocabulary (size %d)", targets[i], (long long)i, V);
     }
-    memcpy(rt->ptr[G->io[MT_IO_TOKENS]], tokens, sizeof(int32_t) * (size_t)rt->n_tokens);
-    memcpy(rt->ptr[G->io[MT_IO_TARGETS]], targets, sizeof(int32_t) * (size_t)rt->n_tokens);
+    if (mt_runtime_write(rt, G->io[MT_IO_TOKENS], tokens, err) || mt_runtime_write(rt, G->io[MT_IO_TARGETS], targets, err)) return -1;
     if (G->kind == MT_GRAPH_TRAIN) {
         if (!hp) return mt_errf(err, "a training step needs hyper-parameters");
         if (step < 0) return mt_errf(err, "step must be >= 0");
         float packed[MT_HP_COUNT];
+        mt_real h[MT_HP_COUNT];
         mt_hparams_pack(hp, packed);
-        mt_real *h = (mt_real *)rt->ptr[G->io[MT_IO_HPARAMS]];
         for (int i = 0; i < MT_HP_COUNT; i++) h[i] = (mt_real)packed[i];
-        ((int32_t *)rt->ptr[G->io[MT_IO_STEP]])[0] = step;
+        int32_t s32 = step;
+        if (mt_runtime_write(rt, G->io[MT_IO_HPARAMS], h, err) || mt_runtime_write(rt, G->io[MT_IO_STEP], &s32, err)) return -1;
     }
-    if (rt->bind.poison) memset(rt->arena, 0xff, (size_t)G->arena_bytes);   /* NaN floats, -1 ints */
-    for (int i = 0; i < G->n_nodes; i++) {
-        mt_err e;
-        if (mt__exec_cpu(rt, &G->nodes[i], &e))
-            return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+    rt->stamp++;
+    if (rt->backend == MT_BACKEND_CPU) {
+        if (rt->bind.poison) memset(rt->arena, 0xff, (size_t)G->arena_bytes);   /* NaN floats, -1 ints */
+        for (int i = 0; i < G->n_nodes; i++) {
+            mt_err e;
+            if (mt__exec_cpu(rt, &G->nodes[i], &e))
+                return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+        }
+    } else {
+#ifdef MT_CUDA
+        if (rt->bind.poison && mt_cuda_memset(MT__CU(rt), rt->arena, 0xff, (size_t)G->arena_bytes)) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
+        for (int i = 0; i < G->n_nodes; i++) {
+            mt_err e;
+            if (mt__exec_cuda(rt, &G->nodes[i], &e))
+                return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+        }
+        if (mt_cuda_check_flag(MT__CU(rt))) return mt_errf(err, "step %d: %s", step, mt_cuda_error(MT__CU(rt)));
+#endif
     }
     if (st) {
         memset(st, 0, sizeof *st);
-        st->loss = (double)((mt_real *)rt->ptr[G->io[MT_IO_LOSS]])[0];
-        if (G->kind == MT_GRAPH_TRAIN) {
-            st->grad_norm = (double)((mt_real *)rt->ptr[G->io[MT_IO_GRAD_NORM]])[0];
-            st->lr = (double)((mt_real *)rt->ptr[G->io[MT_IO_LR]])[0];
-        }
+        mt_real x[3] = {0, 0, 0};
+        if (mt_runtime_read(rt, G->io[MT_IO_LOSS], &x[0], err)) return -1;
+        if (G->kind == MT_GRAPH_TRAIN &&
+            (mt_runtime_read(rt, G->io[MT_IO_GRAD_NORM], &x[1], err) || mt_runtime_read(rt, G->io[MT_IO_LR], &x[2], err))) return -1;
+        st->loss = (double)x[0]; st->grad_norm = (double)x[1]; st->lr = (double)x[2];
         st->seconds = mt_now() - t0;
     }
+#ifdef MT_CUDA
+    else if (rt->backend == MT_BACKEND_CUDA && mt_cuda_sync(MT__CU(rt))) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
+#endif
     return 0;
 }
 
@@ -3985,26 +4349,38 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
  * ====================================================================== */
 
 typedef struct { char name[MT_NAME_LEN + 16]; int ndim; int64_t shape[3]; const mt_real *src; mt_real *dst; int64_t numel; } mt__tensor;
+/* Host copies of the values a checkpoint reads or writes (device values are
+ * staged; CPU values too, for one code path). */
+typedef struct { int value; mt_real *buf; } mt__staged;
 
-/* The tensors of one role (PARAM masters, or one AdamW moment) under HF names. */
-static int mt__tensors(mt_runtime *rt, int role, const char *prefix, mt__tensor **out, int *n_out) {
+/* The tensors of one role (PARAM masters, or one AdamW moment) under HF
+ * names, pointing into freshly staged host copies (read from the runtime). */
+static int mt__tensors(mt_runtime *rt, int role, const char *prefix, mt__tensor **out, int *n_out, mt__staged **st_out,
+                       int *n_st, mt_err *err) {
     const mt_graph *G = &rt->g;
-    int n = 0, cap = 0;
+    int n = 0, cap = 0, ns = 0, scap = 0;
     mt__tensor *t = NULL;
+    mt__staged *st = NULL;
+    *out = NULL; *n_out = 0; *st_out = NULL; *n_st = 0;
     for (int i = 0; i < G->n_values; i++) {
         const mt_value *v = &G->values[i];
         if (v->role != role) continue;
         if (role == MT_ROLE_PARAM && v->param >= 0) continue;           /* shadows */
         if (role == MT_ROLE_OPT && strncmp(v->name, prefix, strlen(prefix))) continue;
-        int chunks = (v->flags & MT_VF_EXPERTS) || (role == MT_ROLE_OPT && v->param >= 0 && (G->values[v->param].flags & MT_VF_EXPERTS))
-                         ? (int)v->dims[0] : 1;
+        if (mt__grow((void **)&st, &scap, ns + 1, sizeof *st)) goto oom;
+        st[ns].value = i;
+        st[ns].buf = (mt_real *)MT_MALLOC((size_t)v->nbytes + 1);
+        if (!st[ns].buf) goto oom;
+        ns++;
+        if (mt_runtime_read(rt, i, st[ns - 1].buf, err)) goto fail;
+        const mt_value *owner = role == MT_ROLE_OPT ? &G->values[v->param] : v;
+        int chunks = (owner->flags & MT_VF_EXPERTS) ? (int)v->dims[0] : 1;
         int64_t per = mt_value_numel_max(G, v) / chunks;
         for (int c = 0; c < chunks; c++) {
-            if (mt__grow((void **)&t, &cap, n + 1, sizeof *t)) { MT_FREE(t); return -1; }
+            if (mt__grow((void **)&t, &cap, n + 1, sizeof *t)) goto oom;
             mt__tensor *x = &t[n++];
             snprintf(x->name, sizeof x->name, "%s", role == MT_ROLE_OPT ? v->name + strlen(prefix) : v->name);
             char *star = strchr(x->name, '*');
-            const mt_value *owner = role == MT_ROLE_OPT ? &G->values[v->param] : v;
             if (star) {
                 char rest[MT_NAME_LEN];
                 snprintf(rest, sizeof rest, "%s", star + 1);
@@ -4012,12 +4388,27 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, mt__tensor 
             }
             x->ndim = chunks > 1 ? v->ndim - 1 : v->ndim;
             for (int d = 0; d < x->ndim; d++) x->shape[d] = v->dims[d + (chunks > 1)];
-            x->src = (const mt_real *)rt->ptr[i] + c * per;
-            x->dst = (mt_real *)rt->ptr[i] + c * per;
+            x->src = st[ns - 1].buf + c * per;
+            x->dst = st[ns - 1].buf + c * per;
             x->numel = per;
         }
     }
-    *out = t; *n_out = n;
+    *out = t; *n_out = n; *st_out = st; *n_st = ns;
+    return 0;
+oom:
+    mt_errf(err, "out of memory staging a checkpoint");
+fail:
+    for (int i = 0; i < ns; i++) MT_FREE(st[i].buf);
+    MT_FREE(st); MT_FREE(t);
+    return -1;
+}
+static void mt__staged_free(mt__staged *st, int n) {
+    for (int i = 0; i < n; i++) MT_FREE(st[i].buf);
+    MT_FREE(st);
+}
+static int mt__staged_commit(mt_runtime *rt, const mt__staged *st, int n, mt_err *err) {
+    for (int i = 0; i < n; i++)
+        if (mt_runtime_write(rt, st[i].value, st[i].buf, err)) return -1;
     return 0;
 }
 
@@ -4320,29 +4711,33 @@ int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err) {
     char path[4096];
     if (mkdir(dir, 0755) && errno != EEXIST) return mt_errf(err, "cannot create directory '%s': %s", dir, strerror(errno));
     mt__tensor *t = NULL;
-    int n = 0, rc;
-    if (mt__tensors(rt, MT_ROLE_PARAM, "", &t, &n)) return mt_errf(err, "out of memory");
+    mt__staged *st = NULL;
+    int n = 0, ns = 0, rc;
+    if (mt__tensors(rt, MT_ROLE_PARAM, "", &t, &n, &st, &ns, err)) return -1;
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     rc = mt__safetensors_write(path, t, n, &rt->g.cfg, step, err);
     MT_FREE(t);
+    mt__staged_free(st, ns);
     if (rc) return -1;
     snprintf(path, sizeof path, "%s/config.json", dir);
     if (mt__write_hf_config(path, &rt->g.cfg, err)) return -1;
     if (rt->g.kind != MT_GRAPH_TRAIN) return 0;
     /* optimizer state: exp_avg.<name>, exp_avg_sq.<name> */
     mt__tensor *m = NULL, *v = NULL;
-    int nm = 0, nv = 0;
-    if (mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", &m, &nm) || mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", &v, &nv)) {
-        MT_FREE(m); MT_FREE(v);
-        return mt_errf(err, "out of memory");
-    }
+    mt__staged *sm = NULL, *sv = NULL;
+    int nm = 0, nv = 0, nsm = 0, nsv = 0;
+    if (mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", &m, &nm, &sm, &nsm, err)) return -1;
+    if (mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", &v, &nv, &sv, &nsv, err)) { MT_FREE(m); mt__staged_free(sm, nsm); return -1; }
     mt__tensor *all = (mt__tensor *)MT_MALLOC(sizeof(mt__tensor) * (size_t)(nm + nv + 1));
-    if (!all) { MT_FREE(m); MT_FREE(v); return mt_errf(err, "out of memory"); }
-    for (int i = 0; i < nm; i++) { all[i] = m[i]; snprintf(all[i].name, sizeof all[i].name, "exp_avg.%s", m[i].name); }
-    for (int i = 0; i < nv; i++) { all[nm + i] = v[i]; snprintf(all[nm + i].name, sizeof all[nm + i].name, "exp_avg_sq.%s", v[i].name); }
-    snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
-    rc = mt__safetensors_write(path, all, nm + nv, NULL, step, err);
+    rc = all ? 0 : mt_errf(err, "out of memory");
+    if (!rc) {
+        for (int i = 0; i < nm; i++) { all[i] = m[i]; snprintf(all[i].name, sizeof all[i].name, "exp_avg.%s", m[i].name); }
+        for (int i = 0; i < nv; i++) { all[nm + i] = v[i]; snprintf(all[nm + i].name, sizeof all[nm + i].name, "exp_avg_sq.%s", v[i].name); }
+        snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
+        rc = mt__safetensors_write(path, all, nm + nv, NULL, step, err);
+    }
     MT_FREE(m); MT_FREE(v); MT_FREE(all);
+    mt__staged_free(sm, nsm); mt__staged_free(sv, nsv);
     return rc;
 }
 
@@ -4375,37 +4770,38 @@ int mt_checkpoint_read_config(const char *dir, mt_config *c, mt_err *err) {
     return mt_config_validate(c, err);
 }
 
+/* Load weights (and AdamW moments when present). Nothing in the runtime
+ * changes unless every tensor was found with the right shape. */
 int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err) {
-    char path[4096];
+    char path[4096], opath[4096];
     mt__ckpt_path(path, sizeof path, dir, "model.safetensors");
-    mt__st s;
-    if (mt__st_open(&s, path, err)) return -1;
-    mt__tensor *t = NULL;
-    int n = 0;
-    if (mt__tensors(rt, MT_ROLE_PARAM, "", &t, &n)) { mt__st_free(&s); return mt_errf(err, "out of memory"); }
-    int rc = mt__load_tensors(&s, path, t, n, err);
-    const char *st = mt__st_meta(&s, "mt.step");
-    long long stepv = 0;
-    if (!rc && st && mt__parse_int(st, 0, INT_MAX, &stepv)) stepv = 0;
-    mt__st_free(&s);
-    MT_FREE(t);
-    if (rc) return -1;
-    if (step) *step = (int)stepv;
-    /* optimizer state, when present and this is a training runtime */
-    mt__ckpt_path(path, sizeof path, dir, "optimizer.safetensors");
+    mt__ckpt_path(opath, sizeof opath, dir, "optimizer.safetensors");
     struct stat sb;
-    if (rt->g.kind != MT_GRAPH_TRAIN || stat(path, &sb)) return 0;
+    int with_opt = rt->g.kind == MT_GRAPH_TRAIN && strcmp(path, opath) && !stat(opath, &sb);
+    mt__st s, so;
+    memset(&so, 0, sizeof so);
     if (mt__st_open(&s, path, err)) return -1;
-    mt__tensor *m = NULL, *v = NULL;
-    int nm = 0, nv = 0;
-    rc = mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", &m, &nm) || mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", &v, &nv);
-    if (rc) rc = mt_errf(err, "out of memory");
-    for (int i = 0; !rc && i < nm; i++) { char x[MT_NAME_LEN + 16]; snprintf(x, sizeof x, "exp_avg.%s", m[i].name); memcpy(m[i].name, x, sizeof m[i].name); }
-    for (int i = 0; !rc && i < nv; i++) { char x[MT_NAME_LEN + 16]; snprintf(x, sizeof x, "exp_avg_sq.%s", v[i].name); memcpy(v[i].name, x, sizeof v[i].name); }
-    if (!rc) rc = mt__load_tensors(&s, path, m, nm, err);
-    if (!rc) rc = mt__load_tensors(&s, path, v, nv, err);
-    mt__st_free(&s);
-    MT_FREE(m); MT_FREE(v);
+    if (with_opt && mt__st_open(&so, opath, err)) { mt__st_free(&s); return -1; }
+    mt__tensor *t = NULL, *m = NULL, *v = NULL;
+    mt__staged *st = NULL, *sm = NULL, *sv = NULL;
+    int n = 0, nm = 0, nv = 0, ns = 0, nsm = 0, nsv = 0;
+    int rc = mt__tensors(rt, MT_ROLE_PARAM, "", &t, &n, &st, &ns, err);
+    if (!rc) rc = mt__load_tensors(&s, path, t, n, err);
+    if (!rc && with_opt) {
+        rc = mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", &m, &nm, &sm, &nsm, err) || mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", &v, &nv, &sv, &nsv, err);
+        for (int i = 0; !rc && i < nm; i++) { char x[MT_NAME_LEN + 16]; snprintf(x, sizeof x, "exp_avg.%s", m[i].name); memcpy(m[i].name, x, sizeof m[i].name); }
+        for (int i = 0; !rc && i < nv; i++) { char x[MT_NAME_LEN + 16]; snprintf(x, sizeof x, "exp_avg_sq.%s", v[i].name); memcpy(v[i].name, x, sizeof v[i].name); }
+        if (!rc) rc = mt__load_tensors(&so, opath, m, nm, err) || mt__load_tensors(&so, opath, v, nv, err);
+    }
+    long long stepv = 0;
+    const char *sv_ = mt__st_meta(&s, "mt.step");
+    if (!rc && sv_ && mt__parse_int(sv_, 0, INT_MAX, &stepv)) stepv = 0;
+    if (!rc) rc = mt__staged_commit(rt, st, ns, err) || mt__staged_commit(rt, sm, nsm, err) || mt__staged_commit(rt, sv, nsv, err) ||
+                  mt_runtime_sync_shadows(rt, err);
+    if (!rc && step) *step = (int)stepv;
+    mt__st_free(&s); mt__st_free(&so);
+    MT_FREE(t); MT_FREE(m); MT_FREE(v);
+    mt__staged_free(st, ns); mt__staged_free(sm, nsm); mt__staged_free(sv, nsv);
     return rc ? -1 : 0;
 }
 

@@ -50,7 +50,7 @@ static mt_runtime *make_runtime(const mt_graph *g, int threads, int poison, uint
     mt_binding_single(&b);
     b.n_threads = threads; b.poison = poison;
     if (mt_runtime_create(&rt, g, &b, &e)) { printf("  runtime: %s\n", e.msg); return NULL; }
-    mt_runtime_init_params(rt, seed);
+    if (mt_runtime_init_params(rt, seed, &e)) { printf("  init: %s\n", e.msg); mt_runtime_destroy(rt); return NULL; }
     return rt;
 }
 

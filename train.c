@@ -15,7 +15,7 @@
 
 typedef struct {
     const char *preset, *graph, *data, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
-    int steps, log_every, threads, eager, seed;
+    int steps, log_every, threads, eager, seed, gpu;
     mt_hparams hp;
     int lr_set, decay_set;
     int n_overrides;
@@ -27,7 +27,8 @@ static void usage(FILE *f) {
             "usage: train [options]\n"
             "  --preset NAME        model preset: %s (default tiny)\n"
             "  --graph FILE         run a precompiled step graph (its config is used)\n"
-            "  --device cpu         backend (cpu; cuda graphs run in builds with CUDA)\n"
+            "  --device cpu|cuda    backend (default: cuda when this build has CUDA and a GPU is visible)\n"
+            "  --gpu N              CUDA device ordinal (default 0)\n"
             "  --data FILE          raw bytes, or an llm.c/nanoGPT .bin token shard (default: embedded corpus)\n"
             "  --steps N            optimizer steps (default 300)\n"
             "  --seed N             initialization and data-order seed (default 1)\n"
@@ -73,7 +74,7 @@ static int parse_float(const char *flag, const char *v, float *out) {
 
 static int parse_args(int argc, char **argv, opts *o) {
     memset(o, 0, sizeof *o);
-    o->preset = "tiny"; o->device = "cpu";
+    o->preset = "tiny"; o->device = NULL;
     o->steps = 300; o->log_every = 1; o->seed = 1;
     mt_hparams_default(&o->hp);
     for (int i = 1; i < argc; i++) {
@@ -98,6 +99,7 @@ static int parse_args(int argc, char **argv, opts *o) {
         else if (!strcmp(k, "steps")) rc = parse_int(a, v, 0, 1 << 30, &o->steps);
         else if (!strcmp(k, "seed")) rc = parse_int(a, v, 0, 0x7fffffff, &o->seed);
         else if (!strcmp(k, "threads")) rc = parse_int(a, v, 1, 64, &o->threads);
+        else if (!strcmp(k, "gpu")) rc = parse_int(a, v, 0, 1023, &o->gpu);
         else if (!strcmp(k, "log-every")) rc = parse_int(a, v, 1, 1 << 30, &o->log_every);
         else if (!strcmp(k, "lr")) { rc = parse_float(a, v, &o->hp.lr); o->lr_set = 1; }
         else if (!strcmp(k, "warmup")) rc = parse_int(a, v, 0, 1 << 30, &o->hp.warmup_steps);
@@ -121,10 +123,17 @@ static int parse_args(int argc, char **argv, opts *o) {
                         "0 <= min-lr-ratio <= 1)\n");
         return -1;
     }
-    if (strcmp(o->device, "cpu")) {
-        fprintf(stderr, "train: --device %s: this build runs on the CPU only (CUDA execution is not built in yet)\n", o->device);
-        return -1;
+    if (!o->device) {
+#ifdef MT_CUDA
+        o->device = mt_cuda_device_count() > 0 ? "cuda" : "cpu";
+#else
+        o->device = "cpu";
+#endif
     }
+    if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "train: --device takes cpu or cuda, not '%s'\n", o->device); return -1; }
+#ifndef MT_CUDA
+    if (!strcmp(o->device, "cuda")) { fprintf(stderr, "train: this build has no CUDA support (build where nvcc is installed)\n"); return -1; }
+#endif
     if (o->logits_out && !o->forward) { fprintf(stderr, "train: --logits-out needs --forward\n"); return -1; }
     return 0;
 }
@@ -137,6 +146,11 @@ static int apply_overrides(const opts *o, mt_config *c) {
             return -1;
         }
     return 0;
+}
+
+static void choose_target(const opts *o, mt_target *t) {
+    if (!strcmp(o->device, "cuda")) mt_target_cuda(t, "sm_90a");
+    else mt_target_cpu(t);
 }
 
 /* tokens/s, memory and load balance for one step's log line */
@@ -160,19 +174,22 @@ static int run_forward(const opts *o, mt_config cfg) {
     mt_target tgt;
     mt_passes passes;
     mt_mesh_single(&mesh);
-    mt_target_cpu(&tgt);
+    choose_target(o, &tgt);
     if (o->eager) mt_passes_none(&passes); else mt_passes_all(&passes);
     if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_FORWARD, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
     mt_binding bind;
     mt_binding_single(&bind);
     bind.n_threads = o->threads;
+    bind.device = o->gpu;
     mt_runtime *rt;
     if (mt_runtime_create(&rt, &g, &bind, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_graph_free(&g); return 1; }
     mt_graph_free(&g);
     if (o->load) {
         if (mt_checkpoint_load(rt, o->load, NULL, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_runtime_destroy(rt); return 1; }
-    } else {
-        mt_runtime_init_params(rt, (uint64_t)o->seed);
+    } else if (mt_runtime_init_params(rt, (uint64_t)o->seed, &err)) {
+        fprintf(stderr, "train: %s\n", err.msg);
+        mt_runtime_destroy(rt);
+        return 1;
     }
     uint8_t *bytes; size_t len;
     if (mt_read_file(o->forward, &bytes, &len, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_runtime_destroy(rt); return 1; }
@@ -200,11 +217,21 @@ static int run_forward(const opts *o, mt_config cfg) {
             const mt_graph *G = mt_runtime_graph(rt);
             int lv = G->io[MT_IO_LOGITS];
             int64_t n = (int64_t)B * T * cfg.vocab_size;
-            const mt_real *lg = (const mt_real *)mt_runtime_value(rt, lv);
+            void *raw = malloc((size_t)G->values[lv].nbytes);
             float *f32 = (float *)malloc(sizeof(float) * (size_t)n);
-            for (int64_t i = 0; i < n; i++) f32[i] = (float)lg[i];
-            FILE *f = fopen(o->logits_out, "wb");
-            if (!f || fwrite(f32, sizeof(float), (size_t)n, f) != (size_t)n || fclose(f)) {
+            if (mt_runtime_read(rt, lv, raw, &err)) { fprintf(stderr, "train: %s\n", err.msg); rc = 1; }
+            for (int64_t i = 0; i < n && !rc; i++) {
+                if (G->values[lv].dtype == MT_BF16) {   /* bf16 logits (CUDA) */
+                    uint32_t u = (uint32_t)((uint16_t *)raw)[i] << 16;
+                    memcpy(&f32[i], &u, 4);
+                } else {
+                    f32[i] = (float)((mt_real *)raw)[i];
+                }
+            }
+            free(raw);
+            FILE *f = rc ? NULL : fopen(o->logits_out, "wb");
+            if (rc) {
+            } else if (!f || fwrite(f32, sizeof(float), (size_t)n, f) != (size_t)n || fclose(f)) {
                 fprintf(stderr, "train: cannot write '%s'\n", o->logits_out);
                 rc = 1;
             }
@@ -217,6 +244,7 @@ static int run_forward(const opts *o, mt_config cfg) {
 }
 
 int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);   /* one line per step, also into pipes and files */
     opts o;
     if (parse_args(argc, argv, &o)) return 2;
     mt_err err;
@@ -251,7 +279,7 @@ int main(int argc, char **argv) {
         mt_target tgt;
         mt_passes passes;
         mt_mesh_single(&mesh);
-        mt_target_cpu(&tgt);
+        choose_target(&o, &tgt);
         if (o.eager) mt_passes_none(&passes); else mt_passes_all(&passes);
         double t0 = mt_now();
         if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_TRAIN, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
@@ -264,11 +292,11 @@ int main(int argc, char **argv) {
     mt_binding bind;
     mt_binding_single(&bind);
     bind.n_threads = o.threads;
+    bind.device = o.gpu;
     mt_runtime *rt;
     if (mt_runtime_create(&rt, &g, &bind, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_graph_free(&g); return 1; }
     int step0 = 0;
-    mt_runtime_init_params(rt, (uint64_t)o.seed);
-    if (o.load && mt_checkpoint_load(rt, o.load, &step0, &err)) {
+    if (mt_runtime_init_params(rt, (uint64_t)o.seed, &err) || (o.load && mt_checkpoint_load(rt, o.load, &step0, &err))) {
         fprintf(stderr, "train: %s\n", err.msg);
         mt_runtime_destroy(rt); mt_graph_free(&g);
         return 1;
@@ -296,10 +324,12 @@ int main(int argc, char **argv) {
     printf("model: %lld parameters (%lld active per token), %d layers, %d experts top-%d | data: %s, %lld tokens\n",
            (long long)pc.total, (long long)(pc.dense + pc.sparse_active), cfg.n_layers, cfg.n_routed_experts, cfg.top_k,
            o.data ? o.data : "embedded corpus", (long long)ds.n);
-    printf("memory: %s persistent + %s arena (naive %s) | %s | uniform loss ln(%d) = %.4f\n",
+    printf("memory: %s persistent + %s arena (naive %s) | %s | %s | uniform loss ln(%d) = %.4f\n",
            mt__human((double)g.persist_bytes, h1), mt__human((double)g.arena_bytes, h2),
-           mt__human((double)g.naive_arena_bytes, h3), g.planned ? "planned" : "eager", cfg.vocab_size,
-           log((double)cfg.vocab_size));
+           mt__human((double)g.naive_arena_bytes, h3), g.planned ? "planned" : "eager",
+           mt_runtime_backend(rt) == MT_BACKEND_CUDA ? "CUDA bf16" : "CPU fp32", cfg.vocab_size, log((double)cfg.vocab_size));
+    int on_gpu = mt_runtime_backend(rt) == MT_BACKEND_CUDA;
+    double flops_tok = mt_flops_per_token(&cfg);
     mt_graph_free(&g);
 
     FILE *mf = NULL;
@@ -334,9 +364,12 @@ int main(int argc, char **argv) {
         last_loss = st.loss;
         double tps = (double)B * T / st.seconds;
         double lb = load_imbalance(rt, counts, E);
-        if ((s + 1) % o.log_every == 0 || s == 0 || s + 1 == o.steps)
-            printf("step %5d | loss %.6f | grad_norm %8.4f | lr %.3e | %8.0f tok/s | %7.1f ms | load max/mean %.2f\n", step + 1,
+        if ((s + 1) % o.log_every == 0 || s == 0 || s + 1 == o.steps) {
+            printf("step %5d | loss %.6f | grad_norm %8.4f | lr %.3e | %8.0f tok/s | %7.1f ms | load max/mean %.2f", step + 1,
                    st.loss, st.grad_norm, st.lr, tps, 1e3 * st.seconds, lb);
+            if (on_gpu) printf(" | mfu %.1f%% | mem %.2f GiB", 100.0 * tps * flops_tok / 989e12, mt_runtime_peak_bytes(rt) / 1073741824.0);
+            printf("\n");
+        }
         if (mf) {
             fprintf(mf, "{\"step\":%d,\"loss\":%.9g,\"grad_norm\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"step_ms\":%.3f,\"expert_load\":[",
                     step + 1, st.loss, st.grad_norm, st.lr, tps, 1e3 * st.seconds);
