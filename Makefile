@@ -1,30 +1,45 @@
 # moetrain — `make` builds ./train and ./precompile; `make test` runs the CPU tests.
 #
-# CUDA (optional here, required for test-gpu and bench) is found through
-# CUDA_HOME (default /usr/local/cuda) or nvcc on PATH; NCCL in CUDA_HOME,
-# /usr/include or /usr/local/include, and /usr/lib/x86_64-linux-gnu.
+# Where the CUDA toolkit is found (CUDA_HOME, default /usr/local/cuda, or nvcc
+# on PATH), ./train is built with the CUDA backend (it still runs on the CPU
+# when no GPU is visible); NCCL is looked for in CUDA_HOME, /usr/include,
+# /usr/local/include and /usr/lib/x86_64-linux-gnu. Without CUDA everything
+# except test-gpu and bench builds on the CPU alone.
+#
+#   make test       CPU tests (float32 and float64 builds); compiles + links the CUDA code if present
+#   make test-gpu   GPU tests (every CUDA op against the CPU reference, whole steps, determinism)
+#   make bench      the benchmark table (bench/run.sh)
 
 CC       ?= cc
+CXX      ?= c++
 CFLAGS   ?= -O3 -std=c11 -Wall -Wextra -Wno-format-truncation -Wno-alloc-size-larger-than -Wno-array-bounds
 LDLIBS   := -lm -lpthread
 
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(firstword $(wildcard /usr/local/cuda/bin/nvcc) $(shell command -v nvcc 2>/dev/null)))
-NVCC      := $(if $(CUDA_HOME),$(CUDA_HOME)/bin/nvcc,)
+NVCC      := $(if $(CUDA_HOME),$(wildcard $(CUDA_HOME)/bin/nvcc),)
 NCCL_INC  := $(patsubst %/nccl.h,%,$(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h /usr/local/include/nccl.h)))
-NCCL_LIB  := $(patsubst %/libnccl.so,%,$(firstword $(wildcard $(CUDA_HOME)/lib64/libnccl.so /usr/lib/x86_64-linux-gnu/libnccl.so /usr/local/lib/libnccl.so)))
+NCCL_LIB  := $(patsubst %/libnccl.so,%,$(firstword $(wildcard $(CUDA_HOME)/lib64/libnccl.so $(CUDA_HOME)/lib/libnccl.so /usr/lib/x86_64-linux-gnu/libnccl.so /usr/local/lib/libnccl.so)))
 CUDA_LIB  := $(firstword $(wildcard $(CUDA_HOME)/lib64 $(CUDA_HOME)/lib))
 GENCODE   ?= -gencode arch=compute_90a,code=sm_90a
 NVFLAGS   ?= -O3 -std=c++17 $(GENCODE) -Xcompiler -Wall
-CUDA_LDLIBS := -L$(CUDA_LIB) $(if $(NCCL_LIB),-L$(NCCL_LIB)) -lcublasLt -lcublas -lcudart -lnccl -lm -lpthread
+CUDA_LDLIBS := -L$(CUDA_LIB) $(if $(NCCL_LIB),-L$(NCCL_LIB)) -Wl,-rpath,$(CUDA_LIB)$(if $(NCCL_LIB),:$(NCCL_LIB)) \
+               -lcublasLt -lcudart -lnccl -lm -lpthread
 
 HEADERS := moetrain.h
 
-.PHONY: all test clean cuda-link cxx-check
+.PHONY: all test test-gpu bench clean cuda-link cxx-check
 all: train precompile
 
+ifeq ($(NVCC),)
 train: train.c $(HEADERS)
 	$(CC) $(CFLAGS) -o $@ train.c $(LDLIBS)
+else
+train: train.c $(HEADERS) moetrain_kernels.o
+	$(CC) $(CFLAGS) -DMT_CUDA -c -o train.o train.c
+	$(CXX) -o $@ train.o moetrain_kernels.o $(CUDA_LDLIBS)
+endif
 
+# precompile never touches a device: it is plain C everywhere
 precompile: precompile.c $(HEADERS)
 	$(CC) $(CFLAGS) -o $@ precompile.c $(LDLIBS)
 
@@ -41,18 +56,25 @@ cxx-check: $(HEADERS)
 	$(CXX) -std=c++17 -O1 -Wall -Wno-format-truncation -I. -o .cxx_check .cxx_check.cpp $(LDLIBS)
 	rm -f .cxx_check .cxx_check.cpp
 
-# the CUDA code compiles and links wherever the toolkit is installed (no GPU needed)
 moetrain_kernels.o: moetrain_kernels.cu $(HEADERS)
 	$(NVCC) $(NVFLAGS) $(if $(NCCL_INC),-I$(NCCL_INC)) -I. -c -o $@ moetrain_kernels.cu
 
-cuda-link: moetrain_kernels.o
-	printf '#include <stdio.h>\nint mt_cuda_describe(char*,int);\nint main(void){char b[512];mt_cuda_describe(b,512);puts(b);return 0;}\n' > .cuda_link.c
-	$(NVCC) $(GENCODE) -o .cuda_link .cuda_link.c moetrain_kernels.o $(CUDA_LDLIBS)
-	rm -f .cuda_link .cuda_link.c
-	@echo "cuda-link: moetrain_kernels.cu compiled and linked against cuBLASLt and NCCL"
+# the CUDA code compiles and links wherever the toolkit is installed (no GPU needed)
+cuda-link: train
+	@echo "cuda-link: moetrain_kernels.cu compiled and linked into ./train (cuBLASLt, NCCL)"
 
 test: test_f32 test_f64 train precompile cxx-check $(if $(NVCC),cuda-link)
 	@sh tools/run_tests.sh ./test_f64 ./test_f32
 
+test_gpu: test.c $(HEADERS) moetrain_kernels.o
+	$(CC) $(CFLAGS) -DMT_CUDA -DMT_TEST_GPU=1 -c -o test_gpu.o test.c
+	$(CXX) -o $@ test_gpu.o moetrain_kernels.o $(CUDA_LDLIBS)
+
+test-gpu: test_gpu train precompile
+	@sh tools/run_tests.sh ./test_gpu
+
+bench: train precompile
+	sh bench/run.sh
+
 clean:
-	rm -f train precompile test_f32 test_f64 *.o .cxx_check* .cuda_link*
+	rm -f train precompile test_f32 test_f64 test_gpu *.o .cxx_check* .cuda_link*

@@ -338,6 +338,7 @@ typedef struct {
     int64_t arena_bytes;       /* activations and scratch, as planned */
     int64_t naive_arena_bytes; /* sum of all arena values: the plan's baseline */
     int32_t planned;           /* 0: naive (eager) layout, 1: liveness-planned */
+    int32_t capture;           /* 1: replay the regions between host synchronizations as CUDA graphs */
 } mt_graph;
 
 void mt_graph_free(mt_graph *g);
@@ -363,7 +364,8 @@ int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target 
 void mt_plan_naive(mt_graph *g);                     /* eager: every value its own bytes */
 int mt_pass_plan_memory(mt_graph *g, mt_err *err);   /* liveness-based arena reuse */
 void mt_value_live_range(const mt_graph *g, int v, int *first, int *last);
-typedef struct { int plan_memory; } mt_passes;       /* which optimizing passes run */
+typedef struct { int plan_memory, capture; } mt_passes;   /* which optimizing passes run */
+int mt_node_syncs_host(const mt_node *n);            /* needs data on the host before launching (grouped GEMMs) */
 void mt_passes_all(mt_passes *p);
 void mt_passes_none(mt_passes *p);                   /* eager */
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err);
@@ -466,6 +468,7 @@ typedef struct {
     int device;        /* CUDA device ordinal (the local rank); used by CUDA graphs */
     int n_threads;     /* CPU worker threads; 0 = number of cores */
     int poison;        /* fill the arena with NaN before each step (tests) */
+    int profile;       /* time every node (synchronizing): mt_runtime_profile() */
 } mt_binding;
 void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
 
@@ -489,6 +492,9 @@ int mt_runtime_copy_params(mt_runtime *dst, mt_runtime *src, mt_err *err); /* by
 int mt_runtime_expert_counts(mt_runtime *rt, int moe_index, int32_t *counts); /* E counts */
 int mt_runtime_n_moe_layers(const mt_runtime *rt);
 int mt_runtime_backend(const mt_runtime *rt);                  /* MT_BACKEND_CPU or MT_BACKEND_CUDA */
+/* With binding.profile: milliseconds and calls per op, summed over profiled steps. */
+void mt_runtime_profile(const mt_runtime *rt, double ms[MT_NOPS], int64_t calls[MT_NOPS]);
+void mt_runtime_set_profile(mt_runtime *rt, int on);
 size_t mt_runtime_peak_bytes(const mt_runtime *rt);            /* device (or host) memory of the plan at peak */
 
 /* CUDA launchers (moetrain_kernels.cu). Declared when the build defines
@@ -508,6 +514,13 @@ int mt_cuda_copy(mt_cuda *c, void *dst, const void *src, size_t n, int kind); /*
 int mt_cuda_memset(mt_cuda *c, void *p, int byte, size_t n);
 int mt_cuda_sync(mt_cuda *c);
 int mt_cuda_check_flag(mt_cuda *c);     /* data errors kernels flagged (bad expert index...), then clears */
+int mt_cuda_events(mt_cuda *c, int n);  /* make n timing events */
+int mt_cuda_capture_begin(mt_cuda *c);  /* start recording the stream into a graph */
+int mt_cuda_capture_end(mt_cuda *c, void **graph);   /* stop; instantiate into *graph (NULL: discard) */
+int mt_cuda_graph_launch(mt_cuda *c, void *graph);
+void mt_cuda_graph_destroy(void *graph);
+int mt_cuda_event_record(mt_cuda *c, int i);
+float mt_cuda_event_ms(mt_cuda *c, int i, int j);   /* after a sync */
 size_t mt_cuda_peak_bytes(mt_cuda *c);   /* device memory in use at the high-water mark */
 int mt_cuda_cast(mt_cuda *c, void *dst, int dst_dtype, const void *src, int src_dtype, int64_t n);
 size_t mt_cuda_embed_backward_workspace(int N);
@@ -540,8 +553,9 @@ int mt_cuda_router_forward(mt_cuda *c, int32_t *idx, float *w, float *scores, in
                            int n_groups, int n_limited);
 int mt_cuda_router_backward(mt_cuda *c, float *dlogits, const float *scores, const int32_t *idx, const float *dw, int N,
                             int E, int K, int score_func, int route_norm, float route_scale);
+size_t mt_cuda_moe_permute_workspace(int64_t NK);
 int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, const void *x, const int32_t *idx, int N,
-                        int D, int K, int E);
+                        int D, int K, int E, void *ws);
 int mt_cuda_moe_permute_backward(mt_cuda *c, void *dx, const void *dxs, const int32_t *slot, int N, int D, int K);
 int mt_cuda_ep_counts(mt_cuda *c, int32_t *recv, const int32_t *offs, int E_local, int first_expert);
 int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_local);
@@ -595,6 +609,10 @@ int mt_data_batch(const mt_dataset *d, mt_rng *r, int B, int T, int32_t *tokens,
 typedef struct { int64_t total, embedding, dense, sparse_active, sparse_total; } mt_param_count;
 void mt_count_params(const mt_config *c, mt_param_count *pc);
 double mt_flops_per_token(const mt_config *c);   /* torchtitan's DeepSeek-V3 formula */
+/* What one node must do at least: floating-point operations actually
+ * executed (causal attention counts its half) and bytes it must move
+ * (inputs read once, outputs written once). For roofline comparisons. */
+void mt_node_cost(const mt_graph *g, const mt_node *n, double *flops, double *bytes);
 int mt_write_svg(const char *path, const double *loss, int n, const char *title, mt_err *err);
 
 #ifdef __cplusplus
@@ -2426,11 +2444,17 @@ done:
     return rc;
 }
 
-void mt_passes_all(mt_passes *p) { p->plan_memory = 1; }
-void mt_passes_none(mt_passes *p) { p->plan_memory = 0; }
+/* Grouped GEMMs launch one GEMM per expert with sizes read on the host. */
+int mt_node_syncs_host(const mt_node *n) { return n->op == MT_OP_GMM || n->op == MT_OP_GMM_DX || n->op == MT_OP_GMM_DW; }
+
+void mt_passes_all(mt_passes *p) { p->plan_memory = 1; p->capture = 1; }
+void mt_passes_none(mt_passes *p) { p->plan_memory = 0; p->capture = 0; }
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
-    if (p->plan_memory) return mt_pass_plan_memory(g, err);
-    mt_plan_naive(g);
+    if (p->plan_memory) { if (mt_pass_plan_memory(g, err)) return -1; }
+    else mt_plan_naive(g);
+    /* capture pass: the step replays as CUDA graphs, one per region between
+     * host synchronizations (the runtime finds them with mt_node_syncs_host) */
+    g->capture = p->capture && g->target.backend == MT_BACKEND_CUDA;
     return 0;
 }
 int mt_compile(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target *t, int kind,
@@ -2591,7 +2615,7 @@ static void mt__write_section(mt__buf *b, int id, const mt_graph *g) {
         break;
     case MT_SEC_PLAN:
         mt__i64(b, g->persist_bytes); mt__i64(b, g->arena_bytes); mt__i64(b, g->naive_arena_bytes);
-        mt__i32(b, g->planned);
+        mt__i32(b, g->planned); mt__i32(b, g->capture);
         mt__u32(b, MT_NIO);
         for (int i = 0; i < MT_NIO; i++) mt__i32(b, g->io[i]);
         break;
@@ -2729,6 +2753,7 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         g->persist_bytes > ((int64_t)1 << 46) || g->naive_arena_bytes > ((int64_t)1 << 46))
         return mt_errf(err, "plan: region sizes out of range");
     if (g->planned != 0 && g->planned != 1) return mt_errf(err, "plan: bad planned flag");
+    if (g->capture != 0 && g->capture != 1) return mt_errf(err, "plan: bad capture flag");
     if (g->n_forward_nodes < 0 || g->n_forward_nodes > g->n_nodes) return mt_errf(err, "nodes: bad forward count");
     /* nodes: shapes, then every value is written before it is read, and arena values once */
     uint8_t *state = (uint8_t *)mt__calloc((size_t)g->n_values + 1);  /* 0 unwritten, 1 written */
@@ -2887,7 +2912,7 @@ static int mt__read_section(mt_graph *g, int id, mt__rd *r, mt_err *err) {
     }
     case MT_SEC_PLAN: {
         g->persist_bytes = mt__gi64(r); g->arena_bytes = mt__gi64(r); g->naive_arena_bytes = mt__gi64(r);
-        g->planned = mt__gi32(r);
+        g->planned = mt__gi32(r); g->capture = mt__gi32(r);
         uint32_t nio = mt__g32(r);
         if (!r->bad && nio != MT_NIO) return mt_errf(err, "plan section lists %u well-known values, expected %d", nio, MT_NIO);
         for (int i = 0; i < MT_NIO; i++) g->io[i] = mt__gi32(r);
@@ -3049,6 +3074,13 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
             mt__human((double)g->arena_bytes, b2), mt__human((double)g->naive_arena_bytes, b3),
             g->naive_arena_bytes ? 100.0 * (1.0 - (double)g->arena_bytes / (double)g->naive_arena_bytes) : 0.0);
     fprintf(f, "  constants %lld bytes, tuning entries %d\n", (long long)g->consts_bytes, g->n_tuning);
+    int regions = 0, syncs = 0;
+    for (int i = 0; i < g->n_nodes; i++) {
+        if (mt_node_syncs_host(&g->nodes[i])) { syncs++; continue; }
+        if (i == 0 || mt_node_syncs_host(&g->nodes[i - 1])) regions++;
+    }
+    fprintf(f, "\n== execution\n  %d nodes need host data (grouped GEMMs); %d regions between them%s\n", syncs, regions,
+            g->capture ? ", each replayed as a CUDA graph" : "; no graph capture");
 }
 
 /* ========================================================================
@@ -3670,6 +3702,9 @@ struct mt_runtime {
     size_t scratch_bytes;
     int32_t *host_offs;      /* CUDA: host copies of expert offsets, per value (see offs_at) */
     int64_t *offs_at, *offs_stamp, stamp;
+    void **graphs;           /* CUDA: one captured graph per region, by its first node */
+    double prof_ms[MT_NOPS];  /* binding.profile: time per op */
+    int64_t prof_calls[MT_NOPS];
 };
 
 static int mt__allreduce(mt_runtime *rt, const mt_node *n, mt_err *err) {
@@ -3777,6 +3812,7 @@ static size_t mt__cuda_scratch(const mt_graph *G) {
             w = mt_cuda_attention_backward_workspace((int)(a->dims[0] / n->iattr[3]), n->iattr[3], n->iattr[0], n->iattr[1], n->iattr[2]);
             break;
         case MT_OP_CROSS_ENTROPY: w = mt_cuda_cross_entropy_workspace((int)a->dims[0]); break;
+        case MT_OP_MOE_PERMUTE: w = mt_cuda_moe_permute_workspace(a->dims[0] * b->dims[1]); break;
         }
         if (w > need) need = w;
     }
@@ -3879,6 +3915,8 @@ void mt_runtime_destroy(mt_runtime *rt) {
     }
 #ifdef MT_CUDA
     else if (rt->cu) {
+        for (int i = 0; rt->graphs && i < rt->g.n_nodes; i++) mt_cuda_graph_destroy(rt->graphs[i]);
+        MT_FREE(rt->graphs);
         mt_cuda_free(MT__CU(rt), rt->persist); mt_cuda_free(MT__CU(rt), rt->arena); mt_cuda_free(MT__CU(rt), rt->scratch);
         mt_cuda_destroy(MT__CU(rt));
     }
@@ -3889,6 +3927,10 @@ void mt_runtime_destroy(mt_runtime *rt) {
     MT_FREE(rt);
 }
 const mt_graph *mt_runtime_graph(const mt_runtime *rt) { return &rt->g; }
+void mt_runtime_set_profile(mt_runtime *rt, int on) { rt->bind.profile = on; }
+void mt_runtime_profile(const mt_runtime *rt, double ms[MT_NOPS], int64_t calls[MT_NOPS]) {
+    for (int i = 0; i < MT_NOPS; i++) { ms[i] = rt->prof_ms[i]; calls[i] = rt->prof_calls[i]; }
+}
 void *mt_runtime_value(mt_runtime *rt, int v) { return (v >= 0 && v < rt->g.n_values) ? rt->ptr[v] : NULL; }
 int mt_runtime_n_moe_layers(const mt_runtime *rt) { return rt->n_moe; }
 int mt_runtime_backend(const mt_runtime *rt) { return rt->backend; }
@@ -4219,7 +4261,7 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         rc = mt_cuda_router_backward(c, FO(0), F_(0), I_(1), F_(3), DIM(n->in[0], 0), DIM(n->in[0], 1), a[0], a[1], a[2], n->fattr[0]);
         break;
     case MT_OP_MOE_PERMUTE:
-        rc = mt_cuda_moe_permute(c, VO(0), IO(1), IO(2), V_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), DIM(n->in[1], 1), a[0]);
+        rc = mt_cuda_moe_permute(c, VO(0), IO(1), IO(2), V_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), DIM(n->in[1], 1), a[0], rt->scratch);
         break;
     case MT_OP_MOE_PERMUTE_BWD: rc = mt_cuda_moe_permute_backward(c, VO(0), V_(0), I_(1), DIM(n->out[0], 0), DIM(n->out[0], 1), a[0]); break;
     case MT_OP_EP_COUNTS:
@@ -4313,18 +4355,48 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
         if (rt->bind.poison) memset(rt->arena, 0xff, (size_t)G->arena_bytes);   /* NaN floats, -1 ints */
         for (int i = 0; i < G->n_nodes; i++) {
             mt_err e;
+            double t = rt->bind.profile ? mt_now() : 0;
             if (mt__exec_cpu(rt, &G->nodes[i], &e))
                 return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+            if (rt->bind.profile) { rt->prof_ms[G->nodes[i].op] += 1e3 * (mt_now() - t); rt->prof_calls[G->nodes[i].op]++; }
         }
     } else {
 #ifdef MT_CUDA
-        if (rt->bind.poison && mt_cuda_memset(MT__CU(rt), rt->arena, 0xff, (size_t)G->arena_bytes)) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
-        for (int i = 0; i < G->n_nodes; i++) {
+        mt_cuda *cu = MT__CU(rt);
+        if (rt->bind.poison && mt_cuda_memset(cu, rt->arena, 0xff, (size_t)G->arena_bytes)) return mt_errf(err, "%s", mt_cuda_error(cu));
+        if (rt->bind.profile && (mt_cuda_events(cu, G->n_nodes + 1) || mt_cuda_event_record(cu, 0))) return mt_errf(err, "%s", mt_cuda_error(cu));
+        int use_graphs = G->capture && !rt->bind.profile;
+        if (use_graphs && !rt->graphs && !(rt->graphs = (void **)mt__calloc(sizeof(void *) * (size_t)(G->n_nodes + 1))))
+            return mt_errf(err, "out of memory");
+        for (int i = 0; i < G->n_nodes;) {
             mt_err e;
+            if (use_graphs && !mt_node_syncs_host(&G->nodes[i])) {      /* a region: replay, or capture it once */
+                int end = i;
+                while (end < G->n_nodes && !mt_node_syncs_host(&G->nodes[end])) end++;
+                if (!rt->graphs[i]) {
+                    if (mt_cuda_capture_begin(cu)) return mt_errf(err, "%s", mt_cuda_error(cu));
+                    for (int k = i; k < end; k++)
+                        if (mt__exec_cuda(rt, &G->nodes[k], &e)) {
+                            mt_cuda_capture_end(cu, NULL);
+                            return mt_errf(err, "capturing node %d (%s): %s", k, mt_ops[G->nodes[k].op].name, e.msg);
+                        }
+                    if (mt_cuda_capture_end(cu, &rt->graphs[i])) return mt_errf(err, "%s", mt_cuda_error(cu));
+                }   /* a replay skips the nodes' host side; symbolic row counts keep their captured values */
+                if (mt_cuda_graph_launch(cu, rt->graphs[i])) return mt_errf(err, "%s", mt_cuda_error(cu));
+                i = end;
+                continue;
+            }
             if (mt__exec_cuda(rt, &G->nodes[i], &e))
                 return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+            if (rt->bind.profile && mt_cuda_event_record(cu, i + 1)) return mt_errf(err, "%s", mt_cuda_error(cu));
+            i++;
         }
-        if (mt_cuda_check_flag(MT__CU(rt))) return mt_errf(err, "step %d: %s", step, mt_cuda_error(MT__CU(rt)));
+        if (mt_cuda_check_flag(cu)) return mt_errf(err, "step %d: %s", step, mt_cuda_error(cu));
+        if (rt->bind.profile)
+            for (int i = 0; i < G->n_nodes; i++) {
+                rt->prof_ms[G->nodes[i].op] += mt_cuda_event_ms(cu, i, i + 1);
+                rt->prof_calls[G->nodes[i].op]++;
+            }
 #endif
     }
     if (st) {
@@ -4950,6 +5022,35 @@ double mt_flops_per_token(const mt_config *c) {
     mt_count_params(c, &pc);
     return 6.0 * (double)(pc.dense - pc.embedding + pc.sparse_active) +
            6.0 * c->n_layers * c->n_heads * (double)(c->qk_nope_head_dim + c->qk_rope_head_dim + c->v_head_dim) * c->seq_len;
+}
+
+void mt_node_cost(const mt_graph *g, const mt_node *n, double *flops, double *bytes) {
+    double f = 0, b = 0;
+    for (int i = 0; i < n->n_in; i++) if (n->in[i] >= 0) b += (double)g->values[n->in[i]].nbytes;
+    for (int i = 0; i < n->n_out; i++) if (n->out[i] >= 0) b += (double)g->values[n->out[i]].nbytes;
+    const mt_value *a = n->in[0] >= 0 ? &g->values[n->in[0]] : NULL;
+    switch (n->op) {
+    case MT_OP_MATMUL: {
+        const mt_value *bb = &g->values[n->in[1]];
+        double M = (double)a->dims[n->iattr[0] ? 1 : 0], K = (double)a->dims[n->iattr[0] ? 0 : 1], Nn = (double)bb->dims[n->iattr[1] ? 0 : 1];
+        f = 2 * M * Nn * K;
+        break;
+    }
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: {
+        const mt_value *W = &g->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];
+        f = 2.0 * (double)mt_value_numel_max(g, a) / (double)a->dims[1] * (double)W->dims[1] * (double)W->dims[2];
+        b = (double)(g->values[n->in[0]].nbytes + g->values[n->in[1]].nbytes + g->values[n->out[0]].nbytes);
+        break;
+    }
+    case MT_OP_ATTENTION: case MT_OP_ATTENTION_BWD: {
+        double N = (double)a->dims[0], T = n->iattr[3], H = n->iattr[0], dq = n->iattr[1], dv = n->iattr[2];
+        double fwd = 2.0 * (N / T) * H * (T * (T + 1) / 2) * (dq + dv);
+        f = n->op == MT_OP_ATTENTION ? fwd : 2.5 * fwd;
+        break;
+    }
+    default: break;
+    }
+    *flops = f; *bytes = b;
 }
 
 int mt_write_svg(const char *path, const double *loss, int n, const char *title, mt_err *err) {

@@ -57,6 +57,8 @@ struct mt_cuda {
     size_t lt_ws_bytes;
     mt__gemm_entry *cache;
     int *flag;               /* device: non-zero when a kernel saw invalid data */
+    cudaEvent_t *ev;         /* timing events (profiling) */
+    int n_ev;
     size_t in_use, peak;
     char err[512];
 };
@@ -161,6 +163,8 @@ void mt_cuda_destroy(mt_cuda *c) {
     if (c->lt) cublasLtDestroy(c->lt);
     if (c->lt_ws) cudaFree(c->lt_ws);
     if (c->flag) cudaFree(c->flag);
+    for (int i = 0; i < c->n_ev; i++) cudaEventDestroy(c->ev[i]);
+    free(c->ev);
     if (c->stream) cudaStreamDestroy(c->stream);
     free(c);
 }
@@ -199,6 +203,45 @@ int mt_cuda_sync(mt_cuda *c) {
     CK(cudaStreamSynchronize(c->stream));
     return 0;
 }
+int mt_cuda_events(mt_cuda *c, int n) {
+    if (n <= c->n_ev) return 0;
+    cudaEvent_t *ev = (cudaEvent_t *)realloc(c->ev, sizeof(cudaEvent_t) * (size_t)n);
+    if (!ev) return mt__fail(c, "events", "out of memory");
+    c->ev = ev;
+    for (; c->n_ev < n; c->n_ev++) CK(cudaEventCreate(&c->ev[c->n_ev]));
+    return 0;
+}
+int mt_cuda_event_record(mt_cuda *c, int i) {
+    CK(cudaEventRecord(c->ev[i], c->stream));
+    return 0;
+}
+float mt_cuda_event_ms(mt_cuda *c, int i, int j) {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, c->ev[i], c->ev[j]) != cudaSuccess) { cudaGetLastError(); return 0; }
+    return ms;
+}
+int mt_cuda_capture_begin(mt_cuda *c) {
+    CK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+    return 0;
+}
+int mt_cuda_capture_end(mt_cuda *c, void **graph) {
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+    if (!graph) { if (g) cudaGraphDestroy(g); cudaGetLastError(); return 0; }
+    if (e != cudaSuccess) return mt__fail(c, "cudaStreamEndCapture", cudaGetErrorString(e));
+    cudaGraphExec_t x = NULL;
+    e = cudaGraphInstantiate(&x, g, 0);
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess) return mt__fail(c, "cudaGraphInstantiate", cudaGetErrorString(e));
+    *graph = (void *)x;
+    return 0;
+}
+int mt_cuda_graph_launch(mt_cuda *c, void *graph) {
+    CK(cudaGraphLaunch((cudaGraphExec_t)graph, c->stream));
+    return 0;
+}
+void mt_cuda_graph_destroy(void *graph) { if (graph) cudaGraphExecDestroy((cudaGraphExec_t)graph); }
+
 int mt_cuda_check_flag(mt_cuda *c) {
     int f = 0;
     CK(cudaMemcpyAsync(&f, c->flag, sizeof f, cudaMemcpyDeviceToHost, c->stream));
@@ -755,32 +798,43 @@ __device__ __forceinline__ void warp_argmax(float &v, int &i) {
         if (v2 > v || (v2 == v && i2 >= 0 && (i < 0 || i2 < i))) { v = v2; i = i2; }
     }
 }
+}  /* extern "C": templates need C++ linkage */
+/* R = experts per lane (compile time, so the arrays stay in registers) */
+template <int R>
 __global__ void k_router_fwd(int32_t *idx, float *w, float *scores, int32_t *counts, const float *logits, const float *bias,
                              int N, int E, int K, int score_func, int route_norm, float route_scale, int G, int Gl) {
     int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (n >= N) return;
-    const int R = (MT_ROUTER_MAXE + 31) / 32;
     float s[R], sel[R];
     const float *l = logits + (int64_t)n * E;
     if (score_func == MT_SCORE_SIGMOID) {
+#pragma unroll
         for (int r = 0; r < R; r++) { int e = lane + 32 * r; s[r] = e < E ? 1.0f / (1.0f + expf(-l[e])) : 0.0f; }
     } else {
         float mx = -INFINITY;
+#pragma unroll
         for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E) mx = fmaxf(mx, l[e]); }
         mx = warp_max(mx);
         float z = 0;
+#pragma unroll
         for (int r = 0; r < R; r++) { int e = lane + 32 * r; s[r] = e < E ? expf(l[e] - mx) : 0.0f; z += s[r]; }
         z = warp_sum(z);
+#pragma unroll
         for (int r = 0; r < R; r++) s[r] /= z;
     }
-    for (int r = 0; r < R; r++) { int e = lane + 32 * r; sel[r] = e < E ? s[r] + bias[e] : -INFINITY; }
-    for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E) scores[(int64_t)n * E + e] = s[r]; }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int e = lane + 32 * r;
+        sel[r] = e < E ? s[r] + bias[e] : -INFINITY;
+        if (e < E) scores[(int64_t)n * E + e] = s[r];
+    }
     if (G > 1) {                              /* group-limited: keep the best Gl groups */
         int per = E / G;
         unsigned long long keep = 0;
         float gs[MT_ROUTER_MAXG];
         for (int g = 0; g < G; g++) {
             float b1 = -INFINITY, b2 = -INFINITY;
+#pragma unroll
             for (int r = 0; r < R; r++) {
                 int e = lane + 32 * r;
                 if (e < E && e / per == g) { float v = sel[r]; if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) b2 = v; }
@@ -797,31 +851,36 @@ __global__ void k_router_fwd(int32_t *idx, float *w, float *scores, int32_t *cou
             for (int g = 0; g < G; g++) if (!(keep >> g & 1ull) && (best < 0 || gs[g] > gs[best])) best = g;
             keep |= 1ull << best;
         }
+#pragma unroll
         for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E && !(keep >> (e / per) & 1ull)) sel[r] = -INFINITY; }
     }
     float sum = 0;
-    float wk[64];
-    int ik[64];
     for (int k = 0; k < K; k++) {
         float bv = -INFINITY;
         int bi = -1;
+#pragma unroll
         for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E && sel[r] != -INFINITY && (bi < 0 || sel[r] > bv)) { bv = sel[r]; bi = e; } }
         warp_argmax(bv, bi);
         if (bi < 0) bi = 0;
         float raw = 0;
+#pragma unroll
         for (int r = 0; r < R; r++) if (lane + 32 * r == bi) { raw = s[r]; sel[r] = -INFINITY; }
         raw = warp_sum(raw);               /* exactly one lane holds it */
-        ik[k] = bi; wk[k] = raw; sum += raw;
+        sum += raw;
+        if (lane == 0) {
+            idx[(int64_t)n * K + k] = bi;
+            w[(int64_t)n * K + k] = raw;
+            atomicAdd(&counts[bi], 1);     /* integer: order-independent */
+        }
     }
     if (lane == 0)
         for (int k = 0; k < K; k++) {
-            float x = wk[k];
+            float x = w[(int64_t)n * K + k];
             if (route_norm) x = x / (sum + 1e-20f);
-            idx[(int64_t)n * K + k] = ik[k];
             w[(int64_t)n * K + k] = x * route_scale;
-            atomicAdd(&counts[ik[k]], 1);  /* integer: order-independent */
         }
 }
+template <int R>
 __global__ void k_router_bwd(float *dlogits, const float *scores, const int32_t *idx, const float *dw, int N, int E, int K,
                              int score_func, int route_norm, float route_scale) {
     int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -831,8 +890,8 @@ __global__ void k_router_bwd(float *dlogits, const float *scores, const int32_t 
     const float *g = dw + (int64_t)n * K;
     float S = 0, gr = 0;
     for (int k = 0; k < K; k++) { S += s[ix[k]]; gr += g[k] * s[ix[k]]; }
-    const int R = (MT_ROUTER_MAXE + 31) / 32;
     float ds[R], dot = 0;
+#pragma unroll
     for (int r = 0; r < R; r++) {
         int e = lane + 32 * r;
         ds[r] = 0;
@@ -843,12 +902,14 @@ __global__ void k_router_bwd(float *dlogits, const float *scores, const int32_t 
         dot += ds[r] * s[e];
     }
     dot = warp_sum(dot);
+#pragma unroll
     for (int r = 0; r < R; r++) {
         int e = lane + 32 * r;
         if (e >= E) continue;
         dlogits[(int64_t)n * E + e] = score_func == MT_SCORE_SIGMOID ? ds[r] * s[e] * (1 - s[e]) : s[e] * (ds[r] - dot);
     }
 }
+extern "C" {
 int mt_cuda_router_forward(mt_cuda *c, int32_t *idx, float *w, float *scores, int32_t *counts, const float *logits,
                            const float *bias, int N, int E, int K, int score_func, int route_norm, float route_scale,
                            int n_groups, int n_limited) {
@@ -856,8 +917,16 @@ int mt_cuda_router_forward(mt_cuda *c, int32_t *idx, float *w, float *scores, in
         return mt__fail(c, "router", "the CUDA router supports up to 1024 experts, 64 groups and top-64");
     CK(cudaMemsetAsync(counts, 0, (size_t)E * 4, c->stream));
     if (N <= 0) return 0;
-    k_router_fwd<<<mt__blocks(N, 4), 128, 0, c->stream>>>(idx, w, scores, counts, logits, bias, N, E, K, score_func, route_norm,
-                                                          route_scale, n_groups, n_limited);
+    unsigned g = mt__blocks(N, 4);
+#define MT__ROUTE(R) k_router_fwd<R><<<g, 128, 0, c->stream>>>(idx, w, scores, counts, logits, bias, N, E, K, score_func, route_norm, \
+                                                             route_scale, n_groups, n_limited)
+    if (E <= 32) MT__ROUTE(1);
+    else if (E <= 64) MT__ROUTE(2);
+    else if (E <= 128) MT__ROUTE(4);
+    else if (E <= 256) MT__ROUTE(8);
+    else if (E <= 512) MT__ROUTE(16);
+    else MT__ROUTE(32);
+#undef MT__ROUTE
     LAUNCHED();
     return 0;
 }
@@ -865,13 +934,22 @@ int mt_cuda_router_backward(mt_cuda *c, float *dlogits, const float *scores, con
                             int K, int score_func, int route_norm, float route_scale) {
     if (E > MT_ROUTER_MAXE) return mt__fail(c, "router", "the CUDA router supports up to 1024 experts");
     if (N <= 0) return 0;
-    k_router_bwd<<<mt__blocks(N, 4), 128, 0, c->stream>>>(dlogits, scores, idx, dw, N, E, K, score_func, route_norm, route_scale);
+    unsigned g = mt__blocks(N, 4);
+#define MT__ROUTE(R) k_router_bwd<R><<<g, 128, 0, c->stream>>>(dlogits, scores, idx, dw, N, E, K, score_func, route_norm, route_scale)
+    if (E <= 32) MT__ROUTE(1);
+    else if (E <= 64) MT__ROUTE(2);
+    else if (E <= 128) MT__ROUTE(4);
+    else if (E <= 256) MT__ROUTE(8);
+    else if (E <= 512) MT__ROUTE(16);
+    else MT__ROUTE(32);
+#undef MT__ROUTE
     LAUNCHED();
     return 0;
 }
 
-/* permutation: histogram -> offsets -> per-expert stable ranks (one block per
- * expert scans all assignments in order) -> gather rows */
+/* permutation: a stable radix sort of (expert, assignment) gives the
+ * expert-major order with tokens in order inside each expert; offsets come
+ * from an integer histogram. Deterministic. */
 __global__ void k_hist(int32_t *cnt, const int32_t *idx, int64_t NK, int E, int *flag) {
     for (int64_t a = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; a < NK; a += (int64_t)gridDim.x * blockDim.x) {
         int e = idx[a];
@@ -882,32 +960,25 @@ __global__ void k_hist(int32_t *cnt, const int32_t *idx, int64_t NK, int E, int 
 __global__ void k_offsets(int32_t *offs, const int32_t *cnt, int E) {
     if (threadIdx.x || blockIdx.x) return;
     offs[0] = 0;
-    for (int e = 0; e < E; e++) offs[e + 1] = offs[e] + cnt[e];
+    for (int e = 0; e < E; e++) offs[e + 1] = offs[e] + cnt[e];   /* cnt aliases offs + 1: read before write */
 }
-__global__ void k_slots(int32_t *slot, const int32_t *idx, const int32_t *offs, int64_t NK) {
-    typedef cub::BlockScan<int, 256> Scan;
-    __shared__ typename Scan::TempStorage tmp;
-    int e = blockIdx.x;
-    int base = offs[e];
-    for (int64_t start = 0; start < NK; start += 256) {
-        int64_t a = start + threadIdx.x;
-        int m = (a < NK && idx[a] == e) ? 1 : 0, rank, total;
-        Scan(tmp).ExclusiveSum(m, rank, total);
-        if (m) slot[a] = base + rank;
-        base += total;
-        __syncthreads();
-    }
-}
-__global__ void k_gather(bf16 *xs, const bf16 *x, const int32_t *slot, int K, int D) {
-    int64_t a = blockIdx.x;
+/* row i of xs is assignment perm[i]: its token's row of x; slot is the inverse */
+__global__ void k_gather_rows(bf16 *xs, int32_t *slot, const bf16 *x, const int32_t *perm, int K, int D) {
+    int64_t i = blockIdx.x;
+    int64_t a = perm[i];
+    if (threadIdx.x == 0) slot[a] = (int32_t)i;
     const bf16 *src = x + (a / K) * D;
-    bf16 *dst = xs + (int64_t)slot[a] * D;
+    bf16 *dst = xs + i * D;
     for (int d = threadIdx.x; d < D; d += blockDim.x) dst[d] = src[d];
 }
+size_t mt_cuda_moe_permute_workspace(int64_t NK) {
+    size_t tmp = 0;
+    cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, (int)NK);
+    return mt__al(tmp) + 3 * mt__al((size_t)NK * 4);
+}
 int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, const void *x, const int32_t *idx, int N, int D,
-                        int K, int E) {
+                        int K, int E, void *ws) {
     int64_t NK = (int64_t)N * K;
-    /* counts go to offs[1..E] first, then become prefix sums in place via a scratch-free pass */
     int32_t *cnt = offs + 1;
     CK(cudaMemsetAsync(offs, 0, (size_t)(E + 1) * 4, c->stream));
     if (NK <= 0) return 0;
@@ -915,11 +986,18 @@ int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, cons
     if (g > 4096) g = 4096;
     k_hist<<<g, 256, 0, c->stream>>>(cnt, idx, NK, E, c->flag);
     LAUNCHED();
-    k_offsets<<<1, 1, 0, c->stream>>>(offs, cnt, E);   /* reads cnt[e] = offs[e+1] before overwriting it */
+    k_offsets<<<1, 1, 0, c->stream>>>(offs, cnt, E);
     LAUNCHED();
-    k_slots<<<E, 256, 0, c->stream>>>(slot, idx, offs, NK);
+    size_t tmp = 0;
+    cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, (int)NK);
+    char *w = (char *)ws;
+    int32_t *iota = (int32_t *)(w + mt__al(tmp)), *keys = iota + mt__al((size_t)NK * 4) / 4, *perm = keys + mt__al((size_t)NK * 4) / 4;
+    k_iota<<<mt__blocks(NK, 256), 256, 0, c->stream>>>(iota, (int)NK);
     LAUNCHED();
-    k_gather<<<(unsigned)NK, 128, 0, c->stream>>>((bf16 *)xs, (const bf16 *)x, slot, K, D);
+    int bits = 1;
+    while ((1 << bits) < E && bits < 31) bits++;
+    CK(cub::DeviceRadixSort::SortPairs(w, tmp, idx, keys, iota, perm, (int)NK, 0, bits, c->stream));
+    k_gather_rows<<<(unsigned)NK, 128, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, K, D);
     LAUNCHED();
     return 0;
 }

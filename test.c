@@ -30,9 +30,11 @@ static void report(const char *name, int ok, const char *fmt, ...) {
 }
 
 static mt_rng R;
-static void fill_normal(mt_real *x, int64_t n, double scale) { for (int64_t i = 0; i < n; i++) x[i] = (mt_real)(scale * mt_rng_normal(&R)); }
+static inline int bitwise_equal(const double *a, const double *b, int n) { return memcmp(a, b, sizeof(double) * (size_t)n) == 0; }
+static inline void fill_normal(mt_real *x, int64_t n, double scale) { for (int64_t i = 0; i < n; i++) x[i] = (mt_real)(scale * mt_rng_normal(&R)); }
 
 
+#if !MT_TEST_GPU
 static int compile_cpu(mt_graph *g, const mt_config *c, int kind, int planned, mt_err *err) {
     mt_mesh m;
     mt_target t;
@@ -65,7 +67,433 @@ static void make_batch(const mt_config *c, int step, int32_t *tok, int32_t *tgt)
     }
 }
 
-#if MT_TEST_F64
+#endif
+
+#if MT_TEST_GPU
+/* ======================================================================
+ * GPU tests: every CUDA op against the CPU reference, whole steps
+ * ==================================================================== */
+
+static mt_cuda *CU;
+static uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static float bf2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static float *randn(int64_t n, double sd) { float *x = (float *)malloc(sizeof(float) * (size_t)(n ? n : 1)); for (int64_t i = 0; i < n; i++) x[i] = (float)(sd * mt_rng_normal(&R)); return x; }
+static void round_bf(float *x, int64_t n) { for (int64_t i = 0; i < n; i++) x[i] = bf2f(f2bf(x[i])); }
+static void *dalloc(size_t n) { void *p = NULL; if (mt_cuda_malloc(CU, &p, n ? n : 4)) return NULL; mt_cuda_memset(CU, p, 0xff, n); return p; }  /* NaN-poisoned */
+static void *up_bf(const float *x, int64_t n) {
+    uint16_t *h = (uint16_t *)malloc(2 * (size_t)(n ? n : 1));
+    for (int64_t i = 0; i < n; i++) h[i] = f2bf(x[i]);
+    void *d = dalloc(2 * (size_t)n);
+    mt_cuda_copy(CU, d, h, 2 * (size_t)n, 0);
+    free(h);
+    return d;
+}
+static void *up(const void *x, size_t bytes) { void *d = dalloc(bytes); mt_cuda_copy(CU, d, x, bytes, 0); return d; }
+static float *down_bf(const void *d, int64_t n) {
+    uint16_t *h = (uint16_t *)malloc(2 * (size_t)(n ? n : 1));
+    float *f = (float *)malloc(4 * (size_t)(n ? n : 1));
+    mt_cuda_copy(CU, h, d, 2 * (size_t)n, 1);
+    for (int64_t i = 0; i < n; i++) f[i] = bf2f(h[i]);
+    free(h);
+    return f;
+}
+static void *down(const void *d, size_t bytes) { void *h = malloc(bytes ? bytes : 4); mt_cuda_copy(CU, h, d, bytes, 1); return h; }
+/* ||a - ref|| / ||ref||; NaN anywhere gives infinity */
+static double rel(const float *a, const float *ref, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(a[i])) return INFINITY;
+        num += ((double)a[i] - ref[i]) * ((double)a[i] - ref[i]);
+        den += (double)ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+#define BF_TOL 1e-2
+#define F32_TOL 1e-5
+static void dfree(void *p) { mt_cuda_free(CU, p); }
+
+static void gpu_test_basic_ops(void) {
+    int N = 300, D = 96, V = 50;
+    /* embedding */
+    float *wte = randn((int64_t)V * D, 1);
+    round_bf(wte, (int64_t)V * D);
+    int32_t *tok = (int32_t *)malloc(4 * (size_t)N);
+    for (int i = 0; i < N; i++) tok[i] = (int32_t)(mt_rng_u64(&R) % 7);   /* many repeats */
+    float *x = (float *)malloc(4 * (size_t)N * D), *dx = randn((int64_t)N * D, 1), *dw = (float *)malloc(4 * (size_t)V * D);
+    round_bf(dx, (int64_t)N * D);
+    mt_cpu_embed_forward(x, tok, wte, N, D);
+    mt_cpu_embed_backward(dw, dx, tok, N, V, D);
+    void *dwte = up_bf(wte, (int64_t)V * D), *dtok = up(tok, 4 * (size_t)N), *dxo = dalloc(2 * (size_t)N * D), *ddx = up_bf(dx, (int64_t)N * D);
+    void *ddw = dalloc(4 * (size_t)V * D), *ws = dalloc(mt_cuda_embed_backward_workspace(N));
+    int ok = !mt_cuda_embed_forward(CU, dxo, (int32_t *)dtok, dwte, N, D) && !mt_cuda_embed_backward(CU, (float *)ddw, ddx, (int32_t *)dtok, N, V, D, ws);
+    float *gx = down_bf(dxo, (int64_t)N * D), *gw = (float *)down(ddw, 4 * (size_t)V * D);
+    double e1 = rel(gx, x, (int64_t)N * D), e2 = rel(gw, dw, (int64_t)V * D);
+    report("gpu embedding fwd/bwd", ok && e1 == 0 && e2 < F32_TOL, "%.1e %.1e", e1, e2);
+    free(gx); free(gw); free(x); free(dw); free(wte); free(tok); free(dx);
+    dfree(dwte); dfree(dtok); dfree(dxo); dfree(ddx); dfree(ddw); dfree(ws);
+
+    /* RMSNorm */
+    float *xr = randn((int64_t)N * D, 2), *w = randn(D, 1), *dy = randn((int64_t)N * D, 1);
+    round_bf(xr, (int64_t)N * D); round_bf(dy, (int64_t)N * D);
+    float *y = (float *)malloc(4 * (size_t)N * D), *rs = (float *)malloc(4 * (size_t)N), *dxr = (float *)malloc(4 * (size_t)N * D), *dwr = (float *)malloc(4 * (size_t)D);
+    mt_cpu_rmsnorm_forward(y, rs, xr, w, N, D, 1e-6f);
+    mt_cpu_rmsnorm_backward(dxr, dwr, dy, xr, w, rs, N, D);
+    void *dX = up_bf(xr, (int64_t)N * D), *dW = up(w, 4 * (size_t)D), *dY = dalloc(2 * (size_t)N * D), *dR = dalloc(4 * (size_t)N);
+    void *dDY = up_bf(dy, (int64_t)N * D), *dDX = dalloc(2 * (size_t)N * D), *dDW = dalloc(4 * (size_t)D), *ws2 = dalloc(mt_cuda_rmsnorm_backward_workspace(N, D));
+    ok = !mt_cuda_rmsnorm_forward(CU, dY, (float *)dR, dX, (float *)dW, N, D, 1e-6f) &&
+         !mt_cuda_rmsnorm_backward(CU, dDX, (float *)dDW, dDY, dX, (float *)dW, (float *)dR, N, D, ws2);
+    float *gy = down_bf(dY, (int64_t)N * D), *gr = (float *)down(dR, 4 * (size_t)N), *gdx = down_bf(dDX, (int64_t)N * D), *gdw = (float *)down(dDW, 4 * (size_t)D);
+    double r1 = rel(gy, y, (int64_t)N * D), r2 = rel(gr, rs, N), r3 = rel(gdx, dxr, (int64_t)N * D), r4 = rel(gdw, dwr, D);
+    report("gpu rmsnorm fwd/bwd", ok && r1 < BF_TOL && r2 < F32_TOL && r3 < BF_TOL && r4 < F32_TOL, "y %.1e rstd %.1e dx %.1e dw %.1e", r1, r2, r3, r4);
+    free(xr); free(w); free(dy); free(y); free(rs); free(dxr); free(dwr); free(gy); free(gr); free(gdx); free(gdw);
+    dfree(dX); dfree(dW); dfree(dY); dfree(dR); dfree(dDY); dfree(dDX); dfree(dDW); dfree(ws2);
+
+    /* SwiGLU and add */
+    int64_t n = 5000;
+    float *g = randn(n, 2), *u = randn(n, 1), *dh = randn(n, 1);
+    round_bf(g, n); round_bf(u, n); round_bf(dh, n);
+    float *h = (float *)malloc(4 * n), *dg = (float *)malloc(4 * n), *du = (float *)malloc(4 * n), *ad = (float *)malloc(4 * n);
+    mt_cpu_swiglu_forward(h, g, u, n); mt_cpu_swiglu_backward(dg, du, g, u, dh, n); mt_cpu_add(ad, g, u, n);
+    void *Dg = up_bf(g, n), *Du = up_bf(u, n), *Ddh = up_bf(dh, n), *Dh = dalloc(2 * n), *Ddg = dalloc(2 * n), *Ddu = dalloc(2 * n), *Dad = dalloc(2 * n);
+    ok = !mt_cuda_swiglu_forward(CU, Dh, Dg, Du, n) && !mt_cuda_swiglu_backward(CU, Ddg, Ddu, Dg, Du, Ddh, n) && !mt_cuda_add(CU, Dad, Dg, Du, n, MT_BF16);
+    float *gh = down_bf(Dh, n), *gdg = down_bf(Ddg, n), *gdu = down_bf(Ddu, n), *gad = down_bf(Dad, n);
+    r1 = rel(gh, h, n); r2 = rel(gdg, dg, n); r3 = rel(gdu, du, n); r4 = rel(gad, ad, n);
+    report("gpu swiglu fwd/bwd, add", ok && r1 < BF_TOL && r2 < BF_TOL && r3 < BF_TOL && r4 < BF_TOL, "%.1e %.1e %.1e %.1e", r1, r2, r3, r4);
+    free(g); free(u); free(dh); free(h); free(dg); free(du); free(ad); free(gh); free(gdg); free(gdu); free(gad);
+    dfree(Dg); dfree(Du); dfree(Ddh); dfree(Dh); dfree(Ddg); dfree(Ddu); dfree(Dad);
+}
+
+static void gpu_test_matmul(void) {
+    int M = 130, Nn = 72, K = 200;
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++)
+            for (int mode = 0; mode < 3; mode++) {   /* bf16->bf16, bf16->f32, f32 x bf16 -> bf16 (exact f32 path) */
+                float *A = randn((int64_t)M * K, 1), *B = randn((int64_t)K * Nn, 1), *C = (float *)malloc(4 * (size_t)M * Nn);
+                round_bf(B, (int64_t)K * Nn);
+                if (mode < 2) round_bf(A, (int64_t)M * K);
+                mt_cpu_matmul(NULL, C, A, B, M, Nn, K, ta, tb);
+                int at = mode < 2 ? MT_BF16 : MT_F32, ct = mode == 1 ? MT_F32 : MT_BF16;
+                void *dA = at == MT_BF16 ? up_bf(A, (int64_t)M * K) : up(A, 4 * (size_t)M * K), *dB = up_bf(B, (int64_t)K * Nn);
+                void *dC = dalloc((ct == MT_BF16 ? 2 : 4) * (size_t)M * Nn), *ws = dalloc(mt_cuda_matmul_workspace(M, Nn, K, ct, at, MT_BF16));
+                int ok = !mt_cuda_matmul(CU, dC, ct, dA, at, dB, MT_BF16, M, Nn, K, ta, tb, ws);
+                float *gc = ct == MT_BF16 ? down_bf(dC, (int64_t)M * Nn) : (float *)down(dC, 4 * (size_t)M * Nn);
+                double e = rel(gc, C, (int64_t)M * Nn), tol = ct == MT_BF16 ? BF_TOL : F32_TOL;
+                char nm[80];
+                snprintf(nm, sizeof nm, "gpu matmul ta=%d tb=%d %s", ta, tb, mode == 0 ? "bf16->bf16" : mode == 1 ? "bf16->f32" : "f32 path");
+                report(nm, ok && e < tol, "rel %.1e", e);
+                free(A); free(B); free(C); free(gc);
+                dfree(dA); dfree(dB); dfree(dC); dfree(ws);
+            }
+    /* split / concat */
+    int N = 33, a = 40, b = 24;
+    float *x = randn((int64_t)N * (a + b), 1), *x1 = (float *)malloc(4 * (size_t)N * a), *x2 = (float *)malloc(4 * (size_t)N * b);
+    round_bf(x, (int64_t)N * (a + b));
+    mt_cpu_split(x1, x2, x, N, a, b);
+    void *dx = up_bf(x, (int64_t)N * (a + b)), *d1 = dalloc(2 * (size_t)N * a), *d2 = dalloc(2 * (size_t)N * b), *dc = dalloc(2 * (size_t)N * (a + b));
+    int ok = !mt_cuda_split(CU, d1, d2, dx, N, a, b, 2) && !mt_cuda_concat(CU, dc, d1, d2, N, a, b, 2);
+    float *g1 = down_bf(d1, (int64_t)N * a), *g2 = down_bf(d2, (int64_t)N * b), *gc = down_bf(dc, (int64_t)N * (a + b));
+    report("gpu split/concat exact", ok && rel(g1, x1, (int64_t)N * a) == 0 && rel(g2, x2, (int64_t)N * b) == 0 && rel(gc, x, (int64_t)N * (a + b)) == 0, NULL);
+    free(x); free(x1); free(x2); free(g1); free(g2); free(gc);
+    dfree(dx); dfree(d1); dfree(d2); dfree(dc);
+}
+
+static void gpu_test_attention_shape(int B, int T, int H, int dq, int dv) {
+    int64_t N = (int64_t)B * T, nq = N * H * dq, nv = N * H * dv;
+    float scale = 1.0f / sqrtf((float)dq);
+    float *Q = randn(nq, 1), *K = randn(nq, 1), *V = randn(nv, 1), *dO = randn(nv, 1);
+    round_bf(Q, nq); round_bf(K, nq); round_bf(V, nv); round_bf(dO, nv);
+    float *O = (float *)malloc(4 * nv), *L = (float *)malloc(4 * N * H), *dQ = (float *)malloc(4 * nq), *dK = (float *)malloc(4 * nq), *dV = (float *)malloc(4 * nv);
+    mt_cpu_attention_forward(NULL, O, L, Q, K, V, B, T, H, dq, dv, scale);
+    round_bf(O, nv);   /* the GPU backward reads the bf16 output */
+    mt_cpu_attention_backward(NULL, dQ, dK, dV, Q, K, V, O, L, dO, B, T, H, dq, dv, scale);
+    void *dQ_ = up_bf(Q, nq), *dK_ = up_bf(K, nq), *dV_ = up_bf(V, nv), *ddO = up_bf(dO, nv), *dOo = dalloc(2 * nv), *dL = dalloc(4 * N * H);
+    void *gQ = dalloc(2 * nq), *gK = dalloc(2 * nq), *gV = dalloc(2 * nv), *ws = dalloc(mt_cuda_attention_backward_workspace(B, T, H, dq, dv));
+    int ok = !mt_cuda_attention_forward(CU, dQ_, dK_, dV_, dOo, (float *)dL, B, T, H, dq, dv, scale);
+    float *go = down_bf(dOo, nv), *gl = (float *)down(dL, 4 * N * H);
+    double e1 = rel(go, O, nv), e2 = rel(gl, L, N * H);
+    ok = ok && !mt_cuda_attention_backward(CU, dQ_, dK_, dV_, dOo, (float *)dL, ddO, gQ, gK, gV, ws, B, T, H, dq, dv, scale);
+    float *gq = down_bf(gQ, nq), *gk = down_bf(gK, nq), *gv = down_bf(gV, nv);
+    double e3 = rel(gq, dQ, nq), e4 = rel(gk, dK, nq), e5 = rel(gv, dV, nv);
+    char nm[96];
+    snprintf(nm, sizeof nm, "gpu attention B%d T%d H%d %d/%d", B, T, H, dq, dv);
+    report(nm, ok && e1 < BF_TOL && e2 < 1e-4 && e3 < BF_TOL && e4 < BF_TOL && e5 < BF_TOL, "O %.1e lse %.1e dQ %.1e dK %.1e dV %.1e", e1, e2, e3, e4, e5);
+    free(Q); free(K); free(V); free(dO); free(O); free(L); free(dQ); free(dK); free(dV); free(go); free(gl); free(gq); free(gk); free(gv);
+    dfree(dQ_); dfree(dK_); dfree(dV_); dfree(ddO); dfree(dOo); dfree(dL); dfree(gQ); dfree(gK); dfree(gV); dfree(ws);
+}
+
+static void gpu_test_rope(void) {
+    mt_config c;
+    mt_err e;
+    mt_config_preset(&c, "tiny", &e);
+    c.seq_len = 20; c.qk_rope_head_dim = 16; c.rope_factor = 4; c.original_seq_len = 8;
+    int T = 20, N = 40, H = 3, dn = 12, dr = 16, dv = 10, half = 8;
+    float *cs = (float *)malloc(4 * T * half), *sn = (float *)malloc(4 * T * half);
+    mt_cpu_rope_tables(cs, sn, &c);
+    int64_t nq = (int64_t)N * H * (dn + dr), nkv = (int64_t)N * H * (dn + dv), nv = (int64_t)N * H * dv;
+    float *q = randn(nq, 1), *kv = randn(nkv, 1), *kpe = randn((int64_t)N * dr, 1), *gQ = randn(nq, 1), *gK = randn(nq, 1), *gV = randn(nv, 1);
+    round_bf(q, nq); round_bf(kv, nkv); round_bf(kpe, (int64_t)N * dr); round_bf(gQ, nq); round_bf(gK, nq); round_bf(gV, nv);
+    float *Q = (float *)malloc(4 * nq), *K = (float *)malloc(4 * nq), *Vv = (float *)malloc(4 * nv);
+    float *dq = (float *)malloc(4 * nq), *dkv = (float *)malloc(4 * nkv), *dkpe = (float *)malloc(4 * (size_t)N * dr);
+    mt_cpu_mla_rope_forward(Q, K, Vv, q, kv, kpe, cs, sn, N, T, H, dn, dr, dv);
+    mt_cpu_mla_rope_backward(dq, dkv, dkpe, gQ, gK, gV, cs, sn, N, T, H, dn, dr, dv);
+    void *Dq = up_bf(q, nq), *Dkv = up_bf(kv, nkv), *Dkpe = up_bf(kpe, (int64_t)N * dr), *Dc = up(cs, 4 * T * half), *Ds = up(sn, 4 * T * half);
+    void *DQ = dalloc(2 * nq), *DK = dalloc(2 * nq), *DV = dalloc(2 * nv), *DgQ = up_bf(gQ, nq), *DgK = up_bf(gK, nq), *DgV = up_bf(gV, nv);
+    void *Ddq = dalloc(2 * nq), *Ddkv = dalloc(2 * nkv), *Ddkpe = dalloc(2 * (size_t)N * dr);
+    int ok = !mt_cuda_mla_rope_forward(CU, DQ, DK, DV, Dq, Dkv, Dkpe, (float *)Dc, (float *)Ds, N, T, H, dn, dr, dv) &&
+             !mt_cuda_mla_rope_backward(CU, Ddq, Ddkv, Ddkpe, DgQ, DgK, DgV, (float *)Dc, (float *)Ds, N, T, H, dn, dr, dv);
+    float *a1 = down_bf(DQ, nq), *a2 = down_bf(DK, nq), *a3 = down_bf(DV, nv), *a4 = down_bf(Ddq, nq), *a5 = down_bf(Ddkv, nkv), *a6 = down_bf(Ddkpe, (int64_t)N * dr);
+    double e1 = rel(a1, Q, nq), e2 = rel(a2, K, nq), e3 = rel(a3, Vv, nv), e4 = rel(a4, dq, nq), e5 = rel(a5, dkv, nkv), e6 = rel(a6, dkpe, (int64_t)N * dr);
+    report("gpu MLA rope (YaRN) fwd/bwd", ok && e1 < BF_TOL && e2 < BF_TOL && e3 == 0 && e4 < BF_TOL && e5 < BF_TOL && e6 < BF_TOL,
+           "%.1e %.1e %.1e %.1e %.1e %.1e", e1, e2, e3, e4, e5, e6);
+    free(cs); free(sn); free(q); free(kv); free(kpe); free(gQ); free(gK); free(gV); free(Q); free(K); free(Vv); free(dq); free(dkv); free(dkpe);
+    free(a1); free(a2); free(a3); free(a4); free(a5); free(a6);
+    dfree(Dq); dfree(Dkv); dfree(Dkpe); dfree(Dc); dfree(Ds); dfree(DQ); dfree(DK); dfree(DV); dfree(DgQ); dfree(DgK); dfree(DgV);
+    dfree(Ddq); dfree(Ddkv); dfree(Ddkpe);
+}
+
+static void gpu_test_moe_ops(void) {
+    /* router: every variant, indices and counts exact, weights within f32 rounding */
+    for (int v = 0; v < 4; v++) {
+        int N = 257, E = v == 3 ? 64 : 16, K = v == 3 ? 6 : 3, G = v == 3 ? 8 : 1, Gl = v == 3 ? 3 : 1;
+        int sf = v & 1 ? MT_SCORE_SIGMOID : MT_SCORE_SOFTMAX, norm = (v >> 1) & 1;
+        float scale = v == 3 ? 2.5f : 1.0f;
+        float *lg = randn((int64_t)N * E, 1), *bias = randn(E, 0.2), *dwv = randn((int64_t)N * K, 1);
+        int32_t *idx = (int32_t *)malloc(4 * (size_t)N * K), *cnt = (int32_t *)malloc(4 * (size_t)E);
+        float *w = (float *)malloc(4 * (size_t)N * K), *sc = (float *)malloc(4 * (size_t)N * E), *dl = (float *)malloc(4 * (size_t)N * E);
+        mt_cpu_router_forward(idx, w, sc, cnt, lg, bias, N, E, K, sf, norm, scale, G, Gl);
+        mt_cpu_router_backward(dl, sc, idx, w, dwv, N, E, K, sf, norm, scale);
+        void *Dl = up(lg, 4 * (size_t)N * E), *Db = up(bias, 4 * (size_t)E), *Ddw = up(dwv, 4 * (size_t)N * K);
+        void *Di = dalloc(4 * (size_t)N * K), *Dw = dalloc(4 * (size_t)N * K), *Ds = dalloc(4 * (size_t)N * E), *Dc = dalloc(4 * (size_t)E), *Ddl = dalloc(4 * (size_t)N * E);
+        int ok = !mt_cuda_router_forward(CU, (int32_t *)Di, (float *)Dw, (float *)Ds, (int32_t *)Dc, (float *)Dl, (float *)Db, N, E, K, sf, norm, scale, G, Gl) &&
+                 !mt_cuda_router_backward(CU, (float *)Ddl, (float *)Ds, (int32_t *)Di, (float *)Ddw, N, E, K, sf, norm, scale);
+        int32_t *gi = (int32_t *)down(Di, 4 * (size_t)N * K), *gc = (int32_t *)down(Dc, 4 * (size_t)E);
+        float *gw = (float *)down(Dw, 4 * (size_t)N * K), *gs = (float *)down(Ds, 4 * (size_t)N * E), *gdl = (float *)down(Ddl, 4 * (size_t)N * E);
+        int same_idx = !memcmp(gi, idx, 4 * (size_t)N * K) && !memcmp(gc, cnt, 4 * (size_t)E);
+        double e1 = rel(gw, w, (int64_t)N * K), e2 = rel(gs, sc, (int64_t)N * E), e3 = rel(gdl, dl, (int64_t)N * E);
+        char nm[96];
+        snprintf(nm, sizeof nm, "gpu router %s norm=%d E=%d K=%d groups=%d", sf ? "sigmoid" : "softmax", norm, E, K, G);
+        report(nm, ok && same_idx && e1 < F32_TOL && e2 < F32_TOL && e3 < F32_TOL, "indices %s, w %.1e scores %.1e dlogits %.1e", same_idx ? "equal" : "DIFFER", e1, e2, e3);
+        free(lg); free(bias); free(dwv); free(idx); free(cnt); free(w); free(sc); free(dl); free(gi); free(gc); free(gw); free(gs); free(gdl);
+        dfree(Dl); dfree(Db); dfree(Ddw); dfree(Di); dfree(Dw); dfree(Ds); dfree(Dc); dfree(Ddl);
+    }
+    /* permute -> grouped GEMMs (zero-token experts) -> combine, and backward */
+    int N = 200, D = 64, K = 2, E = 8, F = 48;
+    int64_t NK = (int64_t)N * K;
+    int32_t *idx = (int32_t *)malloc(4 * (size_t)NK);
+    for (int64_t a = 0; a < NK; a++) { int r = (int)(mt_rng_u64(&R) % 10); idx[a] = r < 5 ? 1 : r < 8 ? 4 : 6; }  /* 5 experts idle */
+    float *x = randn((int64_t)N * D, 1), *W = randn((int64_t)E * F * D, 0.1), *w = randn(NK, 1), *dy = randn((int64_t)N * D, 1);
+    round_bf(x, (int64_t)N * D); round_bf(W, (int64_t)E * F * D); round_bf(dy, (int64_t)N * D);
+    float *xs = (float *)malloc(4 * (size_t)NK * D), *Y = (float *)malloc(4 * (size_t)NK * F), *dX = (float *)malloc(4 * (size_t)NK * D), *dW = (float *)malloc(4 * (size_t)E * F * D);
+    int32_t *slot = (int32_t *)malloc(4 * (size_t)NK), offs[9];
+    mt_cpu_moe_permute(xs, slot, offs, x, idx, N, D, K, E);
+    mt_cpu_gmm(NULL, Y, xs, W, offs, E, F, D);
+    float *dYr = randn(NK * F, 1);
+    round_bf(dYr, NK * F);
+    mt_cpu_gmm_dx(NULL, dX, dYr, W, offs, E, F, D);
+    mt_cpu_gmm_dw(NULL, dW, dYr, xs, offs, E, F, D);
+    void *Dx = up_bf(x, (int64_t)N * D), *Di = up(idx, 4 * (size_t)NK), *Dxs = dalloc(2 * (size_t)NK * D), *Dslot = dalloc(4 * (size_t)NK), *Doffs = dalloc(4 * 9);
+    void *DW = up_bf(W, (int64_t)E * F * D), *DY = dalloc(2 * (size_t)NK * F), *DdY = up_bf(dYr, NK * F), *DdX = dalloc(2 * (size_t)NK * D), *DdW = dalloc(4 * (size_t)E * F * D);
+    void *pws = dalloc(mt_cuda_moe_permute_workspace(NK));
+    int ok = !mt_cuda_moe_permute(CU, Dxs, (int32_t *)Dslot, (int32_t *)Doffs, Dx, (int32_t *)Di, N, D, K, E, pws);
+    dfree(pws);
+    int32_t *goffs = (int32_t *)down(Doffs, 4 * 9), *gslot = (int32_t *)down(Dslot, 4 * (size_t)NK);
+    float *gxs = down_bf(Dxs, NK * D);
+    int exact = !memcmp(goffs, offs, 4 * 9) && !memcmp(gslot, slot, 4 * (size_t)NK) && rel(gxs, xs, NK * D) == 0;
+    report("gpu moe permute (slots, offsets, rows exact)", ok && exact, NULL);
+    ok = ok && !mt_cuda_gmm(CU, 0, DY, Dxs, DW, goffs, E, F, D, NULL) && !mt_cuda_gmm(CU, 1, DdX, DdY, DW, goffs, E, F, D, NULL) &&
+         !mt_cuda_gmm(CU, 2, DdW, DdY, Dxs, goffs, E, F, D, NULL);
+    float *gY = down_bf(DY, NK * F), *gdX = down_bf(DdX, NK * D), *gdW = (float *)down(DdW, 4 * (size_t)E * F * D);
+    double e1 = rel(gY, Y, NK * F), e2 = rel(gdX, dX, NK * D), e3 = rel(gdW, dW, (int64_t)E * F * D);
+    int zero_ok = 1;
+    for (int64_t i = 0; i < (int64_t)F * D; i++) zero_ok &= gdW[i] == 0 && gdW[2 * F * D + i] == 0;   /* experts 0, 2 idle */
+    report("gpu grouped GEMM fwd/dX/dW (idle experts)", ok && e1 < BF_TOL && e2 < BF_TOL && e3 < F32_TOL && zero_ok, "%.1e %.1e %.1e, idle grads zero %d", e1, e2, e3, zero_ok);
+    /* combine and backwards of permute/combine */
+    float *ys = randn(NK * D, 1), *yo = (float *)malloc(4 * (size_t)N * D), *dys = (float *)malloc(4 * (size_t)NK * D), *dwk = (float *)malloc(4 * (size_t)NK), *dxp = (float *)malloc(4 * (size_t)N * D);
+    round_bf(ys, NK * D);
+    mt_cpu_moe_combine_forward(yo, ys, slot, w, N, D, K);
+    mt_cpu_moe_combine_backward(dys, dwk, dy, ys, slot, w, N, D, K);
+    round_bf(dys, NK * D);
+    mt_cpu_moe_permute_backward(dxp, dys, slot, N, D, K);
+    void *Dys = up_bf(ys, NK * D), *Dw = up(w, 4 * (size_t)NK), *Dyo = dalloc(2 * (size_t)N * D), *Ddy = up_bf(dy, (int64_t)N * D), *Ddys = dalloc(2 * (size_t)NK * D), *Ddw = dalloc(4 * (size_t)NK), *Ddxp = dalloc(2 * (size_t)N * D);
+    ok = !mt_cuda_moe_combine_forward(CU, Dyo, Dys, (int32_t *)Dslot, (float *)Dw, N, D, K) &&
+         !mt_cuda_moe_combine_backward(CU, Ddys, (float *)Ddw, Ddy, Dys, (int32_t *)Dslot, (float *)Dw, N, D, K) &&
+         !mt_cuda_moe_permute_backward(CU, Ddxp, Ddys, (int32_t *)Dslot, N, D, K);
+    float *g1 = down_bf(Dyo, (int64_t)N * D), *g2 = down_bf(Ddys, NK * D), *g3 = (float *)down(Ddw, 4 * (size_t)NK), *g4 = down_bf(Ddxp, (int64_t)N * D);
+    double c1 = rel(g1, yo, (int64_t)N * D), c2 = rel(g2, dys, NK * D), c3 = rel(g3, dwk, NK), c4 = rel(g4, dxp, (int64_t)N * D);
+    report("gpu combine fwd/bwd, permute bwd", ok && c1 < BF_TOL && c2 < BF_TOL && c3 < F32_TOL && c4 < BF_TOL, "%.1e %.1e %.1e %.1e", c1, c2, c3, c4);
+    free(idx); free(x); free(W); free(w); free(dy); free(xs); free(Y); free(dX); free(dW); free(slot); free(dYr); free(goffs); free(gslot); free(gxs);
+    free(gY); free(gdX); free(gdW); free(ys); free(yo); free(dys); free(dwk); free(dxp); free(g1); free(g2); free(g3); free(g4);
+    dfree(Dx); dfree(Di); dfree(Dxs); dfree(Dslot); dfree(Doffs); dfree(DW); dfree(DY); dfree(DdY); dfree(DdX); dfree(DdW);
+    dfree(Dys); dfree(Dw); dfree(Dyo); dfree(Ddy); dfree(Ddys); dfree(Ddw); dfree(Ddxp);
+}
+
+static void gpu_test_loss_and_optimizer(void) {
+    int N = 77, V = 3001;
+    float *lg = randn((int64_t)N * V, 3);
+    round_bf(lg, (int64_t)N * V);
+    int32_t *t = (int32_t *)malloc(4 * (size_t)N);
+    for (int i = 0; i < N; i++) t[i] = (int32_t)(mt_rng_u64(&R) % (uint64_t)V);
+    float loss, *lse = (float *)malloc(4 * (size_t)N), *dl = (float *)malloc(4 * (size_t)N * V);
+    mt_cpu_cross_entropy_forward(NULL, &loss, lse, lg, t, N, V);
+    mt_cpu_cross_entropy_backward(NULL, dl, lg, lse, t, N, V);
+    void *Dl = up_bf(lg, (int64_t)N * V), *Dt = up(t, 4 * (size_t)N), *Dloss = dalloc(4), *Dlse = dalloc(4 * (size_t)N), *Ddl = dalloc(2 * (size_t)N * V), *ws = dalloc(mt_cuda_cross_entropy_workspace(N));
+    int ok = !mt_cuda_cross_entropy_forward(CU, (float *)Dloss, (float *)Dlse, Dl, (int32_t *)Dt, N, V, ws) &&
+             !mt_cuda_cross_entropy_backward(CU, Ddl, Dl, (float *)Dlse, (int32_t *)Dt, N, V);
+    float gl, *glse = (float *)down(Dlse, 4 * (size_t)N), *gdl = down_bf(Ddl, (int64_t)N * V);
+    mt_cuda_copy(CU, &gl, Dloss, 4, 1);
+    double e1 = fabs(gl - loss) / loss, e2 = rel(glse, lse, N), e3 = rel(gdl, dl, (int64_t)N * V);
+    report("gpu cross-entropy fwd/bwd", ok && e1 < F32_TOL && e2 < F32_TOL && e3 < BF_TOL, "loss %.1e lse %.1e dlogits %.1e", e1, e2, e3);
+    free(lg); free(t); free(lse); free(dl); free(glse); free(gdl);
+    dfree(Dl); dfree(Dt); dfree(Dloss); dfree(Dlse); dfree(Ddl); dfree(ws);
+
+    /* gradient norm, schedule, clip, AdamW (with bf16 shadow), bias update */
+    int64_t n = 100003;
+    float *p = randn(n, 1), *g = randn(n, 0.1), *m = randn(n, 0.01), *v = (float *)malloc(4 * n);
+    for (int64_t i = 0; i < n; i++) v[i] = (float)fabs(mt_rng_normal(&R)) * 1e-3f;
+    mt_hparams h;
+    mt_hparams_default(&h);
+    float hp[MT_HP_COUNT];
+    mt_hparams_pack(&h, hp);
+    int32_t step = 7;
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)g[i] * g[i];
+    void *Dp = up(p, 4 * n), *Dg = up(g, 4 * n), *Dm = up(m, 4 * n), *Dv = up(v, 4 * n), *Dp16 = dalloc(2 * n), *Dhp = up(hp, sizeof hp), *Dst = up(&step, 4);
+    void *Dacc = dalloc(4), *Dlr = dalloc(4), *Dcoef = dalloc(4), *Dnorm = dalloc(4), *ws2 = dalloc(mt_cuda_sumsq_workspace());
+    ok = !mt_cuda_sumsq(CU, (float *)Dacc, NULL, (float *)Dg, n, ws2) && !mt_cuda_lr_schedule(CU, (float *)Dlr, (float *)Dhp, (int32_t *)Dst) &&
+         !mt_cuda_clip(CU, (float *)Dcoef, (float *)Dnorm, (float *)Dacc, (float *)Dhp) &&
+         !mt_cuda_adamw(CU, (float *)Dp, (float *)Dm, (float *)Dv, Dp16, (float *)Dg, n, (float *)Dlr, (float *)Dcoef, (float *)Dhp, (int32_t *)Dst, 1);
+    float acc, lr, coef, nrm;
+    mt_cuda_copy(CU, &acc, Dacc, 4, 1); mt_cuda_copy(CU, &lr, Dlr, 4, 1); mt_cuda_copy(CU, &coef, Dcoef, 4, 1); mt_cuda_copy(CU, &nrm, Dnorm, 4, 1);
+    double ref_coef = sqrt(ss) > h.grad_clip ? h.grad_clip / (sqrt(ss) + 1e-6) : 1.0;
+    mt_cpu_adamw(p, m, v, g, n, mt_lr_at(hp, step), ref_coef, hp, step, 1);
+    float *gp = (float *)down(Dp, 4 * n), *gm = (float *)down(Dm, 4 * n), *gv = (float *)down(Dv, 4 * n), *gp16 = down_bf(Dp16, n);
+    double a1 = fabs(acc - ss) / ss, a2 = fabs(lr - mt_lr_at(hp, step)) / mt_lr_at(hp, step), a3 = fabs(coef - ref_coef), a4 = rel(gp, p, n), a5 = rel(gm, m, n), a6 = rel(gv, v, n), a7 = rel(gp16, p, n);
+    report("gpu grad norm, schedule, clip, AdamW", ok && a1 < F32_TOL && a2 < F32_TOL && a3 < F32_TOL && a4 < F32_TOL && a5 < F32_TOL && a6 < F32_TOL && a7 < BF_TOL,
+           "sumsq %.1e lr %.1e coef %.1e p %.1e m %.1e v %.1e p16 %.1e", a1, a2, a3, a4, a5, a6, a7);
+    float bias[6] = {0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f};
+    int32_t cnt[6] = {10, 0, 7, 3, 5, 5};
+    void *Db = up(bias, sizeof bias), *Dc = up(cnt, sizeof cnt);
+    ok = !mt_cuda_expert_bias_update(CU, (float *)Db, (int32_t *)Dc, 6, 0.01f);
+    mt_cpu_expert_bias_update(bias, cnt, 6, 0.01f);
+    float *gb = (float *)down(Db, sizeof bias);
+    report("gpu expert-bias update", ok && rel(gb, bias, 6) < F32_TOL, NULL);
+    free(p); free(g); free(m); free(v); free(gp); free(gm); free(gv); free(gp16); free(gb);
+    dfree(Dp); dfree(Dg); dfree(Dm); dfree(Dv); dfree(Dp16); dfree(Dhp); dfree(Dst); dfree(Dacc); dfree(Dlr); dfree(Dcoef); dfree(Dnorm); dfree(ws2); dfree(Db); dfree(Dc);
+}
+
+/* whole steps: CPU (f32) vs CUDA (bf16), bitwise determinism, artifact vs in-process */
+static int gpu_compile(mt_graph *g, const mt_config *c, int cuda, int planned, mt_err *e) {
+    mt_mesh m;
+    mt_target t;
+    mt_passes p;
+    mt_mesh_single(&m);
+    if (cuda) mt_target_cuda(&t, "sm_90a"); else mt_target_cpu(&t);
+    if (planned) mt_passes_all(&p); else mt_passes_none(&p);
+    return mt_compile(g, c, &m, &t, MT_GRAPH_TRAIN, &p, e);
+}
+static mt_runtime *gpu_runtime(const mt_graph *g, int poison) {
+    mt_binding b;
+    mt_err e;
+    mt_runtime *rt;
+    mt_binding_single(&b);
+    b.poison = poison;
+    if (mt_runtime_create(&rt, g, &b, &e)) { printf("  runtime: %s\n", e.msg); return NULL; }
+    if (mt_runtime_init_params(rt, 5, &e)) { printf("  init: %s\n", e.msg); mt_runtime_destroy(rt); return NULL; }
+    return rt;
+}
+static int gpu_steps(mt_runtime *rt, const mt_config *c, int n, double *loss, double *gnorm) {
+    int64_t N = (int64_t)c->batch * c->seq_len;
+    int32_t *tok = (int32_t *)malloc(4 * (size_t)N), *tgt = (int32_t *)malloc(4 * (size_t)N);
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    mt_err e;
+    int rc = 0;
+    for (int s = 0; s < n && !rc; s++) {
+        mt_rng r;
+        mt_rng_seed(&r, 77 + (uint64_t)s);
+        for (int64_t i = 0; i < N; i++) { tok[i] = (int32_t)(mt_rng_u64(&r) % (uint64_t)c->vocab_size); tgt[i] = (tok[i] * 5 + 1) % c->vocab_size; }
+        mt_step_stats st;
+        if (mt_runtime_step(rt, tok, tgt, s, &hp, &st, &e)) { printf("  step: %s\n", e.msg); rc = -1; break; }
+        loss[s] = st.loss;
+        if (gnorm) gnorm[s] = st.grad_norm;
+    }
+    free(tok); free(tgt);
+    return rc;
+}
+static void gpu_test_whole_steps(void) {
+    mt_config c;
+    mt_err e;
+    mt_config_preset(&c, "tiny", &e);
+    c.q_lora_rank = 24;
+    mt_graph gc, gg, ge;
+    if (gpu_compile(&gc, &c, 0, 1, &e) || gpu_compile(&gg, &c, 1, 1, &e) || gpu_compile(&ge, &c, 1, 0, &e)) { report("gpu whole step", 0, "%s", e.msg); return; }
+    enum { S = 5 };
+    double lc[S] = {0}, lg[S] = {0}, lg2[S] = {0}, le[S] = {0}, la[S] = {0}, nc[S] = {0}, ng[S] = {0};
+    mt_runtime *rc = gpu_runtime(&gc, 0), *r1 = gpu_runtime(&gg, 1), *r2 = gpu_runtime(&gg, 0), *r3 = gpu_runtime(&ge, 0);
+    int ok = rc && r1 && r2 && r3 && !gpu_steps(rc, &c, S, lc, nc) && !gpu_steps(r1, &c, S, lg, ng) && !gpu_steps(r2, &c, S, lg2, NULL) && !gpu_steps(r3, &c, S, le, NULL);
+    double worst = 0, worst_n = 0;
+    for (int s = 0; ok && s < S; s++) {
+        if (fabs(lg[s] - lc[s]) / lc[s] > worst) worst = fabs(lg[s] - lc[s]) / lc[s];
+        if (fabs(ng[s] - nc[s]) / nc[s] > worst_n) worst_n = fabs(ng[s] - nc[s]) / nc[s];
+    }
+    report("gpu tiny training steps vs CPU reference", ok && worst < 2e-2 && worst_n < 1e-1, "loss %.5f vs %.5f .. %.5f vs %.5f; worst rel loss %.1e, grad norm %.1e",
+           lg[0], lc[0], lg[S - 1], lc[S - 1], worst, worst_n);
+    report("gpu bitwise determinism (poisoned arena too)", ok && bitwise_equal(lg, lg2, S), NULL);
+    report("gpu eager (naive memory) = planned, bitwise", ok && bitwise_equal(lg, le, S), NULL);
+    int wsame = ok;
+    for (int i = 0; wsame && i < gg.n_values; i++)
+        if (gg.values[i].role == MT_ROLE_PARAM) {
+            size_t nb = (size_t)gg.values[i].nbytes;
+            void *a = malloc(nb), *b = malloc(nb);
+            wsame = !mt_runtime_read(r1, i, a, &e) && !mt_runtime_read(r2, i, b, &e) && !memcmp(a, b, nb);
+            free(a); free(b);
+        }
+    report("gpu bitwise-identical weights after 5 steps", wsame, NULL);
+    uint8_t *bytes;
+    size_t len;
+    mt_graph gl;
+    int ok2 = !mt_artifact_write(&gg, &bytes, &len, &e) && !mt_artifact_read(&gl, bytes, len, &e);
+    if (ok2) {
+        mt_runtime *r4 = gpu_runtime(&gl, 0);
+        ok2 = r4 && !gpu_steps(r4, &c, S, la, NULL) && bitwise_equal(lg, la, S);
+        mt_runtime_destroy(r4);
+        mt_graph_free(&gl);
+        free(bytes);
+    }
+    report("gpu precompiled artifact = in-process, bitwise", ok2, NULL);
+    mt_runtime_destroy(rc); mt_runtime_destroy(r1); mt_runtime_destroy(r2); mt_runtime_destroy(r3);
+    mt_graph_free(&gc); mt_graph_free(&gg); mt_graph_free(&ge);
+}
+
+int main(void) {
+    mt_err e;
+    mt_rng_seed(&R, 42);
+    char info[512];
+    mt_cuda_describe(info, sizeof info);
+    printf("%s\n", info);
+    if (mt_cuda_create(&CU, 0, &e)) { report("gpu present", 0, "%s", e.msg); printf("%d passed, %d failed\n", n_pass, n_fail); return 1; }
+    gpu_test_basic_ops();
+    gpu_test_matmul();
+    gpu_test_rope();
+    gpu_test_attention_shape(2, 64, 4, 24, 16);
+    gpu_test_attention_shape(1, 7, 2, 12, 8);
+    gpu_test_attention_shape(2, 100, 3, 64, 64);
+    gpu_test_attention_shape(1, 130, 2, 192, 128);
+    gpu_test_attention_shape(2, 256, 4, 192, 128);
+    gpu_test_moe_ops();
+    gpu_test_loss_and_optimizer();
+    gpu_test_whole_steps();
+    mt_cuda_destroy(CU);
+    printf("%d passed, %d failed\n", n_pass, n_fail);
+    return n_fail ? 1 : 0;
+}
+
+#elif MT_TEST_F64
 /* A small model that runs in milliseconds. */
 static void small_config(mt_config *c) {
     mt_err e;
@@ -395,7 +823,6 @@ static int run_steps(mt_runtime *rt, const mt_config *c, int step0, int n, doubl
     return rc;
 }
 
-static int bitwise_equal(const double *a, const double *b, int n) { return memcmp(a, b, sizeof(double) * (size_t)n) == 0; }
 
 
 /* ======================================================================

@@ -15,7 +15,8 @@
 
 typedef struct {
     const char *preset, *graph, *data, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
-    int steps, log_every, threads, eager, seed, gpu;
+    int steps, log_every, threads, eager, seed, gpu, profile;
+    float roof_tflops, roof_gbps;
     mt_hparams hp;
     int lr_set, decay_set;
     int n_overrides;
@@ -44,6 +45,8 @@ static void usage(FILE *f) {
             "  --eager              no optimizing passes (the baseline)\n"
             "  --threads N          CPU threads (default: all cores; results do not depend on it)\n"
             "  --log-every N        print every N steps (default 1)\n"
+            "  --profile            after training, time one more step op by op against the roofline\n"
+            "  --roof-tflops X --roof-gbps X   roofline ceilings for --profile (default 790, 3000)\n"
             "  --<field> VALUE      any config field, e.g. --dim 128 --top-k 4 --score-func sigmoid\n"
             "config fields:",
             mt_config_preset_names());
@@ -76,11 +79,13 @@ static int parse_args(int argc, char **argv, opts *o) {
     memset(o, 0, sizeof *o);
     o->preset = "tiny"; o->device = NULL;
     o->steps = 300; o->log_every = 1; o->seed = 1;
+    o->roof_tflops = 790; o->roof_gbps = 3000;
     mt_hparams_default(&o->hp);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); exit(0); }
         if (!strcmp(a, "--eager")) { o->eager = 1; continue; }
+        if (!strcmp(a, "--profile")) { o->profile = 1; continue; }
         if (strncmp(a, "--", 2)) { fprintf(stderr, "train: unexpected argument '%s' (see --help)\n", a); return -1; }
         if (i + 1 >= argc) { fprintf(stderr, "train: %s needs a value\n", a); return -1; }
         const char *v = argv[++i];
@@ -110,6 +115,8 @@ static int parse_args(int argc, char **argv, opts *o) {
         else if (!strcmp(k, "eps")) rc = parse_float(a, v, &o->hp.eps);
         else if (!strcmp(k, "weight-decay")) rc = parse_float(a, v, &o->hp.weight_decay);
         else if (!strcmp(k, "grad-clip")) rc = parse_float(a, v, &o->hp.grad_clip);
+        else if (!strcmp(k, "roof-tflops")) rc = parse_float(a, v, &o->roof_tflops);
+        else if (!strcmp(k, "roof-gbps")) rc = parse_float(a, v, &o->roof_gbps);
         else {
             if (o->n_overrides >= 128) { fprintf(stderr, "train: too many options\n"); return -1; }
             o->ov_key[o->n_overrides] = k; o->ov_val[o->n_overrides++] = v;
@@ -165,6 +172,43 @@ static double load_imbalance(mt_runtime *rt, int32_t *counts, int E) {
         acc += sum > 0 ? mx / (sum / E) : 1.0;
     }
     return acc / n;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* One profiled step: time per op, with FLOPs/bytes against the roofline. */
+static void print_profile(mt_runtime *rt, const opts *o, double step_ms) {
+    const mt_graph *G = mt_runtime_graph(rt);
+    double ms[MT_NOPS], fl[MT_NOPS] = {0}, by[MT_NOPS] = {0}, floor_ms[MT_NOPS] = {0}, total = 0;
+    int64_t calls[MT_NOPS];
+    mt_runtime_profile(rt, ms, calls);
+    for (int i = 0; i < G->n_nodes; i++) {
+        double f, b;
+        mt_node_cost(G, &G->nodes[i], &f, &b);
+        int op = G->nodes[i].op;
+        fl[op] += f; by[op] += b;
+        double t = f / (o->roof_tflops * 1e12) > b / (o->roof_gbps * 1e9) ? f / (o->roof_tflops * 1e12) : b / (o->roof_gbps * 1e9);
+        floor_ms[op] += 1e3 * t;
+    }
+    for (int i = 0; i < MT_NOPS; i++) total += ms[i];
+    int order[MT_NOPS];
+    for (int i = 0; i < MT_NOPS; i++) order[i] = i;
+    for (int i = 0; i < MT_NOPS; i++)
+        for (int j = i + 1; j < MT_NOPS; j++)
+            if (ms[order[j]] > ms[order[i]]) { int t = order[i]; order[i] = order[j]; order[j] = t; }
+    printf("profile (one synchronized step, %.1f ms op time; the unprofiled step took %.1f ms; roofline %.0f TFLOP/s, %.0f GB/s)\n",
+           total, step_ms, (double)o->roof_tflops, (double)o->roof_gbps);
+    printf("  %-18s %6s %10s %6s %10s %9s %9s %10s %7s\n", "op", "calls", "ms", "%", "GFLOP", "TFLOP/s", "GB/s", "floor ms", "x floor");
+    for (int k = 0; k < MT_NOPS; k++) {
+        int i = order[k];
+        if (!calls[i]) continue;
+        printf("  %-18s %6lld %10.3f %5.1f%% %10.1f %9.1f %9.1f %10.3f %7.1f\n", mt_ops[i].name, (long long)calls[i], ms[i],
+               100 * ms[i] / total, fl[i] / 1e9, ms[i] > 0 ? fl[i] / (ms[i] * 1e9) : 0, ms[i] > 0 ? by[i] / (ms[i] * 1e6) : 0,
+               floor_ms[i], floor_ms[i] > 0 ? ms[i] / floor_ms[i] : 0);
+    }
 }
 
 static int run_forward(const opts *o, mt_config cfg) {
@@ -342,6 +386,7 @@ int main(int argc, char **argv) {
     int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T), *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T);
     int32_t *counts = (int32_t *)malloc(sizeof(int32_t) * (size_t)E);
     double *curve = (double *)malloc(sizeof(double) * (size_t)(o.steps + 1));
+    double *times = (double *)malloc(sizeof(double) * (size_t)(o.steps + 1));
     mt_rng data_rng;
     mt_rng_seed(&data_rng, mt_hash("data", 4, (uint64_t)o.seed));
     int rc = 0;
@@ -360,6 +405,7 @@ int main(int argc, char **argv) {
             break;
         }
         curve[s] = st.loss;
+        times[s] = st.seconds;
         if (s == 0) first_loss = st.loss;
         last_loss = st.loss;
         double tps = (double)B * T / st.seconds;
@@ -383,8 +429,28 @@ int main(int argc, char **argv) {
             fflush(mf);
         }
     }
-    if (!rc && o.steps > 0)
+    if (!rc && o.steps > 0) {
         printf("done: %d steps in %.1f s, loss %.4f -> %.4f\n", o.steps, mt_now() - t_start, first_loss, last_loss);
+        /* the timing summary: median step after two warm-up steps */
+        int skip = o.steps > 4 ? 2 : 0, nt = o.steps - skip;
+        qsort(times + skip, (size_t)nt, sizeof(double), cmp_double);
+        double med = times[skip + nt / 2], tps = (double)B * T / med;
+        printf("summary: preset=%s device=%s mode=%s tokens=%d median_step_ms=%.2f tokens_per_s=%.0f mfu=%.2f%% "
+               "peak_mem_gib=%.2f flops_per_token=%.0f\n",
+               o.graph ? o.graph : o.preset, on_gpu ? "cuda" : "cpu", o.eager ? "eager" : "compiled", B * T, 1e3 * med, tps,
+               on_gpu ? 100.0 * tps * flops_tok / 989e12 : 0.0, mt_runtime_peak_bytes(rt) / 1073741824.0, flops_tok);
+        if (o.profile) {
+            mt_step_stats st;
+            mt_runtime_set_profile(rt, 1);
+            if (mt_data_batch(&ds, &data_rng, B, T, tok, tgt, &err) || mt_runtime_step(rt, tok, tgt, step0 + o.steps, &o.hp, &st, &err)) {
+                fprintf(stderr, "train: %s\n", err.msg);
+                rc = 1;
+            } else {
+                print_profile(rt, &o, 1e3 * med);
+            }
+            mt_runtime_set_profile(rt, 0);
+        }
+    }
     if (mf) fclose(mf);
     if (!rc && o.svg && o.steps > 0) {
         char title[128];
@@ -395,7 +461,7 @@ int main(int argc, char **argv) {
         if (mt_checkpoint_save(rt, o.save, step0 + o.steps, &err)) { fprintf(stderr, "train: %s\n", err.msg); rc = 1; }
         else printf("saved %s/model.safetensors, config.json, optimizer.safetensors\n", o.save);
     }
-    free(tok); free(tgt); free(counts); free(curve);
+    free(tok); free(tgt); free(counts); free(curve); free(times);
     mt_data_free(&ds);
     mt_runtime_destroy(rt);
     return rc;
