@@ -148,6 +148,9 @@ typedef struct {
 enum { MT_HP_LR, MT_HP_MIN_LR_RATIO, MT_HP_WARMUP, MT_HP_DECAY, MT_HP_BETA1, MT_HP_BETA2,
        MT_HP_EPS, MT_HP_WD, MT_HP_CLIP, MT_HP_COUNT = 16 };
 void mt_hparams_default(mt_hparams *h);
+/* Defaults for a model: the peak learning rate shrinks with width (3e-3 up to
+ * dim 128, 8e-4 up to dim 512 as torchtitan's debug model, 4.2e-4 beyond). */
+void mt_hparams_for_config(mt_hparams *h, const mt_config *c);
 void mt_hparams_pack(const mt_hparams *h, float out[MT_HP_COUNT]);
 double mt_lr_at(const float hp[MT_HP_COUNT], int step);  /* the schedule (also used by the graph) */
 
@@ -184,7 +187,7 @@ enum { MT_F32 = 0, MT_BF16 = 1, MT_I32 = 2, MT_NDTYPES = 3 };
 /* roles: where a value lives and who owns it. */
 enum {
     MT_ROLE_PARAM = 0,   /* trainable or persistent model state (persistent region) */
-    MT_ROLE_GRAD,        /* gradient of a param (persistent) */
+    MT_ROLE_GRAD,        /* gradient of a param (arena: born in the backward as activations die) */
     MT_ROLE_OPT,         /* AdamW moments (persistent) */
     MT_ROLE_INPUT,       /* written by the host before each step (persistent) */
     MT_ROLE_CONST,       /* bytes stored in the artifact, uploaded at bind (persistent) */
@@ -194,7 +197,7 @@ enum {
     MT_ROLE_SCRATCH,     /* op workspace (arena) */
     MT_NROLES
 };
-#define MT_ROLE_IN_ARENA(r) ((r) >= MT_ROLE_ACT)
+#define MT_ROLE_IN_ARENA(r) ((r) >= MT_ROLE_ACT || (r) == MT_ROLE_GRAD)
 
 /* queues: which stream a node runs on. */
 enum { MT_Q_COMPUTE = 0, MT_Q_DP = 1, MT_Q_EP = 2, MT_NQUEUES = 3 };
@@ -523,7 +526,7 @@ int mt_cuda_event_record(mt_cuda *c, int i);
 float mt_cuda_event_ms(mt_cuda *c, int i, int j);   /* after a sync */
 size_t mt_cuda_peak_bytes(mt_cuda *c);   /* device memory in use at the high-water mark */
 int mt_cuda_cast(mt_cuda *c, void *dst, int dst_dtype, const void *src, int src_dtype, int64_t n);
-size_t mt_cuda_embed_backward_workspace(int N);
+size_t mt_cuda_embed_backward_workspace(int N, int D);
 int mt_cuda_embed_forward(mt_cuda *c, void *x, const int32_t *tok, const void *wte, int N, int D);
 int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_t *tok, int N, int V, int D, void *ws);
 size_t mt_cuda_rmsnorm_backward_workspace(int N, int D);
@@ -1008,6 +1011,10 @@ void mt_hparams_default(mt_hparams *h) {
     h->beta1 = 0.9f; h->beta2 = 0.95f; h->eps = 1e-8f;
     h->weight_decay = 0.1f; h->grad_clip = 1.0f;
 }
+void mt_hparams_for_config(mt_hparams *h, const mt_config *c) {
+    mt_hparams_default(h);
+    h->lr = c->dim <= 128 ? 3e-3f : c->dim <= 512 ? 8e-4f : 4.2e-4f;
+}
 void mt_hparams_pack(const mt_hparams *h, float out[MT_HP_COUNT]) {
     memset(out, 0, sizeof(float) * MT_HP_COUNT);
     out[MT_HP_LR] = h->lr; out[MT_HP_MIN_LR_RATIO] = h->min_lr_ratio;
@@ -1474,7 +1481,6 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         MT__T(mt__int_attr(&c, 0, 0, (1 << MT_NDIMS) - 1)); MT__T(mt__int_attr(&c, 1, 0, 7));
         MT__T(mt__int_attr(&c, 2, 0, 1));
         if (n->in[0] != n->out[0]) return mt_errf(err, "ALLREDUCE must be in place");
-        MT__T(mt__persistent(&c, a));
         break;
     case MT_OP_LR_SCHEDULE:
         MT__T(mt__shape(&c, a, "hparams", 1, MT_HP_COUNT, 0, 0));
@@ -2774,7 +2780,9 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         for (int k = 0; k < n->n_out; k++) {
             int v = n->out[k];
             if (v < 0) continue;
-            if (state[v] && MT_ROLE_IN_ARENA(g->values[v].role)) {
+            int in_place = 0;
+            for (int j = 0; j < n->n_in; j++) in_place |= n->in[j] == v;
+            if (state[v] && MT_ROLE_IN_ARENA(g->values[v].role) && !in_place) {
                 MT_FREE(state);
                 return mt_errf(err, "node %d (%s) writes arena value '%s' a second time", i, mt_ops[n->op].name, g->values[v].name);
             }
@@ -3801,7 +3809,7 @@ static size_t mt__cuda_scratch(const mt_graph *G) {
         const mt_value *a = n->in[0] >= 0 ? &G->values[n->in[0]] : NULL, *b = n->in[1] >= 0 ? &G->values[n->in[1]] : NULL;
         size_t w = 0;
         switch (n->op) {
-        case MT_OP_EMBED_BWD: w = mt_cuda_embed_backward_workspace((int)a->dims[0]); break;
+        case MT_OP_EMBED_BWD: w = mt_cuda_embed_backward_workspace((int)a->dims[0], (int)a->dims[1]); break;
         case MT_OP_RMSNORM_BWD: w = mt_cuda_rmsnorm_backward_workspace((int)b->dims[0], (int)b->dims[1]); break;
         case MT_OP_MATMUL: {
             int M = (int)a->dims[n->iattr[0] ? 1 : 0], K = (int)a->dims[n->iattr[0] ? 0 : 1], Nn = (int)b->dims[n->iattr[1] ? 0 : 1];
@@ -3988,51 +3996,75 @@ static int mt__global_expert(const mt_runtime *rt, const mt_value *v, int e) {
     return rt->bind.coord[MT_DIM_EP] * (int)v->dims[0] + e;
 }
 
-/* Each parameter draws from its own stream, seeded by (seed, name), so the
- * values do not depend on creation order; stacked experts draw per global
- * expert, so they do not depend on the expert-parallel layout either. */
+/* Each parameter draws from its own streams, seeded by (seed, name, block of
+ * 2^20 elements), so values do not depend on creation order or thread count;
+ * stacked experts draw per global expert, so they do not depend on the
+ * expert-parallel layout either. Blocks are filled in parallel. */
+#define MT_INIT_BLOCK (1 << 20)
+typedef struct { const mt_runtime *rt; const mt_value *v; mt_real *p; uint64_t seed; int64_t per, blocks_per_chunk; } mt__init_job;
+static void mt__init_blocks(void *ctx, int64_t b0, int64_t b1) {
+    const mt__init_job *j = (const mt__init_job *)ctx;
+    const mt_value *v = j->v;
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t c = b / j->blocks_per_chunk, blk = b % j->blocks_per_chunk;
+        int64_t lo = blk * MT_INIT_BLOCK, hi = lo + MT_INIT_BLOCK < j->per ? lo + MT_INIT_BLOCK : j->per;
+        char nm[MT_NAME_LEN + 32];
+        snprintf(nm, sizeof nm, "%s", v->name);
+        char *star = strchr(nm, '*');
+        if (star) {
+            char rest[MT_NAME_LEN];
+            snprintf(rest, sizeof rest, "%s", star + 1);
+            snprintf(star, sizeof nm - (size_t)(star - nm), "%d%s", mt__global_expert(j->rt, v, (int)c), rest);
+        }
+        size_t len = strlen(nm);
+        snprintf(nm + len, sizeof nm - len, "#%lld", (long long)blk);
+        mt_rng r;
+        mt_rng_seed(&r, mt_hash(nm, strlen(nm), j->seed * 0x9e3779b97f4a7c15ull + 1));
+        mt_real *dst = j->p + c * j->per;
+        for (int64_t i = lo; i < hi; i++) {
+            double x = 0;
+            switch (v->init) {
+            case MT_INIT_ONE: x = 1; break;
+            case MT_INIT_NORMAL:
+                do { x = mt_rng_normal(&r); } while (x < -3 || x > 3);  /* truncated at 3 std */
+                x *= v->init_std;
+                break;
+            default: x = 0;
+            }
+            dst[i] = (mt_real)x;
+        }
+    }
+}
+
 int mt_runtime_init_params(mt_runtime *rt, uint64_t seed, mt_err *err) {
     const mt_graph *G = &rt->g;
-    for (int i = 0; i < G->n_values; i++) {
+    mt_pool *pool = rt->pool, *own = NULL;
+    if (!pool) {   /* the CUDA runtime keeps no CPU workers: borrow some for the fill */
+        int nt = (int)sysconf(_SC_NPROCESSORS_ONLN);
+        if (mt_pool_create(&own, nt > 64 ? 64 : nt, err)) return -1;
+        pool = own;
+    }
+    int rc = 0;
+    for (int i = 0; i < G->n_values && !rc; i++) {
         const mt_value *v = &G->values[i];
         if (v->role != MT_ROLE_PARAM && v->role != MT_ROLE_OPT) continue;
         if (v->role == MT_ROLE_PARAM && v->param >= 0) continue;  /* compute shadows follow their master */
         int64_t n = mt_value_numel_max(G, v);
-        mt_real *p = rt->backend == MT_BACKEND_CPU ? (mt_real *)rt->ptr[i] : (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)n);
-        if (!p) return mt_errf(err, "out of memory initializing '%s'", v->name);
+        mt_real *p = rt->backend == MT_BACKEND_CPU ? (mt_real *)rt->ptr[i] : (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(n + 1));
+        if (!p) { rc = mt_errf(err, "out of memory initializing '%s'", v->name); break; }
         int chunks = (v->flags & MT_VF_EXPERTS) ? (int)v->dims[0] : 1;
-        int64_t per = n / chunks;
-        for (int c = 0; c < chunks; c++) {
-            char nm[MT_NAME_LEN + 16];
-            snprintf(nm, sizeof nm, "%s", v->name);
-            char *star = strchr(nm, '*');
-            if (star) {
-                char rest[MT_NAME_LEN];
-                snprintf(rest, sizeof rest, "%s", star + 1);
-                snprintf(star, sizeof nm - (size_t)(star - nm), "%d%s", mt__global_expert(rt, v, c), rest);
-            }
-            mt_rng r;
-            mt_rng_seed(&r, mt_hash(nm, strlen(nm), seed * 0x9e3779b97f4a7c15ull + 1));
-            for (int64_t j = 0; j < per; j++) {
-                double x = 0;
-                switch (v->init) {
-                case MT_INIT_ONE: x = 1; break;
-                case MT_INIT_NORMAL:
-                    do { x = mt_rng_normal(&r); } while (x < -3 || x > 3);  /* truncated at 3 std */
-                    x *= v->init_std;
-                    break;
-                default: x = 0;
-                }
-                p[c * per + j] = (mt_real)x;
-            }
-        }
+        mt__init_job job = {rt, v, p, seed, n / chunks, 0};
+        job.blocks_per_chunk = (job.per + MT_INIT_BLOCK - 1) / MT_INIT_BLOCK;
+        if (job.blocks_per_chunk < 1) job.blocks_per_chunk = 1;
+        if (v->init == MT_INIT_NORMAL) mt_pool_for(pool, chunks * job.blocks_per_chunk, mt__init_blocks, &job);
+        else mt__init_blocks(&job, 0, chunks * job.blocks_per_chunk);
         if (rt->backend != MT_BACKEND_CPU) {
-            int rc = mt_runtime_write(rt, i, p, err);
+            rc = mt_runtime_write(rt, i, p, err);
             MT_FREE(p);
-            if (rc) return -1;
         }
     }
-    return mt_runtime_sync_shadows(rt, err);
+    mt_pool_destroy(own);
+    return rc ? -1 : mt_runtime_sync_shadows(rt, err);
 }
 
 int mt_runtime_copy_params(mt_runtime *dst, mt_runtime *src, mt_err *err) {

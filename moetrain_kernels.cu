@@ -49,9 +49,14 @@ struct mt__gemm_entry {
     cublasLtMatmulAlgo_t algo;
 };
 
+#define MT_SIDE_STREAMS 4          /* grouped GEMMs spread experts over these */
+#define MT_SIDE_WS (32u << 20)
 struct mt_cuda {
     int device;
     cudaStream_t stream;
+    cudaStream_t side[MT_SIDE_STREAMS];
+    void *side_ws[MT_SIDE_STREAMS];
+    cudaEvent_t fork, join[MT_SIDE_STREAMS];
     cublasLtHandle_t lt;
     void *lt_ws;
     size_t lt_ws_bytes;
@@ -141,11 +146,17 @@ int mt_cuda_create(mt_cuda **out, int device, mt_err *err) {
     c->device = device;
     cudaError_t e = cudaSetDevice(device);
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
-    if (e == cudaSuccess) { c->lt_ws_bytes = 64u << 20; e = cudaMalloc(&c->lt_ws, c->lt_ws_bytes); }
+    if (e == cudaSuccess) { c->lt_ws_bytes = MT_SIDE_WS; /* all workspaces equal: a cached algorithm fits any stream */ e = cudaMalloc(&c->lt_ws, c->lt_ws_bytes); }
     if (e == cudaSuccess) e = cudaMalloc((void **)&c->flag, sizeof(int));
     if (e == cudaSuccess) e = cudaMemset(c->flag, 0, sizeof(int));
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming);
+    for (int i = 0; i < MT_SIDE_STREAMS && e == cudaSuccess; i++) {
+        e = cudaStreamCreateWithFlags(&c->side[i], cudaStreamNonBlocking);
+        if (e == cudaSuccess) e = cudaMalloc(&c->side_ws[i], MT_SIDE_WS);
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->join[i], cudaEventDisableTiming);
+    }
     if (e != cudaSuccess) { mt_cuda_destroy(c); return mt_errf(err, "CUDA device %d: %s", device, cudaGetErrorString(e)); }
-    c->in_use = c->peak = c->lt_ws_bytes;
+    c->in_use = c->peak = c->lt_ws_bytes + (size_t)MT_SIDE_STREAMS * MT_SIDE_WS;
     if (cublasLtCreate(&c->lt) != CUBLAS_STATUS_SUCCESS) { mt_cuda_destroy(c); return mt_errf(err, "cublasLtCreate failed"); }
     c->cache = (mt__gemm_entry *)calloc(MT_GEMM_CACHE, sizeof(mt__gemm_entry));
     if (!c->cache) { mt_cuda_destroy(c); return mt_errf(err, "out of memory"); }
@@ -163,6 +174,12 @@ void mt_cuda_destroy(mt_cuda *c) {
     if (c->lt) cublasLtDestroy(c->lt);
     if (c->lt_ws) cudaFree(c->lt_ws);
     if (c->flag) cudaFree(c->flag);
+    for (int i = 0; i < MT_SIDE_STREAMS; i++) {
+        if (c->side_ws[i]) cudaFree(c->side_ws[i]);
+        if (c->side[i]) cudaStreamDestroy(c->side[i]);
+        if (c->join[i]) cudaEventDestroy(c->join[i]);
+    }
+    if (c->fork) cudaEventDestroy(c->fork);
     for (int i = 0; i < c->n_ev; i++) cudaEventDestroy(c->ev[i]);
     free(c->ev);
     if (c->stream) cudaStreamDestroy(c->stream);
@@ -262,10 +279,10 @@ int mt_cuda_check_flag(mt_cuda *c) {
 static cudaDataType_t mt__cu_type(int dt) { return dt == MT_BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 static int mt__bucket(int m) { int b = 1; while (b < m) b <<= 1; return b; }
 
-static int mt__lt_gemm(mt_cuda *c, int ta, int tb, int M, int N, int K, const void *A, int at, const void *B, int bt,
-                       void *C, int ct) {
+static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_bytes, int ta, int tb, int M, int N, int K,
+                          const void *A, int at, const void *B, int bt, void *C, int ct) {
     if (M <= 0 || N <= 0) return 0;
-    if (K <= 0) { CK(cudaMemsetAsync(C, 0, (size_t)M * N * (ct == MT_BF16 ? 2 : 4), c->stream)); return 0; }
+    if (K <= 0) { CK(cudaMemsetAsync(C, 0, (size_t)M * N * (ct == MT_BF16 ? 2 : 4), stream)); return 0; }
     int mb = mt__bucket(M);
     unsigned h = (unsigned)(ta * 31 + tb * 17 + mb * 131 + N * 7919 + K * 104729 + at * 3 + bt * 5 + ct * 11);
     mt__gemm_entry *e = NULL;
@@ -296,7 +313,7 @@ static int mt__lt_gemm(mt_cuda *c, int ta, int tb, int M, int N, int K, const vo
             cublasLtMatmulDescSetAttribute(n->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa) ||
             cublasLtMatmulDescSetAttribute(n->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb) ||
             cublasLtMatmulPreferenceCreate(&pref) ||
-            cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &c->lt_ws_bytes, sizeof c->lt_ws_bytes) ||
+            cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes) ||
             cublasLtMatmulAlgoGetHeuristic(c->lt, n->desc, la, lb, lc, lc, pref, 1, &res, &found) || found < 1) {
             rc = mt__fail(c, "cuBLASLt", "no GEMM algorithm for this shape");
         } else {
@@ -308,16 +325,15 @@ static int mt__lt_gemm(mt_cuda *c, int ta, int tb, int M, int N, int K, const vo
     }
     if (!rc) {
         float one = 1.0f, zero = 0.0f;
-        cublasStatus_t st = cublasLtMatmul(c->lt, e->desc, &one, B, la, A, lb, &zero, C, lc, C, lc, &e->algo, c->lt_ws,
-                                           c->lt_ws_bytes, c->stream);
+        cublasStatus_t st = cublasLtMatmul(c->lt, e->desc, &one, B, la, A, lb, &zero, C, lc, C, lc, &e->algo, ws, ws_bytes, stream);
         if (st != CUBLAS_STATUS_SUCCESS) {   /* the bucket's algorithm does not fit this M: ask for this exact shape */
             cublasLtMatmulPreference_t pref = NULL;
             cublasLtMatmulHeuristicResult_t res;
             int found = 0;
             if (!cublasLtMatmulPreferenceCreate(&pref) &&
-                !cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &c->lt_ws_bytes, sizeof c->lt_ws_bytes) &&
+                !cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes) &&
                 !cublasLtMatmulAlgoGetHeuristic(c->lt, e->desc, la, lb, lc, lc, pref, 1, &res, &found) && found)
-                st = cublasLtMatmul(c->lt, e->desc, &one, B, la, A, lb, &zero, C, lc, C, lc, &res.algo, c->lt_ws, c->lt_ws_bytes, c->stream);
+                st = cublasLtMatmul(c->lt, e->desc, &one, B, la, A, lb, &zero, C, lc, C, lc, &res.algo, ws, ws_bytes, stream);
             if (pref) cublasLtMatmulPreferenceDestroy(pref);
             if (st != CUBLAS_STATUS_SUCCESS) {
                 char why[128];
@@ -331,6 +347,11 @@ static int mt__lt_gemm(mt_cuda *c, int ta, int tb, int M, int N, int K, const vo
     cublasLtMatrixLayoutDestroy(lb);
     cublasLtMatrixLayoutDestroy(lc);
     return rc;
+}
+
+static int mt__lt_gemm(mt_cuda *c, int ta, int tb, int M, int N, int K, const void *A, int at, const void *B, int bt, void *C,
+                       int ct) {
+    return mt__lt_gemm_on(c, c->stream, c->lt_ws, c->lt_ws_bytes, ta, tb, M, N, K, A, at, B, bt, C, ct);
 }
 
 static size_t mt__al(size_t x) { return (x + 255) & ~(size_t)255; }
@@ -381,15 +402,30 @@ int mt_cuda_cast(mt_cuda *c, void *dst, int dst_dtype, const void *src, int src_
     return 0;
 }
 
+/* 8 bf16 at a time (16-byte loads) when the length and pointers allow */
+struct bf8 { __nv_bfloat162 h[4]; };
+__device__ __forceinline__ bool mt__vec8(const void *a, const void *b, const void *c, const void *d, int64_t n) {
+    return n % 8 == 0 && !(((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d) & 15);
+}
 __global__ void k_add_bf16(bf16 *o, const bf16 *a, const bf16 *b, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) o[i] = tobf(bf(a[i]) + bf(b[i]));
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    if (mt__vec8(o, a, b, b, n)) {
+        for (int64_t i = t; i < n / 8; i += stride) {
+            bf8 x = ((const bf8 *)a)[i], y = ((const bf8 *)b)[i], z;
+#pragma unroll
+            for (int k = 0; k < 4; k++) z.h[k] = __floats2bfloat162_rn(__low2float(x.h[k]) + __low2float(y.h[k]), __high2float(x.h[k]) + __high2float(y.h[k]));
+            ((bf8 *)o)[i] = z;
+        }
+        return;
+    }
+    for (int64_t i = t; i < n; i += stride) o[i] = tobf(bf(a[i]) + bf(b[i]));
 }
 __global__ void k_add_f32(float *o, const float *a, const float *b, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) o[i] = a[i] + b[i];
 }
 int mt_cuda_add(mt_cuda *c, void *out, const void *a, const void *b, int64_t n, int dtype) {
     if (n <= 0) return 0;
-    unsigned g = mt__blocks(n, 256);
+    unsigned g = mt__blocks(n / 8 + 1, 256);
     if (g > 65536) g = 65536;
     if (dtype == MT_BF16) k_add_bf16<<<g, 256, 0, c->stream>>>((bf16 *)out, (const bf16 *)a, (const bf16 *)b, n);
     else k_add_f32<<<g, 256, 0, c->stream>>>((float *)out, (const float *)a, (const float *)b, n);
@@ -398,22 +434,54 @@ int mt_cuda_add(mt_cuda *c, void *out, const void *a, const void *b, int64_t n, 
 }
 
 __device__ __forceinline__ float sigm(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float swiglu1(float x, float y) { return x * sigm(x) * y; }
 __global__ void k_swiglu(bf16 *h, const bf16 *g, const bf16 *u, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float x = bf(g[i]);
-        h[i] = tobf(x * sigm(x) * bf(u[i]));
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    if (mt__vec8(h, g, u, u, n)) {
+        for (int64_t i = t; i < n / 8; i += stride) {
+            bf8 x = ((const bf8 *)g)[i], y = ((const bf8 *)u)[i], z;
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                z.h[k] = __floats2bfloat162_rn(swiglu1(__low2float(x.h[k]), __low2float(y.h[k])), swiglu1(__high2float(x.h[k]), __high2float(y.h[k])));
+            ((bf8 *)h)[i] = z;
+        }
+        return;
     }
+    for (int64_t i = t; i < n; i += stride) h[i] = tobf(swiglu1(bf(g[i]), bf(u[i])));
+}
+__device__ __forceinline__ void swiglu1_bwd(float x, float y, float d, float &dg, float &du) {
+    float s = sigm(x);
+    dg = d * y * s * (1.0f + x * (1.0f - s));
+    du = d * x * s;
 }
 __global__ void k_swiglu_bwd(bf16 *dg, bf16 *du, const bf16 *g, const bf16 *u, const bf16 *dh, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float x = bf(g[i]), s = sigm(x), d = bf(dh[i]), y = bf(u[i]);
-        dg[i] = tobf(d * y * s * (1.0f + x * (1.0f - s)));
-        du[i] = tobf(d * x * s);
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    if (mt__vec8(dg, du, g, u, n) && mt__vec8(dh, dh, dh, dh, n)) {
+        for (int64_t i = t; i < n / 8; i += stride) {
+            bf8 x = ((const bf8 *)g)[i], y = ((const bf8 *)u)[i], d = ((const bf8 *)dh)[i], a, b;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                float a0, b0, a1, b1;
+                swiglu1_bwd(__low2float(x.h[k]), __low2float(y.h[k]), __low2float(d.h[k]), a0, b0);
+                swiglu1_bwd(__high2float(x.h[k]), __high2float(y.h[k]), __high2float(d.h[k]), a1, b1);
+                a.h[k] = __floats2bfloat162_rn(a0, a1);
+                b.h[k] = __floats2bfloat162_rn(b0, b1);
+            }
+            ((bf8 *)dg)[i] = a;
+            ((bf8 *)du)[i] = b;
+        }
+        return;
+    }
+    for (int64_t i = t; i < n; i += stride) {
+        float a, b;
+        swiglu1_bwd(bf(g[i]), bf(u[i]), bf(dh[i]), a, b);
+        dg[i] = tobf(a);
+        du[i] = tobf(b);
     }
 }
 int mt_cuda_swiglu_forward(mt_cuda *c, void *h, const void *g, const void *u, int64_t n) {
     if (n <= 0) return 0;
-    unsigned gr = mt__blocks(n, 256);
+    unsigned gr = mt__blocks(n / 8 + 1, 256);
     if (gr > 65536) gr = 65536;
     k_swiglu<<<gr, 256, 0, c->stream>>>((bf16 *)h, (const bf16 *)g, (const bf16 *)u, n);
     LAUNCHED();
@@ -421,7 +489,7 @@ int mt_cuda_swiglu_forward(mt_cuda *c, void *h, const void *g, const void *u, in
 }
 int mt_cuda_swiglu_backward(mt_cuda *c, void *dg, void *du, const void *g, const void *u, const void *dh, int64_t n) {
     if (n <= 0) return 0;
-    unsigned gr = mt__blocks(n, 256);
+    unsigned gr = mt__blocks(n / 8 + 1, 256);
     if (gr > 65536) gr = 65536;
     k_swiglu_bwd<<<gr, 256, 0, c->stream>>>((bf16 *)dg, (bf16 *)du, (const bf16 *)g, (const bf16 *)u, (const bf16 *)dh, n);
     LAUNCHED();
@@ -464,21 +532,35 @@ __global__ void k_iota(int32_t *v, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) v[i] = i;
 }
-__global__ void k_embed_bwd(float *dwte, const bf16 *dx, const int32_t *keys, const int32_t *pos, int N, int D) {
-    int i = blockIdx.x;
-    if (i > 0 && keys[i] == keys[i - 1]) return;       /* not the first of its group */
-    int v = keys[i], end = i;
-    while (end < N && keys[end] == v) end++;
+/* pass 1: within each chunk of MT_EMB_CHUNK sorted positions, sum each run of
+ * equal tokens into part[run start]; pass 2: each token's first position sums
+ * its runs' partials in order. Both orders are fixed: deterministic. */
+#define MT_EMB_CHUNK 32
+__global__ void k_embed_bwd_part(float *part, const bf16 *dx, const int32_t *keys, const int32_t *pos, int N, int D) {
+    int i0 = blockIdx.x * MT_EMB_CHUNK, i1 = min(N, i0 + MT_EMB_CHUNK);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float acc = 0;
-        for (int j = i; j < end; j++) acc += bf(dx[(int64_t)pos[j] * D + d]);
+        int start = i0;
+        for (int i = i0; i < i1; i++) {
+            acc += bf(dx[(int64_t)pos[i] * D + d]);
+            if (i + 1 == i1 || keys[i + 1] != keys[i]) { part[(int64_t)start * D + d] = acc; acc = 0; start = i + 1; }
+        }
+    }
+}
+__global__ void k_embed_bwd(float *dwte, const float *part, const int32_t *keys, int N, int D) {
+    int i = blockIdx.x;
+    if (i > 0 && keys[i] == keys[i - 1]) return;       /* not the first of its token */
+    int v = keys[i];
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float acc = 0;
+        for (int j = i; j < N && keys[j] == v; j = (j / MT_EMB_CHUNK + 1) * MT_EMB_CHUNK) acc += part[(int64_t)j * D + d];
         dwte[(int64_t)v * D + d] = acc;
     }
 }
-size_t mt_cuda_embed_backward_workspace(int N) {
+size_t mt_cuda_embed_backward_workspace(int N, int D) {
     size_t tmp = 0;
     cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, N);
-    return mt__al(tmp) + 3 * mt__al((size_t)N * 4);
+    return mt__al(tmp) + 3 * mt__al((size_t)N * 4) + mt__al((size_t)N * D * 4);
 }
 int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_t *tok, int N, int V, int D, void *ws) {
     CK(cudaMemsetAsync(dwte, 0, (size_t)V * D * 4, c->stream));
@@ -492,7 +574,10 @@ int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_
     int bits = 1;
     while ((1 << bits) < V && bits < 31) bits++;
     CK(cub::DeviceRadixSort::SortPairs(w, tmp, tok, keys, iota, pos, N, 0, bits, c->stream));
-    k_embed_bwd<<<N, 128, 0, c->stream>>>(dwte, (const bf16 *)dx, keys, pos, N, D);
+    float *part = (float *)(pos + mt__al((size_t)N * 4) / 4);
+    k_embed_bwd_part<<<(N + MT_EMB_CHUNK - 1) / MT_EMB_CHUNK, 256, 0, c->stream>>>(part, (const bf16 *)dx, keys, pos, N, D);
+    LAUNCHED();
+    k_embed_bwd<<<N, 256, 0, c->stream>>>(dwte, part, keys, N, D);
     LAUNCHED();
     return 0;
 }
@@ -639,148 +724,1020 @@ int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const
 }
 
 /* ========================================================================
- * 7. attention
- * Reference kernels: one warp per query (forward, dQ) or key (dK, dV) row,
- * lanes split the head dims, online softmax, nothing T x T stored.
+ * 7. attention: causal flash attention, forward and deterministic backward
+ *
+ * Layouts (token-major, row-major, bf16): Q,K [N, H*dq], V,O,dO [N, H*dv],
+ * lse [N, H] f32, N = B*T; causal within each sequence of T tokens. Nothing
+ * T x T is ever stored.
+ *
+ * Kernels (all tensor-core mma.sync.m16n8k16 bf16 -> f32, ldmatrix / ldmatrix.trans from shared
+ * memory with rows padded by 16 bytes (conflict-free), cp.async double buffering of streamed tiles):
+ *   fa_fwd_kernel      one CTA per (128-query block, b*h): 8 warps x 16 query rows, online softmax
+ *                      with quad shuffles, K/V tiles of 64 keys double buffered, Q fragments kept in
+ *                      registers, P converted in registers to the A operand of P.V.  Only key tiles
+ *                      at or below the diagonal are visited; the mask is applied only where needed.
+ *   fa_bwd_dot_kernel  D[n,h] = <dO, O> (fixed-order warp reduction) into the workspace.
+ *   fa_bwd_dkdv_kernel one CTA per (64-key block, b*h), 8 warps, streams the query blocks at or
+ *                      after the key block, recomputes P^T / dS^T from lse (stored as bf16 tiles in
+ *                      smem), accumulates dK, dV in registers, writes them once.
+ *   fa_bwd_dq_kernel   one CTA per (128-query block, b*h), 8 warps x 16 rows, streams key blocks,
+ *                      recomputes P, dP, dS in registers, accumulates dQ in registers, writes once.
+ * No atomics anywhere: every output element is produced by exactly one thread with a fixed
+ * reduction order, so results are bitwise reproducible run to run.
+ *
+ * Head dims are padded (zero-filled on load) to one of the compiled configurations
+ * (DQ,DV) in {(32,32), (64,64), (128,128), (192,128), (256,256)}; the first that fits is used.
+ * Dims that are not multiples of 8 (or misaligned pointers) use a slower synchronous load path.
+ *
  * ====================================================================== */
+}  /* extern "C": the attention kernels are templates */
 
-#define MT_ATT_MAXD 8   /* per-lane registers: head dims up to 256 */
-__global__ void k_att_fwd_ref(bf16 *O, float *lse, const bf16 *Q, const bf16 *K, const bf16 *V, int B, int T, int H, int dq,
-                              int dv, float scale) {
-    int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    int lane = threadIdx.x & 31;
-    if (row >= (int64_t)B * T * H) return;
-    int h = (int)(row % H);
-    int64_t n = row / H;
-    int b = (int)(n / T), i = (int)(n % T);
-    float q[MT_ATT_MAXD], o[MT_ATT_MAXD];
-    for (int r = 0; r < MT_ATT_MAXD; r++) {
-        int d = lane + 32 * r;
-        q[r] = d < dq ? bf(Q[(n * H + h) * dq + d]) : 0.0f;
-        o[r] = 0;
-    }
-    float m = -INFINITY, l = 0;
-    for (int j = 0; j <= i; j++) {
-        int64_t nj = (int64_t)b * T + j;
-        float s = 0;
-        for (int r = 0; r < MT_ATT_MAXD; r++) { int d = lane + 32 * r; if (d < dq) s += q[r] * bf(K[(nj * H + h) * dq + d]); }
-        s = warp_sum(s) * scale;
-        float mn = fmaxf(m, s), a = __expf(m - mn), p = __expf(s - mn);
-        l = l * a + p;
-        for (int r = 0; r < MT_ATT_MAXD; r++) { int d = lane + 32 * r; if (d < dv) o[r] = o[r] * a + p * bf(V[(nj * H + h) * dv + d]); }
-        m = mn;
-    }
-    for (int r = 0; r < MT_ATT_MAXD; r++) { int d = lane + 32 * r; if (d < dv) O[(n * H + h) * dv + d] = tobf(o[r] / l); }
-    if (lane == 0) lse[n * H + h] = m + logf(l);
+namespace mt_fa {
+
+typedef __nv_bfloat16 bf16;
+
+#define MT_FA_LOG2E 1.4426950408889634f
+#define MT_FA_LN2 0.6931471805599453f
+
+/* ------------------------------------------------------------------------------------------ */
+/* PTX helpers                                                                                */
+/* ------------------------------------------------------------------------------------------ */
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__global__ void k_att_D(float *Dv, const bf16 *O, const bf16 *dO, int64_t rows, int dv) {
-    int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    float s = 0;
-    for (int d = lane; d < dv; d += 32) s += bf(O[row * dv + d]) * bf(dO[row * dv + d]);
-    s = warp_sum(s);
-    if (lane == 0) Dv[row] = s;
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-/* one warp per key row j: dK_j, dV_j over queries i >= j */
-__global__ void k_att_bwd_kv_ref(bf16 *dK, bf16 *dV, const bf16 *Q, const bf16 *K, const bf16 *V, const float *lse,
-                                 const bf16 *dO, const float *Dv, int B, int T, int H, int dq, int dv, float scale) {
-    int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    int lane = threadIdx.x & 31;
-    if (row >= (int64_t)B * T * H) return;
-    int h = (int)(row % H);
-    int64_t n = row / H;
-    int b = (int)(n / T), j = (int)(n % T);
-    float k[MT_ATT_MAXD], v[MT_ATT_MAXD], dk[MT_ATT_MAXD], dvv[MT_ATT_MAXD];
-    for (int r = 0; r < MT_ATT_MAXD; r++) {
-        int d = lane + 32 * r;
-        k[r] = d < dq ? bf(K[(n * H + h) * dq + d]) : 0.0f;
-        v[r] = d < dv ? bf(V[(n * H + h) * dv + d]) : 0.0f;
-        dk[r] = dvv[r] = 0;
-    }
-    for (int i = j; i < T; i++) {
-        int64_t ni = (int64_t)b * T + i;
-        float s = 0, dp = 0;
-        for (int r = 0; r < MT_ATT_MAXD; r++) {
-            int d = lane + 32 * r;
-            if (d < dq) s += k[r] * bf(Q[(ni * H + h) * dq + d]);
-            if (d < dv) dp += v[r] * bf(dO[(ni * H + h) * dv + d]);
-        }
-        s = warp_sum(s); dp = warp_sum(dp);
-        float p = __expf(s * scale - lse[ni * H + h]), ds = p * (dp - Dv[ni * H + h]) * scale;
-        for (int r = 0; r < MT_ATT_MAXD; r++) {
-            int d = lane + 32 * r;
-            if (d < dq) dk[r] += ds * bf(Q[(ni * H + h) * dq + d]);
-            if (d < dv) dvv[r] += p * bf(dO[(ni * H + h) * dv + d]);
-        }
-    }
-    for (int r = 0; r < MT_ATT_MAXD; r++) {
-        int d = lane + 32 * r;
-        if (d < dq) dK[(n * H + h) * dq + d] = tobf(dk[r]);
-        if (d < dv) dV[(n * H + h) * dv + d] = tobf(dvv[r]);
-    }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-/* one warp per query row i: dQ_i over keys j <= i */
-__global__ void k_att_bwd_q_ref(bf16 *dQ, const bf16 *Q, const bf16 *K, const bf16 *V, const float *lse, const bf16 *dO,
-                                const float *Dv, int B, int T, int H, int dq, int dv, float scale) {
-    int64_t row = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    int lane = threadIdx.x & 31;
-    if (row >= (int64_t)B * T * H) return;
-    int h = (int)(row % H);
-    int64_t n = row / H;
-    int b = (int)(n / T), i = (int)(n % T);
-    float q[MT_ATT_MAXD], g[MT_ATT_MAXD], dqv[MT_ATT_MAXD];
-    for (int r = 0; r < MT_ATT_MAXD; r++) {
-        int d = lane + 32 * r;
-        q[r] = d < dq ? bf(Q[(n * H + h) * dq + d]) : 0.0f;
-        g[r] = d < dv ? bf(dO[(n * H + h) * dv + d]) : 0.0f;
-        dqv[r] = 0;
-    }
-    float L = lse[n * H + h], Di = Dv[n * H + h];
-    for (int j = 0; j <= i; j++) {
-        int64_t nj = (int64_t)b * T + j;
-        float s = 0, dp = 0;
-        for (int r = 0; r < MT_ATT_MAXD; r++) {
-            int d = lane + 32 * r;
-            if (d < dq) s += q[r] * bf(K[(nj * H + h) * dq + d]);
-            if (d < dv) dp += g[r] * bf(V[(nj * H + h) * dv + d]);
+/* 4 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i; r[i] = matrix i fragment */
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+/* D = A(16x16 row) * B(16x8 col) + D, bf16 inputs, f32 accumulate */
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); /* .x (low 16 bits) = lo */
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+/* ------------------------------------------------------------------------------------------ */
+/* Tile loader: ROWS x DP (padded width, multiple of 8) tile into smem (row stride LDS elems). */
+/* g points at (row 0, col 0) of the tile in global memory, gstride = elements between rows.   */
+/* Rows >= rows_valid and columns >= cols_valid are zero filled.  vec: 16-byte cp.async path    */
+/* allowed (cols_valid % 8 == 0, gstride % 8 == 0, 16-byte aligned base); otherwise synchronous */
+/* element loads.  safe: any valid global address (used as the dummy source of zero-fills).    */
+/* ------------------------------------------------------------------------------------------ */
+template <int ROWS, int DP, int LDS, int NT>
+__device__ __forceinline__ void load_tile(bf16 *s, const bf16 *g, size_t gstride, int rows_valid, int cols_valid, bool vec,
+                                          const bf16 *safe, int tid) {
+    constexpr int CPR = DP / 8;
+    constexpr int TOTAL = ROWS * CPR;
+    if (vec) {
+#pragma unroll
+        for (int i = 0; i < (TOTAL + NT - 1) / NT; ++i) {
+            const int c = tid + i * NT;
+            if ((TOTAL % NT) == 0 || c < TOTAL) {
+                const int r = c / CPR, col = (c % CPR) * 8;
+                const bool ok = (r < rows_valid) && (col < cols_valid);
+                const bf16 *src = ok ? (g + (size_t)r * gstride + col) : safe;
+                cp_async_16(smem_u32(s + r * LDS + col), src, ok ? 16 : 0);
+            }
         }
-        s = warp_sum(s); dp = warp_sum(dp);
-        float p = __expf(s * scale - L), ds = p * (dp - Di) * scale;
-        for (int r = 0; r < MT_ATT_MAXD; r++) { int d = lane + 32 * r; if (d < dq) dqv[r] += ds * bf(K[(nj * H + h) * dq + d]); }
+    } else {
+        const unsigned short *gs = reinterpret_cast<const unsigned short *>(g);
+        for (int c = tid; c < TOTAL; c += NT) {
+            const int r = c / CPR, col = (c % CPR) * 8;
+            uint32_t w[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c0 = col + 2 * e, c1 = c0 + 1;
+                uint32_t lo = 0, hi = 0;
+                if (r < rows_valid) {
+                    if (c0 < cols_valid) lo = gs[(size_t)r * gstride + c0];
+                    if (c1 < cols_valid) hi = gs[(size_t)r * gstride + c1];
+                }
+                w[e] = lo | (hi << 16);
+            }
+            *reinterpret_cast<uint4 *>(s + r * LDS + col) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
     }
-    for (int r = 0; r < MT_ATT_MAXD; r++) { int d = lane + 32 * r; if (d < dq) dQ[(n * H + h) * dq + d] = tobf(dqv[r]); }
 }
 
-size_t mt_cuda_attention_backward_workspace(int B, int T, int H, int dq, int dv) {
+/* Store two adjacent output columns (col, col+1) of one row. */
+__device__ __forceinline__ void store2(bf16 *row, int col, int ncols, bool pair, float v0, float v1) {
+    if (pair) {
+        if (col < ncols) *reinterpret_cast<__nv_bfloat162 *>(row + col) = __floats2bfloat162_rn(v0, v1);
+    } else {
+        if (col < ncols) row[col] = __float2bfloat16_rn(v0);
+        if (col + 1 < ncols) row[col + 1] = __float2bfloat16_rn(v1);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Parameters                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+struct FwdParams {
+    const bf16 *q, *k, *v;
+    bf16 *o;
+    float *lse;
+    int T, H, dimq, dimv;
+    float scale_log2; /* scale * log2(e) */
+    int vec_qk, vec_v, pair_o;
+};
+
+struct BwdParams {
+    const bf16 *q, *k, *v, *o, *dout;
+    const float *lse;
+    float *dsum; /* D [N*H] */
+    bf16 *dq, *dk, *dv;
+    int T, H, dimq, dimv;
+    float scale, scale_log2;
+    int vec_qk, vec_v, pair_qk, pair_v;
+};
+
+/* ldmatrix per-lane offsets (see header comment of each kernel):
+ *  A operand (16x16, row-major [m][k] in smem):              row = lane%16,            col = (lane/16)*8
+ *  B operand, smem holds [n][k] (e.g. K for Q K^T):          row = (lane/16)*8+lane%8,  col = ((lane/8)%2)*8
+ *     -> r0,r1 = (b0,b1) of n-tile 0, r2,r3 = (b0,b1) of n-tile 1
+ *  B operand, smem holds [k][n] (e.g. V for P V), .trans:     row = ((lane/8)%2)*8+lane%8, col = (lane/16)*8
+ *     -> r0,r1 = (b0,b1) of n-tile 0, r2,r3 = (b0,b1) of n-tile 1
+ */
+
+/* ------------------------------------------------------------------------------------------ */
+/* Forward                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+template <int DQ, int DV, int NW, int BN, int ST, bool QREG, int MT>
+__global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_kernel(const FwdParams p) {
+    /* NW warps, each owning MT m16 tiles (16*MT consecutive query rows); BM = 16*NW*MT rows per CTA */
+    constexpr int BM = NW * 16 * MT;
+    constexpr int NT = NW * 32;
+    constexpr int LDQ = DQ + 8, LDV = DV + 8;
+    static_assert(DQ % 16 == 0 && DV % 16 == 0 && BN % 16 == 0, "tile dims");
+    static_assert(MT == 1 || !QREG, "Q register cache only with one m-tile per warp");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16 *sQ = reinterpret_cast<bf16 *>(smem_raw);
+    bf16 *sK = sQ + BM * LDQ;
+    bf16 *sV = sK + ST * BN * LDQ;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, c = lane & 3;
+    const int T = p.T, H = p.H;
+    /* grid: x = query block (heaviest = last block first), y = b*H + h.  All blocks of one head are
+       adjacent in launch order, so the K/V of the heads in flight stay L2 resident. */
+    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int m_block = (int)gridDim.x - 1 - (int)blockIdx.x;
+    const int m0 = m_block * BM;
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+    const bf16 *qbase = p.q + (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const bf16 *kbase = p.k + (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const bf16 *vbase = p.v + (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const bool vqk = p.vec_qk != 0, vv = p.vec_v != 0;
+
+    const int kv_end = min(T, m0 + BM);
+    const int n_blocks = (kv_end + BN - 1) / BN;
+
+    load_tile<BM, DQ, LDQ, NT>(sQ, qbase + (size_t)m0 * ldqk, ldqk, T - m0, p.dimq, vqk, qbase, tid);
+    cp_async_commit();
+    load_tile<BN, DQ, LDQ, NT>(sK, kbase, ldqk, T, p.dimq, vqk, kbase, tid);
+    load_tile<BN, DV, LDV, NT>(sV, vbase, ldv, T, p.dimv, vv, vbase, tid);
+    cp_async_commit();
+
+    const int a_row = lane & 15, a_col = (lane >> 4) << 3;
+    const int b_row = ((lane >> 4) << 3) + (lane & 7), b_col = ((lane >> 3) & 1) << 3;
+    const int t_row = (((lane >> 3) & 1) << 3) + (lane & 7), t_col = (lane >> 4) << 3;
+
+    const int wrow0 = warp * 16 * MT; /* first local row of this warp */
+    const uint32_t sQ_warp = smem_u32(sQ + (wrow0 + a_row) * LDQ + a_col);
+
+    uint32_t qf[QREG ? DQ / 16 : 1][4];
+    if (QREG) {
+        cp_async_wait<1>();
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < (QREG ? DQ / 16 : 0); ++kk) ldsm_x4(qf[kk], sQ_warp + kk * 32);
+    }
+
+    float acc[MT][DV / 8][4];
+    float mrow[MT][2], lrow[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < DV / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
+        mrow[mt][0] = mrow[mt][1] = neg_inf();
+        lrow[mt][0] = lrow[mt][1] = 0.f;
+    }
+    const int row_lo = m0 + wrow0 + g; /* m-tile mt: rows row_lo + 16*mt and row_lo + 16*mt + 8 */
+    const float sl2 = p.scale_log2;
+
+    for (int j = 0; j < n_blocks; ++j) {
+        const int stage = (ST == 2) ? (j & 1) : 0;
+        if (ST == 2 && j + 1 < n_blocks) {
+            const int n1 = (j + 1) * BN, st1 = (j + 1) & 1;
+            load_tile<BN, DQ, LDQ, NT>(sK + st1 * BN * LDQ, kbase + (size_t)n1 * ldqk, ldqk, T - n1, p.dimq, vqk, kbase, tid);
+            load_tile<BN, DV, LDV, NT>(sV + st1 * BN * LDV, vbase + (size_t)n1 * ldv, ldv, T - n1, p.dimv, vv, vbase, tid);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        const uint32_t cK = smem_u32(sK + stage * BN * LDQ);
+        const uint32_t cV = smem_u32(sV + stage * BN * LDV);
+
+        /* S = Q K^T  (16*MT x BN per warp) */
+        float s[MT][BN / 8][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < BN / 8; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < DQ / 16; ++kk) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (QREG) {
+                    a[mt][0] = qf[QREG ? kk : 0][0]; a[mt][1] = qf[QREG ? kk : 0][1];
+                    a[mt][2] = qf[QREG ? kk : 0][2]; a[mt][3] = qf[QREG ? kk : 0][3];
+                } else {
+                    ldsm_x4(a[mt], sQ_warp + (mt * 16 * LDQ + kk * 16) * 2);
+                }
+            }
+#pragma unroll
+            for (int nn = 0; nn < BN / 16; ++nn) {
+                uint32_t bb[4];
+                ldsm_x4(bb, cK + ((nn * 16 + b_row) * LDQ + kk * 16 + b_col) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(s[mt][2 * nn], a[mt], bb[0], bb[1]);
+                    mma_bf16(s[mt][2 * nn + 1], a[mt], bb[2], bb[3]);
+                }
+            }
+        }
+
+        const int n0 = j * BN;
+        uint32_t pa[MT][BN / 16][4]; /* P as bf16 A fragments */
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            /* scale (to log2 domain) + causal mask */
+            const int rlo = row_lo + mt * 16;
+            const bool need_mask = (n0 + BN - 1) > (m0 + wrow0 + mt * 16);
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[mt][nt][e] * sl2;
+                    if (need_mask) {
+                        const int key = n0 + nt * 8 + 2 * c + (e & 1);
+                        const int row = rlo + ((e >> 1) << 3);
+                        if (key > row) x = neg_inf();
+                    }
+                    s[mt][nt][e] = x;
+                }
+            }
+            /* online softmax */
+            float mx0 = mrow[mt][0], mx1 = mrow[mt][1];
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+                mx0 = fmaxf(mx0, fmaxf(s[mt][nt][0], s[mt][nt][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[mt][nt][2], s[mt][nt][3]));
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            /* every row has key 0 unmasked in block 0, so mx is finite from the first block on */
+            const float alpha0 = fast_exp2(mrow[mt][0] - mx0), alpha1 = fast_exp2(mrow[mt][1] - mx1);
+            mrow[mt][0] = mx0;
+            mrow[mt][1] = mx1;
+            float ls0 = 0.f, ls1 = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+                s[mt][nt][0] = fast_exp2(s[mt][nt][0] - mx0);
+                s[mt][nt][1] = fast_exp2(s[mt][nt][1] - mx0);
+                s[mt][nt][2] = fast_exp2(s[mt][nt][2] - mx1);
+                s[mt][nt][3] = fast_exp2(s[mt][nt][3] - mx1);
+                ls0 += s[mt][nt][0] + s[mt][nt][1];
+                ls1 += s[mt][nt][2] + s[mt][nt][3];
+            }
+            lrow[mt][0] = lrow[mt][0] * alpha0 + ls0;
+            lrow[mt][1] = lrow[mt][1] * alpha1 + ls1;
+#pragma unroll
+            for (int i = 0; i < DV / 8; ++i) {
+                acc[mt][i][0] *= alpha0; acc[mt][i][1] *= alpha0;
+                acc[mt][i][2] *= alpha1; acc[mt][i][3] *= alpha1;
+            }
+            /* C layout of n-tiles (2kk, 2kk+1) == A layout of k-tile kk */
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                pa[mt][kk][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][kk][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][kk][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][kk][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+        }
+
+        /* O += P V */
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+            for (int dn = 0; dn < DV / 16; ++dn) {
+                uint32_t bb[4];
+                ldsm_x4_t(bb, cV + ((kk * 16 + t_row) * LDV + dn * 16 + t_col) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(acc[mt][2 * dn], pa[mt][kk], bb[0], bb[1]);
+                    mma_bf16(acc[mt][2 * dn + 1], pa[mt][kk], bb[2], bb[3]);
+                }
+            }
+        }
+        __syncthreads(); /* everyone done with this stage before it is refilled */
+        if (ST == 1 && j + 1 < n_blocks) {
+            const int n1 = (j + 1) * BN;
+            load_tile<BN, DQ, LDQ, NT>(sK, kbase + (size_t)n1 * ldqk, ldqk, T - n1, p.dimq, vqk, kbase, tid);
+            load_tile<BN, DV, LDV, NT>(sV, vbase + (size_t)n1 * ldv, ldv, T - n1, p.dimv, vv, vbase, tid);
+            cp_async_commit();
+        }
+    }
+
+    /* epilogue */
+    bf16 *obase = p.o + (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const bool pair = p.pair_o != 0;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            float l = lrow[mt][hf];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = 1.f / l;
+            const int row = row_lo + mt * 16 + hf * 8;
+            if (row < T) {
+                bf16 *orow = obase + (size_t)row * ldv;
+#pragma unroll
+                for (int nt = 0; nt < DV / 8; ++nt)
+                    store2(orow, nt * 8 + 2 * c, p.dimv, pair, acc[mt][nt][2 * hf] * inv, acc[mt][nt][2 * hf + 1] * inv);
+                if (c == 0) p.lse[((size_t)b * T + row) * H + h] = (mrow[mt][hf] + log2f(l)) * MT_FA_LN2;
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward preprocessing: D[r] = sum_d dO[r,d] * O[r,d], r = n*H + h (rows of dv contiguous) */
+/* ------------------------------------------------------------------------------------------ */
+__global__ void __launch_bounds__(256) fa_bwd_dot_kernel(const bf16 *__restrict__ o, const bf16 *__restrict__ dout,
+                                                          float *__restrict__ D, long long rows, int dv) {
+    const long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (r >= rows) return; /* warp-uniform */
+    const bf16 *po = o + r * dv, *pd = dout + r * dv;
+    float s = 0.f;
+    for (int d = lane; d < dv; d += 32) s = fmaf(__bfloat162float(po[d]), __bfloat162float(pd[d]), s);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) D[r] = s;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward dQ: one CTA per (b*h, BM-query block), NW warps x 16 rows, streams key blocks.     */
+/* ------------------------------------------------------------------------------------------ */
+template <int DQ, int DV, int NW, int BN, int ST>
+__global__ void __launch_bounds__(NW * 32, 1) fa_bwd_dq_kernel(const BwdParams p) {
+    constexpr int BM = NW * 16;
+    constexpr int NT = NW * 32;
+    constexpr int LDQ = DQ + 8, LDV = DV + 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16 *sQ = reinterpret_cast<bf16 *>(smem_raw);
+    bf16 *sdO = sQ + BM * LDQ;
+    bf16 *sK = sdO + BM * LDV;
+    bf16 *sV = sK + ST * BN * LDQ;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, c = lane & 3;
+    const int T = p.T, H = p.H;
+    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int m_block = (int)gridDim.x - 1 - (int)blockIdx.x; /* heaviest first */
+    const int m0 = m_block * BM;
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+    const size_t qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const size_t voff = (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const bf16 *qbase = p.q + qoff, *kbase = p.k + qoff;
+    const bf16 *vbase = p.v + voff, *dobase = p.dout + voff;
+    const bool vqk = p.vec_qk != 0, vv = p.vec_v != 0;
+
+    const int kv_end = min(T, m0 + BM);
+    const int n_blocks = (kv_end + BN - 1) / BN;
+
+    load_tile<BM, DQ, LDQ, NT>(sQ, qbase + (size_t)m0 * ldqk, ldqk, T - m0, p.dimq, vqk, qbase, tid);
+    load_tile<BM, DV, LDV, NT>(sdO, dobase + (size_t)m0 * ldv, ldv, T - m0, p.dimv, vv, dobase, tid);
+    load_tile<BN, DQ, LDQ, NT>(sK, kbase, ldqk, T, p.dimq, vqk, kbase, tid);
+    load_tile<BN, DV, LDV, NT>(sV, vbase, ldv, T, p.dimv, vv, vbase, tid);
+    cp_async_commit();
+
+    const int a_row = lane & 15, a_col = (lane >> 4) << 3;
+    const int b_row = ((lane >> 4) << 3) + (lane & 7), b_col = ((lane >> 3) & 1) << 3;
+    const int t_row = (((lane >> 3) & 1) << 3) + (lane & 7), t_col = (lane >> 4) << 3;
+    const uint32_t sQ_warp = smem_u32(sQ + (warp * 16 + a_row) * LDQ + a_col);
+    const uint32_t sdO_warp = smem_u32(sdO + (warp * 16 + a_row) * LDV + a_col);
+
+    const int row_lo = m0 + warp * 16 + g;
+    float lse2[2], Dr[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int row = row_lo + hf * 8;
+        const size_t idx = ((size_t)b * T + row) * H + h;
+        lse2[hf] = row < T ? p.lse[idx] * MT_FA_LOG2E : 0.f;
+        Dr[hf] = row < T ? p.dsum[idx] : 0.f;
+    }
+
+    float acc[DQ / 8][4];
+#pragma unroll
+    for (int i = 0; i < DQ / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    const float sl2 = p.scale_log2;
+
+    for (int j = 0; j < n_blocks; ++j) {
+        const int stage = (ST == 2) ? (j & 1) : 0;
+        if (ST == 2 && j + 1 < n_blocks) {
+            const int n1 = (j + 1) * BN, st1 = (j + 1) & 1;
+            load_tile<BN, DQ, LDQ, NT>(sK + st1 * BN * LDQ, kbase + (size_t)n1 * ldqk, ldqk, T - n1, p.dimq, vqk, kbase, tid);
+            load_tile<BN, DV, LDV, NT>(sV + st1 * BN * LDV, vbase + (size_t)n1 * ldv, ldv, T - n1, p.dimv, vv, vbase, tid);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const uint32_t cK = smem_u32(sK + stage * BN * LDQ);
+        const uint32_t cV = smem_u32(sV + stage * BN * LDV);
+
+        float s[BN / 8][4], dp[BN / 8][4];
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+            s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+            dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+        }
+        /* S = Q K^T */
+#pragma unroll
+        for (int kk = 0; kk < DQ / 16; ++kk) {
+            uint32_t a[4];
+            ldsm_x4(a, sQ_warp + kk * 32);
+#pragma unroll
+            for (int nn = 0; nn < BN / 16; ++nn) {
+                uint32_t bb[4];
+                ldsm_x4(bb, cK + ((nn * 16 + b_row) * LDQ + kk * 16 + b_col) * 2);
+                mma_bf16(s[2 * nn], a, bb[0], bb[1]);
+                mma_bf16(s[2 * nn + 1], a, bb[2], bb[3]);
+            }
+        }
+        /* dP = dO V^T */
+#pragma unroll
+        for (int kk = 0; kk < DV / 16; ++kk) {
+            uint32_t a[4];
+            ldsm_x4(a, sdO_warp + kk * 32);
+#pragma unroll
+            for (int nn = 0; nn < BN / 16; ++nn) {
+                uint32_t bb[4];
+                ldsm_x4(bb, cV + ((nn * 16 + b_row) * LDV + kk * 16 + b_col) * 2);
+                mma_bf16(dp[2 * nn], a, bb[0], bb[1]);
+                mma_bf16(dp[2 * nn + 1], a, bb[2], bb[3]);
+            }
+        }
+        /* dS = P * (dP - D), P = exp(scale*s - lse) */
+        const int n0 = j * BN;
+        const bool need_mask = (n0 + BN - 1) > (m0 + warp * 16);
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int hf = e >> 1;
+                float pv = fast_exp2(fmaf(s[nt][e], sl2, -lse2[hf]));
+                if (need_mask) {
+                    const int key = n0 + nt * 8 + 2 * c + (e & 1);
+                    if (key > row_lo + hf * 8) pv = 0.f;
+                }
+                s[nt][e] = pv * (dp[nt][e] - Dr[hf]);
+            }
+        }
+        /* dQ += dS K */
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            uint32_t a[4];
+            a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dn = 0; dn < DQ / 16; ++dn) {
+                uint32_t bb[4];
+                ldsm_x4_t(bb, cK + ((kk * 16 + t_row) * LDQ + dn * 16 + t_col) * 2);
+                mma_bf16(acc[2 * dn], a, bb[0], bb[1]);
+                mma_bf16(acc[2 * dn + 1], a, bb[2], bb[3]);
+            }
+        }
+        __syncthreads();
+        if (ST == 1 && j + 1 < n_blocks) {
+            const int n1 = (j + 1) * BN;
+            load_tile<BN, DQ, LDQ, NT>(sK, kbase + (size_t)n1 * ldqk, ldqk, T - n1, p.dimq, vqk, kbase, tid);
+            load_tile<BN, DV, LDV, NT>(sV, vbase + (size_t)n1 * ldv, ldv, T - n1, p.dimv, vv, vbase, tid);
+            cp_async_commit();
+        }
+    }
+
+    bf16 *dqbase = p.dq + qoff;
+    const bool pair = p.pair_qk != 0;
+    const float sc = p.scale;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int row = row_lo + hf * 8;
+        if (row < T) {
+            bf16 *drow = dqbase + (size_t)row * ldqk;
+#pragma unroll
+            for (int nt = 0; nt < DQ / 8; ++nt)
+                store2(drow, nt * 8 + 2 * c, p.dimq, pair, acc[nt][2 * hf] * sc, acc[nt][2 * hf + 1] * sc);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward dK, dV: one CTA (8 warps) per (b*h, 64-key block); streams query blocks of BMQ.    */
+/*  phase 1: warp (kw = warp%4, wh = warp/4) computes S^T = K Q^T, dP^T = V dO^T for keys      */
+/*           kw*16..+16 and queries wh*BMQ/2..+BMQ/2 (in chunks of QC), writes P^T and dS^T    */
+/*           (bf16) to smem.  KVREG: the warp's K/V A-fragments stay in registers.             */
+/*  phase 2: warp (kg = warp%KG, dsp = warp/KG) accumulates, for keys kg*16*MT..+16*MT and the  */
+/*           dsp-th 1/DS slice of the head dims, dV += P^T dO and dK += dS^T Q.               */
+/* ------------------------------------------------------------------------------------------ */
+template <int DQ, int DV, int BMQ, int ST, int MINB, int QC, bool KVREG, int MT>
+__global__ void __launch_bounds__(256, MINB) fa_bwd_dkdv_kernel(const BwdParams p) {
+    constexpr int NT = 256, BNK = 64;
+    constexpr int LDQ = DQ + 8, LDV = DV + 8, LDP = BMQ + 8;
+    constexpr int QW = BMQ / 2; /* queries per warp in phase 1 */
+    /* phase 2 warp grid: KG key groups of MT m16-tiles each, DS dim splits */
+    constexpr int KG = 4 / MT, DS = 8 / KG, DQS = DQ / DS, DVS = DV / DS;
+    static_assert(QW % QC == 0 && QC % 16 == 0, "query tiling");
+    static_assert((MT == 1 || MT == 2) && DQS % 16 == 0 && DVS % 16 == 0, "phase-2 dim split");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16 *sK = reinterpret_cast<bf16 *>(smem_raw);
+    bf16 *sV = sK + BNK * LDQ;
+    bf16 *sQ = sV + BNK * LDV;        /* ST x [BMQ][LDQ] */
+    bf16 *sdO = sQ + ST * BMQ * LDQ;  /* ST x [BMQ][LDV] */
+    bf16 *sP = sdO + ST * BMQ * LDV;  /* [64][LDP]  P^T */
+    bf16 *sdS = sP + BNK * LDP;       /* [64][LDP]  dS^T */
+    float *sL = reinterpret_cast<float *>(sdS + BNK * LDP); /* ST x [BMQ]  lse * log2e */
+    float *sD = sL + ST * BMQ;                               /* ST x [BMQ]  D */
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, c = lane & 3;
+    const int kw = warp & 3, wh = warp >> 2;
+    const int T = p.T, H = p.H;
+    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int n0 = (int)blockIdx.x * BNK; /* key block 0 (most work) first */
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+    const size_t qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const size_t voff = (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const bf16 *qbase = p.q + qoff, *kbase = p.k + qoff;
+    const bf16 *vbase = p.v + voff, *dobase = p.dout + voff;
+    const float *lsebase = p.lse + (size_t)b * T * H + h;
+    const float *dsbase = p.dsum + (size_t)b * T * H + h;
+    const bool vqk = p.vec_qk != 0, vv = p.vec_v != 0;
+
+    const int m_first = n0 / BMQ;
+    const int m_count = (T + BMQ - 1) / BMQ;
+
+    load_tile<BNK, DQ, LDQ, NT>(sK, kbase + (size_t)n0 * ldqk, ldqk, T - n0, p.dimq, vqk, kbase, tid);
+    load_tile<BNK, DV, LDV, NT>(sV, vbase + (size_t)n0 * ldv, ldv, T - n0, p.dimv, vv, vbase, tid);
+    cp_async_commit();
+    {
+        const int q0 = m_first * BMQ;
+        load_tile<BMQ, DQ, LDQ, NT>(sQ, qbase + (size_t)q0 * ldqk, ldqk, T - q0, p.dimq, vqk, qbase, tid);
+        load_tile<BMQ, DV, LDV, NT>(sdO, dobase + (size_t)q0 * ldv, ldv, T - q0, p.dimv, vv, dobase, tid);
+        if (tid < BMQ) {
+            const int q = q0 + tid;
+            sL[tid] = q < T ? lsebase[(size_t)q * H] * MT_FA_LOG2E : 0.f;
+            sD[tid] = q < T ? dsbase[(size_t)q * H] : 0.f;
+        }
+    }
+    cp_async_commit();
+
+    const int a_row = lane & 15, a_col = (lane >> 4) << 3;
+    const int b_row = ((lane >> 4) << 3) + (lane & 7), b_col = ((lane >> 3) & 1) << 3;
+    const int t_row = (((lane >> 3) & 1) << 3) + (lane & 7), t_col = (lane >> 4) << 3;
+    const uint32_t sK_warp = smem_u32(sK + (kw * 16 + a_row) * LDQ + a_col);
+    const uint32_t sV_warp = smem_u32(sV + (kw * 16 + a_row) * LDV + a_col);
+    const int kg = warp % KG, dsp = warp / KG; /* phase-2 role */
+    const uint32_t sP_warp = smem_u32(sP + (kg * 16 * MT + a_row) * LDP + a_col);
+    const uint32_t sdS_warp = smem_u32(sdS + (kg * 16 * MT + a_row) * LDP + a_col);
+
+    /* optionally keep this warp's K / V A-fragments (16 keys) in registers for the whole kernel */
+    uint32_t kf[KVREG ? DQ / 16 : 1][4], vf[KVREG ? DV / 16 : 1][4];
+    if (KVREG) {
+        cp_async_wait<1>();
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < (KVREG ? DQ / 16 : 0); ++kk) ldsm_x4(kf[kk], sK_warp + kk * 32);
+#pragma unroll
+        for (int kk = 0; kk < (KVREG ? DV / 16 : 0); ++kk) ldsm_x4(vf[kk], sV_warp + kk * 32);
+    }
+
+    float dk[MT][DQS / 8][4], dv[MT][DVS / 8][4]; /* (16*MT keys) x DQS, (16*MT keys) x DVS */
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < DQS / 8; ++i) dk[mt][i][0] = dk[mt][i][1] = dk[mt][i][2] = dk[mt][i][3] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DVS / 8; ++i) dv[mt][i][0] = dv[mt][i][1] = dv[mt][i][2] = dv[mt][i][3] = 0.f;
+    }
+
+    const int key_lo = n0 + kw * 16 + g; /* keys key_lo and key_lo + 8 */
+    const float sl2 = p.scale_log2;
+
+    for (int mb = m_first, it = 0; mb < m_count; ++mb, ++it) {
+        const int stage = (ST == 2) ? (it & 1) : 0;
+        if (ST == 2 && mb + 1 < m_count) {
+            const int q1 = (mb + 1) * BMQ, st1 = (it + 1) & 1;
+            load_tile<BMQ, DQ, LDQ, NT>(sQ + st1 * BMQ * LDQ, qbase + (size_t)q1 * ldqk, ldqk, T - q1, p.dimq, vqk, qbase, tid);
+            load_tile<BMQ, DV, LDV, NT>(sdO + st1 * BMQ * LDV, dobase + (size_t)q1 * ldv, ldv, T - q1, p.dimv, vv, dobase,
+                                        tid);
+            if (tid < BMQ) {
+                const int q = q1 + tid;
+                sL[st1 * BMQ + tid] = q < T ? lsebase[(size_t)q * H] * MT_FA_LOG2E : 0.f;
+                sD[st1 * BMQ + tid] = q < T ? dsbase[(size_t)q * H] : 0.f;
+            }
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const uint32_t cQ = smem_u32(sQ + stage * BMQ * LDQ);
+        const uint32_t cdO = smem_u32(sdO + stage * BMQ * LDV);
+        const float *cL = sL + stage * BMQ, *cD = sD + stage * BMQ;
+        const int qb0 = mb * BMQ;
+
+        /* ---- phase 1: S^T = K Q^T, dP^T = V dO^T for 16 keys x QW queries, in chunks of QC ---- */
+#pragma unroll 1
+        for (int ch = 0; ch < QW / QC; ++ch) {
+            const int qw0 = wh * QW + ch * QC; /* first local query of this chunk */
+            float s[QC / 8][4], dp[QC / 8][4];
+#pragma unroll
+            for (int i = 0; i < QC / 8; ++i) {
+                s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+                dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+            }
+#pragma unroll
+            for (int kk = 0; kk < DQ / 16; ++kk) {
+                uint32_t a[4];
+                if (KVREG) {
+                    a[0] = kf[KVREG ? kk : 0][0]; a[1] = kf[KVREG ? kk : 0][1];
+                    a[2] = kf[KVREG ? kk : 0][2]; a[3] = kf[KVREG ? kk : 0][3];
+                } else {
+                    ldsm_x4(a, sK_warp + kk * 32);
+                }
+#pragma unroll
+                for (int nn = 0; nn < QC / 16; ++nn) {
+                    uint32_t bb[4];
+                    ldsm_x4(bb, cQ + ((qw0 + nn * 16 + b_row) * LDQ + kk * 16 + b_col) * 2);
+                    mma_bf16(s[2 * nn], a, bb[0], bb[1]);
+                    mma_bf16(s[2 * nn + 1], a, bb[2], bb[3]);
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < DV / 16; ++kk) {
+                uint32_t a[4];
+                if (KVREG) {
+                    a[0] = vf[KVREG ? kk : 0][0]; a[1] = vf[KVREG ? kk : 0][1];
+                    a[2] = vf[KVREG ? kk : 0][2]; a[3] = vf[KVREG ? kk : 0][3];
+                } else {
+                    ldsm_x4(a, sV_warp + kk * 32);
+                }
+#pragma unroll
+                for (int nn = 0; nn < QC / 16; ++nn) {
+                    uint32_t bb[4];
+                    ldsm_x4(bb, cdO + ((qw0 + nn * 16 + b_row) * LDV + kk * 16 + b_col) * 2);
+                    mma_bf16(dp[2 * nn], a, bb[0], bb[1]);
+                    mma_bf16(dp[2 * nn + 1], a, bb[2], bb[3]);
+                }
+            }
+            const int qmin = qb0 + qw0;
+            const bool need_mask = (qmin < n0 + kw * 16 + 15) || (qb0 + BMQ > T);
+#pragma unroll
+            for (int nt = 0; nt < QC / 8; ++nt) {
+                const int ql = qw0 + nt * 8 + 2 * c; /* local query of elements e=0,2 (e=1,3: +1) */
+                const float L0 = cL[ql], L1 = cL[ql + 1], D0 = cD[ql], D1 = cD[ql + 1];
+                float pv[4], ds[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float L = (e & 1) ? L1 : L0, Dq = (e & 1) ? D1 : D0;
+                    float pe = fast_exp2(fmaf(s[nt][e], sl2, -L));
+                    if (need_mask) {
+                        const int q = qb0 + ql + (e & 1);
+                        const int key = key_lo + ((e >> 1) << 3);
+                        if (q < key || q >= T) pe = 0.f;
+                    }
+                    pv[e] = pe;
+                    ds[e] = pe * (dp[nt][e] - Dq);
+                }
+                const int r0 = (kw * 16 + g) * LDP + ql, r1 = r0 + 8 * LDP;
+                *reinterpret_cast<uint32_t *>(sP + r0) = pack_bf16(pv[0], pv[1]);
+                *reinterpret_cast<uint32_t *>(sP + r1) = pack_bf16(pv[2], pv[3]);
+                *reinterpret_cast<uint32_t *>(sdS + r0) = pack_bf16(ds[0], ds[1]);
+                *reinterpret_cast<uint32_t *>(sdS + r1) = pack_bf16(ds[2], ds[3]);
+            }
+        }
+        __syncthreads();
+        /* ---- phase 2: dV += P^T dO, dK += dS^T Q (this warp: 16*MT keys x 1/DS of the dims) ---- */
+#pragma unroll
+        for (int kk = 0; kk < BMQ / 16; ++kk) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], sP_warp + (mt * 16 * LDP + kk * 16) * 2);
+#pragma unroll
+            for (int dn = 0; dn < DVS / 16; ++dn) {
+                uint32_t bb[4];
+                ldsm_x4_t(bb, cdO + ((kk * 16 + t_row) * LDV + dsp * DVS + dn * 16 + t_col) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(dv[mt][2 * dn], a[mt], bb[0], bb[1]);
+                    mma_bf16(dv[mt][2 * dn + 1], a[mt], bb[2], bb[3]);
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], sdS_warp + (mt * 16 * LDP + kk * 16) * 2);
+#pragma unroll
+            for (int dn = 0; dn < DQS / 16; ++dn) {
+                uint32_t bb[4];
+                ldsm_x4_t(bb, cQ + ((kk * 16 + t_row) * LDQ + dsp * DQS + dn * 16 + t_col) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(dk[mt][2 * dn], a[mt], bb[0], bb[1]);
+                    mma_bf16(dk[mt][2 * dn + 1], a[mt], bb[2], bb[3]);
+                }
+            }
+        }
+        __syncthreads();
+        if (ST == 1 && mb + 1 < m_count) {
+            const int q1 = (mb + 1) * BMQ;
+            load_tile<BMQ, DQ, LDQ, NT>(sQ, qbase + (size_t)q1 * ldqk, ldqk, T - q1, p.dimq, vqk, qbase, tid);
+            load_tile<BMQ, DV, LDV, NT>(sdO, dobase + (size_t)q1 * ldv, ldv, T - q1, p.dimv, vv, dobase, tid);
+            if (tid < BMQ) {
+                const int q = q1 + tid;
+                sL[tid] = q < T ? lsebase[(size_t)q * H] * MT_FA_LOG2E : 0.f;
+                sD[tid] = q < T ? dsbase[(size_t)q * H] : 0.f;
+            }
+            cp_async_commit();
+        }
+    }
+
+    /* epilogue: this warp's phase-2 keys n0 + kg*16*MT + mt*16 + g (+8) */
+    bf16 *dkbase = p.dk + qoff, *dvbase = p.dv + voff;
+    const bool pq = p.pair_qk != 0, pv2 = p.pair_v != 0;
+    const float sc = p.scale;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int key = n0 + kg * 16 * MT + mt * 16 + g + hf * 8;
+            if (key < T) {
+                bf16 *krow = dkbase + (size_t)key * ldqk, *vrow = dvbase + (size_t)key * ldv;
+#pragma unroll
+                for (int nt = 0; nt < DQS / 8; ++nt)
+                    store2(krow, dsp * DQS + nt * 8 + 2 * c, p.dimq, pq, dk[mt][nt][2 * hf] * sc, dk[mt][nt][2 * hf + 1] * sc);
+#pragma unroll
+                for (int nt = 0; nt < DVS / 8; ++nt)
+                    store2(vrow, dsp * DVS + nt * 8 + 2 * c, p.dimv, pv2, dv[mt][nt][2 * hf], dv[mt][nt][2 * hf + 1]);
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Configurations                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+template <int DQ_, int DV_>
+struct Cfg {
+    static constexpr int DQ = DQ_, DV = DV_;
+    static constexpr bool BIG = (DQ_ > 192 || DV_ > 128);
+    /* forward: 8 warps (128 queries; 4 warps / 64 for the 256 config), BN keys per tile,
+       double-buffered K/V, Q fragments in registers */
+    static constexpr int F_NW = BIG ? 4 : 8, F_BN = BIG ? 32 : 64, F_ST = 2, F_MT = 1;
+    static constexpr bool F_QREG = !BIG;
+    /* dQ: 8 warps (128 queries), double-buffered K/V */
+    static constexpr int Q_NW = 8, Q_BN = BIG ? 32 : 64, Q_ST = 2;
+    /* dK/dV: 64 keys, K_BMQ-query tiles double buffered, one CTA per SM */
+    static constexpr int K_BMQ = BIG ? 32 : 64, K_ST = 2, K_MINB = 1, K_QC = K_BMQ / 2;
+    static constexpr bool K_KVREG = !BIG;
+    static constexpr int K_MT = (DQ_ % 64 == 0 && DV_ % 64 == 0) ? 2 : 1;
+};
+
+template <int DQ, int DV, int NW, int BN, int ST, int MT>
+constexpr size_t fwd_smem_bytes() {
+    return (size_t)(NW * 16 * MT * (DQ + 8) + ST * BN * (DQ + 8 + DV + 8)) * sizeof(bf16);
+}
+template <int DQ, int DV, int NW, int BN, int ST>
+constexpr size_t dq_smem_bytes() {
+    return (size_t)(NW * 16 * (DQ + 8 + DV + 8) + ST * BN * (DQ + 8 + DV + 8)) * sizeof(bf16);
+}
+template <int DQ, int DV, int BMQ, int ST>
+constexpr size_t dkdv_smem_bytes() {
+    return (size_t)(64 * (DQ + 8 + DV + 8) + ST * BMQ * (DQ + 8 + DV + 8) + 2 * 64 * (BMQ + 8)) * sizeof(bf16) +
+           (size_t)2 * ST * BMQ * sizeof(float);
+}
+
+template <int DQ, int DV, int NW, int BN, int ST, bool QREG, int MT>
+static int launch_fwd_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const FwdParams) = fa_fwd_kernel<DQ, DV, NW, BN, ST, QREG, MT>;
+    const size_t smem = fwd_smem_bytes<DQ, DV, NW, BN, ST, MT>();
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    const int BM = NW * 16 * MT;
+    const int mblocks = (p.T + BM - 1) / BM;
+    if (BH > 65535) return -1;
+    dim3 grid((unsigned)mblocks, (unsigned)BH);
+    kern<<<grid, NW * 32, smem, stream>>>(p);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+template <int DQ, int DV, int BMQ, int ST, int MINB, int QC, bool KVREG, int MT>
+static int launch_dkdv_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const BwdParams) = fa_bwd_dkdv_kernel<DQ, DV, BMQ, ST, MINB, QC, KVREG, MT>;
+    const size_t smem = dkdv_smem_bytes<DQ, DV, BMQ, ST>();
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    const int nblocks = (p.T + 63) / 64;
+    if (BH > 65535) return -1;
+    dim3 grid((unsigned)nblocks, (unsigned)BH);
+    kern<<<grid, 256, smem, stream>>>(p);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+template <int DQ, int DV, int NW, int BN, int ST>
+static int launch_dq_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const BwdParams) = fa_bwd_dq_kernel<DQ, DV, NW, BN, ST>;
+    const size_t smem = dq_smem_bytes<DQ, DV, NW, BN, ST>();
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    const int BM = NW * 16;
+    const int mblocks = (p.T + BM - 1) / BM;
+    if (BH > 65535) return -1;
+    dim3 grid((unsigned)mblocks, (unsigned)BH);
+    kern<<<grid, NW * 32, smem, stream>>>(p);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+static int launch_dot_kernel(const BwdParams &p, long long rows, cudaStream_t stream) {
+    const long long nblk = (rows + 7) / 8;
+    if (nblk > 0x7fffffffLL) return -1;
+    fa_bwd_dot_kernel<<<(unsigned)nblk, 256, 0, stream>>>(p.o, p.dout, p.dsum, rows, p.dimv);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
+template <int DQ, int DV>
+static int launch_fwd(const FwdParams &p, int BH, cudaStream_t stream) {
+    typedef Cfg<DQ, DV> C;
+    return launch_fwd_kernel<DQ, DV, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>(p, BH, stream);
+}
+template <int DQ, int DV>
+static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
+    typedef Cfg<DQ, DV> C;
+    if (launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream)) return -1;
+    return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
+}
+
+/* configuration index for head dims, -1 if unsupported */
+static int pick_cfg(int dq, int dv) {
+    if (dq <= 0 || dv <= 0) return -1;
+    if (dq <= 32 && dv <= 32) return 0;
+    if (dq <= 64 && dv <= 64) return 1;
+    if (dq <= 128 && dv <= 128) return 2;
+    if (dq <= 192 && dv <= 128) return 3;
+    if (dq <= 256 && dv <= 256) return 4;
+    return -1;
+}
+static inline bool aligned_to(const void *ptr, size_t a) { return ((uintptr_t)ptr % a) == 0; }
+
+} /* namespace mt_fa */
+
+/* ------------------------------------------------------------------------------------------ */
+/* Entry points (wrapped by mt_cuda_attention_* below)                                        */
+/* ------------------------------------------------------------------------------------------ */
+static int mt__fa_forward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const __nv_bfloat16 *V,
+                                         __nv_bfloat16 *O, float *lse, int B, int T, int H, int dq, int dv, float scale,
+                                         cudaStream_t stream) {
+    using namespace mt_fa;
+    if (B < 0 || T < 0 || H < 0) return -1;
+    const int cfg = pick_cfg(dq, dv);
+    if (cfg < 0) return -1;
+    if ((long long)B * T * H == 0) return 0;
+    if (!Q || !K || !V || !O || !lse) return -1;
+    if ((long long)B * H > 0x7fffffffLL || (long long)B * T > 0x7fffffffLL) return -1;
+    if (!(scale == scale)) return -1;
+    FwdParams p;
+    p.q = Q; p.k = K; p.v = V; p.o = O; p.lse = lse;
+    p.T = T; p.H = H; p.dimq = dq; p.dimv = dv;
+    p.scale_log2 = scale * MT_FA_LOG2E;
+    p.vec_qk = (dq % 8 == 0) && aligned_to(Q, 16) && aligned_to(K, 16);
+    p.vec_v = (dv % 8 == 0) && aligned_to(V, 16);
+    p.pair_o = (dv % 2 == 0) && aligned_to(O, 4);
+    const int BH = B * H;
+    switch (cfg) {
+    case 0: return launch_fwd<32, 32>(p, BH, stream);
+    case 1: return launch_fwd<64, 64>(p, BH, stream);
+    case 2: return launch_fwd<128, 128>(p, BH, stream);
+    case 3: return launch_fwd<192, 128>(p, BH, stream);
+    default: return launch_fwd<256, 256>(p, BH, stream);
+    }
+}
+
+static size_t mt__fa_backward_workspace(int B, int T, int H, int dq, int dv) {
     (void)dq; (void)dv;
-    return mt__al((size_t)B * T * H * 4);
+    if (B <= 0 || T <= 0 || H <= 0) return 256;
+    const size_t bytes = (size_t)B * T * H * sizeof(float);
+    return (bytes + 255) & ~(size_t)255;
+}
+
+namespace mt_fa {
+/* argument checks + parameter block for the backward; returns the config index or -1 (0 size: -2) */
+static int setup_bwd(BwdParams &p, const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const __nv_bfloat16 *V,
+                     const __nv_bfloat16 *O, const float *lse, const __nv_bfloat16 *dO, __nv_bfloat16 *dQ,
+                     __nv_bfloat16 *dK, __nv_bfloat16 *dV, void *workspace, int B, int T, int H, int dq, int dv,
+                     float scale) {
+    if (B < 0 || T < 0 || H < 0) return -1;
+    const int cfg = pick_cfg(dq, dv);
+    if (cfg < 0) return -1;
+    if ((long long)B * T * H == 0) return -2;
+    if (!Q || !K || !V || !O || !lse || !dO || !dQ || !dK || !dV || !workspace) return -1;
+    if ((long long)B * H > 0x7fffffffLL || (long long)B * T > 0x7fffffffLL) return -1;
+    if (!aligned_to(workspace, 4)) return -1;
+    if (!(scale == scale)) return -1;
+    p.q = Q; p.k = K; p.v = V; p.o = O; p.dout = dO; p.lse = lse;
+    p.dsum = (float *)workspace;
+    p.dq = dQ; p.dk = dK; p.dv = dV;
+    p.T = T; p.H = H; p.dimq = dq; p.dimv = dv;
+    p.scale = scale;
+    p.scale_log2 = scale * MT_FA_LOG2E;
+    p.vec_qk = (dq % 8 == 0) && aligned_to(Q, 16) && aligned_to(K, 16);
+    p.vec_v = (dv % 8 == 0) && aligned_to(V, 16) && aligned_to(dO, 16);
+    p.pair_qk = (dq % 2 == 0) && aligned_to(dQ, 4) && aligned_to(dK, 4);
+    p.pair_v = (dv % 2 == 0) && aligned_to(dV, 4);
+    return cfg;
+}
+} /* namespace mt_fa */
+
+static int mt__fa_backward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const __nv_bfloat16 *V,
+                                          const __nv_bfloat16 *O, const float *lse, const __nv_bfloat16 *dO,
+                                          __nv_bfloat16 *dQ, __nv_bfloat16 *dK, __nv_bfloat16 *dV, void *workspace, int B,
+                                          int T, int H, int dq, int dv, float scale, cudaStream_t stream) {
+    using namespace mt_fa;
+    BwdParams p;
+    const int cfg = setup_bwd(p, Q, K, V, O, lse, dO, dQ, dK, dV, workspace, B, T, H, dq, dv, scale);
+    if (cfg == -2) return 0;
+    if (cfg < 0) return -1;
+    if (launch_dot_kernel(p, (long long)B * T * H, stream)) return -1;
+    const int BH = B * H;
+    switch (cfg) {
+    case 0: return launch_bwd<32, 32>(p, BH, stream);
+    case 1: return launch_bwd<64, 64>(p, BH, stream);
+    case 2: return launch_bwd<128, 128>(p, BH, stream);
+    case 3: return launch_bwd<192, 128>(p, BH, stream);
+    default: return launch_bwd<256, 256>(p, BH, stream);
+    }
+}
+
+
+extern "C" {
+size_t mt_cuda_attention_backward_workspace(int B, int T, int H, int dq, int dv) {
+    return mt__fa_backward_workspace(B, T, H, dq, dv);
 }
 int mt_cuda_attention_forward(mt_cuda *c, const void *Q, const void *K, const void *V, void *O, float *lse, int B, int T,
                               int H, int dq, int dv, float scale) {
-    if (dq > 32 * MT_ATT_MAXD || dv > 32 * MT_ATT_MAXD) return mt__fail(c, "attention", "head dims above 256 are not supported");
-    int64_t rows = (int64_t)B * T * H;
-    if (rows <= 0) return 0;
-    k_att_fwd_ref<<<mt__blocks(rows, 4), 128, 0, c->stream>>>((bf16 *)O, lse, (const bf16 *)Q, (const bf16 *)K, (const bf16 *)V,
-                                                              B, T, H, dq, dv, scale);
-    LAUNCHED();
+    if (dq > 256 || dv > 256) return mt__fail(c, "attention", "head dims above 256 are not supported on CUDA");
+    if (mt__fa_forward((const bf16 *)Q, (const bf16 *)K, (const bf16 *)V, (bf16 *)O, lse, B, T, H, dq, dv, scale, c->stream))
+        return mt__fail(c, "attention forward", cudaGetErrorString(cudaGetLastError()));
     return 0;
 }
 int mt_cuda_attention_backward(mt_cuda *c, const void *Q, const void *K, const void *V, const void *O, const float *lse,
                                const void *dO, void *dQ, void *dK, void *dV, void *ws, int B, int T, int H, int dq, int dv,
                                float scale) {
-    if (dq > 32 * MT_ATT_MAXD || dv > 32 * MT_ATT_MAXD) return mt__fail(c, "attention", "head dims above 256 are not supported");
-    int64_t rows = (int64_t)B * T * H;
-    if (rows <= 0) return 0;
-    float *Dv = (float *)ws;
-    k_att_D<<<mt__blocks(rows, 4), 128, 0, c->stream>>>(Dv, (const bf16 *)O, (const bf16 *)dO, rows, dv);
-    LAUNCHED();
-    k_att_bwd_kv_ref<<<mt__blocks(rows, 4), 128, 0, c->stream>>>((bf16 *)dK, (bf16 *)dV, (const bf16 *)Q, (const bf16 *)K,
-                                                                 (const bf16 *)V, lse, (const bf16 *)dO, Dv, B, T, H, dq, dv, scale);
-    LAUNCHED();
-    k_att_bwd_q_ref<<<mt__blocks(rows, 4), 128, 0, c->stream>>>((bf16 *)dQ, (const bf16 *)Q, (const bf16 *)K, (const bf16 *)V,
-                                                                lse, (const bf16 *)dO, Dv, B, T, H, dq, dv, scale);
-    LAUNCHED();
+    if (dq > 256 || dv > 256) return mt__fail(c, "attention", "head dims above 256 are not supported on CUDA");
+    if (mt__fa_backward((const bf16 *)Q, (const bf16 *)K, (const bf16 *)V, (const bf16 *)O, lse, (const bf16 *)dO, (bf16 *)dQ,
+                        (bf16 *)dK, (bf16 *)dV, ws, B, T, H, dq, dv, scale, c->stream))
+        return mt__fail(c, "attention backward", cudaGetErrorString(cudaGetLastError()));
     return 0;
 }
 
@@ -1073,42 +2030,70 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
     return 0;
 }
 
-/* grouped GEMM: one cuBLASLt call per expert that received tokens; an expert
- * with none costs a memset of its weight gradient (mode 2) or nothing */
+/* grouped GEMM: one cuBLASLt call per expert that received tokens, spread
+ * round-robin over the side streams so that small experts run side by side
+ * (each GEMM alone may fill only part of the GPU); an expert with no tokens
+ * costs a memset of its weight gradient (mode 2) or nothing. Each GEMM is
+ * computed the same way on any stream: results are bitwise reproducible. */
 int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *offs, int E, int M, int K, void *ws) {
     (void)ws;
-    for (int e = 0; e < E; e++) {
-        int r0 = offs[e], rows = offs[e + 1] - offs[e];
+    CK(cudaEventRecord(c->fork, c->stream));
+    for (int i = 0; i < MT_SIDE_STREAMS; i++) CK(cudaStreamWaitEvent(c->side[i], c->fork, 0));
+    int rc = 0;
+    for (int e = 0; e < E && !rc; e++) {
+        int r0 = offs[e], rows = offs[e + 1] - offs[e], si = e % MT_SIDE_STREAMS;
+        cudaStream_t st = c->side[si];
+        void *sw = c->side_ws[si];
         if (mode == 0) {          /* Y[r0.., M] = X[r0.., K] W_e[M,K]^T */
-            if (rows && mt__lt_gemm(c, 0, 1, rows, M, K, (const bf16 *)a + (int64_t)r0 * K, MT_BF16,
-                                    (const bf16 *)b + (int64_t)e * M * K, MT_BF16, (bf16 *)out + (int64_t)r0 * M, MT_BF16)) return -1;
+            if (rows) rc = mt__lt_gemm_on(c, st, sw, MT_SIDE_WS, 0, 1, rows, M, K, (const bf16 *)a + (int64_t)r0 * K, MT_BF16,
+                                          (const bf16 *)b + (int64_t)e * M * K, MT_BF16, (bf16 *)out + (int64_t)r0 * M, MT_BF16);
         } else if (mode == 1) {   /* dX[r0.., K] = dY[r0.., M] W_e[M,K] */
-            if (rows && mt__lt_gemm(c, 0, 0, rows, K, M, (const bf16 *)a + (int64_t)r0 * M, MT_BF16,
-                                    (const bf16 *)b + (int64_t)e * M * K, MT_BF16, (bf16 *)out + (int64_t)r0 * K, MT_BF16)) return -1;
+            if (rows) rc = mt__lt_gemm_on(c, st, sw, MT_SIDE_WS, 0, 0, rows, K, M, (const bf16 *)a + (int64_t)r0 * M, MT_BF16,
+                                          (const bf16 *)b + (int64_t)e * M * K, MT_BF16, (bf16 *)out + (int64_t)r0 * K, MT_BF16);
         } else {                  /* dW_e[M,K] = dY[r0..,M]^T X[r0..,K], f32 */
             float *dw = (float *)out + (int64_t)e * M * K;
-            if (!rows) { CK(cudaMemsetAsync(dw, 0, (size_t)M * K * 4, c->stream)); continue; }
-            if (mt__lt_gemm(c, 1, 0, M, K, rows, (const bf16 *)a + (int64_t)r0 * M, MT_BF16, (const bf16 *)b + (int64_t)r0 * K,
-                            MT_BF16, dw, MT_F32)) return -1;
+            if (!rows) { if (cudaMemsetAsync(dw, 0, (size_t)M * K * 4, st) != cudaSuccess) rc = mt__fail(c, "gmm", "memset failed"); }
+            else rc = mt__lt_gemm_on(c, st, sw, MT_SIDE_WS, 1, 0, M, K, rows, (const bf16 *)a + (int64_t)r0 * M, MT_BF16,
+                                     (const bf16 *)b + (int64_t)r0 * K, MT_BF16, dw, MT_F32);
         }
     }
-    return 0;
+    for (int i = 0; i < MT_SIDE_STREAMS; i++) {   /* join, also after an error, so no stream is left forked */
+        CK(cudaEventRecord(c->join[i], c->side[i]));
+        CK(cudaStreamWaitEvent(c->stream, c->join[i], 0));
+    }
+    return rc;
 }
 
 /* ========================================================================
  * 9. cross-entropy: one block per row; the mean is a fixed-order sum
  * ====================================================================== */
 
+/* (max, sum of exp) pairs merge associatively; the merge order is fixed */
+__device__ __forceinline__ void ms_merge(float &m, float &s, float m2, float s2) {
+    float mn = fmaxf(m, m2);
+    if (mn == -INFINITY) return;
+    s = s * __expf(m - mn) + s2 * __expf(m2 - mn);
+    m = mn;
+}
 __global__ void k_ce_fwd(float *per, float *lse, const bf16 *logits, const int32_t *tgt, int V) {
-    __shared__ float sh[32];
+    __shared__ float shm[32], shs[32];
     int64_t n = blockIdx.x;
     const bf16 *l = logits + n * V;
-    float mx = -INFINITY;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, bf(l[v]));
-    mx = block_max(mx, sh);
-    float z = 0;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) z += __expf(bf(l[v]) - mx);
-    z = block_sum(z, sh);
+    float m = -INFINITY, z = 0;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) {   /* one pass: online softmax statistics */
+        float x = bf(l[v]);
+        if (x > m) { z = z * __expf(m - x) + 1.0f; m = x; } else z += __expf(x - m);
+    }
+    for (int o = 16; o > 0; o >>= 1) ms_merge(m, z, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, z, o));
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) { shm[w] = m; shs[w] = z; }
+    __syncthreads();
+    if (w == 0) {
+        m = lane < (int)(blockDim.x >> 5) ? shm[lane] : -INFINITY;
+        z = lane < (int)(blockDim.x >> 5) ? shs[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) ms_merge(m, z, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, z, o));
+    }
+    float mx = m;
     if (threadIdx.x == 0) {
         float L = mx + logf(z);
         lse[n] = L;
@@ -1151,11 +2136,16 @@ int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits
  * 10. optimizer
  * ====================================================================== */
 
-#define MT_SUMSQ_BLOCKS 256
+#define MT_SUMSQ_BLOCKS 1024   /* fixed: the summation order never depends on the GPU */
 __global__ void k_sumsq_part(float *part, const float *g, int64_t n) {
     __shared__ float sh[32];
     float acc = 0;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) acc += g[i] * g[i];
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    if (n % 4 == 0 && !((uintptr_t)g & 15)) {
+        for (int64_t i = t; i < n / 4; i += stride) { float4 v = ((const float4 *)g)[i]; acc += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
+    } else {
+        for (int64_t i = t; i < n; i += stride) acc += g[i] * g[i];
+    }
     acc = block_sum(acc, sh);
     if (threadIdx.x == 0) part[blockIdx.x] = acc;
 }
@@ -1168,7 +2158,7 @@ size_t mt_cuda_sumsq_workspace(void) { return mt__al(MT_SUMSQ_BLOCKS * 4); }
 int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, void *ws) {
     k_sumsq_part<<<MT_SUMSQ_BLOCKS, 256, 0, c->stream>>>((float *)ws, g, n);
     LAUNCHED();
-    k_sumsq_final<<<1, MT_SUMSQ_BLOCKS, 0, c->stream>>>(acc_out, acc_in, (const float *)ws);
+    k_sumsq_final<<<1, MT_SUMSQ_BLOCKS, 0, c->stream>>>(acc_out, acc_in, (const float *)ws);   /* 1024 threads, one per partial */
     LAUNCHED();
     return 0;
 }
@@ -1201,9 +2191,31 @@ __global__ void k_adamw(float *p, float *m, float *v, bf16 *p16, const float *g,
                         const float *hp, const int32_t *step, int decay) {
     float b1 = hp[MT_HP_BETA1], b2 = hp[MT_HP_BETA2], eps = hp[MT_HP_EPS], wd = decay ? hp[MT_HP_WD] : 0.0f;
     float lr = lrp[0], coef = coefp[0];
-    int t = step[0] + 1;
-    float bc1 = 1.0f - powf(b1, (float)t), bc2s = sqrtf(1.0f - powf(b2, (float)t)), step_size = lr / bc1;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    int ts = step[0] + 1;
+    float bc1 = 1.0f - powf(b1, (float)ts), bc2s = sqrtf(1.0f - powf(b2, (float)ts)), step_size = lr / bc1;
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    if (n % 4 == 0 && !(((uintptr_t)p | (uintptr_t)m | (uintptr_t)v | (uintptr_t)g) & 15) && !((uintptr_t)p16 & 7)) {
+        for (int64_t i = t; i < n / 4; i += stride) {
+            float4 P = ((float4 *)p)[i], G = ((const float4 *)g)[i], Mv = ((float4 *)m)[i], Vv = ((float4 *)v)[i];
+            float *pp = &P.x, *gg = &G.x, *mm = &Mv.x, *vv = &Vv.x;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                float gi = gg[k] * coef;
+                mm[k] = b1 * mm[k] + (1 - b1) * gi;
+                vv[k] = b2 * vv[k] + (1 - b2) * gi * gi;
+                pp[k] = pp[k] * (1 - lr * wd) - step_size * mm[k] / (sqrtf(vv[k]) / bc2s + eps);
+            }
+            ((float4 *)p)[i] = P; ((float4 *)m)[i] = Mv; ((float4 *)v)[i] = Vv;
+            if (p16) {
+                __nv_bfloat162 lo = __floats2bfloat162_rn(P.x, P.y), hi = __floats2bfloat162_rn(P.z, P.w);
+                uint2 u;
+                memcpy(&u.x, &lo, 4); memcpy(&u.y, &hi, 4);
+                ((uint2 *)p16)[i] = u;
+            }
+        }
+        return;
+    }
+    for (int64_t i = t; i < n; i += stride) {
         float gi = g[i] * coef;
         float mi = b1 * m[i] + (1 - b1) * gi, vi = b2 * v[i] + (1 - b2) * gi * gi;
         m[i] = mi; v[i] = vi;
@@ -1216,7 +2228,7 @@ __global__ void k_adamw(float *p, float *m, float *v, bf16 *p16, const float *g,
 int mt_cuda_adamw(mt_cuda *c, float *p, float *m, float *v, void *p_bf16, const float *g, int64_t n, const float *lr,
                   const float *coef, const float *hp, const int32_t *step, int decay) {
     if (n <= 0) return 0;
-    unsigned gr = mt__blocks(n, 256);
+    unsigned gr = mt__blocks(n / 4 + 1, 256);
     if (gr > 65536) gr = 65536;
     k_adamw<<<gr, 256, 0, c->stream>>>(p, m, v, (bf16 *)p_bf16, g, n, lr, coef, hp, step, decay);
     LAUNCHED();

@@ -34,8 +34,9 @@ static void usage(FILE *f) {
             "  --steps N            optimizer steps (default 300)\n"
             "  --seed N             initialization and data-order seed (default 1)\n"
             "  --lr X --warmup N --decay-steps N --min-lr-ratio X\n"
-            "  --beta1 X --beta2 X --eps X --weight-decay X --grad-clip X   AdamW (defaults: 3e-3, 20, steps, 0.1,\n"
-            "                       0.9, 0.95, 1e-8, 0.1, 1.0)\n"
+            "  --beta1 X --beta2 X --eps X --weight-decay X --grad-clip X   AdamW (defaults: lr 3e-3 up to dim 128,\n"
+            "                       8e-4 up to dim 512, 4.2e-4 beyond; warmup 20, decay over --steps, 0.1, 0.9, 0.95,\n"
+            "                       1e-8, weight decay 0.1, clip 1.0)\n"
             "  --metrics FILE       JSON lines: step, loss, grad_norm, lr, tokens_per_s, expert_load\n"
             "  --svg FILE           write the loss curve at the end\n"
             "  --save DIR           write DIR/model.safetensors (Hugging Face names), config.json, optimizer\n"
@@ -315,6 +316,11 @@ int main(int argc, char **argv) {
         if (apply_overrides(&o, &cfg)) return 2;
     }
     if (mt_config_validate(&cfg, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 2; }
+    if (!o.lr_set) {   /* the model's default peak learning rate */
+        mt_hparams d;
+        mt_hparams_for_config(&d, &cfg);
+        o.hp.lr = d.lr;
+    }
     if (o.forward) return run_forward(&o, cfg);
 
     /* 2. compile in-process unless an artifact was given */

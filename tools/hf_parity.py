@@ -393,6 +393,7 @@ def emulate_train(argv):
     p.add_argument("--seq-len", type=int)
     p.add_argument("--forward")
     p.add_argument("--logits-out")
+    p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
     if a.save:
         if a.preset not in (None, "tiny") or a.score_func not in (None, "sigmoid"):
@@ -646,7 +647,8 @@ def run_parity(args):
         d = args.dir
         if not d:
             d = os.path.join(tmp, "ckpt")
-            run_train([args.train, "--preset", "tiny", "--score-func", "sigmoid", "--steps", "30", "--save", d])
+            run_train([args.train, "--preset", "tiny", "--score-func", "sigmoid", "--steps", "30", "--save", d,
+                       "--device", args.device])
         st = os.path.join(d, "model.safetensors")
         for f in (st, os.path.join(d, "config.json")):
             if not os.path.isfile(f):
@@ -675,8 +677,9 @@ def run_parity(args):
         tokens = rng.integers(0, V, size=(B, T + 1), dtype=np.int64).astype("<i4")
         tok_path, log_path = os.path.join(tmp, "tokens.i32"), os.path.join(tmp, "logits.f32")
         tokens.tofile(tok_path)
+        # our forward runs on the same device: CPU fp32, or the CUDA bf16 kernels
         out = run_train([args.train, "--load", d, "--batch", str(B), "--seq-len", str(T), "--forward", tok_path,
-                         "--logits-out", log_path])
+                         "--logits-out", log_path, "--device", args.device])
         m = re.findall(r"^\s*loss\s+(\S+)\s*$", out, re.MULTILINE)
         if not m:
             raise ParityError("our forward printed no 'loss X' line; output tail:\n" + "\n".join(out.splitlines()[-20:]))
