@@ -286,7 +286,9 @@ typedef struct {
     X(LR_SCHEDULE, 2, 1, 0)      /* hparams[16] f32, step[1] i32 -> lr[1] f32 */  \
     X(CLIP, 2, 2, 0)             /* sumsq[1], hparams -> coef[1], norm[1] */      \
     X(ADAMW, 8, 4, 0)            /* p, g, m, v, lr, coef, hparams, step -> p, m, v, p_bf16 (optional) */ \
-    X(EXPERT_BIAS_UPDATE, 2, 1, 0) /* bias[E], counts[E] i32 -> bias; f0 coeff */
+    X(EXPERT_BIAS_UPDATE, 2, 1, 0) /* bias[E], counts[E] i32 -> bias; f0 coeff */   \
+    X(ADD_RMSNORM, 3, 3, 0)      /* fused: a, b, w -> h = a+b, y = rmsnorm(h), rstd; f0 eps */ \
+    X(RMSNORM_BWD_ADD, 5, 2, 0)  /* fused: dy, x, w, rstd, acc -> acc + dx, dw */
 
 enum {
 #define MT_OP_ENUM(name, ni, no, d) MT_OP_##name,
@@ -367,7 +369,8 @@ int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target 
 void mt_plan_naive(mt_graph *g);                     /* eager: every value its own bytes */
 int mt_pass_plan_memory(mt_graph *g, mt_err *err);   /* liveness-based arena reuse */
 void mt_value_live_range(const mt_graph *g, int v, int *first, int *last);
-typedef struct { int plan_memory, capture; } mt_passes;   /* which optimizing passes run */
+typedef struct { int fuse, plan_memory, capture; } mt_passes;   /* which optimizing passes run */
+int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
 int mt_node_syncs_host(const mt_node *n);            /* needs data on the host before launching (grouped GEMMs) */
 void mt_passes_all(mt_passes *p);
 void mt_passes_none(mt_passes *p);                   /* eager */
@@ -422,6 +425,10 @@ void mt_cpu_swiglu_forward(mt_real *h, const mt_real *g, const mt_real *u, int64
 void mt_cpu_swiglu_backward(mt_real *dg, mt_real *du, const mt_real *g, const mt_real *u,
                             const mt_real *dh, int64_t n);
 void mt_cpu_add(mt_real *c, const mt_real *a, const mt_real *b, int64_t n);
+void mt_cpu_add_rmsnorm_forward(mt_real *h, mt_real *y, mt_real *rstd, const mt_real *a, const mt_real *b, const mt_real *w,
+                                int N, int D, float eps);   /* h = a + b; y, rstd = rmsnorm(h) */
+void mt_cpu_rmsnorm_backward_add(mt_real *dx, mt_real *dw, const mt_real *dy, const mt_real *x, const mt_real *w,
+                                 const mt_real *rstd, const mt_real *acc, int N, int D);   /* dx = acc + rmsnorm dx */
 void mt_cpu_router_forward(int32_t *idx, mt_real *w, mt_real *scores, int32_t *counts,
                            const mt_real *logits, const mt_real *bias, int N, int E, int K,
                            int score_func, int route_norm, float route_scale, int n_groups,
@@ -533,6 +540,10 @@ size_t mt_cuda_rmsnorm_backward_workspace(int N, int D);
 int mt_cuda_rmsnorm_forward(mt_cuda *c, void *y, float *rstd, const void *x, const float *w, int N, int D, float eps);
 int mt_cuda_rmsnorm_backward(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w,
                              const float *rstd, int N, int D, void *ws);
+int mt_cuda_add_rmsnorm_forward(mt_cuda *c, void *h, void *y, float *rstd, const void *a, const void *b, const float *w, int N,
+                                int D, float eps);
+int mt_cuda_rmsnorm_backward_add(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w,
+                                 const float *rstd, const void *acc, int N, int D, void *ws);
 size_t mt_cuda_matmul_workspace(int M, int N, int K, int ct, int at, int bt);
 int mt_cuda_matmul(mt_cuda *c, void *C, int ct, const void *A, int at, const void *B, int bt, int M, int N, int K,
                    int ta, int tb, void *ws);
@@ -1509,6 +1520,24 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         if (n->out[3] >= 0) { MT__T(mt__same_numel(&c, p, mt__out(&c, 3))); MT__T(mt__persistent(&c, mt__out(&c, 3))); }
         break;
     }
+    case MT_OP_ADD_RMSNORM:
+        MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, b, "b", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "w", 1, a->dims[1], 0, 0));
+        MT__T(mt__shape(&c, o, "h", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "y", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 2), "rstd", 1, a->dims[0], 0, 0));
+        if (!(n->fattr[0] > 0)) return mt_errf(err, "ADD_RMSNORM: eps must be > 0");
+        break;
+    case MT_OP_RMSNORM_BWD_ADD:
+        MT__T(mt__shape(&c, b, "x", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, a, "dy", 2, b->dims[0], b->dims[1], 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "w", 1, b->dims[1], 0, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 3), "rstd", 1, b->dims[0], 0, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 4), "acc", 2, b->dims[0], b->dims[1], 0));
+        MT__T(mt__shape(&c, o, "dx", 2, b->dims[0], b->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "dw", 1, b->dims[1], 0, 0));
+        break;
     case MT_OP_EXPERT_BIAS_UPDATE:
         MT__T(mt__shape(&c, a, "bias", 1, MT__ANY, 0, 0));
         MT__T(mt__is_index(&c, b, "counts", 1)); MT__T(mt__shape(&c, b, "counts", 1, a->dims[0], 0, 0));
@@ -2453,9 +2482,87 @@ done:
 /* Grouped GEMMs launch one GEMM per expert with sizes read on the host. */
 int mt_node_syncs_host(const mt_node *n) { return n->op == MT_OP_GMM || n->op == MT_OP_GMM_DX || n->op == MT_OP_GMM_DW; }
 
-void mt_passes_all(mt_passes *p) { p->plan_memory = 1; p->capture = 1; }
-void mt_passes_none(mt_passes *p) { p->plan_memory = 0; p->capture = 0; }
+/* Drop values no node or well-known slot refers to (what fusion orphaned),
+ * renumbering the rest in order. */
+static int mt__compact_values(mt_graph *g, mt_err *err) {
+    int32_t *map = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(g->n_values + 1));
+    uint8_t *used = (uint8_t *)mt__calloc((size_t)g->n_values + 1);
+    if (!map || !used) { MT_FREE(map); MT_FREE(used); return mt_errf(err, "out of memory"); }
+    for (int i = 0; i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        for (int k = 0; k < n->n_in; k++) if (n->in[k] >= 0) used[n->in[k]] = 1;
+        for (int k = 0; k < n->n_out; k++) if (n->out[k] >= 0) used[n->out[k]] = 1;
+    }
+    for (int i = 0; i < MT_NIO; i++) if (g->io[i] >= 0) used[g->io[i]] = 1;
+    for (int v = 0; v < g->n_values; v++)   /* params and their moments stay, used or not */
+        if (!MT_ROLE_IN_ARENA(g->values[v].role)) used[v] = 1;
+    int n = 0;
+    for (int v = 0; v < g->n_values; v++) map[v] = used[v] ? n++ : -1;
+    for (int v = 0; v < g->n_values; v++)
+        if (map[v] >= 0) {
+            g->values[map[v]] = g->values[v];
+            if (g->values[map[v]].param >= 0) g->values[map[v]].param = map[g->values[map[v]].param];
+        }
+    g->n_values = n;
+    for (int i = 0; i < g->n_nodes; i++) {
+        mt_node *x = &g->nodes[i];
+        for (int k = 0; k < x->n_in; k++) if (x->in[k] >= 0) x->in[k] = map[x->in[k]];
+        for (int k = 0; k < x->n_out; k++) if (x->out[k] >= 0) x->out[k] = map[x->out[k]];
+    }
+    for (int i = 0; i < MT_NIO; i++) if (g->io[i] >= 0) g->io[i] = map[g->io[i]];
+    MT_FREE(map); MT_FREE(used);
+    return 0;
+}
+
+/* Fusion: the residual add and the RMSNorm that reads it become one pass
+ * over the rows (forward), and RMSNorm's backward adds its input gradient
+ * into the residual gradient directly (backward). The builder emits each
+ * pair next to each other. Results are bitwise those of the unfused pair. */
+int mt_pass_fuse(mt_graph *g, mt_err *err) {
+    int w = 0;
+    for (int i = 0; i < g->n_nodes; i++) {
+        mt_node *a = &g->nodes[i], *b = i + 1 < g->n_nodes ? &g->nodes[i + 1] : NULL;
+        if (b && a->op == MT_OP_ADD && b->op == MT_OP_RMSNORM && b->in[0] == a->out[0] && a->phase == b->phase) {
+            mt_node f = *a;
+            f.op = MT_OP_ADD_RMSNORM; f.n_in = 3; f.n_out = 3;
+            f.in[2] = b->in[1];
+            f.out[1] = b->out[0]; f.out[2] = b->out[1];
+            f.fattr[0] = b->fattr[0];
+            f.layer = b->layer;
+            g->nodes[w++] = f;
+            i++;
+            continue;
+        }
+        /* RMSNORM_BWD -> dx, then ADD(acc, dx) or ADD(dx, acc): dx is used nowhere else */
+        if (b && a->op == MT_OP_RMSNORM_BWD && b->op == MT_OP_ADD && a->phase == b->phase &&
+            (b->in[0] == a->out[0] || b->in[1] == a->out[0]) && b->in[0] != b->in[1]) {
+            int dx = a->out[0], uses = 0;
+            for (int k = i + 1; k < g->n_nodes; k++)
+                for (int j = 0; j < g->nodes[k].n_in; j++) uses += g->nodes[k].in[j] == dx;
+            if (uses == 1) {
+                mt_node f = *a;
+                f.op = MT_OP_RMSNORM_BWD_ADD; f.n_in = 5; f.n_out = 2;
+                f.in[4] = b->in[0] == dx ? b->in[1] : b->in[0];
+                f.out[0] = b->out[0];
+                g->nodes[w++] = f;
+                i++;
+                continue;
+            }
+        }
+        g->nodes[w++] = *a;
+    }
+    int removed = g->n_nodes - w, fwd = 0;
+    g->n_nodes = w;
+    for (int i = 0; i < g->n_nodes; i++) fwd += g->nodes[i].phase == MT_PHASE_FORWARD;
+    g->n_forward_nodes = fwd;
+    (void)removed;
+    return mt__compact_values(g, err);
+}
+
+void mt_passes_all(mt_passes *p) { p->fuse = 1; p->plan_memory = 1; p->capture = 1; }
+void mt_passes_none(mt_passes *p) { p->fuse = 0; p->plan_memory = 0; p->capture = 0; }
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
+    if (p->fuse && mt_pass_fuse(g, err)) return -1;
     if (p->plan_memory) { if (mt_pass_plan_memory(g, err)) return -1; }
     else mt_plan_naive(g);
     /* capture pass: the step replays as CUDA graphs, one per region between
@@ -3394,6 +3501,16 @@ void mt_cpu_swiglu_backward(mt_real *dg, mt_real *du, const mt_real *g, const mt
 void mt_cpu_add(mt_real *c, const mt_real *a, const mt_real *b, int64_t n) {
     for (int64_t i = 0; i < n; i++) c[i] = a[i] + b[i];
 }
+void mt_cpu_add_rmsnorm_forward(mt_real *h, mt_real *y, mt_real *rstd, const mt_real *a, const mt_real *b, const mt_real *w,
+                                int N, int D, float eps) {
+    mt_cpu_add(h, a, b, (int64_t)N * D);
+    mt_cpu_rmsnorm_forward(y, rstd, h, w, N, D, eps);
+}
+void mt_cpu_rmsnorm_backward_add(mt_real *dx, mt_real *dw, const mt_real *dy, const mt_real *x, const mt_real *w,
+                                 const mt_real *rstd, const mt_real *acc, int N, int D) {
+    mt_cpu_rmsnorm_backward(dx, dw, dy, x, w, rstd, N, D);   /* dx may not alias acc: the plan keeps them apart */
+    mt_cpu_add(dx, acc, dx, (int64_t)N * D);
+}
 
 /* --- router ---
  * scores = softmax(logits) or sigmoid(logits), in fp32. Selection uses
@@ -3810,7 +3927,7 @@ static size_t mt__cuda_scratch(const mt_graph *G) {
         size_t w = 0;
         switch (n->op) {
         case MT_OP_EMBED_BWD: w = mt_cuda_embed_backward_workspace((int)a->dims[0], (int)a->dims[1]); break;
-        case MT_OP_RMSNORM_BWD: w = mt_cuda_rmsnorm_backward_workspace((int)b->dims[0], (int)b->dims[1]); break;
+        case MT_OP_RMSNORM_BWD: case MT_OP_RMSNORM_BWD_ADD: w = mt_cuda_rmsnorm_backward_workspace((int)b->dims[0], (int)b->dims[1]); break;
         case MT_OP_MATMUL: {
             int M = (int)a->dims[n->iattr[0] ? 1 : 0], K = (int)a->dims[n->iattr[0] ? 0 : 1], Nn = (int)b->dims[n->iattr[1] ? 0 : 1];
             w = mt_cuda_matmul_workspace(M, Nn, K, G->values[n->out[0]].dtype, a->dtype, b->dtype);
@@ -4207,6 +4324,12 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_EXPERT_BIAS_UPDATE:
         mt_cpu_expert_bias_update(R_(0), I_(1), DIM(n->in[0], 0), n->fattr[0]);
         break;
+    case MT_OP_ADD_RMSNORM:
+        mt_cpu_add_rmsnorm_forward(RO(0), RO(1), RO(2), R_(0), R_(1), R_(2), (int)mt__nrows(rt, n->in[0]), DIM(n->in[0], 1), n->fattr[0]);
+        break;
+    case MT_OP_RMSNORM_BWD_ADD:
+        mt_cpu_rmsnorm_backward_add(RO(0), RO(1), R_(0), R_(1), R_(2), R_(3), R_(4), (int)mt__nrows(rt, n->in[1]), DIM(n->in[1], 1));
+        break;
     default:
         return mt_errf(err, "op %s has no CPU implementation", mt_ops[n->op].name);
     }
@@ -4343,6 +4466,12 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
                            F_(4), F_(5), F_(6), I_(7), a[0]);
         break;
     case MT_OP_EXPERT_BIAS_UPDATE: rc = mt_cuda_expert_bias_update(c, F_(0), I_(1), DIM(n->in[0], 0), n->fattr[0]); break;
+    case MT_OP_ADD_RMSNORM:
+        rc = mt_cuda_add_rmsnorm_forward(c, VO(0), VO(1), FO(2), V_(0), V_(1), F_(2), (int)mt__nrows(rt, n->in[0]), DIM(n->in[0], 1), n->fattr[0]);
+        break;
+    case MT_OP_RMSNORM_BWD_ADD:
+        rc = mt_cuda_rmsnorm_backward_add(c, VO(0), FO(1), V_(0), V_(1), F_(2), F_(3), V_(4), (int)mt__nrows(rt, n->in[1]), DIM(n->in[1], 1), rt->scratch);
+        break;
     default: return mt_errf(err, "op %s has no CUDA implementation", mt_ops[n->op].name);
     }
 #undef V_

@@ -624,12 +624,68 @@ __global__ void k_colsum(float *out, const float *part, int chunks, int D) {
     for (int ch = 0; ch < chunks; ch++) acc += part[(int64_t)ch * D + d];
     out[d] = acc;
 }
+/* fused residual add + RMSNorm: h rounds to bf16 before the norm reads it,
+ * exactly as the unfused pair does (k_add_bf16 then k_rms_fwd) */
+__global__ void k_add_rms_fwd(bf16 *h, bf16 *y, float *rstd, const bf16 *a, const bf16 *b, const float *w, int N, int D, float eps) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    int64_t o = (int64_t)row * D;
+    float ss = 0;
+    for (int d = lane; d < D; d += 32) {
+        bf16 hv = tobf(bf(a[o + d]) + bf(b[o + d]));
+        h[o + d] = hv;
+        float v = bf(hv);
+        ss += v * v;
+    }
+    ss = warp_sum(ss);
+    float r = rsqrtf(ss / D + eps);
+    if (lane == 0) rstd[row] = r;
+    for (int d = lane; d < D; d += 32) y[o + d] = tobf(bf(h[o + d]) * r * w[d]);
+}
+/* fused RMSNorm backward + residual-gradient accumulation: dx rounds to
+ * bf16 before the add, as the unfused pair does */
+__global__ void k_rms_bwd_dx_add(bf16 *dx, const bf16 *dy, const bf16 *x, const float *w, const float *rstd, const bf16 *acc, int N, int D) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const bf16 *xr = x + (int64_t)row * D, *g = dy + (int64_t)row * D;
+    float dot = 0;
+    for (int d = lane; d < D; d += 32) dot += w[d] * bf(g[d]) * bf(xr[d]);
+    dot = warp_sum(dot);
+    float r = rstd[row], cc = r * r * r * dot / D;
+    for (int d = lane; d < D; d += 32) {
+        float own = bf(tobf(r * w[d] * bf(g[d]) - cc * bf(xr[d])));
+        dx[(int64_t)row * D + d] = tobf(bf(acc[(int64_t)row * D + d]) + own);
+    }
+}
+int mt_cuda_add_rmsnorm_forward(mt_cuda *c, void *h, void *y, float *rstd, const void *a, const void *b, const float *w, int N,
+                                int D, float eps) {
+    if (N <= 0) return 0;
+    k_add_rms_fwd<<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)h, (bf16 *)y, rstd, (const bf16 *)a, (const bf16 *)b, w, N, D, eps);
+    LAUNCHED();
+    return 0;
+}
 size_t mt_cuda_rmsnorm_backward_workspace(int N, int D) { return mt__al((size_t)((N + MT_RMS_CHUNK - 1) / MT_RMS_CHUNK) * D * 4); }
 int mt_cuda_rmsnorm_forward(mt_cuda *c, void *y, float *rstd, const void *x, const float *w, int N, int D, float eps) {
     if (N <= 0) return 0;
     k_rms_fwd<<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)y, rstd, (const bf16 *)x, w, N, D, eps);
     LAUNCHED();
     return 0;
+}
+static int mt__rms_dw(mt_cuda *c, float *dw, const void *dy, const void *x, const float *rstd, int N, int D, void *ws) {
+    int chunks = (N + MT_RMS_CHUNK - 1) / MT_RMS_CHUNK;
+    dim3 g(chunks, (D + 127) / 128);
+    k_rms_bwd_dw_part<<<g, 128, 0, c->stream>>>((float *)ws, (const bf16 *)dy, (const bf16 *)x, rstd, N, D);
+    LAUNCHED();
+    k_colsum<<<mt__blocks(D, 128), 128, 0, c->stream>>>(dw, (const float *)ws, chunks, D);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_rmsnorm_backward_add(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w,
+                                 const float *rstd, const void *acc, int N, int D, void *ws) {
+    if (N <= 0) { CK(cudaMemsetAsync(dw, 0, (size_t)D * 4, c->stream)); return 0; }
+    k_rms_bwd_dx_add<<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dy, (const bf16 *)x, w, rstd, (const bf16 *)acc, N, D);
+    LAUNCHED();
+    return mt__rms_dw(c, dw, dy, x, rstd, N, D, ws);
 }
 int mt_cuda_rmsnorm_backward(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w,
                              const float *rstd, int N, int D, void *ws) {
@@ -706,9 +762,64 @@ __global__ void k_rope_bwd(bf16 *dq, bf16 *dkv, bf16 *dkpe, const bf16 *dQ, cons
         dkpe[(int64_t)n * dr + d] = tobf(acc);
     }
 }
+/* the same two kernels on bf16 pairs, which are exactly the rotation pairs
+ * (needs even dn and dv; the element kernels above handle the rest) */
+__device__ __forceinline__ __nv_bfloat162 rot2(__nv_bfloat162 x, float c, float s, int inverse) {
+    float x0 = __low2float(x), x1 = __high2float(x);
+    if (inverse) s = -s;
+    return __floats2bfloat162_rn(x0 * c - x1 * s, x0 * s + x1 * c);
+}
+__global__ void k_rope_fwd2(__nv_bfloat162 *Q, __nv_bfloat162 *K, __nv_bfloat162 *V, const __nv_bfloat162 *q, const __nv_bfloat162 *kv,
+                            const __nv_bfloat162 *kpe, const float *cosv, const float *sinv, int T, int H, int dn, int dr, int dv) {
+    int n = blockIdx.x, half = dr / 2, pq = (dn + dr) / 2, pn = dn / 2, pkv = (dn + dv) / 2, pv = dv / 2;
+    const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
+    for (int idx = threadIdx.x; idx < H * pq; idx += blockDim.x) {
+        int h = idx / pq, p = idx % pq;
+        int64_t o = ((int64_t)n * H + h) * pq + p;
+        if (p < pn) { Q[o] = q[o]; K[o] = kv[((int64_t)n * H + h) * pkv + p]; }
+        else { int i = p - pn; Q[o] = rot2(q[o], cs[i], sn[i], 0); K[o] = rot2(kpe[(int64_t)n * half + i], cs[i], sn[i], 0); }
+    }
+    for (int idx = threadIdx.x; idx < H * pv; idx += blockDim.x) {
+        int h = idx / pv, e = idx % pv;
+        V[((int64_t)n * H + h) * pv + e] = kv[((int64_t)n * H + h) * pkv + pn + e];
+    }
+}
+__global__ void k_rope_bwd2(__nv_bfloat162 *dq, __nv_bfloat162 *dkv, __nv_bfloat162 *dkpe, const __nv_bfloat162 *dQ, const __nv_bfloat162 *dK,
+                            const __nv_bfloat162 *dV, const float *cosv, const float *sinv, int T, int H, int dn, int dr, int dv) {
+    int n = blockIdx.x, half = dr / 2, pq = (dn + dr) / 2, pn = dn / 2, pkv = (dn + dv) / 2, pv = dv / 2;
+    const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
+    for (int idx = threadIdx.x; idx < H * pq; idx += blockDim.x) {
+        int h = idx / pq, p = idx % pq;
+        int64_t o = ((int64_t)n * H + h) * pq + p;
+        dq[o] = p < pn ? dQ[o] : rot2(dQ[o], cs[p - pn], sn[p - pn], 1);
+    }
+    for (int idx = threadIdx.x; idx < H * pkv; idx += blockDim.x) {
+        int h = idx / pkv, p = idx % pkv;
+        dkv[((int64_t)n * H + h) * pkv + p] = p < pn ? dK[((int64_t)n * H + h) * pq + p] : dV[((int64_t)n * H + h) * pv + p - pn];
+    }
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {   /* k_pe is shared: sum heads in order */
+        float a0 = 0, a1 = 0;
+        for (int h = 0; h < H; h++) {
+            __nv_bfloat162 g = dK[((int64_t)n * H + h) * pq + pn + i];
+            float d0 = __low2float(g), d1 = __high2float(g);
+            a0 += d0 * cs[i] + d1 * sn[i];
+            a1 += -d0 * sn[i] + d1 * cs[i];
+        }
+        dkpe[(int64_t)n * half + i] = __floats2bfloat162_rn(a0, a1);
+    }
+}
+static int mt__pairs_ok(int dn, int dv, const void *a, const void *b, const void *c3, const void *d, const void *e, const void *f) {
+    return dn % 2 == 0 && dv % 2 == 0 && !(((uintptr_t)a | (uintptr_t)b | (uintptr_t)c3 | (uintptr_t)d | (uintptr_t)e | (uintptr_t)f) & 3);
+}
 int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *q, const void *kv, const void *kpe,
                              const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv) {
     if (N <= 0) return 0;
+    if (mt__pairs_ok(dn, dv, Q, K, V, q, kv, kpe)) {
+        k_rope_fwd2<<<N, 256, 0, c->stream>>>((__nv_bfloat162 *)Q, (__nv_bfloat162 *)K, (__nv_bfloat162 *)V, (const __nv_bfloat162 *)q,
+                                              (const __nv_bfloat162 *)kv, (const __nv_bfloat162 *)kpe, cosv, sinv, T, H, dn, dr, dv);
+        LAUNCHED();
+        return 0;
+    }
     k_rope_fwd<<<N, 256, 0, c->stream>>>((bf16 *)Q, (bf16 *)K, (bf16 *)V, (const bf16 *)q, (const bf16 *)kv, (const bf16 *)kpe,
                                          cosv, sinv, T, H, dn, dr, dv);
     LAUNCHED();
@@ -717,6 +828,12 @@ int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *
 int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const void *dQ, const void *dK, const void *dV,
                               const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv) {
     if (N <= 0) return 0;
+    if (mt__pairs_ok(dn, dv, dq, dkv, dkpe, dQ, dK, dV)) {
+        k_rope_bwd2<<<N, 256, 0, c->stream>>>((__nv_bfloat162 *)dq, (__nv_bfloat162 *)dkv, (__nv_bfloat162 *)dkpe, (const __nv_bfloat162 *)dQ,
+                                              (const __nv_bfloat162 *)dK, (const __nv_bfloat162 *)dV, cosv, sinv, T, H, dn, dr, dv);
+        LAUNCHED();
+        return 0;
+    }
     k_rope_bwd<<<N, 256, 0, c->stream>>>((bf16 *)dq, (bf16 *)dkv, (bf16 *)dkpe, (const bf16 *)dQ, (const bf16 *)dK,
                                          (const bf16 *)dV, cosv, sinv, T, H, dn, dr, dv);
     LAUNCHED();

@@ -150,6 +150,23 @@ static void gpu_test_basic_ops(void) {
     float *gy = down_bf(dY, (int64_t)N * D), *gr = (float *)down(dR, 4 * (size_t)N), *gdx = down_bf(dDX, (int64_t)N * D), *gdw = (float *)down(dDW, 4 * (size_t)D);
     double r1 = rel(gy, y, (int64_t)N * D), r2 = rel(gr, rs, N), r3 = rel(gdx, dxr, (int64_t)N * D), r4 = rel(gdw, dwr, D);
     report("gpu rmsnorm fwd/bwd", ok && r1 < BF_TOL && r2 < F32_TOL && r3 < BF_TOL && r4 < F32_TOL, "y %.1e rstd %.1e dx %.1e dw %.1e", r1, r2, r3, r4);
+    /* the fused residual add + RMSNorm and RMSNorm backward + add equal the unfused pairs bit for bit */
+    float *xb = randn((int64_t)N * D, 1), *acc = randn((int64_t)N * D, 1);
+    round_bf(xb, (int64_t)N * D); round_bf(acc, (int64_t)N * D);
+    void *dB = up_bf(xb, (int64_t)N * D), *dAcc = up_bf(acc, (int64_t)N * D), *h1 = dalloc(2 * (size_t)N * D), *h2 = dalloc(2 * (size_t)N * D);
+    void *y1 = dalloc(2 * (size_t)N * D), *y2 = dalloc(2 * (size_t)N * D), *r1_ = dalloc(4 * (size_t)N), *r2_ = dalloc(4 * (size_t)N);
+    void *g1 = dalloc(2 * (size_t)N * D), *g2 = dalloc(2 * (size_t)N * D), *gsum = dalloc(2 * (size_t)N * D), *w1 = dalloc(4 * (size_t)D), *w2 = dalloc(4 * (size_t)D);
+    ok = !mt_cuda_add(CU, h1, dX, dB, (int64_t)N * D, MT_BF16) && !mt_cuda_rmsnorm_forward(CU, y1, (float *)r1_, h1, (float *)dW, N, D, 1e-6f) &&
+         !mt_cuda_add_rmsnorm_forward(CU, h2, y2, (float *)r2_, dX, dB, (float *)dW, N, D, 1e-6f) &&
+         !mt_cuda_rmsnorm_backward(CU, g1, (float *)w1, dDY, h1, (float *)dW, (float *)r1_, N, D, ws2) &&
+         !mt_cuda_add(CU, gsum, dAcc, g1, (int64_t)N * D, MT_BF16) &&
+         !mt_cuda_rmsnorm_backward_add(CU, g2, (float *)w2, dDY, h1, (float *)dW, (float *)r1_, dAcc, N, D, ws2);
+    void *a1 = down(h1, 2 * (size_t)N * D), *a2 = down(h2, 2 * (size_t)N * D), *b1 = down(y1, 2 * (size_t)N * D), *b2 = down(y2, 2 * (size_t)N * D);
+    void *c1 = down(gsum, 2 * (size_t)N * D), *c2 = down(g2, 2 * (size_t)N * D), *e1_ = down(w1, 4 * (size_t)D), *e2_ = down(w2, 4 * (size_t)D);
+    int same = !memcmp(a1, a2, 2 * (size_t)N * D) && !memcmp(b1, b2, 2 * (size_t)N * D) && !memcmp(c1, c2, 2 * (size_t)N * D) && !memcmp(e1_, e2_, 4 * (size_t)D);
+    report("gpu fused add+rmsnorm, rmsnorm_bwd+add: bitwise", ok && same, NULL);
+    free(xb); free(acc); free(a1); free(a2); free(b1); free(b2); free(c1); free(c2); free(e1_); free(e2_);
+    dfree(dB); dfree(dAcc); dfree(h1); dfree(h2); dfree(y1); dfree(y2); dfree(r1_); dfree(r2_); dfree(g1); dfree(g2); dfree(gsum); dfree(w1); dfree(w2);
     free(xr); free(w); free(dy); free(y); free(rs); free(dxr); free(dwr); free(gy); free(gr); free(gdx); free(gdw);
     dfree(dX); dfree(dW); dfree(dY); dfree(dR); dfree(dDY); dfree(dDX); dfree(dDW); dfree(ws2);
 
@@ -229,12 +246,12 @@ static void gpu_test_attention_shape(int B, int T, int H, int dq, int dv) {
     dfree(dQ_); dfree(dK_); dfree(dV_); dfree(ddO); dfree(dOo); dfree(dL); dfree(gQ); dfree(gK); dfree(gV); dfree(ws);
 }
 
-static void gpu_test_rope(void) {
+static void gpu_test_rope(int dn, int dv) {
     mt_config c;
     mt_err e;
     mt_config_preset(&c, "tiny", &e);
     c.seq_len = 20; c.qk_rope_head_dim = 16; c.rope_factor = 4; c.original_seq_len = 8;
-    int T = 20, N = 40, H = 3, dn = 12, dr = 16, dv = 10, half = 8;
+    int T = 20, N = 40, H = 3, dr = 16, half = 8;
     float *cs = (float *)malloc(4 * T * half), *sn = (float *)malloc(4 * T * half);
     mt_cpu_rope_tables(cs, sn, &c);
     int64_t nq = (int64_t)N * H * (dn + dr), nkv = (int64_t)N * H * (dn + dv), nv = (int64_t)N * H * dv;
@@ -251,7 +268,9 @@ static void gpu_test_rope(void) {
              !mt_cuda_mla_rope_backward(CU, Ddq, Ddkv, Ddkpe, DgQ, DgK, DgV, (float *)Dc, (float *)Ds, N, T, H, dn, dr, dv);
     float *a1 = down_bf(DQ, nq), *a2 = down_bf(DK, nq), *a3 = down_bf(DV, nv), *a4 = down_bf(Ddq, nq), *a5 = down_bf(Ddkv, nkv), *a6 = down_bf(Ddkpe, (int64_t)N * dr);
     double e1 = rel(a1, Q, nq), e2 = rel(a2, K, nq), e3 = rel(a3, Vv, nv), e4 = rel(a4, dq, nq), e5 = rel(a5, dkv, nkv), e6 = rel(a6, dkpe, (int64_t)N * dr);
-    report("gpu MLA rope (YaRN) fwd/bwd", ok && e1 < BF_TOL && e2 < BF_TOL && e3 == 0 && e4 < BF_TOL && e5 < BF_TOL && e6 < BF_TOL,
+    char nm[64];
+    snprintf(nm, sizeof nm, "gpu MLA rope (YaRN) fwd/bwd dn=%d dv=%d", dn, dv);
+    report(nm, ok && e1 < BF_TOL && e2 < BF_TOL && e3 == 0 && e4 < BF_TOL && e5 < BF_TOL && e6 < BF_TOL,
            "%.1e %.1e %.1e %.1e %.1e %.1e", e1, e2, e3, e4, e5, e6);
     free(cs); free(sn); free(q); free(kv); free(kpe); free(gQ); free(gK); free(gV); free(Q); free(K); free(Vv); free(dq); free(dkv); free(dkpe);
     free(a1); free(a2); free(a3); free(a4); free(a5); free(a6);
@@ -488,7 +507,8 @@ int main(void) {
     if (mt_cuda_create(&CU, 0, &e)) { report("gpu present", 0, "%s", e.msg); printf("%d passed, %d failed\n", n_pass, n_fail); return 1; }
     gpu_test_basic_ops();
     gpu_test_matmul();
-    gpu_test_rope();
+    gpu_test_rope(12, 10);   /* bf16-pair kernels */
+    gpu_test_rope(11, 9);    /* element kernels */
     gpu_test_attention_shape(2, 64, 4, 24, 16);
     gpu_test_attention_shape(1, 7, 2, 12, 8);
     gpu_test_attention_shape(2, 100, 3, 64, 64);
@@ -895,6 +915,9 @@ static void test_graph_structure(void) {
     n.out[0] = n.in[0] == 0 ? 1 : 0;
     int refused = mt_check_node(&g, &n, &e) != 0;
     report("node shape check refuses a miswired node", refused, "%s: %s", mt_ops[was].name, e.msg);
+    int fused_f = 0, fused_b = 0;
+    for (int i = 0; i < g.n_nodes; i++) { fused_f += g.nodes[i].op == MT_OP_ADD_RMSNORM; fused_b += g.nodes[i].op == MT_OP_RMSNORM_BWD_ADD; }
+    report("fusion pass: residual add + RMSNorm, fwd and bwd", fused_f == 6 && fused_b == 6, "%d forward, %d backward fusions", fused_f, fused_b);
     mt_graph_free(&g);
 
     /* precompiling for a larger mesh: coordinates are symbols, never literals */
