@@ -1005,6 +1005,26 @@ struct BwdParams {
 /* ------------------------------------------------------------------------------------------ */
 /* Forward                                                                                    */
 /* ------------------------------------------------------------------------------------------ */
+/* Key/value streaming shared by the forward and dQ kernels: start loading
+ * tile j+1 into the other stage (double buffering), wait for tile j, and
+ * return the stage that holds it. */
+template <int BN, int DQ, int DV, int LDQ, int LDV, int NT, int ST>
+__device__ __forceinline__ int prefetch_kv(bf16 *sK, bf16 *sV, const bf16 *kbase, const bf16 *vbase, size_t ldqk, size_t ldv,
+                                           int T, int dimq, int dimv, bool vqk, bool vv, int j, int n_blocks, int tid) {
+    const int stage = (ST == 2) ? (j & 1) : 0;
+    if (ST == 2 && j + 1 < n_blocks) {
+        const int n1 = (j + 1) * BN, st1 = (j + 1) & 1;
+        load_tile<BN, DQ, LDQ, NT>(sK + st1 * BN * LDQ, kbase + (size_t)n1 * ldqk, ldqk, T - n1, dimq, vqk, kbase, tid);
+        load_tile<BN, DV, LDV, NT>(sV + st1 * BN * LDV, vbase + (size_t)n1 * ldv, ldv, T - n1, dimv, vv, vbase, tid);
+        cp_async_commit();
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+    return stage;
+}
+
 template <int DQ, int DV, int NW, int BN, int ST, bool QREG, int MT>
 __global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_kernel(const FwdParams p) {
     /* NW warps, each owning MT m16 tiles (16*MT consecutive query rows); BM = 16*NW*MT rows per CTA */
@@ -1069,17 +1089,7 @@ __global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_
     const float sl2 = p.scale_log2;
 
     for (int j = 0; j < n_blocks; ++j) {
-        const int stage = (ST == 2) ? (j & 1) : 0;
-        if (ST == 2 && j + 1 < n_blocks) {
-            const int n1 = (j + 1) * BN, st1 = (j + 1) & 1;
-            load_tile<BN, DQ, LDQ, NT>(sK + st1 * BN * LDQ, kbase + (size_t)n1 * ldqk, ldqk, T - n1, p.dimq, vqk, kbase, tid);
-            load_tile<BN, DV, LDV, NT>(sV + st1 * BN * LDV, vbase + (size_t)n1 * ldv, ldv, T - n1, p.dimv, vv, vbase, tid);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        const int stage = prefetch_kv<BN, DQ, DV, LDQ, LDV, NT, ST>(sK, sV, kbase, vbase, ldqk, ldv, T, p.dimq, p.dimv, vqk, vv, j, n_blocks, tid);
 
         const uint32_t cK = smem_u32(sK + stage * BN * LDQ);
         const uint32_t cV = smem_u32(sV + stage * BN * LDV);
@@ -1296,17 +1306,7 @@ __global__ void __launch_bounds__(NW * 32, 1) fa_bwd_dq_kernel(const BwdParams p
     const float sl2 = p.scale_log2;
 
     for (int j = 0; j < n_blocks; ++j) {
-        const int stage = (ST == 2) ? (j & 1) : 0;
-        if (ST == 2 && j + 1 < n_blocks) {
-            const int n1 = (j + 1) * BN, st1 = (j + 1) & 1;
-            load_tile<BN, DQ, LDQ, NT>(sK + st1 * BN * LDQ, kbase + (size_t)n1 * ldqk, ldqk, T - n1, p.dimq, vqk, kbase, tid);
-            load_tile<BN, DV, LDV, NT>(sV + st1 * BN * LDV, vbase + (size_t)n1 * ldv, ldv, T - n1, p.dimv, vv, vbase, tid);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        const int stage = prefetch_kv<BN, DQ, DV, LDQ, LDV, NT, ST>(sK, sV, kbase, vbase, ldqk, ldv, T, p.dimq, p.dimv, vqk, vv, j, n_blocks, tid);
         const uint32_t cK = smem_u32(sK + stage * BN * LDQ);
         const uint32_t cV = smem_u32(sV + stage * BN * LDV);
 
