@@ -371,7 +371,7 @@ int mt_pass_plan_memory(mt_graph *g, mt_err *err);   /* liveness-based arena reu
 void mt_value_live_range(const mt_graph *g, int v, int *first, int *last);
 typedef struct { int fuse, plan_memory, capture; } mt_passes;   /* which optimizing passes run */
 int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
-int mt_node_syncs_host(const mt_node *n);            /* needs data on the host before launching (grouped GEMMs) */
+int mt_node_syncs_host(const mt_node *n);            /* needs data on the host before launching */
 void mt_passes_all(mt_passes *p);
 void mt_passes_none(mt_passes *p);                   /* eager */
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err);
@@ -573,8 +573,9 @@ int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, cons
 int mt_cuda_moe_permute_backward(mt_cuda *c, void *dx, const void *dxs, const int32_t *slot, int N, int D, int K);
 int mt_cuda_ep_counts(mt_cuda *c, int32_t *recv, const int32_t *offs, int E_local, int first_expert);
 int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_local);
-int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *host_offs, int E, int M,
-                int K, void *ws);   /* mode 0: Y=X W^T, 1: dX = dY W, 2: dW = dY^T X (f32 out) */
+size_t mt_cuda_gmm_workspace(int mode, int E, int M, int K, int Rmax);
+int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *d_offs, int E, int M, int K,
+                int Rmax, void *ws);  /* mode 0: Y=X W^T, 1: dX = dY W, 2: dW = dY^T X (f32 out); offsets on the device */
 int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32_t *slot, const float *w, int N, int D, int K);
 int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
                                  const float *w, int N, int D, int K);
@@ -2479,8 +2480,12 @@ done:
     return rc;
 }
 
-/* Grouped GEMMs launch one GEMM per expert with sizes read on the host. */
-int mt_node_syncs_host(const mt_node *n) { return n->op == MT_OP_GMM || n->op == MT_OP_GMM_DX || n->op == MT_OP_GMM_DW; }
+/* Ops that need data on the host before they can launch. None on one rank:
+ * the grouped GEMMs read the expert offsets on the device. The expert
+ * exchange over several ranks will (an all-to-all-v takes host counts). */
+int mt_node_syncs_host(const mt_node *n) {
+    return (n->op == MT_OP_EP_DISPATCH || n->op == MT_OP_EP_COMBINE || n->op == MT_OP_EP_COUNTS) && n->iattr[2] > 1;
+}
 
 /* Drop values no node or well-known slot refers to (what fusion orphaned),
  * renumbering the rest in order. */
@@ -3194,7 +3199,7 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
         if (mt_node_syncs_host(&g->nodes[i])) { syncs++; continue; }
         if (i == 0 || mt_node_syncs_host(&g->nodes[i - 1])) regions++;
     }
-    fprintf(f, "\n== execution\n  %d nodes need host data (grouped GEMMs); %d regions between them%s\n", syncs, regions,
+    fprintf(f, "\n== execution\n  %d nodes need host data; %d regions between them%s\n", syncs, regions,
             g->capture ? ", each replayed as a CUDA graph" : "; no graph capture");
 }
 
@@ -3825,8 +3830,6 @@ struct mt_runtime {
     void *cu;                /* mt_cuda context (CUDA builds) */
     void *scratch;           /* CUDA: op workspace, sized for the hungriest node */
     size_t scratch_bytes;
-    int32_t *host_offs;      /* CUDA: host copies of expert offsets, per value (see offs_at) */
-    int64_t *offs_at, *offs_stamp, stamp;
     void **graphs;           /* CUDA: one captured graph per region, by its first node */
     double prof_ms[MT_NOPS];  /* binding.profile: time per op */
     int64_t prof_calls[MT_NOPS];
@@ -3938,6 +3941,12 @@ static size_t mt__cuda_scratch(const mt_graph *G) {
             break;
         case MT_OP_CROSS_ENTROPY: w = mt_cuda_cross_entropy_workspace((int)a->dims[0]); break;
         case MT_OP_MOE_PERMUTE: w = mt_cuda_moe_permute_workspace(a->dims[0] * b->dims[1]); break;
+        case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: {
+            const mt_value *W = &G->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];
+            int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DX ? 1 : 2;
+            w = mt_cuda_gmm_workspace(mode, (int)W->dims[0], (int)W->dims[1], (int)W->dims[2], (int)mt_value_numel_max(G, a) / (int)a->dims[1]);
+            break;
+        }
         }
         if (w > need) need = w;
     }
@@ -3957,6 +3966,14 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
 #else
     if (g->target.backend == MT_BACKEND_CUDA && sizeof(mt_real) != 4)
         return mt_errf(err, "CUDA graphs need a float32 build (MT_REAL=float)");
+    for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW) continue;
+        const mt_value *W = &g->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];
+        if (W->dims[1] % 8 || W->dims[2] % 8)
+            return mt_errf(err, "on CUDA the expert GEMMs need dim and moe_inter_dim to be multiples of 8 (got %lld and %lld)",
+                           (long long)W->dims[2], (long long)W->dims[1]);
+    }
 #endif
     if (b->world != mt_mesh_world(&g->mesh))
         return mt_errf(err, "the graph's mesh has %d ranks, the launch has %d", mt_mesh_world(&g->mesh), b->world);
@@ -3994,8 +4011,6 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
         if (mt_cuda_create(&cu, b->device, err)) { mt_runtime_destroy(rt); return -1; }
         rt->cu = cu;
         rt->scratch_bytes = mt__cuda_scratch(G);
-        rt->offs_at = (int64_t *)mt__calloc(sizeof(int64_t) * (size_t)(G->n_values + 1));
-        rt->offs_stamp = (int64_t *)mt__calloc(sizeof(int64_t) * (size_t)(G->n_values + 1));
         if (mt_cuda_malloc(cu, (void **)&rt->persist, (size_t)G->persist_bytes) ||
             mt_cuda_malloc(cu, (void **)&rt->arena, (size_t)G->arena_bytes) ||
             mt_cuda_malloc(cu, &rt->scratch, rt->scratch_bytes) || mt_cuda_memset(cu, rt->persist, 0, (size_t)G->persist_bytes)) {
@@ -4003,18 +4018,6 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
             mt_runtime_destroy(rt);
             return -1;
         }
-        /* host copies of expert offsets: a slot for each value a grouped GEMM reads */
-        int64_t total = 0;
-        for (int i = 0; i < G->n_nodes; i++) {
-            int op = G->nodes[i].op, v = G->nodes[i].in[2];
-            if ((op == MT_OP_GMM || op == MT_OP_GMM_DX || op == MT_OP_GMM_DW) && rt->offs_at && !rt->offs_stamp[v]) {
-                rt->offs_at[v] = total;
-                rt->offs_stamp[v] = -1;
-                total += mt_value_numel_max(G, &G->values[v]);
-            }
-        }
-        rt->host_offs = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(total + 1));
-        if (!rt->host_offs || !rt->offs_at || !rt->offs_stamp) { mt_runtime_destroy(rt); return mt_errf(err, "out of memory"); }
 #endif
     }
     /* bind symbols: coordinates from the binding, sizes at their bounds until data says otherwise */
@@ -4047,7 +4050,6 @@ void mt_runtime_destroy(mt_runtime *rt) {
     }
 #endif
     MT_FREE(rt->ptr); MT_FREE(rt->rows); MT_FREE(rt->sym); MT_FREE(rt->counts);
-    MT_FREE(rt->host_offs); MT_FREE(rt->offs_at); MT_FREE(rt->offs_stamp);
     mt_graph_free(&rt->g);
     MT_FREE(rt);
 }
@@ -4348,17 +4350,6 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
 }
 
 #ifdef MT_CUDA
-/* Host copy of a small device offsets array, fetched once per step. This is
- * the one host synchronization per MoE layer: grouped GEMMs are launched per
- * expert with host-known sizes. */
-static const int32_t *mt__offsets_on_host(mt_runtime *rt, int v, mt_err *err) {
-    int32_t *h = rt->host_offs + rt->offs_at[v];
-    if (rt->offs_stamp[v] == rt->stamp) return h;
-    if (mt_runtime_read(rt, v, h, err)) return NULL;
-    rt->offs_stamp[v] = rt->stamp;
-    return h;
-}
-
 static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
     mt_graph *G = &rt->g;
     mt_cuda *c = MT__CU(rt);
@@ -4433,16 +4424,11 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         if (!rc && n->op == MT_OP_EP_DISPATCH) { rc = mt_cuda_ep_offsets(c, IO(1), I_(2), a[3]); rt->rows[n->out[0]] = rows; }
         break;
     }
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: {
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: {   /* the offsets come from our own permutation */
         int wi = n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1];
         int E = DIM(wi, 0), M = DIM(wi, 1), K = DIM(wi, 2);
-        const int32_t *offs = mt__offsets_on_host(rt, n->in[2], err);
-        if (!offs) return -1;
-        int64_t rows = mt__nrows(rt, n->in[0]);
-        for (int e = 0; e < E; e++)
-            if (offs[0] != 0 || offs[e + 1] < offs[e] || offs[E] > rows) return mt_errf(err, "%s: bad expert offsets", mt_ops[n->op].name);
         int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DX ? 1 : 2;
-        rc = mt_cuda_gmm(c, mode, VO(0), V_(0), V_(1), offs, E, M, K, rt->scratch);
+        rc = mt_cuda_gmm(c, mode, VO(0), V_(0), V_(1), I_(2), E, M, K, (int)mt__nrows(rt, n->in[0]), rt->scratch);
         break;
     }
     case MT_OP_MOE_COMBINE:
@@ -4511,7 +4497,6 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
         int32_t s32 = step;
         if (mt_runtime_write(rt, G->io[MT_IO_HPARAMS], h, err) || mt_runtime_write(rt, G->io[MT_IO_STEP], &s32, err)) return -1;
     }
-    rt->stamp++;
     if (rt->backend == MT_BACKEND_CPU) {
         if (rt->bind.poison) memset(rt->arena, 0xff, (size_t)G->arena_bytes);   /* NaN floats, -1 ints */
         for (int i = 0; i < G->n_nodes; i++) {

@@ -2147,38 +2147,800 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
     return 0;
 }
 
-/* grouped GEMM: one cuBLASLt call per expert that received tokens, spread
- * round-robin over the side streams so that small experts run side by side
- * (each GEMM alone may fill only part of the GPU); an expert with no tokens
- * costs a memset of its weight gradient (mode 2) or nothing. Each GEMM is
- * computed the same way on any stream: results are bitwise reproducible. */
-int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *offs, int E, int M, int K, void *ws) {
-    (void)ws;
-    CK(cudaEventRecord(c->fork, c->stream));
-    for (int i = 0; i < MT_SIDE_STREAMS; i++) CK(cudaStreamWaitEvent(c->side[i], c->fork, 0));
-    int rc = 0;
-    for (int e = 0; e < E && !rc; e++) {
-        int r0 = offs[e], rows = offs[e + 1] - offs[e], si = e % MT_SIDE_STREAMS;
-        cudaStream_t st = c->side[si];
-        void *sw = c->side_ws[si];
-        if (mode == 0) {          /* Y[r0.., M] = X[r0.., K] W_e[M,K]^T */
-            if (rows) rc = mt__lt_gemm_on(c, st, sw, MT_SIDE_WS, 0, 1, rows, M, K, (const bf16 *)a + (int64_t)r0 * K, MT_BF16,
-                                          (const bf16 *)b + (int64_t)e * M * K, MT_BF16, (bf16 *)out + (int64_t)r0 * M, MT_BF16);
-        } else if (mode == 1) {   /* dX[r0.., K] = dY[r0.., M] W_e[M,K] */
-            if (rows) rc = mt__lt_gemm_on(c, st, sw, MT_SIDE_WS, 0, 0, rows, K, M, (const bf16 *)a + (int64_t)r0 * M, MT_BF16,
-                                          (const bf16 *)b + (int64_t)e * M * K, MT_BF16, (bf16 *)out + (int64_t)r0 * K, MT_BF16);
-        } else {                  /* dW_e[M,K] = dY[r0..,M]^T X[r0..,K], f32 */
-            float *dw = (float *)out + (int64_t)e * M * K;
-            if (!rows) { if (cudaMemsetAsync(dw, 0, (size_t)M * K * 4, st) != cudaSuccess) rc = mt__fail(c, "gmm", "memset failed"); }
-            else rc = mt__lt_gemm_on(c, st, sw, MT_SIDE_WS, 1, 0, M, K, rows, (const bf16 *)a + (int64_t)r0 * M, MT_BF16,
-                                     (const bf16 *)b + (int64_t)r0 * K, MT_BF16, dw, MT_F32);
+/* --- grouped GEMM on the device -------------------------------------------
+ *
+ * E experts; expert e owns rows [offs[e], offs[e+1]) of the token dimension, offs (int32, E+1
+ * entries) lives in DEVICE memory and is never read by the host (no host synchronization; the
+ * launch is CUDA-graph capturable: the grid depends only on E, M, K, Rmax and the SM count).
+ *   mode 0 (forward):  Y [r, m]     = sum_k X [r, k] * W[e, m, k]      bf16 out
+ *   mode 1 (grad in):  dX[r, k]     = sum_m dY[r, m] * W[e, m, k]      bf16 out
+ *   mode 2 (grad W):   dW[e, m, k]  = sum_{r in e} dY[r, m] * X[r, k]  fp32 out (empty expert: zeros)
+ * bf16 inputs, fp32 accumulation, row-major, M and K multiples of 8, 16-byte aligned pointers.
+ *
+ * Design
+ *   One persistent kernel per mode, 256 threads (2 warpgroups), one CTA per SM (~207 KB smem).
+ *   CTA tile 128 x 256 (BM x BN) of the output, reduction in steps of 64 (BK); operands are staged
+ *   by cp.async (zero-filled outside the valid rows / columns) into a 4-stage ring of 128-byte
+ *   swizzled tiles (48 KB per stage), prefetch distance 2 steps.  The stage layouts are the
+ *   canonical SW128 layouts of wgmma:
+ *     K-major  tile [rows][64]:  16-byte chunk c of row r at  r*128 + ((c ^ (r&7)) << 4)
+ *     MN-major tile [64][cols]:  64-column block j at j*8192, row r at r*128, chunk c of the block
+ *                                at ((c ^ (r&7)) << 4)                       (LBO 8192, SBO 1024)
+ *   operand majorness:   mode 0: A = X  K-major,  B = W   K-major
+ *                        mode 1: A = dY K-major,  B = W   MN-major (transposed)
+ *                        mode 2: A = dY MN-major, B = X   MN-major  (reduction over the rows)
+ *   Math (default): wgmma.mma_async m64n256k16 (m64n128k16 for tiles with <= 128 valid columns),
+ *   warpgroup g owns tile rows [64g, 64g+64); one wgmma batch (4 x k16) stays in flight across the
+ *   barrier of the next step.  Fallback (template WG=false, -DGG_MMA_SYNC): mma.sync m16n8k16 with
+ *   ldmatrix from the same swizzled stages, 8 warps as 2 x 4 of 64 x 64.
+ *   Scheduling: work items ("tiles") form a linear list derived on the device from offs:
+ *     modes 0/1: (expert, 128-row tile, 256-col tile), experts in order, per-expert row-tile counts
+ *                prefix-summed in smem at kernel start, tile -> expert by binary search;
+ *     mode 2:    (expert, row split s, 128-m tile, 256-k tile), experts sorted by row count,
+ *                largest first (bitonic sort in smem), so the list ends with cheap tiles; the
+ *                reduction walks the expert's rows in order (ragged tail zero-filled); experts
+ *                without rows get zero tiles.  When E*ceil(M/128)*ceil(K/256) < #SMs the rows of
+ *                each expert are split into S fixed chunks (S from E, M, K, Rmax, #SMs only),
+ *                partial tiles go to the workspace and a second kernel sums them in order s=0..S-1.
+ *   Every mode: CTA b takes tiles b, b + gridDim, b + 2 gridDim, ... (mode 2's list is sorted
+ *   largest expert first, which balances the unequal tiles). The id of the tile after next is
+ *   published through a small smem ring, so the loads of the next tile are issued while the
+ *   current one finishes (the cp.async pipeline runs across tile boundaries).
+ * Determinism: every output element is produced by one thread of one CTA with a fixed reduction
+ *   order (and, for S > 1, a fixed-order second pass), and the schedule is static. Results are
+ *   bitwise reproducible.
+ * ------------------------------------------------------------------------ */
+}  /* extern "C": the grouped GEMM kernels are templates */
+
+namespace mt_ggk {
+
+typedef __nv_bfloat16 bf16;
+
+constexpr int BM = 128;                        /* tile rows                                  */
+constexpr int BN = 256;                        /* tile columns                               */
+constexpr int BK = 64;                         /* reduction per step (one 128-byte row)      */
+constexpr int ST = 4;                          /* smem stages                                */
+constexpr int PD = 2;                          /* prefetch distance in steps (<= ST - 2)     */
+constexpr int NT = 256;                        /* threads per CTA                            */
+constexpr int A_BYTES = BM * BK * 2;           /* 16 KB                                      */
+constexpr int B_BYTES = BN * BK * 2;           /* 32 KB                                      */
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES; /* 48 KB                                      */
+constexpr int MAX_E = 1024;
+constexpr int RING = 8;                        /* tile-id ring (power of two)                */
+constexpr int MISC_INTS = 2 * (MAX_E + 1) + NT + RING + 8;
+constexpr size_t SMEM_BYTES = 1024 + (size_t)ST * STAGE_BYTES + (size_t)MISC_INTS * sizeof(int);
+constexpr size_t WS_HEADER = 256;              /* reserved bytes before the partial tiles in ws */
+static_assert(PD <= ST - 2, "a stage may still be read by the wgmma batch in flight");
+
+/* ------------------------------------------------------------------------------------------ */
+/* PTX helpers                                                                                */
+/* ------------------------------------------------------------------------------------------ */
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+/* 4 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i; r[i] = matrix i fragment */
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+/* D = A(16x16 row) * B(16x8 col) + D, bf16 inputs, f32 accumulate */
+__device__ __forceinline__ void mma_bf16(float &d0, float &d1, float &d2, float &d3, const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* generic-proxy smem writes (cp.async) -> visible to the async proxy (wgmma operand reads) */
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* named barrier over nthreads threads (multiple of 32) */
+__device__ __forceinline__ void bar_sync_named(int id, int nthreads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
+}
+/* keeps the compiler from moving accumulator accesses across the asynchronous wgmma window */
+__device__ __forceinline__ void fence_acc(float &r) { asm volatile("" : "+f"(r)::"memory"); }
+/* D[64 x N] = A(desc) * B(desc) + (scale_d ? D : 0); TA/TB = 1: operand is MN-major (transposed) in smem.
+   Accumulator layout (per warp w of the warpgroup, lane = 4g + c): d[4j + 2h + b] =
+   D[16w + g + 8h][8j + 2c + b].  m64n128k16 uses d[0..63] only. */
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_n256(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "
+        "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, "
+        "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, "
+        "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, "
+        "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]),
+          "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+          "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
+          "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
+          "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_n128(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "
+        "%59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_n8(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3"
+        "}, %4, %5, p, 1, 1, %7, %8;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+/* ------------------------------------------------------------------------------------------ */
+/* end of PTX helpers                                                                         */
+/* ------------------------------------------------------------------------------------------ */
+
+/* shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62..63) */
+__device__ __forceinline__ uint64_t make_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+
+struct Params {
+    void *out;           /* Y / dX (bf16) or dW (fp32)                                        */
+    const bf16 *a;       /* X (mode 0) or dY (modes 1, 2)                                     */
+    const bf16 *b;       /* W (modes 0, 1) or X (mode 2)                                      */
+    const int *offs;     /* [E + 1], device                                                   */
+    float *part;         /* mode 2: [S][E][M][K] partials when S > 1, else == out             */
+    int E, M, K, Rmax;
+    int ncols;           /* output columns: M (mode 0), K (modes 1, 2)                        */
+    int ct;              /* column tiles ceil(ncols / BN)                                     */
+    int nk01;            /* modes 0/1: reduction steps ceil(K / BK) or ceil(M / BK)            */
+    int S, ntm;          /* mode 2: row splits, m tiles ceil(M / BM)                           */
+    int T2;              /* mode 2: number of tiles E * S * ntm * ct                           */
+};
+
+struct Tile {
+    int valid, e, nk;
+    int r0, r1; /* modes 0/1: output rows [r0, r1), r1 <= r0 + BM; mode 2: reduction rows [r0, r1) */
+    int m0;     /* mode 2: first output row (m)                                                   */
+    int c0;     /* first output column                                                            */
+    int s;      /* mode 2: split index                                                            */
+};
+
+template <int MODE>
+__device__ __forceinline__ Tile decode_tile(const Params &p, const int *s_offs, const int *s_aux, int T, int t) {
+    Tile ti;
+    ti.valid = (t >= 0 && t < T) ? 1 : 0;
+    ti.e = 0; ti.nk = 0; ti.r0 = 0; ti.r1 = 0; ti.m0 = 0; ti.c0 = 0; ti.s = 0;
+    if (!ti.valid) return ti;
+    if (MODE != 2) {
+        /* largest e with pref[e] <= t (pref non-decreasing, pref[0] = 0) */
+        int lo = 0, hi = p.E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_aux[mid] <= t) lo = mid; else hi = mid - 1;
+        }
+        const int local = t - s_aux[lo];
+        const int rt = local / p.ct, cti = local - rt * p.ct;
+        ti.e = lo;
+        ti.r0 = s_offs[lo] + rt * BM;
+        ti.r1 = min(ti.r0 + BM, s_offs[lo + 1]);
+        ti.c0 = cti * BN;
+        ti.nk = p.nk01;
+    } else {
+        const int per_s = p.ntm * p.ct, per_e = p.S * per_s;
+        const int pos = t / per_e;
+        int rem = t - pos * per_e;
+        const int s = rem / per_s;
+        rem -= s * per_s;
+        const int mt = rem / p.ct, kt = rem - mt * p.ct;
+        const int e = (int)((unsigned)s_aux[pos] & (unsigned)(MAX_E - 1));
+        const int beg = s_offs[e], n = max(0, s_offs[e + 1] - beg);
+        ti.e = e;
+        ti.s = s;
+        ti.r0 = beg + (int)(((long long)n * s) / p.S);
+        ti.r1 = beg + (int)(((long long)n * (s + 1)) / p.S);
+        ti.m0 = mt * BM;
+        ti.c0 = kt * BN;
+        ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
+    }
+    return ti;
+}
+
+/* Issue the cp.async of reduction step kt of tile ti into the stage at smem address sA. */
+template <int MODE>
+__device__ __forceinline__ void load_step(const Params &p, const Tile &ti, int kt, uint32_t sA, int tid) {
+    const uint32_t sB = sA + A_BYTES;
+    if (MODE == 0 || MODE == 1) {
+        /* A: 128 token rows x 64 reduction columns, K-major; thread: chunk tid&7 of rows tid/8 + 32u */
+        const int lda = (MODE == 0) ? p.K : p.M; /* X [R, K] or dY [R, M]; also the reduction extent */
+        const int kc = kt * BK + (tid & 7) * 8;
+        const bool kok = kc < lda;
+        const int rl = tid >> 3;
+        const uint32_t swz = (uint32_t)(((tid & 7) ^ (rl & 7)) << 4);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int r = ti.r0 + rl + 32 * u;
+            const bool ok = kok && r < ti.r1;
+            const bf16 *src = ok ? p.a + (size_t)r * lda + kc : p.a;
+            cp_async_16(sA + (uint32_t)((rl + 32 * u) * 128) + swz, src, ok ? 16 : 0);
+        }
+        const bf16 *wb = p.b + (size_t)ti.e * p.M * p.K;
+        if (MODE == 0) {
+            /* B: W[e] rows m = tile columns (256) x 64 k, K-major */
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int m = ti.c0 + rl + 32 * u;
+                const bool ok = kok && m < p.M;
+                const bf16 *src = ok ? wb + (size_t)m * p.K + kc : p.b;
+                cp_async_16(sB + (uint32_t)((rl + 32 * u) * 128) + swz, src, ok ? 16 : 0);
+            }
+        } else {
+            /* B: W[e] rows m = reduction (64) x 256 k columns, MN-major; thread: chunk tid&31 of rows tid/32 + 8u */
+            const int cc = tid & 31, rr = tid >> 5;
+            const int col = ti.c0 + cc * 8;
+            const bool cok = col < p.K;
+            const uint32_t off = (uint32_t)((cc >> 3) * 8192 + rr * 128 + (((cc & 7) ^ (rr & 7)) << 4));
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int m = kt * BK + rr + 8 * u;
+                const bool ok = cok && m < p.M;
+                const bf16 *src = ok ? wb + (size_t)m * p.K + col : p.b;
+                cp_async_16(sB + off + (uint32_t)(u * 1024), src, ok ? 16 : 0);
+            }
+        }
+    } else {
+        const int rbase = ti.r0 + kt * BK;
+        {
+            /* A: dY rows r (64, reduction) x 128 m columns, MN-major; thread: chunk tid&15 of rows tid/16 + 16u */
+            const int cc = tid & 15, rr = tid >> 4;
+            const int col = ti.m0 + cc * 8;
+            const bool cok = col < p.M;
+            const uint32_t off = (uint32_t)((cc >> 3) * 8192 + rr * 128 + (((cc & 7) ^ (rr & 7)) << 4));
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int r = rbase + rr + 16 * u;
+                const bool ok = cok && r < ti.r1;
+                const bf16 *src = ok ? p.a + (size_t)r * p.M + col : p.a;
+                cp_async_16(sA + off + (uint32_t)(u * 2048), src, ok ? 16 : 0);
+            }
+        }
+        {
+            /* B: X rows r (64) x 256 k columns, MN-major */
+            const int cc = tid & 31, rr = tid >> 5;
+            const int col = ti.c0 + cc * 8;
+            const bool cok = col < p.K;
+            const uint32_t off = (uint32_t)((cc >> 3) * 8192 + rr * 128 + (((cc & 7) ^ (rr & 7)) << 4));
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int r = rbase + rr + 8 * u;
+                const bool ok = cok && r < ti.r1;
+                const bf16 *src = ok ? p.b + (size_t)r * p.K + col : p.b;
+                cp_async_16(sB + off + (uint32_t)(u * 1024), src, ok ? 16 : 0);
+            }
         }
     }
-    for (int i = 0; i < MT_SIDE_STREAMS; i++) {   /* join, also after an error, so no stream is left forked */
-        CK(cudaEventRecord(c->join[i], c->side[i]));
-        CK(cudaStreamWaitEvent(c->stream, c->join[i], 0));
+}
+
+__device__ __forceinline__ void fence_acc_all(float (&acc)[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) fence_acc(acc[i]);
+}
+
+/* One reduction step (BK = 64) with wgmma: warpgroup wg computes tile rows [64wg, 64wg + 64). */
+template <int MODE>
+__device__ __forceinline__ void step_wgmma(float (&acc)[128], uint32_t sA, int wg, bool active, bool full, bool first) {
+    constexpr int TA = (MODE == 2) ? 1 : 0, TB = (MODE == 0) ? 0 : 1;
+    /* K-major: +32 bytes per k16; MN-major: +16 rows * 128 bytes = 2048 bytes (in 16-byte units) */
+    constexpr uint64_t DA = TA ? 128 : 2, DB = TB ? 128 : 2;
+    const uint64_t da = make_desc(sA + (uint32_t)wg * 8192u, TA ? 8192u : 16u, 1024u);
+    const uint64_t db = make_desc(sA + (uint32_t)A_BYTES, TB ? 8192u : 16u, 1024u);
+    const int sd0 = first ? 0 : 1;
+    fence_acc_all(acc);
+    if (active && full) {
+        wgmma_fence();
+        wgmma_n256<TA, TB>(acc, da, db, sd0);
+#pragma unroll
+        for (int kk = 1; kk < BK / 16; ++kk) wgmma_n256<TA, TB>(acc, da + kk * DA, db + kk * DB, 1);
+        wgmma_commit();
+    } else if (active) {
+        wgmma_fence();
+        wgmma_n128<TA, TB>(acc, da, db, sd0);
+#pragma unroll
+        for (int kk = 1; kk < BK / 16; ++kk) wgmma_n128<TA, TB>(acc, da + kk * DA, db + kk * DB, 1);
+        wgmma_commit();
+    } else {
+        /* all rows of this warpgroup are outside the tile: a token m64n8k16 whose result is never
+           stored (issuing no wgmma at all on this path makes ptxas serialize every wgmma) */
+        wgmma_fence();
+        wgmma_n8<0, 0>(acc, da, db, 0);
+        wgmma_commit();
     }
-    return rc;
+    fence_acc_all(acc);
+}
+
+/* One reduction step with mma.sync: warp (wm, wn) = (warp / 4, warp % 4) computes the 64 x 64 block
+   at rows 64wm, columns 64wn; acc[((mi * 8 + ni) * 4) + e] = m16 tile mi, n8 tile ni, element e. */
+template <int MODE>
+__device__ __forceinline__ void step_mma(float (&acc)[128], uint32_t sA, int warp, int lane, int rows_valid,
+                                         int cols_valid) {
+    const int wm = warp >> 2, wn = warp & 3;
+    if (64 * wm >= rows_valid || 64 * wn >= cols_valid) return;
+    const uint32_t sB = sA + A_BYTES;
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        uint32_t a[4][4], b[4][4];
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+            if (MODE != 2) { /* [row][k]: row = lane % 16, k chunk = 2kk + lane / 16 */
+                const int row = 64 * wm + 16 * mi + (lane & 15), ch = 2 * kk + (lane >> 4);
+                ldsm_x4(a[mi], sA + (uint32_t)(row * 128 + ((ch ^ (row & 7)) << 4)));
+            } else { /* [k][m], .trans: k = 8 * (lane / 16) + lane % 8, m = 8 * ((lane / 8) % 2) */
+                const int kr = 16 * kk + ((lane >> 4) << 3) + (lane & 7);
+                const int mc = 64 * wm + 16 * mi + (((lane >> 3) & 1) << 3);
+                ldsm_x4_t(a[mi], sA + (uint32_t)((mc >> 6) * 8192 + kr * 128 + ((((mc >> 3) & 7) ^ (kr & 7)) << 4)));
+            }
+        }
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            if (MODE == 0) { /* [n][k]: n = 8 * (lane / 16) + lane % 8, k chunk = 2kk + (lane / 8) % 2 */
+                const int n = 64 * wn + 16 * np + ((lane >> 4) << 3) + (lane & 7), ch = 2 * kk + ((lane >> 3) & 1);
+                ldsm_x4(b[np], sB + (uint32_t)(n * 128 + ((ch ^ (n & 7)) << 4)));
+            } else { /* [k][n], .trans: k = 8 * ((lane / 8) % 2) + lane % 8, n = 8 * (lane / 16) */
+                const int kr = 16 * kk + (((lane >> 3) & 1) << 3) + (lane & 7);
+                const int nc = 64 * wn + 16 * np + ((lane >> 4) << 3);
+                ldsm_x4_t(b[np], sB + (uint32_t)((nc >> 6) * 8192 + kr * 128 + ((((nc >> 3) & 7) ^ (kr & 7)) << 4)));
+            }
+        }
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < 8; ++ni) {
+                float *d = &acc[(mi * 8 + ni) * 4];
+                mma_bf16(d[0], d[1], d[2], d[3], a[mi], b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
+            }
+    }
+}
+
+/* Write the accumulators of tile ti (rows < rows_valid, columns < cols_valid). */
+template <int MODE, bool WG>
+__device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128], const Tile &ti, int warp, int lane,
+                                         int rows_valid, int cols_valid) {
+    const int g = lane >> 2, c = lane & 3;
+    bf16 *obase = nullptr;
+    float *pbase = nullptr;
+    int ld;
+    if (MODE == 2) {
+        pbase = p.part + ((size_t)(ti.s * p.E + ti.e) * p.M + ti.m0) * p.K + ti.c0;
+        ld = p.K;
+    } else {
+        obase = reinterpret_cast<bf16 *>(p.out) + (size_t)ti.r0 * p.ncols + ti.c0;
+        ld = p.ncols;
+    }
+#pragma unroll
+    for (int q = 0; q < 64; ++q) {
+        int row, col;
+        if (WG) {
+            row = 64 * (warp >> 2) + 16 * (warp & 3) + g + 8 * (q & 1);
+            col = 8 * (q >> 1) + 2 * c;
+        } else {
+            row = 64 * (warp >> 2) + 16 * (q >> 4) + g + 8 * (q & 1);
+            col = 64 * (warp & 3) + 8 * ((q >> 1) & 7) + 2 * c;
+        }
+        if (row < rows_valid && col < cols_valid) {
+            /* wgmma: the first step of a tile overwrites the accumulators (scale-d = 0), so a tile
+               without reduction steps (mode 2, expert without rows) must not read them */
+            const float v0 = ti.nk > 0 ? acc[2 * q] : 0.f, v1 = ti.nk > 0 ? acc[2 * q + 1] : 0.f;
+            if (MODE == 2)
+                *reinterpret_cast<float2 *>(pbase + row * ld + col) = make_float2(v0, v1);
+            else
+                *reinterpret_cast<__nv_bfloat162 *>(obase + row * ld + col) = __floats2bfloat162_rn(v0, v1);
+        }
+    }
+}
+
+/* wgmma variant: the accumulators of each warp (16 rows x 256 columns) go through a private 4 KB
+   smem buffer in passes of 4 KB (128 bf16 or 64 fp32 columns, 16-byte chunks XOR-swizzled by row,
+   conflict-free) and leave as 16-byte coalesced stores (16 lanes per 256-byte row segment). */
+template <int MODE>
+__device__ __forceinline__ void epilogue_staged(const Params &p, const float (&acc)[128], const Tile &ti, int warp, int lane,
+                                                int rows_valid, int cols_valid, unsigned char *buf) {
+    constexpr int ESZ = (MODE == 2) ? 4 : 2;   /* output element bytes                  */
+    constexpr int JB = 4096 / (16 * ESZ * 8);  /* n8 column blocks per pass: 16 or 8     */
+    constexpr int NP = 32 / JB;                /* passes: 2 or 4                         */
+    constexpr int SW = (ESZ == 4) ? 1 : 0;     /* swizzle shift (fp32 lanes write 8 bytes) */
+    const int g = lane >> 2, c = lane & 3;
+    const int wrow = 64 * (warp >> 2) + 16 * (warp & 3); /* first tile row of this warp */
+    const bool has = ti.nk > 0; /* no reduction steps: the accumulators were never written -> zeros */
+    char *obase;
+    size_t ld;
+    if (MODE == 2) {
+        obase = reinterpret_cast<char *>(p.part + ((size_t)(ti.s * p.E + ti.e) * p.M + ti.m0) * p.K + ti.c0);
+        ld = (size_t)p.K * 4;
+    } else {
+        obase = reinterpret_cast<char *>(reinterpret_cast<bf16 *>(p.out) + (size_t)ti.r0 * p.ncols + ti.c0);
+        ld = (size_t)p.ncols * 2;
+    }
+#pragma unroll
+    for (int pass = 0; pass < NP; ++pass) {
+        if (pass * JB * 8 >= cols_valid) break; /* tile-uniform */
+#pragma unroll
+        for (int jj = 0; jj < JB; ++jj) {
+            const int j = pass * JB + jj;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = g + 8 * h;
+                const float v0 = has ? acc[4 * j + 2 * h] : 0.f, v1 = has ? acc[4 * j + 2 * h + 1] : 0.f;
+                const int byte = (8 * jj + 2 * c) * ESZ;
+                const int off = r * 256 + ((((byte >> 4) ^ ((r & 7) << SW))) << 4) + (byte & 15);
+                if (ESZ == 2) {
+                    __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
+                    *reinterpret_cast<__nv_bfloat162 *>(buf + off) = v;
+                } else {
+                    *reinterpret_cast<float2 *>(buf + off) = make_float2(v0, v1);
+                }
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int it = 0; it < 8; ++it) {
+            const int r = 2 * it + (lane >> 4), ch = lane & 15;
+            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * 256 + ((ch ^ ((r & 7) << SW)) << 4));
+            const int row = wrow + r, col = pass * JB * 8 + ch * (16 / ESZ);
+            if (row < rows_valid && col < cols_valid)
+                *reinterpret_cast<uint4 *>(obase + (size_t)row * ld + (size_t)col * ESZ) = v;
+        }
+        __syncwarp();
+    }
+}
+
+/* the q-th tile of this CTA: a static round robin over the work list (mode 2's
+ * list is sorted largest expert first, which balances it) */
+__device__ __forceinline__ int next_ticket(const Params &p, int q) {
+    (void)p;
+    return (int)blockIdx.x + q * (int)gridDim.x;
+}
+
+template <int MODE, bool WG>
+__global__ void __launch_bounds__(NT, 1) gg_kernel(const Params p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t pad = (1024u - (raw & 1023u)) & 1023u; /* SW128 tiles need 1024-byte alignment */
+    const uint32_t sbase = raw + pad;
+    int *s_offs = reinterpret_cast<int *>(smem_raw + pad + (size_t)ST * STAGE_BYTES);
+    int *s_aux = s_offs + (MAX_E + 1); /* modes 0/1: tile prefix per expert; mode 2: sorted keys */
+    int *s_scan = s_aux + (MAX_E + 1);
+    int *s_ring = s_scan + NT;
+    const int E = p.E;
+
+    /* ---- work list from the device offsets ---- */
+    for (int i = tid; i <= E; i += NT) s_offs[i] = min(max(p.offs[i], 0), p.Rmax);
+    __syncthreads();
+    int T;
+    if (MODE != 2) {
+        int loc[4], sum = 0;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int e = 4 * tid + q;
+            int cnt = 0;
+            if (e < E) {
+                const int n = s_offs[e + 1] - s_offs[e];
+                if (n > 0) cnt = ((n + BM - 1) / BM) * p.ct;
+            }
+            loc[q] = cnt;
+            sum += cnt;
+        }
+        s_scan[tid] = sum;
+        __syncthreads();
+        for (int off = 1; off < NT; off <<= 1) {
+            const int v = tid >= off ? s_scan[tid - off] : 0;
+            __syncthreads();
+            s_scan[tid] += v;
+            __syncthreads();
+        }
+        int ex = s_scan[tid] - sum;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int e = 4 * tid + q;
+            if (e < E) s_aux[e] = ex;
+            ex += loc[q];
+        }
+        T = s_scan[NT - 1];
+    } else {
+        /* keys: (0x3FFFFF - min(rows, 0x3FFFFF)) << 10 | e, ascending = most rows first, ties by e */
+        unsigned *keys = reinterpret_cast<unsigned *>(s_aux);
+        int P = 2;
+        while (P < E) P <<= 1;
+        for (int i = tid; i < P; i += NT) {
+            unsigned k = 0xFFFFFFFFu;
+            if (i < E) {
+                const int n = min(max(s_offs[i + 1] - s_offs[i], 0), 0x3FFFFF);
+                k = ((unsigned)(0x3FFFFF - n) << 10) | (unsigned)i;
+            }
+            keys[i] = k;
+        }
+        __syncthreads();
+        for (int k = 2; k <= P; k <<= 1) {
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                for (int i = tid; i < (P >> 1); i += NT) {
+                    const int i1 = ((i & ~(j - 1)) << 1) | (i & (j - 1)), i2 = i1 + j;
+                    const unsigned x = keys[i1], y = keys[i2];
+                    if ((x > y) == ((i1 & k) == 0)) { keys[i1] = y; keys[i2] = x; }
+                }
+                __syncthreads();
+            }
+        }
+        T = p.T2;
+    }
+    if (tid == 0) {
+        s_ring[0] = (int)blockIdx.x;
+        s_ring[1] = next_ticket(p, 1);
+    }
+    __syncthreads();
+
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+
+    /* ---- producer: runs PD steps ahead of the consumer along the same (tile, step) sequence ---- */
+    int pq = 0, pkt = 0, pstep = 0;
+    bool pneed = false;
+    Tile pt = decode_tile<MODE>(p, s_offs, s_aux, T, s_ring[0]);
+    int pend = 0, pend_slot = 0;
+    bool pend_v = false;
+    if (tid == 0 && pt.valid) { pend = next_ticket(p, 2); pend_slot = 2; pend_v = true; }
+    auto produce = [&]() {
+        if (pend_v) { s_ring[pend_slot] = pend; pend_v = false; } /* thread 0: publish a requested ticket */
+        if (pneed) {
+            ++pq;
+            pt = decode_tile<MODE>(p, s_offs, s_aux, T, s_ring[pq & (RING - 1)]);
+            pkt = 0;
+            pneed = false;
+            if (tid == 0 && pt.valid) { pend = next_ticket(p, pq + 2); pend_slot = (pq + 2) & (RING - 1); pend_v = true; }
+        }
+        if (pt.valid) {
+            if (pt.nk > 0) load_step<MODE>(p, pt, pkt, sbase + (uint32_t)((pstep % ST) * STAGE_BYTES), tid);
+            if (++pkt >= max(pt.nk, 1)) pneed = true;
+        }
+        cp_async_commit();
+        ++pstep;
+    };
+#pragma unroll 1
+    for (int d = 0; d < PD; ++d) produce();
+
+    /* ---- consumer ---- */
+    int cq = 0, ckt = 0, cstep = 0;
+    Tile ct = decode_tile<MODE>(p, s_offs, s_aux, T, s_ring[0]);
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0); /* warpgroup index, warp-uniform for ptxas */
+#pragma unroll 1
+    while (ct.valid) {
+        cp_async_wait<PD - 1>();
+        if (WG) fence_proxy_async();
+        __syncthreads();
+        const uint32_t stA = sbase + (uint32_t)((cstep % ST) * STAGE_BYTES);
+        const int rows_valid = (MODE == 2) ? min(BM, p.M - ct.m0) : (ct.r1 - ct.r0);
+        const int cols_valid = min(BN, p.ncols - ct.c0);
+        if (WG) {
+            step_wgmma<MODE>(acc, stA, wg, 64 * wg < rows_valid, cols_valid > 128, ckt == 0);
+        } else {
+            if (ct.nk > 0) step_mma<MODE>(acc, stA, warp, lane, rows_valid, cols_valid);
+        }
+        produce();
+        if (WG) {
+            wgmma_wait<1>();
+            fence_acc_all(acc);
+        }
+        ++cstep;
+        if (++ckt >= max(ct.nk, 1)) {
+            if (WG) {
+                wgmma_wait<0>();
+                fence_acc_all(acc);
+            }
+            if (WG) {
+                /* staging: this warpgroup's A half (8 KB) of the stages of the last two steps.  Only this
+                   warpgroup's wgmma read them; a warp past wgmma.wait_group 0 only knows that ITS slice of
+                   the warpgroup MMA is done, hence the warpgroup barrier.  The producer refills these
+                   stages only after the next CTA barrier. */
+                bar_sync_named(1 + wg, 128);
+                const int sst = (cstep - 1 - ((warp & 3) >> 1) + ST) % ST;
+                unsigned char *buf = smem_raw + pad + (size_t)sst * STAGE_BYTES + (size_t)wg * 8192 + (size_t)(warp & 1) * 4096;
+                epilogue_staged<MODE>(p, acc, ct, warp, lane, rows_valid, cols_valid, buf);
+            } else {
+                epilogue<MODE, WG>(p, acc, ct, warp, lane, rows_valid, cols_valid);
+            }
+            if (!WG) {
+#pragma unroll
+                for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+            }
+            ++cq;
+            ct = decode_tile<MODE>(p, s_offs, s_aux, T, s_ring[cq & (RING - 1)]);
+            ckt = 0;
+        }
+    }
+    cp_async_wait<0>();
+}
+
+/* mode 2 with S > 1: out = part[0] + part[1] + ... + part[S-1], in this order */
+__global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float4 *part, long long n4, int S) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+        float4 acc = part[i];
+        for (int s = 1; s < S; ++s) {
+            const float4 v = part[(size_t)s * (size_t)n4 + (size_t)i];
+            acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+        }
+        out[i] = acc;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Host side                                                                                  */
+/* ------------------------------------------------------------------------------------------ */
+static bool args_ok(int mode, int E, int M, int K, int Rmax) {
+    if (mode < 0 || mode > 2) return false;
+    if (E < 1 || E > MAX_E) return false;
+    if (M < 8 || K < 8 || (M % 8) != 0 || (K % 8) != 0) return false;
+    if (M > (1 << 24) || K > (1 << 24)) return false;
+    if (Rmax < 0 || Rmax > INT_MAX - 4 * BM) return false;
+    return true;
+}
+
+static int num_sms(int *n) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return -1;
+    if (cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return -1;
+    return *n >= 1 ? 0 : -1;
+}
+
+/* mode 2 row splits: only when the output tiles alone cannot fill the GPU */
+static int split_count(int mode, int E, int M, int K, int Rmax, int nsm) {
+    if (mode != 2) return 1;
+    const long long tiles = (long long)E * ((M + BM - 1) / BM) * ((K + BN - 1) / BN);
+    if (tiles >= nsm) return 1;
+    long long s = nsm / tiles;
+    long long smax = ((long long)Rmax / E) / 256; /* at least ~4 steps per split on average */
+    if (smax < 1) smax = 1;
+    if (smax > 16) smax = 16;
+    if (s > smax) s = smax;
+    return (int)(s < 1 ? 1 : s);
+}
+
+template <int MODE, bool WG>
+static int launch_main(const Params &p, int grid, cudaStream_t stream) {
+    void (*kern)(const Params) = gg_kernel<MODE, WG>;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES) != cudaSuccess) return -1;
+    kern<<<grid, NT, SMEM_BYTES, stream>>>(p);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
+/* variant: 1 = wgmma, 0 = mma.sync */
+static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
+                  int Rmax, void *ws, cudaStream_t stream) {
+    if (!args_ok(mode, E, M, K, Rmax)) return -1;
+    if (!out || !a || !b || !d_offs) return -1;
+    if ((((uintptr_t)out) | ((uintptr_t)a) | ((uintptr_t)b) | ((uintptr_t)ws)) & 15u) return -1;
+    int nsm = 0;
+    if (num_sms(&nsm) != 0) return -1;
+    const int S = split_count(mode, E, M, K, Rmax, nsm);
+    if (S > 1 && !ws) return -1;
+
+    Params p;
+    p.out = out;
+    p.a = reinterpret_cast<const bf16 *>(a);
+    p.b = reinterpret_cast<const bf16 *>(b);
+    p.offs = d_offs;
+    /* every mode: a static round robin. (A dynamic ticket counter for mode 2 was
+     * measured on H200 to change bits between runs; the static schedule does not.) */
+    p.part = (S > 1) ? reinterpret_cast<float *>(reinterpret_cast<char *>(ws) + WS_HEADER) : reinterpret_cast<float *>(out);
+    p.E = E; p.M = M; p.K = K; p.Rmax = Rmax;
+    p.ncols = (mode == 0) ? M : K;
+    p.ct = (p.ncols + BN - 1) / BN;
+    p.nk01 = (mode == 0) ? (K + BK - 1) / BK : (M + BK - 1) / BK;
+    p.S = S;
+    p.ntm = (M + BM - 1) / BM;
+    long long tiles;
+    if (mode == 2) {
+        tiles = (long long)E * S * p.ntm * p.ct;
+        if (tiles > INT_MAX / 2) return -1;
+        p.T2 = (int)tiles;
+    } else {
+        tiles = ((long long)Rmax / BM + E) * p.ct; /* upper bound on the row tiles */
+        if (tiles > INT_MAX / 2) return -1;
+        p.T2 = 0;
+        if (Rmax == 0) return 0; /* nothing to write */
+    }
+    const int grid = (int)(tiles < nsm ? tiles : nsm);
+    int rc;
+    if (variant) {
+        rc = mode == 0 ? launch_main<0, true>(p, grid, stream)
+           : mode == 1 ? launch_main<1, true>(p, grid, stream) : launch_main<2, true>(p, grid, stream);
+    } else {
+        rc = mode == 0 ? launch_main<0, false>(p, grid, stream)
+           : mode == 1 ? launch_main<1, false>(p, grid, stream) : launch_main<2, false>(p, grid, stream);
+    }
+    if (rc != 0) return -1;
+    if (S > 1) {
+        const long long n4 = (long long)E * M * K / 4;
+        long long blocks = (n4 + 255) / 256;
+        if (blocks > (long long)nsm * 8) blocks = (long long)nsm * 8;
+        gg_reduce_kernel<<<(int)blocks, 256, 0, stream>>>(reinterpret_cast<float4 *>(out), reinterpret_cast<const float4 *>(p.part),
+                                                          n4, S);
+        if (cudaGetLastError() != cudaSuccess) return -1;
+    }
+    return 0;
+}
+
+static size_t gg_workspace(int mode, int E, int M, int K, int Rmax) {
+    if (!args_ok(mode, E, M, K, Rmax)) return 0;
+    int nsm = 0;
+    if (num_sms(&nsm) != 0) nsm = 132;
+    if (mode != 2) return 0;
+    const int S = split_count(mode, E, M, K, Rmax, nsm);
+    return WS_HEADER + (S > 1 ? (size_t)S * E * M * K * sizeof(float) : 0);
+}
+
+} /* namespace mt_ggk */
+
+extern "C" {
+size_t mt_cuda_gmm_workspace(int mode, int E, int M, int K, int Rmax) { return mt_ggk::gg_workspace(mode, E, M, K, Rmax); }
+/* The expert offsets stay on the device: no host synchronization; an expert
+ * with no tokens costs nothing (modes 0/1) or a zero tile (mode 2). */
+int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *d_offs, int E, int M, int K, int Rmax,
+                void *ws) {
+    if (mt_ggk::gg_run(1, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream)) {
+        cudaError_t e = cudaGetLastError();
+        return mt__fail(c, "grouped GEMM", e != cudaSuccess ? cudaGetErrorString(e) : "bad arguments (dims must be multiples of 8)");
+    }
+    return 0;
 }
 
 /* ========================================================================

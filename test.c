@@ -327,8 +327,11 @@ static void gpu_test_moe_ops(void) {
     float *gxs = down_bf(Dxs, NK * D);
     int exact = !memcmp(goffs, offs, 4 * 9) && !memcmp(gslot, slot, 4 * (size_t)NK) && rel(gxs, xs, NK * D) == 0;
     report("gpu moe permute (slots, offsets, rows exact)", ok && exact, NULL);
-    ok = ok && !mt_cuda_gmm(CU, 0, DY, Dxs, DW, goffs, E, F, D, NULL) && !mt_cuda_gmm(CU, 1, DdX, DdY, DW, goffs, E, F, D, NULL) &&
-         !mt_cuda_gmm(CU, 2, DdW, DdY, Dxs, goffs, E, F, D, NULL);
+    void *gws = dalloc(mt_cuda_gmm_workspace(2, E, F, D, (int)NK) + 256);
+    ok = ok && !mt_cuda_gmm(CU, 0, DY, Dxs, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws) &&
+         !mt_cuda_gmm(CU, 1, DdX, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws) &&
+         !mt_cuda_gmm(CU, 2, DdW, DdY, Dxs, (int32_t *)Doffs, E, F, D, (int)NK, gws);
+    dfree(gws);
     float *gY = down_bf(DY, NK * F), *gdX = down_bf(DdX, NK * D), *gdW = (float *)down(DdW, 4 * (size_t)E * F * D);
     double e1 = rel(gY, Y, NK * F), e2 = rel(gdX, dX, NK * D), e3 = rel(gdW, dW, (int64_t)E * F * D);
     int zero_ok = 1;

@@ -1,0 +1,589 @@
+/* bench/grouped_gemm.cu — the grouped expert GEMM of moetrain_kernels.cu on its own:
+ * correctness against a float64 CPU reference over many expert layouts (outputs poisoned,
+ * untouched rows checked, empty experts' gradients exactly zero), bitwise reruns, CUDA-graph
+ * capture, bad arguments, and timing against one cuBLASLt call per expert.
+ *
+ *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -o /tmp/gg bench/grouped_gemm.cu \
+ *        -lcublasLt -lnccl && /tmp/gg
+ */
+#define MOETRAIN_IMPLEMENTATION   /* mt_errf and friends, for the kernels file */
+#include "../moetrain_kernels.cu"
+#undef CK
+
+static size_t mt_gg_workspace(int mode, int E, int M, int K, int Rmax) { return mt_ggk::gg_workspace(mode, E, M, K, Rmax); }
+static int mt_gg(int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K, int Rmax, void *ws,
+                 cudaStream_t stream) {
+    return mt_ggk::gg_run(1, mode, out, a, b, d_offs, E, M, K, Rmax, ws, stream);
+}
+
+/* ========================================================================================== */
+/* Test harness: nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DGG_MAIN           */
+/*               -o /tmp/gg bench/grouped_gemm_dev.cu -lcublasLt && /tmp/gg                    */
+/* ========================================================================================== */
+#include <cublasLt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdarg.h>
+#include <math.h>
+#include <vector>
+#include <algorithm>
+#include <random>
+#include <thread>
+#include <string>
+
+static int g_pass = 0, g_fail = 0;
+static void fatal(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stdout, fmt, ap);
+    va_end(ap);
+    printf("\nGG: %d passed, %d failed\n", g_pass, g_fail + 1);
+    exit(2);
+}
+#define CK(x)                                                                                           \
+    do {                                                                                                \
+        cudaError_t e_ = (x);                                                                           \
+        if (e_ != cudaSuccess) fatal("CUDA error %s at %s:%d: %s", #x, __FILE__, __LINE__, cudaGetErrorString(e_)); \
+    } while (0)
+#define CKL(x)                                                                                          \
+    do {                                                                                                \
+        cublasStatus_t s_ = (x);                                                                        \
+        if (s_ != CUBLAS_STATUS_SUCCESS) fatal("cuBLASLt error %d at %s:%d (%s)", (int)s_, __FILE__, __LINE__, #x); \
+    } while (0)
+
+static void report(bool ok, const char *fmt, ...) {
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    printf("  %-108s %s\n", buf, ok ? "PASS" : "FAIL");
+    fflush(stdout);
+    if (ok) ++g_pass; else ++g_fail;
+}
+
+static inline float bf2f(uint16_t u) {
+    uint32_t x = (uint32_t)u << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+/* counter-based normal(0,1) bf16 generator */
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+__global__ void fill_normal_kernel(__nv_bfloat16 *p, size_t n, uint64_t seed) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const uint64_t h = splitmix64(seed * 0x100000001B3ull + i);
+        const float u1 = ((float)(h >> 40) + 1.0f) * (1.0f / 16777217.0f); /* (0, 1] */
+        const float u2 = (float)((h >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
+        p[i] = __float2bfloat16_rn(sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2));
+    }
+}
+static void fill_normal(__nv_bfloat16 *p, size_t n, uint64_t seed) {
+    fill_normal_kernel<<<1024, 256>>>(p, n, seed);
+    CK(cudaGetLastError());
+}
+
+template <class F>
+static void parallel_for(int n, F f) {
+    int nt = (int)std::thread::hardware_concurrency();
+    if (nt < 1) nt = 1;
+    if (nt > 64) nt = 64;
+    std::vector<std::thread> th;
+    for (int t = 0; t < nt; ++t)
+        th.emplace_back([&, t]() {
+            for (int i = t; i < n; i += nt) f(i);
+        });
+    for (auto &x : th) x.join();
+}
+
+struct Case {
+    std::string name;
+    int E, M, K;
+    std::vector<int> counts;
+    bool timed;
+};
+
+struct Bufs {
+    int E, M, K, R, Rmax;
+    std::vector<int> offs, rexp;
+    int *d_offs = nullptr;
+    __nv_bfloat16 *X = nullptr, *W = nullptr, *dY = nullptr, *Y = nullptr, *dX = nullptr;
+    float *dW = nullptr;
+    void *ws = nullptr;
+    size_t ws_bytes = 0;
+    std::vector<uint16_t> hX, hW, hdY;
+};
+
+static const char *mode_name[3] = {"fwd  Y=XW^T", "dX=dY W", "dW=dY^T X"};
+
+/* Compare one mode's output against a double-precision CPU reference.
+   Checks: rel L2 error on the sampled set, no non-finite value anywhere in the written range, rows
+   R..Rmax-1 untouched (modes 0/1), experts without rows exactly zero (mode 2). */
+static bool check_mode(const Bufs &b, int mode, const void *hout, bool full, std::mt19937 &rng, char *msg, size_t msglen) {
+    const int E = b.E, M = b.M, K = b.K, R = b.R, Rmax = b.Rmax;
+    double num = 0, den = 0;
+    long long nonfin = 0, untouched_bad = 0, zero_bad = 0, checked = 0;
+    if (mode == 0 || mode == 1) {
+        const int N = mode == 0 ? M : K;
+        const uint16_t *o = (const uint16_t *)hout;
+        for (size_t i = 0; i < (size_t)R * N; ++i) if (!std::isfinite(bf2f(o[i]))) ++nonfin;
+        for (size_t i = (size_t)R * N; i < (size_t)Rmax * N; ++i) if (o[i] != 0xFFFF) ++untouched_bad;
+        std::vector<int> rows;
+        if (full) {
+            for (int r = 0; r < R; ++r) rows.push_back(r);
+        } else {
+            for (int e = 0; e < E; ++e)
+                if (b.offs[e + 1] > b.offs[e]) {
+                    rows.push_back(b.offs[e]);
+                    rows.push_back(b.offs[e + 1] - 1);
+                    rows.push_back(b.offs[e] + (int)(rng() % (unsigned)(b.offs[e + 1] - b.offs[e])));
+                }
+            for (int i = 0; i < 96 && R > 0; ++i) rows.push_back((int)(rng() % (unsigned)R));
+        }
+        std::vector<double> pn(rows.size(), 0.0), pd(rows.size(), 0.0);
+        parallel_for((int)rows.size(), [&](int i) {
+            const int r = rows[i], e = b.rexp[r];
+            std::vector<float> arow(mode == 0 ? K : M);
+            if (mode == 0) for (int k = 0; k < K; ++k) arow[k] = bf2f(b.hX[(size_t)r * K + k]);
+            else for (int m = 0; m < M; ++m) arow[m] = bf2f(b.hdY[(size_t)r * M + m]);
+            double nn = 0, dd = 0;
+            if (mode == 0) {
+                for (int m = 0; m < M; ++m) {
+                    const uint16_t *w = &b.hW[((size_t)e * M + m) * K];
+                    double ref = 0;
+                    for (int k = 0; k < K; ++k) ref += (double)arow[k] * bf2f(w[k]);
+                    const double g = bf2f(o[(size_t)r * N + m]);
+                    nn += (g - ref) * (g - ref); dd += ref * ref;
+                }
+            } else {
+                std::vector<double> ref(K, 0.0);
+                for (int m = 0; m < M; ++m) {
+                    const uint16_t *w = &b.hW[((size_t)e * M + m) * K];
+                    const double a = arow[m];
+                    for (int k = 0; k < K; ++k) ref[k] += a * bf2f(w[k]);
+                }
+                for (int k = 0; k < K; ++k) {
+                    const double g = bf2f(o[(size_t)r * N + k]);
+                    nn += (g - ref[k]) * (g - ref[k]); dd += ref[k] * ref[k];
+                }
+            }
+            pn[i] = nn; pd[i] = dd;
+        });
+        for (size_t i = 0; i < rows.size(); ++i) { num += pn[i]; den += pd[i]; }
+        checked = (long long)rows.size() * N;
+    } else {
+        const float *o = (const float *)hout;
+        const size_t per = (size_t)M * K;
+        for (size_t i = 0; i < (size_t)E * per; ++i) if (!std::isfinite(o[i])) ++nonfin;
+        for (int e = 0; e < E; ++e)
+            if (b.offs[e + 1] == b.offs[e])
+                for (size_t i = 0; i < per; ++i) if (o[e * per + i] != 0.0f) ++zero_bad;
+        std::vector<std::pair<int, int>> els; /* (e, m*K + k) */
+        for (int e = 0; e < E; ++e) {
+            if (full) {
+                for (size_t i = 0; i < per; ++i) els.push_back({e, (int)i});
+            } else {
+                for (int i = 0; i < 256; ++i) els.push_back({e, (int)(rng() % (unsigned)per)});
+                els.push_back({e, 0});
+                els.push_back({e, (int)per - 1});
+            }
+        }
+        const int chunk = 4096;
+        const int nchunks = (int)((els.size() + chunk - 1) / chunk);
+        std::vector<double> pn(nchunks, 0.0), pd(nchunks, 0.0);
+        parallel_for(nchunks, [&](int ci) {
+            double nn = 0, dd = 0;
+            for (size_t j = (size_t)ci * chunk; j < std::min(els.size(), (size_t)(ci + 1) * chunk); ++j) {
+                const int e = els[j].first, mk = els[j].second, m = mk / K, k = mk % K;
+                double ref = 0;
+                for (int r = b.offs[e]; r < b.offs[e + 1]; ++r)
+                    ref += (double)bf2f(b.hdY[(size_t)r * M + m]) * bf2f(b.hX[(size_t)r * K + k]);
+                const double g = o[(size_t)e * per + mk];
+                nn += (g - ref) * (g - ref); dd += ref * ref;
+            }
+            pn[ci] = nn; pd[ci] = dd;
+        });
+        for (int i = 0; i < nchunks; ++i) { num += pn[i]; den += pd[i]; }
+        checked = (long long)els.size();
+    }
+    const double rel = den > 0 ? sqrt(num / den) : sqrt(num);
+    const double tol = mode == 2 ? 1e-4 : 1e-2;
+    const bool ok = std::isfinite(rel) && rel <= tol && nonfin == 0 && untouched_bad == 0 && zero_bad == 0;
+    snprintf(msg, msglen, "rel=%.2e (tol %.0e, %lld checked) nonfinite=%lld untouched_bad=%lld zero_bad=%lld", rel, tol, checked,
+             nonfin, untouched_bad, zero_bad);
+    return ok;
+}
+
+static void mode_io(const Bufs &b, int mode, void **out, const void **a, const void **bb, size_t *bytes) {
+    if (mode == 0) { *out = b.Y; *a = b.X; *bb = b.W; *bytes = (size_t)b.Rmax * b.M * 2; }
+    else if (mode == 1) { *out = b.dX; *a = b.dY; *bb = b.W; *bytes = (size_t)b.Rmax * b.K * 2; }
+    else { *out = b.dW; *a = b.dY; *bb = b.X; *bytes = (size_t)b.E * b.M * b.K * 4; }
+}
+
+static int run_variant(int variant, const Bufs &b, int mode, void *ws, cudaStream_t st) {
+    void *out; const void *a, *bb; size_t bytes;
+    mode_io(b, mode, &out, &a, &bb, &bytes);
+    return mt_ggk::gg_run(variant, mode, out, a, bb, b.d_offs, b.E, b.M, b.K, b.Rmax, ws, st);
+}
+
+/* ---------------- cuBLASLt baseline: one matmul per expert (bf16 in, fp32 compute) ---------------- */
+struct LtPlan {
+    cublasLtHandle_t lt = nullptr;
+    cublasLtMatmulDesc_t op = nullptr;
+    std::vector<cublasLtMatrixLayout_t> la, lb, lc;
+    std::vector<cublasLtMatmulAlgo_t> algo;
+    std::vector<int> ex;
+    void *ws = nullptr;
+    size_t wsz = 64u << 20;
+    int mode = 0;
+};
+static void lt_plan(LtPlan &P, const Bufs &b, int mode) {
+    P.mode = mode;
+    CKL(cublasLtCreate(&P.lt));
+    CKL(cublasLtMatmulDescCreate(&P.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t ta = mode == 0 ? CUBLAS_OP_T : CUBLAS_OP_N, tb = mode == 2 ? CUBLAS_OP_T : CUBLAS_OP_N;
+    CKL(cublasLtMatmulDescSetAttribute(P.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CKL(cublasLtMatmulDescSetAttribute(P.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    CK(cudaMalloc(&P.ws, P.wsz));
+    cublasLtMatmulPreference_t pref;
+    CKL(cublasLtMatmulPreferenceCreate(&pref));
+    CKL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &P.wsz, sizeof P.wsz));
+    const int M = b.M, K = b.K;
+    for (int e = 0; e < b.E; ++e) {
+        const int n = b.offs[e + 1] - b.offs[e];
+        if (n == 0) continue;
+        cublasLtMatrixLayout_t A, B, C;
+        /* column-major views of the row-major buffers */
+        if (mode == 0) { /* Y^T (M x n) = op(W^T stored K x M) * X^T (K x n) */
+            CKL(cublasLtMatrixLayoutCreate(&A, CUDA_R_16BF, K, M, K));
+            CKL(cublasLtMatrixLayoutCreate(&B, CUDA_R_16BF, K, n, K));
+            CKL(cublasLtMatrixLayoutCreate(&C, CUDA_R_16BF, M, n, M));
+        } else if (mode == 1) { /* dX^T (K x n) = W^T (K x M) * dY^T (M x n) */
+            CKL(cublasLtMatrixLayoutCreate(&A, CUDA_R_16BF, K, M, K));
+            CKL(cublasLtMatrixLayoutCreate(&B, CUDA_R_16BF, M, n, M));
+            CKL(cublasLtMatrixLayoutCreate(&C, CUDA_R_16BF, K, n, K));
+        } else { /* dW^T (K x M) = X^T (K x n) * op(dY^T stored M x n) */
+            CKL(cublasLtMatrixLayoutCreate(&A, CUDA_R_16BF, K, n, K));
+            CKL(cublasLtMatrixLayoutCreate(&B, CUDA_R_16BF, M, n, M));
+            CKL(cublasLtMatrixLayoutCreate(&C, CUDA_R_32F, K, M, K));
+        }
+        cublasLtMatmulHeuristicResult_t res;
+        int nres = 0;
+        CKL(cublasLtMatmulAlgoGetHeuristic(P.lt, P.op, A, B, C, C, pref, 1, &res, &nres));
+        if (nres < 1) fatal("cuBLASLt: no algorithm for expert %d", e);
+        P.la.push_back(A); P.lb.push_back(B); P.lc.push_back(C); P.algo.push_back(res.algo); P.ex.push_back(e);
+    }
+    CKL(cublasLtMatmulPreferenceDestroy(pref));
+}
+static void lt_run(LtPlan &P, const Bufs &b, void *out, cudaStream_t st) {
+    const float alpha = 1.f, beta = 0.f;
+    const int M = b.M, K = b.K;
+    for (size_t i = 0; i < P.ex.size(); ++i) {
+        const int e = P.ex[i];
+        const size_t r0 = (size_t)b.offs[e];
+        const void *A, *B;
+        void *C;
+        if (P.mode == 0) { A = b.W + (size_t)e * M * K; B = b.X + r0 * K; C = (__nv_bfloat16 *)out + r0 * M; }
+        else if (P.mode == 1) { A = b.W + (size_t)e * M * K; B = b.dY + r0 * M; C = (__nv_bfloat16 *)out + r0 * K; }
+        else { A = b.X + r0 * K; B = b.dY + r0 * M; C = (float *)out + (size_t)e * M * K; }
+        CKL(cublasLtMatmul(P.lt, P.op, &alpha, A, P.la[i], B, P.lb[i], &beta, C, P.lc[i], C, P.lc[i], &P.algo[i], P.ws, P.wsz, st));
+    }
+    if (P.mode == 2) /* experts without rows: zeros, as the grouped kernel writes */
+        for (int e = 0; e < b.E; ++e)
+            if (b.offs[e + 1] == b.offs[e]) CK(cudaMemsetAsync((float *)out + (size_t)e * M * K, 0, (size_t)M * K * 4, st));
+}
+static void lt_free(LtPlan &P) {
+    for (size_t i = 0; i < P.ex.size(); ++i) {
+        CKL(cublasLtMatrixLayoutDestroy(P.la[i]));
+        CKL(cublasLtMatrixLayoutDestroy(P.lb[i]));
+        CKL(cublasLtMatrixLayoutDestroy(P.lc[i]));
+    }
+    CKL(cublasLtMatmulDescDestroy(P.op));
+    CKL(cublasLtDestroy(P.lt));
+    CK(cudaFree(P.ws));
+}
+
+template <class F>
+static float time_median(F f, cudaStream_t st) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (int i = 0; i < 3; ++i) f();
+    CK(cudaStreamSynchronize(st));
+    std::vector<float> ts;
+    for (int i = 0; i < 10; ++i) {
+        CK(cudaEventRecord(e0, st));
+        f();
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        ts.push_back(ms);
+    }
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    std::sort(ts.begin(), ts.end());
+    return 0.5f * (ts[4] + ts[5]);
+}
+
+static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream_t st) {
+    Bufs b;
+    b.E = c.E; b.M = c.M; b.K = c.K;
+    b.offs.assign(c.E + 1, 0);
+    for (int e = 0; e < c.E; ++e) b.offs[e + 1] = b.offs[e] + c.counts[e];
+    b.R = b.offs[c.E];
+    b.Rmax = b.R + 37;
+    b.rexp.assign(b.R, 0);
+    int nempty = 0, cmax = 0;
+    for (int e = 0; e < c.E; ++e) {
+        for (int r = b.offs[e]; r < b.offs[e + 1]; ++r) b.rexp[r] = e;
+        nempty += c.counts[e] == 0;
+        cmax = std::max(cmax, c.counts[e]);
+    }
+    const int E = b.E, M = b.M, K = b.K, Rmax = b.Rmax;
+    printf("case %s: E=%d M=%d K=%d R=%d Rmax=%d (empty experts %d, largest %d rows, mean %.1f)\n", c.name.c_str(), E, M, K,
+           b.R, Rmax, nempty, cmax, (double)b.R / E);
+    CK(cudaMalloc(&b.d_offs, (E + 1) * sizeof(int)));
+    CK(cudaMemcpy(b.d_offs, b.offs.data(), (E + 1) * sizeof(int), cudaMemcpyHostToDevice));
+    const size_t nX = (size_t)Rmax * K, nW = (size_t)E * M * K, ndY = (size_t)Rmax * M;
+    CK(cudaMalloc(&b.X, nX * 2));
+    CK(cudaMalloc(&b.W, nW * 2));
+    CK(cudaMalloc(&b.dY, ndY * 2));
+    CK(cudaMalloc(&b.Y, ndY * 2));
+    CK(cudaMalloc(&b.dX, nX * 2));
+    CK(cudaMalloc(&b.dW, nW * 4));
+    for (int mode = 0; mode < 3; ++mode) b.ws_bytes = std::max(b.ws_bytes, mt_gg_workspace(mode, E, M, K, Rmax));
+    CK(cudaMalloc(&b.ws, b.ws_bytes));
+    fill_normal(b.X, nX, seed * 3 + 0);
+    fill_normal(b.W, nW, seed * 3 + 1);
+    fill_normal(b.dY, ndY, seed * 3 + 2);
+    CK(cudaDeviceSynchronize());
+    b.hX.resize(nX); b.hW.resize(nW); b.hdY.resize(ndY);
+    CK(cudaMemcpy(b.hX.data(), b.X, nX * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(b.hW.data(), b.W, nW * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(b.hdY.data(), b.dY, ndY * 2, cudaMemcpyDeviceToHost));
+    const bool full = (long long)b.R * M * K <= (1ll << 28);
+
+    for (int variant = 1; variant >= 0; --variant) {
+        const char *vname = variant ? "wgmma" : "mma.sync";
+        for (int mode = 0; mode < 3; ++mode) {
+            void *out; const void *a, *bb; size_t bytes;
+            mode_io(b, mode, &out, &a, &bb, &bytes);
+            std::vector<unsigned char> h1(bytes), h2(bytes);
+            CK(cudaMemset(out, 0xFF, bytes));
+            CK(cudaMemset(b.ws, 0xFF, b.ws_bytes));
+            const int rc1 = run_variant(variant, b, mode, b.ws, st);
+            CK(cudaStreamSynchronize(st));
+            CK(cudaGetLastError());
+            CK(cudaMemcpy(h1.data(), out, bytes, cudaMemcpyDeviceToHost));
+            CK(cudaMemset(out, 0xFF, bytes));
+            CK(cudaMemset(b.ws, 0x7F, b.ws_bytes));
+            const int rc2 = run_variant(variant, b, mode, b.ws, st);
+            CK(cudaStreamSynchronize(st));
+            CK(cudaGetLastError());
+            CK(cudaMemcpy(h2.data(), out, bytes, cudaMemcpyDeviceToHost));
+            char msg[300];
+            bool ok = rc1 == 0 && rc2 == 0;
+            if (ok) ok = check_mode(b, mode, h1.data(), full, rng, msg, sizeof msg);
+            else snprintf(msg, sizeof msg, "launch returned %d / %d", rc1, rc2);
+            report(ok, "%s %-8s mode %d %-11s %s", c.name.c_str(), vname, mode, mode_name[mode], msg);
+            report(rc1 == 0 && memcmp(h1.data(), h2.data(), bytes) == 0, "%s %-8s mode %d bitwise identical rerun", c.name.c_str(),
+                   vname, mode);
+            if (variant == 1 && mt_gg_workspace(mode, E, M, K, Rmax) <= 256) {
+                /* without a workspace (possible when mode 2 needs no row split) mode 2 assigns its tiles
+                   ws=NULL where allowed: must give the same bits */
+                CK(cudaMemset(out, 0xFF, bytes));
+                const int rc3 = run_variant(variant, b, mode, nullptr, st);
+                CK(cudaStreamSynchronize(st));
+                CK(cudaMemcpy(h2.data(), out, bytes, cudaMemcpyDeviceToHost));
+                report(rc3 == 0 && memcmp(h1.data(), h2.data(), bytes) == 0, "%s %-8s mode %d ws=NULL (round robin) identical",
+                       c.name.c_str(), vname, mode);
+            }
+        }
+    }
+
+    if (c.timed) {
+        const double flops = 2.0 * b.R * M * K;
+        for (int mode = 0; mode < 3; ++mode) {
+            void *out; const void *a, *bb; size_t bytes;
+            mode_io(b, mode, &out, &a, &bb, &bytes);
+            const float t_wg = time_median([&]() { if (run_variant(1, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
+            const float t_ms = time_median([&]() { if (run_variant(0, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
+            /* keep the grouped result to compare the baseline against (all elements) */
+            CK(cudaMemset(out, 0xFF, bytes));
+            if (run_variant(1, b, mode, b.ws, st) != 0) fatal("launch failed");
+            CK(cudaStreamSynchronize(st));
+            std::vector<unsigned char> hg(bytes), hc(bytes);
+            CK(cudaMemcpy(hg.data(), out, bytes, cudaMemcpyDeviceToHost));
+            LtPlan P;
+            lt_plan(P, b, mode);
+            void *cout;
+            CK(cudaMalloc(&cout, bytes));
+            CK(cudaMemset(cout, 0xFF, bytes));
+            const float t_lt = time_median([&]() { lt_run(P, b, cout, st); }, st);
+            CK(cudaStreamSynchronize(st));
+            CK(cudaMemcpy(hc.data(), cout, bytes, cudaMemcpyDeviceToHost));
+            /* full comparison grouped vs cuBLASLt over the written range */
+            double num = 0, den = 0;
+            const size_t n = mode == 2 ? (size_t)E * M * K : (size_t)b.R * (mode == 0 ? M : K);
+            for (size_t i = 0; i < n; ++i) {
+                const double g = mode == 2 ? ((const float *)hg.data())[i] : bf2f(((const uint16_t *)hg.data())[i]);
+                const double r = mode == 2 ? ((const float *)hc.data())[i] : bf2f(((const uint16_t *)hc.data())[i]);
+                num += (g - r) * (g - r);
+                den += r * r;
+            }
+            const double rel = den > 0 ? sqrt(num / den) : sqrt(num);
+            printf("  timing %s mode %d %-11s: wgmma %8.3f ms %6.1f TFLOP/s | mma.sync %8.3f ms %6.1f TFLOP/s | "
+                   "cuBLASLt x%zu %8.3f ms %6.1f TFLOP/s\n",
+                   c.name.c_str(), mode, mode_name[mode], t_wg, flops / t_wg * 1e-9, t_ms, flops / t_ms * 1e-9, P.ex.size(), t_lt,
+                   flops / t_lt * 1e-9);
+            report(std::isfinite(rel) && rel <= (mode == 2 ? 1e-4 : 1e-2), "%s mode %d grouped vs cuBLASLt, all %zu outputs: rel=%.2e",
+                   c.name.c_str(), mode, n, rel);
+            CK(cudaFree(cout));
+            lt_free(P);
+        }
+    }
+
+    CK(cudaFree(b.d_offs));
+    CK(cudaFree(b.X)); CK(cudaFree(b.W)); CK(cudaFree(b.dY));
+    CK(cudaFree(b.Y)); CK(cudaFree(b.dX)); CK(cudaFree(b.dW)); CK(cudaFree(b.ws));
+}
+
+/* counts summing to R: n_zero experts without rows, heavy experts at the given multiples of the mean,
+   the rest lognormal, none a multiple of 128 where avoidable */
+static std::vector<int> imbalanced_counts(int E, int R, std::mt19937 &rng, int n_zero, std::vector<double> heavy) {
+    std::vector<int> cnt(E, 0);
+    std::vector<int> idx(E);
+    for (int i = 0; i < E; ++i) idx[i] = i;
+    std::shuffle(idx.begin(), idx.end(), rng);
+    const double mean = (double)R / E;
+    int used = 0, p = 0;
+    for (int i = 0; i < n_zero; ++i) cnt[idx[p++]] = 0;
+    for (double h : heavy) { cnt[idx[p]] = (int)(h * mean) + 1 + (int)(rng() % 97); used += cnt[idx[p]]; ++p; }
+    std::lognormal_distribution<double> ln(0.0, 0.6);
+    std::vector<double> w(E, 0.0);
+    double ws = 0;
+    for (int i = p; i < E; ++i) { w[idx[i]] = ln(rng); ws += w[idx[i]]; }
+    const int rest = R - used;
+    int acc = 0, last = -1;
+    for (int i = p; i < E; ++i) { cnt[idx[i]] = (int)(rest * w[idx[i]] / ws); acc += cnt[idx[i]]; last = idx[i]; }
+    if (last >= 0) cnt[last] += rest - acc;
+    return cnt;
+}
+
+static void test_graph_capture(std::mt19937 &rng) {
+    /* capture a launch in a CUDA graph, replay it, compare bitwise with an eager launch */
+    const int E = 5, M = 72, K = 40;
+    const int counts[5] = {0, 17, 0, 200, 1};
+    std::vector<int> offs(E + 1, 0);
+    for (int e = 0; e < E; ++e) offs[e + 1] = offs[e] + counts[e];
+    const int R = offs[E], Rmax = R + 37;
+    int *d_offs; __nv_bfloat16 *X, *W, *dY; void *Y, *ws;
+    CK(cudaMalloc(&d_offs, (E + 1) * 4));
+    CK(cudaMemcpy(d_offs, offs.data(), (E + 1) * 4, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&X, (size_t)Rmax * K * 2)); CK(cudaMalloc(&W, (size_t)E * M * K * 2)); CK(cudaMalloc(&dY, (size_t)Rmax * M * 2));
+    const size_t ybytes = (size_t)E * M * K * 4 > (size_t)Rmax * M * 2 ? (size_t)E * M * K * 4 : (size_t)Rmax * M * 2;
+    CK(cudaMalloc(&Y, ybytes));
+    size_t wsb = 0;
+    for (int m = 0; m < 3; ++m) wsb = std::max(wsb, mt_gg_workspace(m, E, M, K, Rmax));
+    CK(cudaMalloc(&ws, wsb));
+    fill_normal(X, (size_t)Rmax * K, rng()); fill_normal(W, (size_t)E * M * K, rng()); fill_normal(dY, (size_t)Rmax * M, rng());
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (int mode = 0; mode < 3; ++mode) {
+        const void *a = mode == 0 ? (const void *)X : (const void *)dY, *b = mode == 2 ? (const void *)X : (const void *)W;
+        std::vector<unsigned char> h1(ybytes), h2(ybytes);
+        CK(cudaMemset(Y, 0xFF, ybytes));
+        int rc = mt_gg(mode, Y, a, b, d_offs, E, M, K, Rmax, ws, st);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaMemcpy(h1.data(), Y, ybytes, cudaMemcpyDeviceToHost));
+        CK(cudaMemset(Y, 0xFF, ybytes));
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        const int rc2 = mt_gg(mode, Y, a, b, d_offs, E, M, K, Rmax, ws, st);
+        CK(cudaStreamEndCapture(st, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaStreamSynchronize(st));
+        CK(cudaMemcpy(h2.data(), Y, ybytes, cudaMemcpyDeviceToHost));
+        report(rc == 0 && rc2 == 0 && memcmp(h1.data(), h2.data(), ybytes) == 0, "graph capture + replay, mode %d, identical to eager", mode);
+        CK(cudaGraphExecDestroy(ge));
+        CK(cudaGraphDestroy(g));
+    }
+    CK(cudaStreamDestroy(st));
+    CK(cudaFree(d_offs)); CK(cudaFree(X)); CK(cudaFree(W)); CK(cudaFree(dY)); CK(cudaFree(Y)); CK(cudaFree(ws));
+}
+
+static void test_bad_args() {
+    void *p;
+    int *o;
+    CK(cudaMalloc(&p, 1 << 20));
+    CK(cudaMalloc(&o, 64));
+    CK(cudaMemset(o, 0, 64));
+    char *c = (char *)p;
+    report(mt_gg(0, p, p, p, o, 1, 12, 16, 10, nullptr, 0) == -1, "rejects M %% 8 != 0");
+    report(mt_gg(1, p, p, p, o, 1, 16, 20, 10, nullptr, 0) == -1, "rejects K %% 8 != 0");
+    report(mt_gg(3, p, p, p, o, 1, 16, 16, 10, nullptr, 0) == -1, "rejects mode 3");
+    report(mt_gg(0, p, p, p, o, 0, 16, 16, 10, nullptr, 0) == -1, "rejects E = 0");
+    report(mt_gg(0, p, p, p, o, 1025, 16, 16, 10, nullptr, 0) == -1, "rejects E > 1024");
+    report(mt_gg(0, p, p, p, o, 1, 16, 16, -1, nullptr, 0) == -1, "rejects Rmax < 0");
+    report(mt_gg(0, c + 2, p, p, o, 1, 16, 16, 10, nullptr, 0) == -1, "rejects misaligned out");
+    report(mt_gg(0, p, c + 8, p, o, 1, 16, 16, 10, nullptr, 0) == -1, "rejects misaligned a");
+    report(mt_gg(0, p, p, nullptr, o, 1, 16, 16, 10, nullptr, 0) == -1, "rejects NULL b");
+    report(mt_gg(0, p, p, p, nullptr, 1, 16, 16, 10, nullptr, 0) == -1, "rejects NULL offs");
+    CK(cudaFree(p));
+    CK(cudaFree(o));
+}
+
+int main() {
+    int dev = 0;
+    CK(cudaGetDevice(&dev));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, dev));
+    printf("device: %s (sm_%d%d, %d SMs), kernel smem %zu bytes, %d threads/CTA, tile %dx%dx%d, %d stages\n", prop.name, prop.major,
+           prop.minor, prop.multiProcessorCount, mt_ggk::SMEM_BYTES, mt_ggk::NT, mt_ggk::BM, mt_ggk::BN, mt_ggk::BK, mt_ggk::ST);
+    if (prop.major != 9) {
+        printf("this test needs an sm_90 GPU\nGG: 0 passed, 1 failed\n");
+        return 1;
+    }
+    std::mt19937 rng(20240611);
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+
+    std::vector<Case> cases;
+    cases.push_back({"big", 64, 1408, 2048, imbalanced_counts(64, 49152, rng, 3, {3.0, 4.0, 5.0}), true});
+    {
+        std::vector<int> cnt(8);
+        int s = 0;
+        for (int e = 0; e < 7; ++e) { cnt[e] = 6144 - 300 + (int)(rng() % 601); s += cnt[e]; }
+        cnt[7] = 49152 - s;
+        cases.push_back({"small8", 8, 256, 256, cnt, true});
+    }
+    cases.push_back({"e1", 1, 64, 128, {300}, false});
+    cases.push_back({"e5", 5, 72, 40, {0, 17, 0, 200, 1}, false});
+    {
+        std::vector<int> cnt(16, 0);
+        cnt[3] = 1000;
+        cases.push_back({"one-hot", 16, 128, 64, cnt, false});
+    }
+    cases.push_back({"e1024", 1024, 64, 64, imbalanced_counts(1024, 4000, rng, 300, {20.0, 8.0}), false});
+    cases.push_back({"odd", 3, 136, 264, {130, 0, 70}, false});
+
+    uint64_t seed = 1;
+    for (const Case &c : cases) run_case(c, seed++, rng, st);
+    test_graph_capture(rng);
+    test_bad_args();
+    CK(cudaStreamDestroy(st));
+    printf("GG: %d passed, %d failed\n", g_pass, g_fail);
+    return g_fail ? 1 : 0;
+}
+
