@@ -869,16 +869,8 @@ int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const
  * ====================================================================== */
 }  /* extern "C": the attention kernels are templates */
 
-namespace mt_fa {
-
-typedef __nv_bfloat16 bf16;
-
-#define MT_FA_LOG2E 1.4426950408889634f
-#define MT_FA_LN2 0.6931471805599453f
-
-/* ------------------------------------------------------------------------------------------ */
-/* PTX helpers                                                                                */
-/* ------------------------------------------------------------------------------------------ */
+/* PTX helpers shared by the attention and grouped-GEMM kernels */
+namespace mt_ptx {
 __device__ __forceinline__ uint32_t smem_u32(const void *p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -901,6 +893,20 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
+} /* namespace mt_ptx */
+
+namespace mt_fa {
+using namespace mt_ptx;
+
+typedef __nv_bfloat16 bf16;
+
+#define MT_FA_LOG2E 1.4426950408889634f
+#define MT_FA_LN2 0.6931471805599453f
+
+/* ------------------------------------------------------------------------------------------ */
+/* PTX helpers                                                                                */
+/* ------------------------------------------------------------------------------------------ */
+/* (cp.async, ldmatrix and shared-address helpers: namespace mt_ptx) */
 /* D = A(16x16 row) * B(16x8 col) + D, bf16 inputs, f32 accumulate */
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -2193,6 +2199,7 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
 }  /* extern "C": the grouped GEMM kernels are templates */
 
 namespace mt_ggk {
+using namespace mt_ptx;
 
 typedef __nv_bfloat16 bf16;
 
@@ -2215,28 +2222,7 @@ static_assert(PD <= ST - 2, "a stage may still be read by the wgmma batch in fli
 /* ------------------------------------------------------------------------------------------ */
 /* PTX helpers                                                                                */
 /* ------------------------------------------------------------------------------------------ */
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-/* 4 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i; r[i] = matrix i fragment */
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
+/* (cp.async, ldmatrix and shared-address helpers: namespace mt_ptx) */
 /* D = A(16x16 row) * B(16x8 col) + D, bf16 inputs, f32 accumulate */
 __device__ __forceinline__ void mma_bf16(float &d0, float &d1, float &d2, float &d3, const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
