@@ -288,7 +288,9 @@ typedef struct {
     X(ADAMW, 8, 4, 0)            /* p, g, m, v, lr, coef, hparams, step -> p, m, v, p_bf16 (optional) */ \
     X(EXPERT_BIAS_UPDATE, 2, 1, 0) /* bias[E], counts[E] i32 -> bias; f0 coeff */   \
     X(ADD_RMSNORM, 3, 3, 0)      /* fused: a, b, w -> h = a+b, y = rmsnorm(h), rstd; f0 eps */ \
-    X(RMSNORM_BWD_ADD, 5, 2, 0)  /* fused: dy, x, w, rstd, acc -> acc + dx, dw */
+    X(RMSNORM_BWD_ADD, 5, 2, 0)  /* fused: dy, x, w, rstd, acc -> acc + dx, dw */    \
+    X(MATMUL_ACC, 3, 1, 0)       /* fused: A, B, acc -> acc + op(A) op(B) (GEMM epilogue) */ \
+    X(GMM_DX_ACC, 4, 1, 0)       /* fused: dY, W, offs, acc -> acc + dY_e W_e */
 
 enum {
 #define MT_OP_ENUM(name, ni, no, d) MT_OP_##name,
@@ -369,7 +371,8 @@ int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target 
 void mt_plan_naive(mt_graph *g);                     /* eager: every value its own bytes */
 int mt_pass_plan_memory(mt_graph *g, mt_err *err);   /* liveness-based arena reuse */
 void mt_value_live_range(const mt_graph *g, int v, int *first, int *last);
-typedef struct { int fuse, plan_memory, capture; } mt_passes;   /* which optimizing passes run */
+typedef struct { int elide, fuse, plan_memory, capture; } mt_passes;   /* which optimizing passes run */
+int mt_pass_elide_collectives(mt_graph *g, mt_err *err); /* the expert exchange over one rank is a copy: gone */
 int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
 int mt_node_syncs_host(const mt_node *n);            /* needs data on the host before launching */
 void mt_passes_all(mt_passes *p);
@@ -546,7 +549,7 @@ int mt_cuda_rmsnorm_backward_add(mt_cuda *c, void *dx, float *dw, const void *dy
                                  const float *rstd, const void *acc, int N, int D, void *ws);
 size_t mt_cuda_matmul_workspace(int M, int N, int K, int ct, int at, int bt);
 int mt_cuda_matmul(mt_cuda *c, void *C, int ct, const void *A, int at, const void *B, int bt, int M, int N, int K,
-                   int ta, int tb, void *ws);
+                   int ta, int tb, void *ws, const void *acc);   /* acc: optional, C = acc + op(A) op(B) */
 int mt_cuda_split(mt_cuda *c, void *x1, void *x2, const void *x, int N, int a, int b, int esz);
 int mt_cuda_concat(mt_cuda *c, void *x, const void *x1, const void *x2, int N, int a, int b, int esz);
 int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *q, const void *kv, const void *kpe,
@@ -575,7 +578,8 @@ int mt_cuda_ep_counts(mt_cuda *c, int32_t *recv, const int32_t *offs, int E_loca
 int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_local);
 size_t mt_cuda_gmm_workspace(int mode, int E, int M, int K, int Rmax);
 int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *d_offs, int E, int M, int K,
-                int Rmax, void *ws);  /* mode 0: Y=X W^T, 1: dX = dY W, 2: dW = dY^T X (f32 out); offsets on the device */
+                int Rmax, void *ws, const void *acc);  /* mode 0: Y=X W^T, 1: dX = dY W, 2: dW = dY^T X (f32 out);
+                                                          offsets on the device; acc (modes 0/1, optional) added */
 int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32_t *slot, const float *w, int N, int D, int K);
 int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
                                  const float *w, int N, int D, int K);
@@ -1220,7 +1224,7 @@ static int mt__index_operands(int op, uint32_t *in, uint32_t *out) {
     case MT_OP_EP_COUNTS: *in = 1u; *out = 1u; break;
     case MT_OP_EP_DISPATCH: *in = 2u | 4u; *out = 2u; break;
     case MT_OP_EP_COMBINE: *in = 2u | 4u; break;
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: *in = 4u; break;
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX_ACC: *in = 4u; break;
     case MT_OP_MOE_COMBINE: *in = 2u; break;
     case MT_OP_MOE_COMBINE_BWD: *in = 4u; break;
     case MT_OP_CROSS_ENTROPY: *in = 2u; break;
@@ -1292,7 +1296,7 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         MT__T(mt__shape(&c, o, "dx", 2, b->dims[0], b->dims[1], 0));
         MT__T(mt__shape(&c, mt__out(&c, 1), "dw", 1, b->dims[1], 0, 0));
         break;
-    case MT_OP_MATMUL: {
+    case MT_OP_MATMUL: case MT_OP_MATMUL_ACC: {
         MT__T(mt__int_attr(&c, 0, 0, 1)); MT__T(mt__int_attr(&c, 1, 0, 1));
         MT__T(mt__shape(&c, a, "A", 2, MT__ANY, MT__ANY, 0));
         MT__T(mt__shape(&c, b, "B", 2, MT__ANY, MT__ANY, 0));
@@ -1300,6 +1304,10 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         int64_t Kb = b->dims[n->iattr[1] ? 1 : 0], Nn = b->dims[n->iattr[1] ? 0 : 1];
         if (K != Kb) return mt_errf(err, "MATMUL: inner sizes of '%s' and '%s' differ", a->name, b->name);
         MT__T(mt__shape(&c, o, "C", 2, M, Nn, 0));
+        if (n->op == MT_OP_MATMUL_ACC) {
+            MT__T(mt__shape(&c, mt__in(&c, 2), "acc", 2, M, Nn, 0));
+            if (mt__in(&c, 2)->dtype != o->dtype) return mt_errf(err, "MATMUL_ACC: acc and C differ in dtype");
+        }
         break;
     }
     case MT_OP_SPLIT: {
@@ -1435,7 +1443,7 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         }
         break;
     }
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: {
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX_ACC: {
         const mt_value *W = n->op == MT_OP_GMM_DW ? o : b, *offs = mt__in(&c, 2);
         MT__T(mt__shape(&c, W, "W", 3, MT__ANY, MT__ANY, MT__ANY));
         int64_t E = W->dims[0], M = W->dims[1], K = W->dims[2];
@@ -1443,9 +1451,13 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         if (n->op == MT_OP_GMM) {
             MT__T(mt__shape(&c, a, "X", 2, MT__ANY, K, 0));
             MT__T(mt__shape(&c, o, "Y", 2, a->dims[0], M, 0));
-        } else if (n->op == MT_OP_GMM_DX) {
+        } else if (n->op == MT_OP_GMM_DX || n->op == MT_OP_GMM_DX_ACC) {
             MT__T(mt__shape(&c, a, "dY", 2, MT__ANY, M, 0));
             MT__T(mt__shape(&c, o, "dX", 2, a->dims[0], K, 0));
+            if (n->op == MT_OP_GMM_DX_ACC) {
+                MT__T(mt__shape(&c, mt__in(&c, 3), "acc", 2, a->dims[0], K, 0));
+                if (mt__in(&c, 3)->dtype != o->dtype) return mt_errf(err, "GMM_DX_ACC: acc and dX differ in dtype");
+            }
         } else {
             MT__T(mt__shape(&c, a, "dY", 2, MT__ANY, M, 0));
             MT__T(mt__shape(&c, b, "X", 2, a->dims[0], K, 0));
@@ -2519,14 +2531,106 @@ static int mt__compact_values(mt_graph *g, mt_err *err) {
     return 0;
 }
 
-/* Fusion: the residual add and the RMSNorm that reads it become one pass
- * over the rows (forward), and RMSNorm's backward adds its input gradient
- * into the residual gradient directly (backward). The builder emits each
- * pair next to each other. Results are bitwise those of the unfused pair. */
+/* Elision: a collective over a group of one rank is an identity. On ep = 1
+ * the expert exchange (EP_COUNTS, EP_DISPATCH, EP_COMBINE, forward and
+ * backward) copies every routed row onto itself: here those nodes go, their
+ * consumers read the source rows directly, and the data-dependent "tokens my
+ * experts receive" is pinned to its only possible value, N*K. Results are
+ * bitwise unchanged; the step moves 4 x N*K*D fewer elements per MoE layer.
+ * Graphs for ep > 1 are left as they are. (Gradient all-reduces over one
+ * rank stay: they are in place and cost nothing.) */
+int mt_pass_elide_collectives(mt_graph *g, mt_err *err) {
+    if (g->mesh.size[MT_DIM_EP] != 1) return 0;
+    for (int s = 0; s < g->n_syms; s++) {          /* pin the received-token count: it is N*K */
+        if (g->syms[s].kind != MT_SYM_SIZE || g->syms[s].mesh_dim != MT_DIM_EP) continue;
+        for (int v = 0; v < g->n_values; v++)
+            for (int d = 0; d < g->values[v].ndim; d++)
+                if (g->values[v].dims[d] == -(int64_t)s - 1) g->values[v].dims[d] = g->syms[s].max;
+    }
+    int32_t *map = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(g->n_values + 1));
+    if (!map) return mt_errf(err, "out of memory");
+    for (int v = 0; v < g->n_values; v++) map[v] = v;
+    int w = 0, rc = 0;
+    for (int i = 0; i < g->n_nodes && !rc; i++) {
+        mt_node *n = &g->nodes[i];
+        int exch = n->op == MT_OP_EP_DISPATCH || n->op == MT_OP_EP_COMBINE;
+        if (exch && n->iattr[2] == 1) {
+            /* out[0] <- in[0] (rows), and for a dispatch out[1] (received offsets) <- in[1] (offsets) */
+            for (int k = 0; k < (n->op == MT_OP_EP_DISPATCH ? 2 : 1) && !rc; k++) {
+                int src = map[n->in[k]], dst = n->out[k];
+                const mt_value *a = &g->values[src], *b = &g->values[dst];
+                if (a->dtype != b->dtype || a->ndim != b->ndim || memcmp(a->dims, b->dims, sizeof a->dims))
+                    rc = mt_errf(err, "elide: %s '%s' -> '%s' is not a same-shape copy", mt_ops[n->op].name, a->name, b->name);
+                map[dst] = src;
+            }
+            continue;
+        }
+        g->nodes[w++] = *n;
+    }
+    g->n_nodes = w;
+    for (int i = 0; i < g->n_nodes; i++)
+        for (int k = 0; k < g->nodes[i].n_in; k++)
+            if (g->nodes[i].in[k] >= 0) g->nodes[i].in[k] = map[g->nodes[i].in[k]];
+    for (int i = 0; i < MT_NIO; i++) if (g->io[i] >= 0) g->io[i] = map[g->io[i]];
+    /* the counts exchange now feeds nothing */
+    w = 0;
+    for (int i = 0; i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        int used = 0;
+        if (n->op == MT_OP_EP_COUNTS && n->iattr[2] == 1) {
+            for (int j = i + 1; j < g->n_nodes && !used; j++)
+                for (int k = 0; k < g->nodes[j].n_in; k++) used |= g->nodes[j].in[k] == n->out[0];
+            if (!used) continue;
+        }
+        g->nodes[w++] = *n;
+    }
+    g->n_nodes = w;
+    int fwd = 0;
+    for (int i = 0; i < g->n_nodes; i++) fwd += g->nodes[i].phase == MT_PHASE_FORWARD;
+    g->n_forward_nodes = fwd;
+    MT_FREE(map);
+    if (rc) return -1;
+    return mt__compact_values(g, err);
+}
+
+/* How many nodes after node i read value v. */
+static int mt__uses_after(const mt_graph *g, int i, int v) {
+    int uses = 0;
+    for (int k = i + 1; k < g->n_nodes; k++)
+        for (int j = 0; j < g->nodes[k].n_in; j++) uses += g->nodes[k].in[j] == v;
+    return uses;
+}
+
+/* Fusion, over pairs the builder emits next to each other:
+ *  - the residual add and the RMSNorm that reads it: one pass over the rows
+ *    (ADD_RMSNORM); RMSNorm's backward adds its input gradient into the
+ *    residual gradient directly (RMSNORM_BWD_ADD). Bitwise those of the pair.
+ *  - a GEMM whose result only feeds an ADD: the sum moves into the GEMM's
+ *    epilogue (MATMUL_ACC: cuBLASLt with beta = 1, one rounding instead of
+ *    two; GMM_DX_ACC: our grouped GEMM, bitwise the pair). These are the
+ *    gradient sums where one activation feeds several GEMMs (q and kv, gate
+ *    and up, shared experts and router) and the shared + routed expert sum.
+ *    An ADD that an RMSNorm reads stays for ADD_RMSNORM, which saves more. */
 int mt_pass_fuse(mt_graph *g, mt_err *err) {
     int w = 0;
     for (int i = 0; i < g->n_nodes; i++) {
         mt_node *a = &g->nodes[i], *b = i + 1 < g->n_nodes ? &g->nodes[i + 1] : NULL;
+        const mt_node *c3 = i + 2 < g->n_nodes ? &g->nodes[i + 2] : NULL;
+        if (b && (a->op == MT_OP_MATMUL || a->op == MT_OP_GMM_DX) && b->op == MT_OP_ADD && a->phase == b->phase &&
+            (b->in[0] == a->out[0]) != (b->in[1] == a->out[0]) &&
+            !(c3 && c3->op == MT_OP_RMSNORM && c3->in[0] == b->out[0]) && mt__uses_after(g, i, a->out[0]) == 1) {
+            int acc = b->in[0] == a->out[0] ? b->in[1] : b->in[0];
+            if (g->values[acc].dtype == g->values[a->out[0]].dtype) {
+                mt_node f = *a;
+                f.op = a->op == MT_OP_MATMUL ? MT_OP_MATMUL_ACC : MT_OP_GMM_DX_ACC;
+                f.n_in = mt_ops[f.op].n_in;
+                f.in[f.n_in - 1] = acc;
+                f.out[0] = b->out[0];
+                g->nodes[w++] = f;
+                i++;
+                continue;
+            }
+        }
         if (b && a->op == MT_OP_ADD && b->op == MT_OP_RMSNORM && b->in[0] == a->out[0] && a->phase == b->phase) {
             mt_node f = *a;
             f.op = MT_OP_ADD_RMSNORM; f.n_in = 3; f.n_out = 3;
@@ -2541,10 +2645,8 @@ int mt_pass_fuse(mt_graph *g, mt_err *err) {
         /* RMSNORM_BWD -> dx, then ADD(acc, dx) or ADD(dx, acc): dx is used nowhere else */
         if (b && a->op == MT_OP_RMSNORM_BWD && b->op == MT_OP_ADD && a->phase == b->phase &&
             (b->in[0] == a->out[0] || b->in[1] == a->out[0]) && b->in[0] != b->in[1]) {
-            int dx = a->out[0], uses = 0;
-            for (int k = i + 1; k < g->n_nodes; k++)
-                for (int j = 0; j < g->nodes[k].n_in; j++) uses += g->nodes[k].in[j] == dx;
-            if (uses == 1) {
+            int dx = a->out[0];
+            if (mt__uses_after(g, i, dx) == 1) {
                 mt_node f = *a;
                 f.op = MT_OP_RMSNORM_BWD_ADD; f.n_in = 5; f.n_out = 2;
                 f.in[4] = b->in[0] == dx ? b->in[1] : b->in[0];
@@ -2564,9 +2666,10 @@ int mt_pass_fuse(mt_graph *g, mt_err *err) {
     return mt__compact_values(g, err);
 }
 
-void mt_passes_all(mt_passes *p) { p->fuse = 1; p->plan_memory = 1; p->capture = 1; }
-void mt_passes_none(mt_passes *p) { p->fuse = 0; p->plan_memory = 0; p->capture = 0; }
+void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; }
+void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; }
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
+    if (p->elide && mt_pass_elide_collectives(g, err)) return -1;
     if (p->fuse && mt_pass_fuse(g, err)) return -1;
     if (p->plan_memory) { if (mt_pass_plan_memory(g, err)) return -1; }
     else mt_plan_naive(g);
@@ -3931,7 +4034,7 @@ static size_t mt__cuda_scratch(const mt_graph *G) {
         switch (n->op) {
         case MT_OP_EMBED_BWD: w = mt_cuda_embed_backward_workspace((int)a->dims[0], (int)a->dims[1]); break;
         case MT_OP_RMSNORM_BWD: case MT_OP_RMSNORM_BWD_ADD: w = mt_cuda_rmsnorm_backward_workspace((int)b->dims[0], (int)b->dims[1]); break;
-        case MT_OP_MATMUL: {
+        case MT_OP_MATMUL: case MT_OP_MATMUL_ACC: {
             int M = (int)a->dims[n->iattr[0] ? 1 : 0], K = (int)a->dims[n->iattr[0] ? 0 : 1], Nn = (int)b->dims[n->iattr[1] ? 0 : 1];
             w = mt_cuda_matmul_workspace(M, Nn, K, G->values[n->out[0]].dtype, a->dtype, b->dtype);
             break;
@@ -3941,9 +4044,9 @@ static size_t mt__cuda_scratch(const mt_graph *G) {
             break;
         case MT_OP_CROSS_ENTROPY: w = mt_cuda_cross_entropy_workspace((int)a->dims[0]); break;
         case MT_OP_MOE_PERMUTE: w = mt_cuda_moe_permute_workspace(a->dims[0] * b->dims[1]); break;
-        case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: {
+        case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX_ACC: {
             const mt_value *W = &G->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];
-            int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DX ? 1 : 2;
+            int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DW ? 2 : 1;
             w = mt_cuda_gmm_workspace(mode, (int)W->dims[0], (int)W->dims[1], (int)W->dims[2], (int)mt_value_numel_max(G, a) / (int)a->dims[1]);
             break;
         }
@@ -3968,7 +4071,7 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
         return mt_errf(err, "CUDA graphs need a float32 build (MT_REAL=float)");
     for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
         const mt_node *n = &g->nodes[i];
-        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW) continue;
+        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX_ACC) continue;
         const mt_value *W = &g->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];
         if (W->dims[1] % 8 || W->dims[2] % 8)
             return mt_errf(err, "on CUDA the expert GEMMs need dim and moe_inter_dim to be multiples of 8 (got %lld and %lld)",
@@ -4228,9 +4331,10 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_EMBED_BWD: mt_cpu_embed_backward(RO(0), R_(0), I_(1), DIM(n->in[1], 0), DIM(n->out[0], 0), DIM(n->out[0], 1)); break;
     case MT_OP_RMSNORM: mt_cpu_rmsnorm_forward(RO(0), RO(1), R_(0), R_(1), (int)mt__nrows(rt, n->in[0]), DIM(n->in[0], 1), n->fattr[0]); break;
     case MT_OP_RMSNORM_BWD: mt_cpu_rmsnorm_backward(RO(0), RO(1), R_(0), R_(1), R_(2), R_(3), (int)mt__nrows(rt, n->in[1]), DIM(n->in[1], 1)); break;
-    case MT_OP_MATMUL: {
+    case MT_OP_MATMUL: case MT_OP_MATMUL_ACC: {
         int M = DIM(n->in[0], a[0] ? 1 : 0), K = DIM(n->in[0], a[0] ? 0 : 1), Nn = DIM(n->in[1], a[1] ? 0 : 1);
         mt_cpu_matmul(rt->pool, RO(0), R_(0), R_(1), M, Nn, K, a[0], a[1]);
+        if (n->op == MT_OP_MATMUL_ACC) mt_cpu_add(RO(0), R_(2), RO(0), (int64_t)M * Nn);   /* as the ADD it replaces */
         break;
     }
     case MT_OP_SPLIT: mt_cpu_split(RO(0), RO(1), R_(0), DIM(n->in[0], 0), DIM(n->out[0], 1), DIM(n->out[1], 1)); break;
@@ -4270,7 +4374,7 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         break;
     case MT_OP_EP_COUNTS: return mt__ep_counts(rt, n, err);
     case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE: return mt__ep_exchange(rt, n, DIM(n->in[0], 1), err);
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: {
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX_ACC: {
         int wi = n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1];
         int E = DIM(wi, 0), M = DIM(wi, 1), K = DIM(wi, 2);
         const int32_t *offs = I_(2);
@@ -4279,8 +4383,9 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
             if (offs[0] != 0 || offs[e + 1] < offs[e] || offs[E] > rows)
                 return mt_errf(err, "%s: bad expert offsets", mt_ops[n->op].name);
         if (n->op == MT_OP_GMM) mt_cpu_gmm(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
-        else if (n->op == MT_OP_GMM_DX) mt_cpu_gmm_dx(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
-        else mt_cpu_gmm_dw(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
+        else if (n->op == MT_OP_GMM_DW) mt_cpu_gmm_dw(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
+        else mt_cpu_gmm_dx(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
+        if (n->op == MT_OP_GMM_DX_ACC) mt_cpu_add(RO(0), R_(3), RO(0), rows * K);
         break;
     }
     case MT_OP_MOE_COMBINE:
@@ -4371,9 +4476,10 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_RMSNORM_BWD:
         rc = mt_cuda_rmsnorm_backward(c, VO(0), FO(1), V_(0), V_(1), F_(2), F_(3), (int)mt__nrows(rt, n->in[1]), DIM(n->in[1], 1), rt->scratch);
         break;
-    case MT_OP_MATMUL: {
+    case MT_OP_MATMUL: case MT_OP_MATMUL_ACC: {
         int M = DIM(n->in[0], a[0] ? 1 : 0), K = DIM(n->in[0], a[0] ? 0 : 1), Nn = DIM(n->in[1], a[1] ? 0 : 1);
-        rc = mt_cuda_matmul(c, VO(0), DT(n->out[0]), V_(0), DT(n->in[0]), V_(1), DT(n->in[1]), M, Nn, K, a[0], a[1], rt->scratch);
+        rc = mt_cuda_matmul(c, VO(0), DT(n->out[0]), V_(0), DT(n->in[0]), V_(1), DT(n->in[1]), M, Nn, K, a[0], a[1], rt->scratch,
+                            n->op == MT_OP_MATMUL_ACC ? V_(2) : NULL);
         break;
     }
     case MT_OP_SPLIT:
@@ -4424,11 +4530,12 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         if (!rc && n->op == MT_OP_EP_DISPATCH) { rc = mt_cuda_ep_offsets(c, IO(1), I_(2), a[3]); rt->rows[n->out[0]] = rows; }
         break;
     }
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: {   /* the offsets come from our own permutation */
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX_ACC: {   /* the offsets come from our own permutation */
         int wi = n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1];
         int E = DIM(wi, 0), M = DIM(wi, 1), K = DIM(wi, 2);
-        int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DX ? 1 : 2;
-        rc = mt_cuda_gmm(c, mode, VO(0), V_(0), V_(1), I_(2), E, M, K, (int)mt__nrows(rt, n->in[0]), rt->scratch);
+        int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DW ? 2 : 1;
+        rc = mt_cuda_gmm(c, mode, VO(0), V_(0), V_(1), I_(2), E, M, K, (int)mt__nrows(rt, n->in[0]), rt->scratch,
+                         n->op == MT_OP_GMM_DX_ACC ? V_(3) : NULL);
         break;
     }
     case MT_OP_MOE_COMBINE:
@@ -5176,16 +5283,17 @@ void mt_node_cost(const mt_graph *g, const mt_node *n, double *flops, double *by
     for (int i = 0; i < n->n_out; i++) if (n->out[i] >= 0) b += (double)g->values[n->out[i]].nbytes;
     const mt_value *a = n->in[0] >= 0 ? &g->values[n->in[0]] : NULL;
     switch (n->op) {
-    case MT_OP_MATMUL: {
+    case MT_OP_MATMUL: case MT_OP_MATMUL_ACC: {
         const mt_value *bb = &g->values[n->in[1]];
         double M = (double)a->dims[n->iattr[0] ? 1 : 0], K = (double)a->dims[n->iattr[0] ? 0 : 1], Nn = (double)bb->dims[n->iattr[1] ? 0 : 1];
         f = 2 * M * Nn * K;
         break;
     }
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: {
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX_ACC: {
         const mt_value *W = &g->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];
         f = 2.0 * (double)mt_value_numel_max(g, a) / (double)a->dims[1] * (double)W->dims[1] * (double)W->dims[2];
         b = (double)(g->values[n->in[0]].nbytes + g->values[n->in[1]].nbytes + g->values[n->out[0]].nbytes);
+        if (n->op == MT_OP_GMM_DX_ACC) b += (double)g->values[n->in[3]].nbytes;
         break;
     }
     case MT_OP_ATTENTION: case MT_OP_ATTENTION_BWD: {

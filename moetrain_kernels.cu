@@ -279,10 +279,17 @@ int mt_cuda_check_flag(mt_cuda *c) {
 static cudaDataType_t mt__cu_type(int dt) { return dt == MT_BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 static int mt__bucket(int m) { int b = 1; while (b < m) b <<= 1; return b; }
 
+/* C = op(A) op(B), or with acc (same layout as C): C = acc + op(A) op(B) in one pass (the epilogue
+ * reads acc: beta = 1), so a residual or gradient sum costs no separate kernel. */
 static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_bytes, int ta, int tb, int M, int N, int K,
-                          const void *A, int at, const void *B, int bt, void *C, int ct) {
+                          const void *A, int at, const void *B, int bt, void *C, int ct, const void *acc) {
     if (M <= 0 || N <= 0) return 0;
-    if (K <= 0) { CK(cudaMemsetAsync(C, 0, (size_t)M * N * (ct == MT_BF16 ? 2 : 4), stream)); return 0; }
+    if (K <= 0) {
+        size_t bytes = (size_t)M * N * (ct == MT_BF16 ? 2 : 4);
+        if (acc) CK(cudaMemcpyAsync(C, acc, bytes, cudaMemcpyDeviceToDevice, stream));
+        else CK(cudaMemsetAsync(C, 0, bytes, stream));
+        return 0;
+    }
     int mb = mt__bucket(M);
     unsigned h = (unsigned)(ta * 31 + tb * 17 + mb * 131 + N * 7919 + K * 104729 + at * 3 + bt * 5 + ct * 11);
     mt__gemm_entry *e = NULL;
@@ -324,8 +331,9 @@ static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_b
         e = n;
     }
     if (!rc) {
-        float one = 1.0f, zero = 0.0f;
-        cublasStatus_t st = cublasLtMatmul(c->lt, e->desc, &one, B, la, A, lb, &zero, C, lc, C, lc, &e->algo, ws, ws_bytes, stream);
+        float one = 1.0f, beta = acc ? 1.0f : 0.0f;
+        const void *Cin = acc ? acc : C;
+        cublasStatus_t st = cublasLtMatmul(c->lt, e->desc, &one, B, la, A, lb, &beta, Cin, lc, C, lc, &e->algo, ws, ws_bytes, stream);
         if (st != CUBLAS_STATUS_SUCCESS) {   /* the bucket's algorithm does not fit this M: ask for this exact shape */
             cublasLtMatmulPreference_t pref = NULL;
             cublasLtMatmulHeuristicResult_t res;
@@ -333,7 +341,7 @@ static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_b
             if (!cublasLtMatmulPreferenceCreate(&pref) &&
                 !cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes) &&
                 !cublasLtMatmulAlgoGetHeuristic(c->lt, e->desc, la, lb, lc, lc, pref, 1, &res, &found) && found)
-                st = cublasLtMatmul(c->lt, e->desc, &one, B, la, A, lb, &zero, C, lc, C, lc, &res.algo, ws, ws_bytes, stream);
+                st = cublasLtMatmul(c->lt, e->desc, &one, B, la, A, lb, &beta, Cin, lc, C, lc, &res.algo, ws, ws_bytes, stream);
             if (pref) cublasLtMatmulPreferenceDestroy(pref);
             if (st != CUBLAS_STATUS_SUCCESS) {
                 char why[128];
@@ -350,8 +358,8 @@ static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_b
 }
 
 static int mt__lt_gemm(mt_cuda *c, int ta, int tb, int M, int N, int K, const void *A, int at, const void *B, int bt, void *C,
-                       int ct) {
-    return mt__lt_gemm_on(c, c->stream, c->lt_ws, c->lt_ws_bytes, ta, tb, M, N, K, A, at, B, bt, C, ct);
+                       int ct, const void *acc) {
+    return mt__lt_gemm_on(c, c->stream, c->lt_ws, c->lt_ws_bytes, ta, tb, M, N, K, A, at, B, bt, C, ct, acc);
 }
 
 static size_t mt__al(size_t x) { return (x + 255) & ~(size_t)255; }
@@ -365,20 +373,22 @@ size_t mt_cuda_matmul_workspace(int M, int N, int K, int ct, int at, int bt) {
     return w;
 }
 
-/* C = op(A) op(B). bf16 x bf16 -> bf16 or f32 on tensor cores; any f32
- * operand -> everything in exact f32 (the router's small GEMMs). */
+/* C = op(A) op(B) (+ acc when given). bf16 x bf16 -> bf16 or f32 on tensor
+ * cores, acc added in the GEMM epilogue before the one rounding; any f32
+ * operand -> everything in exact f32 (the router's small GEMMs), then acc
+ * added as a separate ADD would. */
 int mt_cuda_matmul(mt_cuda *c, void *C, int ct, const void *A, int at, const void *B, int bt, int M, int N, int K, int ta,
-                   int tb, void *ws) {
-    if (at == MT_BF16 && bt == MT_BF16) return mt__lt_gemm(c, ta, tb, M, N, K, A, at, B, bt, C, ct);
+                   int tb, void *ws, const void *acc) {
+    if (at == MT_BF16 && bt == MT_BF16) return mt__lt_gemm(c, ta, tb, M, N, K, A, at, B, bt, C, ct, acc);
     char *w = (char *)ws;
     const void *A32 = A, *B32 = B;
     void *C32 = C;
     if (at == MT_BF16) { A32 = w; if (mt_cuda_cast(c, w, MT_F32, A, MT_BF16, (int64_t)M * K)) return -1; w += mt__al((size_t)M * K * 4); }
     if (bt == MT_BF16) { B32 = w; if (mt_cuda_cast(c, w, MT_F32, B, MT_BF16, (int64_t)K * N)) return -1; w += mt__al((size_t)K * N * 4); }
     if (ct == MT_BF16) C32 = w;
-    if (mt__lt_gemm(c, ta, tb, M, N, K, A32, MT_F32, B32, MT_F32, C32, MT_F32)) return -1;
-    if (ct == MT_BF16) return mt_cuda_cast(c, C, MT_BF16, C32, MT_F32, (int64_t)M * N);
-    return 0;
+    if (mt__lt_gemm(c, ta, tb, M, N, K, A32, MT_F32, B32, MT_F32, C32, MT_F32, NULL)) return -1;
+    if (ct == MT_BF16 && mt_cuda_cast(c, C, MT_BF16, C32, MT_F32, (int64_t)M * N)) return -1;
+    return acc ? mt_cuda_add(c, C, C, acc, (int64_t)M * N, ct) : 0;
 }
 
 /* ========================================================================
@@ -2326,6 +2336,7 @@ struct Params {
     const bf16 *b;       /* W (modes 0, 1) or X (mode 2)                                      */
     const int *offs;     /* [E + 1], device                                                   */
     float *part;         /* mode 2: [S][E][M][K] partials when S > 1, else == out             */
+    const bf16 *acc;     /* modes 0/1, optional: out = bf16(bf16(result) + acc), as an ADD would */
     int E, M, K, Rmax;
     int ncols;           /* output columns: M (mode 0), K (modes 1, 2)                        */
     int ct;              /* column tiles ceil(ncols / BN)                                     */
@@ -2566,10 +2577,16 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
             /* wgmma: the first step of a tile overwrites the accumulators (scale-d = 0), so a tile
                without reduction steps (mode 2, expert without rows) must not read them */
             const float v0 = ti.nk > 0 ? acc[2 * q] : 0.f, v1 = ti.nk > 0 ? acc[2 * q + 1] : 0.f;
-            if (MODE == 2)
+            if (MODE == 2) {
                 *reinterpret_cast<float2 *>(pbase + row * ld + col) = make_float2(v0, v1);
-            else
-                *reinterpret_cast<__nv_bfloat162 *>(obase + row * ld + col) = __floats2bfloat162_rn(v0, v1);
+            } else {
+                __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
+                if (p.acc) {
+                    const __nv_bfloat162 y = *reinterpret_cast<const __nv_bfloat162 *>(p.acc + (size_t)ti.r0 * p.ncols + ti.c0 + row * ld + col);
+                    v = __floats2bfloat162_rn(__low2float(v) + __low2float(y), __high2float(v) + __high2float(y));
+                }
+                *reinterpret_cast<__nv_bfloat162 *>(obase + row * ld + col) = v;
+            }
         }
     }
 }
@@ -2620,10 +2637,20 @@ __device__ __forceinline__ void epilogue_staged(const Params &p, const float (&a
 #pragma unroll
         for (int it = 0; it < 8; ++it) {
             const int r = 2 * it + (lane >> 4), ch = lane & 15;
-            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * 256 + ((ch ^ ((r & 7) << SW)) << 4));
+            uint4 v = *reinterpret_cast<const uint4 *>(buf + r * 256 + ((ch ^ ((r & 7) << SW)) << 4));
             const int row = wrow + r, col = pass * JB * 8 + ch * (16 / ESZ);
-            if (row < rows_valid && col < cols_valid)
+            if (row < rows_valid && col < cols_valid) {
+                if (MODE != 2 && p.acc) {   /* the fused residual/gradient add: same rounding as an ADD */
+                    const uint4 y = *reinterpret_cast<const uint4 *>(
+                        reinterpret_cast<const char *>(p.acc + (size_t)ti.r0 * p.ncols + ti.c0) + (size_t)row * ld + (size_t)col * ESZ);
+                    __nv_bfloat162 *vh = reinterpret_cast<__nv_bfloat162 *>(&v);
+                    const __nv_bfloat162 *yh = reinterpret_cast<const __nv_bfloat162 *>(&y);
+#pragma unroll
+                    for (int k = 0; k < 4; ++k)
+                        vh[k] = __floats2bfloat162_rn(__low2float(vh[k]) + __low2float(yh[k]), __high2float(vh[k]) + __high2float(yh[k]));
+                }
                 *reinterpret_cast<uint4 *>(obase + (size_t)row * ld + (size_t)col * ESZ) = v;
+            }
         }
         __syncwarp();
     }
@@ -2850,10 +2877,10 @@ static int launch_main(const Params &p, int grid, cudaStream_t stream) {
 
 /* variant: 1 = wgmma, 0 = mma.sync */
 static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
-                  int Rmax, void *ws, cudaStream_t stream) {
+                  int Rmax, void *ws, cudaStream_t stream, const void *acc = nullptr) {
     if (!args_ok(mode, E, M, K, Rmax)) return -1;
-    if (!out || !a || !b || !d_offs) return -1;
-    if ((((uintptr_t)out) | ((uintptr_t)a) | ((uintptr_t)b) | ((uintptr_t)ws)) & 15u) return -1;
+    if (!out || !a || !b || !d_offs || (acc && mode == 2)) return -1;
+    if ((((uintptr_t)out) | ((uintptr_t)a) | ((uintptr_t)b) | ((uintptr_t)ws) | ((uintptr_t)acc)) & 15u) return -1;
     int nsm = 0;
     if (num_sms(&nsm) != 0) return -1;
     const int S = split_count(mode, E, M, K, Rmax, nsm);
@@ -2864,6 +2891,7 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     p.a = reinterpret_cast<const bf16 *>(a);
     p.b = reinterpret_cast<const bf16 *>(b);
     p.offs = d_offs;
+    p.acc = reinterpret_cast<const bf16 *>(acc);
     /* every mode: a static round robin. (A dynamic ticket counter for mode 2 was
      * measured on H200 to change bits between runs; the static schedule does not.) */
     p.part = (S > 1) ? reinterpret_cast<float *>(reinterpret_cast<char *>(ws) + WS_HEADER) : reinterpret_cast<float *>(out);
@@ -2921,8 +2949,8 @@ size_t mt_cuda_gmm_workspace(int mode, int E, int M, int K, int Rmax) { return m
 /* The expert offsets stay on the device: no host synchronization; an expert
  * with no tokens costs nothing (modes 0/1) or a zero tile (mode 2). */
 int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *d_offs, int E, int M, int K, int Rmax,
-                void *ws) {
-    if (mt_ggk::gg_run(1, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream)) {
+                void *ws, const void *acc) {
+    if (mt_ggk::gg_run(1, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream, acc)) {
         cudaError_t e = cudaGetLastError();
         return mt__fail(c, "grouped GEMM", e != cudaSuccess ? cudaGetErrorString(e) : "bad arguments (dims must be multiples of 8)");
     }
