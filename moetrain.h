@@ -290,7 +290,7 @@ typedef struct {
     X(ADD_RMSNORM, 3, 3, 0)      /* fused: a, b, w -> h = a+b, y = rmsnorm(h), rstd; f0 eps */ \
     X(RMSNORM_BWD_ADD, 5, 2, 0)  /* fused: dy, x, w, rstd, acc -> acc + dx, dw */    \
     X(MATMUL_ACC, 3, 1, 0)       /* fused: A, B, acc -> acc + op(A) op(B) (GEMM epilogue) */ \
-    X(GMM_DX_ACC, 4, 1, 0)       /* fused: dY, W, offs, acc -> acc + dY_e W_e */
+    X(GMM_DX2, 5, 1, 0)          /* fused: dY, W, offs, dY2, W2 -> dY_e W_e + dY2_e W2_e (one K loop) */
 
 enum {
 #define MT_OP_ENUM(name, ni, no, d) MT_OP_##name,
@@ -447,6 +447,8 @@ void mt_cpu_gmm(mt_pool *pool, mt_real *Y, const mt_real *X, const mt_real *W, c
                 int E, int M, int K);                       /* Y_e = X_e W_e^T */
 void mt_cpu_gmm_dx(mt_pool *pool, mt_real *dX, const mt_real *dY, const mt_real *W,
                    const int32_t *offs, int E, int M, int K); /* dX_e = dY_e W_e */
+void mt_cpu_gmm_dx_add(mt_pool *pool, mt_real *dX, const mt_real *dY, const mt_real *W,
+                       const int32_t *offs, int E, int M, int K); /* dX += dY_e W_e, as an ADD after GMM_DX */
 void mt_cpu_gmm_dw(mt_pool *pool, mt_real *dW, const mt_real *dY, const mt_real *X,
                    const int32_t *offs, int E, int M, int K); /* dW_e = dY_e^T X_e */
 void mt_cpu_moe_combine_forward(mt_real *y, const mt_real *ys, const int32_t *slot,
@@ -578,8 +580,8 @@ int mt_cuda_ep_counts(mt_cuda *c, int32_t *recv, const int32_t *offs, int E_loca
 int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_local);
 size_t mt_cuda_gmm_workspace(int mode, int E, int M, int K, int Rmax);
 int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *d_offs, int E, int M, int K,
-                int Rmax, void *ws, const void *acc);  /* mode 0: Y=X W^T, 1: dX = dY W, 2: dW = dY^T X (f32 out);
-                                                          offsets on the device; acc (modes 0/1, optional) added */
+                int Rmax, void *ws, const void *a2, const void *b2);  /* mode 0: Y=X W^T, 1: dX = dY W, 2: dW = dY^T X
+                                      (f32 out); offsets on the device; mode 1 with a2, b2: dX = dY W + a2 b2 */
 int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32_t *slot, const float *w, int N, int D, int K);
 int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
                                  const float *w, int N, int D, int K);
@@ -1224,7 +1226,7 @@ static int mt__index_operands(int op, uint32_t *in, uint32_t *out) {
     case MT_OP_EP_COUNTS: *in = 1u; *out = 1u; break;
     case MT_OP_EP_DISPATCH: *in = 2u | 4u; *out = 2u; break;
     case MT_OP_EP_COMBINE: *in = 2u | 4u; break;
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX_ACC: *in = 4u; break;
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: *in = 4u; break;
     case MT_OP_MOE_COMBINE: *in = 2u; break;
     case MT_OP_MOE_COMBINE_BWD: *in = 4u; break;
     case MT_OP_CROSS_ENTROPY: *in = 2u; break;
@@ -1443,7 +1445,7 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         }
         break;
     }
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX_ACC: {
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: {
         const mt_value *W = n->op == MT_OP_GMM_DW ? o : b, *offs = mt__in(&c, 2);
         MT__T(mt__shape(&c, W, "W", 3, MT__ANY, MT__ANY, MT__ANY));
         int64_t E = W->dims[0], M = W->dims[1], K = W->dims[2];
@@ -1451,12 +1453,14 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         if (n->op == MT_OP_GMM) {
             MT__T(mt__shape(&c, a, "X", 2, MT__ANY, K, 0));
             MT__T(mt__shape(&c, o, "Y", 2, a->dims[0], M, 0));
-        } else if (n->op == MT_OP_GMM_DX || n->op == MT_OP_GMM_DX_ACC) {
+        } else if (n->op == MT_OP_GMM_DX || n->op == MT_OP_GMM_DX2) {
             MT__T(mt__shape(&c, a, "dY", 2, MT__ANY, M, 0));
             MT__T(mt__shape(&c, o, "dX", 2, a->dims[0], K, 0));
-            if (n->op == MT_OP_GMM_DX_ACC) {
-                MT__T(mt__shape(&c, mt__in(&c, 3), "acc", 2, a->dims[0], K, 0));
-                if (mt__in(&c, 3)->dtype != o->dtype) return mt_errf(err, "GMM_DX_ACC: acc and dX differ in dtype");
+            if (n->op == MT_OP_GMM_DX2) {   /* the second pair has the first one's shapes */
+                MT__T(mt__shape(&c, mt__in(&c, 3), "dY2", 2, a->dims[0], M, 0));
+                MT__T(mt__shape(&c, mt__in(&c, 4), "W2", 3, E, M, K));
+                if (mt__in(&c, 3)->dtype != a->dtype || mt__in(&c, 4)->dtype != W->dtype)
+                    return mt_errf(err, "GMM_DX2: the two pairs differ in dtype");
             }
         } else {
             MT__T(mt__shape(&c, a, "dY", 2, MT__ANY, M, 0));
@@ -2605,24 +2609,55 @@ static int mt__uses_after(const mt_graph *g, int i, int v) {
  *  - the residual add and the RMSNorm that reads it: one pass over the rows
  *    (ADD_RMSNORM); RMSNorm's backward adds its input gradient into the
  *    residual gradient directly (RMSNORM_BWD_ADD). Bitwise those of the pair.
+ *  - two expert GEMMs dX = dY W over the same offsets whose results only
+ *    meet in an ADD (the routed experts' gate and up inputs): one grouped
+ *    GEMM that runs both reductions into the same accumulators (GMM_DX2;
+ *    one rounding instead of three on the GPU, bitwise the trio on the CPU).
  *  - a GEMM whose result only feeds an ADD: the sum moves into the GEMM's
  *    epilogue (MATMUL_ACC: cuBLASLt with beta = 1, one rounding instead of
- *    two; GMM_DX_ACC: our grouped GEMM, bitwise the pair). These are the
- *    gradient sums where one activation feeds several GEMMs (q and kv, gate
- *    and up, shared experts and router) and the shared + routed expert sum.
- *    An ADD that an RMSNorm reads stays for ADD_RMSNORM, which saves more. */
+ *    two). These are the gradient sums where one activation feeds several
+ *    GEMMs (q and kv, gate and up, shared experts and router) and the
+ *    shared + routed expert sum. An ADD that an RMSNorm reads stays for
+ *    ADD_RMSNORM, which saves more. */
 int mt_pass_fuse(mt_graph *g, mt_err *err) {
     int w = 0;
+    /* GMM_DX (x) ... GMM_DX (y), ADD(x, y): the first moves to the second */
+    for (int i = 1; i + 1 < g->n_nodes; i++) {
+        mt_node *y = &g->nodes[i], *s = &g->nodes[i + 1];
+        if (y->op != MT_OP_GMM_DX || s->op != MT_OP_ADD || (s->in[0] == y->out[0]) == (s->in[1] == y->out[0])) continue;
+        int xv = s->in[0] == y->out[0] ? s->in[1] : s->in[0], j = i - 1;
+        while (j >= 0 && !(g->nodes[j].n_out > 0 && g->nodes[j].out[0] == xv)) j--;
+        if (j < 0) continue;
+        mt_node *x = &g->nodes[j];
+        if (x->op != MT_OP_GMM_DX) continue;
+        const mt_value *wx = &g->values[x->in[1]], *wy = &g->values[y->in[1]];
+        if (x->in[2] != y->in[2] || x->phase != y->phase || wx->dtype != wy->dtype ||
+            memcmp(wx->dims, wy->dims, sizeof wx->dims) || g->values[x->in[0]].dtype != g->values[y->in[0]].dtype ||
+            mt__uses_after(g, i, y->out[0]) != 1 || mt__uses_after(g, j, xv) != 1)
+            continue;
+        mt_node f = *y;
+        f.op = MT_OP_GMM_DX2; f.n_in = 5;
+        f.in[0] = x->in[0]; f.in[1] = x->in[1];   /* x's pair first: x + y, as the ADD had it */
+        f.in[3] = y->in[0]; f.in[4] = y->in[1];
+        if (s->in[0] != xv) { f.in[0] = y->in[0]; f.in[1] = y->in[1]; f.in[3] = x->in[0]; f.in[4] = x->in[1]; }
+        f.out[0] = s->out[0];
+        *y = f;
+        s->op = -1;           /* dropped below */
+        x->op = -1;
+    }
+    for (int i = 0; i < g->n_nodes; i++) if (g->nodes[i].op >= 0) g->nodes[w++] = g->nodes[i];
+    g->n_nodes = w;
+    w = 0;
     for (int i = 0; i < g->n_nodes; i++) {
         mt_node *a = &g->nodes[i], *b = i + 1 < g->n_nodes ? &g->nodes[i + 1] : NULL;
         const mt_node *c3 = i + 2 < g->n_nodes ? &g->nodes[i + 2] : NULL;
-        if (b && (a->op == MT_OP_MATMUL || a->op == MT_OP_GMM_DX) && b->op == MT_OP_ADD && a->phase == b->phase &&
+        if (b && a->op == MT_OP_MATMUL && b->op == MT_OP_ADD && a->phase == b->phase &&
             (b->in[0] == a->out[0]) != (b->in[1] == a->out[0]) &&
             !(c3 && c3->op == MT_OP_RMSNORM && c3->in[0] == b->out[0]) && mt__uses_after(g, i, a->out[0]) == 1) {
             int acc = b->in[0] == a->out[0] ? b->in[1] : b->in[0];
             if (g->values[acc].dtype == g->values[a->out[0]].dtype) {
                 mt_node f = *a;
-                f.op = a->op == MT_OP_MATMUL ? MT_OP_MATMUL_ACC : MT_OP_GMM_DX_ACC;
+                f.op = MT_OP_MATMUL_ACC;
                 f.n_in = mt_ops[f.op].n_in;
                 f.in[f.n_in - 1] = acc;
                 f.out[0] = b->out[0];
@@ -3798,6 +3833,32 @@ void mt_cpu_gmm_dx(mt_pool *pool, mt_real *dX, const mt_real *dY, const mt_real 
     mt__gmm g = {dX, dY, W, offs, E, M, K};
     mt_pool_for(pool, offs[E], mt__gmm_dx_rows, &g);
 }
+/* dX[r] += dY[r] W_e: each sum is formed on its own, in GMM_DX's order, then
+ * added, so GMM_DX2 is bitwise GMM_DX, GMM_DX, ADD on the CPU */
+static void mt__gmm_dx_add_rows(void *ctx, int64_t r0, int64_t r1) {
+    const mt__gmm *g = (const mt__gmm *)ctx;
+    enum { KB = 64 };
+    mt_real t[KB];
+    for (int64_t r = r0; r < r1; r++) {
+        const mt_real *W = g->b + (int64_t)mt__expert_of(g->offs, g->E, r) * g->M * g->K;
+        mt_real *o = g->out + r * g->K;
+        for (int k0 = 0; k0 < g->K; k0 += KB) {
+            int nk = g->K - k0 < KB ? g->K - k0 : KB;
+            for (int k = 0; k < nk; k++) t[k] = 0;
+            for (int m = 0; m < g->M; m++) {
+                mt_real a = g->a[r * g->M + m];
+                const mt_real *w = W + (int64_t)m * g->K + k0;
+                for (int k = 0; k < nk; k++) t[k] += a * w[k];
+            }
+            for (int k = 0; k < nk; k++) o[k0 + k] += t[k];
+        }
+    }
+}
+void mt_cpu_gmm_dx_add(mt_pool *pool, mt_real *dX, const mt_real *dY, const mt_real *W, const int32_t *offs, int E,
+                       int M, int K) {
+    mt__gmm g = {dX, dY, W, offs, E, M, K};
+    mt_pool_for(pool, offs[E], mt__gmm_dx_add_rows, &g);
+}
 void mt_cpu_gmm_dw(mt_pool *pool, mt_real *dW, const mt_real *dY, const mt_real *X, const int32_t *offs, int E,
                    int M, int K) {
     mt__gmm g = {dW, dY, X, offs, E, M, K};
@@ -4044,7 +4105,7 @@ static size_t mt__cuda_scratch(const mt_graph *G) {
             break;
         case MT_OP_CROSS_ENTROPY: w = mt_cuda_cross_entropy_workspace((int)a->dims[0]); break;
         case MT_OP_MOE_PERMUTE: w = mt_cuda_moe_permute_workspace(a->dims[0] * b->dims[1]); break;
-        case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX_ACC: {
+        case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: {
             const mt_value *W = &G->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];
             int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DW ? 2 : 1;
             w = mt_cuda_gmm_workspace(mode, (int)W->dims[0], (int)W->dims[1], (int)W->dims[2], (int)mt_value_numel_max(G, a) / (int)a->dims[1]);
@@ -4071,7 +4132,7 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
         return mt_errf(err, "CUDA graphs need a float32 build (MT_REAL=float)");
     for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
         const mt_node *n = &g->nodes[i];
-        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX_ACC) continue;
+        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX2) continue;
         const mt_value *W = &g->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];
         if (W->dims[1] % 8 || W->dims[2] % 8)
             return mt_errf(err, "on CUDA the expert GEMMs need dim and moe_inter_dim to be multiples of 8 (got %lld and %lld)",
@@ -4374,7 +4435,7 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         break;
     case MT_OP_EP_COUNTS: return mt__ep_counts(rt, n, err);
     case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE: return mt__ep_exchange(rt, n, DIM(n->in[0], 1), err);
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX_ACC: {
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: {
         int wi = n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1];
         int E = DIM(wi, 0), M = DIM(wi, 1), K = DIM(wi, 2);
         const int32_t *offs = I_(2);
@@ -4385,7 +4446,7 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         if (n->op == MT_OP_GMM) mt_cpu_gmm(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
         else if (n->op == MT_OP_GMM_DW) mt_cpu_gmm_dw(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
         else mt_cpu_gmm_dx(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
-        if (n->op == MT_OP_GMM_DX_ACC) mt_cpu_add(RO(0), R_(3), RO(0), rows * K);
+        if (n->op == MT_OP_GMM_DX2) mt_cpu_gmm_dx_add(rt->pool, RO(0), R_(3), R_(4), offs, E, M, K);
         break;
     }
     case MT_OP_MOE_COMBINE:
@@ -4530,12 +4591,13 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         if (!rc && n->op == MT_OP_EP_DISPATCH) { rc = mt_cuda_ep_offsets(c, IO(1), I_(2), a[3]); rt->rows[n->out[0]] = rows; }
         break;
     }
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX_ACC: {   /* the offsets come from our own permutation */
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: {   /* the offsets come from our own permutation */
         int wi = n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1];
         int E = DIM(wi, 0), M = DIM(wi, 1), K = DIM(wi, 2);
         int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DW ? 2 : 1;
+        int two = n->op == MT_OP_GMM_DX2;
         rc = mt_cuda_gmm(c, mode, VO(0), V_(0), V_(1), I_(2), E, M, K, (int)mt__nrows(rt, n->in[0]), rt->scratch,
-                         n->op == MT_OP_GMM_DX_ACC ? V_(3) : NULL);
+                         two ? V_(3) : NULL, two ? V_(4) : NULL);
         break;
     }
     case MT_OP_MOE_COMBINE:
@@ -5289,11 +5351,11 @@ void mt_node_cost(const mt_graph *g, const mt_node *n, double *flops, double *by
         f = 2 * M * Nn * K;
         break;
     }
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX_ACC: {
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: {
         const mt_value *W = &g->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];
         f = 2.0 * (double)mt_value_numel_max(g, a) / (double)a->dims[1] * (double)W->dims[1] * (double)W->dims[2];
         b = (double)(g->values[n->in[0]].nbytes + g->values[n->in[1]].nbytes + g->values[n->out[0]].nbytes);
-        if (n->op == MT_OP_GMM_DX_ACC) b += (double)g->values[n->in[3]].nbytes;
+        if (n->op == MT_OP_GMM_DX2) { f *= 2; b += (double)(g->values[n->in[3]].nbytes + g->values[n->in[4]].nbytes); }
         break;
     }
     case MT_OP_ATTENTION: case MT_OP_ATTENTION_BWD: {

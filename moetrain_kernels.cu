@@ -2336,7 +2336,8 @@ struct Params {
     const bf16 *b;       /* W (modes 0, 1) or X (mode 2)                                      */
     const int *offs;     /* [E + 1], device                                                   */
     float *part;         /* mode 2: [S][E][M][K] partials when S > 1, else == out             */
-    const bf16 *acc;     /* modes 0/1, optional: out = bf16(bf16(result) + acc), as an ADD would */
+    const bf16 *a2, *b2; /* mode 1, optional second pair: dX = dY W + dY2 W2, one reduction loop  */
+    int nkh;             /* mode 1 with a second pair: steps per pair (nk01 = 2 nkh)           */
     int E, M, K, Rmax;
     int ncols;           /* output columns: M (mode 0), K (modes 1, 2)                        */
     int ct;              /* column tiles ceil(ncols / BN)                                     */
@@ -2398,6 +2399,9 @@ template <int MODE>
 __device__ __forceinline__ void load_step(const Params &p, const Tile &ti, int kt, uint32_t sA, int tid) {
     const uint32_t sB = sA + A_BYTES;
     if (MODE == 0 || MODE == 1) {
+        /* mode 1 with a second pair: steps [nkh, 2 nkh) reduce dY2 W2 into the same accumulators */
+        const bf16 *pa = p.a, *pb = p.b;
+        if (MODE == 1 && p.a2 && kt >= p.nkh) { pa = p.a2; pb = p.b2; kt -= p.nkh; }
         /* A: 128 token rows x 64 reduction columns, K-major; thread: chunk tid&7 of rows tid/8 + 32u */
         const int lda = (MODE == 0) ? p.K : p.M; /* X [R, K] or dY [R, M]; also the reduction extent */
         const int kc = kt * BK + (tid & 7) * 8;
@@ -2408,17 +2412,17 @@ __device__ __forceinline__ void load_step(const Params &p, const Tile &ti, int k
         for (int u = 0; u < 4; ++u) {
             const int r = ti.r0 + rl + 32 * u;
             const bool ok = kok && r < ti.r1;
-            const bf16 *src = ok ? p.a + (size_t)r * lda + kc : p.a;
+            const bf16 *src = ok ? pa + (size_t)r * lda + kc : pa;
             cp_async_16(sA + (uint32_t)((rl + 32 * u) * 128) + swz, src, ok ? 16 : 0);
         }
-        const bf16 *wb = p.b + (size_t)ti.e * p.M * p.K;
+        const bf16 *wb = pb + (size_t)ti.e * p.M * p.K;
         if (MODE == 0) {
             /* B: W[e] rows m = tile columns (256) x 64 k, K-major */
 #pragma unroll
             for (int u = 0; u < 8; ++u) {
                 const int m = ti.c0 + rl + 32 * u;
                 const bool ok = kok && m < p.M;
-                const bf16 *src = ok ? wb + (size_t)m * p.K + kc : p.b;
+                const bf16 *src = ok ? wb + (size_t)m * p.K + kc : pb;
                 cp_async_16(sB + (uint32_t)((rl + 32 * u) * 128) + swz, src, ok ? 16 : 0);
             }
         } else {
@@ -2431,7 +2435,7 @@ __device__ __forceinline__ void load_step(const Params &p, const Tile &ti, int k
             for (int u = 0; u < 8; ++u) {
                 const int m = kt * BK + rr + 8 * u;
                 const bool ok = cok && m < p.M;
-                const bf16 *src = ok ? wb + (size_t)m * p.K + col : p.b;
+                const bf16 *src = ok ? wb + (size_t)m * p.K + col : pb;
                 cp_async_16(sB + off + (uint32_t)(u * 1024), src, ok ? 16 : 0);
             }
         }
@@ -2577,16 +2581,10 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
             /* wgmma: the first step of a tile overwrites the accumulators (scale-d = 0), so a tile
                without reduction steps (mode 2, expert without rows) must not read them */
             const float v0 = ti.nk > 0 ? acc[2 * q] : 0.f, v1 = ti.nk > 0 ? acc[2 * q + 1] : 0.f;
-            if (MODE == 2) {
+            if (MODE == 2)
                 *reinterpret_cast<float2 *>(pbase + row * ld + col) = make_float2(v0, v1);
-            } else {
-                __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
-                if (p.acc) {
-                    const __nv_bfloat162 y = *reinterpret_cast<const __nv_bfloat162 *>(p.acc + (size_t)ti.r0 * p.ncols + ti.c0 + row * ld + col);
-                    v = __floats2bfloat162_rn(__low2float(v) + __low2float(y), __high2float(v) + __high2float(y));
-                }
-                *reinterpret_cast<__nv_bfloat162 *>(obase + row * ld + col) = v;
-            }
+            else
+                *reinterpret_cast<__nv_bfloat162 *>(obase + row * ld + col) = __floats2bfloat162_rn(v0, v1);
         }
     }
 }
@@ -2637,20 +2635,10 @@ __device__ __forceinline__ void epilogue_staged(const Params &p, const float (&a
 #pragma unroll
         for (int it = 0; it < 8; ++it) {
             const int r = 2 * it + (lane >> 4), ch = lane & 15;
-            uint4 v = *reinterpret_cast<const uint4 *>(buf + r * 256 + ((ch ^ ((r & 7) << SW)) << 4));
+            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * 256 + ((ch ^ ((r & 7) << SW)) << 4));
             const int row = wrow + r, col = pass * JB * 8 + ch * (16 / ESZ);
-            if (row < rows_valid && col < cols_valid) {
-                if (MODE != 2 && p.acc) {   /* the fused residual/gradient add: same rounding as an ADD */
-                    const uint4 y = *reinterpret_cast<const uint4 *>(
-                        reinterpret_cast<const char *>(p.acc + (size_t)ti.r0 * p.ncols + ti.c0) + (size_t)row * ld + (size_t)col * ESZ);
-                    __nv_bfloat162 *vh = reinterpret_cast<__nv_bfloat162 *>(&v);
-                    const __nv_bfloat162 *yh = reinterpret_cast<const __nv_bfloat162 *>(&y);
-#pragma unroll
-                    for (int k = 0; k < 4; ++k)
-                        vh[k] = __floats2bfloat162_rn(__low2float(vh[k]) + __low2float(yh[k]), __high2float(vh[k]) + __high2float(yh[k]));
-                }
+            if (row < rows_valid && col < cols_valid)
                 *reinterpret_cast<uint4 *>(obase + (size_t)row * ld + (size_t)col * ESZ) = v;
-            }
         }
         __syncwarp();
     }
@@ -2877,10 +2865,10 @@ static int launch_main(const Params &p, int grid, cudaStream_t stream) {
 
 /* variant: 1 = wgmma, 0 = mma.sync */
 static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
-                  int Rmax, void *ws, cudaStream_t stream, const void *acc = nullptr) {
+                  int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr) {
     if (!args_ok(mode, E, M, K, Rmax)) return -1;
-    if (!out || !a || !b || !d_offs || (acc && mode == 2)) return -1;
-    if ((((uintptr_t)out) | ((uintptr_t)a) | ((uintptr_t)b) | ((uintptr_t)ws) | ((uintptr_t)acc)) & 15u) return -1;
+    if (!out || !a || !b || !d_offs || (!a2 != !b2) || (a2 && mode != 1)) return -1;
+    if ((((uintptr_t)out) | ((uintptr_t)a) | ((uintptr_t)b) | ((uintptr_t)ws) | ((uintptr_t)a2) | ((uintptr_t)b2)) & 15u) return -1;
     int nsm = 0;
     if (num_sms(&nsm) != 0) return -1;
     const int S = split_count(mode, E, M, K, Rmax, nsm);
@@ -2891,7 +2879,8 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     p.a = reinterpret_cast<const bf16 *>(a);
     p.b = reinterpret_cast<const bf16 *>(b);
     p.offs = d_offs;
-    p.acc = reinterpret_cast<const bf16 *>(acc);
+    p.a2 = reinterpret_cast<const bf16 *>(a2);
+    p.b2 = reinterpret_cast<const bf16 *>(b2);
     /* every mode: a static round robin. (A dynamic ticket counter for mode 2 was
      * measured on H200 to change bits between runs; the static schedule does not.) */
     p.part = (S > 1) ? reinterpret_cast<float *>(reinterpret_cast<char *>(ws) + WS_HEADER) : reinterpret_cast<float *>(out);
@@ -2899,6 +2888,8 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     p.ncols = (mode == 0) ? M : K;
     p.ct = (p.ncols + BN - 1) / BN;
     p.nk01 = (mode == 0) ? (K + BK - 1) / BK : (M + BK - 1) / BK;
+    p.nkh = p.nk01;
+    if (a2) p.nk01 *= 2;
     p.S = S;
     p.ntm = (M + BM - 1) / BM;
     long long tiles;
@@ -2949,8 +2940,8 @@ size_t mt_cuda_gmm_workspace(int mode, int E, int M, int K, int Rmax) { return m
 /* The expert offsets stay on the device: no host synchronization; an expert
  * with no tokens costs nothing (modes 0/1) or a zero tile (mode 2). */
 int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *d_offs, int E, int M, int K, int Rmax,
-                void *ws, const void *acc) {
-    if (mt_ggk::gg_run(1, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream, acc)) {
+                void *ws, const void *a2, const void *b2) {
+    if (mt_ggk::gg_run(1, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream, a2, b2)) {
         cudaError_t e = cudaGetLastError();
         return mt__fail(c, "grouped GEMM", e != cudaSuccess ? cudaGetErrorString(e) : "bad arguments (dims must be multiples of 8)");
     }

@@ -354,23 +354,24 @@ static void gpu_test_moe_ops(void) {
     int exact = !memcmp(goffs, offs, 4 * 9) && !memcmp(gslot, slot, 4 * (size_t)NK) && rel(gxs, xs, NK * D) == 0;
     report("gpu moe permute (slots, offsets, rows exact)", ok && exact, NULL);
     void *gws = dalloc(mt_cuda_gmm_workspace(2, E, F, D, (int)NK) + 256);
-    ok = ok && !mt_cuda_gmm(CU, 0, DY, Dxs, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL) &&
-         !mt_cuda_gmm(CU, 1, DdX, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL) &&
-         !mt_cuda_gmm(CU, 2, DdW, DdY, Dxs, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL);
-    {   /* GMM_DX_ACC: the sum in the epilogue is bitwise the grouped GEMM followed by an ADD */
-        float *acc = randn(NK * D, 1);
-        void *Dacc = up_bf(acc, NK * D), *Dfused = dalloc(2 * (size_t)NK * D), *Dpair = dalloc(2 * (size_t)NK * D);
-        int ok2 = !mt_cuda_gmm(CU, 1, Dfused, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, Dacc) &&
-                  !mt_cuda_gmm(CU, 1, Dpair, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL) &&
-                  !mt_cuda_add(CU, Dpair, Dacc, Dpair, NK * D, MT_BF16);
-        uint16_t *hf = (uint16_t *)down(Dfused, 2 * (size_t)NK * D), *hp = (uint16_t *)down(Dpair, 2 * (size_t)NK * D);
-        float *ff = down_bf(Dfused, NK * D), *ref = (float *)malloc(4 * (size_t)NK * D);
-        for (int64_t i = 0; i < NK * D; i++) ref[i] = dX[i] + bf2f(f2bf(acc[i]));
-        double ea = rel(ff, ref, NK * D);
-        int same = !memcmp(hf, hp, 2 * (size_t)NK * D);
-        report("gpu grouped GEMM dX + acc (epilogue) = dX then ADD, bitwise", ok2 && same && ea < BF_TOL, "rel %.1e vs reference", ea);
-        free(acc); free(hf); free(hp); free(ff); free(ref);
-        dfree(Dacc); dfree(Dfused); dfree(Dpair);
+    ok = ok && !mt_cuda_gmm(CU, 0, DY, Dxs, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL, NULL) &&
+         !mt_cuda_gmm(CU, 1, DdX, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL, NULL) &&
+         !mt_cuda_gmm(CU, 2, DdW, DdY, Dxs, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL, NULL);
+    {   /* GMM_DX2: dX = dY W + dY2 W2 in one reduction loop, against the reference sum */
+        float *dY2 = randn(NK * F, 1), *W2 = randn((int64_t)E * F * D, 0.1), *ref = (float *)malloc(4 * (size_t)NK * D);
+        round_bf(dY2, NK * F); round_bf(W2, (int64_t)E * F * D);
+        memcpy(ref, dX, 4 * (size_t)NK * D);
+        mt_cpu_gmm_dx_add(NULL, ref, dY2, W2, offs, E, F, D);
+        void *DdY2 = up_bf(dY2, NK * F), *DW2 = up_bf(W2, (int64_t)E * F * D), *D2 = dalloc(2 * (size_t)NK * D), *D2b = dalloc(2 * (size_t)NK * D);
+        int ok2 = !mt_cuda_gmm(CU, 1, D2, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, DdY2, DW2) &&
+                  !mt_cuda_gmm(CU, 1, D2b, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, DdY2, DW2);
+        float *g2 = down_bf(D2, NK * D);
+        void *h1 = down(D2, 2 * (size_t)NK * D), *h2 = down(D2b, 2 * (size_t)NK * D);
+        double ea = rel(g2, ref, NK * D);
+        int same = !memcmp(h1, h2, 2 * (size_t)NK * D);
+        report("gpu grouped GEMM dX of two pairs in one loop (GMM_DX2)", ok2 && ea < BF_TOL && same, "rel %.1e, rerun %s", ea, same ? "bitwise" : "DIFFERS");
+        free(dY2); free(W2); free(ref); free(g2); free(h1); free(h2);
+        dfree(DdY2); dfree(DW2); dfree(D2); dfree(D2b);
     }
     dfree(gws);
     float *gY = down_bf(DY, NK * F), *gdX = down_bf(DdX, NK * D), *gdW = (float *)down(DdW, 4 * (size_t)E * F * D);
@@ -514,7 +515,7 @@ static void gpu_test_whole_steps(void) {
     int ok = rc && r1 && r2 && r3 && r5 && !gpu_steps(rc, &c, S, lc, nc) && !gpu_steps(r1, &c, S, lg, ng) && !gpu_steps(r2, &c, S, lg2, NULL) &&
              !gpu_steps(r3, &c, S, le, NULL) && !gpu_steps(r5, &c, S, ln, NULL);
     int fused_gemm = 0;
-    for (int i = 0; i < gg.n_nodes; i++) fused_gemm += gg.nodes[i].op == MT_OP_MATMUL_ACC || gg.nodes[i].op == MT_OP_GMM_DX_ACC;
+    for (int i = 0; i < gg.n_nodes; i++) fused_gemm += gg.nodes[i].op == MT_OP_MATMUL_ACC || gg.nodes[i].op == MT_OP_GMM_DX2;
     double worst_ec = 0;
     for (int s = 0; ok && s < S; s++)
         if (fabs(lg[s] - le[s]) / le[s] > worst_ec) worst_ec = fabs(lg[s] - le[s]) / le[s];
@@ -983,6 +984,13 @@ static void test_graph_structure(void) {
     int fused_f = 0, fused_b = 0;
     for (int i = 0; i < g.n_nodes; i++) { fused_f += g.nodes[i].op == MT_OP_ADD_RMSNORM; fused_b += g.nodes[i].op == MT_OP_RMSNORM_BWD_ADD; }
     report("fusion pass: residual add + RMSNorm, fwd and bwd", fused_f == 6 && fused_b == 6, "%d forward, %d backward fusions", fused_f, fused_b);
+    int acc_mm = 0, dx2 = 0, adds = 0;
+    for (int i = 0; i < g.n_nodes; i++) {
+        acc_mm += g.nodes[i].op == MT_OP_MATMUL_ACC; dx2 += g.nodes[i].op == MT_OP_GMM_DX2; adds += g.nodes[i].op == MT_OP_ADD;
+    }
+    /* per MoE layer: shared + routed (fwd); q/kv, shared gate/up, router (bwd); dense layer: q/kv, gate/up */
+    report("fusion pass: GEMM + ADD -> epilogue sums, expert dX pairs", acc_mm == 2 * 4 + 2 && dx2 == 2 && adds == 2,
+           "%d MATMUL_ACC, %d GMM_DX2, %d ADD left", acc_mm, dx2, adds);
     mt_graph_free(&g);
 
     /* precompiling for a larger mesh: coordinates are symbols, never literals */
