@@ -281,7 +281,7 @@ typedef struct {
     X(MOE_COMBINE_BWD, 4, 2, 0)  /* dy, ys, slot, w -> dys, dw */                 \
     X(CROSS_ENTROPY, 2, 2, 1)    /* logits[N,V], targets[N] -> loss[1] f32, lse[N] f32 */ \
     X(CROSS_ENTROPY_BWD, 3, 1, 0)/* logits, lse, targets -> dlogits */            \
-    X(SUMSQ, 2, 1, 0)            /* g, acc_in (optional) -> acc_out[1] f32 */     \
+    X(SUMSQ, 2, 1, 0)            /* g, acc_in (optional) -> acc_out[1] f32; i0 1: g holds squares */ \
     X(ALLREDUCE, 1, 1, 0)        /* x -> x (in place); i0 mesh-dim mask, i1 group, i2 avg */ \
     X(LR_SCHEDULE, 2, 1, 0)      /* hparams[16] f32, step[1] i32 -> lr[1] f32 */  \
     X(CLIP, 2, 2, 0)             /* sumsq[1], hparams -> coef[1], norm[1] */      \
@@ -290,7 +290,8 @@ typedef struct {
     X(ADD_RMSNORM, 3, 3, 0)      /* fused: a, b, w -> h = a+b, y = rmsnorm(h), rstd; f0 eps */ \
     X(RMSNORM_BWD_ADD, 5, 2, 0)  /* fused: dy, x, w, rstd, acc -> acc + dx, dw */    \
     X(MATMUL_ACC, 3, 1, 0)       /* fused: A, B, acc -> acc + op(A) op(B) (GEMM epilogue) */ \
-    X(GMM_DX2, 5, 1, 0)          /* fused: dY, W, offs, dY2, W2 -> dY_e W_e + dY2_e W2_e (one K loop) */
+    X(GMM_DX2, 5, 1, 0)          /* fused: dY, W, offs, dY2, W2 -> dY_e W_e + dY2_e W2_e (one K loop) */ \
+    X(GMM_DW_SQ, 3, 2, 0)        /* fused: dY, X, offs -> dW, ssq[mt_gmm_ssq_len] f32 partial sums of dW^2 */
 
 enum {
 #define MT_OP_ENUM(name, ni, no, d) MT_OP_##name,
@@ -353,6 +354,8 @@ int64_t mt_dtype_bytes(const mt_graph *g, int dtype);
 int64_t mt_value_numel_max(const mt_graph *g, const mt_value *v);  /* symbols at their bounds */
 int mt_graph_find(const mt_graph *g, const char *name);           /* value id or -1 */
 int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err); /* arity + shapes */
+/* GMM_DW_SQ's partial sums: 8 per 128 x 256 output tile of the grouped GEMM, at least 1024 */
+int64_t mt_gmm_ssq_len(int64_t E, int64_t M, int64_t K);
 
 /* ========================================================================
  * 5. Builder
@@ -580,8 +583,9 @@ int mt_cuda_ep_counts(mt_cuda *c, int32_t *recv, const int32_t *offs, int E_loca
 int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_local);
 size_t mt_cuda_gmm_workspace(int mode, int E, int M, int K, int Rmax);
 int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *d_offs, int E, int M, int K,
-                int Rmax, void *ws, const void *a2, const void *b2);  /* mode 0: Y=X W^T, 1: dX = dY W, 2: dW = dY^T X
-                                      (f32 out); offsets on the device; mode 1 with a2, b2: dX = dY W + a2 b2 */
+                int Rmax, void *ws, const void *a2, const void *b2, float *ssq, int64_t ssq_len);
+                /* mode 0: Y=X W^T, 1: dX = dY W, 2: dW = dY^T X (f32 out); offsets on the device; mode 1 with
+                   a2, b2: dX = dY W + a2 b2; mode 2 with ssq: partial sums of dW^2 (mt_gmm_ssq_len entries) */
 int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32_t *slot, const float *w, int N, int D, int K);
 int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
                                  const float *w, int N, int D, int K);
@@ -589,7 +593,7 @@ size_t mt_cuda_cross_entropy_workspace(int N);
 int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const void *logits, const int32_t *tgt, int N, int V, void *ws);
 int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int V);
 size_t mt_cuda_sumsq_workspace(void);
-int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, void *ws);
+int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, int squares, void *ws);
 int mt_cuda_lr_schedule(mt_cuda *c, float *lr, const float *hp, const int32_t *step);
 int mt_cuda_clip(mt_cuda *c, float *coef, float *norm, const float *sumsq, const float *hp);
 int mt_cuda_adamw(mt_cuda *c, float *p, float *m, float *v, void *p_bf16, const float *g, int64_t n, const float *lr,
@@ -1136,6 +1140,10 @@ static int64_t mt__dim_max(const mt_graph *g, int64_t d) {
     int s = (int)(-d - 1);
     return (s < g->n_syms) ? g->syms[s].max : 0;
 }
+int64_t mt_gmm_ssq_len(int64_t E, int64_t M, int64_t K) {
+    int64_t t8 = E * ((M + 127) / 128) * ((K + 255) / 256) * 8;
+    return t8 > 1024 ? t8 : 1024;
+}
 int64_t mt_value_numel_max(const mt_graph *g, const mt_value *v) {
     int64_t n = 1;
     for (int i = 0; i < v->ndim; i++) n *= mt__dim_max(g, v->dims[i]);
@@ -1226,7 +1234,7 @@ static int mt__index_operands(int op, uint32_t *in, uint32_t *out) {
     case MT_OP_EP_COUNTS: *in = 1u; *out = 1u; break;
     case MT_OP_EP_DISPATCH: *in = 2u | 4u; *out = 2u; break;
     case MT_OP_EP_COMBINE: *in = 2u | 4u; break;
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: *in = 4u; break;
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: *in = 4u; break;
     case MT_OP_MOE_COMBINE: *in = 2u; break;
     case MT_OP_MOE_COMBINE_BWD: *in = 4u; break;
     case MT_OP_CROSS_ENTROPY: *in = 2u; break;
@@ -1445,8 +1453,8 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         }
         break;
     }
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: {
-        const mt_value *W = n->op == MT_OP_GMM_DW ? o : b, *offs = mt__in(&c, 2);
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {
+        const mt_value *W = (n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? o : b, *offs = mt__in(&c, 2);
         MT__T(mt__shape(&c, W, "W", 3, MT__ANY, MT__ANY, MT__ANY));
         int64_t E = W->dims[0], M = W->dims[1], K = W->dims[2];
         MT__T(mt__is_index(&c, offs, "offs", 1)); MT__T(mt__shape(&c, offs, "offs", 1, E + 1, 0, 0));
@@ -1465,6 +1473,11 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         } else {
             MT__T(mt__shape(&c, a, "dY", 2, MT__ANY, M, 0));
             MT__T(mt__shape(&c, b, "X", 2, a->dims[0], K, 0));
+            if (n->op == MT_OP_GMM_DW_SQ) {
+                const mt_value *q = mt__out(&c, 1);
+                MT__T(mt__shape(&c, q, "ssq", 1, mt_gmm_ssq_len(E, M, K), 0, 0));
+                if (q->dtype != MT_F32 || o->dtype != MT_F32) return mt_errf(err, "GMM_DW_SQ: dW and ssq must be f32");
+            }
         }
         break;
     }
@@ -1501,6 +1514,7 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         break;
     }
     case MT_OP_SUMSQ:
+        MT__T(mt__int_attr(&c, 0, 0, 1));
         MT__T(mt__is_index(&c, a, "g", 0));
         if (b) MT__T(mt__shape(&c, b, "acc_in", 1, 1, 0, 0));
         MT__T(mt__shape(&c, o, "acc_out", 1, 1, 0, 0));
@@ -2618,9 +2632,47 @@ static int mt__uses_after(const mt_graph *g, int i, int v) {
  *    two). These are the gradient sums where one activation feeds several
  *    GEMMs (q and kv, gate and up, shared experts and router) and the
  *    shared + routed expert sum. An ADD that an RMSNorm reads stays for
- *    ADD_RMSNORM, which saves more. */
+ *    ADD_RMSNORM, which saves more.
+ *  - CUDA: an expert weight gradient's share of the global norm is summed in
+ *    the grouped GEMM's epilogue while the tile is in registers (GMM_DW_SQ),
+ *    and its SUMSQ adds those partials instead of re-reading the gradient.
+ *    Only where every all-reduce of that gradient is over one rank (the
+ *    norm is of the reduced gradient). Not on the CPU, whose SUMSQ sums in
+ *    double and stays the reference. */
 int mt_pass_fuse(mt_graph *g, mt_err *err) {
     int w = 0;
+    for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
+        if (g->nodes[i].op != MT_OP_GMM_DW) continue;
+        int gv = g->nodes[i].out[0], ok = g->values[gv].role == MT_ROLE_GRAD && g->values[gv].dtype == MT_F32, sq = -1;
+        for (int k = i + 1; k < g->n_nodes && ok; k++) {
+            const mt_node *x = &g->nodes[k];
+            int reads = 0;
+            for (int j = 0; j < x->n_in; j++) reads |= x->in[j] == gv;
+            if (!reads) continue;
+            if (x->op == MT_OP_SUMSQ && x->in[0] == gv && x->iattr[0] == 0 && sq < 0) {
+                sq = k;
+            } else if (x->op == MT_OP_ALLREDUCE) {
+                for (int d = 0; d < MT_NDIMS; d++) if (x->iattr[0] >> d & 1) ok &= g->mesh.size[d] == 1;
+            } else if (x->op != MT_OP_ADAMW) {
+                ok = 0;
+            }
+        }
+        char nm[MT_NAME_LEN];
+        snprintf(nm, sizeof nm, "ssq.%s", g->values[gv].name);
+        if (!ok || sq < 0 || mt_graph_find(g, nm) >= 0) continue;
+        if (mt__grow((void **)&g->values, &g->cap_values, g->n_values + 1, sizeof(mt_value))) return mt_errf(err, "out of memory");
+        const mt_value *W = &g->values[gv];
+        mt_value *v = &g->values[g->n_values];
+        memset(v, 0, sizeof *v);
+        memcpy(v->name, nm, sizeof nm);
+        v->dtype = MT_F32; v->role = MT_ROLE_SCRATCH; v->ndim = 1;
+        v->dims[0] = mt_gmm_ssq_len(W->dims[0], W->dims[1], W->dims[2]);
+        v->param = -1; v->offset = -1; v->data_offset = -1;
+        v->nbytes = v->dims[0] * 4;
+        mt_node *d = &g->nodes[i];
+        d->op = MT_OP_GMM_DW_SQ; d->n_out = 2; d->out[1] = g->n_values++;
+        g->nodes[sq].in[0] = d->out[1]; g->nodes[sq].iattr[0] = 1;
+    }
     /* GMM_DX (x) ... GMM_DX (y), ADD(x, y): the first moves to the second */
     for (int i = 1; i + 1 < g->n_nodes; i++) {
         mt_node *y = &g->nodes[i], *s = &g->nodes[i + 1];
@@ -2693,11 +2745,10 @@ int mt_pass_fuse(mt_graph *g, mt_err *err) {
         }
         g->nodes[w++] = *a;
     }
-    int removed = g->n_nodes - w, fwd = 0;
+    int fwd = 0;
     g->n_nodes = w;
     for (int i = 0; i < g->n_nodes; i++) fwd += g->nodes[i].phase == MT_PHASE_FORWARD;
     g->n_forward_nodes = fwd;
-    (void)removed;
     return mt__compact_values(g, err);
 }
 
@@ -4105,8 +4156,8 @@ static size_t mt__cuda_scratch(const mt_graph *G) {
             break;
         case MT_OP_CROSS_ENTROPY: w = mt_cuda_cross_entropy_workspace((int)a->dims[0]); break;
         case MT_OP_MOE_PERMUTE: w = mt_cuda_moe_permute_workspace(a->dims[0] * b->dims[1]); break;
-        case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: {
-            const mt_value *W = &G->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];
+        case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {
+            const mt_value *W = &G->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
             int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DW ? 2 : 1;
             w = mt_cuda_gmm_workspace(mode, (int)W->dims[0], (int)W->dims[1], (int)W->dims[2], (int)mt_value_numel_max(G, a) / (int)a->dims[1]);
             break;
@@ -4132,8 +4183,8 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
         return mt_errf(err, "CUDA graphs need a float32 build (MT_REAL=float)");
     for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
         const mt_node *n = &g->nodes[i];
-        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX2) continue;
-        const mt_value *W = &g->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];
+        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX2 && n->op != MT_OP_GMM_DW_SQ) continue;
+        const mt_value *W = &g->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
         if (W->dims[1] % 8 || W->dims[2] % 8)
             return mt_errf(err, "on CUDA the expert GEMMs need dim and moe_inter_dim to be multiples of 8 (got %lld and %lld)",
                            (long long)W->dims[2], (long long)W->dims[1]);
@@ -4435,8 +4486,9 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         break;
     case MT_OP_EP_COUNTS: return mt__ep_counts(rt, n, err);
     case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE: return mt__ep_exchange(rt, n, DIM(n->in[0], 1), err);
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: {
-        int wi = n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1];
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {
+        int dw = n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ;
+        int wi = dw ? n->out[0] : n->in[1];
         int E = DIM(wi, 0), M = DIM(wi, 1), K = DIM(wi, 2);
         const int32_t *offs = I_(2);
         int64_t rows = mt__nrows(rt, n->in[0]);
@@ -4444,9 +4496,16 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
             if (offs[0] != 0 || offs[e + 1] < offs[e] || offs[E] > rows)
                 return mt_errf(err, "%s: bad expert offsets", mt_ops[n->op].name);
         if (n->op == MT_OP_GMM) mt_cpu_gmm(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
-        else if (n->op == MT_OP_GMM_DW) mt_cpu_gmm_dw(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
+        else if (dw) mt_cpu_gmm_dw(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
         else mt_cpu_gmm_dx(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
         if (n->op == MT_OP_GMM_DX2) mt_cpu_gmm_dx_add(rt->pool, RO(0), R_(3), R_(4), offs, E, M, K);
+        if (n->op == MT_OP_GMM_DW_SQ) {   /* the whole sum in entry 0, as SUMSQ forms it; the rest zero */
+            int64_t L = mt_value_numel_max(G, &G->values[n->out[1]]), cnt = (int64_t)E * M * K;
+            double sq = 0;
+            for (int64_t i = 0; i < cnt; i++) sq += (double)RO(0)[i] * RO(0)[i];
+            for (int64_t i = 0; i < L; i++) RO(1)[i] = 0;
+            RO(1)[0] = (mt_real)sq;
+        }
         break;
     }
     case MT_OP_MOE_COMBINE:
@@ -4465,7 +4524,8 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         const mt_real *g = R_(0);
         int64_t cnt = mt_value_numel_max(G, &G->values[n->in[0]]);
         double s = n->in[1] >= 0 ? (double)R_(1)[0] : 0.0;
-        for (int64_t i = 0; i < cnt; i++) s += (double)g[i] * g[i];
+        if (n->iattr[0]) for (int64_t i = 0; i < cnt; i++) s += (double)g[i];
+        else for (int64_t i = 0; i < cnt; i++) s += (double)g[i] * g[i];
         RO(0)[0] = (mt_real)s;
         break;
     }
@@ -4591,13 +4651,15 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         if (!rc && n->op == MT_OP_EP_DISPATCH) { rc = mt_cuda_ep_offsets(c, IO(1), I_(2), a[3]); rt->rows[n->out[0]] = rows; }
         break;
     }
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: {   /* the offsets come from our own permutation */
-        int wi = n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1];
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {   /* the offsets come from our own permutation */
+        int dw = n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ, sq = n->op == MT_OP_GMM_DW_SQ;
+        int wi = dw ? n->out[0] : n->in[1];
         int E = DIM(wi, 0), M = DIM(wi, 1), K = DIM(wi, 2);
-        int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DW ? 2 : 1;
+        int mode = n->op == MT_OP_GMM ? 0 : dw ? 2 : 1;
         int two = n->op == MT_OP_GMM_DX2;
         rc = mt_cuda_gmm(c, mode, VO(0), V_(0), V_(1), I_(2), E, M, K, (int)mt__nrows(rt, n->in[0]), rt->scratch,
-                         two ? V_(3) : NULL, two ? V_(4) : NULL);
+                         two ? V_(3) : NULL, two ? V_(4) : NULL, sq ? FO(1) : NULL,
+                         sq ? mt_value_numel_max(G, &G->values[n->out[1]]) : 0);
         break;
     }
     case MT_OP_MOE_COMBINE:
@@ -4611,7 +4673,8 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         break;
     case MT_OP_CROSS_ENTROPY_BWD: rc = mt_cuda_cross_entropy_backward(c, VO(0), V_(0), F_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1)); break;
     case MT_OP_SUMSQ:
-        rc = mt_cuda_sumsq(c, FO(0), n->in[1] >= 0 ? F_(1) : NULL, F_(0), mt_value_numel_max(G, &G->values[n->in[0]]), rt->scratch);
+        rc = mt_cuda_sumsq(c, FO(0), n->in[1] >= 0 ? F_(1) : NULL, F_(0), mt_value_numel_max(G, &G->values[n->in[0]]), !a[0],
+                           rt->scratch);
         break;
     case MT_OP_ALLREDUCE: return mt__allreduce(rt, n, err);
     case MT_OP_LR_SCHEDULE: rc = mt_cuda_lr_schedule(c, FO(0), F_(0), I_(1)); break;
@@ -5351,8 +5414,8 @@ void mt_node_cost(const mt_graph *g, const mt_node *n, double *flops, double *by
         f = 2 * M * Nn * K;
         break;
     }
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: {
-        const mt_value *W = &g->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {
+        const mt_value *W = &g->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
         f = 2.0 * (double)mt_value_numel_max(g, a) / (double)a->dims[1] * (double)W->dims[1] * (double)W->dims[2];
         b = (double)(g->values[n->in[0]].nbytes + g->values[n->in[1]].nbytes + g->values[n->out[0]].nbytes);
         if (n->op == MT_OP_GMM_DX2) { f *= 2; b += (double)(g->values[n->in[3]].nbytes + g->values[n->in[4]].nbytes); }

@@ -2338,6 +2338,7 @@ struct Params {
     float *part;         /* mode 2: [S][E][M][K] partials when S > 1, else == out             */
     const bf16 *a2, *b2; /* mode 1, optional second pair: dX = dY W + dY2 W2, one reduction loop  */
     int nkh;             /* mode 1 with a second pair: steps per pair (nk01 = 2 nkh)           */
+    float *ssq;          /* mode 2, optional: partial sums of dW^2, [tile * 8 + warp] (S == 1) */
     int E, M, K, Rmax;
     int ncols;           /* output columns: M (mode 0), K (modes 1, 2)                        */
     int ct;              /* column tiles ceil(ncols / BN)                                     */
@@ -2348,6 +2349,7 @@ struct Params {
 
 struct Tile {
     int valid, e, nk;
+    int t;      /* the tile's index in the work list                                              */
     int r0, r1; /* modes 0/1: output rows [r0, r1), r1 <= r0 + BM; mode 2: reduction rows [r0, r1) */
     int m0;     /* mode 2: first output row (m)                                                   */
     int c0;     /* first output column                                                            */
@@ -2358,6 +2360,7 @@ template <int MODE>
 __device__ __forceinline__ Tile decode_tile(const Params &p, const int *s_offs, const int *s_aux, int T, int t) {
     Tile ti;
     ti.valid = (t >= 0 && t < T) ? 1 : 0;
+    ti.t = t;
     ti.e = 0; ti.nk = 0; ti.r0 = 0; ti.r1 = 0; ti.m0 = 0; ti.c0 = 0; ti.s = 0;
     if (!ti.valid) return ti;
     if (MODE != 2) {
@@ -2552,6 +2555,13 @@ __device__ __forceinline__ void step_mma(float (&acc)[128], uint32_t sA, int war
     }
 }
 
+/* The gradient-norm partial of one warp's part of a dW tile: a fixed-order warp sum. */
+__device__ __forceinline__ void store_ssq(const Params &p, const Tile &ti, int warp, int lane, float ss) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) p.ssq[(size_t)ti.t * 8 + warp] = ss;
+}
+
 /* Write the accumulators of tile ti (rows < rows_valid, columns < cols_valid). */
 template <int MODE, bool WG>
 __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128], const Tile &ti, int warp, int lane,
@@ -2559,6 +2569,7 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
     const int g = lane >> 2, c = lane & 3;
     bf16 *obase = nullptr;
     float *pbase = nullptr;
+    float ss = 0.f;
     int ld;
     if (MODE == 2) {
         pbase = p.part + ((size_t)(ti.s * p.E + ti.e) * p.M + ti.m0) * p.K + ti.c0;
@@ -2581,12 +2592,15 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
             /* wgmma: the first step of a tile overwrites the accumulators (scale-d = 0), so a tile
                without reduction steps (mode 2, expert without rows) must not read them */
             const float v0 = ti.nk > 0 ? acc[2 * q] : 0.f, v1 = ti.nk > 0 ? acc[2 * q + 1] : 0.f;
-            if (MODE == 2)
+            if (MODE == 2) {
                 *reinterpret_cast<float2 *>(pbase + row * ld + col) = make_float2(v0, v1);
-            else
+                ss += v0 * v0 + v1 * v1;
+            } else {
                 *reinterpret_cast<__nv_bfloat162 *>(obase + row * ld + col) = __floats2bfloat162_rn(v0, v1);
+            }
         }
     }
+    if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
 }
 
 /* wgmma variant: the accumulators of each warp (16 rows x 256 columns) go through a private 4 KB
@@ -2602,6 +2616,7 @@ __device__ __forceinline__ void epilogue_staged(const Params &p, const float (&a
     const int g = lane >> 2, c = lane & 3;
     const int wrow = 64 * (warp >> 2) + 16 * (warp & 3); /* first tile row of this warp */
     const bool has = ti.nk > 0; /* no reduction steps: the accumulators were never written -> zeros */
+    float ss = 0.f;
     char *obase;
     size_t ld;
     if (MODE == 2) {
@@ -2628,6 +2643,7 @@ __device__ __forceinline__ void epilogue_staged(const Params &p, const float (&a
                     *reinterpret_cast<__nv_bfloat162 *>(buf + off) = v;
                 } else {
                     *reinterpret_cast<float2 *>(buf + off) = make_float2(v0, v1);
+                    if (wrow + r < rows_valid && pass * JB * 8 + 8 * jj + 2 * c < cols_valid) ss += v0 * v0 + v1 * v1;
                 }
             }
         }
@@ -2642,6 +2658,7 @@ __device__ __forceinline__ void epilogue_staged(const Params &p, const float (&a
         }
         __syncwarp();
     }
+    if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
 }
 
 /* the q-th tile of this CTA: a static round robin over the work list (mode 2's
@@ -2811,8 +2828,10 @@ __global__ void __launch_bounds__(NT, 1) gg_kernel(const Params p) {
     cp_async_wait<0>();
 }
 
-/* mode 2 with S > 1: out = part[0] + part[1] + ... + part[S-1], in this order */
-__global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float4 *part, long long n4, int S) {
+/* mode 2 with S > 1: out = part[0] + part[1] + ... + part[S-1], in this order; with ssq, each
+   block's sum of out^2 (fixed order) goes to ssq[block] */
+__global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float4 *part, long long n4, int S, float *ssq) {
+    float ss = 0.f;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
         float4 acc = part[i];
         for (int s = 1; s < S; ++s) {
@@ -2820,6 +2839,19 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
             acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
         }
         out[i] = acc;
+        ss += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
+    }
+    if (ssq) {
+        __shared__ float sh[8];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = ss;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float t = 0.f;
+            for (int w = 0; w < 8; ++w) t += sh[w];
+            ssq[blockIdx.x] = t;
+        }
     }
 }
 
@@ -2863,10 +2895,19 @@ static int launch_main(const Params &p, int grid, cudaStream_t stream) {
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
+/* entries of the dW^2 partials: 8 per tile without row splits, SSQ_BLOCKS with them */
+constexpr long long SSQ_BLOCKS = 1024;
+static long long ssq_need(int E, int M, int K) {
+    const long long t8 = (long long)E * ((M + BM - 1) / BM) * ((K + BN - 1) / BN) * 8;
+    return t8 > SSQ_BLOCKS ? t8 : SSQ_BLOCKS;
+}
+
 /* variant: 1 = wgmma, 0 = mma.sync */
 static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
-                  int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr) {
+                  int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
+                  float *ssq = nullptr, long long ssq_len = 0) {
     if (!args_ok(mode, E, M, K, Rmax)) return -1;
+    if (ssq && (mode != 2 || ssq_len < ssq_need(E, M, K))) return -1;
     if (!out || !a || !b || !d_offs || (!a2 != !b2) || (a2 && mode != 1)) return -1;
     if ((((uintptr_t)out) | ((uintptr_t)a) | ((uintptr_t)b) | ((uintptr_t)ws) | ((uintptr_t)a2) | ((uintptr_t)b2)) & 15u) return -1;
     int nsm = 0;
@@ -2880,6 +2921,7 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     p.b = reinterpret_cast<const bf16 *>(b);
     p.offs = d_offs;
     p.a2 = reinterpret_cast<const bf16 *>(a2);
+    p.ssq = (ssq && S == 1) ? ssq : nullptr;
     p.b2 = reinterpret_cast<const bf16 *>(b2);
     /* every mode: a static round robin. (A dynamic ticket counter for mode 2 was
      * measured on H200 to change bits between runs; the static schedule does not.) */
@@ -2904,6 +2946,8 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
         if (Rmax == 0) return 0; /* nothing to write */
     }
     const int grid = (int)(tiles < nsm ? tiles : nsm);
+    if (ssq && (S > 1 || tiles * 8 < ssq_len))   /* entries no tile or block writes read as zero */
+        if (cudaMemsetAsync(ssq, 0, (size_t)ssq_len * sizeof(float), stream) != cudaSuccess) return -1;
     int rc;
     if (variant) {
         rc = mode == 0 ? launch_main<0, true>(p, grid, stream)
@@ -2917,8 +2961,9 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
         const long long n4 = (long long)E * M * K / 4;
         long long blocks = (n4 + 255) / 256;
         if (blocks > (long long)nsm * 8) blocks = (long long)nsm * 8;
+        if (ssq && blocks > SSQ_BLOCKS) blocks = SSQ_BLOCKS;
         gg_reduce_kernel<<<(int)blocks, 256, 0, stream>>>(reinterpret_cast<float4 *>(out), reinterpret_cast<const float4 *>(p.part),
-                                                          n4, S);
+                                                          n4, S, ssq);
         if (cudaGetLastError() != cudaSuccess) return -1;
     }
     return 0;
@@ -2940,8 +2985,9 @@ size_t mt_cuda_gmm_workspace(int mode, int E, int M, int K, int Rmax) { return m
 /* The expert offsets stay on the device: no host synchronization; an expert
  * with no tokens costs nothing (modes 0/1) or a zero tile (mode 2). */
 int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *d_offs, int E, int M, int K, int Rmax,
-                void *ws, const void *a2, const void *b2) {
-    if (mt_ggk::gg_run(1, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream, a2, b2)) {
+                void *ws, const void *a2, const void *b2, float *ssq, int64_t ssq_len) {
+    if (ssq && ssq_len != mt_ggk::ssq_need(E, M, K)) return mt__fail(c, "grouped GEMM", "gradient-norm partials of the wrong length");
+    if (mt_ggk::gg_run(1, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream, a2, b2, ssq, ssq_len)) {
         cudaError_t e = cudaGetLastError();
         return mt__fail(c, "grouped GEMM", e != cudaSuccess ? cudaGetErrorString(e) : "bad arguments (dims must be multiples of 8)");
     }
@@ -3021,11 +3067,14 @@ int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits
  * ====================================================================== */
 
 #define MT_SUMSQ_BLOCKS 1024   /* fixed: the summation order never depends on the GPU */
-__global__ void k_sumsq_part(float *part, const float *g, int64_t n) {
+/* squares = 0: g already holds squares (a GEMM epilogue's partials): a plain sum */
+__global__ void k_sumsq_part(float *part, const float *g, int64_t n, int squares) {
     __shared__ float sh[32];
     float acc = 0;
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
-    if (n % 4 == 0 && !((uintptr_t)g & 15)) {
+    if (!squares) {
+        for (int64_t i = t; i < n; i += stride) acc += g[i];
+    } else if (n % 4 == 0 && !((uintptr_t)g & 15)) {
         for (int64_t i = t; i < n / 4; i += stride) { float4 v = ((const float4 *)g)[i]; acc += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
     } else {
         for (int64_t i = t; i < n; i += stride) acc += g[i] * g[i];
@@ -3039,8 +3088,8 @@ __global__ void k_sumsq_final(float *out, const float *in, const float *part) {
     if (threadIdx.x == 0) out[0] = (in ? in[0] : 0.0f) + acc;
 }
 size_t mt_cuda_sumsq_workspace(void) { return mt__al(MT_SUMSQ_BLOCKS * 4); }
-int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, void *ws) {
-    k_sumsq_part<<<MT_SUMSQ_BLOCKS, 256, 0, c->stream>>>((float *)ws, g, n);
+int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, int squares, void *ws) {
+    k_sumsq_part<<<MT_SUMSQ_BLOCKS, 256, 0, c->stream>>>((float *)ws, g, n, squares);
     LAUNCHED();
     k_sumsq_final<<<1, MT_SUMSQ_BLOCKS, 0, c->stream>>>(acc_out, acc_in, (const float *)ws);   /* 1024 threads, one per partial */
     LAUNCHED();

@@ -304,6 +304,37 @@ static void gpu_test_rope(int dn, int dv) {
     dfree(Ddq); dfree(Ddkv); dfree(Ddkpe);
 }
 
+/* GMM_DW_SQ: dW unchanged, its partial sums of squares add up to sum(dW^2); S = 1 and row splits */
+static void gpu_test_gmm_dw_sumsq(int E, int F, int D, int64_t NK) {
+    int32_t *offs = (int32_t *)malloc(4 * (size_t)(E + 1));
+    offs[0] = 0;
+    for (int e = 0; e < E; e++) offs[e + 1] = (int32_t)(NK * (e + 1) / E - (e == 1 ? NK / (4 * E) : 0));
+    offs[E] = (int32_t)NK;
+    float *dY = randn(NK * F, 1), *X = randn(NK * D, 1), *dW = (float *)malloc(4 * (size_t)E * F * D);
+    round_bf(dY, NK * F); round_bf(X, NK * D);
+    mt_cpu_gmm_dw(NULL, dW, dY, X, offs, E, F, D);
+    double ref = 0;
+    for (int64_t i = 0; i < (int64_t)E * F * D; i++) ref += (double)dW[i] * dW[i];
+    int64_t L = mt_gmm_ssq_len(E, F, D);
+    void *DdY = up_bf(dY, NK * F), *DX = up_bf(X, NK * D), *Doffs = up(offs, 4 * (size_t)(E + 1));
+    void *DdW = dalloc(4 * (size_t)E * F * D), *DdW2 = dalloc(4 * (size_t)E * F * D), *Dssq = dalloc(4 * (size_t)L);
+    void *ws = dalloc(mt_cuda_gmm_workspace(2, E, F, D, (int)NK) + 256);
+    int ok = !mt_cuda_gmm(CU, 2, DdW, DdY, DX, (int32_t *)Doffs, E, F, D, (int)NK, ws, NULL, NULL, (float *)Dssq, L) &&
+             !mt_cuda_gmm(CU, 2, DdW2, DdY, DX, (int32_t *)Doffs, E, F, D, (int)NK, ws, NULL, NULL, NULL, 0);
+    float *g1 = (float *)down(DdW, 4 * (size_t)E * F * D), *g2 = (float *)down(DdW2, 4 * (size_t)E * F * D), *q = (float *)down(Dssq, 4 * (size_t)L);
+    double sum = 0;
+    int finite = 1;
+    for (int64_t i = 0; i < L; i++) { sum += q[i]; finite &= isfinite(q[i]) != 0; }
+    int same = !memcmp(g1, g2, 4 * (size_t)E * F * D);
+    double e = fabs(sum - ref) / ref, edw = rel(g1, dW, (int64_t)E * F * D);
+    char nm[96];
+    snprintf(nm, sizeof nm, "gpu grouped GEMM dW + norm partials (E=%d, %lld rows)", E, (long long)NK);
+    report(nm, ok && finite && same && e < F32_TOL && edw < F32_TOL, "sum of squares rel %.1e, dW rel %.1e, dW %s", e, edw,
+           same ? "bitwise as without" : "DIFFERS");
+    free(offs); free(dY); free(X); free(dW); free(g1); free(g2); free(q);
+    dfree(DdY); dfree(DX); dfree(Doffs); dfree(DdW); dfree(DdW2); dfree(Dssq); dfree(ws);
+}
+
 static void gpu_test_moe_ops(void) {
     /* router: every variant, indices and counts exact, weights within f32 rounding */
     for (int v = 0; v < 4; v++) {
@@ -354,17 +385,17 @@ static void gpu_test_moe_ops(void) {
     int exact = !memcmp(goffs, offs, 4 * 9) && !memcmp(gslot, slot, 4 * (size_t)NK) && rel(gxs, xs, NK * D) == 0;
     report("gpu moe permute (slots, offsets, rows exact)", ok && exact, NULL);
     void *gws = dalloc(mt_cuda_gmm_workspace(2, E, F, D, (int)NK) + 256);
-    ok = ok && !mt_cuda_gmm(CU, 0, DY, Dxs, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL, NULL) &&
-         !mt_cuda_gmm(CU, 1, DdX, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL, NULL) &&
-         !mt_cuda_gmm(CU, 2, DdW, DdY, Dxs, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL, NULL);
+    ok = ok && !mt_cuda_gmm(CU, 0, DY, Dxs, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL, NULL, NULL, 0) &&
+         !mt_cuda_gmm(CU, 1, DdX, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL, NULL, NULL, 0) &&
+         !mt_cuda_gmm(CU, 2, DdW, DdY, Dxs, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL, NULL, NULL, 0);
     {   /* GMM_DX2: dX = dY W + dY2 W2 in one reduction loop, against the reference sum */
         float *dY2 = randn(NK * F, 1), *W2 = randn((int64_t)E * F * D, 0.1), *ref = (float *)malloc(4 * (size_t)NK * D);
         round_bf(dY2, NK * F); round_bf(W2, (int64_t)E * F * D);
         memcpy(ref, dX, 4 * (size_t)NK * D);
         mt_cpu_gmm_dx_add(NULL, ref, dY2, W2, offs, E, F, D);
         void *DdY2 = up_bf(dY2, NK * F), *DW2 = up_bf(W2, (int64_t)E * F * D), *D2 = dalloc(2 * (size_t)NK * D), *D2b = dalloc(2 * (size_t)NK * D);
-        int ok2 = !mt_cuda_gmm(CU, 1, D2, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, DdY2, DW2) &&
-                  !mt_cuda_gmm(CU, 1, D2b, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, DdY2, DW2);
+        int ok2 = !mt_cuda_gmm(CU, 1, D2, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, DdY2, DW2, NULL, 0) &&
+                  !mt_cuda_gmm(CU, 1, D2b, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, DdY2, DW2, NULL, 0);
         float *g2 = down_bf(D2, NK * D);
         void *h1 = down(D2, 2 * (size_t)NK * D), *h2 = down(D2b, 2 * (size_t)NK * D);
         double ea = rel(g2, ref, NK * D);
@@ -432,7 +463,7 @@ static void gpu_test_loss_and_optimizer(void) {
     for (int64_t i = 0; i < n; i++) ss += (double)g[i] * g[i];
     void *Dp = up(p, 4 * n), *Dg = up(g, 4 * n), *Dm = up(m, 4 * n), *Dv = up(v, 4 * n), *Dp16 = dalloc(2 * n), *Dhp = up(hp, sizeof hp), *Dst = up(&step, 4);
     void *Dacc = dalloc(4), *Dlr = dalloc(4), *Dcoef = dalloc(4), *Dnorm = dalloc(4), *ws2 = dalloc(mt_cuda_sumsq_workspace());
-    int ok2 = !mt_cuda_sumsq(CU, (float *)Dacc, NULL, (float *)Dg, n, ws2) && !mt_cuda_lr_schedule(CU, (float *)Dlr, (float *)Dhp, (int32_t *)Dst) &&
+    int ok2 = !mt_cuda_sumsq(CU, (float *)Dacc, NULL, (float *)Dg, n, 1, ws2) && !mt_cuda_lr_schedule(CU, (float *)Dlr, (float *)Dhp, (int32_t *)Dst) &&
          !mt_cuda_clip(CU, (float *)Dcoef, (float *)Dnorm, (float *)Dacc, (float *)Dhp) &&
          !mt_cuda_adamw(CU, (float *)Dp, (float *)Dm, (float *)Dv, Dp16, (float *)Dg, n, (float *)Dlr, (float *)Dcoef, (float *)Dhp, (int32_t *)Dst, 1);
     float acc, lr, coef, nrm;
@@ -572,6 +603,9 @@ int main(void) {
     gpu_test_attention_shape(1, 130, 2, 192, 128);
     gpu_test_attention_shape(2, 256, 4, 192, 128);
     gpu_test_moe_ops();
+    gpu_test_gmm_dw_sumsq(8, 48, 64, 400);      /* few rows per expert: no row splits */
+    gpu_test_gmm_dw_sumsq(2, 64, 64, 16384);    /* few tiles, many rows: split rows, reduce kernel */
+    gpu_test_gmm_dw_sumsq(64, 1408, 256, 6144);
     gpu_test_loss_and_optimizer();
     gpu_test_whole_steps();
     mt_cuda_destroy(CU);
@@ -991,6 +1025,27 @@ static void test_graph_structure(void) {
     /* per MoE layer: shared + routed (fwd); q/kv, shared gate/up, router (bwd); dense layer: q/kv, gate/up */
     report("fusion pass: GEMM + ADD -> epilogue sums, expert dX pairs", acc_mm == 2 * 4 + 2 && dx2 == 2 && adds == 2,
            "%d MATMUL_ACC, %d GMM_DX2, %d ADD left", acc_mm, dx2, adds);
+    {   /* on the CUDA target, expert weight gradients' norm partials come from the dW GEMM; over 2 data-parallel
+           ranks (gradients all-reduced first) they do not */
+        mt_graph gc2;
+        mt_mesh m1;
+        mt_target tc;
+        mt_passes pa;
+        mt_target_cuda(&tc, "sm_90a");
+        mt_passes_all(&pa);
+        int sq[2] = {0, 0}, plain[2] = {0, 0}, okc = 1;
+        for (int dp = 1; dp <= 2 && okc; dp++) {
+            okc = !mt_mesh_init(&m1, 1, dp, 1, 1, &e) && !mt_compile(&gc2, &c, &m1, &tc, MT_GRAPH_TRAIN, &pa, &e);
+            for (int i = 0; okc && i < gc2.n_nodes; i++) {
+                sq[dp - 1] += gc2.nodes[i].op == MT_OP_GMM_DW_SQ;
+                plain[dp - 1] += gc2.nodes[i].op == MT_OP_SUMSQ && gc2.nodes[i].iattr[0];
+                okc &= !mt_check_node(&gc2, &gc2.nodes[i], &e);
+            }
+            if (okc) mt_graph_free(&gc2);
+        }
+        report("fusion pass (CUDA): expert dW GEMMs give the norm partials", okc && sq[0] == 6 && plain[0] == 6 && !sq[1] && !plain[1],
+               "1 rank: %d GMM_DW_SQ, %d SUMSQ of partials; 2 ranks: %d, %d%s%s", sq[0], plain[0], sq[1], plain[1], okc ? "" : ": ", okc ? "" : e.msg);
+    }
     mt_graph_free(&g);
 
     /* precompiling for a larger mesh: coordinates are symbols, never literals */
