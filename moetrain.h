@@ -20,7 +20,7 @@
  *   3.  Mesh
  *   4.  Graph IR: dtypes, roles, queues, symbols, values, nodes, the op table
  *   5.  Builder: the model forward, reverse-mode autodiff, optimizer
- *   6.  Passes: memory planning
+ *   6.  Passes: elision, fusion, memory planning, capture
  *   7.  Artifact: write, validate + load, fingerprint, dump
  *   8.  CPU reference ops (forward/backward pairs, plain C)
  *   9.  Collectives
@@ -469,7 +469,8 @@ void mt_cpu_expert_bias_update(mt_real *bias, const int32_t *counts, int E, floa
 /* ========================================================================
  * 9. Collectives
  * A communicator per mesh-dimension group. On one rank every group has size
- * 1 and collectives are identities; the node stays in the graph.
+ * 1 and collectives are identities (the elision pass removes the expert
+ * exchange from graphs compiled for ep = 1; the all-reduces stay).
  * ====================================================================== */
 
 typedef struct {
