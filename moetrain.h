@@ -624,9 +624,17 @@ typedef struct {
 int mt_data_load(mt_dataset *d, const char *path, mt_err *err); /* llm.c .bin shard or raw bytes */
 int mt_data_default(mt_dataset *d, mt_err *err);                /* the embedded corpus */
 void mt_data_free(mt_dataset *d);
-/* B windows of T+1 tokens at random offsets: tokens[b*T+t], targets = next token. */
-int mt_data_batch(const mt_dataset *d, mt_rng *r, int B, int T, int32_t *tokens, int32_t *targets,
-                  mt_err *err);
+/* The data order is a pure function of (seed, step): the token stream is cut
+ * into W = (n-1)/T windows of T tokens (targets: the next token), and each
+ * epoch visits every window once in a seeded random order. Step s's global
+ * batch is samples [s*B*dp_size, (s+1)*B*dp_size) of that order; data-parallel
+ * rank r reads its own disjoint B of them, [r*B, (r+1)*B). So a run of
+ * dp_size ranks sees the same global batch as one rank with batch B*dp_size,
+ * and resuming at step s needs nothing but s.
+ * tokens[b*T+t], targets[b*T+t] = the token after it. */
+int mt_data_batch_at(const mt_dataset *d, uint64_t seed, int64_t step, int dp_rank, int dp_size, int B, int T,
+                     int32_t *tokens, int32_t *targets, mt_err *err);
+int64_t mt_data_window(const mt_dataset *d, uint64_t seed, int64_t sample, int T);  /* sample -> window index */
 
 /* ========================================================================
  * 13. Metrics
@@ -5358,12 +5366,45 @@ int mt_data_default(mt_dataset *d, mt_err *err) {
     return 0;
 }
 
-int mt_data_batch(const mt_dataset *d, mt_rng *r, int B, int T, int32_t *tokens, int32_t *targets, mt_err *err) {
+/* A seeded bijection of [0, W): a 4-round Feistel network over the next even
+ * power of two, walking the cycle until it lands inside [0, W). */
+static uint64_t mt__permute(uint64_t i, uint64_t W, uint64_t key) {
+    if (W <= 1) return 0;
+    int bits = 0;
+    while (((uint64_t)1 << bits) < W) bits++;
+    bits += bits & 1;
+    int half = bits / 2;
+    uint64_t mask = ((uint64_t)1 << half) - 1;
+    do {
+        uint64_t l = i >> half, r = i & mask;
+        for (int round = 0; round < 4; round++) {
+            uint64_t x = r ^ (key + 0x9e3779b97f4a7c15ull * (uint64_t)(round + 1));
+            uint64_t f = mt__splitmix(&x) & mask, t = r;
+            r = l ^ f; l = t;
+        }
+        i = l << half | r;
+    } while (i >= W);
+    return i;
+}
+
+int64_t mt_data_window(const mt_dataset *d, uint64_t seed, int64_t sample, int T) {
+    int64_t W = (d->n - 1) / T;
+    if (W < 1 || sample < 0) return -1;
+    int64_t epoch = sample / W, i = sample % W;
+    uint64_t key = mt_hash(&epoch, sizeof epoch, mt_hash("data-order", 10, seed));
+    return (int64_t)mt__permute((uint64_t)i, (uint64_t)W, key);
+}
+
+int mt_data_batch_at(const mt_dataset *d, uint64_t seed, int64_t step, int dp_rank, int dp_size, int B, int T,
+                     int32_t *tokens, int32_t *targets, mt_err *err) {
+    if (T < 1 || B < 1) return mt_errf(err, "a batch needs B >= 1 and T >= 1 (got %d, %d)", B, T);
     if (d->n < (int64_t)T + 1)
         return mt_errf(err, "the dataset has %lld tokens; a sequence of %d needs at least %d", (long long)d->n, T, T + 1);
-    uint64_t span = (uint64_t)(d->n - T);   /* start offsets 0 .. n-T-1 */
+    if (dp_size < 1 || dp_rank < 0 || dp_rank >= dp_size || step < 0)
+        return mt_errf(err, "data-parallel rank %d of %d at step %lld is out of range", dp_rank, dp_size, (long long)step);
     for (int b = 0; b < B; b++) {
-        int64_t off = (int64_t)(mt_rng_u64(r) % span);
+        int64_t q = (step * dp_size + dp_rank) * B + b;
+        int64_t off = mt_data_window(d, seed, q, T) * T;
         for (int t = 0; t < T; t++) {
             tokens[(int64_t)b * T + t] = d->tokens[off + t];
             targets[(int64_t)b * T + t] = d->tokens[off + t + 1];

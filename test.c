@@ -1481,15 +1481,42 @@ static void test_data(void) {
     fclose(f);
     int raw = mt_data_load(&d, p, &e) == 0 && d.n == 5 && d.tokens[0] == 'h';
     int32_t tk[8], tg[8];
-    mt_rng r;
-    mt_rng_seed(&r, 1);
-    int small = raw && mt_data_batch(&d, &r, 1, 8, tk, tg, &e) != 0;
+    int small = raw && mt_data_batch_at(&d, 1, 0, 0, 1, 1, 8, tk, tg, &e) != 0;
     mt_data_free(&d);
     remove(p);
     report("data: llm.c shard, raw bytes, bad header", ok && bad && raw && small, NULL);
     int def = mt_data_default(&d, &e) == 0 && d.n > 100000 && d.max_token < 128;
     mt_data_free(&d);
     report("embedded default corpus", def, NULL);
+    {   /* the data order: a permutation per epoch; ranks read disjoint parts of one global batch */
+        mt_dataset t;
+        int n = 1000, T = 7, W = (n - 1) / T, okp = 1;
+        t.n = n; t.max_token = 0;
+        t.tokens = (int32_t *)malloc(sizeof(int32_t) * (size_t)n);
+        for (int i = 0; i < n; i++) t.tokens[i] = i;
+        unsigned char *seen = (unsigned char *)calloc((size_t)W, 1);
+        for (int ep = 0; ep < 2 && okp; ep++) {
+            memset(seen, 0, (size_t)W);
+            for (int i = 0; i < W; i++) {
+                int64_t w = mt_data_window(&t, 3, (int64_t)ep * W + i, T);
+                if (w < 0 || w >= W || seen[w]) { okp = 0; break; }
+                seen[w] = 1;
+            }
+        }
+        int differ = mt_data_window(&t, 3, 0, T) != mt_data_window(&t, 4, 0, T) || mt_data_window(&t, 3, 1, T) != mt_data_window(&t, 4, 1, T);
+        int32_t one[4 * 7], two[4 * 7], tg1[4 * 7], tg2[4 * 7];
+        int same = 1;
+        for (int step = 0; step < 5 && same; step++) {
+            same = mt_data_batch_at(&t, 9, step, 0, 1, 4, T, one, tg1, &e) == 0 &&
+                   mt_data_batch_at(&t, 9, step, 0, 2, 2, T, two, tg2, &e) == 0 &&
+                   mt_data_batch_at(&t, 9, step, 1, 2, 2, T, two + 2 * T, tg2 + 2 * T, &e) == 0 &&
+                   !memcmp(one, two, sizeof one) && !memcmp(tg1, tg2, sizeof tg1) && tg1[0] == one[0] + 1 && one[0] % T == 0;
+        }
+        int refuse = mt_data_batch_at(&t, 9, 0, 2, 2, 2, T, two, tg2, &e) != 0;
+        report("data order: per-epoch permutation, ranks share one global batch", okp && differ && same && refuse,
+               "%d windows", W);
+        free(seen); free(t.tokens);
+    }
 
     float hp[MT_HP_COUNT];
     mt_hparams h;
@@ -1515,13 +1542,11 @@ static void test_training_falls(void) {
     hp.decay_steps = 60;
     int64_t N = (int64_t)c.batch * c.seq_len;
     int32_t *tok = (int32_t *)malloc(4 * (size_t)N), *tgt = (int32_t *)malloc(4 * (size_t)N);
-    mt_rng r;
-    mt_rng_seed(&r, 5);
     double first = 0, last = 0;
     int ok = rt != NULL;
     for (int s = 0; s < 60 && ok; s++) {
         mt_step_stats st = {0, 0, 0, 0};
-        ok = mt_data_batch(&d, &r, c.batch, c.seq_len, tok, tgt, &e) == 0 && mt_runtime_step(rt, tok, tgt, s, &hp, &st, &e) == 0;
+        ok = mt_data_batch_at(&d, 5, s, 0, 1, c.batch, c.seq_len, tok, tgt, &e) == 0 && mt_runtime_step(rt, tok, tgt, s, &hp, &st, &e) == 0;
         if (s == 0) first = st.loss;
         last = st.loss;
     }

@@ -393,14 +393,12 @@ int main(int argc, char **argv) {
     int32_t *counts = (int32_t *)malloc(sizeof(int32_t) * (size_t)E);
     double *curve = (double *)malloc(sizeof(double) * (size_t)(o.steps + 1));
     double *times = (double *)malloc(sizeof(double) * (size_t)(o.steps + 1));
-    mt_rng data_rng;
-    mt_rng_seed(&data_rng, mt_hash("data", 4, (uint64_t)o.seed));
     int rc = 0;
     double t_start = mt_now(), first_loss = 0, last_loss = 0;
     for (int s = 0; s < o.steps; s++) {
         int step = step0 + s;
         mt_step_stats st;
-        if (mt_data_batch(&ds, &data_rng, B, T, tok, tgt, &err) || mt_runtime_step(rt, tok, tgt, step, &o.hp, &st, &err)) {
+        if (mt_data_batch_at(&ds, (uint64_t)o.seed, step, 0, 1, B, T, tok, tgt, &err) || mt_runtime_step(rt, tok, tgt, step, &o.hp, &st, &err)) {
             fprintf(stderr, "train: %s\n", err.msg);
             rc = 1;
             break;
@@ -448,7 +446,7 @@ int main(int argc, char **argv) {
         if (o.profile) {
             mt_step_stats st;
             mt_runtime_set_profile(rt, 1);
-            if (mt_data_batch(&ds, &data_rng, B, T, tok, tgt, &err) || mt_runtime_step(rt, tok, tgt, step0 + o.steps, &o.hp, &st, &err)) {
+            if (mt_data_batch_at(&ds, (uint64_t)o.seed, step0 + o.steps, 0, 1, B, T, tok, tgt, &err) || mt_runtime_step(rt, tok, tgt, step0 + o.steps, &o.hp, &st, &err)) {
                 fprintf(stderr, "train: %s\n", err.msg);
                 rc = 1;
             } else {
