@@ -53,7 +53,7 @@ typedef MT_REAL mt_real;
 
 #define MT_VERSION_STRING "moetrain 0.1"
 #define MT_KERNELS_VERSION "moetrain-kernels 1"   /* bump when any kernel's numerics change */
-#define MT_FORMAT_VERSION 1u                       /* artifact format */
+#define MT_FORMAT_VERSION 2u                       /* artifact format (2: value shard masks, ALLGATHER/REDUCE_SCATTER) */
 
 /* ========================================================================
  * 1. Basics
@@ -175,6 +175,15 @@ int mt_mesh_init(mt_mesh *m, int dp_replicate, int dp_shard, int tp, int ep, mt_
 int mt_mesh_world(const mt_mesh *m);
 int mt_mesh_validate(const mt_mesh *m, const mt_config *c, mt_err *err);
 void mt_mesh_coords(const mt_mesh *m, int rank, int coord[MT_NDIMS]);
+/* Groups. A collective names a mask of mesh dimensions; rank's group along
+ * it is the ranks that differ from it only along those dimensions. Masks
+ * over ep/edp are read in the (dp_replicate, edp, ep) basis, the others in
+ * (dp_replicate, dp_shard, tp); a mask may not mix dp_shard/tp with ep/edp.
+ * Group order is mesh order (row-major over the masked dimensions). */
+int mt_mesh_mask_valid(uint32_t mask);
+int mt_mesh_group_size(const mt_mesh *m, uint32_t mask);
+int mt_mesh_group(const mt_mesh *m, uint32_t mask, int rank, int *members); /* fills members, returns rank's index */
+void mt_mesh_mask_name(uint32_t mask, char *out, size_t n);                 /* "dp_replicate+edp", "-" for 0 */
 
 /* ========================================================================
  * 4. Graph IR
@@ -209,6 +218,7 @@ enum {
     MT_VF_DECAY = 1u << 1,      /* weight decay applies */
     MT_VF_EXPERTS = 1u << 2,    /* param stacked over local experts: dims[0] = E_local; name has '*' */
     MT_VF_COUNTS = 1u << 3,     /* output: tokens per expert of one MoE layer */
+    MT_VF_GATHERED = 1u << 4,   /* a whole weight all-gathered from shards (or its gradient): storage padded */
 };
 enum { MT_INIT_NONE = 0, MT_INIT_ZERO, MT_INIT_ONE, MT_INIT_NORMAL };
 
@@ -227,7 +237,10 @@ typedef struct {
     char name[MT_NAME_LEN];   /* unique; params use Hugging Face names ('*' = expert index) */
     int32_t dtype, role, ndim, init;
     uint32_t flags;
-    int64_t dims[MT_MAX_DIMS];/* >= 0: literal; < 0: symbol -(dim+1) */
+    uint32_t shard;           /* FSDP: mesh-dim mask of the S ranks sharing this tensor (0: whole). The value
+                                 holds this rank's flat 1/S part, ceil(numel/S) elements; with MT_VF_GATHERED
+                                 it holds the whole tensor, stored padded to S * ceil(numel/S) elements */
+    int64_t dims[MT_MAX_DIMS];/* >= 0: literal; < 0: symbol -(dim+1); the logical shape, also for shards */
     float init_std;
     int32_t param;            /* GRAD/OPT: the param it belongs to; else -1 */
     int64_t offset;           /* byte offset in its region (persistent or arena); -1 = unplanned */
@@ -282,7 +295,7 @@ typedef struct {
     X(CROSS_ENTROPY, 2, 2, 1)    /* logits[N,V], targets[N] -> loss[1] f32, lse[N] f32 */ \
     X(CROSS_ENTROPY_BWD, 3, 1, 0)/* logits, lse, targets -> dlogits */            \
     X(SUMSQ, 2, 1, 0)            /* g, acc_in (optional) -> acc_out[1] f32; i0 1: g holds squares */ \
-    X(ALLREDUCE, 1, 1, 0)        /* x -> x (in place); i0 mesh-dim mask, i1 group, i2 avg */ \
+    X(ALLREDUCE, 1, 1, 0)        /* x -> x (in place); i0 mesh-dim mask, i1 group, i2 mean; f0 scale (0: none) */ \
     X(LR_SCHEDULE, 2, 1, 0)      /* hparams[16] f32, step[1] i32 -> lr[1] f32 */  \
     X(CLIP, 2, 2, 0)             /* sumsq[1], hparams -> coef[1], norm[1] */      \
     X(ADAMW, 8, 4, 0)            /* p, g, m, v, lr, coef, hparams, step -> p, m, v, p_bf16 (optional) */ \
@@ -291,7 +304,9 @@ typedef struct {
     X(RMSNORM_BWD_ADD, 5, 2, 0)  /* fused: dy, x, w, rstd, acc -> acc + dx, dw */    \
     X(MATMUL_ACC, 3, 1, 0)       /* fused: A, B, acc -> acc + op(A) op(B) (GEMM epilogue) */ \
     X(GMM_DX2, 5, 1, 0)          /* fused: dY, W, offs, dY2, W2 -> dY_e W_e + dY2_e W2_e (one K loop) */ \
-    X(GMM_DW_SQ, 3, 2, 0)        /* fused: dY, X, offs -> dW, ssq[mt_gmm_ssq_len] f32 partial sums of dW^2 */
+    X(GMM_DW_SQ, 3, 2, 0)        /* fused: dY, X, offs -> dW, ssq[mt_gmm_ssq_len] f32 partial sums of dW^2 */ \
+    X(ALLGATHER, 1, 1, 1)        /* shard[ceil(n/S)] -> whole (padded); i0 mesh-dim mask, i1 group */ \
+    X(REDUCE_SCATTER, 1, 1, 0)   /* whole f32 (padded) -> my shard of the sum; i0 mask, i1 group; f0 scale (0: none) */
 
 enum {
 #define MT_OP_ENUM(name, ni, no, d) MT_OP_##name,
@@ -351,7 +366,8 @@ typedef struct {
 
 void mt_graph_free(mt_graph *g);
 int64_t mt_dtype_bytes(const mt_graph *g, int dtype);
-int64_t mt_value_numel_max(const mt_graph *g, const mt_value *v);  /* symbols at their bounds */
+int64_t mt_value_numel_max(const mt_graph *g, const mt_value *v);  /* stored elements, symbols at their bounds */
+int64_t mt_value_numel_logical(const mt_graph *g, const mt_value *v); /* elements of the logical shape */
 int mt_graph_find(const mt_graph *g, const char *name);           /* value id or -1 */
 int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err); /* arity + shapes */
 /* GMM_DW_SQ's partial sums: 8 per 128 x 256 output tile of the grouped GEMM, at least 1024 */
@@ -378,6 +394,7 @@ typedef struct { int elide, fuse, plan_memory, capture; } mt_passes;   /* which 
 int mt_pass_elide_collectives(mt_graph *g, mt_err *err); /* the expert exchange over one rank is a copy: gone */
 int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
 int mt_node_syncs_host(const mt_node *n);            /* needs data on the host before launching */
+int mt_node_capturable(const mt_graph *g, const mt_node *n);  /* may replay inside a captured CUDA graph */
 void mt_passes_all(mt_passes *p);
 void mt_passes_none(mt_passes *p);                   /* eager */
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err);
@@ -468,26 +485,46 @@ void mt_cpu_expert_bias_update(mt_real *bias, const int32_t *counts, int E, floa
 
 /* ========================================================================
  * 9. Collectives
- * A communicator per mesh-dimension group. On one rank every group has size
- * 1 and collectives are identities (the elision pass removes the expert
- * exchange from graphs compiled for ep = 1; the all-reduces stay).
+ * A collective node names mesh dimensions, never a communicator; at bind each
+ * rank resolves every (mask, group id) the graph uses to its group (section
+ * 3) and to one communicator per group. Two engines with one semantics:
+ *  - CPU ranks are threads of one process sharing an mt_world: each rank
+ *    posts pointers to its buffers, and after a barrier reads its peers'
+ *    directly. Sums run over the group in group order, in the same order on
+ *    every rank, so replicas stay bitwise identical.
+ *  - CUDA ranks are processes, one per GPU; NCCL communicators made with
+ *    ncclCommSplit from one world communicator (color: the group, key: the
+ *    position in it, so NCCL's order is mesh order).
+ * A group of one rank is an identity (a scaled sum scales).
  * ====================================================================== */
 
-typedef struct {
-    int size, rank;     /* group size and this rank's position (mesh order) */
-} mt_group;
+typedef struct mt_world mt_world;   /* the shared state of CPU thread-ranks */
+int mt_world_create(mt_world **w, int n_ranks, mt_err *err);
+void mt_world_destroy(mt_world *w);
+/* Mark rank as failed (first caller wins): every rank blocked in or entering a
+ * collective returns an error naming it. */
+void mt_world_fail(mt_world *w, int rank, const char *why);
+int mt_world_failed(mt_world *w, char *why, size_t n);  /* the failed rank, or -1 */
+/* Run fn(ctx, rank, world) on n thread-ranks sharing one world and join them.
+ * A rank whose fn fails marks the world failed; the first failure is returned,
+ * naming its rank. */
+typedef int (*mt_rank_fn)(void *ctx, int rank, mt_world *w, mt_err *err);
+int mt_run_thread_ranks(int n, mt_rank_fn fn, void *ctx, mt_err *err);
 
 /* ========================================================================
  * 10. Runtime
  * ====================================================================== */
 
+#define MT_NCCL_ID_BYTES 128
 typedef struct {
     int rank, world, local_rank;
     int coord[MT_NDIMS];
-    int device;        /* CUDA device ordinal (the local rank); used by CUDA graphs */
+    int device;        /* CUDA device ordinal (the local rank); every launch, stream and allocation uses it */
     int n_threads;     /* CPU worker threads; 0 = number of cores */
     int poison;        /* fill the arena with NaN before each step (tests) */
     int profile;       /* time every node (synchronizing): mt_runtime_profile() */
+    mt_world *cpu_world;                 /* CPU, world > 1: the world the thread-ranks share */
+    uint8_t nccl_id[MT_NCCL_ID_BYTES];   /* CUDA, world > 1: NCCL's unique id, from rank 0 */
 } mt_binding;
 void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
 
@@ -515,6 +552,16 @@ int mt_runtime_backend(const mt_runtime *rt);                  /* MT_BACKEND_CPU
 void mt_runtime_profile(const mt_runtime *rt, double ms[MT_NOPS], int64_t calls[MT_NOPS]);
 void mt_runtime_set_profile(mt_runtime *rt, int on);
 size_t mt_runtime_peak_bytes(const mt_runtime *rt);            /* device (or host) memory of the plan at peak */
+/* Host numbers across every rank of the world (logging): op 0 sum, 1 max. */
+int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *err);
+/* Host synchronizations in the last step (the expert exchange's counts) and
+ * the rows this rank's experts received in it. */
+int mt_runtime_host_syncs(const mt_runtime *rt);
+int64_t mt_runtime_received_rows(const mt_runtime *rt);
+/* After a failure elsewhere: make this rank's pending and future collectives
+ * return (NCCL: ncclCommAbort). Safe to call from another thread. */
+void mt_runtime_abort(mt_runtime *rt);
+int mt_runtime_comm_error(mt_runtime *rt, mt_err *err);   /* an asynchronous communicator error, if any */
 
 /* CUDA launchers (moetrain_kernels.cu). Declared when the build defines
  * MT_CUDA; each mirrors the CPU reference op of section 8 with device
@@ -600,6 +647,24 @@ int mt_cuda_clip(mt_cuda *c, float *coef, float *norm, const float *sumsq, const
 int mt_cuda_adamw(mt_cuda *c, float *p, float *m, float *v, void *p_bf16, const float *g, int64_t n, const float *lr,
                   const float *coef, const float *hp, const int32_t *step, int decay);
 int mt_cuda_expert_bias_update(mt_cuda *c, float *bias, const int32_t *counts, int E, float coeff);
+int mt_cuda_scale(mt_cuda *c, float *x, int64_t n, float s);
+/* expert-parallel exchange: rows of a [P, El] count table, src-major <-> expert-major */
+int mt_cuda_ep_offsets_table(mt_cuda *c, int32_t *roffs, const int32_t *recv, int P, int El);
+int mt_cuda_ep_regroup(mt_cuda *c, void *dst, const void *src, const int32_t *recv, int P, int El, int64_t row_bytes,
+                       int64_t rows, int to_expert_major);
+/* NCCL: communicators are opaque pointers; counts in elements of dtype (MT_F32, MT_BF16, MT_I32) */
+int mt_nccl_unique_id(void *id, mt_err *err);                        /* MT_NCCL_ID_BYTES bytes */
+int mt_nccl_init(mt_cuda *c, void **comm, const void *id, int nranks, int rank);
+int mt_nccl_split(mt_cuda *c, void *parent, int color, int key, void **comm);
+void mt_nccl_free(void *comm, int abort);
+int mt_nccl_async_error(void *comm, char *msg, size_t n);           /* 0: none */
+int mt_nccl_allreduce(mt_cuda *c, void *comm, void *buf, int64_t n, int dtype, int op_max); /* dtype -1: f64 */
+int mt_nccl_allgather(mt_cuda *c, void *comm, const void *in, void *out, int64_t n, int dtype);
+int mt_nccl_reduce_scatter(mt_cuda *c, void *comm, const void *in, void *out, int64_t n, int dtype);
+/* per-peer byte ranges in one group: send[p] = (offset, bytes) to peer p, recv likewise */
+int mt_nccl_exchange(mt_cuda *c, void *comm, int P, const void *send, const int64_t *soff, const int64_t *sbytes,
+                     void *recv, const int64_t *roff, const int64_t *rbytes);
+void *mt_cuda_stream_handle(mt_cuda *c);
 #endif
 
 /* ========================================================================
@@ -1107,6 +1172,48 @@ void mt_mesh_coords(const mt_mesh *m, int rank, int coord[MT_NDIMS]) {
     coord[MT_DIM_EDP] = f / m->size[MT_DIM_EP];
 }
 
+int mt_mesh_mask_valid(uint32_t mask) {
+    uint32_t a = MT_DIMBIT(MT_DIM_DP_SHARD) | MT_DIMBIT(MT_DIM_TP), e = MT_DIMBIT(MT_DIM_EP) | MT_DIMBIT(MT_DIM_EDP);
+    return mask < (1u << MT_NDIMS) && !((mask & a) && (mask & e));
+}
+int mt_mesh_group_size(const mt_mesh *m, uint32_t mask) {
+    int s = 1;
+    for (int d = 0; d < MT_NDIMS; d++) if (mask >> d & 1) s *= m->size[d];
+    return s;
+}
+/* the basis a mask is read in: three dimensions that number the ranks */
+static void mt__mask_basis(uint32_t mask, int basis[3]) {
+    int ep = (mask & (MT_DIMBIT(MT_DIM_EP) | MT_DIMBIT(MT_DIM_EDP))) != 0;
+    basis[0] = MT_DIM_DP_REPLICATE;
+    basis[1] = ep ? MT_DIM_EDP : MT_DIM_DP_SHARD;
+    basis[2] = ep ? MT_DIM_EP : MT_DIM_TP;
+}
+int mt_mesh_group(const mt_mesh *m, uint32_t mask, int rank, int *members) {
+    int basis[3], me[MT_NDIMS], c[MT_NDIMS], world = mt_mesh_world(m), mine = 0;
+    mt__mask_basis(mask, basis);
+    mt_mesh_coords(m, rank, me);
+    for (int r = 0; r < world; r++) {
+        mt_mesh_coords(m, r, c);
+        int same = 1, key = 0;
+        for (int i = 0; i < 3; i++) {
+            int d = basis[i];
+            if (mask >> d & 1) key = key * m->size[d] + c[d];
+            else same &= c[d] == me[d];
+        }
+        if (!same) continue;
+        if (members) members[key] = r;
+        if (r == rank) mine = key;
+    }
+    return mine;
+}
+void mt_mesh_mask_name(uint32_t mask, char *out, size_t n) {
+    size_t k = 0;
+    out[0] = 0;
+    for (int d = 0; d < MT_NDIMS; d++)
+        if (mask >> d & 1) k += (size_t)snprintf(out + k, k < n ? n - k : 0, "%s%s", k ? "+" : "", mt_dim_names[d]);
+    if (!mask) snprintf(out, n, "-");
+}
+
 /* ========================================================================
  * 4. Graph IR
  * ====================================================================== */
@@ -1153,10 +1260,16 @@ int64_t mt_gmm_ssq_len(int64_t E, int64_t M, int64_t K) {
     int64_t t8 = E * ((M + 127) / 128) * ((K + 255) / 256) * 8;
     return t8 > 1024 ? t8 : 1024;
 }
-int64_t mt_value_numel_max(const mt_graph *g, const mt_value *v) {
+int64_t mt_value_numel_logical(const mt_graph *g, const mt_value *v) {
     int64_t n = 1;
     for (int i = 0; i < v->ndim; i++) n *= mt__dim_max(g, v->dims[i]);
     return n;
+}
+int64_t mt_value_numel_max(const mt_graph *g, const mt_value *v) {
+    int64_t n = mt_value_numel_logical(g, v);
+    if (!v->shard) return n;
+    int64_t S = mt_mesh_group_size(&g->mesh, v->shard), L = (n + S - 1) / S;
+    return (v->flags & MT_VF_GATHERED) ? L * S : L;
 }
 int mt_graph_find(const mt_graph *g, const char *name) {
     for (int i = 0; i < g->n_values; i++)
@@ -1531,8 +1644,25 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
     case MT_OP_ALLREDUCE:
         MT__T(mt__int_attr(&c, 0, 0, (1 << MT_NDIMS) - 1)); MT__T(mt__int_attr(&c, 1, 0, 7));
         MT__T(mt__int_attr(&c, 2, 0, 1));
+        if (!mt_mesh_mask_valid((uint32_t)n->iattr[0])) return mt_errf(err, "ALLREDUCE: mesh mask 0x%x mixes bases", n->iattr[0]);
         if (n->in[0] != n->out[0]) return mt_errf(err, "ALLREDUCE must be in place");
         break;
+    case MT_OP_ALLGATHER: case MT_OP_REDUCE_SCATTER: {   /* i0: the mask the shards are spread over */
+        MT__T(mt__int_attr(&c, 0, 1, (1 << MT_NDIMS) - 1)); MT__T(mt__int_attr(&c, 1, 0, 7));
+        uint32_t mask = (uint32_t)n->iattr[0];
+        if (!mt_mesh_mask_valid(mask)) return mt_errf(err, "%s: mesh mask 0x%x mixes bases", oi->name, n->iattr[0]);
+        const mt_value *part = n->op == MT_OP_ALLGATHER ? a : o, *whole = n->op == MT_OP_ALLGATHER ? o : a;
+        if (part->shard != mask || (part->flags & MT_VF_GATHERED))
+            return mt_errf(err, "%s: '%s' is not a shard over mask 0x%x", oi->name, part->name, mask);
+        if (whole->shard != mask || !(whole->flags & MT_VF_GATHERED))
+            return mt_errf(err, "%s: '%s' is not a gathered tensor over mask 0x%x", oi->name, whole->name, mask);
+        if (part->dtype != whole->dtype || (n->op == MT_OP_REDUCE_SCATTER && part->dtype != MT_F32))
+            return mt_errf(err, "%s: '%s' and '%s' differ in dtype (reduce-scatter is f32)", oi->name, part->name, whole->name);
+        MT__T(mt__shape(&c, whole, "whole", part->ndim, part->dims[0], part->dims[1], part->dims[2]));
+        for (int d = 0; d < part->ndim; d++)
+            if (part->dims[d] < 0) return mt_errf(err, "%s: '%s' has a symbolic size", oi->name, part->name);
+        break;
+    }
     case MT_OP_LR_SCHEDULE:
         MT__T(mt__shape(&c, a, "hparams", 1, MT_HP_COUNT, 0, 0));
         MT__T(mt__is_index(&c, b, "step", 1)); MT__T(mt__shape(&c, b, "step", 1, 1, 0, 0));
@@ -1612,6 +1742,8 @@ typedef struct {
     int32_t grad;            /* id of dLoss/dvalue, or -1 */
     int32_t master;          /* for a compute shadow: its f32 master; else -1 */
     int32_t req;             /* depends on a trainable param */
+    int32_t shard_of;        /* for an all-gathered weight: the shard it was gathered from; else -1 */
+    int32_t again;           /* its re-gather for the backward (FSDP reshards after the forward), or -1 */
 } mt__vinfo;
 typedef struct {
     mt_graph *g;
@@ -1685,7 +1817,16 @@ static int mt__value(mt__builder *b, const char *name, int dtype, int role, int 
     v->param = -1; v->offset = -1; v->data_offset = -1;
     v->nbytes = mt_value_numel_max(g, v) * mt_dtype_bytes(g, dtype);
     b->vi[id].grad = -1; b->vi[id].req = 0; b->vi[id].master = -1;
+    b->vi[id].shard_of = -1; b->vi[id].again = -1;
     return id;
+}
+
+/* Mark v as sharded over mask (gathered: whole but padded) and size its storage. */
+static void mt__set_shard(mt__builder *b, int v, uint32_t flags, uint32_t mask) {
+    if (v < 0) return;
+    mt_value *x = &b->g->values[v];
+    x->flags |= flags; x->shard = mask;
+    x->nbytes = mt_value_numel_max(b->g, x) * mt_dtype_bytes(b->g, x->dtype);
 }
 
 /* An activation named "L<layer>.<suffix>" (or "<suffix>" outside blocks). */
@@ -1724,8 +1865,19 @@ static void mt__push(mt__builder *b, mt_node *n) {
 
 /* --- parameters --- */
 
+/* FSDP: the mesh dimensions a trainable parameter is sharded over, or 0
+ * when it stays whole. Dense weights shard over dp_shard; expert weights,
+ * already split by expert over ep, shard over edp. */
+static uint32_t mt__fsdp_mask(const mt_graph *g, uint32_t flags) {
+    uint32_t m = (flags & MT_VF_EXPERTS) ? MT_DIMBIT(MT_DIM_EDP) : MT_DIMBIT(MT_DIM_DP_SHARD);
+    return mt_mesh_group_size(&g->mesh, m) > 1 ? m : 0;
+}
+
 /* A parameter (f32 master). Returns the id the forward computes with: the
- * master itself, or on a bf16 target a bf16 shadow that AdamW refreshes. */
+ * master itself, or on a bf16 target a bf16 shadow that AdamW refreshes.
+ * Under FSDP the master, its shadow, gradient and moments are this rank's
+ * flat shard, and the forward computes with the whole weight, all-gathered
+ * (bf16 on the GPU) right here, just before its first use. */
 static int mt__param(mt__builder *b, const char *name, int init, float std, uint32_t flags,
                      int compute_dtype, int ndim, int64_t d0, int64_t d1, int64_t d2) {
     int p = mt__value(b, name, MT_F32, MT_ROLE_PARAM, ndim, d0, d1, d2);
@@ -1733,18 +1885,31 @@ static int mt__param(mt__builder *b, const char *name, int init, float std, uint
     mt_value *v = &b->g->values[p];
     v->init = init; v->init_std = std; v->flags = flags;
     if (!(flags & MT_VF_TRAINABLE)) return p;
+    uint32_t shard = mt__fsdp_mask(b->g, flags);
+    mt__set_shard(b, p, 0, shard);
     b->vi[p].req = 1;
     if (mt__grow((void **)&b->params, &b->cap_params, b->n_params + 1, sizeof(int32_t))) return mt__fail(b, "%sout of memory", "");
     b->params[b->n_params++] = p;
-    if (compute_dtype == MT_F32) return p;
     char nm[MT_NAME_LEN];
-    snprintf(nm, sizeof nm, "%.*s@bf16", MT_NAME_LEN - 8, name);
-    int s = mt__value(b, nm, compute_dtype, MT_ROLE_PARAM, ndim, d0, d1, d2);
-    if (s < 0) return -1;
-    b->g->values[s].param = p;
-    b->g->values[s].flags = flags & MT_VF_EXPERTS;
-    b->vi[s].req = 1; b->vi[s].master = p;
-    return s;
+    int s = p;
+    if (compute_dtype != MT_F32) {
+        snprintf(nm, sizeof nm, "%.*s@bf16", MT_NAME_LEN - 8, name);
+        s = mt__value(b, nm, compute_dtype, MT_ROLE_PARAM, ndim, d0, d1, d2);
+        if (s < 0) return -1;
+        b->g->values[s].param = p;
+        b->g->values[s].flags = flags & MT_VF_EXPERTS;
+        mt__set_shard(b, s, 0, shard);
+        b->vi[s].req = 1; b->vi[s].master = p;
+    }
+    if (!shard) return s;
+    snprintf(nm, sizeof nm, "%.*s@full", MT_NAME_LEN - 8, name);
+    int full = mt__value(b, nm, compute_dtype, MT_ROLE_ACT, ndim, d0, d1, d2);
+    mt__set_shard(b, full, MT_VF_GATHERED, shard);
+    mt_node n = mt__node(b, MT_OP_ALLGATHER);
+    n.queue = MT_Q_DP; n.in[0] = s; n.out[0] = full; n.iattr[0] = (int)shard;
+    mt__push(b, &n);
+    if (full >= 0) b->vi[full].shard_of = s;
+    return full;
 }
 static int mt__weight(mt__builder *b, const char *name, float std, int64_t rows, int64_t cols) {
     return mt__param(b, name, MT_INIT_NORMAL, std, MT_VF_TRAINABLE | MT_VF_DECAY, b->act, 2, rows, cols, 0);
@@ -2036,13 +2201,21 @@ static int mt__grad_value(mt__builder *b, int v) {
     int m = b->vi[v].master >= 0 ? b->vi[v].master : v;
     const mt_value *mv = &b->g->values[m];
     char nm[MT_NAME_LEN];
-    if (mv->role == MT_ROLE_PARAM) {
+    if (mv->role == MT_ROLE_PARAM) {   /* f32, a shard like its param under FSDP */
         snprintf(nm, sizeof nm, "grad.%.*s", MT_NAME_LEN - 8, mv->name);
+        uint32_t shard = mv->shard;
         int gv = mt__value(b, nm, MT_F32, MT_ROLE_GRAD, mv->ndim, mv->dims[0], mv->dims[1], mv->dims[2]);
         if (gv >= 0) b->g->values[gv].param = m;
+        mt__set_shard(b, gv, 0, shard);
         return gv;
     }
     snprintf(nm, sizeof nm, "d.%.*s", MT_NAME_LEN - 8, mv->name);
+    if (mv->flags & MT_VF_GATHERED) {  /* a whole weight's gradient: f32, padded for the reduce-scatter */
+        uint32_t shard = mv->shard;
+        int gv = mt__value(b, nm, MT_F32, MT_ROLE_AGRAD, mv->ndim, mv->dims[0], mv->dims[1], mv->dims[2]);
+        mt__set_shard(b, gv, MT_VF_GATHERED, shard);
+        return gv;
+    }
     return mt__value(b, nm, mv->dtype, MT_ROLE_AGRAD, mv->ndim, mv->dims[0], mv->dims[1], mv->dims[2]);
 }
 /* A gradient output for input v, or -1 if v needs none. */
@@ -2057,6 +2230,7 @@ static void mt__acc(mt__builder *b, int v, int gv) {
     int sum = mt__value(b, old.name, old.dtype, old.role, old.ndim, old.dims[0], old.dims[1], old.dims[2]);
     if (sum < 0) return;
     b->g->values[sum].param = old.param;
+    if (old.shard) mt__set_shard(b, sum, old.flags & MT_VF_GATHERED, old.shard);
     mt_node n = mt__node(b, MT_OP_ADD);
     n.in[0] = b->vi[m].grad; n.in[1] = gv; n.out[0] = sum;
     mt__push(b, &n);
@@ -2201,6 +2375,15 @@ static void mt__backward_rule(mt__builder *b, const mt_node *f) {
         mt__push(b, &n); mt__acc(b, in[0], n.out[0]); mt__acc(b, in[2], n.out[1]);
         return;
     }
+    case MT_OP_ALLGATHER: {       /* the adjoint of an all-gather is a reduce-scatter (sum) */
+        int ds = mt__gout(b, in[0]);
+        if (dy < 0 || ds < 0) return;
+        n = mt__node(b, MT_OP_REDUCE_SCATTER);
+        n.queue = MT_Q_DP; n.in[0] = dy; n.out[0] = ds;
+        n.iattr[0] = f->iattr[0]; n.iattr[1] = f->iattr[1];
+        mt__push(b, &n); mt__acc(b, in[0], ds);
+        return;
+    }
     case MT_OP_CROSS_ENTROPY: {   /* the loss: dLoss/dloss = 1 */
         int dl = mt__gout(b, in[0]);
         if (dl < 0) return;
@@ -2211,6 +2394,23 @@ static void mt__backward_rule(mt__builder *b, const mt_node *f) {
     }
     }
     mt__fail(b, "internal error: no backward rule for %s", mt_ops[f->op].name);
+}
+
+/* FSDP reshards after the forward: the backward gathers a weight again just
+ * before its first backward use, so the forward's copy dies with the
+ * forward. The re-gathered copy sends its gradient to the original. */
+static int mt__regather(mt__builder *b, int full) {
+    if (b->vi[full].again >= 0) return b->vi[full].again;
+    const mt_value w = b->g->values[full];
+    int again = mt__value(b, w.name, w.dtype, MT_ROLE_ACT, w.ndim, w.dims[0], w.dims[1], w.dims[2]);
+    if (again < 0) return full;
+    mt__set_shard(b, again, MT_VF_GATHERED, w.shard);
+    mt_node n = mt__node(b, MT_OP_ALLGATHER);
+    n.queue = MT_Q_DP; n.in[0] = b->vi[full].shard_of; n.out[0] = again; n.iattr[0] = (int)w.shard;
+    mt__push(b, &n);
+    b->vi[again].master = full; b->vi[again].req = 1;
+    b->vi[full].again = again;
+    return again;
 }
 
 static int mt__backward(mt__builder *b) {
@@ -2224,6 +2424,8 @@ static int mt__backward(mt__builder *b) {
         for (int k = 0; k < f.n_out; k++) if (f.out[k] >= 0 && b->vi[f.out[k]].grad >= 0) any = 1;
         if (!any) continue;
         b->layer = f.layer;
+        for (int k = 0; k < f.n_in; k++)
+            if (f.op != MT_OP_ALLGATHER && f.in[k] >= 0 && b->vi[f.in[k]].shard_of >= 0) f.in[k] = mt__regather(b, f.in[k]);
         mt__backward_rule(b, &f);
     }
     b->layer = -1;
@@ -2238,6 +2440,13 @@ static int mt__optimizer(mt__builder *b) {
     int hp = g->io[MT_IO_HPARAMS], step = g->io[MT_IO_STEP];
     uint32_t dense_dims = MT_DIMBIT(MT_DIM_DP_REPLICATE) | MT_DIMBIT(MT_DIM_DP_SHARD);
     uint32_t expert_dims = MT_DIMBIT(MT_DIM_DP_REPLICATE) | MT_DIMBIT(MT_DIM_EDP);
+    /* The loss is the mean over the data-parallel ranks, so every gradient is
+     * the sum of the ranks' gradients over DP. A sharded gradient was summed
+     * over its shard dims by the reduce-scatter; an expert's gradient already
+     * holds the tokens of its whole ep group. What remains is a sum over the
+     * ranks that hold the same part, then the 1/DP. */
+    int dp = mt_mesh_group_size(&g->mesh, dense_dims);
+    float inv_dp = dp > 1 ? 1.0f / (float)dp : 0.0f;
     mt_node n;
     /* the logged loss is the mean over data-parallel ranks */
     n = mt__node(b, MT_OP_ALLREDUCE);
@@ -2246,10 +2455,10 @@ static int mt__optimizer(mt__builder *b) {
     for (int i = 0; i < b->n_params && !b->failed; i++) {
         int p = b->params[i], gv = b->vi[p].grad;
         if (gv < 0) return mt__fail(b, "internal error: parameter '%s' received no gradient", g->values[p].name);
-        n = mt__node(b, MT_OP_ALLREDUCE);         /* mean over the ranks that replicate p */
+        n = mt__node(b, MT_OP_ALLREDUCE);         /* sum over the ranks that hold the same part of p, / DP */
         n.queue = MT_Q_DP; n.in[0] = n.out[0] = gv;
-        n.iattr[0] = (int)((g->values[p].flags & MT_VF_EXPERTS) ? expert_dims : dense_dims);
-        n.iattr[2] = 1;
+        n.iattr[0] = (int)(((g->values[p].flags & MT_VF_EXPERTS) ? expert_dims : dense_dims) & ~g->values[p].shard);
+        n.fattr[0] = inv_dp;
         mt__push(b, &n);
     }
     int acc = -1;                                  /* global gradient norm, fixed order */
@@ -2259,6 +2468,13 @@ static int mt__optimizer(mt__builder *b) {
         n.in[0] = b->vi[b->params[i]].grad; n.in[1] = acc; n.out[0] = o;
         mt__push(b, &n);
         acc = o;
+    }
+    /* dp_shard ranks hold disjoint parts of the gradients (FSDP shards, and
+     * experts split over ep x edp): the squares add up across them */
+    if (mt_mesh_group_size(&g->mesh, MT_DIMBIT(MT_DIM_DP_SHARD)) > 1 && acc >= 0) {
+        n = mt__node(b, MT_OP_ALLREDUCE);
+        n.queue = MT_Q_DP; n.in[0] = n.out[0] = acc; n.iattr[0] = (int)MT_DIMBIT(MT_DIM_DP_SHARD);
+        mt__push(b, &n);
     }
     g->io[MT_IO_LR] = mt__value(b, "lr", MT_F32, MT_ROLE_OUTPUT, 1, 1, 0, 0);
     n = mt__node(b, MT_OP_LR_SCHEDULE);
@@ -2280,6 +2496,7 @@ static int mt__optimizer(mt__builder *b) {
         if (m < 0 || v < 0) return -1;
         g->values[m].param = p; g->values[v].param = p;
         g->values[m].init = g->values[v].init = MT_INIT_ZERO;
+        mt__set_shard(b, m, 0, pv.shard); mt__set_shard(b, v, 0, pv.shard);
         int shadow = -1;
         for (int s = 0; s < g->n_values; s++)
             if (b->vi[s].master == p) { shadow = s; break; }
@@ -2525,6 +2742,22 @@ done:
 int mt_node_syncs_host(const mt_node *n) {
     return (n->op == MT_OP_EP_DISPATCH || n->op == MT_OP_EP_COMBINE || n->op == MT_OP_EP_COUNTS) && n->iattr[2] > 1;
 }
+static int mt__is_collective(int op) {
+    return op == MT_OP_ALLREDUCE || op == MT_OP_ALLGATHER || op == MT_OP_REDUCE_SCATTER || op == MT_OP_EP_COUNTS ||
+           op == MT_OP_EP_DISPATCH || op == MT_OP_EP_COMBINE;
+}
+/* A node can be recorded into a CUDA graph and replayed when what it does
+ * does not depend on this step's data on the host: not the expert exchange
+ * over several ranks (host counts), not a node whose rows are data-dependent
+ * (a replay would keep the captured count), not a collective over several
+ * ranks (they run eagerly between the captured regions). */
+int mt_node_capturable(const mt_graph *G, const mt_node *n) {
+    if (mt_node_syncs_host(n)) return 0;
+    if (mt__is_collective(n->op) && mt_mesh_group_size(&G->mesh, (uint32_t)n->iattr[0]) > 1) return 0;
+    for (int k = 0; k < n->n_in; k++) if (n->in[k] >= 0 && G->values[n->in[k]].dims[0] < 0) return 0;
+    for (int k = 0; k < n->n_out; k++) if (n->out[k] >= 0 && G->values[n->out[k]].dims[0] < 0) return 0;
+    return 1;
+}
 
 /* Drop values no node or well-known slot refers to (what fusion orphaned),
  * renumbering the rest in order. */
@@ -2660,8 +2893,9 @@ int mt_pass_fuse(mt_graph *g, mt_err *err) {
             if (!reads) continue;
             if (x->op == MT_OP_SUMSQ && x->in[0] == gv && x->iattr[0] == 0 && sq < 0) {
                 sq = k;
-            } else if (x->op == MT_OP_ALLREDUCE) {
+            } else if (x->op == MT_OP_ALLREDUCE) {   /* an identity: over one rank, unscaled */
                 for (int d = 0; d < MT_NDIMS; d++) if (x->iattr[0] >> d & 1) ok &= g->mesh.size[d] == 1;
+                ok &= x->fattr[0] == 0.0f || x->fattr[0] == 1.0f;
             } else if (x->op != MT_OP_ADAMW) {
                 ok = 0;
             }
@@ -2900,7 +3134,7 @@ static void mt__write_section(mt__buf *b, int id, const mt_graph *g) {
             const mt_value *v = &g->values[i];
             mt__fixstr(b, v->name, MT_NAME_LEN);
             mt__i32(b, v->dtype); mt__i32(b, v->role); mt__i32(b, v->ndim); mt__i32(b, v->init);
-            mt__u32(b, v->flags);
+            mt__u32(b, v->flags); mt__u32(b, v->shard);
             for (int d = 0; d < MT_MAX_DIMS; d++) mt__i64(b, v->dims[d]);
             mt__f32(b, v->init_std); mt__i32(b, v->param);
             mt__i64(b, v->offset); mt__i64(b, v->nbytes); mt__i64(b, v->data_offset);
@@ -3037,8 +3271,10 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         if (v->ndim < 1 || v->ndim > MT_MAX_DIMS) return mt_errf(err, "value '%s': bad rank %d", v->name, v->ndim);
         if (v->init < MT_INIT_NONE || v->init > MT_INIT_NORMAL || !isfinite(v->init_std) || v->init_std < 0 || v->init_std > 100)
             return mt_errf(err, "value '%s': bad initializer", v->name);
-        if (v->flags & ~(uint32_t)(MT_VF_TRAINABLE | MT_VF_DECAY | MT_VF_EXPERTS | MT_VF_COUNTS))
+        if (v->flags & ~(uint32_t)(MT_VF_TRAINABLE | MT_VF_DECAY | MT_VF_EXPERTS | MT_VF_COUNTS | MT_VF_GATHERED))
             return mt_errf(err, "value '%s': unknown flags 0x%x", v->name, v->flags);
+        if (!mt_mesh_mask_valid(v->shard) || ((v->flags & MT_VF_GATHERED) && !v->shard))
+            return mt_errf(err, "value '%s': bad shard mask 0x%x", v->name, v->shard);
         int64_t numel = 1;
         for (int d = 0; d < MT_MAX_DIMS; d++) {
             int64_t x = v->dims[d];
@@ -3049,6 +3285,7 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
             if (m && numel > (((int64_t)1 << 48) / m)) return mt_errf(err, "value '%s': too many elements", v->name);
             numel *= m;
         }
+        numel = mt_value_numel_max(g, v);   /* as stored: a shard, or padded when gathered */
         if (v->nbytes != numel * mt_dtype_bytes(g, v->dtype))
             return mt_errf(err, "value '%s': size %lld bytes, its shape needs %lld", v->name, (long long)v->nbytes,
                            (long long)(numel * mt_dtype_bytes(g, v->dtype)));
@@ -3170,7 +3407,7 @@ static int mt__read_section(mt_graph *g, int id, mt__rd *r, mt_err *err) {
     }
     case MT_SEC_VALUES: {
         uint32_t n = mt__g32(r);
-        size_t rec = MT_NAME_LEN + 5 * 4 + MT_MAX_DIMS * 8 + 8 + 3 * 8;
+        size_t rec = MT_NAME_LEN + 6 * 4 + MT_MAX_DIMS * 8 + 8 + 3 * 8;
         if (r->bad) break;
         if (n > (1u << 24) || (size_t)n * rec > r->n - r->at) return mt_errf(err, "values section: count %u does not fit", n);
         g->values = (mt_value *)mt__calloc(sizeof(mt_value) * (n + 1));
@@ -3180,7 +3417,7 @@ static int mt__read_section(mt_graph *g, int id, mt__rd *r, mt_err *err) {
             mt_value *v = &g->values[i];
             mt__gfix(r, v->name, MT_NAME_LEN);
             v->dtype = mt__gi32(r); v->role = mt__gi32(r); v->ndim = mt__gi32(r); v->init = mt__gi32(r);
-            v->flags = mt__g32(r);
+            v->flags = mt__g32(r); v->shard = mt__g32(r);
             for (int d = 0; d < MT_MAX_DIMS; d++) v->dims[d] = mt__gi64(r);
             v->init_std = mt__gf32(r); v->param = mt__gi32(r);
             v->offset = mt__gi64(r); v->nbytes = mt__gi64(r); v->data_offset = mt__gi64(r);
@@ -3355,6 +3592,11 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
         fprintf(f, "  v%-4d %-52s %-7s %-4s [%-20s] %12lld %10lld", i, v->name, mt__role_names[v->role], mt__dtype_names[v->dtype],
                 dims, (long long)v->offset, (long long)v->nbytes);
         if (first && last && first[i] >= 0) fprintf(f, "  %d..%d", first[i], last[i]);
+        if (v->shard) {
+            char mn[64];
+            mt_mesh_mask_name(v->shard, mn, sizeof mn);
+            fprintf(f, "  %s over %s", (v->flags & MT_VF_GATHERED) ? "gathered" : "shard", mn);
+        }
         fprintf(f, "\n");
     }
     MT_FREE(first); MT_FREE(last);
@@ -3383,21 +3625,52 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
     for (int i = 0; i < g->n_nodes; i++) {
         const mt_node *n = &g->nodes[i];
         if (n->queue == MT_Q_COMPUTE) continue;
-        fprintf(f, "  n%-5d %-12s queue=%-3s group=%d over", i, mt_ops[n->op].name, mt_queue_names[n->queue], n->iattr[1]);
+        fprintf(f, "  n%-5d %-14s queue=%-3s group=%d over", i, mt_ops[n->op].name, mt_queue_names[n->queue], n->iattr[1]);
         for (int d = 0; d < MT_NDIMS; d++) if ((uint32_t)n->iattr[0] >> d & 1) fprintf(f, " %s(%d)", mt_dim_names[d], g->mesh.size[d]);
         fprintf(f, "  %s\n", n->in[0] >= 0 ? g->values[n->in[0]].name : "");
     }
+    /* every (mesh mask, group id) the nodes name, and the groups it splits the world into */
+    fprintf(f, "\n== communicator groups (world %d; one communicator per group, ranks in mesh order)\n", mt_mesh_world(&g->mesh));
+    int world = mt_mesh_world(&g->mesh);
+    int *mem = (int *)MT_MALLOC(sizeof(int) * (size_t)(world + 1));
+    uint8_t *seen = (uint8_t *)mt__calloc((size_t)world + 1);
+    for (int i = 0; mem && seen && i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        if (!mt__is_collective(n->op)) continue;
+        int dup = 0, uses = 0;
+        for (int j = 0; j < i && !dup; j++)
+            dup = mt__is_collective(g->nodes[j].op) && g->nodes[j].iattr[0] == n->iattr[0] && g->nodes[j].iattr[1] == n->iattr[1];
+        if (dup) continue;
+        for (int j = i; j < g->n_nodes; j++)
+            uses += mt__is_collective(g->nodes[j].op) && g->nodes[j].iattr[0] == n->iattr[0] && g->nodes[j].iattr[1] == n->iattr[1];
+        char mn[64];
+        mt_mesh_mask_name((uint32_t)n->iattr[0], mn, sizeof mn);
+        int size = mt_mesh_group_size(&g->mesh, (uint32_t)n->iattr[0]);
+        fprintf(f, "  %-22s id %d  %d rank%s per group, %d node%s:", mn, n->iattr[1], size, size == 1 ? "" : "s", uses, uses == 1 ? "" : "s");
+        memset(seen, 0, (size_t)world);
+        for (int r = 0; r < world; r++) {
+            if (seen[r]) continue;
+            mt_mesh_group(&g->mesh, (uint32_t)n->iattr[0], r, mem);
+            fprintf(f, " {");
+            for (int k = 0; k < size; k++) { fprintf(f, "%s%d", k ? "," : "", mem[k]); seen[mem[k]] = 1; }
+            fprintf(f, "}");
+        }
+        fprintf(f, "%s\n", size == 1 ? "  (identity)" : "");
+    }
+    MT_FREE(mem); MT_FREE(seen);
     fprintf(f, "\n== memory plan (%s)\n", g->planned ? "liveness-planned arena" : "naive: every value its own bytes");
     fprintf(f, "  persistent %s, arena %s (naive %s, %.1f%% saved)\n", mt__human((double)g->persist_bytes, b1),
             mt__human((double)g->arena_bytes, b2), mt__human((double)g->naive_arena_bytes, b3),
             g->naive_arena_bytes ? 100.0 * (1.0 - (double)g->arena_bytes / (double)g->naive_arena_bytes) : 0.0);
     fprintf(f, "  constants %lld bytes, tuning entries %d\n", (long long)g->consts_bytes, g->n_tuning);
-    int regions = 0, syncs = 0;
+    int regions = 0, syncs = 0, eager = 0;
     for (int i = 0; i < g->n_nodes; i++) {
-        if (mt_node_syncs_host(&g->nodes[i])) { syncs++; continue; }
-        if (i == 0 || mt_node_syncs_host(&g->nodes[i - 1])) regions++;
+        syncs += mt_node_syncs_host(&g->nodes[i]) && g->nodes[i].op == MT_OP_EP_COUNTS;
+        if (!mt_node_capturable(g, &g->nodes[i])) { eager++; continue; }
+        if (i == 0 || !mt_node_capturable(g, &g->nodes[i - 1])) regions++;
     }
-    fprintf(f, "\n== execution\n  %d nodes need host data; %d regions between them%s\n", syncs, regions,
+    fprintf(f, "\n== execution\n  %d host synchronizations per step (expert counts); %d nodes run eagerly (collectives over "
+               "several ranks, data-dependent sizes); %d regions between them%s\n", syncs, eager, regions,
             g->capture ? ", each replayed as a CUDA graph" : "; no graph capture");
 }
 
@@ -4029,16 +4302,111 @@ void mt_cpu_expert_bias_update(mt_real *bias, const int32_t *counts, int E, floa
  * 9. Collectives
  * A collective node names mesh dimensions (a bit mask), never a
  * communicator. The group of ranks that differ only along those dimensions
- * is resolved here from the binding. A group of one rank is the identity:
- * the sum or mean of one value is that value, and an all-to-all with
- * oneself keeps one's own rows.
+ * is resolved at bind from the binding (mt_mesh_group). A group of one rank
+ * is the identity: the sum of one value is that value, and an all-to-all
+ * with oneself keeps one's own rows.
  * ====================================================================== */
 
-static int mt__group_size(const mt_mesh *m, uint32_t mask) {
-    int s = 1;
-    for (int d = 0; d < MT_NDIMS; d++) if (mask >> d & 1) s *= m->size[d];
-    return s;
+/* --- the CPU world: thread-ranks, a barrier, posted pointers --- */
+
+struct mt_world {
+    int n;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int arrived;
+    uint64_t gen;            /* barrier generation */
+    int failed;              /* first rank that failed, or -1 */
+    char why[512];
+    const void *(*slot)[4];  /* per rank: the buffers it posted for the collective in flight */
+};
+
+int mt_world_create(mt_world **out, int n, mt_err *err) {
+    *out = NULL;
+    if (n < 1 || n > 4096) return mt_errf(err, "a world of %d ranks: need 1..4096", n);
+    mt_world *w = (mt_world *)mt__calloc(sizeof *w);
+    if (!w || !(w->slot = (const void *(*)[4])mt__calloc(sizeof *w->slot * (size_t)n))) {
+        MT_FREE(w);
+        return mt_errf(err, "out of memory");
+    }
+    w->n = n; w->failed = -1;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    *out = w;
+    return 0;
 }
+void mt_world_destroy(mt_world *w) {
+    if (!w) return;
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    MT_FREE(w->slot);
+    MT_FREE(w);
+}
+void mt_world_fail(mt_world *w, int rank, const char *why) {
+    if (!w) return;
+    pthread_mutex_lock(&w->mu);
+    if (w->failed < 0) { w->failed = rank; snprintf(w->why, sizeof w->why, "%s", why ? why : "failed"); }
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+int mt_world_failed(mt_world *w, char *why, size_t n) {
+    pthread_mutex_lock(&w->mu);
+    int r = w->failed;
+    if (r >= 0 && why) snprintf(why, n, "%s", w->why);
+    pthread_mutex_unlock(&w->mu);
+    return r;
+}
+/* Every rank of the world arrives, or the call returns the first failure. */
+static int mt__world_barrier(mt_world *w, mt_err *err) {
+    pthread_mutex_lock(&w->mu);
+    uint64_t gen = w->gen;
+    int rc = 0;
+    if (w->failed < 0) {
+        if (++w->arrived == w->n) { w->arrived = 0; w->gen++; pthread_cond_broadcast(&w->cv); }
+        else while (w->gen == gen && w->failed < 0) pthread_cond_wait(&w->cv, &w->mu);
+    }
+    if (w->gen == gen && w->failed >= 0) rc = mt_errf(err, "rank %d failed: %s", w->failed, w->why);
+    pthread_mutex_unlock(&w->mu);
+    return rc;
+}
+
+typedef struct { mt_rank_fn fn; void *ctx; int rank; mt_world *w; mt_err err; } mt__rank_job;
+static void *mt__rank_main(void *arg) {
+    mt__rank_job *j = (mt__rank_job *)arg;
+    if (j->fn(j->ctx, j->rank, j->w, &j->err)) mt_world_fail(j->w, j->rank, j->err.msg);
+    return NULL;
+}
+int mt_run_thread_ranks(int n, mt_rank_fn fn, void *ctx, mt_err *err) {
+    mt_world *w;
+    if (mt_world_create(&w, n, err)) return -1;
+    mt__rank_job *jobs = (mt__rank_job *)mt__calloc(sizeof *jobs * (size_t)n);
+    pthread_t *th = (pthread_t *)mt__calloc(sizeof *th * (size_t)n);
+    int *started = (int *)mt__calloc(sizeof(int) * (size_t)n);
+    if (!jobs || !th || !started) {
+        MT_FREE(jobs); MT_FREE(th); MT_FREE(started); mt_world_destroy(w);
+        return mt_errf(err, "out of memory");
+    }
+    for (int r = 0; r < n; r++) {
+        jobs[r].fn = fn; jobs[r].ctx = ctx; jobs[r].rank = r; jobs[r].w = w;
+        started[r] = pthread_create(&th[r], NULL, mt__rank_main, &jobs[r]) == 0;
+        if (!started[r]) mt_world_fail(w, r, "could not start its thread");
+    }
+    for (int r = 0; r < n; r++) if (started[r]) pthread_join(th[r], NULL);
+    char why[512];
+    int failed = mt_world_failed(w, why, sizeof why), rc = 0;
+    if (failed >= 0) rc = mt_errf(err, "rank %d: %s", failed, why);
+    MT_FREE(jobs); MT_FREE(th); MT_FREE(started);
+    mt_world_destroy(w);
+    return rc;
+}
+
+/* --- the runtime's view of its groups --- */
+
+typedef struct {
+    uint32_t mask; int id;   /* what the collective nodes name */
+    int size, index;         /* ranks in the group, and mine (group order = mesh order) */
+    int *members;            /* their world ranks, in group order */
+    void *comm;              /* NCCL communicator (CUDA, size > 1) */
+} mt__group;
 
 struct mt_runtime {
     mt_graph g;              /* the runtime's own copy of the graph */
@@ -4057,47 +4425,339 @@ struct mt_runtime {
     void **graphs;           /* CUDA: one captured graph per region, by its first node */
     double prof_ms[MT_NOPS];  /* binding.profile: time per op */
     int64_t prof_calls[MT_NOPS];
+    mt__group *groups; int n_groups;
+    void *world_comm;        /* NCCL: every rank, in rank order */
+    int32_t **host;          /* per value: a host copy (the expert exchange's counts over NCCL) */
+    void *ep_stage;          /* CUDA: rows of the expert exchange in peer order */
+    size_t ep_stage_bytes;
+    int host_syncs;          /* in the last step */
+    int64_t recv_rows;       /* rows my experts received in the last step (summed over MoE layers) */
 };
 
-static int mt__allreduce(mt_runtime *rt, const mt_node *n, mt_err *err) {
-    int size = mt__group_size(&rt->g.mesh, (uint32_t)n->iattr[0]);
-    if (size == 1) return 0;
-    return mt_errf(err, "ALLREDUCE over %d ranks: multi-rank collectives are not implemented in this build", size);
+static mt__group *mt__find_group(mt_runtime *rt, uint32_t mask, int id) {
+    for (int i = 0; i < rt->n_groups; i++)
+        if (rt->groups[i].mask == mask && rt->groups[i].id == id) return &rt->groups[i];
+    return NULL;
 }
+#define MT__WORLD_MASK (MT_DIMBIT(MT_DIM_DP_REPLICATE) | MT_DIMBIT(MT_DIM_DP_SHARD) | MT_DIMBIT(MT_DIM_TP))
 
-/* EP_COUNTS: recv[src, e] = tokens rank src sends to my local expert e. */
-static int mt__ep_counts(mt_runtime *rt, const mt_node *n, mt_err *err) {
-    int ep = n->iattr[2], El = n->iattr[3], me = (int)rt->sym[n->iattr[4]];
-    const int32_t *offs = (const int32_t *)rt->ptr[n->in[0]];
-    int32_t *recv = (int32_t *)rt->ptr[n->out[0]];
-    if (ep != 1) return mt_errf(err, "expert parallelism over %d ranks is not implemented in this build", ep);
-    for (int e = 0; e < El; e++) recv[e] = offs[me * El + e + 1] - offs[me * El + e];
+/* Resolve every (mask, id) the graph names, in node order (the same on every
+ * rank, as ncclCommSplit needs), plus the whole world for host reductions. */
+static int mt__bind_groups(mt_runtime *rt, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    int cap = 1;
+    for (int i = 0; i < G->n_nodes; i++) cap += mt__is_collective(G->nodes[i].op);
+    rt->groups = (mt__group *)mt__calloc(sizeof(mt__group) * (size_t)cap);
+    if (!rt->groups) return mt_errf(err, "out of memory");
+    for (int i = -1; i < G->n_nodes; i++) {
+        uint32_t mask = i < 0 ? MT__WORLD_MASK : (uint32_t)G->nodes[i].iattr[0];
+        int id = i < 0 ? 0 : G->nodes[i].iattr[1];
+        if ((i >= 0 && !mt__is_collective(G->nodes[i].op)) || mt__find_group(rt, mask, id)) continue;
+        mt__group *gr = &rt->groups[rt->n_groups++];
+        gr->mask = mask; gr->id = id;
+        gr->size = mt_mesh_group_size(&G->mesh, mask);
+        if (!(gr->members = (int *)mt__calloc(sizeof(int) * (size_t)gr->size))) return mt_errf(err, "out of memory");
+        gr->index = mt_mesh_group(&G->mesh, mask, rt->bind.rank, gr->members);
+#ifdef MT_CUDA
+        if (rt->backend == MT_BACKEND_CUDA && gr->size > 1) {
+            char nm[64];
+            mt_mesh_mask_name(mask, nm, sizeof nm);
+            if (mask == MT__WORLD_MASK) gr->comm = NULL;   /* the world communicator itself */
+            else if (mt_nccl_split((mt_cuda *)rt->cu, rt->world_comm, gr->members[0], gr->index, &gr->comm))
+                return mt_errf(err, "rank %d: creating the %s communicator: %s", rt->bind.rank, nm, mt_cuda_error((mt_cuda *)rt->cu));
+        }
+#endif
+    }
     return 0;
 }
-/* EP_DISPATCH: my rows for my experts, expert-major; EP_COMBINE: the reverse. */
-static int mt__ep_exchange(mt_runtime *rt, const mt_node *n, int D, mt_err *err) {
-    int ep = n->iattr[2], El = n->iattr[3], me = (int)rt->sym[n->iattr[4]];
-    const int32_t *offs = (const int32_t *)rt->ptr[n->in[1]], *recv = (const int32_t *)rt->ptr[n->in[2]];
-    if (ep != 1) return mt_errf(err, "expert parallelism over %d ranks is not implemented in this build", ep);
-    const mt_value *src = &rt->g.values[n->in[0]], *dst = &rt->g.values[n->out[0]];
-    int64_t total = 0;
-    for (int e = 0; e < El; e++) {
-        if (recv[e] < 0) return mt_errf(err, "%s: negative token count", mt_ops[n->op].name);
-        total += recv[e];
+static void mt__free_groups(mt_runtime *rt, int abort) {
+    for (int i = 0; rt->groups && i < rt->n_groups; i++) {
+#ifdef MT_CUDA
+        if (rt->groups[i].comm) mt_nccl_free(rt->groups[i].comm, abort);
+#endif
+        MT_FREE(rt->groups[i].members);
     }
-    int64_t lo = offs[me * El], cap_src = mt_value_numel_max(&rt->g, src) / D, cap_dst = mt_value_numel_max(&rt->g, dst) / D;
-    if (total > cap_src || total > cap_dst || lo < 0 || lo + total > (n->op == MT_OP_EP_DISPATCH ? cap_src : cap_dst))
-        return mt_errf(err, "%s: %lld tokens exceed the planned bound", mt_ops[n->op].name, (long long)total);
+    MT_FREE(rt->groups);
+    rt->groups = NULL; rt->n_groups = 0;
+#ifdef MT_CUDA
+    if (rt->world_comm) mt_nccl_free(rt->world_comm, abort);
+#endif
+    (void)abort;
+    rt->world_comm = NULL;
+}
+
+/* --- CPU engine: post, barrier, read the peers, barrier --- */
+
+/* buffer j that group member k posted (my own without a world) */
+static const void *mt__peer(mt_runtime *rt, const mt__group *gr, int k, int j, const void *mine) {
+    return k == gr->index ? mine : rt->bind.cpu_world->slot[gr->members[k]][j];
+}
+static int mt__cpu_post(mt_runtime *rt, const mt__group *gr, const void *p0, const void *p1, mt_err *err) {
+    if (gr->size == 1) return 0;
+    mt_world *w = rt->bind.cpu_world;
+    w->slot[rt->bind.rank][0] = p0; w->slot[rt->bind.rank][1] = p1;
+    return mt__world_barrier(w, err);
+}
+static int mt__cpu_done(mt_runtime *rt, const mt__group *gr, mt_err *err) {
+    return gr->size == 1 ? 0 : mt__world_barrier(rt->bind.cpu_world, err);
+}
+
+/* sum (or max) over the group, in group order, then mean/scale */
+static int mt__cpu_allreduce(mt_runtime *rt, const mt__group *gr, void *buf, int64_t n, int dtype, int mean,
+                             float scale, mt_err *err) {
+    size_t esz = dtype == MT_I32 ? 4 : sizeof(mt_real);
+    void *tmp = NULL;
+    if (gr->size > 1) {
+        if (!(tmp = MT_MALLOC(esz * (size_t)n + 1))) return mt_errf(err, "out of memory");
+        if (mt__cpu_post(rt, gr, buf, NULL, err)) { MT_FREE(tmp); return -1; }
+        memcpy(tmp, mt__peer(rt, gr, 0, 0, buf), esz * (size_t)n);
+        for (int k = 1; k < gr->size; k++) {
+            const void *x = mt__peer(rt, gr, k, 0, buf);
+            if (dtype == MT_I32) for (int64_t i = 0; i < n; i++) ((int32_t *)tmp)[i] += ((const int32_t *)x)[i];
+            else for (int64_t i = 0; i < n; i++) ((mt_real *)tmp)[i] += ((const mt_real *)x)[i];
+        }
+        if (mt__cpu_done(rt, gr, err)) { MT_FREE(tmp); return -1; }
+        memcpy(buf, tmp, esz * (size_t)n);
+        MT_FREE(tmp);
+    }
+    if (dtype != MT_I32) {
+        mt_real *x = (mt_real *)buf;
+        if (mean && gr->size > 1) for (int64_t i = 0; i < n; i++) x[i] /= (mt_real)gr->size;
+        if (scale != 0.0f && scale != 1.0f) for (int64_t i = 0; i < n; i++) x[i] *= (mt_real)scale;
+    }
+    return 0;
+}
+
+/* out[k*L .. (k+1)*L) = member k's shard */
+static int mt__cpu_allgather(mt_runtime *rt, const mt__group *gr, const void *in, void *out, int64_t L, mt_err *err) {
+    size_t bytes = sizeof(mt_real) * (size_t)L;
+    if (mt__cpu_post(rt, gr, in, NULL, err)) return -1;
+    for (int k = 0; k < gr->size; k++) memcpy((uint8_t *)out + (size_t)k * bytes, mt__peer(rt, gr, k, 0, in), bytes);
+    return mt__cpu_done(rt, gr, err);
+}
+
+/* my shard [index*L, (index+1)*L) of the sum; elements past the logical n are 0 */
+static int mt__cpu_reduce_scatter(mt_runtime *rt, const mt__group *gr, const mt_real *in, mt_real *out, int64_t n,
+                                  int64_t L, float scale, mt_err *err) {
+    if (mt__cpu_post(rt, gr, in, NULL, err)) return -1;
+    int64_t lo = (int64_t)gr->index * L, hi = lo + L < n ? lo + L : n;
+    for (int64_t i = 0; i < L; i++) out[i] = 0;
+    for (int k = 0; k < gr->size; k++) {
+        const mt_real *x = (const mt_real *)mt__peer(rt, gr, k, 0, in);
+        for (int64_t i = lo; i < hi; i++) out[i - lo] = k ? out[i - lo] + x[i] : x[i];
+    }
+    if (scale != 0.0f && scale != 1.0f) for (int64_t i = 0; i < L; i++) out[i] *= (mt_real)scale;
+    return mt__cpu_done(rt, gr, err);
+}
+
+/* The expert exchange. Rank i of the ep group holds experts [i*El, (i+1)*El).
+ * My routed rows xs are expert-major over all E experts (offs[E+1]); the rows
+ * for peer p's experts are one block [offs[p*El], offs[(p+1)*El]).
+ * EP_COUNTS: recv[s, e] = rows rank s sends to my local expert e.
+ * EP_DISPATCH: xr holds my experts' rows expert-major, and inside an expert
+ *   in sender order; roffs[e] is where expert e starts.
+ * EP_COMBINE: the reverse, each row back to where its sender had it. */
+static int mt__check_offs(const int32_t *offs, int E, int64_t cap, const char *what, mt_err *err) {
+    if (offs[0] != 0 || offs[E] > cap) return mt_errf(err, "%s: bad expert offsets", what);
+    for (int e = 0; e < E; e++) if (offs[e + 1] < offs[e]) return mt_errf(err, "%s: bad expert offsets", what);
+    return 0;
+}
+static int mt__cpu_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    int P = n->iattr[2], El = n->iattr[3], me = gr->index;
+    if (gr->size != P) return mt_errf(err, "%s: the ep group has %d ranks, the graph says %d", mt_ops[n->op].name, gr->size, P);
+    if (n->op == MT_OP_EP_COUNTS) {
+        const int32_t *offs = (const int32_t *)rt->ptr[n->in[0]];
+        int32_t *recv = (int32_t *)rt->ptr[n->out[0]];
+        if (mt__check_offs(offs, P * El, (int64_t)1 << 40, "EP_COUNTS", err) || mt__cpu_post(rt, gr, offs, NULL, err)) return -1;
+        for (int s = 0; s < P; s++) {
+            const int32_t *o = (const int32_t *)mt__peer(rt, gr, s, 0, offs);
+            for (int e = 0; e < El; e++) recv[s * El + e] = o[me * El + e + 1] - o[me * El + e];
+        }
+        return mt__cpu_done(rt, gr, err);
+    }
+    const mt_value *src = &G->values[n->in[0]], *dst = &G->values[n->out[0]];
+    int64_t D = src->dims[1], cap_dst = mt_value_numel_max(G, dst) / D;
     size_t row = sizeof(mt_real) * (size_t)D;
-    if (n->op == MT_OP_EP_DISPATCH) {
-        int32_t *roffs = (int32_t *)rt->ptr[n->out[1]];
-        roffs[0] = 0;
-        for (int e = 0; e < El; e++) roffs[e + 1] = roffs[e] + recv[e];
-        memcpy(rt->ptr[n->out[0]], (const uint8_t *)rt->ptr[n->in[0]] + lo * row, (size_t)total * row);
-        rt->rows[n->out[0]] = total;
-    } else {
-        memcpy((uint8_t *)rt->ptr[n->out[0]] + lo * row, rt->ptr[n->in[0]], (size_t)total * row);
+    const int32_t *offs = (const int32_t *)rt->ptr[n->in[1]], *recv = (const int32_t *)rt->ptr[n->in[2]];
+    const uint8_t *x = (const uint8_t *)rt->ptr[n->in[0]];
+    uint8_t *y = (uint8_t *)rt->ptr[n->out[0]];
+    int64_t total = 0;
+    for (int i = 0; i < P * El; i++) {
+        if (recv[i] < 0) return mt_errf(err, "%s: negative token count", mt_ops[n->op].name);
+        total += recv[i];
     }
+    if (n->op == MT_OP_EP_DISPATCH) {
+        if (total > cap_dst) return mt_errf(err, "EP_DISPATCH: %lld tokens exceed the planned bound %lld", (long long)total, (long long)cap_dst);
+        if (mt__cpu_post(rt, gr, x, offs, err)) return -1;
+        int32_t *roffs = (int32_t *)rt->ptr[n->out[1]];
+        int64_t at = 0;
+        roffs[0] = 0;
+        for (int e = 0; e < El; e++) {
+            for (int s = 0; s < P; s++) {
+                const uint8_t *xs = (const uint8_t *)mt__peer(rt, gr, s, 0, x);
+                const int32_t *o = (const int32_t *)mt__peer(rt, gr, s, 1, offs);
+                memcpy(y + at * row, xs + (size_t)o[me * El + e] * row, (size_t)recv[s * El + e] * row);
+                at += recv[s * El + e];
+            }
+            roffs[e + 1] = (int32_t)at;
+        }
+        rt->rows[n->out[0]] = total;
+        rt->recv_rows += total;
+    } else {
+        if (mt__check_offs(offs, P * El, cap_dst, "EP_COMBINE", err) || mt__cpu_post(rt, gr, x, recv, err)) return -1;
+        for (int p = 0; p < P; p++) {    /* rank p owns experts [p*El, (p+1)*El) and holds my rows for them */
+            const uint8_t *yr = (const uint8_t *)mt__peer(rt, gr, p, 0, x);
+            const int32_t *rp = (const int32_t *)mt__peer(rt, gr, p, 1, recv);
+            int64_t base = 0;
+            for (int e = 0; e < El; e++) {
+                int64_t start = base;
+                for (int s = 0; s < me; s++) start += rp[s * El + e];
+                memcpy(y + (size_t)offs[p * El + e] * row, yr + start * row, (size_t)rp[me * El + e] * row);
+                for (int s = 0; s < P; s++) base += rp[s * El + e];
+            }
+        }
+    }
+    return mt__cpu_done(rt, gr, err);
+}
+
+/* One collective node on the CPU. */
+static int mt__cpu_collective(mt_runtime *rt, const mt_node *n, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    mt__group *gr = mt__find_group(rt, (uint32_t)n->iattr[0], n->iattr[1]);
+    if (!gr) return mt_errf(err, "%s: no communicator for mesh mask 0x%x", mt_ops[n->op].name, n->iattr[0]);
+    if (gr->size > 1 && !rt->bind.cpu_world) return mt_errf(err, "%s over %d ranks without a world", mt_ops[n->op].name, gr->size);
+    const mt_value *a = &G->values[n->in[0]];
+    switch (n->op) {
+    case MT_OP_ALLREDUCE:
+        return mt__cpu_allreduce(rt, gr, rt->ptr[n->in[0]], mt_value_numel_max(G, a), a->dtype, n->iattr[2], n->fattr[0], err);
+    case MT_OP_ALLGATHER:
+        return mt__cpu_allgather(rt, gr, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), err);
+    case MT_OP_REDUCE_SCATTER:
+        return mt__cpu_reduce_scatter(rt, gr, (const mt_real *)rt->ptr[n->in[0]], (mt_real *)rt->ptr[n->out[0]],
+                                      mt_value_numel_logical(G, a), mt_value_numel_max(G, &G->values[n->out[0]]), n->fattr[0], err);
+    default:
+        return mt__cpu_ep(rt, n, gr, err);
+    }
+}
+
+#ifdef MT_CUDA
+/* --- CUDA engine: NCCL on the compute stream --- */
+
+static int mt__cuda_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    mt_cuda *c = (mt_cuda *)rt->cu;
+    int P = n->iattr[2], El = n->iattr[3];
+    if (gr->size != P) return mt_errf(err, "%s: the ep group has %d ranks, the graph says %d", mt_ops[n->op].name, gr->size, P);
+    int64_t so[4096], sb[4096], ro[4096], rb[4096];
+    if (P > 4096) return mt_errf(err, "ep > 4096");
+    if (n->op == MT_OP_EP_COUNTS) {   /* counts per peer and expert, exchanged, then to the host (a sync) */
+        int ins = n->in[0], outs = n->out[0];
+        int32_t *send = (int32_t *)rt->scratch;
+        if (mt_cuda_ep_counts(c, send, (const int32_t *)rt->ptr[ins], P * El, 0)) return mt_errf(err, "%s", mt_cuda_error(c));
+        for (int p = 0; p < P; p++) { so[p] = ro[p] = (int64_t)p * El * 4; sb[p] = rb[p] = (int64_t)El * 4; }
+        if (mt_nccl_exchange(c, gr->comm, P, send, so, sb, rt->ptr[outs], ro, rb)) return mt_errf(err, "%s", mt_cuda_error(c));
+        for (int k = 0; k < 2; k++) {
+            int v = k ? outs : ins;
+            if (!rt->host[v] && !(rt->host[v] = (int32_t *)MT_MALLOC((size_t)G->values[v].nbytes))) return mt_errf(err, "out of memory");
+            if (mt_cuda_copy(c, rt->host[v], rt->ptr[v], (size_t)G->values[v].nbytes, 1)) return mt_errf(err, "%s", mt_cuda_error(c));
+        }
+        rt->host_syncs++;
+        return mt__check_offs(rt->host[ins], P * El, (int64_t)1 << 40, "EP_COUNTS", err);
+    }
+    const int32_t *offs = rt->host[n->in[1]], *recv = rt->host[n->in[2]];
+    if (!offs || !recv) return mt_errf(err, "%s: the expert counts are not on the host (no EP_COUNTS before it)", mt_ops[n->op].name);
+    const mt_value *src = &G->values[n->in[0]], *dst = &G->values[n->out[0]];
+    int64_t D = src->dims[1], row = D * mt_dtype_bytes(G, src->dtype), total = 0, at = 0;
+    for (int i = 0; i < P * El; i++) {
+        if (recv[i] < 0) return mt_errf(err, "%s: negative token count", mt_ops[n->op].name);
+        total += recv[i];
+    }
+    int dispatch = n->op == MT_OP_EP_DISPATCH;
+    int64_t cap = mt_value_numel_max(G, dispatch ? dst : src) / D;
+    if (total > cap || total * row > (int64_t)rt->ep_stage_bytes)
+        return mt_errf(err, "%s: %lld tokens exceed the planned bound %lld", mt_ops[n->op].name, (long long)total, (long long)cap);
+    /* my rows for peer p: one block of xs; peer s's rows for me: one block of the stage, in sender order */
+    for (int p = 0; p < P; p++) {
+        int64_t mine = offs[(p + 1) * El] - offs[p * El], theirs = 0;
+        for (int e = 0; e < El; e++) theirs += recv[p * El + e];
+        int64_t *xo = dispatch ? so : ro, *xb = dispatch ? sb : rb, *yo = dispatch ? ro : so, *yb = dispatch ? rb : sb;
+        xo[p] = offs[p * El] * row; xb[p] = mine * row;
+        yo[p] = at * row; yb[p] = theirs * row;
+        at += theirs;
+    }
+    const int32_t *drecv = (const int32_t *)rt->ptr[n->in[2]];
+    int rc;
+    if (dispatch) {
+        rc = mt_nccl_exchange(c, gr->comm, P, rt->ptr[n->in[0]], so, sb, rt->ep_stage, ro, rb) ||
+             mt_cuda_ep_regroup(c, rt->ptr[n->out[0]], rt->ep_stage, drecv, P, El, row, total, 1) ||
+             mt_cuda_ep_offsets_table(c, (int32_t *)rt->ptr[n->out[1]], drecv, P, El);
+        rt->rows[n->out[0]] = total;
+        rt->recv_rows += total;
+    } else {
+        rc = mt_cuda_ep_regroup(c, rt->ep_stage, rt->ptr[n->in[0]], drecv, P, El, row, total, 0) ||
+             mt_nccl_exchange(c, gr->comm, P, rt->ep_stage, so, sb, rt->ptr[n->out[0]], ro, rb);
+    }
+    return rc ? mt_errf(err, "%s", mt_cuda_error(c)) : 0;
+}
+
+static int mt__cuda_collective(mt_runtime *rt, const mt_node *n, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    mt_cuda *c = (mt_cuda *)rt->cu;
+    mt__group *gr = mt__find_group(rt, (uint32_t)n->iattr[0], n->iattr[1]);
+    if (!gr) return mt_errf(err, "%s: no communicator for mesh mask 0x%x", mt_ops[n->op].name, n->iattr[0]);
+    void *comm = gr->comm ? gr->comm : rt->world_comm;
+    const mt_value *a = &G->values[n->in[0]];
+    int rc = 0;
+    switch (n->op) {
+    case MT_OP_ALLREDUCE: {
+        int64_t cnt = mt_value_numel_max(G, a);
+        float s = n->iattr[2] && gr->size > 1 ? 1.0f / (float)gr->size : 1.0f;
+        if (n->fattr[0] != 0.0f) s *= n->fattr[0];
+        if (gr->size > 1) rc = mt_nccl_allreduce(c, comm, rt->ptr[n->in[0]], cnt, a->dtype, 0);
+        if (!rc && a->dtype == MT_F32 && s != 1.0f) rc = mt_cuda_scale(c, (float *)rt->ptr[n->in[0]], cnt, s);
+        break;
+    }
+    case MT_OP_ALLGATHER:
+        rc = mt_nccl_allgather(c, comm, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), a->dtype);
+        break;
+    case MT_OP_REDUCE_SCATTER: {   /* zero the padding, sum-scatter, scale */
+        int64_t nl = mt_value_numel_logical(G, a), np = mt_value_numel_max(G, a), L = mt_value_numel_max(G, &G->values[n->out[0]]);
+        rc = mt_cuda_memset(c, (float *)rt->ptr[n->in[0]] + nl, 0, sizeof(float) * (size_t)(np - nl)) ||
+             mt_nccl_reduce_scatter(c, comm, rt->ptr[n->in[0]], rt->ptr[n->out[0]], L, MT_F32);
+        if (!rc && n->fattr[0] != 0.0f && n->fattr[0] != 1.0f) rc = mt_cuda_scale(c, (float *)rt->ptr[n->out[0]], L, n->fattr[0]);
+        break;
+    }
+    default:
+        return mt__cuda_ep(rt, n, gr, err);
+    }
+    return rc ? mt_errf(err, "%s: %s", mt_ops[n->op].name, mt_cuda_error(c)) : 0;
+}
+#endif
+
+int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *err) {
+    mt__group *gr = mt__find_group(rt, MT__WORLD_MASK, 0);
+    if (!gr || gr->size == 1 || n <= 0) return 0;
+    if (n > 64) return mt_errf(err, "host reductions take at most 64 numbers");
+#ifdef MT_CUDA
+    if (rt->backend == MT_BACKEND_CUDA) {
+        mt_cuda *c = (mt_cuda *)rt->cu;
+        double *d = (double *)rt->scratch;   /* f64 through NCCL */
+        if (mt_cuda_copy(c, d, x, sizeof(double) * (size_t)n, 0) || mt_nccl_allreduce(c, rt->world_comm, d, n, -1, op) ||
+            mt_cuda_copy(c, x, d, sizeof(double) * (size_t)n, 1))
+            return mt_errf(err, "%s", mt_cuda_error(c));
+        return 0;
+    }
+#endif
+    double acc[64];
+    if (mt__cpu_post(rt, gr, x, NULL, err)) return -1;
+    for (int i = 0; i < n; i++) acc[i] = ((const double *)mt__peer(rt, gr, 0, 0, x))[i];
+    for (int k = 1; k < gr->size; k++) {
+        const double *y = (const double *)mt__peer(rt, gr, k, 0, x);
+        for (int i = 0; i < n; i++) acc[i] = op ? (y[i] > acc[i] ? y[i] : acc[i]) : acc[i] + y[i];
+    }
+    if (mt__cpu_done(rt, gr, err)) return -1;
+    memcpy(x, acc, sizeof(double) * (size_t)n);
     return 0;
 }
 
@@ -4148,6 +4808,7 @@ static void mt__aligned_free(void *p) {
 /* Workspace the hungriest node needs (cuBLASLt has its own). */
 static size_t mt__cuda_scratch(const mt_graph *G) {
     size_t need = mt_cuda_sumsq_workspace();
+    if (need < 4096 + 4 * (size_t)G->cfg.n_routed_experts) need = 4096 + 4 * (size_t)G->cfg.n_routed_experts;  /* host reductions, EP counts */
     for (int i = 0; i < G->n_nodes; i++) {
         const mt_node *n = &G->nodes[i];
         const mt_value *a = n->in[0] >= 0 ? &G->values[n->in[0]] : NULL, *b = n->in[1] >= 0 ? &G->values[n->in[1]] : NULL;
@@ -4201,9 +4862,15 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
 #endif
     if (b->world != mt_mesh_world(&g->mesh))
         return mt_errf(err, "the graph's mesh has %d ranks, the launch has %d", mt_mesh_world(&g->mesh), b->world);
-    if (b->world != 1)
-        return mt_errf(err, "multi-rank execution (world %d) is not implemented in this build", b->world);
     if (b->rank < 0 || b->rank >= b->world) return mt_errf(err, "rank %d outside world %d", b->rank, b->world);
+    if (b->world > 1 && g->target.backend == MT_BACKEND_CPU && (!b->cpu_world || b->cpu_world->n != b->world))
+        return mt_errf(err, "CPU ranks are threads of one process: a world of %d needs the shared mt_world of its threads "
+                            "(mt_run_thread_ranks)", b->world);
+    if (b->world > 1 && g->target.backend == MT_BACKEND_CUDA) {
+        int any = 0;
+        for (int i = 0; i < MT_NCCL_ID_BYTES; i++) any |= b->nccl_id[i];
+        if (!any) return mt_errf(err, "CUDA ranks need NCCL's unique id in the binding (from rank 0's rendezvous)");
+    }
     mt_runtime *rt = (mt_runtime *)mt__calloc(sizeof *rt);
     if (!rt) return mt_errf(err, "out of memory");
     rt->bind = *b;
@@ -4215,7 +4882,8 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
     rt->rows = (int64_t *)mt__calloc(sizeof(int64_t) * (size_t)(G->n_values + 1));
     rt->sym = (int64_t *)mt__calloc(sizeof(int64_t) * (size_t)(G->n_syms + 1));
     rt->counts = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(G->n_values + 1));
-    if (!rt->ptr || !rt->rows || !rt->sym || !rt->counts) { mt_runtime_destroy(rt); return mt_errf(err, "out of memory"); }
+    rt->host = (int32_t **)mt__calloc(sizeof(int32_t *) * (size_t)(G->n_values + 1));
+    if (!rt->ptr || !rt->rows || !rt->sym || !rt->counts || !rt->host) { mt_runtime_destroy(rt); return mt_errf(err, "out of memory"); }
     if (rt->backend == MT_BACKEND_CPU) {
         rt->persist = (uint8_t *)mt__aligned((size_t)G->persist_bytes);
         rt->arena = (uint8_t *)mt__aligned((size_t)G->arena_bytes);
@@ -4235,15 +4903,30 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
         if (mt_cuda_create(&cu, b->device, err)) { mt_runtime_destroy(rt); return -1; }
         rt->cu = cu;
         rt->scratch_bytes = mt__cuda_scratch(G);
+        for (int i = 0; i < G->n_nodes; i++) {   /* the expert exchange stages rows in peer order */
+            const mt_node *n = &G->nodes[i];
+            if ((n->op == MT_OP_EP_DISPATCH || n->op == MT_OP_EP_COMBINE) && n->iattr[2] > 1) {
+                const mt_value *x = &G->values[n->op == MT_OP_EP_DISPATCH ? n->out[0] : n->in[0]];
+                size_t need = (size_t)x->nbytes;
+                if (need > rt->ep_stage_bytes) rt->ep_stage_bytes = need;
+            }
+        }
         if (mt_cuda_malloc(cu, (void **)&rt->persist, (size_t)G->persist_bytes) ||
             mt_cuda_malloc(cu, (void **)&rt->arena, (size_t)G->arena_bytes) ||
-            mt_cuda_malloc(cu, &rt->scratch, rt->scratch_bytes) || mt_cuda_memset(cu, rt->persist, 0, (size_t)G->persist_bytes)) {
+            mt_cuda_malloc(cu, &rt->scratch, rt->scratch_bytes) || mt_cuda_memset(cu, rt->persist, 0, (size_t)G->persist_bytes) ||
+            (rt->ep_stage_bytes && mt_cuda_malloc(cu, &rt->ep_stage, rt->ep_stage_bytes))) {
             mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
+            mt_runtime_destroy(rt);
+            return -1;
+        }
+        if (b->world > 1 && mt_nccl_init(cu, &rt->world_comm, b->nccl_id, b->world, b->rank)) {
+            mt_errf(err, "rank %d (device %d): joining the NCCL world of %d: %s", b->rank, b->device, b->world, mt_cuda_error(cu));
             mt_runtime_destroy(rt);
             return -1;
         }
 #endif
     }
+    if (mt__bind_groups(rt, err)) { mt_runtime_destroy(rt); return -1; }
     /* bind symbols: coordinates from the binding, sizes at their bounds until data says otherwise */
     for (int s = 0; s < G->n_syms; s++)
         rt->sym[s] = G->syms[s].kind == MT_SYM_COORD ? rt->bind.coord[G->syms[s].mesh_dim] : G->syms[s].max;
@@ -4261,6 +4944,9 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
 
 void mt_runtime_destroy(mt_runtime *rt) {
     if (!rt) return;
+    mt__free_groups(rt, 0);
+    for (int v = 0; rt->host && v < rt->g.n_values; v++) MT_FREE(rt->host[v]);
+    MT_FREE(rt->host);
     mt_pool_destroy(rt->pool);
     if (rt->backend == MT_BACKEND_CPU) {
         mt__aligned_free(rt->persist); mt__aligned_free(rt->arena);
@@ -4270,6 +4956,7 @@ void mt_runtime_destroy(mt_runtime *rt) {
         for (int i = 0; rt->graphs && i < rt->g.n_nodes; i++) mt_cuda_graph_destroy(rt->graphs[i]);
         MT_FREE(rt->graphs);
         mt_cuda_free(MT__CU(rt), rt->persist); mt_cuda_free(MT__CU(rt), rt->arena); mt_cuda_free(MT__CU(rt), rt->scratch);
+        mt_cuda_free(MT__CU(rt), rt->ep_stage);
         mt_cuda_destroy(MT__CU(rt));
     }
 #endif
@@ -4342,15 +5029,24 @@ static int mt__global_expert(const mt_runtime *rt, const mt_value *v, int e) {
 /* Each parameter draws from its own streams, seeded by (seed, name, block of
  * 2^20 elements), so values do not depend on creation order or thread count;
  * stacked experts draw per global expert, so they do not depend on the
- * expert-parallel layout either. Blocks are filled in parallel. */
+ * expert-parallel layout either. An FSDP shard fills its own flat range
+ * [i*L, (i+1)*L) of the whole tensor, drawing only the blocks it touches:
+ * the same values as the whole tensor on one rank. Blocks fill in parallel. */
 #define MT_INIT_BLOCK (1 << 20)
-typedef struct { const mt_runtime *rt; const mt_value *v; mt_real *p; uint64_t seed; int64_t per, blocks_per_chunk; } mt__init_job;
-static void mt__init_blocks(void *ctx, int64_t b0, int64_t b1) {
+typedef struct {
+    const mt_runtime *rt; const mt_value *v; mt_real *p; uint64_t seed;
+    int64_t per, blocks_per_chunk;   /* elements per expert chunk (or the whole), blocks per chunk */
+    int64_t lo, hi, b0;              /* the logical range this rank stores, and its first block */
+} mt__init_job;
+static void mt__init_blocks(void *ctx, int64_t i0, int64_t i1) {
     const mt__init_job *j = (const mt__init_job *)ctx;
     const mt_value *v = j->v;
-    for (int64_t b = b0; b < b1; b++) {
+    for (int64_t b = j->b0 + i0; b < j->b0 + i1; b++) {
         int64_t c = b / j->blocks_per_chunk, blk = b % j->blocks_per_chunk;
-        int64_t lo = blk * MT_INIT_BLOCK, hi = lo + MT_INIT_BLOCK < j->per ? lo + MT_INIT_BLOCK : j->per;
+        int64_t lo = c * j->per + blk * MT_INIT_BLOCK;   /* the block's logical range */
+        int64_t hi = blk * MT_INIT_BLOCK + MT_INIT_BLOCK < j->per ? lo + MT_INIT_BLOCK : c * j->per + j->per;
+        int64_t from = lo > j->lo ? lo : j->lo, to = hi < j->hi ? hi : j->hi;
+        if (from >= to) continue;
         char nm[MT_NAME_LEN + 32];
         snprintf(nm, sizeof nm, "%s", v->name);
         char *star = strchr(nm, '*');
@@ -4363,8 +5059,7 @@ static void mt__init_blocks(void *ctx, int64_t b0, int64_t b1) {
         snprintf(nm + len, sizeof nm - len, "#%lld", (long long)blk);
         mt_rng r;
         mt_rng_seed(&r, mt_hash(nm, strlen(nm), j->seed * 0x9e3779b97f4a7c15ull + 1));
-        mt_real *dst = j->p + c * j->per;
-        for (int64_t i = lo; i < hi; i++) {
+        for (int64_t i = lo; i < to; i++) {
             double x = 0;
             switch (v->init) {
             case MT_INIT_ONE: x = 1; break;
@@ -4374,7 +5069,7 @@ static void mt__init_blocks(void *ctx, int64_t b0, int64_t b1) {
                 break;
             default: x = 0;
             }
-            dst[i] = (mt_real)x;
+            if (i >= from) j->p[i - j->lo] = (mt_real)x;
         }
     }
 }
@@ -4392,15 +5087,27 @@ int mt_runtime_init_params(mt_runtime *rt, uint64_t seed, mt_err *err) {
         const mt_value *v = &G->values[i];
         if (v->role != MT_ROLE_PARAM && v->role != MT_ROLE_OPT) continue;
         if (v->role == MT_ROLE_PARAM && v->param >= 0) continue;  /* compute shadows follow their master */
-        int64_t n = mt_value_numel_max(G, v);
-        mt_real *p = rt->backend == MT_BACKEND_CPU ? (mt_real *)rt->ptr[i] : (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(n + 1));
+        int64_t n = mt_value_numel_logical(G, v), stored = mt_value_numel_max(G, v);
+        mt_real *p = rt->backend == MT_BACKEND_CPU ? (mt_real *)rt->ptr[i] : (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(stored + 1));
         if (!p) { rc = mt_errf(err, "out of memory initializing '%s'", v->name); break; }
+        for (int64_t k = 0; k < stored; k++) p[k] = 0;   /* the padding past the last shard's end stays 0 */
         int chunks = (v->flags & MT_VF_EXPERTS) ? (int)v->dims[0] : 1;
-        mt__init_job job = {rt, v, p, seed, n / chunks, 0};
+        mt__init_job job = {rt, v, p, seed, n / chunks, 0, 0, n, 0};
         job.blocks_per_chunk = (job.per + MT_INIT_BLOCK - 1) / MT_INIT_BLOCK;
         if (job.blocks_per_chunk < 1) job.blocks_per_chunk = 1;
-        if (v->init == MT_INIT_NORMAL) mt_pool_for(pool, chunks * job.blocks_per_chunk, mt__init_blocks, &job);
-        else mt__init_blocks(&job, 0, chunks * job.blocks_per_chunk);
+        if (v->shard) {
+            int idx = mt_mesh_group(&G->mesh, v->shard, rt->bind.rank, NULL);
+            job.lo = (int64_t)idx * stored;
+            job.hi = job.lo + stored < n ? job.lo + stored : n;
+        }
+        int64_t nb = 0;
+        if (job.hi > job.lo && job.per > 0) {   /* the blocks [lo, hi) touches */
+            int64_t first = job.lo / job.per * job.blocks_per_chunk + (job.lo % job.per) / MT_INIT_BLOCK;
+            int64_t last = (job.hi - 1) / job.per * job.blocks_per_chunk + ((job.hi - 1) % job.per) / MT_INIT_BLOCK;
+            job.b0 = first; nb = last - first + 1;
+        }
+        if (v->init == MT_INIT_NORMAL) mt_pool_for(pool, nb, mt__init_blocks, &job);
+        else mt__init_blocks(&job, 0, nb);
         if (rt->backend != MT_BACKEND_CPU) {
             rc = mt_runtime_write(rt, i, p, err);
             MT_FREE(p);
@@ -4493,8 +5200,8 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_MOE_PERMUTE_BWD:
         mt_cpu_moe_permute_backward(RO(0), R_(0), I_(1), DIM(n->out[0], 0), DIM(n->out[0], 1), a[0]);
         break;
-    case MT_OP_EP_COUNTS: return mt__ep_counts(rt, n, err);
-    case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE: return mt__ep_exchange(rt, n, DIM(n->in[0], 1), err);
+    case MT_OP_EP_COUNTS: case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE:
+    case MT_OP_ALLGATHER: case MT_OP_REDUCE_SCATTER: return mt__cpu_collective(rt, n, err);
     case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {
         int dw = n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ;
         int wi = dw ? n->out[0] : n->in[1];
@@ -4538,7 +5245,7 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         RO(0)[0] = (mt_real)s;
         break;
     }
-    case MT_OP_ALLREDUCE: return mt__allreduce(rt, n, err);
+    case MT_OP_ALLREDUCE: return mt__cpu_collective(rt, n, err);
     case MT_OP_LR_SCHEDULE: {
         float hp[MT_HP_COUNT];
         for (int i = 0; i < MT_HP_COUNT; i++) hp[i] = (float)R_(0)[i];
@@ -4647,11 +5354,11 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         break;
     case MT_OP_MOE_PERMUTE_BWD: rc = mt_cuda_moe_permute_backward(c, VO(0), V_(0), I_(1), DIM(n->out[0], 0), DIM(n->out[0], 1), a[0]); break;
     case MT_OP_EP_COUNTS:
-        if (a[2] != 1) return mt_errf(err, "expert parallelism over %d ranks is not implemented in this build", a[2]);
+        if (a[2] != 1) return mt__cuda_collective(rt, n, err);
         rc = mt_cuda_ep_counts(c, IO(0), I_(0), a[3], (int)rt->sym[a[4]] * a[3]);
         break;
     case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE: {
-        if (a[2] != 1) return mt_errf(err, "expert parallelism over %d ranks is not implemented in this build", a[2]);
+        if (a[2] != 1) return mt__cuda_collective(rt, n, err);
         /* one rank: every row stays; rows [0, NK) of the source are the routed tokens */
         const mt_value *src = &G->values[n->in[0]];
         int64_t rows = mt__nrows(rt, n->in[0]);
@@ -4685,7 +5392,7 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         rc = mt_cuda_sumsq(c, FO(0), n->in[1] >= 0 ? F_(1) : NULL, F_(0), mt_value_numel_max(G, &G->values[n->in[0]]), !a[0],
                            rt->scratch);
         break;
-    case MT_OP_ALLREDUCE: return mt__allreduce(rt, n, err);
+    case MT_OP_ALLREDUCE: case MT_OP_ALLGATHER: case MT_OP_REDUCE_SCATTER: return mt__cuda_collective(rt, n, err);
     case MT_OP_LR_SCHEDULE: rc = mt_cuda_lr_schedule(c, FO(0), F_(0), I_(1)); break;
     case MT_OP_CLIP: rc = mt_cuda_clip(c, FO(0), FO(1), F_(0), F_(1)); break;
     case MT_OP_ADAMW:
@@ -4718,6 +5425,29 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
 }
 #endif
 
+int mt_runtime_host_syncs(const mt_runtime *rt) { return rt->host_syncs; }
+int64_t mt_runtime_received_rows(const mt_runtime *rt) { return rt->recv_rows; }
+void mt_runtime_abort(mt_runtime *rt) {
+    if (!rt) return;
+    if (rt->bind.cpu_world) mt_world_fail(rt->bind.cpu_world, rt->bind.rank, "aborted");
+#ifdef MT_CUDA
+    if (rt->world_comm) mt_nccl_free(rt->world_comm, 1);   /* ncclCommAbort: pending collectives return */
+    rt->world_comm = NULL;
+    for (int i = 0; i < rt->n_groups; i++)
+        if (rt->groups[i].comm) { mt_nccl_free(rt->groups[i].comm, 1); rt->groups[i].comm = NULL; }
+#endif
+}
+int mt_runtime_comm_error(mt_runtime *rt, mt_err *err) {
+    (void)rt; (void)err;
+#ifdef MT_CUDA
+    char msg[256];
+    if (rt->world_comm && mt_nccl_async_error(rt->world_comm, msg, sizeof msg)) return mt_errf(err, "NCCL: %s", msg);
+    for (int i = 0; i < rt->n_groups; i++)
+        if (rt->groups[i].comm && mt_nccl_async_error(rt->groups[i].comm, msg, sizeof msg)) return mt_errf(err, "NCCL: %s", msg);
+#endif
+    return 0;
+}
+
 int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *targets, int step, const mt_hparams *hp,
                     mt_step_stats *st, mt_err *err) {
     mt_graph *G = &rt->g;
@@ -4738,13 +5468,17 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
         int32_t s32 = step;
         if (mt_runtime_write(rt, G->io[MT_IO_HPARAMS], h, err) || mt_runtime_write(rt, G->io[MT_IO_STEP], &s32, err)) return -1;
     }
+    rt->host_syncs = 0; rt->recv_rows = 0;
     if (rt->backend == MT_BACKEND_CPU) {
         if (rt->bind.poison) memset(rt->arena, 0xff, (size_t)G->arena_bytes);   /* NaN floats, -1 ints */
         for (int i = 0; i < G->n_nodes; i++) {
             mt_err e;
             double t = rt->bind.profile ? mt_now() : 0;
-            if (mt__exec_cpu(rt, &G->nodes[i], &e))
-                return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+            if (mt__exec_cpu(rt, &G->nodes[i], &e)) {
+                mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+                mt_world_fail(rt->bind.cpu_world, rt->bind.rank, err->msg);   /* the other ranks stop too */
+                return -1;
+            }
             if (rt->bind.profile) { rt->prof_ms[G->nodes[i].op] += 1e3 * (mt_now() - t); rt->prof_calls[G->nodes[i].op]++; }
         }
     } else {
@@ -4757,9 +5491,9 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
             return mt_errf(err, "out of memory");
         for (int i = 0; i < G->n_nodes;) {
             mt_err e;
-            if (use_graphs && !mt_node_syncs_host(&G->nodes[i])) {      /* a region: replay, or capture it once */
+            if (use_graphs && mt_node_capturable(G, &G->nodes[i])) {      /* a region: replay, or capture it once */
                 int end = i;
-                while (end < G->n_nodes && !mt_node_syncs_host(&G->nodes[end])) end++;
+                while (end < G->n_nodes && mt_node_capturable(G, &G->nodes[end])) end++;
                 if (!rt->graphs[i]) {
                     if (mt_cuda_capture_begin(cu)) return mt_errf(err, "%s", mt_cuda_error(cu));
                     for (int k = i; k < end; k++)

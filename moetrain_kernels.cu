@@ -3185,4 +3185,162 @@ int mt_cuda_expert_bias_update(mt_cuda *c, float *bias, const int32_t *counts, i
     return 0;
 }
 
+/* ========================================================================
+ * Collectives: the expert exchange's local regrouping, and NCCL
+ * ====================================================================== */
+
+__global__ void k_scale(float *x, int64_t n, float s) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) x[i] *= s;
+}
+int mt_cuda_scale(mt_cuda *c, float *x, int64_t n, float s) {
+    if (n <= 0) return 0;
+    k_scale<<<mt__blocks(n < (1 << 22) ? n : (1 << 22), 256), 256, 0, c->stream>>>(x, n, s);
+    LAUNCHED();
+    return 0;
+}
+
+/* roffs[e] = rows of my experts before expert e, from recv[P, El] */
+__global__ void k_ep_offsets_table(int32_t *roffs, const int32_t *recv, int P, int El) {
+    if (threadIdx.x || blockIdx.x) return;
+    roffs[0] = 0;
+    for (int e = 0; e < El; e++) {
+        int32_t n = 0;
+        for (int s = 0; s < P; s++) n += recv[s * El + e];
+        roffs[e + 1] = roffs[e] + n;
+    }
+}
+int mt_cuda_ep_offsets_table(mt_cuda *c, int32_t *roffs, const int32_t *recv, int P, int El) {
+    k_ep_offsets_table<<<1, 1, 0, c->stream>>>(roffs, recv, P, El);
+    LAUNCHED();
+    return 0;
+}
+
+/* Rows arrive from (and leave for) the peers in sender order: chunk (s, e)
+ * holds recv[s, e] rows. The grouped GEMMs want them expert-major: chunk
+ * (e, s). Each block builds both chunk-start tables in shared memory, then
+ * copies whole rows; a destination row finds its chunk by binary search. */
+__global__ void k_ep_regroup(uint8_t *dst, const uint8_t *src, const int32_t *recv, int P, int El, int64_t row_bytes,
+                             int64_t rows, int to_expert_major) {
+    extern __shared__ int32_t tab[];
+    const int C = P * El;
+    int32_t *em = tab, *sm = tab + C + 1;    /* chunk starts: expert-major (e*P+s), sender-major (s*El+e) */
+    if (threadIdx.x == 0) {
+        int32_t a = 0;
+        for (int e = 0; e < El; e++)
+            for (int s = 0; s < P; s++) { em[e * P + s] = a; a += recv[s * El + e]; }
+        em[C] = a;
+        a = 0;
+        for (int s = 0; s < P; s++)
+            for (int e = 0; e < El; e++) { sm[s * El + e] = a; a += recv[s * El + e]; }
+        sm[C] = a;
+    }
+    __syncthreads();
+    const int32_t *dt = to_expert_major ? em : sm;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        int lo = 0, hi = C - 1;          /* the last chunk starting at or before r: it holds r */
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if (dt[mid] <= r) lo = mid; else hi = mid - 1;
+        }
+        int e = to_expert_major ? lo / P : lo % El, s = to_expert_major ? lo % P : lo / El;
+        int64_t srow = (to_expert_major ? sm[s * El + e] : em[e * P + s]) + (r - dt[lo]);
+        const uint8_t *from = src + srow * row_bytes;
+        uint8_t *to = dst + r * row_bytes;
+        if (row_bytes % 16 == 0) {
+            for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x)
+                ((int4 *)to)[i] = ((const int4 *)from)[i];
+        } else {
+            for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) to[i] = from[i];
+        }
+    }
+}
+int mt_cuda_ep_regroup(mt_cuda *c, void *dst, const void *src, const int32_t *recv, int P, int El, int64_t row_bytes,
+                       int64_t rows, int to_expert_major) {
+    if (rows <= 0) return 0;
+    if (P * El > 4096 || rows > INT32_MAX) return mt__fail(c, "mt_cuda_ep_regroup", "more than 4096 chunks or 2^31 rows");
+    size_t smem = sizeof(int32_t) * 2 * (size_t)(P * El + 1);
+    int grid = rows < 1056 ? (int)rows : 1056;
+    k_ep_regroup<<<grid, 128, smem, c->stream>>>((uint8_t *)dst, (const uint8_t *)src, recv, P, El, row_bytes, rows, to_expert_major);
+    LAUNCHED();
+    return 0;
+}
+
+void *mt_cuda_stream_handle(mt_cuda *c) { return (void *)c->stream; }
+
+#define NK(x) do { ncclResult_t r_ = (x); if (r_ != ncclSuccess) return mt__fail(c, #x, ncclGetErrorString(r_)); } while (0)
+static int mt__nccl_type(int dtype, ncclDataType_t *t) {
+    switch (dtype) {
+    case MT_F32: *t = ncclFloat32; return 0;
+    case MT_BF16: *t = ncclBfloat16; return 0;
+    case MT_I32: *t = ncclInt32; return 0;
+    case -1: *t = ncclFloat64; return 0;
+    }
+    return -1;
+}
+int mt_nccl_unique_id(void *id, mt_err *err) {
+    ncclUniqueId u;
+    ncclResult_t r = ncclGetUniqueId(&u);
+    if (r != ncclSuccess) return mt_errf(err, "ncclGetUniqueId: %s", ncclGetErrorString(r));
+    static_assert(sizeof u == MT_NCCL_ID_BYTES, "NCCL unique id size");
+    memcpy(id, &u, sizeof u);
+    return 0;
+}
+int mt_nccl_init(mt_cuda *c, void **comm, const void *id, int nranks, int rank) {
+    ncclUniqueId u;
+    memcpy(&u, id, sizeof u);
+    ncclComm_t cm;
+    CK(cudaSetDevice(c->device));
+    NK(ncclCommInitRank(&cm, nranks, u, rank));
+    *comm = (void *)cm;
+    return 0;
+}
+int mt_nccl_split(mt_cuda *c, void *parent, int color, int key, void **comm) {
+    ncclComm_t cm = NULL;
+    NK(ncclCommSplit((ncclComm_t)parent, color, key, &cm, NULL));
+    *comm = (void *)cm;
+    return 0;
+}
+void mt_nccl_free(void *comm, int abort) {
+    if (!comm) return;
+    if (abort) ncclCommAbort((ncclComm_t)comm);
+    else ncclCommDestroy((ncclComm_t)comm);
+}
+int mt_nccl_async_error(void *comm, char *msg, size_t n) {
+    ncclResult_t r = ncclSuccess;
+    if (ncclCommGetAsyncError((ncclComm_t)comm, &r) != ncclSuccess || (r != ncclSuccess && r != ncclInProgress)) {
+        snprintf(msg, n, "%s (%s)", ncclGetErrorString(r), ncclGetLastError((ncclComm_t)comm));
+        return 1;
+    }
+    return 0;
+}
+int mt_nccl_allreduce(mt_cuda *c, void *comm, void *buf, int64_t n, int dtype, int op_max) {
+    ncclDataType_t t;
+    if (mt__nccl_type(dtype, &t)) return mt__fail(c, "mt_nccl_allreduce", "unsupported dtype");
+    if (n > 0) NK(ncclAllReduce(buf, buf, (size_t)n, t, op_max ? ncclMax : ncclSum, (ncclComm_t)comm, c->stream));
+    return 0;
+}
+int mt_nccl_allgather(mt_cuda *c, void *comm, const void *in, void *out, int64_t n, int dtype) {
+    ncclDataType_t t;
+    if (mt__nccl_type(dtype, &t)) return mt__fail(c, "mt_nccl_allgather", "unsupported dtype");
+    if (n > 0) NK(ncclAllGather(in, out, (size_t)n, t, (ncclComm_t)comm, c->stream));
+    return 0;
+}
+int mt_nccl_reduce_scatter(mt_cuda *c, void *comm, const void *in, void *out, int64_t n, int dtype) {
+    ncclDataType_t t;
+    if (mt__nccl_type(dtype, &t)) return mt__fail(c, "mt_nccl_reduce_scatter", "unsupported dtype");
+    if (n > 0) NK(ncclReduceScatter(in, out, (size_t)n, t, ncclSum, (ncclComm_t)comm, c->stream));
+    return 0;
+}
+/* per-peer byte ranges, one NCCL group: every send meets its peer's recv of the same size */
+int mt_nccl_exchange(mt_cuda *c, void *comm, int P, const void *send, const int64_t *soff, const int64_t *sbytes,
+                     void *recv, const int64_t *roff, const int64_t *rbytes) {
+    NK(ncclGroupStart());
+    for (int p = 0; p < P; p++) {
+        if (sbytes[p] > 0) NK(ncclSend((const uint8_t *)send + soff[p], (size_t)sbytes[p], ncclUint8, p, (ncclComm_t)comm, c->stream));
+        if (rbytes[p] > 0) NK(ncclRecv((uint8_t *)recv + roff[p], (size_t)rbytes[p], ncclUint8, p, (ncclComm_t)comm, c->stream));
+    }
+    NK(ncclGroupEnd());
+    return 0;
+}
+
 }  /* extern "C" */
