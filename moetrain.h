@@ -28,6 +28,7 @@
  *   11. Checkpoints: safetensors with Hugging Face DeepSeek-V3 names
  *   12. Data: token shards, raw bytes, the embedded default corpus
  *   13. Metrics: FLOPs per token, MFU, SVG loss curve
+ *   14. Launch: the rendezvous that hands out NCCL's id and relays failures
  *
  * Shapes are written in comments as [rows, cols]; N = batch*seq_len tokens,
  * D = dim, H = heads, E = routed experts, K = top_k, V = vocab.
@@ -37,6 +38,12 @@
  */
 #ifndef MOETRAIN_H
 #define MOETRAIN_H
+
+/* The implementation uses POSIX (threads, clocks, sockets): ask for it when
+ * nothing else did (this only works if moetrain.h is the first include). */
+#if defined(MOETRAIN_IMPLEMENTATION) && !defined(_POSIX_C_SOURCE) && !defined(_GNU_SOURCE) && !defined(_DEFAULT_SOURCE)
+#define _POSIX_C_SOURCE 200809L
+#endif
 
 #include <stddef.h>
 #include <stdint.h>
@@ -555,7 +562,7 @@ size_t mt_runtime_peak_bytes(const mt_runtime *rt);            /* device (or hos
 /* Host numbers across every rank of the world (logging): op 0 sum, 1 max. */
 int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *err);
 /* Host synchronizations in the last step (the expert exchange's counts) and
- * the rows this rank's experts received in it. */
+ * the rows this rank's experts received in its forward (over all MoE layers). */
 int mt_runtime_host_syncs(const mt_runtime *rt);
 int64_t mt_runtime_received_rows(const mt_runtime *rt);
 /* After a failure elsewhere: make this rank's pending and future collectives
@@ -714,6 +721,30 @@ double mt_flops_per_token(const mt_config *c);   /* torchtitan's DeepSeek-V3 for
 void mt_node_cost(const mt_graph *g, const mt_node *n, double *flops, double *bytes);
 int mt_write_svg(const char *path, const double *loss, int n, const char *title, mt_err *err);
 
+/* ========================================================================
+ * 14. Launch
+ * Ranks find each other without torchrun: rank 0 listens on MASTER_ADDR:
+ * MASTER_PORT, every other rank connects and says who it is, and rank 0
+ * hands each the same blob (NCCL's unique id). The connections stay open for
+ * the whole run: they are how a failure reaches every rank. A rank that fails
+ * tells rank 0, which tells the others; a rank that dies closes its socket,
+ * which rank 0 sees at once; if rank 0 dies the others see theirs close. An
+ * orderly end is a handshake (each rank: done; rank 0: bye), so a closed
+ * socket after it is not a failure.
+ * ====================================================================== */
+
+typedef struct mt_rdv mt_rdv;
+/* Join: rank 0 serves blob (len bytes), the others receive it into blob. */
+int mt_rdv_open(mt_rdv **r, const char *addr, int port, int rank, int world, uint8_t *blob, size_t len,
+                double timeout_s, mt_err *err);
+/* Wait up to ms for news. Returns 1 when a rank failed (*who, why), 2 when the
+ * orderly end completed, 0 on nothing. Call from one thread (a watchdog). */
+int mt_rdv_poll(mt_rdv *r, int ms, int *who, char *why, size_t n);
+void mt_rdv_fail(mt_rdv *r, const char *why);            /* this rank failed: tell every rank */
+void mt_rdv_done(mt_rdv *r);                             /* this rank finished its work */
+void mt_rdv_close(mt_rdv *r);
+int mt_free_port(mt_err *err);                           /* a free TCP port on this host (for self-launch) */
+
 #ifdef __cplusplus
 }
 #endif
@@ -739,6 +770,12 @@ int mt_write_svg(const char *path, const double *loss, int n, const char *title,
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <arpa/inet.h>
 
 #ifndef MT_MALLOC
 #define MT_MALLOC(n) malloc(n)
@@ -4431,7 +4468,7 @@ struct mt_runtime {
     void *ep_stage;          /* CUDA: rows of the expert exchange in peer order */
     size_t ep_stage_bytes;
     int host_syncs;          /* in the last step */
-    int64_t recv_rows;       /* rows my experts received in the last step (summed over MoE layers) */
+    int64_t recv_rows;       /* rows my experts received in the last step's forward (summed over MoE layers) */
 };
 
 static mt__group *mt__find_group(mt_runtime *rt, uint32_t mask, int id) {
@@ -4603,7 +4640,7 @@ static int mt__cpu_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *e
             roffs[e + 1] = (int32_t)at;
         }
         rt->rows[n->out[0]] = total;
-        rt->recv_rows += total;
+        if (n->phase == MT_PHASE_FORWARD) rt->recv_rows += total;
     } else {
         if (mt__check_offs(offs, P * El, cap_dst, "EP_COMBINE", err) || mt__cpu_post(rt, gr, x, recv, err)) return -1;
         for (int p = 0; p < P; p++) {    /* rank p owns experts [p*El, (p+1)*El) and holds my rows for them */
@@ -4693,7 +4730,7 @@ static int mt__cuda_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *
              mt_cuda_ep_regroup(c, rt->ptr[n->out[0]], rt->ep_stage, drecv, P, El, row, total, 1) ||
              mt_cuda_ep_offsets_table(c, (int32_t *)rt->ptr[n->out[1]], drecv, P, El);
         rt->rows[n->out[0]] = total;
-        rt->recv_rows += total;
+        if (n->phase == MT_PHASE_FORWARD) rt->recv_rows += total;
     } else {
         rc = mt_cuda_ep_regroup(c, rt->ep_stage, rt->ptr[n->in[0]], drecv, P, El, row, total, 0) ||
              mt_nccl_exchange(c, gr->comm, P, rt->ep_stage, so, sb, rt->ptr[n->out[0]], ro, rb);
@@ -6235,6 +6272,278 @@ int mt_write_svg(const char *path, const double *loss, int n, const char *title,
     }
     fprintf(f, "\"/>\n</svg>\n");
     if (fclose(f)) return mt_errf(err, "writing '%s' failed", path);
+    return 0;
+}
+
+/* ========================================================================
+ * 14. Launch: rendezvous and failure relay
+ * Frames of 256 bytes: type, rank, text. HELLO (rank, world) -> rank 0;
+ * BLOB (the blob, in pieces) -> each rank; FAIL (failed rank, why) both ways;
+ * DONE -> rank 0; BYE -> each rank once all are done.
+ * ====================================================================== */
+
+enum { MT__RDV_HELLO = 1, MT__RDV_BLOB, MT__RDV_FAIL, MT__RDV_DONE, MT__RDV_BYE };
+typedef struct { int32_t type, rank, world, len; char text[240]; } mt__frame;
+
+struct mt_rdv {
+    int rank, world;
+    int *fd;                 /* rank 0: one per peer (index = rank); others: fd[0] to rank 0 */
+    uint8_t *done;           /* rank 0: which ranks said DONE */
+    int self_done, finished, failed;
+    pthread_mutex_t mu;      /* writes come from the watchdog and the main thread */
+};
+
+static int mt__send_frame(int fd, const mt__frame *f) {
+    const char *p = (const char *)f;
+    size_t left = sizeof *f;
+    while (left) {
+        ssize_t k = send(fd, p, left, MSG_NOSIGNAL);
+        if (k <= 0) { if (k < 0 && errno == EINTR) continue; return -1; }
+        p += k; left -= (size_t)k;
+    }
+    return 0;
+}
+static int mt__recv_frame(int fd, mt__frame *f) {   /* 0 ok, -1 closed or error */
+    char *p = (char *)f;
+    size_t left = sizeof *f;
+    while (left) {
+        ssize_t k = recv(fd, p, left, 0);
+        if (k <= 0) { if (k < 0 && errno == EINTR) continue; return -1; }
+        p += k; left -= (size_t)k;
+    }
+    f->text[sizeof f->text - 1] = 0;
+    return 0;
+}
+static int mt__recv_timeout(int fd, mt__frame *f, double timeout_s) {
+    struct pollfd pf = {fd, POLLIN, 0};
+    int ms = timeout_s > 0 ? (int)(timeout_s * 1000) : -1;
+    int k = poll(&pf, 1, ms);
+    if (k <= 0) return -2;   /* timed out */
+    return mt__recv_frame(fd, f);
+}
+static void mt__sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+static void mt__frame_set(mt__frame *f, int type, int rank, const char *text) {
+    memset(f, 0, sizeof *f);
+    f->type = type; f->rank = rank;
+    if (text) snprintf(f->text, sizeof f->text, "%s", text);
+}
+
+int mt_free_port(mt_err *err) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET; a.sin_addr.s_addr = htonl(INADDR_LOOPBACK); a.sin_port = 0;
+    socklen_t len = sizeof a;
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) || getsockname(fd, (struct sockaddr *)&a, &len)) {
+        if (fd >= 0) close(fd);
+        return mt_errf(err, "no free TCP port on this host: %s", strerror(errno));
+    }
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+static int mt__rdv_connect(const char *addr, int port, double timeout_s, mt_err *err) {
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", port);
+    double t0 = mt_now();
+    for (;;) {
+        struct addrinfo hints, *res = NULL;
+        memset(&hints, 0, sizeof hints);
+        hints.ai_family = AF_UNSPEC; hints.ai_socktype = SOCK_STREAM;
+        int gai = getaddrinfo(addr, ps, &hints, &res);
+        if (gai) return mt_errf(err, "MASTER_ADDR '%s': %s", addr, gai_strerror(gai));
+        int fd = -1;
+        for (struct addrinfo *a = res; a && fd < 0; a = a->ai_next) {
+            fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+            if (fd >= 0 && connect(fd, a->ai_addr, a->ai_addrlen)) { close(fd); fd = -1; }
+        }
+        freeaddrinfo(res);
+        if (fd >= 0) { int one = 1; setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); return fd; }
+        if (mt_now() - t0 > timeout_s)
+            return mt_errf(err, "could not reach rank 0 at %s:%d within %.0f s (is rank 0 running? MASTER_ADDR/MASTER_PORT right?)",
+                           addr, port, timeout_s);
+        mt__sleep_ms(100);
+    }
+}
+
+void mt_rdv_close(mt_rdv *r) {
+    if (!r) return;
+    int n = r->rank == 0 ? r->world : 1;
+    for (int i = 0; r->fd && i < n; i++) if (r->fd[i] >= 0) close(r->fd[i]);
+    MT_FREE(r->fd); MT_FREE(r->done);
+    pthread_mutex_destroy(&r->mu);
+    MT_FREE(r);
+}
+
+int mt_rdv_open(mt_rdv **out, const char *addr, int port, int rank, int world, uint8_t *blob, size_t len,
+                double timeout_s, mt_err *err) {
+    *out = NULL;
+    if (world < 1 || rank < 0 || rank >= world) return mt_errf(err, "rank %d outside a world of %d", rank, world);
+    if (port < 1 || port > 65535) return mt_errf(err, "MASTER_PORT %d is not a TCP port", port);
+    if (len > 64 * sizeof(((mt__frame *)0)->text)) return mt_errf(err, "rendezvous blob too large");
+    mt_rdv *r = (mt_rdv *)mt__calloc(sizeof *r);
+    if (!r) return mt_errf(err, "out of memory");
+    r->rank = rank; r->world = world;
+    pthread_mutex_init(&r->mu, NULL);
+    r->fd = (int *)MT_MALLOC(sizeof(int) * (size_t)world);
+    r->done = (uint8_t *)mt__calloc((size_t)world);
+    if (!r->fd || !r->done) { mt_rdv_close(r); return mt_errf(err, "out of memory"); }
+    for (int i = 0; i < world; i++) r->fd[i] = -1;
+    mt__frame f;
+    const size_t piece = sizeof f.text;
+    if (rank == 0) {
+        int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+        struct sockaddr_in a;
+        memset(&a, 0, sizeof a);
+        a.sin_family = AF_INET; a.sin_addr.s_addr = htonl(INADDR_ANY); a.sin_port = htons((uint16_t)port);
+        if (ls < 0 || setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) || bind(ls, (struct sockaddr *)&a, sizeof a) ||
+            listen(ls, world)) {
+            mt_errf(err, "rank 0 cannot listen on port %d: %s (another job on it? set MASTER_PORT)", port, strerror(errno));
+            if (ls >= 0) close(ls);
+            mt_rdv_close(r);
+            return -1;
+        }
+        double t0 = mt_now();
+        for (int got = 1; got < world;) {
+            struct pollfd pf = {ls, POLLIN, 0};
+            double left = timeout_s - (mt_now() - t0);
+            if (left <= 0 || poll(&pf, 1, (int)(left * 1000)) <= 0) {
+                mt_errf(err, "rank 0: only %d of %d ranks joined within %.0f s", got, world, timeout_s);
+                close(ls); mt_rdv_close(r);
+                return -1;
+            }
+            int fd = accept(ls, NULL, NULL);
+            if (fd < 0) continue;
+            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+            if (mt__recv_timeout(fd, &f, 10) || f.type != MT__RDV_HELLO) { close(fd); continue; }   /* not one of ours */
+            if (f.world != world || f.rank < 1 || f.rank >= world || r->fd[f.rank] >= 0) {
+                mt__frame no;
+                mt__frame_set(&no, MT__RDV_FAIL, 0, "");
+                snprintf(no.text, sizeof no.text, "rank 0 expects a world of %d; a process says rank %d of %d", world, f.rank, f.world);
+                mt__send_frame(fd, &no);
+                mt_errf(err, "%s", no.text);
+                close(fd); close(ls); mt_rdv_close(r);
+                return -1;
+            }
+            r->fd[f.rank] = fd;
+            got++;
+        }
+        close(ls);
+        for (int p = 1; p < world; p++)
+            for (size_t at = 0; at < len || (at == 0 && len == 0); at += piece) {
+                mt__frame_set(&f, MT__RDV_BLOB, 0, NULL);
+                f.len = (int32_t)(len - at < piece ? len - at : piece);
+                memcpy(f.text, blob + at, (size_t)f.len);
+                if (mt__send_frame(r->fd[p], &f)) { mt_rdv_close(r); return mt_errf(err, "rank 0: rank %d went away during the rendezvous", p); }
+                if (len == 0) break;
+            }
+    } else {
+        int fd = mt__rdv_connect(addr, port, timeout_s, err);
+        if (fd < 0) { mt_rdv_close(r); return -1; }
+        r->fd[0] = fd;
+        mt__frame_set(&f, MT__RDV_HELLO, rank, NULL);
+        f.world = world;
+        if (mt__send_frame(fd, &f)) { mt_rdv_close(r); return mt_errf(err, "rank %d: rank 0 closed the rendezvous", rank); }
+        for (size_t at = 0; at < len || (at == 0 && len == 0); at += piece) {
+            int k = mt__recv_timeout(fd, &f, timeout_s);
+            if (k || f.type != MT__RDV_BLOB) {
+                if (!k && f.type == MT__RDV_FAIL) mt_errf(err, "rank %d: rank 0 refused: %s", rank, f.text);
+                else mt_errf(err, "rank %d: no answer from rank 0 during the rendezvous", rank);
+                mt_rdv_close(r);
+                return -1;
+            }
+            memcpy(blob + at, f.text, (size_t)f.len);
+            if (len == 0) break;
+        }
+    }
+    *out = r;
+    return 0;
+}
+
+static void mt__rdv_broadcast(mt_rdv *r, const mt__frame *f, int except) {
+    for (int p = 1; p < r->world; p++)
+        if (p != except && r->fd[p] >= 0 && mt__send_frame(r->fd[p], f)) { close(r->fd[p]); r->fd[p] = -1; }
+}
+void mt_rdv_fail(mt_rdv *r, const char *why) {
+    if (!r) return;
+    mt__frame f;
+    mt__frame_set(&f, MT__RDV_FAIL, r->rank, why);
+    pthread_mutex_lock(&r->mu);
+    r->failed = 1;
+    if (r->rank == 0) mt__rdv_broadcast(r, &f, -1);
+    else if (r->fd[0] >= 0) mt__send_frame(r->fd[0], &f);
+    pthread_mutex_unlock(&r->mu);
+}
+/* rank 0: every rank done -> BYE to all */
+static int mt__rdv_all_done(mt_rdv *r) {
+    if (!r->self_done) return 0;
+    for (int p = 1; p < r->world; p++) if (!r->done[p]) return 0;
+    mt__frame f;
+    mt__frame_set(&f, MT__RDV_BYE, 0, NULL);
+    mt__rdv_broadcast(r, &f, -1);
+    r->finished = 1;
+    return 1;
+}
+void mt_rdv_done(mt_rdv *r) {
+    if (!r) return;
+    pthread_mutex_lock(&r->mu);
+    r->self_done = 1;
+    if (r->rank == 0) mt__rdv_all_done(r);
+    else if (r->fd[0] >= 0) { mt__frame f; mt__frame_set(&f, MT__RDV_DONE, r->rank, NULL); mt__send_frame(r->fd[0], &f); }
+    pthread_mutex_unlock(&r->mu);
+}
+int mt_rdv_poll(mt_rdv *r, int ms, int *who, char *why, size_t n) {
+    if (r->finished) return 2;
+    int np = r->rank == 0 ? r->world : 1;
+    struct pollfd pf[4096];
+    int idx[4096], k = 0;
+    for (int i = (r->rank == 0 ? 1 : 0); i < np && k < 4096; i++)
+        if (r->fd[i] >= 0) { pf[k].fd = r->fd[i]; pf[k].events = POLLIN; pf[k].revents = 0; idx[k++] = i; }
+    if (!k) { mt__sleep_ms(ms); return r->finished ? 2 : 0; }
+    if (poll(pf, (nfds_t)k, ms) <= 0) return 0;
+    for (int j = 0; j < k; j++) {
+        if (!pf[j].revents) continue;
+        int peer = idx[j];
+        mt__frame f;
+        int closed = mt__recv_frame(pf[j].fd, &f) != 0;
+        pthread_mutex_lock(&r->mu);
+        int rc = 0;
+        if (r->rank == 0) {
+            if (closed) {
+                close(r->fd[peer]); r->fd[peer] = -1;
+                if (!r->done[peer]) {   /* a rank went away before its end: it died */
+                    mt__frame_set(&f, MT__RDV_FAIL, peer, "its process exited or was killed (connection lost)");
+                    rc = 1;
+                }
+            } else if (f.type == MT__RDV_DONE) {
+                r->done[peer] = 1;
+                if (mt__rdv_all_done(r)) rc = 2;
+            } else if (f.type == MT__RDV_FAIL) {
+                f.rank = peer;
+                rc = 1;
+            }
+            if (rc == 1) { mt__rdv_broadcast(r, &f, peer); r->failed = 1; }
+        } else {
+            if (closed) {
+                close(r->fd[0]); r->fd[0] = -1;
+                if (!r->finished) { mt__frame_set(&f, MT__RDV_FAIL, 0, "its process exited or was killed (connection lost)"); rc = 1; }
+            } else if (f.type == MT__RDV_BYE) {
+                r->finished = 1; rc = 2;
+            } else if (f.type == MT__RDV_FAIL) {
+                rc = 1;
+            }
+        }
+        pthread_mutex_unlock(&r->mu);
+        if (rc == 1) {
+            if (who) *who = f.rank;
+            if (why) snprintf(why, n, "%s", f.text);
+            return 1;
+        }
+        if (rc == 2) return 2;
+    }
     return 0;
 }
 

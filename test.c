@@ -67,6 +67,137 @@ static void make_batch(const mt_config *c, int step, int32_t *tok, int32_t *tgt)
     }
 }
 
+/* ======================================================================
+ * Many ranks on the CPU: thread-ranks sharing a world, against one rank
+ * that trains on the same global batch.
+ * ==================================================================== */
+#define MR_MAX 8
+typedef struct {
+    const mt_graph *g;
+    int steps;
+    uint64_t seed;
+    int route_to_first;          /* expert biases make every token pick experts 0..K-1 (rank 0's) */
+    int fail_rank, fail_step;    /* this rank gets a token outside the vocabulary at that step (-1: none) */
+    double loss[32], gnorm[32];  /* rank 0's view: the global loss and norm */
+    char err[MR_MAX][300];
+    int64_t recv_rows[MR_MAX];   /* most rows a rank's experts received in one step */
+    uint8_t *params[MR_MAX];     /* every master parameter (this rank's part), concatenated */
+    size_t param_bytes[MR_MAX];
+    mt_runtime *rt[MR_MAX];
+} mr_job;
+
+/* Global batch of step s: Bg sequences; rank r of dp trains on its B = Bg/dp. */
+static void mr_batch(const mt_config *c, int step, int Bg, int32_t *tok, int32_t *tgt) {
+    mt_rng r;
+    mt_rng_seed(&r, 5000 + (uint64_t)step);
+    int64_t n = (int64_t)Bg * c->seq_len;
+    for (int64_t i = 0; i < n; i++) {
+        tok[i] = (int32_t)(mt_rng_u64(&r) % (uint64_t)c->vocab_size);
+        tgt[i] = (int32_t)((tok[i] * 5 + 1 + (i % 3)) % c->vocab_size);
+    }
+}
+
+static int mr_rank(void *ctx, int rank, mt_world *w, mt_err *err) {
+    mr_job *j = (mr_job *)ctx;
+    const mt_graph *g = j->g;
+    const mt_config *c = &g->cfg;
+    mt_binding b;
+    mt_binding_single(&b);
+    b.rank = rank; b.world = mt_mesh_world(&g->mesh); b.cpu_world = b.world > 1 ? w : NULL; b.n_threads = 1;
+    mt_runtime *rt;
+    int rc = mt_runtime_create(&rt, g, &b, err);
+    if (rc) { snprintf(j->err[rank], sizeof j->err[rank], "%s", err->msg); return -1; }
+    j->rt[rank] = rt;   /* freed after every rank has stopped */
+    if (mt_runtime_init_params(rt, j->seed, err)) { snprintf(j->err[rank], sizeof j->err[rank], "%s", err->msg); return -1; }
+    if (j->route_to_first)
+        for (int v = 0; v < g->n_values; v++)
+            if (strstr(g->values[v].name, "e_score_correction_bias")) {
+                mt_real bias[4096];
+                for (int e = 0; e < c->n_routed_experts; e++) bias[e] = e < c->top_k ? 100 : 0;
+                mt_runtime_write(rt, v, bias, err);
+            }
+    int dp = b.world, B = c->batch, T = c->seq_len;
+    int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * dp * T), *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * dp * T);
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    hp.warmup_steps = 2;
+    for (int s = 0; s < j->steps && !rc; s++) {
+        mr_batch(c, s, B * dp, tok, tgt);
+        int32_t *mine = tok + (size_t)rank * B * T, *mt = tgt + (size_t)rank * B * T;
+        if (rank == j->fail_rank && s == j->fail_step) mine[3] = c->vocab_size;   /* bad input on one rank */
+        mt_step_stats st;
+        rc = mt_runtime_step(rt, mine, mt, s, &hp, &st, err);
+        if (rc) { snprintf(j->err[rank], sizeof j->err[rank], "%s", err->msg); break; }
+        if (rank == 0) { j->loss[s] = st.loss; j->gnorm[s] = st.grad_norm; }
+        if (mt_runtime_received_rows(rt) > j->recv_rows[rank]) j->recv_rows[rank] = mt_runtime_received_rows(rt);
+    }
+    free(tok); free(tgt);
+    if (rc) return -1;
+    size_t total = 0;
+    for (int v = 0; v < g->n_values; v++)
+        if (g->values[v].role == MT_ROLE_PARAM && g->values[v].param < 0) total += (size_t)g->values[v].nbytes;
+    j->params[rank] = (uint8_t *)malloc(total + 1);
+    j->param_bytes[rank] = total;
+    total = 0;
+    for (int v = 0; v < g->n_values; v++)
+        if (g->values[v].role == MT_ROLE_PARAM && g->values[v].param < 0) {
+            mt_runtime_read(rt, v, j->params[rank] + total, err);
+            total += (size_t)g->values[v].nbytes;
+        }
+    return 0;
+}
+
+static void mr_free(mr_job *j) {
+    for (int r = 0; r < MR_MAX; r++) { free(j->params[r]); mt_runtime_destroy(j->rt[r]); j->params[r] = NULL; j->rt[r] = NULL; }
+}
+/* Train on the graph's mesh; returns 0 or -1 with err naming the failed rank. */
+static int mr_run(mr_job *j, const mt_graph *g, int steps, mt_err *err) {
+    memset(j->loss, 0, sizeof j->loss);
+    memset(j->err, 0, sizeof j->err);
+    memset(j->recv_rows, 0, sizeof j->recv_rows);
+    j->g = g; j->steps = steps;
+    if (!j->seed) j->seed = 7;
+    return mt_run_thread_ranks(mt_mesh_world(&g->mesh), mr_rank, j, err);
+}
+/* The step graph of the small model for a mesh (per-rank batch b). */
+static int mr_compile(mt_graph *g, int rep, int shard, int ep, int b, int eager, mt_err *err) {
+    mt_config c;
+    mt_config_preset(&c, "tiny", err);
+    c.seq_len = 32; c.original_seq_len = 32; c.batch = b;
+    mt_mesh m;
+    mt_target t;
+    mt_passes p;
+    mt_target_cpu(&t);
+    if (eager) mt_passes_none(&p); else mt_passes_all(&p);
+    if (mt_mesh_init(&m, rep, shard, 1, ep, err)) return -1;
+    return mt_compile(g, &c, &m, &t, MT_GRAPH_TRAIN, &p, err);
+}
+static double max_rel(const double *a, const double *b, int n) {
+    double m = 0;
+    for (int i = 0; i < n; i++) { double r = fabs(a[i] - b[i]) / fabs(b[i]); if (r > m || r != r) m = r != r ? 1e30 : r; }
+    return m;
+}
+
+/* Losses over several ranks equal one rank's on the same global batch. */
+static void mr_equivalence(int rep, int shard, int ep, int steps, double tol1, double tol) {
+    mt_err e;
+    mt_graph g1, gm;
+    int dp = rep * shard;
+    char name[128];
+    snprintf(name, sizeof name, "%d ranks (dp_replicate %d, dp_shard %d, ep %d) = one rank on the global batch", dp, rep, shard, ep);
+    if (mr_compile(&g1, 1, 1, 1, 2 * dp, 0, &e) || mr_compile(&gm, rep, shard, ep, 2, 0, &e)) { report(name, 0, "%s", e.msg); return; }
+    mr_job a, b;
+    memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
+    a.fail_rank = b.fail_rank = -1;
+    int ok = mr_run(&a, &g1, steps, &e) == 0 && mr_run(&b, &gm, steps, &e) == 0;
+    double r1 = ok ? fabs(a.loss[0] - b.loss[0]) / a.loss[0] : 1, rn = ok ? max_rel(b.loss, a.loss, steps) : 1;
+    double rg = ok ? max_rel(b.gnorm, a.gnorm, steps) : 1;
+    report(name, ok && r1 <= tol1 && rn <= tol && rg <= 100 * tol, "step 1 %.1e, %d steps %.1e, grad norm %.1e %s", r1, steps, rn, rg,
+           ok ? "" : e.msg);
+    mr_free(&a); mr_free(&b);
+    mt_graph_free(&g1); mt_graph_free(&gm);
+}
+
 #endif
 
 #if MT_TEST_GPU
@@ -917,10 +1048,15 @@ static void test_gradcheck_model(void) {
     gradcheck_model("gradcheck whole model (softmax, YaRN, no shared)", &c);
 }
 
+static void test_multirank_f64(void) {
+    mr_equivalence(1, 2, 2, 3, 1e-12, 1e-10);
+    mr_equivalence(2, 2, 2, 3, 1e-12, 1e-10);
+}
 int main(void) {
     mt_rng_seed(&R, 42);
     test_gradcheck_ops();
     test_gradcheck_model();
+    test_multirank_f64();
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }
@@ -1562,6 +1698,83 @@ static void test_training_falls(void) {
  * the command-line tools
  * ==================================================================== */
 
+static void test_multirank(void) {
+    mt_err e;
+    /* the same global batch, any layout: FSDP, EP, HSDP */
+    mr_equivalence(1, 2, 1, 20, 1e-6, 1e-5);
+    mr_equivalence(1, 2, 2, 20, 1e-6, 1e-5);
+    mr_equivalence(1, 4, 4, 20, 1e-6, 1e-5);
+    mr_equivalence(1, 8, 8, 20, 1e-6, 1e-5);
+    mr_equivalence(2, 2, 2, 20, 1e-6, 1e-5);
+
+    /* two runs bitwise equal; replicas hold bitwise equal weights */
+    mt_graph g;
+    if (mr_compile(&g, 2, 2, 2, 2, 0, &e)) { report("multi-rank graph", 0, "%s", e.msg); return; }
+    mr_job a, b;
+    memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
+    a.fail_rank = b.fail_rank = -1;
+    int ok = mr_run(&a, &g, 5, &e) == 0 && mr_run(&b, &g, 5, &e) == 0;
+    int same = ok && bitwise_equal(a.loss, b.loss, 5) && bitwise_equal(a.gnorm, b.gnorm, 5);
+    for (int r = 0; ok && r < 4; r++) same &= a.param_bytes[r] == b.param_bytes[r] && !memcmp(a.params[r], b.params[r], a.param_bytes[r]);
+    report("4 ranks: two runs bitwise equal (losses, norms, every rank's weights)", same, "%s", ok ? "" : e.msg);
+    /* rank r and r+2 differ only in dp_replicate: the same shards, bitwise */
+    int rep = ok && a.param_bytes[0] == a.param_bytes[2] && a.param_bytes[1] == a.param_bytes[3] &&
+              !memcmp(a.params[0], a.params[2], a.param_bytes[0]) && !memcmp(a.params[1], a.params[3], a.param_bytes[1]) &&
+              memcmp(a.params[0], a.params[1], a.param_bytes[0] < a.param_bytes[1] ? a.param_bytes[0] : a.param_bytes[1]);
+    report("HSDP: replicas' weights bitwise equal after 5 steps (shards differ)", rep, NULL);
+    mr_free(&a); mr_free(&b);
+
+    /* precompiled on one rank, loaded by 4: bitwise the in-process run */
+    mt_graph g4, gl;
+    uint8_t *bytes = NULL;
+    size_t len = 0;
+    ok = mr_compile(&g4, 1, 4, 2, 2, 0, &e) == 0 && mt_artifact_write(&g4, &bytes, &len, &e) == 0 && mt_artifact_read(&gl, bytes, len, &e) == 0;
+    free(bytes);
+    memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
+    a.fail_rank = b.fail_rank = -1;
+    ok = ok && mr_run(&a, &g4, 6, &e) == 0 && mr_run(&b, &gl, 6, &e) == 0;
+    int pre = ok && bitwise_equal(a.loss, b.loss, 6) && bitwise_equal(a.gnorm, b.gnorm, 6);
+    for (int r = 0; ok && r < 4; r++) pre &= !memcmp(a.params[r], b.params[r], a.param_bytes[r]);
+    report("4 ranks: precompiled artifact = in-process compile, bitwise", pre, "%s", ok ? "" : e.msg);
+    mr_free(&a); mr_free(&b);
+    if (ok) mt_graph_free(&gl);
+    mt_graph_free(&g4);
+
+    /* every token to rank 0's experts: rank 1 receives none, and the step still equals one rank's */
+    mt_graph g1, g2;
+    ok = mr_compile(&g1, 1, 1, 1, 4, 0, &e) == 0 && mr_compile(&g2, 1, 2, 2, 2, 0, &e) == 0;
+    memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
+    a.fail_rank = b.fail_rank = -1; a.route_to_first = b.route_to_first = 1;
+    ok = ok && mr_run(&a, &g1, 1, &e) == 0 && mr_run(&b, &g2, 1, &e) == 0;
+    int64_t want = (int64_t)4 * 32 * 2 * (g2.cfg.n_layers - g2.cfg.n_dense_layers);   /* tokens x top-k x MoE layers */
+    report("EP: every token routed to one rank; the other receives none", ok && b.recv_rows[0] == want && b.recv_rows[1] == 0 &&
+           fabs(a.loss[0] - b.loss[0]) <= 1e-6 * a.loss[0], "rows %lld / %lld (want %lld / 0), loss %.7f vs %.7f %s",
+           (long long)b.recv_rows[0], (long long)b.recv_rows[1], (long long)want, b.loss[0], a.loss[0], ok ? "" : e.msg);
+    mr_free(&a); mr_free(&b);
+    mt_graph_free(&g1); mt_graph_free(&g2);
+
+    /* a rank that fails mid-run stops every rank, each with an error naming it */
+    memset(&a, 0, sizeof a);
+    a.fail_rank = 2; a.fail_step = 2;
+    int rc = mr_run(&a, &g, 5, &e);
+    int named = rc != 0 && strstr(e.msg, "rank 2") && strstr(a.err[2], "outside the vocabulary");
+    for (int r = 0; r < 4; r++) if (r != 2) named = named && strstr(a.err[r], "rank 2 failed");
+    report("a failing rank stops the others, each naming it", named, "%s | rank 0: %.80s", e.msg, a.err[0]);
+    mr_free(&a);
+
+    /* the graph keeps ranks symbolic: shards and coordinates, no literal rank */
+    int ag = 0, rs = 0, sym = 1, sharded = 0;
+    for (int i = 0; i < g.n_nodes; i++) {
+        const mt_node *n = &g.nodes[i];
+        ag += n->op == MT_OP_ALLGATHER; rs += n->op == MT_OP_REDUCE_SCATTER;
+        if (n->op == MT_OP_EP_COUNTS || n->op == MT_OP_EP_DISPATCH || n->op == MT_OP_EP_COMBINE) sym &= (n->sym_mask >> 4) & 1;
+    }
+    for (int v = 0; v < g.n_values; v++) sharded += g.values[v].role == MT_ROLE_PARAM && g.values[v].shard != 0;
+    report("FSDP + EP graph: gathers, reduce-scatters, symbolic coordinates", ag > 0 && rs > 0 && sym && sharded > 20,
+           "%d all-gathers, %d reduce-scatters, %d sharded params", ag, rs, sharded);
+    mt_graph_free(&g);
+}
+
 static int run_cmd(const char *cmd, char *out, size_t cap) {
     FILE *p = popen(cmd, "r");
     if (!p) return -1;
@@ -1621,6 +1834,40 @@ static void test_cli(void) {
     rc = run_cmd("./train --data /tmp/moetrain_cli_data.bin --vocab-size 200 --steps 1 2>&1", a, sizeof a);
     report("CLI: token beyond vocabulary refused", rc == 1 && strstr(a, "vocabulary"), "%.100s", a);
     remove("/tmp/moetrain_cli.mtg"); remove("/tmp/moetrain_cli_bad.mtg"); remove("/tmp/moetrain_cli_data.bin");
+
+    /* many ranks from the command line: CPU thread-ranks */
+    ra = run_cmd("./train --device cpu --nproc 4 --ep 2 --batch 2 --steps 4 --seed 1 2>&1", a, sizeof a);
+    rb = run_cmd("./train --device cpu --batch 8 --steps 4 --seed 1 2>&1", b, sizeof b);
+    int banner = strstr(a, "ranks: 4 (CPU threads)") && strstr(a, "global batch 8 x 64 (2 per rank)") != NULL;
+    keep_loss_lines(a); keep_loss_lines(b);
+    double worst = 1;
+    int lines = 0;
+    if (!ra && !rb) {
+        worst = 0;
+        for (char *p = a, *q = b; (p = strstr(p, "loss ")) && (q = strstr(q, "loss ")); p += 5, q += 5, lines++) {
+            double x = atof(p + 5), y = atof(q + 5), r = fabs(x - y) / y;
+            if (r > worst || r != r) worst = r;
+        }
+    }
+    report("CLI: --nproc 4 --ep 2 (thread-ranks) = one rank on the global batch", !ra && !rb && banner && lines == 4 && worst < 1e-5,
+           "%d lines, worst %.1e", lines, worst);
+    ra = run_cmd("./precompile --preset tiny --dp-shard 2 --ep 2 -o /tmp/moetrain_cli_mesh.mtg 2>&1 && "
+                 "./train --device cpu --graph /tmp/moetrain_cli_mesh.mtg --steps 4 --seed 1 2>&1", a, sizeof a);
+    rb = run_cmd("./train --device cpu --nproc 2 --ep 2 --steps 4 --seed 1 2>&1", b, sizeof b);
+    keep_loss_lines(a); keep_loss_lines(b);
+    report("CLI: precompile --dp-shard 2 --ep 2, train --graph = in-process on 2 ranks", !ra && !rb && strlen(a) > 50 && !strcmp(a, b),
+           "%s", ra || rb ? "a command failed" : "");
+    rc = run_cmd("./train --device cpu --graph /tmp/moetrain_cli_mesh.mtg --nproc 3 --steps 1 2>&1", a, sizeof a);
+    report("CLI: an artifact for another world size is refused, naming both", rc == 2 && strstr(a, "world of 2") && strstr(a, "3 ranks"),
+           "exit %d: %.160s", rc, a);
+    rd = run_cmd("./precompile --dump /tmp/moetrain_cli_mesh.mtg 2>&1", c, sizeof c);
+    report("CLI: --dump shows the communicator groups", rd == 0 && strstr(c, "== communicator groups") && strstr(c, "{0,1}") &&
+           strstr(c, "ALLGATHER") && strstr(c, "shard over dp_shard"), NULL);
+    rc = run_cmd("./train --device cpu --nproc 2 --ep 3 --steps 1 2>&1", a, sizeof a);
+    rc2 = run_cmd("./train --device cpu --nproc 2 --save /tmp/moetrain_ck_mr --steps 1 2>&1", b, sizeof b);
+    report("CLI: bad meshes and unsupported combinations refused", rc == 2 && strstr(a, "ep=3") && rc2 == 2 && strstr(b, "one rank"),
+           "%d %d: %.80s | %.80s", rc, rc2, a, b);
+    remove("/tmp/moetrain_cli_mesh.mtg");
 }
 
 int main(void) {
@@ -1634,6 +1881,7 @@ int main(void) {
     test_checkpoint();
     test_data();
     test_training_falls();
+    test_multirank();
     test_cli();
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;

@@ -1,21 +1,31 @@
-/* train — train a DeepSeek-V3-style MoE model.
+/* train — train a DeepSeek-V3-style MoE model, on one rank or many.
  *
  *   ./train                                   tiny model on the embedded corpus
  *   ./train --preset debug --data shard.bin   another preset, your tokens
+ *   ./train --preset debug                    one rank per visible GPU (no torchrun needed)
+ *   ./train --device cpu --nproc 4 --ep 2     four CPU thread-ranks
  *   ./train --graph step.mtg                  run a precompiled step graph
  *   ./train --load ckpt --forward tok.i32 --logits-out out.f32   forward only
  *
+ * Launchers: with RANK, WORLD_SIZE (and LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
+ * set, as torchrun, Slurm wrappers and mpirun scripts do, this process is one
+ * rank of that world; rank 0 hands out NCCL's id over TCP.
  * Run ./train --help for every option.
  */
 #define MOETRAIN_IMPLEMENTATION
 #include "moetrain.h"
 
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 
 typedef struct {
     const char *preset, *graph, *data, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
     int steps, log_every, threads, eager, seed, gpu, profile;
+    int nproc, dp_replicate, dp_shard, ep;   /* ranks; 0 = derive */
+    float timeout;                           /* seconds without progress before a rank gives up */
     float roof_tflops, roof_gbps;
     mt_hparams hp;
     int lr_set, decay_set;
@@ -29,7 +39,10 @@ static void usage(FILE *f) {
             "  --preset NAME        model preset: %s (default tiny)\n"
             "  --graph FILE         run a precompiled step graph (its config is used)\n"
             "  --device cpu|cuda    backend (default: cuda when this build has CUDA and a GPU is visible)\n"
-            "  --gpu N              CUDA device ordinal (default 0)\n"
+            "  --gpu N              CUDA device ordinal of a one-rank run (default 0; ranks use LOCAL_RANK)\n"
+            "  --nproc N            ranks to start (default: one per visible GPU; 1 on the CPU, where ranks are threads)\n"
+            "  --dp-replicate N --dp-shard N --ep N   mesh (defaults: 1, world / dp-replicate, 1); ep divides dp-shard\n"
+            "  --timeout S          a rank that makes no progress for S seconds stops every rank (default 600)\n"
             "  --data FILE          raw bytes, or an llm.c/nanoGPT .bin token shard (default: embedded corpus)\n"
             "  --steps N            optimizer steps (default 300)\n"
             "  --seed N             initialization and data-order seed (default 1)\n"
@@ -80,7 +93,7 @@ static int parse_args(int argc, char **argv, opts *o) {
     memset(o, 0, sizeof *o);
     o->preset = "tiny"; o->device = NULL;
     o->steps = 300; o->log_every = 1; o->seed = 1;
-    o->roof_tflops = 790; o->roof_gbps = 3000;
+    o->roof_tflops = 790; o->roof_gbps = 3000; o->timeout = 600;
     mt_hparams_default(&o->hp);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -106,6 +119,11 @@ static int parse_args(int argc, char **argv, opts *o) {
         else if (!strcmp(k, "seed")) rc = parse_int(a, v, 0, 0x7fffffff, &o->seed);
         else if (!strcmp(k, "threads")) rc = parse_int(a, v, 1, 64, &o->threads);
         else if (!strcmp(k, "gpu")) rc = parse_int(a, v, 0, 1023, &o->gpu);
+        else if (!strcmp(k, "nproc")) rc = parse_int(a, v, 1, 4096, &o->nproc);
+        else if (!strcmp(k, "dp-replicate")) rc = parse_int(a, v, 1, 4096, &o->dp_replicate);
+        else if (!strcmp(k, "dp-shard")) rc = parse_int(a, v, 1, 4096, &o->dp_shard);
+        else if (!strcmp(k, "ep")) rc = parse_int(a, v, 1, 4096, &o->ep);
+        else if (!strcmp(k, "timeout")) { rc = parse_float(a, v, &o->timeout); if (!rc && !(o->timeout > 0)) { fprintf(stderr, "train: --timeout takes seconds > 0\n"); rc = -1; } }
         else if (!strcmp(k, "log-every")) rc = parse_int(a, v, 1, 1 << 30, &o->log_every);
         else if (!strcmp(k, "lr")) { rc = parse_float(a, v, &o->hp.lr); o->lr_set = 1; }
         else if (!strcmp(k, "warmup")) rc = parse_int(a, v, 0, 1 << 30, &o->hp.warmup_steps);
@@ -288,8 +306,325 @@ static int run_forward(const opts *o, mt_config cfg) {
     return rc;
 }
 
+/* ------------------------------------------------------------------------
+ * Many ranks. A job is the model, its compiled (or loaded) step graph and
+ * the data, shared read-only by the ranks of this process: one rank per
+ * process on GPUs, every rank as a thread on the CPU.
+ * ---------------------------------------------------------------------- */
+
+typedef struct {
+    const opts *o;
+    mt_config cfg;
+    const mt_graph *g;         /* the step graph every rank binds */
+    const mt_dataset *ds;
+    int world, local_rank;     /* process ranks: this rank's local rank */
+    mt_rdv *rdv;               /* process ranks: the rendezvous (NULL for threads and one rank) */
+    uint8_t nccl_id[MT_NCCL_ID_BYTES];
+    double t_launch;           /* when this process started */
+    mt_runtime **rts;          /* per rank of this process (thread-ranks: all of them); freed after they end */
+    /* the watchdog's view of this process's rank */
+    volatile double last_progress;
+    volatile int finished, stop;
+    int rank;
+} job_t;
+
+/* What every rank does: bind, initialize, train; rank 0 reports. */
+static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
+    const opts *o = j->o;
+    const mt_config *cfg = &j->cfg;
+    const mt_graph *G = j->g;
+    int world = j->world, lead = rank == 0;
+    mt_binding bind;
+    mt_binding_single(&bind);
+    bind.rank = rank; bind.world = world; bind.local_rank = w ? rank : j->local_rank;
+    bind.device = world > 1 ? bind.local_rank : o->gpu;
+    bind.cpu_world = w;
+    memcpy(bind.nccl_id, j->nccl_id, sizeof bind.nccl_id);
+    bind.n_threads = o->threads;
+    if (w && !o->threads) {   /* thread-ranks share the cores */
+        int cores = (int)sysconf(_SC_NPROCESSORS_ONLN);
+        bind.n_threads = cores / world > 1 ? cores / world : 1;
+    }
+    mt_runtime *rt;
+    if (mt_runtime_create(&rt, G, &bind, err)) return -1;
+    j->rts[w ? rank : 0] = rt;   /* a failed rank's buffers stay until every rank has stopped reading them */
+    int step0 = 0;
+    if (mt_runtime_init_params(rt, (uint64_t)o->seed, err) || (o->load && mt_checkpoint_load(rt, o->load, &step0, err)))
+        return -1;
+    int B = cfg->batch, T = cfg->seq_len, E = cfg->n_routed_experts > 0 ? cfg->n_routed_experts : 1;
+    int dp = world / G->mesh.size[MT_DIM_TP], dp_rank = rank / G->mesh.size[MT_DIM_TP];
+    int on_gpu = mt_runtime_backend(rt) == MT_BACKEND_CUDA;
+    double flops_tok = mt_flops_per_token(cfg), tokens_global = (double)B * T * dp;
+    if (lead) {
+        mt_param_count pc;
+        mt_count_params(cfg, &pc);
+        char h1[32], h2[32], h3[32], mn[64];
+        printf("model: %lld parameters (%lld active per token), %d layers, %d experts top-%d | data: %s, %lld tokens\n",
+               (long long)pc.total, (long long)(pc.dense + pc.sparse_active), cfg->n_layers, cfg->n_routed_experts, cfg->top_k,
+               o->data ? o->data : "embedded corpus", (long long)j->ds->n);
+        printf("memory per rank: %s persistent + %s arena (naive %s) | %s | %s | uniform loss ln(%d) = %.4f\n",
+               mt__human((double)G->persist_bytes, h1), mt__human((double)G->arena_bytes, h2),
+               mt__human((double)G->naive_arena_bytes, h3), G->planned ? "planned" : "eager",
+               on_gpu ? "CUDA bf16" : "CPU fp32", cfg->vocab_size, log((double)cfg->vocab_size));
+        if (world > 1) {
+            printf("ranks: %d (%s) | mesh", world, w ? "CPU threads" : on_gpu ? "one process per GPU, NCCL" : "processes");
+            for (int d = 0; d < MT_NDIMS; d++) printf(" %s=%d", mt_dim_names[d], G->mesh.size[d]);
+            mt_mesh_mask_name(MT_DIMBIT(MT_DIM_DP_SHARD), mn, sizeof mn);
+            printf(" | global batch %d x %d (%d per rank)\n", B * dp, T, B);
+        }
+    }
+    FILE *mf = NULL;
+    if (lead && o->metrics && !(mf = fopen(o->metrics, "w"))) {
+        return mt_errf(err, "cannot write '%s'", o->metrics);
+    }
+    int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T), *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T);
+    int32_t *counts = (int32_t *)malloc(sizeof(int32_t) * (size_t)E);
+    double *curve = (double *)malloc(sizeof(double) * (size_t)(o->steps + 1));
+    double *times = (double *)malloc(sizeof(double) * (size_t)(o->steps + 1));
+    int rc = 0, per_rank = world <= 31;
+    double t_start = mt_now(), first_loss = 0, last_loss = 0, peak_max = 0;
+    for (int s = 0; s < o->steps && !rc; s++) {
+        int step = step0 + s;
+        mt_step_stats st;
+        j->last_progress = mt_now();
+        if (mt_data_batch_at(j->ds, (uint64_t)o->seed, step, dp_rank, dp, B, T, tok, tgt, err) ||
+            mt_runtime_step(rt, tok, tgt, step, &o->hp, &st, err)) {
+            rc = -1;
+            break;
+        }
+        if (s == 0 && lead && world > 1)
+            printf("first step done %.2f s after launch\n", mt_now() - j->t_launch);
+        if (!isfinite(st.loss)) {
+            mt_errf(err, "the loss is %g at step %d: training diverged (try a smaller --lr)", st.loss, step + 1);
+            rc = -1;
+            break;
+        }
+        /* across ranks: the slowest step, the largest memory, and per rank its time and received rows */
+        double x[64] = {0};
+        x[0] = st.seconds; x[1] = (double)mt_runtime_peak_bytes(rt);
+        if (per_rank) { x[2 + rank] = st.seconds; x[2 + world + rank] = (double)mt_runtime_received_rows(rt); }
+        double mx[2] = {x[0], x[1]};
+        if (world > 1 && (mt_runtime_allreduce_host(rt, mx, 2, 1, err) ||
+                          (per_rank && mt_runtime_allreduce_host(rt, x + 2, 2 * world, 0, err)))) { rc = -1; break; }
+        double secs = mx[0];
+        peak_max = mx[1];
+        curve[s] = st.loss;
+        times[s] = secs;
+        if (s == 0) first_loss = st.loss;
+        last_loss = st.loss;
+        double tps = tokens_global / secs;
+        double lb = load_imbalance(rt, counts, E);
+        if (lead && ((s + 1) % o->log_every == 0 || s == 0 || s + 1 == o->steps)) {
+            printf("step %5d | loss %.6f | grad_norm %8.4f | lr %.3e | %8.0f tok/s", step + 1, st.loss, st.grad_norm, st.lr, tps);
+            if (world > 1) printf(" (%.0f/rank)", tps / world);
+            printf(" | %7.1f ms | load max/mean %.2f", 1e3 * secs, lb);
+            if (on_gpu)
+                printf(" | mfu %.1f%% | mem %.2f GiB", 100.0 * tps / world * flops_tok / 989e12, peak_max / 1073741824.0);
+            if (mt_runtime_host_syncs(rt)) printf(" | %d host syncs", mt_runtime_host_syncs(rt));
+            printf("\n");
+        }
+        if (mf) {
+            fprintf(mf, "{\"step\":%d,\"loss\":%.9g,\"grad_norm\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"step_ms\":%.3f,"
+                        "\"ranks\":%d,\"host_syncs\":%d,\"peak_bytes_max\":%.0f",
+                    step + 1, st.loss, st.grad_norm, st.lr, tps, 1e3 * secs, world, mt_runtime_host_syncs(rt), peak_max);
+            if (world > 1 && per_rank) {
+                fprintf(mf, ",\"rank_step_ms\":[");
+                for (int r = 0; r < world; r++) fprintf(mf, "%s%.3f", r ? "," : "", 1e3 * x[2 + r]);
+                fprintf(mf, "],\"rank_received_rows\":[");
+                for (int r = 0; r < world; r++) fprintf(mf, "%s%.0f", r ? "," : "", x[2 + world + r]);
+                fprintf(mf, "]");
+            }
+            fprintf(mf, ",\"expert_load\":[");
+            for (int i = 0; i < mt_runtime_n_moe_layers(rt); i++) {
+                mt_runtime_expert_counts(rt, i, counts);
+                fprintf(mf, "%s[", i ? "," : "");
+                for (int e = 0; e < E; e++) fprintf(mf, "%s%d", e ? "," : "", counts[e]);
+                fprintf(mf, "]");
+            }
+            fprintf(mf, "]}\n");
+            fflush(mf);
+        }
+    }
+    j->last_progress = mt_now();
+    if (!rc && o->steps > 0 && lead) {
+        printf("done: %d steps in %.1f s, loss %.4f -> %.4f\n", o->steps, mt_now() - t_start, first_loss, last_loss);
+        int skip = o->steps > 4 ? 2 : 0, nt = o->steps - skip;   /* the median step after two warm-up steps */
+        qsort(times + skip, (size_t)nt, sizeof(double), cmp_double);
+        double med = times[skip + nt / 2], tps = tokens_global / med;
+        printf("summary: preset=%s device=%s mode=%s ranks=%d tokens=%.0f median_step_ms=%.2f tokens_per_s=%.0f "
+               "tokens_per_s_per_rank=%.0f mfu=%.2f%% peak_mem_gib=%.2f flops_per_token=%.0f host_syncs=%d\n",
+               o->graph ? o->graph : o->preset, on_gpu ? "cuda" : "cpu", o->eager ? "eager" : "compiled", world, tokens_global,
+               1e3 * med, tps, tps / world, on_gpu ? 100.0 * tps / world * flops_tok / 989e12 : 0.0, peak_max / 1073741824.0,
+               flops_tok, mt_runtime_host_syncs(rt));
+    }
+    if (!rc && o->profile && o->steps > 0) {   /* every rank steps; rank 0 prints */
+        mt_step_stats st;
+        mt_runtime_set_profile(rt, 1);
+        if (mt_data_batch_at(j->ds, (uint64_t)o->seed, step0 + o->steps, dp_rank, dp, B, T, tok, tgt, err) ||
+            mt_runtime_step(rt, tok, tgt, step0 + o->steps, &o->hp, &st, err))
+            rc = -1;
+        else if (lead) {
+            int skip = o->steps > 4 ? 2 : 0;
+            print_profile(rt, o, 1e3 * times[skip + (o->steps - skip) / 2]);
+        }
+        mt_runtime_set_profile(rt, 0);
+    }
+    if (mf) fclose(mf);
+    if (!rc && lead && o->svg && o->steps > 0) {
+        char title[128];
+        snprintf(title, sizeof title, "moetrain loss (%s, seed %d)", o->graph ? o->graph : o->preset, o->seed);
+        if (mt_write_svg(o->svg, curve, o->steps, title, err)) rc = -1;
+    }
+    if (!rc && o->save) {
+        if (mt_checkpoint_save(rt, o->save, step0 + o->steps, err)) rc = -1;
+        else printf("saved %s/model.safetensors, config.json, optimizer.safetensors\n", o->save);
+    }
+    free(tok); free(tgt); free(counts); free(curve); free(times);
+    return rc ? -1 : 0;
+}
+
+static int thread_rank(void *ctx, int rank, mt_world *w, mt_err *err) { return train_rank((job_t *)ctx, rank, w, err); }
+
+/* The watchdog of a process rank: it relays failures between ranks, and if
+ * any rank fails, dies, or this one stops making progress, it stops this
+ * process within seconds (a blocked collective never returns by itself). */
+static void *watchdog(void *arg) {
+    job_t *j = (job_t *)arg;
+    char why[300], msg[512];
+    int who = -1;
+    while (!j->stop) {
+        int k = mt_rdv_poll(j->rdv, 200, &who, why, sizeof why);
+        if (k == 2) { j->finished = 1; return NULL; }
+        mt_err e;
+        int fail = 0;
+        if (k == 1) {
+            snprintf(msg, sizeof msg, "rank %d: stopping: rank %d failed: %s", j->rank, who, why);
+            fail = 1;
+        } else if (j->rts[0] && mt_runtime_comm_error(j->rts[0], &e)) {
+            snprintf(msg, sizeof msg, "rank %d: %s", j->rank, e.msg);
+            mt_rdv_fail(j->rdv, e.msg);
+            fail = 1;
+        } else if (!j->finished && mt_now() - j->last_progress > j->o->timeout) {
+            snprintf(why, sizeof why, "no progress for %.0f s (stuck in a collective? see --timeout)", (double)j->o->timeout);
+            snprintf(msg, sizeof msg, "rank %d: %s", j->rank, why);
+            mt_rdv_fail(j->rdv, why);
+            fail = 1;
+        }
+        if (fail) {
+            fprintf(stderr, "train: %s\n", msg);
+            fflush(stderr); fflush(stdout);
+            mt_runtime_abort(j->rts[0]);   /* pending NCCL calls return; the process ends either way */
+            _exit(1);
+        }
+    }
+    return NULL;
+}
+
+/* One rank of a multi-process world (a launcher set RANK, WORLD_SIZE, ...). */
+static int process_rank(job_t *j, int rank, const char *addr, int port) {
+    mt_err err;
+    j->rank = rank;
+    j->last_progress = mt_now();
+#ifdef MT_CUDA
+    if (rank == 0 && mt_nccl_unique_id(j->nccl_id, &err)) { fprintf(stderr, "train: rank 0: %s\n", err.msg); return 1; }
+#endif
+    if (mt_rdv_open(&j->rdv, addr, port, rank, j->world, j->nccl_id, sizeof j->nccl_id, j->o->timeout, &err)) {
+        fprintf(stderr, "train: rank %d: %s\n", rank, err.msg);
+        return 1;
+    }
+    pthread_t th;
+    if (pthread_create(&th, NULL, watchdog, j)) { fprintf(stderr, "train: rank %d: cannot start the watchdog\n", rank); return 1; }
+    if (train_rank(j, rank, NULL, &err)) {
+        fprintf(stderr, "train: rank %d: %s\n", rank, err.msg);
+        fflush(stderr); fflush(stdout);
+        mt_rdv_fail(j->rdv, err.msg);
+        mt_runtime_abort(j->rts[0]);
+        _exit(1);
+    }
+    mt_rdv_done(j->rdv);   /* the orderly end: every rank done, then rank 0 says bye */
+    double t0 = mt_now();
+    while (!j->finished && mt_now() - t0 < 60) mt__sleep_ms(20);
+    j->stop = 1;
+    pthread_join(th, NULL);
+    mt_rdv_close(j->rdv);
+    return 0;
+}
+
+/* ./train with no launcher and several GPUs: start one process per rank (this
+ * same program, with the launcher's variables set), watch them, and if one
+ * fails or dies, stop the rest. */
+static volatile sig_atomic_t g_signal;
+static void on_signal(int s) { g_signal = s; }
+static int supervise(int argc, char **argv, int n) {
+    (void)argc;
+    mt_err err;
+    int port = mt_free_port(&err);
+    if (port < 0) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
+    pid_t parent = getpid(), *pid = (pid_t *)calloc((size_t)n, sizeof(pid_t));
+    int *alive = (int *)calloc((size_t)n, sizeof(int));
+    char v[32];
+    fflush(stdout); fflush(stderr);
+    for (int r = 0; r < n; r++) {
+        pid[r] = fork();
+        if (pid[r] < 0) { fprintf(stderr, "train: fork: %s\n", strerror(errno)); for (int q = 0; q < r; q++) kill(pid[q], SIGKILL); return 1; }
+        if (pid[r] == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGKILL);   /* no orphans if the launcher dies */
+            if (getppid() != parent) _exit(1);
+            snprintf(v, sizeof v, "%d", r); setenv("RANK", v, 1); setenv("LOCAL_RANK", v, 1);
+            snprintf(v, sizeof v, "%d", n); setenv("WORLD_SIZE", v, 1); setenv("LOCAL_WORLD_SIZE", v, 1);
+            snprintf(v, sizeof v, "%d", port); setenv("MASTER_PORT", v, 1);
+            setenv("MASTER_ADDR", "127.0.0.1", 1);
+            execv("/proc/self/exe", argv);
+            fprintf(stderr, "train: rank %d: exec: %s\n", r, strerror(errno));
+            _exit(127);
+        }
+        alive[r] = 1;
+    }
+    signal(SIGINT, on_signal); signal(SIGTERM, on_signal);
+    int failed = 0, left = n, forwarded = 0;
+    double deadline = 0;
+    while (left > 0) {
+        int st;
+        pid_t p = waitpid(-1, &st, WNOHANG);
+        if (p > 0) {
+            int r = 0;
+            while (r < n && pid[r] != p) r++;
+            if (r == n) continue;
+            alive[r] = 0; left--;
+            if (WIFSIGNALED(st)) fprintf(stderr, "train: rank %d was killed by signal %d (%s)\n", r, WTERMSIG(st), strsignal(WTERMSIG(st)));
+            else if (WEXITSTATUS(st)) fprintf(stderr, "train: rank %d exited with status %d\n", r, WEXITSTATUS(st));
+            if ((WIFSIGNALED(st) || WEXITSTATUS(st)) && !failed) { failed = 1; deadline = mt_now() + 10; }
+            continue;
+        }
+        if (g_signal && !forwarded) {
+            for (int r = 0; r < n; r++) if (alive[r]) kill(pid[r], (int)g_signal);
+            forwarded = 1; failed = 1; deadline = mt_now() + 10;
+        }
+        if (failed && mt_now() > deadline) {   /* the ranks stop themselves; these did not */
+            for (int r = 0; r < n; r++)
+                if (alive[r]) { fprintf(stderr, "train: rank %d did not stop: killing it\n", r); kill(pid[r], SIGKILL); }
+            deadline = mt_now() + 1e9;
+        }
+        mt__sleep_ms(20);
+    }
+    free(pid); free(alive);
+    return failed ? 1 : 0;
+}
+
+static int env_int(const char *name, int dflt, int lo, int hi, int *out) {
+    const char *v = getenv(name);
+    if (!v || !*v) { *out = dflt; return 0; }
+    char *end;
+    long x = strtol(v, &end, 10);
+    if (*end || x < lo || x > hi) { fprintf(stderr, "train: %s=%s is not an integer in %d..%d\n", name, v, lo, hi); return -1; }
+    *out = (int)x;
+    return 0;
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);   /* one line per step, also into pipes and files */
+    double t_launch = mt_now();
+    setenv("NCCL_NVLS_ENABLE", "0", 0);  /* no NVLink multicast unless the user asks for it */
     opts o;
     if (parse_args(argc, argv, &o)) return 2;
     mt_err err;
@@ -306,6 +641,12 @@ int main(int argc, char **argv) {
         }
         if (mt_artifact_load(&g, o.graph, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
         if (g.kind != MT_GRAPH_TRAIN) { fprintf(stderr, "train: '%s' is a forward-only graph\n", o.graph); mt_graph_free(&g); return 1; }
+        if (!strcmp(o.device, "cuda") != (g.target.backend == MT_BACKEND_CUDA)) {
+            fprintf(stderr, "train: '%s' was compiled for %s; this run is on %s (precompile with --device %s)\n", o.graph,
+                    g.target.backend == MT_BACKEND_CUDA ? "cuda" : "cpu", o.device, o.device);
+            mt_graph_free(&g);
+            return 2;
+        }
         cfg = g.cfg;
         have_graph = 1;
     } else if (o.load) {
@@ -321,42 +662,83 @@ int main(int argc, char **argv) {
         mt_hparams_for_config(&d, &cfg);
         o.hp.lr = d.lr;
     }
-    if (o.forward) return run_forward(&o, cfg);
+    if (o.forward) {
+        if (o.nproc > 1 || getenv("WORLD_SIZE")) { fprintf(stderr, "train: --forward runs on one rank\n"); return 2; }
+        return run_forward(&o, cfg);
+    }
 
-    /* 2. compile in-process unless an artifact was given */
+    /* 2. the ranks: a launcher's world, or ours */
+    int launched = getenv("RANK") && getenv("WORLD_SIZE");
+    int world = 1, rank = 0, local_rank = 0, port = 29500, gpus = 0, on_cuda = !strcmp(o.device, "cuda");
+#ifdef MT_CUDA
+    if (on_cuda) gpus = mt_cuda_device_count();
+#endif
+    if (launched) {
+        if (env_int("WORLD_SIZE", 1, 1, 1 << 20, &world) || env_int("RANK", 0, 0, world - 1, &rank) ||
+            env_int("LOCAL_RANK", rank, 0, 1 << 20, &local_rank) || env_int("MASTER_PORT", 29500, 1, 65535, &port))
+            return 2;
+        if (o.nproc && o.nproc != world) { fprintf(stderr, "train: --nproc %d but the launcher set WORLD_SIZE=%d\n", o.nproc, world); return 2; }
+        if (world > 1 && !on_cuda) {
+            fprintf(stderr, "train: CPU ranks are threads of one process: run './train --device cpu --nproc %d' without RANK/WORLD_SIZE\n", world);
+            return 2;
+        }
+        if (on_cuda && local_rank >= gpus) {
+            fprintf(stderr, "train: rank %d: LOCAL_RANK=%d but this host has %d visible GPU%s\n", rank, local_rank, gpus, gpus == 1 ? "" : "s");
+            return 2;
+        }
+    } else {
+        world = o.nproc ? o.nproc : have_graph ? mt_mesh_world(&g.mesh) : on_cuda ? (gpus > 0 ? gpus : 1) : 1;
+        if (on_cuda && world > gpus) {
+            fprintf(stderr, "train: %d ranks need %d GPUs; %d %s visible (one rank per GPU)\n", world, world, gpus, gpus == 1 ? "is" : "are");
+            return 2;
+        }
+    }
+    if (have_graph && mt_mesh_world(&g.mesh) != world) {
+        fprintf(stderr, "train: '%s' was precompiled for a world of %d ranks (mesh", o.graph, mt_mesh_world(&g.mesh));
+        for (int d = 0; d < MT_NDIMS; d++) fprintf(stderr, " %s=%d", mt_dim_names[d], g.mesh.size[d]);
+        fprintf(stderr, "); this launch has %d ranks\n", world);
+        mt_graph_free(&g);
+        return 2;
+    }
+    if (world > 1 && (o.save || o.load)) {
+        fprintf(stderr, "train: --save and --load work on one rank for now (checkpoints of sharded runs are not written yet)\n");
+        mt_graph_free(&g);
+        return 2;
+    }
+    if (!launched && world > 1 && on_cuda) return supervise(argc, argv, world);   /* one process per GPU */
+
+    /* 3. the step graph: compiled here unless an artifact was given */
     if (!have_graph) {
         mt_mesh mesh;
         mt_target tgt;
         mt_passes passes;
-        mt_mesh_single(&mesh);
+        int rep = o.dp_replicate ? o.dp_replicate : 1;
+        int shard = o.dp_shard ? o.dp_shard : world / rep;
+        if (rep * shard != world) {
+            fprintf(stderr, "train: the mesh dp-replicate %d x dp-shard %d = %d does not match %d ranks\n", rep, shard, rep * shard, world);
+            return 2;
+        }
+        if (mt_mesh_init(&mesh, rep, shard, 1, o.ep ? o.ep : 1, &err) || mt_mesh_validate(&mesh, &cfg, &err)) {
+            fprintf(stderr, "train: %s\n", err.msg);
+            return 2;
+        }
         choose_target(&o, &tgt);
         if (o.eager) mt_passes_none(&passes); else mt_passes_all(&passes);
         double t0 = mt_now();
         if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_TRAIN, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
-        printf("compiled the step graph in %.2f s: %d nodes, %d values\n", mt_now() - t0, g.n_nodes, g.n_values);
-    } else {
+        if (rank == 0) printf("compiled the step graph in %.2f s: %d nodes, %d values\n", mt_now() - t0, g.n_nodes, g.n_values);
+    } else if (rank == 0) {
         printf("loaded the step graph from %s: %d nodes, %d values\n", o.graph, g.n_nodes, g.n_values);
-    }
-
-    /* 3. bind to this process (one rank, CPU) */
-    mt_binding bind;
-    mt_binding_single(&bind);
-    bind.n_threads = o.threads;
-    bind.device = o.gpu;
-    mt_runtime *rt;
-    if (mt_runtime_create(&rt, &g, &bind, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_graph_free(&g); return 1; }
-    int step0 = 0;
-    if (mt_runtime_init_params(rt, (uint64_t)o.seed, &err) || (o.load && mt_checkpoint_load(rt, o.load, &step0, &err))) {
-        fprintf(stderr, "train: %s\n", err.msg);
-        mt_runtime_destroy(rt); mt_graph_free(&g);
-        return 1;
+    } else if (o.dp_shard || o.dp_replicate || o.ep) {
+        fprintf(stderr, "train: --graph fixes the mesh; re-run precompile to change it\n");
+        return 2;
     }
 
     /* 4. data */
     mt_dataset ds;
     if (o.data ? mt_data_load(&ds, o.data, &err) : mt_data_default(&ds, &err)) {
         fprintf(stderr, "train: %s\n", err.msg);
-        mt_runtime_destroy(rt); mt_graph_free(&g);
+        mt_graph_free(&g);
         return 1;
     }
     if (ds.max_token >= cfg.vocab_size || ds.n < (int64_t)cfg.seq_len + 1) {
@@ -364,109 +746,29 @@ int main(int argc, char **argv) {
             fprintf(stderr, "train: the data holds token %d but the vocabulary has %d entries (set --vocab-size)\n", ds.max_token, cfg.vocab_size);
         else
             fprintf(stderr, "train: the data has %lld tokens, fewer than one sequence of %d\n", (long long)ds.n, cfg.seq_len + 1);
-        mt_data_free(&ds); mt_runtime_destroy(rt); mt_graph_free(&g);
+        mt_data_free(&ds); mt_graph_free(&g);
         return 1;
     }
 
-    mt_param_count pc;
-    mt_count_params(&cfg, &pc);
-    char h1[32], h2[32], h3[32];
-    printf("model: %lld parameters (%lld active per token), %d layers, %d experts top-%d | data: %s, %lld tokens\n",
-           (long long)pc.total, (long long)(pc.dense + pc.sparse_active), cfg.n_layers, cfg.n_routed_experts, cfg.top_k,
-           o.data ? o.data : "embedded corpus", (long long)ds.n);
-    printf("memory: %s persistent + %s arena (naive %s) | %s | %s | uniform loss ln(%d) = %.4f\n",
-           mt__human((double)g.persist_bytes, h1), mt__human((double)g.arena_bytes, h2),
-           mt__human((double)g.naive_arena_bytes, h3), g.planned ? "planned" : "eager",
-           mt_runtime_backend(rt) == MT_BACKEND_CUDA ? "CUDA bf16" : "CPU fp32", cfg.vocab_size, log((double)cfg.vocab_size));
-    int on_gpu = mt_runtime_backend(rt) == MT_BACKEND_CUDA;
-    double flops_tok = mt_flops_per_token(&cfg);
-    mt_graph_free(&g);
-
-    FILE *mf = NULL;
-    if (o.metrics && !(mf = fopen(o.metrics, "w"))) {
-        fprintf(stderr, "train: cannot write '%s'\n", o.metrics);
-        mt_data_free(&ds); mt_runtime_destroy(rt);
-        return 1;
+    /* 5. train: one rank here, every rank as a thread, or this process's rank */
+    job_t *j = (job_t *)calloc(1, sizeof *j);
+    j->o = &o; j->cfg = cfg; j->g = &g; j->ds = &ds; j->world = world; j->local_rank = local_rank; j->t_launch = t_launch;
+    j->rts = (mt_runtime **)calloc((size_t)world, sizeof(mt_runtime *));
+    int rc;
+    if (launched && world > 1) {
+        const char *addr = getenv("MASTER_ADDR");
+        rc = process_rank(j, rank, addr && *addr ? addr : "127.0.0.1", port);
+    } else if (world > 1) {
+        rc = mt_run_thread_ranks(world, thread_rank, j, &err) ? 1 : 0;
+        if (rc) fprintf(stderr, "train: %s\n", err.msg);
+    } else {
+        rc = train_rank(j, 0, NULL, &err) ? 1 : 0;
+        if (rc) fprintf(stderr, "train: %s\n", err.msg);
     }
-    int B = cfg.batch, T = cfg.seq_len, E = cfg.n_routed_experts > 0 ? cfg.n_routed_experts : 1;
-    int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T), *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T);
-    int32_t *counts = (int32_t *)malloc(sizeof(int32_t) * (size_t)E);
-    double *curve = (double *)malloc(sizeof(double) * (size_t)(o.steps + 1));
-    double *times = (double *)malloc(sizeof(double) * (size_t)(o.steps + 1));
-    int rc = 0;
-    double t_start = mt_now(), first_loss = 0, last_loss = 0;
-    for (int s = 0; s < o.steps; s++) {
-        int step = step0 + s;
-        mt_step_stats st;
-        if (mt_data_batch_at(&ds, (uint64_t)o.seed, step, 0, 1, B, T, tok, tgt, &err) || mt_runtime_step(rt, tok, tgt, step, &o.hp, &st, &err)) {
-            fprintf(stderr, "train: %s\n", err.msg);
-            rc = 1;
-            break;
-        }
-        if (!isfinite(st.loss)) {
-            fprintf(stderr, "train: the loss is %g at step %d: training diverged (try a smaller --lr)\n", st.loss, step + 1);
-            rc = 1;
-            break;
-        }
-        curve[s] = st.loss;
-        times[s] = st.seconds;
-        if (s == 0) first_loss = st.loss;
-        last_loss = st.loss;
-        double tps = (double)B * T / st.seconds;
-        double lb = load_imbalance(rt, counts, E);
-        if ((s + 1) % o.log_every == 0 || s == 0 || s + 1 == o.steps) {
-            printf("step %5d | loss %.6f | grad_norm %8.4f | lr %.3e | %8.0f tok/s | %7.1f ms | load max/mean %.2f", step + 1,
-                   st.loss, st.grad_norm, st.lr, tps, 1e3 * st.seconds, lb);
-            if (on_gpu) printf(" | mfu %.1f%% | mem %.2f GiB", 100.0 * tps * flops_tok / 989e12, mt_runtime_peak_bytes(rt) / 1073741824.0);
-            printf("\n");
-        }
-        if (mf) {
-            fprintf(mf, "{\"step\":%d,\"loss\":%.9g,\"grad_norm\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"step_ms\":%.3f,\"expert_load\":[",
-                    step + 1, st.loss, st.grad_norm, st.lr, tps, 1e3 * st.seconds);
-            for (int i = 0; i < mt_runtime_n_moe_layers(rt); i++) {
-                mt_runtime_expert_counts(rt, i, counts);
-                fprintf(mf, "%s[", i ? "," : "");
-                for (int e = 0; e < E; e++) fprintf(mf, "%s%d", e ? "," : "", counts[e]);
-                fprintf(mf, "]");
-            }
-            fprintf(mf, "]}\n");
-            fflush(mf);
-        }
-    }
-    if (!rc && o.steps > 0) {
-        printf("done: %d steps in %.1f s, loss %.4f -> %.4f\n", o.steps, mt_now() - t_start, first_loss, last_loss);
-        /* the timing summary: median step after two warm-up steps */
-        int skip = o.steps > 4 ? 2 : 0, nt = o.steps - skip;
-        qsort(times + skip, (size_t)nt, sizeof(double), cmp_double);
-        double med = times[skip + nt / 2], tps = (double)B * T / med;
-        printf("summary: preset=%s device=%s mode=%s tokens=%d median_step_ms=%.2f tokens_per_s=%.0f mfu=%.2f%% "
-               "peak_mem_gib=%.2f flops_per_token=%.0f\n",
-               o.graph ? o.graph : o.preset, on_gpu ? "cuda" : "cpu", o.eager ? "eager" : "compiled", B * T, 1e3 * med, tps,
-               on_gpu ? 100.0 * tps * flops_tok / 989e12 : 0.0, mt_runtime_peak_bytes(rt) / 1073741824.0, flops_tok);
-        if (o.profile) {
-            mt_step_stats st;
-            mt_runtime_set_profile(rt, 1);
-            if (mt_data_batch_at(&ds, (uint64_t)o.seed, step0 + o.steps, 0, 1, B, T, tok, tgt, &err) || mt_runtime_step(rt, tok, tgt, step0 + o.steps, &o.hp, &st, &err)) {
-                fprintf(stderr, "train: %s\n", err.msg);
-                rc = 1;
-            } else {
-                print_profile(rt, &o, 1e3 * med);
-            }
-            mt_runtime_set_profile(rt, 0);
-        }
-    }
-    if (mf) fclose(mf);
-    if (!rc && o.svg && o.steps > 0) {
-        char title[128];
-        snprintf(title, sizeof title, "moetrain loss (%s, seed %d)", o.graph ? o.graph : o.preset, o.seed);
-        if (mt_write_svg(o.svg, curve, o.steps, title, &err)) { fprintf(stderr, "train: %s\n", err.msg); rc = 1; }
-    }
-    if (!rc && o.save) {
-        if (mt_checkpoint_save(rt, o.save, step0 + o.steps, &err)) { fprintf(stderr, "train: %s\n", err.msg); rc = 1; }
-        else printf("saved %s/model.safetensors, config.json, optimizer.safetensors\n", o.save);
-    }
-    free(tok); free(tgt); free(counts); free(curve); free(times);
+    for (int r = 0; r < world; r++) mt_runtime_destroy(j->rts[r]);
+    free(j->rts);
+    free(j);
     mt_data_free(&ds);
-    mt_runtime_destroy(rt);
+    mt_graph_free(&g);
     return rc;
 }
