@@ -6311,7 +6311,7 @@ static int mt__recv_frame(int fd, mt__frame *f) {   /* 0 ok, -1 closed or error 
         if (k <= 0) { if (k < 0 && errno == EINTR) continue; return -1; }
         p += k; left -= (size_t)k;
     }
-    f->text[sizeof f->text - 1] = 0;
+    if (f->type != MT__RDV_BLOB) f->text[sizeof f->text - 1] = 0;   /* text frames are strings; a blob piece is bytes */
     return 0;
 }
 static int mt__recv_timeout(int fd, mt__frame *f, double timeout_s) {
@@ -6454,6 +6454,10 @@ int mt_rdv_open(mt_rdv **out, const char *addr, int port, int rank, int world, u
                 else mt_errf(err, "rank %d: no answer from rank 0 during the rendezvous", rank);
                 mt_rdv_close(r);
                 return -1;
+            }
+            if (f.len < 0 || (size_t)f.len > len - at || (size_t)f.len > sizeof f.text) {
+                mt_rdv_close(r);
+                return mt_errf(err, "rank %d: a malformed rendezvous message", rank);
             }
             memcpy(blob + at, f.text, (size_t)f.len);
             if (len == 0) break;

@@ -67,9 +67,12 @@ static void make_batch(const mt_config *c, int step, int32_t *tok, int32_t *tgt)
     }
 }
 
+#endif
+
 /* ======================================================================
- * Many ranks on the CPU: thread-ranks sharing a world, against one rank
- * that trains on the same global batch.
+ * Many ranks as threads of this process: CPU ranks share a world; CUDA
+ * ranks (one GPU each) share NCCL's id. Against one rank that trains on the
+ * same global batch.
  * ==================================================================== */
 #define MR_MAX 8
 typedef struct {
@@ -84,6 +87,7 @@ typedef struct {
     uint8_t *params[MR_MAX];     /* every master parameter (this rank's part), concatenated */
     size_t param_bytes[MR_MAX];
     mt_runtime *rt[MR_MAX];
+    uint8_t nccl_id[MT_NCCL_ID_BYTES];   /* CUDA ranks */
 } mr_job;
 
 /* Global batch of step s: Bg sequences; rank r of dp trains on its B = Bg/dp. */
@@ -103,7 +107,9 @@ static int mr_rank(void *ctx, int rank, mt_world *w, mt_err *err) {
     const mt_config *c = &g->cfg;
     mt_binding b;
     mt_binding_single(&b);
-    b.rank = rank; b.world = mt_mesh_world(&g->mesh); b.cpu_world = b.world > 1 ? w : NULL; b.n_threads = 1;
+    b.rank = rank; b.world = mt_mesh_world(&g->mesh); b.n_threads = 1;
+    if (g->target.backend == MT_BACKEND_CPU) b.cpu_world = b.world > 1 ? w : NULL;
+    else { b.device = rank; b.local_rank = rank; memcpy(b.nccl_id, j->nccl_id, sizeof b.nccl_id); }
     mt_runtime *rt;
     int rc = mt_runtime_create(&rt, g, &b, err);
     if (rc) { snprintf(j->err[rank], sizeof j->err[rank], "%s", err->msg); return -1; }
@@ -113,8 +119,9 @@ static int mr_rank(void *ctx, int rank, mt_world *w, mt_err *err) {
         for (int v = 0; v < g->n_values; v++)
             if (strstr(g->values[v].name, "e_score_correction_bias")) {
                 mt_real bias[4096];
-                for (int e = 0; e < c->n_routed_experts; e++) bias[e] = e < c->top_k ? 100 : 0;
-                mt_runtime_write(rt, v, bias, err);
+                float fb[4096];
+                for (int e = 0; e < c->n_routed_experts; e++) fb[e] = (float)(bias[e] = e < c->top_k ? 100 : 0);
+                mt_runtime_write(rt, v, g->target.backend == MT_BACKEND_CPU ? (void *)bias : (void *)fb, err);
             }
     int dp = b.world, B = c->batch, T = c->seq_len;
     int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * dp * T), *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * dp * T);
@@ -157,17 +164,20 @@ static int mr_run(mr_job *j, const mt_graph *g, int steps, mt_err *err) {
     memset(j->recv_rows, 0, sizeof j->recv_rows);
     j->g = g; j->steps = steps;
     if (!j->seed) j->seed = 7;
+#ifdef MT_CUDA
+    if (g->target.backend == MT_BACKEND_CUDA && mt_mesh_world(&g->mesh) > 1 && mt_nccl_unique_id(j->nccl_id, err)) return -1;
+#endif
     return mt_run_thread_ranks(mt_mesh_world(&g->mesh), mr_rank, j, err);
 }
 /* The step graph of the small model for a mesh (per-rank batch b). */
-static int mr_compile(mt_graph *g, int rep, int shard, int ep, int b, int eager, mt_err *err) {
+static int mr_compile_for(mt_graph *g, int rep, int shard, int ep, int b, int eager, int cuda, mt_err *err) {
     mt_config c;
     mt_config_preset(&c, "tiny", err);
     c.seq_len = 32; c.original_seq_len = 32; c.batch = b;
     mt_mesh m;
     mt_target t;
     mt_passes p;
-    mt_target_cpu(&t);
+    if (cuda) mt_target_cuda(&t, "sm_90a"); else mt_target_cpu(&t);
     if (eager) mt_passes_none(&p); else mt_passes_all(&p);
     if (mt_mesh_init(&m, rep, shard, 1, ep, err)) return -1;
     return mt_compile(g, &c, &m, &t, MT_GRAPH_TRAIN, &p, err);
@@ -176,6 +186,11 @@ static double max_rel(const double *a, const double *b, int n) {
     double m = 0;
     for (int i = 0; i < n; i++) { double r = fabs(a[i] - b[i]) / fabs(b[i]); if (r > m || r != r) m = r != r ? 1e30 : r; }
     return m;
+}
+
+#if !MT_TEST_GPU
+static int mr_compile(mt_graph *g, int rep, int shard, int ep, int b, int eager, mt_err *err) {
+    return mr_compile_for(g, rep, shard, ep, b, eager, 0, err);
 }
 
 /* Losses over several ranks equal one rank's on the same global batch. */
@@ -197,7 +212,6 @@ static void mr_equivalence(int rep, int shard, int ep, int steps, double tol1, d
     mr_free(&a); mr_free(&b);
     mt_graph_free(&g1); mt_graph_free(&gm);
 }
-
 #endif
 
 #if MT_TEST_GPU
@@ -717,9 +731,63 @@ static void gpu_test_whole_steps(void) {
     mt_graph_free(&gc); mt_graph_free(&gg); mt_graph_free(&ge); mt_graph_free(&gn);
 }
 
+/* Many GPUs (thread-ranks in this process, one GPU each, NCCL): the same
+ * checks as the CPU's, with bf16 tolerances against one GPU. */
+static void gpu_test_multi_rank(void) {
+    int ndev = mt_cuda_device_count();
+    if (ndev < 2) { printf("SKIP multi-GPU tests: %d GPU visible, they need 2\n", ndev); return; }
+    mt_err e;
+    mt_graph g1, g2, gf;
+    int ok = mr_compile_for(&g1, 1, 1, 1, 4, 0, 1, &e) == 0 && mr_compile_for(&g2, 1, 2, 2, 2, 0, 1, &e) == 0 &&
+             mr_compile_for(&gf, 1, 2, 1, 2, 0, 1, &e) == 0;
+    if (!ok) { report("multi-GPU graphs", 0, "%s", e.msg); return; }
+    mr_job a, b, c;
+    memset(&a, 0, sizeof a); memset(&b, 0, sizeof b); memset(&c, 0, sizeof c);
+    a.fail_rank = b.fail_rank = c.fail_rank = -1;
+    ok = mr_run(&a, &g1, 10, &e) == 0 && mr_run(&b, &g2, 10, &e) == 0 && mr_run(&c, &gf, 10, &e) == 0;
+    double r1 = ok ? fabs(a.loss[0] - b.loss[0]) / a.loss[0] : 1, rn = ok ? max_rel(b.loss, a.loss, 10) : 1;
+    double f1 = ok ? fabs(a.loss[0] - c.loss[0]) / a.loss[0] : 1, fn = ok ? max_rel(c.loss, a.loss, 10) : 1;
+    report("2 GPUs (dp_shard 2, ep 2) = 1 GPU on the global batch (bf16)", ok && r1 < 1e-3 && rn < 2e-2,
+           "step 1 %.1e, 10 steps %.1e; losses %.5f .. %.5f %s", r1, rn, b.loss[0], b.loss[9], ok ? "" : e.msg);
+    report("2 GPUs (dp_shard 2, FSDP only) = 1 GPU on the global batch (bf16)", ok && f1 < 1e-3 && fn < 2e-2,
+           "step 1 %.1e, 10 steps %.1e", f1, fn);
+    mr_job d;
+    memset(&d, 0, sizeof d);
+    d.fail_rank = -1;
+    int ok2 = ok && mr_run(&d, &g2, 10, &e) == 0;
+    int same = ok2 && bitwise_equal(b.loss, d.loss, 10) && bitwise_equal(b.gnorm, d.gnorm, 10);
+    for (int r = 0; ok2 && r < 2; r++) same &= b.param_bytes[r] == d.param_bytes[r] && !memcmp(b.params[r], d.params[r], b.param_bytes[r]);
+    report("2 GPUs: two runs bitwise equal (losses, norms, weights)", same, "%s", ok2 ? "" : e.msg);
+    mr_free(&d);
+    /* the artifact: precompiled once, loaded by both ranks */
+    uint8_t *bytes = NULL;
+    size_t len = 0;
+    mt_graph gl;
+    int ok3 = ok && mt_artifact_write(&g2, &bytes, &len, &e) == 0 && mt_artifact_read(&gl, bytes, len, &e) == 0;
+    free(bytes);
+    memset(&d, 0, sizeof d);
+    d.fail_rank = -1;
+    ok3 = ok3 && mr_run(&d, &gl, 10, &e) == 0;
+    int pre = ok3 && bitwise_equal(b.loss, d.loss, 10) && bitwise_equal(b.gnorm, d.gnorm, 10);
+    report("2 GPUs: precompiled artifact = in-process compile, bitwise", pre, "%s", ok3 ? "" : e.msg);
+    if (ok3) mt_graph_free(&gl);
+    mr_free(&a); mr_free(&b); mr_free(&c); mr_free(&d);
+    /* every token to rank 0's experts: rank 1's experts receive nothing */
+    memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
+    a.fail_rank = b.fail_rank = -1; a.route_to_first = b.route_to_first = 1;
+    ok = mr_run(&a, &g1, 2, &e) == 0 && mr_run(&b, &g2, 2, &e) == 0;
+    int64_t want = (int64_t)4 * 32 * 2 * (g2.cfg.n_layers - g2.cfg.n_dense_layers);
+    report("2 GPUs: every token to one rank's experts, none to the other", ok && b.recv_rows[0] == want && b.recv_rows[1] == 0 &&
+           fabs(a.loss[0] - b.loss[0]) < 1e-3 * a.loss[0], "rows %lld / %lld, loss %.5f vs %.5f %s", (long long)b.recv_rows[0],
+           (long long)b.recv_rows[1], b.loss[0], a.loss[0], ok ? "" : e.msg);
+    mr_free(&a); mr_free(&b);
+    mt_graph_free(&g1); mt_graph_free(&g2); mt_graph_free(&gf);
+}
+
 int main(void) {
     mt_err e;
     mt_rng_seed(&R, 42);
+    setenv("NCCL_NVLS_ENABLE", "0", 0);
     char info[512];
     mt_cuda_describe(info, sizeof info);
     printf("%s\n", info);
@@ -739,6 +807,7 @@ int main(void) {
     gpu_test_gmm_dw_sumsq(64, 1408, 256, 6144);
     gpu_test_loss_and_optimizer();
     gpu_test_whole_steps();
+    gpu_test_multi_rank();
     mt_cuda_destroy(CU);
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
@@ -1698,6 +1767,63 @@ static void test_training_falls(void) {
  * the command-line tools
  * ==================================================================== */
 
+/* The launch layer without GPUs: ranks as forked processes meeting at a
+ * rendezvous; an orderly end, a rank that reports a failure, and a rank
+ * killed with SIGKILL, which the others must learn of within seconds. */
+static int rdv_child(int port, int rank, int world, int mode) {
+    mt_err e;
+    uint8_t blob[300];
+    for (int i = 0; i < 300; i++) blob[i] = rank == 0 ? (uint8_t)(i * 7 + 1) : 0;
+    mt_rdv *r;
+    if (mt_rdv_open(&r, "127.0.0.1", port, rank, world, blob, sizeof blob, 20, &e)) return 90;
+    for (int i = 0; i < 300; i++) if (blob[i] != (uint8_t)(i * 7 + 1)) return 91;
+    if (mode == 1 && rank == 2) raise(SIGKILL);                          /* dies without a word */
+    if (mode == 2 && rank == 1) { mt_rdv_fail(r, "boom"); mt_rdv_close(r); return 50; }
+    if (mode == 0) mt_rdv_done(r);
+    int who = -1;
+    char why[256] = "";
+    double t0 = mt_now();
+    while (mt_now() - t0 < 20) {
+        int k = mt_rdv_poll(r, 100, &who, why, sizeof why);
+        if (k == 2) { mt_rdv_close(r); return mode == 0 ? 0 : 92; }
+        if (k == 1) {
+            mt_rdv_close(r);
+            if (mode == 2 && !strstr(why, "boom")) return 93;
+            return 10 + who;
+        }
+    }
+    return 94;
+}
+static int rdv_world(int world, int mode, int *codes, double *secs) {
+    mt_err e;
+    int port = mt_free_port(&e);
+    if (port < 0) return -1;
+    pid_t pid[8];
+    fflush(stdout);
+    double t0 = mt_now();
+    for (int r = 0; r < world; r++) {
+        pid[r] = fork();
+        if (pid[r] == 0) _exit(rdv_child(port, r, world, mode));
+    }
+    for (int r = 0; r < world; r++) {
+        int st;
+        waitpid(pid[r], &st, 0);
+        codes[r] = WIFSIGNALED(st) ? 100 + WTERMSIG(st) : WEXITSTATUS(st);
+    }
+    *secs = mt_now() - t0;
+    return 0;
+}
+static void test_launch_rendezvous(void) {
+    int c[8];
+    double t;
+    int ok = rdv_world(4, 0, c, &t) == 0 && c[0] == 0 && c[1] == 0 && c[2] == 0 && c[3] == 0;
+    report("rendezvous: 4 processes share rank 0's blob and end in order", ok, "exit %d %d %d %d, %.2f s", c[0], c[1], c[2], c[3], t);
+    ok = rdv_world(4, 2, c, &t) == 0 && c[0] == 11 && c[1] == 50 && c[2] == 11 && c[3] == 11;
+    report("rendezvous: a failure a rank reports reaches every rank", ok, "exit %d %d %d %d, %.2f s", c[0], c[1], c[2], c[3], t);
+    ok = rdv_world(4, 1, c, &t) == 0 && c[0] == 12 && c[1] == 12 && c[2] == 100 + SIGKILL && c[3] == 12 && t < 10;
+    report("rendezvous: kill -9 of one rank stops the others within 10 s", ok, "exit %d %d %d %d, %.2f s", c[0], c[1], c[2], c[3], t);
+}
+
 static void test_multirank(void) {
     mt_err e;
     /* the same global batch, any layout: FSDP, EP, HSDP */
@@ -1882,6 +2008,7 @@ int main(void) {
     test_data();
     test_training_falls();
     test_multirank();
+    test_launch_rendezvous();
     test_cli();
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;

@@ -677,6 +677,10 @@ int main(int argc, char **argv) {
         if (env_int("WORLD_SIZE", 1, 1, 1 << 20, &world) || env_int("RANK", 0, 0, world - 1, &rank) ||
             env_int("LOCAL_RANK", rank, 0, 1 << 20, &local_rank) || env_int("MASTER_PORT", 29500, 1, 65535, &port))
             return 2;
+        /* torchrun's agent keeps its own store on MASTER_PORT: ours takes the next port (MOETRAIN_PORT overrides) */
+        const char *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
+        if (agent && (!strcmp(agent, "True") || !strcmp(agent, "true") || !strcmp(agent, "1")) && port < 65535) port++;
+        if (env_int("MOETRAIN_PORT", port, 1, 65535, &port)) return 2;
         if (o.nproc && o.nproc != world) { fprintf(stderr, "train: --nproc %d but the launcher set WORLD_SIZE=%d\n", o.nproc, world); return 2; }
         if (world > 1 && !on_cuda) {
             fprintf(stderr, "train: CPU ranks are threads of one process: run './train --device cpu --nproc %d' without RANK/WORLD_SIZE\n", world);
