@@ -7,7 +7,8 @@
 # except test-gpu and bench builds on the CPU alone.
 #
 #   make test       CPU tests (float32 and float64 builds); compiles + links the CUDA code if present
-#   make test-gpu   GPU tests (every CUDA op against the CPU reference, whole steps, determinism)
+#   make test-gpu   GPU tests (every CUDA op against the CPU reference, whole steps, determinism;
+#                   with 2+ GPUs also NCCL ranks, the launcher, torchrun and failure handling)
 #   make bench      the benchmark table (bench/run.sh)
 
 CC       ?= cc
@@ -71,7 +72,7 @@ test_gpu: test.c $(HEADERS) moetrain_kernels.o
 	$(CXX) -o $@ test_gpu.o moetrain_kernels.o $(CUDA_LDLIBS)
 
 test-gpu: test_gpu train precompile
-	@sh tools/run_tests.sh ./test_gpu
+	@sh tools/run_tests.sh ./test_gpu tools/test_multi_gpu.sh
 
 bench: train precompile
 	sh bench/run.sh

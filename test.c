@@ -792,6 +792,12 @@ int main(void) {
     mt_cuda_describe(info, sizeof info);
     printf("%s\n", info);
     if (mt_cuda_create(&CU, 0, &e)) { report("gpu present", 0, "%s", e.msg); printf("%d passed, %d failed\n", n_pass, n_fail); return 1; }
+    if (getenv("MOETRAIN_TEST_MULTI_ONLY")) {   /* just the many-GPU part */
+        gpu_test_multi_rank();
+        mt_cuda_destroy(CU);
+        printf("%d passed, %d failed\n", n_pass, n_fail);
+        return n_fail ? 1 : 0;
+    }
     gpu_test_basic_ops();
     gpu_test_matmul();
     gpu_test_rope(12, 10);   /* bf16-pair kernels */

@@ -593,12 +593,12 @@ static int supervise(int argc, char **argv, int n) {
             alive[r] = 0; left--;
             if (WIFSIGNALED(st)) fprintf(stderr, "train: rank %d was killed by signal %d (%s)\n", r, WTERMSIG(st), strsignal(WTERMSIG(st)));
             else if (WEXITSTATUS(st)) fprintf(stderr, "train: rank %d exited with status %d\n", r, WEXITSTATUS(st));
-            if ((WIFSIGNALED(st) || WEXITSTATUS(st)) && !failed) { failed = 1; deadline = mt_now() + 10; }
+            if ((WIFSIGNALED(st) || WEXITSTATUS(st)) && !failed) { failed = 1; deadline = mt_now() + 5; }
             continue;
         }
         if (g_signal && !forwarded) {
             for (int r = 0; r < n; r++) if (alive[r]) kill(pid[r], (int)g_signal);
-            forwarded = 1; failed = 1; deadline = mt_now() + 10;
+            forwarded = 1; failed = 1; deadline = mt_now() + 5;
         }
         if (failed && mt_now() > deadline) {   /* the ranks stop themselves; these did not */
             for (int r = 0; r < n; r++)

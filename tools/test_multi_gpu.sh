@@ -1,0 +1,71 @@
+#!/bin/sh
+# Multi-GPU checks of the command line, on every visible GPU (2 or more):
+# the torchrun-free launcher, torchrun, a precompiled artifact, and failure
+# (kill -9 of one rank, a rank that hangs). Prints "N passed, N failed" last.
+set -u
+n=$(nvidia-smi -L 2>/dev/null | wc -l)
+pass=0; fail=0
+check() {   # check NAME CONDITION-EXIT-STATUS DETAIL
+    if [ "$2" -eq 0 ]; then echo "PASS $1 $3"; pass=$((pass + 1)); else echo "FAIL $1 $3"; fail=$((fail + 1)); fi
+}
+if [ "$n" -lt 2 ]; then echo "SKIP multi-GPU command-line checks: $n GPU visible"; echo "0 passed, 0 failed"; exit 0; fi
+export NCCL_NVLS_ENABLE=0
+T=${TMPDIR:-/tmp}/moetrain_mgpu; rm -rf "$T"; mkdir -p "$T"
+losses() { grep '^step' "$1" | sed 's/ | grad_norm.*//'; }
+steps=6
+
+# 1. ./train alone: one rank per GPU, and the same losses as one GPU on the global batch (bf16: 2%)
+./train --preset debug --steps $steps --seed 1 > "$T/a.log" 2>&1; ra=$?
+./train --preset debug --nproc 1 --batch $((8 * n)) --steps $steps --seed 1 > "$T/b.log" 2>&1; rb=$?
+grep -q "ranks: $n (one process per GPU, NCCL)" "$T/a.log"; banner=$?
+losses "$T/a.log" | awk '{print $5}' > "$T/la"; losses "$T/b.log" | awk '{print $5}' > "$T/lb"
+worst=$(paste "$T/la" "$T/lb" | awk 'BEGIN{w=0;n=0} {r=($1-$2)/$2; if(r<0)r=-r; if(r>w)w=r; n++} END{if(n=='$steps') printf "%.2e", w; else print "missing"}')
+[ $ra -eq 0 ] && [ $rb -eq 0 ] && [ $banner -eq 0 ] && [ "$worst" != missing ] && awk "BEGIN{exit !($worst < 0.02)}"
+check "./train alone uses all $n GPUs; losses = 1 GPU on the global batch" $? "(worst relative $worst)"
+
+# 2. torchrun, the same ranks: bitwise the self-launched run
+if command -v torchrun >/dev/null 2>&1; then
+    torchrun --standalone --nproc_per_node "$n" --no-python ./train --preset debug --steps $steps --seed 1 > "$T/c.log" 2>&1; rc=$?
+    losses "$T/a.log" > "$T/la2"; losses "$T/c.log" > "$T/lc"
+    [ $rc -eq 0 ] && [ -s "$T/lc" ] && cmp -s "$T/la2" "$T/lc"
+    check "torchrun --no-python ./train = ./train alone, bitwise" $? "(exit $rc)"
+else
+    echo "SKIP torchrun is not installed"
+fi
+
+# 3. precompiled on one process for the mesh, loaded by every rank: bitwise in-process
+./precompile --preset debug --device cuda --dp-shard "$n" --ep "$n" -o "$T/d.mtg" > "$T/p.log" 2>&1 &&
+    ./train --graph "$T/d.mtg" --steps $steps --seed 1 > "$T/d.log" 2>&1; rd=$?
+./train --preset debug --ep "$n" --steps $steps --seed 1 > "$T/e.log" 2>&1; re=$?
+losses "$T/d.log" > "$T/ld"; losses "$T/e.log" > "$T/le"
+[ $rd -eq 0 ] && [ $re -eq 0 ] && [ -s "$T/ld" ] && cmp -s "$T/ld" "$T/le"
+check "precompile --dp-shard $n --ep $n, train --graph = in-process, bitwise" $? "(exit $rd $re)"
+./train --graph "$T/d.mtg" --nproc 1 --steps 1 > "$T/w.log" 2>&1; rw=$?
+[ $rw -eq 2 ] && grep -q "world of $n" "$T/w.log"
+check "an artifact for $n ranks refuses a 1-rank launch" $? "(exit $rw)"
+
+# 4. kill -9 of one rank: every rank stops within 10 s, non-zero exit, the rank named
+wait_steps() { i=0; while [ $i -lt 600 ] && ! grep -q '^step' "$1"; do sleep 0.2; i=$((i + 1)); done; }
+./train --preset debug --steps 1000000 --log-every 50 --seed 1 > "$T/k.log" 2>&1 &
+sup=$!
+wait_steps "$T/k.log"
+victim=$(pgrep -P $sup | sort -n | tail -n 1)
+t0=$(date +%s.%N); kill -9 "$victim"; wait $sup; rk=$?; t1=$(date +%s.%N)
+dt=$(awk "BEGIN{printf \"%.2f\", $t1 - $t0}")
+left=$(pgrep -P $sup | wc -l)
+[ $rk -ne 0 ] && [ "$left" -eq 0 ] && awk "BEGIN{exit !($dt < 10)}" && grep -q "killed by signal 9" "$T/k.log"
+check "kill -9 of one rank stops every rank" $? "(${dt} s, exit $rk, $(grep -m1 'stopping' "$T/k.log" | cut -c1-100))"
+
+# 5. a rank that hangs (SIGSTOP) with --timeout 5: every rank stops
+./train --preset debug --steps 1000000 --log-every 50 --seed 1 --timeout 5 > "$T/h.log" 2>&1 &
+sup=$!
+wait_steps "$T/h.log"
+victim=$(pgrep -P $sup | sort -n | tail -n 1)
+t0=$(date +%s.%N); kill -STOP "$victim"; wait $sup; rh=$?; t1=$(date +%s.%N)
+dt=$(awk "BEGIN{printf \"%.2f\", $t1 - $t0}")
+[ $rh -ne 0 ] && awk "BEGIN{exit !($dt < 15)}" && grep -q "no progress" "$T/h.log"
+check "a hung rank (SIGSTOP, --timeout 5) stops every rank" $? "(${dt} s, exit $rh)"
+
+cp "$T"/*.log "${OUT:-$T}/" 2>/dev/null
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ]
