@@ -485,6 +485,20 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
 
 static int thread_rank(void *ctx, int rank, mt_world *w, mt_err *err) { return train_rank((job_t *)ctx, rank, w, err); }
 
+/* Stop this process now: abort the communicators (pending NCCL calls return)
+ * on a thread of its own, give it a second, and exit either way: an abort
+ * that blocks must not keep a failed job alive. */
+static void *abort_comms(void *arg) { mt_runtime_abort((mt_runtime *)arg); return NULL; }
+static void stop_process(job_t *j) {
+    fflush(stderr); fflush(stdout);
+    pthread_t th;
+    if (j->rts[0] && !pthread_create(&th, NULL, abort_comms, j->rts[0])) {
+        pthread_detach(th);
+        mt__sleep_ms(1000);
+    }
+    _exit(1);
+}
+
 /* The watchdog of a process rank: it relays failures between ranks, and if
  * any rank fails, dies, or this one stops making progress, it stops this
  * process within seconds (a blocked collective never returns by itself). */
@@ -512,9 +526,7 @@ static void *watchdog(void *arg) {
         }
         if (fail) {
             fprintf(stderr, "train: %s\n", msg);
-            fflush(stderr); fflush(stdout);
-            mt_runtime_abort(j->rts[0]);   /* pending NCCL calls return; the process ends either way */
-            _exit(1);
+            stop_process(j);
         }
     }
     return NULL;
@@ -536,10 +548,8 @@ static int process_rank(job_t *j, int rank, const char *addr, int port) {
     if (pthread_create(&th, NULL, watchdog, j)) { fprintf(stderr, "train: rank %d: cannot start the watchdog\n", rank); return 1; }
     if (train_rank(j, rank, NULL, &err)) {
         fprintf(stderr, "train: rank %d: %s\n", rank, err.msg);
-        fflush(stderr); fflush(stdout);
         mt_rdv_fail(j->rdv, err.msg);
-        mt_runtime_abort(j->rts[0]);
-        _exit(1);
+        stop_process(j);
     }
     mt_rdv_done(j->rdv);   /* the orderly end: every rank done, then rank 0 says bye */
     double t0 = mt_now();
