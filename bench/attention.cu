@@ -440,6 +440,48 @@ static void bench_breakdown(const Shape &s) {
     const float t_q = time_launcher(launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>, p, BH);
     const float t_kv_alt = time_launcher(launch_dkdv_kernel<192, 128, 64, 1, 2, 16, false, 2>, p, BH);
     CK(cudaDeviceSynchronize());
+    {   /* dQ alternatives (same key order, so bitwise the same dQ), and dK/dV || dQ on two streams */
+        std::vector<uint16_t> q1(d.nq), q2(d.nq);
+        CKAPI((launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, 0)));
+        CK(cudaMemcpy(q1.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        struct { const char *name; int (*f)(const BwdParams &, int, cudaStream_t); } alts[] = {
+            {"8 warps, 32-key tiles", launch_dq_kernel<192, 128, 8, 32, 2>},
+            {"4 warps, 64-key tiles", launch_dq_kernel<192, 128, 4, 64, 2>},
+            {"4 warps, 32-key tiles (2 CTAs/SM)", launch_dq_kernel<192, 128, 4, 32, 2>},
+        };
+        for (auto &a : alts) {
+            const float t = time_launcher(a.f, p, BH);
+            CK(cudaMemcpy(q2.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+            printf("  alternative dQ config (%s): %.3f ms vs %.3f ms; dQ bitwise %s\n", a.name, t, t_q, q1 == q2 ? "identical" : "DIFFERENT");
+        }
+        cudaStream_t s1;
+        cudaEvent_t fork, join, e0, e1;
+        CK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+        CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+        CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        std::vector<float> ms[2];
+        for (int it = 0; it < 26; ++it) {
+            const bool par = it & 1;
+            CK(cudaEventRecord(e0, 0));
+            if (par) { CK(cudaEventRecord(fork, 0)); CK(cudaStreamWaitEvent(s1, fork, 0)); }
+            CKAPI((launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, par ? s1 : 0)));
+            CKAPI((launch_dkdv_kernel<192, 128, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, 0)));
+            if (par) { CK(cudaEventRecord(join, s1)); CK(cudaStreamWaitEvent(0, join, 0)); }
+            CK(cudaEventRecord(e1, 0));
+            CK(cudaEventSynchronize(e1));
+            float t;
+            CK(cudaEventElapsedTime(&t, e0, e1));
+            if (it >= 6) ms[par].push_back(t);
+        }
+        for (auto &v : ms) std::sort(v.begin(), v.end());
+        CK(cudaMemcpy(q2.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        printf("  dQ then dK/dV on one stream: %.3f ms; on two streams, concurrently: %.3f ms; dQ bitwise %s\n",
+               0.5f * (ms[0][4] + ms[0][5]), 0.5f * (ms[1][4] + ms[1][5]), q1 == q2 ? "identical" : "DIFFERENT");
+        CK(cudaStreamDestroy(s1));
+        CK(cudaEventDestroy(fork)); CK(cudaEventDestroy(join)); CK(cudaEventDestroy(e0)); CK(cudaEventDestroy(e1));
+    }
     /* forward: default vs. 4 warps x 2 m-tiles (BM = 128, K/V fragments reused by two m-tiles) */
     FwdParams fp;
     fp.q = d.q; fp.k = d.k; fp.v = d.v; fp.o = d.o; fp.lse = d.lse; fp.dstart = nullptr;
