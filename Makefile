@@ -10,6 +10,7 @@
 #   make test-gpu   GPU tests (every CUDA op against the CPU reference, whole steps, determinism;
 #                   with 2+ GPUs also NCCL ranks, the launcher, torchrun and failure handling)
 #   make bench      the benchmark table (bench/run.sh)
+#   make bench-attention  attention kernels: tests, then timing next to torch SDPA on cuDNN (bench/attention.sh)
 
 CC       ?= cc
 CXX      ?= c++
@@ -28,7 +29,7 @@ CUDA_LDLIBS := -L$(CUDA_LIB) $(if $(NCCL_LIB),-L$(NCCL_LIB)) -Wl,-rpath,$(CUDA_L
 
 HEADERS := moetrain.h
 
-.PHONY: all test test-gpu bench clean cuda-link cxx-check
+.PHONY: all test test-gpu bench bench-attention clean cuda-link cxx-check
 all: train precompile
 
 ifeq ($(NVCC),)
@@ -77,5 +78,12 @@ test-gpu: test_gpu train precompile
 bench: train precompile
 	sh bench/run.sh
 
+bench_attention: bench/attention.cu moetrain_kernels.cu $(HEADERS)
+	$(NVCC) $(NVFLAGS) -Xcompiler -Wno-format-truncation,-Wno-alloc-size-larger-than,-Wno-array-bounds $(if $(NCCL_INC),-I$(NCCL_INC)) -I. -c -o bench_attention.o bench/attention.cu
+	$(CXX) -o $@ bench_attention.o $(CUDA_LDLIBS)
+
+bench-attention: bench_attention
+	BIN=./bench_attention sh bench/attention.sh
+
 clean:
-	rm -f train precompile test_f32 test_f64 test_gpu *.o .cxx_check* .cuda_link*
+	rm -f train precompile test_f32 test_f64 test_gpu bench_attention *.o .cxx_check* .cuda_link*

@@ -60,7 +60,7 @@ typedef MT_REAL mt_real;
 
 #define MT_VERSION_STRING "moetrain 0.1"
 #define MT_KERNELS_VERSION "moetrain-kernels 1"   /* bump when any kernel's numerics change */
-#define MT_FORMAT_VERSION 2u                       /* artifact format (2: value shard masks, ALLGATHER/REDUCE_SCATTER) */
+#define MT_FORMAT_VERSION 3u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER) */
 
 /* ========================================================================
  * 1. Basics
@@ -125,6 +125,8 @@ typedef struct {
     int vocab_size;          /* V */
     int seq_len;             /* T */
     int batch;               /* B */
+    int doc_mask;            /* 1: attention stays inside each packed document (block-causal) */
+    int eot_id;              /* end-of-text token: a document starts after it; -1 = none */
     float norm_eps;
     float load_balance_coeff;/* auxiliary-loss-free bias step; 0 disables the update */
 } mt_config;
@@ -282,8 +284,8 @@ typedef struct {
     X(CONCAT, 2, 1, 0)           /* x1[N,a], x2[N,b] -> x[N,a+b] */               \
     X(MLA_ROPE, 5, 3, 1)         /* q, kv, kpe, cos, sin -> Q, K, V */            \
     X(MLA_ROPE_BWD, 5, 3, 0)     /* dQ, dK, dV, cos, sin -> dq, dkv, dkpe */      \
-    X(ATTENTION, 3, 2, 1)        /* Q, K, V -> O[N,H*dv], lse[N,H] f32 */         \
-    X(ATTENTION_BWD, 6, 3, 0)    /* Q, K, V, O, lse, dO -> dQ, dK, dV */          \
+    X(ATTENTION, 4, 2, 1)        /* Q, K, V, dstart (optional) -> O[N,H*dv], lse[N,H] f32 */ \
+    X(ATTENTION_BWD, 7, 3, 0)    /* Q, K, V, O, lse, dO, dstart (optional) -> dQ, dK, dV */ \
     X(SWIGLU, 2, 1, 1)           /* g, u -> silu(g)*u */                          \
     X(SWIGLU_BWD, 3, 2, 0)       /* g, u, dh -> dg, du */                         \
     X(ADD, 2, 1, 1)              /* a, b -> a+b */                                \
@@ -312,6 +314,7 @@ typedef struct {
     X(MATMUL_ACC, 3, 1, 0)       /* fused: A, B, acc -> acc + op(A) op(B) (GEMM epilogue) */ \
     X(GMM_DX2, 5, 1, 0)          /* fused: dY, W, offs, dY2, W2 -> dY_e W_e + dY2_e W2_e (one K loop) */ \
     X(GMM_DW_SQ, 3, 2, 0)        /* fused: dY, X, offs -> dW, ssq[mt_gmm_ssq_len] f32 partial sums of dW^2 */ \
+    X(DOC_STARTS, 1, 1, 0)       /* tokens[N] i32 -> dstart[N] i32: where each token's document starts; i0 T, i1 eot */ \
     X(ALLGATHER, 1, 1, 1)        /* shard[ceil(n/S)] -> whole (padded); i0 mesh-dim mask, i1 group */ \
     X(REDUCE_SCATTER, 1, 1, 0)   /* whole f32 (padded) -> my shard of the sum; i0 mask, i1 group; f0 scale (0: none) */
 
@@ -444,13 +447,19 @@ void mt_cpu_mla_rope_forward(mt_real *Q, mt_real *K, mt_real *Vv, const mt_real 
 void mt_cpu_mla_rope_backward(mt_real *dq, mt_real *dkv, mt_real *dkpe, const mt_real *dQ,
                               const mt_real *dK, const mt_real *dV, const mt_real *cosv,
                               const mt_real *sinv, int N, int T, int H, int dn, int dr, int dv);
+/* Document masking: dstart[N] gives, for each token, the position (within its
+ * sequence) where its document starts: a document starts at position 0 and
+ * after every end-of-text token (which ends the document it is in). Query i
+ * attends to keys j with dstart[i] <= j <= i. dstart NULL: plain causal. */
+void mt_cpu_doc_starts(int32_t *dstart, const int32_t *tok, int N, int T, int eot);
 void mt_cpu_attention_forward(mt_pool *pool, mt_real *O, mt_real *lse, const mt_real *Q,
-                              const mt_real *K, const mt_real *Vv, int B, int T, int H, int dq,
-                              int dv, float scale);
+                              const mt_real *K, const mt_real *Vv, const int32_t *dstart, int B,
+                              int T, int H, int dq, int dv, float scale);
 void mt_cpu_attention_backward(mt_pool *pool, mt_real *dQ, mt_real *dK, mt_real *dV,
                                const mt_real *Q, const mt_real *K, const mt_real *Vv,
-                               const mt_real *O, const mt_real *lse, const mt_real *dO, int B,
-                               int T, int H, int dq, int dv, float scale);
+                               const mt_real *O, const mt_real *lse, const mt_real *dO,
+                               const int32_t *dstart, int B, int T, int H, int dq, int dv,
+                               float scale);
 void mt_cpu_swiglu_forward(mt_real *h, const mt_real *g, const mt_real *u, int64_t n);
 void mt_cpu_swiglu_backward(mt_real *dg, mt_real *du, const mt_real *g, const mt_real *u,
                             const mt_real *dh, int64_t n);
@@ -617,11 +626,12 @@ int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *
 int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const void *dQ, const void *dK,
                               const void *dV, const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv);
 size_t mt_cuda_attention_backward_workspace(int B, int T, int H, int dq, int dv);
-int mt_cuda_attention_forward(mt_cuda *c, const void *Q, const void *K, const void *V, void *O, float *lse, int B, int T,
-                              int H, int dq, int dv, float scale);
+int mt_cuda_doc_starts(mt_cuda *c, int32_t *dstart, const int32_t *tok, int N, int T, int eot);
+int mt_cuda_attention_forward(mt_cuda *c, const void *Q, const void *K, const void *V, const int32_t *dstart, void *O,
+                              float *lse, int B, int T, int H, int dq, int dv, float scale);  /* dstart NULL: causal */
 int mt_cuda_attention_backward(mt_cuda *c, const void *Q, const void *K, const void *V, const void *O, const float *lse,
-                               const void *dO, void *dQ, void *dK, void *dV, void *ws, int B, int T, int H, int dq,
-                               int dv, float scale);
+                               const void *dO, const int32_t *dstart, void *dQ, void *dK, void *dV, void *ws, int B, int T,
+                               int H, int dq, int dv, float scale);
 int mt_cuda_swiglu_forward(mt_cuda *c, void *h, const void *g, const void *u, int64_t n);
 int mt_cuda_swiglu_backward(mt_cuda *c, void *dg, void *du, const void *g, const void *u, const void *dh, int64_t n);
 int mt_cuda_add(mt_cuda *c, void *out, const void *a, const void *b, int64_t n, int dtype);
@@ -962,6 +972,8 @@ const mt_field mt_config_fields[] = {
     MT__F(vocab_size, MT_FIELD_INT, "vocabulary"),
     MT__F(seq_len, MT_FIELD_INT, "sequence length"),
     MT__F(batch, MT_FIELD_INT, "sequences per step (per data-parallel rank)"),
+    MT__F(doc_mask, MT_FIELD_INT, "attend only within each document (0/1; needs eot_id)"),
+    MT__F(eot_id, MT_FIELD_INT, "end-of-text token id; a document starts after it (-1 = none)"),
     MT__F(norm_eps, MT_FIELD_FLOAT, "RMSNorm epsilon"),
     MT__F(load_balance_coeff, MT_FIELD_FLOAT, "expert-bias step (0 = off)"),
 };
@@ -982,6 +994,8 @@ static void mt__config_common(mt_config *c) {
     c->mscale = 1.0f;
     c->norm_eps = 1e-6f;
     c->load_balance_coeff = 1e-3f;
+    c->doc_mask = 0;
+    c->eot_id = -1;
 }
 
 const char *mt_config_preset_names(void) { return "tiny, debug, mid, 16b"; }
@@ -1124,6 +1138,9 @@ int mt_config_validate(const mt_config *c, mt_err *err) {
     MT__REQ(c->seq_len >= 1 && c->seq_len <= (1 << 20), "seq_len %d must be in 1..2^20", c->seq_len);
     MT__REQ(c->batch >= 1 && c->batch <= (1 << 16), "batch %d must be in 1..65536", c->batch);
     MT__REQ((int64_t)c->batch * c->seq_len <= (1 << 24), "batch*seq_len must be <= 2^24 tokens");
+    MT__REQ(c->doc_mask == 0 || c->doc_mask == 1, "doc_mask must be 0 or 1");
+    MT__REQ(c->eot_id >= -1 && c->eot_id < c->vocab_size, "eot_id %d must be -1 (none) or a token below vocab_size", c->eot_id);
+    MT__REQ(!c->doc_mask || c->eot_id >= 0, "doc_mask needs eot_id (the end-of-text token)");
     MT__REQ(isfinite(c->norm_eps) && c->norm_eps > 0, "norm_eps must be > 0");
     MT__REQ(isfinite(c->load_balance_coeff) && c->load_balance_coeff >= 0, "load_balance_coeff must be >= 0");
 #undef MT__REQ
@@ -1401,6 +1418,9 @@ static int mt__index_operands(int op, uint32_t *in, uint32_t *out) {
     case MT_OP_LR_SCHEDULE: *in = 2u; break;
     case MT_OP_ADAMW: *in = 128u; break;
     case MT_OP_EXPERT_BIAS_UPDATE: *in = 2u; break;
+    case MT_OP_ATTENTION: *in = 8u; break;
+    case MT_OP_ATTENTION_BWD: *in = 64u; break;
+    case MT_OP_DOC_STARTS: *in = 1u; *out = 1u; break;
     case MT_OP_ALLREDUCE: return 1;
     }
     return 0;
@@ -1431,7 +1451,8 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
     const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
     /* required inputs/outputs (optional ones handled per op below) */
     for (int i = 0; i < n->n_in; i++) {
-        int optional = (n->op == MT_OP_SUMSQ && i == 1) || (n->op == MT_OP_CONCAT);
+        int optional = (n->op == MT_OP_SUMSQ && i == 1) || (n->op == MT_OP_CONCAT) ||
+                       (n->op == MT_OP_ATTENTION && i == 3) || (n->op == MT_OP_ATTENTION_BWD && i == 6);
         if (n->in[i] < 0 && !optional) return mt_errf(err, "%s: input %d missing", oi->name, i);
     }
     for (int i = 0; i < n->n_out; i++) {
@@ -1535,9 +1556,17 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
             MT__T(mt__shape(&c, mt__out(&c, 1), "dK", 2, N, H * dq, 0));
             MT__T(mt__shape(&c, mt__out(&c, 2), "dV", 2, N, H * dv, 0));
         }
+        const mt_value *ds = mt__in(&c, n->op == MT_OP_ATTENTION ? 3 : 6);
+        if (ds) MT__T(mt__shape(&c, ds, "dstart", 1, N, 0, 0));
         if (!(n->fattr[0] > 0)) return mt_errf(err, "%s: scale must be > 0", oi->name);
         break;
     }
+    case MT_OP_DOC_STARTS:
+        MT__T(mt__int_attr(&c, 0, 1, 1 << 20)); MT__T(mt__int_attr(&c, 1, 0, INT_MAX));
+        MT__T(mt__shape(&c, a, "tokens", 1, MT__ANY, 0, 0));
+        if (a->dims[0] % n->iattr[0]) return mt_errf(err, "DOC_STARTS: %lld tokens is not a multiple of seq_len %d", (long long)a->dims[0], n->iattr[0]);
+        MT__T(mt__shape(&c, o, "dstart", 1, a->dims[0], 0, 0));
+        break;
     case MT_OP_SWIGLU: case MT_OP_ADD:
         MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
         MT__T(mt__shape(&c, b, "b", 2, a->dims[0], a->dims[1], 0));
@@ -1794,6 +1823,7 @@ typedef struct {
     int32_t *counts; int32_t *biases; int n_moe; /* per MoE layer */
     uint64_t *names; int names_cap, n_names;     /* hash set of value names */
     int cos, sin;            /* RoPE tables */
+    int doc;                 /* document starts [N] i32 (doc_mask), else -1 */
     int sym_coord[MT_NDIMS], sym_recv;
 } mt__builder;
 
@@ -2056,7 +2086,7 @@ static int mt__mla(mt__builder *b, int x) {
     int O = mt__act(b, "attn.O", b->act, 2, N, H * dv, 0);
     int lse = mt__act(b, "attn.lse", MT_F32, 2, N, H, 0);
     n = mt__node(b, MT_OP_ATTENTION);
-    n.in[0] = Q; n.in[1] = K; n.in[2] = V; n.out[0] = O; n.out[1] = lse;
+    n.in[0] = Q; n.in[1] = K; n.in[2] = V; n.in[3] = b->doc; n.out[0] = O; n.out[1] = lse;
     n.iattr[0] = (int)H; n.iattr[1] = (int)dq; n.iattr[2] = (int)dv; n.iattr[3] = c->seq_len;
     n.fattr[0] = (float)mt_attention_scale(c);
     mt__push(b, &n);
@@ -2211,6 +2241,13 @@ static int mt__forward(mt__builder *b) {
     mt_node n = mt__node(b, MT_OP_EMBED);
     n.in[0] = g->io[MT_IO_TOKENS]; n.in[1] = wte; n.out[0] = x;
     mt__push(b, &n);
+    b->doc = -1;
+    if (c->doc_mask) {   /* where each token's document starts: every attention reads it */
+        b->doc = mt__act(b, "doc_start", MT_I32, 1, N, 0, 0);
+        n = mt__node(b, MT_OP_DOC_STARTS);
+        n.in[0] = g->io[MT_IO_TOKENS]; n.out[0] = b->doc; n.iattr[0] = c->seq_len; n.iattr[1] = c->eot_id;
+        mt__push(b, &n);
+    }
     for (int l = 0; l < c->n_layers && !b->failed; l++) {
         b->layer = l;
         x = mt__block(b, x);
@@ -2340,7 +2377,7 @@ static void mt__backward_rule(mt__builder *b, const mt_node *f) {
     case MT_OP_ATTENTION: {
         if (dy < 0) return;
         n = mt__node(b, MT_OP_ATTENTION_BWD);
-        n.in[0] = in[0]; n.in[1] = in[1]; n.in[2] = in[2]; n.in[3] = out[0]; n.in[4] = out[1]; n.in[5] = dy;
+        n.in[0] = in[0]; n.in[1] = in[1]; n.in[2] = in[2]; n.in[3] = out[0]; n.in[4] = out[1]; n.in[5] = dy; n.in[6] = in[3];
         for (int i = 0; i < 3; i++) n.out[i] = mt__gout(b, in[i]);
         memcpy(n.iattr, f->iattr, sizeof n.iattr);
         n.fattr[0] = f->fattr[0];
@@ -3912,14 +3949,32 @@ void mt_cpu_mla_rope_backward(mt_real *dq, mt_real *dkv, mt_real *dkpe, const mt
     }
 }
 
+/* --- document starts: tokens [N] -> dstart [N], per sequence of T tokens --- */
+void mt_cpu_doc_starts(int32_t *dstart, const int32_t *tok, int N, int T, int eot) {
+    for (int s0 = 0; s0 < N; s0 += T) {
+        int32_t start = 0;
+        for (int t = 0; t < T; t++) {
+            dstart[s0 + t] = start;
+            if (tok[s0 + t] == eot) start = t + 1;   /* the next token opens a document */
+        }
+    }
+}
+
 /* --- causal attention, one (batch, head) pair per task; never stores T x T ---
- * Q,K [N, H*dq], V,O [N, H*dv], lse [N, H] (log-sum-exp of the scaled scores). */
+ * Q,K [N, H*dq], V,O [N, H*dv], lse [N, H] (log-sum-exp of the scaled scores).
+ * Query i sees keys lo(i)..i: lo = dstart[i] with document masking, else 0. */
 typedef struct {
     mt_real *O, *lse, *dQ, *dK, *dV;
     const mt_real *Q, *K, *V, *Oc, *lsec, *dO;
+    const int32_t *ds;
     int B, T, H, dq, dv;
     float scale;
 } mt__attn;
+static int mt__attn_lo(const mt__attn *a, int b, int i) {
+    if (!a->ds) return 0;
+    int lo = a->ds[(int64_t)b * a->T + i];
+    return lo < 0 ? 0 : lo > i ? i : lo;
+}
 static void mt__attn_fwd(void *ctx, int64_t t0, int64_t t1) {
     const mt__attn *a = (const mt__attn *)ctx;
     int T = a->T, H = a->H, dq = a->dq, dv = a->dv;
@@ -3932,13 +3987,14 @@ static void mt__attn_fwd(void *ctx, int64_t t0, int64_t t1) {
             int64_t ni = (int64_t)b * T + i;
             const mt_real *q = a->Q + (ni * H + h) * dq;
             mt_real mx = -INFINITY;
-            for (int j = 0; j <= i; j++) {
+            int lo = mt__attn_lo(a, b, i);
+            for (int j = lo; j <= i; j++) {
                 p[j] = a->scale * mt__dot(q, a->K + (((int64_t)b * T + j) * H + h) * dq, dq);
                 if (p[j] > mx) mx = p[j];
             }
             double l = 0;
             for (int d = 0; d < dv; d++) o[d] = 0;
-            for (int j = 0; j <= i; j++) {
+            for (int j = lo; j <= i; j++) {
                 double e = exp((double)(p[j] - mx));
                 l += e;
                 const mt_real *v = a->V + (((int64_t)b * T + j) * H + h) * dv;
@@ -3952,10 +4008,11 @@ static void mt__attn_fwd(void *ctx, int64_t t0, int64_t t1) {
     MT_FREE(p); MT_FREE(o);
 }
 void mt_cpu_attention_forward(mt_pool *pool, mt_real *O, mt_real *lse, const mt_real *Q, const mt_real *K,
-                              const mt_real *Vv, int B, int T, int H, int dq, int dv, float scale) {
+                              const mt_real *Vv, const int32_t *dstart, int B, int T, int H, int dq, int dv, float scale) {
     mt__attn a;
     memset(&a, 0, sizeof a);
-    a.O = O; a.lse = lse; a.Q = Q; a.K = K; a.V = Vv; a.B = B; a.T = T; a.H = H; a.dq = dq; a.dv = dv; a.scale = scale;
+    a.O = O; a.lse = lse; a.Q = Q; a.K = K; a.V = Vv; a.ds = dstart;
+    a.B = B; a.T = T; a.H = H; a.dq = dq; a.dv = dv; a.scale = scale;
     mt_pool_for(pool, (int64_t)B * H, mt__attn_fwd, &a);
 }
 /* P_ij = exp(s_ij - lse_i); dS_ij = P_ij (dO_i.V_j - dO_i.O_i);
@@ -3976,7 +4033,7 @@ static void mt__attn_bwd(void *ctx, int64_t t0, int64_t t1) {
             mt_real Di = mt__dot(dOi, a->Oc + (ni * H + h) * dv, dv), L = a->lsec[ni * H + h];
             mt_real *dQi = a->dQ + (ni * H + h) * dq;
             for (int d = 0; d < dq; d++) dQi[d] = 0;
-            for (int j = 0; j <= i; j++) {
+            for (int j = mt__attn_lo(a, b, i); j <= i; j++) {
                 int64_t nj = (int64_t)b * T + j;
                 const mt_real *k = a->K + (nj * H + h) * dq, *v = a->V + (nj * H + h) * dv;
                 mt_real pij = (mt_real)exp((double)(a->scale * mt__dot(q, k, dq) - L));
@@ -3990,10 +4047,11 @@ static void mt__attn_bwd(void *ctx, int64_t t0, int64_t t1) {
 }
 void mt_cpu_attention_backward(mt_pool *pool, mt_real *dQ, mt_real *dK, mt_real *dV, const mt_real *Q,
                                const mt_real *K, const mt_real *Vv, const mt_real *O, const mt_real *lse,
-                               const mt_real *dO, int B, int T, int H, int dq, int dv, float scale) {
+                               const mt_real *dO, const int32_t *dstart, int B, int T, int H, int dq, int dv,
+                               float scale) {
     mt__attn a;
     memset(&a, 0, sizeof a);
-    a.dQ = dQ; a.dK = dK; a.dV = dV; a.Q = Q; a.K = K; a.V = Vv; a.Oc = O; a.lsec = lse; a.dO = dO;
+    a.dQ = dQ; a.dK = dK; a.dV = dV; a.Q = Q; a.K = K; a.V = Vv; a.Oc = O; a.lsec = lse; a.dO = dO; a.ds = dstart;
     a.B = B; a.T = T; a.H = H; a.dq = dq; a.dv = dv; a.scale = scale;
     mt_pool_for(pool, (int64_t)B * H, mt__attn_bwd, &a);
 }
@@ -5214,12 +5272,14 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         mt_cpu_mla_rope_backward(RO(0), RO(1), RO(2), R_(0), R_(1), R_(2), R_(3), R_(4), DIM(n->in[0], 0), a[4], a[0], a[1], a[2], a[3]);
         break;
     case MT_OP_ATTENTION:
-        mt_cpu_attention_forward(rt->pool, RO(0), RO(1), R_(0), R_(1), R_(2), DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
+        mt_cpu_attention_forward(rt->pool, RO(0), RO(1), R_(0), R_(1), R_(2), n->in[3] >= 0 ? I_(3) : NULL,
+                                 DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
         break;
     case MT_OP_ATTENTION_BWD:
         mt_cpu_attention_backward(rt->pool, RO(0), RO(1), RO(2), R_(0), R_(1), R_(2), R_(3), R_(4), R_(5),
-                                  DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
+                                  n->in[6] >= 0 ? I_(6) : NULL, DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
         break;
+    case MT_OP_DOC_STARTS: mt_cpu_doc_starts(IO(0), I_(0), DIM(n->in[0], 0), a[0], a[1]); break;
     case MT_OP_SWIGLU: mt_cpu_swiglu_forward(RO(0), R_(0), R_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
     case MT_OP_SWIGLU_BWD: mt_cpu_swiglu_backward(RO(0), RO(1), R_(0), R_(1), R_(2), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
     case MT_OP_ADD: mt_cpu_add(RO(0), R_(0), R_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
@@ -5370,12 +5430,14 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         rc = mt_cuda_mla_rope_backward(c, VO(0), VO(1), VO(2), V_(0), V_(1), V_(2), F_(3), F_(4), DIM(n->in[0], 0), a[4], a[0], a[1], a[2], a[3]);
         break;
     case MT_OP_ATTENTION:
-        rc = mt_cuda_attention_forward(c, V_(0), V_(1), V_(2), VO(0), FO(1), DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
+        rc = mt_cuda_attention_forward(c, V_(0), V_(1), V_(2), n->in[3] >= 0 ? I_(3) : NULL, VO(0), FO(1), DIM(n->in[0], 0) / a[3], a[3],
+                                       a[0], a[1], a[2], n->fattr[0]);
         break;
     case MT_OP_ATTENTION_BWD:
-        rc = mt_cuda_attention_backward(c, V_(0), V_(1), V_(2), V_(3), F_(4), V_(5), VO(0), VO(1), VO(2), rt->scratch,
-                                        DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
+        rc = mt_cuda_attention_backward(c, V_(0), V_(1), V_(2), V_(3), F_(4), V_(5), n->in[6] >= 0 ? I_(6) : NULL, VO(0), VO(1), VO(2),
+                                        rt->scratch, DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
         break;
+    case MT_OP_DOC_STARTS: rc = mt_cuda_doc_starts(c, IO(0), I_(0), DIM(n->in[0], 0), a[0], a[1]); break;
     case MT_OP_SWIGLU: rc = mt_cuda_swiglu_forward(c, VO(0), V_(0), V_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
     case MT_OP_SWIGLU_BWD: rc = mt_cuda_swiglu_backward(c, VO(0), VO(1), V_(0), V_(1), V_(2), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
     case MT_OP_ADD: rc = mt_cuda_add(c, VO(0), V_(0), V_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0]), DT(n->in[0])); break;
@@ -5988,6 +6050,7 @@ int mt_checkpoint_read_config(const char *dir, mt_config *c, mt_err *err) {
         char key[64];
         snprintf(key, sizeof key, "mt.%s", f->name);
         const char *val = mt__st_meta(&s, key);
+        if (!val && (!strcmp(f->name, "doc_mask") || !strcmp(f->name, "eot_id"))) continue;  /* newer fields: defaults */
         if (!val) {
             mt__st_free(&s);
             return mt_errf(err, "'%s' has no '%s' metadata: not written by moetrain, so the model's config is unknown", path, key);

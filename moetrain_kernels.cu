@@ -857,6 +857,13 @@ int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const
  * lse [N, H] f32, N = B*T; causal within each sequence of T tokens. Nothing
  * T x T is ever stored.
  *
+ * Document masking (optional dstart [N] i32, see mt_cpu_doc_starts): query i sees keys
+ * dstart[i]..i. dstart is non-decreasing within a sequence, so a query block's smallest
+ * document start is that of its first row, and a key block's last useful query is found by
+ * binary search: the forward and dQ kernels start at the key tile holding that start, the
+ * dK/dV kernel stops after the last query block that can see its keys. Whole tiles outside
+ * the document are never visited; partial ones are masked element by element.
+ *
  * Kernels (all tensor-core mma.sync.m16n8k16 bf16 -> f32, ldmatrix / ldmatrix.trans from shared
  * memory with rows padded by 16 bytes (conflict-free), cp.async double buffering of streamed tiles):
  *   fa_fwd_kernel      one CTA per (128-query block, b*h): 8 warps x 16 query rows, online softmax
@@ -995,6 +1002,7 @@ struct FwdParams {
     const bf16 *q, *k, *v;
     bf16 *o;
     float *lse;
+    const int *dstart; /* [N] document starts, or null: plain causal */
     int T, H, dimq, dimv;
     float scale_log2; /* scale * log2(e) */
     int vec_qk, vec_v, pair_o;
@@ -1004,6 +1012,7 @@ struct BwdParams {
     const bf16 *q, *k, *v, *o, *dout;
     const float *lse;
     float *dsum; /* D [N*H] */
+    const int *dstart; /* [N] document starts, or null: plain causal */
     bf16 *dq, *dk, *dv;
     int T, H, dimq, dimv;
     float scale, scale_log2;
@@ -1041,6 +1050,14 @@ __device__ __forceinline__ int prefetch_kv(bf16 *sK, bf16 *sV, const bf16 *kbase
     return stage;
 }
 
+/* Document masking: the first key tile a query block starting at row m0 can see. */
+template <int BN>
+__device__ __forceinline__ int first_key_tile(const int *dsb, int m0) {
+    if (!dsb) return 0;
+    const int lo = dsb[m0];
+    return max(0, min(lo, m0)) / BN;
+}
+
 template <int DQ, int DV, int NW, int BN, int ST, bool QREG, int MT>
 __global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_kernel(const FwdParams p) {
     /* NW warps, each owning MT m16 tiles (16*MT consecutive query rows); BM = 16*NW*MT rows per CTA */
@@ -1070,11 +1087,16 @@ __global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_
 
     const int kv_end = min(T, m0 + BM);
     const int n_blocks = (kv_end + BN - 1) / BN;
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+    const int j0 = first_key_tile<BN>(dsb, m0); /* 0 without document masking */
 
     load_tile<BM, DQ, LDQ, NT>(sQ, qbase + (size_t)m0 * ldqk, ldqk, T - m0, p.dimq, vqk, qbase, tid);
     cp_async_commit();
-    load_tile<BN, DQ, LDQ, NT>(sK, kbase, ldqk, T, p.dimq, vqk, kbase, tid);
-    load_tile<BN, DV, LDV, NT>(sV, vbase, ldv, T, p.dimv, vv, vbase, tid);
+    {
+        const int st0 = (ST == 2) ? (j0 & 1) : 0, k0 = j0 * BN;
+        load_tile<BN, DQ, LDQ, NT>(sK + st0 * BN * LDQ, kbase + (size_t)k0 * ldqk, ldqk, T - k0, p.dimq, vqk, kbase, tid);
+        load_tile<BN, DV, LDV, NT>(sV + st0 * BN * LDV, vbase + (size_t)k0 * ldv, ldv, T - k0, p.dimv, vv, vbase, tid);
+    }
     cp_async_commit();
 
     const int a_row = lane & 15, a_col = (lane >> 4) << 3;
@@ -1103,8 +1125,10 @@ __global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_
     }
     const int row_lo = m0 + wrow0 + g; /* m-tile mt: rows row_lo + 16*mt and row_lo + 16*mt + 8 */
     const float sl2 = p.scale_log2;
+    /* the largest document start among this warp's rows: its last row's (starts grow with the row) */
+    const int dmax = dsb ? dsb[min(m0 + wrow0 + 16 * MT, T) - 1] : 0;
 
-    for (int j = 0; j < n_blocks; ++j) {
+    for (int j = j0; j < n_blocks; ++j) {
         const int stage = prefetch_kv<BN, DQ, DV, LDQ, LDV, NT, ST>(sK, sV, kbase, vbase, ldqk, ldv, T, p.dimq, p.dimv, vqk, vv, j, n_blocks, tid);
 
         const uint32_t cK = smem_u32(sK + stage * BN * LDQ);
@@ -1144,9 +1168,15 @@ __global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_
         uint32_t pa[MT][BN / 16][4]; /* P as bf16 A fragments */
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            /* scale (to log2 domain) + causal mask */
+            /* scale (to log2 domain) + causal mask + document mask */
             const int rlo = row_lo + mt * 16;
-            const bool need_mask = (n0 + BN - 1) > (m0 + wrow0 + mt * 16);
+            const bool need_mask = (n0 + BN - 1) > (m0 + wrow0 + mt * 16) || n0 < dmax;
+            int dlo[2] = {0, 0}; /* document starts of rows rlo, rlo + 8, read only where a mask applies */
+            if (need_mask && p.dstart) {
+                const int *d = p.dstart + (size_t)b * T;
+                dlo[0] = rlo < T ? d[rlo] : 0;
+                dlo[1] = rlo + 8 < T ? d[rlo + 8] : 0;
+            }
 #pragma unroll
             for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
@@ -1155,7 +1185,7 @@ __global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_
                     if (need_mask) {
                         const int key = n0 + nt * 8 + 2 * c + (e & 1);
                         const int row = rlo + ((e >> 1) << 3);
-                        if (key > row) x = neg_inf();
+                        if (key > row || key < dlo[e >> 1]) x = neg_inf();
                     }
                     s[mt][nt][e] = x;
                 }
@@ -1171,17 +1201,19 @@ __global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            /* every row has key 0 unmasked in block 0, so mx is finite from the first block on */
-            const float alpha0 = fast_exp2(mrow[mt][0] - mx0), alpha1 = fast_exp2(mrow[mt][1] - mx1);
+            /* a row may have seen no key of its document yet (mx = -inf, document masking):
+               subtract 0 instead so that exp2 gives 0, not NaN; otherwise this is mx itself */
+            const float mr0 = mx0 == neg_inf() ? 0.f : mx0, mr1 = mx1 == neg_inf() ? 0.f : mx1;
+            const float alpha0 = fast_exp2(mrow[mt][0] - mr0), alpha1 = fast_exp2(mrow[mt][1] - mr1);
             mrow[mt][0] = mx0;
             mrow[mt][1] = mx1;
             float ls0 = 0.f, ls1 = 0.f;
 #pragma unroll
             for (int nt = 0; nt < BN / 8; ++nt) {
-                s[mt][nt][0] = fast_exp2(s[mt][nt][0] - mx0);
-                s[mt][nt][1] = fast_exp2(s[mt][nt][1] - mx0);
-                s[mt][nt][2] = fast_exp2(s[mt][nt][2] - mx1);
-                s[mt][nt][3] = fast_exp2(s[mt][nt][3] - mx1);
+                s[mt][nt][0] = fast_exp2(s[mt][nt][0] - mr0);
+                s[mt][nt][1] = fast_exp2(s[mt][nt][1] - mr0);
+                s[mt][nt][2] = fast_exp2(s[mt][nt][2] - mr1);
+                s[mt][nt][3] = fast_exp2(s[mt][nt][3] - mr1);
                 ls0 += s[mt][nt][0] + s[mt][nt][1];
                 ls1 += s[mt][nt][2] + s[mt][nt][3];
             }
@@ -1293,11 +1325,16 @@ __global__ void __launch_bounds__(NW * 32, 1) fa_bwd_dq_kernel(const BwdParams p
 
     const int kv_end = min(T, m0 + BM);
     const int n_blocks = (kv_end + BN - 1) / BN;
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+    const int j0 = first_key_tile<BN>(dsb, m0); /* 0 without document masking */
 
     load_tile<BM, DQ, LDQ, NT>(sQ, qbase + (size_t)m0 * ldqk, ldqk, T - m0, p.dimq, vqk, qbase, tid);
     load_tile<BM, DV, LDV, NT>(sdO, dobase + (size_t)m0 * ldv, ldv, T - m0, p.dimv, vv, dobase, tid);
-    load_tile<BN, DQ, LDQ, NT>(sK, kbase, ldqk, T, p.dimq, vqk, kbase, tid);
-    load_tile<BN, DV, LDV, NT>(sV, vbase, ldv, T, p.dimv, vv, vbase, tid);
+    {
+        const int st0 = (ST == 2) ? (j0 & 1) : 0, k0 = j0 * BN;
+        load_tile<BN, DQ, LDQ, NT>(sK + st0 * BN * LDQ, kbase + (size_t)k0 * ldqk, ldqk, T - k0, p.dimq, vqk, kbase, tid);
+        load_tile<BN, DV, LDV, NT>(sV + st0 * BN * LDV, vbase + (size_t)k0 * ldv, ldv, T - k0, p.dimv, vv, vbase, tid);
+    }
     cp_async_commit();
 
     const int a_row = lane & 15, a_col = (lane >> 4) << 3;
@@ -1315,13 +1352,15 @@ __global__ void __launch_bounds__(NW * 32, 1) fa_bwd_dq_kernel(const BwdParams p
         lse2[hf] = row < T ? p.lse[idx] * MT_FA_LOG2E : 0.f;
         Dr[hf] = row < T ? p.dsum[idx] : 0.f;
     }
+    /* the largest document start among this warp's rows: its last row's (starts grow with the row) */
+    const int dmax = dsb ? dsb[min(m0 + warp * 16 + 16, T) - 1] : 0;
 
     float acc[DQ / 8][4];
 #pragma unroll
     for (int i = 0; i < DQ / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     const float sl2 = p.scale_log2;
 
-    for (int j = 0; j < n_blocks; ++j) {
+    for (int j = j0; j < n_blocks; ++j) {
         const int stage = prefetch_kv<BN, DQ, DV, LDQ, LDV, NT, ST>(sK, sV, kbase, vbase, ldqk, ldv, T, p.dimq, p.dimv, vqk, vv, j, n_blocks, tid);
         const uint32_t cK = smem_u32(sK + stage * BN * LDQ);
         const uint32_t cV = smem_u32(sV + stage * BN * LDV);
@@ -1360,7 +1399,13 @@ __global__ void __launch_bounds__(NW * 32, 1) fa_bwd_dq_kernel(const BwdParams p
         }
         /* dS = P * (dP - D), P = exp(scale*s - lse) */
         const int n0 = j * BN;
-        const bool need_mask = (n0 + BN - 1) > (m0 + warp * 16);
+        const bool need_mask = (n0 + BN - 1) > (m0 + warp * 16) || n0 < dmax;
+        int dlo[2] = {0, 0}; /* document starts of rows row_lo, row_lo + 8, read only where a mask applies */
+        if (need_mask && p.dstart) {
+            const int *d = p.dstart + (size_t)b * T;
+            dlo[0] = row_lo < T ? d[row_lo] : 0;
+            dlo[1] = row_lo + 8 < T ? d[row_lo + 8] : 0;
+        }
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
@@ -1369,7 +1414,7 @@ __global__ void __launch_bounds__(NW * 32, 1) fa_bwd_dq_kernel(const BwdParams p
                 float pv = fast_exp2(fmaf(s[nt][e], sl2, -lse2[hf]));
                 if (need_mask) {
                     const int key = n0 + nt * 8 + 2 * c + (e & 1);
-                    if (key > row_lo + hf * 8) pv = 0.f;
+                    if (key > row_lo + hf * 8 || key < dlo[hf]) pv = 0.f;
                 }
                 s[nt][e] = pv * (dp[nt][e] - Dr[hf]);
             }
@@ -1440,6 +1485,7 @@ __global__ void __launch_bounds__(256, MINB) fa_bwd_dkdv_kernel(const BwdParams 
     bf16 *sdS = sP + BNK * LDP;       /* [64][LDP]  dS^T */
     float *sL = reinterpret_cast<float *>(sdS + BNK * LDP); /* ST x [BMQ]  lse * log2e */
     float *sD = sL + ST * BMQ;                               /* ST x [BMQ]  D */
+    int *sS = reinterpret_cast<int *>(sD + ST * BMQ);         /* ST x [BMQ]  document starts (T past the end) */
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, c = lane & 3;
@@ -1457,7 +1503,17 @@ __global__ void __launch_bounds__(256, MINB) fa_bwd_dkdv_kernel(const BwdParams 
     const bool vqk = p.vec_qk != 0, vv = p.vec_v != 0;
 
     const int m_first = n0 / BMQ;
-    const int m_count = (T + BMQ - 1) / BMQ;
+    int m_count = (T + BMQ - 1) / BMQ;
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+    if (dsb) { /* queries from the first one whose document starts after this block's last key see none of it */
+        const int kmax = min(n0 + BNK, T) - 1;
+        int lo = kmax + 1, hi = T;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (dsb[mid] > kmax) hi = mid; else lo = mid + 1;
+        }
+        m_count = (lo + BMQ - 1) / BMQ;
+    }
 
     load_tile<BNK, DQ, LDQ, NT>(sK, kbase + (size_t)n0 * ldqk, ldqk, T - n0, p.dimq, vqk, kbase, tid);
     load_tile<BNK, DV, LDV, NT>(sV, vbase + (size_t)n0 * ldv, ldv, T - n0, p.dimv, vv, vbase, tid);
@@ -1470,6 +1526,7 @@ __global__ void __launch_bounds__(256, MINB) fa_bwd_dkdv_kernel(const BwdParams 
             const int q = q0 + tid;
             sL[tid] = q < T ? lsebase[(size_t)q * H] * MT_FA_LOG2E : 0.f;
             sD[tid] = q < T ? dsbase[(size_t)q * H] : 0.f;
+            if (dsb) sS[tid] = q < T ? dsb[q] : T;
         }
     }
     cp_async_commit();
@@ -1517,6 +1574,7 @@ __global__ void __launch_bounds__(256, MINB) fa_bwd_dkdv_kernel(const BwdParams 
                 const int q = q1 + tid;
                 sL[st1 * BMQ + tid] = q < T ? lsebase[(size_t)q * H] * MT_FA_LOG2E : 0.f;
                 sD[st1 * BMQ + tid] = q < T ? dsbase[(size_t)q * H] : 0.f;
+                if (dsb) sS[st1 * BMQ + tid] = q < T ? dsb[q] : T;
             }
             cp_async_commit();
             cp_async_wait<1>();
@@ -1527,6 +1585,7 @@ __global__ void __launch_bounds__(256, MINB) fa_bwd_dkdv_kernel(const BwdParams 
         const uint32_t cQ = smem_u32(sQ + stage * BMQ * LDQ);
         const uint32_t cdO = smem_u32(sdO + stage * BMQ * LDV);
         const float *cL = sL + stage * BMQ, *cD = sD + stage * BMQ;
+        const int *cS = sS + stage * BMQ;
         const int qb0 = mb * BMQ;
 
         /* ---- phase 1: S^T = K Q^T, dP^T = V dO^T for 16 keys x QW queries, in chunks of QC ---- */
@@ -1574,7 +1633,8 @@ __global__ void __launch_bounds__(256, MINB) fa_bwd_dkdv_kernel(const BwdParams 
                 }
             }
             const int qmin = qb0 + qw0;
-            const bool need_mask = (qmin < n0 + kw * 16 + 15) || (qb0 + BMQ > T);
+            /* document starts grow with the query: the chunk's last one is its largest */
+            const bool need_mask = (qmin < n0 + kw * 16 + 15) || (qb0 + BMQ > T) || (dsb && cS[qw0 + QC - 1] > n0 + kw * 16);
 #pragma unroll
             for (int nt = 0; nt < QC / 8; ++nt) {
                 const int ql = qw0 + nt * 8 + 2 * c; /* local query of elements e=0,2 (e=1,3: +1) */
@@ -1587,7 +1647,7 @@ __global__ void __launch_bounds__(256, MINB) fa_bwd_dkdv_kernel(const BwdParams 
                     if (need_mask) {
                         const int q = qb0 + ql + (e & 1);
                         const int key = key_lo + ((e >> 1) << 3);
-                        if (q < key || q >= T) pe = 0.f;
+                        if (q < key || q >= T || (dsb && cS[ql + (e & 1)] > key)) pe = 0.f;
                     }
                     pv[e] = pe;
                     ds[e] = pe * (dp[nt][e] - Dq);
@@ -1638,6 +1698,7 @@ __global__ void __launch_bounds__(256, MINB) fa_bwd_dkdv_kernel(const BwdParams 
                 const int q = q1 + tid;
                 sL[tid] = q < T ? lsebase[(size_t)q * H] * MT_FA_LOG2E : 0.f;
                 sD[tid] = q < T ? dsbase[(size_t)q * H] : 0.f;
+                if (dsb) sS[tid] = q < T ? dsb[q] : T;
             }
             cp_async_commit();
         }
@@ -1695,7 +1756,7 @@ constexpr size_t dq_smem_bytes() {
 template <int DQ, int DV, int BMQ, int ST>
 constexpr size_t dkdv_smem_bytes() {
     return (size_t)(64 * (DQ + 8 + DV + 8) + ST * BMQ * (DQ + 8 + DV + 8) + 2 * 64 * (BMQ + 8)) * sizeof(bf16) +
-           (size_t)2 * ST * BMQ * sizeof(float);
+           (size_t)2 * ST * BMQ * sizeof(float) + (size_t)ST * BMQ * sizeof(int);
 }
 
 template <int DQ, int DV, int NW, int BN, int ST, bool QREG, int MT>
@@ -1769,9 +1830,9 @@ static inline bool aligned_to(const void *ptr, size_t a) { return ((uintptr_t)pt
 /* ------------------------------------------------------------------------------------------ */
 /* Entry points (wrapped by mt_cuda_attention_* below)                                        */
 /* ------------------------------------------------------------------------------------------ */
-static int mt__fa_forward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const __nv_bfloat16 *V,
-                                         __nv_bfloat16 *O, float *lse, int B, int T, int H, int dq, int dv, float scale,
-                                         cudaStream_t stream) {
+static int mt__fa_forward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const __nv_bfloat16 *V, const int32_t *dstart,
+                          __nv_bfloat16 *O, float *lse, int B, int T, int H, int dq, int dv, float scale,
+                          cudaStream_t stream) {
     using namespace mt_fa;
     if (B < 0 || T < 0 || H < 0) return -1;
     const int cfg = pick_cfg(dq, dv);
@@ -1781,7 +1842,7 @@ static int mt__fa_forward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const 
     if ((long long)B * H > 0x7fffffffLL || (long long)B * T > 0x7fffffffLL) return -1;
     if (!(scale == scale)) return -1;
     FwdParams p;
-    p.q = Q; p.k = K; p.v = V; p.o = O; p.lse = lse;
+    p.q = Q; p.k = K; p.v = V; p.o = O; p.lse = lse; p.dstart = dstart;
     p.T = T; p.H = H; p.dimq = dq; p.dimv = dv;
     p.scale_log2 = scale * MT_FA_LOG2E;
     p.vec_qk = (dq % 8 == 0) && aligned_to(Q, 16) && aligned_to(K, 16);
@@ -1807,7 +1868,7 @@ static size_t mt__fa_backward_workspace(int B, int T, int H, int dq, int dv) {
 namespace mt_fa {
 /* argument checks + parameter block for the backward; returns the config index or -1 (0 size: -2) */
 static int setup_bwd(BwdParams &p, const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const __nv_bfloat16 *V,
-                     const __nv_bfloat16 *O, const float *lse, const __nv_bfloat16 *dO, __nv_bfloat16 *dQ,
+                     const __nv_bfloat16 *O, const float *lse, const __nv_bfloat16 *dO, const int32_t *dstart, __nv_bfloat16 *dQ,
                      __nv_bfloat16 *dK, __nv_bfloat16 *dV, void *workspace, int B, int T, int H, int dq, int dv,
                      float scale) {
     if (B < 0 || T < 0 || H < 0) return -1;
@@ -1820,6 +1881,7 @@ static int setup_bwd(BwdParams &p, const __nv_bfloat16 *Q, const __nv_bfloat16 *
     if (!(scale == scale)) return -1;
     p.q = Q; p.k = K; p.v = V; p.o = O; p.dout = dO; p.lse = lse;
     p.dsum = (float *)workspace;
+    p.dstart = dstart;
     p.dq = dQ; p.dk = dK; p.dv = dV;
     p.T = T; p.H = H; p.dimq = dq; p.dimv = dv;
     p.scale = scale;
@@ -1833,12 +1895,12 @@ static int setup_bwd(BwdParams &p, const __nv_bfloat16 *Q, const __nv_bfloat16 *
 } /* namespace mt_fa */
 
 static int mt__fa_backward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const __nv_bfloat16 *V,
-                                          const __nv_bfloat16 *O, const float *lse, const __nv_bfloat16 *dO,
-                                          __nv_bfloat16 *dQ, __nv_bfloat16 *dK, __nv_bfloat16 *dV, void *workspace, int B,
-                                          int T, int H, int dq, int dv, float scale, cudaStream_t stream) {
+                           const __nv_bfloat16 *O, const float *lse, const __nv_bfloat16 *dO, const int32_t *dstart,
+                           __nv_bfloat16 *dQ, __nv_bfloat16 *dK, __nv_bfloat16 *dV, void *workspace, int B,
+                           int T, int H, int dq, int dv, float scale, cudaStream_t stream) {
     using namespace mt_fa;
     BwdParams p;
-    const int cfg = setup_bwd(p, Q, K, V, O, lse, dO, dQ, dK, dV, workspace, B, T, H, dq, dv, scale);
+    const int cfg = setup_bwd(p, Q, K, V, O, lse, dO, dstart, dQ, dK, dV, workspace, B, T, H, dq, dv, scale);
     if (cfg == -2) return 0;
     if (cfg < 0) return -1;
     if (launch_dot_kernel(p, (long long)B * T * H, stream)) return -1;
@@ -1857,20 +1919,52 @@ extern "C" {
 size_t mt_cuda_attention_backward_workspace(int B, int T, int H, int dq, int dv) {
     return mt__fa_backward_workspace(B, T, H, dq, dv);
 }
-int mt_cuda_attention_forward(mt_cuda *c, const void *Q, const void *K, const void *V, void *O, float *lse, int B, int T,
-                              int H, int dq, int dv, float scale) {
+int mt_cuda_attention_forward(mt_cuda *c, const void *Q, const void *K, const void *V, const int32_t *dstart, void *O,
+                              float *lse, int B, int T, int H, int dq, int dv, float scale) {
     if (dq > 256 || dv > 256) return mt__fail(c, "attention", "head dims above 256 are not supported on CUDA");
-    if (mt__fa_forward((const bf16 *)Q, (const bf16 *)K, (const bf16 *)V, (bf16 *)O, lse, B, T, H, dq, dv, scale, c->stream))
+    if (mt__fa_forward((const bf16 *)Q, (const bf16 *)K, (const bf16 *)V, dstart, (bf16 *)O, lse, B, T, H, dq, dv, scale, c->stream))
         return mt__fail(c, "attention forward", cudaGetErrorString(cudaGetLastError()));
     return 0;
 }
 int mt_cuda_attention_backward(mt_cuda *c, const void *Q, const void *K, const void *V, const void *O, const float *lse,
-                               const void *dO, void *dQ, void *dK, void *dV, void *ws, int B, int T, int H, int dq, int dv,
-                               float scale) {
+                               const void *dO, const int32_t *dstart, void *dQ, void *dK, void *dV, void *ws, int B, int T,
+                               int H, int dq, int dv, float scale) {
     if (dq > 256 || dv > 256) return mt__fail(c, "attention", "head dims above 256 are not supported on CUDA");
-    if (mt__fa_backward((const bf16 *)Q, (const bf16 *)K, (const bf16 *)V, (const bf16 *)O, lse, (const bf16 *)dO, (bf16 *)dQ,
-                        (bf16 *)dK, (bf16 *)dV, ws, B, T, H, dq, dv, scale, c->stream))
+    if (mt__fa_backward((const bf16 *)Q, (const bf16 *)K, (const bf16 *)V, (const bf16 *)O, lse, (const bf16 *)dO, dstart,
+                        (bf16 *)dQ, (bf16 *)dK, (bf16 *)dV, ws, B, T, H, dq, dv, scale, c->stream))
         return mt__fail(c, "attention backward", cudaGetErrorString(cudaGetLastError()));
+    return 0;
+}
+
+/* Document starts (see mt_cpu_doc_starts): one block per sequence; each thread takes a chunk of
+   positions, the position after the chunk's last end-of-text token is max-scanned across the
+   block, then each chunk is walked again from its prefix. Integer max: order-free. */
+__global__ void k_doc_starts(int32_t *ds, const int32_t *tok, int T, int eot) {
+    __shared__ int part[1024];
+    const size_t s0 = (size_t)blockIdx.x * T;
+    const int tid = threadIdx.x, nt = blockDim.x, chunk = (T + nt - 1) / nt;
+    const int t0 = min(tid * chunk, T), t1 = min(t0 + chunk, T);
+    int m = 0;
+    for (int t = t0; t < t1; t++) if (tok[s0 + t] == eot) m = t + 1;
+    part[tid] = m;
+    __syncthreads();
+    for (int off = 1; off < nt; off <<= 1) {   /* inclusive max-scan */
+        const int v = tid >= off ? part[tid - off] : 0;
+        __syncthreads();
+        part[tid] = max(part[tid], v);
+        __syncthreads();
+    }
+    int start = tid ? part[tid - 1] : 0;
+    for (int t = t0; t < t1; t++) {
+        ds[s0 + t] = start;
+        if (tok[s0 + t] == eot) start = t + 1;
+    }
+}
+int mt_cuda_doc_starts(mt_cuda *c, int32_t *dstart, const int32_t *tok, int N, int T, int eot) {
+    if (N <= 0) return 0;
+    if (T <= 0 || N % T) return mt__fail(c, "doc starts", "token count is not a multiple of seq_len");
+    k_doc_starts<<<N / T, 1024, 0, c->stream>>>(dstart, tok, T, eot);
+    LAUNCHED();
     return 0;
 }
 

@@ -393,28 +393,74 @@ static void gpu_test_matmul(void) {
     dfree(dx); dfree(d1); dfree(d2); dfree(dc);
 }
 
-static void gpu_test_attention_shape(int B, int T, int H, int dq, int dv) {
+/* docs = 0: plain causal. docs > 0: about one end-of-text token per `docs` positions, plus
+ * documents that start exactly on key-tile boundaries (32, 64, 128) and length-1 documents,
+ * so that whole tiles are skipped and partial ones masked. Also checks a bitwise rerun. */
+static void gpu_test_attention_shape(int B, int T, int H, int dq, int dv, int docs) {
     int64_t N = (int64_t)B * T, nq = N * H * dq, nv = N * H * dv;
     float scale = 1.0f / sqrtf((float)dq);
     float *Q = randn(nq, 1), *K = randn(nq, 1), *V = randn(nv, 1), *dO = randn(nv, 1);
     round_bf(Q, nq); round_bf(K, nq); round_bf(V, nv); round_bf(dO, nv);
+    int32_t *ds = NULL;
+    if (docs > 0) {
+        int32_t *tok = (int32_t *)malloc(4 * (size_t)N);
+        for (int64_t i = 0; i < N; i++) tok[i] = mt_rng_u64(&R) % (uint64_t)docs == 0 ? 0 : 1;
+        const int at[] = {31, 63, 64, 127, 128, 129, 255};   /* documents start at at[i] + 1 */
+        for (int b = 0; b < B; b += 2)
+            for (int i = 0; i < (int)(sizeof at / sizeof at[0]); i++) if (at[i] < T) tok[(int64_t)b * T + at[i]] = 0;
+        ds = (int32_t *)malloc(4 * (size_t)N);
+        mt_cpu_doc_starts(ds, tok, (int)N, T, 0);
+        free(tok);
+    }
     float *O = (float *)malloc(4 * nv), *L = (float *)malloc(4 * N * H), *dQ = (float *)malloc(4 * nq), *dK = (float *)malloc(4 * nq), *dV = (float *)malloc(4 * nv);
-    mt_cpu_attention_forward(NULL, O, L, Q, K, V, B, T, H, dq, dv, scale);
+    mt_cpu_attention_forward(NULL, O, L, Q, K, V, ds, B, T, H, dq, dv, scale);
     round_bf(O, nv);   /* the GPU backward reads the bf16 output */
-    mt_cpu_attention_backward(NULL, dQ, dK, dV, Q, K, V, O, L, dO, B, T, H, dq, dv, scale);
+    mt_cpu_attention_backward(NULL, dQ, dK, dV, Q, K, V, O, L, dO, ds, B, T, H, dq, dv, scale);
     void *dQ_ = up_bf(Q, nq), *dK_ = up_bf(K, nq), *dV_ = up_bf(V, nv), *ddO = up_bf(dO, nv), *dOo = dalloc(2 * nv), *dL = dalloc(4 * N * H);
     void *gQ = dalloc(2 * nq), *gK = dalloc(2 * nq), *gV = dalloc(2 * nv), *ws = dalloc(mt_cuda_attention_backward_workspace(B, T, H, dq, dv));
-    int ok = !mt_cuda_attention_forward(CU, dQ_, dK_, dV_, dOo, (float *)dL, B, T, H, dq, dv, scale);
+    int32_t *dds = ds ? (int32_t *)up(ds, 4 * (size_t)N) : NULL;
+    int ok = !mt_cuda_attention_forward(CU, dQ_, dK_, dV_, dds, dOo, (float *)dL, B, T, H, dq, dv, scale);
     float *go = down_bf(dOo, nv), *gl = (float *)down(dL, 4 * N * H);
     double e1 = rel(go, O, nv), e2 = rel(gl, L, N * H);
-    ok = ok && !mt_cuda_attention_backward(CU, dQ_, dK_, dV_, dOo, (float *)dL, ddO, gQ, gK, gV, ws, B, T, H, dq, dv, scale);
+    ok = ok && !mt_cuda_attention_backward(CU, dQ_, dK_, dV_, dOo, (float *)dL, ddO, dds, gQ, gK, gV, ws, B, T, H, dq, dv, scale);
     float *gq = down_bf(gQ, nq), *gk = down_bf(gK, nq), *gv = down_bf(gV, nv);
     double e3 = rel(gq, dQ, nq), e4 = rel(gk, dK, nq), e5 = rel(gv, dV, nv);
+    /* rerun into freshly poisoned outputs: bitwise the same */
+    void *dO2 = dalloc(2 * nv), *dL2 = dalloc(4 * N * H), *gQ2 = dalloc(2 * nq), *gK2 = dalloc(2 * nq), *gV2 = dalloc(2 * nv);
+    mt_cuda_memset(CU, ws, 0xff, mt_cuda_attention_backward_workspace(B, T, H, dq, dv));
+    ok = ok && !mt_cuda_attention_forward(CU, dQ_, dK_, dV_, dds, dO2, (float *)dL2, B, T, H, dq, dv, scale) &&
+         !mt_cuda_attention_backward(CU, dQ_, dK_, dV_, dO2, (float *)dL2, ddO, dds, gQ2, gK2, gV2, ws, B, T, H, dq, dv, scale);
+    void *h1[5] = {down(dOo, 2 * nv), down(dL, 4 * N * H), down(gQ, 2 * nq), down(gK, 2 * nq), down(gV, 2 * nv)};
+    void *h2[5] = {down(dO2, 2 * nv), down(dL2, 4 * N * H), down(gQ2, 2 * nq), down(gK2, 2 * nq), down(gV2, 2 * nv)};
+    size_t nb[5] = {2 * (size_t)nv, 4 * (size_t)(N * H), 2 * (size_t)nq, 2 * (size_t)nq, 2 * (size_t)nv};
+    int same = 1;
+    for (int i = 0; i < 5; i++) { same &= !memcmp(h1[i], h2[i], nb[i]); free(h1[i]); free(h2[i]); }
     char nm[96];
-    snprintf(nm, sizeof nm, "gpu attention B%d T%d H%d %d/%d", B, T, H, dq, dv);
-    report(nm, ok && e1 < BF_TOL && e2 < 1e-4 && e3 < BF_TOL && e4 < BF_TOL && e5 < BF_TOL, "O %.1e lse %.1e dQ %.1e dK %.1e dV %.1e", e1, e2, e3, e4, e5);
-    free(Q); free(K); free(V); free(dO); free(O); free(L); free(dQ); free(dK); free(dV); free(go); free(gl); free(gq); free(gk); free(gv);
-    dfree(dQ_); dfree(dK_); dfree(dV_); dfree(ddO); dfree(dOo); dfree(dL); dfree(gQ); dfree(gK); dfree(gV); dfree(ws);
+    snprintf(nm, sizeof nm, "gpu attention%s B%d T%d H%d %d/%d", docs ? " doc-masked" : "", B, T, H, dq, dv);
+    report(nm, ok && same && e1 < BF_TOL && e2 < 1e-4 && e3 < BF_TOL && e4 < BF_TOL && e5 < BF_TOL,
+           "O %.1e lse %.1e dQ %.1e dK %.1e dV %.1e; rerun bitwise %s", e1, e2, e3, e4, e5, same ? "yes" : "NO");
+    free(Q); free(K); free(V); free(dO); free(O); free(L); free(dQ); free(dK); free(dV); free(go); free(gl); free(gq); free(gk); free(gv); free(ds);
+    dfree(dQ_); dfree(dK_); dfree(dV_); dfree(ddO); dfree(dOo); dfree(dL); dfree(gQ); dfree(gK); dfree(gV); dfree(ws); dfree(dds);
+    dfree(dO2); dfree(dL2); dfree(gQ2); dfree(gK2); dfree(gV2);
+}
+
+/* DOC_STARTS on the device: exactly the CPU's, long sequences (many positions per thread) too */
+static void gpu_test_doc_starts(void) {
+    const int shapes[3][2] = {{3, 5000}, {4, 7}, {1, 1500}};
+    int ok = 1;
+    for (int k = 0; k < 3; k++) {
+        int B = shapes[k][0], T = shapes[k][1], N = B * T;
+        int32_t *tok = (int32_t *)malloc(4 * (size_t)N), *want = (int32_t *)malloc(4 * (size_t)N);
+        for (int i = 0; i < N; i++) tok[i] = (int32_t)(mt_rng_u64(&R) % (k == 1 ? 3 : 60));
+        tok[0] = 0; tok[N - 1] = 0;   /* end-of-text first and last */
+        mt_cpu_doc_starts(want, tok, N, T, 0);
+        int32_t *dt = (int32_t *)up(tok, 4 * (size_t)N), *dd = (int32_t *)dalloc(4 * (size_t)N);
+        ok &= !mt_cuda_doc_starts(CU, dd, dt, N, T, 0);
+        int32_t *got = (int32_t *)down(dd, 4 * (size_t)N);
+        ok &= !memcmp(got, want, 4 * (size_t)N);
+        free(tok); free(want); free(got); dfree(dt); dfree(dd);
+    }
+    report("gpu document starts = CPU", ok, NULL);
 }
 
 static void gpu_test_rope(int dn, int dv) {
@@ -666,7 +712,11 @@ static int gpu_steps(mt_runtime *rt, const mt_config *c, int n, double *loss, do
     for (int s = 0; s < n && !rc; s++) {
         mt_rng r;
         mt_rng_seed(&r, 77 + (uint64_t)s);
-        for (int64_t i = 0; i < N; i++) { tok[i] = (int32_t)(mt_rng_u64(&r) % (uint64_t)c->vocab_size); tgt[i] = (tok[i] * 5 + 1) % c->vocab_size; }
+        for (int64_t i = 0; i < N; i++) {
+            tok[i] = (int32_t)(mt_rng_u64(&r) % (uint64_t)c->vocab_size);
+            if (c->doc_mask && mt_rng_u64(&r) % 12 == 0) tok[i] = c->eot_id;   /* documents of ~12 tokens */
+            tgt[i] = (tok[i] * 5 + 1) % c->vocab_size;
+        }
         mt_step_stats st;
         if (mt_runtime_step(rt, tok, tgt, s, &hp, &st, &e)) { printf("  step: %s\n", e.msg); rc = -1; break; }
         loss[s] = st.loss;
@@ -784,6 +834,27 @@ static void gpu_test_multi_rank(void) {
     mt_graph_free(&g1); mt_graph_free(&g2); mt_graph_free(&gf);
 }
 
+/* doc_mask training steps: CUDA against the CPU reference, bitwise rerun */
+static void gpu_test_doc_mask_steps(void) {
+    mt_config c;
+    mt_err e;
+    mt_config_preset(&c, "tiny", &e);
+    c.doc_mask = 1; c.eot_id = 3;
+    mt_graph gc, gg;
+    if (gpu_compile(&gc, &c, 0, 1, &e) || gpu_compile(&gg, &c, 1, 1, &e)) { report("gpu doc_mask steps", 0, "%s", e.msg); return; }
+    enum { S = 4 };
+    double lc[S] = {0}, lg[S] = {0}, lg2[S] = {0};
+    mt_runtime *rc = gpu_runtime(&gc, 0), *r1 = gpu_runtime(&gg, 1), *r2 = gpu_runtime(&gg, 0);
+    int ok = rc && r1 && r2 && !gpu_steps(rc, &c, S, lc, NULL) && !gpu_steps(r1, &c, S, lg, NULL) && !gpu_steps(r2, &c, S, lg2, NULL);
+    double worst = 0;
+    for (int s = 0; ok && s < S; s++) if (fabs(lg[s] - lc[s]) / lc[s] > worst) worst = fabs(lg[s] - lc[s]) / lc[s];
+    report("gpu doc_mask training steps vs CPU, bitwise rerun", ok && worst < 2e-2 && bitwise_equal(lg, lg2, S),
+           "loss %.5f vs %.5f .. %.5f vs %.5f; worst rel %.1e; rerun bitwise %s", lg[0], lc[0], lg[S - 1], lc[S - 1], worst,
+           bitwise_equal(lg, lg2, S) ? "yes" : "NO");
+    mt_runtime_destroy(rc); mt_runtime_destroy(r1); mt_runtime_destroy(r2);
+    mt_graph_free(&gc); mt_graph_free(&gg);
+}
+
 int main(void) {
     mt_err e;
     mt_rng_seed(&R, 42);
@@ -802,17 +873,24 @@ int main(void) {
     gpu_test_matmul();
     gpu_test_rope(12, 10);   /* bf16-pair kernels */
     gpu_test_rope(11, 9);    /* element kernels */
-    gpu_test_attention_shape(2, 64, 4, 24, 16);
-    gpu_test_attention_shape(1, 7, 2, 12, 8);
-    gpu_test_attention_shape(2, 100, 3, 64, 64);
-    gpu_test_attention_shape(1, 130, 2, 192, 128);
-    gpu_test_attention_shape(2, 256, 4, 192, 128);
+    gpu_test_attention_shape(2, 64, 4, 24, 16, 0);
+    gpu_test_attention_shape(1, 7, 2, 12, 8, 0);
+    gpu_test_attention_shape(2, 100, 3, 64, 64, 0);
+    gpu_test_attention_shape(1, 130, 2, 192, 128, 0);
+    gpu_test_attention_shape(2, 256, 4, 192, 128, 0);
+    gpu_test_doc_starts();
+    gpu_test_attention_shape(2, 100, 3, 64, 64, 20);
+    gpu_test_attention_shape(2, 300, 2, 192, 128, 40);
+    gpu_test_attention_shape(2, 520, 4, 192, 128, 150);
+    gpu_test_attention_shape(1, 130, 2, 256, 256, 30);
+    gpu_test_attention_shape(2, 77, 3, 40, 72, 9);
     gpu_test_moe_ops();
     gpu_test_gmm_dw_sumsq(8, 48, 64, 400);      /* few rows per expert: no row splits */
     gpu_test_gmm_dw_sumsq(2, 64, 64, 16384);    /* few tiles, many rows: split rows, reduce kernel */
     gpu_test_gmm_dw_sumsq(64, 1408, 256, 6144);
     gpu_test_loss_and_optimizer();
     gpu_test_whole_steps();
+    gpu_test_doc_mask_steps();
     gpu_test_multi_rank();
     mt_cuda_destroy(CU);
     printf("%d passed, %d failed\n", n_pass, n_fail);
@@ -872,7 +950,7 @@ static double L_rope(void *p) {
 }
 static double L_attn(void *p) {
     gc *c = (gc *)p;
-    mt_cpu_attention_forward(NULL, c->o0, c->o1, c->a, c->b, c->c, c->B, c->T, c->H, c->K, c->dv, c->scale);
+    mt_cpu_attention_forward(NULL, c->o0, c->o1, c->a, c->b, c->c, c->i0, c->B, c->T, c->H, c->K, c->dv, c->scale);
     return dot(c->o0, c->r0, (int64_t)c->B * c->T * c->H * c->dv);
 }
 static double L_swiglu(void *p) { gc *c = (gc *)p; mt_cpu_swiglu_forward(c->o0, c->a, c->b, c->N); return dot(c->o0, c->r0, c->N); }
@@ -964,10 +1042,29 @@ static void test_gradcheck_ops(void) {
         mt_real *dQ = alloc_real(nq), *dK = alloc_real(nq), *dV = alloc_real(nv);
         fill_normal(c.a, nq, 1); fill_normal(c.b, nq, 1); fill_normal(c.c, nv, 1); fill_normal(c.r0, nv, 1);
         L_attn(&c);
-        mt_cpu_attention_backward(NULL, dQ, dK, dV, c.a, c.b, c.c, c.o0, c.o1, c.r0, c.B, c.T, c.H, c.K, c.dv, c.scale);
+        mt_cpu_attention_backward(NULL, dQ, dK, dV, c.a, c.b, c.c, c.o0, c.o1, c.r0, c.i0, c.B, c.T, c.H, c.K, c.dv, c.scale);
         e1 = fd_error(L_attn, &c, c.a, nq, dQ, 300); e2 = fd_error(L_attn, &c, c.b, nq, dK, 300); e3 = fd_error(L_attn, &c, c.c, nv, dV, 300);
         report("gradcheck attention (Q, K, V)", e1 < GC_TOL && e2 < GC_TOL && e3 < GC_TOL, "rel err %.2e %.2e %.2e", e1, e2, e3);
         free(c.a); free(c.b); free(c.c); free(c.o0); free(c.o1); free(c.r0); free(dQ); free(dK); free(dV);
+    }
+
+    /* document-masked attention: several packed documents per sequence, length-1 ones too */
+    {
+        memset(&c, 0, sizeof c); c.B = 2; c.T = 7; c.H = 2; c.K = 6; c.dv = 4; c.scale = 0.5f;
+        int64_t n = c.B * c.T, nq = n * c.H * c.K, nv = n * c.H * c.dv;
+        const int32_t tok[14] = {1, 9, 2, 3, 9, 4, 5,   9, 9, 1, 2, 3, 9, 1}, want[14] = {0, 0, 2, 2, 2, 5, 5,   0, 1, 2, 2, 2, 2, 6};
+        c.i0 = (int32_t *)calloc((size_t)n, 4);
+        mt_cpu_doc_starts(c.i0, tok, (int)n, c.T, 9);
+        int starts_ok = !memcmp(c.i0, want, sizeof want);
+        c.a = alloc_real(nq); c.b = alloc_real(nq); c.c = alloc_real(nv); c.o0 = alloc_real(nv); c.o1 = alloc_real(n * c.H); c.r0 = alloc_real(nv);
+        mt_real *dQ = alloc_real(nq), *dK = alloc_real(nq), *dV = alloc_real(nv);
+        fill_normal(c.a, nq, 1); fill_normal(c.b, nq, 1); fill_normal(c.c, nv, 1); fill_normal(c.r0, nv, 1);
+        L_attn(&c);
+        mt_cpu_attention_backward(NULL, dQ, dK, dV, c.a, c.b, c.c, c.o0, c.o1, c.r0, c.i0, c.B, c.T, c.H, c.K, c.dv, c.scale);
+        e1 = fd_error(L_attn, &c, c.a, nq, dQ, 400); e2 = fd_error(L_attn, &c, c.b, nq, dK, 400); e3 = fd_error(L_attn, &c, c.c, nv, dV, 400);
+        report("gradcheck document-masked attention (Q, K, V)", starts_ok && e1 < GC_TOL && e2 < GC_TOL && e3 < GC_TOL,
+               "doc starts %s; rel err %.2e %.2e %.2e", starts_ok ? "ok" : "WRONG", e1, e2, e3);
+        free(c.a); free(c.b); free(c.c); free(c.o0); free(c.o1); free(c.r0); free(c.i0); free(dQ); free(dK); free(dV);
     }
 
     /* SwiGLU */
@@ -1062,6 +1159,21 @@ static double L_model(void *p) {
     if (mt_runtime_step(m->fwd, m->tok, m->tgt, 0, NULL, &st, &e)) return NAN;
     return st.loss;
 }
+/* A well-conditioned point: matrices with std 1/sqrt(fan_in) (so attention
+ * and routing are far from uniform and every gradient is O(1)), norm
+ * weights near 1, and a small random expert bias. */
+static void init_well_conditioned(const mt_graph *g, mt_runtime *rt) {
+    for (int i = 0; i < g->n_values; i++) {
+        const mt_value *v = &g->values[i];
+        if (v->role != MT_ROLE_PARAM) continue;
+        mt_real *x = (mt_real *)mt_runtime_value(rt, i);
+        int64_t n = mt_value_numel_max(g, v);
+        if (strstr(v->name, "e_score_correction_bias")) fill_normal(x, n, 0.1);
+        else if (v->ndim == 1) for (int64_t j = 0; j < n; j++) x[j] = (mt_real)(1 + 0.2 * mt_rng_normal(&R));
+        else fill_normal(x, n, 1.0 / sqrt((double)v->dims[v->ndim - 1]));
+    }
+}
+
 static void gradcheck_model(const char *name, const mt_config *cf) {
     mt_graph gt, gf;
     mt_err e;
@@ -1073,19 +1185,8 @@ static void gradcheck_model(const char *name, const mt_config *cf) {
     mt_hparams hp;
     mt_hparams_default(&hp);
     hp.lr = 0; hp.weight_decay = 0; hp.grad_clip = 0; hp.warmup_steps = 0;
-    /* a well-conditioned point: matrices with std 1/sqrt(fan_in) (so attention
-     * and routing are far from uniform and every gradient is O(1)), norm
-     * weights near 1, and a small random expert bias */
-    for (int i = 0; i < gt.n_values; i++) {
-        const mt_value *v = &gt.values[i];
-        if (v->role != MT_ROLE_PARAM) continue;
-        mt_real *x = (mt_real *)mt_runtime_value(rt, i);
-        int64_t n = mt_value_numel_max(&gt, v);
-        if (strstr(v->name, "e_score_correction_bias")) fill_normal(x, n, 0.1);
-        else if (v->ndim == 1) for (int64_t j = 0; j < n; j++) x[j] = (mt_real)(1 + 0.2 * mt_rng_normal(&R));
-        else fill_normal(x, n, 1.0 / sqrt((double)v->dims[v->ndim - 1]));
-    }
     mt_step_stats st;
+    if (rt) init_well_conditioned(&gt, rt);
     if (!rt || !fw || mt_runtime_step(rt, tok, tgt, 0, &hp, &st, &e) || mt_runtime_copy_params(fw, rt, &e)) {
         report(name, 0, "setup failed");
         return;
@@ -1121,6 +1222,82 @@ static void test_gradcheck_model(void) {
     c.score_func = MT_SCORE_SOFTMAX; c.route_norm = 0; c.route_scale = 2.5f; c.rope_factor = 4; c.original_seq_len = 4;
     c.n_shared_experts = 0;
     gradcheck_model("gradcheck whole model (softmax, YaRN, no shared)", &c);
+    small_config(&c);
+    c.load_balance_coeff = 0;
+    c.doc_mask = 1;
+    {   /* an end-of-text token that occurs in the batch: several documents per sequence */
+        int32_t tok[16], tgt[16];
+        make_batch(&c, 0, tok, tgt);
+        c.eot_id = tok[2];
+    }
+    gradcheck_model("gradcheck whole model (document mask)", &c);
+}
+
+/* Packed documents: with doc_mask, a sequence holding several documents gives
+ * each document exactly the logits, hence the loss, it gets alone at the start
+ * of a sequence (RoPE scores depend only on relative positions). The same
+ * weights without the mask must fail the check for every document that does
+ * not open its sequence, or the test would prove nothing. */
+static int run_forward_logits(mt_runtime *rt, const mt_graph *g, const int32_t *tok, const int32_t *tgt, mt_real *logits) {
+    mt_step_stats st;
+    mt_err e;
+    if (mt_runtime_step(rt, tok, tgt, 0, NULL, &st, &e) || mt_runtime_read(rt, g->io[MT_IO_LOGITS], logits, &e)) {
+        printf("  forward: %s\n", e.msg);
+        return -1;
+    }
+    return 0;
+}
+static double doc_loss(const mt_real *logits, const int32_t *tgt, int first, int len, int V) {
+    double sum = 0;
+    for (int t = first; t < first + len; t++) {
+        const mt_real *l = logits + (int64_t)t * V;
+        double mx = l[0], z = 0;
+        for (int v = 1; v < V; v++) if (l[v] > mx) mx = l[v];
+        for (int v = 0; v < V; v++) z += exp((double)l[v] - mx);
+        sum += mx + log(z) - (double)l[tgt[t]];
+    }
+    return sum / len;
+}
+static void test_doc_packing(void) {
+    mt_config c, cn;
+    mt_err e;
+    small_config(&c);
+    c.seq_len = 16; c.original_seq_len = 16; c.batch = 2; c.load_balance_coeff = 0;
+    c.doc_mask = 1; c.eot_id = 0;
+    cn = c; cn.doc_mask = 0;
+    mt_graph gf, gn;
+    if (compile_cpu(&gf, &c, MT_GRAPH_FORWARD, 1, &e) || compile_cpu(&gn, &cn, MT_GRAPH_FORWARD, 1, &e)) { report("document packing", 0, "%s", e.msg); return; }
+    mt_runtime *fw = make_runtime(&gf, 1, 1, 7), *fn = make_runtime(&gn, 1, 1, 7);
+    if (!fw || !fn) { report("document packing", 0, "runtime"); return; }
+    init_well_conditioned(&gf, fw);
+    if (mt_runtime_copy_params(fn, fw, &e)) { report("document packing", 0, "%s", e.msg); return; }
+    enum { T = 16, N = 32, V = 32, ND = 5 };
+    /* (sequence, first position, length): three documents, then two */
+    const int docs[ND][3] = {{0, 0, 5}, {0, 5, 6}, {0, 11, 5}, {1, 0, 3}, {1, 3, 13}};
+    int32_t tok[N], tgt[N], atok[N], atgt[N];
+    for (int i = 0; i < N; i++) { tok[i] = 1 + (int32_t)(mt_rng_u64(&R) % (V - 1)); tgt[i] = (int32_t)(mt_rng_u64(&R) % V); }
+    for (int d = 0; d < ND; d++)   /* every document but the last of its sequence ends with end-of-text */
+        if (docs[d][1] + docs[d][2] < T) tok[docs[d][0] * T + docs[d][1] + docs[d][2] - 1] = 0;
+    mt_real *packed = alloc_real((int64_t)N * V), *plain = alloc_real((int64_t)N * V), *alone = alloc_real((int64_t)N * V);
+    int ok = !run_forward_logits(fw, &gf, tok, tgt, packed) && !run_forward_logits(fn, &gn, tok, tgt, plain);
+    double worst = 0, worst_logit = 0, least_plain = INFINITY;
+    for (int d = 0; ok && d < ND; d++) {
+        int first = docs[d][0] * T + docs[d][1], len = docs[d][2];
+        for (int i = 0; i < N; i++) { atok[i] = 1 + (int32_t)(mt_rng_u64(&R) % (V - 1)); atgt[i] = (int32_t)(mt_rng_u64(&R) % V); }
+        memcpy(atok, tok + first, sizeof(int32_t) * (size_t)len);   /* alone, at the start of sequence 0 */
+        memcpy(atgt, tgt + first, sizeof(int32_t) * (size_t)len);
+        if (run_forward_logits(fw, &gf, atok, atgt, alone)) { ok = 0; break; }
+        double la = doc_loss(alone, atgt, 0, len, V), lp = doc_loss(packed, tgt, first, len, V), ln = doc_loss(plain, tgt, first, len, V);
+        if (fabs(lp - la) > worst) worst = fabs(lp - la);
+        for (int i = 0; i < len * V; i++)
+            if (fabs((double)packed[(int64_t)first * V + i] - alone[i]) > worst_logit) worst_logit = fabs((double)packed[(int64_t)first * V + i] - alone[i]);
+        if (docs[d][1] > 0 && fabs(ln - la) < least_plain) least_plain = fabs(ln - la);
+    }
+    report("packed documents = each document alone (doc_mask)", ok && worst < 1e-11 && worst_logit < 1e-10 && least_plain > 1e-4,
+           "worst |loss diff| %.1e, logit diff %.1e; without the mask the later documents differ by >= %.1e", worst, worst_logit, least_plain);
+    free(packed); free(plain); free(alone);
+    mt_runtime_destroy(fw); mt_runtime_destroy(fn);
+    mt_graph_free(&gf); mt_graph_free(&gn);
 }
 
 static void test_multirank_f64(void) {
@@ -1131,6 +1308,7 @@ int main(void) {
     mt_rng_seed(&R, 42);
     test_gradcheck_ops();
     test_gradcheck_model();
+    test_doc_packing();
     test_multirank_f64();
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
@@ -1188,6 +1366,40 @@ static void test_presets(void) {
     c.top_k = 99;
     int rc5 = mt_config_validate(&c, &e);
     report("config overrides and validation", !rc1 && !rc2 && rc3 && rc4 && rc5 && strstr(e.msg, "top_k"), "%s", e.msg);
+}
+
+/* doc_mask: config checks, one DOC_STARTS node that every attention (forward
+ * and backward) reads, through the passes and an artifact round trip */
+static void test_doc_mask_graph(void) {
+    mt_config c;
+    mt_err e;
+    mt_config_preset(&c, "tiny", &e);
+    int v1 = !mt_config_set(&c, "doc-mask", "1", &e) && mt_config_validate(&c, &e) && strstr(e.msg, "eot_id");
+    c.eot_id = c.vocab_size;
+    int v2 = mt_config_validate(&c, &e) != 0;
+    c.eot_id = 10;
+    int v3 = !mt_config_validate(&c, &e);
+    mt_graph g, gl;
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("doc_mask graph", 0, "%s", e.msg); return; }
+    int docs = 0, doc_v = -1, fwd = 0, bwd = 0, wired = 0;
+    for (int i = 0; i < g.n_nodes; i++)
+        if (g.nodes[i].op == MT_OP_DOC_STARTS) { docs++; doc_v = g.nodes[i].out[0]; wired += g.nodes[i].in[0] == g.io[MT_IO_TOKENS]; }
+    for (int i = 0; i < g.n_nodes; i++) {
+        if (g.nodes[i].op == MT_OP_ATTENTION) { fwd++; wired += g.nodes[i].in[3] == doc_v; }
+        if (g.nodes[i].op == MT_OP_ATTENTION_BWD) { bwd++; wired += g.nodes[i].in[6] == doc_v; }
+    }
+    uint8_t *bytes = NULL;
+    size_t len = 0;
+    int rt_ok = !mt_artifact_write(&g, &bytes, &len, &e) && !mt_artifact_read(&gl, bytes, len, &e);
+    if (rt_ok) {
+        rt_ok = gl.cfg.doc_mask == 1 && gl.cfg.eot_id == 10 && gl.n_nodes == g.n_nodes && !memcmp(gl.nodes, g.nodes, sizeof(mt_node) * (size_t)g.n_nodes);
+        mt_graph_free(&gl);
+    }
+    free(bytes);
+    report("doc_mask: config checks, DOC_STARTS feeds every attention", v1 && v2 && v3 && docs == 1 && fwd == c.n_layers && bwd == c.n_layers &&
+           wired == 1 + 2 * c.n_layers && rt_ok, "%d DOC_STARTS, %d/%d attention fwd/bwd, %d wired, artifact round trip %s",
+           docs, fwd, bwd, wired, rt_ok ? "ok" : e.msg);
+    mt_graph_free(&g);
 }
 
 static void test_graph_structure(void) {
@@ -2006,6 +2218,7 @@ int main(void) {
     mt_rng_seed(&R, 42);
     test_presets();
     test_graph_structure();
+    test_doc_mask_graph();
     test_memory_plan();
     test_bitwise();
     test_artifact_rejects();

@@ -1,6 +1,7 @@
 /* bench/attention.cu — the attention kernels of moetrain_kernels.cu on their own: correctness
  * against a float64 CPU reference over many shapes (outputs poisoned, NaN never passes), bitwise
- * determinism, and timing (TFLOP/s, counting the causal half) per kernel.
+ * determinism, and timing (TFLOP/s, counting the causal half) per kernel; plain causal and with
+ * document masking (packed documents, block-causal; FLOPs counted over the unmasked part).
  *
  *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -o /tmp/attn bench/attention.cu \
  *        -lcublasLt -lnccl && /tmp/attn
@@ -72,7 +73,22 @@ static void fill_normal(std::vector<uint16_t> &v) {
 
 struct Shape {
     int B, T, H, dq, dv;
+    int doc; /* 0: plain causal; > 0: packed documents of random lengths 1..2*doc (fixed length doc when timing) */
 };
+
+/* document starts [B*T] (see mt_cpu_doc_starts): random lengths in 1..2*doc, or all of length doc */
+static std::vector<int> make_doc_starts(const Shape &s, bool fixed) {
+    std::vector<int> ds((size_t)s.B * s.T);
+    for (int b = 0; b < s.B; ++b) {
+        int start = 0, left = 0;
+        for (int t = 0; t < s.T; ++t) {
+            if (left == 0) { start = t; left = fixed ? s.doc : 1 + (int)(rng_next() % (uint64_t)(2 * s.doc)); }
+            ds[(size_t)b * s.T + t] = start;
+            --left;
+        }
+    }
+    return ds;
+}
 
 struct Err {
     double num = 0, den = 0;
@@ -116,6 +132,7 @@ static size_t count_nonfinite_f(const std::vector<float> &v) {
 struct DevBufs {
     __nv_bfloat16 *q = 0, *k = 0, *v = 0, *o = 0, *dout = 0, *dq = 0, *dk = 0, *dv = 0;
     float *lse = 0;
+    int *ds = 0; /* document starts, or null */
     void *ws = 0;
     size_t nq = 0, nv = 0, nl = 0, wsb = 0;
     void alloc(const Shape &s) {
@@ -132,6 +149,11 @@ struct DevBufs {
     void release() {
         CK(cudaFree(q)); CK(cudaFree(k)); CK(cudaFree(v)); CK(cudaFree(o)); CK(cudaFree(dout));
         CK(cudaFree(dq)); CK(cudaFree(dk)); CK(cudaFree(dv)); CK(cudaFree(lse)); CK(cudaFree(ws));
+        if (ds) CK(cudaFree(ds));
+    }
+    void set_docs(const std::vector<int> &h) {
+        CK(cudaMalloc(&ds, h.size() * 4));
+        CK(cudaMemcpy(ds, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
     }
     void poison() {
         CK(cudaMemset(o, 0xFF, nv * 2)); CK(cudaMemset(lse, 0xFF, nl * 4));
@@ -147,8 +169,8 @@ struct HostOut {
 
 static void run_gpu(const Shape &s, DevBufs &d, float scale, HostOut &out) {
     d.poison();
-    CKAPI(mt__fa_forward(d.q, d.k, d.v, d.o, d.lse, s.B, s.T, s.H, s.dq, s.dv, scale, 0));
-    CKAPI(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq, s.dv,
+    CKAPI(mt__fa_forward(d.q, d.k, d.v, d.ds, d.o, d.lse, s.B, s.T, s.H, s.dq, s.dv, scale, 0));
+    CKAPI(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, d.ds, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq, s.dv,
                                      scale, 0));
     CK(cudaDeviceSynchronize());
     out.o.resize(d.nv); out.dv.resize(d.nv); out.dq.resize(d.nq); out.dk.resize(d.nq); out.lse.resize(d.nl);
@@ -161,7 +183,7 @@ static void run_gpu(const Shape &s, DevBufs &d, float scale, HostOut &out) {
 
 static void test_shape(const Shape &s) {
     char tag[96];
-    snprintf(tag, sizeof tag, "B=%d T=%d H=%d dq=%d dv=%d", s.B, s.T, s.H, s.dq, s.dv);
+    snprintf(tag, sizeof tag, "B=%d T=%d H=%d dq=%d dv=%d%s", s.B, s.T, s.H, s.dq, s.dv, s.doc ? " docs" : "");
     printf("shape %s\n", tag);
     fflush(stdout);
     const int B = s.B, T = s.T, H = s.H, dq = s.dq, dv = s.dv;
@@ -170,8 +192,11 @@ static void test_shape(const Shape &s) {
     std::vector<uint16_t> hq(N * H * dq), hk(N * H * dq), hv(N * H * dv), hdo(N * H * dv);
     fill_normal(hq); fill_normal(hk); fill_normal(hv); fill_normal(hdo);
 
+    std::vector<int> hds;
+    if (s.doc) hds = make_doc_starts(s, false);
     DevBufs d;
     d.alloc(s);
+    if (s.doc) d.set_docs(hds);
     CK(cudaMemcpy(d.q, hq.data(), d.nq * 2, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d.k, hk.data(), d.nq * 2, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d.v, hv.data(), d.nv * 2, cudaMemcpyHostToDevice));
@@ -208,8 +233,10 @@ static void test_shape(const Shape &s) {
     Err eo, el, edq, edk, edv;
     std::vector<double> Qd((size_t)T * dq), Kd((size_t)T * dq), Vd((size_t)T * dv), Gd((size_t)T * dv);
     std::vector<double> Od((size_t)T * dv), L(T), Dd(T), srow(T);
+    std::vector<int> lo(T, 0); /* first key each query sees */
     for (auto bh : pairs) {
         const int b = bh.first, h = bh.second;
+        for (int t = 0; t < T; ++t) lo[t] = s.doc ? hds[(size_t)b * T + t] : 0;
         for (int t = 0; t < T; ++t) {
             const size_t n = (size_t)b * T + t;
             for (int x = 0; x < dq; ++x) {
@@ -225,7 +252,7 @@ static void test_shape(const Shape &s) {
         for (int i = 0; i < T; ++i) {
             double mx = -1e300;
             const double *qi = &Qd[(size_t)i * dq];
-            for (int j = 0; j <= i; ++j) {
+            for (int j = lo[i]; j <= i; ++j) {
                 const double *kj = &Kd[(size_t)j * dq];
                 double acc = 0;
                 for (int x = 0; x < dq; ++x) acc += qi[x] * kj[x];
@@ -233,11 +260,11 @@ static void test_shape(const Shape &s) {
                 mx = std::max(mx, srow[j]);
             }
             double sum = 0;
-            for (int j = 0; j <= i; ++j) { srow[j] = exp(srow[j] - mx); sum += srow[j]; }
+            for (int j = lo[i]; j <= i; ++j) { srow[j] = exp(srow[j] - mx); sum += srow[j]; }
             L[i] = mx + log(sum);
             double *oi = &Od[(size_t)i * dv];
             for (int x = 0; x < dv; ++x) oi[x] = 0;
-            for (int j = 0; j <= i; ++j) {
+            for (int j = lo[i]; j <= i; ++j) {
                 const double pj = srow[j] / sum;
                 const double *vj = &Vd[(size_t)j * dv];
                 for (int x = 0; x < dv; ++x) oi[x] += pj * vj[x];
@@ -260,7 +287,7 @@ static void test_shape(const Shape &s) {
             el.add(r1.lse[n * H + h], L[i]);
             /* dQ_i */
             std::fill(g.begin(), g.end(), 0.0);
-            for (int j = 0; j <= i; ++j) {
+            for (int j = lo[i]; j <= i; ++j) {
                 double dp;
                 const double pij = P(i, j, &dp);
                 const double ds = pij * (dp - Dd[i]);
@@ -270,7 +297,7 @@ static void test_shape(const Shape &s) {
             /* dK_j, dV_j for j = i (key rows use the same selection) */
             const int j = i;
             std::vector<double> gk(dq, 0.0), gv(dv, 0.0);
-            for (int ii = j; ii < T; ++ii) {
+            for (int ii = j; ii < T && lo[ii] <= j; ++ii) {
                 double dp;
                 const double pij = P(ii, j, &dp);
                 const double ds = pij * (dp - Dd[ii]);
@@ -313,6 +340,13 @@ __global__ void fill_random_bf16(__nv_bfloat16 *x, size_t n, uint32_t seed) {
 static void bench_shape(const Shape &s) {
     DevBufs d;
     d.alloc(s);
+    double pairs = (double)s.B * ((double)s.T * s.T / 2.0); /* causal: the C bench's count */
+    if (s.doc) {
+        const std::vector<int> hds = make_doc_starts(s, true);
+        d.set_docs(hds);
+        pairs = 0;
+        for (size_t n = 0; n < hds.size(); ++n) pairs += (double)((int)(n % s.T) - hds[n] + 1);
+    }
     fill_random_bf16<<<1024, 256>>>(d.q, d.nq, 1u);
     fill_random_bf16<<<1024, 256>>>(d.k, d.nq, 2u);
     fill_random_bf16<<<1024, 256>>>(d.v, d.nv, 3u);
@@ -323,7 +357,7 @@ static void bench_shape(const Shape &s) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    const double flops_fwd = 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0) * (s.dq + s.dv);
+    const double flops_fwd = 2.0 * s.H * pairs * (s.dq + s.dv);
     const double flops_bwd = 2.5 * flops_fwd;
     double med[2];
     for (int pass = 0; pass < 2; ++pass) {
@@ -331,9 +365,9 @@ static void bench_shape(const Shape &s) {
         for (int it = 0; it < 13; ++it) {
             CK(cudaEventRecord(e0, 0));
             if (pass == 0)
-                CKAPI(mt__fa_forward(d.q, d.k, d.v, d.o, d.lse, s.B, s.T, s.H, s.dq, s.dv, scale, 0));
+                CKAPI(mt__fa_forward(d.q, d.k, d.v, d.ds, d.o, d.lse, s.B, s.T, s.H, s.dq, s.dv, scale, 0));
             else
-                CKAPI(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq,
+                CKAPI(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, d.ds, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq,
                                                  s.dv, scale, 0));
             CK(cudaEventRecord(e1, 0));
             CK(cudaEventSynchronize(e1));
@@ -344,8 +378,10 @@ static void bench_shape(const Shape &s) {
         std::sort(ms.begin(), ms.end());
         med[pass] = 0.5 * (ms[4] + ms[5]);
     }
-    printf("timing B=%d T=%d H=%d dq=%d dv=%d: forward %.3f ms (%.1f TFLOP/s), backward %.3f ms (%.1f TFLOP/s)\n", s.B, s.T,
-           s.H, s.dq, s.dv, med[0], flops_fwd / (med[0] * 1e-3) / 1e12, med[1], flops_bwd / (med[1] * 1e-3) / 1e12);
+    char docs[48] = "";
+    if (s.doc) snprintf(docs, sizeof docs, " docs=%d", s.doc);
+    printf("timing B=%d T=%d H=%d dq=%d dv=%d%s: forward %.3f ms (%.1f TFLOP/s), backward %.3f ms (%.1f TFLOP/s)\n", s.B, s.T,
+           s.H, s.dq, s.dv, docs, med[0], flops_fwd / (med[0] * 1e-3) / 1e12, med[1], flops_bwd / (med[1] * 1e-3) / 1e12);
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
     d.release();
@@ -387,15 +423,15 @@ static void bench_breakdown(const Shape &s) {
     fill_random_bf16<<<1024, 256>>>(d.dout, d.nv, 14u);
     CK(cudaGetLastError());
     const float scale = 1.0f / sqrtf((float)s.dq);
-    CKAPI(mt__fa_forward(d.q, d.k, d.v, d.o, d.lse, s.B, s.T, s.H, s.dq, s.dv, scale, 0));
-    CKAPI(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq, s.dv,
+    CKAPI(mt__fa_forward(d.q, d.k, d.v, d.ds, d.o, d.lse, s.B, s.T, s.H, s.dq, s.dv, scale, 0));
+    CKAPI(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, d.ds, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq, s.dv,
                                      scale, 0));
     CK(cudaDeviceSynchronize());
     std::vector<uint16_t> dk1(d.nq), dv1(d.nv), dk2(d.nq), dv2(d.nv);
     CK(cudaMemcpy(dk1.data(), d.dk, d.nq * 2, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(dv1.data(), d.dv, d.nv * 2, cudaMemcpyDeviceToHost));
     BwdParams p;
-    const int cfg = setup_bwd(p, d.q, d.k, d.v, d.o, d.lse, d.dout, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq, s.dv, scale);
+    const int cfg = setup_bwd(p, d.q, d.k, d.v, d.o, d.lse, d.dout, nullptr, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq, s.dv, scale);
     if (cfg != 3) { printf("breakdown: unexpected config %d\n", cfg); d.release(); return; }
     const int BH = s.B * s.H;
     typedef Cfg<192, 128> C;
@@ -404,9 +440,51 @@ static void bench_breakdown(const Shape &s) {
     const float t_q = time_launcher(launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>, p, BH);
     const float t_kv_alt = time_launcher(launch_dkdv_kernel<192, 128, 64, 1, 2, 16, false, 2>, p, BH);
     CK(cudaDeviceSynchronize());
+    {   /* dQ alternatives (same key order, so bitwise the same dQ), and dK/dV || dQ on two streams */
+        std::vector<uint16_t> q1(d.nq), q2(d.nq);
+        CKAPI((launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, 0)));
+        CK(cudaMemcpy(q1.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        struct { const char *name; int (*f)(const BwdParams &, int, cudaStream_t); } alts[] = {
+            {"8 warps, 32-key tiles", launch_dq_kernel<192, 128, 8, 32, 2>},
+            {"4 warps, 64-key tiles", launch_dq_kernel<192, 128, 4, 64, 2>},
+            {"4 warps, 32-key tiles (2 CTAs/SM)", launch_dq_kernel<192, 128, 4, 32, 2>},
+        };
+        for (auto &a : alts) {
+            const float t = time_launcher(a.f, p, BH);
+            CK(cudaMemcpy(q2.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+            printf("  alternative dQ config (%s): %.3f ms vs %.3f ms; dQ bitwise %s\n", a.name, t, t_q, q1 == q2 ? "identical" : "DIFFERENT");
+        }
+        cudaStream_t s1;
+        cudaEvent_t fork, join, e0, e1;
+        CK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+        CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+        CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        std::vector<float> ms[2];
+        for (int it = 0; it < 26; ++it) {
+            const bool par = it & 1;
+            CK(cudaEventRecord(e0, 0));
+            if (par) { CK(cudaEventRecord(fork, 0)); CK(cudaStreamWaitEvent(s1, fork, 0)); }
+            CKAPI((launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, par ? s1 : 0)));
+            CKAPI((launch_dkdv_kernel<192, 128, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, 0)));
+            if (par) { CK(cudaEventRecord(join, s1)); CK(cudaStreamWaitEvent(0, join, 0)); }
+            CK(cudaEventRecord(e1, 0));
+            CK(cudaEventSynchronize(e1));
+            float t;
+            CK(cudaEventElapsedTime(&t, e0, e1));
+            if (it >= 6) ms[par].push_back(t);
+        }
+        for (auto &v : ms) std::sort(v.begin(), v.end());
+        CK(cudaMemcpy(q2.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        printf("  dQ then dK/dV on one stream: %.3f ms; on two streams, concurrently: %.3f ms; dQ bitwise %s\n",
+               0.5f * (ms[0][4] + ms[0][5]), 0.5f * (ms[1][4] + ms[1][5]), q1 == q2 ? "identical" : "DIFFERENT");
+        CK(cudaStreamDestroy(s1));
+        CK(cudaEventDestroy(fork)); CK(cudaEventDestroy(join)); CK(cudaEventDestroy(e0)); CK(cudaEventDestroy(e1));
+    }
     /* forward: default vs. 4 warps x 2 m-tiles (BM = 128, K/V fragments reused by two m-tiles) */
     FwdParams fp;
-    fp.q = d.q; fp.k = d.k; fp.v = d.v; fp.o = d.o; fp.lse = d.lse;
+    fp.q = d.q; fp.k = d.k; fp.v = d.v; fp.o = d.o; fp.lse = d.lse; fp.dstart = nullptr;
     fp.T = s.T; fp.H = s.H; fp.dimq = s.dq; fp.dimv = s.dv;
     fp.scale_log2 = scale * MT_FA_LOG2E;
     fp.vec_qk = 1; fp.vec_v = 1; fp.pair_o = 1;
@@ -445,6 +523,9 @@ int main(int argc, char **argv) {
         {1, 1, 1, 192, 128}, {8, 2048, 16, 192, 128},
         /* extra coverage: other padding configurations and odd sizes */
         {1, 130, 2, 256, 256}, {2, 77, 3, 40, 72}, {1, 33, 2, 20, 7}, {1, 300, 2, 192, 128},
+        /* document masking: packed documents of random lengths */
+        {2, 256, 4, 192, 128, 40}, {1, 300, 2, 192, 128, 70}, {2, 100, 3, 64, 64, 10}, {1, 130, 2, 256, 256, 25},
+        {2, 2048, 16, 192, 128, 300},
     };
     for (const Shape &s : shapes) test_shape(s);
 
@@ -453,16 +534,18 @@ int main(int argc, char **argv) {
         DevBufs d;
         Shape s = {1, 4, 1, 32, 32};
         d.alloc(s);
-        check(mt__fa_forward(d.q, d.k, d.v, d.o, d.lse, 1, 4, 1, 300, 32, 1.f, 0) == -1, "forward rejects dq > 256");
-        check(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, d.dq, d.dk, d.dv, 0, 1, 4, 1, 32, 32, 1.f, 0) == -1,
+        check(mt__fa_forward(d.q, d.k, d.v, nullptr, d.o, d.lse, 1, 4, 1, 300, 32, 1.f, 0) == -1, "forward rejects dq > 256");
+        check(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, nullptr, d.dq, d.dk, d.dv, 0, 1, 4, 1, 32, 32, 1.f, 0) == -1,
               "backward rejects NULL workspace");
-        check(mt__fa_forward(d.q, d.k, d.v, d.o, d.lse, -1, 4, 1, 32, 32, 1.f, 0) == -1, "forward rejects B < 0");
+        check(mt__fa_forward(d.q, d.k, d.v, nullptr, d.o, d.lse, -1, 4, 1, 32, 32, 1.f, 0) == -1, "forward rejects B < 0");
         CK(cudaDeviceSynchronize());
         d.release();
     }
 
     bench_shape({8, 2048, 16, 192, 128});
     bench_shape({2, 4096, 16, 192, 128});
+    bench_shape({8, 2048, 16, 192, 128, 512});
+    bench_shape({2, 4096, 16, 192, 128, 1024});
     bench_breakdown({8, 2048, 16, 192, 128});
 
     printf("FLASH_ATTN: %d passed, %d failed\n", g_pass, g_fail);
