@@ -6278,10 +6278,22 @@ double mt_flops_per_token(const mt_config *c) {
            6.0 * c->n_layers * c->n_heads * (double)(c->qk_nope_head_dim + c->qk_rope_head_dim + c->v_head_dim) * c->seq_len;
 }
 
+/* A value's bytes as a step moves them: a data-dependent row count (tokens my
+ * experts receive) counts at its balanced expectation, bound / ep, not at the
+ * bound memory is planned for. */
+static double mt__moved_bytes(const mt_graph *g, int v) {
+    const mt_value *x = &g->values[v];
+    double b = (double)x->nbytes;
+    if (x->ndim && x->dims[0] < 0) {
+        const mt_symbol *s = &g->syms[-x->dims[0] - 1];
+        if (s->kind == MT_SYM_SIZE && s->mesh_dim >= 0 && g->mesh.size[s->mesh_dim] > 1) b /= g->mesh.size[s->mesh_dim];
+    }
+    return b;
+}
 void mt_node_cost(const mt_graph *g, const mt_node *n, double *flops, double *bytes) {
     double f = 0, b = 0;
-    for (int i = 0; i < n->n_in; i++) if (n->in[i] >= 0) b += (double)g->values[n->in[i]].nbytes;
-    for (int i = 0; i < n->n_out; i++) if (n->out[i] >= 0) b += (double)g->values[n->out[i]].nbytes;
+    for (int i = 0; i < n->n_in; i++) if (n->in[i] >= 0) b += mt__moved_bytes(g, n->in[i]);
+    for (int i = 0; i < n->n_out; i++) if (n->out[i] >= 0) b += mt__moved_bytes(g, n->out[i]);
     const mt_value *a = n->in[0] >= 0 ? &g->values[n->in[0]] : NULL;
     switch (n->op) {
     case MT_OP_MATMUL: case MT_OP_MATMUL_ACC: {
@@ -6292,9 +6304,10 @@ void mt_node_cost(const mt_graph *g, const mt_node *n, double *flops, double *by
     }
     case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {
         const mt_value *W = &g->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
-        f = 2.0 * (double)mt_value_numel_max(g, a) / (double)a->dims[1] * (double)W->dims[1] * (double)W->dims[2];
-        b = (double)(g->values[n->in[0]].nbytes + g->values[n->in[1]].nbytes + g->values[n->out[0]].nbytes);
-        if (n->op == MT_OP_GMM_DX2) { f *= 2; b += (double)(g->values[n->in[3]].nbytes + g->values[n->in[4]].nbytes); }
+        double rows = mt__moved_bytes(g, n->in[0]) / (double)mt_dtype_bytes(g, a->dtype) / (double)a->dims[1];
+        f = 2.0 * rows * (double)W->dims[1] * (double)W->dims[2];
+        b = mt__moved_bytes(g, n->in[0]) + mt__moved_bytes(g, n->in[1]) + mt__moved_bytes(g, n->out[0]);
+        if (n->op == MT_OP_GMM_DX2) { f *= 2; b += mt__moved_bytes(g, n->in[3]) + mt__moved_bytes(g, n->in[4]); }
         break;
     }
     case MT_OP_ATTENTION: case MT_OP_ATTENTION_BWD: {
