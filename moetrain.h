@@ -492,6 +492,7 @@ typedef struct {
     int n_threads;     /* CPU worker threads; 0 = number of cores */
     int poison;        /* fill the arena with NaN before each step (tests) */
     int profile;       /* time every node (synchronizing): mt_runtime_profile() */
+    int nan_check;     /* stop at the first node that writes a NaN or Inf (scans every output: slow) */
 } mt_binding;
 void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
 
@@ -518,6 +519,7 @@ int mt_runtime_backend(const mt_runtime *rt);                  /* MT_BACKEND_CPU
 /* With binding.profile: milliseconds and calls per op, summed over profiled steps. */
 void mt_runtime_profile(const mt_runtime *rt, double ms[MT_NOPS], int64_t calls[MT_NOPS]);
 void mt_runtime_set_profile(mt_runtime *rt, int on);
+void mt_runtime_set_nan_check(mt_runtime *rt, int on);         /* see mt_binding.nan_check */
 size_t mt_runtime_peak_bytes(const mt_runtime *rt);            /* device (or host) memory of the plan at peak */
 
 /* CUDA launchers (moetrain_kernels.cu). Declared when the build defines
@@ -4414,6 +4416,7 @@ void mt_runtime_destroy(mt_runtime *rt) {
 }
 const mt_graph *mt_runtime_graph(const mt_runtime *rt) { return &rt->g; }
 void mt_runtime_set_profile(mt_runtime *rt, int on) { rt->bind.profile = on; }
+void mt_runtime_set_nan_check(mt_runtime *rt, int on) { rt->bind.nan_check = on; }
 void mt_runtime_profile(const mt_runtime *rt, double ms[MT_NOPS], int64_t calls[MT_NOPS]) {
     for (int i = 0; i < MT_NOPS; i++) { ms[i] = rt->prof_ms[i]; calls[i] = rt->prof_calls[i]; }
 }
@@ -4853,6 +4856,60 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
 }
 #endif
 
+/* --- binding.nan_check: find the first node that writes a NaN or Inf --- */
+
+/* Index of the first non-finite among the first cnt elements of value v (-1: none). */
+static int64_t mt__first_nonfinite(mt_runtime *rt, int v, int64_t cnt, double *bad, mt_err *err) {
+    const mt_value *x = &rt->g.values[v];
+    const uint8_t *p = (const uint8_t *)rt->ptr[v];
+    uint8_t *host = NULL;
+    if (x->dtype == MT_I32 || cnt <= 0) return -1;
+    if (rt->backend != MT_BACKEND_CPU) {
+        host = (uint8_t *)MT_MALLOC((size_t)x->nbytes + 1);
+        if (!host || mt_runtime_read(rt, v, host, err)) { MT_FREE(host); return -2; }
+        p = host;
+    }
+    int64_t esz = mt_dtype_bytes(&rt->g, x->dtype), at = -1;
+    for (int64_t i = 0; i < cnt && at < 0; i++) {
+        double d;
+        if (x->dtype == MT_BF16) { uint32_t u = (uint32_t)(p[2 * i] | p[2 * i + 1] << 8) << 16; float f; memcpy(&f, &u, 4); d = f; }
+        else if (esz == 8) memcpy(&d, p + 8 * i, 8);
+        else { float f; memcpy(&f, p + 4 * i, 4); d = f; }
+        if (!isfinite(d)) { at = i; *bad = d; }
+    }
+    MT_FREE(host);
+    return at;
+}
+static int64_t mt__live_elems(mt_runtime *rt, int v) {   /* what this step wrote: symbolic rows at their data size */
+    const mt_value *x = &rt->g.values[v];
+    return x->dims[0] < 0 ? mt__nrows(rt, v) * mt__cols(rt, v) : mt_value_numel_max(&rt->g, x);
+}
+static int mt__nan_check(mt_runtime *rt, int node, int step, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    const mt_node *n = &G->nodes[node];
+    static const char *const phase[3] = {"forward", "backward", "optimizer"};
+    for (int k = 0; k < n->n_out; k++) {
+        int v = n->out[k];
+        double bad = 0;
+        int64_t at = v < 0 ? -1 : mt__first_nonfinite(rt, v, mt__live_elems(rt, v), &bad, err);
+        if (at == -2) return -1;
+        if (at < 0) continue;
+        char inputs[400] = "its inputs were finite";
+        for (int i = 0, any = 0; i < n->n_in; i++) {   /* or did it receive the non-finite value? */
+            double b2;
+            int u = n->in[i];
+            if (u < 0 || u == v || mt__first_nonfinite(rt, u, mt__live_elems(rt, u), &b2, err) < 0) continue;
+            size_t l = any ? strlen(inputs) : 0;
+            snprintf(inputs + l, sizeof inputs - l, "%s'%s'", any ? ", " : "input already non-finite: ", G->values[u].name);
+            any = 1;
+        }
+        return mt_errf(err, "step %d: node %d (%s, %s, layer %d) wrote %g to '%s' (element %lld); %s", step + 1, node,
+                       mt_ops[n->op].name, phase[n->phase >= 0 && n->phase < 3 ? n->phase : 0], n->layer, bad, G->values[v].name,
+                       (long long)at, inputs);
+    }
+    return 0;
+}
+
 int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *targets, int step, const mt_hparams *hp,
                     mt_step_stats *st, mt_err *err) {
     mt_graph *G = &rt->g;
@@ -4880,6 +4937,7 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
             double t = rt->bind.profile ? mt_now() : 0;
             if (mt__exec_cpu(rt, &G->nodes[i], &e))
                 return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+            if (rt->bind.nan_check && mt__nan_check(rt, i, step, err)) return -1;
             if (rt->bind.profile) { rt->prof_ms[G->nodes[i].op] += 1e3 * (mt_now() - t); rt->prof_calls[G->nodes[i].op]++; }
         }
     } else {
@@ -4887,7 +4945,7 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
         mt_cuda *cu = MT__CU(rt);
         if (rt->bind.poison && mt_cuda_memset(cu, rt->arena, 0xff, (size_t)G->arena_bytes)) return mt_errf(err, "%s", mt_cuda_error(cu));
         if (rt->bind.profile && (mt_cuda_events(cu, G->n_nodes + 1) || mt_cuda_event_record(cu, 0))) return mt_errf(err, "%s", mt_cuda_error(cu));
-        int use_graphs = G->capture && !rt->bind.profile;
+        int use_graphs = G->capture && !rt->bind.profile && !rt->bind.nan_check;
         if (use_graphs && !rt->graphs && !(rt->graphs = (void **)mt__calloc(sizeof(void *) * (size_t)(G->n_nodes + 1))))
             return mt_errf(err, "out of memory");
         for (int i = 0; i < G->n_nodes;) {
@@ -4910,6 +4968,7 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
             }
             if (mt__exec_cuda(rt, &G->nodes[i], &e))
                 return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+            if (rt->bind.nan_check && mt__nan_check(rt, i, step, err)) return -1;
             if (rt->bind.profile && mt_cuda_event_record(cu, i + 1)) return mt_errf(err, "%s", mt_cuda_error(cu));
             i++;
         }
