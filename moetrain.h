@@ -4903,9 +4903,10 @@ static int mt__nan_check(mt_runtime *rt, int node, int step, mt_err *err) {
             snprintf(inputs + l, sizeof inputs - l, "%s'%s'", any ? ", " : "input already non-finite: ", G->values[u].name);
             any = 1;
         }
-        return mt_errf(err, "step %d: node %d (%s, %s, layer %d) wrote %g to '%s' (element %lld); %s", step + 1, node,
-                       mt_ops[n->op].name, phase[n->phase >= 0 && n->phase < 3 ? n->phase : 0], n->layer, bad, G->values[v].name,
-                       (long long)at, inputs);
+        char layer[32] = "outside the blocks";
+        if (n->layer >= 0) snprintf(layer, sizeof layer, "layer %d", n->layer);
+        return mt_errf(err, "step %d: node %d (%s, %s, %s) wrote %g to '%s' (element %lld); %s", step + 1, node, mt_ops[n->op].name,
+                       phase[n->phase >= 0 && n->phase < 3 ? n->phase : 0], layer, bad, G->values[v].name, (long long)at, inputs);
     }
     return 0;
 }

@@ -12,6 +12,8 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <signal.h>
 #include <sys/wait.h>
 
 static int n_pass, n_fail;
@@ -30,6 +32,15 @@ static void report(const char *name, int ok, const char *fmt, ...) {
 }
 
 static mt_rng R;
+
+/* A per-process scratch path in /tmp: concurrent test runs do not collide. */
+static const char *TP(const char *name) {
+    static char buf[8][256];
+    static int k;
+    char *b = buf[k++ % 8];
+    snprintf(b, 256, "/tmp/mt_%ld_%s", (long)getpid(), name);
+    return b;
+}
 static inline int bitwise_equal(const double *a, const double *b, int n) { return memcmp(a, b, sizeof(double) * (size_t)n) == 0; }
 static inline void fill_normal(mt_real *x, int64_t n, double scale) { for (int64_t i = 0; i < n; i++) x[i] = (mt_real)(scale * mt_rng_normal(&R)); }
 
@@ -1394,7 +1405,8 @@ static void test_checkpoint(void) {
     double straight[6], resumed[6];
     mt_runtime *a = make_runtime(&g, 2, 0, 11), *b = make_runtime(&g, 2, 0, 999);
     int ok = a && b && run_steps(a, &c, 0, 3, straight, &hp) == 0;
-    const char *dir = "/tmp/moetrain_test_ckpt";
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s", TP("ckpt"));
     ok &= mt_checkpoint_save(a, dir, 3, &e) == 0;
     int step = -1;
     ok &= mt_checkpoint_read_config(dir, &c2, &e) == 0 && mt_config_equal(&c, &c2);
@@ -1409,7 +1421,7 @@ static void test_checkpoint(void) {
 
     /* Hugging Face names and per-expert tensors are what is on disk */
     mt__st s;
-    int names = mt__st_open(&s, "/tmp/moetrain_test_ckpt/model.safetensors", 1, &e) == 0;
+    int names = mt__st_open(&s, TP("ckpt/model.safetensors"), 1, &e) == 0;
     if (names) {
         names = mt__st_find(&s, "model.layers.1.mlp.experts.7.down_proj.weight") &&
                 mt__st_find(&s, "model.layers.2.self_attn.kv_a_proj_with_mqa.weight") &&
@@ -1425,18 +1437,18 @@ static void test_checkpoint(void) {
     /* a damaged or mismatched checkpoint is refused, the runtime untouched */
     uint8_t *bytes;
     size_t len;
-    mt_read_file("/tmp/moetrain_test_ckpt/model.safetensors", &bytes, &len, &e);
-    FILE *f = fopen("/tmp/moetrain_test_bad.safetensors", "wb");
+    mt_read_file(TP("ckpt/model.safetensors"), &bytes, &len, &e);
+    FILE *f = fopen(TP("bad.safetensors"), "wb");
     fwrite(bytes, 1, len / 2, f);
     fclose(f);
-    int r1 = mt_checkpoint_load(b, "/tmp/moetrain_test_bad.safetensors", NULL, &e) != 0;
+    int r1 = mt_checkpoint_load(b, TP("bad.safetensors"), NULL, &e) != 0;
     char m1[256];
     snprintf(m1, sizeof m1, "%s", e.msg);
     bytes[20] = '{';   /* break the JSON */
-    f = fopen("/tmp/moetrain_test_bad.safetensors", "wb");
+    f = fopen(TP("bad.safetensors"), "wb");
     fwrite(bytes, 1, len, f);
     fclose(f);
-    int r2 = mt_checkpoint_load(b, "/tmp/moetrain_test_bad.safetensors", NULL, &e) != 0;
+    int r2 = mt_checkpoint_load(b, TP("bad.safetensors"), NULL, &e) != 0;
     free(bytes);
     mt_config c3 = c;
     c3.dim = 96;
@@ -1447,7 +1459,7 @@ static void test_checkpoint(void) {
     report("bad checkpoints refused with a reason", r1 && r2 && r3, "%s | %s", m1, e.msg);
     mt_runtime_destroy(d);
     mt_graph_free(&g3);
-    remove("/tmp/moetrain_test_bad.safetensors");
+    remove(TP("bad.safetensors"));
     mt_runtime_destroy(a); mt_runtime_destroy(b);
     mt_graph_free(&g);
 }
@@ -1458,7 +1470,7 @@ static void test_checkpoint(void) {
 
 static void test_data(void) {
     mt_err e;
-    const char *p = "/tmp/moetrain_test.bin";
+    const char *p = TP("test.bin");
     int32_t hdr[256];
     memset(hdr, 0, sizeof hdr);
     hdr[0] = 20240520; hdr[1] = 1; hdr[2] = 5;
@@ -1559,6 +1571,277 @@ static void test_training_falls(void) {
 }
 
 /* ======================================================================
+ * exact resume, atomic checkpoints, refusals, non-finite values
+ * ==================================================================== */
+
+/* Scratch directories carry the process id: concurrent test runs do not collide. */
+static void scratch_dir(char *out, size_t n, const char *tag) {
+    snprintf(out, n, "/tmp/mt_%s_%ld_XXXXXX", tag, (long)getpid());
+    if (!mkdtemp(out)) snprintf(out, n, "/tmp/mt_%s_%ld", tag, (long)getpid());
+}
+static void remove_tree(const char *d) {
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", d);
+    if (system(cmd)) printf("  could not remove %s\n", d);
+}
+static int count_files(const char *dir, const char *prefix, const char *suffix) {
+    DIR *d = opendir(dir);
+    int n = 0;
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        size_t l = strlen(e->d_name), ls = strlen(suffix);
+        n += !strncmp(e->d_name, prefix, strlen(prefix)) && l >= ls && !strcmp(e->d_name + l - ls, suffix);
+    }
+    if (d) closedir(d);
+    return n;
+}
+
+/* Weights (masters and compute copies) and AdamW moments of two runtimes of one graph: bitwise equal? */
+static int same_state(mt_runtime *a, mt_runtime *b) {
+    const mt_graph *g = mt_runtime_graph(a);
+    mt_err e;
+    int same = 1, n = 0;
+    for (int i = 0; same && i < g->n_values; i++) {
+        const mt_value *v = &g->values[i];
+        if (v->role != MT_ROLE_PARAM && v->role != MT_ROLE_OPT) continue;
+        void *x = malloc((size_t)v->nbytes), *y = malloc((size_t)v->nbytes);
+        same = !mt_runtime_read(a, i, x, &e) && !mt_runtime_read(b, i, y, &e) && !memcmp(x, y, (size_t)v->nbytes);
+        free(x); free(y);
+        n++;
+    }
+    return same && n > 0;
+}
+
+/* n steps on the data loader's batches from step0; losses and grad norms out. */
+static int data_steps(mt_runtime *rt, const mt_dataset *d, uint64_t seed, int step0, int n, const mt_hparams *hp, double *loss, double *gnorm) {
+    const mt_config *c = &mt_runtime_graph(rt)->cfg;
+    int64_t N = (int64_t)c->batch * c->seq_len;
+    int32_t *tok = (int32_t *)malloc(4 * (size_t)N), *tgt = (int32_t *)malloc(4 * (size_t)N);
+    mt_err e;
+    int rc = 0;
+    for (int s = 0; s < n && !rc; s++) {
+        mt_step_stats st;
+        if (mt_data_batch_at(d, seed, step0 + s, 0, 1, c->batch, c->seq_len, tok, tgt, &e) || mt_runtime_step(rt, tok, tgt, step0 + s, hp, &st, &e)) {
+            printf("  step %d: %s\n", step0 + s, e.msg);
+            rc = -1;
+        } else {
+            loss[s] = st.loss;
+            if (gnorm) gnorm[s] = st.grad_norm;
+        }
+    }
+    free(tok); free(tgt);
+    return rc;
+}
+
+static void small_tiny(mt_config *c) {
+    mt_err e;
+    mt_config_preset(c, "tiny", &e);
+    c->batch = 2; c->seq_len = 16; c->original_seq_len = 16;
+}
+
+static void test_resume_exact(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    mt_config_preset(&c, "tiny", &e);
+    c.batch = 4; c.seq_len = 32; c.original_seq_len = 32;
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("exact resume", 0, "%s", e.msg); return; }
+    mt_dataset d;
+    mt_data_default(&d, &e);
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    hp.warmup_steps = 4; hp.decay_steps = 20;   /* steps 10..19 are on the cosine */
+    enum { S = 20, H = 10 };
+    double la[S], na[S], lb[S], nb[S], lc[S], nc[S];
+    char dir[256];
+    scratch_dir(dir, sizeof dir, "resume");
+    mt_runtime *a = make_runtime(&g, 2, 0, 7), *b = make_runtime(&g, 2, 0, 7), *r = make_runtime(&g, 1, 1, 12345);
+    int ok = a && b && r && !data_steps(a, &d, 7, 0, S, &hp, la, na) && !data_steps(b, &d, 7, 0, H, &hp, lb, nb);
+    mt_run_state rs, back;
+    mt_run_state_init(&rs);
+    rs.step = H; rs.total_steps = S; rs.seed = 7; rs.hp = hp; rs.data_tokens = d.n; rs.data_hash = mt_data_hash(&d);
+    snprintf(rs.preset, sizeof rs.preset, "tiny");
+    int step = -1;
+    ok = ok && !mt_checkpoint_save_run(b, dir, &rs, &e) && !mt_checkpoint_read_run(dir, &back, &e) && !mt_checkpoint_load(r, dir, &step, &e) &&
+         step == H;
+    int same_run = ok && back.step == H && back.total_steps == S && back.seed == 7 && !memcmp(&back.hp, &hp, sizeof hp) &&
+                   back.data_tokens == d.n && back.data_hash == rs.data_hash && !strcmp(back.preset, "tiny");
+    /* the resumed run: a fresh runtime (other init seed, 1 thread, poisoned arena) driven only by the checkpoint */
+    ok = ok && !data_steps(r, &d, back.seed, back.step, back.total_steps - back.step, &back.hp, lc + H, nc + H);
+    memcpy(lc, lb, sizeof(double) * H); memcpy(nc, nb, sizeof(double) * H);
+    int same = ok && bitwise_equal(la, lc, S) && bitwise_equal(na, nc, S) && same_state(a, r);
+    report("exact resume: 20 steps = 10 + save + load + 10", same && same_run, "losses, grad norms, weights, moments bitwise; loss %.6f at step 11%s%s",
+           ok ? la[H] : 0.0, ok ? "" : ": ", ok ? "" : e.msg);
+    remove_tree(dir);
+    mt_runtime_destroy(a); mt_runtime_destroy(b); mt_runtime_destroy(r);
+    mt_data_free(&d);
+    mt_graph_free(&g);
+}
+
+/* Save, then saves that fail or are killed half-way: the last committed checkpoint always loads, whole. */
+static void test_checkpoint_atomic(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    small_tiny(&c);
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("atomic checkpoints", 0, "%s", e.msg); return; }
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    char dir[256], blocker[320];
+    scratch_dir(dir, sizeof dir, "atomic");
+    double l[64];
+    mt_runtime *a = make_runtime(&g, 1, 0, 3), *ref = make_runtime(&g, 1, 0, 99), *x = make_runtime(&g, 1, 0, 98);
+    int ok = a && ref && x && !run_steps(a, &c, 0, 3, l, &hp) && !mt_checkpoint_save(a, dir, 3, &e) && !mt_checkpoint_load(ref, dir, NULL, &e);
+    /* a save that fails half-way (model.safetensors cannot be written) */
+    snprintf(blocker, sizeof blocker, "%s/model.safetensors.tmp", dir);
+    ok = ok && !run_steps(a, &c, 3, 2, l, &hp) && mkdir(blocker, 0755) == 0;
+    int failed = ok && mt_checkpoint_save(a, dir, 5, &e) != 0 && e.msg[0];
+    char why[300];
+    snprintf(why, sizeof why, "%s", e.msg);
+    int step = -1;
+    int kept = failed && !mt_checkpoint_load(x, dir, &step, &e) && step == 3 && same_state(x, ref);
+    rmdir(blocker);
+    int again = !mt_checkpoint_save(a, dir, 5, &e) && !mt_checkpoint_load(x, dir, &step, &e) && step == 5 && same_state(x, a) &&
+                count_files(dir, "optimizer", ".safetensors") == 1 && count_files(dir, "", ".tmp") == 0;
+    report("failed save leaves the previous checkpoint whole", kept && again, "\"%s\"; then saved and tidied", why);
+
+    /* saves killed at arbitrary moments: the reference trajectory from step 5 says what each step's loss must be */
+    enum { K = 48 };
+    double want[K + 2];
+    mt_runtime *tr = make_runtime(&g, 1, 0, 97);
+    ok = tr && !mt_checkpoint_load(tr, dir, NULL, &e) && !run_steps(tr, &c, 5, K + 2, want, &hp);
+    int rounds = 0, good = ok, seen_mid = 0, steps_seen = 0;
+    for (int round = 0; ok && round < 8; round++) {
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid == 0) {   /* keep training and saving until killed */
+            double ll;
+            mt_err ce;
+            for (int s = 5; s < 5 + K; s++)
+                if (run_steps(a, &c, s, 1, &ll, &hp) || mt_checkpoint_save(a, dir, s + 1, &ce)) _exit(3);
+            _exit(0);
+        }
+        struct timespec ts = {0, 4000000L * (round + 1) + 1700000L * (round % 3)};
+        nanosleep(&ts, NULL);
+        kill(pid, SIGKILL);
+        int status;
+        waitpid(pid, &status, 0);
+        seen_mid += count_files(dir, "", ".tmp") > 0 || count_files(dir, "optimizer", ".safetensors") > 1;
+        mt_runtime *y = make_runtime(&g, 1, 0, 96);
+        double got[2];
+        int s = -1;
+        good &= y && !mt_checkpoint_load(y, dir, &s, &e) && s >= 5 && s < 5 + K && !run_steps(y, &c, s, 2, got, &hp) &&
+                got[0] == want[s - 5] && got[1] == want[s - 5 + 1];
+        if (!good) printf("  round %d: step %d: %s\n", round, s, e.msg);
+        steps_seen += s;
+        mt_runtime_destroy(y);
+        rounds++;
+    }
+    report("saves killed mid-way: the last committed checkpoint loads", good && rounds == 8,
+           "%d kills (%d left partial files); each load continued the reference run bitwise", rounds, seen_mid);
+    remove_tree(dir);
+    mt_runtime_destroy(a); mt_runtime_destroy(ref); mt_runtime_destroy(x); mt_runtime_destroy(tr);
+    mt_graph_free(&g);
+}
+
+/* What a checkpoint load refuses, each with a reason. */
+static void test_checkpoint_refusals(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    small_tiny(&c);
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("checkpoint refusals", 0, "%s", e.msg); return; }
+    char d1[256], d2[256], p[600], q[600];
+    scratch_dir(d1, sizeof d1, "ref1");
+    scratch_dir(d2, sizeof d2, "ref2");
+    mt_runtime *a = make_runtime(&g, 1, 0, 1), *b = make_runtime(&g, 1, 0, 2);
+    double l[2];
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    int ok = a && b && !run_steps(a, &c, 0, 1, l, &hp) && !mt_checkpoint_save(a, d1, 1, &e) && !mt_checkpoint_save(b, d2, 1, &e);
+    /* the optimizer file of another checkpoint, under the name this one expects */
+    mt_run_state rs;
+    int no_run = ok && mt_checkpoint_read_run(d1, &rs, &e) != 0 && strstr(e.msg, "no run state");
+    char m_norun[200];
+    snprintf(m_norun, sizeof m_norun, "%s", e.msg);
+    snprintf(p, sizeof p, "cp %s/optimizer-step1.safetensors %s/optimizer-step1.safetensors", d2, d1);
+    int pair = ok && !system(p) && mt_checkpoint_load(b, d1, NULL, &e) != 0 && strstr(e.msg, "does not belong");
+    char m_pair[300];
+    snprintf(m_pair, sizeof m_pair, "%s", e.msg);
+    /* a missing optimizer file */
+    snprintf(p, sizeof p, "%s/optimizer-step1.safetensors", d1);
+    remove(p);
+    int missing = ok && mt_checkpoint_load(b, d1, NULL, &e) != 0 && strstr(e.msg, "optimizer-step1");
+    /* a tensor the model does not have (a well-formed, checksummed file) */
+    mt__tensor *t = NULL, *t2;
+    mt__staged *st = NULL;
+    int n = 0, ns = 0, extra = 0;
+    if (ok && !mt__tensors(b, MT_ROLE_PARAM, "", &t, &n, &st, &ns, &e) && (t2 = (mt__tensor *)realloc(t, sizeof *t * (size_t)(n + 1)))) {
+        t = t2;
+        t[n] = t[0];
+        snprintf(t[n].name, sizeof t[n].name, "model.layers.0.mlp.extra.weight");
+        mt__buf meta, file;
+        memset(&meta, 0, sizeof meta);
+        mt__meta_model(&meta, b, 1, NULL, NULL, 0);
+        uint64_t sum;
+        snprintf(q, sizeof q, "%s/model.safetensors", d2);
+        extra = !mt__st_build(&file, t, n + 1, &meta, &sum, &e) && !mt__write_atomic(q, file.p, file.n, NULL, 0, &e);
+        free(meta.p); free(file.p);
+        extra = extra && mt_checkpoint_load(b, d2, NULL, &e) != 0 && strstr(e.msg, "not part of this model");
+    }
+    char m_extra[300];
+    snprintf(m_extra, sizeof m_extra, "%s", e.msg);
+    free(t);
+    mt__staged_free(st, ns);
+    report("checkpoint refusals: foreign optimizer, missing file, extra tensor, no run state", pair && missing && extra && no_run,
+           "%.90s | %.90s | %.60s", m_pair, m_extra, m_norun);
+    remove_tree(d1); remove_tree(d2);
+    mt_runtime_destroy(a); mt_runtime_destroy(b);
+    mt_graph_free(&g);
+}
+
+/* binding.nan_check: silent on healthy steps, names the first op on a sick one. */
+static void test_nan_check(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    small_tiny(&c);
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("nan check", 0, "%s", e.msg); return; }
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    double l1[4], l2[4];
+    mt_runtime *a = make_runtime(&g, 1, 1, 4), *b = make_runtime(&g, 1, 0, 4);
+    if (!a || !b) { report("nan check", 0, "no runtime"); return; }
+    mt_runtime_set_nan_check(a, 1);
+    int quiet = !run_steps(a, &c, 0, 4, l1, &hp) && !run_steps(b, &c, 0, 4, l2, &hp) && bitwise_equal(l1, l2, 4);
+    /* a NaN weight in layer 1: the first op that reads it is named, with the weight as its non-finite input */
+    int w = mt_graph_find(&g, "model.layers.1.self_attn.kv_b_proj.weight");
+    mt_real *buf = (mt_real *)malloc((size_t)g.values[w].nbytes);
+    mt_runtime_read(a, w, buf, &e);
+    mt_real keep = buf[5];
+    buf[5] = (mt_real)NAN;
+    mt_runtime_write(a, w, buf, &e);
+    int32_t tok[32], tgt[32];
+    make_batch(&c, 4, tok, tgt);
+    int found = mt_runtime_step(a, tok, tgt, 4, &hp, NULL, &e) != 0 && strstr(e.msg, "layer 1") && strstr(e.msg, "MATMUL") &&
+                strstr(e.msg, "input already non-finite") && strstr(e.msg, "kv_b_proj");
+    char m1[300];
+    snprintf(m1, sizeof m1, "%s", e.msg);
+    /* an overflow from finite inputs: a huge weight in layer 0 */
+    buf[5] = keep;
+    mt_runtime_write(a, w, buf, &e);
+    int w0 = mt_graph_find(&g, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight");
+    mt_real *big = (mt_real *)malloc((size_t)g.values[w0].nbytes);
+    for (int64_t i = 0; i < g.values[w0].nbytes / (int64_t)sizeof(mt_real); i++) big[i] = (mt_real)3e38;
+    mt_runtime_write(a, w0, big, &e);
+    int over = mt_runtime_step(a, tok, tgt, 4, &hp, NULL, &e) != 0 && strstr(e.msg, "layer 0") && strstr(e.msg, "inputs were finite");
+    report("--nan-check: quiet when healthy, names the first bad op", quiet && found && over, "%s | %.120s", m1, e.msg);
+    free(buf); free(big);
+    mt_runtime_destroy(a); mt_runtime_destroy(b);
+    mt_graph_free(&g);
+}
+
+/* ======================================================================
  * the command-line tools
  * ==================================================================== */
 
@@ -1588,43 +1871,165 @@ static void keep_loss_lines(char *s) {   /* keep only "step N | loss X" */
     *w = 0;
 }
 
+/* The CLIs under test: ./train and ./precompile, or those in $MT_BIN (the sanitizer build). */
+static const char *BIN = "./";
+static int sh(char *out, size_t cap, const char *fmt, ...) {
+    char cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    return run_cmd(cmd, out, cap);
+}
+
 static void test_cli(void) {
     static char a[65536], b[65536], c[4 << 20];
-    int ra = run_cmd("./precompile --preset tiny -o /tmp/moetrain_cli.mtg 2>&1 && ./train --graph /tmp/moetrain_cli.mtg --steps 8 --seed 1 2>&1", a, sizeof a);
-    int rb = run_cmd("./train --preset tiny --steps 8 --seed 1 2>&1", b, sizeof b);
+    const char *mtg = TP("cli.mtg"), *bad = TP("cli_bad.mtg"), *data = TP("cli_data.bin");
+    int ra = sh(a, sizeof a, "%sprecompile --preset tiny -o %s 2>&1 && %strain --graph %s --steps 8 --seed 1 2>&1", BIN, mtg, BIN, mtg);
+    int rb = sh(b, sizeof b, "%strain --preset tiny --steps 8 --seed 1 2>&1", BIN);
     keep_loss_lines(a); keep_loss_lines(b);
     report("CLI: precompile + train --graph = in-process", ra == 0 && rb == 0 && strlen(a) > 50 && !strcmp(a, b), "%s",
            ra || rb ? "a command failed" : "");
-    int rd = run_cmd("./precompile --dump /tmp/moetrain_cli.mtg 2>&1", c, sizeof c);
+    int rd = sh(c, sizeof c, "%sprecompile --dump %s 2>&1", BIN, mtg);
     report("CLI: precompile --dump prints the plan", rd == 0 && strstr(c, "== nodes") && strstr(c, "== memory plan") &&
            strstr(c, "== collectives") && strstr(c, "ep_recv_tokens"), NULL);
     /* a corrupted artifact: non-zero exit, no signal, a message naming the problem */
     uint8_t *bytes;
     size_t len;
     mt_err e;
-    mt_read_file("/tmp/moetrain_cli.mtg", &bytes, &len, &e);
+    mt_read_file(mtg, &bytes, &len, &e);
     bytes[len / 2] ^= 0x10;
-    FILE *f = fopen("/tmp/moetrain_cli_bad.mtg", "wb");
+    FILE *f = fopen(bad, "wb");
     fwrite(bytes, 1, len, f);
     fclose(f);
     free(bytes);
-    int rc = run_cmd("./train --graph /tmp/moetrain_cli_bad.mtg --steps 1 2>&1", c, sizeof c);
-    report("CLI: corrupted artifact -> clean refusal", rc != 0 && rc != 1000 && strstr(c, "checksum mismatch"), "exit %d: %.100s", rc, c);
-    rc = run_cmd("./train --steps x 2>&1", c, sizeof c);
-    int rc2 = run_cmd("./train --preset tiny --top-k 99 --steps 1 2>&1", b, sizeof b);
-    int rc3 = run_cmd("./train --data /nonexistent --steps 1 2>&1", a, sizeof a);
+    int rc = sh(c, sizeof c, "%strain --graph %s --steps 1 2>&1", BIN, bad);
+    report("CLI: corrupted artifact -> clean refusal", rc == 1 && strstr(c, "checksum mismatch"), "exit %d: %.100s", rc, c);
+    rc = sh(c, sizeof c, "%strain --steps x 2>&1", BIN);
+    int rc2 = sh(b, sizeof b, "%strain --preset tiny --top-k 99 --steps 1 2>&1", BIN);
+    int rc3 = sh(a, sizeof a, "%strain --data /nonexistent --steps 1 2>&1", BIN);
     report("CLI: bad flags and files refused", rc == 2 && rc2 == 2 && rc3 == 1 && strstr(b, "top_k") && strstr(a, "cannot open"),
            "%d %d %d", rc, rc2, rc3);
-    f = fopen("/tmp/moetrain_cli_data.bin", "wb");
+    f = fopen(data, "wb");
     for (int i = 0; i < 300; i++) fputc(i & 255, f);
     fclose(f);
-    rc = run_cmd("./train --data /tmp/moetrain_cli_data.bin --vocab-size 200 --steps 1 2>&1", a, sizeof a);
+    rc = sh(a, sizeof a, "%strain --data %s --vocab-size 200 --steps 1 2>&1", BIN, data);
     report("CLI: token beyond vocabulary refused", rc == 1 && strstr(a, "vocabulary"), "%.100s", a);
-    remove("/tmp/moetrain_cli.mtg"); remove("/tmp/moetrain_cli_bad.mtg"); remove("/tmp/moetrain_cli_data.bin");
+    remove(mtg); remove(bad); remove(data);
+}
+
+/* Every option of the CLIs: unknown ones named (with a suggestion), ranges, --help, exit status. */
+static void test_cli_options(void) {
+    static char a[1 << 16], b[1 << 16];
+    int r1 = sh(a, sizeof a, "%strain --bogus 2>&1", BIN);
+    int ok1 = r1 == 2 && strstr(a, "unknown option '--bogus'") && !strstr(a, "needs a value");
+    int r2 = sh(b, sizeof b, "%strain --stpes 5 2>&1", BIN);
+    int ok2 = r2 == 2 && strstr(b, "did you mean '--steps'");
+    int r3 = sh(a, sizeof a, "%strain --n-layer 2 2>&1", BIN);
+    int ok3 = r3 == 2 && strstr(a, "did you mean '--n-layers'");
+    report("CLI: unknown options named, closest suggested", ok1 && ok2 && ok3, "%d %d %d", r1, r2, r3);
+    /* ranges: each of these is refused with exit 2 before any work */
+    const char *badv[] = {"--steps -1", "--seed -3", "--lr 0", "--lr nan", "--lr 1e99", "--warmup 1.5", "--beta1 1", "--beta2 -0.1",
+                          "--eps 0", "--weight-decay -1", "--grad-clip inf", "--threads 0", "--threads 65", "--log-every 0",
+                          "--gpu -1", "--save-every -2", "--min-lr-ratio 2", "--roof-gbps 0", "--dim 0", "--top-k 1000", "--steps=",
+                          "--lr", "--eager=1", "--save-every 5", "--adopt-config", "--logits-out x"};
+    int nbad = (int)(sizeof badv / sizeof badv[0]), refused = 0;
+    char worst[200] = "";
+    for (int i = 0; i < nbad; i++) {
+        int rc = sh(a, sizeof a, "%strain %s --steps 0 2>&1", BIN, badv[i]);
+        if (rc == 2 && !strstr(a, "step ")) refused++;
+        else snprintf(worst, sizeof worst, "'%s' gave %d: %.80s", badv[i], rc, a);
+    }
+    report("CLI: every numeric flag range-checked (exit 2)", refused == nbad, "%d of %d refused %s", refused, nbad, worst);
+    int rh = sh(a, sizeof a, "%strain --help 2>&1", BIN);
+    const char *must[] = {"--save-every N", "--nan-check", "--adopt-config", "--steps N", "[300]", "--top-k N", "--load DIR", "exit status"};
+    int all = rh == 0;
+    for (int i = 0; i < 8; i++) all &= strstr(a, must[i]) != NULL;
+    int ph = sh(b, sizeof b, "%sprecompile --help 2>&1", BIN);
+    int pall = ph == 0 && strstr(b, "--dp-shard N") && strstr(b, "[1..4096]") && strstr(b, "exit status");
+    report("CLI: --help lists every option with its default", all && pall, NULL);
+    int p1 = sh(a, sizeof a, "%sprecompile --presett tiny -o x 2>&1", BIN);
+    int okp1 = p1 == 2 && strstr(a, "did you mean '--preset'");
+    int p2 = sh(a, sizeof a, "%sprecompile --ep 0 -o x 2>&1", BIN);
+    int p3 = sh(b, sizeof b, "%sprecompile -o /dev/full/x 2>&1", BIN);
+    report("CLI: precompile: unknown options, ranges, unwritable output", okp1 && p2 == 2 && p3 == 1 && strstr(b, "/dev/full/x"), "%d %d %d", p1, p2, p3);
+    /* an unwritable --save is found before training, not after */
+    int rs = sh(a, sizeof a, "%strain --save /dev/full/x --steps 50 2>&1", BIN);
+    report("CLI: unwritable --save refused before training", rs == 1 && strstr(a, "/dev/full") && !strstr(a, "step "), "exit %d: %.100s", rs, a);
+}
+
+/* The JSON-lines metrics from step `from` on: step, loss, grad_norm, lr (what must match bitwise). */
+static void metrics_core(const char *path, int from, char *out, size_t cap) {
+    FILE *f = fopen(path, "r");
+    char line[4096];
+    out[0] = 0;
+    while (f && fgets(line, sizeof line, f)) {
+        int step = atoi(line + 8);
+        char *cut = strstr(line, ",\"tokens_per_s\"");
+        if (!strncmp(line, "{\"step\":", 8) && step >= from && cut) {
+            *cut = 0;
+            snprintf(out + strlen(out), cap - strlen(out), "%s\n", line);
+        }
+    }
+    if (f) fclose(f);
+}
+static int same_file(const char *p, const char *q) {
+    uint8_t *a, *b;
+    size_t la, lb;
+    mt_err e;
+    if (mt_read_file(p, &a, &la, &e)) return 0;
+    if (mt_read_file(q, &b, &lb, &e)) { free(a); return 0; }
+    int same = la == lb && !memcmp(a, b, la);
+    free(a); free(b);
+    return same;
+}
+
+/* ./train: 20 steps straight = 10 + --save + --load + 10, to the byte; a mismatched config refused; divergence stops cleanly. */
+static void test_cli_resume(void) {
+    static char a[1 << 16], b[1 << 16], m1[1 << 15], m2[1 << 15];
+    char d1[256], d2[256], p[600], q[600];
+    scratch_dir(d1, sizeof d1, "cli1");
+    scratch_dir(d2, sizeof d2, "cli2");
+    int r1 = sh(a, sizeof a, "%strain --steps 20 --seed 3 --warmup 4 --metrics %s/m.jsonl --save %s/ck 2>&1", BIN, d1, d1);
+    int r2 = sh(a, sizeof a, "%strain --steps 10 --seed 3 --warmup 4 --decay-steps 20 --save %s/ck 2>&1", BIN, d2);
+    int r3 = sh(b, sizeof b, "%strain --steps 20 --load %s/ck --save %s/ck --metrics %s/m.jsonl 2>&1", BIN, d2, d2, d2);
+    snprintf(p, sizeof p, "%s/m.jsonl", d1); metrics_core(p, 11, m1, sizeof m1);
+    snprintf(q, sizeof q, "%s/m.jsonl", d2); metrics_core(q, 1, m2, sizeof m2);
+    int same_metrics = strlen(m1) > 100 && !strcmp(m1, m2) && strstr(m2, "{\"step\":11,") && !strstr(m2, "{\"step\":10,");
+    snprintf(p, sizeof p, "%s/ck/model.safetensors", d1); snprintf(q, sizeof q, "%s/ck/model.safetensors", d2);
+    int same_model = same_file(p, q);
+    snprintf(p, sizeof p, "%s/ck/optimizer-step20.safetensors", d1); snprintf(q, sizeof q, "%s/ck/optimizer-step20.safetensors", d2);
+    int same_opt = same_file(p, q);
+    report("CLI: 20 steps = 10 + --save + --load + 10, bitwise", !r1 && !r2 && !r3 && same_metrics && same_model && same_opt,
+           "steps 11..20 %s; checkpoints %s%s", same_metrics ? "identical" : "DIFFER", same_model && same_opt ? "byte-identical" : "DIFFER",
+           strstr(b, "resuming") ? "" : " (no resume line)");
+    /* another preset than the checkpoint's: refused, naming fields; --adopt-config continues with the checkpoint's */
+    int rc = sh(a, sizeof a, "%strain --preset debug --load %s/ck --steps 21 2>&1", BIN, d2);
+    int named = rc == 2 && strstr(a, "dim 64 vs 256") && strstr(a, "n_layers 3 vs 6") && !strstr(a, "step ");
+    int ra = sh(b, sizeof b, "%strain --preset debug --load %s/ck --steps 21 --adopt-config 2>&1", BIN, d2);
+    int adopted = ra == 0 && strstr(b, "adopted the checkpoint's model config") && strstr(b, "step    21") && strstr(b, "preset=tiny");
+    report("CLI: checkpoint config differs: refused, or adopted when asked", named && adopted, "%d %d: %.150s", rc, ra, a);
+    /* divergence: stops at the step, names what is intact, saved nothing after it */
+    rc = sh(a, sizeof a, "%strain --lr 10 --weight-decay 10 --warmup 0 --steps 40 --save %s/nan --save-every 2 2>&1", BIN, d1);
+    snprintf(p, sizeof p, "%s/nan", d1);
+    mt_run_state rs;
+    mt_err e;
+    mt_run_state_init(&rs);
+    int stopped = rc == 1 && strstr(a, "diverged") && strstr(a, "is intact") && !mt_checkpoint_read_run(p, &rs, &e) && rs.step >= 2 &&
+                  rs.step < 40 && !strstr(a, "done:");
+    char want[64];
+    snprintf(want, sizeof want, "step %d in", rs.step);
+    stopped = stopped && strstr(a, want);
+    int rn = sh(b, sizeof b, "%strain --lr 10 --weight-decay 10 --warmup 0 --steps 40 --nan-check 2>&1", BIN);
+    int located = rn == 1 && strstr(b, "node ") && strstr(b, " wrote ");
+    report("CLI: NaN/Inf stops the run; the last checkpoint intact; --nan-check names the op", stopped && located, "%.160s | %.160s",
+           strstr(a, "train:") ? strstr(a, "train:") : a, strstr(b, "train:") ? strstr(b, "train:") : b);
+    remove_tree(d1); remove_tree(d2);
 }
 
 int main(void) {
     mt_rng_seed(&R, 42);
+    if (getenv("MT_BIN")) BIN = getenv("MT_BIN");
     test_presets();
     test_graph_structure();
     test_memory_plan();
@@ -1632,9 +2037,15 @@ int main(void) {
     test_artifact_rejects();
     test_moe_edge_cases();
     test_checkpoint();
+    test_resume_exact();
+    test_checkpoint_atomic();
+    test_checkpoint_refusals();
+    test_nan_check();
     test_data();
     test_training_falls();
     test_cli();
+    test_cli_options();
+    test_cli_resume();
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }
