@@ -3189,6 +3189,8 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         if (v->nbytes != numel * mt_dtype_bytes(g, v->dtype))
             return mt_errf(err, "value '%s': size %lld bytes, its shape needs %lld", v->name, (long long)v->nbytes,
                            (long long)(numel * mt_dtype_bytes(g, v->dtype)));
+        if (v->offset % MT_ALIGN)   /* every plan aligns; kernels (and C's own alignment rules) rely on it */
+            return mt_errf(err, "value '%s': offset %lld is not a multiple of %d", v->name, (long long)v->offset, MT_ALIGN);
         if (v->param < -1 || v->param >= g->n_values || (v->param >= 0 && g->values[v->param].role != MT_ROLE_PARAM))
             return mt_errf(err, "value '%s': bad owner %d", v->name, v->param);
         if (v->role == MT_ROLE_CONST) {
