@@ -633,6 +633,7 @@ typedef struct {
     char data[1024];       /* the data: "" for the embedded corpus, else its path */
     int64_t data_tokens;   /* length and hash of the token stream: a position means */
     uint64_t data_hash;    /* nothing in other data */
+    int32_t has_settings;  /* read back: 0 if the checkpoint recorded only the step (mt_checkpoint_save) */
 } mt_run_state;
 void mt_run_state_init(mt_run_state *r);                              /* zeros, default hparams */
 
@@ -640,7 +641,7 @@ int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err); 
 int mt_checkpoint_save_run(mt_runtime *rt, const char *dir, const mt_run_state *run, mt_err *err); /* + run state */
 int mt_checkpoint_prepare_dir(const char *dir, mt_err *err);          /* create DIR (and parents), prove it writable */
 int mt_checkpoint_read_config(const char *dir, mt_config *c, mt_err *err);
-int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err); /* fails if none was saved */
+int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err); /* step, and settings if saved */
 int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err); /* step may be NULL */
 
 /* ========================================================================
@@ -5629,7 +5630,7 @@ static void mt__meta_model(mt__buf *b, const mt_runtime *rt, int step, const mt_
               G->mesh.size[MT_DIM_TP], G->mesh.size[MT_DIM_EP]);
     mt__jmeta(b, "mt.data_order", "a pure function of (seed, step, dp_rank, dp_size): every rank's data position is mt.step");
     mt__jmeta(b, "mt.rng", "none: a step draws no random numbers");
-    if (run)
+    if (run)   /* (has_settings is not written: it says whether these were read back) */
         for (int i = 0; i < MT__N_RUN_FIELDS; i++) {
             const char *p = (const char *)run + mt__run_fields[i].off;
             char key[64];
@@ -5842,12 +5843,13 @@ int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err) {
     int rc = 0;
     if (!sv || mt__parse_int(sv, 0, INT_MAX, &v)) rc = mt_errf(err, "'%s' records no step", path);
     else run->step = (int32_t)v;
-    for (int i = 0; !rc && i < MT__N_RUN_FIELDS; i++) {
+    run->has_settings = !rc && mt__st_meta(&s, "mt.run.seed") != NULL;
+    for (int i = 0; !rc && run->has_settings && i < MT__N_RUN_FIELDS; i++) {
         char key[64];
         snprintf(key, sizeof key, "mt.run.%s", mt__run_fields[i].key);
         const char *val = mt__st_meta(&s, key);
         char *p = (char *)run + mt__run_fields[i].off;
-        if (!val) { rc = mt_errf(err, "'%s' holds weights but no run state ('%s' missing): it can start a run, not resume one", path, key); break; }
+        if (!val) { rc = mt_errf(err, "'%s': run state without '%s'", path, key); break; }
         double d;
         int bad = 0;
         switch (mt__run_fields[i].type) {

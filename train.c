@@ -287,6 +287,10 @@ static int checkpoint_config(opts *o, mt_config *cfg, int fixed_by_graph) {
 static int plan_resume(opts *o, mt_run_state *ck) {
     mt_err e;
     if (mt_checkpoint_read_run(o->load, ck, &e)) { fprintf(stderr, "train: %s\n", e.msg); return 1; }
+    if (!ck->has_settings) {   /* saved without run settings (mt_checkpoint_save): this command line's */
+        printf("resuming '%s' at step %d of %d; it records no run settings, so this command line's are used\n", o->load, ck->step, o->steps);
+        return 0;
+    }
     if (!strcmp(o->config_from, "checkpoint") && ck->preset[0]) o->config_from = ck->preset;
     char changed[1200] = "";
 #define NOTE(...) snprintf(changed + strlen(changed), sizeof changed - strlen(changed), __VA_ARGS__)
@@ -322,7 +326,7 @@ static int plan_resume(opts *o, mt_run_state *ck) {
 /* The data a resumed run reads must be the data the saved run read: the data
  * position (the step) means nothing in another token stream. */
 static int check_resume_data(const opts *o, const mt_run_state *ck, const mt_dataset *ds, uint64_t hash) {
-    if (ds->n == ck->data_tokens && hash == ck->data_hash) return 0;
+    if (!ck->has_settings || (ds->n == ck->data_tokens && hash == ck->data_hash)) return 0;
     if (given(o, "data")) {
         printf("  note: --data '%s' is not the data the checkpoint was trained on: the data order restarts from position %d of it\n",
                o->data, ck->step);
@@ -360,13 +364,40 @@ static void stop_note(const opts *o, int last_saved, const char *last_dir) {
     if (last_saved >= 0) fprintf(stderr, "  the last good checkpoint, step %d in '%s', is intact: nothing was saved after it failed\n", last_saved, last_dir);
     else if (o->save) fprintf(stderr, "  nothing was saved to '%s'\n", o->save);
 }
-/* A NaN or Inf loss or gradient norm stops the run: say where, and what is left. */
-static void report_nonfinite(const opts *o, const mt_step_stats *st, int step, int last_saved, const char *last_dir) {
+/* A NaN or Inf loss or gradient norm stops the run: say where, and what is left. Then find the first op
+ * that produced it: steps are deterministic, so replaying from the last good state (the checkpoint, or the
+ * initialization) with every op's output checked meets the same value at the same op. */
+static void report_nonfinite(mt_runtime *rt, const opts *o, const mt_dataset *ds, const mt_step_stats *st, int step, int last_saved,
+                             const char *last_dir) {
     fprintf(stderr, "train: step %d: the %s is %g (loss %g, grad norm %g): training diverged, stopping\n", step + 1,
             isfinite(st->loss) ? "gradient norm" : "loss", isfinite(st->loss) ? st->grad_norm : st->loss, st->loss, st->grad_norm);
     stop_note(o, last_saved, last_dir);
-    fprintf(stderr, "  re-run with --nan-check%s to find the first op that produced it; or try a smaller --lr, or --grad-clip\n",
-            last_saved >= 0 ? " from that checkpoint" : "");
+    int from = last_saved >= 0 ? last_saved : 0;
+    mt_err e;
+    if (step - from >= 1000) {
+        fprintf(stderr, "  re-run from that checkpoint with --nan-check to find the first op that produced it\n");
+        return;
+    }
+    if (last_saved >= 0 ? mt_checkpoint_load(rt, last_dir, NULL, &e) : mt_runtime_init_params(rt, (uint64_t)o->seed, &e)) {
+        fprintf(stderr, "  (cannot replay to find the op: %s)\n", e.msg);
+        return;
+    }
+    fprintf(stderr, "  finding the op: replaying steps %d..%d from %s, checking every output\n", from + 1, step + 1,
+            last_saved >= 0 ? "that checkpoint" : "the initialization");
+    const mt_config *c = &mt_runtime_graph(rt)->cfg;
+    int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)c->batch * c->seq_len);
+    int32_t *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)c->batch * c->seq_len);
+    mt_runtime_set_nan_check(rt, 1);
+    int found = 0;
+    for (int s = from; s <= step && !found; s++)
+        if (mt_data_batch_at(ds, (uint64_t)o->seed, s, 0, 1, c->batch, c->seq_len, tok, tgt, &e) ||
+            mt_runtime_step(rt, tok, tgt, s, &o->hp, NULL, &e)) {
+            fprintf(stderr, "  %s\n", e.msg);
+            found = 1;
+        }
+    if (!found) fprintf(stderr, "  the replay did not meet it again\n");
+    fprintf(stderr, "  try a smaller --lr, or --grad-clip\n");
+    free(tok); free(tgt);
 }
 
 static void choose_target(const opts *o, mt_target *t) {
@@ -626,7 +657,7 @@ int main(int argc, char **argv) {
             break;
         }
         if (!isfinite(st.loss) || !isfinite(st.grad_norm)) {
-            report_nonfinite(&o, &st, step, last_saved, last_dir);
+            report_nonfinite(rt, &o, &ds, &st, step, last_saved, last_dir);
             rc = 1;
             break;
         }
