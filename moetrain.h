@@ -5357,11 +5357,10 @@ static int mt__st_parse(mt__st *s, const char *path, mt_err *err) {
     int64_t at = 0;
     for (int i = 0; i < s->n; i++) {
         if (r[i].begin != at) {
-            char nm[256];
-            snprintf(nm, sizeof nm, "%s", s->t[r[i].idx].name);
+            const mt__st_t *t = &s->t[r[i].idx];
             MT_FREE(r);
             return mt_errf(err, "'%s': tensor '%s' starts at byte %lld of the data, where %lld was expected (overlapping or gapped tensors)",
-                           path, nm, (long long)s->t[r[i].idx].begin, (long long)at);
+                           path, t->name, (long long)t->begin, (long long)at);
         }
         at = r[i].end;
     }

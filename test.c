@@ -2254,16 +2254,21 @@ static void fuzz_safetensors(fuzzer *z) {
         const char *hdrs[] = {
             "{\"model.norm.weight\":{\"dtype\":\"F32\",\"shape\":[16],\"data_offsets\":[0,64]}}",
             "{\"__metadata__\":{\"format\":\"pt\"},\"model.norm.weight\":{\"dtype\":\"BF16\",\"shape\":[16],\"data_offsets\":[0,32]},"
-            "\"lm_head.weight\":{\"dtype\":\"F16\",\"shape\":[32,16],\"data_offsets\":[32,1056]}}"};
+            "\"lm_head.weight\":{\"dtype\":\"F16\",\"shape\":[32,16],\"data_offsets\":[32,1056]}}",
+            "{\"model.norm.weight\":{\"dtype\":\"F32\",\"shape\":[16],\"data_offsets\":[0,64]},"   /* overlapping */
+            "\"model.layers.0.input_layernorm.weight\":{\"dtype\":\"F32\",\"shape\":[16],\"data_offsets\":[0,64]}}"};
         snprintf(fpath, sizeof fpath, "%s/foreign.safetensors", work);
         mt_graph gf;
         mt_runtime *f = !compile_cpu(&gf, &c, MT_GRAPH_FORWARD, 1, &e) ? make_runtime(&gf, 1, 0, 4) : NULL;
-        for (int h = 0; f && h < 2; h++) {
+        for (int h = 0; f && h < 3; h++) {
             size_t hl = strlen(hdrs[h]), len = 8 + hl + 1056 + 64;
             uint8_t *base = (uint8_t *)calloc(len, 1);
             wr64(base, hl);
             memcpy(base + 8, hdrs[h], hl);
-            len = 8 + hl + (h ? 1056 : 64);
+            len = 8 + hl + (h == 1 ? 1056 : 64);
+            fz_next(z);   /* the file as it is: the overlap must be refused */
+            if (h == 2 && (fz_write(fpath, base, len) || !mt_checkpoint_load(f, fpath, NULL, &e) || !strstr(e.msg, "overlapping")))
+                fz_fail(z, "overlapping tensors not refused: %s", e.msg);
             for (int i = 0; i < 200 * z->scale; i++) {
                 memcpy(b, base, len);
                 size_t n = len;
