@@ -616,7 +616,8 @@ int mt_cuda_expert_bias_update(mt_cuda *c, float *bias, const int32_t *counts, i
  * DIR/optimizer-stepN.safetensors   AdamW moments (exp_avg.*, exp_avg_sq.*)
  * DIR/config.json           transformers' DeepseekV3Config
  * Every file carries checksums of its header and data. Saving is atomic: a
- * failed or killed save leaves the previous checkpoint loadable.
+ * failed or killed save leaves the previous checkpoint loadable. Weights fit
+ * a model of the same config with any batch and seq_len.
  * ====================================================================== */
 
 /* What the next step depends on besides the tensors. A step draws no random
@@ -5216,7 +5217,7 @@ typedef struct {
     mt__st_t *t; int n, cap;
     struct mt__st_name *by_name;        /* tensor names sorted, for lookups */
     mt__st_m *m; int nm, mcap;
-    int ours;                           /* written by moetrain (mt.* metadata): checksums required */
+    int ours;                           /* written by this moetrain: its checksums are required */
     uint64_t header_sum, data_sum;      /* as computed from the bytes */
 } mt__st;
 enum { MT__ST_F32 = 0, MT__ST_BF16 = 1, MT__ST_F16 = 2, MT__ST_F64 = 3 };
@@ -5370,14 +5371,16 @@ static int mt__st_parse(mt__st *s, const char *path, mt_err *err) {
     qsort(s->by_name, (size_t)s->n, sizeof *s->by_name, mt__st_cmp_name);
     for (int i = 1; i < s->n; i++)
         if (!strcmp(s->by_name[i].name, s->by_name[i - 1].name)) return mt_errf(err, "'%s': tensor '%s' appears twice", path, s->by_name[i].name);
-    for (int i = 0; i < s->nm; i++) s->ours |= !strncmp(s->m[i].key, "mt.", 3);
+    /* this format's keys (any one of them): files of older moetrains and other tools have none and no checksums */
+    static const char *const mine[] = {"mt.header_sum", "mt.data_sum", "mt.optimizer", "mt.rng", "mt.data_order", "mt.target", "mt.role"};
+    for (size_t k = 0; k < sizeof mine / sizeof mine[0]; k++) s->ours |= mt__st_meta(s, mine[k]) != NULL;
     s->header_sum = mt__st_hsum(s);
     if (s->data) s->data_sum = mt__hash_words(s->data, s->data_len, MT_HASH_INIT);
     return 0;
 }
 
-/* A moetrain file must carry both checksums and match them; a foreign
- * safetensors file (no mt.* metadata) has none to check. */
+/* A file of this moetrain must carry both checksums and match them; one of
+ * another tool, or of an older moetrain, has none to check. */
 static int mt__st_check_sums(const mt__st *s, const char *path, mt_err *err) {
     if (!s->ours) return 0;
     const char *hs = mt__st_meta(s, "mt.header_sum"), *ds = mt__st_meta(s, "mt.data_sum");
@@ -5881,12 +5884,15 @@ int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err) 
     memset(&so, 0, sizeof so);
     if (mt__st_open(&s, path, 1, err)) return -1;
     int rc = 0, with_opt = 0;
-    if (s.ours) {   /* the config it was saved for must be this model's */
+    if (mt__st_meta(&s, "mt.dim")) {   /* the config it was saved for must be this model's (any batch and seq_len: they shape the step, not the weights) */
         mt_config c;
         char diff[900];
         if (mt__st_config(&s, path, &c, err)) rc = -1;
-        else if (mt_config_diff(&c, &rt->g.cfg, diff, sizeof diff))
-            rc = mt_errf(err, "'%s' was saved for another model config (checkpoint vs this model): %s", path, diff);
+        else {
+            c.batch = rt->g.cfg.batch; c.seq_len = rt->g.cfg.seq_len;
+            if (mt_config_diff(&c, &rt->g.cfg, diff, sizeof diff))
+                rc = mt_errf(err, "'%s' was saved for another model config (checkpoint vs this model): %s", path, diff);
+        }
     }
     if (!rc && rt->g.kind == MT_GRAPH_TRAIN) {
         const char *oname = mt__st_meta(&s, "mt.optimizer");

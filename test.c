@@ -1809,6 +1809,32 @@ static void test_checkpoint_atomic(void) {
     mt_graph_free(&g);
 }
 
+/* A safetensors file as the previous moetrain (and other tools) wrote them: no checksums. */
+static int write_plain_safetensors(const char *path, const mt__tensor *t, int n, const char *meta) {
+    mt__buf h;
+    memset(&h, 0, sizeof h);
+    mt__jfmt(&h, "{\"__metadata__\":{\"format\":\"pt\"");
+    mt__put(&h, meta, strlen(meta));
+    mt__put(&h, "}", 1);
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        mt__jfmt(&h, ",\"%s\":{\"dtype\":\"F32\",\"shape\":[", t[i].name);
+        for (int d = 0; d < t[i].ndim; d++) mt__jfmt(&h, "%s%lld", d ? "," : "", (long long)t[i].shape[d]);
+        mt__jfmt(&h, "],\"data_offsets\":[%lld,%lld]}", (long long)off, (long long)(off + 4 * t[i].numel));
+        off += 4 * t[i].numel;
+    }
+    mt__put(&h, "}", 1);
+    FILE *f = fopen(path, "wb");
+    uint8_t len8[8];
+    wr64(len8, h.n);
+    int ok = f && fwrite(len8, 1, 8, f) == 8 && fwrite(h.p, 1, h.n, f) == h.n;
+    for (int i = 0; ok && i < n; i++)
+        for (int64_t k = 0; ok && k < t[i].numel; k++) { float x = (float)t[i].src[k]; ok = fwrite(&x, 4, 1, f) == 1; }
+    if (f) ok &= !fclose(f);
+    free(h.p);
+    return ok ? 0 : -1;
+}
+
 /* What a checkpoint load refuses, each with a reason. */
 static void test_checkpoint_refusals(void) {
     mt_config c;
@@ -1858,6 +1884,42 @@ static void test_checkpoint_refusals(void) {
     mt__staged_free(st, ns);
     report("checkpoint refusals: foreign optimizer, missing file, extra tensor", pair && missing && extra && no_run,
            "%.100s | %.100s", m_pair, m_extra);
+    /* the previous format (no checksums, optimizer.safetensors) still loads: weights and moments */
+    int legacy = 0;
+    mt__tensor *tm = NULL, *tv = NULL, *tp = NULL;
+    mt__staged *sm = NULL, *sv = NULL, *sp = NULL;
+    int nm = 0, nv = 0, np = 0, nsm = 0, nsv = 0, nsp = 0;
+    char d3[256];
+    scratch_dir(d3, sizeof d3, "legacy");
+    if (ok && !mt__tensors(a, MT_ROLE_PARAM, "", &tp, &np, &sp, &nsp, &e) && !mt__tensors(a, MT_ROLE_OPT, "exp_avg.", &tm, &nm, &sm, &nsm, &e) &&
+        !mt__tensors(a, MT_ROLE_OPT, "exp_avg_sq.", &tv, &nv, &sv, &nsv, &e)) {
+        mt__tensor *all = (mt__tensor *)malloc(sizeof *all * (size_t)(nm + nv));
+        for (int i = 0; i < nm + nv; i++) {
+            all[i] = i < nm ? tm[i] : tv[i - nm];
+            snprintf(all[i].name, sizeof all[i].name, "%s%.80s", i < nm ? "exp_avg." : "exp_avg_sq.", i < nm ? tm[i].name : tv[i - nm].name);
+        }
+        char meta[4096] = ",\"mt.step\":\"1\"";
+        for (int i = 0; i < mt_n_config_fields; i++) {
+            const mt_field *fl = &mt_config_fields[i];
+            const void *v = (const char *)&c + fl->offset;
+            if (fl->type == MT_FIELD_INT) snprintf(meta + strlen(meta), sizeof meta - strlen(meta), ",\"mt.%s\":\"%d\"", fl->name, *(const int *)v);
+            else snprintf(meta + strlen(meta), sizeof meta - strlen(meta), ",\"mt.%s\":\"%.9g\"", fl->name, (double)*(const float *)v);
+        }
+        snprintf(p, sizeof p, "%s/model.safetensors", d3);
+        snprintf(q, sizeof q, "%s/optimizer.safetensors", d3);
+        mt_runtime *y = make_runtime(&g, 1, 0, 77);
+        int step = -1;
+        legacy = y && !write_plain_safetensors(p, tp, np, meta) && !write_plain_safetensors(q, all, nm + nv, "") &&
+                 !mt_checkpoint_load(y, d3, &step, &e) && step == 1 && same_state(y, a) && !mt_checkpoint_read_run(d3, &rs, &e) &&
+                 !rs.has_settings;
+        if (!legacy) printf("  legacy: %s\n", e.msg);
+        mt_runtime_destroy(y);
+        free(all);
+    }
+    free(tm); free(tv); free(tp);
+    mt__staged_free(sm, nsm); mt__staged_free(sv, nsv); mt__staged_free(sp, nsp);
+    report("a checkpoint of the previous format (no checksums) still loads", legacy, NULL);
+    remove_tree(d3);
     remove_tree(d1); remove_tree(d2);
     mt_runtime_destroy(a); mt_runtime_destroy(b);
     mt_graph_free(&g);

@@ -254,30 +254,55 @@ static int preflight(const opts *o) {
 
 /* ---- the model config, and resuming ---- */
 
-/* With --load: the checkpoint's config must be the one asked for (a preset,
- * --<field> options, or an artifact), or --adopt-config takes it. Asked for
- * nothing: the checkpoint's. Returns an exit status (0: go on). */
+/* Is config field `name` among the --<field> options? */
+static int override_given(const opts *o, const char *name) {
+    for (int i = 0; i < o->n_overrides; i++) {
+        const char *a = o->ov_key[i], *b = name;
+        while (*a && (*a == *b || (*a == '-' && *b == '_'))) { a++; b++; }
+        if (!*a && !*b) return 1;
+    }
+    return 0;
+}
+
+/* With --load: the model the checkpoint holds must be the one asked for (a
+ * preset and --<field> options, or an artifact), or --adopt-config takes it.
+ * Without --preset the checkpoint's config is the start, the --<field>
+ * options on top. batch and seq_len shape the step, not the weights: they may
+ * differ (reported when training). Returns an exit status (0: go on). */
 static int checkpoint_config(opts *o, mt_config *cfg, int fixed_by_graph) {
     mt_err e;
     mt_config ck;
     if (mt_checkpoint_read_config(o->load, &ck, &e)) { fprintf(stderr, "train: %s\n", e.msg); return 1; }
-    int asked = fixed_by_graph || given(o, "preset") || o->n_overrides;
-    if (!asked) { *cfg = ck; o->config_from = "checkpoint"; return 0; }
+    if (!fixed_by_graph && !given(o, "preset")) {
+        *cfg = ck;
+        if (apply_overrides(o, cfg)) return 2;
+        o->config_from = "checkpoint";
+    }
+    if (mt_config_validate(cfg, &e)) { fprintf(stderr, "train: %s\n", e.msg); return 2; }
+    mt_config model = ck;
+    model.batch = cfg->batch; model.seq_len = cfg->seq_len;
     char diff[900];
-    if (!mt_config_diff(&ck, cfg, diff, sizeof diff)) return 0;
-    if (fixed_by_graph) {
-        fprintf(stderr, "train: the checkpoint '%s' was saved for another model than the artifact '%s' (checkpoint vs artifact): %s\n",
-                o->load, o->graph, diff);
-        return 2;
+    if (mt_config_diff(&model, cfg, diff, sizeof diff)) {
+        if (fixed_by_graph) {
+            fprintf(stderr, "train: the checkpoint '%s' holds another model than the artifact '%s' (checkpoint vs artifact): %s\n",
+                    o->load, o->graph, diff);
+            return 2;
+        }
+        if (!o->adopt_config) {
+            fprintf(stderr, "train: the checkpoint '%s' holds another model than the one asked for (checkpoint vs asked): %s\n"
+                            "  ask for the checkpoint's, or pass --adopt-config to continue with it\n", o->load, diff);
+            return 2;
+        }
+        printf("adopted the checkpoint's model config (--adopt-config); it differs from the one asked for in (checkpoint vs asked): %s\n", diff);
+        int B = cfg->batch, T = cfg->seq_len;
+        *cfg = ck;
+        if (override_given(o, "batch")) cfg->batch = B;
+        if (override_given(o, "seq_len")) cfg->seq_len = T;
+        o->config_from = "checkpoint";
     }
-    if (!o->adopt_config) {
-        fprintf(stderr, "train: the checkpoint '%s' was saved for another model config than the one asked for (checkpoint vs asked): %s\n"
-                        "  ask for the checkpoint's config, or pass --adopt-config to continue with it\n", o->load, diff);
-        return 2;
-    }
-    printf("adopted the checkpoint's model config (--adopt-config); it differs from the one asked for in (checkpoint vs asked): %s\n", diff);
-    *cfg = ck;
-    o->config_from = "checkpoint";
+    if (!o->forward && (cfg->batch != ck.batch || cfg->seq_len != ck.seq_len))
+        printf("note: batch x seq_len %d x %d, the checkpoint's run used %d x %d: this is not its exact continuation\n", cfg->batch,
+               cfg->seq_len, ck.batch, ck.seq_len);
     return 0;
 }
 
@@ -295,6 +320,10 @@ static int plan_resume(opts *o, mt_run_state *ck) {
     char changed[1200] = "";
 #define NOTE(...) snprintf(changed + strlen(changed), sizeof changed - strlen(changed), __VA_ARGS__)
     if (!given(o, "steps")) o->steps = ck->total_steps;
+    if (!given(o, "seed") && ck->seed > 2147483647u) {
+        fprintf(stderr, "train: the checkpoint's seed %llu is outside --seed's range: pass --seed\n", (unsigned long long)ck->seed);
+        return 2;
+    }
     if (!given(o, "seed")) o->seed = (int)ck->seed;
     else if ((uint64_t)o->seed != ck->seed) NOTE(" seed %llu -> %d;", (unsigned long long)ck->seed, o->seed);
     static const struct { const char *opt; size_t off; int is_int; } hp[] = {
@@ -557,9 +586,9 @@ int main(int argc, char **argv) {
         if (mt_config_preset(&cfg, o.preset, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 2; }
         if (apply_overrides(&o, &cfg)) return 2;
     }
-    if (mt_config_validate(&cfg, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 2; }
     int rc_cfg = o.load ? checkpoint_config(&o, &cfg, have_graph) : 0;
     if (rc_cfg) { mt_graph_free(&g); return rc_cfg; }
+    if (mt_config_validate(&cfg, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 2; }
     if (!given(&o, "lr")) {   /* the model's default peak learning rate */
         mt_hparams d;
         mt_hparams_for_config(&d, &cfg);
