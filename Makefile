@@ -7,6 +7,8 @@
 # except test-gpu and bench builds on the CPU alone.
 #
 #   make test       CPU tests (float32 and float64 builds); compiles + links the CUDA code if present
+#   make sanitize   the CPU tests (fuzzing included), train and precompile under AddressSanitizer and
+#                   UndefinedBehaviorSanitizer, plus a short training run with a save and an exact resume
 #   make test-gpu   GPU tests (every CUDA op against the CPU reference, whole steps, determinism;
 #                   with 2+ GPUs also NCCL ranks, the launcher, torchrun and failure handling)
 #   make bench      the benchmark table (bench/run.sh)
@@ -29,7 +31,7 @@ CUDA_LDLIBS := -L$(CUDA_LIB) $(if $(NCCL_LIB),-L$(NCCL_LIB)) -Wl,-rpath,$(CUDA_L
 
 HEADERS := moetrain.h
 
-.PHONY: all test test-gpu bench bench-attention clean cuda-link cxx-check
+.PHONY: all test test-gpu bench bench-attention clean cuda-link cxx-check sanitize
 all: train precompile
 
 ifeq ($(NVCC),)
@@ -68,6 +70,32 @@ cuda-link: train
 test: test_f32 test_f64 train precompile cxx-check $(if $(NVCC),cuda-link)
 	@sh tools/run_tests.sh ./test_f64 ./test_f32
 
+# AddressSanitizer + UndefinedBehaviorSanitizer builds (CPU only) in .san/; any report fails the run
+SAN_CFLAGS ?= -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+              -Wall -Wextra -Wno-format-truncation -Wno-alloc-size-larger-than -Wno-array-bounds
+SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:strict_string_checks=1 UBSAN_OPTIONS=print_stacktrace=1
+.san/train: train.c $(HEADERS)
+	@mkdir -p .san
+	$(CC) $(SAN_CFLAGS) -o $@ train.c $(LDLIBS)
+.san/precompile: precompile.c $(HEADERS)
+	@mkdir -p .san
+	$(CC) $(SAN_CFLAGS) -o $@ precompile.c $(LDLIBS)
+.san/test_f32: test.c $(HEADERS)
+	@mkdir -p .san
+	$(CC) $(SAN_CFLAGS) -o $@ test.c $(LDLIBS)
+.san/test_f64: test.c $(HEADERS)
+	@mkdir -p .san
+	$(CC) $(SAN_CFLAGS) -DMT_REAL=double -DMT_TEST_F64=1 -o $@ test.c $(LDLIBS)
+
+sanitize: .san/train .san/precompile .san/test_f32 .san/test_f64
+	@rm -rf .san/run && echo "sanitize: a short training run, a save every 4 steps, an exact resume with --nan-check"
+	$(SAN_ENV) .san/train --steps 6 --seed 2 --threads 2 --save .san/run/ck --save-every 4 --metrics .san/run/a.jsonl
+	$(SAN_ENV) .san/train --steps 10 --load .san/run/ck --nan-check --metrics .san/run/b.jsonl --svg .san/run/loss.svg
+	$(SAN_ENV) .san/precompile --preset tiny -o .san/run/tiny.mtg && $(SAN_ENV) .san/train --graph .san/run/tiny.mtg --steps 2
+	$(SAN_ENV) .san/train --device cpu --nproc 4 --dp-replicate 2 --ep 2 --steps 3 --batch 2
+	@echo "sanitize: the test suite (fuzzing included) with the sanitized train and precompile"
+	@$(SAN_ENV) MT_BIN=.san/ sh tools/run_tests.sh .san/test_f64 .san/test_f32
+
 test_gpu: test.c $(HEADERS) moetrain_kernels.o
 	$(CC) $(CFLAGS) -DMT_CUDA -DMT_TEST_GPU=1 -c -o test_gpu.o test.c
 	$(CXX) -o $@ test_gpu.o moetrain_kernels.o $(CUDA_LDLIBS)
@@ -87,3 +115,4 @@ bench-attention: bench_attention
 
 clean:
 	rm -f train precompile test_f32 test_f64 test_gpu bench_attention *.o .cxx_check* .cuda_link*
+	rm -rf .san

@@ -145,6 +145,10 @@ int mt_config_validate(const mt_config *c, mt_err *err);
 int mt_config_is_moe_layer(const mt_config *c, int layer);
 int mt_config_yarn(const mt_config *c);   /* YaRN applies: rope_factor > 1 and seq_len > original_seq_len */
 int mt_config_equal(const mt_config *a, const mt_config *b);
+/* The fields where a and b differ, as "dim 64 vs 256, top_k 2 vs 3" in out; returns how many. */
+int mt_config_diff(const mt_config *a, const mt_config *b, char *out, size_t n);
+/* The candidate closest to word by edit distance ('-' and '_' alike), or NULL if none is close. */
+const char *mt_suggest(const char *word, const char *const *candidates, int n);
 
 /* Run hyper-parameters. They are not part of the step graph's structure: they
  * are fed to it every step as the `hparams` input, so one artifact serves any
@@ -541,6 +545,7 @@ typedef struct {
     int profile;       /* time every node (synchronizing): mt_runtime_profile() */
     mt_world *cpu_world;                 /* CPU, world > 1: the world the thread-ranks share */
     uint8_t nccl_id[MT_NCCL_ID_BYTES];   /* CUDA, world > 1: NCCL's unique id, from rank 0 */
+    int nan_check;     /* stop at the first node that writes a NaN or Inf (scans every output: slow) */
 } mt_binding;
 void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
 
@@ -567,6 +572,7 @@ int mt_runtime_backend(const mt_runtime *rt);                  /* MT_BACKEND_CPU
 /* With binding.profile: milliseconds and calls per op, summed over profiled steps. */
 void mt_runtime_profile(const mt_runtime *rt, double ms[MT_NOPS], int64_t calls[MT_NOPS]);
 void mt_runtime_set_profile(mt_runtime *rt, int on);
+void mt_runtime_set_nan_check(mt_runtime *rt, int on);         /* see mt_binding.nan_check */
 size_t mt_runtime_peak_bytes(const mt_runtime *rt);            /* device (or host) memory of the plan at peak */
 /* Host numbers across every rank of the world (logging): op 0 sum, 1 max. */
 int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *err);
@@ -686,12 +692,39 @@ void *mt_cuda_stream_handle(mt_cuda *c);
 
 /* ========================================================================
  * 11. Checkpoints (safetensors, Hugging Face DeepSeek-V3 names and layouts)
- * DIR/model.safetensors (F32 weights + our config in __metadata__),
- * DIR/config.json (transformers' DeepseekV3Config), DIR/optimizer.safetensors.
+ * DIR/model.safetensors     weights (F32; F64 in float64 builds); its
+ *                           __metadata__ holds the config, the run state and
+ *                           the name + checksum of the optimizer file
+ * DIR/optimizer-stepN.safetensors   AdamW moments (exp_avg.*, exp_avg_sq.*)
+ * DIR/config.json           transformers' DeepseekV3Config
+ * Every file carries checksums of its header and data. Saving is atomic: a
+ * failed or killed save leaves the previous checkpoint loadable. Weights fit
+ * a model of the same config with any batch and seq_len.
  * ====================================================================== */
 
-int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err);
+/* What the next step depends on besides the tensors. A step draws no random
+ * numbers and the data order is a pure function of (seed, step, dp_rank,
+ * dp_size), so there is no RNG state to keep and every data-parallel rank's
+ * data position is `step`. The rest are the run settings that change numerics. */
+typedef struct {
+    int32_t step;          /* optimizer steps taken = the next step's 0-based index = the data position */
+    int32_t total_steps;   /* the run's planned length */
+    uint64_t seed;         /* initialization and data order */
+    mt_hparams hp;         /* learning-rate schedule and AdamW settings */
+    int32_t eager;         /* no optimizing passes (rounds differently on CUDA) */
+    char preset[32];       /* the preset the config came from ("" unknown) */
+    char data[1024];       /* the data: "" for the embedded corpus, else its path */
+    int64_t data_tokens;   /* length and hash of the token stream: a position means */
+    uint64_t data_hash;    /* nothing in other data */
+    int32_t has_settings;  /* read back: 0 if the checkpoint recorded only the step (mt_checkpoint_save) */
+} mt_run_state;
+void mt_run_state_init(mt_run_state *r);                              /* zeros, default hparams */
+
+int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err);  /* tensors + step */
+int mt_checkpoint_save_run(mt_runtime *rt, const char *dir, const mt_run_state *run, mt_err *err); /* + run state */
+int mt_checkpoint_prepare_dir(const char *dir, mt_err *err);          /* create DIR (and parents), prove it writable */
 int mt_checkpoint_read_config(const char *dir, mt_config *c, mt_err *err);
+int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err); /* step, and settings if saved */
 int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err); /* step may be NULL */
 
 /* ========================================================================
@@ -706,6 +739,7 @@ typedef struct {
 int mt_data_load(mt_dataset *d, const char *path, mt_err *err); /* llm.c .bin shard or raw bytes */
 int mt_data_default(mt_dataset *d, mt_err *err);                /* the embedded corpus */
 void mt_data_free(mt_dataset *d);
+uint64_t mt_data_hash(const mt_dataset *d);                     /* identifies the token stream (checkpoints record it) */
 /* The data order is a pure function of (seed, step): the token stream is cut
  * into W = (n-1)/T windows of T tokens (targets: the next token), and each
  * epoch visits every window once in a seeded random order. Step s's global
@@ -769,7 +803,9 @@ int mt_free_port(mt_err *err);                           /* a free TCP port on t
 #ifndef MOETRAIN_IMPLEMENTATION_DONE
 #define MOETRAIN_IMPLEMENTATION_DONE
 
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <float.h>
 #include <limits.h>
 #include <math.h>
@@ -1070,7 +1106,13 @@ static int mt__parse_float(const char *s, double *out) {
 
 int mt_config_set(mt_config *c, const char *key, const char *value, mt_err *err) {
     const mt_field *f = mt__find_field(key);
-    if (!f) return mt_errf(err, "unknown config field '%s'", key);
+    if (!f) {
+        const char *names[64];
+        int n = mt_n_config_fields < 64 ? mt_n_config_fields : 64;
+        for (int i = 0; i < n; i++) names[i] = mt_config_fields[i].name;
+        const char *near = mt_suggest(key, names, n);
+        return near ? mt_errf(err, "unknown config field '%s' (did you mean '%s'?)", key, near) : mt_errf(err, "unknown config field '%s'", key);
+    }
     if (!strcmp(f->name, "score_func")) {
         if (!strcmp(value, "softmax")) c->score_func = MT_SCORE_SOFTMAX;
         else if (!strcmp(value, "sigmoid")) c->score_func = MT_SCORE_SIGMOID;
@@ -1153,6 +1195,59 @@ int mt_config_equal(const mt_config *a, const mt_config *b) {
         if (memcmp((const char *)a + f->offset, (const char *)b + f->offset, 4)) return 0;
     }
     return 1;
+}
+static void mt__field_str(const mt_config *c, const mt_field *f, char *out, size_t n) {
+    const void *p = (const char *)c + f->offset;
+    if (!strcmp(f->name, "score_func")) snprintf(out, n, "%s", *(const int *)p == MT_SCORE_SIGMOID ? "sigmoid" : "softmax");
+    else if (f->type == MT_FIELD_INT) snprintf(out, n, "%d", *(const int *)p);
+    else snprintf(out, n, "%.9g", (double)*(const float *)p);
+}
+int mt_config_diff(const mt_config *a, const mt_config *b, char *out, size_t n) {
+    int k = 0;
+    size_t at = 0;
+    if (n) out[0] = 0;
+    for (int i = 0; i < mt_n_config_fields; i++) {
+        const mt_field *f = &mt_config_fields[i];
+        if (!memcmp((const char *)a + f->offset, (const char *)b + f->offset, 4)) continue;
+        char x[32], y[32];
+        mt__field_str(a, f, x, sizeof x);
+        mt__field_str(b, f, y, sizeof y);
+        if (at < n) {
+            int w = snprintf(out + at, n - at, "%s%s %s vs %s", k ? ", " : "", f->name, x, y);
+            at = w < 0 ? n : at + (size_t)w;
+        }
+        k++;
+    }
+    return k;
+}
+
+/* Edit distance (adjacent swaps count one) with '-' and '_' alike; for option names. */
+static int mt__edit_distance(const char *a, const char *b) {
+    int la = (int)strlen(a), lb = (int)strlen(b);
+    if (la > 63 || lb > 63) return 1 << 20;
+    int d[64][64];
+    for (int i = 0; i <= la; i++) d[i][0] = i;
+    for (int j = 0; j <= lb; j++) d[0][j] = j;
+    for (int i = 1; i <= la; i++)
+        for (int j = 1; j <= lb; j++) {
+            char x = a[i - 1] == '_' ? '-' : a[i - 1], y = b[j - 1] == '_' ? '-' : b[j - 1];
+            int best = d[i - 1][j - 1] + (x != y);
+            if (d[i - 1][j] + 1 < best) best = d[i - 1][j] + 1;
+            if (d[i][j - 1] + 1 < best) best = d[i][j - 1] + 1;
+            if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] && d[i - 2][j - 2] + 1 < best) best = d[i - 2][j - 2] + 1;
+            d[i][j] = best;
+        }
+    return d[la][lb];
+}
+const char *mt_suggest(const char *word, const char *const *cand, int n) {
+    const char *best = NULL;
+    int bd = 1 << 20, len = (int)strlen(word);
+    for (int i = 0; i < n; i++) {
+        int dd = mt__edit_distance(word, cand[i]);
+        if (dd < bd) { bd = dd; best = cand[i]; }
+    }
+    int limit = len <= 4 ? 1 : len <= 8 ? 2 : 3;   /* close enough to be a typo */
+    return bd <= limit ? best : NULL;
 }
 
 void mt_hparams_default(mt_hparams *h) {
@@ -3108,7 +3203,7 @@ static const char *const mt__sec_names[MT_NSECTIONS + 1] = {"?", "config", "mesh
 
 typedef struct { uint8_t *p; size_t n, cap; int oom; } mt__buf;
 static void mt__put(mt__buf *b, const void *src, size_t n) {
-    if (b->oom) return;
+    if (b->oom || !n) return;
     if (b->n + n > b->cap) {
         size_t nc = b->cap ? b->cap : 4096;
         while (nc < b->n + n) nc *= 2;
@@ -3285,33 +3380,77 @@ int mt_artifact_write(const mt_graph *g, uint8_t **bytes, size_t *len, mt_err *e
     return 0;
 }
 
+/* Write a file atomically: "<path>.tmp" in the same directory, fsync, rename
+ * over path, fsync the directory. A failure or a kill at any point leaves what
+ * was at path before untouched (at worst a stale "<path>.tmp"). */
+static int mt__fsync_dir_of(const char *path) {
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (slash == dir) dir[1] = 0;
+    else *slash = 0;
+    int fd = open(dir, O_RDONLY);
+    if (fd < 0) return -1;
+    int rc = fsync(fd);
+    close(fd);
+    return rc;
+}
+static int mt__write_fd(int fd, const void *p, size_t n) {   /* all n bytes, or -1 */
+    const uint8_t *b = (const uint8_t *)p;
+    while (n) {
+        ssize_t w = write(fd, b, n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return -1;
+        b += w; n -= (size_t)w;
+    }
+    return 0;
+}
+static int mt__read_fd(int fd, void *p, size_t n) {          /* exactly n bytes, or -1 */
+    uint8_t *b = (uint8_t *)p;
+    while (n) {
+        ssize_t r = read(fd, b, n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        b += r; n -= (size_t)r;
+    }
+    return 0;
+}
+static int mt__write_atomic(const char *path, const void *a, size_t na, const void *b, size_t nb, mt_err *err) {
+    char tmp[4200];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp) return mt_errf(err, "path too long: '%s'", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) return mt_errf(err, "cannot write '%s': %s", tmp, strerror(errno));
+    int bad = mt__write_fd(fd, a, na) || (nb && mt__write_fd(fd, b, nb));
+    int e1 = errno;
+    if (!bad && fsync(fd)) { bad = 1; e1 = errno; }
+    if (close(fd) && !bad) { bad = 1; e1 = errno; }
+    if (bad) { remove(tmp); return mt_errf(err, "writing '%s' failed: %s", tmp, strerror(e1)); }
+    if (rename(tmp, path)) { int e2 = errno; remove(tmp); return mt_errf(err, "cannot rename '%s' to '%s': %s", tmp, path, strerror(e2)); }
+    mt__fsync_dir_of(path);   /* best effort: some file systems refuse fsync on directories */
+    return 0;
+}
+
 int mt_artifact_save(const mt_graph *g, const char *path, mt_err *err) {
     uint8_t *bytes; size_t len;
     if (mt_artifact_write(g, &bytes, &len, err)) return -1;
-    char tmp[4200];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "wb");
-    if (!f) { MT_FREE(bytes); return mt_errf(err, "cannot write '%s': %s", tmp, strerror(errno)); }
-    size_t w = fwrite(bytes, 1, len, f);
-    int bad = w != len || fflush(f) != 0;
-    bad |= fclose(f) != 0;
+    int rc = mt__write_atomic(path, bytes, len, NULL, 0, err);
     MT_FREE(bytes);
-    if (bad) { remove(tmp); return mt_errf(err, "writing '%s' failed (disk full?)", tmp); }
-    if (rename(tmp, path)) { remove(tmp); return mt_errf(err, "cannot rename '%s' to '%s': %s", tmp, path, strerror(errno)); }
-    return 0;
+    return rc;
 }
 
 int mt_read_file(const char *path, uint8_t **bytes, size_t *len, mt_err *err) {
     *bytes = NULL; *len = 0;
-    FILE *f = fopen(path, "rb");
-    if (!f) return mt_errf(err, "cannot open '%s': %s", path, strerror(errno));
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return mt_errf(err, "cannot open '%s': %s", path, strerror(errno));
     struct stat st;
-    if (stat(path, &st) || !S_ISREG(st.st_mode)) { fclose(f); return mt_errf(err, "'%s' is not a regular file", path); }
+    if (fstat(fd, &st) || !S_ISREG(st.st_mode)) { close(fd); return mt_errf(err, "'%s' is not a regular file", path); }
+    if ((uint64_t)st.st_size > (uint64_t)SIZE_MAX / 2) { close(fd); return mt_errf(err, "'%s' is too large", path); }
     size_t n = (size_t)st.st_size;
     uint8_t *p = (uint8_t *)MT_MALLOC(n ? n : 1);
-    if (!p) { fclose(f); return mt_errf(err, "out of memory reading '%s' (%zu bytes)", path, n); }
-    if (fread(p, 1, n, f) != n) { MT_FREE(p); fclose(f); return mt_errf(err, "short read on '%s'", path); }
-    fclose(f);
+    if (!p) { close(fd); return mt_errf(err, "out of memory reading '%s' (%zu bytes)", path, n); }
+    if (mt__read_fd(fd, p, n)) { MT_FREE(p); close(fd); return mt_errf(err, "short read on '%s'", path); }
+    close(fd);
     *bytes = p; *len = n;
     return 0;
 }
@@ -3363,6 +3502,8 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         if (v->nbytes != numel * mt_dtype_bytes(g, v->dtype))
             return mt_errf(err, "value '%s': size %lld bytes, its shape needs %lld", v->name, (long long)v->nbytes,
                            (long long)(numel * mt_dtype_bytes(g, v->dtype)));
+        if (v->offset % MT_ALIGN)   /* every plan aligns; kernels (and C's own alignment rules) rely on it */
+            return mt_errf(err, "value '%s': offset %lld is not a multiple of %d", v->name, (long long)v->offset, MT_ALIGN);
         if (v->param < -1 || v->param >= g->n_values || (v->param >= 0 && g->values[v->param].role != MT_ROLE_PARAM))
             return mt_errf(err, "value '%s': bad owner %d", v->name, v->param);
         if (v->role == MT_ROLE_CONST) {
@@ -5061,6 +5202,7 @@ void mt_runtime_destroy(mt_runtime *rt) {
 }
 const mt_graph *mt_runtime_graph(const mt_runtime *rt) { return &rt->g; }
 void mt_runtime_set_profile(mt_runtime *rt, int on) { rt->bind.profile = on; }
+void mt_runtime_set_nan_check(mt_runtime *rt, int on) { rt->bind.nan_check = on; }
 void mt_runtime_profile(const mt_runtime *rt, double ms[MT_NOPS], int64_t calls[MT_NOPS]) {
     for (int i = 0; i < MT_NOPS; i++) { ms[i] = rt->prof_ms[i]; calls[i] = rt->prof_calls[i]; }
 }
@@ -5547,6 +5689,61 @@ int mt_runtime_comm_error(mt_runtime *rt, mt_err *err) {
     return 0;
 }
 
+/* --- binding.nan_check: find the first node that writes a NaN or Inf --- */
+
+/* Index of the first non-finite among the first cnt elements of value v (-1: none). */
+static int64_t mt__first_nonfinite(mt_runtime *rt, int v, int64_t cnt, double *bad, mt_err *err) {
+    const mt_value *x = &rt->g.values[v];
+    const uint8_t *p = (const uint8_t *)rt->ptr[v];
+    uint8_t *host = NULL;
+    if (x->dtype == MT_I32 || cnt <= 0) return -1;
+    if (rt->backend != MT_BACKEND_CPU) {
+        host = (uint8_t *)MT_MALLOC((size_t)x->nbytes + 1);
+        if (!host || mt_runtime_read(rt, v, host, err)) { MT_FREE(host); return -2; }
+        p = host;
+    }
+    int64_t esz = mt_dtype_bytes(&rt->g, x->dtype), at = -1;
+    for (int64_t i = 0; i < cnt && at < 0; i++) {
+        double d;
+        if (x->dtype == MT_BF16) { uint32_t u = (uint32_t)(p[2 * i] | p[2 * i + 1] << 8) << 16; float f; memcpy(&f, &u, 4); d = f; }
+        else if (esz == 8) memcpy(&d, p + 8 * i, 8);
+        else { float f; memcpy(&f, p + 4 * i, 4); d = f; }
+        if (!isfinite(d)) { at = i; *bad = d; }
+    }
+    MT_FREE(host);
+    return at;
+}
+static int64_t mt__live_elems(mt_runtime *rt, int v) {   /* what this step wrote: symbolic rows at their data size */
+    const mt_value *x = &rt->g.values[v];
+    return x->dims[0] < 0 ? mt__nrows(rt, v) * mt__cols(rt, v) : mt_value_numel_max(&rt->g, x);
+}
+static int mt__nan_check(mt_runtime *rt, int node, int step, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    const mt_node *n = &G->nodes[node];
+    static const char *const phase[3] = {"forward", "backward", "optimizer"};
+    for (int k = 0; k < n->n_out; k++) {
+        int v = n->out[k];
+        double bad = 0;
+        int64_t at = v < 0 ? -1 : mt__first_nonfinite(rt, v, mt__live_elems(rt, v), &bad, err);
+        if (at == -2) return -1;
+        if (at < 0) continue;
+        char inputs[400] = "its inputs were finite";
+        for (int i = 0, any = 0; i < n->n_in; i++) {   /* or did it receive the non-finite value? */
+            double b2;
+            int u = n->in[i];
+            if (u < 0 || u == v || mt__first_nonfinite(rt, u, mt__live_elems(rt, u), &b2, err) < 0) continue;
+            size_t l = any ? strlen(inputs) : 0;
+            snprintf(inputs + l, sizeof inputs - l, "%s'%s'", any ? ", " : "input already non-finite: ", G->values[u].name);
+            any = 1;
+        }
+        char layer[32] = "outside the blocks";
+        if (n->layer >= 0) snprintf(layer, sizeof layer, "layer %d", n->layer);
+        return mt_errf(err, "step %d: node %d (%s, %s, %s) wrote %g to '%s' (element %lld); %s", step + 1, node, mt_ops[n->op].name,
+                       phase[n->phase >= 0 && n->phase < 3 ? n->phase : 0], layer, bad, G->values[v].name, (long long)at, inputs);
+    }
+    return 0;
+}
+
 int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *targets, int step, const mt_hparams *hp,
                     mt_step_stats *st, mt_err *err) {
     mt_graph *G = &rt->g;
@@ -5578,6 +5775,7 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
                 mt_world_fail(rt->bind.cpu_world, rt->bind.rank, err->msg);   /* the other ranks stop too */
                 return -1;
             }
+            if (rt->bind.nan_check && mt__nan_check(rt, i, step, err)) { mt_world_fail(rt->bind.cpu_world, rt->bind.rank, err->msg); return -1; }
             if (rt->bind.profile) { rt->prof_ms[G->nodes[i].op] += 1e3 * (mt_now() - t); rt->prof_calls[G->nodes[i].op]++; }
         }
     } else {
@@ -5585,7 +5783,7 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
         mt_cuda *cu = MT__CU(rt);
         if (rt->bind.poison && mt_cuda_memset(cu, rt->arena, 0xff, (size_t)G->arena_bytes)) return mt_errf(err, "%s", mt_cuda_error(cu));
         if (rt->bind.profile && (mt_cuda_events(cu, G->n_nodes + 1) || mt_cuda_event_record(cu, 0))) return mt_errf(err, "%s", mt_cuda_error(cu));
-        int use_graphs = G->capture && !rt->bind.profile;
+        int use_graphs = G->capture && !rt->bind.profile && !rt->bind.nan_check;
         if (use_graphs && !rt->graphs && !(rt->graphs = (void **)mt__calloc(sizeof(void *) * (size_t)(G->n_nodes + 1))))
             return mt_errf(err, "out of memory");
         for (int i = 0; i < G->n_nodes;) {
@@ -5608,6 +5806,7 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
             }
             if (mt__exec_cuda(rt, &G->nodes[i], &e))
                 return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+            if (rt->bind.nan_check && mt__nan_check(rt, i, step, err)) return -1;
             if (rt->bind.profile && mt_cuda_event_record(cu, i + 1)) return mt_errf(err, "%s", mt_cuda_error(cu));
             i++;
         }
@@ -5704,7 +5903,6 @@ static int mt__staged_commit(mt_runtime *rt, const mt__staged *st, int n, mt_err
     return 0;
 }
 
-static void mt__jstr(mt__buf *b, const char *s) { mt__put(b, "\"", 1); mt__put(b, s, strlen(s)); mt__put(b, "\"", 1); }
 static void mt__jfmt(mt__buf *b, const char *fmt, ...) {
     char t[512];
     va_list ap;
@@ -5714,84 +5912,102 @@ static void mt__jfmt(mt__buf *b, const char *fmt, ...) {
     mt__put(b, t, strlen(t));
 }
 
-static int mt__write_all(const char *path, const void *a, size_t na, const void *b, size_t nb, mt_err *err) {
-    char tmp[4200];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "wb");
-    if (!f) return mt_errf(err, "cannot write '%s': %s", tmp, strerror(errno));
-    int bad = fwrite(a, 1, na, f) != na || (nb && fwrite(b, 1, nb, f) != nb) || fflush(f) != 0;
-    bad |= fclose(f) != 0;
-    if (bad) { remove(tmp); return mt_errf(err, "writing '%s' failed (disk full?)", tmp); }
-    if (rename(tmp, path)) { remove(tmp); return mt_errf(err, "cannot rename '%s': %s", tmp, strerror(errno)); }
-    return 0;
+/* A checksum for large buffers: 8 bytes per step, each step a bijection of
+ * the running value, so any single changed word (or byte) changes the sum. */
+static uint64_t mt__hash_words(const void *p, size_t n, uint64_t h) {
+    const uint8_t *b = (const uint8_t *)p;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        h = mt__rotl((h ^ w) * 0x100000001b3ull, 29);
+    }
+    return mt_hash(b + i, n - i, h);
 }
 
-/* safetensors: u64 header length, JSON header (8-byte padded), F32 data. */
-static int mt__safetensors_write(const char *path, const mt__tensor *t, int n, const mt_config *c, int step,
-                                 mt_err *err) {
-    mt__buf h;
-    memset(&h, 0, sizeof h);
-    mt__jfmt(&h, "{\"__metadata__\":{\"format\":\"pt\",\"mt.version\":\"%s\",\"mt.step\":\"%d\"", MT_VERSION_STRING, step);
-    for (int i = 0; c && i < mt_n_config_fields; i++) {
-        const mt_field *f = &mt_config_fields[i];
-        const void *p = (const char *)c + f->offset;
-        if (f->type == MT_FIELD_INT) mt__jfmt(&h, ",\"mt.%s\":\"%d\"", f->name, *(const int *)p);
-        else mt__jfmt(&h, ",\"mt.%s\":\"%.9g\"", f->name, (double)*(const float *)p);
+/* JSON string with the escapes a path may need. */
+static void mt__jstr_esc(mt__buf *b, const char *s) {
+    mt__put(b, "\"", 1);
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\') { char t[2] = {'\\', (char)ch}; mt__put(b, t, 2); }
+        else if (ch < 0x20) { char t[8]; snprintf(t, sizeof t, "\\u%04x", ch); mt__put(b, t, 6); }
+        else mt__put(b, s, 1);
     }
-    mt__put(&h, "}", 1);
-    int64_t off = 0;
-    for (int i = 0; i < n; i++) {
-        mt__put(&h, ",", 1); mt__jstr(&h, t[i].name);
-        mt__jfmt(&h, ":{\"dtype\":\"F32\",\"shape\":[");
-        for (int d = 0; d < t[i].ndim; d++) mt__jfmt(&h, "%s%lld", d ? "," : "", (long long)t[i].shape[d]);
-        mt__jfmt(&h, "],\"data_offsets\":[%lld,%lld]}", (long long)off, (long long)(off + 4 * t[i].numel));
-        off += 4 * t[i].numel;
-    }
-    mt__put(&h, "}", 1);
-    while ((h.n + 8) % 8) mt__put(&h, " ", 1);
-    float *data = (float *)MT_MALLOC((size_t)off + 4);
-    if (h.oom || !data) { MT_FREE(h.p); MT_FREE(data); return mt_errf(err, "out of memory writing '%s'", path); }
-    int64_t at = 0;
-    for (int i = 0; i < n; i++)
-        for (int64_t j = 0; j < t[i].numel; j++) data[at++] = (float)t[i].src[j];
-    uint8_t *file = (uint8_t *)MT_MALLOC(8 + h.n);
-    if (!file) { MT_FREE(h.p); MT_FREE(data); return mt_errf(err, "out of memory writing '%s'", path); }
-    uint64_t hl = h.n;
-    for (int i = 0; i < 8; i++) file[i] = (uint8_t)(hl >> (8 * i));
-    memcpy(file + 8, h.p, h.n);
-    int rc = mt__write_all(path, file, 8 + h.n, data, (size_t)off, err);
-    MT_FREE(h.p); MT_FREE(data); MT_FREE(file);
-    return rc;
+    mt__put(b, "\"", 1);
+}
+static void mt__jmeta(mt__buf *b, const char *key, const char *fmt, ...) {   /* ,"key":"value" */
+    char t[1100];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t, sizeof t, fmt, ap);
+    va_end(ap);
+    mt__put(b, ",", 1); mt__jstr_esc(b, key); mt__put(b, ":", 1); mt__jstr_esc(b, t);
 }
 
 /* --- a small JSON reader, enough for safetensors headers --- */
-typedef struct { const char *p, *end; int bad; } mt__js;
+typedef struct { const char *p, *begin, *end; int bad; } mt__js;
 static void mt__jws(mt__js *j) { while (j->p < j->end && (*j->p == ' ' || *j->p == '\n' || *j->p == '\r' || *j->p == '\t')) j->p++; }
 static int mt__jeat(mt__js *j, char c) {
     mt__jws(j);
     if (j->p < j->end && *j->p == c) { j->p++; return 1; }
     return 0;
 }
-static void mt__jstring(mt__js *j, char *out, size_t cap) {  /* ASCII strings; escapes kept simple */
+static int mt__jhex4(const char *p) {
+    int v = 0;
+    for (int i = 0; i < 4; i++) {
+        char c = p[i];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (d < 0) return -1;
+        v = v * 16 + d;
+    }
+    return v;
+}
+/* A string into out (cap bytes with the NUL); out NULL: skip it. \uXXXX of
+ * the Basic Multilingual Plane becomes UTF-8; anything malformed sets bad. */
+static void mt__jstring(mt__js *j, char *out, size_t cap) {
     size_t n = 0;
     mt__jws(j);
     if (j->p >= j->end || *j->p != '"') { j->bad = 1; return; }
     j->p++;
     while (j->p < j->end && *j->p != '"') {
-        char ch = *j->p++;
-        if (ch == '\\') {
+        char u[4];
+        int k = 1;
+        u[0] = *j->p++;
+        if ((unsigned char)u[0] < 0x20) { j->bad = 1; return; }   /* raw control characters are not JSON */
+        if (u[0] == '\\') {
             if (j->p >= j->end) { j->bad = 1; return; }
-            ch = *j->p++;
-            if (ch == 'u') { if (j->end - j->p < 4) { j->bad = 1; return; } j->p += 4; ch = '?'; }
-            else if (ch == 'n') ch = '\n'; else if (ch == 't') ch = '\t';
+            char e = *j->p++;
+            switch (e) {
+            case '"': case '\\': case '/': u[0] = e; break;
+            case 'n': u[0] = '\n'; break;
+            case 't': u[0] = '\t'; break;
+            case 'r': u[0] = '\r'; break;
+            case 'b': u[0] = '\b'; break;
+            case 'f': u[0] = '\f'; break;
+            case 'u': {
+                int cp = j->end - j->p >= 4 ? mt__jhex4(j->p) : -1;
+                if (cp < 0 || (cp >= 0xd800 && cp <= 0xdfff)) { j->bad = 1; return; }
+                j->p += 4;
+                if (cp < 0x80) u[0] = (char)cp;
+                else if (cp < 0x800) { u[0] = (char)(0xc0 | cp >> 6); u[1] = (char)(0x80 | (cp & 63)); k = 2; }
+                else { u[0] = (char)(0xe0 | cp >> 12); u[1] = (char)(0x80 | ((cp >> 6) & 63)); u[2] = (char)(0x80 | (cp & 63)); k = 3; }
+                break;
+            }
+            default: j->bad = 1; return;
+            }
         }
-        if (n + 1 < cap) out[n++] = ch; else { j->bad = 1; return; }
+        if (out) {
+            if (n + (size_t)k >= cap) { j->bad = 1; return; }
+            memcpy(out + n, u, (size_t)k);
+        }
+        n += (size_t)k;
     }
     if (j->p >= j->end) { j->bad = 1; return; }
     j->p++;
-    if (cap) out[n] = 0;
+    if (out && cap) out[n] = 0;
 }
-static int64_t mt__jint(mt__js *j) {
+static int64_t mt__jint(mt__js *j) {   /* a non-negative integer */
     mt__jws(j);
     int64_t v = 0; int digits = 0;
     while (j->p < j->end && *j->p >= '0' && *j->p <= '9') {
@@ -5805,93 +6021,156 @@ static void mt__jskip(mt__js *j, int depth) {  /* skip any value */
     mt__jws(j);
     if (depth > 32 || j->p >= j->end) { j->bad = 1; return; }
     char ch = *j->p;
-    if (ch == '"') { char t[4096]; mt__jstring(j, t, sizeof t); return; }
+    if (ch == '"') { mt__jstring(j, NULL, 0); return; }
     if (ch == '{' || ch == '[') {
         char close = ch == '{' ? '}' : ']';
         j->p++;
         if (mt__jeat(j, close)) return;
         do {
-            if (ch == '{') { char t[4096]; mt__jstring(j, t, sizeof t); if (!mt__jeat(j, ':')) { j->bad = 1; return; } }
+            if (ch == '{') { mt__jstring(j, NULL, 0); if (!mt__jeat(j, ':')) { j->bad = 1; return; } }
             mt__jskip(j, depth + 1);
         } while (!j->bad && mt__jeat(j, ','));
         if (!mt__jeat(j, close)) j->bad = 1;
         return;
     }
-    while (j->p < j->end && *j->p != ',' && *j->p != '}' && *j->p != ']') j->p++;
+    const char *start = j->p;   /* a number, true, false or null */
+    while (j->p < j->end && ((*j->p >= '0' && *j->p <= '9') || (*j->p >= 'a' && *j->p <= 'z') || (*j->p >= 'A' && *j->p <= 'Z') ||
+                             *j->p == '-' || *j->p == '+' || *j->p == '.')) j->p++;
+    if (j->p == start) j->bad = 1;
 }
 
-typedef struct { char name[256]; int dtype; int ndim; int64_t shape[8]; int64_t begin, end; } mt__st_t;
-typedef struct { char key[64]; char val[256]; } mt__st_m;
+/* --- safetensors: u64 header length | JSON header (8-byte padded) | data --- */
+typedef struct { char name[256]; int dtype; int ndim; int64_t shape[8]; int64_t begin, end; int used; } mt__st_t;
+typedef struct { char key[64]; char val[1040]; } mt__st_m;
 typedef struct {
-    uint8_t *file; size_t len;
-    const uint8_t *data; size_t data_len;
+    uint8_t *file; size_t len;          /* what was read: the whole file, or its header only */
+    int borrowed;                       /* file is not ours to free */
+    uint64_t hl;                        /* JSON header length */
+    const uint8_t *data; size_t data_len; /* data: NULL when only the header was read; data_len from the file size */
     mt__st_t *t; int n, cap;
+    struct mt__st_name *by_name;        /* tensor names sorted, for lookups */
     mt__st_m *m; int nm, mcap;
+    int ours;                           /* written by this moetrain: its checksums are required */
+    uint64_t header_sum, data_sum;      /* as computed from the bytes */
 } mt__st;
-enum { MT__ST_F32 = 0, MT__ST_BF16 = 1, MT__ST_F16 = 2 };
+enum { MT__ST_F32 = 0, MT__ST_BF16 = 1, MT__ST_F16 = 2, MT__ST_F64 = 3 };
+static const char *const mt__st_dtype_names[4] = {"F32", "BF16", "F16", "F64"};
+static int64_t mt__st_esz(int dtype) { return dtype == MT__ST_F64 ? 8 : dtype == MT__ST_F32 ? 4 : 2; }
 
-static void mt__st_free(mt__st *s) { MT_FREE(s->file); MT_FREE(s->t); MT_FREE(s->m); memset(s, 0, sizeof *s); }
-
-static int mt__st_open(mt__st *s, const char *path, mt_err *err) {
+static void mt__st_free(mt__st *s) {
+    if (!s->borrowed) MT_FREE(s->file);
+    MT_FREE(s->t); MT_FREE(s->m); MT_FREE(s->by_name);
     memset(s, 0, sizeof *s);
-    if (mt_read_file(path, &s->file, &s->len, err)) return -1;
-    if (s->len < 8) { mt__st_free(s); return mt_errf(err, "'%s' is not a safetensors file (too short)", path); }
-    uint64_t hl = 0;
-    for (int i = 0; i < 8; i++) hl |= (uint64_t)s->file[i] << (8 * i);
-    if (hl < 2 || hl > s->len - 8 || hl > 100000000) { mt__st_free(s); return mt_errf(err, "'%s': bad safetensors header length", path); }
-    s->data = s->file + 8 + hl; s->data_len = s->len - 8 - (size_t)hl;
-    mt__js j = {(const char *)s->file + 8, (const char *)s->file + 8 + hl, 0};
+}
+static const char *mt__st_meta(const mt__st *s, const char *key) {
+    for (int i = 0; i < s->nm; i++) if (!strcmp(s->m[i].key, key)) return s->m[i].val;
+    return NULL;
+}
+typedef struct mt__st_name { const char *name; int idx; } mt__st_name;
+static int mt__st_cmp_name(const void *a, const void *b) { return strcmp(((const mt__st_name *)a)->name, ((const mt__st_name *)b)->name); }
+typedef struct { int64_t begin, end; int idx; } mt__st_range;
+static int mt__st_cmp_range(const void *a, const void *b) {
+    const mt__st_range *x = (const mt__st_range *)a, *y = (const mt__st_range *)b;
+    return x->begin != y->begin ? (x->begin > y->begin) - (x->begin < y->begin) : (x->end > y->end) - (x->end < y->end);
+}
+static const mt__st_t *mt__st_find(const mt__st *s, const char *name) {
+    mt__st_name key = {name, 0};
+    const mt__st_name *hit = s->by_name ? (const mt__st_name *)bsearch(&key, s->by_name, (size_t)s->n, sizeof key, mt__st_cmp_name) : NULL;
+    return hit ? &s->t[hit->idx] : NULL;
+}
+
+/* The header's checksum: metadata (but the two sums) and the tensor table,
+ * as parsed, so that only meaning counts (not JSON spacing). */
+static uint64_t mt__st_hsum(const mt__st *s) {
+    uint64_t h = MT_HASH_INIT;
+    for (int i = 0; i < s->nm; i++) {
+        if (!strcmp(s->m[i].key, "mt.header_sum") || !strcmp(s->m[i].key, "mt.data_sum")) continue;
+        h = mt_hash(s->m[i].key, strlen(s->m[i].key) + 1, h);
+        h = mt_hash(s->m[i].val, strlen(s->m[i].val) + 1, h);
+    }
+    for (int i = 0; i < s->n; i++) {
+        const mt__st_t *t = &s->t[i];
+        int64_t f[11] = {t->dtype, t->ndim, t->begin, t->end};
+        for (int d = 0; d < t->ndim && d < 7; d++) f[4 + d] = t->shape[d];
+        h = mt_hash(t->name, strlen(t->name) + 1, h);
+        h = mt_hash(f, sizeof f, h);
+    }
+    return h;
+}
+
+/* Parse and check s->file (s->len bytes: at least the header); data_len is
+ * what the file holds after the header. Every tensor: a known dtype, a shape
+ * whose size matches its byte range, ranges inside the data that tile it
+ * exactly (no gaps, no overlaps, as the format requires), unique names. */
+static int mt__st_parse(mt__st *s, const char *path, mt_err *err) {
+    s->t = NULL; s->m = NULL; s->by_name = NULL; s->n = s->nm = s->cap = s->mcap = 0;
+    mt__js j = {(const char *)s->file + 8, (const char *)s->file + 8, (const char *)s->file + 8 + s->hl, 0};
+    const char *why = "malformed JSON";
+    int seen_meta = 0;
     if (!mt__jeat(&j, '{')) j.bad = 1;
-    while (!j.bad && !mt__jeat(&j, '}')) {
+    if (!j.bad && !mt__jeat(&j, '}')) do {
         char key[256];
         mt__jstring(&j, key, sizeof key);
-        if (j.bad || !mt__jeat(&j, ':')) { j.bad = 1; break; }
+        if (j.bad || !mt__jeat(&j, ':')) { j.bad = 1; why = "bad or overlong name"; break; }
         if (!strcmp(key, "__metadata__")) {
-            if (!mt__jeat(&j, '{')) { j.bad = 1; break; }
-            while (!j.bad && !mt__jeat(&j, '}')) {
-                if (mt__grow((void **)&s->m, &s->mcap, s->nm + 1, sizeof *s->m)) { j.bad = 1; break; }
-                mt__st_m *m = &s->m[s->nm++];
+            if (seen_meta++ || !mt__jeat(&j, '{')) { j.bad = 1; break; }
+            if (!mt__jeat(&j, '}')) do {
+                if (mt__grow((void **)&s->m, &s->mcap, s->nm + 1, sizeof *s->m)) { j.bad = 1; why = "out of memory"; break; }
+                mt__st_m *m = &s->m[s->nm];
                 mt__jstring(&j, m->key, sizeof m->key);
-                if (!mt__jeat(&j, ':')) { j.bad = 1; break; }
+                if (j.bad || !mt__jeat(&j, ':')) { j.bad = 1; why = "bad metadata key"; break; }
                 mt__jstring(&j, m->val, sizeof m->val);
-                mt__jeat(&j, ',');
-            }
-        } else {
-            if (mt__grow((void **)&s->t, &s->cap, s->n + 1, sizeof *s->t)) { j.bad = 1; break; }
-            mt__st_t *t = &s->t[s->n++];
-            memset(t, 0, sizeof *t);
-            snprintf(t->name, sizeof t->name, "%s", key);
-            t->dtype = -1; t->begin = t->end = -1;
-            if (!mt__jeat(&j, '{')) { j.bad = 1; break; }
-            while (!j.bad && !mt__jeat(&j, '}')) {
-                char f[64];
-                mt__jstring(&j, f, sizeof f);
-                if (!mt__jeat(&j, ':')) { j.bad = 1; break; }
-                if (!strcmp(f, "dtype")) {
-                    char dt[16];
-                    mt__jstring(&j, dt, sizeof dt);
-                    t->dtype = !strcmp(dt, "F32") ? MT__ST_F32 : !strcmp(dt, "BF16") ? MT__ST_BF16 : !strcmp(dt, "F16") ? MT__ST_F16 : -2;
-                } else if (!strcmp(f, "shape")) {
-                    if (!mt__jeat(&j, '[')) { j.bad = 1; break; }
-                    if (!mt__jeat(&j, ']')) {
-                        do { if (t->ndim >= 8) { j.bad = 1; break; } t->shape[t->ndim++] = mt__jint(&j); } while (!j.bad && mt__jeat(&j, ','));
-                        if (!mt__jeat(&j, ']')) j.bad = 1;
-                    }
-                } else if (!strcmp(f, "data_offsets")) {
-                    if (!mt__jeat(&j, '[')) { j.bad = 1; break; }
-                    t->begin = mt__jint(&j);
-                    if (!mt__jeat(&j, ',')) { j.bad = 1; break; }
-                    t->end = mt__jint(&j);
-                    if (!mt__jeat(&j, ']')) j.bad = 1;
-                } else {
-                    mt__jskip(&j, 0);
-                }
-                mt__jeat(&j, ',');
-            }
+                if (j.bad) { why = "metadata values must be strings of at most 1039 bytes"; break; }
+                for (int k = 0; k < s->nm; k++) if (!strcmp(s->m[k].key, m->key)) { j.bad = 1; why = "duplicate metadata key"; }
+                s->nm++;
+            } while (!j.bad && mt__jeat(&j, ','));
+            if (!j.bad && !mt__jeat(&j, '}')) j.bad = 1;
+            continue;
         }
-        mt__jeat(&j, ',');
-    }
-    if (j.bad) { mt__st_free(s); return mt_errf(err, "'%s': malformed safetensors header", path); }
+        if (!key[0]) { j.bad = 1; why = "empty tensor name"; break; }
+        if (mt__grow((void **)&s->t, &s->cap, s->n + 1, sizeof *s->t)) { j.bad = 1; why = "out of memory"; break; }
+        mt__st_t *t = &s->t[s->n++];
+        memset(t, 0, sizeof *t);
+        snprintf(t->name, sizeof t->name, "%s", key);
+        t->dtype = -1; t->begin = t->end = -1;
+        int got_shape = 0;
+        if (!mt__jeat(&j, '{')) { j.bad = 1; break; }
+        if (!mt__jeat(&j, '}')) do {
+            char f[64];
+            mt__jstring(&j, f, sizeof f);
+            if (j.bad || !mt__jeat(&j, ':')) { j.bad = 1; break; }
+            if (!strcmp(f, "dtype")) {
+                char dt[16];
+                mt__jstring(&j, dt, sizeof dt);
+                t->dtype = -2;
+                for (int k = 0; k < 4; k++) if (!j.bad && !strcmp(dt, mt__st_dtype_names[k])) t->dtype = k;
+            } else if (!strcmp(f, "shape")) {
+                got_shape = 1;
+                if (!mt__jeat(&j, '[')) { j.bad = 1; break; }
+                if (!mt__jeat(&j, ']')) {
+                    do { if (t->ndim >= 7) { j.bad = 1; why = "too many dimensions"; break; } t->shape[t->ndim++] = mt__jint(&j); } while (!j.bad && mt__jeat(&j, ','));
+                    if (!j.bad && !mt__jeat(&j, ']')) j.bad = 1;
+                }
+            } else if (!strcmp(f, "data_offsets")) {
+                if (!mt__jeat(&j, '[')) { j.bad = 1; break; }
+                t->begin = mt__jint(&j);
+                if (!mt__jeat(&j, ',')) { j.bad = 1; break; }
+                t->end = mt__jint(&j);
+                if (!mt__jeat(&j, ']')) j.bad = 1;
+            } else {
+                mt__jskip(&j, 0);
+            }
+        } while (!j.bad && mt__jeat(&j, ','));
+        if (!j.bad && !mt__jeat(&j, '}')) j.bad = 1;
+        if (!j.bad && (!got_shape || t->begin < 0)) { j.bad = 1; why = "a tensor without shape or data_offsets"; }
+    } while (!j.bad && mt__jeat(&j, ','));
+    if (!j.bad && !mt__jeat(&j, '}')) j.bad = 1;
+    mt__jws(&j);
+    if (!j.bad && j.p != j.end) { j.bad = 1; why = "bytes after the JSON object"; }
+    if (j.bad) return mt_errf(err, "'%s': malformed safetensors header (%s, near byte %lld)", path, why, (long long)(8 + (j.p - j.begin)));
+    mt__st_range *r = (mt__st_range *)MT_MALLOC(sizeof *r * (size_t)(s->n + 1));
+    s->by_name = (mt__st_name *)MT_MALLOC(sizeof *s->by_name * (size_t)(s->n + 1));
+    if (!r || !s->by_name) { MT_FREE(r); return mt_errf(err, "out of memory reading '%s'", path); }
     for (int i = 0; i < s->n; i++) {
         mt__st_t *t = &s->t[i];
         int64_t numel = 1;
@@ -5899,25 +6178,156 @@ static int mt__st_open(mt__st *s, const char *path, mt_err *err) {
             if (t->shape[d] > ((int64_t)1 << 40) || (t->shape[d] && numel > ((int64_t)1 << 48) / t->shape[d])) { numel = -1; break; }
             numel *= t->shape[d];
         }
-        int64_t esz = t->dtype == MT__ST_F32 ? 4 : 2;
-        if (t->dtype < 0 || numel < 0 || t->begin < 0 || t->end < t->begin || (uint64_t)t->end > s->data_len ||
-            t->end - t->begin != numel * esz) {
-            char nm[256];
-            snprintf(nm, sizeof nm, "%s", t->name);
-            mt__st_free(s);
-            return mt_errf(err, "'%s': tensor '%s' has an unsupported dtype or inconsistent size/offsets", path, nm);
+        if (t->dtype < 0) { MT_FREE(r); return mt_errf(err, "'%s': tensor '%s' has an unsupported dtype (F32, F64, BF16, F16 are read)", path, t->name); }
+        if (numel < 0 || t->end < t->begin || (uint64_t)t->end > s->data_len || t->end - t->begin != numel * mt__st_esz(t->dtype)) {
+            MT_FREE(r);
+            return mt_errf(err, "'%s': tensor '%s': its shape needs %lld bytes, its data_offsets [%lld, %lld) of a %zu-byte data section disagree",
+                           path, t->name, numel < 0 ? -1LL : (long long)(numel * mt__st_esz(t->dtype)), (long long)t->begin, (long long)t->end, s->data_len);
         }
+        r[i].begin = t->begin; r[i].end = t->end; r[i].idx = i;
+        s->by_name[i].name = t->name; s->by_name[i].idx = i;
     }
+    qsort(r, (size_t)s->n, sizeof *r, mt__st_cmp_range);
+    int64_t at = 0;
+    for (int i = 0; i < s->n; i++) {
+        if (r[i].begin != at) {
+            const mt__st_t *t = &s->t[r[i].idx];
+            MT_FREE(r);
+            return mt_errf(err, "'%s': tensor '%s' starts at byte %lld of the data, where %lld was expected (overlapping or gapped tensors)",
+                           path, t->name, (long long)t->begin, (long long)at);
+        }
+        at = r[i].end;
+    }
+    MT_FREE(r);
+    if ((uint64_t)at != s->data_len)
+        return mt_errf(err, "'%s': the tensors cover %lld bytes but the data section has %zu (truncated or padded file)", path, (long long)at, s->data_len);
+    qsort(s->by_name, (size_t)s->n, sizeof *s->by_name, mt__st_cmp_name);
+    for (int i = 1; i < s->n; i++)
+        if (!strcmp(s->by_name[i].name, s->by_name[i - 1].name)) return mt_errf(err, "'%s': tensor '%s' appears twice", path, s->by_name[i].name);
+    /* this format's keys (any one of them): files of older moetrains and other tools have none and no checksums */
+    static const char *const mine[] = {"mt.header_sum", "mt.data_sum", "mt.optimizer", "mt.rng", "mt.data_order", "mt.target", "mt.role"};
+    for (size_t k = 0; k < sizeof mine / sizeof mine[0]; k++) s->ours |= mt__st_meta(s, mine[k]) != NULL;
+    s->header_sum = mt__st_hsum(s);
+    if (s->data) s->data_sum = mt__hash_words(s->data, s->data_len, MT_HASH_INIT);
     return 0;
 }
-static const mt__st_t *mt__st_find(const mt__st *s, const char *name) {
-    for (int i = 0; i < s->n; i++) if (!strcmp(s->t[i].name, name)) return &s->t[i];
-    return NULL;
+
+/* A file of this moetrain must carry both checksums and match them; one of
+ * another tool, or of an older moetrain, has none to check. */
+static int mt__st_check_sums(const mt__st *s, const char *path, mt_err *err) {
+    if (!s->ours) return 0;
+    const char *hs = mt__st_meta(s, "mt.header_sum"), *ds = mt__st_meta(s, "mt.data_sum");
+    char want[24];
+    if (!hs || !ds) return mt_errf(err, "'%s': moetrain metadata without its checksums (damaged file)", path);
+    snprintf(want, sizeof want, "%016llx", (unsigned long long)s->header_sum);
+    if (strcmp(hs, want)) return mt_errf(err, "'%s': header checksum mismatch (corrupt file)", path);
+    snprintf(want, sizeof want, "%016llx", (unsigned long long)s->data_sum);
+    if (s->data && strcmp(ds, want)) return mt_errf(err, "'%s': data checksum mismatch (corrupt file)", path);
+    return 0;
 }
-static const char *mt__st_meta(const mt__st *s, const char *key) {
-    for (int i = 0; i < s->nm; i++) if (!strcmp(s->m[i].key, key)) return s->m[i].val;
-    return NULL;
+
+/* Open a safetensors file: all of it (full), or only its header (the data
+ * section's length comes from the file size). Checksums are verified. */
+static int mt__st_open(mt__st *s, const char *path, int full, mt_err *err) {
+    memset(s, 0, sizeof *s);
+    uint8_t head[8];
+    size_t fsize;
+    if (full) {
+        if (mt_read_file(path, &s->file, &s->len, err)) return -1;
+        fsize = s->len;
+        if (fsize >= 8) memcpy(head, s->file, 8);
+    } else {
+        int fd = open(path, O_RDONLY);
+        if (fd < 0) return mt_errf(err, "cannot open '%s': %s", path, strerror(errno));
+        struct stat st;
+        if (fstat(fd, &st) || !S_ISREG(st.st_mode)) { close(fd); return mt_errf(err, "'%s' is not a regular file", path); }
+        fsize = (size_t)st.st_size;
+        if (fsize >= 8 && mt__read_fd(fd, head, 8)) { close(fd); return mt_errf(err, "short read on '%s'", path); }
+        uint64_t hl = 0;
+        for (int i = 0; fsize >= 8 && i < 8; i++) hl |= (uint64_t)head[i] << (8 * i);
+        if (fsize >= 8 && hl <= fsize - 8 && hl <= 100000000) {
+            s->len = 8 + (size_t)hl;
+            s->file = (uint8_t *)MT_MALLOC(s->len);
+            if (!s->file) { close(fd); return mt_errf(err, "out of memory reading '%s'", path); }
+            memcpy(s->file, head, 8);
+            if (mt__read_fd(fd, s->file + 8, (size_t)hl)) { close(fd); mt__st_free(s); return mt_errf(err, "short read on '%s'", path); }
+        }
+        close(fd);
+    }
+    if (fsize < 8) { mt__st_free(s); return mt_errf(err, "'%s' is not a safetensors file (%zu bytes)", path, fsize); }
+    for (int i = 0; i < 8; i++) s->hl |= (uint64_t)head[i] << (8 * i);
+    if (s->hl < 2 || s->hl > fsize - 8 || s->hl > 100000000) {
+        mt__st_free(s);
+        return mt_errf(err, "'%s': header length %llu does not fit a %zu-byte file (not safetensors, or truncated)", path, (unsigned long long)s->hl, fsize);
+    }
+    s->data_len = fsize - 8 - (size_t)s->hl;
+    s->data = full ? s->file + 8 + s->hl : NULL;
+    if (mt__st_parse(s, path, err) || mt__st_check_sums(s, path, err)) { mt__st_free(s); return -1; }
+    return 0;
 }
+
+/* Build a safetensors file in memory: the tensors (mt_real, written as F32,
+ * or F64 in float64 builds) and the metadata members in meta (",\"k\":\"v\"..."),
+ * then its two checksums. *data_sum: the data's checksum (names this file). */
+static int mt__st_build(mt__buf *out, const mt__tensor *t, int n, const mt__buf *meta, uint64_t *data_sum, mt_err *err) {
+    mt__buf h;
+    memset(&h, 0, sizeof h);
+    memset(out, 0, sizeof *out);
+    int dt = sizeof(mt_real) == 8 ? MT__ST_F64 : MT__ST_F32;
+    int64_t esz = mt__st_esz(dt);
+    mt__jfmt(&h, "{\"__metadata__\":{\"format\":\"pt\"");
+    if (meta->n) mt__put(&h, meta->p, meta->n);
+    mt__jfmt(&h, ",\"mt.header_sum\":\"");
+    size_t hs_at = h.n;
+    mt__jfmt(&h, "%016llx\",\"mt.data_sum\":\"", 0ULL);
+    size_t ds_at = h.n;
+    mt__jfmt(&h, "%016llx\"}", 0ULL);
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        mt__put(&h, ",", 1); mt__jstr_esc(&h, t[i].name);
+        mt__jfmt(&h, ":{\"dtype\":\"%s\",\"shape\":[", mt__st_dtype_names[dt]);
+        for (int d = 0; d < t[i].ndim; d++) mt__jfmt(&h, "%s%lld", d ? "," : "", (long long)t[i].shape[d]);
+        mt__jfmt(&h, "],\"data_offsets\":[%lld,%lld]}", (long long)off, (long long)(off + esz * t[i].numel));
+        off += esz * t[i].numel;
+    }
+    mt__put(&h, "}", 1);
+    while ((h.n + 8) % 8) mt__put(&h, " ", 1);
+    uint8_t len8[8];
+    for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)h.n >> (8 * i));
+    mt__put(out, len8, 8);
+    if (!h.oom) mt__put(out, h.p, h.n);
+    size_t data_at = out->n;
+    /* the data, converted element by element into a buffer sized up front */
+    if (!out->oom && !h.oom && out->cap < data_at + (size_t)off) {
+        uint8_t *q = (uint8_t *)MT_REALLOC(out->p, data_at + (size_t)off + 1);
+        if (!q) out->oom = 1; else { out->p = q; out->cap = data_at + (size_t)off + 1; }
+    }
+    if (h.oom || out->oom) { MT_FREE(h.p); MT_FREE(out->p); memset(out, 0, sizeof *out); return mt_errf(err, "out of memory building a checkpoint file"); }
+    uint8_t *dst = out->p + data_at;
+    for (int i = 0; i < n; i++)
+        for (int64_t k = 0; k < t[i].numel; k++, dst += esz) {
+            if (dt == MT__ST_F64) { double x = (double)t[i].src[k]; memcpy(dst, &x, 8); }
+            else { float x = (float)t[i].src[k]; memcpy(dst, &x, 4); }
+        }
+    out->n = data_at + (size_t)off;
+    MT_FREE(h.p);
+    /* the checksums: parse what was built, then write them into their places */
+    mt__st s;
+    memset(&s, 0, sizeof s);
+    s.file = out->p; s.len = out->n; s.borrowed = 1;
+    s.hl = (uint64_t)(data_at - 8);
+    s.data = out->p + data_at; s.data_len = (size_t)off;
+    if (mt__st_parse(&s, "(checkpoint being written)", err)) { mt__st_free(&s); MT_FREE(out->p); memset(out, 0, sizeof *out); return -1; }
+    char hex[24];
+    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)s.header_sum);
+    memcpy(out->p + 8 + hs_at, hex, 16);
+    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)s.data_sum);
+    memcpy(out->p + 8 + ds_at, hex, 16);
+    *data_sum = s.data_sum;
+    mt__st_free(&s);
+    return 0;
+}
+
 static float mt__half_to_float(uint16_t h, int bf16) {
     if (bf16) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
     int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
@@ -5925,9 +6335,11 @@ static float mt__half_to_float(uint16_t h, int bf16) {
     return (float)(s ? -v : v);
 }
 
+/* Copy every model tensor out of the file (any float dtype), checking names
+ * and shapes; mark the file's tensors used. */
 static int mt__load_tensors(mt__st *s, const char *path, mt__tensor *t, int n, mt_err *err) {
     for (int i = 0; i < n; i++) {
-        const mt__st_t *x = mt__st_find(s, t[i].name);
+        mt__st_t *x = (mt__st_t *)mt__st_find(s, t[i].name);
         if (!x) return mt_errf(err, "'%s' has no tensor '%s'", path, t[i].name);
         int same = x->ndim == t[i].ndim;
         for (int d = 0; same && d < x->ndim; d++) same = x->shape[d] == t[i].shape[d];
@@ -5937,14 +6349,22 @@ static int mt__load_tensors(mt__st *s, const char *path, mt__tensor *t, int n, m
             for (int d = 0; d < t[i].ndim; d++) snprintf(b + strlen(b), sizeof b - strlen(b), "%s%lld", d ? "," : "", (long long)t[i].shape[d]);
             return mt_errf(err, "'%s': tensor '%s' has shape [%s], the model needs [%s]", path, t[i].name, a, b);
         }
+        x->used = 1;
         const uint8_t *src = s->data + x->begin;
         for (int64_t j = 0; j < t[i].numel; j++) {
+            if (x->dtype == MT__ST_F64) { double f; memcpy(&f, src + 8 * j, 8); t[i].dst[j] = (mt_real)f; continue; }
             float f;
             if (x->dtype == MT__ST_F32) memcpy(&f, src + 4 * j, 4);
             else f = mt__half_to_float((uint16_t)(src[2 * j] | src[2 * j + 1] << 8), x->dtype == MT__ST_BF16);
             t[i].dst[j] = (mt_real)f;
         }
     }
+    return 0;
+}
+/* A moetrain file holds exactly the model's tensors: anything else is refused. */
+static int mt__check_all_used(const mt__st *s, const char *path, mt_err *err) {
+    for (int i = 0; s->ours && i < s->n; i++)
+        if (!s->t[i].used) return mt_errf(err, "'%s': tensor '%s' is not part of this model", path, s->t[i].name);
     return 0;
 }
 
@@ -5994,101 +6414,353 @@ static int mt__write_hf_config(const char *path, const mt_config *c, mt_err *err
     mt__jfmt(&b, "  \"use_cache\": false,\n  \"bos_token_id\": null,\n  \"eos_token_id\": null,\n  \"pad_token_id\": null,\n");
     mt__jfmt(&b, "  \"dtype\": \"float32\"\n}\n");
     if (b.oom) { MT_FREE(b.p); return mt_errf(err, "out of memory"); }
-    int rc = mt__write_all(path, b.p, b.n, NULL, 0, err);
+    int rc = mt__write_atomic(path, b.p, b.n, NULL, 0, err);
     MT_FREE(b.p);
     return rc;
 }
 
-int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err) {
-    char path[4096];
-    if (mkdir(dir, 0755) && errno != EEXIST) return mt_errf(err, "cannot create directory '%s': %s", dir, strerror(errno));
-    mt__tensor *t = NULL;
-    mt__staged *st = NULL;
-    int n = 0, ns = 0, rc;
-    if (mt__tensors(rt, MT_ROLE_PARAM, "", &t, &n, &st, &ns, err)) return -1;
-    snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    rc = mt__safetensors_write(path, t, n, &rt->g.cfg, step, err);
-    MT_FREE(t);
-    mt__staged_free(st, ns);
-    if (rc) return -1;
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    if (mt__write_hf_config(path, &rt->g.cfg, err)) return -1;
-    if (rt->g.kind != MT_GRAPH_TRAIN) return 0;
-    /* optimizer state: exp_avg.<name>, exp_avg_sq.<name> */
-    mt__tensor *m = NULL, *v = NULL;
-    mt__staged *sm = NULL, *sv = NULL;
-    int nm = 0, nv = 0, nsm = 0, nsv = 0;
-    if (mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", &m, &nm, &sm, &nsm, err)) return -1;
-    if (mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", &v, &nv, &sv, &nsv, err)) { MT_FREE(m); mt__staged_free(sm, nsm); return -1; }
-    mt__tensor *all = (mt__tensor *)MT_MALLOC(sizeof(mt__tensor) * (size_t)(nm + nv + 1));
-    rc = all ? 0 : mt_errf(err, "out of memory");
-    if (!rc) {
-        for (int i = 0; i < nm; i++) { all[i] = m[i]; snprintf(all[i].name, sizeof all[i].name, "exp_avg.%s", m[i].name); }
-        for (int i = 0; i < nv; i++) { all[nm + i] = v[i]; snprintf(all[nm + i].name, sizeof all[nm + i].name, "exp_avg_sq.%s", v[i].name); }
-        snprintf(path, sizeof path, "%s/optimizer.safetensors", dir);
-        rc = mt__safetensors_write(path, all, nm + nv, NULL, step, err);
+void mt_run_state_init(mt_run_state *r) {
+    memset(r, 0, sizeof *r);
+    mt_hparams_default(&r->hp);
+}
+
+/* The run-state fields, as metadata "mt.run.<key>" (step is "mt.step"). */
+enum { MT__RS_INT, MT__RS_U64, MT__RS_I64, MT__RS_FLOAT, MT__RS_STR };
+static const struct { const char *key; int type; size_t off, cap; } mt__run_fields[] = {
+    {"total_steps", MT__RS_INT, offsetof(mt_run_state, total_steps), 0},
+    {"seed", MT__RS_U64, offsetof(mt_run_state, seed), 0},
+    {"lr", MT__RS_FLOAT, offsetof(mt_run_state, hp.lr), 0},
+    {"min_lr_ratio", MT__RS_FLOAT, offsetof(mt_run_state, hp.min_lr_ratio), 0},
+    {"warmup_steps", MT__RS_INT, offsetof(mt_run_state, hp.warmup_steps), 0},
+    {"decay_steps", MT__RS_INT, offsetof(mt_run_state, hp.decay_steps), 0},
+    {"beta1", MT__RS_FLOAT, offsetof(mt_run_state, hp.beta1), 0},
+    {"beta2", MT__RS_FLOAT, offsetof(mt_run_state, hp.beta2), 0},
+    {"eps", MT__RS_FLOAT, offsetof(mt_run_state, hp.eps), 0},
+    {"weight_decay", MT__RS_FLOAT, offsetof(mt_run_state, hp.weight_decay), 0},
+    {"grad_clip", MT__RS_FLOAT, offsetof(mt_run_state, hp.grad_clip), 0},
+    {"eager", MT__RS_INT, offsetof(mt_run_state, eager), 0},
+    {"preset", MT__RS_STR, offsetof(mt_run_state, preset), sizeof(((mt_run_state *)0)->preset)},
+    {"data", MT__RS_STR, offsetof(mt_run_state, data), sizeof(((mt_run_state *)0)->data)},
+    {"data_tokens", MT__RS_I64, offsetof(mt_run_state, data_tokens), 0},
+    {"data_hash", MT__RS_U64, offsetof(mt_run_state, data_hash), 0},
+};
+#define MT__N_RUN_FIELDS ((int)(sizeof mt__run_fields / sizeof mt__run_fields[0]))
+
+/* model.safetensors' metadata: what the model is, where the run stands,
+ * which optimizer file belongs to these weights. */
+static void mt__meta_model(mt__buf *b, const mt_runtime *rt, int step, const mt_run_state *run, const char *opt_name, uint64_t opt_sum) {
+    const mt_graph *G = &rt->g;
+    mt__jmeta(b, "mt.version", "%s", MT_VERSION_STRING);
+    mt__jmeta(b, "mt.step", "%d", step);
+    for (int i = 0; i < mt_n_config_fields; i++) {
+        const mt_field *f = &mt_config_fields[i];
+        const void *p = (const char *)&G->cfg + f->offset;
+        char key[64];
+        snprintf(key, sizeof key, "mt.%s", f->name);
+        if (f->type == MT_FIELD_INT) mt__jmeta(b, key, "%d", *(const int *)p);
+        else mt__jmeta(b, key, "%.9g", (double)*(const float *)p);
     }
-    MT_FREE(m); MT_FREE(v); MT_FREE(all);
-    mt__staged_free(sm, nsm); mt__staged_free(sv, nsv);
-    return rc;
+    mt__jmeta(b, "mt.target", "%s/%s/real%d", G->target.backend == MT_BACKEND_CUDA ? "cuda" : "cpu", G->target.arch, (int)G->target.real_bytes);
+    mt__jmeta(b, "mt.mesh", "dp_replicate=%d dp_shard=%d tp=%d ep=%d", G->mesh.size[MT_DIM_DP_REPLICATE], G->mesh.size[MT_DIM_DP_SHARD],
+              G->mesh.size[MT_DIM_TP], G->mesh.size[MT_DIM_EP]);
+    mt__jmeta(b, "mt.data_order", "a pure function of (seed, step, dp_rank, dp_size): every rank's data position is mt.step");
+    mt__jmeta(b, "mt.rng", "none: a step draws no random numbers");
+    if (run)   /* (has_settings is not written: it says whether these were read back) */
+        for (int i = 0; i < MT__N_RUN_FIELDS; i++) {
+            const char *p = (const char *)run + mt__run_fields[i].off;
+            char key[64];
+            snprintf(key, sizeof key, "mt.run.%s", mt__run_fields[i].key);
+            switch (mt__run_fields[i].type) {
+            case MT__RS_INT: mt__jmeta(b, key, "%d", *(const int32_t *)p); break;
+            case MT__RS_U64: mt__jmeta(b, key, "%llu", (unsigned long long)*(const uint64_t *)p); break;
+            case MT__RS_I64: mt__jmeta(b, key, "%lld", (long long)*(const int64_t *)p); break;
+            case MT__RS_FLOAT: mt__jmeta(b, key, "%.9g", (double)*(const float *)p); break;
+            default: mt__jmeta(b, key, "%.*s", (int)mt__run_fields[i].cap - 1, p); break;
+            }
+        }
+    if (opt_name) {
+        mt__jmeta(b, "mt.optimizer", "%s", opt_name);
+        mt__jmeta(b, "mt.optimizer_sum", "%016llx", (unsigned long long)opt_sum);
+    }
 }
 
-static void mt__ckpt_path(char *out, size_t n, const char *dir, const char *file) {
+/* mkdir -p */
+static int mt__mkdirs(const char *dir, mt_err *err) {
+    char p[4096];
+    if (!dir[0] || snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p) return mt_errf(err, "bad directory name '%s'", dir);
+    for (char *q = p + 1; ; q++) {
+        if (*q == '/' || !*q) {
+            char c = *q;
+            *q = 0;
+            struct stat st;
+            if (stat(p, &st)) {
+                if (mkdir(p, 0755) && errno != EEXIST) return mt_errf(err, "cannot create directory '%s': %s", p, strerror(errno));
+            } else if (!S_ISDIR(st.st_mode)) {
+                return mt_errf(err, "cannot create directory '%s': '%s' is not a directory", dir, p);
+            }
+            *q = c;
+            if (!c) break;
+        }
+    }
+    return 0;
+}
+
+int mt_checkpoint_prepare_dir(const char *dir, mt_err *err) {
+    if (mt__mkdirs(dir, err)) return -1;
+    char probe[4200];
+    snprintf(probe, sizeof probe, "%s/.mt-probe-%ld.tmp", dir, (long)getpid());
+    int fd = open(probe, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) return mt_errf(err, "cannot write into '%s': %s", dir, strerror(errno));
+    int bad = mt__write_fd(fd, "moetrain", 8) || fsync(fd);
+    int e = errno;
+    bad |= close(fd) != 0;
+    remove(probe);
+    if (bad) return mt_errf(err, "cannot write into '%s': %s", dir, strerror(e));
+    return 0;
+}
+
+/* model.safetensors of a checkpoint (dir may also name the file itself), and
+ * the directory the checkpoint's other files are in. */
+static void mt__ckpt_paths(const char *dir, char *model, char *base, size_t n) {
     struct stat st;
-    if (!stat(dir, &st) && S_ISREG(st.st_mode)) snprintf(out, n, "%s", dir);   /* a file was given */
-    else snprintf(out, n, "%s/%s", dir, file);
+    if (!stat(dir, &st) && S_ISREG(st.st_mode)) {
+        snprintf(model, n, "%s", dir);
+        snprintf(base, n, "%s", dir);
+        char *slash = strrchr(base, '/');
+        if (slash) *slash = 0; else snprintf(base, n, ".");
+    } else {
+        snprintf(model, n, "%s/model.safetensors", dir);
+        snprintf(base, n, "%s", dir);
+    }
 }
 
-int mt_checkpoint_read_config(const char *dir, mt_config *c, mt_err *err) {
-    char path[4096];
-    mt__ckpt_path(path, sizeof path, dir, "model.safetensors");
-    mt__st s;
-    if (mt__st_open(&s, path, err)) return -1;
+/* Remove what a checkpoint directory holds that the committed checkpoint does
+ * not use: older optimizer files and the .tmp files of interrupted saves. */
+static void mt__ckpt_tidy(const char *dir, const char *keep) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    char (*names)[256] = NULL;
+    int n = 0, cap = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        const char *nm = e->d_name;
+        size_t len = strlen(nm);
+        int opt = !strncmp(nm, "optimizer", 9) && len > 12 && !strcmp(nm + len - 12, ".safetensors") && (!keep || strcmp(nm, keep));
+        int tmp = len > 4 && !strcmp(nm + len - 4, ".tmp") &&
+                  (!strncmp(nm, "optimizer", 9) || !strncmp(nm, "model.safetensors", 17) || !strncmp(nm, "config.json", 11));
+        if ((opt || tmp) && len < 256 && !mt__grow((void **)&names, &cap, n + 1, sizeof *names)) snprintf(names[n++], 256, "%s", nm);
+    }
+    closedir(d);
+    for (int i = 0; i < n; i++) {
+        char p[4400];
+        snprintf(p, sizeof p, "%s/%s", dir, names[i]);
+        remove(p);
+    }
+    MT_FREE(names);
+}
+
+/* Stage one role's tensors, build the file, write it atomically. */
+static int mt__save_file(mt_runtime *rt, const char *path, int role, const mt__buf *meta, uint64_t *sum, mt_err *err) {
+    mt__tensor *t = NULL, *m = NULL, *v = NULL, *all = NULL;
+    mt__staged *st = NULL, *sm = NULL, *sv = NULL;
+    int n = 0, ns = 0, nm = 0, nv = 0, nsm = 0, nsv = 0, rc;
+    if (role == MT_ROLE_PARAM) {
+        rc = mt__tensors(rt, MT_ROLE_PARAM, "", &t, &n, &st, &ns, err);
+    } else {   /* optimizer state: exp_avg.<name>, exp_avg_sq.<name> */
+        rc = mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", &m, &nm, &sm, &nsm, err) || mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", &v, &nv, &sv, &nsv, err);
+        all = rc ? NULL : (mt__tensor *)MT_MALLOC(sizeof(mt__tensor) * (size_t)(nm + nv + 1));
+        if (!rc && !all) rc = mt_errf(err, "out of memory");
+        for (int i = 0; !rc && i < nm + nv; i++) {
+            const mt__tensor *x = i < nm ? &m[i] : &v[i - nm];
+            all[i] = *x;
+            snprintf(all[i].name, sizeof all[i].name, "%s%.*s", i < nm ? "exp_avg." : "exp_avg_sq.", (int)sizeof all[i].name - 12, x->name);
+        }
+        t = all; n = nm + nv;
+    }
+    mt__buf file;
+    memset(&file, 0, sizeof file);
+    if (!rc) rc = mt__st_build(&file, t, n, meta, sum, err);
+    if (!rc) rc = mt__write_atomic(path, file.p, file.n, NULL, 0, err);
+    MT_FREE(file.p);
+    if (role == MT_ROLE_PARAM) MT_FREE(t);
+    MT_FREE(m); MT_FREE(v); MT_FREE(all);
+    mt__staged_free(st, ns); mt__staged_free(sm, nsm); mt__staged_free(sv, nsv);
+    return rc ? -1 : 0;
+}
+
+static int mt__checkpoint_save(mt_runtime *rt, const char *dir, int step, const mt_run_state *run, mt_err *err) {
+    char mpath[4096], opath[4400], base[4096], oname[64], cur[1040] = "";
+    if (mt__mkdirs(dir, err)) return -1;
+    mt__ckpt_paths(dir, mpath, base, sizeof mpath);
+    struct stat sb;
+    if (!stat(dir, &sb) && !S_ISDIR(sb.st_mode)) return mt_errf(err, "'%s' is not a directory", dir);
+    /* the optimizer file the committed checkpoint uses: ours goes elsewhere */
+    mt__st old;
+    mt_err ignore;
+    if (!mt__st_open(&old, mpath, 0, &ignore)) {
+        const char *o = mt__st_meta(&old, "mt.optimizer");
+        snprintf(cur, sizeof cur, "%s", o ? o : "");
+        mt__st_free(&old);
+    }
+    snprintf(oname, sizeof oname, "optimizer-step%d.safetensors", step);
+    if (!strcmp(oname, cur)) snprintf(oname, sizeof oname, "optimizer-step%db.safetensors", step);
+    snprintf(opath, sizeof opath, "%s/%s", base, oname);
+    int train = rt->g.kind == MT_GRAPH_TRAIN;
+    uint64_t osum = 0, msum = 0;
+    mt__buf meta;
+    memset(&meta, 0, sizeof meta);
+    if (train) {   /* 1. the moments, under a new name */
+        mt__jmeta(&meta, "mt.version", "%s", MT_VERSION_STRING);
+        mt__jmeta(&meta, "mt.step", "%d", step);
+        mt__jmeta(&meta, "mt.role", "AdamW moments of the weights in model.safetensors");
+        int rc = meta.oom ? mt_errf(err, "out of memory") : mt__save_file(rt, opath, MT_ROLE_OPT, &meta, &osum, err);
+        MT_FREE(meta.p);
+        memset(&meta, 0, sizeof meta);
+        if (rc) return -1;
+    }
+    char cpath[4200];   /* 2. transformers' config */
+    snprintf(cpath, sizeof cpath, "%s/config.json", base);
+    if (mt__write_hf_config(cpath, &rt->g.cfg, err)) return -1;
+    mt__meta_model(&meta, rt, step, run, train ? oname : NULL, osum);   /* 3. the weights: the commit */
+    int rc = meta.oom ? mt_errf(err, "out of memory") : mt__save_file(rt, mpath, MT_ROLE_PARAM, &meta, &msum, err);
+    MT_FREE(meta.p);
+    if (rc) return -1;
+    mt__ckpt_tidy(base, train ? oname : NULL);
+    return 0;
+}
+
+int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err) { return mt__checkpoint_save(rt, dir, step, NULL, err); }
+int mt_checkpoint_save_run(mt_runtime *rt, const char *dir, const mt_run_state *run, mt_err *err) {
+    return mt__checkpoint_save(rt, dir, run->step, run, err);
+}
+
+/* The config in a moetrain file's metadata. */
+static int mt__st_config(const mt__st *s, const char *path, mt_config *c, mt_err *err) {
     mt__config_common(c);
     for (int i = 0; i < mt_n_config_fields; i++) {
         const mt_field *f = &mt_config_fields[i];
         char key[64];
         snprintf(key, sizeof key, "mt.%s", f->name);
-        const char *val = mt__st_meta(&s, key);
+        const char *val = mt__st_meta(s, key);
         if (!val && (!strcmp(f->name, "doc_mask") || !strcmp(f->name, "eot_id"))) continue;  /* newer fields: defaults */
-        if (!val) {
-            mt__st_free(&s);
-            return mt_errf(err, "'%s' has no '%s' metadata: not written by moetrain, so the model's config is unknown", path, key);
-        }
+        if (!val) return mt_errf(err, "'%s' has no '%s' metadata: not written by moetrain, so the model's config is unknown", path, key);
         mt_err e;
-        if (!strcmp(f->name, "score_func")) { long long v; if (mt__parse_int(val, 0, 1, &v)) { mt__st_free(&s); return mt_errf(err, "'%s': bad %s", path, key); } c->score_func = (int)v; }
-        else if (mt_config_set(c, f->name, val, &e)) { mt__st_free(&s); return mt_errf(err, "'%s': %s", path, e.msg); }
+        if (!strcmp(f->name, "score_func")) {
+            long long v;
+            if (mt__parse_int(val, 0, 1, &v)) return mt_errf(err, "'%s': bad %s", path, key);
+            c->score_func = (int)v;
+        } else if (mt_config_set(c, f->name, val, &e)) {
+            return mt_errf(err, "'%s': %s", path, e.msg);
+        }
     }
-    mt__st_free(&s);
-    return mt_config_validate(c, err);
+    mt_err e;
+    if (mt_config_validate(c, &e)) return mt_errf(err, "'%s': %s", path, e.msg);
+    return 0;
 }
 
-/* Load weights (and AdamW moments when present). Nothing in the runtime
- * changes unless every tensor was found with the right shape. */
+int mt_checkpoint_read_config(const char *dir, mt_config *c, mt_err *err) {
+    char path[4096], base[4096];
+    mt__ckpt_paths(dir, path, base, sizeof path);
+    mt__st s;
+    if (mt__st_open(&s, path, 0, err)) return -1;
+    int rc = mt__st_config(&s, path, c, err);
+    mt__st_free(&s);
+    return rc;
+}
+
+int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err) {
+    char path[4096], base[4096];
+    mt__ckpt_paths(dir, path, base, sizeof path);
+    mt__st s;
+    if (mt__st_open(&s, path, 0, err)) return -1;
+    mt_run_state_init(run);
+    long long v;
+    const char *sv = mt__st_meta(&s, "mt.step");
+    int rc = 0;
+    if (!sv || mt__parse_int(sv, 0, INT_MAX, &v)) rc = mt_errf(err, "'%s' records no step", path);
+    else run->step = (int32_t)v;
+    run->has_settings = !rc && mt__st_meta(&s, "mt.run.seed") != NULL;
+    for (int i = 0; !rc && run->has_settings && i < MT__N_RUN_FIELDS; i++) {
+        char key[64];
+        snprintf(key, sizeof key, "mt.run.%s", mt__run_fields[i].key);
+        const char *val = mt__st_meta(&s, key);
+        char *p = (char *)run + mt__run_fields[i].off;
+        if (!val) { rc = mt_errf(err, "'%s': run state without '%s'", path, key); break; }
+        double d;
+        int bad = 0;
+        switch (mt__run_fields[i].type) {
+        case MT__RS_INT: bad = mt__parse_int(val, INT_MIN, INT_MAX, &v); if (!bad) *(int32_t *)p = (int32_t)v; break;
+        case MT__RS_I64: bad = mt__parse_int(val, 0, LLONG_MAX, &v); if (!bad) *(int64_t *)p = (int64_t)v; break;
+        case MT__RS_U64: {
+            char *end; errno = 0;
+            unsigned long long u = strtoull(val, &end, 10);
+            bad = errno || end == val || *end || val[0] == '-';
+            if (!bad) *(uint64_t *)p = (uint64_t)u;
+            break;
+        }
+        case MT__RS_FLOAT: bad = mt__parse_float(val, &d); if (!bad) *(float *)p = (float)d; break;
+        default: bad = strlen(val) >= mt__run_fields[i].cap; if (!bad) memcpy(p, val, strlen(val) + 1); break;
+        }
+        if (bad) rc = mt_errf(err, "'%s': bad %s '%s'", path, key, val);
+    }
+    mt__st_free(&s);
+    return rc;
+}
+
+/* Load weights (and AdamW moments when the graph trains). Everything is
+ * checked first: checksums, every tensor's name, dtype, shape and byte range,
+ * the config, the pairing of weights and optimizer file. Nothing in the
+ * runtime changes unless all of it holds. */
 int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err) {
-    char path[4096], opath[4096];
-    mt__ckpt_path(path, sizeof path, dir, "model.safetensors");
-    mt__ckpt_path(opath, sizeof opath, dir, "optimizer.safetensors");
-    struct stat sb;
-    int with_opt = rt->g.kind == MT_GRAPH_TRAIN && strcmp(path, opath) && !stat(opath, &sb);
+    char path[4096], base[4096], opath[5200];
+    mt__ckpt_paths(dir, path, base, sizeof path);
     mt__st s, so;
     memset(&so, 0, sizeof so);
-    if (mt__st_open(&s, path, err)) return -1;
-    if (with_opt && mt__st_open(&so, opath, err)) { mt__st_free(&s); return -1; }
+    if (mt__st_open(&s, path, 1, err)) return -1;
+    int rc = 0, with_opt = 0;
+    if (mt__st_meta(&s, "mt.dim")) {   /* the config it was saved for must be this model's (any batch and seq_len: they shape the step, not the weights) */
+        mt_config c;
+        char diff[900];
+        if (mt__st_config(&s, path, &c, err)) rc = -1;
+        else {
+            c.batch = rt->g.cfg.batch; c.seq_len = rt->g.cfg.seq_len;
+            if (mt_config_diff(&c, &rt->g.cfg, diff, sizeof diff))
+                rc = mt_errf(err, "'%s' was saved for another model config (checkpoint vs this model): %s", path, diff);
+        }
+    }
+    if (!rc && rt->g.kind == MT_GRAPH_TRAIN) {
+        const char *oname = mt__st_meta(&s, "mt.optimizer");
+        struct stat sb;
+        if (oname) {
+            if (!oname[0] || strchr(oname, '/') || !strcmp(oname, "..")) rc = mt_errf(err, "'%s': bad optimizer file name '%s'", path, oname);
+            snprintf(opath, sizeof opath, "%s/%s", base, oname);
+            with_opt = !rc;
+        } else {   /* written before optimizer files were named: the fixed name, if there */
+            snprintf(opath, sizeof opath, "%s/optimizer.safetensors", base);
+            with_opt = strcmp(path, opath) && !stat(opath, &sb);
+        }
+        if (with_opt && mt__st_open(&so, opath, 1, err)) rc = -1;
+        if (!rc && with_opt && oname) {
+            char want[24];
+            snprintf(want, sizeof want, "%016llx", (unsigned long long)so.data_sum);
+            const char *osum = mt__st_meta(&s, "mt.optimizer_sum");
+            if (!osum || strcmp(osum, want)) rc = mt_errf(err, "'%s' does not belong to the weights in '%s' (checksum differs)", opath, path);
+        }
+    }
     mt__tensor *t = NULL, *m = NULL, *v = NULL;
     mt__staged *st = NULL, *sm = NULL, *sv = NULL;
     int n = 0, nm = 0, nv = 0, ns = 0, nsm = 0, nsv = 0;
-    int rc = mt__tensors(rt, MT_ROLE_PARAM, "", &t, &n, &st, &ns, err);
-    if (!rc) rc = mt__load_tensors(&s, path, t, n, err);
+    if (!rc) rc = mt__tensors(rt, MT_ROLE_PARAM, "", &t, &n, &st, &ns, err);
+    if (!rc) rc = mt__load_tensors(&s, path, t, n, err) || mt__check_all_used(&s, path, err);
     if (!rc && with_opt) {
         rc = mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", &m, &nm, &sm, &nsm, err) || mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", &v, &nv, &sv, &nsv, err);
-        for (int i = 0; !rc && i < nm; i++) { char x[MT_NAME_LEN + 16]; snprintf(x, sizeof x, "exp_avg.%s", m[i].name); memcpy(m[i].name, x, sizeof m[i].name); }
-        for (int i = 0; !rc && i < nv; i++) { char x[MT_NAME_LEN + 16]; snprintf(x, sizeof x, "exp_avg_sq.%s", v[i].name); memcpy(v[i].name, x, sizeof v[i].name); }
-        if (!rc) rc = mt__load_tensors(&so, opath, m, nm, err) || mt__load_tensors(&so, opath, v, nv, err);
+        for (int i = 0; !rc && i < nm; i++) { char x[MT_NAME_LEN + 16]; snprintf(x, sizeof x, "exp_avg.%.*s", (int)sizeof x - 9, m[i].name); memcpy(m[i].name, x, sizeof m[i].name); }
+        for (int i = 0; !rc && i < nv; i++) { char x[MT_NAME_LEN + 16]; snprintf(x, sizeof x, "exp_avg_sq.%.*s", (int)sizeof x - 12, v[i].name); memcpy(v[i].name, x, sizeof v[i].name); }
+        if (!rc) rc = mt__load_tensors(&so, opath, m, nm, err) || mt__load_tensors(&so, opath, v, nv, err) || mt__check_all_used(&so, opath, err);
     }
     long long stepv = 0;
     const char *sv_ = mt__st_meta(&s, "mt.step");
-    if (!rc && sv_ && mt__parse_int(sv_, 0, INT_MAX, &stepv)) stepv = 0;
+    if (!rc && sv_ && mt__parse_int(sv_, 0, INT_MAX, &stepv)) rc = mt_errf(err, "'%s': bad mt.step '%s'", path, sv_);
     if (!rc) rc = mt__staged_commit(rt, st, ns, err) || mt__staged_commit(rt, sm, nsm, err) || mt__staged_commit(rt, sv, nsv, err) ||
                   mt_runtime_sync_shadows(rt, err);
     if (!rc && step) *step = (int)stepv;
@@ -6103,6 +6775,10 @@ int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err) 
  * ====================================================================== */
 
 void mt_data_free(mt_dataset *d) { MT_FREE(d->tokens); memset(d, 0, sizeof *d); }
+uint64_t mt_data_hash(const mt_dataset *d) {
+    uint64_t h = mt_hash(&d->n, sizeof d->n, MT_HASH_INIT);
+    return d->n > 0 ? mt__hash_words(d->tokens, sizeof(int32_t) * (size_t)d->n, h) : h;
+}
 
 /* llm.c / nanoGPT shards: 256 int32 header (magic 20240520, version 1,
  * count) then uint16 tokens; llm.c's Llama-3 shards use magic 20240801,

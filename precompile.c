@@ -6,7 +6,8 @@
  *   ./precompile --dump tiny.mtg            print the plan readably
  *
  * No GPU is touched: the target names an architecture, never a device, so
- * the same command gives the same bytes on any machine.
+ * the same command gives the same bytes on any machine. Run ./precompile --help
+ * for every option. Exit status: 0 done, 1 runtime error, 2 usage error.
  */
 #define MOETRAIN_IMPLEMENTATION
 #include "moetrain.h"
@@ -14,55 +15,113 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The options: one table drives parsing, range checks and --help. */
+enum { OPT_FLAG, OPT_INT, OPT_STR };
+typedef struct { const char *name, *meta; int kind, lo, hi; const char *def, *help; } opt_spec;
+static const opt_spec specs[] = {
+    {"preset", "NAME", OPT_STR, 0, 0, "tiny", "model preset: tiny, debug, mid, 16b"},
+    {"device", "NAME", OPT_STR, 0, 0, "cpu", "backend the plan is for: cpu | cuda"},
+    {"arch", "NAME", OPT_STR, 0, 0, "sm_90a", "CUDA architecture (with --device cuda)"},
+    {"dp-replicate", "N", OPT_INT, 1, 4096, "1", "mesh: data-parallel replicas"},
+    {"dp-shard", "N", OPT_INT, 1, 4096, "1", "mesh: data-parallel shards (FSDP)"},
+    {"tp", "N", OPT_INT, 1, 4096, "1", "mesh: tensor parallelism"},
+    {"ep", "N", OPT_INT, 1, 4096, "1", "mesh: expert parallelism (borrows ranks from dp-shard x tp)"},
+    {"forward", NULL, OPT_FLAG, 0, 0, "off", "a forward-only graph (logits as output) instead of a training step"},
+    {"eager", NULL, OPT_FLAG, 0, 0, "off", "no optimizing passes"},
+    {"out", "FILE", OPT_STR, 0, 0, "", "where to write the artifact (also -o FILE)"},
+    {"dump", "FILE", OPT_STR, 0, 0, "", "validate an artifact and print nodes, queues, memory plan, collectives, symbols"},
+    {"help", NULL, OPT_FLAG, 0, 0, "", "this text"},
+};
+#define N_SPECS ((int)(sizeof specs / sizeof specs[0]))
+
 static void usage(FILE *f) {
-    fprintf(f,
-            "usage: precompile [options] -o FILE\n"
-            "       precompile --dump FILE\n"
-            "  --preset NAME         %s (default tiny)\n"
-            "  --<field> VALUE       override any config field (see train --help)\n"
-            "  --device cpu|cuda     backend the plan is for (default cpu)\n"
-            "  --arch NAME           CUDA architecture (default sm_90a)\n"
-            "  --dp-replicate N --dp-shard N --tp N --ep N   mesh (default 1 1 1 1)\n"
-            "  --forward             a forward-only graph (logits as output) instead of a training step\n"
-            "  --eager               no optimizing passes\n"
-            "  -o, --out FILE        where to write the artifact\n"
-            "  --dump FILE           validate an artifact and print nodes, queues, memory plan, collectives, symbols\n",
-            mt_config_preset_names());
+    fprintf(f, "usage: precompile [options] [--<config field> VALUE ...] -o FILE\n       precompile --dump FILE\n\noptions (default in brackets):\n");
+    for (int i = 0; i < N_SPECS; i++) {
+        char lhs[40];
+        snprintf(lhs, sizeof lhs, "--%s%s%s", specs[i].name, specs[i].meta ? " " : "", specs[i].meta ? specs[i].meta : "");
+        fprintf(f, "  %-20s %s", lhs, specs[i].help);
+        if (specs[i].kind == OPT_INT) fprintf(f, ", [%d..%d]", specs[i].lo, specs[i].hi);
+        if (specs[i].def[0]) fprintf(f, " [%s]", specs[i].def);
+        fprintf(f, "\n");
+    }
+    fprintf(f, "\nconfig fields (as --name VALUE, default the preset's; train --help lists them with tiny's values):\n ");
+    for (int i = 0; i < mt_n_config_fields; i++) {
+        char dash[32];
+        snprintf(dash, sizeof dash, "%s", mt_config_fields[i].name);
+        for (char *q = dash; *q; q++) if (*q == '_') *q = '-';
+        fprintf(f, " --%s%s", dash, i % 6 == 5 && i + 1 < mt_n_config_fields ? "\n " : "");
+    }
+    fprintf(f, "\n\nexit status: 0 done, 1 runtime error (files, compile), 2 usage error\n");
 }
 
-static int parse_pos(const char *flag, const char *v, int *out) {
-    char *end;
-    long x = strtol(v, &end, 10);
-    if (!*v || *end || x < 1 || x > 4096) { fprintf(stderr, "precompile: %s takes an integer in 1..4096, not '%s'\n", flag, v); return -1; }
-    *out = (int)x;
+static int is_config_field(const char *name) {
+    for (int i = 0; i < mt_n_config_fields; i++) {
+        const char *a = mt_config_fields[i].name, *b = name;
+        while (*a && (*a == *b || (*a == '_' && *b == '-'))) { a++; b++; }
+        if (!*a && !*b) return 1;
+    }
     return 0;
+}
+static void unknown_option(const char *name) {
+    const char *cand[N_SPECS + 64];
+    char dashed[64][32];
+    int n = 0;
+    for (int i = 0; i < N_SPECS; i++) cand[n++] = specs[i].name;
+    for (int i = 0; i < mt_n_config_fields && i < 64; i++) {
+        snprintf(dashed[i], sizeof dashed[i], "%s", mt_config_fields[i].name);
+        for (char *q = dashed[i]; *q; q++) if (*q == '_') *q = '-';
+        cand[n++] = dashed[i];
+    }
+    const char *near = mt_suggest(name, cand, n);
+    if (near) fprintf(stderr, "precompile: unknown option '--%s' (did you mean '--%s'?); see --help\n", name, near);
+    else fprintf(stderr, "precompile: unknown option '--%s'; see --help\n", name);
 }
 
 int main(int argc, char **argv) {
-    const char *preset = "tiny", *out = NULL, *dump = NULL, *device = "cpu", *arch = "sm_90a";
-    int eager = 0, forward = 0, mesh_in[4] = {1, 1, 1, 1};
+    const char *str[N_SPECS] = {0};
+    int num[N_SPECS] = {0}, flag[N_SPECS] = {0};
     const char *ov_key[128], *ov_val[128];
     int n_ov = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
-        if (!strcmp(a, "--eager")) { eager = 1; continue; }
-        if (!strcmp(a, "--forward")) { forward = 1; continue; }
-        if (strncmp(a, "-", 1)) { fprintf(stderr, "precompile: unexpected argument '%s' (see --help)\n", a); return 2; }
+        if (!strcmp(a, "-h")) { usage(stdout); return 0; }
+        const char *name = !strcmp(a, "-o") ? "out" : a + 2;
+        if (strcmp(a, "-o") && (strncmp(a, "--", 2) || !a[2])) {
+            fprintf(stderr, "precompile: unexpected argument '%s' (options start with --; see --help)\n", a);
+            return 2;
+        }
+        int k = -1;
+        for (int j = 0; j < N_SPECS; j++) if (!strcmp(specs[j].name, name)) k = j;
+        if (k < 0 && !is_config_field(name)) { unknown_option(name); return 2; }
+        if (k >= 0 && specs[k].kind == OPT_FLAG) {
+            if (!strcmp(name, "help")) { usage(stdout); return 0; }
+            flag[k] = 1;
+            continue;
+        }
         if (i + 1 >= argc) { fprintf(stderr, "precompile: %s needs a value\n", a); return 2; }
         const char *v = argv[++i];
-        if (!strcmp(a, "-o") || !strcmp(a, "--out")) out = v;
-        else if (!strcmp(a, "--dump")) dump = v;
-        else if (!strcmp(a, "--preset")) preset = v;
-        else if (!strcmp(a, "--device")) device = v;
-        else if (!strcmp(a, "--arch")) arch = v;
-        else if (!strcmp(a, "--dp-replicate")) { if (parse_pos(a, v, &mesh_in[0])) return 2; }
-        else if (!strcmp(a, "--dp-shard")) { if (parse_pos(a, v, &mesh_in[1])) return 2; }
-        else if (!strcmp(a, "--tp")) { if (parse_pos(a, v, &mesh_in[2])) return 2; }
-        else if (!strcmp(a, "--ep")) { if (parse_pos(a, v, &mesh_in[3])) return 2; }
-        else if (!strncmp(a, "--", 2) && n_ov < 128) { ov_key[n_ov] = a + 2; ov_val[n_ov++] = v; }
-        else { fprintf(stderr, "precompile: unknown option '%s' (see --help)\n", a); return 2; }
+        if (k < 0) {
+            if (n_ov >= 128) { fprintf(stderr, "precompile: too many config options\n"); return 2; }
+            ov_key[n_ov] = name; ov_val[n_ov++] = v;
+        } else if (specs[k].kind == OPT_INT) {
+            char *end;
+            long long x = strtoll(v, &end, 10);
+            if (!*v || *end || x < specs[k].lo || x > specs[k].hi) {
+                fprintf(stderr, "precompile: --%s takes an integer in [%d..%d], not '%s'\n", name, specs[k].lo, specs[k].hi, v);
+                return 2;
+            }
+            num[k] = (int)x;
+        } else {
+            if (!*v) { fprintf(stderr, "precompile: --%s needs a non-empty value\n", name); return 2; }
+            str[k] = v;
+        }
     }
+#define STR(i, d) (str[i] ? str[i] : (d))
+#define NUM(i) (num[i] ? num[i] : 1)
+    const char *preset = STR(0, "tiny"), *device = STR(1, "cpu"), *arch = STR(2, "sm_90a"), *out = str[9], *dump = str[10];
+    int mesh_in[4] = {NUM(3), NUM(4), NUM(5), NUM(6)}, forward = flag[7], eager = flag[8];
+#undef STR
+#undef NUM
     mt_err err;
     if (dump) {
         mt_graph g;
@@ -72,10 +131,15 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (!out) { fprintf(stderr, "precompile: say where to write the artifact with -o FILE (see --help)\n"); return 2; }
+    FILE *probe = fopen(out, "rb");   /* before compiling: can the artifact be written there? */
+    int existed = probe != NULL;
+    if (probe) fclose(probe);
+    if (!(probe = fopen(out, "ab")) || fclose(probe)) { fprintf(stderr, "precompile: cannot write '%s': %s\n", out, strerror(errno)); return 1; }
+    if (!existed) remove(out);
     mt_config cfg;
     if (mt_config_preset(&cfg, preset, &err)) { fprintf(stderr, "precompile: %s\n", err.msg); return 2; }
     for (int i = 0; i < n_ov; i++)
-        if (mt_config_set(&cfg, ov_key[i], ov_val[i], &err)) { fprintf(stderr, "precompile: %s\n", err.msg); return 2; }
+        if (mt_config_set(&cfg, ov_key[i], ov_val[i], &err)) { fprintf(stderr, "precompile: %s (see --help)\n", err.msg); return 2; }
     mt_target tgt;
     if (!strcmp(device, "cpu")) mt_target_cpu(&tgt);
     else if (!strcmp(device, "cuda")) {
@@ -88,6 +152,8 @@ int main(int argc, char **argv) {
     if (eager) mt_passes_none(&passes); else mt_passes_all(&passes);
     mt_graph g;
     double t0 = mt_now();
+    if (mt_config_validate(&cfg, &err)) { fprintf(stderr, "precompile: %s\n", err.msg); return 2; }
+    if (mt_mesh_validate(&mesh, &cfg, &err)) { fprintf(stderr, "precompile: %s\n", err.msg); return 2; }
     if (mt_compile(&g, &cfg, &mesh, &tgt, forward ? MT_GRAPH_FORWARD : MT_GRAPH_TRAIN, &passes, &err)) {
         fprintf(stderr, "precompile: %s\n", err.msg);
         return 1;

@@ -12,6 +12,8 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <signal.h>
 #include <sys/wait.h>
 
 static int n_pass, n_fail;
@@ -855,6 +857,63 @@ static void gpu_test_doc_mask_steps(void) {
     mt_graph_free(&gc); mt_graph_free(&gg);
 }
 
+/* Exact resume on the GPU: 20 steps = 10 + save + load + 10, bitwise (losses, grad norms, weights, bf16 copies, moments). */
+static int gpu_steps_from(mt_runtime *rt, const mt_config *c, int step0, int n, const mt_hparams *hp, double *loss, double *gnorm) {
+    int64_t N = (int64_t)c->batch * c->seq_len;
+    int32_t *tok = (int32_t *)malloc(4 * (size_t)N), *tgt = (int32_t *)malloc(4 * (size_t)N);
+    mt_err e;
+    int rc = 0;
+    for (int s = step0; s < step0 + n && !rc; s++) {
+        mt_rng r;
+        mt_rng_seed(&r, 177 + (uint64_t)s);
+        for (int64_t i = 0; i < N; i++) { tok[i] = (int32_t)(mt_rng_u64(&r) % (uint64_t)c->vocab_size); tgt[i] = (tok[i] * 5 + 1) % c->vocab_size; }
+        mt_step_stats st;
+        if (mt_runtime_step(rt, tok, tgt, s, hp, &st, &e)) { printf("  step: %s\n", e.msg); rc = -1; break; }
+        loss[s - step0] = st.loss;
+        gnorm[s - step0] = st.grad_norm;
+    }
+    free(tok); free(tgt);
+    return rc;
+}
+static void gpu_test_resume(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    mt_config_preset(&c, "tiny", &e);
+    if (gpu_compile(&g, &c, 1, 1, &e)) { report("gpu exact resume", 0, "%s", e.msg); return; }
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    hp.warmup_steps = 4; hp.decay_steps = 20;
+    enum { S = 20, H = 10 };
+    double la[S], na[S], lb[S], nb[S], lc[S], nc[S];
+    char dir[256];
+    snprintf(dir, sizeof dir, "/tmp/mt_gpu_resume_%ld", (long)getpid());
+    mt_runtime *a = gpu_runtime(&g, 0), *b = gpu_runtime(&g, 0), *r = gpu_runtime(&g, 1);
+    mt_run_state rs, back;
+    mt_run_state_init(&rs);
+    rs.step = H; rs.total_steps = S; rs.seed = 5; rs.hp = hp;
+    int step = -1;
+    int ok = a && b && r && !gpu_steps_from(a, &c, 0, S, &hp, la, na) && !gpu_steps_from(b, &c, 0, H, &hp, lb, nb) &&
+             !mt_runtime_init_params(r, 999, &e) && !mt_checkpoint_save_run(b, dir, &rs, &e) && !mt_checkpoint_read_run(dir, &back, &e) &&
+             !mt_checkpoint_load(r, dir, &step, &e) && step == H && !gpu_steps_from(r, &c, back.step, S - H, &back.hp, lc + H, nc + H);
+    memcpy(lc, lb, sizeof(double) * H); memcpy(nc, nb, sizeof(double) * H);
+    int same = ok && bitwise_equal(la, lc, S) && bitwise_equal(na, nc, S);
+    for (int i = 0; same && i < g.n_values; i++) {
+        const mt_value *v = &g.values[i];
+        if (v->role != MT_ROLE_PARAM && v->role != MT_ROLE_OPT) continue;
+        void *x = malloc((size_t)v->nbytes), *y = malloc((size_t)v->nbytes);
+        same = !mt_runtime_read(a, i, x, &e) && !mt_runtime_read(r, i, y, &e) && !memcmp(x, y, (size_t)v->nbytes);
+        free(x); free(y);
+    }
+    report("gpu exact resume: 20 steps = 10 + save + load + 10", same, "losses, grad norms, weights (f32 and bf16), moments bitwise%s%s",
+           ok ? "" : ": ", ok ? "" : e.msg);
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd)) printf("  could not remove %s\n", dir);
+    mt_runtime_destroy(a); mt_runtime_destroy(b); mt_runtime_destroy(r);
+    mt_graph_free(&g);
+}
+
 int main(void) {
     mt_err e;
     mt_rng_seed(&R, 42);
@@ -892,6 +951,7 @@ int main(void) {
     gpu_test_whole_steps();
     gpu_test_doc_mask_steps();
     gpu_test_multi_rank();
+    gpu_test_resume();
     mt_cuda_destroy(CU);
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
@@ -1316,8 +1376,24 @@ int main(void) {
 
 #else /* float32 tests */
 
+/* A per-process scratch path in /tmp: concurrent test runs do not collide. */
+static const char *TP(const char *name) {
+    static char buf[8][256];
+    static int k;
+    char *b = buf[k++ % 8];
+    snprintf(b, 256, "/tmp/mt_%ld_%s", (long)getpid(), name);
+    return b;
+}
+
 /* Run n steps; losses[i] out. Returns 0 on success. */
+static int run_steps_(mt_runtime *rt, const mt_config *c, int step0, int n, double *losses, const mt_hparams *hp, int quiet);
 static int run_steps(mt_runtime *rt, const mt_config *c, int step0, int n, double *losses, const mt_hparams *hp) {
+    return run_steps_(rt, c, step0, n, losses, hp, 0);
+}
+static int run_steps_quiet(mt_runtime *rt, const mt_config *c, int step0, int n, double *losses, const mt_hparams *hp) {
+    return run_steps_(rt, c, step0, n, losses, hp, 1);
+}
+static int run_steps_(mt_runtime *rt, const mt_config *c, int step0, int n, double *losses, const mt_hparams *hp, int quiet) {
     int64_t N = (int64_t)c->batch * c->seq_len;
     int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)N), *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)N);
     mt_err e;
@@ -1325,7 +1401,7 @@ static int run_steps(mt_runtime *rt, const mt_config *c, int step0, int n, doubl
     for (int s = 0; s < n && !rc; s++) {
         mt_step_stats st;
         make_batch(c, step0 + s, tok, tgt);
-        if (mt_runtime_step(rt, tok, tgt, step0 + s, hp, &st, &e)) { printf("  step: %s\n", e.msg); rc = -1; }
+        if (mt_runtime_step(rt, tok, tgt, step0 + s, hp, &st, &e)) { if (!quiet) printf("  step: %s\n", e.msg); rc = -1; }
         else losses[s] = st.loss;
     }
     free(tok); free(tgt);
@@ -1817,7 +1893,8 @@ static void test_checkpoint(void) {
     double straight[6], resumed[6];
     mt_runtime *a = make_runtime(&g, 2, 0, 11), *b = make_runtime(&g, 2, 0, 999);
     int ok = a && b && run_steps(a, &c, 0, 3, straight, &hp) == 0;
-    const char *dir = "/tmp/moetrain_test_ckpt";
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s", TP("ckpt"));
     ok &= mt_checkpoint_save(a, dir, 3, &e) == 0;
     int step = -1;
     ok &= mt_checkpoint_read_config(dir, &c2, &e) == 0 && mt_config_equal(&c, &c2);
@@ -1832,7 +1909,7 @@ static void test_checkpoint(void) {
 
     /* Hugging Face names and per-expert tensors are what is on disk */
     mt__st s;
-    int names = mt__st_open(&s, "/tmp/moetrain_test_ckpt/model.safetensors", &e) == 0;
+    int names = mt__st_open(&s, TP("ckpt/model.safetensors"), 1, &e) == 0;
     if (names) {
         names = mt__st_find(&s, "model.layers.1.mlp.experts.7.down_proj.weight") &&
                 mt__st_find(&s, "model.layers.2.self_attn.kv_a_proj_with_mqa.weight") &&
@@ -1848,29 +1925,29 @@ static void test_checkpoint(void) {
     /* a damaged or mismatched checkpoint is refused, the runtime untouched */
     uint8_t *bytes;
     size_t len;
-    mt_read_file("/tmp/moetrain_test_ckpt/model.safetensors", &bytes, &len, &e);
-    FILE *f = fopen("/tmp/moetrain_test_bad.safetensors", "wb");
+    mt_read_file(TP("ckpt/model.safetensors"), &bytes, &len, &e);
+    FILE *f = fopen(TP("bad.safetensors"), "wb");
     fwrite(bytes, 1, len / 2, f);
     fclose(f);
-    int r1 = mt_checkpoint_load(b, "/tmp/moetrain_test_bad.safetensors", NULL, &e) != 0;
+    int r1 = mt_checkpoint_load(b, TP("bad.safetensors"), NULL, &e) != 0;
     char m1[256];
     snprintf(m1, sizeof m1, "%s", e.msg);
     bytes[20] = '{';   /* break the JSON */
-    f = fopen("/tmp/moetrain_test_bad.safetensors", "wb");
+    f = fopen(TP("bad.safetensors"), "wb");
     fwrite(bytes, 1, len, f);
     fclose(f);
-    int r2 = mt_checkpoint_load(b, "/tmp/moetrain_test_bad.safetensors", NULL, &e) != 0;
+    int r2 = mt_checkpoint_load(b, TP("bad.safetensors"), NULL, &e) != 0;
     free(bytes);
     mt_config c3 = c;
     c3.dim = 96;
     mt_graph g3;
     compile_cpu(&g3, &c3, MT_GRAPH_TRAIN, 1, &e);
     mt_runtime *d = make_runtime(&g3, 1, 0, 1);
-    int r3 = d && mt_checkpoint_load(d, dir, NULL, &e) != 0 && strstr(e.msg, "shape");
+    int r3 = d && mt_checkpoint_load(d, dir, NULL, &e) != 0 && strstr(e.msg, "another model config") && strstr(e.msg, "dim 64 vs 96");
     report("bad checkpoints refused with a reason", r1 && r2 && r3, "%s | %s", m1, e.msg);
     mt_runtime_destroy(d);
     mt_graph_free(&g3);
-    remove("/tmp/moetrain_test_bad.safetensors");
+    remove(TP("bad.safetensors"));
     mt_runtime_destroy(a); mt_runtime_destroy(b);
     mt_graph_free(&g);
 }
@@ -1881,7 +1958,7 @@ static void test_checkpoint(void) {
 
 static void test_data(void) {
     mt_err e;
-    const char *p = "/tmp/moetrain_test.bin";
+    const char *p = TP("test.bin");
     int32_t hdr[256];
     memset(hdr, 0, sizeof hdr);
     hdr[0] = 20240520; hdr[1] = 1; hdr[2] = 5;
@@ -1979,6 +2056,849 @@ static void test_training_falls(void) {
     mt_data_free(&d);
     mt_runtime_destroy(rt);
     mt_graph_free(&g);
+}
+
+/* ======================================================================
+ * exact resume, atomic checkpoints, refusals, non-finite values
+ * ==================================================================== */
+
+/* Scratch directories carry the process id: concurrent test runs do not collide. */
+static void scratch_dir(char *out, size_t n, const char *tag) {
+    snprintf(out, n, "/tmp/mt_%s_%ld_XXXXXX", tag, (long)getpid());
+    if (!mkdtemp(out)) snprintf(out, n, "/tmp/mt_%s_%ld", tag, (long)getpid());
+}
+static void remove_tree(const char *d) {
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", d);
+    if (system(cmd)) printf("  could not remove %s\n", d);
+}
+static int count_files(const char *dir, const char *prefix, const char *suffix) {
+    DIR *d = opendir(dir);
+    int n = 0;
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        size_t l = strlen(e->d_name), ls = strlen(suffix);
+        n += !strncmp(e->d_name, prefix, strlen(prefix)) && l >= ls && !strcmp(e->d_name + l - ls, suffix);
+    }
+    if (d) closedir(d);
+    return n;
+}
+
+/* Weights (masters and compute copies) and AdamW moments of two runtimes of one graph: bitwise equal? */
+static int same_state(mt_runtime *a, mt_runtime *b) {
+    const mt_graph *g = mt_runtime_graph(a);
+    mt_err e;
+    int same = 1, n = 0;
+    for (int i = 0; same && i < g->n_values; i++) {
+        const mt_value *v = &g->values[i];
+        if (v->role != MT_ROLE_PARAM && v->role != MT_ROLE_OPT) continue;
+        void *x = malloc((size_t)v->nbytes), *y = malloc((size_t)v->nbytes);
+        same = !mt_runtime_read(a, i, x, &e) && !mt_runtime_read(b, i, y, &e) && !memcmp(x, y, (size_t)v->nbytes);
+        free(x); free(y);
+        n++;
+    }
+    return same && n > 0;
+}
+
+/* n steps on the data loader's batches from step0; losses and grad norms out. */
+static int data_steps(mt_runtime *rt, const mt_dataset *d, uint64_t seed, int step0, int n, const mt_hparams *hp, double *loss, double *gnorm) {
+    const mt_config *c = &mt_runtime_graph(rt)->cfg;
+    int64_t N = (int64_t)c->batch * c->seq_len;
+    int32_t *tok = (int32_t *)malloc(4 * (size_t)N), *tgt = (int32_t *)malloc(4 * (size_t)N);
+    mt_err e;
+    int rc = 0;
+    for (int s = 0; s < n && !rc; s++) {
+        mt_step_stats st;
+        if (mt_data_batch_at(d, seed, step0 + s, 0, 1, c->batch, c->seq_len, tok, tgt, &e) || mt_runtime_step(rt, tok, tgt, step0 + s, hp, &st, &e)) {
+            printf("  step %d: %s\n", step0 + s, e.msg);
+            rc = -1;
+        } else {
+            loss[s] = st.loss;
+            if (gnorm) gnorm[s] = st.grad_norm;
+        }
+    }
+    free(tok); free(tgt);
+    return rc;
+}
+
+static void small_tiny(mt_config *c) {
+    mt_err e;
+    mt_config_preset(c, "tiny", &e);
+    c->batch = 2; c->seq_len = 16; c->original_seq_len = 16;
+}
+
+static void test_resume_exact(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    mt_config_preset(&c, "tiny", &e);
+    c.batch = 4; c.seq_len = 32; c.original_seq_len = 32;
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("exact resume", 0, "%s", e.msg); return; }
+    mt_dataset d;
+    mt_data_default(&d, &e);
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    hp.warmup_steps = 4; hp.decay_steps = 20;   /* steps 10..19 are on the cosine */
+    enum { S = 20, H = 10 };
+    double la[S], na[S], lb[S], nb[S], lc[S], nc[S];
+    char dir[256];
+    scratch_dir(dir, sizeof dir, "resume");
+    mt_runtime *a = make_runtime(&g, 2, 0, 7), *b = make_runtime(&g, 2, 0, 7), *r = make_runtime(&g, 1, 1, 12345);
+    int ok = a && b && r && !data_steps(a, &d, 7, 0, S, &hp, la, na) && !data_steps(b, &d, 7, 0, H, &hp, lb, nb);
+    mt_run_state rs, back;
+    mt_run_state_init(&rs);
+    rs.step = H; rs.total_steps = S; rs.seed = 7; rs.hp = hp; rs.data_tokens = d.n; rs.data_hash = mt_data_hash(&d);
+    snprintf(rs.preset, sizeof rs.preset, "tiny");
+    int step = -1;
+    ok = ok && !mt_checkpoint_save_run(b, dir, &rs, &e) && !mt_checkpoint_read_run(dir, &back, &e) && !mt_checkpoint_load(r, dir, &step, &e) &&
+         step == H;
+    int same_run = ok && back.has_settings && back.step == H && back.total_steps == S && back.seed == 7 && !memcmp(&back.hp, &hp, sizeof hp) &&
+                   back.data_tokens == d.n && back.data_hash == rs.data_hash && !strcmp(back.preset, "tiny");
+    /* the resumed run: a fresh runtime (other init seed, 1 thread, poisoned arena) driven only by the checkpoint */
+    ok = ok && !data_steps(r, &d, back.seed, back.step, back.total_steps - back.step, &back.hp, lc + H, nc + H);
+    memcpy(lc, lb, sizeof(double) * H); memcpy(nc, nb, sizeof(double) * H);
+    int same = ok && bitwise_equal(la, lc, S) && bitwise_equal(na, nc, S) && same_state(a, r);
+    report("exact resume: 20 steps = 10 + save + load + 10", same && same_run, "losses, grad norms, weights, moments bitwise; loss %.6f at step 11%s%s",
+           ok ? la[H] : 0.0, ok ? "" : ": ", ok ? "" : e.msg);
+    remove_tree(dir);
+    mt_runtime_destroy(a); mt_runtime_destroy(b); mt_runtime_destroy(r);
+    mt_data_free(&d);
+    mt_graph_free(&g);
+}
+
+/* Save, then saves that fail or are killed half-way: the last committed checkpoint always loads, whole. */
+static void test_checkpoint_atomic(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    small_tiny(&c);
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("atomic checkpoints", 0, "%s", e.msg); return; }
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    char dir[256], blocker[320];
+    scratch_dir(dir, sizeof dir, "atomic");
+    double l[64];
+    mt_runtime *a = make_runtime(&g, 1, 0, 3), *ref = make_runtime(&g, 1, 0, 99), *x = make_runtime(&g, 1, 0, 98);
+    int ok = a && ref && x && !run_steps(a, &c, 0, 3, l, &hp) && !mt_checkpoint_save(a, dir, 3, &e) && !mt_checkpoint_load(ref, dir, NULL, &e);
+    /* a save that fails half-way (model.safetensors cannot be written) */
+    snprintf(blocker, sizeof blocker, "%s/model.safetensors.tmp", dir);
+    ok = ok && !run_steps(a, &c, 3, 2, l, &hp) && mkdir(blocker, 0755) == 0;
+    int failed = ok && mt_checkpoint_save(a, dir, 5, &e) != 0 && e.msg[0];
+    char why[300];
+    snprintf(why, sizeof why, "%s", e.msg);
+    int step = -1;
+    int kept = failed && !mt_checkpoint_load(x, dir, &step, &e) && step == 3 && same_state(x, ref);
+    rmdir(blocker);
+    int again = !mt_checkpoint_save(a, dir, 5, &e) && !mt_checkpoint_load(x, dir, &step, &e) && step == 5 && same_state(x, a) &&
+                count_files(dir, "optimizer", ".safetensors") == 1 && count_files(dir, "", ".tmp") == 0;
+    report("failed save leaves the previous checkpoint whole", kept && again, "\"%s\"; then saved and tidied", why);
+
+    /* saves killed at arbitrary moments: the reference trajectory from step 5 says what each step's loss must be */
+    enum { K = 48 };
+    double want[K + 2];
+    mt_runtime *tr = make_runtime(&g, 1, 0, 97);
+    ok = tr && !mt_checkpoint_load(tr, dir, NULL, &e) && !run_steps(tr, &c, 5, K + 2, want, &hp);
+    int rounds = 0, good = ok, seen_mid = 0, steps_seen = 0;
+    for (int round = 0; ok && round < 8; round++) {
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid == 0) {   /* keep training and saving until killed */
+            double ll;
+            mt_err ce;
+            for (int s = 5; s < 5 + K; s++)
+                if (run_steps(a, &c, s, 1, &ll, &hp) || mt_checkpoint_save(a, dir, s + 1, &ce)) _exit(3);
+            _exit(0);
+        }
+        struct timespec ts = {0, 4000000L * (round + 1) + 1700000L * (round % 3)};
+        nanosleep(&ts, NULL);
+        kill(pid, SIGKILL);
+        int status;
+        waitpid(pid, &status, 0);
+        seen_mid += count_files(dir, "", ".tmp") > 0 || count_files(dir, "optimizer", ".safetensors") > 1;
+        mt_runtime *y = make_runtime(&g, 1, 0, 96);
+        double got[2];
+        int s = -1;
+        good &= y && !mt_checkpoint_load(y, dir, &s, &e) && s >= 5 && s < 5 + K && !run_steps(y, &c, s, 2, got, &hp) &&
+                got[0] == want[s - 5] && got[1] == want[s - 5 + 1];
+        if (!good) printf("  round %d: step %d: %s\n", round, s, e.msg);
+        steps_seen += s;
+        mt_runtime_destroy(y);
+        rounds++;
+    }
+    report("saves killed mid-way: the last committed checkpoint loads", good && rounds == 8,
+           "%d kills (%d left partial files); each load continued the reference run bitwise", rounds, seen_mid);
+    remove_tree(dir);
+    mt_runtime_destroy(a); mt_runtime_destroy(ref); mt_runtime_destroy(x); mt_runtime_destroy(tr);
+    mt_graph_free(&g);
+}
+
+/* A safetensors file as the previous moetrain (and other tools) wrote them: no checksums. */
+static int write_plain_safetensors(const char *path, const mt__tensor *t, int n, const char *meta) {
+    mt__buf h;
+    memset(&h, 0, sizeof h);
+    mt__jfmt(&h, "{\"__metadata__\":{\"format\":\"pt\"");
+    mt__put(&h, meta, strlen(meta));
+    mt__put(&h, "}", 1);
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        mt__jfmt(&h, ",\"%s\":{\"dtype\":\"F32\",\"shape\":[", t[i].name);
+        for (int d = 0; d < t[i].ndim; d++) mt__jfmt(&h, "%s%lld", d ? "," : "", (long long)t[i].shape[d]);
+        mt__jfmt(&h, "],\"data_offsets\":[%lld,%lld]}", (long long)off, (long long)(off + 4 * t[i].numel));
+        off += 4 * t[i].numel;
+    }
+    mt__put(&h, "}", 1);
+    FILE *f = fopen(path, "wb");
+    uint8_t len8[8];
+    wr64(len8, h.n);
+    int ok = f && fwrite(len8, 1, 8, f) == 8 && fwrite(h.p, 1, h.n, f) == h.n;
+    for (int i = 0; ok && i < n; i++)
+        for (int64_t k = 0; ok && k < t[i].numel; k++) { float x = (float)t[i].src[k]; ok = fwrite(&x, 4, 1, f) == 1; }
+    if (f) ok &= !fclose(f);
+    free(h.p);
+    return ok ? 0 : -1;
+}
+
+/* What a checkpoint load refuses, each with a reason. */
+static void test_checkpoint_refusals(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    small_tiny(&c);
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("checkpoint refusals", 0, "%s", e.msg); return; }
+    char d1[256], d2[256], p[600], q[600];
+    scratch_dir(d1, sizeof d1, "ref1");
+    scratch_dir(d2, sizeof d2, "ref2");
+    mt_runtime *a = make_runtime(&g, 1, 0, 1), *b = make_runtime(&g, 1, 0, 2);
+    double l[2];
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    int ok = a && b && !run_steps(a, &c, 0, 1, l, &hp) && !mt_checkpoint_save(a, d1, 1, &e) && !mt_checkpoint_save(b, d2, 1, &e);
+    /* the optimizer file of another checkpoint, under the name this one expects */
+    mt_run_state rs;
+    int no_run = ok && !mt_checkpoint_read_run(d1, &rs, &e) && rs.step == 1 && !rs.has_settings;
+    snprintf(p, sizeof p, "cp %s/optimizer-step1.safetensors %s/optimizer-step1.safetensors", d2, d1);
+    int pair = ok && !system(p) && mt_checkpoint_load(b, d1, NULL, &e) != 0 && strstr(e.msg, "does not belong");
+    char m_pair[300];
+    snprintf(m_pair, sizeof m_pair, "%s", e.msg);
+    /* a missing optimizer file */
+    snprintf(p, sizeof p, "%s/optimizer-step1.safetensors", d1);
+    remove(p);
+    int missing = ok && mt_checkpoint_load(b, d1, NULL, &e) != 0 && strstr(e.msg, "optimizer-step1");
+    /* a tensor the model does not have (a well-formed, checksummed file) */
+    mt__tensor *t = NULL, *t2;
+    mt__staged *st = NULL;
+    int n = 0, ns = 0, extra = 0;
+    if (ok && !mt__tensors(b, MT_ROLE_PARAM, "", &t, &n, &st, &ns, &e) && (t2 = (mt__tensor *)realloc(t, sizeof *t * (size_t)(n + 1)))) {
+        t = t2;
+        t[n] = t[0];
+        snprintf(t[n].name, sizeof t[n].name, "model.layers.0.mlp.extra.weight");
+        mt__buf meta, file;
+        memset(&meta, 0, sizeof meta);
+        mt__meta_model(&meta, b, 1, NULL, NULL, 0);
+        uint64_t sum;
+        snprintf(q, sizeof q, "%s/model.safetensors", d2);
+        extra = !mt__st_build(&file, t, n + 1, &meta, &sum, &e) && !mt__write_atomic(q, file.p, file.n, NULL, 0, &e);
+        free(meta.p); free(file.p);
+        extra = extra && mt_checkpoint_load(b, d2, NULL, &e) != 0 && strstr(e.msg, "not part of this model");
+    }
+    char m_extra[300];
+    snprintf(m_extra, sizeof m_extra, "%s", e.msg);
+    free(t);
+    mt__staged_free(st, ns);
+    report("checkpoint refusals: foreign optimizer, missing file, extra tensor", pair && missing && extra && no_run,
+           "%.100s | %.100s", m_pair, m_extra);
+    /* the previous format (no checksums, optimizer.safetensors) still loads: weights and moments */
+    int legacy = 0;
+    mt__tensor *tm = NULL, *tv = NULL, *tp = NULL;
+    mt__staged *sm = NULL, *sv = NULL, *sp = NULL;
+    int nm = 0, nv = 0, np = 0, nsm = 0, nsv = 0, nsp = 0;
+    char d3[256];
+    scratch_dir(d3, sizeof d3, "legacy");
+    if (ok && !mt__tensors(a, MT_ROLE_PARAM, "", &tp, &np, &sp, &nsp, &e) && !mt__tensors(a, MT_ROLE_OPT, "exp_avg.", &tm, &nm, &sm, &nsm, &e) &&
+        !mt__tensors(a, MT_ROLE_OPT, "exp_avg_sq.", &tv, &nv, &sv, &nsv, &e)) {
+        mt__tensor *all = (mt__tensor *)malloc(sizeof *all * (size_t)(nm + nv));
+        for (int i = 0; i < nm + nv; i++) {
+            all[i] = i < nm ? tm[i] : tv[i - nm];
+            snprintf(all[i].name, sizeof all[i].name, "%s%.80s", i < nm ? "exp_avg." : "exp_avg_sq.", i < nm ? tm[i].name : tv[i - nm].name);
+        }
+        char meta[4096] = ",\"mt.step\":\"1\"";
+        for (int i = 0; i < mt_n_config_fields; i++) {
+            const mt_field *fl = &mt_config_fields[i];
+            const void *v = (const char *)&c + fl->offset;
+            if (fl->type == MT_FIELD_INT) snprintf(meta + strlen(meta), sizeof meta - strlen(meta), ",\"mt.%s\":\"%d\"", fl->name, *(const int *)v);
+            else snprintf(meta + strlen(meta), sizeof meta - strlen(meta), ",\"mt.%s\":\"%.9g\"", fl->name, (double)*(const float *)v);
+        }
+        snprintf(p, sizeof p, "%s/model.safetensors", d3);
+        snprintf(q, sizeof q, "%s/optimizer.safetensors", d3);
+        mt_runtime *y = make_runtime(&g, 1, 0, 77);
+        int step = -1;
+        legacy = y && !write_plain_safetensors(p, tp, np, meta) && !write_plain_safetensors(q, all, nm + nv, "") &&
+                 !mt_checkpoint_load(y, d3, &step, &e) && step == 1 && same_state(y, a) && !mt_checkpoint_read_run(d3, &rs, &e) &&
+                 !rs.has_settings;
+        if (!legacy) printf("  legacy: %s\n", e.msg);
+        mt_runtime_destroy(y);
+        free(all);
+    }
+    free(tm); free(tv); free(tp);
+    mt__staged_free(sm, nsm); mt__staged_free(sv, nsv); mt__staged_free(sp, nsp);
+    report("a checkpoint of the previous format (no checksums) still loads", legacy, NULL);
+    remove_tree(d3);
+    remove_tree(d1); remove_tree(d2);
+    mt_runtime_destroy(a); mt_runtime_destroy(b);
+    mt_graph_free(&g);
+}
+
+/* binding.nan_check: silent on healthy steps, names the first op on a sick one. */
+static void test_nan_check(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    small_tiny(&c);
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("nan check", 0, "%s", e.msg); return; }
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    double l1[4], l2[4];
+    mt_runtime *a = make_runtime(&g, 1, 1, 4), *b = make_runtime(&g, 1, 0, 4);
+    if (!a || !b) { report("nan check", 0, "no runtime"); return; }
+    mt_runtime_set_nan_check(a, 1);
+    int quiet = !run_steps(a, &c, 0, 4, l1, &hp) && !run_steps(b, &c, 0, 4, l2, &hp) && bitwise_equal(l1, l2, 4);
+    /* a NaN weight in layer 1: the first op that reads it is named, with the weight as its non-finite input */
+    int w = mt_graph_find(&g, "model.layers.1.self_attn.kv_b_proj.weight");
+    mt_real *buf = (mt_real *)malloc((size_t)g.values[w].nbytes);
+    mt_runtime_read(a, w, buf, &e);
+    mt_real keep = buf[5];
+    buf[5] = (mt_real)NAN;
+    mt_runtime_write(a, w, buf, &e);
+    int32_t tok[32], tgt[32];
+    make_batch(&c, 4, tok, tgt);
+    int found = mt_runtime_step(a, tok, tgt, 4, &hp, NULL, &e) != 0 && strstr(e.msg, "layer 1") && strstr(e.msg, "MATMUL") &&
+                strstr(e.msg, "input already non-finite") && strstr(e.msg, "kv_b_proj");
+    char m1[300];
+    snprintf(m1, sizeof m1, "%s", e.msg);
+    /* an overflow from finite inputs: a huge weight in layer 0 */
+    buf[5] = keep;
+    mt_runtime_write(a, w, buf, &e);
+    int w0 = mt_graph_find(&g, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight");
+    mt_real *big = (mt_real *)malloc((size_t)g.values[w0].nbytes);
+    for (int64_t i = 0; i < g.values[w0].nbytes / (int64_t)sizeof(mt_real); i++) big[i] = (mt_real)3e38;
+    mt_runtime_write(a, w0, big, &e);
+    int over = mt_runtime_step(a, tok, tgt, 4, &hp, NULL, &e) != 0 && strstr(e.msg, "layer 0") && strstr(e.msg, "inputs were finite");
+    report("--nan-check: quiet when healthy, names the first bad op", quiet && found && over, "%s | %.120s", m1, e.msg);
+    free(buf); free(big);
+    mt_runtime_destroy(a); mt_runtime_destroy(b);
+    mt_graph_free(&g);
+}
+
+/* ======================================================================
+ * fuzzing: the artifact loader, the safetensors loader, the data loaders
+ * Deterministic (seeded), bounded (a fixed number of inputs, and an alarm),
+ * run in a child process so that a signal or a hang is caught and reported
+ * with the input that caused it. Every input must be refused with a message,
+ * or (data) handled, or be loaded to exactly what the pristine file gives.
+ * ==================================================================== */
+
+typedef struct { int32_t kind, target; int64_t index; char msg[112]; } fuzz_rec;   /* child -> parent, 128 bytes */
+enum { FZ_PROGRESS, FZ_FAIL, FZ_DONE };
+enum { FZ_ARTIFACT, FZ_SAFETENSORS, FZ_DATA, FZ_NTARGETS };
+static const char *const fz_names[FZ_NTARGETS] = {"artifact loader", "safetensors loader", "data loaders"};
+typedef struct { int fd, target, scale; int64_t index, n[FZ_NTARGETS], accepted[FZ_NTARGETS], stepped, fails; mt_rng r; } fuzzer;
+
+static void fz_send(fuzzer *z, int kind, const char *msg) {
+    fuzz_rec rec;
+    memset(&rec, 0, sizeof rec);
+    rec.kind = kind; rec.target = z->target; rec.index = z->index;
+    if (msg) snprintf(rec.msg, sizeof rec.msg, "%s", msg);
+    if (write(z->fd, &rec, sizeof rec) != (ssize_t)sizeof rec) _exit(4);
+}
+static void fz_next(fuzzer *z) { z->index++; z->n[z->target]++; fz_send(z, FZ_PROGRESS, NULL); }
+static void fz_fail(fuzzer *z, const char *fmt, ...) {
+    char m[112];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(m, sizeof m, fmt, ap);
+    va_end(ap);
+    z->fails++;
+    fz_send(z, FZ_FAIL, m);
+}
+static uint64_t fz_u(fuzzer *z, uint64_t n) { return n ? mt_rng_u64(&z->r) % n : 0; }
+/* 1..4 random bytes set to random values (or bit flips); returns 1 if anything changed */
+static int fz_flip(fuzzer *z, uint8_t *b, const uint8_t *orig, size_t len, size_t lo, size_t hi) {
+    int k = 1 + (int)fz_u(z, 4);
+    for (int i = 0; i < k && hi > lo; i++) {
+        size_t at = lo + (size_t)fz_u(z, hi - lo);
+        b[at] = fz_u(z, 2) ? (uint8_t)(b[at] ^ (1u << fz_u(z, 8))) : (uint8_t)fz_u(z, 256);
+    }
+    return memcmp(b, orig, len) != 0;
+}
+static int fz_write(const char *path, const uint8_t *b, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return -1;
+    size_t w = n ? fwrite(b, 1, n, f) : 0;
+    return (fclose(f) || w != n) ? -1 : 0;
+}
+
+/* recompute an artifact's checksums where its table allows (semantic fuzzing) */
+static void fix_checksums_safe(uint8_t *b, size_t len) {
+    if (len < 24) return;
+    uint32_t ns = b[12] | b[13] << 8 | b[14] << 16 | (uint32_t)b[15] << 24;
+    if (ns > 64 || 24 + 32 * (size_t)ns + 8 > len) return;
+    size_t hdr = 24 + 32 * (size_t)ns + 8;
+    for (uint32_t i = 0; i < ns; i++) {
+        uint8_t *ent = b + 24 + 32 * i;
+        uint64_t off = rd64(ent + 8), l = rd64(ent + 16);
+        if (off <= len && l <= len - off) wr64(ent + 24, mt_hash(b + off, (size_t)l, MT_HASH_INIT));
+    }
+    wr64(b + hdr - 8, mt_hash(b, hdr - 8, MT_HASH_INIT));
+}
+
+/* base 0: a compiled training step (every kind of input); 1: eager; 2: forward only; 3: a 2-rank mesh
+ * with expert parallelism (the exchange nodes and coordinate symbols; loads, cannot run on one rank) */
+static void fuzz_artifact(fuzzer *z, int base) {
+    mt_config c;
+    mt_err e;
+    mt_graph g, out;
+    mt_mesh mesh;
+    mt_target tgt;
+    mt_passes passes;
+    small_tiny(&c);
+    z->target = FZ_ARTIFACT;
+    mt_mesh_single(&mesh);
+    mt_target_cpu(&tgt);
+    if (base == 1) mt_passes_none(&passes); else mt_passes_all(&passes);
+    if (base == 3 && mt_mesh_init(&mesh, 1, 2, 1, 2, &e)) { fz_fail(z, "mesh: %s", e.msg); return; }
+    if (mt_compile(&g, &c, &mesh, &tgt, base == 2 ? MT_GRAPH_FORWARD : MT_GRAPH_TRAIN, &passes, &e)) { fz_fail(z, "compile: %s", e.msg); return; }
+    uint8_t *good;
+    size_t len;
+    if (mt_artifact_write(&g, &good, &len, &e)) { fz_fail(z, "write: %s", e.msg); mt_graph_free(&g); return; }
+    uint8_t *b = (uint8_t *)malloc(2 * len + 64);
+    const uint32_t ns = 9;
+    const size_t hdr = 24 + 32 * ns + 8;
+    int runs = 0;
+    /* the oracle: refused with a message; or (checksums fixed) accepted, and then a step runs or is refused */
+#define FZ_REFUSED(bytes, n) do { e.msg[0] = 0; \
+        if (mt_artifact_read(&out, (bytes), (n), &e) == 0) { mt_graph_free(&out); fz_fail(z, "accepted a corrupt artifact"); } \
+        else if (!e.msg[0]) fz_fail(z, "refused without a message"); } while (0)
+    /* 1. truncated at every section boundary (and a byte either side), through the header, and at random */
+    for (uint32_t i = 0; base == 0 && i <= ns; i++) {
+        size_t at = i < ns ? (size_t)rd64(good + 24 + 32 * i + 8) : len;
+        for (int d = -1; d <= 1; d++) {
+            if (at + (size_t)d >= len || (i == ns && d >= 0)) continue;
+            fz_next(z); FZ_REFUSED(good, at + (size_t)d);
+        }
+    }
+    for (size_t cut = 0; base == 0 && cut < hdr; cut += 3) { fz_next(z); FZ_REFUSED(good, cut); }
+    for (int i = 0; i < (base ? 50 : 300); i++) { fz_next(z); FZ_REFUSED(good, (size_t)fz_u(z, len)); }
+    /* 2. random byte changes anywhere (the checksums must catch them) */
+    for (int i = 0; i < (base ? 300 : 1500) * z->scale; i++) {
+        memcpy(b, good, len);
+        int hdr_only = i % 3 == 0;
+        if (!fz_flip(z, b, good, len, 0, hdr_only ? hdr : len)) continue;
+        fz_next(z); FZ_REFUSED(b, len);
+    }
+    /* 3. garbage: random bytes, and random bytes behind a valid magic and version */
+    for (int i = 0; base == 0 && i < 300; i++) {
+        size_t n = (size_t)fz_u(z, 2 * len);
+        for (size_t k = 0; k < n; k++) b[k] = (uint8_t)fz_u(z, 256);
+        if (i % 2 && n >= 16) { memcpy(b, good, 16); if (n >= 24) wr64(b + 16, (uint64_t)n); }
+        fz_next(z); FZ_REFUSED(b, n);
+    }
+    /* 4. oversized length fields: file size, section count, section offsets and lengths, and the
+     *    counts inside sections, each with the checksums made consistent again */
+    const uint64_t huge[] = {0xffffffffffffffffull, 0x8000000000000000ull, 0xffffffffull, 0x7fffffffull, 0x80000000ull,
+                             (uint64_t)len, (uint64_t)len + 1, (uint64_t)len * 2, 1ull << 40};
+    for (size_t h = 0; base == 0 && h < sizeof huge / sizeof huge[0]; h++) {
+        size_t fields[2 + 2 * 9];
+        int nf = 0;
+        fields[nf++] = 16;   /* file size */
+        for (uint32_t s = 0; s < ns; s++) { fields[nf++] = 24 + 32 * s + 8; fields[nf++] = 24 + 32 * s + 16; }
+        for (int f = 0; f < nf; f++)
+            for (int fix = 0; fix < 2; fix++) {
+                memcpy(b, good, len);
+                wr64(b + fields[f], huge[h]);
+                if (fix) fix_checksums_safe(b, len);
+                if (!memcmp(b, good, len)) continue;   /* the value it already had */
+                fz_next(z);
+                if (mt_artifact_read(&out, b, len, &e) == 0) {
+                    mt_graph_free(&out);
+                    fz_fail(z, "accepted %llu at byte %zu of the header", (unsigned long long)huge[h], fields[f]);
+                }
+            }
+        /* the section count (u32) and the counts inside sections (u32): config fields, mesh dimensions,
+         * symbols, values, nodes, tuning entries, well-known values, fingerprint text length */
+        const size_t count_at[9] = {28, 0, 0, 0, 0, (size_t)-1, 0, 32, 8};
+        for (uint32_t s = 0; s <= ns; s++) {
+            memcpy(b, good, len);
+            if (s < ns && count_at[s] == (size_t)-1) continue;   /* the constants section is raw bytes */
+            size_t at = s == ns ? 12 : (size_t)rd64(good + 24 + 32 * s + 8) + count_at[s];
+            if (at + 4 > len) continue;
+            uint32_t v = (uint32_t)huge[h];
+            for (int k = 0; k < 4; k++) b[at + (size_t)k] = (uint8_t)(v >> (8 * k));
+            if (!memcmp(b, good, len)) continue;
+            fix_checksums_safe(b, len);
+            fz_next(z);
+            if (mt_artifact_read(&out, b, len, &e) == 0) { mt_graph_free(&out); fz_fail(z, "accepted a count of %u in section %u", v, s); }
+        }
+    }
+    /* 5. semantic fuzzing: integer fields of the sections set to boundary values, checksums consistent */
+    const int32_t edge[] = {0, 1, -1, -2, 2, 3, 7, 64, 65536, 0x7fffffff, (int32_t)0x80000000, g.n_values, g.n_values - 1, g.n_nodes};
+    for (int i = 0; i < (base ? 800 : 2500) * z->scale; i++) {
+        memcpy(b, good, len);
+        int k = 1 + (int)fz_u(z, 3);
+        for (int m = 0; m < k; m++) {
+            size_t at = (hdr + (size_t)fz_u(z, len - hdr)) & ~(size_t)3;
+            int32_t v = fz_u(z, 3) ? edge[fz_u(z, sizeof edge / sizeof edge[0])] : (int32_t)fz_u(z, (uint64_t)g.n_values + 2) - 1;   /* or another value id */
+            for (int q = 0; q < 4 && at + (size_t)q < len; q++) b[at + (size_t)q] = (uint8_t)((uint32_t)v >> (8 * q));
+        }
+        if (!memcmp(b, good, len)) continue;
+        fix_checksums_safe(b, len);
+        fz_next(z);
+        e.msg[0] = 0;
+        if (mt_artifact_read(&out, b, len, &e) == 0) {
+            z->accepted[FZ_ARTIFACT]++;   /* a consistent graph that differs: it must run, or refuse to, without a crash */
+            if (base != 3 && runs++ < 40 * z->scale) {
+                z->stepped++;
+                mt_binding bd;
+                mt_runtime *rt;
+                mt_binding_single(&bd);
+                bd.n_threads = 1; bd.poison = 1;
+                if (!mt_runtime_create(&rt, &out, &bd, &e)) {
+                    mt_hparams hp;
+                    mt_hparams_default(&hp);
+                    double l;
+                    if (!mt_runtime_init_params(rt, 1, &e)) run_steps_quiet(rt, &out.cfg, 0, 1, &l, &hp);
+                    mt_runtime_destroy(rt);
+                }
+            }
+            mt_graph_free(&out);
+        } else if (!e.msg[0]) {
+            fz_fail(z, "refused without a message");
+        }
+    }
+#undef FZ_REFUSED
+    free(b); free(good);
+    mt_graph_free(&g);
+}
+
+/* A model that saves in a few kilobytes. */
+static void micro_config(mt_config *c) {
+    mt_err e;
+    mt_config_preset(c, "tiny", &e);
+    c->dim = 16; c->n_layers = 2; c->n_dense_layers = 1; c->n_heads = 2;
+    c->kv_lora_rank = 8; c->qk_nope_head_dim = 4; c->qk_rope_head_dim = 2; c->v_head_dim = 4;
+    c->inter_dim = 24; c->moe_inter_dim = 8; c->n_routed_experts = 4; c->top_k = 2; c->n_shared_experts = 1;
+    c->vocab_size = 32; c->seq_len = 8; c->batch = 2; c->original_seq_len = 8;
+}
+
+/* Positions worth cutting a safetensors file at: the header length, the header's end, every tensor's data range. */
+static int st_cuts(const uint8_t *f, size_t len, size_t *cuts, int cap) {
+    mt__st s;
+    mt_err e;
+    memset(&s, 0, sizeof s);
+    s.file = (uint8_t *)f; s.len = len; s.borrowed = 1;
+    s.hl = rd64(f); s.data = f + 8 + s.hl; s.data_len = len - 8 - (size_t)s.hl;
+    int n = 0;
+    if (!mt__st_parse(&s, "fuzz", &e)) {
+        cuts[n++] = 8; cuts[n++] = 8 + (size_t)s.hl;
+        for (int i = 0; i < s.n && n + 2 < cap; i++) { cuts[n++] = 8 + (size_t)s.hl + (size_t)s.t[i].begin; cuts[n++] = 8 + (size_t)s.hl + (size_t)s.t[i].end; }
+    }
+    mt__st_free(&s);
+    return n;
+}
+
+static void fuzz_safetensors(fuzzer *z) {
+    mt_config c, c2;
+    mt_err e;
+    mt_graph g;
+    micro_config(&c);
+    z->target = FZ_SAFETENSORS;
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { fz_fail(z, "compile: %s", e.msg); return; }
+    char dir[256], work[256], mpath[400], opath[400], fpath[400];
+    scratch_dir(dir, sizeof dir, "fzst");
+    scratch_dir(work, sizeof work, "fzwk");
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    double l[2];
+    mt_run_state rs, back;
+    mt_run_state_init(&rs);
+    rs.step = 2; rs.total_steps = 9; rs.seed = 5; snprintf(rs.data, sizeof rs.data, "some \"quoted\\path\"\n.bin");
+    mt_runtime *a = make_runtime(&g, 1, 0, 1), *ref = make_runtime(&g, 1, 0, 2), *x = make_runtime(&g, 1, 0, 3);
+    if (!a || !ref || !x || run_steps(a, &c, 0, 2, l, &hp) || mt_checkpoint_save_run(a, dir, &rs, &e) || mt_checkpoint_load(ref, dir, NULL, &e)) {
+        fz_fail(z, "setup: %s", e.msg);
+        return;
+    }
+    /* the pristine files */
+    uint8_t *gm, *go, *b;
+    size_t lm, lo;
+    snprintf(mpath, sizeof mpath, "%s/model.safetensors", dir);
+    snprintf(opath, sizeof opath, "%s/optimizer-step2.safetensors", dir);
+    if (mt_read_file(mpath, &gm, &lm, &e) || mt_read_file(opath, &go, &lo, &e)) { fz_fail(z, "read: %s", e.msg); return; }
+    b = (uint8_t *)malloc(2 * (lm > lo ? lm : lo) + 64);
+    snprintf(mpath, sizeof mpath, "%s/model.safetensors", work);
+    snprintf(opath, sizeof opath, "%s/optimizer-step2.safetensors", work);
+    mt_checkpoint_read_run(dir, &back, &e);
+    int roundtrip = !strcmp(back.data, rs.data);
+    if (!roundtrip) fz_fail(z, "run state did not round-trip: '%s'", back.data);
+    /* one input: the model file (which = 0) or the optimizer file (1) replaced by bytes[0, n) */
+    int64_t accepted = 0;
+#define FZ_INPUT(which, bytes, n) do { \
+        fz_next(z); \
+        if (fz_write(mpath, (which) ? gm : (bytes), (which) ? lm : (n)) || fz_write(opath, (which) ? (bytes) : go, (which) ? (n) : lo)) { \
+            fz_fail(z, "cannot write %s", work); break; } \
+        int ok_c = !mt_checkpoint_read_config(work, &c2, &e), ok_r; \
+        if (ok_c && !mt_config_equal(&c, &c2)) fz_fail(z, "read a different config from a corrupt file"); \
+        if (!ok_c && !e.msg[0]) fz_fail(z, "config refused without a message"); \
+        mt_run_state rr; \
+        e.msg[0] = 0; ok_r = !mt_checkpoint_read_run(work, &rr, &e); \
+        if (ok_r && (rr.step != back.step || rr.seed != back.seed || strcmp(rr.data, back.data) || memcmp(&rr.hp, &back.hp, sizeof rr.hp))) \
+            fz_fail(z, "read a different run state from a corrupt file"); \
+        if (!ok_r && !e.msg[0]) fz_fail(z, "run state refused without a message"); \
+        e.msg[0] = 0; \
+        if (!mt_checkpoint_load(x, work, NULL, &e)) { \
+            accepted++; \
+            if (!same_state(x, ref)) fz_fail(z, "loaded different weights from a corrupt file"); \
+        } else if (!e.msg[0]) fz_fail(z, "load refused without a message"); \
+    } while (0)
+    for (int which = 0; which < 2; which++) {
+        const uint8_t *base = which ? go : gm;
+        size_t len = which ? lo : lm;
+        size_t hl = (size_t)rd64(base), cuts[4096];
+        int nc = st_cuts(base, len, cuts, 4096);
+        /* 1. truncations: at every section and tensor boundary (and a byte either side), and at random */
+        for (int i = 0; i < nc; i += (nc > 400 ? 3 : 1))
+            for (int d = -1; d <= 1; d++)
+                if (cuts[i] + (size_t)d < len) FZ_INPUT(which, base, cuts[i] + (size_t)d);
+        for (int i = 0; i < 150; i++) FZ_INPUT(which, base, (size_t)fz_u(z, len));
+        /* 2. random byte changes: in the header (most), anywhere */
+        for (int i = 0; i < (which ? 250 : 700) * z->scale; i++) {
+            memcpy(b, base, len);
+            if (!fz_flip(z, b, base, len, 0, i % 4 ? 8 + hl : len)) continue;
+            FZ_INPUT(which, b, len);
+        }
+        /* 3. JSON edits: a digit changed, a character deleted or doubled */
+        for (int i = 0; i < (which ? 100 : 300) * z->scale; i++) {
+            size_t at = 8 + (size_t)fz_u(z, hl), n = len;
+            memcpy(b, base, len);
+            int kind = (int)fz_u(z, 3);
+            if (kind == 0) { size_t k = at; while (k < 8 + hl && !(b[k] >= '0' && b[k] <= '9')) k++; if (k == 8 + hl) continue; b[k] = (uint8_t)('0' + (b[k] - '0' + 1 + fz_u(z, 9)) % 10); }
+            else if (kind == 1) { memmove(b + at, b + at + 1, len - at - 1); n = len - 1; }
+            else { memmove(b + at + 1, b + at, len - at); n = len + 1; }
+            FZ_INPUT(which, b, n);
+        }
+        /* 4. garbage, and oversized or wrong header lengths */
+        for (int i = 0; i < 60; i++) {
+            size_t n = (size_t)fz_u(z, len + 64);
+            for (size_t k = 0; k < n; k++) b[k] = (uint8_t)fz_u(z, 256);
+            if (i % 2 && n > 16) { memcpy(b, base, 8); memcpy(b + 8, "{\"", 2); }
+            FZ_INPUT(which, b, n);
+        }
+        const uint64_t hls[] = {0, 1, 2, 7, hl - 1, hl + 1, hl + 8, len - 8, len - 7, len, 1ull << 31, 100000001ull, 0x7fffffffffffffffull, ~0ull};
+        for (size_t i = 0; i < sizeof hls / sizeof hls[0]; i++) {
+            memcpy(b, base, len);
+            wr64(b, hls[i]);
+            FZ_INPUT(which, b, len);
+        }
+    }
+    /* 5. header edits with the header checksum made consistent again: the tensor table's own checks
+     *    (dtype, shape, byte ranges tiling the data, names) must refuse, or the load must go through safely */
+    {
+        size_t hl = (size_t)rd64(gm);
+        const char *key = "\"mt.header_sum\":\"";
+        const uint8_t *hs = NULL;
+        for (size_t k = 8; k + strlen(key) + 16 < 8 + hl && !hs; k++) if (!memcmp(gm + k, key, strlen(key))) hs = gm + k + strlen(key);
+        for (int i = 0; hs && i < 400 * z->scale; i++) {
+            memcpy(b, gm, lm);
+            int k = 1 + (int)fz_u(z, 2);
+            for (int m = 0; m < k; m++) {   /* a digit, or a dtype letter, changed in place */
+                size_t at = 8 + (size_t)fz_u(z, hl), q = at;
+                while (q < 8 + hl && !(b[q] >= '0' && b[q] <= '9') && b[q] != 'F') q++;
+                if (q == 8 + hl || (size_t)(hs - gm) <= q + 16) continue;
+                if (b[q] == 'F') { if (q + 2 < 8 + hl && b[q + 1] == '3') { b[q + 1] = fz_u(z, 2) ? '6' : '1'; b[q + 2] = fz_u(z, 2) ? '4' : '6'; } }
+                else b[q] = (uint8_t)('0' + fz_u(z, 10));
+            }
+            mt__st ps;
+            memset(&ps, 0, sizeof ps);
+            ps.file = b; ps.len = lm; ps.borrowed = 1; ps.hl = hl; ps.data = b + 8 + hl; ps.data_len = lm - 8 - hl;
+            if (!mt__st_parse(&ps, "fuzz", &e)) {
+                char hex[24];
+                snprintf(hex, sizeof hex, "%016llx", (unsigned long long)ps.header_sum);
+                memcpy(b + (hs - gm), hex, 16);
+            }
+            mt__st_free(&ps);
+            if (!memcmp(b, gm, lm)) continue;
+            fz_next(z);
+            if (fz_write(mpath, b, lm) || fz_write(opath, go, lo)) { fz_fail(z, "cannot write %s", work); break; }
+            e.msg[0] = 0;
+            if (mt_checkpoint_read_config(work, &c2, &e) && !e.msg[0]) fz_fail(z, "config refused without a message");
+            e.msg[0] = 0;
+            if (!mt_checkpoint_load(x, work, NULL, &e)) z->accepted[FZ_SAFETENSORS]++;
+            else if (!e.msg[0]) fz_fail(z, "refused without a message");
+        }
+    }
+    /* 6. a foreign file (no moetrain metadata, so no checksums): anything may load, nothing may crash */
+    {
+        const char *hdrs[] = {
+            "{\"model.norm.weight\":{\"dtype\":\"F32\",\"shape\":[16],\"data_offsets\":[0,64]}}",
+            "{\"__metadata__\":{\"format\":\"pt\"},\"model.norm.weight\":{\"dtype\":\"BF16\",\"shape\":[16],\"data_offsets\":[0,32]},"
+            "\"lm_head.weight\":{\"dtype\":\"F16\",\"shape\":[32,16],\"data_offsets\":[32,1056]}}",
+            "{\"model.norm.weight\":{\"dtype\":\"F32\",\"shape\":[16],\"data_offsets\":[0,64]},"   /* overlapping */
+            "\"model.layers.0.input_layernorm.weight\":{\"dtype\":\"F32\",\"shape\":[16],\"data_offsets\":[0,64]}}"};
+        snprintf(fpath, sizeof fpath, "%s/foreign.safetensors", work);
+        mt_graph gf;
+        mt_runtime *f = !compile_cpu(&gf, &c, MT_GRAPH_FORWARD, 1, &e) ? make_runtime(&gf, 1, 0, 4) : NULL;
+        for (int h = 0; f && h < 3; h++) {
+            size_t hl = strlen(hdrs[h]), len = 8 + hl + 1056 + 64;
+            uint8_t *base = (uint8_t *)calloc(len, 1);
+            wr64(base, hl);
+            memcpy(base + 8, hdrs[h], hl);
+            len = 8 + hl + (h == 1 ? 1056 : 64);
+            fz_next(z);   /* the file as it is: the overlap must be refused */
+            if (h == 2 && (fz_write(fpath, base, len) || !mt_checkpoint_load(f, fpath, NULL, &e) || !strstr(e.msg, "overlapping")))
+                fz_fail(z, "overlapping tensors not refused: %s", e.msg);
+            for (int i = 0; i < 200 * z->scale; i++) {
+                memcpy(b, base, len);
+                size_t n = len;
+                if (i % 5 == 0) n = (size_t)fz_u(z, len);
+                else fz_flip(z, b, base, len, 0, 8 + hl);
+                fz_next(z);
+                if (fz_write(fpath, b, n)) { fz_fail(z, "cannot write"); break; }
+                e.msg[0] = 0;
+                if (mt_checkpoint_load(f, fpath, NULL, &e) && !e.msg[0]) fz_fail(z, "foreign file refused without a message");
+            }
+            free(base);
+        }
+        if (f) { mt_runtime_destroy(f); mt_graph_free(&gf); }
+    }
+#undef FZ_INPUT
+    z->accepted[FZ_SAFETENSORS] += accepted;
+    free(gm); free(go); free(b);
+    remove_tree(dir); remove_tree(work);
+    mt_runtime_destroy(a); mt_runtime_destroy(ref); mt_runtime_destroy(x);
+    mt_graph_free(&g);
+}
+
+/* Data: an accepted file must give tokens the batches can read safely. */
+static void fz_check_data(fuzzer *z, const char *path) {
+    mt_dataset d;
+    mt_err e;
+    e.msg[0] = 0;
+    if (mt_data_load(&d, path, &e)) { if (!e.msg[0]) fz_fail(z, "data refused without a message"); return; }
+    z->accepted[FZ_DATA]++;
+    int mx = 0, bad = d.n < 2;
+    for (int64_t i = 0; i < d.n && !bad; i++) { bad = d.tokens[i] < 0; if (d.tokens[i] > mx) mx = d.tokens[i]; }
+    if (bad || mx != d.max_token) fz_fail(z, "data accepted with inconsistent tokens (n %lld)", (long long)d.n);
+    int T = d.n - 1 < 16 ? (int)(d.n - 1) : 16;
+    int32_t tok[2 * 16], tgt[2 * 16];
+    for (int s = 0; s < 4 && !bad; s++) {
+        if (mt_data_batch_at(&d, 1, s, 0, 1, 2, T, tok, tgt, &e)) { fz_fail(z, "batch refused on accepted data: %s", e.msg); break; }
+        for (int i = 0; i < 2 * T; i++) if (tok[i] < 0 || tok[i] > d.max_token || tgt[i] < 0 || tgt[i] > d.max_token) { fz_fail(z, "batch out of the data"); break; }
+    }
+    (void)mt_data_hash(&d);
+    mt_data_free(&d);
+}
+static void fuzz_data(fuzzer *z) {
+    char dir[256], path[400];
+    z->target = FZ_DATA;
+    scratch_dir(dir, sizeof dir, "fzdt");
+    snprintf(path, sizeof path, "%s/shard.bin", dir);
+    for (int kind = 0; kind < 2; kind++) {   /* llm.c uint16 (v1) and uint32 (v7) shards */
+        int width = kind ? 4 : 2, n = 700;
+        size_t len = 1024 + (size_t)n * (size_t)width;
+        uint8_t *base = (uint8_t *)calloc(len + 16, 1), *b = (uint8_t *)calloc(2 * len + 16, 1);
+        int32_t hdr[3] = {kind ? 20240801 : 20240520, kind ? 7 : 1, n};
+        memcpy(base, hdr, sizeof hdr);
+        for (int i = 0; i < n; i++) {
+            uint32_t t = (uint32_t)fz_u(z, kind ? 100000 : 65536);
+            memcpy(base + 1024 + (size_t)i * (size_t)width, &t, (size_t)width);
+        }
+        const size_t cuts[] = {0, 1, 2, 4, 8, 11, 12, 13, 1023, 1024, 1025, 1024 + (size_t)width, len - 1};
+        for (size_t i = 0; i < sizeof cuts / sizeof cuts[0]; i++) { fz_next(z); fz_write(path, base, cuts[i]); fz_check_data(z, path); }
+        for (int i = 0; i < 120; i++) { fz_next(z); fz_write(path, base, (size_t)fz_u(z, len)); fz_check_data(z, path); }
+        for (int i = 0; i < 250 * z->scale; i++) {   /* changes in the header fields, and anywhere */
+            memcpy(b, base, len);
+            fz_flip(z, b, base, len, 0, i % 2 ? 12 : len);
+            fz_next(z); fz_write(path, b, len); fz_check_data(z, path);
+        }
+        const int32_t counts[] = {0, 1, 2, -1, -700, n - 1, n + 1, 0x7fffffff, (int32_t)0x80000000, (int32_t)(len / 2)};
+        for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++) {   /* oversized (and undersized) length fields */
+            memcpy(b, base, len);
+            memcpy(b + 8, &counts[i], 4);
+            fz_next(z); fz_write(path, b, len); fz_check_data(z, path);
+        }
+        free(base); free(b);
+    }
+    uint8_t *g = (uint8_t *)malloc(5000);
+    for (int i = 0; i < 150; i++) {   /* garbage: raw bytes of any length, some behind a shard magic */
+        size_t n = (size_t)fz_u(z, i % 3 ? 40 : 5000);
+        for (size_t k = 0; k < n; k++) g[k] = (uint8_t)fz_u(z, 256);
+        if (i % 4 == 0 && n >= 12) { int32_t m = i % 8 ? 20240520 : 20240801; memcpy(g, &m, 4); }
+        fz_next(z); fz_write(path, g, n); fz_check_data(z, path);
+    }
+    free(g);
+    remove_tree(dir);
+}
+
+static void test_fuzz(void) {
+    int fds[2];
+    if (pipe(fds)) { report("fuzz", 0, "no pipe"); return; }
+    fflush(stdout);
+    double t0 = mt_now();
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(fds[0]);
+        alarm(600);   /* a hang ends here: the parent reports it */
+        fuzzer z;
+        memset(&z, 0, sizeof z);
+        z.fd = fds[1];
+        z.scale = getenv("MT_FUZZ_SCALE") ? atoi(getenv("MT_FUZZ_SCALE")) : 1;   /* longer campaigns: more inputs of each kind */
+        if (z.scale < 1) z.scale = 1;
+        alarm(600 * (unsigned)z.scale);
+        mt_rng_seed(&z.r, 20240909);
+        for (int base = 0; base < 4; base++) fuzz_artifact(&z, base);
+        fuzz_safetensors(&z);
+        fuzz_data(&z);
+        fuzz_rec rec;
+        memset(&rec, 0, sizeof rec);
+        rec.kind = FZ_DONE;
+        snprintf(rec.msg, sizeof rec.msg, "%lld %lld %lld %lld %lld %lld %lld", (long long)z.n[0], (long long)z.n[1], (long long)z.n[2],
+                 (long long)z.accepted[0], (long long)z.accepted[1], (long long)z.accepted[2], (long long)z.stepped);
+        if (write(fds[1], &rec, sizeof rec) != (ssize_t)sizeof rec) _exit(4);
+        _exit(0);
+    }
+    close(fds[1]);
+    fuzz_rec rec, last;
+    memset(&last, 0, sizeof last);
+    long long n[3] = {0, 0, 0}, acc[3] = {0, 0, 0}, stepped = 0;
+    int fails[FZ_NTARGETS] = {0, 0, 0}, done = 0;
+    char first[FZ_NTARGETS][200];
+    memset(first, 0, sizeof first);
+    ssize_t got;
+    while ((got = read(fds[0], &rec, sizeof rec)) == (ssize_t)sizeof rec) {
+        if (rec.kind == FZ_PROGRESS) last = rec;
+        else if (rec.kind == FZ_FAIL && rec.target >= 0 && rec.target < FZ_NTARGETS) {
+            if (!fails[rec.target]++) snprintf(first[rec.target], sizeof first[0], "input #%lld: %s", (long long)rec.index, rec.msg);
+        } else if (rec.kind == FZ_DONE) {
+            done = sscanf(rec.msg, "%lld %lld %lld %lld %lld %lld %lld", &n[0], &n[1], &n[2], &acc[0], &acc[1], &acc[2], &stepped) == 7;
+        }
+    }
+    close(fds[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    double secs = mt_now() - t0;
+    if (!done || !WIFEXITED(status) || WEXITSTATUS(status)) {
+        char why[64];
+        if (WIFSIGNALED(status)) snprintf(why, sizeof why, "%s %d", WTERMSIG(status) == SIGALRM ? "hang or too slow: signal" : "signal", WTERMSIG(status));
+        else snprintf(why, sizeof why, "exit status %d", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+        report("fuzz: the fuzzer finished", 0, "%s at input #%lld (%s)", why, (long long)last.index, fz_names[last.target]);
+        return;
+    }
+    report("fuzz: artifact loader", !fails[0] && n[0] > 5000, "%lld inputs: every corrupt one refused with a message; %lld checksum-consistent mutants loaded (%lld of them stepped)%s%s",
+           n[0], acc[0], stepped, fails[0] ? "; FIRST FAILURE " : "", first[0]);
+    report("fuzz: safetensors loader", !fails[1] && n[1] > 2000, "%lld inputs: refused with a message, or loaded as the pristine file (%lld checksum-consistent edits loaded)%s%s",
+           n[1], acc[1], fails[1] ? "; FIRST FAILURE " : "", first[1]);
+    report("fuzz: data loaders", !fails[2] && n[2] > 800, "%lld inputs: refused with a message, or read safely (%lld)%s%s", n[2], acc[2],
+           fails[2] ? "; FIRST FAILURE " : "", first[2]);
+    printf("fuzz: %lld inputs in %.1f s (artifact %lld, safetensors %lld, data %lld), no signal, hang or silent acceptance\n",
+           n[0] + n[1] + n[2], secs, n[0], n[1], n[2]);
 }
 
 /* ======================================================================
@@ -2145,43 +3065,55 @@ static void keep_loss_lines(char *s) {   /* keep only "step N | loss X" */
     *w = 0;
 }
 
+/* The CLIs under test: ./train and ./precompile, or those in $MT_BIN (the sanitizer build). */
+static const char *BIN = "./";
+static int sh(char *out, size_t cap, const char *fmt, ...) {
+    char cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    return run_cmd(cmd, out, cap);
+}
+
 static void test_cli(void) {
     static char a[65536], b[65536], c[4 << 20];
-    int ra = run_cmd("./precompile --preset tiny -o /tmp/moetrain_cli.mtg 2>&1 && ./train --graph /tmp/moetrain_cli.mtg --steps 8 --seed 1 2>&1", a, sizeof a);
-    int rb = run_cmd("./train --preset tiny --steps 8 --seed 1 2>&1", b, sizeof b);
+    const char *mtg = TP("cli.mtg"), *bad = TP("cli_bad.mtg"), *data = TP("cli_data.bin");
+    int ra = sh(a, sizeof a, "%sprecompile --preset tiny -o %s 2>&1 && %strain --graph %s --steps 8 --seed 1 2>&1", BIN, mtg, BIN, mtg);
+    int rb = sh(b, sizeof b, "%strain --preset tiny --steps 8 --seed 1 2>&1", BIN);
     keep_loss_lines(a); keep_loss_lines(b);
     report("CLI: precompile + train --graph = in-process", ra == 0 && rb == 0 && strlen(a) > 50 && !strcmp(a, b), "%s",
            ra || rb ? "a command failed" : "");
-    int rd = run_cmd("./precompile --dump /tmp/moetrain_cli.mtg 2>&1", c, sizeof c);
+    int rd = sh(c, sizeof c, "%sprecompile --dump %s 2>&1", BIN, mtg);
     report("CLI: precompile --dump prints the plan", rd == 0 && strstr(c, "== nodes") && strstr(c, "== memory plan") &&
            strstr(c, "== collectives") && strstr(c, "ep_recv_tokens"), NULL);
     /* a corrupted artifact: non-zero exit, no signal, a message naming the problem */
     uint8_t *bytes;
     size_t len;
     mt_err e;
-    mt_read_file("/tmp/moetrain_cli.mtg", &bytes, &len, &e);
+    mt_read_file(mtg, &bytes, &len, &e);
     bytes[len / 2] ^= 0x10;
-    FILE *f = fopen("/tmp/moetrain_cli_bad.mtg", "wb");
+    FILE *f = fopen(bad, "wb");
     fwrite(bytes, 1, len, f);
     fclose(f);
     free(bytes);
-    int rc = run_cmd("./train --graph /tmp/moetrain_cli_bad.mtg --steps 1 2>&1", c, sizeof c);
-    report("CLI: corrupted artifact -> clean refusal", rc != 0 && rc != 1000 && strstr(c, "checksum mismatch"), "exit %d: %.100s", rc, c);
-    rc = run_cmd("./train --steps x 2>&1", c, sizeof c);
-    int rc2 = run_cmd("./train --preset tiny --top-k 99 --steps 1 2>&1", b, sizeof b);
-    int rc3 = run_cmd("./train --data /nonexistent --steps 1 2>&1", a, sizeof a);
+    int rc = sh(c, sizeof c, "%strain --graph %s --steps 1 2>&1", BIN, bad);
+    report("CLI: corrupted artifact -> clean refusal", rc == 1 && strstr(c, "checksum mismatch"), "exit %d: %.100s", rc, c);
+    rc = sh(c, sizeof c, "%strain --steps x 2>&1", BIN);
+    int rc2 = sh(b, sizeof b, "%strain --preset tiny --top-k 99 --steps 1 2>&1", BIN);
+    int rc3 = sh(a, sizeof a, "%strain --data /nonexistent --steps 1 2>&1", BIN);
     report("CLI: bad flags and files refused", rc == 2 && rc2 == 2 && rc3 == 1 && strstr(b, "top_k") && strstr(a, "cannot open"),
            "%d %d %d", rc, rc2, rc3);
-    f = fopen("/tmp/moetrain_cli_data.bin", "wb");
+    f = fopen(data, "wb");
     for (int i = 0; i < 300; i++) fputc(i & 255, f);
     fclose(f);
-    rc = run_cmd("./train --data /tmp/moetrain_cli_data.bin --vocab-size 200 --steps 1 2>&1", a, sizeof a);
+    rc = sh(a, sizeof a, "%strain --data %s --vocab-size 200 --steps 1 2>&1", BIN, data);
     report("CLI: token beyond vocabulary refused", rc == 1 && strstr(a, "vocabulary"), "%.100s", a);
-    remove("/tmp/moetrain_cli.mtg"); remove("/tmp/moetrain_cli_bad.mtg"); remove("/tmp/moetrain_cli_data.bin");
 
     /* many ranks from the command line: CPU thread-ranks */
-    ra = run_cmd("./train --device cpu --nproc 4 --ep 2 --batch 2 --steps 4 --seed 1 2>&1", a, sizeof a);
-    rb = run_cmd("./train --device cpu --batch 8 --steps 4 --seed 1 2>&1", b, sizeof b);
+    const char *mesh = TP("cli_mesh.mtg");
+    ra = sh(a, sizeof a, "%strain --device cpu --nproc 4 --ep 2 --batch 2 --steps 4 --seed 1 2>&1", BIN);
+    rb = sh(b, sizeof b, "%strain --device cpu --batch 8 --steps 4 --seed 1 2>&1", BIN);
     int banner = strstr(a, "ranks: 4 (CPU threads)") && strstr(a, "global batch 8 x 64 (2 per rank)") != NULL;
     keep_loss_lines(a); keep_loss_lines(b);
     double worst = 1;
@@ -2195,27 +3127,143 @@ static void test_cli(void) {
     }
     report("CLI: --nproc 4 --ep 2 (thread-ranks) = one rank on the global batch", !ra && !rb && banner && lines == 4 && worst < 1e-5,
            "%d lines, worst %.1e", lines, worst);
-    ra = run_cmd("./precompile --preset tiny --dp-shard 2 --ep 2 -o /tmp/moetrain_cli_mesh.mtg 2>&1 && "
-                 "./train --device cpu --graph /tmp/moetrain_cli_mesh.mtg --steps 4 --seed 1 2>&1", a, sizeof a);
-    rb = run_cmd("./train --device cpu --nproc 2 --ep 2 --steps 4 --seed 1 2>&1", b, sizeof b);
+    ra = sh(a, sizeof a, "%sprecompile --preset tiny --dp-shard 2 --ep 2 -o %s 2>&1 && %strain --device cpu --graph %s --steps 4 --seed 1 2>&1",
+            BIN, mesh, BIN, mesh);
+    rb = sh(b, sizeof b, "%strain --device cpu --nproc 2 --ep 2 --steps 4 --seed 1 2>&1", BIN);
     keep_loss_lines(a); keep_loss_lines(b);
     report("CLI: precompile --dp-shard 2 --ep 2, train --graph = in-process on 2 ranks", !ra && !rb && strlen(a) > 50 && !strcmp(a, b),
            "%s", ra || rb ? "a command failed" : "");
-    rc = run_cmd("./train --device cpu --graph /tmp/moetrain_cli_mesh.mtg --nproc 3 --steps 1 2>&1", a, sizeof a);
+    rc = sh(a, sizeof a, "%strain --device cpu --graph %s --nproc 3 --steps 1 2>&1", BIN, mesh);
     report("CLI: an artifact for another world size is refused, naming both", rc == 2 && strstr(a, "world of 2") && strstr(a, "3 ranks"),
            "exit %d: %.160s", rc, a);
-    rd = run_cmd("./precompile --dump /tmp/moetrain_cli_mesh.mtg 2>&1", c, sizeof c);
+    rd = sh(c, sizeof c, "%sprecompile --dump %s 2>&1", BIN, mesh);
     report("CLI: --dump shows the communicator groups", rd == 0 && strstr(c, "== communicator groups") && strstr(c, "{0,1}") &&
            strstr(c, "ALLGATHER") && strstr(c, "shard over dp_shard"), NULL);
-    rc = run_cmd("./train --device cpu --nproc 2 --ep 3 --steps 1 2>&1", a, sizeof a);
-    rc2 = run_cmd("./train --device cpu --nproc 2 --save /tmp/moetrain_ck_mr --steps 1 2>&1", b, sizeof b);
+    rc = sh(a, sizeof a, "%strain --device cpu --nproc 2 --ep 3 --steps 1 2>&1", BIN);
+    rc2 = sh(b, sizeof b, "%strain --device cpu --nproc 2 --save %s --steps 1 2>&1", BIN, TP("ck_mr"));
     report("CLI: bad meshes and unsupported combinations refused", rc == 2 && strstr(a, "ep=3") && rc2 == 2 && strstr(b, "one rank"),
            "%d %d: %.80s | %.80s", rc, rc2, a, b);
-    remove("/tmp/moetrain_cli_mesh.mtg");
+    remove(mesh);
+    remove(mtg); remove(bad); remove(data);
+}
+
+/* Every option of the CLIs: unknown ones named (with a suggestion), ranges, --help, exit status. */
+static void test_cli_options(void) {
+    static char a[1 << 16], b[1 << 16];
+    int r1 = sh(a, sizeof a, "%strain --bogus 2>&1", BIN);
+    int ok1 = r1 == 2 && strstr(a, "unknown option '--bogus'") && !strstr(a, "needs a value");
+    int r2 = sh(b, sizeof b, "%strain --stpes 5 2>&1", BIN);
+    int ok2 = r2 == 2 && strstr(b, "did you mean '--steps'");
+    int r3 = sh(a, sizeof a, "%strain --n-layer 2 2>&1", BIN);
+    int ok3 = r3 == 2 && strstr(a, "did you mean '--n-layers'");
+    report("CLI: unknown options named, closest suggested", ok1 && ok2 && ok3, "%d %d %d", r1, r2, r3);
+    /* ranges: each of these is refused with exit 2 before any work */
+    const char *badv[] = {"--steps -1", "--seed -3", "--lr 0", "--lr nan", "--lr 1e99", "--warmup 1.5", "--beta1 1", "--beta2 -0.1",
+                          "--eps 0", "--weight-decay -1", "--grad-clip inf", "--threads 0", "--threads 65", "--log-every 0",
+                          "--gpu -1", "--save-every -2", "--min-lr-ratio 2", "--roof-gbps 0", "--dim 0", "--top-k 1000", "--steps=",
+                          "--lr", "--eager=1", "--save-every 5", "--adopt-config", "--logits-out x"};
+    int nbad = (int)(sizeof badv / sizeof badv[0]), refused = 0;
+    char worst[200] = "";
+    for (int i = 0; i < nbad; i++) {
+        int rc = sh(a, sizeof a, "%strain %s --steps 0 2>&1", BIN, badv[i]);
+        if (rc == 2 && !strstr(a, "step ")) refused++;
+        else snprintf(worst, sizeof worst, "'%s' gave %d: %.80s", badv[i], rc, a);
+    }
+    report("CLI: every numeric flag range-checked (exit 2)", refused == nbad, "%d of %d refused %s", refused, nbad, worst);
+    int rh = sh(a, sizeof a, "%strain --help 2>&1", BIN);
+    const char *must[] = {"--save-every N", "--nan-check", "--adopt-config", "--steps N", "[300]", "--top-k N", "--load DIR", "exit status"};
+    int all = rh == 0;
+    for (int i = 0; i < 8; i++) all &= strstr(a, must[i]) != NULL;
+    int ph = sh(b, sizeof b, "%sprecompile --help 2>&1", BIN);
+    int pall = ph == 0 && strstr(b, "--dp-shard N") && strstr(b, "[1..4096]") && strstr(b, "exit status");
+    report("CLI: --help lists every option with its default", all && pall, NULL);
+    int p1 = sh(a, sizeof a, "%sprecompile --presett tiny -o x 2>&1", BIN);
+    int okp1 = p1 == 2 && strstr(a, "did you mean '--preset'");
+    int p2 = sh(a, sizeof a, "%sprecompile --ep 0 -o x 2>&1", BIN);
+    int p3 = sh(b, sizeof b, "%sprecompile -o /dev/full/x 2>&1", BIN);
+    report("CLI: precompile: unknown options, ranges, unwritable output", okp1 && p2 == 2 && p3 == 1 && strstr(b, "/dev/full/x"), "%d %d %d", p1, p2, p3);
+    /* an unwritable --save is found before training, not after */
+    int rs = sh(a, sizeof a, "%strain --save /dev/full/x --steps 50 2>&1", BIN);
+    report("CLI: unwritable --save refused before training", rs == 1 && strstr(a, "/dev/full") && !strstr(a, "step "), "exit %d: %.100s", rs, a);
+}
+
+/* The JSON-lines metrics from step `from` on: step, loss, grad_norm, lr (what must match bitwise). */
+static void metrics_core(const char *path, int from, char *out, size_t cap) {
+    FILE *f = fopen(path, "r");
+    char line[4096];
+    out[0] = 0;
+    while (f && fgets(line, sizeof line, f)) {
+        int step = atoi(line + 8);
+        char *cut = strstr(line, ",\"tokens_per_s\"");
+        if (!strncmp(line, "{\"step\":", 8) && step >= from && cut) {
+            *cut = 0;
+            snprintf(out + strlen(out), cap - strlen(out), "%s\n", line);
+        }
+    }
+    if (f) fclose(f);
+}
+static int same_file(const char *p, const char *q) {
+    uint8_t *a, *b;
+    size_t la, lb;
+    mt_err e;
+    if (mt_read_file(p, &a, &la, &e)) return 0;
+    if (mt_read_file(q, &b, &lb, &e)) { free(a); return 0; }
+    int same = la == lb && !memcmp(a, b, la);
+    free(a); free(b);
+    return same;
+}
+
+/* ./train: 20 steps straight = 10 + --save + --load + 10, to the byte; a mismatched config refused; divergence stops cleanly. */
+static void test_cli_resume(void) {
+    static char a[1 << 16], b[1 << 16], m1[1 << 15], m2[1 << 15];
+    char d1[256], d2[256], p[600], q[600];
+    scratch_dir(d1, sizeof d1, "cli1");
+    scratch_dir(d2, sizeof d2, "cli2");
+    int r1 = sh(a, sizeof a, "%strain --steps 20 --seed 3 --warmup 4 --metrics %s/m.jsonl --save %s/ck 2>&1", BIN, d1, d1);
+    int r2 = sh(a, sizeof a, "%strain --steps 10 --seed 3 --warmup 4 --decay-steps 20 --save %s/ck 2>&1", BIN, d2);
+    int r3 = sh(b, sizeof b, "%strain --steps 20 --load %s/ck --save %s/ck --metrics %s/m.jsonl 2>&1", BIN, d2, d2, d2);
+    snprintf(p, sizeof p, "%s/m.jsonl", d1); metrics_core(p, 11, m1, sizeof m1);
+    snprintf(q, sizeof q, "%s/m.jsonl", d2); metrics_core(q, 1, m2, sizeof m2);
+    int same_metrics = strlen(m1) > 100 && !strcmp(m1, m2) && strstr(m2, "{\"step\":11,") && !strstr(m2, "{\"step\":10,");
+    snprintf(p, sizeof p, "%s/ck/model.safetensors", d1); snprintf(q, sizeof q, "%s/ck/model.safetensors", d2);
+    int same_model = same_file(p, q);
+    snprintf(p, sizeof p, "%s/ck/optimizer-step20.safetensors", d1); snprintf(q, sizeof q, "%s/ck/optimizer-step20.safetensors", d2);
+    int same_opt = same_file(p, q);
+    report("CLI: 20 steps = 10 + --save + --load + 10, bitwise", !r1 && !r2 && !r3 && same_metrics && same_model && same_opt,
+           "steps 11..20 %s; checkpoints %s%s", same_metrics ? "identical" : "DIFFER", same_model && same_opt ? "byte-identical" : "DIFFER",
+           strstr(b, "resuming") ? "" : " (no resume line)");
+    /* another preset than the checkpoint's: refused, naming fields; --adopt-config continues with the checkpoint's */
+    int rc = sh(a, sizeof a, "%strain --preset debug --load %s/ck --steps 21 2>&1", BIN, d2);
+    int named = rc == 2 && strstr(a, "dim 64 vs 256") && strstr(a, "n_layers 3 vs 6") && !strstr(a, "step ");
+    int ra = sh(b, sizeof b, "%strain --preset debug --load %s/ck --steps 21 --adopt-config 2>&1", BIN, d2);
+    int adopted = ra == 0 && strstr(b, "adopted the checkpoint's model config") && strstr(b, "step    21") && strstr(b, "preset=tiny");
+    report("CLI: checkpoint config differs: refused, or adopted when asked", named && adopted, "%d %d: %.150s", rc, ra, a);
+    /* divergence: stops at the step, names what is intact, saved nothing after it */
+    rc = sh(a, sizeof a, "%strain --lr 10 --weight-decay 10 --warmup 0 --steps 40 --save %s/nan --save-every 2 2>&1", BIN, d1);
+    snprintf(p, sizeof p, "%s/nan", d1);
+    mt_run_state rs;
+    mt_err e;
+    mt_run_state_init(&rs);
+    int stopped = rc == 1 && strstr(a, "diverged") && strstr(a, "is intact") && !mt_checkpoint_read_run(p, &rs, &e) && rs.step >= 2 &&
+                  rs.step < 40 && !strstr(a, "done:") && strstr(a, "replaying") && strstr(a, " wrote ");
+    char want[64];
+    snprintf(want, sizeof want, "step %d in", rs.step);
+    stopped = stopped && strstr(a, want);
+    int rn = sh(b, sizeof b, "%strain --lr 10 --weight-decay 10 --warmup 0 --steps 40 --nan-check 2>&1", BIN);
+    int located = rn == 1 && strstr(b, "node ") && strstr(b, " wrote ");
+    report("CLI: NaN/Inf stops the run, names the first op; the last checkpoint intact", stopped && located, "%.300s | %.160s",
+           strstr(a, "train:") ? strstr(a, "train:") : a, strstr(b, "train:") ? strstr(b, "train:") : b);
+    remove_tree(d1); remove_tree(d2);
 }
 
 int main(void) {
     mt_rng_seed(&R, 42);
+    if (getenv("MT_BIN")) BIN = getenv("MT_BIN");
+    if (getenv("MT_FUZZ_ONLY")) {   /* a fuzzing campaign alone (with MT_FUZZ_SCALE=N for a longer one) */
+        test_fuzz();
+        printf("%d passed, %d failed\n", n_pass, n_fail);
+        return n_fail ? 1 : 0;
+    }
     test_presets();
     test_graph_structure();
     test_doc_mask_graph();
@@ -2224,11 +3272,18 @@ int main(void) {
     test_artifact_rejects();
     test_moe_edge_cases();
     test_checkpoint();
+    test_resume_exact();
+    test_checkpoint_atomic();
+    test_checkpoint_refusals();
+    test_nan_check();
     test_data();
+    test_fuzz();
     test_training_falls();
     test_multirank();
     test_launch_rendezvous();
     test_cli();
+    test_cli_options();
+    test_cli_resume();
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }

@@ -5,12 +5,14 @@
  *   ./train --preset debug                    one rank per visible GPU (no torchrun needed)
  *   ./train --device cpu --nproc 4 --ep 2     four CPU thread-ranks
  *   ./train --graph step.mtg                  run a precompiled step graph
+ *   ./train --steps 200 --save ck             ... then resume: ./train --steps 400 --load ck --save ck
  *   ./train --load ckpt --forward tok.i32 --logits-out out.f32   forward only
  *
  * Launchers: with RANK, WORLD_SIZE (and LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
  * set, as torchrun, Slurm wrappers and mpirun scripts do, this process is one
  * rank of that world; rank 0 hands out NCCL's id over TCP.
- * Run ./train --help for every option.
+ * Run ./train --help for every option. Exit status: 0 done, 1 runtime error
+ * (files, data, a diverged run, a failed rank), 2 usage error (options, config mismatch).
  */
 #define MOETRAIN_IMPLEMENTATION
 #include "moetrain.h"
@@ -23,132 +25,196 @@
 
 typedef struct {
     const char *preset, *graph, *data, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
-    int steps, log_every, threads, eager, seed, gpu, profile;
+    int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config;
     int nproc, dp_replicate, dp_shard, ep;   /* ranks; 0 = derive */
     float timeout;                           /* seconds without progress before a rank gives up */
     float roof_tflops, roof_gbps;
     mt_hparams hp;
-    int lr_set, decay_set;
     int n_overrides;
     const char *ov_key[128], *ov_val[128];
+    unsigned char given[64];      /* given[i]: option i of the table was on the command line */
+    const char *config_from;      /* what the model config is, for the summary: a preset, an artifact, a checkpoint's */
 } opts;
 
+/* ---- the options: one table drives parsing, range checks and --help ---- */
+
+enum { OPT_FLAG, OPT_INT, OPT_FLOAT, OPT_STR };
+typedef struct {
+    const char *name;    /* without the leading "--" */
+    int kind;
+    size_t off;          /* where the value goes in opts */
+    double lo, hi;       /* numeric range; lo_open/hi_open exclude the ends */
+    int lo_open, hi_open;
+    const char *def;     /* the default, as --help shows it */
+    const char *help;
+    const char *meta;    /* what the value is, for --help (strings) */
+} opt_spec;
+
+#define O_(f) offsetof(opts, f)
+static const opt_spec specs[] = {
+    {"preset", OPT_STR, O_(preset), 0, 0, 0, 0, "tiny", "model preset: tiny, debug, mid, 16b", "NAME"},
+    {"graph", OPT_STR, O_(graph), 0, 0, 0, 0, "none", "run a precompiled step graph (it fixes the model config)", "FILE"},
+    {"device", OPT_STR, O_(device), 0, 0, 0, 0, "cuda if built with it and a GPU is visible, else cpu", "cpu | cuda", "NAME"},
+    {"gpu", OPT_INT, O_(gpu), 0, 1023, 0, 0, "0", "CUDA device ordinal of a one-rank run (ranks use LOCAL_RANK)", NULL},
+    {"nproc", OPT_INT, O_(nproc), 1, 4096, 0, 0, "one per visible GPU; 1 on the CPU", "ranks to start (CPU ranks are threads)", NULL},
+    {"dp-replicate", OPT_INT, O_(dp_replicate), 1, 4096, 0, 0, "1", "mesh: data-parallel replicas (HSDP)", NULL},
+    {"dp-shard", OPT_INT, O_(dp_shard), 1, 4096, 0, 0, "ranks / dp-replicate", "mesh: FSDP shards", NULL},
+    {"ep", OPT_INT, O_(ep), 1, 4096, 0, 0, "1", "mesh: expert-parallel ranks (divides dp-shard)", NULL},
+    {"timeout", OPT_FLOAT, O_(timeout), 0, 1e6, 1, 0, "600", "a rank without progress for this many seconds stops every rank", NULL},
+    {"data", OPT_STR, O_(data), 0, 0, 0, 0, "the embedded corpus", "raw bytes, or an llm.c/nanoGPT .bin token shard", "FILE"},
+    {"steps", OPT_INT, O_(steps), 0, 1 << 30, 0, 0, "300", "total optimizer steps of the run (a resumed run counts the checkpoint's)", NULL},
+    {"seed", OPT_INT, O_(seed), 0, 2147483647, 0, 0, "1", "initialization and data-order seed", NULL},
+    {"lr", OPT_FLOAT, O_(hp.lr), 0, 10, 1, 0, "3e-3 up to dim 128, 8e-4 up to 512, 4.2e-4 beyond", "peak learning rate", NULL},
+    {"warmup", OPT_INT, O_(hp.warmup_steps), 0, 1 << 30, 0, 0, "20", "linear warmup steps", NULL},
+    {"decay-steps", OPT_INT, O_(hp.decay_steps), 0, 1 << 30, 0, 0, "--steps", "cosine decay ends at this step", NULL},
+    {"min-lr-ratio", OPT_FLOAT, O_(hp.min_lr_ratio), 0, 1, 0, 0, "0.1", "final learning rate / peak", NULL},
+    {"beta1", OPT_FLOAT, O_(hp.beta1), 0, 1, 0, 1, "0.9", "AdamW beta1", NULL},
+    {"beta2", OPT_FLOAT, O_(hp.beta2), 0, 1, 0, 1, "0.95", "AdamW beta2", NULL},
+    {"eps", OPT_FLOAT, O_(hp.eps), 0, 1, 1, 0, "1e-8", "AdamW epsilon", NULL},
+    {"weight-decay", OPT_FLOAT, O_(hp.weight_decay), 0, 10, 0, 0, "0.1", "AdamW weight decay", NULL},
+    {"grad-clip", OPT_FLOAT, O_(hp.grad_clip), 0, 1e6, 0, 0, "1.0", "clip the global gradient norm to this (0: off)", NULL},
+    {"metrics", OPT_STR, O_(metrics), 0, 0, 0, 0, "none", "JSON lines: step, loss, grad_norm, lr, tokens_per_s, step_ms, expert_load", "FILE"},
+    {"svg", OPT_STR, O_(svg), 0, 0, 0, 0, "none", "write the loss curve at the end", "FILE"},
+    {"save", OPT_STR, O_(save), 0, 0, 0, 0, "none", "checkpoint directory: model.safetensors (Hugging Face names), config.json, optimizer", "DIR"},
+    {"save-every", OPT_INT, O_(save_every), 0, 1 << 30, 0, 0, "0 (only at the end)", "also checkpoint every N steps", NULL},
+    {"load", OPT_STR, O_(load), 0, 0, 0, 0, "none", "resume from a checkpoint: weights, AdamW state, step, data position, settings", "DIR"},
+    {"adopt-config", OPT_FLAG, O_(adopt_config), 0, 0, 0, 0, "off", "with --load: take the checkpoint's model config where it differs", NULL},
+    {"forward", OPT_STR, O_(forward), 0, 0, 0, 0, "none", "forward only: FILE holds batch*(seq_len+1) int32 tokens; prints the loss", "FILE"},
+    {"logits-out", OPT_STR, O_(logits_out), 0, 0, 0, 0, "none", "with --forward: write float32 logits [batch*seq_len, vocab]", "FILE"},
+    {"eager", OPT_FLAG, O_(eager), 0, 0, 0, 0, "off", "no optimizing passes (the baseline)", NULL},
+    {"nan-check", OPT_FLAG, O_(nan_check), 0, 0, 0, 0, "off", "check every op's output for NaN/Inf and name the first (slower)", NULL},
+    {"threads", OPT_INT, O_(threads), 1, 64, 0, 0, "all cores", "CPU threads (results do not depend on it)", NULL},
+    {"log-every", OPT_INT, O_(log_every), 1, 1 << 30, 0, 0, "1", "print every N steps", NULL},
+    {"profile", OPT_FLAG, O_(profile), 0, 0, 0, 0, "off", "after training, time one more step op by op against the roofline", NULL},
+    {"roof-tflops", OPT_FLOAT, O_(roof_tflops), 0, 1e6, 1, 0, "790", "roofline compute ceiling for --profile", NULL},
+    {"roof-gbps", OPT_FLOAT, O_(roof_gbps), 0, 1e8, 1, 0, "3000", "roofline bandwidth ceiling for --profile", NULL},
+    {"help", OPT_FLAG, 0, 0, 0, 0, 0, "", "this text", NULL},
+};
+#undef O_
+#define N_SPECS ((int)(sizeof specs / sizeof specs[0]))
+
+static int spec_index(const char *name) {
+    for (int i = 0; i < N_SPECS; i++) if (!strcmp(specs[i].name, name)) return i;
+    return -1;
+}
+static int given(const opts *o, const char *name) { int i = spec_index(name); return i >= 0 && o->given[i]; }
+
 static void usage(FILE *f) {
-    fprintf(f,
-            "usage: train [options]\n"
-            "  --preset NAME        model preset: %s (default tiny)\n"
-            "  --graph FILE         run a precompiled step graph (its config is used)\n"
-            "  --device cpu|cuda    backend (default: cuda when this build has CUDA and a GPU is visible)\n"
-            "  --gpu N              CUDA device ordinal of a one-rank run (default 0; ranks use LOCAL_RANK)\n"
-            "  --nproc N            ranks to start (default: one per visible GPU; 1 on the CPU, where ranks are threads)\n"
-            "  --dp-replicate N --dp-shard N --ep N   mesh (defaults: 1, world / dp-replicate, 1); ep divides dp-shard\n"
-            "  --timeout S          a rank that makes no progress for S seconds stops every rank (default 600)\n"
-            "  --data FILE          raw bytes, or an llm.c/nanoGPT .bin token shard (default: embedded corpus)\n"
-            "  --steps N            optimizer steps (default 300)\n"
-            "  --seed N             initialization and data-order seed (default 1)\n"
-            "  --lr X --warmup N --decay-steps N --min-lr-ratio X\n"
-            "  --beta1 X --beta2 X --eps X --weight-decay X --grad-clip X   AdamW (defaults: lr 3e-3 up to dim 128,\n"
-            "                       8e-4 up to dim 512, 4.2e-4 beyond; warmup 20, decay over --steps, 0.1, 0.9, 0.95,\n"
-            "                       1e-8, weight decay 0.1, clip 1.0)\n"
-            "  --metrics FILE       JSON lines: step, loss, grad_norm, lr, tokens_per_s, expert_load\n"
-            "  --svg FILE           write the loss curve at the end\n"
-            "  --save DIR           write DIR/model.safetensors (Hugging Face names), config.json, optimizer\n"
-            "  --load DIR           start from a checkpoint written by --save\n"
-            "  --forward FILE       forward only: FILE holds batch*(seq_len+1) int32 tokens; prints the loss\n"
-            "  --logits-out FILE    with --forward: write float32 logits [batch*seq_len, vocab]\n"
-            "  --eager              no optimizing passes (the baseline)\n"
-            "  --threads N          CPU threads (default: all cores; results do not depend on it)\n"
-            "  --log-every N        print every N steps (default 1)\n"
-            "  --profile            after training, time one more step op by op against the roofline\n"
-            "  --roof-tflops X --roof-gbps X   roofline ceilings for --profile (default 790, 3000)\n"
-            "  --<field> VALUE      any config field, e.g. --dim 128 --top-k 4 --score-func sigmoid\n"
-            "config fields:",
-            mt_config_preset_names());
-    for (int i = 0; i < mt_n_config_fields; i++) fprintf(f, "%s %s", i % 6 ? "" : "\n   ", mt_config_fields[i].name);
-    fprintf(f, "\n");
+    fprintf(f, "usage: train [options] [--<config field> VALUE ...]\n\noptions (default in brackets):\n");
+    for (int i = 0; i < N_SPECS; i++) {
+        const opt_spec *s = &specs[i];
+        char lhs[40];
+        snprintf(lhs, sizeof lhs, "--%s%s%s", s->name, s->kind == OPT_FLAG ? "" : " ",
+                 s->kind == OPT_FLAG ? "" : s->meta ? s->meta : s->kind == OPT_INT ? "N" : "X");
+        fprintf(f, "  %-20s %s", lhs, s->help);
+        if (s->kind == OPT_INT || s->kind == OPT_FLOAT)
+            fprintf(f, ", %s%.10g..%.10g%s", s->lo_open ? "(" : "[", s->lo, s->hi, s->hi_open ? ")" : "]");
+        if (s->def[0]) fprintf(f, " [%s]", s->def);
+        fprintf(f, "\n");
+    }
+    mt_config c;
+    mt_err e;
+    mt_config_preset(&c, "tiny", &e);
+    fprintf(f, "\nconfig fields (any of them, as --name VALUE; the default is the preset's, shown for tiny; checked by the config's rules):\n");
+    for (int i = 0; i < mt_n_config_fields; i++) {
+        const mt_field *fl = &mt_config_fields[i];
+        char lhs[40], dash[32], def[32];
+        snprintf(dash, sizeof dash, "%s", fl->name);
+        for (char *q = dash; *q; q++) if (*q == '_') *q = '-';
+        snprintf(lhs, sizeof lhs, "--%s %s", dash, !strcmp(fl->name, "score_func") ? "NAME" : fl->type == MT_FIELD_INT ? "N" : "X");
+        const void *p = (const char *)&c + fl->offset;
+        if (!strcmp(fl->name, "score_func")) snprintf(def, sizeof def, "%s", c.score_func == MT_SCORE_SIGMOID ? "sigmoid" : "softmax");
+        else if (fl->type == MT_FIELD_INT) snprintf(def, sizeof def, "%d", *(const int *)p);
+        else snprintf(def, sizeof def, "%g", (double)*(const float *)p);
+        fprintf(f, "  %-24s %s [%s]\n", lhs, fl->help, def);
+    }
+    fprintf(f, "\nexit status: 0 done, 1 runtime error (files, data, a diverged run), 2 usage error\n");
 }
 
-static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) {
-    char *end;
-    long x = strtol(v, &end, 10);
-    if (!*v || *end || x < lo || x > hi) {
-        fprintf(stderr, "train: %s takes an integer in %d..%d, not '%s'\n", flag, lo, hi, v);
-        return -1;
+/* Unknown --name: say so, with the closest known option (or config field). */
+static void unknown_option(const char *name) {
+    const char *cand[N_SPECS + 64];
+    char dashed[64][32];
+    int n = 0;
+    for (int i = 0; i < N_SPECS; i++) cand[n++] = specs[i].name;
+    for (int i = 0; i < mt_n_config_fields && i < 64; i++) {
+        snprintf(dashed[i], sizeof dashed[i], "%s", mt_config_fields[i].name);
+        for (char *q = dashed[i]; *q; q++) if (*q == '_') *q = '-';
+        cand[n++] = dashed[i];
     }
-    *out = (int)x;
+    const char *near = mt_suggest(name, cand, n);
+    if (near) fprintf(stderr, "train: unknown option '--%s' (did you mean '--%s'?); see --help\n", name, near);
+    else fprintf(stderr, "train: unknown option '--%s'; see --help\n", name);
+}
+
+static int is_config_field(const char *name) {
+    for (int i = 0; i < mt_n_config_fields; i++) {
+        const char *a = mt_config_fields[i].name, *b = name;
+        while (*a && (*a == *b || (*a == '_' && *b == '-'))) { a++; b++; }
+        if (!*a && !*b) return 1;
+    }
     return 0;
 }
-static int parse_float(const char *flag, const char *v, float *out) {
+
+/* Parse one value of spec s into o, range-checked. */
+static int set_option(opts *o, const opt_spec *s, const char *v) {
+    void *dst = (char *)o + s->off;
+    if (s->kind == OPT_STR) {
+        if (!*v) { fprintf(stderr, "train: --%s needs a non-empty value\n", s->name); return -1; }
+        *(const char **)dst = v;
+        return 0;
+    }
     char *end;
-    double x = strtod(v, &end);
-    if (!*v || *end || !(x == x) || x > 1e30 || x < -1e30) {
-        fprintf(stderr, "train: %s takes a number, not '%s'\n", flag, v);
+    double x = s->kind == OPT_INT ? (double)strtoll(v, &end, 10) : strtod(v, &end);
+    int ok = *v && !*end && x == x && (s->lo_open ? x > s->lo : x >= s->lo) && (s->hi_open ? x < s->hi : x <= s->hi);
+    if (!ok) {
+        fprintf(stderr, "train: --%s takes %s in %s%.10g..%.10g%s, not '%s'\n", s->name, s->kind == OPT_INT ? "an integer" : "a number",
+                s->lo_open ? "(" : "[", s->lo, s->hi, s->hi_open ? ")" : "]", v);
         return -1;
     }
-    *out = (float)x;
+    if (s->kind == OPT_INT) *(int *)dst = (int)x;
+    else *(float *)dst = (float)x;
     return 0;
 }
 
 static int parse_args(int argc, char **argv, opts *o) {
     memset(o, 0, sizeof *o);
-    o->preset = "tiny"; o->device = NULL;
+    o->preset = "tiny";
     o->steps = 300; o->log_every = 1; o->seed = 1;
     o->roof_tflops = 790; o->roof_gbps = 3000; o->timeout = 600;
     mt_hparams_default(&o->hp);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); exit(0); }
-        if (!strcmp(a, "--eager")) { o->eager = 1; continue; }
-        if (!strcmp(a, "--profile")) { o->profile = 1; continue; }
-        if (strncmp(a, "--", 2)) { fprintf(stderr, "train: unexpected argument '%s' (see --help)\n", a); return -1; }
-        if (i + 1 >= argc) { fprintf(stderr, "train: %s needs a value\n", a); return -1; }
-        const char *v = argv[++i];
-        const char *k = a + 2;
-        int rc = 0;
-        if (!strcmp(k, "preset")) o->preset = v;
-        else if (!strcmp(k, "graph")) o->graph = v;
-        else if (!strcmp(k, "device")) o->device = v;
-        else if (!strcmp(k, "data")) o->data = v;
-        else if (!strcmp(k, "metrics")) o->metrics = v;
-        else if (!strcmp(k, "svg")) o->svg = v;
-        else if (!strcmp(k, "save")) o->save = v;
-        else if (!strcmp(k, "load")) o->load = v;
-        else if (!strcmp(k, "forward")) o->forward = v;
-        else if (!strcmp(k, "logits-out")) o->logits_out = v;
-        else if (!strcmp(k, "steps")) rc = parse_int(a, v, 0, 1 << 30, &o->steps);
-        else if (!strcmp(k, "seed")) rc = parse_int(a, v, 0, 0x7fffffff, &o->seed);
-        else if (!strcmp(k, "threads")) rc = parse_int(a, v, 1, 64, &o->threads);
-        else if (!strcmp(k, "gpu")) rc = parse_int(a, v, 0, 1023, &o->gpu);
-        else if (!strcmp(k, "nproc")) rc = parse_int(a, v, 1, 4096, &o->nproc);
-        else if (!strcmp(k, "dp-replicate")) rc = parse_int(a, v, 1, 4096, &o->dp_replicate);
-        else if (!strcmp(k, "dp-shard")) rc = parse_int(a, v, 1, 4096, &o->dp_shard);
-        else if (!strcmp(k, "ep")) rc = parse_int(a, v, 1, 4096, &o->ep);
-        else if (!strcmp(k, "timeout")) { rc = parse_float(a, v, &o->timeout); if (!rc && !(o->timeout > 0)) { fprintf(stderr, "train: --timeout takes seconds > 0\n"); rc = -1; } }
-        else if (!strcmp(k, "log-every")) rc = parse_int(a, v, 1, 1 << 30, &o->log_every);
-        else if (!strcmp(k, "lr")) { rc = parse_float(a, v, &o->hp.lr); o->lr_set = 1; }
-        else if (!strcmp(k, "warmup")) rc = parse_int(a, v, 0, 1 << 30, &o->hp.warmup_steps);
-        else if (!strcmp(k, "decay-steps")) { rc = parse_int(a, v, 0, 1 << 30, &o->hp.decay_steps); o->decay_set = 1; }
-        else if (!strcmp(k, "min-lr-ratio")) rc = parse_float(a, v, &o->hp.min_lr_ratio);
-        else if (!strcmp(k, "beta1")) rc = parse_float(a, v, &o->hp.beta1);
-        else if (!strcmp(k, "beta2")) rc = parse_float(a, v, &o->hp.beta2);
-        else if (!strcmp(k, "eps")) rc = parse_float(a, v, &o->hp.eps);
-        else if (!strcmp(k, "weight-decay")) rc = parse_float(a, v, &o->hp.weight_decay);
-        else if (!strcmp(k, "grad-clip")) rc = parse_float(a, v, &o->hp.grad_clip);
-        else if (!strcmp(k, "roof-tflops")) rc = parse_float(a, v, &o->roof_tflops);
-        else if (!strcmp(k, "roof-gbps")) rc = parse_float(a, v, &o->roof_gbps);
-        else {
-            if (o->n_overrides >= 128) { fprintf(stderr, "train: too many options\n"); return -1; }
-            o->ov_key[o->n_overrides] = k; o->ov_val[o->n_overrides++] = v;
+        if (!strcmp(a, "-h")) { usage(stdout); exit(0); }
+        if (strncmp(a, "--", 2) || !a[2]) { fprintf(stderr, "train: unexpected argument '%s' (options start with --; see --help)\n", a); return -1; }
+        char name[64];
+        const char *eq = strchr(a + 2, '='), *v = NULL;
+        size_t len = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
+        if (len >= sizeof name) len = sizeof name - 1;
+        memcpy(name, a + 2, len);
+        name[len] = 0;
+        int k = spec_index(name), field = k < 0 && is_config_field(name);
+        if (k < 0 && !field) { unknown_option(name); return -1; }
+        if (k >= 0 && specs[k].kind == OPT_FLAG) {
+            if (eq) { fprintf(stderr, "train: --%s takes no value\n", name); return -1; }
+            if (!strcmp(name, "help")) { usage(stdout); exit(0); }
+            *(int *)((char *)o + specs[k].off) = 1;
+            o->given[k] = 1;
+            continue;
         }
-        if (rc) return -1;
+        if (eq) v = eq + 1;
+        else if (i + 1 < argc) v = argv[++i];
+        else { fprintf(stderr, "train: --%s needs a value\n", name); return -1; }
+        if (field) {
+            if (o->n_overrides >= 128) { fprintf(stderr, "train: too many config options\n"); return -1; }
+            o->ov_key[o->n_overrides] = a + 2; o->ov_val[o->n_overrides++] = v;
+            if (eq) { fprintf(stderr, "train: write config fields as --%s VALUE\n", name); return -1; }
+            continue;
+        }
+        if (set_option(o, &specs[k], v)) return -1;
+        o->given[k] = 1;
     }
-    if (!o->decay_set) o->hp.decay_steps = o->steps;
-    if (!(o->hp.lr > 0) || o->hp.beta1 < 0 || o->hp.beta1 >= 1 || o->hp.beta2 < 0 || o->hp.beta2 >= 1 || !(o->hp.eps > 0) ||
-        o->hp.weight_decay < 0 || o->hp.min_lr_ratio < 0 || o->hp.min_lr_ratio > 1) {
-        fprintf(stderr, "train: AdamW settings out of range (need lr > 0, 0 <= betas < 1, eps > 0, weight decay >= 0, "
-                        "0 <= min-lr-ratio <= 1)\n");
-        return -1;
-    }
+    if (!given(o, "decay-steps")) o->hp.decay_steps = o->steps;
     if (!o->device) {
 #ifdef MT_CUDA
         o->device = mt_cuda_device_count() > 0 ? "cuda" : "cpu";
@@ -161,6 +227,9 @@ static int parse_args(int argc, char **argv, opts *o) {
     if (!strcmp(o->device, "cuda")) { fprintf(stderr, "train: this build has no CUDA support (build where nvcc is installed)\n"); return -1; }
 #endif
     if (o->logits_out && !o->forward) { fprintf(stderr, "train: --logits-out needs --forward\n"); return -1; }
+    if (o->save_every && !o->save) { fprintf(stderr, "train: --save-every needs --save DIR\n"); return -1; }
+    if (o->adopt_config && !o->load) { fprintf(stderr, "train: --adopt-config needs --load DIR\n"); return -1; }
+    o->config_from = o->graph ? o->graph : o->preset;
     return 0;
 }
 
@@ -172,6 +241,207 @@ static int apply_overrides(const opts *o, mt_config *c) {
             return -1;
         }
     return 0;
+}
+
+/* ---- before any work: every output path can be written ---- */
+
+/* Can path be created or appended to? An existing file is left as it was. */
+static int probe_output(const char *flag, const char *path) {
+    FILE *f = fopen(path, "rb");
+    int existed = f != NULL;
+    if (f) fclose(f);
+    f = fopen(path, "ab");
+    if (!f || fclose(f)) {
+        fprintf(stderr, "train: %s '%s' cannot be written: %s\n", flag, path, strerror(errno));
+        return -1;
+    }
+    if (!existed) remove(path);
+    return 0;
+}
+static int preflight(const opts *o) {
+    mt_err e;
+    if (o->save && mt_checkpoint_prepare_dir(o->save, &e)) { fprintf(stderr, "train: --save: %s\n", e.msg); return -1; }
+    if (o->metrics && probe_output("--metrics", o->metrics)) return -1;
+    if (o->svg && probe_output("--svg", o->svg)) return -1;
+    if (o->logits_out && probe_output("--logits-out", o->logits_out)) return -1;
+    return 0;
+}
+
+/* ---- the model config, and resuming ---- */
+
+/* Is config field `name` among the --<field> options? */
+static int override_given(const opts *o, const char *name) {
+    for (int i = 0; i < o->n_overrides; i++) {
+        const char *a = o->ov_key[i], *b = name;
+        while (*a && (*a == *b || (*a == '-' && *b == '_'))) { a++; b++; }
+        if (!*a && !*b) return 1;
+    }
+    return 0;
+}
+
+/* With --load: the model the checkpoint holds must be the one asked for (a
+ * preset and --<field> options, or an artifact), or --adopt-config takes it.
+ * Without --preset the checkpoint's config is the start, the --<field>
+ * options on top. batch and seq_len shape the step, not the weights: they may
+ * differ (reported when training). Returns an exit status (0: go on). */
+static int checkpoint_config(opts *o, mt_config *cfg, int fixed_by_graph) {
+    mt_err e;
+    mt_config ck;
+    if (mt_checkpoint_read_config(o->load, &ck, &e)) { fprintf(stderr, "train: %s\n", e.msg); return 1; }
+    if (!fixed_by_graph && !given(o, "preset")) {
+        *cfg = ck;
+        if (apply_overrides(o, cfg)) return 2;
+        o->config_from = "checkpoint";
+    }
+    if (mt_config_validate(cfg, &e)) { fprintf(stderr, "train: %s\n", e.msg); return 2; }
+    mt_config model = ck;
+    model.batch = cfg->batch; model.seq_len = cfg->seq_len;
+    char diff[900];
+    if (mt_config_diff(&model, cfg, diff, sizeof diff)) {
+        if (fixed_by_graph) {
+            fprintf(stderr, "train: the checkpoint '%s' holds another model than the artifact '%s' (checkpoint vs artifact): %s\n",
+                    o->load, o->graph, diff);
+            return 2;
+        }
+        if (!o->adopt_config) {
+            fprintf(stderr, "train: the checkpoint '%s' holds another model than the one asked for (checkpoint vs asked): %s\n"
+                            "  ask for the checkpoint's, or pass --adopt-config to continue with it\n", o->load, diff);
+            return 2;
+        }
+        printf("adopted the checkpoint's model config (--adopt-config); it differs from the one asked for in (checkpoint vs asked): %s\n", diff);
+        int B = cfg->batch, T = cfg->seq_len;
+        *cfg = ck;
+        if (override_given(o, "batch")) cfg->batch = B;
+        if (override_given(o, "seq_len")) cfg->seq_len = T;
+        o->config_from = "checkpoint";
+    }
+    if (!o->forward && (cfg->batch != ck.batch || cfg->seq_len != ck.seq_len))
+        printf("note: batch x seq_len %d x %d, the checkpoint's run used %d x %d: this is not its exact continuation\n", cfg->batch,
+               cfg->seq_len, ck.batch, ck.seq_len);
+    return 0;
+}
+
+/* A resumed run continues the saved run: each run setting not given on the
+ * command line is the checkpoint's; one given differently is reported (the
+ * continuation is then not the saved run's). --steps counts from step 0. */
+static int plan_resume(opts *o, mt_run_state *ck) {
+    mt_err e;
+    if (mt_checkpoint_read_run(o->load, ck, &e)) { fprintf(stderr, "train: %s\n", e.msg); return 1; }
+    if (!ck->has_settings) {   /* saved without run settings (mt_checkpoint_save): this command line's */
+        printf("resuming '%s' at step %d of %d; it records no run settings, so this command line's are used\n", o->load, ck->step, o->steps);
+        return 0;
+    }
+    if (!strcmp(o->config_from, "checkpoint") && ck->preset[0]) o->config_from = ck->preset;
+    char changed[1200] = "";
+#define NOTE(...) snprintf(changed + strlen(changed), sizeof changed - strlen(changed), __VA_ARGS__)
+    if (!given(o, "steps")) o->steps = ck->total_steps;
+    if (!given(o, "seed") && ck->seed > 2147483647u) {
+        fprintf(stderr, "train: the checkpoint's seed %llu is outside --seed's range: pass --seed\n", (unsigned long long)ck->seed);
+        return 2;
+    }
+    if (!given(o, "seed")) o->seed = (int)ck->seed;
+    else if ((uint64_t)o->seed != ck->seed) NOTE(" seed %llu -> %d;", (unsigned long long)ck->seed, o->seed);
+    static const struct { const char *opt; size_t off; int is_int; } hp[] = {
+        {"lr", offsetof(mt_hparams, lr), 0}, {"min-lr-ratio", offsetof(mt_hparams, min_lr_ratio), 0},
+        {"warmup", offsetof(mt_hparams, warmup_steps), 1}, {"beta1", offsetof(mt_hparams, beta1), 0},
+        {"beta2", offsetof(mt_hparams, beta2), 0}, {"eps", offsetof(mt_hparams, eps), 0},
+        {"weight-decay", offsetof(mt_hparams, weight_decay), 0}, {"grad-clip", offsetof(mt_hparams, grad_clip), 0}};
+    for (size_t i = 0; i < sizeof hp / sizeof hp[0]; i++) {
+        void *mine = (char *)&o->hp + hp[i].off;
+        const void *theirs = (const char *)&ck->hp + hp[i].off;
+        if (!given(o, hp[i].opt)) { memcpy(mine, theirs, 4); continue; }
+        if (memcmp(mine, theirs, 4)) {
+            if (hp[i].is_int) NOTE(" %s %d -> %d;", hp[i].opt, *(const int *)theirs, *(int *)mine);
+            else NOTE(" %s %g -> %g;", hp[i].opt, (double)*(const float *)theirs, (double)*(float *)mine);
+        }
+    }
+    /* the cosine follows the run's length unless it was pinned (--decay-steps) */
+    if (!given(o, "decay-steps")) o->hp.decay_steps = ck->hp.decay_steps != ck->total_steps ? ck->hp.decay_steps : o->steps;
+    else if (o->hp.decay_steps != ck->hp.decay_steps) NOTE(" decay-steps %d -> %d;", ck->hp.decay_steps, o->hp.decay_steps);
+    if (!given(o, "data")) o->data = ck->data[0] ? ck->data : NULL;
+    if (o->eager != ck->eager) NOTE(" %s -> %s (on CUDA the two round differently);", ck->eager ? "eager" : "compiled", o->eager ? "eager" : "compiled");
+#undef NOTE
+    printf("resuming '%s' at step %d of %d (%s, seed %d, data %s)\n", o->load, ck->step, o->steps, o->config_from, o->seed,
+           o->data ? o->data : "the embedded corpus");
+    if (changed[0]) printf("  changed from the saved run, so this is not its exact continuation:%s\n", changed);
+    return 0;
+}
+
+/* The data a resumed run reads must be the data the saved run read: the data
+ * position (the step) means nothing in another token stream. */
+static int check_resume_data(const opts *o, const mt_run_state *ck, const mt_dataset *ds, uint64_t hash) {
+    if (!ck->has_settings || (ds->n == ck->data_tokens && hash == ck->data_hash)) return 0;
+    if (given(o, "data")) {
+        printf("  note: --data '%s' is not the data the checkpoint was trained on: the data order restarts from position %d of it\n",
+               o->data, ck->step);
+        return 0;
+    }
+    fprintf(stderr, "train: the data '%s' has changed since the checkpoint was saved (%lld tokens then, %lld now): the data position "
+                    "would point elsewhere; pass --data FILE to train on it anyway\n",
+            o->data ? o->data : "embedded corpus", (long long)ck->data_tokens, (long long)ds->n);
+    return 1;
+}
+
+static void run_state_now(mt_run_state *r, const opts *o, const mt_dataset *ds, uint64_t hash, int step) {
+    mt_run_state_init(r);
+    r->step = step; r->total_steps = o->steps; r->seed = (uint64_t)o->seed; r->hp = o->hp; r->eager = o->eager;
+    snprintf(r->preset, sizeof r->preset, "%s", o->graph ? "" : o->config_from);
+    if (o->data && strlen(o->data) < sizeof r->data) snprintf(r->data, sizeof r->data, "%s", o->data);
+    r->data_tokens = ds->n; r->data_hash = hash;
+}
+
+static int save_checkpoint(mt_runtime *rt, const opts *o, const mt_dataset *ds, uint64_t hash, int step) {
+    mt_err err;
+    mt_run_state r;
+    run_state_now(&r, o, ds, hash, step);
+    if (mt_checkpoint_save_run(rt, o->save, &r, &err)) {
+        fprintf(stderr, "train: saving the checkpoint at step %d failed: %s (the previous checkpoint in '%s', if any, is intact)\n", step,
+                err.msg, o->save);
+        return -1;
+    }
+    printf("saved step %d to %s/ (model.safetensors, config.json, optimizer)\n", step, o->save);
+    return 0;
+}
+
+/* Where a stopped run leaves its work. */
+static void stop_note(const opts *o, int last_saved, const char *last_dir) {
+    if (last_saved >= 0) fprintf(stderr, "  the last good checkpoint, step %d in '%s', is intact: nothing was saved after it failed\n", last_saved, last_dir);
+    else if (o->save) fprintf(stderr, "  nothing was saved to '%s'\n", o->save);
+}
+/* A NaN or Inf loss or gradient norm stops the run: say where, and what is left. Then find the first op
+ * that produced it: steps are deterministic, so replaying from the last good state (the checkpoint, or the
+ * initialization) with every op's output checked meets the same value at the same op. */
+static void report_nonfinite(mt_runtime *rt, const opts *o, const mt_dataset *ds, const mt_step_stats *st, int step, int last_saved,
+                             const char *last_dir) {
+    fprintf(stderr, "train: step %d: the %s is %g (loss %g, grad norm %g): training diverged, stopping\n", step + 1,
+            isfinite(st->loss) ? "gradient norm" : "loss", isfinite(st->loss) ? st->grad_norm : st->loss, st->loss, st->grad_norm);
+    stop_note(o, last_saved, last_dir);
+    int from = last_saved >= 0 ? last_saved : 0;
+    mt_err e;
+    if (step - from >= 1000) {
+        fprintf(stderr, "  re-run from that checkpoint with --nan-check to find the first op that produced it\n");
+        return;
+    }
+    if (last_saved >= 0 ? mt_checkpoint_load(rt, last_dir, NULL, &e) : mt_runtime_init_params(rt, (uint64_t)o->seed, &e)) {
+        fprintf(stderr, "  (cannot replay to find the op: %s)\n", e.msg);
+        return;
+    }
+    fprintf(stderr, "  finding the op: replaying steps %d..%d from %s, checking every output\n", from + 1, step + 1,
+            last_saved >= 0 ? "that checkpoint" : "the initialization");
+    const mt_config *c = &mt_runtime_graph(rt)->cfg;
+    int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)c->batch * c->seq_len);
+    int32_t *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)c->batch * c->seq_len);
+    mt_runtime_set_nan_check(rt, 1);
+    int found = 0;
+    for (int s = from; s <= step && !found; s++)
+        if (mt_data_batch_at(ds, (uint64_t)o->seed, s, 0, 1, c->batch, c->seq_len, tok, tgt, &e) ||
+            mt_runtime_step(rt, tok, tgt, s, &o->hp, NULL, &e)) {
+            fprintf(stderr, "  %s\n", e.msg);
+            found = 1;
+        }
+    if (!found) fprintf(stderr, "  the replay did not meet it again\n");
+    fprintf(stderr, "  try a smaller --lr, or --grad-clip\n");
+    free(tok); free(tgt);
 }
 
 static void choose_target(const opts *o, mt_target *t) {
@@ -317,6 +587,7 @@ typedef struct {
     mt_config cfg;
     const mt_graph *g;         /* the step graph every rank binds */
     const mt_dataset *ds;
+    uint64_t data_hash;        /* of ds: checkpoints record it */
     int world, local_rank;     /* process ranks: this rank's local rank */
     mt_rdv *rdv;               /* process ranks: the rendezvous (NULL for threads and one rank) */
     uint8_t nccl_id[MT_NCCL_ID_BYTES];
@@ -326,6 +597,9 @@ typedef struct {
     volatile double last_progress;
     volatile int finished, stop;
     int rank;
+    int reported;              /* the failure was already explained on stderr */
+    int last_saved;            /* the last good checkpoint: its step (-1: none) and directory */
+    const char *last_dir;
 } job_t;
 
 /* What every rank does: bind, initialize, train; rank 0 reports. */
@@ -341,6 +615,7 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
     bind.cpu_world = w;
     memcpy(bind.nccl_id, j->nccl_id, sizeof bind.nccl_id);
     bind.n_threads = o->threads;
+    bind.nan_check = o->nan_check;
     if (w && !o->threads) {   /* thread-ranks share the cores */
         int cores = (int)sysconf(_SC_NPROCESSORS_ONLN);
         bind.n_threads = cores / world > 1 ? cores / world : 1;
@@ -348,9 +623,13 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
     mt_runtime *rt;
     if (mt_runtime_create(&rt, G, &bind, err)) return -1;
     j->rts[w ? rank : 0] = rt;   /* a failed rank's buffers stay until every rank has stopped reading them */
-    int step0 = 0;
+    int step0 = 0;   /* a resumed run starts at the checkpoint's step; --steps counts from step 0 */
     if (mt_runtime_init_params(rt, (uint64_t)o->seed, err) || (o->load && mt_checkpoint_load(rt, o->load, &step0, err)))
         return -1;
+    int todo = o->steps > step0 ? o->steps - step0 : 0, last_saved = o->load ? step0 : -1;
+    const char *last_dir = o->load;
+    j->last_saved = last_saved; j->last_dir = last_dir;
+    if (lead && o->load && !todo) printf("nothing to train: the checkpoint is at step %d and --steps is %d\n", step0, o->steps);
     int B = cfg->batch, T = cfg->seq_len, E = cfg->n_routed_experts > 0 ? cfg->n_routed_experts : 1;
     int dp = world / G->mesh.size[MT_DIM_TP], dp_rank = rank / G->mesh.size[MT_DIM_TP];
     int on_gpu = mt_runtime_backend(rt) == MT_BACKEND_CUDA;
@@ -379,11 +658,11 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
     }
     int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T), *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T);
     int32_t *counts = (int32_t *)malloc(sizeof(int32_t) * (size_t)E);
-    double *curve = (double *)malloc(sizeof(double) * (size_t)(o->steps + 1));
-    double *times = (double *)malloc(sizeof(double) * (size_t)(o->steps + 1));
+    double *curve = (double *)malloc(sizeof(double) * (size_t)(todo + 1));
+    double *times = (double *)malloc(sizeof(double) * (size_t)(todo + 1));
     int rc = 0, per_rank = world <= 31;
     double t_start = mt_now(), first_loss = 0, last_loss = 0, peak_max = 0;
-    for (int s = 0; s < o->steps && !rc; s++) {
+    for (int s = 0; s < todo && !rc; s++) {
         int step = step0 + s;
         mt_step_stats st;
         j->last_progress = mt_now();
@@ -394,8 +673,15 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
         }
         if (s == 0 && lead && world > 1)
             printf("first step done %.2f s after launch\n", mt_now() - j->t_launch);
-        if (!isfinite(st.loss)) {
-            mt_errf(err, "the loss is %g at step %d: training diverged (try a smaller --lr)", st.loss, step + 1);
+        if (!isfinite(st.loss) || !isfinite(st.grad_norm)) {   /* global values: every rank stops here */
+            if (world == 1) {
+                report_nonfinite(rt, o, j->ds, &st, step, last_saved, last_dir);
+                mt_errf(err, "training diverged at step %d", step + 1);
+                j->reported = 1;
+            } else {
+                mt_errf(err, "step %d: the %s is %g: training diverged (re-run with --nan-check to find the first op; try a smaller --lr)",
+                        step + 1, isfinite(st.loss) ? "gradient norm" : "loss", isfinite(st.loss) ? st.grad_norm : st.loss);
+            }
             rc = -1;
             break;
         }
@@ -414,7 +700,7 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
         last_loss = st.loss;
         double tps = tokens_global / secs;
         double lb = load_imbalance(rt, counts, E);
-        if (lead && ((s + 1) % o->log_every == 0 || s == 0 || s + 1 == o->steps)) {
+        if (lead && ((s + 1) % o->log_every == 0 || s == 0 || s + 1 == todo)) {
             printf("step %5d | loss %.6f | grad_norm %8.4f | lr %.3e | %8.0f tok/s", step + 1, st.loss, st.grad_norm, st.lr, tps);
             if (world > 1) printf(" (%.0f/rank)", tps / world);
             printf(" | %7.1f ms | load max/mean %.2f", 1e3 * secs, lb);
@@ -444,40 +730,52 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
             fprintf(mf, "]}\n");
             fflush(mf);
         }
+        if (o->save_every && (step + 1) % o->save_every == 0 && s + 1 < todo) {
+            if (save_checkpoint(rt, o, j->ds, j->data_hash, step + 1)) {
+                stop_note(o, last_saved, last_dir);
+                mt_errf(err, "stopped: the checkpoint could not be saved");
+                j->reported = 1;
+                rc = -1;
+                break;
+            }
+            last_saved = step + 1; last_dir = o->save;
+        }
+        j->last_saved = last_saved; j->last_dir = last_dir;
     }
     j->last_progress = mt_now();
-    if (!rc && o->steps > 0 && lead) {
-        printf("done: %d steps in %.1f s, loss %.4f -> %.4f\n", o->steps, mt_now() - t_start, first_loss, last_loss);
-        int skip = o->steps > 4 ? 2 : 0, nt = o->steps - skip;   /* the median step after two warm-up steps */
+    if (!rc && todo > 0 && lead) {
+        printf("done: %d steps in %.1f s, loss %.4f -> %.4f\n", todo, mt_now() - t_start, first_loss, last_loss);
+        int skip = todo > 4 ? 2 : 0, nt = todo - skip;   /* the median step after two warm-up steps */
         qsort(times + skip, (size_t)nt, sizeof(double), cmp_double);
         double med = times[skip + nt / 2], tps = tokens_global / med;
         printf("summary: preset=%s device=%s mode=%s ranks=%d tokens=%.0f median_step_ms=%.2f tokens_per_s=%.0f "
                "tokens_per_s_per_rank=%.0f mfu=%.2f%% peak_mem_gib=%.2f flops_per_token=%.0f host_syncs=%d\n",
-               o->graph ? o->graph : o->preset, on_gpu ? "cuda" : "cpu", o->eager ? "eager" : "compiled", world, tokens_global,
+               o->config_from, on_gpu ? "cuda" : "cpu", o->eager ? "eager" : "compiled", world, tokens_global,
                1e3 * med, tps, tps / world, on_gpu ? 100.0 * tps / world * flops_tok / 989e12 : 0.0, peak_max / 1073741824.0,
                flops_tok, mt_runtime_host_syncs(rt));
     }
-    if (!rc && o->profile && o->steps > 0) {   /* every rank steps; rank 0 prints */
+    if (!rc && o->profile && todo > 0) {   /* every rank steps; rank 0 prints */
         mt_step_stats st;
         mt_runtime_set_profile(rt, 1);
-        if (mt_data_batch_at(j->ds, (uint64_t)o->seed, step0 + o->steps, dp_rank, dp, B, T, tok, tgt, err) ||
-            mt_runtime_step(rt, tok, tgt, step0 + o->steps, &o->hp, &st, err))
+        if (mt_data_batch_at(j->ds, (uint64_t)o->seed, step0 + todo, dp_rank, dp, B, T, tok, tgt, err) ||
+            mt_runtime_step(rt, tok, tgt, step0 + todo, &o->hp, &st, err))
             rc = -1;
         else if (lead) {
-            int skip = o->steps > 4 ? 2 : 0;
-            print_profile(rt, o, 1e3 * times[skip + (o->steps - skip) / 2]);
+            int skip = todo > 4 ? 2 : 0;
+            print_profile(rt, o, 1e3 * times[skip + (todo - skip) / 2]);
         }
         mt_runtime_set_profile(rt, 0);
     }
     if (mf) fclose(mf);
-    if (!rc && lead && o->svg && o->steps > 0) {
+    if (!rc && lead && o->svg && todo > 0) {
         char title[128];
-        snprintf(title, sizeof title, "moetrain loss (%s, seed %d)", o->graph ? o->graph : o->preset, o->seed);
-        if (mt_write_svg(o->svg, curve, o->steps, title, err)) rc = -1;
+        snprintf(title, sizeof title, "moetrain loss (%s, seed %d)", o->config_from, o->seed);
+        if (mt_write_svg(o->svg, curve, todo, title, err)) rc = -1;
     }
-    if (!rc && o->save) {
-        if (mt_checkpoint_save(rt, o->save, step0 + o->steps, err)) rc = -1;
-        else printf("saved %s/model.safetensors, config.json, optimizer.safetensors\n", o->save);
+    if (!rc && o->save && save_checkpoint(rt, o, j->ds, j->data_hash, step0 + todo)) {
+        mt_errf(err, "stopped: the checkpoint could not be saved");
+        j->reported = 1;
+        rc = -1;
     }
     free(tok); free(tgt); free(counts); free(curve); free(times);
     return rc ? -1 : 0;
@@ -657,23 +955,28 @@ int main(int argc, char **argv) {
             mt_graph_free(&g);
             return 2;
         }
+        if (o.dp_shard || o.dp_replicate || o.ep) {
+            fprintf(stderr, "train: --graph fixes the mesh; re-run precompile to change it\n");
+            mt_graph_free(&g);
+            return 2;
+        }
         cfg = g.cfg;
         have_graph = 1;
-    } else if (o.load) {
-        if (mt_checkpoint_read_config(o.load, &cfg, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
-        if (apply_overrides(&o, &cfg)) return 2;
     } else {
         if (mt_config_preset(&cfg, o.preset, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 2; }
         if (apply_overrides(&o, &cfg)) return 2;
     }
-    if (mt_config_validate(&cfg, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 2; }
-    if (!o.lr_set) {   /* the model's default peak learning rate */
+    int rc_cfg = o.load ? checkpoint_config(&o, &cfg, have_graph) : 0;
+    if (rc_cfg) { mt_graph_free(&g); return rc_cfg; }
+    if (mt_config_validate(&cfg, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_graph_free(&g); return 2; }
+    if (!given(&o, "lr")) {   /* the model's default peak learning rate */
         mt_hparams d;
         mt_hparams_for_config(&d, &cfg);
         o.hp.lr = d.lr;
     }
     if (o.forward) {
         if (o.nproc > 1 || getenv("WORLD_SIZE")) { fprintf(stderr, "train: --forward runs on one rank\n"); return 2; }
+        if (preflight(&o)) return 1;
         return run_forward(&o, cfg);
     }
 
@@ -719,7 +1022,10 @@ int main(int argc, char **argv) {
         mt_graph_free(&g);
         return 2;
     }
-    if (!launched && world > 1 && on_cuda) return supervise(argc, argv, world);   /* one process per GPU */
+    if (rank == 0 && preflight(&o)) { mt_graph_free(&g); return 1; }   /* every output writable, before any work */
+    mt_run_state ck;   /* resuming: the saved run's state and settings */
+    if (o.load && (rc_cfg = plan_resume(&o, &ck))) { mt_graph_free(&g); return rc_cfg; }
+    if (!launched && world > 1 && on_cuda) { mt_graph_free(&g); return supervise(argc, argv, world); }   /* one process per GPU */
 
     /* 3. the step graph: compiled here unless an artifact was given */
     if (!have_graph) {
@@ -743,9 +1049,6 @@ int main(int argc, char **argv) {
         if (rank == 0) printf("compiled the step graph in %.2f s: %d nodes, %d values\n", mt_now() - t0, g.n_nodes, g.n_values);
     } else if (rank == 0) {
         printf("loaded the step graph from %s: %d nodes, %d values\n", o.graph, g.n_nodes, g.n_values);
-    } else if (o.dp_shard || o.dp_replicate || o.ep) {
-        fprintf(stderr, "train: --graph fixes the mesh; re-run precompile to change it\n");
-        return 2;
     }
 
     /* 4. data */
@@ -763,21 +1066,24 @@ int main(int argc, char **argv) {
         mt_data_free(&ds); mt_graph_free(&g);
         return 1;
     }
+    uint64_t data_hash = mt_data_hash(&ds);
+    if (o.load && check_resume_data(&o, &ck, &ds, data_hash)) { mt_data_free(&ds); mt_graph_free(&g); return 1; }
 
     /* 5. train: one rank here, every rank as a thread, or this process's rank */
     job_t *j = (job_t *)calloc(1, sizeof *j);
-    j->o = &o; j->cfg = cfg; j->g = &g; j->ds = &ds; j->world = world; j->local_rank = local_rank; j->t_launch = t_launch;
+    j->o = &o; j->cfg = cfg; j->g = &g; j->ds = &ds; j->data_hash = data_hash;
+    j->world = world; j->local_rank = local_rank; j->t_launch = t_launch; j->last_saved = -1;
     j->rts = (mt_runtime **)calloc((size_t)world, sizeof(mt_runtime *));
     int rc;
     if (launched && world > 1) {
         const char *addr = getenv("MASTER_ADDR");
         rc = process_rank(j, rank, addr && *addr ? addr : "127.0.0.1", port);
-    } else if (world > 1) {
-        rc = mt_run_thread_ranks(world, thread_rank, j, &err) ? 1 : 0;
-        if (rc) fprintf(stderr, "train: %s\n", err.msg);
     } else {
-        rc = train_rank(j, 0, NULL, &err) ? 1 : 0;
-        if (rc) fprintf(stderr, "train: %s\n", err.msg);
+        rc = (world > 1 ? mt_run_thread_ranks(world, thread_rank, j, &err) : train_rank(j, 0, NULL, &err)) ? 1 : 0;
+        if (rc && !j->reported) {
+            fprintf(stderr, "train: %s\n", err.msg);
+            stop_note(&o, j->last_saved, j->last_dir);
+        }
     }
     for (int r = 0; r < world; r++) mt_runtime_destroy(j->rts[r]);
     free(j->rts);
