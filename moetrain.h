@@ -197,6 +197,9 @@ int mt_mesh_mask_valid(uint32_t mask);
 int mt_mesh_group_size(const mt_mesh *m, uint32_t mask);
 int mt_mesh_group(const mt_mesh *m, uint32_t mask, int rank, int *members); /* fills members, returns rank's index */
 void mt_mesh_mask_name(uint32_t mask, char *out, size_t n);                 /* "dp_replicate+edp", "-" for 0 */
+/* Do two masks split the world into the same groups, in the same order, for every rank? Then one
+ * communicator serves both (the runtime shares it unless the nodes name different channels). */
+int mt_mesh_groups_equal(const mt_mesh *m, uint32_t a, uint32_t b);
 
 /* ========================================================================
  * 4. Graph IR
@@ -404,9 +407,17 @@ int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target 
 void mt_plan_naive(mt_graph *g);                     /* eager: every value its own bytes */
 int mt_pass_plan_memory(mt_graph *g, mt_err *err);   /* liveness-based arena reuse */
 void mt_value_live_range(const mt_graph *g, int v, int *first, int *last);
-typedef struct { int elide, fuse, plan_memory, capture; } mt_passes;   /* which optimizing passes run */
+typedef struct { int elide, fuse, plan_memory, capture, isolate_ep; } mt_passes;   /* which optimizing passes run */
 int mt_pass_elide_collectives(mt_graph *g, mt_err *err); /* the expert exchange over one rank is a copy: gone */
 int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
+/* Collectives name a channel (iattr[1]); at bind, groups with the same ranks in the same order and
+ * the same channel share one communicator. When the expert exchange's groups coincide with another
+ * collective's (dp_shard = ep: FSDP and EP over the same ranks), this pass moves the exchange to
+ * channel MT_CHANNEL_EP: a communicator of its own, so the all-to-alls never queue behind an
+ * all-gather. Returns the number of nodes moved (0: nothing to isolate), -1 on error. */
+enum { MT_CHANNEL_SHARED = 0, MT_CHANNEL_EP = 1 };
+int mt_pass_isolate_ep(mt_graph *g, mt_err *err);
+int mt_op_is_ep_exchange(int op);                    /* EP_COUNTS, EP_DISPATCH, EP_COMBINE */
 int mt_node_syncs_host(const mt_node *n);            /* needs data on the host before launching */
 int mt_node_capturable(const mt_graph *g, const mt_node *n);  /* may replay inside a captured CUDA graph */
 void mt_passes_all(mt_passes *p);
@@ -580,6 +591,7 @@ int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *
  * the rows this rank's experts received in its forward (over all MoE layers). */
 int mt_runtime_host_syncs(const mt_runtime *rt);
 int64_t mt_runtime_received_rows(const mt_runtime *rt);
+int mt_runtime_n_communicators(const mt_runtime *rt);   /* made at bind: one per distinct rank group and channel */
 /* After a failure elsewhere: make this rank's pending and future collectives
  * return (NCCL: ncclCommAbort). Safe to call from another thread. */
 void mt_runtime_abort(mt_runtime *rt);
@@ -1362,6 +1374,20 @@ void mt_mesh_mask_name(uint32_t mask, char *out, size_t n) {
         if (mask >> d & 1) k += (size_t)snprintf(out + k, k < n ? n - k : 0, "%s%s", k ? "+" : "", mt_dim_names[d]);
     if (!mask) snprintf(out, n, "-");
 }
+#define MT__WORLD_MASK (MT_DIMBIT(MT_DIM_DP_REPLICATE) | MT_DIMBIT(MT_DIM_DP_SHARD) | MT_DIMBIT(MT_DIM_TP))
+int mt_mesh_groups_equal(const mt_mesh *m, uint32_t a, uint32_t b) {
+    if (a == b) return 1;
+    int world = mt_mesh_world(m), n = mt_mesh_group_size(m, a), eq = n == mt_mesh_group_size(m, b);
+    int *x = (int *)MT_MALLOC(sizeof(int) * (size_t)(2 * n + 1));
+    if (!x) return 0;
+    for (int r = 0; r < world && eq; r++) {
+        mt_mesh_group(m, a, r, x);
+        mt_mesh_group(m, b, r, x + n);
+        eq = !memcmp(x, x + n, sizeof(int) * (size_t)n);
+    }
+    MT_FREE(x);
+    return eq;
+}
 
 /* ========================================================================
  * 4. Graph IR
@@ -1715,15 +1741,15 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         if (a->dims[0] % n->iattr[0]) return mt_errf(err, "MOE_PERMUTE_BWD: rows not a multiple of top_k");
         MT__T(mt__shape(&c, o, "dx", 2, a->dims[0] / n->iattr[0], a->dims[1], 0));
         break;
-    case MT_OP_EP_COUNTS: /* i0 mesh mask, i1 group, i2 ep size, i3 E_local, i4 ep coord (symbol) */
-        MT__T(mt__int_attr(&c, 2, 1, 4096)); MT__T(mt__int_attr(&c, 3, 1, 4096));
+    case MT_OP_EP_COUNTS: /* i0 mesh mask, i1 channel, i2 ep size, i3 E_local, i4 ep coord (symbol) */
+        MT__T(mt__int_attr(&c, 1, 0, MT_CHANNEL_EP)); MT__T(mt__int_attr(&c, 2, 1, 4096)); MT__T(mt__int_attr(&c, 3, 1, 4096));
         MT__T(mt__is_index(&c, a, "offs", 1));
         MT__T(mt__shape(&c, a, "offs", 1, (int64_t)n->iattr[2] * n->iattr[3] + 1, 0, 0));
         MT__T(mt__is_index(&c, o, "recv", 1));
         MT__T(mt__shape(&c, o, "recv", 2, n->iattr[2], n->iattr[3], 0));
         break;
     case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE: {
-        MT__T(mt__int_attr(&c, 2, 1, 4096)); MT__T(mt__int_attr(&c, 3, 1, 4096));
+        MT__T(mt__int_attr(&c, 1, 0, MT_CHANNEL_EP)); MT__T(mt__int_attr(&c, 2, 1, 4096)); MT__T(mt__int_attr(&c, 3, 1, 4096));
         int64_t ep = n->iattr[2], El = n->iattr[3];
         const mt_value *src = a, *dst = o;
         MT__T(mt__shape(&c, src, "x", 2, MT__ANY, MT__ANY, 0));
@@ -3164,11 +3190,34 @@ int mt_pass_fuse(mt_graph *g, mt_err *err) {
     return mt__compact_values(g, err);
 }
 
-void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; }
-void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; }
+int mt_op_is_ep_exchange(int op) { return op == MT_OP_EP_COUNTS || op == MT_OP_EP_DISPATCH || op == MT_OP_EP_COMBINE; }
+
+int mt_pass_isolate_ep(mt_graph *g, mt_err *err) {
+    (void)err;
+    uint32_t ep = 0;
+    int found = 0, clash = 0, moved = 0;
+    for (int i = 0; i < g->n_nodes; i++) {   /* the exchange's mask (recognized by op, over more than one rank) */
+        const mt_node *n = &g->nodes[i];
+        if (mt_op_is_ep_exchange(n->op) && mt_mesh_group_size(&g->mesh, (uint32_t)n->iattr[0]) > 1) { ep = (uint32_t)n->iattr[0]; found = 1; }
+    }
+    if (!found) return 0;
+    for (int i = 0; i < g->n_nodes && !clash; i++) {   /* another collective over the same ranks, same channel? */
+        const mt_node *n = &g->nodes[i];
+        clash = mt__is_collective(n->op) && !mt_op_is_ep_exchange(n->op) && n->iattr[1] == MT_CHANNEL_SHARED &&
+                mt_mesh_group_size(&g->mesh, (uint32_t)n->iattr[0]) > 1 && mt_mesh_groups_equal(&g->mesh, (uint32_t)n->iattr[0], ep);
+    }
+    if (!clash) return 0;
+    for (int i = 0; i < g->n_nodes; i++)
+        if (mt_op_is_ep_exchange(g->nodes[i].op) && g->nodes[i].iattr[1] == MT_CHANNEL_SHARED) { g->nodes[i].iattr[1] = MT_CHANNEL_EP; moved++; }
+    return moved;
+}
+
+void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; }
+void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; }
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
     if (p->elide && mt_pass_elide_collectives(g, err)) return -1;
     if (p->fuse && mt_pass_fuse(g, err)) return -1;
+    if (p->isolate_ep && mt_pass_isolate_ep(g, err) < 0) return -1;
     if (p->plan_memory) { if (mt_pass_plan_memory(g, err)) return -1; }
     else mt_plan_naive(g);
     /* capture pass: the step replays as CUDA graphs, one per region between
@@ -3840,15 +3889,19 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
     for (int i = 0; i < g->n_nodes; i++) {
         const mt_node *n = &g->nodes[i];
         if (n->queue == MT_Q_COMPUTE) continue;
-        fprintf(f, "  n%-5d %-14s queue=%-3s group=%d over", i, mt_ops[n->op].name, mt_queue_names[n->queue], n->iattr[1]);
+        fprintf(f, "  n%-5d %-14s queue=%-3s channel=%d over", i, mt_ops[n->op].name, mt_queue_names[n->queue], n->iattr[1]);
         for (int d = 0; d < MT_NDIMS; d++) if ((uint32_t)n->iattr[0] >> d & 1) fprintf(f, " %s(%d)", mt_dim_names[d], g->mesh.size[d]);
         fprintf(f, "  %s\n", n->in[0] >= 0 ? g->values[n->in[0]].name : "");
     }
-    /* every (mesh mask, group id) the nodes name, and the groups it splits the world into */
-    fprintf(f, "\n== communicator groups (world %d; one communicator per group, ranks in mesh order)\n", mt_mesh_world(&g->mesh));
+    /* every (mesh mask, channel) the nodes name, the groups it splits the world into, and which
+     * communicator serves it: the same ranks in the same order on the same channel share one */
     int world = mt_mesh_world(&g->mesh);
+    fprintf(f, "\n== communicator groups (world %d; ranks in mesh order; channel 0 shared, 1 the isolated expert exchange)\n", world);
     int *mem = (int *)MT_MALLOC(sizeof(int) * (size_t)(world + 1));
     uint8_t *seen = (uint8_t *)mt__calloc((size_t)world + 1);
+    uint32_t own_mask[64];
+    int own_id[64], n_own = 1;
+    own_mask[0] = MT__WORLD_MASK; own_id[0] = 0;   /* the world's communicator comes first */
     for (int i = 0; mem && seen && i < g->n_nodes; i++) {
         const mt_node *n = &g->nodes[i];
         if (!mt__is_collective(n->op)) continue;
@@ -3858,10 +3911,21 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
         if (dup) continue;
         for (int j = i; j < g->n_nodes; j++)
             uses += mt__is_collective(g->nodes[j].op) && g->nodes[j].iattr[0] == n->iattr[0] && g->nodes[j].iattr[1] == n->iattr[1];
-        char mn[64];
+        char mn[64], share[96] = "";
         mt_mesh_mask_name((uint32_t)n->iattr[0], mn, sizeof mn);
-        int size = mt_mesh_group_size(&g->mesh, (uint32_t)n->iattr[0]);
-        fprintf(f, "  %-22s id %d  %d rank%s per group, %d node%s:", mn, n->iattr[1], size, size == 1 ? "" : "s", uses, uses == 1 ? "" : "s");
+        int size = mt_mesh_group_size(&g->mesh, (uint32_t)n->iattr[0]), owner = -1;
+        for (int k = 0; k < n_own && owner < 0; k++)
+            if (own_id[k] == n->iattr[1] && mt_mesh_groups_equal(&g->mesh, own_mask[k], (uint32_t)n->iattr[0])) owner = k;
+        if (size == 1) snprintf(share, sizeof share, "  (identity: no communicator)");
+        else if (owner >= 0 && own_mask[owner] != (uint32_t)n->iattr[0]) {
+            char on[64];
+            mt_mesh_mask_name(own_mask[owner], on, sizeof on);
+            snprintf(share, sizeof share, "  (shares the %s communicator)", owner == 0 ? "world" : on);
+        } else if (owner < 0 && n_own < 64) {
+            own_mask[n_own] = (uint32_t)n->iattr[0]; own_id[n_own++] = n->iattr[1];
+            snprintf(share, sizeof share, "  (own communicator%s)", n->iattr[1] == MT_CHANNEL_EP ? ", isolated expert exchange" : "");
+        }
+        fprintf(f, "  %-22s ch %d  %d rank%s per group, %d node%s:", mn, n->iattr[1], size, size == 1 ? "" : "s", uses, uses == 1 ? "" : "s");
         memset(seen, 0, (size_t)world);
         for (int r = 0; r < world; r++) {
             if (seen[r]) continue;
@@ -3870,8 +3934,9 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
             for (int k = 0; k < size; k++) { fprintf(f, "%s%d", k ? "," : "", mem[k]); seen[mem[k]] = 1; }
             fprintf(f, "}");
         }
-        fprintf(f, "%s\n", size == 1 ? "  (identity)" : "");
+        fprintf(f, "%s\n", share);
     }
+    if (world > 1) fprintf(f, "  communicators per rank: %d (the world's included)\n", n_own);
     MT_FREE(mem); MT_FREE(seen);
     fprintf(f, "\n== memory plan (%s)\n", g->planned ? "liveness-planned arena" : "naive: every value its own bytes");
     fprintf(f, "  persistent %s, arena %s (naive %s, %.1f%% saved)\n", mt__human((double)g->persist_bytes, b1),
@@ -4638,10 +4703,11 @@ int mt_run_thread_ranks(int n, mt_rank_fn fn, void *ctx, mt_err *err) {
 /* --- the runtime's view of its groups --- */
 
 typedef struct {
-    uint32_t mask; int id;   /* what the collective nodes name */
+    uint32_t mask; int id;   /* what the collective nodes name: mesh mask and channel */
     int size, index;         /* ranks in the group, and mine (group order = mesh order) */
     int *members;            /* their world ranks, in group order */
-    void *comm;              /* NCCL communicator (CUDA, size > 1) */
+    int owner;               /* index of the group whose communicator this one uses (itself: it made one) */
+    void *comm;              /* NCCL communicator (CUDA, size > 1); only the owner frees it */
 } mt__group;
 
 struct mt_runtime {
@@ -4675,7 +4741,6 @@ static mt__group *mt__find_group(mt_runtime *rt, uint32_t mask, int id) {
         if (rt->groups[i].mask == mask && rt->groups[i].id == id) return &rt->groups[i];
     return NULL;
 }
-#define MT__WORLD_MASK (MT_DIMBIT(MT_DIM_DP_REPLICATE) | MT_DIMBIT(MT_DIM_DP_SHARD) | MT_DIMBIT(MT_DIM_TP))
 
 /* Resolve every (mask, id) the graph names, in node order (the same on every
  * rank, as ncclCommSplit needs), plus the whole world for host reductions. */
@@ -4689,16 +4754,23 @@ static int mt__bind_groups(mt_runtime *rt, mt_err *err) {
         uint32_t mask = i < 0 ? MT__WORLD_MASK : (uint32_t)G->nodes[i].iattr[0];
         int id = i < 0 ? 0 : G->nodes[i].iattr[1];
         if ((i >= 0 && !mt__is_collective(G->nodes[i].op)) || mt__find_group(rt, mask, id)) continue;
-        mt__group *gr = &rt->groups[rt->n_groups++];
-        gr->mask = mask; gr->id = id;
+        int me = rt->n_groups++;
+        mt__group *gr = &rt->groups[me];
+        gr->mask = mask; gr->id = id; gr->owner = me;
         gr->size = mt_mesh_group_size(&G->mesh, mask);
         if (!(gr->members = (int *)mt__calloc(sizeof(int) * (size_t)gr->size))) return mt_errf(err, "out of memory");
         gr->index = mt_mesh_group(&G->mesh, mask, rt->bind.rank, gr->members);
+        /* the same ranks in the same order on the same channel: one communicator (the choice is the same on
+         * every rank, so every rank makes the same ncclCommSplit calls in the same order) */
+        for (int k = 0; k < me && gr->owner == me; k++)
+            if (rt->groups[k].owner == k && rt->groups[k].id == id &&
+                mt_mesh_groups_equal(&G->mesh, rt->groups[k].mask, mask)) gr->owner = k;
+        if (gr->owner != me) { gr->comm = rt->groups[gr->owner].comm; continue; }
 #ifdef MT_CUDA
         if (rt->backend == MT_BACKEND_CUDA && gr->size > 1) {
             char nm[64];
             mt_mesh_mask_name(mask, nm, sizeof nm);
-            if (mask == MT__WORLD_MASK) gr->comm = NULL;   /* the world communicator itself */
+            if (i < 0) gr->comm = rt->world_comm;   /* the world communicator itself (freed with it) */
             else if (mt_nccl_split((mt_cuda *)rt->cu, rt->world_comm, gr->members[0], gr->index, &gr->comm))
                 return mt_errf(err, "rank %d: creating the %s communicator: %s", rt->bind.rank, nm, mt_cuda_error((mt_cuda *)rt->cu));
         }
@@ -4706,10 +4778,16 @@ static int mt__bind_groups(mt_runtime *rt, mt_err *err) {
     }
     return 0;
 }
+/* Communicators this rank made (the world's included when there is more than one rank). */
+int mt_runtime_n_communicators(const mt_runtime *rt) {
+    int n = 0;
+    for (int i = 0; i < rt->n_groups; i++) n += rt->groups[i].owner == i && rt->groups[i].size > 1;
+    return n;
+}
 static void mt__free_groups(mt_runtime *rt, int abort) {
     for (int i = 0; rt->groups && i < rt->n_groups; i++) {
 #ifdef MT_CUDA
-        if (rt->groups[i].comm) mt_nccl_free(rt->groups[i].comm, abort);
+        if (rt->groups[i].comm && rt->groups[i].owner == i && i > 0) mt_nccl_free(rt->groups[i].comm, abort);
 #endif
         MT_FREE(rt->groups[i].members);
     }
@@ -5674,8 +5752,9 @@ void mt_runtime_abort(mt_runtime *rt) {
 #ifdef MT_CUDA
     if (rt->world_comm) mt_nccl_free(rt->world_comm, 1);   /* ncclCommAbort: pending collectives return */
     rt->world_comm = NULL;
-    for (int i = 0; i < rt->n_groups; i++)
-        if (rt->groups[i].comm) { mt_nccl_free(rt->groups[i].comm, 1); rt->groups[i].comm = NULL; }
+    for (int i = 1; i < rt->n_groups; i++)   /* group 0 is the world: its communicator went above */
+        if (rt->groups[i].comm && rt->groups[i].owner == i) mt_nccl_free(rt->groups[i].comm, 1);
+    for (int i = 0; i < rt->n_groups; i++) rt->groups[i].comm = NULL;
 #endif
 }
 int mt_runtime_comm_error(mt_runtime *rt, mt_err *err) {
@@ -5683,8 +5762,9 @@ int mt_runtime_comm_error(mt_runtime *rt, mt_err *err) {
 #ifdef MT_CUDA
     char msg[256];
     if (rt->world_comm && mt_nccl_async_error(rt->world_comm, msg, sizeof msg)) return mt_errf(err, "NCCL: %s", msg);
-    for (int i = 0; i < rt->n_groups; i++)
-        if (rt->groups[i].comm && mt_nccl_async_error(rt->groups[i].comm, msg, sizeof msg)) return mt_errf(err, "NCCL: %s", msg);
+    for (int i = 1; i < rt->n_groups; i++)
+        if (rt->groups[i].comm && rt->groups[i].owner == i && mt_nccl_async_error(rt->groups[i].comm, msg, sizeof msg))
+            return mt_errf(err, "NCCL: %s", msg);
 #endif
     return 0;
 }

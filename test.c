@@ -89,6 +89,7 @@ typedef struct {
     uint8_t *params[MR_MAX];     /* every master parameter (this rank's part), concatenated */
     size_t param_bytes[MR_MAX];
     mt_runtime *rt[MR_MAX];
+    int n_comms[MR_MAX];         /* communicators each rank made at bind */
     uint8_t nccl_id[MT_NCCL_ID_BYTES];   /* CUDA ranks */
 } mr_job;
 
@@ -116,6 +117,7 @@ static int mr_rank(void *ctx, int rank, mt_world *w, mt_err *err) {
     int rc = mt_runtime_create(&rt, g, &b, err);
     if (rc) { snprintf(j->err[rank], sizeof j->err[rank], "%s", err->msg); return -1; }
     j->rt[rank] = rt;   /* freed after every rank has stopped */
+    j->n_comms[rank] = mt_runtime_n_communicators(rt);
     if (mt_runtime_init_params(rt, j->seed, err)) { snprintf(j->err[rank], sizeof j->err[rank], "%s", err->msg); return -1; }
     if (j->route_to_first)
         for (int v = 0; v < g->n_values; v++)
@@ -2962,6 +2964,99 @@ static void test_launch_rendezvous(void) {
     report("rendezvous: kill -9 of one rank stops the others within 10 s", ok, "exit %d %d %d %d, %.2f s", c[0], c[1], c[2], c[3], t);
 }
 
+/* The EP isolation pass on the node list: it moves the expert exchange to a channel of its own exactly
+ * when its groups coincide with another collective's, leaves everything else alone, keeps rank order. */
+static void test_isolate_ep(void) {
+    static const struct { int rep, shard, ep, want; } cs[] = {{1, 2, 2, 1}, {2, 2, 2, 1}, {1, 4, 4, 1}, {2, 4, 4, 1},
+                                                              {1, 4, 2, 0}, {2, 4, 2, 0}, {1, 2, 1, 0}, {1, 1, 1, 0}};
+    int ok = 1;
+    char why[300] = "";
+    for (size_t c = 0; c < sizeof cs / sizeof cs[0] && ok; c++) {
+        mt_err e;
+        mt_graph on, off;
+        mt_config cfg;
+        mt_mesh m;
+        mt_target t;
+        mt_passes p;
+        mt_config_preset(&cfg, "tiny", &e);
+        mt_target_cpu(&t);
+        mt_passes_all(&p);
+        if (mt_mesh_init(&m, cs[c].rep, cs[c].shard, 1, cs[c].ep, &e) || mt_compile(&on, &cfg, &m, &t, MT_GRAPH_TRAIN, &p, &e)) { ok = 0; snprintf(why, sizeof why, "%s", e.msg); break; }
+        p.isolate_ep = 0;
+        if (mt_compile(&off, &cfg, &m, &t, MT_GRAPH_TRAIN, &p, &e)) { ok = 0; mt_graph_free(&on); break; }
+        int moved = 0, other_changed = 0, ep_nodes = 0;
+        uint32_t epmask = 0;
+        ok = on.n_nodes == off.n_nodes;
+        for (int i = 0; ok && i < on.n_nodes; i++) {
+            mt_node a = on.nodes[i], b = off.nodes[i];
+            if (mt_op_is_ep_exchange(a.op)) {
+                ep_nodes++;
+                epmask = (uint32_t)a.iattr[0];
+                moved += a.iattr[1] == MT_CHANNEL_EP;
+                a.iattr[1] = b.iattr[1];
+            }
+            other_changed += memcmp(&a, &b, sizeof a) != 0;
+        }
+        int expect = cs[c].want ? ep_nodes : 0;
+        /* the pass's premise, checked independently: some other collective's groups equal the exchange's, rank for rank */
+        int coincide = 0, world = mt_mesh_world(&m);
+        for (int i = 0; i < off.n_nodes && epmask && mt_mesh_group_size(&m, epmask) > 1; i++) {
+            const mt_node *n = &off.nodes[i];
+            if (mt_op_is_ep_exchange(n->op) || !(n->op == MT_OP_ALLGATHER || n->op == MT_OP_REDUCE_SCATTER || n->op == MT_OP_ALLREDUCE)) continue;
+            int same = mt_mesh_group_size(&m, (uint32_t)n->iattr[0]) == mt_mesh_group_size(&m, epmask);
+            for (int r = 0; r < world && same; r++) {
+                int a[64], b[64];
+                mt_mesh_group(&m, (uint32_t)n->iattr[0], r, a);
+                mt_mesh_group(&m, epmask, r, b);
+                same = !memcmp(a, b, sizeof(int) * (size_t)mt_mesh_group_size(&m, epmask));
+            }
+            coincide |= same;
+        }
+        if (!ok || moved != expect || other_changed || coincide != cs[c].want) {
+            ok = 0;
+            snprintf(why, sizeof why, "mesh %dx%d ep %d: moved %d of %d EP nodes (want %s), %d other nodes changed, groups coincide %d",
+                     cs[c].rep, cs[c].shard, cs[c].ep, moved, ep_nodes, cs[c].want ? "all" : "none", other_changed, coincide);
+        }
+        mt_graph_free(&on); mt_graph_free(&off);
+    }
+    report("EP isolation pass: moves the exchange exactly when its groups coincide; other nodes untouched", ok, "%s",
+           ok ? "8 meshes (1-8 ranks, ep 1/2/4)" : why);
+    /* bound on 2 thread-ranks (dp_shard 2, ep 2): one communicator more, in mesh order; the same numbers */
+    mt_err e;
+    mt_graph gi, gs;
+    mr_job a, b;
+    memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
+    a.fail_rank = b.fail_rank = -1;
+    int built = mr_compile_for(&gi, 1, 2, 2, 2, 0, 0, &e) == 0;
+    mt_config cfg = gi.cfg;
+    mt_mesh m = gi.mesh;
+    mt_target t;
+    mt_passes p;
+    mt_target_cpu(&t);
+    mt_passes_all(&p);
+    p.isolate_ep = 0;
+    built = built && mt_compile(&gs, &cfg, &m, &t, MT_GRAPH_TRAIN, &p, &e) == 0;
+    int ran = built && mr_run(&a, &gi, 4, &e) == 0 && mr_run(&b, &gs, 4, &e) == 0;
+    int order = ran;
+    for (int r = 0; ran && r < 2; r++) {
+        mt_runtime *rt = a.rt[r];
+        int members[8], found = 0;
+        mt_mesh_group(&m, MT_DIMBIT(MT_DIM_EP), r, members);
+        for (int i = 0; i < rt->n_groups; i++)
+            if (rt->groups[i].id == MT_CHANNEL_EP) {
+                found = rt->groups[i].owner == i && rt->groups[i].size == 2;
+                for (int k = 0; found && k < 2; k++) found = rt->groups[i].members[k] == members[k];
+            }
+        order &= found;
+    }
+    int same = ran && bitwise_equal(a.loss, b.loss, 4) && bitwise_equal(a.gnorm, b.gnorm, 4);
+    report("EP isolation bound: its own communicator, ranks in mesh order, numbers bitwise unchanged",
+           ran && order && same && a.n_comms[0] == 2 && b.n_comms[0] == 1, "communicators per rank %d isolated vs %d shared %s",
+           a.n_comms[0], b.n_comms[0], ran ? "" : e.msg);
+    mr_free(&a); mr_free(&b);
+    if (built) { mt_graph_free(&gi); mt_graph_free(&gs); }
+}
+
 static void test_multirank(void) {
     mt_err e;
     /* the same global batch, any layout: FSDP, EP, HSDP */
@@ -3264,6 +3359,14 @@ int main(void) {
         printf("%d passed, %d failed\n", n_pass, n_fail);
         return n_fail ? 1 : 0;
     }
+    if (getenv("MT_ONLY")) {   /* one test while developing: MT_ONLY=isolate_ep ./test_f32 */
+        static const struct { const char *name; void (*fn)(void); } t[] = {
+            {"multirank", test_multirank}, {"isolate_ep", test_isolate_ep}, {"cli", test_cli}, {"bitwise", test_bitwise},
+            {"artifact_rejects", test_artifact_rejects}, {"memory_plan", test_memory_plan}, {"graph_structure", test_graph_structure}};
+        for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) if (!strcmp(getenv("MT_ONLY"), t[i].name)) t[i].fn();
+        printf("%d passed, %d failed\n", n_pass, n_fail);
+        return n_fail ? 1 : 0;
+    }
     test_presets();
     test_graph_structure();
     test_doc_mask_graph();
@@ -3280,6 +3383,7 @@ int main(void) {
     test_fuzz();
     test_training_falls();
     test_multirank();
+    test_isolate_ep();
     test_launch_rendezvous();
     test_cli();
     test_cli_options();
