@@ -43,9 +43,15 @@ train: train.c $(HEADERS) moetrain_kernels.o
 	$(CXX) -o $@ train.o moetrain_kernels.o $(CUDA_LDLIBS)
 endif
 
-# precompile never touches a device: it is plain C everywhere
+# precompile builds and plans on the CPU; with CUDA it can also tune on a GPU (--device cuda)
+ifeq ($(NVCC),)
 precompile: precompile.c $(HEADERS)
 	$(CC) $(CFLAGS) -o $@ precompile.c $(LDLIBS)
+else
+precompile: precompile.c $(HEADERS) moetrain_kernels.o
+	$(CC) $(CFLAGS) -DMT_CUDA -c -o precompile.o precompile.c
+	$(CXX) -o $@ precompile.o moetrain_kernels.o $(CUDA_LDLIBS)
+endif
 
 test_f32: test.c $(HEADERS)
 	$(CC) $(CFLAGS) -o $@ test.c $(LDLIBS)

@@ -60,7 +60,7 @@ typedef MT_REAL mt_real;
 
 #define MT_VERSION_STRING "moetrain 0.1"
 #define MT_KERNELS_VERSION "moetrain-kernels 1"   /* bump when any kernel's numerics change */
-#define MT_FORMAT_VERSION 3u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER) */
+#define MT_FORMAT_VERSION 4u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER; 4: tuning by GPU model) */
 
 /* ========================================================================
  * 1. Basics
@@ -360,7 +360,20 @@ void mt_target_cuda(mt_target *t, const char *arch);
 
 enum { MT_GRAPH_TRAIN = 0, MT_GRAPH_FORWARD = 1 };
 
-typedef struct { int32_t op; int64_t m, n, k; int32_t algo; } mt_tuning;  /* GEMM choice per shape */
+/* Tuning: what precompile chose once so that loading ranks never choose.
+ * One entry per GEMM key the step runs (transposes, dtypes, N, K, bucket of
+ * M): the cuBLASLt algorithm, opaque bytes. mt_tuning_info says which GPU
+ * model (never an ordinal) the choices were made for; a rank on another
+ * model re-derives them (or refuses, with binding.strict_tuning). */
+#define MT_ALGO_WORDS 8
+typedef struct { int32_t ta, tb, mb, n, k, at, bt, ct; uint64_t algo[MT_ALGO_WORDS]; } mt_tuning;
+typedef struct {
+    char device[64];       /* the GPU model's name; "" = the graph is not tuned */
+    int32_t sm, n_sms;     /* compute capability (90 = 9.0) and multiprocessors: the grouped GEMM's split choice */
+    int64_t blas_version;  /* cuBLASLt's version: its algorithms mean nothing to another */
+} mt_tuning_info;
+/* 0: choices made for `tuned` fit the device `here`; 1: they do not (why says how). */
+int mt_tuning_mismatch(const mt_tuning_info *tuned, const mt_tuning_info *here, char *why, size_t n);
 
 typedef struct {
     mt_config cfg;
@@ -371,6 +384,7 @@ typedef struct {
     mt_node *nodes; int n_nodes, cap_nodes;
     mt_symbol *syms; int n_syms;
     uint8_t *consts; int64_t consts_bytes;
+    mt_tuning_info tuned_for;
     mt_tuning *tuning; int n_tuning;
     int32_t io[MT_NIO];        /* value ids of the well-known values; -1 = absent */
     int32_t n_forward_nodes;   /* nodes [0, n_forward_nodes) are the forward */
@@ -427,6 +441,10 @@ int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err);
 /* One call: build + passes. This is what `precompile` and in-process compile do. */
 int mt_compile(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target *t,
                int kind, const mt_passes *p, mt_err *err);
+/* Tune a CUDA graph once, on GPU `device` (CUDA builds): record in g->tuning the cuBLASLt algorithm of
+ * every GEMM key its step runs and, in g->tuned_for, the GPU model (name, compute capability, SMs,
+ * cuBLASLt version). Deterministic: the same model gives the same bytes, whichever ordinal. */
+int mt_tune(mt_graph *g, int device, mt_err *err);
 
 /* ========================================================================
  * 7. Artifact
@@ -438,6 +456,7 @@ int mt_artifact_read(mt_graph *g, const uint8_t *bytes, size_t len, mt_err *err)
 int mt_artifact_load(mt_graph *g, const char *path, mt_err *err);
 uint64_t mt_fingerprint(const mt_graph *g);          /* config, mesh, format, kernels, target */
 void mt_graph_dump(const mt_graph *g, FILE *f);      /* the readable plan */
+int mt_graph_dot(const mt_graph *g, const char *path, mt_err *err);   /* Graphviz: nodes by queue, edges by value */
 int mt_read_file(const char *path, uint8_t **bytes, size_t *len, mt_err *err);
 
 /* ========================================================================
@@ -556,6 +575,7 @@ typedef struct {
     int profile;       /* time every node (synchronizing): mt_runtime_profile() */
     mt_world *cpu_world;                 /* CPU, world > 1: the world the thread-ranks share */
     uint8_t nccl_id[MT_NCCL_ID_BYTES];   /* CUDA, world > 1: NCCL's unique id, from rank 0 */
+    int strict_tuning; /* CUDA: refuse a graph tuned for another GPU model instead of re-deriving its choices */
     int nan_check;     /* stop at the first node that writes a NaN or Inf (scans every output: slow) */
 } mt_binding;
 void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
@@ -592,6 +612,14 @@ int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *
 int mt_runtime_host_syncs(const mt_runtime *rt);
 int64_t mt_runtime_received_rows(const mt_runtime *rt);
 int mt_runtime_n_communicators(const mt_runtime *rt);   /* made at bind: one per distinct rank group and channel */
+/* Devices. Everything device-bound (constants, initial state, buffers, streams, handles, tuning) is
+ * materialized at bind on the binding's device (CPU: a virtual device id), never on "the current
+ * device". This checks that every value's bytes lie in this rank's own memory on its device. */
+int mt_runtime_check_devices(const mt_runtime *rt, mt_err *err);
+/* Tuning at bind: how the graph's tuning applied ("" when it did: the rank chose nothing itself), and
+ * a digest of the kernels this rank runs with the count of choices preset vs made here (CUDA). */
+const char *mt_runtime_tuning_note(const mt_runtime *rt);
+uint64_t mt_runtime_kernel_digest(mt_runtime *rt, int *preset, int *derived);
 /* After a failure elsewhere: make this rank's pending and future collectives
  * return (NCCL: ncclCommAbort). Safe to call from another thread. */
 void mt_runtime_abort(mt_runtime *rt);
@@ -664,7 +692,16 @@ int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, cons
 int mt_cuda_moe_permute_backward(mt_cuda *c, void *dx, const void *dxs, const int32_t *slot, int N, int D, int K);
 int mt_cuda_ep_counts(mt_cuda *c, int32_t *recv, const int32_t *offs, int E_local, int first_expert);
 int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_local);
-size_t mt_cuda_gmm_workspace(int mode, int E, int M, int K, int Rmax);
+size_t mt_cuda_gmm_workspace(mt_cuda *c, int mode, int E, int M, int K, int Rmax);   /* split choice: c's tuned SM count */
+/* Device hoisting and tuning: the binding's device made current; where a pointer lives; the GPU model;
+ * cuBLASLt choices made, preset from a graph's tuning, and digested for comparison across ranks. */
+int mt_cuda_use(mt_cuda *c);
+int mt_cuda_device_of(mt_cuda *c, const void *p, int *device);
+int mt_cuda_device_info(mt_cuda *c, mt_tuning_info *t);
+void mt_cuda_set_split_sms(mt_cuda *c, int n);
+int mt_cuda_gemm_choose(mt_cuda *c, mt_tuning *t, int M);
+int mt_cuda_gemm_preset(mt_cuda *c, const mt_tuning *t, int n);
+uint64_t mt_cuda_gemm_digest(mt_cuda *c, int *preset, int *derived);
 int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *d_offs, int E, int M, int K,
                 int Rmax, void *ws, const void *a2, const void *b2, float *ssq, int64_t ssq_len);
                 /* mode 0: Y=X W^T, 1: dX = dY W, 2: dW = dY^T X (f32 out); offsets on the device; mode 1 with
@@ -1414,6 +1451,15 @@ void mt_target_cuda(mt_target *t, const char *arch) {
     t->backend = MT_BACKEND_CUDA;
     t->real_bytes = 4;
     snprintf(t->arch, sizeof t->arch, "%s", arch ? arch : "sm_90a");
+}
+int mt_tuning_mismatch(const mt_tuning_info *tuned, const mt_tuning_info *here, char *why, size_t n) {
+    if (strcmp(tuned->device, here->device) || tuned->sm != here->sm || tuned->n_sms != here->n_sms ||
+        tuned->blas_version != here->blas_version) {
+        snprintf(why, n, "tuned for %s (sm %d, %d SMs, cuBLASLt %lld); this GPU is %s (sm %d, %d SMs, cuBLASLt %lld)", tuned->device,
+                 tuned->sm, tuned->n_sms, (long long)tuned->blas_version, here->device, here->sm, here->n_sms, (long long)here->blas_version);
+        return 1;
+    }
+    return 0;
 }
 
 int64_t mt_dtype_bytes(const mt_graph *g, int dtype) {
@@ -3232,6 +3278,45 @@ int mt_compile(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_targe
     return 0;
 }
 
+#ifdef MT_CUDA
+/* The GEMM keys of a graph, as the runtime will meet them (MATMUL and MATMUL_ACC; rows at their bound). */
+int mt_tune(mt_graph *g, int device, mt_err *err) {
+    if (g->target.backend != MT_BACKEND_CUDA) return mt_errf(err, "only CUDA graphs are tuned");
+    mt_cuda *cu;
+    if (mt_cuda_create(&cu, device, err)) return -1;
+    mt_tuning_info info;
+    mt_tuning *t = (mt_tuning *)mt__calloc(sizeof(mt_tuning) * (size_t)(g->n_nodes + 1));
+    int n = 0, rc = t ? mt_cuda_device_info(cu, &info) : mt_errf(err, "out of memory");
+    for (int i = 0; !rc && i < g->n_nodes; i++) {
+        const mt_node *x = &g->nodes[i];
+        if (x->op != MT_OP_MATMUL && x->op != MT_OP_MATMUL_ACC) continue;
+        const mt_value *a = &g->values[x->in[0]], *b = &g->values[x->in[1]];
+        int64_t arows = mt_value_numel_max(g, a) / (a->dims[1] > 0 ? a->dims[1] : 1), brows = mt_value_numel_max(g, b) / (b->dims[1] > 0 ? b->dims[1] : 1);
+        int ta = x->iattr[0], tb = x->iattr[1];
+        int M = (int)(ta ? a->dims[1] : arows), K = (int)(ta ? arows : a->dims[1]), N = (int)(tb ? brows : b->dims[1]);
+        if (M <= 0 || N <= 0 || K <= 0) continue;
+        mt_tuning k;
+        memset(&k, 0, sizeof k);
+        int bf = a->dtype == MT_BF16 && b->dtype == MT_BF16;   /* as mt_cuda_matmul: else everything in f32 */
+        k.ta = ta; k.tb = tb; k.n = N; k.k = K;
+        k.at = bf ? MT_BF16 : MT_F32; k.bt = k.at; k.ct = bf ? g->values[x->out[0]].dtype : MT_F32;
+        for (k.mb = 1; k.mb < M; k.mb <<= 1) {}
+        int seen = 0;
+        for (int j = 0; j < n && !seen; j++)
+            seen = t[j].ta == k.ta && t[j].tb == k.tb && t[j].mb == k.mb && t[j].n == k.n && t[j].k == k.k && t[j].at == k.at &&
+                   t[j].bt == k.bt && t[j].ct == k.ct;
+        if (seen) continue;
+        if (mt_cuda_gemm_choose(cu, &k, M)) rc = mt_errf(err, "tuning node %d: %s", i, mt_cuda_error(cu));
+        else t[n++] = k;
+    }
+    mt_cuda_destroy(cu);
+    if (rc) { MT_FREE(t); return -1; }
+    MT_FREE(g->tuning);
+    g->tuning = t; g->n_tuning = n; g->tuned_for = info;
+    return 0;
+}
+#endif
+
 /* ========================================================================
  * 7. Artifact
  * Layout (all integers little-endian):
@@ -3375,10 +3460,14 @@ static void mt__write_section(mt__buf *b, int id, const mt_graph *g) {
         mt__put(b, g->consts, (size_t)g->consts_bytes);
         break;
     case MT_SEC_TUNING:
+        mt__fixstr(b, g->tuned_for.device, sizeof g->tuned_for.device);
+        mt__i32(b, g->tuned_for.sm); mt__i32(b, g->tuned_for.n_sms); mt__i64(b, g->tuned_for.blas_version);
         mt__u32(b, (uint32_t)g->n_tuning);
         for (int i = 0; i < g->n_tuning; i++) {
             const mt_tuning *t = &g->tuning[i];
-            mt__i32(b, t->op); mt__i64(b, t->m); mt__i64(b, t->n); mt__i64(b, t->k); mt__i32(b, t->algo);
+            mt__i32(b, t->ta); mt__i32(b, t->tb); mt__i32(b, t->mb); mt__i32(b, t->n); mt__i32(b, t->k);
+            mt__i32(b, t->at); mt__i32(b, t->bt); mt__i32(b, t->ct);
+            for (int w = 0; w < MT_ALGO_WORDS; w++) mt__u64(b, t->algo[w]);
         }
         break;
     case MT_SEC_PLAN:
@@ -3621,9 +3710,6 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         else if (i == MT_IO_LOGITS) want_n = N * g->cfg.vocab_size;
         if (mt_value_numel_max(g, x) != want_n) return mt_errf(err, "plan: well-known value '%s' has the wrong size", x->name);
     }
-    for (int i = 0; i < g->n_tuning; i++)
-        if (g->tuning[i].op < 0 || g->tuning[i].op >= MT_NOPS || g->tuning[i].m < 0 || g->tuning[i].n < 0 || g->tuning[i].k < 0)
-            return mt_errf(err, "tuning entry %d is invalid", i);
     if (mt_plan_check(g, &e)) return mt_errf(err, "plan: %s", e.msg);
     return 0;
 }
@@ -3717,15 +3803,32 @@ static int mt__read_section(mt_graph *g, int id, mt__rd *r, mt_err *err) {
         r->at = r->n;
         break;
     case MT_SEC_TUNING: {
+        mt_tuning_info *ti = &g->tuned_for;
+        mt__gfix(r, ti->device, sizeof ti->device);
+        ti->sm = mt__gi32(r); ti->n_sms = mt__gi32(r); ti->blas_version = mt__gi64(r);
         uint32_t n = mt__g32(r);
         if (r->bad) break;
-        if (n > (1u << 20) || (size_t)n * 32 > r->n - r->at) return mt_errf(err, "tuning section: count %u does not fit", n);
+        size_t len = strnlen(ti->device, sizeof ti->device);
+        if (len == sizeof ti->device) return mt_errf(err, "tuning section: the device name is not terminated");
+        for (size_t i = 0; i < len; i++)
+            if (ti->device[i] < 32 || ti->device[i] > 126) return mt_errf(err, "tuning section: the device name is not printable");
+        for (size_t i = len; i < sizeof ti->device; i++)
+            if (ti->device[i]) return mt_errf(err, "tuning section: bytes after the device name");
+        if (ti->sm < 0 || ti->sm > 10000 || ti->n_sms < 0 || ti->n_sms > 100000 || ti->blas_version < 0 || (!len && (ti->sm || ti->n_sms || n)))
+            return mt_errf(err, "tuning section: bad device description (sm %d, %d SMs, %u entries)", ti->sm, ti->n_sms, n);
+        size_t each = 8 * 4 + 8 * MT_ALGO_WORDS;
+        if (n > (1u << 16) || (size_t)n * each > r->n - r->at) return mt_errf(err, "tuning section: count %u does not fit", n);
         g->tuning = (mt_tuning *)mt__calloc(sizeof(mt_tuning) * (n + 1));
         if (!g->tuning) return mt_errf(err, "out of memory");
         g->n_tuning = (int)n;
         for (uint32_t i = 0; i < n; i++) {
             mt_tuning *t = &g->tuning[i];
-            t->op = mt__gi32(r); t->m = mt__gi64(r); t->n = mt__gi64(r); t->k = mt__gi64(r); t->algo = mt__gi32(r);
+            t->ta = mt__gi32(r); t->tb = mt__gi32(r); t->mb = mt__gi32(r); t->n = mt__gi32(r); t->k = mt__gi32(r);
+            t->at = mt__gi32(r); t->bt = mt__gi32(r); t->ct = mt__gi32(r);
+            for (int w = 0; w < MT_ALGO_WORDS; w++) t->algo[w] = mt__g64(r);
+            if ((t->ta | t->tb) & ~1 || t->mb < 1 || (t->mb & (t->mb - 1)) || t->n < 1 || t->k < 1 || t->at < 0 || t->at >= MT_NDTYPES ||
+                t->bt < 0 || t->bt >= MT_NDTYPES || t->ct < 0 || t->ct >= MT_NDTYPES)
+                return mt_errf(err, "tuning entry %u is invalid", i);
         }
         break;
     }
@@ -3825,6 +3928,36 @@ static const char *mt__human(double bytes, char *buf) {
     while (bytes >= 1024 && i < 4) { bytes /= 1024; i++; }
     sprintf(buf, i ? "%.2f %s" : "%.0f %s", bytes, u[i]);
     return buf;
+}
+
+/* The graph for Graphviz: one box per node (colour = queue: compute grey, dp blue, ep orange; the
+ * backward dashed), one edge per (producer, consumer) value, the node order as a left-to-right rank. */
+int mt_graph_dot(const mt_graph *g, const char *path, mt_err *err) {
+    FILE *f = fopen(path, "w");
+    if (!f) return mt_errf(err, "cannot write '%s'", path);
+    int *producer = (int *)MT_MALLOC(sizeof(int) * (size_t)(g->n_values + 1));
+    if (!producer) { fclose(f); return mt_errf(err, "out of memory"); }
+    for (int v = 0; v < g->n_values; v++) producer[v] = -1;
+    static const char *const fill[MT_NQUEUES] = {"#e8e8e8", "#b9d7f5", "#f7c99a"};
+    fprintf(f, "digraph moetrain {\n  rankdir=TB; node [shape=box, style=filled, fontname=Helvetica, fontsize=10];\n");
+    fprintf(f, "  label=\"%d nodes, mesh", g->n_nodes);
+    for (int d = 0; d < MT_NDIMS; d++) fprintf(f, " %s=%d", mt_dim_names[d], g->mesh.size[d]);
+    fprintf(f, "\";\n");
+    for (int i = 0; i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        fprintf(f, "  n%d [label=\"n%d %s\\nL%d %s\", fillcolor=\"%s\"%s];\n", i, i, mt_ops[n->op].name, n->layer, mt_queue_names[n->queue],
+                fill[n->queue], n->phase == MT_PHASE_BACKWARD ? ", style=\"filled,dashed\"" : n->phase == MT_PHASE_OPTIMIZER ? ", shape=ellipse" : "");
+        for (int k = 0; k < n->n_in; k++) {
+            int v = n->in[k];
+            if (v >= 0 && producer[v] >= 0 && producer[v] != i)
+                fprintf(f, "  n%d -> n%d [tooltip=\"%s\"];\n", producer[v], i, g->values[v].name);
+        }
+        for (int k = 0; k < n->n_out; k++) if (n->out[k] >= 0) producer[n->out[k]] = i;
+    }
+    fprintf(f, "}\n");
+    MT_FREE(producer);
+    if (fclose(f)) return mt_errf(err, "writing '%s' failed", path);
+    return 0;
 }
 
 void mt_graph_dump(const mt_graph *g, FILE *f) {
@@ -3942,7 +4075,19 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
     fprintf(f, "  persistent %s, arena %s (naive %s, %.1f%% saved)\n", mt__human((double)g->persist_bytes, b1),
             mt__human((double)g->arena_bytes, b2), mt__human((double)g->naive_arena_bytes, b3),
             g->naive_arena_bytes ? 100.0 * (1.0 - (double)g->arena_bytes / (double)g->naive_arena_bytes) : 0.0);
-    fprintf(f, "  constants %lld bytes, tuning entries %d\n", (long long)g->consts_bytes, g->n_tuning);
+    fprintf(f, "  constants %lld bytes (device-free: materialized on each rank's own device at bind)\n", (long long)g->consts_bytes);
+    if (!g->tuned_for.device[0])
+        fprintf(f, "\n== tuning: none (%s)\n", g->target.backend == MT_BACKEND_CUDA ? "each rank chooses its GEMM algorithms at bind" : "the CPU backend has nothing to tune");
+    else {
+        fprintf(f, "\n== tuning: %d GEMM choices for %s (sm %d.%d, %d SMs, cuBLASLt %lld); loading ranks use these\n", g->n_tuning,
+                g->tuned_for.device, g->tuned_for.sm / 10, g->tuned_for.sm % 10, g->tuned_for.n_sms, (long long)g->tuned_for.blas_version);
+        static const char *const dt[MT_NDTYPES] = {"f32", "bf16", "i32"};
+        for (int i = 0; i < g->n_tuning; i++) {
+            const mt_tuning *t = &g->tuning[i];
+            fprintf(f, "  gemm %c%c %s x %s -> %s  M<=%-7d N=%-6d K=%-6d algo %016llx%016llx\n", t->ta ? 'T' : 'N', t->tb ? 'T' : 'N',
+                    dt[t->at], dt[t->bt], dt[t->ct], t->mb, t->n, t->k, (unsigned long long)t->algo[0], (unsigned long long)t->algo[1]);
+        }
+    }
     int regions = 0, syncs = 0, eager = 0;
     for (int i = 0; i < g->n_nodes; i++) {
         syncs += mt_node_syncs_host(&g->nodes[i]) && g->nodes[i].op == MT_OP_EP_COUNTS;
@@ -4733,6 +4878,7 @@ struct mt_runtime {
     void *ep_stage;          /* CUDA: rows of the expert exchange in peer order */
     size_t ep_stage_bytes;
     int host_syncs;          /* in the last step */
+    char tuning_note[400];   /* how the graph's tuning applied at bind ("" = as recorded) */
     int64_t recv_rows;       /* rows my experts received in the last step's forward (summed over MoE layers) */
 };
 
@@ -5120,7 +5266,7 @@ static void mt__aligned_free(void *p) {
 #ifdef MT_CUDA
 #define MT__CU(rt) ((mt_cuda *)(rt)->cu)
 /* Workspace the hungriest node needs (cuBLASLt has its own). */
-static size_t mt__cuda_scratch(const mt_graph *G) {
+static size_t mt__cuda_scratch(const mt_graph *G, mt_cuda *cu) {
     size_t need = mt_cuda_sumsq_workspace();
     if (need < 4096 + 4 * (size_t)G->cfg.n_routed_experts) need = 4096 + 4 * (size_t)G->cfg.n_routed_experts;  /* host reductions, EP counts */
     for (int i = 0; i < G->n_nodes; i++) {
@@ -5143,7 +5289,7 @@ static size_t mt__cuda_scratch(const mt_graph *G) {
         case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {
             const mt_value *W = &G->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
             int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DW ? 2 : 1;
-            w = mt_cuda_gmm_workspace(mode, (int)W->dims[0], (int)W->dims[1], (int)W->dims[2], (int)mt_value_numel_max(G, a) / (int)a->dims[1]);
+            w = mt_cuda_gmm_workspace(cu, mode, (int)W->dims[0], (int)W->dims[1], (int)W->dims[2], (int)mt_value_numel_max(G, a) / (int)a->dims[1]);
             break;
         }
         }
@@ -5216,7 +5362,20 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
         mt_cuda *cu;
         if (mt_cuda_create(&cu, b->device, err)) { mt_runtime_destroy(rt); return -1; }
         rt->cu = cu;
-        rt->scratch_bytes = mt__cuda_scratch(G);
+        mt_tuning_info here;
+        char why[320];
+        if (mt_cuda_device_info(cu, &here)) { mt_errf(err, "%s", mt_cuda_error(cu)); mt_runtime_destroy(rt); return -1; }
+        if (!G->tuned_for.device[0]) {
+            snprintf(rt->tuning_note, sizeof rt->tuning_note, "the graph carries no tuning: rank %d chose its GEMM algorithms on %s", b->rank, here.device);
+        } else if (mt_tuning_mismatch(&G->tuned_for, &here, why, sizeof why)) {
+            if (b->strict_tuning) { mt_errf(err, "rank %d: the graph's tuning does not fit this GPU: %s", b->rank, why); mt_runtime_destroy(rt); return -1; }
+            snprintf(rt->tuning_note, sizeof rt->tuning_note, "rank %d re-derived the tuning: %s", b->rank, why);
+        } else if (mt_cuda_gemm_preset(cu, G->tuning, G->n_tuning)) {
+            mt_errf(err, "%s", mt_cuda_error(cu)); mt_runtime_destroy(rt); return -1;
+        } else {
+            mt_cuda_set_split_sms(cu, G->tuned_for.n_sms);
+        }
+        rt->scratch_bytes = mt__cuda_scratch(G, cu);
         for (int i = 0; i < G->n_nodes; i++) {   /* the expert exchange stages rows in peer order */
             const mt_node *n = &G->nodes[i];
             if ((n->op == MT_OP_EP_DISPATCH || n->op == MT_OP_EP_COMBINE) && n->iattr[2] > 1) {
@@ -5252,7 +5411,45 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
         if (x->role == MT_ROLE_CONST && mt_runtime_write(rt, v, G->consts + x->data_offset, err)) { mt_runtime_destroy(rt); return -1; }
     }
     rt->n_tokens = (int64_t)G->cfg.batch * G->cfg.seq_len;
+    if (mt_runtime_check_devices(rt, err)) { mt_runtime_destroy(rt); return -1; }
     *out = rt;
+    return 0;
+}
+
+/* Every value inside this rank's persistent region or arena; on CUDA those regions on the binding's GPU. */
+int mt_runtime_check_devices(const mt_runtime *rt, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    const uint8_t *lo[2] = {rt->persist, rt->arena};
+    int64_t len[2] = {G->persist_bytes, G->arena_bytes};
+    for (int v = 0; v < G->n_values; v++) {
+        const uint8_t *p = (const uint8_t *)rt->ptr[v];
+        int r = MT_ROLE_IN_ARENA(G->values[v].role) ? 1 : 0;
+        if (!(p >= lo[r] && p + G->values[v].nbytes <= lo[r] + len[r]) && !(G->values[v].nbytes == 0 && p == lo[r] + len[r]))
+            return mt_errf(err, "rank %d: value '%s' is bound to memory outside this rank's %s on %s %d: another device's buffer",
+                           rt->bind.rank, G->values[v].name, r ? "arena" : "persistent region",
+                           rt->backend == MT_BACKEND_CPU ? "virtual device" : "GPU", rt->bind.device);
+    }
+#ifdef MT_CUDA
+    if (rt->backend == MT_BACKEND_CUDA)
+        for (int r = 0; r < 2; r++) {
+            int dev = -1;
+            if (!len[r]) continue;
+            if (mt_cuda_device_of(MT__CU(rt), lo[r], &dev)) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
+            if (dev != rt->bind.device)
+                return mt_errf(err, "rank %d: its %s is on GPU %d, the binding says GPU %d", rt->bind.rank, r ? "arena" : "persistent region",
+                               dev, rt->bind.device);
+        }
+#endif
+    return 0;
+}
+const char *mt_runtime_tuning_note(const mt_runtime *rt) { return rt->tuning_note; }
+uint64_t mt_runtime_kernel_digest(mt_runtime *rt, int *preset, int *derived) {
+    if (preset) *preset = 0;
+    if (derived) *derived = 0;
+#ifdef MT_CUDA
+    if (rt->backend == MT_BACKEND_CUDA) return mt_cuda_gemm_digest(MT__CU(rt), preset, derived);
+#endif
+    (void)rt;
     return 0;
 }
 
@@ -5299,6 +5496,7 @@ int mt_runtime_read(mt_runtime *rt, int v, void *dst, mt_err *err) {
     size_t n = (size_t)rt->g.values[v].nbytes;
     if (rt->backend == MT_BACKEND_CPU) { memcpy(dst, rt->ptr[v], n); return 0; }
 #ifdef MT_CUDA
+    if (mt_cuda_use(MT__CU(rt))) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
     if (mt_cuda_copy(MT__CU(rt), dst, rt->ptr[v], n, 1)) return mt_errf(err, "reading '%s': %s", rt->g.values[v].name, mt_cuda_error(MT__CU(rt)));
 #endif
     return 0;
@@ -5308,6 +5506,7 @@ int mt_runtime_write(mt_runtime *rt, int v, const void *src, mt_err *err) {
     size_t n = (size_t)rt->g.values[v].nbytes;
     if (rt->backend == MT_BACKEND_CPU) { memcpy(rt->ptr[v], src, n); return 0; }
 #ifdef MT_CUDA
+    if (mt_cuda_use(MT__CU(rt))) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
     if (mt_cuda_copy(MT__CU(rt), rt->ptr[v], src, n, 0)) return mt_errf(err, "writing '%s': %s", rt->g.values[v].name, mt_cuda_error(MT__CU(rt)));
 #endif
     return 0;
@@ -5390,6 +5589,9 @@ static void mt__init_blocks(void *ctx, int64_t i0, int64_t i1) {
 }
 
 int mt_runtime_init_params(mt_runtime *rt, uint64_t seed, mt_err *err) {
+#ifdef MT_CUDA
+    if (rt->backend == MT_BACKEND_CUDA && mt_cuda_use(MT__CU(rt))) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
+#endif
     const mt_graph *G = &rt->g;
     mt_pool *pool = rt->pool, *own = NULL;
     if (!pool) {   /* the CUDA runtime keeps no CPU workers: borrow some for the fill */
@@ -5828,6 +6030,10 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
                     mt_step_stats *st, mt_err *err) {
     mt_graph *G = &rt->g;
     double t0 = mt_now();
+    if (mt_runtime_check_devices(rt, err)) return -1;
+#ifdef MT_CUDA
+    if (rt->backend == MT_BACKEND_CUDA && mt_cuda_use(MT__CU(rt))) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
+#endif
     int V = G->cfg.vocab_size;
     for (int64_t i = 0; i < rt->n_tokens; i++) {
         if (tokens[i] < 0 || tokens[i] >= V) return mt_errf(err, "token %d at position %lld is outside the vocabulary (size %d)", tokens[i], (long long)i, V);

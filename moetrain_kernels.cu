@@ -52,7 +52,9 @@ struct mt__gemm_entry {
 #define MT_SIDE_STREAMS 4          /* grouped GEMMs spread experts over these */
 #define MT_SIDE_WS (32u << 20)
 struct mt_cuda {
-    int device;
+    int device;              /* the binding's device: every call makes it current first */
+    int n_sms, split_sms;    /* this GPU's multiprocessors; the count the grouped GEMM's split choice uses (tuning) */
+    int gemm_preset, gemm_derived;   /* cuBLASLt choices taken from the graph's tuning, and chosen here */
     cudaStream_t stream;
     cudaStream_t side[MT_SIDE_STREAMS];
     void *side_ws[MT_SIDE_STREAMS];
@@ -160,9 +162,40 @@ int mt_cuda_create(mt_cuda **out, int device, mt_err *err) {
     if (cublasLtCreate(&c->lt) != CUBLAS_STATUS_SUCCESS) { mt_cuda_destroy(c); return mt_errf(err, "cublasLtCreate failed"); }
     c->cache = (mt__gemm_entry *)calloc(MT_GEMM_CACHE, sizeof(mt__gemm_entry));
     if (!c->cache) { mt_cuda_destroy(c); return mt_errf(err, "out of memory"); }
+    if (cudaDeviceGetAttribute(&c->n_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || c->n_sms < 1) {
+        mt_cuda_destroy(c);
+        return mt_errf(err, "CUDA device %d: cannot read its multiprocessor count", device);
+    }
+    c->split_sms = c->n_sms;
     *out = c;
     return 0;
 }
+
+/* Make the binding's device current on the calling thread: a runtime may be
+ * driven from any thread, whatever device that thread used last. */
+int mt_cuda_use(mt_cuda *c) {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur == c->device) return 0;
+    CK(cudaSetDevice(c->device));
+    return 0;
+}
+int mt_cuda_device_of(mt_cuda *c, const void *p, int *device) {
+    cudaPointerAttributes a;
+    CK(cudaPointerGetAttributes(&a, p));
+    *device = a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
+    return 0;
+}
+int mt_cuda_device_info(mt_cuda *c, mt_tuning_info *t) {
+    cudaDeviceProp p;
+    CK(cudaGetDeviceProperties(&p, c->device));
+    memset(t, 0, sizeof *t);
+    for (size_t i = 0; i + 1 < sizeof t->device && p.name[i]; i++) t->device[i] = p.name[i];   /* NUL-padded, terminated */
+    t->sm = p.major * 10 + p.minor;
+    t->n_sms = p.multiProcessorCount;
+    t->blas_version = (int64_t)cublasLtGetVersion();
+    return 0;
+}
+void mt_cuda_set_split_sms(mt_cuda *c, int n) { c->split_sms = n > 0 ? n : c->n_sms; }
 
 void mt_cuda_destroy(mt_cuda *c) {
     if (!c) return;
@@ -279,6 +312,17 @@ int mt_cuda_check_flag(mt_cuda *c) {
 static cudaDataType_t mt__cu_type(int dt) { return dt == MT_BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 static int mt__bucket(int m) { int b = 1; while (b < m) b <<= 1; return b; }
 
+/* The cache slot of a key: its entry, or the empty slot it would take (NULL: the cache is full). */
+static mt__gemm_entry *mt__gemm_slot(mt_cuda *c, int ta, int tb, int mb, int N, int K, int at, int bt, int ct) {
+    unsigned h = (unsigned)(ta * 31 + tb * 17 + mb * 131 + N * 7919 + K * 104729 + at * 3 + bt * 5 + ct * 11);
+    for (int p = 0; p < MT_GEMM_CACHE; p++) {
+        mt__gemm_entry *x = &c->cache[(h + p) % MT_GEMM_CACHE];
+        if (!x->used) return x;
+        if (x->ta == ta && x->tb == tb && x->mb == mb && x->n == N && x->k == K && x->at == at && x->bt == bt && x->ct == ct) return x;
+    }
+    return NULL;
+}
+
 /* C = op(A) op(B), or with acc (same layout as C): C = acc + op(A) op(B) in one pass (the epilogue
  * reads acc: beta = 1), so a residual or gradient sum costs no separate kernel. */
 static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_bytes, int ta, int tb, int M, int N, int K,
@@ -291,13 +335,7 @@ static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_b
         return 0;
     }
     int mb = mt__bucket(M);
-    unsigned h = (unsigned)(ta * 31 + tb * 17 + mb * 131 + N * 7919 + K * 104729 + at * 3 + bt * 5 + ct * 11);
-    mt__gemm_entry *e = NULL;
-    for (int p = 0; p < MT_GEMM_CACHE; p++) {
-        mt__gemm_entry *x = &c->cache[(h + p) % MT_GEMM_CACHE];
-        if (!x->used) { e = x; break; }
-        if (x->ta == ta && x->tb == tb && x->mb == mb && x->n == N && x->k == K && x->at == at && x->bt == bt && x->ct == ct) { e = x; break; }
-    }
+    mt__gemm_entry *e = mt__gemm_slot(c, ta, tb, mb, N, K, at, bt, ct);
     cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
     cublasOperation_t opa = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     /* first operand = B: col-major rows x cols with ld = B's row-major row length */
@@ -326,6 +364,7 @@ static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_b
         } else {
             n->algo = res.algo;
             n->used = 1; n->ta = ta; n->tb = tb; n->mb = mb; n->n = N; n->k = K; n->at = at; n->bt = bt; n->ct = ct;
+            c->gemm_derived++;
         }
         if (pref) cublasLtMatmulPreferenceDestroy(pref);
         e = n;
@@ -360,6 +399,78 @@ static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_b
 static int mt__lt_gemm(mt_cuda *c, int ta, int tb, int M, int N, int K, const void *A, int at, const void *B, int bt, void *C,
                        int ct, const void *acc) {
     return mt__lt_gemm_on(c, c->stream, c->lt_ws, c->lt_ws_bytes, ta, tb, M, N, K, A, at, B, bt, C, ct, acc);
+}
+
+static_assert(sizeof(cublasLtMatmulAlgo_t) == 8 * MT_ALGO_WORDS, "cuBLASLt algorithm size");
+
+/* The choice the runtime would make for this key (cuBLASLt's heuristic, deterministic for a GPU model and
+ * library version), without touching the cache: precompile records it in the graph's tuning. */
+int mt_cuda_gemm_choose(mt_cuda *c, mt_tuning *t, int M) {
+    cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
+    cublasLtMatmulDesc_t desc = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0, N = t->n, K = t->k;
+    cublasOperation_t opa = t->tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = t->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    size_t ws_bytes = c->lt_ws_bytes;
+    int bad = cublasLtMatrixLayoutCreate(&la, mt__cu_type(t->bt), t->tb ? K : N, t->tb ? N : K, t->tb ? K : N) ||
+              cublasLtMatrixLayoutCreate(&lb, mt__cu_type(t->at), t->ta ? M : K, t->ta ? K : M, t->ta ? M : K) ||
+              cublasLtMatrixLayoutCreate(&lc, mt__cu_type(t->ct), N, M, N) ||
+              cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) ||
+              cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa) ||
+              cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb) ||
+              cublasLtMatmulPreferenceCreate(&pref) ||
+              cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes) ||
+              cublasLtMatmulAlgoGetHeuristic(c->lt, desc, la, lb, lc, lc, pref, 1, &res, &found) || found < 1;
+    if (!bad) memcpy(t->algo, &res.algo, sizeof res.algo);
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (bad) {
+        char why[96];
+        snprintf(why, sizeof why, "no algorithm for M=%d N=%d K=%d", M, N, K);
+        return mt__fail(c, "cuBLASLt", why);
+    }
+    return 0;
+}
+/* Take these choices instead of choosing: a loading rank runs the kernels precompile chose. */
+int mt_cuda_gemm_preset(mt_cuda *c, const mt_tuning *t, int n) {
+    for (int i = 0; i < n; i++) {
+        mt__gemm_entry *e = mt__gemm_slot(c, t[i].ta, t[i].tb, t[i].mb, t[i].n, t[i].k, t[i].at, t[i].bt, t[i].ct);
+        if (!e) return mt__fail(c, "tuning", "the GEMM cache is full");
+        if (e->used) continue;
+        cublasOperation_t opa = t[i].tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = t[i].ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+        if (cublasLtMatmulDescCreate(&e->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) ||
+            cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa) ||
+            cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb))
+            return mt__fail(c, "tuning", "cublasLtMatmulDescCreate failed");
+        memcpy(&e->algo, t[i].algo, sizeof e->algo);
+        e->used = 1; e->ta = t[i].ta; e->tb = t[i].tb; e->mb = t[i].mb; e->n = t[i].n; e->k = t[i].k;
+        e->at = t[i].at; e->bt = t[i].bt; e->ct = t[i].ct;
+        c->gemm_preset++;
+    }
+    return 0;
+}
+/* What this rank runs: choices taken from the tuning and made here, and a digest of every (key, algorithm)
+ * (order-free), so ranks can compare their kernels. */
+uint64_t mt_cuda_gemm_digest(mt_cuda *c, int *preset, int *derived) {
+    uint64_t d = 0;
+    for (int i = 0; i < MT_GEMM_CACHE; i++) {
+        const mt__gemm_entry *e = &c->cache[i];
+        if (!e->used) continue;
+        int32_t key[8] = {e->ta, e->tb, e->mb, e->n, e->k, e->at, e->bt, e->ct};
+        uint64_t h = 1469598103934665603ull;
+        const uint8_t *p = (const uint8_t *)key;
+        for (size_t k = 0; k < sizeof key; k++) h = (h ^ p[k]) * 1099511628211ull;
+        p = (const uint8_t *)&e->algo;
+        for (size_t k = 0; k < sizeof e->algo; k++) h = (h ^ p[k]) * 1099511628211ull;
+        d += h;
+    }
+    if (preset) *preset = c->gemm_preset;
+    if (derived) *derived = c->gemm_derived;
+    return d;
 }
 
 static size_t mt__al(size_t x) { return (x + 255) & ~(size_t)255; }
@@ -2999,13 +3110,12 @@ static long long ssq_need(int E, int M, int K) {
 /* variant: 1 = wgmma, 0 = mma.sync */
 static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
                   int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
-                  float *ssq = nullptr, long long ssq_len = 0) {
+                  float *ssq = nullptr, long long ssq_len = 0, int nsm = 0) {
     if (!args_ok(mode, E, M, K, Rmax)) return -1;
     if (ssq && (mode != 2 || ssq_len < ssq_need(E, M, K))) return -1;
     if (!out || !a || !b || !d_offs || (!a2 != !b2) || (a2 && mode != 1)) return -1;
     if ((((uintptr_t)out) | ((uintptr_t)a) | ((uintptr_t)b) | ((uintptr_t)ws) | ((uintptr_t)a2) | ((uintptr_t)b2)) & 15u) return -1;
-    int nsm = 0;
-    if (num_sms(&nsm) != 0) return -1;
+    if (nsm <= 0 && num_sms(&nsm) != 0) return -1;   /* the library passes the binding's count; benches use the current device */
     const int S = split_count(mode, E, M, K, Rmax, nsm);
     if (S > 1 && !ws) return -1;
 
@@ -3063,10 +3173,8 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     return 0;
 }
 
-static size_t gg_workspace(int mode, int E, int M, int K, int Rmax) {
+static size_t gg_workspace(int mode, int E, int M, int K, int Rmax, int nsm) {
     if (!args_ok(mode, E, M, K, Rmax)) return 0;
-    int nsm = 0;
-    if (num_sms(&nsm) != 0) nsm = 132;
     if (mode != 2) return 0;
     const int S = split_count(mode, E, M, K, Rmax, nsm);
     return WS_HEADER + (S > 1 ? (size_t)S * E * M * K * sizeof(float) : 0);
@@ -3075,13 +3183,13 @@ static size_t gg_workspace(int mode, int E, int M, int K, int Rmax) {
 } /* namespace mt_ggk */
 
 extern "C" {
-size_t mt_cuda_gmm_workspace(int mode, int E, int M, int K, int Rmax) { return mt_ggk::gg_workspace(mode, E, M, K, Rmax); }
+size_t mt_cuda_gmm_workspace(mt_cuda *c, int mode, int E, int M, int K, int Rmax) { return mt_ggk::gg_workspace(mode, E, M, K, Rmax, c->split_sms); }
 /* The expert offsets stay on the device: no host synchronization; an expert
  * with no tokens costs nothing (modes 0/1) or a zero tile (mode 2). */
 int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *d_offs, int E, int M, int K, int Rmax,
                 void *ws, const void *a2, const void *b2, float *ssq, int64_t ssq_len) {
     if (ssq && ssq_len != mt_ggk::ssq_need(E, M, K)) return mt__fail(c, "grouped GEMM", "gradient-norm partials of the wrong length");
-    if (mt_ggk::gg_run(1, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream, a2, b2, ssq, ssq_len)) {
+    if (mt_ggk::gg_run(1, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream, a2, b2, ssq, ssq_len, c->split_sms)) {
         cudaError_t e = cudaGetLastError();
         return mt__fail(c, "grouped GEMM", e != cudaSuccess ? cudaGetErrorString(e) : "bad arguments (dims must be multiples of 8)");
     }

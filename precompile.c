@@ -30,6 +30,9 @@ static const opt_spec specs[] = {
     {"eager", NULL, OPT_FLAG, 0, 0, "off", "no optimizing passes"},
     {"out", "FILE", OPT_STR, 0, 0, "", "where to write the artifact (also -o FILE)"},
     {"dump", "FILE", OPT_STR, 0, 0, "", "validate an artifact and print nodes, queues, memory plan, collectives, symbols"},
+    {"gpu", "N", OPT_INT, 0, 1023, "0", "with --device cuda: the GPU that tunes (any of one model gives the same bytes)"},
+    {"no-tune", NULL, OPT_FLAG, 0, 0, "off", "with --device cuda: record no tuning (each rank then chooses at bind)"},
+    {"dot", "FILE", OPT_STR, 0, 0, "", "also write the graph for Graphviz (dot -Tsvg FILE); with --dump FILE too"},
     {"help", NULL, OPT_FLAG, 0, 0, "", "this text"},
 };
 #define N_SPECS ((int)(sizeof specs / sizeof specs[0]))
@@ -119,7 +122,8 @@ int main(int argc, char **argv) {
 #define STR(i, d) (str[i] ? str[i] : (d))
 #define NUM(i) (num[i] ? num[i] : 1)
     const char *preset = STR(0, "tiny"), *device = STR(1, "cpu"), *arch = STR(2, "sm_90a"), *out = str[9], *dump = str[10];
-    int mesh_in[4] = {NUM(3), NUM(4), NUM(5), NUM(6)}, forward = flag[7], eager = flag[8];
+    int mesh_in[4] = {NUM(3), NUM(4), NUM(5), NUM(6)}, forward = flag[7], eager = flag[8], gpu = num[11], no_tune = flag[12];
+    const char *dot = str[13];
 #undef STR
 #undef NUM
     mt_err err;
@@ -127,8 +131,10 @@ int main(int argc, char **argv) {
         mt_graph g;
         if (mt_artifact_load(&g, dump, &err)) { fprintf(stderr, "precompile: %s\n", err.msg); return 1; }
         mt_graph_dump(&g, stdout);
+        int rc = dot && mt_graph_dot(&g, dot, &err) ? 1 : 0;
+        if (rc) fprintf(stderr, "precompile: %s\n", err.msg);
         mt_graph_free(&g);
-        return 0;
+        return rc;
     }
     if (!out) { fprintf(stderr, "precompile: say where to write the artifact with -o FILE (see --help)\n"); return 2; }
     FILE *probe = fopen(out, "rb");   /* before compiling: can the artifact be written there? */
@@ -159,12 +165,29 @@ int main(int argc, char **argv) {
         return 1;
     }
     double t1 = mt_now();
+    if (tgt.backend == MT_BACKEND_CUDA && !no_tune) {   /* choose once what every rank would choose */
+#ifdef MT_CUDA
+        int ngpu = mt_cuda_device_count();
+        if (ngpu > 0 && gpu >= ngpu) {
+            fprintf(stderr, "precompile: --gpu %d but %d GPU%s visible\n", gpu, ngpu, ngpu == 1 ? " is" : "s are");
+            mt_graph_free(&g);
+            return 2;
+        }
+        if (ngpu > 0) {
+            double t2 = mt_now();
+            if (mt_tune(&g, gpu, &err)) { fprintf(stderr, "precompile: %s\n", err.msg); mt_graph_free(&g); return 1; }
+            printf("tuned on GPU %d (%s): %d GEMM choices in %.2f s\n", gpu, g.tuned_for.device, g.n_tuning, mt_now() - t2);
+        } else
+#endif
+            printf("no GPU visible here: the artifact carries no tuning (each rank chooses its GEMM algorithms at bind)\n");
+    }
     if (mt_artifact_save(&g, out, &err)) { fprintf(stderr, "precompile: %s\n", err.msg); mt_graph_free(&g); return 1; }
     char h1[32], h2[32], h3[32];
     printf("wrote %s: %d nodes, %d values, fingerprint %016llx (compiled in %.2f s)\n", out, g.n_nodes, g.n_values,
            (unsigned long long)mt_fingerprint(&g), t1 - t0);
     printf("memory: %s persistent + %s arena (naive arena %s)\n", mt__human((double)g.persist_bytes, h1),
            mt__human((double)g.arena_bytes, h2), mt__human((double)g.naive_arena_bytes, h3));
+    if (dot && mt_graph_dot(&g, dot, &err)) { fprintf(stderr, "precompile: %s\n", err.msg); mt_graph_free(&g); return 1; }
     mt_graph_free(&g);
     return 0;
 }

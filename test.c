@@ -90,6 +90,8 @@ typedef struct {
     size_t param_bytes[MR_MAX];
     mt_runtime *rt[MR_MAX];
     int n_comms[MR_MAX];         /* communicators each rank made at bind */
+    uint64_t digest[MR_MAX];     /* the GEMM kernels each rank ran (CUDA), and how many it chose itself */
+    int chosen[MR_MAX];
     uint8_t nccl_id[MT_NCCL_ID_BYTES];   /* CUDA ranks */
 } mr_job;
 
@@ -111,7 +113,7 @@ static int mr_rank(void *ctx, int rank, mt_world *w, mt_err *err) {
     mt_binding b;
     mt_binding_single(&b);
     b.rank = rank; b.world = mt_mesh_world(&g->mesh); b.n_threads = 1;
-    if (g->target.backend == MT_BACKEND_CPU) b.cpu_world = b.world > 1 ? w : NULL;
+    if (g->target.backend == MT_BACKEND_CPU) { b.cpu_world = b.world > 1 ? w : NULL; b.device = rank; }   /* a virtual device per rank */
     else { b.device = rank; b.local_rank = rank; memcpy(b.nccl_id, j->nccl_id, sizeof b.nccl_id); }
     mt_runtime *rt;
     int rc = mt_runtime_create(&rt, g, &b, err);
@@ -144,6 +146,7 @@ static int mr_rank(void *ctx, int rank, mt_world *w, mt_err *err) {
     }
     free(tok); free(tgt);
     if (rc) return -1;
+    j->digest[rank] = mt_runtime_kernel_digest(rt, NULL, &j->chosen[rank]);
     size_t total = 0;
     for (int v = 0; v < g->n_values; v++)
         if (g->values[v].role == MT_ROLE_PARAM && g->values[v].param < 0) total += (size_t)g->values[v].nbytes;
@@ -513,7 +516,7 @@ static void gpu_test_gmm_dw_sumsq(int E, int F, int D, int64_t NK) {
     int64_t L = mt_gmm_ssq_len(E, F, D);
     void *DdY = up_bf(dY, NK * F), *DX = up_bf(X, NK * D), *Doffs = up(offs, 4 * (size_t)(E + 1));
     void *DdW = dalloc(4 * (size_t)E * F * D), *DdW2 = dalloc(4 * (size_t)E * F * D), *Dssq = dalloc(4 * (size_t)L);
-    void *ws = dalloc(mt_cuda_gmm_workspace(2, E, F, D, (int)NK) + 256);
+    void *ws = dalloc(mt_cuda_gmm_workspace(CU, 2, E, F, D, (int)NK) + 256);
     int ok = !mt_cuda_gmm(CU, 2, DdW, DdY, DX, (int32_t *)Doffs, E, F, D, (int)NK, ws, NULL, NULL, (float *)Dssq, L) &&
              !mt_cuda_gmm(CU, 2, DdW2, DdY, DX, (int32_t *)Doffs, E, F, D, (int)NK, ws, NULL, NULL, NULL, 0);
     float *g1 = (float *)down(DdW, 4 * (size_t)E * F * D), *g2 = (float *)down(DdW2, 4 * (size_t)E * F * D), *q = (float *)down(Dssq, 4 * (size_t)L);
@@ -579,7 +582,7 @@ static void gpu_test_moe_ops(void) {
     float *gxs = down_bf(Dxs, NK * D);
     int exact = !memcmp(goffs, offs, 4 * 9) && !memcmp(gslot, slot, 4 * (size_t)NK) && rel(gxs, xs, NK * D) == 0;
     report("gpu moe permute (slots, offsets, rows exact)", ok && exact, NULL);
-    void *gws = dalloc(mt_cuda_gmm_workspace(2, E, F, D, (int)NK) + 256);
+    void *gws = dalloc(mt_cuda_gmm_workspace(CU, 2, E, F, D, (int)NK) + 256);
     ok = ok && !mt_cuda_gmm(CU, 0, DY, Dxs, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL, NULL, NULL, 0) &&
          !mt_cuda_gmm(CU, 1, DdX, DdY, DW, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL, NULL, NULL, 0) &&
          !mt_cuda_gmm(CU, 2, DdW, DdY, Dxs, (int32_t *)Doffs, E, F, D, (int)NK, gws, NULL, NULL, NULL, 0);
@@ -824,6 +827,27 @@ static void gpu_test_multi_rank(void) {
     ok3 = ok3 && mr_run(&d, &gl, 10, &e) == 0;
     int pre = ok3 && bitwise_equal(b.loss, d.loss, 10) && bitwise_equal(b.gnorm, d.gnorm, 10);
     report("2 GPUs: precompiled artifact = in-process compile, bitwise", pre, "%s", ok3 ? "" : e.msg);
+    /* tuned once on GPU 1, or on GPU 0: the same bytes; both ranks run the recorded kernels, none chosen at bind */
+    {
+        mt_graph t0, t1;
+        uint8_t *x = NULL, *y = NULL;
+        size_t lx = 0, ly = 0;
+        int tok = mr_compile_for(&t0, 1, 2, 2, 2, 0, 1, &e) == 0 && mr_compile_for(&t1, 1, 2, 2, 2, 0, 1, &e) == 0 && !mt_tune(&t0, 0, &e) &&
+                  !mt_tune(&t1, 1, &e) && !mt_artifact_write(&t0, &x, &lx, &e) && !mt_artifact_write(&t1, &y, &ly, &e);
+        int bytes_eq = tok && lx == ly && !memcmp(x, y, lx);
+        free(x); free(y);
+        mr_job p0, p1;
+        memset(&p0, 0, sizeof p0); memset(&p1, 0, sizeof p1);
+        p0.fail_rank = p1.fail_rank = -1;
+        int run = tok && mr_run(&p0, &t0, 10, &e) == 0 && mr_run(&p1, &t1, 10, &e) == 0;
+        int eq = run && bitwise_equal(p0.loss, p1.loss, 10) && bitwise_equal(p0.gnorm, p1.gnorm, 10) && bitwise_equal(p0.loss, b.loss, 10);
+        report("2 GPUs: tuned on GPU 1 = tuned on GPU 0 (bytes, losses), = untuned; ranks' kernels identical, none chosen at bind",
+               bytes_eq && eq && p0.digest[0] == p0.digest[1] && p1.digest[0] == p0.digest[0] && !p0.chosen[0] && !p0.chosen[1],
+               "%zu vs %zu bytes; digests %016llx %016llx; chosen at bind %d %d %s", lx, ly, (unsigned long long)p0.digest[0],
+               (unsigned long long)p0.digest[1], p0.chosen[0], p0.chosen[1], run ? "" : e.msg);
+        mr_free(&p0); mr_free(&p1);
+        if (tok) { mt_graph_free(&t0); mt_graph_free(&t1); }
+    }
     if (ok3) mt_graph_free(&gl);
     mr_free(&a); mr_free(&b); mr_free(&c); mr_free(&d);
     /* every token to rank 0's experts: rank 1's experts receive nothing */
@@ -836,6 +860,79 @@ static void gpu_test_multi_rank(void) {
            (long long)b.recv_rows[1], b.loss[0], a.loss[0], ok ? "" : e.msg);
     mr_free(&a); mr_free(&b);
     mt_graph_free(&g1); mt_graph_free(&g2); mt_graph_free(&gf);
+}
+
+/* Tuning and device hoisting on GPUs: a graph tuned once runs with no choice made at bind and the same
+ * kernels as choosing would give; the same bytes whichever GPU tuned it; another model re-derives or, strict,
+ * refuses; runtimes on GPUs 0 and 1 driven from one thread each run on their own device, bitwise alike. */
+static mt_runtime *gpu_runtime_on(const mt_graph *g, int device, int strict, mt_err *e) {
+    mt_binding b;
+    mt_runtime *rt;
+    mt_binding_single(&b);
+    b.device = device; b.strict_tuning = strict;
+    if (mt_runtime_create(&rt, g, &b, e)) return NULL;
+    if (mt_runtime_init_params(rt, 5, e)) { mt_runtime_destroy(rt); return NULL; }
+    return rt;
+}
+static void gpu_test_tuning(void) {
+    mt_config c;
+    mt_err e;
+    mt_config_preset(&c, "debug", &e);
+    c.batch = 2; c.seq_len = 256; c.original_seq_len = 256;
+    mt_graph gu, gt;
+    if (gpu_compile(&gu, &c, 1, 1, &e) || gpu_compile(&gt, &c, 1, 1, &e) || mt_tune(&gt, 0, &e)) { report("gpu tuning", 0, "%s", e.msg); return; }
+    enum { S = 3 };
+    double lu[S], nu[S], lt[S], nt[S];
+    mt_runtime *ru = gpu_runtime_on(&gu, 0, 0, &e), *rt = ru ? gpu_runtime_on(&gt, 0, 0, &e) : NULL;
+    int ok = ru && rt && !gpu_steps(ru, &c, S, lu, nu) && !gpu_steps(rt, &c, S, lt, nt);
+    int pu = 0, du = 0, pt = 0, dt = 0;
+    uint64_t hu = ok ? mt_runtime_kernel_digest(ru, &pu, &du) : 0, ht = ok ? mt_runtime_kernel_digest(rt, &pt, &dt) : 1;
+    report("gpu tuning: a tuned graph chooses nothing at bind and runs the kernels choosing would give", ok && gt.n_tuning > 0 && dt == 0 &&
+           pt == gt.n_tuning && du == gt.n_tuning && hu == ht && bitwise_equal(lu, lt, S) && bitwise_equal(nu, nt, S) &&
+           !mt_runtime_tuning_note(rt)[0] && mt_runtime_tuning_note(ru)[0], "%d choices for %s; preset %d / chosen %d (untuned: %d / %d); digests %s %s",
+           gt.n_tuning, gt.tuned_for.device, pt, dt, pu, du, hu == ht ? "equal" : "DIFFER", ok ? "" : e.msg);
+    mt_runtime_destroy(ru); mt_runtime_destroy(rt);
+    /* another GPU model: re-derived with a note, or refused when strict */
+    mt_graph go;
+    int rok = gpu_compile(&go, &c, 1, 1, &e) == 0 && mt_tune(&go, 0, &e) == 0;
+    if (rok) {
+        go.tuned_for.n_sms += 2;
+        snprintf(go.tuned_for.device, sizeof go.tuned_for.device, "Another GPU");
+        mt_err e2;
+        mt_runtime *r1 = gpu_runtime_on(&go, 0, 0, &e), *r2 = gpu_runtime_on(&go, 0, 1, &e2);
+        double l1[S], n1[S];
+        int ran = r1 && !gpu_steps(r1, &c, S, l1, n1);
+        int p1 = 0, d1 = 0;
+        uint64_t h1 = r1 ? mt_runtime_kernel_digest(r1, &p1, &d1) : 0;
+        report("gpu tuning for another GPU model: re-derived with a note, or refused when strict", ran && !r2 && p1 == 0 && h1 == ht &&
+               strstr(mt_runtime_tuning_note(r1), "re-derived") && strstr(e2.msg, "Another GPU") && bitwise_equal(l1, lu, S),
+               "note: %.120s | strict: %.120s", r1 ? mt_runtime_tuning_note(r1) : e.msg, r2 ? "accepted" : e2.msg);
+        mt_runtime_destroy(r1); mt_runtime_destroy(r2);
+        mt_graph_free(&go);
+    }
+    /* two GPUs: tuned on either, the same bytes; runtimes on 0 and 1 driven alternately from this thread */
+    if (mt_cuda_device_count() >= 2) {
+        mt_graph g1;
+        uint8_t *x = NULL, *y = NULL;
+        size_t lx = 0, ly = 0;
+        int same = gpu_compile(&g1, &c, 1, 1, &e) == 0 && mt_tune(&g1, 1, &e) == 0 && !mt_artifact_write(&gt, &x, &lx, &e) &&
+                   !mt_artifact_write(&g1, &y, &ly, &e) && lx == ly && !memcmp(x, y, lx);
+        free(x); free(y);
+        report("gpu tuning on GPU 0 and on GPU 1: byte-identical artifacts", same, "%zu bytes %s", lx, same ? "" : e.msg);
+        if (same) mt_graph_free(&g1);
+        mt_runtime *a = gpu_runtime_on(&gt, 1, 0, &e), *b = a ? gpu_runtime_on(&gt, 0, 0, &e) : NULL;
+        double la[S], na[S], lb[S], nb[S];
+        int ok2 = a && b;
+        for (int s = 0; ok2 && s < S; s++)   /* alternate: each call must make its own device current */
+            ok2 = !gpu_steps(a, &c, 1, la + s, na + s) && !gpu_steps(b, &c, 1, lb + s, nb + s);
+        ok2 = ok2 && !mt_runtime_check_devices(a, &e) && !mt_runtime_check_devices(b, &e);
+        report("gpu devices: runtimes on GPU 1 and GPU 0 from one thread, each on its own device, bitwise alike", ok2 &&
+               bitwise_equal(la, lb, S) && bitwise_equal(na, nb, S), "%s", ok2 ? "" : e.msg);
+        mt_runtime_destroy(a); mt_runtime_destroy(b);
+    } else {
+        printf("SKIP two-GPU tuning and device checks: %d GPU visible\n", mt_cuda_device_count());
+    }
+    mt_graph_free(&gu); mt_graph_free(&gt);
 }
 
 /* doc_mask training steps: CUDA against the CPU reference, bitwise rerun */
@@ -952,6 +1049,7 @@ int main(void) {
     gpu_test_loss_and_optimizer();
     gpu_test_whole_steps();
     gpu_test_doc_mask_steps();
+    gpu_test_tuning();
     gpu_test_multi_rank();
     gpu_test_resume();
     mt_cuda_destroy(CU);
@@ -2964,6 +3062,97 @@ static void test_launch_rendezvous(void) {
     report("rendezvous: kill -9 of one rank stops the others within 10 s", ok, "exit %d %d %d %d, %.2f s", c[0], c[1], c[2], c[3], t);
 }
 
+/* Device hoisting on the CPU: ranks bound to virtual devices; a value bound to another device's buffer is
+ * caught before any op runs; artifacts carry no device; a tuning section for another GPU model is named. */
+static void test_devices(void) {
+    mt_err e;
+    mt_graph g;
+    mt_config c;
+    mt_config_preset(&c, "tiny", &e);
+    mt_mesh m;
+    mt_target t;
+    mt_passes p;
+    mt_mesh_single(&m); mt_target_cpu(&t); mt_passes_all(&p);
+    if (mt_compile(&g, &c, &m, &t, MT_GRAPH_TRAIN, &p, &e)) { report("devices", 0, "%s", e.msg); return; }
+    mt_binding b0, b1;
+    mt_binding_single(&b0); mt_binding_single(&b1);
+    b0.device = 0; b1.device = 1; b0.n_threads = b1.n_threads = 1;
+    mt_runtime *r0 = NULL, *r1 = NULL;
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    memset(&e, 0, sizeof e);
+    int ok = !mt_runtime_create(&r0, &g, &b0, &e) && !mt_runtime_create(&r1, &g, &b1, &e) && !mt_runtime_init_params(r0, 3, &e) &&
+             !mt_runtime_init_params(r1, 3, &e) && !mt_runtime_check_devices(r0, &e) && !mt_runtime_check_devices(r1, &e);
+    double l0[2], l1[2];
+    ok = ok && !run_steps_quiet(r0, &c, 0, 1, l0, &hp) && !run_steps_quiet(r1, &c, 0, 1, l1, &hp) && l0[0] == l1[0];
+    /* provoke: rank 0's copy of a weight points at device 1's buffer */
+    int v = mt_graph_find(&g, "model.layers.0.self_attn.o_proj.weight");
+    mt_err caught;
+    memset(&caught, 0, sizeof caught);
+    int provoked = 0;
+    if (ok && v >= 0) {
+        void *mine = r0->ptr[v];
+        r0->ptr[v] = r1->ptr[v];
+        provoked = mt_runtime_check_devices(r0, &caught) != 0 && run_steps_quiet(r0, &c, 1, 1, l0 + 1, &hp) != 0;
+        r0->ptr[v] = mine;
+        provoked = provoked && !run_steps_quiet(r0, &c, 1, 1, l0 + 1, &hp);
+    }
+    report("devices: a value bound to another (virtual) device's buffer is caught before any op runs", ok && provoked &&
+           strstr(caught.msg, "o_proj.weight") && strstr(caught.msg, "virtual device 0"), "%s", ok ? caught.msg : e.msg);
+    mt_runtime_destroy(r0); mt_runtime_destroy(r1);
+    /* the artifact is device-free: two compiles write the same bytes, and nothing in it names a device */
+    uint8_t *x = NULL, *y = NULL;
+    size_t lx = 0, ly = 0;
+    mt_graph g2;
+    int same = !mt_compile(&g2, &c, &m, &t, MT_GRAPH_TRAIN, &p, &e) && !mt_artifact_write(&g, &x, &lx, &e) &&
+               !mt_artifact_write(&g2, &y, &ly, &e) && lx == ly && !memcmp(x, y, lx);
+    mt_graph_free(&g2);
+    free(x); free(y);
+    report("devices: artifacts are device-free (two compiles, identical bytes)", same, NULL);
+    /* tuning for another GPU model: named field by field; a tuned artifact round-trips its choices */
+    mt_tuning_info a, h;
+    memset(&a, 0, sizeof a); memset(&h, 0, sizeof h);
+    snprintf(a.device, sizeof a.device, "NVIDIA H200"); a.sm = 90; a.n_sms = 132; a.blas_version = 130100;
+    h = a;
+    char why[400] = "";
+    int fits = !mt_tuning_mismatch(&a, &h, why, sizeof why);
+    snprintf(h.device, sizeof h.device, "NVIDIA H100 80GB HBM3"); h.n_sms = 132;
+    int named = mt_tuning_mismatch(&a, &h, why, sizeof why) && strstr(why, "H200") && strstr(why, "H100");
+    mt_graph gc;
+    mt_target tc;
+    mt_target_cuda(&tc, "sm_90a");
+    int rt_ok = !mt_compile(&gc, &c, &m, &tc, MT_GRAPH_TRAIN, &p, &e);
+    if (rt_ok) {
+        gc.tuned_for = a;
+        gc.tuning = (mt_tuning *)calloc(2, sizeof(mt_tuning));
+        gc.n_tuning = 2;
+        for (int i = 0; i < 2; i++) {
+            mt_tuning *q = &gc.tuning[i];
+            q->ta = i; q->tb = 1; q->mb = 512; q->n = 64 << i; q->k = 256; q->at = q->bt = MT_BF16; q->ct = MT_F32;
+            for (int w = 0; w < MT_ALGO_WORDS; w++) q->algo[w] = 0x0123456789abcdefull * (uint64_t)(w + 1 + i);
+        }
+        uint8_t *bytes = NULL;
+        size_t len = 0;
+        mt_graph back;
+        rt_ok = !mt_artifact_write(&gc, &bytes, &len, &e) && !mt_artifact_read(&back, bytes, len, &e);
+        if (rt_ok) {
+            rt_ok = back.n_tuning == 2 && !memcmp(back.tuning, gc.tuning, 2 * sizeof(mt_tuning)) && !strcmp(back.tuned_for.device, "NVIDIA H200") &&
+                    back.tuned_for.n_sms == 132 && mt_fingerprint(&back) == mt_fingerprint(&gc);
+            mt_graph_free(&back);
+        }
+        /* a bad entry is refused */
+        if (rt_ok) {
+            gc.tuning[1].mb = 500;   /* not a power of two */
+            free(bytes); bytes = NULL;
+            rt_ok = !mt_artifact_write(&gc, &bytes, &len, &e) && mt_artifact_read(&back, bytes, len, &e) != 0 && strstr(e.msg, "tuning entry 1");
+        }
+        free(bytes);
+        mt_graph_free(&gc);
+    }
+    report("tuning: another GPU model is named; the choices round-trip the artifact; a bad entry is refused", fits && named && rt_ok, "%s", why);
+    mt_graph_free(&g);
+}
+
 /* The EP isolation pass on the node list: it moves the expert exchange to a channel of its own exactly
  * when its groups coincide with another collective's, leaves everything else alone, keeps rank order. */
 static void test_isolate_ep(void) {
@@ -3083,21 +3272,27 @@ static void test_multirank(void) {
     report("HSDP: replicas' weights bitwise equal after 5 steps (shards differ)", rep, NULL);
     mr_free(&a); mr_free(&b);
 
-    /* precompiled on one rank, loaded by 4: bitwise the in-process run */
-    mt_graph g4, gl;
-    uint8_t *bytes = NULL;
-    size_t len = 0;
-    ok = mr_compile(&g4, 1, 4, 2, 2, 0, &e) == 0 && mt_artifact_write(&g4, &bytes, &len, &e) == 0 && mt_artifact_read(&gl, bytes, len, &e) == 0;
-    free(bytes);
-    memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
-    a.fail_rank = b.fail_rank = -1;
-    ok = ok && mr_run(&a, &g4, 6, &e) == 0 && mr_run(&b, &gl, 6, &e) == 0;
-    int pre = ok && bitwise_equal(a.loss, b.loss, 6) && bitwise_equal(a.gnorm, b.gnorm, 6);
-    for (int r = 0; ok && r < 4; r++) pre &= !memcmp(a.params[r], b.params[r], a.param_bytes[r]);
-    report("4 ranks: precompiled artifact = in-process compile, bitwise", pre, "%s", ok ? "" : e.msg);
-    mr_free(&a); mr_free(&b);
-    if (ok) mt_graph_free(&gl);
-    mt_graph_free(&g4);
+    /* precompiled on one rank, loaded by every rank: bitwise the in-process run (losses, grad norms, weights) */
+    static const int meshes[3][3] = {{1, 4, 2}, {1, 4, 4}, {2, 4, 4}};
+    for (int k = 0; k < 3; k++) {
+        mt_graph g4, gl;
+        uint8_t *bytes = NULL;
+        size_t len = 0;
+        int world = meshes[k][0] * meshes[k][1];
+        int built = mr_compile(&g4, meshes[k][0], meshes[k][1], meshes[k][2], 2, 0, &e) == 0;
+        int loaded = built && mt_artifact_write(&g4, &bytes, &len, &e) == 0 && mt_artifact_read(&gl, bytes, len, &e) == 0;
+        free(bytes);
+        memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
+        a.fail_rank = b.fail_rank = -1;
+        ok = loaded && mr_run(&a, &g4, 10, &e) == 0 && mr_run(&b, &gl, 10, &e) == 0;
+        int pre = ok && bitwise_equal(a.loss, b.loss, 10) && bitwise_equal(a.gnorm, b.gnorm, 10);
+        for (int r = 0; ok && r < world; r++) pre &= !memcmp(a.params[r], b.params[r], a.param_bytes[r]);
+        report("precompiled artifact = in-process compile, bitwise over 10 steps", pre, "%d ranks (dp_replicate %d, dp_shard %d, ep %d); "
+               "losses %.6f .. %.6f %s", world, meshes[k][0], meshes[k][1], meshes[k][2], a.loss[0], a.loss[9], ok ? "" : e.msg);
+        mr_free(&a); mr_free(&b);
+        if (loaded) mt_graph_free(&gl);
+        if (built) mt_graph_free(&g4);
+    }
 
     /* every token to rank 0's experts: rank 1 receives none, and the step still equals one rank's */
     mt_graph g1, g2;
@@ -3361,7 +3556,7 @@ int main(void) {
     }
     if (getenv("MT_ONLY")) {   /* one test while developing: MT_ONLY=isolate_ep ./test_f32 */
         static const struct { const char *name; void (*fn)(void); } t[] = {
-            {"multirank", test_multirank}, {"isolate_ep", test_isolate_ep}, {"cli", test_cli}, {"bitwise", test_bitwise},
+            {"multirank", test_multirank}, {"isolate_ep", test_isolate_ep}, {"devices", test_devices}, {"cli", test_cli}, {"bitwise", test_bitwise},
             {"artifact_rejects", test_artifact_rejects}, {"memory_plan", test_memory_plan}, {"graph_structure", test_graph_structure}};
         for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) if (!strcmp(getenv("MT_ONLY"), t[i].name)) t[i].fn();
         printf("%d passed, %d failed\n", n_pass, n_fail);
@@ -3384,6 +3579,7 @@ int main(void) {
     test_training_falls();
     test_multirank();
     test_isolate_ep();
+    test_devices();
     test_launch_rendezvous();
     test_cli();
     test_cli_options();

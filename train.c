@@ -671,8 +671,21 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
             rc = -1;
             break;
         }
-        if (s == 0 && lead && world > 1)
-            printf("first step done %.2f s after launch\n", mt_now() - j->t_launch);
+        if (s == 0) {   /* time to first step; on GPUs, whether every rank runs the same kernels */
+            double d[4] = {0, 0, 0, 0};
+            int preset = 0, derived = 0;
+            uint64_t dg = mt_runtime_kernel_digest(rt, &preset, &derived);
+            d[0] = (double)(dg >> 32); d[1] = (double)(dg & 0xffffffffu); d[2] = -d[0]; d[3] = -d[1];
+            if (world > 1 && on_gpu && mt_runtime_allreduce_host(rt, d, 4, 1, err)) { rc = -1; break; }
+            if (lead) {
+                printf("first step done %.2f s after launch", mt_now() - j->t_launch);
+                if (on_gpu)
+                    printf(" | GEMM kernels: %d from the graph's tuning, %d chosen here%s", preset, derived,
+                           world == 1 ? "" : d[0] == -d[2] && d[1] == -d[3] ? ", identical on every rank" : ", DIFFERENT across ranks");
+                printf("\n");
+                if (mt_runtime_tuning_note(rt)[0]) printf("note: %s\n", mt_runtime_tuning_note(rt));
+            }
+        }
         if (!isfinite(st.loss) || !isfinite(st.grad_norm)) {   /* global values: every rank stops here */
             if (world == 1) {
                 report_nonfinite(rt, o, j->ds, &st, step, last_saved, last_dir);
@@ -1046,6 +1059,9 @@ int main(int argc, char **argv) {
         if (o.eager) mt_passes_none(&passes); else mt_passes_all(&passes);
         double t0 = mt_now();
         if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_TRAIN, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
+#ifdef MT_CUDA
+        if (on_cuda && mt_tune(&g, world > 1 ? local_rank : o.gpu, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_graph_free(&g); return 1; }
+#endif
         if (rank == 0) printf("compiled the step graph in %.2f s: %d nodes, %d values\n", mt_now() - t0, g.n_nodes, g.n_values);
     } else if (rank == 0) {
         printf("loaded the step graph from %s: %d nodes, %d values\n", o.graph, g.n_nodes, g.n_values);

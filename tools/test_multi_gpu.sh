@@ -13,7 +13,7 @@ export NCCL_NVLS_ENABLE=0
 T=${TMPDIR:-/tmp}/moetrain_mgpu; rm -rf "$T"; mkdir -p "$T"
 losses() { grep '^step' "$1" | sed 's/ | grad_norm.*//'; }
 steps=6
-only=${ONLY:-1 2 3 4 5}   # which checks to run
+only=${ONLY:-1 2 3 4 5 6}   # which checks to run
 want() { case " $only " in *" $1 "*) return 0 ;; esac; return 1; }
 
 # 1. ./train alone: one rank per GPU, and the same losses as one GPU on the global batch (bf16: 2%)
@@ -50,6 +50,26 @@ check "precompile --dp-shard $n --ep $n, train --graph = in-process, bitwise" $?
 ./train --graph "$T/d.mtg" --nproc 1 --steps 1 > "$T/w.log" 2>&1; rw=$?
 [ $rw -eq 2 ] && grep -q "world of $n" "$T/w.log"
 check "an artifact for $n ranks refuses a 1-rank launch" $? "(exit $rw)"
+fi
+
+# 6. the end-to-end check: precompiled on GPU 1 (and on GPU 0: the same bytes) vs compiled and tuned in-process on every
+#    rank, debug, dp_shard = ep = n, 10 steps, fixed seed: losses and grad norms bitwise; time to first step of each
+if want 6; then
+./precompile --preset debug --device cuda --gpu 0 --dp-shard "$n" --ep "$n" -o "$T/g0.mtg" > "$T/g0.log" 2>&1; r0=$?
+./precompile --preset debug --device cuda --gpu 1 --dp-shard "$n" --ep "$n" -o "$T/g1.mtg" > "$T/g1.log" 2>&1; r1=$?
+[ $r0 -eq 0 ] && [ $r1 -eq 0 ] && cmp -s "$T/g0.mtg" "$T/g1.mtg"
+check "precompile --gpu 0 and --gpu 1: byte-identical artifacts" $? "($(grep -m1 tuned "$T/g1.log"))"
+./train --graph "$T/g1.mtg" --steps 10 --seed 1 --metrics "$T/m1.jsonl" > "$T/t1.log" 2>&1; ra=$?
+./train --graph "$T/g0.mtg" --steps 10 --seed 1 --metrics "$T/m0.jsonl" > "$T/t0.log" 2>&1; rb=$?
+./train --preset debug --dp-shard "$n" --ep "$n" --steps 10 --seed 1 --metrics "$T/mi.jsonl" > "$T/ti.log" 2>&1; rc=$?
+core() { sed 's/,"tokens_per_s".*//' "$1"; }
+core "$T/m1.jsonl" > "$T/c1"; core "$T/m0.jsonl" > "$T/c0"; core "$T/mi.jsonl" > "$T/ci"
+echo "  step | precompiled (GPU 1): loss, grad_norm | in-process: loss, grad_norm"
+paste -d'|' "$T/c1" "$T/ci" | sed 's/{"step":\([0-9]*\),"loss":\([^,]*\),"grad_norm":\([^,]*\),"lr":[^|]*|{"step":[0-9]*,"loss":\([^,]*\),"grad_norm":\([^,]*\),.*/  \1 | \2 \3 | \4 \5/'
+[ $ra -eq 0 ] && [ $rb -eq 0 ] && [ $rc -eq 0 ] && [ "$(wc -l < "$T/c1")" -eq 10 ] && cmp -s "$T/c1" "$T/ci" && cmp -s "$T/c1" "$T/c0"
+check "debug dp_shard $n ep $n, 10 steps: precompiled (GPU 1, GPU 0) = in-process, losses and grad norms bitwise" $? "(exit $ra $rb $rc)"
+f1=$(grep -m1 'first step done' "$T/t1.log" | awk '{print $4}'); fi_=$(grep -m1 'first step done' "$T/ti.log" | awk '{print $4}')
+echo "  time to first step: artifact $f1 s, in-process compile + tune $fi_ s | $(grep -m1 'GEMM kernels' "$T/t1.log" | sed 's/.*| //')"
 fi
 
 # 4. kill -9 of one rank: every rank stops within 10 s, non-zero exit, the rank named
