@@ -3047,7 +3047,9 @@ int mt_schedule_build(const mt_graph *g, mt_schedule *s, mt_err *err) {
     int32_t *la = (int32_t *)MT_MALLOC(sizeof(int32_t) * MT_NQUEUES * (size_t)(nv + 1));    /* last access per queue */
     int32_t *side = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(n + 1));                /* side nodes, per queue in order */
     if (!s->queue || !s->wait_at || !s->after || !s->done || !s->wait || !stage || !vc || !lw || !la || !side) {
-        rc = mt_errf(err, "out of memory scheduling"); goto done;
+        MT_FREE(stage); MT_FREE(vc); MT_FREE(lw); MT_FREE(la); MT_FREE(side);
+        mt_schedule_free(s);
+        return mt_errf(err, "out of memory scheduling");
     }
     for (int i = 0; i < n; i++) s->queue[i] = mt_node_queue(g, &g->nodes[i]);
     mt__stages(g, s->queue, stage);
@@ -3113,7 +3115,6 @@ int mt_schedule_build(const mt_graph *g, mt_schedule *s, mt_err *err) {
         for (int r = 1; r < MT_NQUEUES; r++)
             while (at[r] < nside[r] && side[start[r] + at[r]] <= vc[(size_t)j * MT_NQUEUES + r]) s->done[side[start[r] + at[r]++]] = j;
     }
-done:
     MT_FREE(stage); MT_FREE(vc); MT_FREE(lw); MT_FREE(la); MT_FREE(side);
     if (rc) mt_schedule_free(s);
     return rc;
@@ -3148,7 +3149,10 @@ int mt_schedule_check(const mt_graph *g, const mt_schedule *s, mt_err *err) {
     int32_t *lo = (int32_t *)MT_MALLOC(sizeof(int32_t) * 2 * (size_t)(nv + 1));            /* first, last access */
     mt__slot *sl = (mt__slot *)MT_MALLOC(sizeof(mt__slot) * (size_t)(nv + 1));
     mt__slot **ord = (mt__slot **)MT_MALLOC(sizeof(mt__slot *) * (size_t)(nv + 1));
-    if (!vc || !lw || !la || !fa || !lo || !sl || !ord) { rc = mt_errf(err, "out of memory checking the schedule"); goto done; }
+    if (!vc || !lw || !la || !fa || !lo || !sl || !ord) {
+        MT_FREE(vc); MT_FREE(lw); MT_FREE(la); MT_FREE(fa); MT_FREE(lo); MT_FREE(sl); MT_FREE(ord);
+        return mt_errf(err, "out of memory checking the schedule");
+    }
     for (int v = 0; v < nv; v++) { lw[v] = -1; lo[2 * v] = lo[2 * v + 1] = -1; }
     for (int v = 0; v < nv * MT_NQUEUES; v++) la[v] = fa[v] = -1;
     int32_t cur[MT_NQUEUES][MT_NQUEUES];
@@ -3227,7 +3231,6 @@ int mt_schedule_check(const mt_graph *g, const mt_schedule *s, mt_err *err) {
                 }
             }
         }
-done:
     MT_FREE(vc); MT_FREE(lw); MT_FREE(la); MT_FREE(fa); MT_FREE(lo); MT_FREE(sl); MT_FREE(ord);
     return rc;
 }
@@ -6206,8 +6209,10 @@ static int mt__nan_check(mt_runtime *rt, int node, int step, mt_err *err) {
  * the step's start and the compute stream waits for all of them at its end.
  * Captured regions hold compute nodes only (a collective over several ranks
  * is never captured): the waits of a region's nodes are made before it is
- * replayed, and one event after it marks all its nodes done. Both only make
- * the waits stronger than the schedule's, so the memory plan stays safe.
+ * replayed, and one event after it marks all its nodes done (a region ends at
+ * a node another stream waits for, so that stream starts no later than the
+ * schedule says). Both only make the waits stronger than the schedule's, so
+ * the memory plan stays safe.
  * Profiling times the compute stream; time it spends waiting for another
  * stream is charged to the op it waited for (the exposed communication). */
 static int mt__cuda_run(mt_runtime *rt, int step, mt_err *err) {
@@ -6232,7 +6237,8 @@ static int mt__cuda_run(mt_runtime *rt, int step, mt_err *err) {
         int q = multi ? S->queue[i] : MT_Q_COMPUTE;
         if (use_graphs && q == MT_Q_COMPUTE && mt_node_capturable(G, &G->nodes[i])) {   /* a region: replay, or capture it once */
             int end = i, used = 0;
-            while (end < n && mt_node_capturable(G, &G->nodes[end]) && (!multi || S->queue[end] == MT_Q_COMPUTE)) end++;
+            while (end < n && mt_node_capturable(G, &G->nodes[end]) && (!multi || S->queue[end] == MT_Q_COMPUTE))
+                if (multi && rt->ev_used[end++]) break;   /* another stream waits for this node: its event marks it alone */
             for (int k = i; multi && k < end; k++) {
                 used |= rt->ev_used[k];
                 for (int w = S->wait_at[k]; w < S->wait_at[k + 1]; w++) CU_(mt_cuda_queue_wait(cu, rt->ev_of[S->wait[w]]));

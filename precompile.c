@@ -31,7 +31,7 @@ static const opt_spec specs[] = {
     {"out", "FILE", OPT_STR, 0, 0, "", "where to write the artifact (also -o FILE)"},
     {"dump", "FILE", OPT_STR, 0, 0, "", "validate an artifact and print nodes, queues, memory plan, collectives, symbols"},
     {"help", NULL, OPT_FLAG, 0, 0, "", "this text"},
-    {"no-overlap", NULL, OPT_FLAG, 0, 0, "off", "every node on the compute stream in list order (no prefetch, no side streams)"},
+    {"overlap", NULL, OPT_FLAG, 0, 0, "off", "collectives on their own streams: FSDP prefetch, EP ahead of its host sync"},
 };
 #define N_SPECS ((int)(sizeof specs / sizeof specs[0]))
 
@@ -151,7 +151,7 @@ int main(int argc, char **argv) {
     if (mt_mesh_init(&mesh, mesh_in[0], mesh_in[1], mesh_in[2], mesh_in[3], &err)) { fprintf(stderr, "precompile: %s\n", err.msg); return 2; }
     mt_passes passes;
     if (eager) mt_passes_none(&passes); else mt_passes_all(&passes);
-    if (flag[12]) passes.overlap = 0;
+    passes.overlap = flag[12];
     mt_graph g;
     double t0 = mt_now();
     if (mt_config_validate(&cfg, &err)) { fprintf(stderr, "precompile: %s\n", err.msg); return 2; }

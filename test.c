@@ -696,6 +696,7 @@ static int gpu_compile(mt_graph *g, const mt_config *c, int cuda, int planned, m
     if (cuda) mt_target_cuda(&t, "sm_90a"); else mt_target_cpu(&t);
     if (planned) mt_passes_all(&p); else mt_passes_none(&p);
     if (planned == 2) p.fuse = 0;   /* every pass but fusion: bitwise the eager step */
+    if (planned == 3) p.overlap = 0;   /* every pass but overlap */
     return mt_compile(g, c, &m, &t, MT_GRAPH_TRAIN, &p, e);
 }
 static mt_runtime *gpu_runtime(const mt_graph *g, int poison) {
@@ -783,6 +784,20 @@ static void gpu_test_whole_steps(void) {
         free(bytes);
     }
     report("gpu precompiled artifact = in-process, bitwise", ok2, NULL);
+    {   /* overlap on (gg) vs off: one GPU has no collective worth a stream, so the steps must agree (bitwise, in fact) */
+        mt_graph go;
+        double lo[S] = {0}, lo2[S] = {0};
+        int ok3 = ok && !gpu_compile(&go, &c, 1, 3, &e);
+        mt_runtime *ro = ok3 ? gpu_runtime(&go, 0) : NULL;
+        ok3 = ok3 && ro && !gpu_steps(ro, &c, S, lo, NULL);
+        mt_runtime *rp = ok3 ? gpu_runtime(&gg, 0) : NULL;
+        ok3 = ok3 && rp && !gpu_steps(rp, &c, S, lo2, NULL);
+        double w = ok3 ? max_rel(lg, lo, S) : 1;
+        report("gpu overlap on vs off: within bf16 tolerance; on twice bitwise", ok3 && w < 1e-3 && bitwise_equal(lg, lo2, S),
+               "worst rel loss %.1e (bitwise: %s)", w, ok3 && bitwise_equal(lg, lo, S) ? "yes" : "no");
+        mt_runtime_destroy(ro); mt_runtime_destroy(rp);
+        if (ok && ok3) mt_graph_free(&go);
+    }
     mt_runtime_destroy(rc); mt_runtime_destroy(r1); mt_runtime_destroy(r2); mt_runtime_destroy(r3); mt_runtime_destroy(r5);
     mt_graph_free(&gc); mt_graph_free(&gg); mt_graph_free(&ge); mt_graph_free(&gn);
 }
@@ -827,6 +842,19 @@ static void gpu_test_multi_rank(void) {
     int pre = ok3 && bitwise_equal(b.loss, d.loss, 10) && bitwise_equal(b.gnorm, d.gnorm, 10);
     report("2 GPUs: precompiled artifact = in-process compile, bitwise", pre, "%s", ok3 ? "" : e.msg);
     if (ok3) mt_graph_free(&gl);
+    {   /* overlap (g2: collectives on their own streams, prefetch, EP ahead) vs one stream in list order */
+        mt_graph go;
+        mr_job o;
+        memset(&o, 0, sizeof o);
+        o.fail_rank = -1;
+        int ok4 = ok && mr_compile_opts(&go, 1, 2, 2, 2, 0, 1, 0, &e) == 0 && mr_run(&o, &go, 10, &e) == 0;
+        double wl = ok4 ? max_rel(b.loss, o.loss, 10) : 1, wg = ok4 ? max_rel(b.gnorm, o.gnorm, 10) : 1;
+        report("2 GPUs: overlap on vs off within bf16 tolerance", ok4 && wl < 1e-3 && wg < 1e-2, "worst rel loss %.1e, grad norm %.1e "
+               "(bitwise: %s) %s", wl, wg, ok4 && bitwise_equal(b.loss, o.loss, 10) ? "yes" : "no", ok4 ? "" : e.msg);
+        report("2 GPUs: overlap on, two runs bitwise", same && g2.overlap, "(the rerun above, with the overlap schedule)");
+        mr_free(&o);
+        if (ok4) mt_graph_free(&go);
+    }
     mr_free(&a); mr_free(&b); mr_free(&c); mr_free(&d);
     /* every token to rank 0's experts: rank 1's experts receive nothing */
     memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
@@ -3323,16 +3351,19 @@ static void test_cli(void) {
     rc = sh(a, sizeof a, "%strain --device cpu --graph %s --nproc 3 --steps 1 2>&1", BIN, mesh);
     report("CLI: an artifact for another world size is refused, naming both", rc == 2 && strstr(a, "world of 2") && strstr(a, "3 ranks"),
            "exit %d: %.160s", rc, a);
-    rd = sh(c, sizeof c, "%sprecompile --dump %s 2>&1", BIN, mesh);
+    rd = sh(c, sizeof c, "%sprecompile --preset tiny --dp-shard 2 --ep 2 --overlap -o %s 2>&1 && %sprecompile --dump %s 2>&1", BIN,
+            mesh, BIN, mesh);
     report("CLI: --dump shows the communicator groups", rd == 0 && strstr(c, "== communicator groups") && strstr(c, "{0,1}") &&
            strstr(c, "ALLGATHER") && strstr(c, "shard over dp_shard"), NULL);
     report("CLI: --dump shows each node's queue and the overlap schedule", rd == 0 && strstr(c, "== overlap schedule (streams") &&
            strstr(c, " dp      L") && strstr(c, " ep      L") && strstr(c, "  wait n") && strstr(c, "prefetch: issued during L") &&
            strstr(c, "compute joins at n") && strstr(c, "EP_DISPATCH"), NULL);
-    ra = sh(a, sizeof a, "%sprecompile --preset tiny --dp-shard 2 --ep 2 --no-overlap -o %s 2>&1 && %sprecompile --dump %s 2>&1", BIN,
-            mesh, BIN, mesh);
-    report("CLI: precompile --no-overlap: one stream, said in --dump", ra == 0 && strstr(a, "== overlap schedule: off") &&
-           !strstr(a, "  wait n"), NULL);
+    ra = sh(c, sizeof c, "%sprecompile --preset tiny --dp-shard 2 --ep 2 -o %s 2>&1 && %sprecompile --dump %s 2>&1", BIN, mesh, BIN, mesh);
+    report("CLI: precompile without --overlap: one stream, said in --dump", ra == 0 && strstr(c, "== overlap schedule: off") &&
+           !strstr(c, "  wait n"), NULL);
+    ra = sh(a, sizeof a, "%strain --device cpu --nproc 2 --ep 2 --steps 4 --seed 1 --overlap 2>&1", BIN);
+    keep_loss_lines(a);
+    report("CLI: train --overlap on 2 thread-ranks: the same losses", !ra && strlen(a) > 50 && !strcmp(a, b), NULL);
     rc = sh(a, sizeof a, "%strain --device cpu --nproc 2 --ep 3 --steps 1 2>&1", BIN);
     rc2 = sh(b, sizeof b, "%strain --device cpu --nproc 2 --save %s --steps 1 2>&1", BIN, TP("ck_mr"));
     report("CLI: bad meshes and unsupported combinations refused", rc == 2 && strstr(a, "ep=3") && rc2 == 2 && strstr(b, "one rank"),
