@@ -393,6 +393,7 @@ typedef struct {
     int64_t naive_arena_bytes; /* sum of all arena values: the plan's baseline */
     int32_t planned;           /* 0: naive (eager) layout, 1: liveness-planned */
     int32_t capture;           /* 1: replay the regions between host synchronizations as CUDA graphs */
+    int32_t overlap;           /* 1: collectives run on their own queues (streams), fenced by events (mt_schedule) */
 } mt_graph;
 
 void mt_graph_free(mt_graph *g);
@@ -421,7 +422,7 @@ int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target 
 void mt_plan_naive(mt_graph *g);                     /* eager: every value its own bytes */
 int mt_pass_plan_memory(mt_graph *g, mt_err *err);   /* liveness-based arena reuse */
 void mt_value_live_range(const mt_graph *g, int v, int *first, int *last);
-typedef struct { int elide, fuse, plan_memory, capture, isolate_ep; } mt_passes;   /* which optimizing passes run */
+typedef struct { int elide, fuse, plan_memory, capture, isolate_ep, overlap; } mt_passes;   /* which optimizing passes run */
 int mt_pass_elide_collectives(mt_graph *g, mt_err *err); /* the expert exchange over one rank is a copy: gone */
 int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
 /* Collectives name a channel (iattr[1]); at bind, groups with the same ranks in the same order and
@@ -434,8 +435,33 @@ int mt_pass_isolate_ep(mt_graph *g, mt_err *err);
 int mt_op_is_ep_exchange(int op);                    /* EP_COUNTS, EP_DISPATCH, EP_COMBINE */
 int mt_node_syncs_host(const mt_node *n);            /* needs data on the host before launching */
 int mt_node_capturable(const mt_graph *g, const mt_node *n);  /* may replay inside a captured CUDA graph */
+int mt_pass_overlap(mt_graph *g, mt_err *err);       /* reorder for overlap: FSDP prefetch, EP work ahead of the host sync */
 void mt_passes_all(mt_passes *p);
 void mt_passes_none(mt_passes *p);                   /* eager */
+int mt_plan_check(const mt_graph *g, mt_err *err);   /* no two values alive at once share a byte (node order) */
+
+/* Queues, events and the hazard rule (see the section comment in the
+ * implementation). The schedule is derived from the node list alone, the same
+ * on every rank: which stream each node runs on, and which nodes on other
+ * streams it must wait for (CUDA events). */
+typedef struct {
+    int n_nodes;
+    int32_t *queue;        /* [n_nodes] the stream a node runs on (MT_Q_*) */
+    int32_t *wait_at;      /* [n_nodes+1] node i waits on wait[wait_at[i] .. wait_at[i+1]) */
+    int32_t *wait;         /* node ids on other queues, each completed before node i starts */
+    int32_t *after;        /* [n_nodes] the last compute node a node happens after (-1: the step's start) */
+    int32_t *done;         /* [n_nodes] the first compute node that happens after it (n_nodes: the step's end) */
+    int n_wait;
+} mt_schedule;
+int mt_node_queue(const mt_graph *g, const mt_node *n);   /* the stream it runs on: MT_Q_COMPUTE unless g->overlap */
+int mt_schedule_build(const mt_graph *g, mt_schedule *s, mt_err *err);
+void mt_schedule_free(mt_schedule *s);
+/* Walk the nodes with their queues, waits and the memory plan, as if every
+ * stream ran as far ahead as its waits allow: 0, or -1 naming the first hazard
+ * (a read before its producer surely finished, a write while another stream
+ * may still use the value, or bytes reused while another stream may still use
+ * their old value). */
+int mt_schedule_check(const mt_graph *g, const mt_schedule *s, mt_err *err);
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err);
 
 /* One call: build + passes. This is what `precompile` and in-process compile do. */
@@ -643,6 +669,10 @@ int mt_cuda_memset(mt_cuda *c, void *p, int byte, size_t n);
 int mt_cuda_sync(mt_cuda *c);
 int mt_cuda_check_flag(mt_cuda *c);     /* data errors kernels flagged (bad expert index...), then clears */
 int mt_cuda_events(mt_cuda *c, int n);  /* make n timing events */
+int mt_cuda_set_queue(mt_cuda *c, int q);   /* later launches go to queue q's stream (MT_Q_*; DP, EP: high priority) */
+int mt_cuda_queue_events(mt_cuda *c, int n);/* make n ordering events (one per graph node) */
+int mt_cuda_queue_record(mt_cuda *c, int i);/* record ordering event i on the current stream */
+int mt_cuda_queue_wait(mt_cuda *c, int i);  /* the current stream waits for ordering event i */
 int mt_cuda_capture_begin(mt_cuda *c);  /* start recording the stream into a graph */
 int mt_cuda_capture_end(mt_cuda *c, void **graph);   /* stop; instantiate into *graph (NULL: discard) */
 int mt_cuda_graph_launch(mt_cuda *c, void *graph);
@@ -2889,8 +2919,12 @@ static int mt__by_offset(const void *a, const void *b) {
     return x->id - y->id;
 }
 
+static int mt__overlap_ranges(const mt_graph *g, int32_t *first, int32_t *last, mt_err *err);
+
 /* Liveness-based arena reuse: place the largest values first, each at the
- * lowest offset that does not overlap a placed value alive at the same time. */
+ * lowest offset that does not overlap a placed value alive at the same time.
+ * With g->overlap, "alive" spans the whole time another stream may touch the
+ * value (the hazard rule, below mt_node_capturable). */
 int mt_pass_plan_memory(mt_graph *g, mt_err *err) {
     mt_plan_naive(g);
     int nv = g->n_values, n = 0;
@@ -2903,6 +2937,10 @@ int mt_pass_plan_memory(mt_graph *g, mt_err *err) {
         return mt_errf(err, "out of memory planning memory");
     }
     mt__live_ranges(g, first, last);
+    if (g->overlap && mt__overlap_ranges(g, first, last, err)) {
+        MT_FREE(first); MT_FREE(last); MT_FREE(s); MT_FREE(busy);
+        return -1;
+    }
     for (int v = 0; v < nv; v++) {
         if (!MT_ROLE_IN_ARENA(g->values[v].role)) continue;
         mt__slot x = {mt__align(g->values[v].nbytes), 0, first[v], last[v], v};
@@ -2998,6 +3036,361 @@ int mt_node_capturable(const mt_graph *G, const mt_node *n) {
     for (int k = 0; k < n->n_in; k++) if (n->in[k] >= 0 && G->values[n->in[k]].dims[0] < 0) return 0;
     for (int k = 0; k < n->n_out; k++) if (n->out[k] >= 0 && G->values[n->out[k]].dims[0] < 0) return 0;
     return 1;
+}
+
+/* --- Queues, events and the hazard rule ------------------------------------
+ * Every node names a queue: MT_Q_COMPUTE (kernels), MT_Q_DP (FSDP all-gathers,
+ * gradient reduce-scatters and all-reduces) or MT_Q_EP (the expert exchange).
+ * With g->overlap each queue is a CUDA stream (DP and EP at high priority); a
+ * collective over one rank stays on the compute stream (it is a copy or a
+ * scale: nothing to hide). Each stream runs its nodes in list order, and the
+ * host issues them in list order. mt_schedule_build() derives the events:
+ *
+ *   node i on queue q waits for (the event recorded after) node w when w is
+ *     - the last earlier writer of a value i reads, on another queue (RAW);
+ *     - the last earlier reader or writer, on each other queue, of a value
+ *       i writes (WAR, WAW);
+ *     - for a collective with no wait on the compute stream: the compute node
+ *       just before it (its issue point; a prefetch starts there, no earlier);
+ *     - for a compute node: every collective issued two stages before
+ *       (stage: a run of compute nodes with one phase and layer) that it has
+ *       not waited for yet (a join). So a block's gradient reduce-scatters
+ *       overlap the next block's backward, and at most two blocks' gathered
+ *       weights (or whole gradients) are alive at once.
+ *   The runtime also fences each step: the side streams wait for its start,
+ *   the compute stream for all of them at its end.
+ *
+ * Time is the compute stream's position. A node on another stream may run at
+ * any moment after the last compute node it happens after (after[i], through
+ * waits and stream order) and before the first compute node that happens
+ * after it (done[i]).
+ *
+ * THE HAZARD RULE (memory planner): a value a compute node j touches is alive
+ * at j; a value a side node i touches is alive over [after[i]+1, done[i]].
+ * Two values share arena bytes only when these spans are disjoint. Then every
+ * access of the earlier value happens before every access of the later one in
+ * every interleaving the events allow. mt_schedule_check() verifies exactly
+ * that (and the RAW/WAR/WAW waits) with vector clocks.
+ * Not modelled: the op workspace (rt->scratch), which only compute nodes use
+ * (the EP exchange stages in its own buffer, on its own stream).
+ * ------------------------------------------------------------------------- */
+int mt_node_queue(const mt_graph *g, const mt_node *n) {
+    if (!g->overlap || n->queue == MT_Q_COMPUTE || !mt__is_collective(n->op)) return MT_Q_COMPUTE;
+    if (n->queue < 0 || n->queue >= MT_NQUEUES) return MT_Q_COMPUTE;
+    return mt_mesh_group_size(&g->mesh, (uint32_t)n->iattr[0]) > 1 ? n->queue : MT_Q_COMPUTE;
+}
+void mt_schedule_free(mt_schedule *s) {
+    MT_FREE(s->queue); MT_FREE(s->wait_at); MT_FREE(s->wait); MT_FREE(s->after); MT_FREE(s->done);
+    memset(s, 0, sizeof *s);
+}
+static int mt__reads(const mt_node *n, int v) {
+    for (int k = 0; k < n->n_in; k++) if (n->in[k] == v) return 1;
+    return 0;
+}
+static int mt__writes(const mt_node *n, int v) {
+    for (int k = 0; k < n->n_out; k++) if (n->out[k] == v) return 1;
+    return 0;
+}
+/* vector clocks: vc[i*Q + q] = the last node on queue q that node i happens after (itself on its own queue) */
+static void mt__merge_vc(int32_t *dst, const int32_t *src) {
+    for (int q = 0; q < MT_NQUEUES; q++) if (src[q] > dst[q]) dst[q] = src[q];
+}
+/* compute-stream stages: a new one where the (phase, layer) of compute nodes changes; side nodes take the current one */
+static void mt__stages(const mt_graph *g, const int32_t *queue, int32_t *stage) {
+    int st = -1, ph = -1, ly = -2;
+    for (int i = 0; i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        if (queue[i] == MT_Q_COMPUTE && (n->phase != ph || n->layer != ly)) { st++; ph = n->phase; ly = n->layer; }
+        stage[i] = st;
+    }
+}
+int mt_schedule_build(const mt_graph *g, mt_schedule *s, mt_err *err) {
+    memset(s, 0, sizeof *s);
+    int n = g->n_nodes, nv = g->n_values, cap = 64, rc = 0;
+    s->n_nodes = n;
+    s->queue = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(n + 1));
+    s->wait_at = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(n + 2));
+    s->after = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(n + 1));
+    s->done = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(n + 1));
+    s->wait = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)cap);
+    int32_t *stage = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(n + 1));
+    int32_t *vc = (int32_t *)MT_MALLOC(sizeof(int32_t) * MT_NQUEUES * (size_t)(n + 1));
+    int32_t *lw = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(nv + 1));                 /* last writer */
+    int32_t *la = (int32_t *)MT_MALLOC(sizeof(int32_t) * MT_NQUEUES * (size_t)(nv + 1));    /* last access per queue */
+    int32_t *side = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(n + 1));                /* side nodes, per queue in order */
+    if (!s->queue || !s->wait_at || !s->after || !s->done || !s->wait || !stage || !vc || !lw || !la || !side) {
+        MT_FREE(stage); MT_FREE(vc); MT_FREE(lw); MT_FREE(la); MT_FREE(side);
+        mt_schedule_free(s);
+        return mt_errf(err, "out of memory scheduling");
+    }
+    for (int i = 0; i < n; i++) s->queue[i] = mt_node_queue(g, &g->nodes[i]);
+    mt__stages(g, s->queue, stage);
+    for (int v = 0; v < nv; v++) lw[v] = -1;
+    for (int v = 0; v < nv * MT_NQUEUES; v++) la[v] = -1;
+    int32_t cur[MT_NQUEUES][MT_NQUEUES];
+    for (int q = 0; q < MT_NQUEUES; q++) for (int r = 0; r < MT_NQUEUES; r++) cur[q][r] = -1;
+    int nside[MT_NQUEUES] = {0}, at[MT_NQUEUES] = {0}, start[MT_NQUEUES];
+    for (int i = 0; i < n; i++) if (s->queue[i] != MT_Q_COMPUTE) nside[s->queue[i]]++;
+    for (int q = 0, k = 0; q < MT_NQUEUES; q++) { start[q] = k; k += nside[q]; nside[q] = 0; }
+    for (int i = 0; i < n; i++) if (s->queue[i] != MT_Q_COMPUTE) { int q = s->queue[i]; side[start[q] + nside[q]++] = i; }
+    int last_compute = -1;
+    s->n_wait = 0;
+    for (int i = 0; i < n && !rc; i++) {
+        const mt_node *x = &g->nodes[i];
+        int q = s->queue[i], w0 = s->n_wait;
+        int32_t *me = &vc[(size_t)i * MT_NQUEUES];
+        for (int r = 0; r < MT_NQUEUES; r++) me[r] = cur[q][r];
+        int cand[MT_MAX_IN + MT_MAX_OUT * MT_NQUEUES + MT_NQUEUES + 1], nc = 0;
+        for (int k = 0; k < x->n_in; k++) if (x->in[k] >= 0) cand[nc++] = lw[x->in[k]];
+        for (int k = 0; k < x->n_out; k++)
+            if (x->out[k] >= 0) for (int r = 0; r < MT_NQUEUES; r++) cand[nc++] = la[(size_t)x->out[k] * MT_NQUEUES + r];
+        int on_compute = 0;
+        for (int c = 0; c < nc; c++) on_compute |= cand[c] >= 0 && s->queue[cand[c]] == MT_Q_COMPUTE && q != MT_Q_COMPUTE;
+        if (q != MT_Q_COMPUTE && !on_compute) cand[nc++] = last_compute;      /* the issue point */
+        for (int c = 0; c < nc && !rc; c++) {
+            int w = cand[c];
+            if (w < 0 || s->queue[w] == q || me[s->queue[w]] >= w) continue;   /* same stream, or already after it */
+            if (s->n_wait + 1 > cap) {
+                int32_t *nw = (int32_t *)MT_REALLOC(s->wait, sizeof(int32_t) * (size_t)(cap *= 2));
+                if (!nw) { rc = mt_errf(err, "out of memory scheduling"); break; }
+                s->wait = nw;
+            }
+            s->wait[s->n_wait++] = w;
+            mt__merge_vc(me, &vc[(size_t)w * MT_NQUEUES]);
+        }
+        if (q == MT_Q_COMPUTE)   /* joins: collectives issued two stages ago */
+            for (int r = 1; r < MT_NQUEUES && !rc; r++) {
+                int j = -1;
+                while (at[r] < nside[r] && side[start[r] + at[r]] < i && stage[side[start[r] + at[r]]] + 2 <= stage[i]) j = side[start[r] + at[r]++];
+                if (j < 0 || me[r] >= j) continue;
+                if (s->n_wait + 1 > cap) {
+                    int32_t *nw = (int32_t *)MT_REALLOC(s->wait, sizeof(int32_t) * (size_t)(cap *= 2));
+                    if (!nw) { rc = mt_errf(err, "out of memory scheduling"); break; }
+                    s->wait = nw;
+                }
+                s->wait[s->n_wait++] = j;
+                mt__merge_vc(me, &vc[(size_t)j * MT_NQUEUES]);
+            }
+        s->wait_at[i] = w0;
+        me[q] = i;
+        for (int r = 0; r < MT_NQUEUES; r++) cur[q][r] = me[r];
+        for (int k = 0; k < x->n_in; k++) if (x->in[k] >= 0) la[(size_t)x->in[k] * MT_NQUEUES + q] = i;
+        for (int k = 0; k < x->n_out; k++) if (x->out[k] >= 0) { la[(size_t)x->out[k] * MT_NQUEUES + q] = i; lw[x->out[k]] = i; }
+        if (q == MT_Q_COMPUTE) last_compute = i;
+    }
+    s->wait_at[n] = s->n_wait;
+    /* after[i]: the compute clock of i; done[i]: the first compute node whose clock covers i */
+    for (int i = 0; i < n; i++) { s->after[i] = vc[(size_t)i * MT_NQUEUES + MT_Q_COMPUTE]; s->done[i] = s->queue[i] == MT_Q_COMPUTE ? i : n; }
+    for (int q = 0; q < MT_NQUEUES; q++) at[q] = 0;
+    for (int j = 0; j < n && !rc; j++) {
+        if (s->queue[j] != MT_Q_COMPUTE) continue;
+        for (int r = 1; r < MT_NQUEUES; r++)
+            while (at[r] < nside[r] && side[start[r] + at[r]] <= vc[(size_t)j * MT_NQUEUES + r]) s->done[side[start[r] + at[r]++]] = j;
+    }
+    MT_FREE(stage); MT_FREE(vc); MT_FREE(lw); MT_FREE(la); MT_FREE(side);
+    if (rc) mt_schedule_free(s);
+    return rc;
+}
+
+/* The hazard rule's spans, widened into the planner's node-order live ranges. */
+static int mt__overlap_ranges(const mt_graph *g, int32_t *first, int32_t *last, mt_err *err) {
+    mt_schedule s;
+    if (mt_schedule_build(g, &s, err)) return -1;
+    for (int i = 0; i < g->n_nodes; i++) {
+        if (s.queue[i] == MT_Q_COMPUTE) continue;
+        const mt_node *n = &g->nodes[i];
+        int lo = s.after[i] + 1, hi = s.done[i];
+        for (int k = 0; k < n->n_in + n->n_out; k++) {
+            int v = k < n->n_in ? n->in[k] : n->out[k - n->n_in];
+            if (v < 0) continue;
+            if (first[v] < 0 || lo < first[v]) first[v] = lo;
+            if (hi > last[v]) last[v] = hi;
+        }
+    }
+    mt_schedule_free(&s);
+    return 0;
+}
+
+int mt_schedule_check(const mt_graph *g, const mt_schedule *s, mt_err *err) {
+    int n = g->n_nodes, nv = g->n_values, rc = 0;
+    if (s->n_nodes != n) return mt_errf(err, "schedule: %d nodes, the graph has %d", s->n_nodes, n);
+    int32_t *vc = (int32_t *)MT_MALLOC(sizeof(int32_t) * MT_NQUEUES * (size_t)(n + 1));
+    int32_t *lw = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(nv + 1));
+    int32_t *la = (int32_t *)MT_MALLOC(sizeof(int32_t) * MT_NQUEUES * (size_t)(nv + 1));   /* last access per queue */
+    int32_t *fa = (int32_t *)MT_MALLOC(sizeof(int32_t) * MT_NQUEUES * (size_t)(nv + 1));   /* first access per queue */
+    int32_t *lo = (int32_t *)MT_MALLOC(sizeof(int32_t) * 2 * (size_t)(nv + 1));            /* first, last access */
+    mt__slot *sl = (mt__slot *)MT_MALLOC(sizeof(mt__slot) * (size_t)(nv + 1));
+    mt__slot **ord = (mt__slot **)MT_MALLOC(sizeof(mt__slot *) * (size_t)(nv + 1));
+    if (!vc || !lw || !la || !fa || !lo || !sl || !ord) {
+        MT_FREE(vc); MT_FREE(lw); MT_FREE(la); MT_FREE(fa); MT_FREE(lo); MT_FREE(sl); MT_FREE(ord);
+        return mt_errf(err, "out of memory checking the schedule");
+    }
+    for (int v = 0; v < nv; v++) { lw[v] = -1; lo[2 * v] = lo[2 * v + 1] = -1; }
+    for (int v = 0; v < nv * MT_NQUEUES; v++) la[v] = fa[v] = -1;
+    int32_t cur[MT_NQUEUES][MT_NQUEUES];
+    for (int q = 0; q < MT_NQUEUES; q++) for (int r = 0; r < MT_NQUEUES; r++) cur[q][r] = -1;
+    /* 1. the happens-before order the streams and the waits give, and the data hazards of each value */
+    for (int i = 0; i < n && !rc; i++) {
+        const mt_node *x = &g->nodes[i];
+        int q = s->queue[i];
+        if (q < 0 || q >= MT_NQUEUES) { rc = mt_errf(err, "schedule: node %d has queue %d", i, q); break; }
+        int32_t *me = &vc[(size_t)i * MT_NQUEUES];
+        for (int r = 0; r < MT_NQUEUES; r++) me[r] = cur[q][r];
+        for (int k = s->wait_at[i]; k < s->wait_at[i + 1]; k++) {
+            int w = s->wait[k];
+            if (w < 0 || w >= i) { rc = mt_errf(err, "schedule: node %d waits on node %d, which is not earlier", i, w); break; }
+            mt__merge_vc(me, &vc[(size_t)w * MT_NQUEUES]);
+        }
+        if (rc) break;
+        me[q] = i;
+        for (int r = 0; r < MT_NQUEUES; r++) cur[q][r] = me[r];
+        for (int k = 0; k < x->n_in && !rc; k++) {
+            int v = x->in[k], w = v >= 0 ? lw[v] : -1;
+            if (w >= 0 && me[s->queue[w]] < w)
+                rc = mt_errf(err, "hazard: node %d (%s, queue %s) reads '%s', written by node %d (%s, queue %s) with no wait for it",
+                             i, mt_ops[x->op].name, mt_queue_names[q], g->values[v].name, w, mt_ops[g->nodes[w].op].name,
+                             mt_queue_names[s->queue[w]]);
+        }
+        for (int k = 0; k < x->n_out && !rc; k++) {
+            int v = x->out[k];
+            if (v < 0) continue;
+            for (int r = 0; r < MT_NQUEUES && !rc; r++) {
+                int w = la[(size_t)v * MT_NQUEUES + r];
+                if (w >= 0 && w != i && me[r] < w)
+                    rc = mt_errf(err, "hazard: node %d (%s, queue %s) writes '%s' while node %d (%s, queue %s) may still use it",
+                                 i, mt_ops[x->op].name, mt_queue_names[q], g->values[v].name, w, mt_ops[g->nodes[w].op].name,
+                                 mt_queue_names[r]);
+            }
+        }
+        for (int k = 0; k < x->n_in + x->n_out; k++) {
+            int v = k < x->n_in ? x->in[k] : x->out[k - x->n_in];
+            if (v < 0) continue;
+            if (k >= x->n_in) lw[v] = i;
+            la[(size_t)v * MT_NQUEUES + q] = i;
+            if (fa[(size_t)v * MT_NQUEUES + q] < 0) fa[(size_t)v * MT_NQUEUES + q] = i;
+            if (lo[2 * v] < 0) lo[2 * v] = i;
+            lo[2 * v + 1] = i;
+        }
+    }
+    /* 2. arena bytes shared by two values: every use of the earlier one happens before every use of the later one */
+    int m = 0;
+    for (int v = 0; v < nv && !rc; v++) {
+        const mt_value *x = &g->values[v];
+        if (!MT_ROLE_IN_ARENA(x->role) || lo[2 * v] < 0 || x->nbytes <= 0) continue;
+        mt__slot e = {x->nbytes, x->offset, lo[2 * v], lo[2 * v + 1], v};
+        sl[m] = e; ord[m] = &sl[m]; m++;
+    }
+    if (!rc) qsort(ord, (size_t)m, sizeof *ord, mt__by_offset);
+    for (int i = 0; i < m && !rc; i++)
+        for (int j = i + 1; j < m && ord[j]->offset < ord[i]->offset + ord[i]->size && !rc; j++) {
+            const mt__slot *a = ord[i], *b = ord[j];
+            if (a->first <= b->last && b->first <= a->last) {
+                rc = mt_errf(err, "hazard: '%s' and '%s' share bytes and are alive at the same time",
+                             g->values[a->id].name, g->values[b->id].name);
+                break;
+            }
+            if (a->first > b->last) { const mt__slot *t = a; a = b; b = t; }   /* a: the earlier value */
+            for (int r = 0; r < MT_NQUEUES && !rc; r++) {
+                int la_ = la[(size_t)a->id * MT_NQUEUES + r];
+                if (la_ < 0) continue;
+                for (int r2 = 0; r2 < MT_NQUEUES && !rc; r2++) {
+                    int fb = fa[(size_t)b->id * MT_NQUEUES + r2];
+                    if (fb >= 0 && vc[(size_t)fb * MT_NQUEUES + r] < la_)
+                        rc = mt_errf(err, "hazard: '%s' reuses the bytes of '%s', but node %d (%s, queue %s) may touch it "
+                                          "before node %d (%s, queue %s) is done with the old value",
+                                     g->values[b->id].name, g->values[a->id].name, fb, mt_ops[g->nodes[fb].op].name,
+                                     mt_queue_names[r2], la_, mt_ops[g->nodes[la_].op].name, mt_queue_names[r]);
+                }
+            }
+        }
+    MT_FREE(vc); MT_FREE(lw); MT_FREE(la); MT_FREE(fa); MT_FREE(lo); MT_FREE(sl); MT_FREE(ord);
+    return rc;
+}
+
+/* --- the overlap pass: reorder so the streams have work to overlap -------- */
+
+/* a and b conflict: one writes a value the other reads or writes */
+static int mt__conflict(const mt_node *a, const mt_node *b) {
+    for (int k = 0; k < a->n_out; k++) if (a->out[k] >= 0 && (mt__reads(b, a->out[k]) || mt__writes(b, a->out[k]))) return 1;
+    for (int k = 0; k < b->n_out; k++) if (b->out[k] >= 0 && mt__reads(a, b->out[k])) return 1;
+    return 0;
+}
+static int mt__is_ep_sync(const mt_graph *g, const mt_node *n) {
+    return n->queue == MT_Q_EP && mt__is_collective(n->op) && mt_mesh_group_size(&g->mesh, (uint32_t)n->iattr[0]) > 1;
+}
+/* EP: in each (phase, layer) run, the nodes after its first expert exchange
+ * that depend on no exchange (the shared experts; in the backward the router's
+ * gradient) move ahead of it, so they are on the GPU before the host waits
+ * for the expert counts, and run while the tokens travel. A stable partition:
+ * "depends" is the transitive closure of conflicts, so every conflict keeps
+ * its order and results do not change. */
+static void mt__ep_ahead(mt_graph *g, mt_node *tmp, uint8_t *taint) {
+    int n = g->n_nodes;
+    for (int i = 0; i < n;) {
+        int e = i;
+        while (e < n && g->nodes[e].phase == g->nodes[i].phase && g->nodes[e].layer == g->nodes[i].layer) e++;
+        int f = i;
+        while (f < e && !mt__is_ep_sync(g, &g->nodes[f])) f++;
+        if (f < e) {
+            for (int j = f; j < e; j++) {
+                taint[j] = j == f || g->nodes[j].queue == MT_Q_EP;
+                for (int k = f; k < j && !taint[j]; k++) taint[j] = taint[k] && mt__conflict(&g->nodes[k], &g->nodes[j]);
+            }
+            int w = 0;
+            for (int j = f; j < e; j++) if (!taint[j]) tmp[w++] = g->nodes[j];
+            for (int j = f; j < e; j++) if (taint[j]) tmp[w++] = g->nodes[j];
+            memcpy(&g->nodes[f], tmp, sizeof(mt_node) * (size_t)(e - f));
+        }
+        i = e;
+    }
+}
+static int mt__is_fsdp_gather(const mt_graph *g, const mt_node *n) {
+    return n->op == MT_OP_ALLGATHER && (n->phase == MT_PHASE_FORWARD || n->phase == MT_PHASE_BACKWARD) &&
+           mt_mesh_group_size(&g->mesh, (uint32_t)n->iattr[0]) > 1;
+}
+/* FSDP prefetch: every weight all-gather of a stage (a run of other nodes with
+ * one phase and layer: a block's forward, or its backward) moves to the start
+ * of the stage before it in the same phase. Block L+1's weights travel while
+ * block L computes; in the backward, block L-1's re-gathers while block L's
+ * backward computes. A gather moves only past nodes it does not conflict with
+ * (it reads a parameter shard, which nothing writes before the optimizer). */
+static void mt__prefetch(mt_graph *g, mt_node *tmp, int32_t *stage, int32_t *dest, int32_t *first) {
+    int n = g->n_nodes, st = -1, ph = -1, ly = -2;
+    for (int i = 0; i < n; i++) {   /* stages of the other nodes; first[s]: where stage s starts */
+        const mt_node *x = &g->nodes[i];
+        if (mt__is_fsdp_gather(g, x)) { stage[i] = -1; continue; }
+        if (x->phase != ph || x->layer != ly) { st++; ph = x->phase; ly = x->layer; first[st] = i; }
+        stage[i] = st;
+    }
+    for (int i = n - 1, next = st + 1; i >= 0; i--) {   /* a gather belongs to the stage of the next other node */
+        if (stage[i] >= 0) { next = stage[i]; dest[i] = -1; continue; }
+        dest[i] = -1;
+        int s = next, t = s - 1;
+        if (s > st || t < 0 || g->nodes[first[t]].phase != g->nodes[i].phase) continue;
+        int ok = 1;
+        for (int k = first[t]; k < i && ok; k++) ok = !mt__conflict(&g->nodes[k], &g->nodes[i]);
+        if (ok) dest[i] = t;
+    }
+    int w = 0;
+    for (int i = 0; i < n; i++) {
+        if (stage[i] >= 0 && first[stage[i]] == i)   /* a stage starts: the gathers of the next one go first */
+            for (int j = i; j < n; j++) if (stage[j] < 0 && dest[j] == stage[i]) tmp[w++] = g->nodes[j];
+        if (stage[i] < 0 && dest[i] >= 0) continue;
+        tmp[w++] = g->nodes[i];
+    }
+    memcpy(g->nodes, tmp, sizeof(mt_node) * (size_t)n);
+}
+int mt_pass_overlap(mt_graph *g, mt_err *err) {
+    int n = g->n_nodes;
+    mt_node *tmp = (mt_node *)MT_MALLOC(sizeof(mt_node) * (size_t)(n + 1));
+    int32_t *a = (int32_t *)MT_MALLOC(sizeof(int32_t) * 3 * (size_t)(n + 1));
+    uint8_t *taint = (uint8_t *)mt__calloc((size_t)n + 1);
+    if (!tmp || !a || !taint) { MT_FREE(tmp); MT_FREE(a); MT_FREE(taint); return mt_errf(err, "out of memory"); }
+    mt__ep_ahead(g, tmp, taint);
+    mt__prefetch(g, tmp, a, a + n + 1, a + 2 * (n + 1));
+    MT_FREE(tmp); MT_FREE(a); MT_FREE(taint);
+    g->overlap = 1;
+    return 0;
 }
 
 /* Drop values no node or well-known slot refers to (what fusion orphaned),
@@ -3258,12 +3651,15 @@ int mt_pass_isolate_ep(mt_graph *g, mt_err *err) {
     return moved;
 }
 
-void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; }
-void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; }
+void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; }
+void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; }
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
     if (p->elide && mt_pass_elide_collectives(g, err)) return -1;
     if (p->fuse && mt_pass_fuse(g, err)) return -1;
-    if (p->isolate_ep && mt_pass_isolate_ep(g, err) < 0) return -1;
+    /* streams that run collectives side by side need them on separate communicators: overlap implies isolation */
+    if ((p->isolate_ep || p->overlap) && mt_pass_isolate_ep(g, err) < 0) return -1;
+    g->overlap = 0;
+    if (p->overlap && mt_pass_overlap(g, err)) return -1;   /* before planning: the plan follows the schedule */
     if (p->plan_memory) { if (mt_pass_plan_memory(g, err)) return -1; }
     else mt_plan_naive(g);
     /* capture pass: the step replays as CUDA graphs, one per region between
@@ -3472,7 +3868,7 @@ static void mt__write_section(mt__buf *b, int id, const mt_graph *g) {
         break;
     case MT_SEC_PLAN:
         mt__i64(b, g->persist_bytes); mt__i64(b, g->arena_bytes); mt__i64(b, g->naive_arena_bytes);
-        mt__i32(b, g->planned); mt__i32(b, g->capture);
+        mt__i32(b, g->planned); mt__i32(b, g->capture | g->overlap << 1);   /* bit 0 capture, bit 1 overlap */
         mt__u32(b, MT_NIO);
         for (int i = 0; i < MT_NIO; i++) mt__i32(b, g->io[i]);
         break;
@@ -3660,6 +4056,7 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         return mt_errf(err, "plan: region sizes out of range");
     if (g->planned != 0 && g->planned != 1) return mt_errf(err, "plan: bad planned flag");
     if (g->capture != 0 && g->capture != 1) return mt_errf(err, "plan: bad capture flag");
+    if (g->overlap != 0 && g->overlap != 1) return mt_errf(err, "plan: bad overlap flag");
     if (g->n_forward_nodes < 0 || g->n_forward_nodes > g->n_nodes) return mt_errf(err, "nodes: bad forward count");
     /* nodes: shapes, then every value is written before it is read, and arena values once */
     uint8_t *state = (uint8_t *)mt__calloc((size_t)g->n_values + 1);  /* 0 unwritten, 1 written */
@@ -3711,6 +4108,13 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         if (mt_value_numel_max(g, x) != want_n) return mt_errf(err, "plan: well-known value '%s' has the wrong size", x->name);
     }
     if (mt_plan_check(g, &e)) return mt_errf(err, "plan: %s", e.msg);
+    if (g->overlap) {   /* the streams' schedule is derived again here: it must be hazard-free with this plan */
+        mt_schedule sc;
+        if (mt_schedule_build(g, &sc, &e)) return mt_errf(err, "schedule: %s", e.msg);
+        int bad = mt_schedule_check(g, &sc, &e);
+        mt_schedule_free(&sc);
+        if (bad) return mt_errf(err, "schedule: %s", e.msg);
+    }
     return 0;
 }
 
@@ -3835,6 +4239,7 @@ static int mt__read_section(mt_graph *g, int id, mt__rd *r, mt_err *err) {
     case MT_SEC_PLAN: {
         g->persist_bytes = mt__gi64(r); g->arena_bytes = mt__gi64(r); g->naive_arena_bytes = mt__gi64(r);
         g->planned = mt__gi32(r); g->capture = mt__gi32(r);
+        if (g->capture >= 0 && g->capture <= 3) { g->overlap = g->capture >> 1; g->capture &= 1; }
         uint32_t nio = mt__g32(r);
         if (!r->bad && nio != MT_NIO) return mt_errf(err, "plan section lists %u well-known values, expected %d", nio, MT_NIO);
         for (int i = 0; i < MT_NIO; i++) g->io[i] = mt__gi32(r);
@@ -3998,7 +4403,11 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
     }
     MT_FREE(first); MT_FREE(last);
     static const char *const phase[] = {"fwd", "bwd", "opt"};
-    fprintf(f, "\n== nodes (%d: %d forward)\n", g->n_nodes, g->n_forward_nodes);
+    mt_schedule sc;
+    mt_err se;
+    int have_sc = g->overlap && mt_schedule_build(g, &sc, &se) == 0;
+    fprintf(f, "\n== nodes (%d: %d forward)%s\n", g->n_nodes, g->n_forward_nodes,
+            have_sc ? "; 'wait' lists the nodes on other streams this one waits for (events)" : "");
     for (int i = 0; i < g->n_nodes; i++) {
         const mt_node *n = &g->nodes[i];
         fprintf(f, "  n%-5d %-3s %-7s L%-3d %-18s", i, phase[n->phase], mt_queue_names[n->queue], n->layer, mt_ops[n->op].name);
@@ -4016,7 +4425,38 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
             fprintf(f, "]");
         }
         if (n->fattr[0] != 0) fprintf(f, " f=%g", (double)n->fattr[0]);
+        if (have_sc && sc.queue[i] != n->queue) fprintf(f, "  (runs on %s)", mt_queue_names[sc.queue[i]]);
+        for (int k = have_sc ? sc.wait_at[i] : 0; have_sc && k < sc.wait_at[i + 1]; k++)
+            fprintf(f, "%sn%d", k == sc.wait_at[i] ? "  wait " : ",", sc.wait[k]);
         fprintf(f, "\n");
+    }
+    if (have_sc) {   /* where each collective on a stream of its own starts, and where the compute stream joins it */
+        int ns = 0, pre = 0, joins = 0;
+        fprintf(f, "\n== overlap schedule (streams: compute, dp and ep at high priority; events between them)\n");
+        for (int i = 0; i < g->n_nodes; i++) {
+            if (sc.queue[i] == MT_Q_COMPUTE) {
+                for (int k = sc.wait_at[i]; k < sc.wait_at[i + 1]; k++) joins++;
+                continue;
+            }
+            const mt_node *n = &g->nodes[i];
+            int nx = i + 1;
+            while (nx < g->n_nodes && sc.queue[nx] != MT_Q_COMPUTE) nx++;
+            int fetch = n->op == MT_OP_ALLGATHER && nx < g->n_nodes && g->nodes[nx].layer != n->layer;
+            ns++; pre += fetch;
+            fprintf(f, "  n%-5d %-14s %-3s %s L%-3d may start after n%d, compute joins at ", i, mt_ops[n->op].name,
+                    mt_queue_names[sc.queue[i]], phase[n->phase], n->layer, sc.after[i]);
+            if (sc.done[i] < g->n_nodes) fprintf(f, "n%d (%s L%d)", sc.done[i], mt_ops[g->nodes[sc.done[i]].op].name, g->nodes[sc.done[i]].layer);
+            else fprintf(f, "the end of the step");
+            if (fetch) fprintf(f, "  prefetch: issued during L%d", g->nodes[nx].layer);
+            fprintf(f, "\n");
+        }
+        fprintf(f, "  %d collectives on their own streams (%d prefetched a stage early); %d waits of the compute stream on them\n",
+                ns, pre, joins);
+        mt_schedule_free(&sc);
+    } else if (g->overlap) {
+        fprintf(f, "\n== overlap schedule: %s\n", se.msg);
+    } else {
+        fprintf(f, "\n== overlap schedule: off (every node runs on the compute stream, in list order)\n");
     }
     fprintf(f, "\n== collectives (communicators are resolved per rank at bind time)\n");
     for (int i = 0; i < g->n_nodes; i++) {
@@ -4877,6 +5317,9 @@ struct mt_runtime {
     int32_t **host;          /* per value: a host copy (the expert exchange's counts over NCCL) */
     void *ep_stage;          /* CUDA: rows of the expert exchange in peer order */
     size_t ep_stage_bytes;
+    mt_schedule sched;       /* CUDA with g.overlap: each node's stream and the events it waits for */
+    int32_t *ev_of;          /* CUDA overlap: per node, the ordering event that marks it done (a captured region's last node) */
+    uint8_t *ev_used;        /* CUDA overlap: per node, whether another stream waits for it */
     int host_syncs;          /* in the last step */
     char tuning_note[400];   /* how the graph's tuning applied at bind ("" = as recorded) */
     int64_t recv_rows;       /* rows my experts received in the last step's forward (summed over MoE layers) */
@@ -5113,7 +5556,7 @@ static int mt__cuda_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *
     if (P > 4096) return mt_errf(err, "ep > 4096");
     if (n->op == MT_OP_EP_COUNTS) {   /* counts per peer and expert, exchanged, then to the host (a sync) */
         int ins = n->in[0], outs = n->out[0];
-        int32_t *send = (int32_t *)rt->scratch;
+        int32_t *send = (int32_t *)rt->ep_stage;   /* not the scratch: this may run on the EP stream */
         if (mt_cuda_ep_counts(c, send, (const int32_t *)rt->ptr[ins], P * El, 0)) return mt_errf(err, "%s", mt_cuda_error(c));
         for (int p = 0; p < P; p++) { so[p] = ro[p] = (int64_t)p * El * 4; sb[p] = rb[p] = (int64_t)El * 4; }
         if (mt_nccl_exchange(c, gr->comm, P, send, so, sb, rt->ptr[outs], ro, rb)) return mt_errf(err, "%s", mt_cuda_error(c));
@@ -5383,6 +5826,20 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
                 size_t need = (size_t)x->nbytes;
                 if (need > rt->ep_stage_bytes) rt->ep_stage_bytes = need;
             }
+            if (n->op == MT_OP_EP_COUNTS && n->iattr[2] > 1 && (size_t)n->iattr[2] * (size_t)n->iattr[3] * 4 > rt->ep_stage_bytes)
+                rt->ep_stage_bytes = (size_t)n->iattr[2] * (size_t)n->iattr[3] * 4;   /* the counts it sends */
+        }
+        if (G->overlap) {   /* streams per queue: the schedule, and which nodes' events someone waits for */
+            if (mt_schedule_build(G, &rt->sched, err)) { mt_runtime_destroy(rt); return -1; }
+            rt->ev_of = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(G->n_nodes + 1));
+            rt->ev_used = (uint8_t *)mt__calloc((size_t)G->n_nodes + 1);
+            if (!rt->ev_of || !rt->ev_used) { mt_runtime_destroy(rt); return mt_errf(err, "out of memory"); }
+            for (int k = 0; k < rt->sched.n_wait; k++) rt->ev_used[rt->sched.wait[k]] = 1;
+            if (mt_cuda_queue_events(cu, G->n_nodes + 1)) {
+                mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
+                mt_runtime_destroy(rt);
+                return -1;
+            }
         }
         if (mt_cuda_malloc(cu, (void **)&rt->persist, (size_t)G->persist_bytes) ||
             mt_cuda_malloc(cu, (void **)&rt->arena, (size_t)G->arena_bytes) ||
@@ -5470,6 +5927,8 @@ void mt_runtime_destroy(mt_runtime *rt) {
         mt_cuda_free(MT__CU(rt), rt->ep_stage);
         mt_cuda_destroy(MT__CU(rt));
     }
+    mt_schedule_free(&rt->sched);
+    MT_FREE(rt->ev_of); MT_FREE(rt->ev_used);
 #endif
     MT_FREE(rt->ptr); MT_FREE(rt->rows); MT_FREE(rt->sym); MT_FREE(rt->counts);
     mt_graph_free(&rt->g);
@@ -6026,6 +6485,107 @@ static int mt__nan_check(mt_runtime *rt, int node, int step, mt_err *err) {
     return 0;
 }
 
+#ifdef MT_CUDA
+/* The step on CUDA. Without g.overlap every node goes to the compute stream in
+ * list order. With it, each node goes to its queue's stream (mt_schedule) after
+ * waiting for the events of the nodes it depends on; the side streams wait for
+ * the step's start and the compute stream waits for all of them at its end.
+ * Captured regions hold compute nodes only (a collective over several ranks
+ * is never captured): the waits of a region's nodes are made before it is
+ * replayed, and one event after it marks all its nodes done (a region ends at
+ * a node another stream waits for, so that stream starts no later than the
+ * schedule says). Both only make the waits stronger than the schedule's, so
+ * the memory plan stays safe.
+ * Profiling times the compute stream; time it spends waiting for another
+ * stream is charged to the op it waited for (the exposed communication). */
+static int mt__cuda_run(mt_runtime *rt, int step, mt_err *err) {
+    mt_graph *G = &rt->g;
+    mt_cuda *cu = MT__CU(rt);
+    int n = G->n_nodes, multi = G->overlap && rt->ev_of && !rt->bind.nan_check, prof = rt->bind.profile;
+    const mt_schedule *S = &rt->sched;
+    int last[MT_NQUEUES] = {-1, -1, -1};
+#define CU_(x) do { if (x) return mt_errf(err, "step %d: %s", step, mt_cuda_error(cu)); } while (0)
+    if (prof) { CU_(mt_cuda_events(cu, 3 * n + 1)); CU_(mt_cuda_event_record(cu, 0)); }
+    int use_graphs = G->capture && !prof && !rt->bind.nan_check;
+    if (use_graphs && !rt->graphs && !(rt->graphs = (void **)mt__calloc(sizeof(void *) * (size_t)(n + 1))))
+        return mt_errf(err, "out of memory");
+    if (multi) {   /* fence: the side streams start after everything before this step */
+        CU_(mt_cuda_queue_record(cu, n));
+        for (int q = 1; q < MT_NQUEUES; q++) { CU_(mt_cuda_set_queue(cu, q)); CU_(mt_cuda_queue_wait(cu, n)); }
+        CU_(mt_cuda_set_queue(cu, MT_Q_COMPUTE));
+        for (int i = 0; i < n; i++) rt->ev_of[i] = i;
+    }
+    for (int i = 0; i < n;) {
+        mt_err e;
+        int q = multi ? S->queue[i] : MT_Q_COMPUTE;
+        if (use_graphs && q == MT_Q_COMPUTE && mt_node_capturable(G, &G->nodes[i])) {   /* a region: replay, or capture it once */
+            int end = i, used = 0;
+            while (end < n && mt_node_capturable(G, &G->nodes[end]) && (!multi || S->queue[end] == MT_Q_COMPUTE))
+                if (multi && rt->ev_used[end++]) break;   /* another stream waits for this node: its event marks it alone */
+            for (int k = i; multi && k < end; k++) {
+                used |= rt->ev_used[k];
+                for (int w = S->wait_at[k]; w < S->wait_at[k + 1]; w++) CU_(mt_cuda_queue_wait(cu, rt->ev_of[S->wait[w]]));
+            }
+            if (!rt->graphs[i]) {
+                CU_(mt_cuda_capture_begin(cu));
+                for (int k = i; k < end; k++)
+                    if (mt__exec_cuda(rt, &G->nodes[k], &e)) {
+                        mt_cuda_capture_end(cu, NULL);
+                        return mt_errf(err, "capturing node %d (%s): %s", k, mt_ops[G->nodes[k].op].name, e.msg);
+                    }
+                CU_(mt_cuda_capture_end(cu, &rt->graphs[i]));
+            }   /* a replay skips the nodes' host side; symbolic row counts keep their captured values */
+            CU_(mt_cuda_graph_launch(cu, rt->graphs[i]));
+            if (used) {
+                CU_(mt_cuda_queue_record(cu, end - 1));
+                for (int k = i; k < end; k++) rt->ev_of[k] = end - 1;
+            }
+            i = end;
+            continue;
+        }
+        if (multi) {
+            CU_(mt_cuda_set_queue(cu, q));
+            if (prof && q == MT_Q_COMPUTE) CU_(mt_cuda_event_record(cu, 3 * i + 1));   /* before its waits */
+            for (int w = S->wait_at[i]; w < S->wait_at[i + 1]; w++) CU_(mt_cuda_queue_wait(cu, rt->ev_of[S->wait[w]]));
+            if (prof && q == MT_Q_COMPUTE) CU_(mt_cuda_event_record(cu, 3 * i + 2));   /* after them */
+        }
+        if (mt__exec_cuda(rt, &G->nodes[i], &e))
+            return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+        if (multi) {
+            if (prof && q == MT_Q_COMPUTE) CU_(mt_cuda_event_record(cu, 3 * i + 3));
+            if (rt->ev_used[i]) CU_(mt_cuda_queue_record(cu, i));
+            last[q] = i;
+            CU_(mt_cuda_set_queue(cu, MT_Q_COMPUTE));
+        }
+        if (rt->bind.nan_check && mt__nan_check(rt, i, step, err)) return -1;
+        if (prof && !multi) CU_(mt_cuda_event_record(cu, i + 1));
+        i++;
+    }
+    if (multi)   /* join: the compute stream waits for every side stream's last node */
+        for (int q = 1; q < MT_NQUEUES; q++)
+            if (last[q] >= 0) {
+                if (!rt->ev_used[last[q]]) {   /* nobody waited for it: record now, on its stream */
+                    CU_(mt_cuda_set_queue(cu, q)); CU_(mt_cuda_queue_record(cu, last[q])); CU_(mt_cuda_set_queue(cu, MT_Q_COMPUTE));
+                }
+                CU_(mt_cuda_queue_wait(cu, last[q]));
+            }
+    if (prof) {
+        CU_(mt_cuda_sync(cu));
+        for (int i = 0; i < n; i++) {
+            rt->prof_calls[G->nodes[i].op]++;
+            if (!multi) { rt->prof_ms[G->nodes[i].op] += mt_cuda_event_ms(cu, i, i + 1); continue; }
+            if (S->queue[i] != MT_Q_COMPUTE) continue;   /* timed on its own stream: only its stall shows, below */
+            rt->prof_ms[G->nodes[i].op] += mt_cuda_event_ms(cu, 3 * i + 2, 3 * i + 3);
+            int waited = -1;
+            for (int w = S->wait_at[i]; w < S->wait_at[i + 1]; w++) if (S->wait[w] > waited) waited = S->wait[w];
+            if (waited >= 0) rt->prof_ms[G->nodes[waited].op] += mt_cuda_event_ms(cu, 3 * i + 1, 3 * i + 2);
+        }
+    }
+#undef CU_
+    return 0;
+}
+#endif
+
 int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *targets, int step, const mt_hparams *hp,
                     mt_step_stats *st, mt_err *err) {
     mt_graph *G = &rt->g;
@@ -6068,40 +6628,11 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
 #ifdef MT_CUDA
         mt_cuda *cu = MT__CU(rt);
         if (rt->bind.poison && mt_cuda_memset(cu, rt->arena, 0xff, (size_t)G->arena_bytes)) return mt_errf(err, "%s", mt_cuda_error(cu));
-        if (rt->bind.profile && (mt_cuda_events(cu, G->n_nodes + 1) || mt_cuda_event_record(cu, 0))) return mt_errf(err, "%s", mt_cuda_error(cu));
-        int use_graphs = G->capture && !rt->bind.profile && !rt->bind.nan_check;
-        if (use_graphs && !rt->graphs && !(rt->graphs = (void **)mt__calloc(sizeof(void *) * (size_t)(G->n_nodes + 1))))
-            return mt_errf(err, "out of memory");
-        for (int i = 0; i < G->n_nodes;) {
-            mt_err e;
-            if (use_graphs && mt_node_capturable(G, &G->nodes[i])) {      /* a region: replay, or capture it once */
-                int end = i;
-                while (end < G->n_nodes && mt_node_capturable(G, &G->nodes[end])) end++;
-                if (!rt->graphs[i]) {
-                    if (mt_cuda_capture_begin(cu)) return mt_errf(err, "%s", mt_cuda_error(cu));
-                    for (int k = i; k < end; k++)
-                        if (mt__exec_cuda(rt, &G->nodes[k], &e)) {
-                            mt_cuda_capture_end(cu, NULL);
-                            return mt_errf(err, "capturing node %d (%s): %s", k, mt_ops[G->nodes[k].op].name, e.msg);
-                        }
-                    if (mt_cuda_capture_end(cu, &rt->graphs[i])) return mt_errf(err, "%s", mt_cuda_error(cu));
-                }   /* a replay skips the nodes' host side; symbolic row counts keep their captured values */
-                if (mt_cuda_graph_launch(cu, rt->graphs[i])) return mt_errf(err, "%s", mt_cuda_error(cu));
-                i = end;
-                continue;
-            }
-            if (mt__exec_cuda(rt, &G->nodes[i], &e))
-                return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
-            if (rt->bind.nan_check && mt__nan_check(rt, i, step, err)) return -1;
-            if (rt->bind.profile && mt_cuda_event_record(cu, i + 1)) return mt_errf(err, "%s", mt_cuda_error(cu));
-            i++;
+        if (mt__cuda_run(rt, step, err)) {
+            mt_cuda_set_queue(cu, MT_Q_COMPUTE);
+            return -1;
         }
         if (mt_cuda_check_flag(cu)) return mt_errf(err, "step %d: %s", step, mt_cuda_error(cu));
-        if (rt->bind.profile)
-            for (int i = 0; i < G->n_nodes; i++) {
-                rt->prof_ms[G->nodes[i].op] += mt_cuda_event_ms(cu, i, i + 1);
-                rt->prof_calls[G->nodes[i].op]++;
-            }
 #endif
     }
     if (st) {

@@ -55,7 +55,11 @@ struct mt_cuda {
     int device;              /* the binding's device: every call makes it current first */
     int n_sms, split_sms;    /* this GPU's multiprocessors; the count the grouped GEMM's split choice uses (tuning) */
     int gemm_preset, gemm_derived;   /* cuBLASLt choices taken from the graph's tuning, and chosen here */
-    cudaStream_t stream;
+    cudaStream_t stream;     /* where launches go now: one of queue[] */
+    cudaStream_t queue[MT_NQUEUES];   /* one stream per queue; [MT_Q_COMPUTE] is created with the context, the
+                                         others on first use at the highest priority */
+    cudaEvent_t *qev;        /* per graph node: recorded after it, for the other streams to wait on */
+    int n_qev;
     cudaStream_t side[MT_SIDE_STREAMS];
     void *side_ws[MT_SIDE_STREAMS];
     cudaEvent_t fork, join[MT_SIDE_STREAMS];
@@ -148,6 +152,7 @@ int mt_cuda_create(mt_cuda **out, int device, mt_err *err) {
     c->device = device;
     cudaError_t e = cudaSetDevice(device);
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
+    c->queue[MT_Q_COMPUTE] = c->stream;
     if (e == cudaSuccess) { c->lt_ws_bytes = MT_SIDE_WS; /* all workspaces equal: a cached algorithm fits any stream */ e = cudaMalloc(&c->lt_ws, c->lt_ws_bytes); }
     if (e == cudaSuccess) e = cudaMalloc((void **)&c->flag, sizeof(int));
     if (e == cudaSuccess) e = cudaMemset(c->flag, 0, sizeof(int));
@@ -215,7 +220,9 @@ void mt_cuda_destroy(mt_cuda *c) {
     if (c->fork) cudaEventDestroy(c->fork);
     for (int i = 0; i < c->n_ev; i++) cudaEventDestroy(c->ev[i]);
     free(c->ev);
-    if (c->stream) cudaStreamDestroy(c->stream);
+    for (int i = 0; i < c->n_qev; i++) cudaEventDestroy(c->qev[i]);
+    free(c->qev);
+    for (int q = 0; q < MT_NQUEUES; q++) if (c->queue[q]) cudaStreamDestroy(c->queue[q]);
     free(c);
 }
 
@@ -270,6 +277,34 @@ float mt_cuda_event_ms(mt_cuda *c, int i, int j) {
     if (cudaEventElapsedTime(&ms, c->ev[i], c->ev[j]) != cudaSuccess) { cudaGetLastError(); return 0; }
     return ms;
 }
+/* Queues: launches go to the current queue's stream; events order the streams. */
+int mt_cuda_set_queue(mt_cuda *c, int q) {
+    if (q < 0 || q >= MT_NQUEUES) return mt__fail(c, "queue", "no such queue");
+    if (!c->queue[q]) {
+        int least = 0, greatest = 0;
+        CK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+        CK(cudaStreamCreateWithPriority(&c->queue[q], cudaStreamNonBlocking, greatest));
+    }
+    c->stream = c->queue[q];
+    return 0;
+}
+int mt_cuda_queue_events(mt_cuda *c, int n) {
+    if (n <= c->n_qev) return 0;
+    cudaEvent_t *ev = (cudaEvent_t *)realloc(c->qev, sizeof(cudaEvent_t) * (size_t)n);
+    if (!ev) return mt__fail(c, "events", "out of memory");
+    c->qev = ev;
+    for (; c->n_qev < n; c->n_qev++) CK(cudaEventCreateWithFlags(&c->qev[c->n_qev], cudaEventDisableTiming));
+    return 0;
+}
+int mt_cuda_queue_record(mt_cuda *c, int i) {
+    CK(cudaEventRecord(c->qev[i], c->stream));
+    return 0;
+}
+int mt_cuda_queue_wait(mt_cuda *c, int i) {
+    CK(cudaStreamWaitEvent(c->stream, c->qev[i], 0));
+    return 0;
+}
+
 int mt_cuda_capture_begin(mt_cuda *c) {
     CK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
     return 0;

@@ -33,9 +33,14 @@ static const opt_spec specs[] = {
     {"gpu", "N", OPT_INT, 0, 1023, "0", "with --device cuda: the GPU that tunes (any of one model gives the same bytes)"},
     {"no-tune", NULL, OPT_FLAG, 0, 0, "off", "with --device cuda: record no tuning (each rank then chooses at bind)"},
     {"dot", "FILE", OPT_STR, 0, 0, "", "also write the graph for Graphviz (dot -Tsvg FILE); with --dump FILE too"},
+    {"overlap", NULL, OPT_FLAG, 0, 0, "off", "collectives on their own streams: FSDP prefetch, EP ahead of its host sync"},
     {"help", NULL, OPT_FLAG, 0, 0, "", "this text"},
 };
 #define N_SPECS ((int)(sizeof specs / sizeof specs[0]))
+static int at(const char *name) {   /* the table row of an option */
+    for (int i = 0; i < N_SPECS; i++) if (!strcmp(specs[i].name, name)) return i;
+    return N_SPECS - 1;
+}
 
 static void usage(FILE *f) {
     fprintf(f, "usage: precompile [options] [--<config field> VALUE ...] -o FILE\n       precompile --dump FILE\n\noptions (default in brackets):\n");
@@ -119,11 +124,12 @@ int main(int argc, char **argv) {
             str[k] = v;
         }
     }
-#define STR(i, d) (str[i] ? str[i] : (d))
-#define NUM(i) (num[i] ? num[i] : 1)
-    const char *preset = STR(0, "tiny"), *device = STR(1, "cpu"), *arch = STR(2, "sm_90a"), *out = str[9], *dump = str[10];
-    int mesh_in[4] = {NUM(3), NUM(4), NUM(5), NUM(6)}, forward = flag[7], eager = flag[8], gpu = num[11], no_tune = flag[12];
-    const char *dot = str[13];
+#define STR(o, d) (str[at(o)] ? str[at(o)] : (d))
+#define NUM(o) (num[at(o)] ? num[at(o)] : 1)
+    const char *preset = STR("preset", "tiny"), *device = STR("device", "cpu"), *arch = STR("arch", "sm_90a"), *out = str[at("out")],
+               *dump = str[at("dump")], *dot = str[at("dot")];
+    int mesh_in[4] = {NUM("dp-replicate"), NUM("dp-shard"), NUM("tp"), NUM("ep")}, forward = flag[at("forward")], eager = flag[at("eager")],
+        gpu = num[at("gpu")], no_tune = flag[at("no-tune")];
 #undef STR
 #undef NUM
     mt_err err;
@@ -156,6 +162,7 @@ int main(int argc, char **argv) {
     if (mt_mesh_init(&mesh, mesh_in[0], mesh_in[1], mesh_in[2], mesh_in[3], &err)) { fprintf(stderr, "precompile: %s\n", err.msg); return 2; }
     mt_passes passes;
     if (eager) mt_passes_none(&passes); else mt_passes_all(&passes);
+    passes.overlap = flag[at("overlap")];
     mt_graph g;
     double t0 = mt_now();
     if (mt_config_validate(&cfg, &err)) { fprintf(stderr, "precompile: %s\n", err.msg); return 2; }

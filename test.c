@@ -176,8 +176,8 @@ static int mr_run(mr_job *j, const mt_graph *g, int steps, mt_err *err) {
 #endif
     return mt_run_thread_ranks(mt_mesh_world(&g->mesh), mr_rank, j, err);
 }
-/* The step graph of the small model for a mesh (per-rank batch b). */
-static int mr_compile_for(mt_graph *g, int rep, int shard, int ep, int b, int eager, int cuda, mt_err *err) {
+/* The step graph of the small model for a mesh (per-rank batch b); overlap 0: that pass off. */
+static int mr_compile_opts(mt_graph *g, int rep, int shard, int ep, int b, int eager, int cuda, int overlap, mt_err *err) {
     mt_config c;
     mt_config_preset(&c, "tiny", err);
     c.seq_len = 32; c.original_seq_len = 32; c.batch = b;
@@ -186,8 +186,12 @@ static int mr_compile_for(mt_graph *g, int rep, int shard, int ep, int b, int ea
     mt_passes p;
     if (cuda) mt_target_cuda(&t, "sm_90a"); else mt_target_cpu(&t);
     if (eager) mt_passes_none(&p); else mt_passes_all(&p);
+    if (!overlap) p.overlap = 0;
     if (mt_mesh_init(&m, rep, shard, 1, ep, err)) return -1;
     return mt_compile(g, &c, &m, &t, MT_GRAPH_TRAIN, &p, err);
+}
+static int mr_compile_for(mt_graph *g, int rep, int shard, int ep, int b, int eager, int cuda, mt_err *err) {
+    return mr_compile_opts(g, rep, shard, ep, b, eager, cuda, 1, err);
 }
 static double max_rel(const double *a, const double *b, int n) {
     double m = 0;
@@ -697,6 +701,7 @@ static int gpu_compile(mt_graph *g, const mt_config *c, int cuda, int planned, m
     if (cuda) mt_target_cuda(&t, "sm_90a"); else mt_target_cpu(&t);
     if (planned) mt_passes_all(&p); else mt_passes_none(&p);
     if (planned == 2) p.fuse = 0;   /* every pass but fusion: bitwise the eager step */
+    if (planned == 3) p.overlap = 0;   /* every pass but overlap */
     return mt_compile(g, c, &m, &t, MT_GRAPH_TRAIN, &p, e);
 }
 static mt_runtime *gpu_runtime(const mt_graph *g, int poison) {
@@ -784,6 +789,20 @@ static void gpu_test_whole_steps(void) {
         free(bytes);
     }
     report("gpu precompiled artifact = in-process, bitwise", ok2, NULL);
+    {   /* overlap on (gg) vs off: one GPU has no collective worth a stream, so the steps must agree (bitwise, in fact) */
+        mt_graph go;
+        double lo[S] = {0}, lo2[S] = {0};
+        int ok3 = ok && !gpu_compile(&go, &c, 1, 3, &e);
+        mt_runtime *ro = ok3 ? gpu_runtime(&go, 0) : NULL;
+        ok3 = ok3 && ro && !gpu_steps(ro, &c, S, lo, NULL);
+        mt_runtime *rp = ok3 ? gpu_runtime(&gg, 0) : NULL;
+        ok3 = ok3 && rp && !gpu_steps(rp, &c, S, lo2, NULL);
+        double w = ok3 ? max_rel(lg, lo, S) : 1;
+        report("gpu overlap on vs off: within bf16 tolerance; on twice bitwise", ok3 && w < 1e-3 && bitwise_equal(lg, lo2, S),
+               "worst rel loss %.1e (bitwise: %s)", w, ok3 && bitwise_equal(lg, lo, S) ? "yes" : "no");
+        mt_runtime_destroy(ro); mt_runtime_destroy(rp);
+        if (ok && ok3) mt_graph_free(&go);
+    }
     mt_runtime_destroy(rc); mt_runtime_destroy(r1); mt_runtime_destroy(r2); mt_runtime_destroy(r3); mt_runtime_destroy(r5);
     mt_graph_free(&gc); mt_graph_free(&gg); mt_graph_free(&ge); mt_graph_free(&gn);
 }
@@ -849,6 +868,19 @@ static void gpu_test_multi_rank(void) {
         if (tok) { mt_graph_free(&t0); mt_graph_free(&t1); }
     }
     if (ok3) mt_graph_free(&gl);
+    {   /* overlap (g2: collectives on their own streams, prefetch, EP ahead) vs one stream in list order */
+        mt_graph go;
+        mr_job o;
+        memset(&o, 0, sizeof o);
+        o.fail_rank = -1;
+        int ok4 = ok && mr_compile_opts(&go, 1, 2, 2, 2, 0, 1, 0, &e) == 0 && mr_run(&o, &go, 10, &e) == 0;
+        double wl = ok4 ? max_rel(b.loss, o.loss, 10) : 1, wg = ok4 ? max_rel(b.gnorm, o.gnorm, 10) : 1;
+        report("2 GPUs: overlap on vs off within bf16 tolerance", ok4 && wl < 1e-3 && wg < 1e-2, "worst rel loss %.1e, grad norm %.1e "
+               "(bitwise: %s) %s", wl, wg, ok4 && bitwise_equal(b.loss, o.loss, 10) ? "yes" : "no", ok4 ? "" : e.msg);
+        report("2 GPUs: overlap on, two runs bitwise", same && g2.overlap, "(the rerun above, with the overlap schedule)");
+        mr_free(&o);
+        if (ok4) mt_graph_free(&go);
+    }
     mr_free(&a); mr_free(&b); mr_free(&c); mr_free(&d);
     /* every token to rank 0's experts: rank 1's experts receive nothing */
     memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
@@ -3170,8 +3202,9 @@ static void test_isolate_ep(void) {
         mt_config_preset(&cfg, "tiny", &e);
         mt_target_cpu(&t);
         mt_passes_all(&p);
+        p.overlap = 0;   /* the node order as built: isolation alone */
         if (mt_mesh_init(&m, cs[c].rep, cs[c].shard, 1, cs[c].ep, &e) || mt_compile(&on, &cfg, &m, &t, MT_GRAPH_TRAIN, &p, &e)) { ok = 0; snprintf(why, sizeof why, "%s", e.msg); break; }
-        p.isolate_ep = 0;
+        p.isolate_ep = 0; p.overlap = 0;   /* overlap implies isolation */
         if (mt_compile(&off, &cfg, &m, &t, MT_GRAPH_TRAIN, &p, &e)) { ok = 0; mt_graph_free(&on); break; }
         int moved = 0, other_changed = 0, ep_nodes = 0;
         uint32_t epmask = 0;
@@ -3223,7 +3256,7 @@ static void test_isolate_ep(void) {
     mt_passes p;
     mt_target_cpu(&t);
     mt_passes_all(&p);
-    p.isolate_ep = 0;
+    p.isolate_ep = 0; p.overlap = 0;
     built = built && mt_compile(&gs, &cfg, &m, &t, MT_GRAPH_TRAIN, &p, &e) == 0;
     int ran = built && mr_run(&a, &gi, 4, &e) == 0 && mr_run(&b, &gs, 4, &e) == 0;
     int order = ran;
@@ -3244,6 +3277,189 @@ static void test_isolate_ep(void) {
            a.n_comms[0], b.n_comms[0], ran ? "" : e.msg);
     mr_free(&a); mr_free(&b);
     if (built) { mt_graph_free(&gi); mt_graph_free(&gs); }
+}
+
+/* ======================================================================
+ * overlap: queues, events, the hazard checker, FSDP prefetch, EP ahead
+ * ==================================================================== */
+
+static int ov_side_nodes(const mt_schedule *s) {
+    int k = 0;
+    for (int i = 0; i < s->n_nodes; i++) k += s->queue[i] != MT_Q_COMPUTE;
+    return k;
+}
+/* build + check the schedule of g; returns 0 when hazard-free */
+static int ov_check(const mt_graph *g, int *side, int *waits, mt_err *e) {
+    mt_schedule s;
+    if (mt_schedule_build(g, &s, e)) return -1;
+    int rc = mt_schedule_check(g, &s, e);
+    if (side) *side = ov_side_nodes(&s);
+    if (waits) *waits = s.n_wait;
+    mt_schedule_free(&s);
+    return rc;
+}
+static int ov_compile_mesh(mt_graph *g, const char *preset, int rep, int shard, int ep, int overlap, int elide, mt_err *e) {
+    mt_config c;
+    mt_mesh m;
+    mt_target t;
+    mt_passes p;
+    if (mt_config_preset(&c, preset, e) || mt_mesh_init(&m, rep, shard, 1, ep, e)) return -1;
+    mt_target_cpu(&t);
+    mt_passes_all(&p);
+    p.overlap = overlap; p.elide = elide;
+    return mt_compile(g, &c, &m, &t, MT_GRAPH_TRAIN, &p, e);
+}
+/* a multi-rank run's results, bitwise: losses, norms, every rank's weights */
+static int ov_same_run(const mr_job *a, const mr_job *b, int steps, int ranks) {
+    int same = bitwise_equal(a->loss, b->loss, steps) && bitwise_equal(a->gnorm, b->gnorm, steps);
+    for (int r = 0; r < ranks; r++)
+        same &= a->param_bytes[r] == b->param_bytes[r] && !memcmp(a->params[r], b->params[r], a->param_bytes[r]);
+    return same;
+}
+
+static void test_overlap(void) {
+    mt_err e;
+    /* 1. the checker passes on the schedules the pass makes: 1 rank, 2 and 4 ranks, tiny and debug */
+    struct { const char *preset; int rep, shard, ep, elide; } cases[] = {
+        {"tiny", 1, 1, 1, 1}, {"tiny", 1, 1, 1, 0}, {"debug", 1, 1, 1, 1}, {"tiny", 1, 2, 2, 1}, {"debug", 1, 2, 2, 1},
+        {"tiny", 1, 4, 2, 1}, {"tiny", 2, 2, 2, 1}, {"debug", 1, 4, 4, 1},
+    };
+    for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++) {
+        mt_graph g, off;
+        char nm[128];
+        int world = cases[i].rep * cases[i].shard;
+        snprintf(nm, sizeof nm, "overlap checker: %s, %d rank%s (shard %d, ep %d)%s", cases[i].preset, world, world > 1 ? "s" : "",
+                 cases[i].shard, cases[i].ep, cases[i].elide ? "" : ", no elision");
+        if (ov_compile_mesh(&g, cases[i].preset, cases[i].rep, cases[i].shard, cases[i].ep, 1, cases[i].elide, &e) ||
+            ov_compile_mesh(&off, cases[i].preset, cases[i].rep, cases[i].shard, cases[i].ep, 0, cases[i].elide, &e)) {
+            report(nm, 0, "%s", e.msg);
+            continue;
+        }
+        int side = 0, waits = 0, rc = ov_check(&g, &side, &waits, &e);
+        int plan_ok = mt_plan_check(&g, &e) == 0 || (rc = -1);
+        report(nm, g.overlap && rc == 0 && plan_ok && (world == 1 ? side == 0 : side > 0 && waits > 0),
+               "%d nodes on dp/ep streams, %d waits; arena %.1f MiB (%.1f without overlap)%s%s", side, waits,
+               g.arena_bytes / 1048576.0, off.arena_bytes / 1048576.0, rc ? ": " : "", rc ? e.msg : "");
+        mt_graph_free(&g); mt_graph_free(&off);
+    }
+
+    /* 2. the checker catches broken schedules and plans */
+    mt_graph g;
+    if (ov_compile_mesh(&g, "tiny", 1, 2, 2, 1, 1, &e)) { report("overlap graph", 0, "%s", e.msg); return; }
+    mt_schedule s;
+    int built = mt_schedule_build(&g, &s, &e) == 0, removed = -1;
+    for (int i = 0; built && i < g.n_nodes && removed < 0; i++)   /* a compute node's wait for the exchange it reads */
+        for (int k = s.wait_at[i]; k < s.wait_at[i + 1] && removed < 0; k++) {
+            const mt_node *w = &g.nodes[s.wait[k]], *x = &g.nodes[i];
+            if (s.queue[i] != MT_Q_COMPUTE || w->op != MT_OP_EP_DISPATCH || x->in[0] != w->out[0]) continue;
+            memmove(&s.wait[k], &s.wait[k + 1], sizeof(int32_t) * (size_t)(s.n_wait - k - 1));
+            for (int j = i + 1; j <= g.n_nodes; j++) s.wait_at[j]--;
+            s.n_wait--;
+            removed = i;
+        }
+    int caught = built && removed >= 0 && mt_schedule_check(&g, &s, &e) != 0 && strstr(e.msg, "reads") && strstr(e.msg, "no wait");
+    report("overlap checker: a removed wait is caught", caught, "%s", e.msg);
+    if (built) mt_schedule_free(&s);
+    /* a collective issued with no fence: its prefetch may run arbitrarily early (the issue-point wait removed) */
+    built = mt_schedule_build(&g, &s, &e) == 0;
+    int dropped = 0;
+    for (int i = 0; built && i < g.n_nodes; i++)
+        if (s.queue[i] != MT_Q_COMPUTE && g.nodes[i].op == MT_OP_ALLGATHER && s.wait_at[i + 1] > s.wait_at[i]) {
+            int k = s.wait_at[i], n = s.wait_at[i + 1] - k;
+            memmove(&s.wait[k], &s.wait[k + n], sizeof(int32_t) * (size_t)(s.n_wait - k - n));
+            for (int j = i + 1; j <= g.n_nodes; j++) s.wait_at[j] -= n;
+            s.n_wait -= n;
+            dropped++;
+        }
+    caught = built && dropped > 0 && mt_schedule_check(&g, &s, &e) != 0 && strstr(e.msg, "hazard");
+    report("overlap checker: all-gathers without their issue-point fence are caught", caught, "%d fences dropped: %s", dropped, e.msg);
+    if (built) mt_schedule_free(&s);
+    /* live ranges shrunk to node order (a plan that ignores the other streams) */
+    g.overlap = 0;
+    mt_pass_plan_memory(&g, &e);
+    g.overlap = 1;
+    caught = mt_plan_check(&g, &e) == 0 && ov_check(&g, NULL, NULL, &e) != 0 && strstr(e.msg, "hazard");
+    report("overlap checker: a node-order memory plan is caught", caught, "%s", e.msg);
+    uint8_t *bytes = NULL;
+    size_t len = 0;
+    mt_graph back;
+    int refused = mt_artifact_write(&g, &bytes, &len, &e) == 0 && mt_artifact_read(&back, bytes, len, &e) != 0 && strstr(e.msg, "schedule");
+    report("artifact with a hazardous overlap plan is refused", refused, "%s", e.msg);
+    free(bytes);
+    mt_graph_free(&g);
+
+    /* 3. the reorder: prefetch and EP-ahead happen, and CPU results stay bitwise (1 rank, 2 and 4 thread-ranks) */
+    mt_graph on, off;
+    if (ov_compile_mesh(&on, "debug", 1, 2, 2, 1, 1, &e) || ov_compile_mesh(&off, "debug", 1, 2, 2, 0, 1, &e)) {
+        report("overlap reorder", 0, "%s", e.msg);
+        return;
+    }
+    int moved = 0, prefetched = 0, shared_ahead = 0;
+    for (int i = 0; i < on.n_nodes; i++) moved += memcmp(&on.nodes[i], &off.nodes[i], sizeof(mt_node)) != 0;
+    for (int i = 0; i < on.n_nodes; i++) {
+        const mt_node *x = &on.nodes[i];
+        int nx = i + 1;
+        while (nx < on.n_nodes && on.nodes[nx].op == MT_OP_ALLGATHER) nx++;
+        if (x->op == MT_OP_ALLGATHER && nx < on.n_nodes && on.nodes[nx].layer != x->layer) prefetched++;
+        if (x->op == MT_OP_EP_COUNTS && x->phase == MT_PHASE_FORWARD)   /* the shared experts' GEMMs are ahead of the host sync */
+            for (int k = i - 1; k >= 0 && on.nodes[k].layer == x->layer; k--)
+                if (on.nodes[k].op == MT_OP_MATMUL && strstr(on.values[on.nodes[k].out[0]].name, "shared")) { shared_ahead++; break; }
+    }
+    report("overlap pass: FSDP gathers a stage early, shared experts ahead of the EP sync", on.n_nodes == off.n_nodes && moved > 0 &&
+           prefetched > 20 && shared_ahead == on.cfg.n_layers - on.cfg.n_dense_layers, "%d nodes moved, %d gathers prefetched, "
+           "%d of %d MoE layers' shared experts ahead", moved, prefetched, shared_ahead, on.cfg.n_layers - on.cfg.n_dense_layers);
+    mt_graph_free(&on); mt_graph_free(&off);
+
+    /* one rank (no elision, so the exchange nodes stay): overlap on vs off, bitwise over several steps */
+    mt_config c;
+    mt_config_preset(&c, "tiny", &e);
+    c.batch = 2; c.seq_len = 32;
+    mt_graph g1, g0;
+    mt_mesh m;
+    mt_target t;
+    mt_passes p;
+    mt_mesh_single(&m); mt_target_cpu(&t);
+    mt_passes_all(&p);
+    p.elide = 0;
+    int ok = mt_compile(&g1, &c, &m, &t, MT_GRAPH_TRAIN, &p, &e) == 0;
+    p.overlap = 0;
+    ok = ok && mt_compile(&g0, &c, &m, &t, MT_GRAPH_TRAIN, &p, &e) == 0;
+    enum { S = 4 };
+    double l1[S] = {0}, l0[S] = {0};
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    mt_runtime *r1 = ok ? make_runtime(&g1, 1, 1, 3) : NULL, *r0 = ok ? make_runtime(&g0, 1, 1, 3) : NULL;
+    ok = ok && r1 && r0 && !run_steps(r1, &c, 0, S, l1, &hp) && !run_steps(r0, &c, 0, S, l0, &hp);
+    int wsame = ok;
+    for (int i = 0; wsame && i < g1.n_values; i++)
+        if (g1.values[i].role == MT_ROLE_PARAM) wsame = !memcmp(mt_runtime_value(r1, i), mt_runtime_value(r0, i), (size_t)g1.values[i].nbytes);
+    report("overlap on vs off, 1 rank: bitwise losses and weights", ok && bitwise_equal(l1, l0, S) && wsame, "loss %.7f -> %.7f%s%s",
+           l1[0], l1[S - 1], ok ? "" : ": ", ok ? "" : e.msg);
+    mt_runtime_destroy(r1); mt_runtime_destroy(r0);
+    if (ok) { mt_graph_free(&g1); mt_graph_free(&g0); }
+
+    int meshes[2][3] = {{1, 2, 2}, {1, 4, 2}};
+    for (int i = 0; i < 2; i++) {
+        mt_graph a1, a0;
+        char nm[128];
+        int world = meshes[i][0] * meshes[i][1];
+        snprintf(nm, sizeof nm, "overlap on vs off, %d thread-ranks (shard %d, ep %d): bitwise", world, meshes[i][1], meshes[i][2]);
+        if (mr_compile_opts(&a1, meshes[i][0], meshes[i][1], meshes[i][2], 2, 0, 0, 1, &e) ||
+            mr_compile_opts(&a0, meshes[i][0], meshes[i][1], meshes[i][2], 2, 0, 0, 0, &e)) {
+            report(nm, 0, "%s", e.msg);
+            continue;
+        }
+        mr_job ja, jb;
+        memset(&ja, 0, sizeof ja); memset(&jb, 0, sizeof jb);
+        ja.fail_rank = jb.fail_rank = -1;
+        int okr = mr_run(&ja, &a1, 5, &e) == 0 && mr_run(&jb, &a0, 5, &e) == 0;
+        int diff = 0;
+        for (int k = 0; k < a1.n_nodes; k++) diff += memcmp(&a1.nodes[k], &a0.nodes[k], sizeof(mt_node)) != 0;
+        report(nm, okr && diff > 0 && ov_same_run(&ja, &jb, 5, world), "%d nodes reordered; losses, norms, every rank's weights "
+               "over 5 steps; loss %.7f -> %.7f %s", diff, ja.loss[0], ja.loss[4], okr ? "" : e.msg);
+        mr_free(&ja); mr_free(&jb);
+        mt_graph_free(&a1); mt_graph_free(&a0);
+    }
 }
 
 static void test_multirank(void) {
@@ -3426,9 +3642,19 @@ static void test_cli(void) {
     rc = sh(a, sizeof a, "%strain --device cpu --graph %s --nproc 3 --steps 1 2>&1", BIN, mesh);
     report("CLI: an artifact for another world size is refused, naming both", rc == 2 && strstr(a, "world of 2") && strstr(a, "3 ranks"),
            "exit %d: %.160s", rc, a);
-    rd = sh(c, sizeof c, "%sprecompile --dump %s 2>&1", BIN, mesh);
+    rd = sh(c, sizeof c, "%sprecompile --preset tiny --dp-shard 2 --ep 2 --overlap -o %s 2>&1 && %sprecompile --dump %s 2>&1", BIN,
+            mesh, BIN, mesh);
     report("CLI: --dump shows the communicator groups", rd == 0 && strstr(c, "== communicator groups") && strstr(c, "{0,1}") &&
            strstr(c, "ALLGATHER") && strstr(c, "shard over dp_shard"), NULL);
+    report("CLI: --dump shows each node's queue and the overlap schedule", rd == 0 && strstr(c, "== overlap schedule (streams") &&
+           strstr(c, " dp      L") && strstr(c, " ep      L") && strstr(c, "  wait n") && strstr(c, "prefetch: issued during L") &&
+           strstr(c, "compute joins at n") && strstr(c, "EP_DISPATCH"), NULL);
+    ra = sh(c, sizeof c, "%sprecompile --preset tiny --dp-shard 2 --ep 2 -o %s 2>&1 && %sprecompile --dump %s 2>&1", BIN, mesh, BIN, mesh);
+    report("CLI: precompile without --overlap: one stream, said in --dump", ra == 0 && strstr(c, "== overlap schedule: off") &&
+           !strstr(c, "  wait n"), NULL);
+    ra = sh(a, sizeof a, "%strain --device cpu --nproc 2 --ep 2 --steps 4 --seed 1 --overlap 2>&1", BIN);
+    keep_loss_lines(a);
+    report("CLI: train --overlap on 2 thread-ranks: the same losses", !ra && strlen(a) > 50 && !strcmp(a, b), NULL);
     rc = sh(a, sizeof a, "%strain --device cpu --nproc 2 --ep 3 --steps 1 2>&1", BIN);
     rc2 = sh(b, sizeof b, "%strain --device cpu --nproc 2 --save %s --steps 1 2>&1", BIN, TP("ck_mr"));
     report("CLI: bad meshes and unsupported combinations refused", rc == 2 && strstr(a, "ep=3") && rc2 == 2 && strstr(b, "one rank"),
@@ -3549,6 +3775,11 @@ static void test_cli_resume(void) {
 int main(void) {
     mt_rng_seed(&R, 42);
     if (getenv("MT_BIN")) BIN = getenv("MT_BIN");
+    if (getenv("MT_OVERLAP_ONLY")) {   /* the overlap tests alone */
+        test_overlap();
+        printf("%d passed, %d failed\n", n_pass, n_fail);
+        return n_fail ? 1 : 0;
+    }
     if (getenv("MT_FUZZ_ONLY")) {   /* a fuzzing campaign alone (with MT_FUZZ_SCALE=N for a longer one) */
         test_fuzz();
         printf("%d passed, %d failed\n", n_pass, n_fail);
@@ -3577,6 +3808,7 @@ int main(void) {
     test_data();
     test_fuzz();
     test_training_falls();
+    test_overlap();
     test_multirank();
     test_isolate_ep();
     test_devices();

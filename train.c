@@ -25,7 +25,7 @@
 
 typedef struct {
     const char *preset, *graph, *data, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
-    int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config;
+    int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap;
     int nproc, dp_replicate, dp_shard, ep;   /* ranks; 0 = derive */
     float timeout;                           /* seconds without progress before a rank gives up */
     float roof_tflops, roof_gbps;
@@ -82,6 +82,7 @@ static const opt_spec specs[] = {
     {"forward", OPT_STR, O_(forward), 0, 0, 0, 0, "none", "forward only: FILE holds batch*(seq_len+1) int32 tokens; prints the loss", "FILE"},
     {"logits-out", OPT_STR, O_(logits_out), 0, 0, 0, 0, "none", "with --forward: write float32 logits [batch*seq_len, vocab]", "FILE"},
     {"eager", OPT_FLAG, O_(eager), 0, 0, 0, 0, "off", "no optimizing passes (the baseline)", NULL},
+    {"overlap", OPT_FLAG, O_(overlap), 0, 0, 0, 0, "off", "collectives on their own CUDA streams: FSDP prefetch, EP ahead of its host sync", NULL},
     {"nan-check", OPT_FLAG, O_(nan_check), 0, 0, 0, 0, "off", "check every op's output for NaN/Inf and name the first (slower)", NULL},
     {"threads", OPT_INT, O_(threads), 1, 64, 0, 0, "all cores", "CPU threads (results do not depend on it)", NULL},
     {"log-every", OPT_INT, O_(log_every), 1, 1 << 30, 0, 0, "1", "print every N steps", NULL},
@@ -1057,6 +1058,7 @@ int main(int argc, char **argv) {
         }
         choose_target(&o, &tgt);
         if (o.eager) mt_passes_none(&passes); else mt_passes_all(&passes);
+        passes.overlap = o.overlap;
         double t0 = mt_now();
         if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_TRAIN, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
 #ifdef MT_CUDA
