@@ -3389,24 +3389,39 @@ static int mt__late_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
     return 0;
 }
 
-/* The budget policy: the fewest blocks to recompute so that the planned
- * peak (persistent + arena) fits. Candidates go in order of the bytes of
- * activations they would stop holding, largest first (ties: the earlier
- * block, whose activations are held longest); the shortest prefix of that
- * order whose plan fits wins, each prefix planned for real by the memory
- * planner. Largest-first: every block's saved activations are alive across
- * the forward/backward turn, where the peak usually is, so each recomputed
- * block lowers it by about its saved bytes, and the largest lower it most
- * per recomputed block (per extra forward run). */
+/* The budget policy: few blocks to recompute so that the planned peak
+ * (persistent + arena) fits. Greedy, guided by where the peak is: each
+ * round finds the node where the most arena bytes are alive (in the graph
+ * as recomputed so far) and recomputes the block that holds the most bytes
+ * of activations there for a backward that has not begun yet (ties, and
+ * when no block holds any: the block with the most saved bytes overall,
+ * then the earlier one); then the memory planner plans the step for real,
+ * and the first plan that fits wins. A block whose backward is already
+ * running at the peak would hold its re-run activations there anyway, so
+ * recomputing it would not help; the peak of a large model's step is often
+ * late in the backward, where the weight gradients have piled up, and there
+ * only the first blocks' activations are still held. The graph that is kept
+ * is rebuilt from the chosen set in one go, so a budget's choice gives the
+ * same graph as naming those blocks. */
+static int64_t mt__rc_peak_node(const mt_graph *g, int32_t *first, int32_t *last, int64_t *acc) {
+    mt__live_ranges(g, first, last);
+    for (int i = 0; i <= g->n_nodes; i++) acc[i] = 0;
+    for (int v = 0; v < g->n_values; v++)
+        if (MT_ROLE_IN_ARENA(g->values[v].role) && first[v] >= 0) { acc[first[v]] += g->values[v].nbytes; acc[last[v] + 1] -= g->values[v].nbytes; }
+    int64_t run = 0, top = -1;
+    int at = 0;
+    for (int i = 0; i < g->n_nodes; i++) { run += acc[i]; if (run > top) { top = run; at = i; } }
+    return at;
+}
 static int mt__recompute_for_budget(mt_graph *g, const mt_passes *p, mt_err *err) {
     int64_t budget = p->memory_budget;
     char h1[32], h2[32], h3[32], h4[32], h5[32];
     if (!p->plan_memory) return mt_errf(err, "a memory budget needs the memory planner (an eager plan gives every value its own bytes)");
-    mt_graph t;
+    mt_graph t, cur;
     if (mt_graph_copy(&t, g, err)) return -1;
     if (mt__late_passes(&t, p, err)) { mt_graph_free(&t); return -1; }
     int64_t peak0 = mt_graph_peak_bytes(&t), best = peak0, persist = t.persist_bytes;
-    int L = g->cfg.n_layers, best_k = 0, rc = 0, done = 0;
+    int L = g->cfg.n_layers, best_k = 0, rc = 0, done = 0, n_chosen = 0;
     if (peak0 <= budget || g->kind != MT_GRAPH_TRAIN) {
         if (peak0 > budget) {
             mt_graph_free(&t);
@@ -3419,36 +3434,57 @@ static int mt__recompute_for_budget(mt_graph *g, const mt_passes *p, mt_err *err
         return 0;
     }
     mt_graph_free(&t);
-    int32_t *order = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(L + 1));
-    int64_t *bytes = (int64_t *)MT_MALLOC(sizeof(int64_t) * (size_t)(L + 1));
-    uint8_t *want = (uint8_t *)MT_MALLOC((size_t)g->n_values + 1);
-    if (!order || !bytes || !want) { rc = mt_errf(err, "out of memory"); goto out; }
-    for (int l = 0; l < L; l++) {
-        mt__rc_info ri;
-        int ins;
-        if (mt__rc_scan(g, l, &ri, err)) { rc = -1; goto out; }
-        memset(want, 0, (size_t)g->n_values + 1);
-        bytes[l] = mt__rc_wanted(g, &ri, l, want, &ins);
-        MT_FREE(ri.prod); MT_FREE(ri.ext);
-        order[l] = l;
-    }
-    for (int i = 1; i < L; i++)   /* stable insertion sort: largest first, earlier block on ties */
-        for (int j = i; j > 0 && bytes[order[j]] > bytes[order[j - 1]]; j--) { int32_t x = order[j]; order[j] = order[j - 1]; order[j - 1] = x; }
-    for (int k = 1; k <= L && !done && !rc; k++) {
-        if (mt_graph_copy(&t, g, err)) { rc = -1; break; }
-        if (mt_pass_recompute(&t, order, k, err) || mt__late_passes(&t, p, err)) { mt_graph_free(&t); rc = -1; break; }
+    if (mt_graph_copy(&cur, g, err)) return -1;
+    int32_t *chosen = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(L + 1));
+    uint8_t *taken = (uint8_t *)mt__calloc((size_t)L + 1), *want = NULL;
+    int32_t *first = NULL, *last = NULL;
+    int64_t *acc = NULL;
+    if (!chosen || !taken) { rc = mt_errf(err, "out of memory"); goto out; }
+    while (n_chosen < L && !done && !rc) {
+        int nv = cur.n_values;
+        MT_FREE(want); MT_FREE(first); MT_FREE(last); MT_FREE(acc);
+        want = (uint8_t *)MT_MALLOC((size_t)nv + 1);
+        first = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(nv + 1));
+        last = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(nv + 1));
+        acc = (int64_t *)MT_MALLOC(sizeof(int64_t) * (size_t)(cur.n_nodes + 2));
+        if (!want || !first || !last || !acc) { rc = mt_errf(err, "out of memory"); break; }
+        int pk = (int)mt__rc_peak_node(&cur, first, last, acc), pick = -1;
+        int64_t pick_alive = -1, pick_total = -1;
+        for (int l = 0; l < L && !rc; l++) {
+            if (taken[l]) continue;
+            mt__rc_info ri;
+            int ins;
+            if (mt__rc_scan(&cur, l, &ri, err)) { rc = -1; break; }
+            memset(want, 0, (size_t)nv + 1);
+            int64_t total = mt__rc_wanted(&cur, &ri, l, want, &ins), alive = 0;
+            MT_FREE(ri.prod); MT_FREE(ri.ext);
+            for (int v = 0; v < nv && ins >= 0 && pk < ins; v++)
+                if (want[v] && first[v] <= pk && last[v] >= pk) alive += cur.values[v].nbytes;
+            if (alive > pick_alive || (alive == pick_alive && total > pick_total)) { pick = l; pick_alive = alive; pick_total = total; }
+        }
+        if (rc) break;
+        int32_t one = pick;
+        taken[pick] = 1;
+        chosen[n_chosen++] = pick;
+        if (mt_pass_recompute(&cur, &one, 1, err) || mt_graph_copy(&t, &cur, err)) { rc = -1; break; }
+        if (mt__late_passes(&t, p, err)) { mt_graph_free(&t); rc = -1; break; }
         int64_t peak = mt_graph_peak_bytes(&t);
-        if (peak < best) { best = peak; best_k = k; }
-        if (peak <= budget) {
+        mt_graph_free(&t);
+        if (peak < best) { best = peak; best_k = n_chosen; }
+        done = peak <= budget;
+    }
+    if (done && !rc) {   /* the chosen blocks, in one go from the graph as it came */
+        if (mt_graph_copy(&t, g, err)) rc = -1;
+        else if (mt_pass_recompute(&t, chosen, n_chosen, err) || mt__late_passes(&t, p, err)) { mt_graph_free(&t); rc = -1; }
+        else if (mt_graph_peak_bytes(&t) > budget) {
+            rc = mt_errf(err, "internal error: the recompute plan for the budget changed when rebuilt");
+            mt_graph_free(&t);
+        } else {
             mt_graph_free(g);
             *g = t;
             g->memory_budget = budget; g->peak_no_recompute = peak0;
-            done = 1;
-        } else {
-            mt_graph_free(&t);
         }
-    }
-    if (!done && !rc) {
+    } else if (!rc) {
         rc = mt_errf(err, "memory budget %s (%lld bytes) cannot be met: the smallest planned peak is %s (%lld bytes, %s persistent + "
                      "%s arena) recomputing %d of %d blocks; without recompute it is %s. Ask for at least %s, or shrink the step "
                      "(batch, seq_len) or the model",
@@ -3457,7 +3493,8 @@ static int mt__recompute_for_budget(mt_graph *g, const mt_passes *p, mt_err *err
                      mt__human((double)peak0, h5), h2);
     }
 out:
-    MT_FREE(order); MT_FREE(bytes); MT_FREE(want);
+    mt_graph_free(&cur);
+    MT_FREE(chosen); MT_FREE(taken); MT_FREE(want); MT_FREE(first); MT_FREE(last); MT_FREE(acc);
     return rc;
 }
 

@@ -3415,19 +3415,23 @@ static void test_recompute_budget(void) {
     report("recompute: a budget just under the peak: one block, fits", ok1 && g1.n_recompute == 1 && p1 <= p0 - 1 && p1 < p0 &&
            g1.memory_budget == p0 - 1 && g1.peak_no_recompute == p0 && mt_plan_check(&g1, &e) == 0,
            "block %d, %.3f -> %.3f MiB %s", ok1 && g1.n_recompute ? g1.recompute[0].layer : -1, p0 / 1048576.0, p1 / 1048576.0, ok1 ? "" : e.msg);
-    /* the smallest peak there is: every block; and every block's saved bytes are listed */
-    int ok2 = compile_rc(&g2, &c, &m, 0, pa, &e) == 0;
+    /* the smallest peak there is: an impossible budget names it; it is met, and one byte less is not */
+    int r1 = compile_rc(&gn, &c, &m, 0, 1, &e) != 0;
+    const char *at = strstr(e.msg, "the smallest planned peak is ");
+    at = at ? strchr(at, '(') : NULL;
+    long long smallest = at ? atoll(at + 1) : 0;
+    int ok2 = r1 && smallest > g0.persist_bytes && smallest <= pa && compile_rc(&g2, &c, &m, 0, smallest, &e) == 0;
     int64_t saved = 0;
     for (int i = 0; ok2 && i < g2.n_recompute; i++) saved += g2.recompute[i].saved_bytes;
-    report("recompute: the smallest budget there is: every block, peak under it", ok2 && g2.n_recompute == c.n_layers &&
-           mt_graph_peak_bytes(&g2) <= pa && pa < p0 && saved > 0 && mt_plan_check(&g2, &e) == 0,
-           "%.3f MiB (%.3f MiB without), %.3f MiB of activations not held %s", pa / 1048576.0, p0 / 1048576.0, saved / 1048576.0,
-           ok2 ? "" : e.msg);
-    /* one byte less cannot be met: the message names the budget and the smallest peak */
+    report("recompute: the smallest peak there is: met, under every block's", ok2 && g2.n_recompute >= 1 &&
+           mt_graph_peak_bytes(&g2) <= smallest && pa < p0 && saved > 0 && mt_plan_check(&g2, &e) == 0,
+           "%.3f MiB with %d blocks (every block %.3f, none %.3f MiB), %.3f MiB of activations not held %s", smallest / 1048576.0,
+           ok2 ? g2.n_recompute : -1, pa / 1048576.0, p0 / 1048576.0, saved / 1048576.0, ok2 ? "" : e.msg);
     char want_b[64], want_p[64];
-    snprintf(want_b, sizeof want_b, "(%lld bytes)", (long long)(pa - 1));
-    snprintf(want_p, sizeof want_p, "(%lld bytes", (long long)pa);
-    int refused = compile_rc(&gn, &c, &m, 0, pa - 1, &e) != 0 && strstr(e.msg, "cannot be met") && strstr(e.msg, want_b) && strstr(e.msg, want_p);
+    snprintf(want_b, sizeof want_b, "(%lld bytes)", smallest - 1);
+    snprintf(want_p, sizeof want_p, "(%lld bytes", smallest);
+    int refused = compile_rc(&gn, &c, &m, 0, smallest - 1, &e) != 0 && strstr(e.msg, "cannot be met") && strstr(e.msg, want_b) &&
+                  strstr(e.msg, want_p);
     report("recompute: an impossible budget is refused, naming budget and smallest peak", refused, "%.200s", e.msg);
     /* a budget the plan meets as it is: no recompute, the same graph */
     mt_graph gb;
