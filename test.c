@@ -910,6 +910,45 @@ static void gpu_test_whole_steps(void) {
     mt_graph_free(&gc); mt_graph_free(&gg); mt_graph_free(&ge); mt_graph_free(&gn);
 }
 
+/* Activation recompute on the GPU: every block recomputed (bf16 activations
+ * re-run by the same kernels, graph capture on), bitwise the step without. */
+static void gpu_test_recompute(void) {
+    mt_config c;
+    mt_err e;
+    mt_mesh m;
+    mt_target t;
+    mt_graph g0, ga;
+    mt_config_preset(&c, "tiny", &e);
+    c.q_lora_rank = 24;
+    mt_mesh_single(&m);
+    mt_target_cuda(&t, "sm_90a");
+    int32_t all[64];
+    for (int i = 0; i < c.n_layers; i++) all[i] = i;
+    if (gpu_compile(&g0, &c, 1, 1, &e)) { report("gpu recompute", 0, "%s", e.msg); return; }
+    if (mt_build(&ga, &c, &m, &t, MT_GRAPH_TRAIN, &e)) { report("gpu recompute", 0, "%s", e.msg); mt_graph_free(&g0); return; }
+    if (mt_pass_elide_collectives(&ga, &e) || mt_pass_recompute(&ga, all, c.n_layers, &e) || mt_pass_fuse(&ga, &e) ||
+        mt_pass_plan_memory(&ga, &e)) { report("gpu recompute", 0, "%s", e.msg); mt_graph_free(&g0); return; }
+    ga.capture = 1;   /* as mt_run_passes sets it for CUDA */
+    enum { S = 5 };
+    double l0[S] = {0}, la[S] = {0}, n0[S] = {0}, na[S] = {0};
+    mt_runtime *r0 = gpu_runtime(&g0, 1), *ra = gpu_runtime(&ga, 1);
+    int ok = r0 && ra && !gpu_steps(r0, &c, S, l0, n0) && !gpu_steps(ra, &c, S, la, na);
+    int same = ok && bitwise_equal(l0, la, S) && bitwise_equal(n0, na, S);
+    for (int i = 0; same && i < g0.n_values; i++) {   /* every parameter (expert biases too), matched by name */
+        const mt_value *v = &g0.values[i];
+        if (v->role != MT_ROLE_PARAM) continue;
+        int j = mt_graph_find(&ga, v->name);
+        size_t nb = (size_t)v->nbytes;
+        void *a = malloc(nb), *b = malloc(nb);
+        same = j >= 0 && (size_t)ga.values[j].nbytes == nb && !mt_runtime_read(r0, i, a, &e) && !mt_runtime_read(ra, j, b, &e) && !memcmp(a, b, nb);
+        free(a); free(b);
+    }
+    report("gpu recompute every block: bitwise losses, norms, weights", same, "planned peak %.2f -> %.2f MiB",
+           mt_graph_peak_bytes(&g0) / 1048576.0, mt_graph_peak_bytes(&ga) / 1048576.0);
+    mt_runtime_destroy(r0); mt_runtime_destroy(ra);
+    mt_graph_free(&g0); mt_graph_free(&ga);
+}
+
 /* Many GPUs (thread-ranks in this process, one GPU each, NCCL): the same
  * checks as the CPU's, with bf16 tolerances against one GPU. */
 static void gpu_test_multi_rank(void) {
@@ -1076,6 +1115,7 @@ int main(void) {
     gpu_test_gmm_dw_sumsq(64, 1408, 256, 6144);
     gpu_test_loss_and_optimizer();
     gpu_test_whole_steps();
+    gpu_test_recompute();
     gpu_test_doc_mask_steps();
     gpu_test_multi_rank();
     gpu_test_resume();
