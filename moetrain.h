@@ -3862,6 +3862,20 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
     if (g->persist_bytes < 0 || g->arena_bytes < 0 || g->naive_arena_bytes < g->arena_bytes ||
         g->persist_bytes > ((int64_t)1 << 46) || g->naive_arena_bytes > ((int64_t)1 << 46))
         return mt_errf(err, "plan: region sizes out of range");
+    {   /* and no larger than their values need: every plan packs them (a padded region would be allocated whole) */
+        int64_t pend = 0, aend = 0, naive = 0;
+        for (int i = 0; i < g->n_values; i++) {
+            const mt_value *v = &g->values[i];
+            if (v->offset < 0 || v->offset > ((int64_t)1 << 56)) continue;   /* refused by the plan check below */
+            int64_t end = v->offset + mt__align(v->nbytes);
+            if (MT_ROLE_IN_ARENA(v->role)) { naive += mt__align(v->nbytes); if (end > aend) aend = end; }
+            else if (end > pend) pend = end;
+        }
+        if (g->persist_bytes > pend || g->arena_bytes > aend || g->naive_arena_bytes > naive)
+            return mt_errf(err, "plan: regions of %lld persistent, %lld arena (%lld naive) bytes, but the values need at most %lld, %lld (%lld)",
+                           (long long)g->persist_bytes, (long long)g->arena_bytes, (long long)g->naive_arena_bytes, (long long)pend,
+                           (long long)aend, (long long)naive);
+    }
     if (g->planned != 0 && g->planned != 1) return mt_errf(err, "plan: bad planned flag");
     if (g->capture != 0 && g->capture != 1) return mt_errf(err, "plan: bad capture flag");
     if (g->n_forward_nodes < 0 || g->n_forward_nodes > g->n_nodes) return mt_errf(err, "nodes: bad forward count");
