@@ -20,7 +20,7 @@
  *   3.  Mesh
  *   4.  Graph IR: dtypes, roles, queues, symbols, values, nodes, the op table
  *   5.  Builder: the model forward, reverse-mode autodiff, optimizer
- *   6.  Passes: elision, fusion, memory planning, capture
+ *   6.  Passes: elision, activation recompute, fusion, memory planning, capture
  *   7.  Artifact: write, validate + load, fingerprint, dump
  *   8.  CPU reference ops (forward/backward pairs, plain C)
  *   9.  Collectives
@@ -60,7 +60,8 @@ typedef MT_REAL mt_real;
 
 #define MT_VERSION_STRING "moetrain 0.1"
 #define MT_KERNELS_VERSION "moetrain-kernels 1"   /* bump when any kernel's numerics change */
-#define MT_FORMAT_VERSION 4u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER; 4: tuning by GPU model) */
+#define MT_FORMAT_VERSION 5u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
+                                                      4: activation recompute: the recompute phase, the choice and budget in the plan; 5: tuning by GPU model) */
 
 /* ========================================================================
  * 1. Basics
@@ -267,7 +268,9 @@ typedef struct {
 #define MT_MAX_IN 8
 #define MT_MAX_OUT 4
 #define MT_MAX_ATTR 8
-enum { MT_PHASE_FORWARD = 0, MT_PHASE_BACKWARD = 1, MT_PHASE_OPTIMIZER = 2 };
+/* phases. RECOMPUTE: a forward op of a block re-run in the backward, just
+ * before that block's backward, from the block's input (activation recompute). */
+enum { MT_PHASE_FORWARD = 0, MT_PHASE_BACKWARD = 1, MT_PHASE_OPTIMIZER = 2, MT_PHASE_RECOMPUTE = 3 };
 typedef struct {
     int32_t op, queue, phase, layer;   /* layer: -1 outside blocks */
     int32_t n_in, n_out;
@@ -374,6 +377,12 @@ typedef struct {
 } mt_tuning_info;
 /* 0: choices made for `tuned` fit the device `here`; 1: they do not (why says how). */
 int mt_tuning_mismatch(const mt_tuning_info *tuned, const mt_tuning_info *here, char *why, size_t n);
+/* One recomputed block: its forward activations are not kept for the
+ * backward but re-run (MT_PHASE_RECOMPUTE nodes) from the block's input. */
+typedef struct {
+    int32_t layer;
+    int64_t saved_bytes;   /* activations of the block no longer held from its forward to its backward */
+} mt_recompute;
 
 typedef struct {
     mt_config cfg;
@@ -394,9 +403,14 @@ typedef struct {
     int32_t planned;           /* 0: naive (eager) layout, 1: liveness-planned */
     int32_t capture;           /* 1: replay the regions between host synchronizations as CUDA graphs */
     int32_t overlap;           /* 1: collectives run on their own queues (streams), fenced by events (mt_schedule) */
+    mt_recompute *recompute; int32_t n_recompute;  /* recomputed blocks, by increasing layer */
+    int64_t memory_budget;     /* bytes the plan was asked to fit (0: none) */
+    int64_t peak_no_recompute; /* planned peak (persistent + arena) without recompute; 0 when not planned for a budget */
 } mt_graph;
 
 void mt_graph_free(mt_graph *g);
+int mt_graph_copy(mt_graph *dst, const mt_graph *src, mt_err *err);   /* a deep copy */
+int64_t mt_graph_peak_bytes(const mt_graph *g);                       /* planned peak: persistent + arena */
 int64_t mt_dtype_bytes(const mt_graph *g, int dtype);
 int64_t mt_value_numel_max(const mt_graph *g, const mt_value *v);  /* stored elements, symbols at their bounds */
 int64_t mt_value_numel_logical(const mt_graph *g, const mt_value *v); /* elements of the logical shape */
@@ -422,7 +436,10 @@ int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target 
 void mt_plan_naive(mt_graph *g);                     /* eager: every value its own bytes */
 int mt_pass_plan_memory(mt_graph *g, mt_err *err);   /* liveness-based arena reuse */
 void mt_value_live_range(const mt_graph *g, int v, int *first, int *last);
-typedef struct { int elide, fuse, plan_memory, capture, isolate_ep, overlap; } mt_passes;   /* which optimizing passes run */
+typedef struct {
+    int elide, fuse, plan_memory, capture, isolate_ep, overlap;   /* which optimizing passes run */
+    int64_t memory_budget;   /* bytes (persistent + arena, as planned); > 0: recompute the fewest blocks that fit it */
+} mt_passes;
 int mt_pass_elide_collectives(mt_graph *g, mt_err *err); /* the expert exchange over one rank is a copy: gone */
 int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
 /* Collectives name a channel (iattr[1]); at bind, groups with the same ranks in the same order and
@@ -433,6 +450,10 @@ int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, 
 enum { MT_CHANNEL_SHARED = 0, MT_CHANNEL_EP = 1 };
 int mt_pass_isolate_ep(mt_graph *g, mt_err *err);
 int mt_op_is_ep_exchange(int op);                    /* EP_COUNTS, EP_DISPATCH, EP_COMBINE */
+/* Activation recompute (train graphs, before fusion): the n blocks in layers
+ * keep only their input; their activations are re-run just before their
+ * backward. The choice is recorded in g->recompute. */
+int mt_pass_recompute(mt_graph *g, const int32_t *layers, int n, mt_err *err);
 int mt_node_syncs_host(const mt_node *n);            /* needs data on the host before launching */
 int mt_node_capturable(const mt_graph *g, const mt_node *n);  /* may replay inside a captured CUDA graph */
 int mt_pass_overlap(mt_graph *g, mt_err *err);       /* reorder for overlap: FSDP prefetch, EP work ahead of the host sync */
@@ -1530,9 +1551,30 @@ int mt_graph_find(const mt_graph *g, const char *name) {
 void mt_graph_free(mt_graph *g) {
     if (!g) return;
     MT_FREE(g->values); MT_FREE(g->nodes); MT_FREE(g->syms);
-    MT_FREE(g->consts); MT_FREE(g->tuning);
+    MT_FREE(g->consts); MT_FREE(g->tuning); MT_FREE(g->recompute);
     memset(g, 0, sizeof *g);
 }
+static void *mt__dup(const void *p, size_t n) {   /* n bytes of p (at least 1 allocated) */
+    void *q = MT_MALLOC(n ? n : 1);
+    if (q && n) memcpy(q, p, n);
+    return q;
+}
+int mt_graph_copy(mt_graph *dst, const mt_graph *src, mt_err *err) {
+    *dst = *src;
+    dst->values = (mt_value *)mt__dup(src->values, sizeof(mt_value) * (size_t)src->n_values);
+    dst->nodes = (mt_node *)mt__dup(src->nodes, sizeof(mt_node) * (size_t)src->n_nodes);
+    dst->syms = (mt_symbol *)mt__dup(src->syms, sizeof(mt_symbol) * (size_t)src->n_syms);
+    dst->consts = (uint8_t *)mt__dup(src->consts, (size_t)src->consts_bytes);
+    dst->tuning = (mt_tuning *)mt__dup(src->tuning, sizeof(mt_tuning) * (size_t)src->n_tuning);
+    dst->recompute = (mt_recompute *)mt__dup(src->recompute, sizeof(mt_recompute) * (size_t)src->n_recompute);
+    dst->cap_values = src->n_values; dst->cap_nodes = src->n_nodes;
+    if (!dst->values || !dst->nodes || !dst->syms || !dst->consts || !dst->tuning || !dst->recompute) {
+        mt_graph_free(dst);
+        return mt_errf(err, "out of memory copying the graph");
+    }
+    return 0;
+}
+int64_t mt_graph_peak_bytes(const mt_graph *g) { return g->persist_bytes + g->arena_bytes; }
 
 /* --- shape checks: one per op, used by the builder and the loader --- */
 
@@ -1631,7 +1673,7 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         return mt_errf(err, "%s has %d inputs/%d outputs, expected %d/%d", oi->name, n->n_in, n->n_out,
                        oi->n_in, oi->n_out);
     if (n->queue < 0 || n->queue >= MT_NQUEUES) return mt_errf(err, "%s: bad queue %d", oi->name, n->queue);
-    if (n->phase < 0 || n->phase > MT_PHASE_OPTIMIZER) return mt_errf(err, "%s: bad phase %d", oi->name, n->phase);
+    if (n->phase < 0 || n->phase > MT_PHASE_RECOMPUTE) return mt_errf(err, "%s: bad phase %d", oi->name, n->phase);
     for (int i = 0; i < MT_MAX_IN; i++)
         if (n->in[i] < -1 || n->in[i] >= g->n_values || (i >= n->n_in && n->in[i] != -1))
             return mt_errf(err, "%s: input %d refers to value %d of %d", oi->name, i, n->in[i], g->n_values);
@@ -2847,6 +2889,7 @@ fail:
  * 6. Passes
  * ====================================================================== */
 
+static const char *mt__human(double bytes, char *buf);   /* "1.50 GiB" (section 7) */
 #define MT_ALIGN 256
 static int64_t mt__align(int64_t x) { return (x + MT_ALIGN - 1) & ~(int64_t)(MT_ALIGN - 1); }
 
@@ -3651,17 +3694,311 @@ int mt_pass_isolate_ep(mt_graph *g, mt_err *err) {
     return moved;
 }
 
-void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; }
-void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; }
-int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
-    if (p->elide && mt_pass_elide_collectives(g, err)) return -1;
+/* Activation recompute. A block's forward activations are held from its
+ * forward until its backward reads them: at the turn from forward to
+ * backward they are most of the arena. A recomputed block keeps only its
+ * input (the residual stream entering it, which its backward reads anyway):
+ * the forward nodes that produce what its backward reads are cloned, with
+ * new values, as MT_PHASE_RECOMPUTE nodes just before the block's first
+ * backward node, and the backward reads the clones; the originals then die
+ * inside the forward.
+ *  - "In the block": written by a forward node of the block and read by no
+ *    forward node outside it (the block's output is the next block's input:
+ *    kept). Only what the backward reads, and what that needs, re-runs.
+ *  - The router re-runs for its indices, weights and scores. Its per-expert
+ *    counts go to a new value that nothing reads, so the counts' all-reduce,
+ *    the expert-bias update and mt_runtime_expert_counts see the forward's
+ *    counts, once; re-run expert exchanges are not counted as received rows
+ *    (the runtime counts forward-phase ones).
+ *  - Re-run collectives (the expert exchange, FSDP all-gathers) run on every
+ *    rank alike: all ranks run the same rewritten graph. A weight that the
+ *    backward gathers again anyway (FSDP, mt__regather) is gathered once,
+ *    before the recompute, and serves both.
+ * It runs before fusion, while blocks are still apart (fusion joins a
+ * block's last add to the next block's first norm); the clones then fuse as
+ * the forward did, and compute bitwise what the forward computed. */
+
+typedef struct {
+    int32_t *prod;    /* per value: the forward node that writes it first, or -1 */
+    uint8_t *ext;     /* per value: read by a forward node outside the block, or a well-known value */
+} mt__rc_info;
+
+static int mt__rc_internal(const mt_graph *g, const mt__rc_info *ri, int layer, int v) {
+    return v >= 0 && ri->prod[v] >= 0 && g->nodes[ri->prod[v]].layer == layer && !ri->ext[v] &&
+           g->values[v].role == MT_ROLE_ACT;
+}
+static int mt__rc_scan(const mt_graph *g, int layer, mt__rc_info *ri, mt_err *err) {
+    int nv = g->n_values;
+    ri->prod = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(nv + 1));
+    ri->ext = (uint8_t *)mt__calloc((size_t)nv + 1);
+    if (!ri->prod || !ri->ext) { MT_FREE(ri->prod); MT_FREE(ri->ext); return mt_errf(err, "out of memory"); }
+    for (int v = 0; v < nv; v++) ri->prod[v] = -1;
+    for (int i = 0; i < g->n_forward_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        for (int k = 0; k < n->n_out; k++) if (n->out[k] >= 0 && ri->prod[n->out[k]] < 0) ri->prod[n->out[k]] = i;
+        for (int k = 0; k < n->n_in; k++) if (n->in[k] >= 0 && n->layer != layer) ri->ext[n->in[k]] = 1;
+    }
+    for (int i = 0; i < MT_NIO; i++) if (g->io[i] >= 0) ri->ext[g->io[i]] = 1;
+    return 0;
+}
+/* The block's activations its backward reads (want[v] = 1), their bytes,
+ * and where the recompute goes: the first non-forward node of the block. */
+static int64_t mt__rc_wanted(const mt_graph *g, const mt__rc_info *ri, int layer, uint8_t *want, int *ins) {
+    int64_t bytes = 0;
+    *ins = -1;
+    for (int i = g->n_forward_nodes; i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        if (n->layer == layer && *ins < 0) *ins = i;
+        for (int k = 0; k < n->n_in; k++) {
+            int u = n->in[k];
+            if (!mt__rc_internal(g, ri, layer, u) || want[u]) continue;
+            want[u] = 1;
+            bytes += g->values[u].nbytes;
+            if (*ins < 0) *ins = i;
+        }
+    }
+    return bytes;
+}
+
+/* A new arena value like v, for its recomputed copy. */
+static int mt__rc_value(mt_graph *g, int v, mt_err *err) {
+    if (mt__grow((void **)&g->values, &g->cap_values, g->n_values + 1, sizeof(mt_value))) return mt_errf(err, "out of memory");
+    mt_value *x = &g->values[g->n_values];
+    char nm[MT_NAME_LEN];
+    snprintf(nm, sizeof nm, "%.*s@rc", MT_NAME_LEN - 4, g->values[v].name);
+    *x = g->values[v];
+    memcpy(x->name, nm, sizeof nm);
+    x->role = MT_ROLE_ACT;
+    x->flags &= ~(uint32_t)MT_VF_COUNTS;   /* a re-run router's counts are nobody's: the forward's are the step's */
+    x->param = -1; x->offset = -1; x->data_offset = -1; x->init = MT_INIT_NONE; x->init_std = 0;
+    return g->n_values++;
+}
+
+static int mt__recompute_block(mt_graph *g, int layer, int64_t *saved, mt_err *err) {
+    mt__rc_info ri;
+    if (mt__rc_scan(g, layer, &ri, err)) return -1;
+    int nv = g->n_values, nn = g->n_nodes, nf = g->n_forward_nodes, ins, rc = 0, n_new = 0, w = 0;
+    uint8_t *want = (uint8_t *)mt__calloc((size_t)nv + 1), *need = (uint8_t *)mt__calloc((size_t)nn + 1);
+    uint8_t *move = (uint8_t *)mt__calloc((size_t)nn + 1);
+    int32_t *map = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(nv + 1));
+    mt_node *clones = (mt_node *)MT_MALLOC(sizeof(mt_node) * (size_t)(nf + 1)), *nodes = NULL;
+    if (!want || !need || !move || !map || !clones) { rc = mt_errf(err, "out of memory"); goto done; }
+    for (int v = 0; v < nv; v++) map[v] = -1;
+    *saved = mt__rc_wanted(g, &ri, layer, want, &ins);
+    if (ins < 0 || *saved == 0) { rc = mt_errf(err, "recompute: block %d has no activations its backward reads", layer); goto done; }
+    /* what to re-run: the producers of what the backward reads, and of their block inputs (one reverse sweep) */
+    for (int v = 0; v < nv; v++) if (want[v]) need[ri.prod[v]] = 1;
+    for (int i = nf - 1; i >= 0; i--) {
+        if (!need[i]) continue;
+        const mt_node *n = &g->nodes[i];
+        for (int k = 0; k < n->n_in; k++) if (mt__rc_internal(g, &ri, layer, n->in[k])) need[ri.prod[n->in[k]]] = 1;
+    }
+    for (int i = 0; i < nf && !rc; i++) {
+        if (!need[i]) continue;
+        mt_node c = g->nodes[i];   /* copy: new values may move the table */
+        if (c.op == MT_OP_ALLGATHER) {   /* the backward's own gather of this weight, if it has one */
+            int j = nf;
+            while (j < nn && !(g->nodes[j].op == MT_OP_ALLGATHER && g->nodes[j].in[0] == c.in[0] &&
+                               g->nodes[j].iattr[0] == c.iattr[0] && g->nodes[j].iattr[1] == c.iattr[1])) j++;
+            if (j < nn) {
+                map[c.out[0]] = g->nodes[j].out[0];
+                if (j >= ins) move[j] = 1;
+                continue;
+            }
+        }
+        c.phase = MT_PHASE_RECOMPUTE;
+        for (int k = 0; k < c.n_in; k++) if (c.in[k] >= 0 && map[c.in[k]] >= 0) c.in[k] = map[c.in[k]];
+        for (int k = 0; k < c.n_out && !rc; k++) {
+            if (c.out[k] < 0) continue;
+            int v = mt__rc_value(g, c.out[k], err);
+            if (v < 0) rc = -1;
+            else { map[c.out[k]] = v; c.out[k] = v; }
+        }
+        clones[n_new++] = c;
+    }
+    if (rc) goto done;
+    /* the backward reads the recomputed activations */
+    for (int i = ins; i < nn; i++) {
+        mt_node *n = &g->nodes[i];
+        for (int k = 0; k < n->n_in; k++)
+            if (mt__rc_internal(g, &ri, layer, n->in[k]) && map[n->in[k]] >= 0) n->in[k] = map[n->in[k]];
+    }
+    /* nodes: [0, ins), the moved gathers, the clones, the rest */
+    if (!(nodes = (mt_node *)MT_MALLOC(sizeof(mt_node) * (size_t)(nn + n_new + 1)))) { rc = mt_errf(err, "out of memory"); goto done; }
+    for (int i = 0; i < ins; i++) nodes[w++] = g->nodes[i];
+    for (int i = ins; i < nn; i++) if (move[i]) nodes[w++] = g->nodes[i];
+    for (int i = 0; i < n_new; i++) nodes[w++] = clones[i];
+    for (int i = ins; i < nn; i++) if (!move[i]) nodes[w++] = g->nodes[i];
+    MT_FREE(g->nodes);
+    g->nodes = nodes; g->n_nodes = g->cap_nodes = w;
+done:
+    MT_FREE(ri.prod); MT_FREE(ri.ext);
+    MT_FREE(want); MT_FREE(need); MT_FREE(move); MT_FREE(map); MT_FREE(clones);
+    return rc;
+}
+
+int mt_pass_recompute(mt_graph *g, const int32_t *layers, int n, mt_err *err) {
+    if (n <= 0) return 0;
+    if (g->kind != MT_GRAPH_TRAIN) return mt_errf(err, "recompute: a forward-only graph keeps no activations for a backward");
+    for (int i = 0; i < g->n_forward_nodes; i++)
+        if (g->nodes[i].op == MT_OP_ADD_RMSNORM || g->nodes[i].op == MT_OP_MATMUL_ACC)
+            return mt_errf(err, "recompute: the graph is already fused (recompute runs before fusion)");
+    uint8_t *pick = (uint8_t *)mt__calloc((size_t)g->cfg.n_layers + 1);
+    if (!pick) return mt_errf(err, "out of memory");
+    for (int i = 0; i < g->n_recompute; i++) pick[g->recompute[i].layer] = 2;
+    int rc = 0;
+    for (int i = 0; i < n && !rc; i++) {
+        if (layers[i] < 0 || layers[i] >= g->cfg.n_layers) rc = mt_errf(err, "recompute: no block %d (the model has %d)", layers[i], g->cfg.n_layers);
+        else if (pick[layers[i]]) rc = mt_errf(err, "recompute: block %d is %s", layers[i], pick[layers[i]] == 2 ? "recomputed already" : "named twice");
+        else pick[layers[i]] = 1;
+    }
+    /* in layer order, whatever the order asked: the same choice gives the same graph */
+    mt_recompute *rec = rc ? NULL : (mt_recompute *)MT_REALLOC(g->recompute, sizeof(mt_recompute) * (size_t)(g->n_recompute + n));
+    if (!rc && !rec) rc = mt_errf(err, "out of memory");
+    if (!rc) g->recompute = rec;
+    for (int l = 0; l < g->cfg.n_layers && !rc; l++) {
+        if (pick[l] != 1) continue;
+        int64_t saved = 0;
+        if (mt__recompute_block(g, l, &saved, err)) { rc = -1; break; }
+        int at = g->n_recompute++;
+        while (at > 0 && g->recompute[at - 1].layer > l) { g->recompute[at] = g->recompute[at - 1]; at--; }
+        g->recompute[at].layer = l; g->recompute[at].saved_bytes = saved;
+    }
+    MT_FREE(pick);
+    return rc;
+}
+
+/* After elision: fusion and the memory plan, as mt_run_passes runs them. */
+static int mt__late_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
     if (p->fuse && mt_pass_fuse(g, err)) return -1;
     /* streams that run collectives side by side need them on separate communicators: overlap implies isolation */
     if ((p->isolate_ep || p->overlap) && mt_pass_isolate_ep(g, err) < 0) return -1;
     g->overlap = 0;
     if (p->overlap && mt_pass_overlap(g, err)) return -1;   /* before planning: the plan follows the schedule */
-    if (p->plan_memory) { if (mt_pass_plan_memory(g, err)) return -1; }
-    else mt_plan_naive(g);
+    if (p->plan_memory) return mt_pass_plan_memory(g, err);
+    mt_plan_naive(g);
+    return 0;
+}
+
+/* The budget policy: few blocks to recompute so that the planned peak
+ * (persistent + arena) fits. Greedy, guided by where the peak is: each
+ * round finds the node where the most arena bytes are alive (in the graph
+ * as recomputed so far) and recomputes the block that holds the most bytes
+ * of activations there for a backward that has not begun yet (ties, and
+ * when no block holds any: the block with the most saved bytes overall,
+ * then the earlier one); then the memory planner plans the step for real,
+ * and the first plan that fits wins. A block whose backward is already
+ * running at the peak would hold its re-run activations there anyway, so
+ * recomputing it would not help; the peak of a large model's step is often
+ * late in the backward, where the weight gradients have piled up, and there
+ * only the first blocks' activations are still held. The graph that is kept
+ * is rebuilt from the chosen set in one go, so a budget's choice gives the
+ * same graph as naming those blocks. */
+static int64_t mt__rc_peak_node(const mt_graph *g, int32_t *first, int32_t *last, int64_t *acc) {
+    mt__live_ranges(g, first, last);
+    for (int i = 0; i <= g->n_nodes; i++) acc[i] = 0;
+    for (int v = 0; v < g->n_values; v++)
+        if (MT_ROLE_IN_ARENA(g->values[v].role) && first[v] >= 0) { acc[first[v]] += g->values[v].nbytes; acc[last[v] + 1] -= g->values[v].nbytes; }
+    int64_t run = 0, top = -1;
+    int at = 0;
+    for (int i = 0; i < g->n_nodes; i++) { run += acc[i]; if (run > top) { top = run; at = i; } }
+    return at;
+}
+static int mt__recompute_for_budget(mt_graph *g, const mt_passes *p, mt_err *err) {
+    int64_t budget = p->memory_budget;
+    char h1[32], h2[32], h3[32], h4[32], h5[32];
+    if (!p->plan_memory) return mt_errf(err, "a memory budget needs the memory planner (an eager plan gives every value its own bytes)");
+    mt_graph t, cur;
+    if (mt_graph_copy(&t, g, err)) return -1;
+    if (mt__late_passes(&t, p, err)) { mt_graph_free(&t); return -1; }
+    int64_t peak0 = mt_graph_peak_bytes(&t), best = peak0, persist = t.persist_bytes;
+    int L = g->cfg.n_layers, best_k = 0, rc = 0, done = 0, n_chosen = 0;
+    if (peak0 <= budget || g->kind != MT_GRAPH_TRAIN) {
+        if (peak0 > budget) {
+            mt_graph_free(&t);
+            return mt_errf(err, "memory budget %s (%lld bytes) cannot be met: a forward-only graph plans %s and has nothing to recompute",
+                           mt__human((double)budget, h1), (long long)budget, mt__human((double)peak0, h2));
+        }
+        mt_graph_free(g);
+        *g = t;
+        g->memory_budget = budget; g->peak_no_recompute = peak0;
+        return 0;
+    }
+    mt_graph_free(&t);
+    if (mt_graph_copy(&cur, g, err)) return -1;
+    int32_t *chosen = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(L + 1));
+    uint8_t *taken = (uint8_t *)mt__calloc((size_t)L + 1), *want = NULL;
+    int32_t *first = NULL, *last = NULL;
+    int64_t *acc = NULL;
+    if (!chosen || !taken) { rc = mt_errf(err, "out of memory"); goto out; }
+    while (n_chosen < L && !done && !rc) {
+        int nv = cur.n_values;
+        MT_FREE(want); MT_FREE(first); MT_FREE(last); MT_FREE(acc);
+        want = (uint8_t *)MT_MALLOC((size_t)nv + 1);
+        first = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(nv + 1));
+        last = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(nv + 1));
+        acc = (int64_t *)MT_MALLOC(sizeof(int64_t) * (size_t)(cur.n_nodes + 2));
+        if (!want || !first || !last || !acc) { rc = mt_errf(err, "out of memory"); break; }
+        int pk = (int)mt__rc_peak_node(&cur, first, last, acc), pick = -1;
+        int64_t pick_alive = -1, pick_total = -1;
+        for (int l = 0; l < L && !rc; l++) {
+            if (taken[l]) continue;
+            mt__rc_info ri;
+            int ins;
+            if (mt__rc_scan(&cur, l, &ri, err)) { rc = -1; break; }
+            memset(want, 0, (size_t)nv + 1);
+            int64_t total = mt__rc_wanted(&cur, &ri, l, want, &ins), alive = 0;
+            MT_FREE(ri.prod); MT_FREE(ri.ext);
+            for (int v = 0; v < nv && ins >= 0 && pk < ins; v++)
+                if (want[v] && first[v] <= pk && last[v] >= pk) alive += cur.values[v].nbytes;
+            if (alive > pick_alive || (alive == pick_alive && total > pick_total)) { pick = l; pick_alive = alive; pick_total = total; }
+        }
+        if (rc) break;
+        int32_t one = pick;
+        taken[pick] = 1;
+        int at = n_chosen++;   /* kept in increasing layer order, as the pass records them */
+        while (at > 0 && chosen[at - 1] > pick) { chosen[at] = chosen[at - 1]; at--; }
+        chosen[at] = pick;
+        if (mt_pass_recompute(&cur, &one, 1, err) || mt_graph_copy(&t, g, err)) { rc = -1; break; }
+        /* measured as it will be built: the chosen set in one go from the graph as it came */
+        if (mt_pass_recompute(&t, chosen, n_chosen, err) || mt__late_passes(&t, p, err)) { mt_graph_free(&t); rc = -1; break; }
+        int64_t peak = mt_graph_peak_bytes(&t);
+        mt_graph_free(&t);
+        if (peak < best) { best = peak; best_k = n_chosen; }
+        done = peak <= budget;
+    }
+    if (done && !rc) {   /* the chosen blocks, in one go from the graph as it came */
+        if (mt_graph_copy(&t, g, err)) rc = -1;
+        else if (mt_pass_recompute(&t, chosen, n_chosen, err) || mt__late_passes(&t, p, err)) { mt_graph_free(&t); rc = -1; }
+        else if (mt_graph_peak_bytes(&t) > budget) {
+            rc = mt_errf(err, "internal error: the recompute plan for the budget changed when rebuilt");
+            mt_graph_free(&t);
+        } else {
+            mt_graph_free(g);
+            *g = t;
+            g->memory_budget = budget; g->peak_no_recompute = peak0;
+        }
+    } else if (!rc) {
+        rc = mt_errf(err, "memory budget %s (%lld bytes) cannot be met: the smallest planned peak is %s (%lld bytes, %s persistent + "
+                     "%s arena) recomputing %d of %d blocks; without recompute it is %s. Ask for at least %s, or shrink the step "
+                     "(batch, seq_len) or the model",
+                     mt__human((double)budget, h1), (long long)budget, mt__human((double)best, h2), (long long)best,
+                     mt__human((double)persist, h3), mt__human((double)(best - persist), h4), best_k, L,
+                     mt__human((double)peak0, h5), h2);
+    }
+out:
+    mt_graph_free(&cur);
+    MT_FREE(chosen); MT_FREE(taken); MT_FREE(want); MT_FREE(first); MT_FREE(last); MT_FREE(acc);
+    return rc;
+}
+
+void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->memory_budget = 0; }
+void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->memory_budget = 0; }
+int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
+    if (p->memory_budget < 0) return mt_errf(err, "memory budget %lld bytes is negative", (long long)p->memory_budget);
+    if (p->elide && mt_pass_elide_collectives(g, err)) return -1;
+    if (p->memory_budget > 0) { if (mt__recompute_for_budget(g, p, err)) return -1; }   /* recompute, fusion, plan */
+    else if (mt__late_passes(g, p, err)) return -1;
     /* capture pass: the step replays as CUDA graphs, one per region between
      * host synchronizations (the runtime finds them with mt_node_syncs_host) */
     g->capture = p->capture && g->target.backend == MT_BACKEND_CUDA;
@@ -3796,6 +4133,11 @@ static void mt__fingerprint_text(const mt_graph *g, char *out, size_t n) {
         if (f->type == MT_FIELD_INT) at += snprintf(out + at, n - (size_t)at, " %s=%d", f->name, *(const int *)p);
         else at += snprintf(out + at, n - (size_t)at, " %s=%.9g", f->name, (double)*(const float *)p);
     }
+    /* the recompute choice: which blocks the step re-runs, for which budget */
+    if (at > 0 && (size_t)at < n) at += snprintf(out + at, n - (size_t)at, " memory_budget=%lld recompute=", (long long)g->memory_budget);
+    for (int i = 0; i < g->n_recompute && at > 0 && (size_t)at < n; i++)
+        at += snprintf(out + at, n - (size_t)at, "%s%d", i ? "," : "", g->recompute[i].layer);
+    if (!g->n_recompute && at > 0 && (size_t)at < n) snprintf(out + at, n - (size_t)at, "none");
 }
 uint64_t mt_fingerprint(const mt_graph *g) {
     char text[4096];
@@ -3871,6 +4213,9 @@ static void mt__write_section(mt__buf *b, int id, const mt_graph *g) {
         mt__i32(b, g->planned); mt__i32(b, g->capture | g->overlap << 1);   /* bit 0 capture, bit 1 overlap */
         mt__u32(b, MT_NIO);
         for (int i = 0; i < MT_NIO; i++) mt__i32(b, g->io[i]);
+        mt__i64(b, g->memory_budget); mt__i64(b, g->peak_no_recompute);
+        mt__u32(b, (uint32_t)g->n_recompute);
+        for (int i = 0; i < g->n_recompute; i++) { mt__i32(b, g->recompute[i].layer); mt__i64(b, g->recompute[i].saved_bytes); }
         break;
     case MT_SEC_FINGERPRINT: {
         char text[4096];
@@ -4054,10 +4399,42 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
     if (g->persist_bytes < 0 || g->arena_bytes < 0 || g->naive_arena_bytes < g->arena_bytes ||
         g->persist_bytes > ((int64_t)1 << 46) || g->naive_arena_bytes > ((int64_t)1 << 46))
         return mt_errf(err, "plan: region sizes out of range");
+    {   /* and no larger than their values need: every plan packs them (a padded region would be allocated whole) */
+        int64_t pend = 0, aend = 0, naive = 0;
+        for (int i = 0; i < g->n_values; i++) {
+            const mt_value *v = &g->values[i];
+            if (v->offset < 0 || v->offset > ((int64_t)1 << 56)) continue;   /* refused by the plan check below */
+            int64_t end = v->offset + mt__align(v->nbytes);
+            if (MT_ROLE_IN_ARENA(v->role)) { naive += mt__align(v->nbytes); if (end > aend) aend = end; }
+            else if (end > pend) pend = end;
+        }
+        if (g->persist_bytes > pend || g->arena_bytes > aend || g->naive_arena_bytes > naive)
+            return mt_errf(err, "plan: regions of %lld persistent, %lld arena (%lld naive) bytes, but the values need at most %lld, %lld (%lld)",
+                           (long long)g->persist_bytes, (long long)g->arena_bytes, (long long)g->naive_arena_bytes, (long long)pend,
+                           (long long)aend, (long long)naive);
+    }
     if (g->planned != 0 && g->planned != 1) return mt_errf(err, "plan: bad planned flag");
     if (g->capture != 0 && g->capture != 1) return mt_errf(err, "plan: bad capture flag");
     if (g->overlap != 0 && g->overlap != 1) return mt_errf(err, "plan: bad overlap flag");
     if (g->n_forward_nodes < 0 || g->n_forward_nodes > g->n_nodes) return mt_errf(err, "nodes: bad forward count");
+    /* the recompute choice: listed blocks in order, each re-run by recompute-phase nodes of forward ops */
+    if (g->memory_budget < 0 || g->memory_budget > ((int64_t)1 << 56) || g->peak_no_recompute < 0 ||
+        g->peak_no_recompute > ((int64_t)1 << 56))
+        return mt_errf(err, "plan: memory budget or peak out of range");
+    if (g->n_recompute < 0 || g->n_recompute > g->cfg.n_layers || (g->n_recompute && g->kind != MT_GRAPH_TRAIN))
+        return mt_errf(err, "plan: %d recomputed blocks in a %s graph of %d blocks", g->n_recompute,
+                       g->kind == MT_GRAPH_TRAIN ? "train" : "forward", g->cfg.n_layers);
+    for (int i = 0; i < g->n_recompute; i++) {
+        const mt_recompute *x = &g->recompute[i];
+        if (x->layer < 0 || x->layer >= g->cfg.n_layers || (i && x->layer <= g->recompute[i - 1].layer))
+            return mt_errf(err, "plan: recomputed block %d is not a block, or out of order", x->layer);
+        if (x->saved_bytes < 0 || x->saved_bytes > ((int64_t)1 << 46))
+            return mt_errf(err, "plan: recomputed block %d: saved bytes %lld out of range", x->layer, (long long)x->saved_bytes);
+        int runs = 0;
+        for (int k = g->n_forward_nodes; k < g->n_nodes && !runs; k++)
+            runs = g->nodes[k].phase == MT_PHASE_RECOMPUTE && g->nodes[k].layer == x->layer;
+        if (!runs) return mt_errf(err, "plan: block %d is listed as recomputed but no node re-runs it", x->layer);
+    }
     /* nodes: shapes, then every value is written before it is read, and arena values once */
     uint8_t *state = (uint8_t *)mt__calloc((size_t)g->n_values + 1);  /* 0 unwritten, 1 written */
     if (!state) return mt_errf(err, "out of memory validating");
@@ -4069,6 +4446,23 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         const mt_node *n = &g->nodes[i];
         if (mt_check_node(g, n, &e)) { MT_FREE(state); return mt_errf(err, "node %d: %s", i, e.msg); }
         if ((n->phase == MT_PHASE_FORWARD) != (i < g->n_forward_nodes)) { MT_FREE(state); return mt_errf(err, "node %d: phase disagrees with the forward count", i); }
+        if (n->phase == MT_PHASE_RECOMPUTE) {   /* a forward op of a listed block */
+            int listed = 0;
+            for (int k = 0; k < g->n_recompute && !listed; k++) listed = g->recompute[k].layer == n->layer;
+            int fwd_op = mt_ops[n->op].differentiable || n->op == MT_OP_EP_COUNTS || n->op == MT_OP_ADD_RMSNORM || n->op == MT_OP_MATMUL_ACC;
+            if (!listed || !fwd_op) {
+                MT_FREE(state);
+                return mt_errf(err, "node %d (%s) re-runs %s of block %d, which the plan does not list as recomputed", i,
+                               mt_ops[n->op].name, fwd_op ? "a forward op" : "a non-forward op", n->layer);
+            }
+        }
+        for (int k = 0; k < n->n_out; k++)   /* a MoE layer's counts: the forward's router writes them, once */
+            if (n->out[k] >= 0 && (g->values[n->out[k]].flags & MT_VF_COUNTS) && n->op != MT_OP_ALLREDUCE &&
+                !(n->op == MT_OP_ROUTER && k == 3 && n->phase == MT_PHASE_FORWARD)) {
+                MT_FREE(state);
+                return mt_errf(err, "node %d (%s, %s) writes the expert counts '%s', which only the forward router may write", i,
+                               mt_ops[n->op].name, n->phase == MT_PHASE_RECOMPUTE ? "recompute" : "not the forward", g->values[n->out[k]].name);
+            }
         for (int k = 0; k < n->n_in; k++)
             if (n->in[k] >= 0 && !state[n->in[k]]) {
                 MT_FREE(state);
@@ -4243,6 +4637,14 @@ static int mt__read_section(mt_graph *g, int id, mt__rd *r, mt_err *err) {
         uint32_t nio = mt__g32(r);
         if (!r->bad && nio != MT_NIO) return mt_errf(err, "plan section lists %u well-known values, expected %d", nio, MT_NIO);
         for (int i = 0; i < MT_NIO; i++) g->io[i] = mt__gi32(r);
+        g->memory_budget = mt__gi64(r); g->peak_no_recompute = mt__gi64(r);
+        uint32_t nr = mt__g32(r);
+        if (r->bad) break;
+        if (nr > 4096 || (size_t)nr * 12 > r->n - r->at) return mt_errf(err, "plan section: recompute count %u does not fit", nr);
+        g->recompute = (mt_recompute *)mt__calloc(sizeof(mt_recompute) * (nr + 1));
+        if (!g->recompute) return mt_errf(err, "out of memory");
+        g->n_recompute = (int32_t)nr;
+        for (uint32_t i = 0; i < nr; i++) { g->recompute[i].layer = mt__gi32(r); g->recompute[i].saved_bytes = mt__gi64(r); }
         break;
     }
     case MT_SEC_FINGERPRINT: {
@@ -4402,7 +4804,7 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
         fprintf(f, "\n");
     }
     MT_FREE(first); MT_FREE(last);
-    static const char *const phase[] = {"fwd", "bwd", "opt"};
+    static const char *const phase[] = {"fwd", "bwd", "opt", "rc"};
     mt_schedule sc;
     mt_err se;
     int have_sc = g->overlap && mt_schedule_build(g, &sc, &se) == 0;
@@ -4528,6 +4930,24 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
                     dt[t->at], dt[t->bt], dt[t->ct], t->mb, t->n, t->k, (unsigned long long)t->algo[0], (unsigned long long)t->algo[1]);
         }
     }
+    fprintf(f, "  planned peak %s (persistent + arena)", mt__human((double)mt_graph_peak_bytes(g), b1));
+    if (g->memory_budget) fprintf(f, ", budget %s; without recompute %s", mt__human((double)g->memory_budget, b2),
+                                  mt__human((double)g->peak_no_recompute, b3));
+    fprintf(f, "\n");
+    fprintf(f, "\n== recompute (%d of %d blocks keep only their input; their activations re-run before their backward)\n",
+            g->n_recompute, g->cfg.n_layers);
+    int64_t saved_all = 0;
+    for (int i = 0; i < g->n_recompute; i++) {
+        int nodes = 0;
+        for (int k = 0; k < g->n_nodes; k++) nodes += g->nodes[k].phase == MT_PHASE_RECOMPUTE && g->nodes[k].layer == g->recompute[i].layer;
+        saved_all += g->recompute[i].saved_bytes;
+        fprintf(f, "  L%-3d %-9s %4d nodes re-run, %s of activations not held from forward to backward\n", g->recompute[i].layer,
+                mt_config_is_moe_layer(&g->cfg, g->recompute[i].layer) ? "(MoE)" : "(dense)", nodes,
+                mt__human((double)g->recompute[i].saved_bytes, b1));
+    }
+    if (g->n_recompute) fprintf(f, "  total %s not held; planned peak %s -> %s\n", mt__human((double)saved_all, b1),
+                                mt__human((double)g->peak_no_recompute, b2), mt__human((double)mt_graph_peak_bytes(g), b3));
+    else fprintf(f, "  none%s\n", g->memory_budget ? ": the plan fits the budget as it is" : "");
     int regions = 0, syncs = 0, eager = 0;
     for (int i = 0; i < g->n_nodes; i++) {
         syncs += mt_node_syncs_host(&g->nodes[i]) && g->nodes[i].op == MT_OP_EP_COUNTS;
@@ -5673,23 +6093,6 @@ void mt_binding_single(mt_binding *b) {
     b->world = 1;
 }
 
-static int mt__graph_clone(mt_graph *dst, const mt_graph *src) {
-    *dst = *src;
-    dst->values = (mt_value *)MT_MALLOC(sizeof(mt_value) * (size_t)(src->n_values + 1));
-    dst->nodes = (mt_node *)MT_MALLOC(sizeof(mt_node) * (size_t)(src->n_nodes + 1));
-    dst->syms = (mt_symbol *)MT_MALLOC(sizeof(mt_symbol) * (size_t)(src->n_syms + 1));
-    dst->consts = (uint8_t *)MT_MALLOC((size_t)src->consts_bytes + 1);
-    dst->tuning = (mt_tuning *)MT_MALLOC(sizeof(mt_tuning) * (size_t)(src->n_tuning + 1));
-    if (!dst->values || !dst->nodes || !dst->syms || !dst->consts || !dst->tuning) { mt_graph_free(dst); return -1; }
-    memcpy(dst->values, src->values, sizeof(mt_value) * (size_t)src->n_values);
-    memcpy(dst->nodes, src->nodes, sizeof(mt_node) * (size_t)src->n_nodes);
-    memcpy(dst->syms, src->syms, sizeof(mt_symbol) * (size_t)src->n_syms);
-    if (src->consts_bytes) memcpy(dst->consts, src->consts, (size_t)src->consts_bytes);
-    if (src->n_tuning) memcpy(dst->tuning, src->tuning, sizeof(mt_tuning) * (size_t)src->n_tuning);
-    dst->cap_values = src->n_values; dst->cap_nodes = src->n_nodes;
-    return 0;
-}
-
 /* Zeroed, 64-byte aligned; the original pointer sits just below. */
 static void *mt__aligned(size_t n) {
     uint8_t *raw = (uint8_t *)MT_MALLOC(n + 64 + sizeof(void *));
@@ -5779,7 +6182,7 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
     rt->bind = *b;
     rt->backend = g->target.backend;
     mt_mesh_coords(&g->mesh, b->rank, rt->bind.coord);
-    if (mt__graph_clone(&rt->g, g)) { MT_FREE(rt); return mt_errf(err, "out of memory copying the graph"); }
+    if (mt_graph_copy(&rt->g, g, err)) { MT_FREE(rt); return -1; }
     const mt_graph *G = &rt->g;
     rt->ptr = (void **)mt__calloc(sizeof(void *) * (size_t)(G->n_values + 1));
     rt->rows = (int64_t *)mt__calloc(sizeof(int64_t) * (size_t)(G->n_values + 1));
@@ -6461,7 +6864,7 @@ static int64_t mt__live_elems(mt_runtime *rt, int v) {   /* what this step wrote
 static int mt__nan_check(mt_runtime *rt, int node, int step, mt_err *err) {
     const mt_graph *G = &rt->g;
     const mt_node *n = &G->nodes[node];
-    static const char *const phase[3] = {"forward", "backward", "optimizer"};
+    static const char *const phase[4] = {"forward", "backward", "optimizer", "recompute"};
     for (int k = 0; k < n->n_out; k++) {
         int v = n->out[k];
         double bad = 0;
@@ -6480,7 +6883,7 @@ static int mt__nan_check(mt_runtime *rt, int node, int step, mt_err *err) {
         char layer[32] = "outside the blocks";
         if (n->layer >= 0) snprintf(layer, sizeof layer, "layer %d", n->layer);
         return mt_errf(err, "step %d: node %d (%s, %s, %s) wrote %g to '%s' (element %lld); %s", step + 1, node, mt_ops[n->op].name,
-                       phase[n->phase >= 0 && n->phase < 3 ? n->phase : 0], layer, bad, G->values[v].name, (long long)at, inputs);
+                       phase[n->phase >= 0 && n->phase < 4 ? n->phase : 0], layer, bad, G->values[v].name, (long long)at, inputs);
     }
     return 0;
 }

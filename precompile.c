@@ -16,7 +16,7 @@
 #include <string.h>
 
 /* The options: one table drives parsing, range checks and --help. */
-enum { OPT_FLAG, OPT_INT, OPT_STR };
+enum { OPT_FLAG, OPT_INT, OPT_STR, OPT_FLOAT };
 typedef struct { const char *name, *meta; int kind, lo, hi; const char *def, *help; } opt_spec;
 static const opt_spec specs[] = {
     {"preset", "NAME", OPT_STR, 0, 0, "tiny", "model preset: tiny, debug, mid, 16b"},
@@ -34,6 +34,7 @@ static const opt_spec specs[] = {
     {"no-tune", NULL, OPT_FLAG, 0, 0, "off", "with --device cuda: record no tuning (each rank then chooses at bind)"},
     {"dot", "FILE", OPT_STR, 0, 0, "", "also write the graph for Graphviz (dot -Tsvg FILE); with --dump FILE too"},
     {"overlap", NULL, OPT_FLAG, 0, 0, "off", "collectives on their own streams: FSDP prefetch, EP ahead of its host sync"},
+    {"memory-budget", "GiB", OPT_FLOAT, 0, 1 << 20, "0: off", "recompute the fewest blocks' activations so the planned peak (persistent + arena) fits"},
     {"help", NULL, OPT_FLAG, 0, 0, "", "this text"},
 };
 #define N_SPECS ((int)(sizeof specs / sizeof specs[0]))
@@ -48,7 +49,7 @@ static void usage(FILE *f) {
         char lhs[40];
         snprintf(lhs, sizeof lhs, "--%s%s%s", specs[i].name, specs[i].meta ? " " : "", specs[i].meta ? specs[i].meta : "");
         fprintf(f, "  %-20s %s", lhs, specs[i].help);
-        if (specs[i].kind == OPT_INT) fprintf(f, ", [%d..%d]", specs[i].lo, specs[i].hi);
+        if (specs[i].kind == OPT_INT || specs[i].kind == OPT_FLOAT) fprintf(f, ", [%d..%d]", specs[i].lo, specs[i].hi);
         if (specs[i].def[0]) fprintf(f, " [%s]", specs[i].def);
         fprintf(f, "\n");
     }
@@ -88,6 +89,7 @@ static void unknown_option(const char *name) {
 int main(int argc, char **argv) {
     const char *str[N_SPECS] = {0};
     int num[N_SPECS] = {0}, flag[N_SPECS] = {0};
+    double fnum[N_SPECS] = {0};
     const char *ov_key[128], *ov_val[128];
     int n_ov = 0;
     for (int i = 1; i < argc; i++) {
@@ -119,6 +121,14 @@ int main(int argc, char **argv) {
                 return 2;
             }
             num[k] = (int)x;
+        } else if (specs[k].kind == OPT_FLOAT) {
+            char *end;
+            double x = strtod(v, &end);
+            if (!*v || *end || !(x >= specs[k].lo && x <= specs[k].hi)) {
+                fprintf(stderr, "precompile: --%s takes a number in [%d..%d], not '%s'\n", name, specs[k].lo, specs[k].hi, v);
+                return 2;
+            }
+            fnum[k] = x;
         } else {
             if (!*v) { fprintf(stderr, "precompile: --%s needs a non-empty value\n", name); return 2; }
             str[k] = v;
@@ -163,6 +173,7 @@ int main(int argc, char **argv) {
     mt_passes passes;
     if (eager) mt_passes_none(&passes); else mt_passes_all(&passes);
     passes.overlap = flag[at("overlap")];
+    passes.memory_budget = (int64_t)(fnum[at("memory-budget")] * 1073741824.0);
     mt_graph g;
     double t0 = mt_now();
     if (mt_config_validate(&cfg, &err)) { fprintf(stderr, "precompile: %s\n", err.msg); return 2; }
@@ -194,6 +205,10 @@ int main(int argc, char **argv) {
            (unsigned long long)mt_fingerprint(&g), t1 - t0);
     printf("memory: %s persistent + %s arena (naive arena %s)\n", mt__human((double)g.persist_bytes, h1),
            mt__human((double)g.arena_bytes, h2), mt__human((double)g.naive_arena_bytes, h3));
+    if (g.memory_budget)
+        printf("recompute: %d of %d blocks for a budget of %s (planned peak %s, without recompute %s); --dump lists them\n",
+               g.n_recompute, g.cfg.n_layers, mt__human((double)g.memory_budget, h1), mt__human((double)mt_graph_peak_bytes(&g), h2),
+               mt__human((double)g.peak_no_recompute, h3));
     if (dot && mt_graph_dot(&g, dot, &err)) { fprintf(stderr, "precompile: %s\n", err.msg); mt_graph_free(&g); return 1; }
     mt_graph_free(&g);
     return 0;

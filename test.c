@@ -223,6 +223,134 @@ static void mr_equivalence(int rep, int shard, int ep, int steps, double tol1, d
     mr_free(&a); mr_free(&b);
     mt_graph_free(&g1); mt_graph_free(&gm);
 }
+
+/* ======================================================================
+ * Activation recompute: the same numbers from less memory (both builds)
+ * ==================================================================== */
+
+/* The step graph with the first n blocks recomputed (n < 0: every block),
+ * through the passes one by one; or with mt_compile and a memory budget. */
+static int compile_rc(mt_graph *g, const mt_config *c, const mt_mesh *m, int n, int64_t budget, mt_err *err) {
+    mt_target t;
+    mt_passes p;
+    mt_target_cpu(&t);
+    mt_passes_all(&p);
+    p.overlap = 0;   /* as the hand-built path below: recompute alone (overlap's longer lifetimes take some of its savings) */
+    if (budget > 0 || n == 0) { p.memory_budget = budget; return mt_compile(g, c, m, &t, MT_GRAPH_TRAIN, &p, err); }
+    int32_t layers[256];
+    if (n < 0 || n > c->n_layers) n = c->n_layers;
+    for (int i = 0; i < n; i++) layers[i] = i;
+    if (mt_build(g, c, m, &t, MT_GRAPH_TRAIN, err)) return -1;
+    if (mt_pass_elide_collectives(g, err) || mt_pass_recompute(g, layers, n, err) || mt_pass_fuse(g, err) ||
+        mt_pass_plan_memory(g, err)) { mt_graph_free(g); return -1; }
+    return 0;
+}
+
+enum { RC_STEPS = 6 };
+typedef struct {
+    double loss[RC_STEPS], gnorm[RC_STEPS];
+    uint8_t *params, *biases;    /* every master parameter / every expert bias, concatenated */
+    size_t n_params, n_biases;
+    uint64_t counts;             /* hash of every MoE layer's counts after every step */
+    int n_moe, counts_once;      /* counts_once: each step's counts add up to tokens x top-k (never twice) */
+} rc_result;
+static void rc_free(rc_result *r) { free(r->params); free(r->biases); memset(r, 0, sizeof *r); }
+
+/* Train RC_STEPS steps on one rank, the arena poisoned with NaN before each. */
+static int rc_train(const mt_graph *g, rc_result *r, mt_err *err) {
+    memset(r, 0, sizeof *r);
+    const mt_config *c = &g->cfg;
+    mt_runtime *rt = make_runtime(g, 2, 1, 5);
+    if (!rt) return mt_errf(err, "runtime");
+    int64_t N = (int64_t)c->batch * c->seq_len;
+    int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)N), *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)N);
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    hp.warmup_steps = 2; hp.lr = 1e-2f;
+    int rc = 0;
+    r->counts = MT_HASH_INIT; r->counts_once = 1;
+    r->n_moe = mt_runtime_n_moe_layers(rt);
+    for (int s = 0; s < RC_STEPS && !rc; s++) {
+        mt_step_stats st;
+        make_batch(c, s, tok, tgt);
+        if (mt_runtime_step(rt, tok, tgt, s, &hp, &st, err)) { rc = -1; break; }
+        r->loss[s] = st.loss; r->gnorm[s] = st.grad_norm;
+        for (int i = 0; i < r->n_moe; i++) {
+            int32_t cnt[1024];
+            int E = mt_runtime_expert_counts(rt, i, cnt);
+            int64_t sum = 0;
+            for (int e = 0; e < E; e++) sum += cnt[e];
+            r->counts_once &= E > 0 && sum == N * c->top_k;
+            r->counts = mt_hash(cnt, sizeof(int32_t) * (size_t)(E > 0 ? E : 0), r->counts);
+        }
+    }
+    for (int pass = 0; pass < 2 && !rc; pass++) {   /* sizes, then bytes */
+        size_t np = 0, nb = 0;
+        for (int v = 0; v < g->n_values; v++) {
+            const mt_value *x = &g->values[v];
+            if (x->role != MT_ROLE_PARAM || x->param >= 0) continue;
+            int bias = strstr(x->name, "e_score_correction_bias") != NULL;
+            if (pass) {
+                memcpy(r->params + np, mt_runtime_value(rt, v), (size_t)x->nbytes);
+                if (bias) memcpy(r->biases + nb, mt_runtime_value(rt, v), (size_t)x->nbytes);
+            }
+            np += (size_t)x->nbytes;
+            if (bias) nb += (size_t)x->nbytes;
+        }
+        if (!pass) { r->params = (uint8_t *)malloc(np + 1); r->biases = (uint8_t *)malloc(nb + 1); }
+        r->n_params = np; r->n_biases = nb;
+    }
+    free(tok); free(tgt);
+    mt_runtime_destroy(rt);
+    return rc;
+}
+static int rc_same(const rc_result *a, const rc_result *b) {
+    return bitwise_equal(a->loss, b->loss, RC_STEPS) && bitwise_equal(a->gnorm, b->gnorm, RC_STEPS) && a->n_params == b->n_params &&
+           !memcmp(a->params, b->params, a->n_params);
+}
+static int rc_same_experts(const rc_result *a, const rc_result *b) {
+    return a->n_biases > 0 && a->n_biases == b->n_biases && !memcmp(a->biases, b->biases, a->n_biases) && a->counts == b->counts &&
+           a->n_moe == b->n_moe && a->counts_once && b->counts_once;
+}
+
+/* (a, b) Every block recomputed, and the budget's choice: losses, grad
+ * norms, every weight and every expert bias bitwise those without recompute;
+ * each step's expert counts are the forward's, counted once. */
+static void test_recompute_bitwise_for(const char *tag, const mt_config *c) {
+    mt_err e;
+    mt_mesh m;
+    mt_graph g0, ga, gb;
+    char name[128];
+    mt_mesh_single(&m);
+    snprintf(name, sizeof name, "recompute %s: every block: bitwise losses, norms, weights", tag);
+    if (compile_rc(&g0, c, &m, 0, 0, &e)) { report(name, 0, "%s", e.msg); return; }
+    if (compile_rc(&ga, c, &m, -1, 0, &e)) { report(name, 0, "%s", e.msg); mt_graph_free(&g0); return; }
+    /* a budget halfway between the peaks with and without recomputing every block */
+    int64_t p0 = mt_graph_peak_bytes(&g0), pa = mt_graph_peak_bytes(&ga), budget = pa + (p0 - pa) / 2;
+    if (compile_rc(&gb, c, &m, 0, budget, &e)) { report(name, 0, "%s", e.msg); mt_graph_free(&g0); mt_graph_free(&ga); return; }
+    rc_result r0, ra, rb;
+    int ok = rc_train(&g0, &r0, &e) == 0 && rc_train(&ga, &ra, &e) == 0 && rc_train(&gb, &rb, &e) == 0;
+    report(name, ok && ga.n_recompute == c->n_layers && rc_same(&r0, &ra), "%d blocks, loss %.7f -> %.7f, peak %.2f -> %.2f MiB %s",
+           ga.n_recompute, r0.loss[0], r0.loss[RC_STEPS - 1], p0 / 1048576.0, pa / 1048576.0, ok ? "" : e.msg);
+    snprintf(name, sizeof name, "recompute %s: budget's choice: bitwise", tag);
+    report(name, ok && gb.n_recompute > 0 && mt_graph_peak_bytes(&gb) <= budget && rc_same(&r0, &rb), "%d of %d blocks, peak %.2f MiB <= %.2f",
+           gb.n_recompute, c->n_layers, mt_graph_peak_bytes(&gb) / 1048576.0, budget / 1048576.0);
+    snprintf(name, sizeof name, "recompute %s: expert biases bitwise, counts once", tag);
+    report(name, ok && rc_same_experts(&r0, &ra) && rc_same_experts(&r0, &rb), "%d MoE layers, %zu bias bytes", r0.n_moe, r0.n_biases);
+    rc_free(&r0); rc_free(&ra); rc_free(&rb);
+    mt_graph_free(&g0); mt_graph_free(&ga); mt_graph_free(&gb);
+}
+static void test_recompute_bitwise(void) {
+    mt_config c;
+    mt_err e;
+    mt_config_preset(&c, "tiny", &e);
+    c.batch = 4; c.seq_len = 32; c.original_seq_len = 32;
+    test_recompute_bitwise_for("tiny", &c);
+    /* all MoE, softmax scores, group-limited routing, low-rank q, packed documents */
+    c.n_dense_layers = 0; c.score_func = MT_SCORE_SOFTMAX; c.route_norm = 0; c.n_expert_groups = 4; c.n_limited_groups = 2;
+    c.q_lora_rank = 24; c.doc_mask = 1; c.eot_id = 10; c.top_k = 3;
+    test_recompute_bitwise_for("all-MoE", &c);
+}
 #endif
 
 #if MT_TEST_GPU
@@ -807,6 +935,45 @@ static void gpu_test_whole_steps(void) {
     mt_graph_free(&gc); mt_graph_free(&gg); mt_graph_free(&ge); mt_graph_free(&gn);
 }
 
+/* Activation recompute on the GPU: every block recomputed (bf16 activations
+ * re-run by the same kernels, graph capture on), bitwise the step without. */
+static void gpu_test_recompute(void) {
+    mt_config c;
+    mt_err e;
+    mt_mesh m;
+    mt_target t;
+    mt_graph g0, ga;
+    mt_config_preset(&c, "tiny", &e);
+    c.q_lora_rank = 24;
+    mt_mesh_single(&m);
+    mt_target_cuda(&t, "sm_90a");
+    int32_t all[64];
+    for (int i = 0; i < c.n_layers; i++) all[i] = i;
+    if (gpu_compile(&g0, &c, 1, 1, &e)) { report("gpu recompute", 0, "%s", e.msg); return; }
+    if (mt_build(&ga, &c, &m, &t, MT_GRAPH_TRAIN, &e)) { report("gpu recompute", 0, "%s", e.msg); mt_graph_free(&g0); return; }
+    if (mt_pass_elide_collectives(&ga, &e) || mt_pass_recompute(&ga, all, c.n_layers, &e) || mt_pass_fuse(&ga, &e) ||
+        mt_pass_plan_memory(&ga, &e)) { report("gpu recompute", 0, "%s", e.msg); mt_graph_free(&g0); return; }
+    ga.capture = 1;   /* as mt_run_passes sets it for CUDA */
+    enum { S = 5 };
+    double l0[S] = {0}, la[S] = {0}, n0[S] = {0}, na[S] = {0};
+    mt_runtime *r0 = gpu_runtime(&g0, 1), *ra = gpu_runtime(&ga, 1);
+    int ok = r0 && ra && !gpu_steps(r0, &c, S, l0, n0) && !gpu_steps(ra, &c, S, la, na);
+    int same = ok && bitwise_equal(l0, la, S) && bitwise_equal(n0, na, S);
+    for (int i = 0; same && i < g0.n_values; i++) {   /* every parameter (expert biases too), matched by name */
+        const mt_value *v = &g0.values[i];
+        if (v->role != MT_ROLE_PARAM) continue;
+        int j = mt_graph_find(&ga, v->name);
+        size_t nb = (size_t)v->nbytes;
+        void *a = malloc(nb), *b = malloc(nb);
+        same = j >= 0 && (size_t)ga.values[j].nbytes == nb && !mt_runtime_read(r0, i, a, &e) && !mt_runtime_read(ra, j, b, &e) && !memcmp(a, b, nb);
+        free(a); free(b);
+    }
+    report("gpu recompute every block: bitwise losses, norms, weights", same, "planned peak %.2f -> %.2f MiB",
+           mt_graph_peak_bytes(&g0) / 1048576.0, mt_graph_peak_bytes(&ga) / 1048576.0);
+    mt_runtime_destroy(r0); mt_runtime_destroy(ra);
+    mt_graph_free(&g0); mt_graph_free(&ga);
+}
+
 /* Many GPUs (thread-ranks in this process, one GPU each, NCCL): the same
  * checks as the CPU's, with bf16 tolerances against one GPU. */
 static void gpu_test_multi_rank(void) {
@@ -1080,6 +1247,7 @@ int main(void) {
     gpu_test_gmm_dw_sumsq(64, 1408, 256, 6144);
     gpu_test_loss_and_optimizer();
     gpu_test_whole_steps();
+    gpu_test_recompute();
     gpu_test_doc_mask_steps();
     gpu_test_tuning();
     gpu_test_multi_rank();
@@ -1502,6 +1670,7 @@ int main(void) {
     test_gradcheck_model();
     test_doc_packing();
     test_multirank_f64();
+    test_recompute_bitwise();
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }
@@ -2584,7 +2753,8 @@ static void fix_checksums_safe(uint8_t *b, size_t len) {
 }
 
 /* base 0: a compiled training step (every kind of input); 1: eager; 2: forward only; 3: a 2-rank mesh
- * with expert parallelism (the exchange nodes and coordinate symbols; loads, cannot run on one rank) */
+ * with expert parallelism (the exchange nodes and coordinate symbols; loads, cannot run on one rank); 4: every
+ * block recomputed (the recompute phase and the choice in the plan) */
 static void fuzz_artifact(fuzzer *z, int base) {
     mt_config c;
     mt_err e;
@@ -2598,7 +2768,8 @@ static void fuzz_artifact(fuzzer *z, int base) {
     mt_target_cpu(&tgt);
     if (base == 1) mt_passes_none(&passes); else mt_passes_all(&passes);
     if (base == 3 && mt_mesh_init(&mesh, 1, 2, 1, 2, &e)) { fz_fail(z, "mesh: %s", e.msg); return; }
-    if (mt_compile(&g, &c, &mesh, &tgt, base == 2 ? MT_GRAPH_FORWARD : MT_GRAPH_TRAIN, &passes, &e)) { fz_fail(z, "compile: %s", e.msg); return; }
+    if (base == 4 ? compile_rc(&g, &c, &mesh, -1, 0, &e)   /* every block recomputed */
+                  : mt_compile(&g, &c, &mesh, &tgt, base == 2 ? MT_GRAPH_FORWARD : MT_GRAPH_TRAIN, &passes, &e)) { fz_fail(z, "compile: %s", e.msg); return; }
     uint8_t *good;
     size_t len;
     if (mt_artifact_write(&g, &good, &len, &e)) { fz_fail(z, "write: %s", e.msg); mt_graph_free(&g); return; }
@@ -2985,7 +3156,7 @@ static void test_fuzz(void) {
         if (z.scale < 1) z.scale = 1;
         alarm(600 * (unsigned)z.scale);
         mt_rng_seed(&z.r, 20240909);
-        for (int base = 0; base < 4; base++) fuzz_artifact(&z, base);
+        for (int base = 0; base < 5; base++) fuzz_artifact(&z, base);
         fuzz_safetensors(&z);
         fuzz_data(&z);
         fuzz_rec rec;
@@ -3772,6 +3943,232 @@ static void test_cli_resume(void) {
     remove_tree(d1); remove_tree(d2);
 }
 
+
+/* ======================================================================
+ * activation recompute: the budget, many ranks, the artifact, the CLIs
+ * ==================================================================== */
+
+static void rc_tiny(mt_config *c) {
+    mt_err e;
+    mt_config_preset(c, "tiny", &e);
+    c->batch = 4; c->seq_len = 32; c->original_seq_len = 32;
+}
+
+/* (c) The planned peak fits the budget and is lower than without; the
+ * fewest blocks are taken; an impossible budget is refused, naming it and
+ * the smallest peak there is. */
+static void test_recompute_budget(void) {
+    mt_config c;
+    mt_mesh m;
+    mt_err e;
+    mt_graph g0, ga, g1, g2, gn;
+    rc_tiny(&c);
+    mt_mesh_single(&m);
+    if (compile_rc(&g0, &c, &m, 0, 0, &e) || compile_rc(&ga, &c, &m, -1, 0, &e)) { report("recompute: budget", 0, "%s", e.msg); return; }
+    int64_t p0 = mt_graph_peak_bytes(&g0), pa = mt_graph_peak_bytes(&ga);
+    /* a budget just below the peak without recompute: one block is enough */
+    int ok1 = compile_rc(&g1, &c, &m, 0, p0 - 1, &e) == 0;
+    int64_t p1 = ok1 ? mt_graph_peak_bytes(&g1) : 0;
+    report("recompute: a budget just under the peak: one block, fits", ok1 && g1.n_recompute == 1 && p1 <= p0 - 1 && p1 < p0 &&
+           g1.memory_budget == p0 - 1 && g1.peak_no_recompute == p0 && mt_plan_check(&g1, &e) == 0,
+           "block %d, %.3f -> %.3f MiB %s", ok1 && g1.n_recompute ? g1.recompute[0].layer : -1, p0 / 1048576.0, p1 / 1048576.0, ok1 ? "" : e.msg);
+    /* the smallest peak there is: an impossible budget names it; it is met, and one byte less is not */
+    int r1 = compile_rc(&gn, &c, &m, 0, 1, &e) != 0;
+    const char *at = strstr(e.msg, "the smallest planned peak is ");
+    at = at ? strchr(at, '(') : NULL;
+    long long smallest = at ? atoll(at + 1) : 0;
+    int ok2 = r1 && smallest > g0.persist_bytes && smallest <= pa && compile_rc(&g2, &c, &m, 0, smallest, &e) == 0;
+    int64_t saved = 0;
+    for (int i = 0; ok2 && i < g2.n_recompute; i++) saved += g2.recompute[i].saved_bytes;
+    report("recompute: the smallest peak there is: met, under every block's", ok2 && g2.n_recompute >= 1 &&
+           mt_graph_peak_bytes(&g2) <= smallest && pa < p0 && saved > 0 && mt_plan_check(&g2, &e) == 0,
+           "%.3f MiB with %d blocks (every block %.3f, none %.3f MiB), %.3f MiB of activations not held %s", smallest / 1048576.0,
+           ok2 ? g2.n_recompute : -1, pa / 1048576.0, p0 / 1048576.0, saved / 1048576.0, ok2 ? "" : e.msg);
+    char want_b[64], want_p[64];
+    snprintf(want_b, sizeof want_b, "(%lld bytes)", smallest - 1);
+    snprintf(want_p, sizeof want_p, "(%lld bytes", smallest);
+    int refused = compile_rc(&gn, &c, &m, 0, smallest - 1, &e) != 0 && strstr(e.msg, "cannot be met") && strstr(e.msg, want_b) &&
+                  strstr(e.msg, want_p);
+    report("recompute: an impossible budget is refused, naming budget and smallest peak", refused, "%.200s", e.msg);
+    /* a budget the plan meets as it is: no recompute, the same graph */
+    mt_graph gb;
+    uint8_t *x = NULL, *y = NULL;
+    size_t nx = 0, ny = 0;
+    int ok3 = compile_rc(&gb, &c, &m, 0, p0, &e) == 0;
+    ok3 = ok3 && gb.n_recompute == 0 && gb.n_nodes == g0.n_nodes && gb.arena_bytes == g0.arena_bytes;
+    gb.memory_budget = 0; gb.peak_no_recompute = 0;   /* the only difference */
+    ok3 = ok3 && mt_artifact_write(&gb, &x, &nx, &e) == 0 && mt_artifact_write(&g0, &y, &ny, &e) == 0 && nx == ny && !memcmp(x, y, nx);
+    report("recompute: a budget that fits already changes nothing", ok3, NULL);
+    free(x); free(y);
+    if (ok3 || gb.values) mt_graph_free(&gb);
+    /* eager plans give every value its own bytes: a budget needs the planner */
+    mt_target t;
+    mt_passes p;
+    mt_graph ge;
+    mt_target_cpu(&t);
+    mt_passes_none(&p);
+    p.memory_budget = p0;
+    int eager = mt_compile(&ge, &c, &m, &t, MT_GRAPH_TRAIN, &p, &e) != 0 && strstr(e.msg, "memory planner");
+    mt_passes_all(&p);
+    p.memory_budget = 1;
+    int fwd = mt_compile(&ge, &c, &m, &t, MT_GRAPH_FORWARD, &p, &e) != 0 && strstr(e.msg, "forward-only");
+    int32_t bad[2] = {1, 1}, out[1] = {7};
+    mt_graph gx;
+    int ok4 = mt_build(&gx, &c, &m, &t, MT_GRAPH_TRAIN, &e) == 0;
+    int twice = ok4 && mt_pass_recompute(&gx, bad, 2, &e) != 0 && strstr(e.msg, "twice");
+    int range = ok4 && mt_pass_recompute(&gx, out, 1, &e) != 0 && strstr(e.msg, "no block 7");
+    int fused = ok4 && mt_pass_fuse(&gx, &e) == 0 && mt_pass_recompute(&gx, bad, 1, &e) != 0 && strstr(e.msg, "before fusion");
+    if (ok4) mt_graph_free(&gx);
+    report("recompute: eager, forward-only, bad block lists, fused graphs refused", eager && fwd && twice && range && fused,
+           "%d %d %d %d %d", eager, fwd, twice, range, fused);
+    mt_graph_free(&g0); mt_graph_free(&ga);
+    if (ok1) mt_graph_free(&g1);
+    if (ok2) mt_graph_free(&g2);
+}
+
+/* (d) Many thread-ranks, FSDP + expert parallelism: the same bitwise run
+ * with every block recomputed (the expert exchange and the all-gathers
+ * re-run on every rank); received rows and expert counts not doubled. */
+static int mr_compile_rc(mt_graph *g, int shard, int ep, int n, int64_t budget, mt_err *err) {
+    mt_config c;
+    mt_mesh m;
+    mt_config_preset(&c, "tiny", err);
+    c.seq_len = 32; c.original_seq_len = 32; c.batch = 2;
+    if (mt_mesh_init(&m, 1, shard, 1, ep, err)) return -1;
+    return compile_rc(g, &c, &m, n, budget, err);
+}
+static void test_recompute_multirank(void) {
+    const int meshes[2][2] = {{2, 2}, {4, 2}};   /* dp_shard, ep */
+    for (int k = 0; k < 2; k++) {
+        int shard = meshes[k][0], ep = meshes[k][1];
+        mt_err e;
+        mt_graph g0, ga, gb;
+        char name[128];
+        snprintf(name, sizeof name, "recompute on %d ranks (FSDP, ep %d): bitwise, counts once", shard, ep);
+        if (mr_compile_rc(&g0, shard, ep, 0, 0, &e) || mr_compile_rc(&ga, shard, ep, -1, 0, &e)) { report(name, 0, "%s", e.msg); continue; }
+        int64_t p0 = mt_graph_peak_bytes(&g0), pa = mt_graph_peak_bytes(&ga);
+        int okb = mr_compile_rc(&gb, shard, ep, 0, pa + (p0 - pa) / 3, &e) == 0;
+        int regather = 0, reexchange = 0;   /* the recompute reads the backward's gathers; its exchange re-runs */
+        for (int i = 0; i < ga.n_nodes; i++) {
+            const mt_node *n = &ga.nodes[i];
+            if (n->phase != MT_PHASE_RECOMPUTE) continue;
+            reexchange += n->op == MT_OP_EP_DISPATCH;
+            for (int j = 0; j < n->n_in; j++) regather += n->in[j] >= 0 && strstr(ga.values[n->in[j]].name, "@full#2") != NULL;
+            if (n->op == MT_OP_ALLGATHER) regather = -1000;   /* a second gather of a weight that is gathered anyway */
+        }
+        mr_job a, b, d;
+        memset(&a, 0, sizeof a); memset(&b, 0, sizeof b); memset(&d, 0, sizeof d);
+        a.fail_rank = b.fail_rank = d.fail_rank = -1;
+        int ok = okb && mr_run(&a, &g0, 5, &e) == 0 && mr_run(&b, &ga, 5, &e) == 0 && mr_run(&d, &gb, 5, &e) == 0;
+        int same = ok && bitwise_equal(a.loss, b.loss, 5) && bitwise_equal(a.gnorm, b.gnorm, 5) && bitwise_equal(a.loss, d.loss, 5) &&
+                   bitwise_equal(a.gnorm, d.gnorm, 5);
+        int counts = ok;
+        for (int r = 0; ok && r < shard; r++) {
+            same &= a.param_bytes[r] == b.param_bytes[r] && !memcmp(a.params[r], b.params[r], a.param_bytes[r]) &&
+                    a.param_bytes[r] == d.param_bytes[r] && !memcmp(a.params[r], d.params[r], a.param_bytes[r]);
+            counts &= a.recv_rows[r] == b.recv_rows[r] && a.recv_rows[r] == d.recv_rows[r] && a.recv_rows[r] > 0 &&
+                      mt_runtime_n_moe_layers(a.rt[r]) == mt_runtime_n_moe_layers(b.rt[r]);
+            for (int l = 0; l < mt_runtime_n_moe_layers(a.rt[r]); l++) {
+                int32_t x[64], y[64];
+                int E = mt_runtime_expert_counts(a.rt[r], l, x);
+                counts &= E > 0 && mt_runtime_expert_counts(b.rt[r], l, y) == E && !memcmp(x, y, sizeof(int32_t) * (size_t)E);
+            }
+        }
+        report(name, same && counts && regather > 0 && reexchange == g0.cfg.n_layers - g0.cfg.n_dense_layers,
+               "%d blocks (budget: %d), peak %.2f -> %.2f MiB/rank, rows %lld, %d re-gathered weights read %s",
+               ga.n_recompute, okb ? gb.n_recompute : -1, p0 / 1048576.0, pa / 1048576.0, (long long)a.recv_rows[0], regather,
+               ok ? "" : e.msg);
+        snprintf(name, sizeof name, "recompute on %d ranks: the budget's peak fits, lower", shard);
+        report(name, okb && gb.n_recompute > 0 && mt_graph_peak_bytes(&gb) <= pa + (p0 - pa) / 3 && mt_graph_peak_bytes(&gb) < p0,
+               "%.2f MiB", okb ? mt_graph_peak_bytes(&gb) / 1048576.0 : 0);
+        mr_free(&a); mr_free(&b); mr_free(&d);
+        mt_graph_free(&g0); mt_graph_free(&ga);
+        if (okb) mt_graph_free(&gb);
+    }
+}
+
+/* (e) The choice survives the artifact: precompiled with recompute = in
+ * process with recompute, bitwise; the bytes are stable; the loader checks
+ * the choice and keeps re-run routers away from the step's counts. */
+static void test_recompute_artifact(void) {
+    mt_config c;
+    mt_mesh m;
+    mt_err e;
+    mt_graph g, g0, ld;
+    rc_tiny(&c);
+    mt_mesh_single(&m);
+    if (compile_rc(&g0, &c, &m, 0, 0, &e)) { report("recompute artifact", 0, "%s", e.msg); return; }
+    int64_t p0 = mt_graph_peak_bytes(&g0);
+    if (compile_rc(&g, &c, &m, 0, p0 - 1, &e)) { report("recompute artifact", 0, "%s", e.msg); mt_graph_free(&g0); return; }
+    uint8_t *bytes = NULL, *again = NULL;
+    size_t len = 0, len2 = 0;
+    rc_result r1, r2;
+    int ok = mt_artifact_write(&g, &bytes, &len, &e) == 0 && mt_artifact_read(&ld, bytes, len, &e) == 0;
+    int kept = ok && ld.n_recompute == g.n_recompute && ld.recompute[0].layer == g.recompute[0].layer &&
+               ld.recompute[0].saved_bytes == g.recompute[0].saved_bytes && ld.memory_budget == p0 - 1 && ld.peak_no_recompute == p0;
+    ok = ok && rc_train(&g, &r1, &e) == 0 && rc_train(&ld, &r2, &e) == 0;
+    int same = ok && rc_same(&r1, &r2) && rc_same_experts(&r1, &r2);
+    ok = ok && mt_artifact_write(&ld, &again, &len2, &e) == 0;
+    report("recompute: artifact keeps the choice; precompiled = in-process, bitwise", kept && same && len2 == len && !memcmp(bytes, again, len),
+           "%zu bytes, block %d %s", len, kept ? ld.recompute[0].layer : -1, ok ? "" : e.msg);
+    report("recompute: the fingerprint covers the choice", mt_fingerprint(&g) != mt_fingerprint(&g0), NULL);
+    if (ok) { rc_free(&r1); rc_free(&r2); }
+    free(again);
+    if (kept || ld.values) mt_graph_free(&ld);
+    /* corrupt choices, written consistently: refused with a message */
+    const char *why[4] = {"not a block", "no node re-runs it", "does not list", "only the forward router"};
+    int refused = 0;
+    char last[300] = "";
+    for (int k = 0; k < 4; k++) {
+        mt_graph x;
+        uint8_t *b = NULL;
+        size_t n = 0;
+        if (mt_graph_copy(&x, &g, &e)) break;
+        if (k == 0) x.recompute[0].layer = c.n_layers;
+        if (k == 1) x.recompute[0].layer = (g.recompute[0].layer + 1) % c.n_layers;
+        if (k == 2) x.n_recompute = 0;
+        if (k == 3)   /* a re-run router that writes the step's counts: what would count its tokens twice */
+            for (int i = 0; i < x.n_nodes; i++)
+                if (x.nodes[i].op == MT_OP_ROUTER && x.nodes[i].phase == MT_PHASE_RECOMPUTE)
+                    for (int j = 0; j < x.n_forward_nodes; j++)
+                        if (x.nodes[j].op == MT_OP_ROUTER && x.nodes[j].layer == x.nodes[i].layer) x.nodes[i].out[3] = x.nodes[j].out[3];
+        if (mt_artifact_write(&x, &b, &n, &e) == 0 && mt_artifact_read(&ld, b, n, &e) != 0 && strstr(e.msg, why[k])) refused++;
+        else snprintf(last, sizeof last, "case %d: %s", k, e.msg);
+        free(b);
+        mt_graph_free(&x);
+    }
+    report("recompute: the loader refuses inconsistent choices", refused == 4, "%d of 4 %.200s", refused, last);
+    free(bytes);
+    mt_graph_free(&g); mt_graph_free(&g0);
+}
+
+/* (f) precompile --memory-budget, --dump shows the choice, train
+ * --memory-budget and train --graph give the run without recompute. */
+static void test_cli_recompute(void) {
+    static char a[1 << 16], b[1 << 16], d[1 << 16], dump[1 << 22];
+    const char *mtg = TP("rc.mtg");
+    /* tiny on the CPU plans 12.28 MiB without recompute, 7.44 MiB recomputing all 3 blocks */
+    int ra = sh(a, sizeof a, "%sprecompile --preset tiny --memory-budget 0.0095 -o %s 2>&1 && %strain --graph %s --steps 4 --seed 1 2>&1",
+                BIN, mtg, BIN, mtg);
+    int rb = sh(b, sizeof b, "%strain --preset tiny --memory-budget 0.0095 --steps 4 --seed 1 2>&1", BIN);
+    int banner = strstr(b, "blocks recomputed") && !strstr(b, " 0 of 3 blocks recomputed");
+    int rd = sh(d, sizeof d, "%strain --preset tiny --steps 4 --seed 1 2>&1", BIN);
+    keep_loss_lines(a); keep_loss_lines(b); keep_loss_lines(d);
+    report("CLI: --memory-budget: precompiled = in-process = no recompute", !ra && !rb && !rd && banner && strlen(a) > 50 && !strcmp(a, b) &&
+           !strcmp(a, d), "%s", ra || rb || rd ? "a command failed" : "");
+    int rp = sh(dump, sizeof dump, "%sprecompile --dump %s 2>&1", BIN, mtg);
+    report("CLI: --dump shows the recompute choice", rp == 0 && strstr(dump, "== recompute (2 of 3 blocks") && strstr(dump, "L1   (MoE)") &&
+           strstr(dump, "not held from forward to backward") && strstr(dump, " rc  compute L1") && strstr(dump, "@rc") &&
+           strstr(dump, "budget 9.73 MiB"), "%.120s", strstr(dump, "== recompute") ? strstr(dump, "== recompute") : "no section");
+    int r1 = sh(a, sizeof a, "%sprecompile --preset tiny --memory-budget 0.001 -o %s 2>&1", BIN, mtg);
+    int r2 = sh(b, sizeof b, "%strain --preset tiny --memory-budget 0.001 --steps 1 2>&1", BIN);
+    int r3 = sh(d, sizeof d, "%sprecompile --memory-budget -1 -o %s 2>&1", BIN, mtg);
+    int r4 = sh(dump, sizeof dump, "%strain --memory-budget x --steps 1 2>&1", BIN);
+    report("CLI: impossible or malformed budgets refused", r1 == 1 && r2 == 1 && strstr(a, "cannot be met") && strstr(b, "7.44 MiB") &&
+           r3 == 2 && r4 == 2 && strstr(d, "--memory-budget"), "%d %d %d %d: %.120s", r1, r2, r3, r4, b);
+    remove(mtg);
+}
+
 int main(void) {
     mt_rng_seed(&R, 42);
     if (getenv("MT_BIN")) BIN = getenv("MT_BIN");
@@ -3780,42 +4177,42 @@ int main(void) {
         printf("%d passed, %d failed\n", n_pass, n_fail);
         return n_fail ? 1 : 0;
     }
+    const char *only = getenv("MT_TEST_ONLY");   /* run the test functions whose names contain this */
+#define RUN(f) do { if (!only || strstr(#f, only)) f(); } while (0)
     if (getenv("MT_FUZZ_ONLY")) {   /* a fuzzing campaign alone (with MT_FUZZ_SCALE=N for a longer one) */
         test_fuzz();
         printf("%d passed, %d failed\n", n_pass, n_fail);
         return n_fail ? 1 : 0;
     }
-    if (getenv("MT_ONLY")) {   /* one test while developing: MT_ONLY=isolate_ep ./test_f32 */
-        static const struct { const char *name; void (*fn)(void); } t[] = {
-            {"multirank", test_multirank}, {"isolate_ep", test_isolate_ep}, {"devices", test_devices}, {"cli", test_cli}, {"bitwise", test_bitwise},
-            {"artifact_rejects", test_artifact_rejects}, {"memory_plan", test_memory_plan}, {"graph_structure", test_graph_structure}};
-        for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) if (!strcmp(getenv("MT_ONLY"), t[i].name)) t[i].fn();
-        printf("%d passed, %d failed\n", n_pass, n_fail);
-        return n_fail ? 1 : 0;
-    }
-    test_presets();
-    test_graph_structure();
-    test_doc_mask_graph();
-    test_memory_plan();
-    test_bitwise();
-    test_artifact_rejects();
-    test_moe_edge_cases();
-    test_checkpoint();
-    test_resume_exact();
-    test_checkpoint_atomic();
-    test_checkpoint_refusals();
-    test_nan_check();
-    test_data();
-    test_fuzz();
-    test_training_falls();
-    test_overlap();
-    test_multirank();
-    test_isolate_ep();
-    test_devices();
-    test_launch_rendezvous();
-    test_cli();
-    test_cli_options();
-    test_cli_resume();
+    RUN(test_presets);
+    RUN(test_graph_structure);
+    RUN(test_doc_mask_graph);
+    RUN(test_memory_plan);
+    RUN(test_bitwise);
+    RUN(test_recompute_bitwise);
+    RUN(test_recompute_budget);
+    RUN(test_recompute_artifact);
+    RUN(test_artifact_rejects);
+    RUN(test_moe_edge_cases);
+    RUN(test_checkpoint);
+    RUN(test_resume_exact);
+    RUN(test_checkpoint_atomic);
+    RUN(test_checkpoint_refusals);
+    RUN(test_nan_check);
+    RUN(test_data);
+    RUN(test_fuzz);
+    RUN(test_training_falls);
+    RUN(test_overlap);
+    RUN(test_multirank);
+    RUN(test_recompute_multirank);
+    RUN(test_isolate_ep);
+    RUN(test_devices);
+    RUN(test_launch_rendezvous);
+    RUN(test_cli);
+    RUN(test_cli_options);
+    RUN(test_cli_resume);
+    RUN(test_cli_recompute);
+#undef RUN
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }

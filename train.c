@@ -29,6 +29,7 @@ typedef struct {
     int nproc, dp_replicate, dp_shard, ep;   /* ranks; 0 = derive */
     float timeout;                           /* seconds without progress before a rank gives up */
     float roof_tflops, roof_gbps;
+    float memory_budget;                     /* GiB; 0: no activation recompute */
     mt_hparams hp;
     int n_overrides;
     const char *ov_key[128], *ov_val[128];
@@ -83,6 +84,7 @@ static const opt_spec specs[] = {
     {"logits-out", OPT_STR, O_(logits_out), 0, 0, 0, 0, "none", "with --forward: write float32 logits [batch*seq_len, vocab]", "FILE"},
     {"eager", OPT_FLAG, O_(eager), 0, 0, 0, 0, "off", "no optimizing passes (the baseline)", NULL},
     {"overlap", OPT_FLAG, O_(overlap), 0, 0, 0, 0, "off", "collectives on their own CUDA streams: FSDP prefetch, EP ahead of its host sync", NULL},
+    {"memory-budget", OPT_FLOAT, O_(memory_budget), 0, 1 << 20, 0, 0, "0: off", "recompute the fewest blocks' activations so the planned peak (persistent + arena) fits (compiling here; an artifact has its own)", "GiB"},
     {"nan-check", OPT_FLAG, O_(nan_check), 0, 0, 0, 0, "off", "check every op's output for NaN/Inf and name the first (slower)", NULL},
     {"threads", OPT_INT, O_(threads), 1, 64, 0, 0, "all cores", "CPU threads (results do not depend on it)", NULL},
     {"log-every", OPT_INT, O_(log_every), 1, 1 << 30, 0, 0, "1", "print every N steps", NULL},
@@ -1059,12 +1061,14 @@ int main(int argc, char **argv) {
         choose_target(&o, &tgt);
         if (o.eager) mt_passes_none(&passes); else mt_passes_all(&passes);
         passes.overlap = o.overlap;
+        passes.memory_budget = (int64_t)((double)o.memory_budget * 1073741824.0);
         double t0 = mt_now();
         if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_TRAIN, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
 #ifdef MT_CUDA
         if (on_cuda && mt_tune(&g, world > 1 ? local_rank : o.gpu, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_graph_free(&g); return 1; }
 #endif
-        if (rank == 0) printf("compiled the step graph in %.2f s: %d nodes, %d values\n", mt_now() - t0, g.n_nodes, g.n_values);
+        if (rank == 0) printf("compiled the step graph in %.2f s: %d nodes, %d values, %d of %d blocks recomputed\n", mt_now() - t0,
+                              g.n_nodes, g.n_values, g.n_recompute, g.cfg.n_layers);
     } else if (rank == 0) {
         printf("loaded the step graph from %s: %d nodes, %d values\n", o.graph, g.n_nodes, g.n_values);
     }
