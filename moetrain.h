@@ -6923,8 +6923,11 @@ static int mt__cuda_run(mt_runtime *rt, int step, mt_err *err) {
         int q = multi ? S->queue[i] : MT_Q_COMPUTE;
         if (use_graphs && q == MT_Q_COMPUTE && mt_node_capturable(G, &G->nodes[i])) {   /* a region: replay, or capture it once */
             int end = i, used = 0;
-            while (end < n && mt_node_capturable(G, &G->nodes[end]) && (!multi || S->queue[end] == MT_Q_COMPUTE))
-                if (multi && rt->ev_used[end++]) break;   /* another stream waits for this node: its event marks it alone */
+            while (end < n && mt_node_capturable(G, &G->nodes[end]) && (!multi || S->queue[end] == MT_Q_COMPUTE)) {
+                int waited_on = multi && rt->ev_used[end];   /* another stream waits for this node: the region ends with it */
+                end++;
+                if (waited_on) break;
+            }
             for (int k = i; multi && k < end; k++) {
                 used |= rt->ev_used[k];
                 for (int w = S->wait_at[k]; w < S->wait_at[k + 1]; w++) CU_(mt_cuda_queue_wait(cu, rt->ev_of[S->wait[w]]));
