@@ -624,11 +624,14 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
         bind.n_threads = cores / world > 1 ? cores / world : 1;
     }
     mt_runtime *rt;
+    double t_bind = mt_now();
     if (mt_runtime_create(&rt, G, &bind, err)) return -1;
+    double t_bound = mt_now();
     j->rts[w ? rank : 0] = rt;   /* a failed rank's buffers stay until every rank has stopped reading them */
     int step0 = 0;   /* a resumed run starts at the checkpoint's step; --steps counts from step 0 */
     if (mt_runtime_init_params(rt, (uint64_t)o->seed, err) || (o->load && mt_checkpoint_load(rt, o->load, &step0, err)))
         return -1;
+    double t_init = mt_now();
     int todo = o->steps > step0 ? o->steps - step0 : 0, last_saved = o->load ? step0 : -1;
     const char *last_dir = o->load;
     j->last_saved = last_saved; j->last_dir = last_dir;
@@ -681,7 +684,8 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
             d[0] = (double)(dg >> 32); d[1] = (double)(dg & 0xffffffffu); d[2] = -d[0]; d[3] = -d[1];
             if (world > 1 && on_gpu && mt_runtime_allreduce_host(rt, d, 4, 1, err)) { rc = -1; break; }
             if (lead) {
-                printf("first step done %.2f s after launch", mt_now() - j->t_launch);
+                printf("first step done %.2f s after launch (graph ready at %.2f s; bind %.2f s, weights %.2f s, step %.2f s)",
+                       mt_now() - j->t_launch, t_bind - j->t_launch, t_bound - t_bind, t_init - t_bound, mt_now() - t_init);
                 if (on_gpu)
                     printf(" | GEMM kernels: %d from the graph's tuning, %d chosen here%s", preset, derived,
                            world == 1 ? "" : d[0] == -d[2] && d[1] == -d[3] ? ", identical on every rank" : ", DIFFERENT across ranks");
