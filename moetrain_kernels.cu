@@ -358,6 +358,45 @@ static mt__gemm_entry *mt__gemm_slot(mt_cuda *c, int ta, int tb, int mb, int N, 
     return NULL;
 }
 
+/* cuBLAS's view of a row-major GEMM: layouts of B (its first operand: col-major rows x cols with ld = B's
+ * row-major row length), A and C; a descriptor with the transposes; the heuristic's first algorithm. */
+static void mt__gemm_layouts_free(cublasLtMatrixLayout_t l[3]) {
+    for (int i = 0; i < 3; i++) if (l[i]) cublasLtMatrixLayoutDestroy(l[i]);
+}
+static int mt__gemm_layouts(int ta, int tb, int M, int N, int K, int at, int bt, int ct, cublasLtMatrixLayout_t l[3]) {
+    l[0] = l[1] = l[2] = NULL;
+    if (cublasLtMatrixLayoutCreate(&l[0], mt__cu_type(bt), tb ? K : N, tb ? N : K, tb ? K : N) ||
+        cublasLtMatrixLayoutCreate(&l[1], mt__cu_type(at), ta ? M : K, ta ? K : M, ta ? M : K) ||
+        cublasLtMatrixLayoutCreate(&l[2], mt__cu_type(ct), N, M, N)) {
+        mt__gemm_layouts_free(l);
+        return -1;
+    }
+    return 0;
+}
+static int mt__gemm_desc(int ta, int tb, cublasLtMatmulDesc_t *d) {
+    cublasOperation_t opa = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    *d = NULL;
+    if (cublasLtMatmulDescCreate(d, CUBLAS_COMPUTE_32F, CUDA_R_32F) ||
+        cublasLtMatmulDescSetAttribute(*d, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa) ||
+        cublasLtMatmulDescSetAttribute(*d, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb)) {
+        if (*d) cublasLtMatmulDescDestroy(*d);
+        *d = NULL;
+        return -1;
+    }
+    return 0;
+}
+static int mt__gemm_heuristic(mt_cuda *c, cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t l[3], size_t ws_bytes, cublasLtMatmulAlgo_t *algo) {
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    int bad = cublasLtMatmulPreferenceCreate(&pref) ||
+              cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes) ||
+              cublasLtMatmulAlgoGetHeuristic(c->lt, d, l[0], l[1], l[2], l[2], pref, 1, &res, &found) || found < 1;
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (!bad) *algo = res.algo;
+    return bad ? -1 : 0;
+}
+
 /* C = op(A) op(B), or with acc (same layout as C): C = acc + op(A) op(B) in one pass (the epilogue
  * reads acc: beta = 1), so a residual or gradient sum costs no separate kernel. */
 static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_bytes, int ta, int tb, int M, int N, int K,
@@ -371,52 +410,31 @@ static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_b
     }
     int mb = mt__bucket(M);
     mt__gemm_entry *e = mt__gemm_slot(c, ta, tb, mb, N, K, at, bt, ct);
-    cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
-    cublasOperation_t opa = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-    /* first operand = B: col-major rows x cols with ld = B's row-major row length */
-    if (cublasLtMatrixLayoutCreate(&la, mt__cu_type(bt), tb ? K : N, tb ? N : K, tb ? K : N) ||
-        cublasLtMatrixLayoutCreate(&lb, mt__cu_type(at), ta ? M : K, ta ? K : M, ta ? M : K) ||
-        cublasLtMatrixLayoutCreate(&lc, mt__cu_type(ct), N, M, N)) {
-        if (la) cublasLtMatrixLayoutDestroy(la);
-        if (lb) cublasLtMatrixLayoutDestroy(lb);
-        return mt__fail(c, "cublasLtMatrixLayoutCreate", "failed");
-    }
+    cublasLtMatrixLayout_t l[3];
+    if (mt__gemm_layouts(ta, tb, M, N, K, at, bt, ct, l)) return mt__fail(c, "cublasLtMatrixLayoutCreate", "failed");
     int rc = 0;
     mt__gemm_entry local;
     memset(&local, 0, sizeof local);
     if (!e || !e->used) {
         mt__gemm_entry *n = e ? e : &local;
-        cublasLtMatmulPreference_t pref = NULL;
-        cublasLtMatmulHeuristicResult_t res;
-        int found = 0;
-        if (cublasLtMatmulDescCreate(&n->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) ||
-            cublasLtMatmulDescSetAttribute(n->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa) ||
-            cublasLtMatmulDescSetAttribute(n->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb) ||
-            cublasLtMatmulPreferenceCreate(&pref) ||
-            cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes) ||
-            cublasLtMatmulAlgoGetHeuristic(c->lt, n->desc, la, lb, lc, lc, pref, 1, &res, &found) || found < 1) {
+        if (mt__gemm_desc(ta, tb, &n->desc) || mt__gemm_heuristic(c, n->desc, l, ws_bytes, &n->algo)) {
+            if (n->desc) cublasLtMatmulDescDestroy(n->desc);
+            n->desc = NULL;
             rc = mt__fail(c, "cuBLASLt", "no GEMM algorithm for this shape");
         } else {
-            n->algo = res.algo;
             n->used = 1; n->ta = ta; n->tb = tb; n->mb = mb; n->n = N; n->k = K; n->at = at; n->bt = bt; n->ct = ct;
             c->gemm_derived++;
         }
-        if (pref) cublasLtMatmulPreferenceDestroy(pref);
         e = n;
     }
     if (!rc) {
         float one = 1.0f, beta = acc ? 1.0f : 0.0f;
         const void *Cin = acc ? acc : C;
-        cublasStatus_t st = cublasLtMatmul(c->lt, e->desc, &one, B, la, A, lb, &beta, Cin, lc, C, lc, &e->algo, ws, ws_bytes, stream);
+        cublasStatus_t st = cublasLtMatmul(c->lt, e->desc, &one, B, l[0], A, l[1], &beta, Cin, l[2], C, l[2], &e->algo, ws, ws_bytes, stream);
         if (st != CUBLAS_STATUS_SUCCESS) {   /* the bucket's algorithm does not fit this M: ask for this exact shape */
-            cublasLtMatmulPreference_t pref = NULL;
-            cublasLtMatmulHeuristicResult_t res;
-            int found = 0;
-            if (!cublasLtMatmulPreferenceCreate(&pref) &&
-                !cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes) &&
-                !cublasLtMatmulAlgoGetHeuristic(c->lt, e->desc, la, lb, lc, lc, pref, 1, &res, &found) && found)
-                st = cublasLtMatmul(c->lt, e->desc, &one, B, la, A, lb, &beta, Cin, lc, C, lc, &res.algo, ws, ws_bytes, stream);
-            if (pref) cublasLtMatmulPreferenceDestroy(pref);
+            cublasLtMatmulAlgo_t exact;
+            if (!mt__gemm_heuristic(c, e->desc, l, ws_bytes, &exact))
+                st = cublasLtMatmul(c->lt, e->desc, &one, B, l[0], A, l[1], &beta, Cin, l[2], C, l[2], &exact, ws, ws_bytes, stream);
             if (st != CUBLAS_STATUS_SUCCESS) {
                 char why[128];
                 snprintf(why, sizeof why, "status %d for M=%d N=%d K=%d", (int)st, M, N, K);
@@ -425,12 +443,9 @@ static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_b
         }
     }
     if (local.used) cublasLtMatmulDescDestroy(local.desc);
-    cublasLtMatrixLayoutDestroy(la);
-    cublasLtMatrixLayoutDestroy(lb);
-    cublasLtMatrixLayoutDestroy(lc);
+    mt__gemm_layouts_free(l);
     return rc;
 }
-
 static int mt__lt_gemm(mt_cuda *c, int ta, int tb, int M, int N, int K, const void *A, int at, const void *B, int bt, void *C,
                        int ct, const void *acc) {
     return mt__lt_gemm_on(c, c->stream, c->lt_ws, c->lt_ws_bytes, ta, tb, M, N, K, A, at, B, bt, C, ct, acc);
@@ -438,34 +453,20 @@ static int mt__lt_gemm(mt_cuda *c, int ta, int tb, int M, int N, int K, const vo
 
 static_assert(sizeof(cublasLtMatmulAlgo_t) == 8 * MT_ALGO_WORDS, "cuBLASLt algorithm size");
 
-/* The choice the runtime would make for this key (cuBLASLt's heuristic, deterministic for a GPU model and
+/* The choice the runtime would make for this key (the same heuristic, deterministic for a GPU model and
  * library version), without touching the cache: precompile records it in the graph's tuning. */
 int mt_cuda_gemm_choose(mt_cuda *c, mt_tuning *t, int M) {
-    cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
+    cublasLtMatrixLayout_t l[3];
     cublasLtMatmulDesc_t desc = NULL;
-    cublasLtMatmulPreference_t pref = NULL;
-    cublasLtMatmulHeuristicResult_t res;
-    int found = 0, N = t->n, K = t->k;
-    cublasOperation_t opa = t->tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = t->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-    size_t ws_bytes = c->lt_ws_bytes;
-    int bad = cublasLtMatrixLayoutCreate(&la, mt__cu_type(t->bt), t->tb ? K : N, t->tb ? N : K, t->tb ? K : N) ||
-              cublasLtMatrixLayoutCreate(&lb, mt__cu_type(t->at), t->ta ? M : K, t->ta ? K : M, t->ta ? M : K) ||
-              cublasLtMatrixLayoutCreate(&lc, mt__cu_type(t->ct), N, M, N) ||
-              cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) ||
-              cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa) ||
-              cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb) ||
-              cublasLtMatmulPreferenceCreate(&pref) ||
-              cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes) ||
-              cublasLtMatmulAlgoGetHeuristic(c->lt, desc, la, lb, lc, lc, pref, 1, &res, &found) || found < 1;
-    if (!bad) memcpy(t->algo, &res.algo, sizeof res.algo);
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatmulAlgo_t algo;
+    int bad = mt__gemm_layouts(t->ta, t->tb, M, t->n, t->k, t->at, t->bt, t->ct, l);
+    bad = bad || mt__gemm_desc(t->ta, t->tb, &desc) || mt__gemm_heuristic(c, desc, l, c->lt_ws_bytes, &algo);
+    if (!bad) memcpy(t->algo, &algo, sizeof algo);
     if (desc) cublasLtMatmulDescDestroy(desc);
-    if (la) cublasLtMatrixLayoutDestroy(la);
-    if (lb) cublasLtMatrixLayoutDestroy(lb);
-    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    mt__gemm_layouts_free(l);
     if (bad) {
         char why[96];
-        snprintf(why, sizeof why, "no algorithm for M=%d N=%d K=%d", M, N, K);
+        snprintf(why, sizeof why, "no algorithm for M=%d N=%d K=%d", M, t->n, t->k);
         return mt__fail(c, "cuBLASLt", why);
     }
     return 0;
@@ -476,11 +477,7 @@ int mt_cuda_gemm_preset(mt_cuda *c, const mt_tuning *t, int n) {
         mt__gemm_entry *e = mt__gemm_slot(c, t[i].ta, t[i].tb, t[i].mb, t[i].n, t[i].k, t[i].at, t[i].bt, t[i].ct);
         if (!e) return mt__fail(c, "tuning", "the GEMM cache is full");
         if (e->used) continue;
-        cublasOperation_t opa = t[i].tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = t[i].ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-        if (cublasLtMatmulDescCreate(&e->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) ||
-            cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa) ||
-            cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb))
-            return mt__fail(c, "tuning", "cublasLtMatmulDescCreate failed");
+        if (mt__gemm_desc(t[i].ta, t[i].tb, &e->desc)) return mt__fail(c, "tuning", "cublasLtMatmulDescCreate failed");
         memcpy(&e->algo, t[i].algo, sizeof e->algo);
         e->used = 1; e->ta = t[i].ta; e->tb = t[i].tb; e->mb = t[i].mb; e->n = t[i].n; e->k = t[i].k;
         e->at = t[i].at; e->bt = t[i].bt; e->ct = t[i].ct;
