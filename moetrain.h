@@ -79,6 +79,35 @@ uint64_t mt_rng_u64(mt_rng *r);
 double mt_rng_uniform(mt_rng *r);                       /* [0, 1) */
 double mt_rng_normal(mt_rng *r);                        /* N(0, 1) */
 
+/* Parameter initialization draws, the same bits on the CPU and on a GPU.
+ * Element i of a parameter (or of one expert's slice) whose stream key is
+ * `key` takes h = mt_init_bits(key, i) and maps it through the inverse CDF of
+ * the normal truncated at 3 std, tabulated at MT_INIT_TABLE + 1 points
+ * (mt_init_table) and linear in between. Every element is independent (any
+ * order, any shard, any device), and the arithmetic rounds exactly once:
+ * the table's neighbours differ by a double with <= 27 significant bits and the
+ * fraction has 26, so d * f is exact and t0 + d * f (fused or not) rounds once. */
+#define MT_INIT_TABLE_BITS 16
+#define MT_INIT_TABLE (1 << MT_INIT_TABLE_BITS)
+#if defined(__CUDACC__)
+#define MT_HOST_DEVICE __host__ __device__
+#else
+#define MT_HOST_DEVICE
+#endif
+void mt_init_table(float *t);   /* t[MT_INIT_TABLE + 1]: t[0] = -3, t[MT_INIT_TABLE / 2] = 0, t[MT_INIT_TABLE] = 3, odd */
+static inline MT_HOST_DEVICE uint64_t mt_init_bits(uint64_t key, uint64_t i) {
+    uint64_t z = key + (i + 1) * 0x9e3779b97f4a7c15ull;    /* splitmix64's finalizer over a counter */
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static inline MT_HOST_DEVICE double mt_init_draw(const float *t, uint64_t h) {   /* in [-3, 3] */
+    uint64_t k = h >> (64 - MT_INIT_TABLE_BITS);                                    /* interval */
+    double f = (double)((h >> (64 - MT_INIT_TABLE_BITS - 26)) & ((1u << 26) - 1)) * (1.0 / 67108864.0);
+    double t0 = (double)t[k], d = (double)t[k + 1] - t0;
+    return t0 + d * f;
+}
+
 /* A small fixed pool of worker threads. Work is split by index ranges that do
  * not depend on the thread count's timing, and every output element is
  * computed by exactly one thread in a fixed order, so results are bitwise
@@ -623,6 +652,7 @@ typedef struct {
     mt_world *cpu_world;                 /* CPU, world > 1: the world the thread-ranks share */
     uint8_t nccl_id[MT_NCCL_ID_BYTES];   /* CUDA, world > 1: NCCL's unique id, from rank 0 */
     int strict_tuning; /* CUDA: refuse a graph tuned for another GPU model instead of re-deriving its choices */
+    int init_on_device;/* CUDA: mt_runtime_init_params fills on the GPU in place (mt_cuda_init_fill) instead of on the host */
     int nan_check;     /* stop at the first node that writes a NaN or Inf (scans every output: slow) */
 } mt_binding;
 void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
@@ -702,6 +732,12 @@ int mt_cuda_event_record(mt_cuda *c, int i);
 float mt_cuda_event_ms(mt_cuda *c, int i, int j);   /* after a sync */
 size_t mt_cuda_peak_bytes(mt_cuda *c);   /* device memory in use at the high-water mark */
 int mt_cuda_cast(mt_cuda *c, void *dst, int dst_dtype, const void *src, int src_dtype, int64_t n);
+/* Fill an f32 parameter on the device (see mt_init_draw): dst[k] for k < stored holds logical element
+ * lo + k of a tensor of n elements in chunks of `per` (one per expert); elements past n are 0.
+ * init: MT_INIT_ZERO, MT_INIT_ONE or MT_INIT_NORMAL (keys[chunk - first_chunk] per chunk, table on
+ * the device, times std). */
+int mt_cuda_init_fill(mt_cuda *c, float *dst, int64_t stored, int64_t lo, int64_t n, int64_t per, int init,
+                      const uint64_t *keys, int64_t first_chunk, const float *table, float std);
 size_t mt_cuda_embed_backward_workspace(int N, int D);
 int mt_cuda_embed_forward(mt_cuda *c, void *x, const int32_t *tok, const void *wte, int N, int D);
 int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_t *tok, int N, int V, int D, void *ws);
@@ -973,6 +1009,26 @@ double mt_rng_normal(mt_rng *r) {
     double u1 = mt_rng_uniform(r), u2 = mt_rng_uniform(r);
     if (u1 < 1e-300) u1 = 1e-300;
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+/* The inverse CDF of N(0, 1) truncated to [-3, 3] at u = k / MT_INIT_TABLE: Newton's method on
+ * Phi(x) = q from the previous point (the function is increasing), half the table mirrored. */
+void mt_init_table(float *t) {
+    const int n = MT_INIT_TABLE, h = n / 2;
+    double lo = 0.5 * erfc(3.0 / sqrt(2.0)), span = 1.0 - 2.0 * lo, x = 0;
+    t[h] = 0;
+    for (int k = h + 1; k < n; k++) {
+        double q = lo + span * ((double)k / n);
+        for (int it = 0; it < 50; it++) {
+            double dx = (0.5 * erfc(-x / sqrt(2.0)) - q) / (exp(-0.5 * x * x) * 0.3989422804014327);
+            x -= dx;
+            if (fabs(dx) < 1e-15 * (1 + fabs(x))) break;
+        }
+        if (x > 3) x = 3;
+        t[k] = (float)x;
+        t[n - k] = -t[k];
+    }
+    t[0] = -3; t[n] = 3;
 }
 
 double mt_now(void) {
@@ -6402,97 +6458,114 @@ static int mt__global_expert(const mt_runtime *rt, const mt_value *v, int e) {
     return rt->bind.coord[MT_DIM_EP] * (int)v->dims[0] + e;
 }
 
-/* Each parameter draws from its own streams, seeded by (seed, name, block of
- * 2^20 elements), so values do not depend on creation order or thread count;
- * stacked experts draw per global expert, so they do not depend on the
- * expert-parallel layout either. An FSDP shard fills its own flat range
- * [i*L, (i+1)*L) of the whole tensor, drawing only the blocks it touches:
- * the same values as the whole tensor on one rank. Blocks fill in parallel. */
-#define MT_INIT_BLOCK (1 << 20)
+/* Each parameter draws from its own stream, keyed by (seed, name); stacked
+ * experts draw one stream per global expert, so values do not depend on the
+ * expert-parallel layout. Element i of a stream is mt_init_draw(table,
+ * mt_init_bits(key, i)): it depends on nothing else, so an FSDP shard fills its
+ * own flat range [i*L, (i+1)*L) of the whole tensor with the values the whole
+ * tensor has on one rank, the CPU fills in parallel, and a GPU fills its own
+ * memory in place with the CPU's bits (no host buffer, no upload). */
 typedef struct {
-    const mt_runtime *rt; const mt_value *v; mt_real *p; uint64_t seed;
-    int64_t per, blocks_per_chunk;   /* elements per expert chunk (or the whole), blocks per chunk */
-    int64_t lo, hi, b0;              /* the logical range this rank stores, and its first block */
+    mt_real *p; const float *table; const uint64_t *keys; int init; double std;
+    int64_t per, lo, n, c0;   /* elements per stream, first logical element stored, logical size, first stream */
 } mt__init_job;
-static void mt__init_blocks(void *ctx, int64_t i0, int64_t i1) {
+static void mt__init_range(void *ctx, int64_t k0, int64_t k1) {
     const mt__init_job *j = (const mt__init_job *)ctx;
-    const mt_value *v = j->v;
-    for (int64_t b = j->b0 + i0; b < j->b0 + i1; b++) {
-        int64_t c = b / j->blocks_per_chunk, blk = b % j->blocks_per_chunk;
-        int64_t lo = c * j->per + blk * MT_INIT_BLOCK;   /* the block's logical range */
-        int64_t hi = blk * MT_INIT_BLOCK + MT_INIT_BLOCK < j->per ? lo + MT_INIT_BLOCK : c * j->per + j->per;
-        int64_t from = lo > j->lo ? lo : j->lo, to = hi < j->hi ? hi : j->hi;
-        if (from >= to) continue;
-        char nm[MT_NAME_LEN + 32];
-        snprintf(nm, sizeof nm, "%s", v->name);
-        char *star = strchr(nm, '*');
-        if (star) {
-            char rest[MT_NAME_LEN];
-            snprintf(rest, sizeof rest, "%s", star + 1);
-            snprintf(star, sizeof nm - (size_t)(star - nm), "%d%s", mt__global_expert(j->rt, v, (int)c), rest);
-        }
-        size_t len = strlen(nm);
-        snprintf(nm + len, sizeof nm - len, "#%lld", (long long)blk);
-        mt_rng r;
-        mt_rng_seed(&r, mt_hash(nm, strlen(nm), j->seed * 0x9e3779b97f4a7c15ull + 1));
-        for (int64_t i = lo; i < to; i++) {
-            double x = 0;
-            switch (v->init) {
-            case MT_INIT_ONE: x = 1; break;
-            case MT_INIT_NORMAL:
-                do { x = mt_rng_normal(&r); } while (x < -3 || x > 3);  /* truncated at 3 std */
-                x *= v->init_std;
-                break;
-            default: x = 0;
+    for (int64_t k = k0; k < k1; k++) {
+        int64_t l = j->lo + k;
+        double x = 0;   /* the padding past the last shard's end stays 0 */
+        if (l < j->n) {
+            if (j->init == MT_INIT_ONE) x = 1;
+            else if (j->init == MT_INIT_NORMAL) {
+                int64_t c = l / j->per;
+                x = mt_init_draw(j->table, mt_init_bits(j->keys[c - j->c0], (uint64_t)(l - c * j->per))) * j->std;
             }
-            if (i >= from) j->p[i - j->lo] = (mt_real)x;
         }
+        j->p[k] = (mt_real)x;
     }
 }
 
 int mt_runtime_init_params(mt_runtime *rt, uint64_t seed, mt_err *err) {
-#ifdef MT_CUDA
-    if (rt->backend == MT_BACKEND_CUDA && mt_cuda_use(MT__CU(rt))) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
-#endif
     const mt_graph *G = &rt->g;
+    int cuda = rt->backend == MT_BACKEND_CUDA, on_device = cuda && rt->bind.init_on_device;
+#ifdef MT_CUDA
+    if (cuda && mt_cuda_use(MT__CU(rt))) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
+#endif
+    int64_t max_keys = 1;
+    for (int i = 0; i < G->n_values; i++)
+        if (G->values[i].flags & MT_VF_EXPERTS && G->values[i].dims[0] > max_keys) max_keys = G->values[i].dims[0];
+    float *table = (float *)MT_MALLOC(sizeof(float) * (MT_INIT_TABLE + 1));
+    uint64_t *keys = (uint64_t *)MT_MALLOC(sizeof(uint64_t) * (size_t)max_keys);
     mt_pool *pool = rt->pool, *own = NULL;
-    if (!pool) {   /* the CUDA runtime keeps no CPU workers: borrow some for the fill */
+    void *dev = NULL;   /* on the device: the table, then the keys */
+    int rc = 0;
+    if (!table || !keys) rc = mt_errf(err, "out of memory");
+    else mt_init_table(table);
+    if (!rc && cuda && !on_device && !pool) {   /* the CUDA runtime keeps no CPU workers: borrow some for the fill */
         int nt = (int)sysconf(_SC_NPROCESSORS_ONLN);
-        if (mt_pool_create(&own, nt > 64 ? 64 : nt, err)) return -1;
+        if (mt_pool_create(&own, nt > 64 ? 64 : nt, err)) rc = -1;
         pool = own;
     }
-    int rc = 0;
+#ifdef MT_CUDA
+    size_t tbytes = (sizeof(float) * (MT_INIT_TABLE + 1) + 255) / 256 * 256;   /* the keys after it, aligned */
+    if (!rc && on_device && (mt_cuda_malloc(MT__CU(rt), &dev, tbytes + sizeof(uint64_t) * (size_t)max_keys) ||
+                             mt_cuda_copy(MT__CU(rt), dev, table, sizeof(float) * (MT_INIT_TABLE + 1), 0)))
+        rc = mt_errf(err, "initializing parameters: %s", mt_cuda_error(MT__CU(rt)));
+#endif
     for (int i = 0; i < G->n_values && !rc; i++) {
         const mt_value *v = &G->values[i];
         if (v->role != MT_ROLE_PARAM && v->role != MT_ROLE_OPT) continue;
         if (v->role == MT_ROLE_PARAM && v->param >= 0) continue;  /* compute shadows follow their master */
+        if (cuda && v->dtype != MT_F32) { rc = mt_errf(err, "initializing '%s': state on the device is f32, not %s", v->name, mt__dtype_names[v->dtype]); break; }
         int64_t n = mt_value_numel_logical(G, v), stored = mt_value_numel_max(G, v);
-        mt_real *p = rt->backend == MT_BACKEND_CPU ? (mt_real *)rt->ptr[i] : (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(stored + 1));
-        if (!p) { rc = mt_errf(err, "out of memory initializing '%s'", v->name); break; }
-        for (int64_t k = 0; k < stored; k++) p[k] = 0;   /* the padding past the last shard's end stays 0 */
         int chunks = (v->flags & MT_VF_EXPERTS) ? (int)v->dims[0] : 1;
-        mt__init_job job = {rt, v, p, seed, n / chunks, 0, 0, n, 0};
-        job.blocks_per_chunk = (job.per + MT_INIT_BLOCK - 1) / MT_INIT_BLOCK;
-        if (job.blocks_per_chunk < 1) job.blocks_per_chunk = 1;
-        if (v->shard) {
-            int idx = mt_mesh_group(&G->mesh, v->shard, rt->bind.rank, NULL);
-            job.lo = (int64_t)idx * stored;
-            job.hi = job.lo + stored < n ? job.lo + stored : n;
+        mt__init_job job = {(mt_real *)rt->ptr[i], table, keys, v->init, (double)v->init_std, n / chunks, 0, n, 0};
+        if (job.per < 1) job.per = 1;
+        if (v->shard) job.lo = (int64_t)mt_mesh_group(&G->mesh, v->shard, rt->bind.rank, NULL) * stored;
+        int64_t hi = job.lo + stored < n ? job.lo + stored : n, nk = 0;
+        if (v->init == MT_INIT_NORMAL && hi > job.lo) {   /* the streams [lo, hi) touches */
+            job.c0 = job.lo / job.per;
+            nk = (hi - 1) / job.per - job.c0 + 1;
+            for (int64_t c = 0; c < nk; c++) {
+                char nm[MT_NAME_LEN + 32];
+                snprintf(nm, sizeof nm, "%s", v->name);
+                char *star = strchr(nm, '*');
+                if (star) {
+                    char rest[MT_NAME_LEN];
+                    snprintf(rest, sizeof rest, "%s", star + 1);
+                    snprintf(star, sizeof nm - (size_t)(star - nm), "%d%s", mt__global_expert(rt, v, (int)(job.c0 + c)), rest);
+                }
+                keys[c] = mt_hash(nm, strlen(nm), seed * 0x9e3779b97f4a7c15ull + 1);
+            }
         }
-        int64_t nb = 0;
-        if (job.hi > job.lo && job.per > 0) {   /* the blocks [lo, hi) touches */
-            int64_t first = job.lo / job.per * job.blocks_per_chunk + (job.lo % job.per) / MT_INIT_BLOCK;
-            int64_t last = (job.hi - 1) / job.per * job.blocks_per_chunk + ((job.hi - 1) % job.per) / MT_INIT_BLOCK;
-            job.b0 = first; nb = last - first + 1;
+        if (!cuda) { mt_pool_for(pool, stored, mt__init_range, &job); continue; }
+#ifdef MT_CUDA
+        mt_cuda *cu = MT__CU(rt);
+        if (on_device) {
+            uint64_t *dkeys = (uint64_t *)((char *)dev + tbytes);
+            if ((nk && mt_cuda_copy(cu, dkeys, keys, sizeof(uint64_t) * (size_t)nk, 0)) ||
+                mt_cuda_init_fill(cu, (float *)rt->ptr[i], stored, job.lo, n, job.per, v->init, dkeys, job.c0, (const float *)dev,
+                                  v->init_std))
+                rc = mt_errf(err, "initializing '%s': %s", v->name, mt_cuda_error(cu));
+        } else if (v->init == MT_INIT_ZERO || v->init == MT_INIT_NONE) {   /* zeros need no host buffer */
+            if (mt_cuda_memset(cu, rt->ptr[i], 0, (size_t)v->nbytes)) rc = mt_errf(err, "initializing '%s': %s", v->name, mt_cuda_error(cu));
+        } else {   /* filled on the host by every core, then uploaded */
+            job.p = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(stored + 1));
+            if (!job.p) { rc = mt_errf(err, "out of memory initializing '%s'", v->name); break; }
+            mt_pool_for(pool, stored, mt__init_range, &job);
+            rc = mt_runtime_write(rt, i, job.p, err);
+            MT_FREE(job.p);
         }
-        if (v->init == MT_INIT_NORMAL) mt_pool_for(pool, nb, mt__init_blocks, &job);
-        else mt__init_blocks(&job, 0, nb);
-        if (rt->backend != MT_BACKEND_CPU) {
-            rc = mt_runtime_write(rt, i, p, err);
-            MT_FREE(p);
-        }
+#endif
     }
+#ifdef MT_CUDA
+    if (cuda && !rc && mt_cuda_sync(MT__CU(rt))) rc = mt_errf(err, "initializing parameters: %s", mt_cuda_error(MT__CU(rt)));
+    if (dev) mt_cuda_free(MT__CU(rt), dev);
+#endif
+    (void)dev;
     mt_pool_destroy(own);
+    MT_FREE(table);
+    MT_FREE(keys);
     return rc ? -1 : mt_runtime_sync_shadows(rt, err);
 }
 

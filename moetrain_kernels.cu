@@ -555,6 +555,35 @@ int mt_cuda_cast(mt_cuda *c, void *dst, int dst_dtype, const void *src, int src_
     return 0;
 }
 
+/* Parameter initialization on the device: the CPU's bits (mt_init_draw in moetrain.h), with no host
+ * buffer and no upload. */
+__global__ void k_init_fill(float *dst, int64_t stored, int64_t lo, int64_t n, int64_t per, int init,
+                            const uint64_t *keys, int64_t c0, const float *table, double std) {
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < stored; k += stride) {
+        int64_t l = lo + k;
+        double x = 0;
+        if (l < n) {
+            if (init == MT_INIT_ONE) x = 1;
+            else if (init == MT_INIT_NORMAL) {
+                int64_t ch = l / per;
+                x = mt_init_draw(table, mt_init_bits(keys[ch - c0], (uint64_t)(l - ch * per))) * std;
+            }
+        }
+        dst[k] = (float)x;
+    }
+}
+int mt_cuda_init_fill(mt_cuda *c, float *dst, int64_t stored, int64_t lo, int64_t n, int64_t per, int init,
+                      const uint64_t *keys, int64_t first_chunk, const float *table, float std) {
+    if (stored <= 0) return 0;
+    if (init == MT_INIT_NORMAL && (per <= 0 || !keys || !table)) return mt__fail(c, __func__, "normal init needs chunks, keys and a table");
+    unsigned g = mt__blocks(stored, 256);
+    if (g > 65536) g = 65536;
+    k_init_fill<<<g, 256, 0, c->stream>>>(dst, stored, lo, n, per, init, keys, first_chunk, table, (double)std);
+    LAUNCHED();
+    return 0;
+}
+
 /* 8 bf16 at a time (16-byte loads) when the length and pointers allow */
 struct bf8 { __nv_bfloat162 h[4]; };
 __device__ __forceinline__ bool mt__vec8(const void *a, const void *b, const void *c, const void *d, int64_t n) {

@@ -316,6 +316,33 @@ static int rc_same_experts(const rc_result *a, const rc_result *b) {
 /* (a, b) Every block recomputed, and the budget's choice: losses, grad
  * norms, every weight and every expert bias bitwise those without recompute;
  * each step's expert counts are the forward's, counted once. */
+/* Parameter init draws: the table is odd, increasing and exact enough that t0 + d * f rounds once
+ * (the CPU and the GPU then agree bit for bit), and the draws follow the truncated normal. */
+static void test_init_draws(void) {
+    float *t = (float *)malloc(sizeof(float) * (MT_INIT_TABLE + 1));
+    mt_init_table(t);
+    int ok = t[0] == -3 && t[MT_INIT_TABLE] == 3 && t[MT_INIT_TABLE / 2] == 0, maxbits = 0;
+    for (int k = 0; k < MT_INIT_TABLE && ok; k++) {
+        double d = (double)t[k + 1] - (double)t[k];
+        if (!(d > 0) || t[k] != -t[MT_INIT_TABLE - k]) { ok = 0; break; }
+        int ex; double m = frexp(d, &ex) * 9007199254740992.0;   /* d's 53-bit integer mantissa */
+        int bits = 53;
+        while (bits > 0 && fmod(m, 2.0) == 0) { m /= 2; bits--; }
+        if (bits > maxbits) maxbits = bits;
+    }
+    double s1 = 0, s2 = 0, lo = 0, hi = 0, tail = 0, n = 1 << 21;
+    for (int64_t i = 0; i < (int64_t)n; i++) {
+        double x = mt_init_draw(t, mt_init_bits(0x1234567ull, (uint64_t)i));
+        s1 += x; s2 += x * x; if (x < lo) lo = x; if (x > hi) hi = x; if (fabs(x) > 2) tail++;
+    }
+    double mean = s1 / n, var = s2 / n - mean * mean;   /* N(0,1) cut at 3: var 0.97334, P(|x|>2) 0.04292 */
+    ok = ok && maxbits <= 27 && fabs(mean) < 0.003 && fabs(var - 0.97334) < 0.004 && fabs(tail / n - 0.04292) < 0.001 &&
+         lo >= -3 && hi <= 3 && lo < -2.9 && hi > 2.9;
+    report("init draws (table, exactness, statistics)", ok, "neighbours' difference <= %d of 27 bits; 2^21 draws: mean %.5f var %.5f "
+           "(0.97334) P(|x|>2) %.5f (0.04292) range [%.3f, %.3f]", maxbits, mean, var, tail / n, lo, hi);
+    free(t);
+}
+
 static void test_recompute_bitwise_for(const char *tag, const mt_config *c) {
     mt_err e;
     mt_mesh m;
@@ -878,6 +905,26 @@ static void gpu_test_whole_steps(void) {
     enum { S = 5 };
     double lc[S] = {0}, lg[S] = {0}, lg2[S] = {0}, le[S] = {0}, ln[S] = {0}, la[S] = {0}, nc[S] = {0}, ng[S] = {0};
     mt_runtime *rc = gpu_runtime(&gc, 0), *r1 = gpu_runtime(&gg, 1), *r2 = gpu_runtime(&gg, 0), *r3 = gpu_runtime(&ge, 0), *r5 = gpu_runtime(&gn, 1);
+    for (int on_device = 0; on_device < 2; on_device++) {   /* host fill + upload, and in place on the GPU: the CPU's bits */
+        mt_binding b;
+        mt_binding_single(&b);
+        b.init_on_device = on_device;
+        mt_runtime *ri = NULL;
+        int same = rc && !mt_runtime_create(&ri, &gg, &b, &e) && !mt_runtime_init_params(ri, 5, &e), nv = 0;
+        for (int i = 0; same && i < gg.n_values; i++) {
+            const mt_value *v = &gg.values[i];
+            if (!((v->role == MT_ROLE_PARAM && v->param < 0) || v->role == MT_ROLE_OPT)) continue;
+            int j = mt_graph_find(&gc, v->name);
+            if (j < 0 || gc.values[j].nbytes != v->nbytes) { same = 0; break; }
+            void *a = malloc((size_t)v->nbytes), *x = malloc((size_t)v->nbytes);
+            same = !mt_runtime_read(ri, i, a, &e) && !mt_runtime_read(rc, j, x, &e) && !memcmp(a, x, (size_t)v->nbytes);
+            free(a); free(x);
+            nv++;
+        }
+        report(on_device ? "gpu parameter init on the device = CPU init, bitwise" : "gpu parameter init (host fill) = CPU init, bitwise",
+               same && nv > 0, "%d masters and moments%s%s", nv, same ? "" : ": ", same ? "" : e.msg);
+        mt_runtime_destroy(ri);
+    }
     int ok = rc && r1 && r2 && r3 && r5 && !gpu_steps(rc, &c, S, lc, nc) && !gpu_steps(r1, &c, S, lg, ng) && !gpu_steps(r2, &c, S, lg2, NULL) &&
              !gpu_steps(r3, &c, S, le, NULL) && !gpu_steps(r5, &c, S, ln, NULL);
     int fused_gemm = 0;
@@ -4185,6 +4232,7 @@ int main(void) {
         return n_fail ? 1 : 0;
     }
     RUN(test_presets);
+    RUN(test_init_draws);
     RUN(test_graph_structure);
     RUN(test_doc_mask_graph);
     RUN(test_memory_plan);
