@@ -6,15 +6,17 @@
 #   tools/first_step.sh mid 3
 #   tools/first_step.sh debug 3 --dp-shard 2 --ep 2          (one rank per visible GPU)
 #   tools/first_step.sh tiny 3 --nproc 8 --dp-shard 8 --ep 4 (CPU thread-ranks when no GPU is visible)
-# The artifact is made for the same mesh (--dp-replicate/--dp-shard/--ep go to precompile, which fixes
-# the mesh) and, when a GPU is visible, for CUDA (tuned there). Options are written as two words.
+# The artifact is made for the same mesh and config (--dp-replicate/--dp-shard/--ep and config fields such
+# as --batch go to precompile, which fixes them) and, when a GPU is visible, for CUDA (tuned there).
+# Options are written as two words (--batch 4).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 preset=${1:-debug}; reps=${2:-3}; shift; [ $# -gt 0 ] && shift
 T=${TMPDIR:-/tmp}/moetrain_first_step; rm -rf "$T"; mkdir -p "$T"
+fields=" dp-replicate dp-shard ep $(./precompile --help | sed -n '/^config fields/,/^$/p' | tr ' ' '\n' | sed -n 's/^--//p' | tr '\n' ' ') "
 mesh=""; rest=""; prev=""
-for a in "$@"; do   # the mesh options go to precompile (the artifact fixes the mesh), the rest to both
-    case "$a" in --dp-replicate|--dp-shard|--ep) prev=$a; continue ;; esac
+for a in "$@"; do   # the mesh and config options go to precompile (the artifact fixes them), the rest to both
+    case "$fields" in *" ${a#--} "*) prev=$a; continue ;; esac
     if [ -n "$prev" ]; then mesh="$mesh $prev $a"; prev=""; else rest="$rest $a"; fi
 done
 dev=cpu; if nvidia-smi -L >/dev/null 2>&1; then dev=cuda; fi
