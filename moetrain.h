@@ -856,6 +856,9 @@ typedef struct {
 } mt_run_state;
 void mt_run_state_init(mt_run_state *r);                              /* zeros, default hparams */
 
+/* With many ranks (binding.world > 1) saving is collective: every rank calls it; rank 0 writes the
+ * whole tensors (Hugging Face names) from every rank's shards, so any mesh, one rank included, loads
+ * the checkpoint; loading takes each rank's own shard of every tensor. */
 int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err);  /* tensors + step */
 int mt_checkpoint_save_run(mt_runtime *rt, const char *dir, const mt_run_state *run, mt_err *err); /* + run state */
 int mt_checkpoint_prepare_dir(const char *dir, mt_err *err);          /* create DIR (and parents), prove it writable */
@@ -6458,6 +6461,17 @@ static int mt__global_expert(const mt_runtime *rt, const mt_value *v, int e) {
     return rt->bind.coord[MT_DIM_EP] * (int)v->dims[0] + e;
 }
 
+/* A stacked expert parameter's name for expert e (its '*'), or the name as it is. */
+static void mt__expert_name(char *out, size_t n, const char *name, int e) {
+    snprintf(out, n, "%s", name);
+    char *star = strchr(out, '*');
+    if (star) {
+        char rest[MT_NAME_LEN];
+        snprintf(rest, sizeof rest, "%s", star + 1);
+        snprintf(star, n - (size_t)(star - out), "%d%s", e, rest);
+    }
+}
+
 /* Each parameter draws from its own stream, keyed by (seed, name); stacked
  * experts draw one stream per global expert, so values do not depend on the
  * expert-parallel layout. Element i of a stream is mt_init_draw(table,
@@ -6528,13 +6542,7 @@ int mt_runtime_init_params(mt_runtime *rt, uint64_t seed, mt_err *err) {
             nk = (hi - 1) / job.per - job.c0 + 1;
             for (int64_t c = 0; c < nk; c++) {
                 char nm[MT_NAME_LEN + 32];
-                snprintf(nm, sizeof nm, "%s", v->name);
-                char *star = strchr(nm, '*');
-                if (star) {
-                    char rest[MT_NAME_LEN];
-                    snprintf(rest, sizeof rest, "%s", star + 1);
-                    snprintf(star, sizeof nm - (size_t)(star - nm), "%d%s", mt__global_expert(rt, v, (int)(job.c0 + c)), rest);
-                }
+                mt__expert_name(nm, sizeof nm, v->name, mt__global_expert(rt, v, (int)(job.c0 + c)));
                 keys[c] = mt_hash(nm, strlen(nm), seed * 0x9e3779b97f4a7c15ull + 1);
             }
         }
@@ -7138,14 +7146,25 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
 typedef struct { char name[MT_NAME_LEN + 16]; int ndim; int64_t shape[3]; const mt_real *src; mt_real *dst; int64_t numel; } mt__tensor;
 /* Host copies of the values a checkpoint reads or writes (device values are
  * staged; CPU values too, for one code path). */
-typedef struct { int value; mt_real *buf; } mt__staged;
+typedef struct {
+    int value; mt_real *buf;   /* the value's stored bytes */
+    mt_real *whole; int64_t lo; /* an FSDP-sharded value being loaded: the whole (EP-local) tensor, and this rank's first element */
+} mt__staged;
+/* A sharded run's checkpoint is written from every rank's part (see mt__checkpoint_save_parts). */
+typedef struct { int world; const int *fd; const int64_t *off; } mt__parts;
 
 /* The tensors of one role (PARAM masters, or one AdamW moment) under HF
  * names, pointing into freshly staged host copies (read from the runtime). */
-static int mt__tensors(mt_runtime *rt, int role, const char *prefix, mt__tensor **out, int *n_out, mt__staged **st_out,
-                       int *n_st, mt_err *err) {
+/* The checkpoint tensors of one role under their Hugging Face names, stacked
+ * experts split into one tensor per global expert, each value staged in a host
+ * buffer. From this rank's runtime (parts == NULL): its experts; a value
+ * sharded over FSDP ranks is staged whole as well (its EP-local tensor, for
+ * loading: mt__staged_commit keeps this rank's range). From the parts of a
+ * sharded run (rank 0 saving): every value whole, every expert of the mesh. */
+static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__parts *parts, mt__tensor **out, int *n_out,
+                       mt__staged **st_out, int *n_st, mt_err *err) {
     const mt_graph *G = &rt->g;
-    int n = 0, cap = 0, ns = 0, scap = 0;
+    int n = 0, cap = 0, ns = 0, scap = 0, ep = G->mesh.size[MT_DIM_EP];
     mt__tensor *t = NULL;
     mt__staged *st = NULL;
     *out = NULL; *n_out = 0; *st_out = NULL; *n_st = 0;
@@ -7154,30 +7173,60 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, mt__tensor 
         if (v->role != role) continue;
         if (role == MT_ROLE_PARAM && v->param >= 0) continue;           /* shadows */
         if (role == MT_ROLE_OPT && strncmp(v->name, prefix, strlen(prefix))) continue;
-        if (mt__grow((void **)&st, &scap, ns + 1, sizeof *st)) goto oom;
-        st[ns].value = i;
-        st[ns].buf = (mt_real *)MT_MALLOC((size_t)v->nbytes + 1);
-        if (!st[ns].buf) goto oom;
-        ns++;
-        if (mt_runtime_read(rt, i, st[ns - 1].buf, err)) goto fail;
         const mt_value *owner = role == MT_ROLE_OPT ? &G->values[v->param] : v;
-        int chunks = (owner->flags & MT_VF_EXPERTS) ? (int)v->dims[0] : 1;
-        int64_t per = mt_value_numel_max(G, v) / chunks;
+        int experts = (owner->flags & MT_VF_EXPERTS) != 0, chunks = experts ? (int)v->dims[0] : 1, first = 0;
+        int64_t len = mt_value_numel_logical(G, v), stored = mt_value_numel_max(G, v), per = len / chunks;
+        if (mt__grow((void **)&st, &scap, ns + 1, sizeof *st)) goto oom;
+        mt__staged *x = &st[ns];
+        memset(x, 0, sizeof *x);
+        x->value = i;
+        mt_real *base;
+        if (parts) {   /* whole, from every rank's part */
+            int64_t count = experts ? len * ep : len;
+            if (!(x->buf = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(count + 1)))) goto oom;
+            ns++;
+            for (int r = 0; r < parts->world; r++) {
+                int co[MT_NDIMS], seen = 0;
+                mt_mesh_coords(&G->mesh, r, co);
+                int64_t lo = v->shard ? (int64_t)mt_mesh_group(&G->mesh, v->shard, r, NULL) * stored : 0;
+                int64_t cnt = len - lo < stored ? len - lo : stored, at = (experts ? co[MT_DIM_EP] * len : 0) + lo;
+                for (int q = 0; q < r && !seen; q++) {   /* a replica of a range read already: the same bytes */
+                    int cq[MT_NDIMS];
+                    mt_mesh_coords(&G->mesh, q, cq);
+                    seen = (experts ? cq[MT_DIM_EP] * len : 0) + (v->shard ? (int64_t)mt_mesh_group(&G->mesh, v->shard, q, NULL) * stored : 0) == at;
+                }
+                if (seen) continue;
+                size_t nb = sizeof(mt_real) * (size_t)(cnt > 0 ? cnt : 0);
+                char *dst = (char *)(x->buf + at);
+                for (size_t got = 0; got < nb;) {
+                    ssize_t k = pread(parts->fd[r], dst + got, nb - got, (off_t)(parts->off[i] + (int64_t)got));
+                    if (k <= 0) { mt_errf(err, "reading rank %d's part of the checkpoint: %s", r, k ? strerror(errno) : "it is short"); goto fail; }
+                    got += (size_t)k;
+                }
+            }
+            if (experts) chunks *= ep;
+            base = x->buf;
+        } else {
+            if (!(x->buf = (mt_real *)MT_MALLOC((size_t)v->nbytes + 1))) goto oom;
+            ns++;
+            if (mt_runtime_read(rt, i, x->buf, err)) goto fail;
+            base = x->buf;
+            if (v->shard && mt_mesh_group_size(&G->mesh, v->shard) > 1) {
+                if (!(x->whole = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(len + 1)))) goto oom;
+                x->lo = (int64_t)mt_mesh_group(&G->mesh, v->shard, rt->bind.rank, NULL) * stored;
+                base = x->whole;
+            }
+            if (experts) first = mt__global_expert(rt, owner, 0);
+        }
         for (int c = 0; c < chunks; c++) {
             if (mt__grow((void **)&t, &cap, n + 1, sizeof *t)) goto oom;
-            mt__tensor *x = &t[n++];
-            snprintf(x->name, sizeof x->name, "%s", role == MT_ROLE_OPT ? v->name + strlen(prefix) : v->name);
-            char *star = strchr(x->name, '*');
-            if (star) {
-                char rest[MT_NAME_LEN];
-                snprintf(rest, sizeof rest, "%s", star + 1);
-                snprintf(star, sizeof x->name - (size_t)(star - x->name), "%d%s", mt__global_expert(rt, owner, c), rest);
-            }
-            x->ndim = chunks > 1 ? v->ndim - 1 : v->ndim;
-            for (int d = 0; d < x->ndim; d++) x->shape[d] = v->dims[d + (chunks > 1)];
-            x->src = st[ns - 1].buf + c * per;
-            x->dst = st[ns - 1].buf + c * per;
-            x->numel = per;
+            mt__tensor *y = &t[n++];
+            mt__expert_name(y->name, sizeof y->name, role == MT_ROLE_OPT ? v->name + strlen(prefix) : v->name, first + c);
+            y->ndim = experts ? v->ndim - 1 : v->ndim;
+            for (int d = 0; d < y->ndim; d++) y->shape[d] = v->dims[d + experts];
+            y->src = base + c * per;
+            y->dst = base + c * per;
+            y->numel = per;
         }
     }
     *out = t; *n_out = n; *st_out = st; *n_st = ns;
@@ -7185,17 +7234,23 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, mt__tensor 
 oom:
     mt_errf(err, "out of memory staging a checkpoint");
 fail:
-    for (int i = 0; i < ns; i++) MT_FREE(st[i].buf);
+    for (int i = 0; i < ns; i++) { MT_FREE(st[i].buf); MT_FREE(st[i].whole); }
     MT_FREE(st); MT_FREE(t);
     return -1;
 }
 static void mt__staged_free(mt__staged *st, int n) {
-    for (int i = 0; i < n; i++) MT_FREE(st[i].buf);
+    for (int i = 0; i < n; i++) { MT_FREE(st[i].buf); MT_FREE(st[i].whole); }
     MT_FREE(st);
 }
 static int mt__staged_commit(mt_runtime *rt, const mt__staged *st, int n, mt_err *err) {
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        if (st[i].whole) {   /* this rank's flat range of the whole tensor; 0 past its end */
+            const mt_value *v = &rt->g.values[st[i].value];
+            int64_t len = mt_value_numel_logical(&rt->g, v), stored = mt_value_numel_max(&rt->g, v);
+            for (int64_t k = 0; k < stored; k++) st[i].buf[k] = st[i].lo + k < len ? st[i].whole[st[i].lo + k] : 0;
+        }
         if (mt_runtime_write(rt, st[i].value, st[i].buf, err)) return -1;
+    }
     return 0;
 }
 
@@ -7856,14 +7911,15 @@ static void mt__ckpt_tidy(const char *dir, const char *keep) {
 }
 
 /* Stage one role's tensors, build the file, write it atomically. */
-static int mt__save_file(mt_runtime *rt, const char *path, int role, const mt__buf *meta, uint64_t *sum, mt_err *err) {
+static int mt__save_file(mt_runtime *rt, const mt__parts *parts, const char *path, int role, const mt__buf *meta, uint64_t *sum, mt_err *err) {
     mt__tensor *t = NULL, *m = NULL, *v = NULL, *all = NULL;
     mt__staged *st = NULL, *sm = NULL, *sv = NULL;
     int n = 0, ns = 0, nm = 0, nv = 0, nsm = 0, nsv = 0, rc;
     if (role == MT_ROLE_PARAM) {
-        rc = mt__tensors(rt, MT_ROLE_PARAM, "", &t, &n, &st, &ns, err);
+        rc = mt__tensors(rt, MT_ROLE_PARAM, "", parts, &t, &n, &st, &ns, err);
     } else {   /* optimizer state: exp_avg.<name>, exp_avg_sq.<name> */
-        rc = mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", &m, &nm, &sm, &nsm, err) || mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", &v, &nv, &sv, &nsv, err);
+        rc = mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", parts, &m, &nm, &sm, &nsm, err) ||
+             mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", parts, &v, &nv, &sv, &nsv, err);
         all = rc ? NULL : (mt__tensor *)MT_MALLOC(sizeof(mt__tensor) * (size_t)(nm + nv + 1));
         if (!rc && !all) rc = mt_errf(err, "out of memory");
         for (int i = 0; !rc && i < nm + nv; i++) {
@@ -7884,7 +7940,7 @@ static int mt__save_file(mt_runtime *rt, const char *path, int role, const mt__b
     return rc ? -1 : 0;
 }
 
-static int mt__checkpoint_save(mt_runtime *rt, const char *dir, int step, const mt_run_state *run, mt_err *err) {
+static int mt__checkpoint_save(mt_runtime *rt, const mt__parts *parts, const char *dir, int step, const mt_run_state *run, mt_err *err) {
     char mpath[4096], opath[4400], base[4096], oname[64], cur[1040] = "";
     if (mt__mkdirs(dir, err)) return -1;
     mt__ckpt_paths(dir, mpath, base, sizeof mpath);
@@ -7909,7 +7965,7 @@ static int mt__checkpoint_save(mt_runtime *rt, const char *dir, int step, const 
         mt__jmeta(&meta, "mt.version", "%s", MT_VERSION_STRING);
         mt__jmeta(&meta, "mt.step", "%d", step);
         mt__jmeta(&meta, "mt.role", "AdamW moments of the weights in model.safetensors");
-        int rc = meta.oom ? mt_errf(err, "out of memory") : mt__save_file(rt, opath, MT_ROLE_OPT, &meta, &osum, err);
+        int rc = meta.oom ? mt_errf(err, "out of memory") : mt__save_file(rt, parts, opath, MT_ROLE_OPT, &meta, &osum, err);
         MT_FREE(meta.p);
         memset(&meta, 0, sizeof meta);
         if (rc) return -1;
@@ -7918,16 +7974,102 @@ static int mt__checkpoint_save(mt_runtime *rt, const char *dir, int step, const 
     snprintf(cpath, sizeof cpath, "%s/config.json", base);
     if (mt__write_hf_config(cpath, &rt->g.cfg, err)) return -1;
     mt__meta_model(&meta, rt, step, run, train ? oname : NULL, osum);   /* 3. the weights: the commit */
-    int rc = meta.oom ? mt_errf(err, "out of memory") : mt__save_file(rt, mpath, MT_ROLE_PARAM, &meta, &msum, err);
+    int rc = meta.oom ? mt_errf(err, "out of memory") : mt__save_file(rt, parts, mpath, MT_ROLE_PARAM, &meta, &msum, err);
     MT_FREE(meta.p);
     if (rc) return -1;
     mt__ckpt_tidy(base, train ? oname : NULL);
     return 0;
 }
 
-int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err) { return mt__checkpoint_save(rt, dir, step, NULL, err); }
+/* A sharded run (world > 1) saves collectively, every rank calling: each
+ * writes the bytes it stores (f32 masters and moments, in graph order) to
+ * DIR/.mt-part-R; after a barrier rank 0 assembles every tensor whole (FSDP
+ * shards in their flat ranges, experts by global index) and writes the files
+ * one rank would, so any mesh can load them; after a second barrier the parts
+ * are removed. The parts travel through DIR: across hosts it must be shared. */
+#define MT__PART_HEADER 48   /* "moetrain-part1", graph fingerprint u64 @16, step, rank, world i32 @24..35 */
+static void mt__part_path(char *out, size_t n, const char *dir, int rank, int world) {
+    snprintf(out, n, "%s/.mt-part-%d-of-%d", dir, rank, world);
+}
+static int mt__part_value(const mt_value *v) { return (v->role == MT_ROLE_PARAM && v->param < 0) || v->role == MT_ROLE_OPT; }
+static int mt__part_write(mt_runtime *rt, const char *path, int step, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    uint8_t h[MT__PART_HEADER] = "moetrain-part1";
+    uint64_t fp = mt_fingerprint(G);
+    int32_t w[3] = {step, rt->bind.rank, rt->bind.world};
+    memcpy(h + 16, &fp, 8); memcpy(h + 24, w, sizeof w);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) return mt_errf(err, "cannot write '%s': %s", path, strerror(errno));
+    int rc = mt__write_fd(fd, h, sizeof h) ? mt_errf(err, "writing '%s': %s", path, strerror(errno)) : 0;
+    void *buf = NULL;
+    for (int i = 0; i < G->n_values && !rc; i++) {
+        const mt_value *v = &G->values[i];
+        if (!mt__part_value(v)) continue;
+        if ((size_t)v->nbytes != sizeof(mt_real) * (size_t)mt_value_numel_max(G, v)) { rc = mt_errf(err, "'%s' is not stored as reals", v->name); break; }
+        void *nb = MT_REALLOC(buf, (size_t)v->nbytes + 1);
+        if (!nb) { rc = mt_errf(err, "out of memory writing '%s'", path); break; }
+        buf = nb;
+        if (mt_runtime_read(rt, i, buf, err)) rc = -1;
+        else if (mt__write_fd(fd, buf, (size_t)v->nbytes)) rc = mt_errf(err, "writing '%s': %s", path, strerror(errno));
+    }
+    MT_FREE(buf);
+    if (close(fd) && !rc) rc = mt_errf(err, "writing '%s': %s", path, strerror(errno));
+    return rc;
+}
+/* Rank 0: open every rank's part, check it is this graph's at this step, and save from them. */
+static int mt__checkpoint_save_parts(mt_runtime *rt, const char *dir, int step, const mt_run_state *run, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    int world = rt->bind.world, rc = 0;
+    int *fd = (int *)MT_MALLOC(sizeof(int) * (size_t)world);
+    int64_t *off = (int64_t *)MT_MALLOC(sizeof(int64_t) * (size_t)(G->n_values + 1));
+    if (!fd || !off) { MT_FREE(fd); MT_FREE(off); return mt_errf(err, "out of memory"); }
+    int64_t at = MT__PART_HEADER;
+    for (int i = 0; i < G->n_values; i++) {
+        off[i] = at;
+        if (mt__part_value(&G->values[i])) at += G->values[i].nbytes;
+    }
+    uint64_t fp = mt_fingerprint(G);
+    for (int r = 0; r < world; r++) fd[r] = -1;
+    for (int r = 0; r < world && !rc; r++) {
+        char path[4400];
+        mt__part_path(path, sizeof path, dir, r, world);
+        uint8_t h[MT__PART_HEADER];
+        struct stat sb;
+        fd[r] = open(path, O_RDONLY);
+        if (fd[r] < 0) { rc = mt_errf(err, "cannot read rank %d's part '%s': %s", r, path, strerror(errno)); break; }
+        int32_t w[3] = {-1, -1, -1};
+        uint64_t f = 0;
+        memset(h, 0, sizeof h);
+        if (pread(fd[r], h, sizeof h, 0) == (ssize_t)sizeof h) { memcpy(&f, h + 16, 8); memcpy(w, h + 24, sizeof w); }
+        if (memcmp(h, "moetrain-part1", 14) || f != fp || w[0] != step || w[1] != r || w[2] != world || fstat(fd[r], &sb) || sb.st_size != at)
+            rc = mt_errf(err, "'%s' is not rank %d's part of this checkpoint (another graph, step or run)", path, r);
+    }
+    mt__parts parts = {world, fd, off};
+    if (!rc) rc = mt__checkpoint_save(rt, &parts, dir, step, run, err);
+    for (int r = 0; r < world; r++) if (fd[r] >= 0) close(fd[r]);
+    MT_FREE(fd); MT_FREE(off);
+    return rc;
+}
+static int mt__checkpoint_save_any(mt_runtime *rt, const char *dir, int step, const mt_run_state *run, mt_err *err) {
+    if (rt->bind.world <= 1) return mt__checkpoint_save(rt, NULL, dir, step, run, err);
+    char part[4400];
+    mt_err mine, comm;
+    mine.msg[0] = 0;
+    mt__part_path(part, sizeof part, dir, rt->bind.rank, rt->bind.world);
+    int rc = mt__mkdirs(dir, &mine) || mt__part_write(rt, part, step, &mine) ? -1 : 0;
+    double bad = rc != 0;   /* barrier: every part written (or someone failed) */
+    if (mt_runtime_allreduce_host(rt, &bad, 1, 1, &comm)) { remove(part); return mt_errf(err, "saving: %s", comm.msg); }
+    if (!rc && bad) rc = mt_errf(&mine, "another rank could not write its part of the checkpoint");
+    if (!rc && rt->bind.rank == 0) rc = mt__checkpoint_save_parts(rt, dir, step, run, &mine);
+    bad = rc != 0;          /* barrier: rank 0 is done with the parts */
+    if (mt_runtime_allreduce_host(rt, &bad, 1, 1, &comm)) { remove(part); return mt_errf(err, "saving: %s", comm.msg); }
+    if (!rc && bad) rc = mt_errf(&mine, "rank 0 could not write the checkpoint (its message says why)");
+    remove(part);
+    return rc ? mt_errf(err, "%s", mine.msg) : 0;
+}
+int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err) { return mt__checkpoint_save_any(rt, dir, step, NULL, err); }
 int mt_checkpoint_save_run(mt_runtime *rt, const char *dir, const mt_run_state *run, mt_err *err) {
-    return mt__checkpoint_save(rt, dir, run->step, run, err);
+    return mt__checkpoint_save_any(rt, dir, run->step, run, err);
 }
 
 /* The config in a moetrain file's metadata. */
@@ -8046,13 +8188,15 @@ int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err) 
     mt__tensor *t = NULL, *m = NULL, *v = NULL;
     mt__staged *st = NULL, *sm = NULL, *sv = NULL;
     int n = 0, nm = 0, nv = 0, ns = 0, nsm = 0, nsv = 0;
-    if (!rc) rc = mt__tensors(rt, MT_ROLE_PARAM, "", &t, &n, &st, &ns, err);
-    if (!rc) rc = mt__load_tensors(&s, path, t, n, err) || mt__check_all_used(&s, path, err);
+    int every = rt->g.mesh.size[MT_DIM_EP] == 1;   /* with expert parallelism a rank reads only its experts */
+    if (!rc) rc = mt__tensors(rt, MT_ROLE_PARAM, "", NULL, &t, &n, &st, &ns, err);
+    if (!rc) rc = mt__load_tensors(&s, path, t, n, err) || (every && mt__check_all_used(&s, path, err));
     if (!rc && with_opt) {
-        rc = mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", &m, &nm, &sm, &nsm, err) || mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", &v, &nv, &sv, &nsv, err);
+        rc = mt__tensors(rt, MT_ROLE_OPT, "exp_avg.", NULL, &m, &nm, &sm, &nsm, err) ||
+             mt__tensors(rt, MT_ROLE_OPT, "exp_avg_sq.", NULL, &v, &nv, &sv, &nsv, err);
         for (int i = 0; !rc && i < nm; i++) { char x[MT_NAME_LEN + 16]; snprintf(x, sizeof x, "exp_avg.%.*s", (int)sizeof x - 9, m[i].name); memcpy(m[i].name, x, sizeof m[i].name); }
         for (int i = 0; !rc && i < nv; i++) { char x[MT_NAME_LEN + 16]; snprintf(x, sizeof x, "exp_avg_sq.%.*s", (int)sizeof x - 12, v[i].name); memcpy(v[i].name, x, sizeof v[i].name); }
-        if (!rc) rc = mt__load_tensors(&so, opath, m, nm, err) || mt__load_tensors(&so, opath, v, nv, err) || mt__check_all_used(&so, opath, err);
+        if (!rc) rc = mt__load_tensors(&so, opath, m, nm, err) || mt__load_tensors(&so, opath, v, nv, err) || (every && mt__check_all_used(&so, opath, err));
     }
     long long stepv = 0;
     const char *sv_ = mt__st_meta(&s, "mt.step");

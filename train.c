@@ -393,16 +393,21 @@ static void run_state_now(mt_run_state *r, const opts *o, const mt_dataset *ds, 
     r->data_tokens = ds->n; r->data_hash = hash;
 }
 
-static int save_checkpoint(mt_runtime *rt, const opts *o, const mt_dataset *ds, uint64_t hash, int step) {
+/* Every rank calls this together: a sharded run's checkpoint is assembled from every rank's part. */
+static int save_checkpoint(mt_runtime *rt, const opts *o, const mt_dataset *ds, uint64_t hash, int step, int rank, int world) {
     mt_err err;
     mt_run_state r;
     run_state_now(&r, o, ds, hash, step);
     if (mt_checkpoint_save_run(rt, o->save, &r, &err)) {
-        fprintf(stderr, "train: saving the checkpoint at step %d failed: %s (the previous checkpoint in '%s', if any, is intact)\n", step,
-                err.msg, o->save);
+        char who[32] = "";
+        if (world > 1) snprintf(who, sizeof who, " (rank %d)", rank);
+        fprintf(stderr, "train: saving the checkpoint at step %d failed%s: %s (the previous checkpoint in '%s', if any, is intact)\n", step,
+                who, err.msg, o->save);
         return -1;
     }
-    printf("saved step %d to %s/ (model.safetensors, config.json, optimizer)\n", step, o->save);
+    if (rank == 0)
+        printf("saved step %d to %s/ (model.safetensors, config.json, optimizer%s)\n", step, o->save,
+               world > 1 ? "; every rank's shards, whole: any mesh can load it" : "");
     return 0;
 }
 
@@ -751,7 +756,7 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
             fflush(mf);
         }
         if (o->save_every && (step + 1) % o->save_every == 0 && s + 1 < todo) {
-            if (save_checkpoint(rt, o, j->ds, j->data_hash, step + 1)) {
+            if (save_checkpoint(rt, o, j->ds, j->data_hash, step + 1, rank, world)) {
                 stop_note(o, last_saved, last_dir);
                 mt_errf(err, "stopped: the checkpoint could not be saved");
                 j->reported = 1;
@@ -792,7 +797,7 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
         snprintf(title, sizeof title, "moetrain loss (%s, seed %d)", o->config_from, o->seed);
         if (mt_write_svg(o->svg, curve, todo, title, err)) rc = -1;
     }
-    if (!rc && o->save && save_checkpoint(rt, o, j->ds, j->data_hash, step0 + todo)) {
+    if (!rc && o->save && save_checkpoint(rt, o, j->ds, j->data_hash, step0 + todo, rank, world)) {
         mt_errf(err, "stopped: the checkpoint could not be saved");
         j->reported = 1;
         rc = -1;
@@ -1034,11 +1039,6 @@ int main(int argc, char **argv) {
         fprintf(stderr, "train: '%s' was precompiled for a world of %d ranks (mesh", o.graph, mt_mesh_world(&g.mesh));
         for (int d = 0; d < MT_NDIMS; d++) fprintf(stderr, " %s=%d", mt_dim_names[d], g.mesh.size[d]);
         fprintf(stderr, "); this launch has %d ranks\n", world);
-        mt_graph_free(&g);
-        return 2;
-    }
-    if (world > 1 && (o.save || o.load)) {
-        fprintf(stderr, "train: --save and --load work on one rank for now (checkpoints of sharded runs are not written yet)\n");
         mt_graph_free(&g);
         return 2;
     }
