@@ -652,7 +652,7 @@ typedef struct {
     mt_world *cpu_world;                 /* CPU, world > 1: the world the thread-ranks share */
     uint8_t nccl_id[MT_NCCL_ID_BYTES];   /* CUDA, world > 1: NCCL's unique id, from rank 0 */
     int strict_tuning; /* CUDA: refuse a graph tuned for another GPU model instead of re-deriving its choices */
-    int init_on_device;/* CUDA: mt_runtime_init_params fills on the GPU in place (mt_cuda_init_fill) instead of on the host */
+    int init_on_host;  /* CUDA: mt_runtime_init_params fills on the host and uploads (default: on the GPU in place, the same bits) */
     int nan_check;     /* stop at the first node that writes a NaN or Inf (scans every output: slow) */
 } mt_binding;
 void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
@@ -6501,7 +6501,7 @@ static void mt__init_range(void *ctx, int64_t k0, int64_t k1) {
 
 int mt_runtime_init_params(mt_runtime *rt, uint64_t seed, mt_err *err) {
     const mt_graph *G = &rt->g;
-    int cuda = rt->backend == MT_BACKEND_CUDA, on_device = cuda && rt->bind.init_on_device;
+    int cuda = rt->backend == MT_BACKEND_CUDA, on_device = cuda && !rt->bind.init_on_host;
 #ifdef MT_CUDA
     if (cuda && mt_cuda_use(MT__CU(rt))) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
 #endif

@@ -908,7 +908,7 @@ static void gpu_test_whole_steps(void) {
     for (int on_device = 0; on_device < 2; on_device++) {   /* host fill + upload, and in place on the GPU: the CPU's bits */
         mt_binding b;
         mt_binding_single(&b);
-        b.init_on_device = on_device;
+        b.init_on_host = !on_device;
         mt_runtime *ri = NULL;
         int same = rc && !mt_runtime_create(&ri, &gg, &b, &e) && !mt_runtime_init_params(ri, 5, &e), nv = 0;
         for (int i = 0; same && i < gg.n_values; i++) {
@@ -3874,8 +3874,8 @@ static void test_cli(void) {
     keep_loss_lines(a);
     report("CLI: train --overlap on 2 thread-ranks: the same losses", !ra && strlen(a) > 50 && !strcmp(a, b), NULL);
     rc = sh(a, sizeof a, "%strain --device cpu --nproc 2 --ep 3 --steps 1 2>&1", BIN);
-    rc2 = sh(b, sizeof b, "%strain --device cpu --nproc 2 --save %s --steps 1 2>&1", BIN, TP("ck_mr"));
-    report("CLI: bad meshes and unsupported combinations refused", rc == 2 && strstr(a, "ep=3") && rc2 == 2 && strstr(b, "one rank"),
+    rc2 = sh(b, sizeof b, "%strain --device cpu --nproc 2 --graph %s --ep 2 --steps 1 2>&1", BIN, mesh);
+    report("CLI: bad meshes and unsupported combinations refused", rc == 2 && strstr(a, "ep=3") && rc2 == 2 && strstr(b, "fixes the mesh"),
            "%d %d: %.80s | %.80s", rc, rc2, a, b);
     remove(mesh);
     remove(mtg); remove(bad); remove(data);
