@@ -480,8 +480,8 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
             const double rel = den > 0 ? sqrt(num / den) : sqrt(num);
             char line[400];
             snprintf(line, sizeof line, "%-8s %-11s E=%d M=%d K=%d R=%d: tma %7.3f ms %6.1f | wgmma %7.3f ms %6.1f | cuBLASLt x%zu %7.3f ms %6.1f TFLOP/s",
-                     c.name.c_str(), mode_name[mode], E, M, K, b.R, t_tma, flops / t_tma * 1e-9, t_wg, flops / t_wg * 1e-9, P.ex.size(),
-                     t_lt, flops / t_lt * 1e-9);
+                     c.name.c_str(), mode_name[mode], E, M, K, b.R, t_tma, flops / t_tma * 1e-9, t_wg, flops / t_wg * 1e-9,
+                     P.ex.size(), t_lt, flops / t_lt * 1e-9);
             printf("  timing %s\n", line);
             g_table.push_back(line);
             if (mode == 1) {
