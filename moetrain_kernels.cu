@@ -24,6 +24,7 @@
  *   9. cross-entropy
  *   10. optimizer: gradient norm, schedule, clip, AdamW, expert bias
  */
+#include <cuda.h>            /* CUtensorMap (the encoder is reached through the runtime) */
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cublasLt.h>
@@ -2440,6 +2441,12 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
  * bf16 inputs, fp32 accumulation, row-major, M and K multiples of 8, 16-byte aligned pointers.
  *
  * Design
+ *   Two kernels share the tiles, stage layouts, wgmma batches, schedule and reduction order below,
+ *   and give bitwise the same results:
+ *     gg_tma_kernel (the default): a producer warp loads the stages with the copy engine (TMA,
+ *       mbarriers) while two consumer warpgroups only multiply and store (see its own comment);
+ *       on H200, on mid's expert shapes, 600-700 TFLOP/s forward and dX, 490-530 dW;
+ *     gg_kernel (drivers without tensor maps; the mma.sync fallback): described here.
  *   One persistent kernel per mode, 256 threads (2 warpgroups), one CTA per SM (~207 KB smem).
  *   CTA tile 128 x 256 (BM x BN) of the output, reduction in steps of 64 (BK); operands are staged
  *   by cp.async (zero-filled outside the valid rows / columns) into a 4-stage ring of 128-byte
@@ -2464,8 +2471,9 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
  *                without rows get zero tiles.  When E*ceil(M/128)*ceil(K/256) < #SMs the rows of
  *                each expert are split into S fixed chunks (S from E, M, K, Rmax, #SMs only),
  *                partial tiles go to the workspace and a second kernel sums them in order s=0..S-1.
- *   Every mode: CTA b takes tiles b, b + gridDim, b + 2 gridDim, ... (mode 2's list is sorted
- *   largest expert first, which balances the unequal tiles). The id of the tile after next is
+ *   Every mode: CTA b takes one tile of each round of gridDim tiles, in serpentine order (b in even
+ *   rounds, gridDim - 1 - b in odd ones; mode 2's list is sorted largest expert first, and the
+ *   serpentine balances the unequal tiles). The id of the tile after next is
  *   published through a small smem ring, so the loads of the next tile are issued while the
  *   current one finishes (the cp.async pipeline runs across tile boundaries).
  * Determinism: every output element is produced by one thread of one CTA with a fixed reduction
@@ -2927,11 +2935,91 @@ __device__ __forceinline__ void epilogue_staged(const Params &p, const float (&a
     if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
 }
 
-/* the q-th tile of this CTA: a static round robin over the work list (mode 2's
- * list is sorted largest expert first, which balances it) */
+/* the q-th tile of this CTA: a static serpentine round robin over the work list. Round q hands
+ * tiles [q G, q G + G) to the G CTAs, forwards in even rounds and backwards in odd ones, so a CTA
+ * that got one of the cheaper tiles of a round (a narrow last column tile; mode 2's list is sorted
+ * most rows first) gets one of the dearer tiles of the next: with G a multiple of the column tiles
+ * a plain round robin would give the narrow column tile to the same CTAs in every round. */
 __device__ __forceinline__ int next_ticket(const Params &p, int q) {
     (void)p;
-    return (int)blockIdx.x + q * (int)gridDim.x;
+    const int G = (int)gridDim.x, b = (int)blockIdx.x;
+    return q * G + ((q & 1) ? G - 1 - b : b);
+}
+
+/* The work list from the device offsets, built in shared memory by threads [0, NT) (any
+   further threads only join the barriers); returns the number of tiles T.
+     s_offs [E + 1]: the offsets, clamped to [0, Rmax]
+     s_aux  [E]    : modes 0/1: first tile of each expert (exclusive prefix of its tile count);
+                     mode 2: sort keys, most rows first (expert id in the low 10 bits)
+     s_scan [NT]   : scratch */
+template <int MODE>
+__device__ __forceinline__ int build_work_list(const Params &p, int *s_offs, int *s_aux, int *s_scan, int tid) {
+    const bool act = tid < NT;
+    const int E = p.E;
+    if (act)
+        for (int i = tid; i <= E; i += NT) s_offs[i] = min(max(p.offs[i], 0), p.Rmax);
+    __syncthreads();
+    if (MODE != 2) {
+        int loc[4], sum = 0;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int e = 4 * tid + q;
+            int cnt = 0;
+            if (act && e < E) {
+                const int n = s_offs[e + 1] - s_offs[e];
+                if (n > 0) cnt = ((n + BM - 1) / BM) * p.ct;
+            }
+            loc[q] = cnt;
+            sum += cnt;
+        }
+        if (act) s_scan[tid] = sum;
+        __syncthreads();
+        for (int off = 1; off < NT; off <<= 1) {
+            const int v = (act && tid >= off) ? s_scan[tid - off] : 0;
+            __syncthreads();
+            if (act) s_scan[tid] += v;
+            __syncthreads();
+        }
+        if (act) {
+            int ex = s_scan[tid] - sum;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int e = 4 * tid + q;
+                if (e < E) s_aux[e] = ex;
+                ex += loc[q];
+            }
+        }
+        const int T = s_scan[NT - 1];
+        __syncthreads();
+        return T;
+    } else {
+        /* keys: (0x3FFFFF - min(rows, 0x3FFFFF)) << 10 | e, ascending = most rows first, ties by e */
+        unsigned *keys = reinterpret_cast<unsigned *>(s_aux);
+        int P = 2;
+        while (P < E) P <<= 1;
+        if (act)
+            for (int i = tid; i < P; i += NT) {
+                unsigned k = 0xFFFFFFFFu;
+                if (i < E) {
+                    const int n = min(max(s_offs[i + 1] - s_offs[i], 0), 0x3FFFFF);
+                    k = ((unsigned)(0x3FFFFF - n) << 10) | (unsigned)i;
+                }
+                keys[i] = k;
+            }
+        __syncthreads();
+        for (int k = 2; k <= P; k <<= 1) {
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                if (act)
+                    for (int i = tid; i < (P >> 1); i += NT) {
+                        const int i1 = ((i & ~(j - 1)) << 1) | (i & (j - 1)), i2 = i1 + j;
+                        const unsigned x = keys[i1], y = keys[i2];
+                        if ((x > y) == ((i1 & k) == 0)) { keys[i1] = y; keys[i2] = x; }
+                    }
+                __syncthreads();
+            }
+        }
+        return p.T2;
+    }
 }
 
 template <int MODE, bool WG>
@@ -2945,67 +3033,9 @@ __global__ void __launch_bounds__(NT, 1) gg_kernel(const Params p) {
     int *s_aux = s_offs + (MAX_E + 1); /* modes 0/1: tile prefix per expert; mode 2: sorted keys */
     int *s_scan = s_aux + (MAX_E + 1);
     int *s_ring = s_scan + NT;
-    const int E = p.E;
 
     /* ---- work list from the device offsets ---- */
-    for (int i = tid; i <= E; i += NT) s_offs[i] = min(max(p.offs[i], 0), p.Rmax);
-    __syncthreads();
-    int T;
-    if (MODE != 2) {
-        int loc[4], sum = 0;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int e = 4 * tid + q;
-            int cnt = 0;
-            if (e < E) {
-                const int n = s_offs[e + 1] - s_offs[e];
-                if (n > 0) cnt = ((n + BM - 1) / BM) * p.ct;
-            }
-            loc[q] = cnt;
-            sum += cnt;
-        }
-        s_scan[tid] = sum;
-        __syncthreads();
-        for (int off = 1; off < NT; off <<= 1) {
-            const int v = tid >= off ? s_scan[tid - off] : 0;
-            __syncthreads();
-            s_scan[tid] += v;
-            __syncthreads();
-        }
-        int ex = s_scan[tid] - sum;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int e = 4 * tid + q;
-            if (e < E) s_aux[e] = ex;
-            ex += loc[q];
-        }
-        T = s_scan[NT - 1];
-    } else {
-        /* keys: (0x3FFFFF - min(rows, 0x3FFFFF)) << 10 | e, ascending = most rows first, ties by e */
-        unsigned *keys = reinterpret_cast<unsigned *>(s_aux);
-        int P = 2;
-        while (P < E) P <<= 1;
-        for (int i = tid; i < P; i += NT) {
-            unsigned k = 0xFFFFFFFFu;
-            if (i < E) {
-                const int n = min(max(s_offs[i + 1] - s_offs[i], 0), 0x3FFFFF);
-                k = ((unsigned)(0x3FFFFF - n) << 10) | (unsigned)i;
-            }
-            keys[i] = k;
-        }
-        __syncthreads();
-        for (int k = 2; k <= P; k <<= 1) {
-            for (int j = k >> 1; j > 0; j >>= 1) {
-                for (int i = tid; i < (P >> 1); i += NT) {
-                    const int i1 = ((i & ~(j - 1)) << 1) | (i & (j - 1)), i2 = i1 + j;
-                    const unsigned x = keys[i1], y = keys[i2];
-                    if ((x > y) == ((i1 & k) == 0)) { keys[i1] = y; keys[i2] = x; }
-                }
-                __syncthreads();
-            }
-        }
-        T = p.T2;
-    }
+    const int T = build_work_list<MODE>(p, s_offs, s_aux, s_scan, tid);
     if (tid == 0) {
         s_ring[0] = (int)blockIdx.x;
         s_ring[1] = next_ticket(p, 1);
@@ -3122,6 +3152,253 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* The TMA kernel (default on sm_90a): a producer warp feeds the stages with the copy engine,  */
+/* two consumer warpgroups only multiply and store.                                           */
+/*                                                                                            */
+/* 384 threads: warpgroup 0 is the producer (one thread issues every load; the warpgroup gives */
+/* back its registers with setmaxnreg), warpgroups 1 and 2 are the consumers (tile rows [0, 64) */
+/* and [64, 128)).  Same tiles, stage layouts, wgmma batches, schedule and reduction order as   */
+/* gg_kernel; what changes is how the stages are filled and handed over:                      */
+/*   - each stage is filled by cp.async.bulk.tensor (TMA) with the 128-byte swizzle, which     */
+/*     writes exactly the SW128 layouts above; rows and columns outside the tensors are zeros; */
+/*   - stage s has two mbarriers: full[s] (the producer's expect_tx of the bytes it loads,      */
+/*     completed by the copy engine) and                                                        */
+/*     empty[s] (one arrival per consumer warp once its wgmma reading the stage completed);    */
+/*   - the consumers keep one wgmma batch in flight and release a stage one step later;         */
+/*   - each consumer warp stores its accumulators through its own 2 KB smem buffer, so the      */
+/*     producer keeps loading the next tile while the consumers store this one.                 */
+/* Rows of a box beyond the tile's rows: modes 0/1 load other tokens' rows into A (harmless:   */
+/* row i of the product depends on row i of A only, and such rows are never stored); the W     */
+/* tensor is 3-D [E][M][K], so W rows beyond M are zeros, never the next expert's.  Mode 2     */
+/* reduces over the rows, so the consumers zero the rows past the tile's end in both operands  */
+/* of the last step before multiplying.                                                         */
+/* Measured slower on H200 (mid's shapes) and not kept: dW stored straight from the            */
+/* accumulators (whole 32-byte sectors, no staging: 497 against 530 TFLOP/s), and 3 stages with */
+/* the whole tile staged in smem and stored by bulk copies while the next tile runs (dW 415     */
+/* against 498, dX 621 against 647).                                                            */
+/* ------------------------------------------------------------------------------------------ */
+constexpr int NT_TMA = 384;
+constexpr int EPI_BYTES = 2048;                /* per consumer warp: 16 rows x 128 bytes     */
+constexpr size_t SMEM_TMA = 1024 + (size_t)ST * STAGE_BYTES + 8 * EPI_BYTES + 2 * ST * 8 +
+                            (size_t)(2 * (MAX_E + 1) + NT) * sizeof(int);
+
+struct TmaParams {
+    CUtensorMap ta, tb;    /* A and B operands (see launch_tma for their shapes and boxes)    */
+    CUtensorMap ta2, tb2;  /* mode 1, second pair                                             */
+    Params p;
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* wait until the phase of parity `parity` of the barrier has completed */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+
+/* The producer's loads of reduction step kt of tile ti into the stage at sA, announced on its full
+   barrier first.  Column blocks that start past the tensor's columns are not loaded (what the stage
+   holds there meets only output rows or columns that are never stored). */
+template <int MODE>
+__device__ __forceinline__ void tma_step(const TmaParams &tp, const Tile &ti, int kt, uint32_t sA, uint32_t bar) {
+    const uint32_t sB = sA + A_BYTES;
+    if (MODE == 0) {
+        mbar_expect_tx(bar, (uint32_t)STAGE_BYTES);
+        tma_load_2d(sA, &tp.ta, bar, kt * BK, ti.r0);               /* X [Rmax][K]: box 64 x 128 rows   */
+        tma_load_3d(sB, &tp.tb, bar, kt * BK, ti.c0, ti.e);          /* W [E][M][K]: box 64 x 256 x 1    */
+    } else if (MODE == 1) {
+        const CUtensorMap *ma = &tp.ta, *mb = &tp.tb;
+        if (tp.p.a2 && kt >= tp.p.nkh) { ma = &tp.ta2; mb = &tp.tb2; kt -= tp.p.nkh; }
+        const int nb = min(4, (tp.p.K - ti.c0 + 63) / 64);
+        mbar_expect_tx(bar, (uint32_t)(A_BYTES + nb * 8192));
+        tma_load_2d(sA, ma, bar, kt * BK, ti.r0);                    /* dY [Rmax][M]: box 64 x 128 rows  */
+        for (int j = 0; j < nb; ++j)                                 /* W [E][M][K]: box 64 x 64 x 1     */
+            tma_load_3d(sB + (uint32_t)j * 8192u, mb, bar, ti.c0 + 64 * j, kt * BK, ti.e);
+    } else {
+        const int r = ti.r0 + kt * BK;
+        const int na = min(2, (tp.p.M - ti.m0 + 63) / 64), nb = min(4, (tp.p.K - ti.c0 + 63) / 64);
+        mbar_expect_tx(bar, (uint32_t)((na + nb) * 8192));
+        for (int j = 0; j < na; ++j) tma_load_2d(sA + (uint32_t)j * 8192u, &tp.ta, bar, ti.m0 + 64 * j, r); /* dY: 64 x 64 */
+        for (int j = 0; j < nb; ++j) tma_load_2d(sB + (uint32_t)j * 8192u, &tp.tb, bar, ti.c0 + 64 * j, r); /* X: 64 x 64 */
+    }
+}
+
+/* Mode 2, last step of a tile: zero stage rows [nv, 64) of both operands (6 column blocks of
+   64 rows x 128 bytes); threads 0..255 of the consumers. */
+__device__ __forceinline__ void zero_tail_rows(unsigned char *stage, int nv, int ctid) {
+#pragma unroll 4
+    for (int i = ctid; i < 6 * 64 * 8; i += 256) {
+        const int blk = i >> 9, r = (i >> 3) & 63, ch = i & 7;
+        if (r >= nv) *reinterpret_cast<uint4 *>(stage + blk * 8192 + r * 128 + ch * 16) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+/* The accumulators of consumer warp w (tile rows 64 (w / 4) + 16 (w % 4) + [0, 16)) leave through
+   the warp's 2 KB buffer in passes of 16 rows x 128 bytes (64 bf16 or 32 fp32 columns; 16-byte
+   chunks XOR-swizzled by row: conflict-free), as 16-byte stores, 8 lanes per 128-byte row segment. */
+template <int MODE>
+__device__ __forceinline__ void epilogue_warp(const Params &p, const float (&acc)[128], const Tile &ti, int warp, int lane,
+                                              int rows_valid, int cols_valid, unsigned char *buf) {
+    constexpr int ESZ = (MODE == 2) ? 4 : 2;   /* output element bytes                 */
+    constexpr int JB = 128 / (8 * ESZ);        /* n8 column blocks per pass: 8 or 4    */
+    constexpr int NP = 32 / JB;                /* passes: 4 or 8                       */
+    const int g = lane >> 2, c = lane & 3;
+    const int wrow = 64 * (warp >> 2) + 16 * (warp & 3);
+    const bool has = ti.nk > 0; /* no reduction steps: the accumulators were never written -> zeros */
+    float ss = 0.f;
+    char *obase;
+    size_t ld;
+    if (MODE == 2) {
+        obase = reinterpret_cast<char *>(p.part + ((size_t)(ti.s * p.E + ti.e) * p.M + ti.m0) * p.K + ti.c0);
+        ld = (size_t)p.K * 4;
+    } else {
+        obase = reinterpret_cast<char *>(reinterpret_cast<bf16 *>(p.out) + (size_t)ti.r0 * p.ncols + ti.c0);
+        ld = (size_t)p.ncols * 2;
+    }
+#pragma unroll
+    for (int pass = 0; pass < NP; ++pass) {
+        if (pass * JB * 8 >= cols_valid) break; /* tile-uniform */
+#pragma unroll
+        for (int jj = 0; jj < JB; ++jj) {
+            const int j = pass * JB + jj;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = g + 8 * h;
+                const float v0 = has ? acc[4 * j + 2 * h] : 0.f, v1 = has ? acc[4 * j + 2 * h + 1] : 0.f;
+                const int byte = (8 * jj + 2 * c) * ESZ;
+                const int off = r * 128 + (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15);
+                if (ESZ == 2) {
+                    *reinterpret_cast<__nv_bfloat162 *>(buf + off) = __floats2bfloat162_rn(v0, v1);
+                } else {
+                    *reinterpret_cast<float2 *>(buf + off) = make_float2(v0, v1);
+                    if (wrow + r < rows_valid && pass * JB * 8 + 8 * jj + 2 * c < cols_valid) ss += v0 * v0 + v1 * v1;
+                }
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+            const int r = 4 * it + (lane >> 3), ch = lane & 7;
+            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * 128 + ((ch ^ (r & 7)) << 4));
+            const int row = wrow + r, col = pass * JB * 8 + ch * (16 / ESZ);
+            if (row < rows_valid && col < cols_valid)
+                *reinterpret_cast<uint4 *>(obase + (size_t)row * ld + (size_t)col * ESZ) = v;
+        }
+        __syncwarp();
+    }
+    if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
+}
+
+template <int MODE>
+__global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const Params &p = tp.p;
+    const int tid = threadIdx.x;
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t pad = (1024u - (raw & 1023u)) & 1023u; /* SW128 tiles need 1024-byte alignment */
+    const uint32_t sbase = raw + pad;
+    unsigned char *stages = smem_raw + pad;
+    unsigned char *epi = stages + (size_t)ST * STAGE_BYTES;
+    const uint32_t full0 = sbase + (uint32_t)(ST * STAGE_BYTES + 8 * EPI_BYTES); /* full[s] = full0 + 8 s  */
+    const uint32_t empty0 = full0 + 8u * ST;                                     /* empty[s] = empty0 + 8 s */
+    int *s_offs = reinterpret_cast<int *>(epi + 8 * EPI_BYTES + 2 * ST * 8);
+    int *s_aux = s_offs + (MAX_E + 1);
+    int *s_scan = s_aux + (MAX_E + 1);
+
+    if (tid == NT) {
+#pragma unroll 1
+        for (int s = 0; s < ST; ++s) {
+            mbar_init(full0 + 8u * s, 1);
+            mbar_init(empty0 + 8u * s, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    const int T = build_work_list<MODE>(p, s_offs, s_aux, s_scan, tid); /* ends with a CTA barrier */
+
+    if (tid < 128) {
+        /* ---- producer warpgroup: one thread walks this CTA's (tile, step) sequence ---- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid == 0) {
+            int step = 0;
+#pragma unroll 1
+            for (int q = 0;; ++q) {
+                const Tile ti = decode_tile<MODE>(p, s_offs, s_aux, T, next_ticket(p, q));
+                if (!ti.valid) break;
+#pragma unroll 1
+                for (int kt = 0; kt < ti.nk; ++kt, ++step) {
+                    const int s = step % ST;
+                    mbar_wait(empty0 + 8u * s, ((step / ST) & 1) ^ 1);
+                    tma_step<MODE>(tp, ti, kt, sbase + (uint32_t)(s * STAGE_BYTES), full0 + 8u * s);
+                }
+            }
+        }
+    } else {
+        /* ---- consumer warpgroups ---- */
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        const int ctid = tid - 128, warp = ctid >> 5, lane = ctid & 31;
+        const int wg = __shfl_sync(0xffffffffu, ctid >> 7, 0); /* warp-uniform for ptxas */
+        unsigned char *buf = epi + (size_t)warp * EPI_BYTES;
+        float acc[128];
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+        int step = 0;
+#pragma unroll 1
+        for (int q = 0;; ++q) {
+            const Tile ti = decode_tile<MODE>(p, s_offs, s_aux, T, next_ticket(p, q));
+            if (!ti.valid) break;
+            const int rows_valid = (MODE == 2) ? min(BM, p.M - ti.m0) : (ti.r1 - ti.r0);
+            const int cols_valid = min(BN, p.ncols - ti.c0);
+#pragma unroll 1
+            for (int kt = 0; kt < ti.nk; ++kt, ++step) {
+                const int s = step % ST;
+                mbar_wait(full0 + 8u * s, (step / ST) & 1);
+                if (MODE == 2 && kt == ti.nk - 1) {
+                    const int nv = ti.r1 - (ti.r0 + kt * BK);
+                    if (nv < BK) { /* tile-uniform */
+                        zero_tail_rows(stages + (size_t)s * STAGE_BYTES, nv, ctid);
+                        fence_proxy_async();
+                        bar_sync_named(1, 256);
+                    }
+                }
+                step_wgmma<MODE>(acc, sbase + (uint32_t)(s * STAGE_BYTES), wg, 64 * wg < rows_valid, cols_valid > 128, kt == 0);
+                wgmma_wait<1>();
+                fence_acc_all(acc);
+                /* the previous step's batch is complete: its stage goes back to the producer */
+                if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + ST - 1) % ST));
+            }
+            wgmma_wait<0>();
+            fence_acc_all(acc);
+            if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + ST - 1) % ST));
+            epilogue_warp<MODE>(p, acc, ti, warp, lane, rows_valid, cols_valid, buf);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Host side                                                                                  */
 /* ------------------------------------------------------------------------------------------ */
 static bool args_ok(int mode, int E, int M, int K, int Rmax) {
@@ -3161,6 +3438,68 @@ static int launch_main(const Params &p, int grid, cudaStream_t stream) {
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
+/* cuTensorMapEncodeTiled, reached through the runtime (no link against the driver library) */
+typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *, const cuuint64_t *,
+                                  const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static EncodeTiledFn tma_encoder() {
+    void *fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+        return nullptr;
+    return reinterpret_cast<EncodeTiledFn>(fn);
+}
+
+/* A bf16 row-major tensor of `rank` dims (dims[0] innermost, elements; strides[i] in bytes between
+   consecutive indices of dim i + 1), read in boxes of box[] elements with the 128-byte swizzle;
+   elements outside the tensor read as zeros. */
+static int tma_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims, const cuuint64_t *strides,
+                   const cuuint32_t *box) {
+    const cuuint32_t ones[3] = {1, 1, 1};
+    return enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, const_cast<void *>(base), dims, strides, box, ones,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS ? 0 : -1;
+}
+
+/* The operand maps of one mode (see tma_step for how they are read):
+     rows [Rmax][C] (X: C = K, dY: C = M), boxes of 64 columns x `rows_box` rows;
+     W [E][M][K] as 3-D (K, M, E), boxes of 64 k x `w_box` m x 1 expert. */
+static int tma_row_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int C, int Rmax, int rows_box) {
+    const cuuint64_t dims[2] = {(cuuint64_t)C, (cuuint64_t)(Rmax > 0 ? Rmax : 1)}; /* Rmax = 0: no box is ever read */
+    const cuuint64_t strides[1] = {(cuuint64_t)C * 2};
+    const cuuint32_t box[2] = {64, (cuuint32_t)rows_box};
+    return tma_map(enc, m, base, 2, dims, strides, box);
+}
+static int tma_w_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int E, int M, int K, int w_box) {
+    const cuuint64_t dims[3] = {(cuuint64_t)K, (cuuint64_t)M, (cuuint64_t)E};
+    const cuuint64_t strides[2] = {(cuuint64_t)K * 2, (cuuint64_t)M * K * 2};
+    const cuuint32_t box[3] = {64, (cuuint32_t)w_box, 1};
+    return tma_map(enc, m, base, 3, dims, strides, box);
+}
+
+template <int MODE>
+static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream) {
+    TmaParams tp;
+    memset(&tp, 0, sizeof tp);
+    tp.p = p;
+    int rc;
+    if (MODE == 0) {
+        rc = tma_row_map(enc, &tp.ta, p.a, p.K, p.Rmax, BM) | tma_w_map(enc, &tp.tb, p.b, p.E, p.M, p.K, BN);
+    } else if (MODE == 1) {
+        rc = tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BM) | tma_w_map(enc, &tp.tb, p.b, p.E, p.M, p.K, BK);
+        if (p.a2) rc |= tma_row_map(enc, &tp.ta2, p.a2, p.M, p.Rmax, BM) | tma_w_map(enc, &tp.tb2, p.b2, p.E, p.M, p.K, BK);
+    } else {
+        rc = tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK);
+    }
+    if (rc) return -1;
+    void (*kern)(const TmaParams) = gg_tma_kernel<MODE>;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_TMA) != cudaSuccess) return -1;
+    kern<<<grid, NT_TMA, SMEM_TMA, stream>>>(tp);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
 /* entries of the dW^2 partials: 8 per tile without row splits, SSQ_BLOCKS with them */
 constexpr long long SSQ_BLOCKS = 1024;
 static long long ssq_need(int E, int M, int K) {
@@ -3168,7 +3507,7 @@ static long long ssq_need(int E, int M, int K) {
     return t8 > SSQ_BLOCKS ? t8 : SSQ_BLOCKS;
 }
 
-/* variant: 1 = wgmma, 0 = mma.sync */
+/* variant: 2 = TMA + wgmma (warp-specialized), 1 = cp.async + wgmma, 0 = cp.async + mma.sync */
 static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
                   int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
                   float *ssq = nullptr, long long ssq_len = 0, int nsm = 0) {
@@ -3214,7 +3553,12 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     if (ssq && (S > 1 || tiles * 8 < ssq_len))   /* entries no tile or block writes read as zero */
         if (cudaMemsetAsync(ssq, 0, (size_t)ssq_len * sizeof(float), stream) != cudaSuccess) return -1;
     int rc;
-    if (variant) {
+    EncodeTiledFn enc = variant == 2 ? tma_encoder() : nullptr;
+    if (variant == 2 && !enc) variant = 1; /* a driver without tensor maps: the same tiles through cp.async */
+    if (variant == 2) {
+        rc = mode == 0 ? launch_tma<0>(enc, p, grid, stream)
+           : mode == 1 ? launch_tma<1>(enc, p, grid, stream) : launch_tma<2>(enc, p, grid, stream);
+    } else if (variant) {
         rc = mode == 0 ? launch_main<0, true>(p, grid, stream)
            : mode == 1 ? launch_main<1, true>(p, grid, stream) : launch_main<2, true>(p, grid, stream);
     } else {
@@ -3250,7 +3594,7 @@ size_t mt_cuda_gmm_workspace(mt_cuda *c, int mode, int E, int M, int K, int Rmax
 int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *d_offs, int E, int M, int K, int Rmax,
                 void *ws, const void *a2, const void *b2, float *ssq, int64_t ssq_len) {
     if (ssq && ssq_len != mt_ggk::ssq_need(E, M, K)) return mt__fail(c, "grouped GEMM", "gradient-norm partials of the wrong length");
-    if (mt_ggk::gg_run(1, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream, a2, b2, ssq, ssq_len, c->split_sms)) {
+    if (mt_ggk::gg_run(2, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream, a2, b2, ssq, ssq_len, c->split_sms)) {
         cudaError_t e = cudaGetLastError();
         return mt__fail(c, "grouped GEMM", e != cudaSuccess ? cudaGetErrorString(e) : "bad arguments (dims must be multiples of 8)");
     }

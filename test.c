@@ -692,6 +692,70 @@ static void gpu_test_gmm_dw_sumsq(int E, int F, int D, int64_t NK) {
     dfree(DdY); dfree(DX); dfree(Doffs); dfree(DdW); dfree(DdW2); dfree(Dssq); dfree(ws);
 }
 
+/* Grouped GEMM on unequal, empty and odd-sized experts, dims not multiples of the tiles: forward,
+ * dX (one and two pairs) and dW against the CPU reference. The rows past the routed ones are NaN
+ * in every input (dW's reduction must not touch them) and stay unwritten in the outputs; reruns
+ * are bitwise identical. */
+static void gpu_test_gmm_shapes(int E, int M, int K, const int *counts) {
+    int32_t *offs = (int32_t *)malloc(4 * (size_t)(E + 1));
+    offs[0] = 0;
+    for (int e = 0; e < E; e++) offs[e + 1] = offs[e] + counts[e];
+    const int R = offs[E], Rmax = R + 37;
+    float *X = randn((int64_t)R * K, 1), *dY = randn((int64_t)R * M, 1), *dY2 = randn((int64_t)R * M, 1);
+    float *W = randn((int64_t)E * M * K, 0.1), *W2 = randn((int64_t)E * M * K, 0.1);
+    round_bf(X, (int64_t)R * K); round_bf(dY, (int64_t)R * M); round_bf(dY2, (int64_t)R * M);
+    round_bf(W, (int64_t)E * M * K); round_bf(W2, (int64_t)E * M * K);
+    float *Y = (float *)malloc(4 * (size_t)(R ? R : 1) * M), *dX = (float *)malloc(4 * (size_t)(R ? R : 1) * K);
+    float *dX2 = (float *)malloc(4 * (size_t)(R ? R : 1) * K), *dW = (float *)malloc(4 * (size_t)E * M * K);
+    mt_cpu_gmm(NULL, Y, X, W, offs, E, M, K);
+    mt_cpu_gmm_dx(NULL, dX, dY, W, offs, E, M, K);
+    memcpy(dX2, dX, 4 * (size_t)R * K);
+    mt_cpu_gmm_dx_add(NULL, dX2, dY2, W2, offs, E, M, K);
+    mt_cpu_gmm_dw(NULL, dW, dY, X, offs, E, M, K);
+    /* inputs: Rmax rows, the last 37 NaN (dalloc's poison), the routed rows copied over */
+    void *DX = dalloc(2 * (size_t)Rmax * K), *DdY = dalloc(2 * (size_t)Rmax * M), *DdY2 = dalloc(2 * (size_t)Rmax * M);
+    void *tX = up_bf(X, (int64_t)R * K), *tY = up_bf(dY, (int64_t)R * M), *tY2 = up_bf(dY2, (int64_t)R * M);
+    mt_cuda_copy(CU, DX, tX, 2 * (size_t)R * K, 2); mt_cuda_copy(CU, DdY, tY, 2 * (size_t)R * M, 2); mt_cuda_copy(CU, DdY2, tY2, 2 * (size_t)R * M, 2);
+    void *DW = up_bf(W, (int64_t)E * M * K), *DW2 = up_bf(W2, (int64_t)E * M * K), *Doffs = up(offs, 4 * (size_t)(E + 1));
+    void *ws = dalloc(mt_cuda_gmm_workspace(CU, 2, E, M, K, Rmax) + 256);
+    size_t by = 2 * (size_t)Rmax * M, bx = 2 * (size_t)Rmax * K, bw = 4 * (size_t)E * M * K;
+    void *out[2][4];   /* [run][Y, dX, dX2, dW] */
+    int ok = 1;
+    for (int run = 0; run < 2; run++) {
+        out[run][0] = dalloc(by); out[run][1] = dalloc(bx); out[run][2] = dalloc(bx); out[run][3] = dalloc(bw);
+        ok &= !mt_cuda_gmm(CU, 0, out[run][0], DX, DW, (int32_t *)Doffs, E, M, K, Rmax, ws, NULL, NULL, NULL, 0) &&
+              !mt_cuda_gmm(CU, 1, out[run][1], DdY, DW, (int32_t *)Doffs, E, M, K, Rmax, ws, NULL, NULL, NULL, 0) &&
+              !mt_cuda_gmm(CU, 1, out[run][2], DdY, DW, (int32_t *)Doffs, E, M, K, Rmax, ws, DdY2, DW2, NULL, 0) &&
+              !mt_cuda_gmm(CU, 2, out[run][3], DdY, DX, (int32_t *)Doffs, E, M, K, Rmax, ws, NULL, NULL, NULL, 0);
+    }
+    const size_t bytes[4] = {by, bx, bx, bw};
+    int same = 1, untouched = 1;
+    for (int i = 0; i < 4; i++) {
+        unsigned char *h0 = (unsigned char *)down(out[0][i], bytes[i]), *h1 = (unsigned char *)down(out[1][i], bytes[i]);
+        same &= !memcmp(h0, h1, bytes[i]);
+        if (i < 3) {   /* bf16 rows [R, Rmax) keep the poison */
+            size_t from = 2 * (size_t)R * (i == 0 ? M : K);
+            for (size_t j = from; j < bytes[i]; j++) untouched &= h0[j] == 0xff;
+        }
+        free(h0); free(h1);
+    }
+    float *gY = down_bf(out[0][0], (int64_t)R * M), *gdX = down_bf(out[0][1], (int64_t)R * K), *gdX2 = down_bf(out[0][2], (int64_t)R * K);
+    float *gdW = (float *)down(out[0][3], bw);
+    double e1 = rel(gY, Y, (int64_t)R * M), e2 = rel(gdX, dX, (int64_t)R * K), e3 = rel(gdX2, dX2, (int64_t)R * K), e4 = rel(gdW, dW, (int64_t)E * M * K);
+    int zero_ok = 1;
+    for (int e = 0; e < E; e++)
+        if (!counts[e]) for (int64_t i = 0; i < (int64_t)M * K; i++) zero_ok &= gdW[(int64_t)e * M * K + i] == 0;
+    char nm[96];
+    snprintf(nm, sizeof nm, "gpu grouped GEMM shapes (E=%d M=%d K=%d, %d rows)", E, M, K, R);
+    report(nm, ok && same && untouched && zero_ok && e1 < BF_TOL && e2 < BF_TOL && e3 < BF_TOL && e4 < F32_TOL,
+           "fwd %.1e dX %.1e dX2 %.1e dW %.1e, idle dW zero %d, tail rows untouched %d, rerun %s", e1, e2, e3, e4, zero_ok, untouched,
+           same ? "bitwise" : "DIFFERS");
+    for (int run = 0; run < 2; run++) for (int i = 0; i < 4; i++) dfree(out[run][i]);
+    free(offs); free(X); free(dY); free(dY2); free(W); free(W2); free(Y); free(dX); free(dX2); free(dW);
+    free(gY); free(gdX); free(gdX2); free(gdW);
+    dfree(DX); dfree(DdY); dfree(DdY2); dfree(tX); dfree(tY); dfree(tY2); dfree(DW); dfree(DW2); dfree(Doffs); dfree(ws);
+}
+
 static void gpu_test_moe_ops(void) {
     /* router: every variant, indices and counts exact, weights within f32 rounding */
     for (int v = 0; v < 4; v++) {
@@ -1292,6 +1356,13 @@ int main(void) {
     gpu_test_gmm_dw_sumsq(8, 48, 64, 400);      /* few rows per expert: no row splits */
     gpu_test_gmm_dw_sumsq(2, 64, 64, 16384);    /* few tiles, many rows: split rows, reduce kernel */
     gpu_test_gmm_dw_sumsq(64, 1408, 256, 6144);
+    {
+        static const int c5[5] = {0, 17, 0, 200, 1}, c3[3] = {130, 0, 70};
+        static const int c12[12] = {301, 0, 129, 1, 640, 77, 0, 1500, 255, 256, 63, 400};
+        gpu_test_gmm_shapes(5, 72, 40, c5);       /* dims under one tile, idle experts, single rows */
+        gpu_test_gmm_shapes(3, 136, 264, c3);     /* ragged last row / column tiles               */
+        gpu_test_gmm_shapes(12, 200, 328, c12);   /* unequal experts, one heavy, rows around 64 and 128 multiples */
+    }
     gpu_test_loss_and_optimizer();
     gpu_test_whole_steps();
     gpu_test_recompute();

@@ -10,11 +10,14 @@
 #include "../moetrain_kernels.cu"
 #undef CK
 
-static size_t mt_gg_workspace(int mode, int E, int M, int K, int Rmax) { return mt_ggk::gg_workspace(mode, E, M, K, Rmax); }
+/* the SM count the split choice uses: the bench's device (the library passes the binding's tuned count) */
+static int g_nsm = 0;
+static size_t mt_gg_workspace(int mode, int E, int M, int K, int Rmax) { return mt_ggk::gg_workspace(mode, E, M, K, Rmax, g_nsm); }
 static int mt_gg(int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K, int Rmax, void *ws,
                  cudaStream_t stream) {
-    return mt_ggk::gg_run(1, mode, out, a, b, d_offs, E, M, K, Rmax, ws, stream);
+    return mt_ggk::gg_run(2, mode, out, a, b, d_offs, E, M, K, Rmax, ws, stream, nullptr, nullptr, nullptr, 0, g_nsm);
 }
+static const char *variant_name[3] = {"mma.sync", "wgmma", "tma"};
 
 /* ========================================================================================== */
 /* Test harness: nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DGG_MAIN           */
@@ -33,6 +36,7 @@ static int mt_gg(int mode, void *out, const void *a, const void *b, const int *d
 #include <string>
 
 static int g_pass = 0, g_fail = 0;
+static std::vector<std::string> g_table; /* timing lines, repeated at the end */
 static void fatal(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -227,10 +231,12 @@ static void mode_io(const Bufs &b, int mode, void **out, const void **a, const v
     else { *out = b.dW; *a = b.dY; *bb = b.X; *bytes = (size_t)b.E * b.M * b.K * 4; }
 }
 
-static int run_variant(int variant, const Bufs &b, int mode, void *ws, cudaStream_t st) {
+/* pair: mode 1 with the second pair (dY, W) again, as GMM_DX2 runs it: dX = dY W + dY W */
+static int run_variant(int variant, const Bufs &b, int mode, void *ws, cudaStream_t st, bool pair = false) {
     void *out; const void *a, *bb; size_t bytes;
     mode_io(b, mode, &out, &a, &bb, &bytes);
-    return mt_ggk::gg_run(variant, mode, out, a, bb, b.d_offs, b.E, b.M, b.K, b.Rmax, ws, st);
+    return mt_ggk::gg_run(variant, mode, out, a, bb, b.d_offs, b.E, b.M, b.K, b.Rmax, ws, st, pair ? a : nullptr, pair ? bb : nullptr,
+                          nullptr, 0, g_nsm);
 }
 
 /* ---------------- cuBLASLt baseline: one matmul per expert (bf16 in, fp32 compute) ---------------- */
@@ -371,8 +377,9 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
     CK(cudaMemcpy(b.hdY.data(), b.dY, ndY * 2, cudaMemcpyDeviceToHost));
     const bool full = (long long)b.R * M * K <= (1ll << 28);
 
-    for (int variant = 1; variant >= 0; --variant) {
-        const char *vname = variant ? "wgmma" : "mma.sync";
+    std::vector<unsigned char> first[3]; /* each mode's output of the first variant, for the cross-variant comparison */
+    for (int variant = 2; variant >= 0; --variant) {
+        const char *vname = variant_name[variant];
         for (int mode = 0; mode < 3; ++mode) {
             void *out; const void *a, *bb; size_t bytes;
             mode_io(b, mode, &out, &a, &bb, &bytes);
@@ -396,7 +403,10 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
             report(ok, "%s %-8s mode %d %-11s %s", c.name.c_str(), vname, mode, mode_name[mode], msg);
             report(rc1 == 0 && memcmp(h1.data(), h2.data(), bytes) == 0, "%s %-8s mode %d bitwise identical rerun", c.name.c_str(),
                    vname, mode);
-            if (variant == 1 && mt_gg_workspace(mode, E, M, K, Rmax) <= 256) {
+            if (variant == 2) first[mode] = h1;
+            else printf("  (info) %s %-8s mode %d bitwise equal to tma: %s\n", c.name.c_str(), vname, mode,
+                        memcmp(h1.data(), first[mode].data(), bytes) == 0 ? "yes" : "no");
+            if (variant >= 1 && mt_gg_workspace(mode, E, M, K, Rmax) <= 256) {
                 /* without a workspace (possible when mode 2 needs no row split) mode 2 assigns its tiles
                    ws=NULL where allowed: must give the same bits */
                 CK(cudaMemset(out, 0xFF, bytes));
@@ -407,6 +417,34 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                        c.name.c_str(), vname, mode);
             }
         }
+        if (variant >= 1) {
+            /* mode 1 with a second pair (GMM_DX2), here (dY, W) twice: against twice the single result */
+            const size_t n = (size_t)b.Rmax * K, bytes = n * 2;
+            std::vector<uint16_t> hs(n), hp(n), hp2(n);
+            CK(cudaMemset(b.dX, 0xFF, bytes));
+            int rc = run_variant(variant, b, 1, b.ws, st);
+            CK(cudaStreamSynchronize(st));
+            CK(cudaMemcpy(hs.data(), b.dX, bytes, cudaMemcpyDeviceToHost));
+            CK(cudaMemset(b.dX, 0xFF, bytes));
+            rc |= run_variant(variant, b, 1, b.ws, st, true);
+            CK(cudaStreamSynchronize(st));
+            CK(cudaMemcpy(hp.data(), b.dX, bytes, cudaMemcpyDeviceToHost));
+            CK(cudaMemset(b.dX, 0xFF, bytes));
+            rc |= run_variant(variant, b, 1, b.ws, st, true);
+            CK(cudaStreamSynchronize(st));
+            CK(cudaMemcpy(hp2.data(), b.dX, bytes, cudaMemcpyDeviceToHost));
+            double num = 0, den = 0;
+            long long bad = 0;
+            for (size_t i = 0; i < (size_t)b.R * K; ++i) {
+                const double r = 2.0 * bf2f(hs[i]), g = bf2f(hp[i]);
+                if (!std::isfinite(g)) ++bad;
+                num += (g - r) * (g - r); den += r * r;
+            }
+            for (size_t i = (size_t)b.R * K; i < n; ++i) bad += hp[i] != 0xFFFF;
+            const double rel = den > 0 ? sqrt(num / den) : sqrt(num);
+            report(rc == 0 && bad == 0 && rel <= 1e-2 && memcmp(hp.data(), hp2.data(), bytes) == 0,
+                   "%s %-8s mode 1 two pairs (DX2) vs 2 x one pair: rel=%.2e, bad=%lld, rerun bitwise", c.name.c_str(), vname, rel, bad);
+        }
     }
 
     if (c.timed) {
@@ -414,11 +452,11 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
         for (int mode = 0; mode < 3; ++mode) {
             void *out; const void *a, *bb; size_t bytes;
             mode_io(b, mode, &out, &a, &bb, &bytes);
+            const float t_tma = time_median([&]() { if (run_variant(2, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
             const float t_wg = time_median([&]() { if (run_variant(1, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
-            const float t_ms = time_median([&]() { if (run_variant(0, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
             /* keep the grouped result to compare the baseline against (all elements) */
             CK(cudaMemset(out, 0xFF, bytes));
-            if (run_variant(1, b, mode, b.ws, st) != 0) fatal("launch failed");
+            if (run_variant(2, b, mode, b.ws, st) != 0) fatal("launch failed");
             CK(cudaStreamSynchronize(st));
             std::vector<unsigned char> hg(bytes), hc(bytes);
             CK(cudaMemcpy(hg.data(), out, bytes, cudaMemcpyDeviceToHost));
@@ -440,10 +478,20 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                 den += r * r;
             }
             const double rel = den > 0 ? sqrt(num / den) : sqrt(num);
-            printf("  timing %s mode %d %-11s: wgmma %8.3f ms %6.1f TFLOP/s | mma.sync %8.3f ms %6.1f TFLOP/s | "
-                   "cuBLASLt x%zu %8.3f ms %6.1f TFLOP/s\n",
-                   c.name.c_str(), mode, mode_name[mode], t_wg, flops / t_wg * 1e-9, t_ms, flops / t_ms * 1e-9, P.ex.size(), t_lt,
-                   flops / t_lt * 1e-9);
+            char line[400];
+            snprintf(line, sizeof line, "%-8s %-11s E=%d M=%d K=%d R=%d: tma %7.3f ms %6.1f | wgmma %7.3f ms %6.1f | cuBLASLt x%zu %7.3f ms %6.1f TFLOP/s",
+                     c.name.c_str(), mode_name[mode], E, M, K, b.R, t_tma, flops / t_tma * 1e-9, t_wg, flops / t_wg * 1e-9,
+                     P.ex.size(), t_lt, flops / t_lt * 1e-9);
+            printf("  timing %s\n", line);
+            g_table.push_back(line);
+            if (mode == 1) {
+                const float p_tma = time_median([&]() { if (run_variant(2, b, 1, b.ws, st, true) != 0) fatal("launch failed"); }, st);
+                const float p_wg = time_median([&]() { if (run_variant(1, b, 1, b.ws, st, true) != 0) fatal("launch failed"); }, st);
+                snprintf(line, sizeof line, "%-8s %-11s E=%d M=%d K=%d R=%d: tma %7.3f ms %6.1f | wgmma %7.3f ms %6.1f TFLOP/s",
+                         c.name.c_str(), "dX2 (pairs)", E, M, K, b.R, p_tma, 2 * flops / p_tma * 1e-9, p_wg, 2 * flops / p_wg * 1e-9);
+                printf("  timing %s\n", line);
+                g_table.push_back(line);
+            }
             report(std::isfinite(rel) && rel <= (mode == 2 ? 1e-4 : 1e-2), "%s mode %d grouped vs cuBLASLt, all %zu outputs: rel=%.2e",
                    c.name.c_str(), mode, n, rel);
             CK(cudaFree(cout));
@@ -550,17 +598,23 @@ int main() {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, dev));
     printf("device: %s (sm_%d%d, %d SMs), kernel smem %zu bytes, %d threads/CTA, tile %dx%dx%d, %d stages\n", prop.name, prop.major,
-           prop.minor, prop.multiProcessorCount, mt_ggk::SMEM_BYTES, mt_ggk::NT, mt_ggk::BM, mt_ggk::BN, mt_ggk::BK, mt_ggk::ST);
+           prop.minor, prop.multiProcessorCount, mt_ggk::SMEM_TMA, mt_ggk::NT_TMA, mt_ggk::BM, mt_ggk::BN, mt_ggk::BK, mt_ggk::ST);
     if (prop.major != 9) {
         printf("this test needs an sm_90 GPU\nGG: 0 passed, 1 failed\n");
         return 1;
     }
+    g_nsm = prop.multiProcessorCount;
     std::mt19937 rng(20240611);
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
 
     std::vector<Case> cases;
-    cases.push_back({"big", 64, 1408, 2048, imbalanced_counts(64, 49152, rng, 3, {3.0, 4.0, 5.0}), true});
+    /* mid's experts: dim 2048, moe_inter 1408, 64 experts, 8192 tokens x top-6 routed rows */
+    {
+        std::vector<int> cnt = imbalanced_counts(64, 49152, rng, 3, {3.0, 4.0, 5.0});
+        cases.push_back({"big", 64, 1408, 2048, cnt, true});        /* gate / up projections */
+        cases.push_back({"big-down", 64, 2048, 1408, cnt, true});   /* down projection       */
+    }
     {
         std::vector<int> cnt(8);
         int s = 0;
@@ -583,6 +637,8 @@ int main() {
     test_graph_capture(rng);
     test_bad_args();
     CK(cudaStreamDestroy(st));
+    printf("\n== grouped GEMM timings (%s, %d SMs; median of 10) ==\n", prop.name, prop.multiProcessorCount);
+    for (const std::string &l : g_table) printf("%s\n", l.c_str());
     printf("GG: %d passed, %d failed\n", g_pass, g_fail);
     return g_fail ? 1 : 0;
 }
