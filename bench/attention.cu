@@ -489,15 +489,25 @@ static void bench_breakdown(const Shape &s) {
     fp.scale_log2 = scale * MT_FA_LOG2E;
     fp.vec_qk = 1; fp.vec_v = 1; fp.pair_o = 1;
     std::vector<uint16_t> o1(d.nv), o2(d.nv);
+    const double fl = 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0);
     const float t_f = time_launcher(launch_fwd_kernel<192, 128, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>, fp, BH);
     CK(cudaDeviceSynchronize());
     CK(cudaMemcpy(o1.data(), d.o, d.nv * 2, cudaMemcpyDeviceToHost));
     const float t_f_alt = time_launcher(launch_fwd_kernel<192, 128, 4, 64, 2, false, 2>, fp, BH);
     CK(cudaDeviceSynchronize());
     CK(cudaMemcpy(o2.data(), d.o, d.nv * 2, cudaMemcpyDeviceToHost));
+    {   /* wgmma forward against the mma.sync one: max |difference| of O (both bf16) */
+        const float t_wg = time_launcher(launch_fwd_wg_kernel<192, 128, 128>, fp, BH);
+        CK(cudaDeviceSynchronize());
+        std::vector<uint16_t> o3(d.nv);
+        CK(cudaMemcpy(o3.data(), d.o, d.nv * 2, cudaMemcpyDeviceToHost));
+        double md = 0;
+        for (size_t i = 0; i < o3.size(); ++i) md = std::max(md, (double)fabsf(bf2f(o3[i]) - bf2f(o1[i])));
+        printf("  forward wgmma (2 warpgroups x 64 rows, 128-key tiles): %.3f ms (%.1f TFLOP/s); max |O - O(mma.sync)| = %.3g\n",
+               t_wg, fl * (192 + 128) / (t_wg * 1e-3) / 1e12, md);
+    }
     CK(cudaMemcpy(dk2.data(), d.dk, d.nq * 2, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(dv2.data(), d.dv, d.nv * 2, cudaMemcpyDeviceToHost));
-    const double fl = 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0);
     printf("breakdown B=%d T=%d H=%d 192/128: D %.3f ms | dK/dV %.3f ms (%.1f TFLOP/s of mma work) | dQ %.3f ms (%.1f TFLOP/s "
            "of mma work)\n",
            s.B, s.T, s.H, t_dot, t_kv, fl * 2 * (192 + 128) / (t_kv * 1e-3) / 1e12, t_q, fl * (192 + 128 + 192) / (t_q * 1e-3) / 1e12);
