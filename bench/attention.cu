@@ -436,6 +436,21 @@ static void bench_breakdown(const Shape &s) {
     const int BH = s.B * s.H;
     typedef Cfg<192, 128> C;
     const float t_dot = time_launcher(launch_dot_only, p, BH);
+    {   /* the wgmma backward kernels (the default) one by one, against the mma.sync ones */
+        const float t_kv_wg = time_launcher(launch_dkdv_wg_kernel<192, 128>, p, BH);
+        const float t_q_wg = time_launcher(launch_dq_wg_kernel<192, 128>, p, BH);
+        CK(cudaDeviceSynchronize());
+        std::vector<uint16_t> a(d.nq), bq(d.nq);
+        CK(cudaMemcpy(a.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        CKAPI((launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, 0)));
+        CK(cudaMemcpy(bq.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        double md = 0;
+        for (size_t i = 0; i < a.size(); ++i) md = std::max(md, (double)fabsf(bf2f(a[i]) - bf2f(bq[i])));
+        const double fl0 = 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0);
+        printf("  wgmma backward: dK/dV %.3f ms (%.1f TFLOP/s of mma work), dQ %.3f ms (%.1f TFLOP/s of mma work); "
+               "max |dQ - dQ(mma.sync)| = %.3g\n",
+               t_kv_wg, fl0 * 2 * (192 + 128) / (t_kv_wg * 1e-3) / 1e12, t_q_wg, fl0 * (192 + 128 + 192) / (t_q_wg * 1e-3) / 1e12, md);
+    }
     const float t_kv = time_launcher(launch_dkdv_kernel<192, 128, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>, p, BH);
     const float t_q = time_launcher(launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>, p, BH);
     const float t_kv_alt = time_launcher(launch_dkdv_kernel<192, 128, 64, 1, 2, 16, false, 2>, p, BH);
@@ -536,6 +551,8 @@ int main(int argc, char **argv) {
         /* document masking: packed documents of random lengths */
         {2, 256, 4, 192, 128, 40}, {1, 300, 2, 192, 128, 70}, {2, 100, 3, 64, 64, 10}, {1, 130, 2, 256, 256, 25},
         {2, 2048, 16, 192, 128, 300},
+        /* odd lengths and very short documents on the wgmma kernels */
+        {1, 1000, 3, 192, 128}, {1, 257, 2, 192, 128, 3}, {3, 333, 2, 128, 128, 50}, {1, 515, 2, 64, 64, 200},
     };
     for (const Shape &s : shapes) test_shape(s);
 
