@@ -1019,6 +1019,13 @@ int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const
  *                      smem), accumulates dK, dV in registers, writes them once.
  *   fa_bwd_dq_kernel   one CTA per (128-query block, b*h), 8 warps x 16 rows, streams key blocks,
  *                      recomputes P, dP, dS in registers, accumulates dQ in registers, writes once.
+ * Hopper kernels (wgmma, sm_90a; same work split, same masking and skipping, see their own comments):
+ *   fa_fwd_wg_kernel       one CTA per (128-query block, b*h), two warpgroups x 64 query rows,
+ *                          128-key tiles; S = Q K^T and O += P V on wgmma, P from registers.
+ *   fa_bwd_dkdv_wg_kernel  one CTA per (128-key block, b*h), two warpgroups x 64 keys, 64-query tiles.
+ *   fa_bwd_dq_wg_kernel    one CTA per (128-query block, b*h), two warpgroups x 64 rows, 64-key tiles.
+ * The launchers take them for the configurations (64,64), (128,128) and (192,128) on the 16-byte
+ * load path; every other case takes the mma.sync kernels above.
  * No atomics anywhere: every output element is produced by exactly one thread with a fixed
  * reduction order, so results are bitwise reproducible run to run.
  *
@@ -1645,13 +1652,18 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 /* the barrier that retires S_{j-1} and P_{j-2} V_{j-2} in both warpgroups) the group          */
 /* (V_j, K_{j+1}) is issued into the stages those freed; it has a whole iteration to land.     */
 /* Masking as in fa_fwd_kernel (causal + document starts), applied only to tiles that need it. */
+/* Measured (H200, B=8 T=2048 H=16, 192/128): 0.527 ms; the same loop without the copies       */
+/* 0.450 ms, without the softmax arithmetic 0.442 ms, without both 0.305 ms.  Issuing the       */
+/* copies after the wgmma instead of before measured slower (0.553 ms).                        */
 /* ------------------------------------------------------------------------------------------ */
 template <int DQ, int DV, int BN>
 constexpr size_t fwd_wg_smem_bytes() {
     return 1024 + (size_t)(128 * DQ + 2 * BN * DQ + 2 * BN * DV) * sizeof(bf16);
 }
 
-template <int DQ, int DV, int BN>
+/* VAR: 0 in the runtime; bench/attention.cu times ablations that leave a stage out (wrong results,
+   timing only): bit 0 no copies inside the key loop, bit 1 no softmax arithmetic. */
+template <int DQ, int DV, int BN, int VAR>
 __global__ void __launch_bounds__(256, 1) fa_fwd_wg_kernel(const FwdParams p) {
     constexpr int BM = 128, NT = 256;
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && (BN == 64 || BN == 128) && (DV == 64 || DV == 128), "wgmma tiles");
@@ -1729,6 +1741,12 @@ __global__ void __launch_bounds__(256, 1) fa_fwd_wg_kernel(const FwdParams p) {
     /* mask + scale S_j (log2 domain), new running max; exponentiate in place; returns the
        rescale factors of the old state and the row sums of the new P */
     auto softmax = [&](int j, float (&alpha)[2], float (&ls)[2]) {
+        if (VAR & 2) {
+            alpha[0] = alpha[1] = 1.f;
+            ls[0] = s[0];
+            ls[1] = s[2];
+            return;
+        }
         const int n0 = j * BN;
         const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
         float mx[2] = {mrow[0], mrow[1]};
@@ -1802,8 +1820,10 @@ __global__ void __launch_bounds__(256, 1) fa_fwd_wg_kernel(const FwdParams p) {
         cp_async_wait<0>(); /* K_j and V_{j-1} */
         fence_proxy_async();
         __syncthreads();    /* ... visible to all; S_{j-1}, P_{j-2} V_{j-2} retired in both warpgroups */
-        load_v(j);
-        if (j + 1 < n_blocks) load_k(j + 1);
+        if (!(VAR & 1)) {
+            load_v(j);
+            if (j + 1 < n_blocks) load_k(j + 1);
+        }
         cp_async_commit();
 
         fence_regs(o);
@@ -1884,7 +1904,8 @@ constexpr size_t dkdv_wg_smem_bytes() {
     return 1024 + (size_t)(128 * DQ + 128 * DV + 2 * 64 * (DQ + DV)) * sizeof(bf16) + 2 * 3 * 64 * sizeof(float);
 }
 
-template <int DQ, int DV>
+/* VAR: 0 in the runtime; 1 in bench/attention.cu: an ablation without copies in the loop (timing only) */
+template <int DQ, int DV, int VAR>
 __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams p) {
     constexpr int BNK = 128, BMQ = 64, NT = 256;
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
@@ -1961,7 +1982,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads(); /* tile i visible; every warpgroup done with tile i - 1 */
-        if (i + 1 < i_end) load_tile_i(i + 1);
+        if (!(VAR & 1) && i + 1 < i_end) load_tile_i(i + 1);
         cp_async_commit();
 
         const int st = i & 1, q0 = i * BMQ;
@@ -2074,7 +2095,7 @@ constexpr size_t dq_wg_smem_bytes() {
     return 1024 + (size_t)(128 * DQ + 128 * DV + 3 * 64 * DQ + 2 * 64 * DV) * sizeof(bf16);
 }
 
-template <int DQ, int DV>
+template <int DQ, int DV, int VAR> /* VAR as for fa_bwd_dkdv_wg_kernel */
 __global__ void __launch_bounds__(256, 1) fa_bwd_dq_wg_kernel(const BwdParams p) {
     constexpr int BM = 128, BN = 64, NT = 256;
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
@@ -2148,7 +2169,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dq_wg_kernel(const BwdParams p)
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads(); /* K_j, V_j visible; every warpgroup done with S_{j-1}, dP_{j-1}, dS_{j-2} K_{j-2} */
-        if (j + 1 < n_blocks) load_kv(j + 1);
+        if (!(VAR & 1) && j + 1 < n_blocks) load_kv(j + 1);
         cp_async_commit();
 
         const uint32_t kst = sK + (uint32_t)(j % 3) * K_BYTES, vst = sV + (uint32_t)(j & 1) * V_BYTES;
@@ -2746,9 +2767,9 @@ static int launch_dot_kernel(const BwdParams &p, long long rows, cudaStream_t st
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
-template <int DQ, int DV, int BN>
+template <int DQ, int DV, int BN, int VAR = 0>
 static int launch_fwd_wg_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const FwdParams) = fa_fwd_wg_kernel<DQ, DV, BN>;
+    void (*kern)(const FwdParams) = fa_fwd_wg_kernel<DQ, DV, BN, VAR>;
     const size_t smem = fwd_wg_smem_bytes<DQ, DV, BN>();
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     const int mblocks = (p.T + 127) / 128;
@@ -2770,9 +2791,9 @@ static int launch_fwd(const FwdParams &p, int BH, cudaStream_t stream) {
         if (p.vec_qk && p.vec_v) return launch_fwd_wg_kernel<DQ, DV, 128>(p, BH, stream);
     return launch_fwd_kernel<DQ, DV, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>(p, BH, stream);
 }
-template <int DQ, int DV>
+template <int DQ, int DV, int VAR = 0>
 static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdParams) = fa_bwd_dkdv_wg_kernel<DQ, DV>;
+    void (*kern)(const BwdParams) = fa_bwd_dkdv_wg_kernel<DQ, DV, VAR>;
     const size_t smem = dkdv_wg_smem_bytes<DQ, DV>();
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     if (BH > 65535) return -1;
@@ -2780,9 +2801,9 @@ static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream
     kern<<<grid, 256, smem, stream>>>(p);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
-template <int DQ, int DV>
+template <int DQ, int DV, int VAR = 0>
 static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdParams) = fa_bwd_dq_wg_kernel<DQ, DV>;
+    void (*kern)(const BwdParams) = fa_bwd_dq_wg_kernel<DQ, DV, VAR>;
     const size_t smem = dq_wg_smem_bytes<DQ, DV>();
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     if (BH > 65535) return -1;

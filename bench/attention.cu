@@ -532,6 +532,21 @@ static void bench_breakdown(const Shape &s) {
            "TFLOP/s), O bitwise %s\n",
            t_f, fl * (192 + 128) / (t_f * 1e-3) / 1e12, t_f_alt, fl * (192 + 128) / (t_f_alt * 1e-3) / 1e12,
            o1 == o2 ? "identical" : "DIFFERENT (info only)");
+    {   /* wgmma kernels: ablations that leave a stage out (their outputs are wrong: timing only, so they
+           run last; the backward ones first, as the forward ones spoil O and lse) */
+        const float q0 = time_launcher(launch_dq_wg_kernel<192, 128, 0>, p, BH);
+        const float q1 = time_launcher(launch_dq_wg_kernel<192, 128, 1>, p, BH);
+        const float k0 = time_launcher(launch_dkdv_wg_kernel<192, 128, 0>, p, BH);
+        const float k1 = time_launcher(launch_dkdv_wg_kernel<192, 128, 1>, p, BH);
+        printf("ablations dQ (wgmma): %.3f ms, without the copies in the loop %.3f ms\n", q0, q1);
+        printf("ablations dK/dV (wgmma): %.3f ms, without the copies in the loop %.3f ms\n", k0, k1);
+        const float f0 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 0>, fp, BH);
+        const float f1 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 1>, fp, BH);
+        const float f2 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 2>, fp, BH);
+        const float f3 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 3>, fp, BH);
+        printf("ablations forward (wgmma): %.3f ms, without the copies in the loop %.3f ms, without the softmax %.3f ms, "
+               "without either %.3f ms\n", f0, f1, f2, f3);
+    }
     d.release();
 }
 
