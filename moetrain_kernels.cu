@@ -1431,7 +1431,7 @@ __global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Hopper (sm_90a) warpgroup MMA helpers for the wgmma kernels below                          */
+/* Hopper (sm_90a) warpgroup MMA building blocks for the wgmma kernels below                  */
 /*                                                                                            */
 /* Shared-memory tiles use the canonical 128-byte-swizzled (SW128) layouts of wgmma; every    */
 /* tile starts on a 1024-byte boundary.  A tile of R rows x D columns (bf16) is stored as     */
