@@ -1049,6 +1049,13 @@ int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const
  *                      smem), accumulates dK, dV in registers, writes them once.
  *   fa_bwd_dq_kernel   one CTA per (128-query block, b*h), 8 warps x 16 rows, streams key blocks,
  *                      recomputes P, dP, dS in registers, accumulates dQ in registers, writes once.
+ * Hopper kernels (wgmma, sm_90a; same work split, same masking and skipping, see their own comments):
+ *   fa_fwd_wg_kernel       one CTA per (128-query block, b*h), two warpgroups x 64 query rows,
+ *                          128-key tiles; S = Q K^T and O += P V on wgmma, P from registers.
+ *   fa_bwd_dkdv_wg_kernel  one CTA per (128-key block, b*h), two warpgroups x 64 keys, 64-query tiles.
+ *   fa_bwd_dq_wg_kernel    one CTA per (128-query block, b*h), two warpgroups x 64 rows, 64-key tiles.
+ * The launchers take them for the configurations (64,64), (128,128) and (192,128) on the 16-byte
+ * load path; every other case takes the mma.sync kernels above.
  * No atomics anywhere: every output element is produced by exactly one thread with a fixed
  * reduction order, so results are bitwise reproducible run to run.
  *
@@ -1449,6 +1456,822 @@ __global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_
                     store2(orow, nt * 8 + 2 * c, p.dimv, pair, acc[mt][nt][2 * hf] * inv, acc[mt][nt][2 * hf + 1] * inv);
                 if (c == 0) p.lse[((size_t)b * T + row) * H + h] = (mrow[mt][hf] + log2f(l)) * MT_FA_LN2;
             }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Hopper (sm_90a) warpgroup MMA building blocks for the wgmma kernels below                  */
+/*                                                                                            */
+/* Shared-memory tiles use the canonical 128-byte-swizzled (SW128) layouts of wgmma; every    */
+/* tile starts on a 1024-byte boundary.  A tile of R rows x D columns (bf16) is stored as     */
+/* D/64 column blocks of R x 64:                                                              */
+/*   block kb at kb*R*128 bytes, row r at r*128, 16-byte chunk cc (columns 8cc..8cc+7) at     */
+/*   ((cc ^ (r & 7)) << 4)                                                                    */
+/* Read as an operand whose reduction dimension runs along the columns ("K-major", e.g. Q and  */
+/* K for S = Q K^T): descriptor at block kb + 32 bytes per k16 step, SBO = 1024 (8-row       */
+/* groups).  Read as an operand whose reduction dimension runs along the rows ("MN-major",    */
+/* transpose bit set, e.g. V for O = P V): descriptor at row 16*kk (2048 bytes per k16 step),  */
+/* LBO = R*128 (the next 64 columns of N), SBO = 1024.                                        */
+/* Accumulators of m64nNk16 (per warp w of the warpgroup, lane = 4g + c):                     */
+/*   d[4j + 2h + b] = D[16w + g + 8h][8j + 2c + b]                                            */
+/* which, for two adjacent n8 tiles (j = 2kk, 2kk+1) packed to bf16 pairs, is exactly the      */
+/* register A fragment of m64nNk16 for reduction columns 16kk..16kk+15 (as in mma.sync).       */
+/* ------------------------------------------------------------------------------------------ */
+/* generic-proxy shared-memory writes (cp.async) -> visible to the async proxy (wgmma reads) */
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* Pin registers across the asynchronous wgmma window: accumulators must not be read (and A
+   fragments must not be reused) by ordinary instructions before the wait that retires them. */
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
+}
+/* shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62..63) */
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+/* byte offset of 16-byte chunk ch (columns 8ch..8ch+7) of row r in an R-row SW128 tile */
+template <int R>
+__device__ __forceinline__ uint32_t sw128_off(int r, int ch) {
+    return (uint32_t)((ch >> 3) * R * 128 + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
+}
+/* R x D tile (D multiple of 64) from global (row stride gstride elements) into an SW128 tile at
+   shared address s by NT threads, cp.async 16 bytes each; rows >= rows_valid and columns >=
+   cols_valid are zero-filled (cols_valid % 8 == 0, 16-byte aligned rows).  Thread t copies chunk
+   t % 8 of rows t / 8 + (NT / 8) i of every column block: its swizzle (row & 7) and shared
+   offsets are fixed, so a tile costs few registers. */
+template <int R, int D, int NT>
+__device__ __forceinline__ void load_sw128(uint32_t s, const bf16 *g, size_t gstride, int rows_valid, int cols_valid,
+                                           const bf16 *safe, int tid) {
+    constexpr int RP = NT / 8; /* rows per pass */
+    static_assert(R % RP == 0 && D % 64 == 0, "tile shape");
+    const int r0 = tid >> 3, cc = tid & 7;
+    const uint32_t s0 = s + (uint32_t)(r0 * 128 + ((cc ^ (r0 & 7)) << 4));
+    const bf16 *g0 = g + (size_t)r0 * gstride + cc * 8;
+#pragma unroll
+    for (int kb = 0; kb < D / 64; ++kb) {
+        const bool cok = kb * 64 + cc * 8 < cols_valid;
+#pragma unroll
+        for (int i = 0; i < R / RP; ++i) {
+            const bool ok = cok && r0 + RP * i < rows_valid;
+            cp_async_16(s0 + (uint32_t)(kb * R * 128 + i * RP * 128), ok ? g0 + (size_t)(RP * i) * gstride + kb * 64 : safe,
+                        ok ? 16 : 0);
+        }
+    }
+}
+/* wgmma.mma_async m64nNk16, bf16 x bf16 -> f32: D = A * B + (scale_d ? D : 0).
+   _ss: A and B from shared-memory descriptors (TA/TB = 1: operand is MN-major);
+   _rs: A from registers (the four 32-bit A fragment registers of this thread), B from a descriptor. */
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+template <int TB>
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+template <int TB>
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+
+template <int TB>
+__device__ __forceinline__ void wgmma_rs_n192(float (&d)[96], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, "
+        "%72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, "
+        "%88, %89, %90, %91, %92, %93, %94, %95"
+        "}, {%96, %97, %98, %99}, %100, p, 1, 1, %102;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+/* m64nNk16 by N (64, 128, 192) */
+template <int N, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
+    static_assert(N == 64 || N == 128, "wgmma_ss: N");
+    if constexpr (N == 64) wgmma_ss_n64<TA, TB>(d, da, db, scale_d);
+    else wgmma_ss_n128<TA, TB>(d, da, db, scale_d);
+}
+template <int N, int TB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    static_assert(N == 64 || N == 128 || N == 192, "wgmma_rs: N");
+    if constexpr (N == 64) wgmma_rs_n64<TB>(d, a, db, scale_d);
+    else if constexpr (N == 128) wgmma_rs_n128<TB>(d, a, db, scale_d);
+    else wgmma_rs_n192<TB>(d, a, db, scale_d);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Forward, Hopper: fa_fwd_wg_kernel                                                          */
+/*                                                                                            */
+/* One CTA per (128-query block, b*h), two warpgroups; warpgroup wg owns query rows           */
+/* [64wg, 64wg + 64) of the block.  Shared memory (SW128 tiles): Q [128 x DQ], two stages of   */
+/* K [BN x DQ] and two of V [BN x DV].  Per key tile j, each warpgroup:                        */
+/*   S_j = Q K_j^T               wgmma m64nBNk16, Q and K from shared memory                   */
+/*   O  += P_{j-1} V_{j-1}       wgmma m64nDVk16, P from registers (bf16 A fragments), V       */
+/*                               from shared memory read MN-major (transpose bit)              */
+/* Both are issued back to back; the warpgroup waits for S_j only (wait_group 1), runs the     */
+/* masking, the running max and exp2 of S_j while P_{j-1} V_{j-1} still runs on the tensor     */
+/* cores, then waits for it, rescales O and packs P_j.  The two warpgroups interleave on the   */
+/* SM, so one's softmax also overlaps the other's matrix work.                                 */
+/* Loads: cp.async by all 256 threads, one group per tile: at the top of iteration j (after    */
+/* the barrier that retires S_{j-1} and P_{j-2} V_{j-2} in both warpgroups) the group          */
+/* (V_j, K_{j+1}) is issued into the stages those freed; it has a whole iteration to land.     */
+/* Masking as in fa_fwd_kernel (causal + document starts), applied only to tiles that need it. */
+/* Measured (H200, B=8 T=2048 H=16, 192/128): 0.527 ms; the same loop without the copies       */
+/* 0.450 ms, without the softmax arithmetic 0.442 ms, without both 0.305 ms.  Issuing the       */
+/* copies after the wgmma instead of before measured slower (0.553 ms).                        */
+/* ------------------------------------------------------------------------------------------ */
+template <int DQ, int DV, int BN>
+constexpr size_t fwd_wg_smem_bytes() {
+    return 1024 + (size_t)(128 * DQ + 2 * BN * DQ + 2 * BN * DV) * sizeof(bf16);
+}
+
+/* VAR: 0 in the runtime; bench/attention.cu times ablations that leave a stage out (wrong results,
+   timing only): bit 0 no copies inside the key loop, bit 1 no softmax arithmetic. */
+template <int DQ, int DV, int BN, int VAR>
+__global__ void __launch_bounds__(256, 1) fa_fwd_wg_kernel(const FwdParams p) {
+    constexpr int BM = 128, NT = 256;
+    static_assert(DQ % 64 == 0 && DV % 64 == 0 && (BN == 64 || BN == 128) && (DV == 64 || DV == 128), "wgmma tiles");
+    constexpr uint32_t Q_BYTES = BM * DQ * 2, K_BYTES = BN * DQ * 2, V_BYTES = BN * DV * 2;
+    extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t sQ = raw + ((1024u - (raw & 1023u)) & 1023u);
+    const uint32_t sK = sQ + Q_BYTES, sV = sK + 2 * K_BYTES;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0); /* warp-uniform for ptxas */
+    const int g = lane >> 2, c = lane & 3;
+    const int T = p.T, H = p.H;
+    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int m0 = ((int)gridDim.x - 1 - (int)blockIdx.x) * BM; /* heaviest query block first */
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+    const bf16 *qbase = p.q + (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const bf16 *kbase = p.k + (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const bf16 *vbase = p.v + (size_t)b * T * ldv + (size_t)h * p.dimv;
+
+    const int n_blocks = (min(T, m0 + BM) + BN - 1) / BN;
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+    const int j0 = first_key_tile<BN>(dsb, m0);
+
+    auto load_k = [&](int j) {
+        const int n = j * BN;
+        load_sw128<BN, DQ, NT>(sK + (uint32_t)(j & 1) * K_BYTES, kbase + (size_t)n * ldqk, ldqk, T - n, p.dimq, kbase, tid);
+    };
+    auto load_v = [&](int j) {
+        const int n = j * BN;
+        load_sw128<BN, DV, NT>(sV + (uint32_t)(j & 1) * V_BYTES, vbase + (size_t)n * ldv, ldv, T - n, p.dimv, vbase, tid);
+    };
+
+    /* rows of this thread: r0w + 8h, h = 0, 1 (block-local rows 64wg + 16(warp%4) + g + 8h) */
+    const int wrow = 64 * wg + 16 * (warp & 3);
+    const int r0w = m0 + wrow + g;
+    const int wg_first = m0 + 64 * wg, wg_last = min(m0 + 64 * wg + 63, T - 1);
+    /* document starts of this thread's rows, and the largest among the warpgroup's rows */
+    int dlo[2] = {0, 0}, dmax = 0;
+    if (dsb) {
+        dlo[0] = r0w < T ? dsb[r0w] : 0;
+        dlo[1] = r0w + 8 < T ? dsb[r0w + 8] : 0;
+        dmax = wg_first < T ? dsb[wg_last] : 0;
+    }
+    const float sl2 = p.scale_log2;
+
+    float s[BN / 2];        /* S_j accumulators, then P_j in f32 */
+    float o[DV / 2];        /* O accumulators */
+    uint32_t pa[BN / 16][4]; /* P_{j-1} as bf16 A fragments */
+    float mrow[2] = {neg_inf(), neg_inf()}, lrow[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < DV / 2; ++i) o[i] = 0.f;
+
+    /* S = Q K_j^T for this warpgroup (issued and committed, not waited for) */
+    auto issue_s = [&](int j) {
+        const uint32_t kst = sK + (uint32_t)(j & 1) * K_BYTES;
+#pragma unroll
+        for (int kk = 0; kk < DQ / 16; ++kk) {
+            const uint64_t da = sw128_desc(sQ + (uint32_t)((kk >> 2) * BM * 128 + wg * 64 * 128 + (kk & 3) * 32), 16, 1024);
+            const uint64_t db = sw128_desc(kst + (uint32_t)((kk >> 2) * BN * 128 + (kk & 3) * 32), 16, 1024);
+            wgmma_ss<BN, 0, 0>(s, da, db, kk > 0);
+        }
+        wgmma_commit();
+    };
+    /* O += P V_j (issued and committed) */
+    auto issue_pv = [&](int j) {
+        const uint32_t vst = sV + (uint32_t)(j & 1) * V_BYTES;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const uint64_t db = sw128_desc(vst + (uint32_t)(kk * 2048), BN * 128, 1024);
+            wgmma_rs<DV, 1>(o, pa[kk], db, 1);
+        }
+        wgmma_commit();
+    };
+    /* mask + scale S_j (log2 domain), new running max; exponentiate in place; returns the
+       rescale factors of the old state and the row sums of the new P */
+    auto softmax = [&](int j, float (&alpha)[2], float (&ls)[2]) {
+        if (VAR & 2) {
+            alpha[0] = alpha[1] = 1.f;
+            ls[0] = s[0];
+            ls[1] = s[2];
+            return;
+        }
+        const int n0 = j * BN;
+        const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
+        float mx[2] = {mrow[0], mrow[1]};
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+            float x = s[i] * sl2;
+            if (need_mask) {
+                const int hh = (i >> 1) & 1;
+                const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
+                if (key > r0w + 8 * hh || key < dlo[hh]) x = neg_inf();
+            }
+            s[i] = x;
+            mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], x);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+        }
+        /* a row that has seen no key of its document yet keeps mx = -inf: subtract 0 instead so
+           that exp2 gives 0, not NaN */
+        float mr[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            mr[hh] = mx[hh] == neg_inf() ? 0.f : mx[hh];
+            alpha[hh] = fast_exp2(mrow[hh] - mr[hh]);
+            mrow[hh] = mx[hh];
+            ls[hh] = 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+            const int hh = (i >> 1) & 1;
+            s[i] = fast_exp2(s[i] - mr[hh]);
+            ls[hh] += s[i];
+        }
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            pa[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+    };
+
+    /* prologue: Q and K_j0, then (V_j0, K_j0+1) in flight while S_j0 runs */
+    load_sw128<BM, DQ, NT>(sQ, qbase + (size_t)m0 * ldqk, ldqk, T - m0, p.dimq, qbase, tid);
+    load_k(j0);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    load_v(j0);
+    if (j0 + 1 < n_blocks) load_k(j0 + 1);
+    cp_async_commit();
+    {
+        wgmma_fence();
+        issue_s(j0);
+        wgmma_wait<0>();
+        fence_regs(s);
+        float alpha[2], ls[2];
+        softmax(j0, alpha, ls);
+        lrow[0] = ls[0];
+        lrow[1] = ls[1];
+        pack_p();
+    }
+
+#pragma unroll 1
+    for (int j = j0 + 1; j < n_blocks; ++j) {
+        cp_async_wait<0>(); /* K_j and V_{j-1} */
+        fence_proxy_async();
+        __syncthreads();    /* ... visible to all; S_{j-1}, P_{j-2} V_{j-2} retired in both warpgroups */
+        if (!(VAR & 1)) {
+            load_v(j);
+            if (j + 1 < n_blocks) load_k(j + 1);
+        }
+        cp_async_commit();
+
+        fence_regs(o);
+        fence_regs(pa);
+        wgmma_fence();
+        issue_s(j);
+        issue_pv(j - 1);
+        wgmma_wait<1>(); /* S_j done, P_{j-1} V_{j-1} may still run */
+        fence_regs(s);
+        float alpha[2], ls[2];
+        softmax(j, alpha, ls);
+        wgmma_wait<0>();
+        fence_regs(o);
+        fence_regs(pa);
+#pragma unroll
+        for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+        lrow[0] = lrow[0] * alpha[0] + ls[0];
+        lrow[1] = lrow[1] * alpha[1] + ls[1];
+        pack_p();
+    }
+    cp_async_wait<0>(); /* V_{n-1} */
+    fence_proxy_async();
+    __syncthreads();
+    fence_regs(o);
+    fence_regs(pa);
+    wgmma_fence();
+    issue_pv(n_blocks - 1);
+    wgmma_wait<0>();
+    fence_regs(o);
+
+    /* epilogue: O / l and lse (natural log) */
+    bf16 *obase = p.o + (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const bool pair = p.pair_o != 0;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float l = lrow[hh];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = 1.f / l;
+        const int row = r0w + 8 * hh;
+        if (row < T) {
+            bf16 *orow = obase + (size_t)row * ldv;
+#pragma unroll
+            for (int jn = 0; jn < DV / 8; ++jn)
+                store2(orow, 8 * jn + 2 * c, p.dimv, pair, o[4 * jn + 2 * hh] * inv, o[4 * jn + 2 * hh + 1] * inv);
+            if (c == 0) p.lse[((size_t)b * T + row) * H + h] = (mrow[hh] + log2f(l)) * MT_FA_LN2;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward, Hopper: fa_bwd_dkdv_wg_kernel and fa_bwd_dq_wg_kernel                            */
+/*                                                                                            */
+/* Same split as the mma.sync backward (no atomics: dK/dV per key block, dQ per query block,   */
+/* each output element written once by one thread after a fixed-order reduction), on wgmma.    */
+/* lse is used in the log2 domain (lse * log2 e), so P = exp2(S * scale * log2 e - lse2).      */
+/*                                                                                            */
+/* dK/dV: one CTA per (128-key block, b*h), two warpgroups, warpgroup wg owns keys             */
+/* [64wg, 64wg + 64) of the block; K and V stay in shared memory; the query tiles (64 rows of  */
+/* Q and dO, plus lse, D and document starts) are double buffered.  Per query tile i, each     */
+/* warpgroup computes with 64 keys as the M dimension:                                         */
+/*   S^T  = K Q_i^T        m64n64, K (K-major) x Q (K-major)                                   */
+/*   dP^T = V dO_i^T       m64n64, V x dO                                                      */
+/*   P^T = exp2(S^T sl2 - lse2[q]),  dS^T = P^T (dP^T - D[q])   (registers; masked entries 0)   */
+/*   dV  += P^T dO_i       m64nDV, P^T from registers, dO read MN-major                        */
+/*   dK  += dS^T Q_i       m64nDQ, dS^T from registers, Q read MN-major                        */
+/* The accumulators (dK 64 x DQ and dV 64 x DV per warpgroup) leave no registers for a second  */
+/* S^T / dP^T set, so the steps of one warpgroup run in order (dP^T overlaps the P^T math);   */
+/* the two warpgroups interleave on the SM.                                                    */
+/* ------------------------------------------------------------------------------------------ */
+/* 4-byte cp.async (lse, D and document starts of a query tile), zero-filled when !ok */
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void *src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
+
+template <int DQ, int DV>
+constexpr size_t dkdv_wg_smem_bytes() {
+    return 1024 + (size_t)(128 * DQ + 128 * DV + 2 * 64 * (DQ + DV)) * sizeof(bf16) + 2 * 3 * 64 * sizeof(float);
+}
+
+/* VAR: 0 in the runtime; 1 in bench/attention.cu: an ablation without copies in the loop (timing only) */
+template <int DQ, int DV, int VAR>
+__global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams p) {
+    constexpr int BNK = 128, BMQ = 64, NT = 256;
+    static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
+    constexpr uint32_t K_BYTES = BNK * DQ * 2, V_BYTES = BNK * DV * 2, Q_BYTES = BMQ * DQ * 2, O_BYTES = BMQ * DV * 2;
+    extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
+    const uint32_t sK = raw + pad, sV = sK + K_BYTES, sQ = sV + V_BYTES, sdO = sQ + 2 * Q_BYTES;
+    /* per stage: lse2 [64] f32, D [64] f32, document start [64] i32 */
+    const uint32_t sAux = sdO + 2 * O_BYTES;
+    const unsigned char *aux = smem_raw + pad + (sAux - sK);
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int g = lane >> 2, c = lane & 3;
+    const int T = p.T, H = p.H;
+    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int n0 = (int)blockIdx.x * BNK; /* key block 0 (most work) first */
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+    const size_t qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const size_t voff = (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const bf16 *qbase = p.q + qoff, *kbase = p.k + qoff;
+    const bf16 *vbase = p.v + voff, *dobase = p.dout + voff;
+    const float *lsebase = p.lse + (size_t)b * T * H + h;
+    const float *dsbase = p.dsum + (size_t)b * T * H + h;
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+
+    /* query tiles: from the one holding the block's first key to the last query that sees a key */
+    const int i_first = n0 / BMQ;
+    int q_end = T;
+    if (dsb) { /* queries from the first one whose document starts after this block's last key see none of it */
+        const int kmax = min(n0 + BNK, T) - 1;
+        int lo = kmax + 1, hi = T;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (dsb[mid] > kmax) hi = mid; else lo = mid + 1;
+        }
+        q_end = lo;
+    }
+    const int i_end = (q_end + BMQ - 1) / BMQ;
+
+    auto load_tile_i = [&](int i) {
+        const int q0 = i * BMQ, st = i & 1;
+        load_sw128<BMQ, DQ, NT>(sQ + (uint32_t)st * Q_BYTES, qbase + (size_t)q0 * ldqk, ldqk, T - q0, p.dimq, qbase, tid);
+        load_sw128<BMQ, DV, NT>(sdO + (uint32_t)st * O_BYTES, dobase + (size_t)q0 * ldv, ldv, T - q0, p.dimv, dobase, tid);
+        if (tid < 3 * BMQ) {
+            const int kind = tid / BMQ, r = tid % BMQ, q = q0 + r;
+            const bool ok = q < T && (kind < 2 || dsb);
+            const void *src = kind == 0 ? (const void *)(lsebase + (size_t)(ok ? q : 0) * H)
+                            : kind == 1 ? (const void *)(dsbase + (size_t)(ok ? q : 0) * H)
+                                        : (dsb ? (const void *)(dsb + (ok ? q : 0)) : (const void *)lsebase);
+            cp_async_4(sAux + (uint32_t)((st * 3 + kind) * BMQ + r) * 4, src, ok);
+        }
+    };
+
+    float dk[DQ / 2], dv[DV / 2];
+#pragma unroll
+    for (int i = 0; i < DQ / 2; ++i) dk[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < DV / 2; ++i) dv[i] = 0.f;
+
+    /* this thread's keys: kr + 8hh, hh = 0, 1 */
+    const int kw0 = n0 + 64 * wg;
+    const int kr = kw0 + 16 * (warp & 3) + g;
+    const float sl2 = p.scale_log2;
+
+    load_sw128<BNK, DQ, NT>(sK, kbase + (size_t)n0 * ldqk, ldqk, T - n0, p.dimq, kbase, tid);
+    load_sw128<BNK, DV, NT>(sV, vbase + (size_t)n0 * ldv, ldv, T - n0, p.dimv, vbase, tid);
+    if (i_first < i_end) load_tile_i(i_first);
+    cp_async_commit();
+
+#pragma unroll 1
+    for (int i = i_first; i < i_end; ++i) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads(); /* tile i visible; every warpgroup done with tile i - 1 */
+        if (!(VAR & 1) && i + 1 < i_end) load_tile_i(i + 1);
+        cp_async_commit();
+
+        const int st = i & 1, q0 = i * BMQ;
+        const uint32_t qst = sQ + (uint32_t)st * Q_BYTES, ost = sdO + (uint32_t)st * O_BYTES;
+        const float *sL = reinterpret_cast<const float *>(aux) + st * 3 * BMQ;
+        const float *sD = sL + BMQ;
+        const int *sS = reinterpret_cast<const int *>(sD + BMQ);
+
+        float s[32], dp[32];
+        fence_regs(dk);
+        fence_regs(dv);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < DQ / 16; ++kk) {
+            const uint64_t da = sw128_desc(sK + (uint32_t)((kk >> 2) * BNK * 128 + wg * 64 * 128 + (kk & 3) * 32), 16, 1024);
+            const uint64_t db = sw128_desc(qst + (uint32_t)((kk >> 2) * BMQ * 128 + (kk & 3) * 32), 16, 1024);
+            wgmma_ss<64, 0, 0>(s, da, db, kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < DV / 16; ++kk) {
+            const uint64_t da = sw128_desc(sV + (uint32_t)((kk >> 2) * BNK * 128 + wg * 64 * 128 + (kk & 3) * 32), 16, 1024);
+            const uint64_t db = sw128_desc(ost + (uint32_t)((kk >> 2) * BMQ * 128 + (kk & 3) * 32), 16, 1024);
+            wgmma_ss<64, 0, 0>(dp, da, db, kk > 0);
+        }
+        wgmma_commit();
+
+        /* P^T: element s[4j + 2hh + bb] is (key kr + 8hh, query q0 + 8j + 2c + bb) */
+        const int dlast = dsb ? sS[min(BMQ, T - q0) - 1] : 0;
+        const bool need_mask = (kw0 + 63 > q0) || (q0 + BMQ > T) || (dlast > kw0);
+        wgmma_wait<1>();
+        fence_regs(s);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 l2 = *reinterpret_cast<const float2 *>(sL + 8 * j + 2 * c);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int bb = e & 1, hh = e >> 1;
+                float x = fast_exp2(s[4 * j + e] * sl2 - (bb ? l2.y : l2.x) * MT_FA_LOG2E);
+                if (need_mask) {
+                    const int q = q0 + 8 * j + 2 * c + bb, key = kr + 8 * hh;
+                    if (key > q || q >= T || (dsb && key < sS[8 * j + 2 * c + bb])) x = 0.f;
+                }
+                s[4 * j + e] = x;
+            }
+        }
+        wgmma_wait<0>();
+        fence_regs(dp);
+        uint32_t pa[4][4], da4[4][4]; /* P^T and dS^T as A fragments (reduction over the 64 queries) */
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 d2 = *reinterpret_cast<const float2 *>(sD + 8 * j + 2 * c);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? d2.y : d2.x));
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                pa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+                da4[kk][e] = pack_bf16(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
+            }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const uint64_t db = sw128_desc(ost + (uint32_t)(kk * 2048), BMQ * 128, 1024);
+            wgmma_rs<DV, 1>(dv, pa[kk], db, 1);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const uint64_t db = sw128_desc(qst + (uint32_t)(kk * 2048), BMQ * 128, 1024);
+            wgmma_rs<DQ, 1>(dk, da4[kk], db, 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dk);
+        fence_regs(dv);
+        fence_regs(pa);
+        fence_regs(da4);
+    }
+    cp_async_wait<0>();
+
+    /* epilogue: dK * scale, dV; accumulator d[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
+    bf16 *dkbase = p.dk + qoff, *dvbase = p.dv + voff;
+    const bool pq = p.pair_qk != 0, pv = p.pair_v != 0;
+    const float sc = p.scale;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int key = kr + 8 * hh;
+        if (key < T) {
+            bf16 *krow = dkbase + (size_t)key * ldqk, *vrow = dvbase + (size_t)key * ldv;
+#pragma unroll
+            for (int j = 0; j < DQ / 8; ++j)
+                store2(krow, 8 * j + 2 * c, p.dimq, pq, dk[4 * j + 2 * hh] * sc, dk[4 * j + 2 * hh + 1] * sc);
+#pragma unroll
+            for (int j = 0; j < DV / 8; ++j) store2(vrow, 8 * j + 2 * c, p.dimv, pv, dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+        }
+    }
+}
+
+/* dQ: one CTA per (128-query block, b*h), two warpgroups x 64 query rows; Q and dO stay in shared */
+/* memory, key tiles of 64 stream through a 3-stage K ring and a 2-stage V ring.  Per key tile j:   */
+/*   S_j = Q K_j^T, dP_j = dO V_j^T      m64n64 each (issued first)                                */
+/*   dQ += dS_{j-1} K_{j-1}              m64nDQ, dS from registers, K read MN-major (issued next)  */
+/* then, while dQ += dS_{j-1} K_{j-1} runs, P_j and dS_j are formed in registers.  K_j lives two   */
+/* iterations (S_j, then dS_j K_j), hence the third K stage.                                       */
+template <int DQ, int DV>
+constexpr size_t dq_wg_smem_bytes() {
+    return 1024 + (size_t)(128 * DQ + 128 * DV + 3 * 64 * DQ + 2 * 64 * DV) * sizeof(bf16);
+}
+
+template <int DQ, int DV, int VAR> /* VAR as for fa_bwd_dkdv_wg_kernel */
+__global__ void __launch_bounds__(256, 1) fa_bwd_dq_wg_kernel(const BwdParams p) {
+    constexpr int BM = 128, BN = 64, NT = 256;
+    static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
+    constexpr uint32_t Q_BYTES = BM * DQ * 2, O_BYTES = BM * DV * 2, K_BYTES = BN * DQ * 2, V_BYTES = BN * DV * 2;
+    extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t sQ = raw + ((1024u - (raw & 1023u)) & 1023u);
+    const uint32_t sdO = sQ + Q_BYTES, sK = sdO + O_BYTES, sV = sK + 3 * K_BYTES;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int g = lane >> 2, c = lane & 3;
+    const int T = p.T, H = p.H;
+    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int m0 = ((int)gridDim.x - 1 - (int)blockIdx.x) * BM; /* heaviest query block first */
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+    const size_t qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const size_t voff = (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const bf16 *qbase = p.q + qoff, *kbase = p.k + qoff;
+    const bf16 *vbase = p.v + voff, *dobase = p.dout + voff;
+
+    const int n_blocks = (min(T, m0 + BM) + BN - 1) / BN;
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+    const int j0 = first_key_tile<BN>(dsb, m0);
+
+    const int r0w = m0 + 64 * wg + 16 * (warp & 3) + g; /* this thread's rows: r0w + 8hh */
+    const int wg_first = m0 + 64 * wg, wg_last = min(m0 + 64 * wg + 63, T - 1);
+    int dlo[2] = {0, 0}, dmax = 0;
+    float lse2[2], dd[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = r0w + 8 * hh;
+        const bool ok = r < T;
+        lse2[hh] = ok ? p.lse[((size_t)b * T + r) * H + h] * MT_FA_LOG2E : 0.f;
+        dd[hh] = ok ? p.dsum[((size_t)b * T + r) * H + h] : 0.f;
+        if (dsb) dlo[hh] = ok ? dsb[r] : 0;
+    }
+    if (dsb) dmax = wg_first < T ? dsb[wg_last] : 0;
+    const float sl2 = p.scale_log2;
+
+    auto load_kv = [&](int j) {
+        const int n = j * BN;
+        load_sw128<BN, DQ, NT>(sK + (uint32_t)(j % 3) * K_BYTES, kbase + (size_t)n * ldqk, ldqk, T - n, p.dimq, kbase, tid);
+        load_sw128<BN, DV, NT>(sV + (uint32_t)(j & 1) * V_BYTES, vbase + (size_t)n * ldv, ldv, T - n, p.dimv, vbase, tid);
+    };
+
+    float dq[DQ / 2];
+#pragma unroll
+    for (int i = 0; i < DQ / 2; ++i) dq[i] = 0.f;
+    uint32_t da4[4][4]; /* dS_{j-1} as A fragments (reduction over its 64 keys) */
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) da4[kk][0] = da4[kk][1] = da4[kk][2] = da4[kk][3] = 0u;
+
+    auto issue_dq = [&](int j) {
+        const uint32_t kst = sK + (uint32_t)(j % 3) * K_BYTES;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const uint64_t db = sw128_desc(kst + (uint32_t)(kk * 2048), BN * 128, 1024);
+            wgmma_rs<DQ, 1>(dq, da4[kk], db, 1);
+        }
+        wgmma_commit();
+    };
+
+    load_sw128<BM, DQ, NT>(sQ, qbase + (size_t)m0 * ldqk, ldqk, T - m0, p.dimq, qbase, tid);
+    load_sw128<BM, DV, NT>(sdO, dobase + (size_t)m0 * ldv, ldv, T - m0, p.dimv, dobase, tid);
+    load_kv(j0);
+    cp_async_commit();
+
+#pragma unroll 1
+    for (int j = j0; j < n_blocks; ++j) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads(); /* K_j, V_j visible; every warpgroup done with S_{j-1}, dP_{j-1}, dS_{j-2} K_{j-2} */
+        if (!(VAR & 1) && j + 1 < n_blocks) load_kv(j + 1);
+        cp_async_commit();
+
+        const uint32_t kst = sK + (uint32_t)(j % 3) * K_BYTES, vst = sV + (uint32_t)(j & 1) * V_BYTES;
+        float s[32], dp[32];
+        fence_regs(dq);
+        fence_regs(da4);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < DQ / 16; ++kk) {
+            const uint64_t da = sw128_desc(sQ + (uint32_t)((kk >> 2) * BM * 128 + wg * 64 * 128 + (kk & 3) * 32), 16, 1024);
+            const uint64_t db = sw128_desc(kst + (uint32_t)((kk >> 2) * BN * 128 + (kk & 3) * 32), 16, 1024);
+            wgmma_ss<64, 0, 0>(s, da, db, kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < DV / 16; ++kk) {
+            const uint64_t da = sw128_desc(sdO + (uint32_t)((kk >> 2) * BM * 128 + wg * 64 * 128 + (kk & 3) * 32), 16, 1024);
+            const uint64_t db = sw128_desc(vst + (uint32_t)((kk >> 2) * BN * 128 + (kk & 3) * 32), 16, 1024);
+            wgmma_ss<64, 0, 0>(dp, da, db, kk > 0);
+        }
+        wgmma_commit();
+        /* dS_{j-1} K_{j-1}: for j == j0, da4 is zero and K_{j0 - 1}'s stage holds whatever it holds
+           (finite or not, 0 x it would still poison dq with NaN), so it reads the current stage */
+        issue_dq(j > j0 ? j - 1 : j);
+
+        const int n0 = j * BN;
+        const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
+        wgmma_wait<2>();
+        fence_regs(s);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int hh = (i >> 1) & 1;
+            float x = fast_exp2(s[i] * sl2 - lse2[hh]);
+            if (need_mask) {
+                const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
+                if (key > r0w + 8 * hh || key < dlo[hh]) x = 0.f;
+            }
+            s[i] = x;
+        }
+        wgmma_wait<1>();
+        fence_regs(dp);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) dp[i] = s[i] * (dp[i] - dd[(i >> 1) & 1]);
+        wgmma_wait<0>();
+        fence_regs(dq);
+        fence_regs(da4);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) da4[kk][e] = pack_bf16(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
+    }
+    cp_async_wait<0>();
+    if (j0 < n_blocks) {
+        fence_regs(dq);
+        fence_regs(da4);
+        wgmma_fence();
+        issue_dq(n_blocks - 1);
+        wgmma_wait<0>();
+        fence_regs(dq);
+    }
+
+    /* epilogue: dQ * scale */
+    bf16 *dqbase = p.dq + qoff;
+    const bool pq = p.pair_qk != 0;
+    const float sc = p.scale;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int row = r0w + 8 * hh;
+        if (row < T) {
+            bf16 *qrow = dqbase + (size_t)row * ldqk;
+#pragma unroll
+            for (int j = 0; j < DQ / 8; ++j) store2(qrow, 8 * j + 2 * c, p.dimq, pq, dq[4 * j + 2 * hh] * sc, dq[4 * j + 2 * hh + 1] * sc);
         }
     }
 }
@@ -1974,14 +2797,59 @@ static int launch_dot_kernel(const BwdParams &p, long long rows, cudaStream_t st
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
+template <int DQ, int DV, int BN, int VAR = 0>
+static int launch_fwd_wg_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const FwdParams) = fa_fwd_wg_kernel<DQ, DV, BN, VAR>;
+    const size_t smem = fwd_wg_smem_bytes<DQ, DV, BN>();
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    const int mblocks = (p.T + 127) / 128;
+    if (BH > 65535) return -1;
+    dim3 grid((unsigned)mblocks, (unsigned)BH);
+    kern<<<grid, 256, smem, stream>>>(p);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
+/* The wgmma kernels cover the configurations whose padded dims are multiples of 64 with a value
+   head of at most 128, on the 16-byte load path; everything else takes the mma.sync kernels. */
+template <int DQ, int DV>
+constexpr bool wg_config() { return DQ % 64 == 0 && DV % 64 == 0 && DV <= 128 && DQ <= 192; }
+
 template <int DQ, int DV>
 static int launch_fwd(const FwdParams &p, int BH, cudaStream_t stream) {
     typedef Cfg<DQ, DV> C;
+    if constexpr (wg_config<DQ, DV>())
+        if (p.vec_qk && p.vec_v) return launch_fwd_wg_kernel<DQ, DV, 128>(p, BH, stream);
     return launch_fwd_kernel<DQ, DV, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>(p, BH, stream);
 }
+template <int DQ, int DV, int VAR = 0>
+static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const BwdParams) = fa_bwd_dkdv_wg_kernel<DQ, DV, VAR>;
+    const size_t smem = dkdv_wg_smem_bytes<DQ, DV>();
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    if (BH > 65535) return -1;
+    dim3 grid((unsigned)((p.T + 127) / 128), (unsigned)BH);
+    kern<<<grid, 256, smem, stream>>>(p);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+template <int DQ, int DV, int VAR = 0>
+static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const BwdParams) = fa_bwd_dq_wg_kernel<DQ, DV, VAR>;
+    const size_t smem = dq_wg_smem_bytes<DQ, DV>();
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    if (BH > 65535) return -1;
+    dim3 grid((unsigned)((p.T + 127) / 128), (unsigned)BH);
+    kern<<<grid, 256, smem, stream>>>(p);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
 template <int DQ, int DV>
 static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
     typedef Cfg<DQ, DV> C;
+    if constexpr (wg_config<DQ, DV>())
+        if (p.vec_qk && p.vec_v) {
+            if (launch_dkdv_wg_kernel<DQ, DV>(p, BH, stream)) return -1;
+            return launch_dq_wg_kernel<DQ, DV>(p, BH, stream);
+        }
     if (launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream)) return -1;
     return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
 }

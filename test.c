@@ -1352,6 +1352,8 @@ int main(void) {
     gpu_test_attention_shape(2, 520, 4, 192, 128, 150);
     gpu_test_attention_shape(1, 130, 2, 256, 256, 30);
     gpu_test_attention_shape(2, 77, 3, 40, 72, 9);
+    gpu_test_attention_shape(1, 1000, 2, 128, 128, 0);   /* wgmma kernels: odd length, several key blocks */
+    gpu_test_attention_shape(1, 257, 2, 192, 128, 3);    /* wgmma kernels: many very short documents */
     gpu_test_moe_ops();
     gpu_test_gmm_dw_sumsq(8, 48, 64, 400);      /* few rows per expert: no row splits */
     gpu_test_gmm_dw_sumsq(2, 64, 64, 16384);    /* few tiles, many rows: split rows, reduce kernel */

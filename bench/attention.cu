@@ -436,6 +436,21 @@ static void bench_breakdown(const Shape &s) {
     const int BH = s.B * s.H;
     typedef Cfg<192, 128> C;
     const float t_dot = time_launcher(launch_dot_only, p, BH);
+    {   /* the wgmma backward kernels (the default) one by one, against the mma.sync ones */
+        const float t_kv_wg = time_launcher(launch_dkdv_wg_kernel<192, 128>, p, BH);
+        const float t_q_wg = time_launcher(launch_dq_wg_kernel<192, 128>, p, BH);
+        CK(cudaDeviceSynchronize());
+        std::vector<uint16_t> a(d.nq), bq(d.nq);
+        CK(cudaMemcpy(a.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        CKAPI((launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, 0)));
+        CK(cudaMemcpy(bq.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        double md = 0;
+        for (size_t i = 0; i < a.size(); ++i) md = std::max(md, (double)fabsf(bf2f(a[i]) - bf2f(bq[i])));
+        const double fl0 = 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0);
+        printf("  wgmma backward: dK/dV %.3f ms (%.1f TFLOP/s of mma work), dQ %.3f ms (%.1f TFLOP/s of mma work); "
+               "max |dQ - dQ(mma.sync)| = %.3g\n",
+               t_kv_wg, fl0 * 2 * (192 + 128) / (t_kv_wg * 1e-3) / 1e12, t_q_wg, fl0 * (192 + 128 + 192) / (t_q_wg * 1e-3) / 1e12, md);
+    }
     const float t_kv = time_launcher(launch_dkdv_kernel<192, 128, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>, p, BH);
     const float t_q = time_launcher(launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>, p, BH);
     const float t_kv_alt = time_launcher(launch_dkdv_kernel<192, 128, 64, 1, 2, 16, false, 2>, p, BH);
@@ -489,15 +504,25 @@ static void bench_breakdown(const Shape &s) {
     fp.scale_log2 = scale * MT_FA_LOG2E;
     fp.vec_qk = 1; fp.vec_v = 1; fp.pair_o = 1;
     std::vector<uint16_t> o1(d.nv), o2(d.nv);
+    const double fl = 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0);
     const float t_f = time_launcher(launch_fwd_kernel<192, 128, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>, fp, BH);
     CK(cudaDeviceSynchronize());
     CK(cudaMemcpy(o1.data(), d.o, d.nv * 2, cudaMemcpyDeviceToHost));
     const float t_f_alt = time_launcher(launch_fwd_kernel<192, 128, 4, 64, 2, false, 2>, fp, BH);
     CK(cudaDeviceSynchronize());
     CK(cudaMemcpy(o2.data(), d.o, d.nv * 2, cudaMemcpyDeviceToHost));
+    {   /* wgmma forward against the mma.sync one: max |difference| of O (both bf16) */
+        const float t_wg = time_launcher(launch_fwd_wg_kernel<192, 128, 128>, fp, BH);
+        CK(cudaDeviceSynchronize());
+        std::vector<uint16_t> o3(d.nv);
+        CK(cudaMemcpy(o3.data(), d.o, d.nv * 2, cudaMemcpyDeviceToHost));
+        double md = 0;
+        for (size_t i = 0; i < o3.size(); ++i) md = std::max(md, (double)fabsf(bf2f(o3[i]) - bf2f(o1[i])));
+        printf("  forward wgmma (2 warpgroups x 64 rows, 128-key tiles): %.3f ms (%.1f TFLOP/s); max |O - O(mma.sync)| = %.3g\n",
+               t_wg, fl * (192 + 128) / (t_wg * 1e-3) / 1e12, md);
+    }
     CK(cudaMemcpy(dk2.data(), d.dk, d.nq * 2, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(dv2.data(), d.dv, d.nv * 2, cudaMemcpyDeviceToHost));
-    const double fl = 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0);
     printf("breakdown B=%d T=%d H=%d 192/128: D %.3f ms | dK/dV %.3f ms (%.1f TFLOP/s of mma work) | dQ %.3f ms (%.1f TFLOP/s "
            "of mma work)\n",
            s.B, s.T, s.H, t_dot, t_kv, fl * 2 * (192 + 128) / (t_kv * 1e-3) / 1e12, t_q, fl * (192 + 128 + 192) / (t_q * 1e-3) / 1e12);
@@ -507,6 +532,21 @@ static void bench_breakdown(const Shape &s) {
            "TFLOP/s), O bitwise %s\n",
            t_f, fl * (192 + 128) / (t_f * 1e-3) / 1e12, t_f_alt, fl * (192 + 128) / (t_f_alt * 1e-3) / 1e12,
            o1 == o2 ? "identical" : "DIFFERENT (info only)");
+    {   /* wgmma kernels: ablations that leave a stage out (their outputs are wrong: timing only, so they
+           run last; the backward ones first, as the forward ones spoil O and lse) */
+        const float q0 = time_launcher(launch_dq_wg_kernel<192, 128, 0>, p, BH);
+        const float q1 = time_launcher(launch_dq_wg_kernel<192, 128, 1>, p, BH);
+        const float k0 = time_launcher(launch_dkdv_wg_kernel<192, 128, 0>, p, BH);
+        const float k1 = time_launcher(launch_dkdv_wg_kernel<192, 128, 1>, p, BH);
+        printf("ablations dQ (wgmma): %.3f ms, without the copies in the loop %.3f ms\n", q0, q1);
+        printf("ablations dK/dV (wgmma): %.3f ms, without the copies in the loop %.3f ms\n", k0, k1);
+        const float f0 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 0>, fp, BH);
+        const float f1 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 1>, fp, BH);
+        const float f2 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 2>, fp, BH);
+        const float f3 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 3>, fp, BH);
+        printf("ablations forward (wgmma): %.3f ms, without the copies in the loop %.3f ms, without the softmax %.3f ms, "
+               "without either %.3f ms\n", f0, f1, f2, f3);
+    }
     d.release();
 }
 
@@ -526,6 +566,8 @@ int main(int argc, char **argv) {
         /* document masking: packed documents of random lengths */
         {2, 256, 4, 192, 128, 40}, {1, 300, 2, 192, 128, 70}, {2, 100, 3, 64, 64, 10}, {1, 130, 2, 256, 256, 25},
         {2, 2048, 16, 192, 128, 300},
+        /* odd lengths and very short documents on the wgmma kernels */
+        {1, 1000, 3, 192, 128}, {1, 257, 2, 192, 128, 3}, {3, 333, 2, 128, 128, 50}, {1, 515, 2, 64, 64, 200},
     };
     for (const Shape &s : shapes) test_shape(s);
 
