@@ -1090,6 +1090,19 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
+/* generic-proxy shared-memory writes (cp.async) -> visible to the async proxy (wgmma operand reads) */
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* shared-memory matrix descriptor for wgmma, 128-byte swizzle (layout type 1 in bits 62..63) */
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
 } /* namespace mt_ptx */
 
 namespace mt_fa {
@@ -1478,14 +1491,6 @@ __global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_
 /* which, for two adjacent n8 tiles (j = 2kk, 2kk+1) packed to bf16 pairs, is exactly the      */
 /* register A fragment of m64nNk16 for reduction columns 16kk..16kk+15 (as in mma.sync).       */
 /* ------------------------------------------------------------------------------------------ */
-/* generic-proxy shared-memory writes (cp.async) -> visible to the async proxy (wgmma reads) */
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
 /* Pin registers across the asynchronous wgmma window: accumulators must not be read (and A
    fragments must not be reused) by ordinary instructions before the wait that retires them. */
 template <int N>
@@ -1499,11 +1504,6 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[N][4]) {
     for (int i = 0; i < N; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
-}
-/* shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62..63) */
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
-           ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
 }
 /* byte offset of 16-byte chunk ch (columns 8ch..8ch+7) of row r in an R-row SW128 tile */
 template <int R>
@@ -3383,14 +3383,6 @@ __device__ __forceinline__ void mma_bf16(float &d0, float &d1, float &d2, float 
                  : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-/* generic-proxy smem writes (cp.async) -> visible to the async proxy (wgmma operand reads) */
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
 /* named barrier over nthreads threads (multiple of 32) */
 __device__ __forceinline__ void bar_sync_named(int id, int nthreads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
@@ -3466,11 +3458,6 @@ __device__ __forceinline__ void wgmma_n8(float (&d)[128], uint64_t da, uint64_t 
 /* end of PTX helpers                                                                         */
 /* ------------------------------------------------------------------------------------------ */
 
-/* shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62..63) */
-__device__ __forceinline__ uint64_t make_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
-           ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
-}
 
 struct Params {
     void *out;           /* Y / dX (bf16) or dW (fp32)                                        */
@@ -3628,8 +3615,8 @@ __device__ __forceinline__ void step_wgmma(float (&acc)[128], uint32_t sA, int w
     constexpr int TA = (MODE == 2) ? 1 : 0, TB = (MODE == 0) ? 0 : 1;
     /* K-major: +32 bytes per k16; MN-major: +16 rows * 128 bytes = 2048 bytes (in 16-byte units) */
     constexpr uint64_t DA = TA ? 128 : 2, DB = TB ? 128 : 2;
-    const uint64_t da = make_desc(sA + (uint32_t)wg * 8192u, TA ? 8192u : 16u, 1024u);
-    const uint64_t db = make_desc(sA + (uint32_t)A_BYTES, TB ? 8192u : 16u, 1024u);
+    const uint64_t da = sw128_desc(sA + (uint32_t)wg * 8192u, TA ? 8192u : 16u, 1024u);
+    const uint64_t db = sw128_desc(sA + (uint32_t)A_BYTES, TB ? 8192u : 16u, 1024u);
     const int sd0 = first ? 0 : 1;
     fence_acc_all(acc);
     if (active && full) {
