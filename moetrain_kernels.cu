@@ -3732,16 +3732,20 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
     if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
 }
 
-/* wgmma variant: the accumulators of each warp (16 rows x 256 columns) go through a private 4 KB
-   smem buffer in passes of 4 KB (128 bf16 or 64 fp32 columns, 16-byte chunks XOR-swizzled by row,
-   conflict-free) and leave as 16-byte coalesced stores (16 lanes per 256-byte row segment). */
-template <int MODE>
+/* wgmma kernels: the accumulators of each warp (16 rows x 256 columns) leave through a private
+   shared-memory buffer of 16 rows x RB bytes, in passes of RB / ESZ columns (16-byte chunks
+   XOR-swizzled by row: conflict-free), as 16-byte coalesced stores (RB / 16 lanes per row segment).
+   The cp.async kernel uses 4 KB buffers (RB = 256: 128 bf16 or 64 fp32 columns a pass), the TMA
+   kernel 2 KB ones (RB = 128). */
+template <int MODE, int RB>
 __device__ __forceinline__ void epilogue_staged(const Params &p, const float (&acc)[128], const Tile &ti, int warp, int lane,
                                                 int rows_valid, int cols_valid, unsigned char *buf) {
-    constexpr int ESZ = (MODE == 2) ? 4 : 2;   /* output element bytes                  */
-    constexpr int JB = 4096 / (16 * ESZ * 8);  /* n8 column blocks per pass: 16 or 8     */
-    constexpr int NP = 32 / JB;                /* passes: 2 or 4                         */
-    constexpr int SW = (ESZ == 4) ? 1 : 0;     /* swizzle shift (fp32 lanes write 8 bytes) */
+    constexpr int ESZ = (MODE == 2) ? 4 : 2;                /* output element bytes                        */
+    constexpr int JB = RB / (8 * ESZ);                      /* n8 column blocks per pass                   */
+    constexpr int NP = 32 / JB;                             /* passes                                      */
+    constexpr int SW = (RB == 256 && ESZ == 4) ? 1 : 0;     /* swizzle shift (fp32 lanes write 8 bytes)    */
+    constexpr int CH = RB / 16, LG = CH == 16 ? 4 : 3;      /* 16-byte chunks per row = lanes per row; log2 */
+    static_assert(RB == 128 || RB == 256, "row buffers of 128 or 256 bytes");
     const int g = lane >> 2, c = lane & 3;
     const int wrow = 64 * (warp >> 2) + 16 * (warp & 3); /* first tile row of this warp */
     const bool has = ti.nk > 0; /* no reduction steps: the accumulators were never written -> zeros */
@@ -3766,10 +3770,9 @@ __device__ __forceinline__ void epilogue_staged(const Params &p, const float (&a
                 const int r = g + 8 * h;
                 const float v0 = has ? acc[4 * j + 2 * h] : 0.f, v1 = has ? acc[4 * j + 2 * h + 1] : 0.f;
                 const int byte = (8 * jj + 2 * c) * ESZ;
-                const int off = r * 256 + ((((byte >> 4) ^ ((r & 7) << SW))) << 4) + (byte & 15);
+                const int off = r * RB + ((((byte >> 4) ^ ((r & 7) << SW))) << 4) + (byte & 15);
                 if (ESZ == 2) {
-                    __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
-                    *reinterpret_cast<__nv_bfloat162 *>(buf + off) = v;
+                    *reinterpret_cast<__nv_bfloat162 *>(buf + off) = __floats2bfloat162_rn(v0, v1);
                 } else {
                     *reinterpret_cast<float2 *>(buf + off) = make_float2(v0, v1);
                     if (wrow + r < rows_valid && pass * JB * 8 + 8 * jj + 2 * c < cols_valid) ss += v0 * v0 + v1 * v1;
@@ -3778,9 +3781,9 @@ __device__ __forceinline__ void epilogue_staged(const Params &p, const float (&a
         }
         __syncwarp();
 #pragma unroll
-        for (int it = 0; it < 8; ++it) {
-            const int r = 2 * it + (lane >> 4), ch = lane & 15;
-            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * 256 + ((ch ^ ((r & 7) << SW)) << 4));
+        for (int it = 0; it < CH / 2; ++it) {
+            const int r = (32 / CH) * it + (lane >> LG), ch = lane & (CH - 1);
+            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * RB + ((ch ^ ((r & 7) << SW)) << 4));
             const int row = wrow + r, col = pass * JB * 8 + ch * (16 / ESZ);
             if (row < rows_valid && col < cols_valid)
                 *reinterpret_cast<uint4 *>(obase + (size_t)row * ld + (size_t)col * ESZ) = v;
@@ -3963,7 +3966,7 @@ __global__ void __launch_bounds__(NT, 1) gg_kernel(const Params p) {
                 bar_sync_named(1 + wg, 128);
                 const int sst = (cstep - 1 - ((warp & 3) >> 1) + ST) % ST;
                 unsigned char *buf = smem_raw + pad + (size_t)sst * STAGE_BYTES + (size_t)wg * 8192 + (size_t)(warp & 1) * 4096;
-                epilogue_staged<MODE>(p, acc, ct, warp, lane, rows_valid, cols_valid, buf);
+                epilogue_staged<MODE, 256>(p, acc, ct, warp, lane, rows_valid, cols_valid, buf);
             } else {
                 epilogue<MODE, WG>(p, acc, ct, warp, lane, rows_valid, cols_valid);
             }
@@ -4112,61 +4115,6 @@ __device__ __forceinline__ void zero_tail_rows(unsigned char *stage, int nv, int
     }
 }
 
-/* The accumulators of consumer warp w (tile rows 64 (w / 4) + 16 (w % 4) + [0, 16)) leave through
-   the warp's 2 KB buffer in passes of 16 rows x 128 bytes (64 bf16 or 32 fp32 columns; 16-byte
-   chunks XOR-swizzled by row: conflict-free), as 16-byte stores, 8 lanes per 128-byte row segment. */
-template <int MODE>
-__device__ __forceinline__ void epilogue_warp(const Params &p, const float (&acc)[128], const Tile &ti, int warp, int lane,
-                                              int rows_valid, int cols_valid, unsigned char *buf) {
-    constexpr int ESZ = (MODE == 2) ? 4 : 2;   /* output element bytes                 */
-    constexpr int JB = 128 / (8 * ESZ);        /* n8 column blocks per pass: 8 or 4    */
-    constexpr int NP = 32 / JB;                /* passes: 4 or 8                       */
-    const int g = lane >> 2, c = lane & 3;
-    const int wrow = 64 * (warp >> 2) + 16 * (warp & 3);
-    const bool has = ti.nk > 0; /* no reduction steps: the accumulators were never written -> zeros */
-    float ss = 0.f;
-    char *obase;
-    size_t ld;
-    if (MODE == 2) {
-        obase = reinterpret_cast<char *>(p.part + ((size_t)(ti.s * p.E + ti.e) * p.M + ti.m0) * p.K + ti.c0);
-        ld = (size_t)p.K * 4;
-    } else {
-        obase = reinterpret_cast<char *>(reinterpret_cast<bf16 *>(p.out) + (size_t)ti.r0 * p.ncols + ti.c0);
-        ld = (size_t)p.ncols * 2;
-    }
-#pragma unroll
-    for (int pass = 0; pass < NP; ++pass) {
-        if (pass * JB * 8 >= cols_valid) break; /* tile-uniform */
-#pragma unroll
-        for (int jj = 0; jj < JB; ++jj) {
-            const int j = pass * JB + jj;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = g + 8 * h;
-                const float v0 = has ? acc[4 * j + 2 * h] : 0.f, v1 = has ? acc[4 * j + 2 * h + 1] : 0.f;
-                const int byte = (8 * jj + 2 * c) * ESZ;
-                const int off = r * 128 + (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15);
-                if (ESZ == 2) {
-                    *reinterpret_cast<__nv_bfloat162 *>(buf + off) = __floats2bfloat162_rn(v0, v1);
-                } else {
-                    *reinterpret_cast<float2 *>(buf + off) = make_float2(v0, v1);
-                    if (wrow + r < rows_valid && pass * JB * 8 + 8 * jj + 2 * c < cols_valid) ss += v0 * v0 + v1 * v1;
-                }
-            }
-        }
-        __syncwarp();
-#pragma unroll
-        for (int it = 0; it < 4; ++it) {
-            const int r = 4 * it + (lane >> 3), ch = lane & 7;
-            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * 128 + ((ch ^ (r & 7)) << 4));
-            const int row = wrow + r, col = pass * JB * 8 + ch * (16 / ESZ);
-            if (row < rows_valid && col < cols_valid)
-                *reinterpret_cast<uint4 *>(obase + (size_t)row * ld + (size_t)col * ESZ) = v;
-        }
-        __syncwarp();
-    }
-    if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
-}
 
 template <int MODE>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
@@ -4248,7 +4196,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
             wgmma_wait<0>();
             fence_acc_all(acc);
             if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + ST - 1) % ST));
-            epilogue_warp<MODE>(p, acc, ti, warp, lane, rows_valid, cols_valid, buf);
+            epilogue_staged<MODE, 128>(p, acc, ti, warp, lane, rows_valid, cols_valid, buf);   /* consumer warp w: tile rows 64 (w / 4) + 16 (w % 4) + [0, 16) */
         }
     }
 }
