@@ -1665,6 +1665,24 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
     else wgmma_rs_n192<TB>(d, a, db, scale_d);
 }
 
+/* acc (64 x N) = A B^T over D columns, issued (not committed): A is warpgroup wg's 64 rows of an
+   SW128 tile of RA rows, B an SW128 tile of N rows (RB per 64-column panel); both K-major. */
+template <int N, int D, int RA, int RB>
+__device__ __forceinline__ void wgmma_abt(float (&acc)[N / 2], uint32_t sA, uint32_t sB, int wg) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint64_t da = sw128_desc(sA + (uint32_t)((kk >> 2) * RA * 128 + wg * 64 * 128 + (kk & 3) * 32), 16, 1024);
+        const uint64_t db = sw128_desc(sB + (uint32_t)((kk >> 2) * RB * 128 + (kk & 3) * 32), 16, 1024);
+        wgmma_ss<N, 0, 0>(acc, da, db, kk > 0);
+    }
+}
+/* acc (64 x N) += P B over KS k16 steps, issued (not committed): P in registers (A fragments), B an
+   SW128 tile whose rows run along k (MN-major: 16 rows = 2048 bytes a step; RB rows a panel). */
+template <int N, int KS, int RB>
+__device__ __forceinline__ void wgmma_pb(float (&acc)[N / 2], const uint32_t (&a)[KS][4], uint32_t sB) {
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) wgmma_rs<N, 1>(acc, a[kk], sw128_desc(sB + (uint32_t)(kk * 2048), RB * 128, 1024), 1);
+}
 /* ------------------------------------------------------------------------------------------ */
 /* Forward, Hopper: fa_fwd_wg_kernel                                                          */
 /*                                                                                            */
@@ -1750,22 +1768,13 @@ __global__ void __launch_bounds__(256, 1) fa_fwd_wg_kernel(const FwdParams p) {
     /* S = Q K_j^T for this warpgroup (issued and committed, not waited for) */
     auto issue_s = [&](int j) {
         const uint32_t kst = sK + (uint32_t)(j & 1) * K_BYTES;
-#pragma unroll
-        for (int kk = 0; kk < DQ / 16; ++kk) {
-            const uint64_t da = sw128_desc(sQ + (uint32_t)((kk >> 2) * BM * 128 + wg * 64 * 128 + (kk & 3) * 32), 16, 1024);
-            const uint64_t db = sw128_desc(kst + (uint32_t)((kk >> 2) * BN * 128 + (kk & 3) * 32), 16, 1024);
-            wgmma_ss<BN, 0, 0>(s, da, db, kk > 0);
-        }
+        wgmma_abt<BN, DQ, BM, BN>(s, sQ, kst, wg);
         wgmma_commit();
     };
     /* O += P V_j (issued and committed) */
     auto issue_pv = [&](int j) {
         const uint32_t vst = sV + (uint32_t)(j & 1) * V_BYTES;
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            const uint64_t db = sw128_desc(vst + (uint32_t)(kk * 2048), BN * 128, 1024);
-            wgmma_rs<DV, 1>(o, pa[kk], db, 1);
-        }
+        wgmma_pb<DV, BN / 16, BN>(o, pa, vst);
         wgmma_commit();
     };
     /* mask + scale S_j (log2 domain), new running max; exponentiate in place; returns the
@@ -2025,19 +2034,9 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
         fence_regs(dk);
         fence_regs(dv);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < DQ / 16; ++kk) {
-            const uint64_t da = sw128_desc(sK + (uint32_t)((kk >> 2) * BNK * 128 + wg * 64 * 128 + (kk & 3) * 32), 16, 1024);
-            const uint64_t db = sw128_desc(qst + (uint32_t)((kk >> 2) * BMQ * 128 + (kk & 3) * 32), 16, 1024);
-            wgmma_ss<64, 0, 0>(s, da, db, kk > 0);
-        }
+        wgmma_abt<64, DQ, BNK, BMQ>(s, sK, qst, wg);
         wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < DV / 16; ++kk) {
-            const uint64_t da = sw128_desc(sV + (uint32_t)((kk >> 2) * BNK * 128 + wg * 64 * 128 + (kk & 3) * 32), 16, 1024);
-            const uint64_t db = sw128_desc(ost + (uint32_t)((kk >> 2) * BMQ * 128 + (kk & 3) * 32), 16, 1024);
-            wgmma_ss<64, 0, 0>(dp, da, db, kk > 0);
-        }
+        wgmma_abt<64, DV, BNK, BMQ>(dp, sV, ost, wg);
         wgmma_commit();
 
         /* P^T: element s[4j + 2hh + bb] is (key kr + 8hh, query q0 + 8j + 2c + bb) */
@@ -2077,16 +2076,8 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
             }
         }
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const uint64_t db = sw128_desc(ost + (uint32_t)(kk * 2048), BMQ * 128, 1024);
-            wgmma_rs<DV, 1>(dv, pa[kk], db, 1);
-        }
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const uint64_t db = sw128_desc(qst + (uint32_t)(kk * 2048), BMQ * 128, 1024);
-            wgmma_rs<DQ, 1>(dk, da4[kk], db, 1);
-        }
+        wgmma_pb<DV, 4, BMQ>(dv, pa, ost);
+        wgmma_pb<DQ, 4, BMQ>(dk, da4, qst);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(dk);
@@ -2181,11 +2172,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dq_wg_kernel(const BwdParams p)
 
     auto issue_dq = [&](int j) {
         const uint32_t kst = sK + (uint32_t)(j % 3) * K_BYTES;
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const uint64_t db = sw128_desc(kst + (uint32_t)(kk * 2048), BN * 128, 1024);
-            wgmma_rs<DQ, 1>(dq, da4[kk], db, 1);
-        }
+        wgmma_pb<DQ, 4, BN>(dq, da4, kst);
         wgmma_commit();
     };
 
@@ -2207,19 +2194,9 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dq_wg_kernel(const BwdParams p)
         fence_regs(dq);
         fence_regs(da4);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < DQ / 16; ++kk) {
-            const uint64_t da = sw128_desc(sQ + (uint32_t)((kk >> 2) * BM * 128 + wg * 64 * 128 + (kk & 3) * 32), 16, 1024);
-            const uint64_t db = sw128_desc(kst + (uint32_t)((kk >> 2) * BN * 128 + (kk & 3) * 32), 16, 1024);
-            wgmma_ss<64, 0, 0>(s, da, db, kk > 0);
-        }
+        wgmma_abt<64, DQ, BM, BN>(s, sQ, kst, wg);
         wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < DV / 16; ++kk) {
-            const uint64_t da = sw128_desc(sdO + (uint32_t)((kk >> 2) * BM * 128 + wg * 64 * 128 + (kk & 3) * 32), 16, 1024);
-            const uint64_t db = sw128_desc(vst + (uint32_t)((kk >> 2) * BN * 128 + (kk & 3) * 32), 16, 1024);
-            wgmma_ss<64, 0, 0>(dp, da, db, kk > 0);
-        }
+        wgmma_abt<64, DV, BM, BN>(dp, sdO, vst, wg);
         wgmma_commit();
         /* dS_{j-1} K_{j-1}: for j == j0, da4 is zero and K_{j0 - 1}'s stage holds whatever it holds
            (finite or not, 0 x it would still poison dq with NaN), so it reads the current stage */
