@@ -7151,7 +7151,12 @@ typedef struct {
     mt_real *whole; int64_t lo; /* an FSDP-sharded value being loaded: the whole (EP-local) tensor, and this rank's first element */
 } mt__staged;
 /* A sharded run's checkpoint is written from every rank's part (see mt__checkpoint_save_parts). */
-typedef struct { int world; const int *fd; const int64_t *off; } mt__parts;
+typedef struct { int64_t at, lo; int rank; } mt__part_slot;   /* a part's place in the whole tensor */
+static int mt__part_slot_cmp(const void *a, const void *b) {
+    const mt__part_slot *x = (const mt__part_slot *)a, *y = (const mt__part_slot *)b;
+    return x->at != y->at ? (x->at < y->at ? -1 : 1) : x->rank - y->rank;
+}
+typedef struct { int world; const int *fd; const int64_t *off; mt__part_slot *slot; } mt__parts;
 
 /* The tensors of one role (PARAM masters, or one AdamW moment) under HF
  * names, pointing into freshly staged host copies (read from the runtime). */
@@ -7185,19 +7190,21 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
             int64_t count = experts ? len * ep : len;
             if (!(x->buf = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(count + 1)))) goto oom;
             ns++;
+            mt__part_slot *sl = parts->slot;   /* where each rank's part goes; replicas' parts once */
             for (int r = 0; r < parts->world; r++) {
-                int co[MT_NDIMS], seen = 0;
+                int co[MT_NDIMS];
                 mt_mesh_coords(&G->mesh, r, co);
-                int64_t lo = v->shard ? (int64_t)mt_mesh_group(&G->mesh, v->shard, r, NULL) * stored : 0;
-                int64_t cnt = len - lo < stored ? len - lo : stored, at = (experts ? co[MT_DIM_EP] * len : 0) + lo;
-                for (int q = 0; q < r && !seen; q++) {   /* a replica of a range read already: the same bytes */
-                    int cq[MT_NDIMS];
-                    mt_mesh_coords(&G->mesh, q, cq);
-                    seen = (experts ? cq[MT_DIM_EP] * len : 0) + (v->shard ? (int64_t)mt_mesh_group(&G->mesh, v->shard, q, NULL) * stored : 0) == at;
-                }
-                if (seen) continue;
+                sl[r].lo = v->shard ? (int64_t)mt_mesh_group(&G->mesh, v->shard, r, NULL) * stored : 0;
+                sl[r].at = sl[r].lo < len ? (experts ? co[MT_DIM_EP] * len : 0) + sl[r].lo : -1;   /* -1: padding only */
+                sl[r].rank = r;
+            }
+            qsort(sl, (size_t)parts->world, sizeof *sl, mt__part_slot_cmp);
+            for (int k = 0; k < parts->world; k++) {
+                if (sl[k].at < 0 || (k && sl[k].at == sl[k - 1].at)) continue;
+                int r = sl[k].rank;
+                int64_t cnt = len - sl[k].lo < stored ? len - sl[k].lo : stored;
                 size_t nb = sizeof(mt_real) * (size_t)(cnt > 0 ? cnt : 0);
-                char *dst = (char *)(x->buf + at);
+                char *dst = (char *)(x->buf + sl[k].at);
                 for (size_t got = 0; got < nb;) {
                     ssize_t k = pread(parts->fd[r], dst + got, nb - got, (off_t)(parts->off[i] + (int64_t)got));
                     if (k <= 0) { mt_errf(err, "reading rank %d's part of the checkpoint: %s", r, k ? strerror(errno) : "it is short"); goto fail; }
@@ -8022,7 +8029,8 @@ static int mt__checkpoint_save_parts(mt_runtime *rt, const char *dir, int step, 
     int world = rt->bind.world, rc = 0;
     int *fd = (int *)MT_MALLOC(sizeof(int) * (size_t)world);
     int64_t *off = (int64_t *)MT_MALLOC(sizeof(int64_t) * (size_t)(G->n_values + 1));
-    if (!fd || !off) { MT_FREE(fd); MT_FREE(off); return mt_errf(err, "out of memory"); }
+    mt__part_slot *slot = (mt__part_slot *)MT_MALLOC(sizeof(mt__part_slot) * (size_t)world);
+    if (!fd || !off || !slot) { MT_FREE(fd); MT_FREE(off); MT_FREE(slot); return mt_errf(err, "out of memory"); }
     int64_t at = MT__PART_HEADER;
     for (int i = 0; i < G->n_values; i++) {
         off[i] = at;
@@ -8044,10 +8052,10 @@ static int mt__checkpoint_save_parts(mt_runtime *rt, const char *dir, int step, 
         if (memcmp(h, "moetrain-part1", 14) || f != fp || w[0] != step || w[1] != r || w[2] != world || fstat(fd[r], &sb) || sb.st_size != at)
             rc = mt_errf(err, "'%s' is not rank %d's part of this checkpoint (another graph, step or run)", path, r);
     }
-    mt__parts parts = {world, fd, off};
+    mt__parts parts = {world, fd, off, slot};
     if (!rc) rc = mt__checkpoint_save(rt, &parts, dir, step, run, err);
     for (int r = 0; r < world; r++) if (fd[r] >= 0) close(fd[r]);
-    MT_FREE(fd); MT_FREE(off);
+    MT_FREE(fd); MT_FREE(off); MT_FREE(slot);
     return rc;
 }
 static int mt__checkpoint_save_any(mt_runtime *rt, const char *dir, int step, const mt_run_state *run, mt_err *err) {
