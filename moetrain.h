@@ -179,6 +179,10 @@ int mt_config_equal(const mt_config *a, const mt_config *b);
 int mt_config_diff(const mt_config *a, const mt_config *b, char *out, size_t n);
 /* The candidate closest to word by edit distance ('-' and '_' alike), or NULL if none is close. */
 const char *mt_suggest(const char *word, const char *const *candidates, int n);
+int mt_config_has_field(const char *name);   /* a config field's name, '-' or '_' alike */
+/* For a command line's unknown --name: the closest of its options and the config fields, written
+ * with dashes into out; NULL if none is close. */
+const char *mt_suggest_option(const char *name, const char *const *options, int n, char *out, size_t cap);
 
 /* Run hyper-parameters. They are not part of the step graph's structure: they
  * are fed to it every step as the `hparams` input, so one artifact serves any
@@ -1246,6 +1250,20 @@ static const mt_field *mt__find_field(const char *key) {
         if (!*a && !*b) return &mt_config_fields[i];
     }
     return NULL;
+}
+
+int mt_config_has_field(const char *name) { return mt__find_field(name) != NULL; }
+
+const char *mt_suggest_option(const char *name, const char *const *options, int n, char *out, size_t cap) {
+    const char *cand[256];
+    int k = 0;
+    for (int i = 0; i < n && k < 256; i++) cand[k++] = options[i];
+    for (int i = 0; i < mt_n_config_fields && k < 256; i++) cand[k++] = mt_config_fields[i].name;
+    const char *near = mt_suggest(name, cand, k);
+    if (!near || !cap) return NULL;
+    snprintf(out, cap, "%s", near);
+    for (char *q = out; *q; q++) if (*q == '_') *q = '-';
+    return out;
 }
 
 static int mt__parse_int(const char *s, long long lo, long long hi, long long *out) {
@@ -7157,6 +7175,10 @@ static int mt__part_slot_cmp(const void *a, const void *b) {
     return x->at != y->at ? (x->at < y->at ? -1 : 1) : x->rank - y->rank;
 }
 typedef struct { int world; const int *fd; const int64_t *off; mt__part_slot *slot; } mt__parts;
+static void mt__staged_free(mt__staged *st, int n) {
+    for (int i = 0; i < n; i++) { MT_FREE(st[i].buf); MT_FREE(st[i].whole); }
+    MT_FREE(st);
+}
 
 /* The tensors of one role (PARAM masters, or one AdamW moment) under HF
  * names, pointing into freshly staged host copies (read from the runtime). */
@@ -7241,13 +7263,9 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
 oom:
     mt_errf(err, "out of memory staging a checkpoint");
 fail:
-    for (int i = 0; i < ns; i++) { MT_FREE(st[i].buf); MT_FREE(st[i].whole); }
-    MT_FREE(st); MT_FREE(t);
+    mt__staged_free(st, ns);
+    MT_FREE(t);
     return -1;
-}
-static void mt__staged_free(mt__staged *st, int n) {
-    for (int i = 0; i < n; i++) { MT_FREE(st[i].buf); MT_FREE(st[i].whole); }
-    MT_FREE(st);
 }
 static int mt__staged_commit(mt_runtime *rt, const mt__staged *st, int n, mt_err *err) {
     for (int i = 0; i < n; i++) {

@@ -63,26 +63,12 @@ static void usage(FILE *f) {
     fprintf(f, "\n\nexit status: 0 done, 1 runtime error (files, compile), 2 usage error\n");
 }
 
-static int is_config_field(const char *name) {
-    for (int i = 0; i < mt_n_config_fields; i++) {
-        const char *a = mt_config_fields[i].name, *b = name;
-        while (*a && (*a == *b || (*a == '_' && *b == '-'))) { a++; b++; }
-        if (!*a && !*b) return 1;
-    }
-    return 0;
-}
 static void unknown_option(const char *name) {
-    const char *cand[N_SPECS + 64];
-    char dashed[64][32];
-    int n = 0;
-    for (int i = 0; i < N_SPECS; i++) cand[n++] = specs[i].name;
-    for (int i = 0; i < mt_n_config_fields && i < 64; i++) {
-        snprintf(dashed[i], sizeof dashed[i], "%s", mt_config_fields[i].name);
-        for (char *q = dashed[i]; *q; q++) if (*q == '_') *q = '-';
-        cand[n++] = dashed[i];
-    }
-    const char *near = mt_suggest(name, cand, n);
-    if (near) fprintf(stderr, "precompile: unknown option '--%s' (did you mean '--%s'?); see --help\n", name, near);
+    const char *names[N_SPECS];
+    char near[64];
+    for (int i = 0; i < N_SPECS; i++) names[i] = specs[i].name;
+    if (mt_suggest_option(name, names, N_SPECS, near, sizeof near))
+        fprintf(stderr, "precompile: unknown option '--%s' (did you mean '--%s'?); see --help\n", name, near);
     else fprintf(stderr, "precompile: unknown option '--%s'; see --help\n", name);
 }
 
@@ -102,7 +88,7 @@ int main(int argc, char **argv) {
         }
         int k = -1;
         for (int j = 0; j < N_SPECS; j++) if (!strcmp(specs[j].name, name)) k = j;
-        if (k < 0 && !is_config_field(name)) { unknown_option(name); return 2; }
+        if (k < 0 && !mt_config_has_field(name)) { unknown_option(name); return 2; }
         if (k >= 0 && specs[k].kind == OPT_FLAG) {
             if (!strcmp(name, "help")) { usage(stdout); return 0; }
             flag[k] = 1;

@@ -343,6 +343,13 @@ static void test_init_draws(void) {
     free(t);
 }
 
+/* tiny at batch 4 x 32 tokens */
+static void rc_tiny(mt_config *c) {
+    mt_err e;
+    mt_config_preset(c, "tiny", &e);
+    c->batch = 4; c->seq_len = 32; c->original_seq_len = 32;
+}
+
 static void test_recompute_bitwise_for(const char *tag, const mt_config *c) {
     mt_err e;
     mt_mesh m;
@@ -369,9 +376,7 @@ static void test_recompute_bitwise_for(const char *tag, const mt_config *c) {
 }
 static void test_recompute_bitwise(void) {
     mt_config c;
-    mt_err e;
-    mt_config_preset(&c, "tiny", &e);
-    c.batch = 4; c.seq_len = 32; c.original_seq_len = 32;
+    rc_tiny(&c);
     test_recompute_bitwise_for("tiny", &c);
     /* all MoE, softmax scores, group-limited routing, low-rank q, packed documents */
     c.n_dense_layers = 0; c.score_func = MT_SCORE_SOFTMAX; c.route_norm = 0; c.n_expert_groups = 4; c.n_limited_groups = 2;
@@ -2552,8 +2557,7 @@ static void test_resume_exact(void) {
     mt_config c;
     mt_err e;
     mt_graph g;
-    mt_config_preset(&c, "tiny", &e);
-    c.batch = 4; c.seq_len = 32; c.original_seq_len = 32;
+    rc_tiny(&c);
     if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("exact resume", 0, "%s", e.msg); return; }
     mt_dataset d;
     mt_data_default(&d, &e);
@@ -4162,12 +4166,6 @@ static void test_cli_sharded_checkpoint(void) {
 /* ======================================================================
  * activation recompute: the budget, many ranks, the artifact, the CLIs
  * ==================================================================== */
-
-static void rc_tiny(mt_config *c) {
-    mt_err e;
-    mt_config_preset(c, "tiny", &e);
-    c->batch = 4; c->seq_len = 32; c->original_seq_len = 32;
-}
 
 /* (c) The planned peak fits the budget and is lower than without; the
  * fewest blocks are taken; an impossible budget is refused, naming it and

@@ -136,28 +136,14 @@ static void usage(FILE *f) {
 
 /* Unknown --name: say so, with the closest known option (or config field). */
 static void unknown_option(const char *name) {
-    const char *cand[N_SPECS + 64];
-    char dashed[64][32];
-    int n = 0;
-    for (int i = 0; i < N_SPECS; i++) cand[n++] = specs[i].name;
-    for (int i = 0; i < mt_n_config_fields && i < 64; i++) {
-        snprintf(dashed[i], sizeof dashed[i], "%s", mt_config_fields[i].name);
-        for (char *q = dashed[i]; *q; q++) if (*q == '_') *q = '-';
-        cand[n++] = dashed[i];
-    }
-    const char *near = mt_suggest(name, cand, n);
-    if (near) fprintf(stderr, "train: unknown option '--%s' (did you mean '--%s'?); see --help\n", name, near);
+    const char *names[N_SPECS];
+    char near[64];
+    for (int i = 0; i < N_SPECS; i++) names[i] = specs[i].name;
+    if (mt_suggest_option(name, names, N_SPECS, near, sizeof near))
+        fprintf(stderr, "train: unknown option '--%s' (did you mean '--%s'?); see --help\n", name, near);
     else fprintf(stderr, "train: unknown option '--%s'; see --help\n", name);
 }
 
-static int is_config_field(const char *name) {
-    for (int i = 0; i < mt_n_config_fields; i++) {
-        const char *a = mt_config_fields[i].name, *b = name;
-        while (*a && (*a == *b || (*a == '_' && *b == '-'))) { a++; b++; }
-        if (!*a && !*b) return 1;
-    }
-    return 0;
-}
 
 /* Parse one value of spec s into o, range-checked. */
 static int set_option(opts *o, const opt_spec *s, const char *v) {
@@ -196,7 +182,7 @@ static int parse_args(int argc, char **argv, opts *o) {
         if (len >= sizeof name) len = sizeof name - 1;
         memcpy(name, a + 2, len);
         name[len] = 0;
-        int k = spec_index(name), field = k < 0 && is_config_field(name);
+        int k = spec_index(name), field = k < 0 && mt_config_has_field(name);
         if (k < 0 && !field) { unknown_option(name); return -1; }
         if (k >= 0 && specs[k].kind == OPT_FLAG) {
             if (eq) { fprintf(stderr, "train: --%s takes no value\n", name); return -1; }
