@@ -1056,6 +1056,11 @@ int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const
  *   fa_bwd_dq_wg_kernel    one CTA per (128-query block, b*h), two warpgroups x 64 rows, 64-key tiles.
  * The launchers take them for the configurations (64,64), (128,128) and (192,128) on the 16-byte
  * load path; every other case takes the mma.sync kernels above.
+ * Why dQ has its own kernel (it recomputes S and dP): commit 35ee81b fused dQ into the dK/dV kernel,
+ * adding each key block's dQ part to an fp32 accumulator with bulk reductions in a fixed order. On an
+ * H200 (B=8 T=2048 H=16, 192/128) that took 1.98 ms (1.73 ms with unordered adds, so determinism cost
+ * 15% there; 0.96 ms with no adds at all) against 0.90 + 0.57 ms for the two kernels: the 1.7 GB of
+ * dQ reductions through L2 cost more than the recomputation they save.
  * No atomics anywhere: every output element is produced by exactly one thread with a fixed
  * reduction order, so results are bitwise reproducible run to run.
  *
@@ -1230,8 +1235,6 @@ struct BwdParams {
     const bf16 *q, *k, *v, *o, *dout;
     const float *lse;
     float *dsum; /* D [N*H] */
-    float *dqacc; /* fused backward: dQ parts [B*H][T][DQ] f32 (workspace), or null */
-    int *sem, *ticket; /* fused backward: add counters [B*H][ceil(T/64)] and the ticket (zeroed per call) */
     const int *dstart; /* [N] document starts, or null: plain causal */
     bf16 *dq, *dk, *dv;
     int T, H, dimq, dimv;
@@ -2257,360 +2260,6 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dq_wg_kernel(const BwdParams p)
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Fused backward, Hopper: fa_bwd_fused_wg_kernel (no document masking)                       */
-/*                                                                                            */
-/* fa_bwd_dkdv_wg_kernel's work (one CTA per 128-key block and b*h, two warpgroups x 64 keys,  */
-/* 64-query tiles from the block's diagonal upward) plus dQ, so S and dP are formed once      */
-/* instead of twice.  Per query tile i, after dV and dK are issued, each warpgroup writes its  */
-/* dS^T (64 keys x 64 queries, bf16) to shared memory; then warpgroup wg computes columns      */
-/* [wg DQ/2, (wg+1) DQ/2) of the tile's dQ part over the block's 128 keys,                    */
-/*   dQ_i,n = dS_i,n K_n        m64n(DQ/2)k16 x 8, dS read MN-major, K read MN-major          */
-/* stages it in shared memory (fp32) and 64 threads add its rows to an fp32 accumulator in     */
-/* global memory (workspace) with bulk asynchronous reductions (cp.reduce.async.bulk .add.f32, */
-/* done in L2), so the CTA goes on to the next tile meanwhile.  The adds come in a fixed      */
-/* order: the diagonal block (i / 2) stores first, then key blocks i/2 - 1, ..., 0 add; a      */
-/* counter per (b*h, tile) is released (gpu scope) once a block's adds are complete, and the   */
-/* next block acquires it before issuing its own.  So dQ is bitwise the same run to run;       */
-/* fa_bwd_dq_convert_kernel then writes dQ (bf16, times the scale).  Blocks reach a tile in    */
-/* that order by themselves (block n starts at tile 2n and reaches tile i two steps after      */
-/* block n + 1, which releases it one step after its add), so the counters rarely make anyone  */
-/* wait.  Work goes out by ticket (an atomic counter read when a CTA starts): b*h by b*h, each */
-/* from its diagonal block down to block 0.  A CTA waits only on blocks of its b*h with a      */
-/* higher index, whose tickets are lower: they are running or done, so no launch order or GPU  */
-/* size can deadlock it.                                                                      */
-/* ------------------------------------------------------------------------------------------ */
-__device__ __forceinline__ void bar_named(int id, int nthreads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
-}
-__device__ __forceinline__ int ld_acquire_gpu(const int *p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_release_gpu(int *p, int v) {
-    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-/* bulk asynchronous copies shared -> global (bytes % 16 == 0, both 16-byte aligned) */
-__device__ __forceinline__ void bulk_store(void *dst, uint32_t src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_add_f32(void *dst, uint32_t src, uint32_t bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-/* this thread's completed bulk writes, then a release at gpu scope (after a CTA barrier) */
-__device__ __forceinline__ void release_after_bulk(int *cnt, int v) {
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");
-    __threadfence();
-    st_release_gpu(cnt, v);
-}
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], uint64_t da, uint64_t db, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, "
-        "%8, %9, %10, %11, %12, %13, %14, %15"
-        "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
-}
-/* acc (64 x N) = A B over the 128 keys of a block, issued (not committed): A = dS (64 queries x  */
-/* 128 keys) stored as dS^T rows (one SW128 panel of 128 rows), B = columns [col, col + N) of the  */
-/* key block's SW128 tile (128 rows a panel), both MN-major; col % 32 == 0 and [col, col + N)      */
-/* inside one 64-column panel. */
-template <int N>
-__device__ __forceinline__ void wgmma_dsk(float (&acc)[N / 2], uint32_t sDS, uint32_t sK, int col) {
-    static_assert(N == 32 || N == 64, "wgmma_dsk: N");
-    const uint32_t kb = sK + (uint32_t)((col >> 6) * 128 * 128 + (col & 63) * 2);
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-        const uint64_t da = sw128_desc(sDS + (uint32_t)(kk * 2048), 128 * 128, 1024);
-        const uint64_t db = sw128_desc(kb + (uint32_t)(kk * 2048), 128 * 128, 1024);
-        if constexpr (N == 64) wgmma_ss_n64<1, 1>(acc, da, db, kk > 0);
-        else wgmma_ss_n32<1, 1>(acc, da, db, kk > 0);
-    }
-}
-/* this warpgroup's DQ/2 columns of dQ_i,n: pieces of 32 or 64 columns that never cross a panel, */
-/* so the accumulator index 4J + 2hh + bb is column wg DQ/2 + 8J + 2c + bb throughout          */
-template <int DQ>
-__device__ __forceinline__ void issue_dq_part(float (&acc)[DQ / 4], uint32_t sDS, uint32_t sK, int wg) {
-    static_assert(DQ == 64 || DQ == 128 || DQ == 192, "dQ split");
-    if constexpr (DQ == 64) {
-        wgmma_dsk<32>(acc, sDS, sK, 32 * wg);
-    } else if constexpr (DQ == 128) {
-        wgmma_dsk<64>(acc, sDS, sK, 64 * wg);
-    } else {
-        float(&lo32)[16] = *reinterpret_cast<float(*)[16]>(&acc[0]);
-        float(&lo64)[32] = *reinterpret_cast<float(*)[32]>(&acc[0]);
-        float(&hi32)[16] = *reinterpret_cast<float(*)[16]>(&acc[32]);
-        float(&hi64)[32] = *reinterpret_cast<float(*)[32]>(&acc[16]);
-        if (wg == 0) {
-            wgmma_dsk<64>(lo64, sDS, sK, 0);
-            wgmma_dsk<32>(hi32, sDS, sK, 64);
-        } else {
-            wgmma_dsk<32>(lo32, sDS, sK, 96);
-            wgmma_dsk<64>(hi64, sDS, sK, 128);
-        }
-    }
-}
-
-/* dQ part staging rows: DQ + 8 floats (rows 32 banks apart in pairs: conflict-free float2 stores) */
-template <int DQ>
-__host__ __device__ constexpr int stage_ld() { return DQ + 8; }
-template <int DQ>
-__host__ __device__ constexpr uint32_t fused_stage_bytes() {
-    return (uint32_t)(64 * stage_ld<DQ>() * 4) > 128u * 64 * 2 ? (uint32_t)(64 * stage_ld<DQ>() * 4) : 128u * 64 * 2;
-}
-template <int DQ, int DV>
-constexpr size_t fused_wg_smem_bytes() {
-    return 1024 + (size_t)fused_stage_bytes<DQ>() + (size_t)(128 * DQ + 128 * DV + 2 * 64 * (DQ + DV)) * sizeof(bf16) +
-           2 * 2 * 64 * sizeof(float);
-}
-
-/* VAR: 0 in the runtime; bench/attention.cu times variants (timing only, dQ wrong): 1 computes the dQ
-   parts but adds none; 2 adds them in any order, without the counters (the nondeterministic schedule,
-   less the zeroing of the accumulator it would need). */
-template <int DQ, int DV, int VAR>
-__global__ void __launch_bounds__(256, 1) fa_bwd_fused_wg_kernel(const BwdParams p) {
-    constexpr int BNK = 128, BMQ = 64, NT = 256, HALF = DQ / 2;
-    static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
-    constexpr uint32_t K_BYTES = BNK * DQ * 2, V_BYTES = BNK * DV * 2, Q_BYTES = BMQ * DQ * 2, O_BYTES = BMQ * DV * 2;
-    extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
-    __shared__ int s_ticket;
-    const uint32_t raw = smem_u32(smem_raw);
-    const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
-    /* sDS (dS^T, 16 KB) and the fp32 staging of the dQ part share the first region: the staging is
-       written after both warpgroups' dQ wgmma read sDS, and the bulk reads of it are complete before
-       the next tile's dS^T goes in.  Its size is a multiple of 1024, so every tile stays aligned. */
-    constexpr uint32_t STAGE = fused_stage_bytes<DQ>(), LDS = stage_ld<DQ>();
-    static_assert(STAGE % 1024 == 0, "staging size");
-    const uint32_t sDS = raw + pad, sK = sDS + STAGE, sV = sK + K_BYTES, sQ = sV + V_BYTES, sdO = sQ + 2 * Q_BYTES;
-    const uint32_t sAux = sdO + 2 * O_BYTES; /* per stage: lse2 [64] f32, D [64] f32 */
-    const unsigned char *aux = smem_raw + pad + (sAux - sDS);
-
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-    const int g = lane >> 2, c = lane & 3;
-    const int T = p.T, H = p.H;
-    const int n_kb = (T + BNK - 1) / BNK, i_end = (T + BMQ - 1) / BMQ;
-    if (tid == 0) s_ticket = atomicAdd(p.ticket, 1);
-    __syncthreads();
-    const int ticket = s_ticket;
-    const int bh = ticket / n_kb, nb = n_kb - 1 - (ticket - bh * n_kb); /* see above: lightest first */
-    const int b = bh / H, h = bh - b * H;
-    const int n0 = nb * BNK;
-    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
-    const size_t qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
-    const size_t voff = (size_t)b * T * ldv + (size_t)h * p.dimv;
-    const bf16 *qbase = p.q + qoff, *kbase = p.k + qoff;
-    const bf16 *vbase = p.v + voff, *dobase = p.dout + voff;
-    const float *lsebase = p.lse + (size_t)b * T * H + h;
-    const float *dsbase = p.dsum + (size_t)b * T * H + h;
-    const int i_first = n0 / BMQ;
-
-    auto load_tile_i = [&](int i) {
-        const int q0 = i * BMQ, st = i & 1;
-        load_sw128<BMQ, DQ, NT>(sQ + (uint32_t)st * Q_BYTES, qbase + (size_t)q0 * ldqk, ldqk, T - q0, p.dimq, qbase, tid);
-        load_sw128<BMQ, DV, NT>(sdO + (uint32_t)st * O_BYTES, dobase + (size_t)q0 * ldv, ldv, T - q0, p.dimv, dobase, tid);
-        if (tid < 2 * BMQ) {
-            const int kind = tid / BMQ, r = tid % BMQ, q = q0 + r;
-            const bool ok = q < T;
-            const void *src = kind == 0 ? (const void *)(lsebase + (size_t)(ok ? q : 0) * H)
-                                        : (const void *)(dsbase + (size_t)(ok ? q : 0) * H);
-            cp_async_4(sAux + (uint32_t)((st * 2 + kind) * BMQ + r) * 4, src, ok);
-        }
-    };
-
-    float dk[DQ / 2], dv[DV / 2];
-#pragma unroll
-    for (int i = 0; i < DQ / 2; ++i) dk[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < DV / 2; ++i) dv[i] = 0.f;
-
-    /* this thread's keys: kr + 8hh, hh = 0, 1; its rows of dS^T in sDS: kl + 8hh */
-    const int kw0 = n0 + 64 * wg;
-    const int kl = 64 * wg + 16 * (warp & 3) + g, kr = n0 + kl;
-    const float sl2 = p.scale_log2;
-    const float sc = p.scale;
-    const bool pq = p.pair_qk != 0;
-    float *accbase = p.dqacc + (size_t)bh * T * DQ;
-    int *cnt_base = p.sem + (size_t)bh * i_end;
-
-    load_sw128<BNK, DQ, NT>(sK, kbase + (size_t)n0 * ldqk, ldqk, T - n0, p.dimq, kbase, tid);
-    load_sw128<BNK, DV, NT>(sV, vbase + (size_t)n0 * ldv, ldv, T - n0, p.dimv, vbase, tid);
-    load_tile_i(i_first);
-    cp_async_commit();
-
-#pragma unroll 1
-    for (int i = i_first; i < i_end; ++i) {
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads(); /* tile i visible; every warpgroup done with tile i - 1 (and its dS^T) */
-        if (i + 1 < i_end) load_tile_i(i + 1);
-        cp_async_commit();
-
-        const int st = i & 1, q0 = i * BMQ;
-        const uint32_t qst = sQ + (uint32_t)st * Q_BYTES, ost = sdO + (uint32_t)st * O_BYTES;
-        const float *sL = reinterpret_cast<const float *>(aux) + st * 2 * BMQ;
-        const float *sD = sL + BMQ;
-
-        float s[32], dp[32];
-        fence_regs(dk);
-        fence_regs(dv);
-        wgmma_fence();
-        wgmma_abt<64, DQ, BNK, BMQ>(s, sK, qst, wg);
-        wgmma_commit();
-        wgmma_abt<64, DV, BNK, BMQ>(dp, sV, ost, wg);
-        wgmma_commit();
-
-        /* P^T: element s[4j + 2hh + bb] is (key kr + 8hh, query q0 + 8j + 2c + bb) */
-        const bool need_mask = (kw0 + 63 > q0) || (q0 + BMQ > T);
-        wgmma_wait<1>();
-        fence_regs(s);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float2 l2 = *reinterpret_cast<const float2 *>(sL + 8 * j + 2 * c);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int bb = e & 1, hh = e >> 1;
-                float x = fast_exp2(s[4 * j + e] * sl2 - (bb ? l2.y : l2.x) * MT_FA_LOG2E);
-                if (need_mask) {
-                    const int q = q0 + 8 * j + 2 * c + bb, key = kr + 8 * hh;
-                    if (key > q || q >= T) x = 0.f;
-                }
-                s[4 * j + e] = x;
-            }
-        }
-        wgmma_wait<0>();
-        fence_regs(dp);
-        uint32_t pa[4][4], da4[4][4]; /* P^T and dS^T as A fragments (reduction over the 64 queries) */
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float2 d2 = *reinterpret_cast<const float2 *>(sD + 8 * j + 2 * c);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? d2.y : d2.x));
-        }
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                pa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-                da4[kk][e] = pack_bf16(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
-            }
-        }
-        /* the previous tile's bulk adds (issued by threads 0..63) must be complete before sDS is written
-           again and before the next block may add to that tile */
-        if (!(VAR & 1) && i > i_first) {
-            if (tid < 64) bulk_wait_all();
-            bar_named(1, 256);
-            if (!(VAR & 2) && tid == 0 && nb > 0) release_after_bulk(cnt_base + i - 1, (((i - 1) >> 1) - nb) + 1);
-        }
-        /* dS^T to shared memory: da4[kk][e] holds row kl + 8 (e & 1), queries 8 (2kk + (e >> 1)) + 2c, +1 */
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = kl + 8 * (e & 1), ch = 2 * kk + (e >> 1);
-                const uint32_t a = sDS + (uint32_t)(row * 128 + ((ch ^ (row & 7)) << 4) + 4 * c);
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(da4[kk][e]) : "memory");
-            }
-        fence_proxy_async();
-        wgmma_fence();
-        wgmma_pb<DV, 4, BMQ>(dv, pa, ost);
-        wgmma_pb<DQ, 4, BMQ>(dk, da4, qst);
-        wgmma_commit();
-        bar_named(1, 256); /* both warpgroups' dS^T are in shared memory */
-        wgmma_wait<0>();
-        fence_regs(dk);
-        fence_regs(dv);
-        fence_regs(pa);
-        fence_regs(da4);
-
-        float dq[DQ / 4];
-        wgmma_fence();
-        issue_dq_part<DQ>(dq, sDS, sK, wg);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(dq);
-        if (VAR & 1) continue;
-
-        /* stage the part (row r = 16 (warp % 4) + g + 8hh, columns wg DQ/2 + 8J + 2c, +1) once both
-           warpgroups' dQ wgmma have read sDS */
-        bar_named(1, 256);
-        {
-            float *stg = reinterpret_cast<float *>(smem_raw + pad);
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                float *srow = stg + (16 * (warp & 3) + g + 8 * hh) * LDS + wg * HALF + 2 * c;
-#pragma unroll
-                for (int J = 0; J < HALF / 8; ++J)
-                    *reinterpret_cast<float2 *>(srow + 8 * J) = make_float2(dq[4 * J + 2 * hh], dq[4 * J + 2 * hh + 1]);
-            }
-        }
-        fence_proxy_async();
-        bar_named(1, 256);
-        /* rows to global: the diagonal block stores, the others add after the block above them */
-        if (tid < 64) {
-            const int before = (i >> 1) - nb; /* parts added before this one */
-            if (!(VAR & 2) && before > 0) {
-                if (tid == 0)
-                    while (ld_acquire_gpu(cnt_base + i) < before) {
-                    }
-                bar_named(2, 64);
-            }
-            const int row = q0 + tid;
-            if (row < T) {
-                float *dst = accbase + (size_t)row * DQ;
-                const uint32_t src = sDS + (uint32_t)(tid * LDS * 4);
-                if (before > 0 || (VAR & 2)) bulk_add_f32(dst, src, DQ * 4);
-                else bulk_store(dst, src, DQ * 4);
-            }
-            bulk_commit();
-        }
-    }
-    if (!(VAR & 1) && i_first < i_end) { /* the last tile's adds */
-        if (tid < 64) bulk_wait_all();
-        bar_named(1, 256);
-        if (!(VAR & 2) && tid == 0 && nb > 0) release_after_bulk(cnt_base + i_end - 1, (((i_end - 1) >> 1) - nb) + 1);
-    }
-    cp_async_wait<0>();
-
-    /* epilogue: dK * scale, dV; accumulator d[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
-    bf16 *dkbase = p.dk + qoff, *dvbase = p.dv + voff;
-    const bool pv = p.pair_v != 0;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int key = kr + 8 * hh;
-        if (key < T) {
-            bf16 *krow = dkbase + (size_t)key * ldqk, *vrow = dvbase + (size_t)key * ldv;
-#pragma unroll
-            for (int j = 0; j < DQ / 8; ++j)
-                store2(krow, 8 * j + 2 * c, p.dimq, pq, dk[4 * j + 2 * hh] * sc, dk[4 * j + 2 * hh + 1] * sc);
-#pragma unroll
-            for (int j = 0; j < DV / 8; ++j) store2(vrow, 8 * j + 2 * c, p.dimv, pv, dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
-        }
-    }
-}
-
-/* dQ = scale * the fused backward's accumulator: one warp per (b*h, query) row */
-template <int DQ>
-__global__ void __launch_bounds__(256) fa_bwd_dq_convert_kernel(const BwdParams p, long long rows) {
-    const long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (r >= rows) return; /* warp-uniform */
-    const int T = p.T, H = p.H;
-    const long long bh = r / T;
-    const int t = (int)(r - bh * T), b = (int)(bh / H), h = (int)(bh - (long long)b * H);
-    const float *src = p.dqacc + r * DQ;
-    bf16 *dst = p.dq + ((size_t)b * T + t) * ((size_t)H * p.dimq) + (size_t)h * p.dimq;
-    for (int x = lane; x < p.dimq; x += 32) dst[x] = __float2bfloat16(__ldcs(src + x) * p.scale);
-}
-
-/* ------------------------------------------------------------------------------------------ */
 /* Backward preprocessing: D[r] = sum_d dO[r,d] * O[r,d], r = n*H + h (rows of dv contiguous) */
 /* ------------------------------------------------------------------------------------------ */
 __global__ void __launch_bounds__(256) fa_bwd_dot_kernel(const bf16 *__restrict__ o, const bf16 *__restrict__ dout,
@@ -3176,20 +2825,6 @@ static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
-template <int DQ, int DV, int VAR = 0>
-static int launch_fused_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdParams) = fa_bwd_fused_wg_kernel<DQ, DV, VAR>;
-    const size_t smem = fused_wg_smem_bytes<DQ, DV>();
-    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
-    const long long ctas = (long long)((p.T + 127) / 128) * BH, rows = (long long)p.T * BH;
-    if (ctas > 0x7fffffffLL || (rows + 7) / 8 > 0x7fffffffLL) return -1;
-    const size_t counters = ((size_t)BH * ((p.T + 63) / 64) + 1) * sizeof(int);
-    if (cudaMemsetAsync(p.sem, 0, counters, stream) != cudaSuccess) return -1;
-    kern<<<(unsigned)ctas, 256, smem, stream>>>(p);
-    fa_bwd_dq_convert_kernel<DQ><<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(p, rows);
-    return cudaGetLastError() == cudaSuccess ? 0 : -1;
-}
-
 template <int DQ, int DV>
 static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
     typedef Cfg<DQ, DV> C;
@@ -3247,23 +2882,11 @@ static int mt__fa_forward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const 
     }
 }
 
-/* Workspace: D [B*T*H] f32; for the wgmma configurations also the fused backward's dQ accumulator
-   [B*H][T][DQ] f32 and its counters [B*H][ceil(T/64)] + ticket (i32). */
-namespace mt_fa {
-static size_t ws_align(size_t x) { return (x + 255) & ~(size_t)255; }
-static int padded_dq(int cfg) { static const int d[5] = {32, 64, 128, 192, 256}; return cfg >= 0 && cfg < 5 ? d[cfg] : 0; }
-static bool fused_cfg(int cfg) { return cfg >= 1 && cfg <= 3; } /* (64,64), (128,128), (192,128): wg_config */
-static size_t ws_dsum_bytes(int B, int T, int H) { return ws_align((size_t)B * T * H * sizeof(float)); }
-static size_t ws_dqacc_bytes(int B, int T, int H, int DQ) { return ws_align((size_t)B * H * T * DQ * sizeof(float)); }
-} /* namespace mt_fa */
 static size_t mt__fa_backward_workspace(int B, int T, int H, int dq, int dv) {
-    using namespace mt_fa;
+    (void)dq; (void)dv;
     if (B <= 0 || T <= 0 || H <= 0) return 256;
-    size_t bytes = ws_dsum_bytes(B, T, H);
-    const int cfg = pick_cfg(dq, dv);
-    if (fused_cfg(cfg))
-        bytes += ws_dqacc_bytes(B, T, H, padded_dq(cfg)) + ws_align(((size_t)B * H * ((T + 63) / 64) + 1) * sizeof(int));
-    return bytes;
+    const size_t bytes = (size_t)B * T * H * sizeof(float);
+    return (bytes + 255) & ~(size_t)255;
 }
 
 namespace mt_fa {
@@ -3282,13 +2905,6 @@ static int setup_bwd(BwdParams &p, const __nv_bfloat16 *Q, const __nv_bfloat16 *
     if (!(scale == scale)) return -1;
     p.q = Q; p.k = K; p.v = V; p.o = O; p.dout = dO; p.lse = lse;
     p.dsum = (float *)workspace;
-    p.dqacc = nullptr; p.sem = p.ticket = nullptr;
-    if (fused_cfg(cfg) && aligned_to(workspace, 16)) {
-        unsigned char *w = (unsigned char *)workspace + ws_dsum_bytes(B, T, H);
-        p.dqacc = (float *)w;
-        p.sem = (int *)(w + ws_dqacc_bytes(B, T, H, padded_dq(cfg)));
-        p.ticket = p.sem + (size_t)B * H * ((T + 63) / 64);
-    }
     p.dstart = dstart;
     p.dq = dQ; p.dk = dK; p.dv = dV;
     p.T = T; p.H = H; p.dimq = dq; p.dimv = dv;

@@ -450,21 +450,6 @@ static void bench_breakdown(const Shape &s) {
         printf("  wgmma backward: dK/dV %.3f ms (%.1f TFLOP/s of mma work), dQ %.3f ms (%.1f TFLOP/s of mma work); "
                "max |dQ - dQ(mma.sync)| = %.3g\n",
                t_kv_wg, fl0 * 2 * (192 + 128) / (t_kv_wg * 1e-3) / 1e12, t_q_wg, fl0 * (192 + 128 + 192) / (t_q_wg * 1e-3) / 1e12, md);
-        /* the fused kernel (the default without document starts) against the two above */
-        std::vector<uint16_t> fq(d.nq), fk(d.nq), fv(d.nv), wk(d.nq), wv(d.nv);
-        CK(cudaMemcpy(wk.data(), d.dk, d.nq * 2, cudaMemcpyDeviceToHost)); /* dK/dV of fa_bwd_dkdv_wg_kernel */
-        CK(cudaMemcpy(wv.data(), d.dv, d.nv * 2, cudaMemcpyDeviceToHost));
-        const float t_fu = time_launcher(launch_fused_wg_kernel<192, 128>, p, BH);
-        CK(cudaDeviceSynchronize());
-        CK(cudaMemcpy(fq.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(fk.data(), d.dk, d.nq * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(fv.data(), d.dv, d.nv * 2, cudaMemcpyDeviceToHost));
-        double mq = 0;
-        for (size_t i = 0; i < fq.size(); ++i) mq = std::max(mq, (double)fabsf(bf2f(fq[i]) - bf2f(a[i])));
-        printf("  fused wgmma backward (dK/dV and dQ, ordered dQ adds): %.3f ms (%.1f TFLOP/s of mma work); with D %.3f ms; "
-               "max |dQ - dQ(two kernels)| = %.3g, dK/dV bitwise %s to the two-kernel path\n",
-               t_fu, fl0 * (192 + 128 + 128 + 192 + 192) / (t_fu * 1e-3) / 1e12, t_fu + t_dot, mq,
-               (fk == wk && fv == wv) ? "identical" : "DIFFERENT");
     }
     const float t_kv = time_launcher(launch_dkdv_kernel<192, 128, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>, p, BH);
     const float t_q = time_launcher(launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>, p, BH);
@@ -555,12 +540,6 @@ static void bench_breakdown(const Shape &s) {
         const float k1 = time_launcher(launch_dkdv_wg_kernel<192, 128, 1>, p, BH);
         printf("ablations dQ (wgmma): %.3f ms, without the copies in the loop %.3f ms\n", q0, q1);
         printf("ablations dK/dV (wgmma): %.3f ms, without the copies in the loop %.3f ms\n", k0, k1);
-        const float u0 = time_launcher(launch_fused_wg_kernel<192, 128, 0>, p, BH);
-        const float u1 = time_launcher(launch_fused_wg_kernel<192, 128, 1>, p, BH);
-        const float u2 = time_launcher(launch_fused_wg_kernel<192, 128, 2>, p, BH);
-        printf("ablations fused backward (wgmma, with the dQ conversion): %.3f ms with ordered dQ adds (deterministic), %.3f ms with unordered "
-               "bulk adds (nondeterministic; the zeroing of the accumulator it needs not included), %.3f ms without any "
-               "dQ adds\n", u0, u2, u1);
         const float f0 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 0>, fp, BH);
         const float f1 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 1>, fp, BH);
         const float f2 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 2>, fp, BH);
