@@ -1133,6 +1133,69 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t da, uint6
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
+/* mbarriers and TMA tensor loads (attention and the grouped GEMM) */
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* wait until the phase of parity `parity` of the barrier has completed */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+
+/* cuTensorMapEncodeTiled, reached through the runtime (no link against the driver library) */
+typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *, const cuuint64_t *,
+                                  const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static EncodeTiledFn tma_encoder() {
+    void *fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+        return nullptr;
+    return reinterpret_cast<EncodeTiledFn>(fn);
+}
+
+/* A bf16 row-major tensor of `rank` dims (dims[0] innermost, elements; strides[i] in bytes between
+   consecutive indices of dim i + 1), read in boxes of box[] elements with the 128-byte swizzle;
+   elements outside the tensor read as zeros. */
+static int tma_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims, const cuuint64_t *strides,
+                   const cuuint32_t *box) {
+    const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
+    return enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, const_cast<void *>(base), dims, strides, box, ones,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS ? 0 : -1;
+}
 } /* namespace mt_ptx */
 
 namespace mt_fa {
@@ -1702,30 +1765,39 @@ __device__ __forceinline__ void wgmma_pb(float (&acc)[N / 2], const uint32_t (&a
 /* masking, the running max and exp2 of S_j while P_{j-1} V_{j-1} still runs on the tensor     */
 /* cores, then waits for it, rescales O and packs P_j.  The two warpgroups interleave on the   */
 /* SM, so one's softmax also overlaps the other's matrix work.                                 */
-/* Loads: cp.async by all 256 threads, one group per tile: at the top of iteration j (after    */
-/* the barrier that retires S_{j-1} and P_{j-2} V_{j-2} in both warpgroups) the group          */
-/* (V_j, K_{j+1}) is issued into the stages those freed; it has a whole iteration to land.     */
+/* Loads: a third warpgroup (the producer; one thread works) issues TMA tensor loads (4-D maps over [B][T][H][D], so   */
+/* rows past T and columns past the head dim read as zeros) into two K and two V stages, each   */
+/* with a "full" mbarrier (transaction bytes) and an "empty" one that the eight consumer warps  */
+/* arrive on once the wgmma reading the stage has completed.  The consumers never meet at a     */
+/* CTA barrier: a warpgroup waits only for the stage it reads next.  setmaxnreg moves the       */
+/* producer's registers to the consumers (40 / 232 a thread).                                  */
 /* Masking as in fa_fwd_kernel (causal + document starts), applied only to tiles that need it. */
-/* Measured (H200, B=8 T=2048 H=16, 192/128): 0.527 ms; the same loop without the copies       */
-/* 0.450 ms, without the softmax arithmetic 0.442 ms, without both 0.305 ms.  Issuing the       */
-/* copies after the wgmma instead of before measured slower (0.553 ms).                        */
+/* Measured (H200, B=8 T=2048 H=16, 192/128) with cp.async loads by all 256 threads instead:    */
+/* 0.527 ms; the same loop without the copies 0.450 ms, without the softmax arithmetic 0.442   */
+/* ms, without both 0.305 ms.                                                                  */
 /* ------------------------------------------------------------------------------------------ */
 template <int DQ, int DV, int BN>
 constexpr size_t fwd_wg_smem_bytes() {
-    return 1024 + (size_t)(128 * DQ + 2 * BN * DQ + 2 * BN * DV) * sizeof(bf16);
+    return 1024 + (size_t)(128 * DQ + 2 * BN * DQ + 2 * BN * DV) * sizeof(bf16) + 16 * 8;
 }
+/* the TMA maps of Q, K and V (4-D: head dim, heads, T, B; boxes of 64 columns x 1 x rows x 1) */
+struct FwdMaps {
+    CUtensorMap q, k, v;
+};
 
 /* VAR: 0 in the runtime; bench/attention.cu times ablations that leave a stage out (wrong results,
-   timing only): bit 0 no copies inside the key loop, bit 1 no softmax arithmetic. */
+   timing only): bit 0 no loads after the first two key tiles, bit 1 no softmax arithmetic. */
 template <int DQ, int DV, int BN, int VAR>
-__global__ void __launch_bounds__(256, 1) fa_fwd_wg_kernel(const FwdParams p) {
-    constexpr int BM = 128, NT = 256;
+__global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, const __grid_constant__ FwdMaps tm) {
+    constexpr int BM = 128;
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && (BN == 64 || BN == 128) && (DV == 64 || DV == 128), "wgmma tiles");
     constexpr uint32_t Q_BYTES = BM * DQ * 2, K_BYTES = BN * DQ * 2, V_BYTES = BN * DV * 2;
     extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
     const uint32_t raw = smem_u32(smem_raw);
     const uint32_t sQ = raw + ((1024u - (raw & 1023u)) & 1023u);
-    const uint32_t sK = sQ + Q_BYTES, sV = sK + 2 * K_BYTES;
+    const uint32_t sK = sQ + Q_BYTES, sV = sK + 2 * K_BYTES, sBar = sV + 2 * V_BYTES;
+    /* mbarriers: Q full; K full [2]; V full [2]; K empty [2]; V empty [2] */
+    const uint32_t barQ = sBar, barKf = sBar + 8, barVf = sBar + 24, barKe = sBar + 40, barVe = sBar + 56;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0); /* warp-uniform for ptxas */
@@ -1741,15 +1813,52 @@ __global__ void __launch_bounds__(256, 1) fa_fwd_wg_kernel(const FwdParams p) {
     const int n_blocks = (min(T, m0 + BM) + BN - 1) / BN;
     const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
     const int j0 = first_key_tile<BN>(dsb, m0);
+    (void)qbase; (void)kbase; (void)vbase;
 
-    auto load_k = [&](int j) {
-        const int n = j * BN;
-        load_sw128<BN, DQ, NT>(sK + (uint32_t)(j & 1) * K_BYTES, kbase + (size_t)n * ldqk, ldqk, T - n, p.dimq, kbase, tid);
-    };
-    auto load_v = [&](int j) {
-        const int n = j * BN;
-        load_sw128<BN, DV, NT>(sV + (uint32_t)(j & 1) * V_BYTES, vbase + (size_t)n * ldv, ldv, T - n, p.dimv, vbase, tid);
-    };
+    if (tid == 0) {
+        mbar_init(barQ, 1);
+        for (int i = 0; i < 2; ++i) {
+            mbar_init(barKf + 8 * i, 1);
+            mbar_init(barVf + 8 * i, 1);
+            mbar_init(barKe + 8 * i, 8);
+            mbar_init(barVe + 8 * i, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads(); /* the last CTA-wide barrier: the producer warp leaves below */
+    if (warp >= 8) { /* producer warpgroup (its registers go to the consumers); one thread loads Q, then K_j
+                        and V_j for every key tile, two stages ahead at most */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (warp == 8 && lane == 0) {
+            mbar_expect_tx(barQ, Q_BYTES);
+#pragma unroll
+            for (int kb = 0; kb < DQ / 64; ++kb) tma_load_4d(sQ + (uint32_t)(kb * BM * 128), &tm.q, barQ, 64 * kb, h, m0, b);
+            for (int j = j0; j < n_blocks; ++j) {
+                const int u = j - j0, st = u & 1;
+                const bool load = !(VAR & 1) || u < 2;
+                if (u >= 2) mbar_wait(barKe + 8 * st, ((u - 2) >> 1) & 1);
+                if (load) {
+                    mbar_expect_tx(barKf + 8 * st, K_BYTES);
+#pragma unroll
+                    for (int kb = 0; kb < DQ / 64; ++kb)
+                        tma_load_4d(sK + (uint32_t)(st * K_BYTES + kb * BN * 128), &tm.k, barKf + 8 * st, 64 * kb, h, j * BN, b);
+                } else {
+                    mbar_arrive(barKf + 8 * st);
+                }
+                if (u >= 2) mbar_wait(barVe + 8 * st, ((u - 2) >> 1) & 1);
+                if (load) {
+                    mbar_expect_tx(barVf + 8 * st, V_BYTES);
+#pragma unroll
+                    for (int kb = 0; kb < DV / 64; ++kb)
+                        tma_load_4d(sV + (uint32_t)(st * V_BYTES + kb * BN * 128), &tm.v, barVf + 8 * st, 64 * kb, h, j * BN, b);
+                } else {
+                    mbar_arrive(barVf + 8 * st);
+                }
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 
     /* rows of this thread: r0w + 8h, h = 0, 1 (block-local rows 64wg + 16(warp%4) + g + 8h) */
     const int wrow = 64 * wg + 16 * (warp & 3);
@@ -1773,13 +1882,13 @@ __global__ void __launch_bounds__(256, 1) fa_fwd_wg_kernel(const FwdParams p) {
 
     /* S = Q K_j^T for this warpgroup (issued and committed, not waited for) */
     auto issue_s = [&](int j) {
-        const uint32_t kst = sK + (uint32_t)(j & 1) * K_BYTES;
+        const uint32_t kst = sK + (uint32_t)((j - j0) & 1) * K_BYTES;
         wgmma_abt<BN, DQ, BM, BN>(s, sQ, kst, wg);
         wgmma_commit();
     };
     /* O += P V_j (issued and committed) */
     auto issue_pv = [&](int j) {
-        const uint32_t vst = sV + (uint32_t)(j & 1) * V_BYTES;
+        const uint32_t vst = sV + (uint32_t)((j - j0) & 1) * V_BYTES;
         wgmma_pb<DV, BN / 16, BN>(o, pa, vst);
         wgmma_commit();
     };
@@ -1838,21 +1947,21 @@ __global__ void __launch_bounds__(256, 1) fa_fwd_wg_kernel(const FwdParams p) {
         }
     };
 
-    /* prologue: Q and K_j0, then (V_j0, K_j0+1) in flight while S_j0 runs */
-    load_sw128<BM, DQ, NT>(sQ, qbase + (size_t)m0 * ldqk, ldqk, T - m0, p.dimq, qbase, tid);
-    load_k(j0);
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();
-    __syncthreads();
-    load_v(j0);
-    if (j0 + 1 < n_blocks) load_k(j0 + 1);
-    cp_async_commit();
+    /* consumers: stage use u = j - j0 of K_j / V_j waits for fill (u >> 1) of stage u & 1; lane 0 of
+       each warp releases the stage once the warpgroup's wgmma reading it has completed */
+    auto wait_k = [&](int j) { mbar_wait(barKf + 8 * ((j - j0) & 1), ((j - j0) >> 1) & 1); };
+    auto wait_v = [&](int j) { mbar_wait(barVf + 8 * ((j - j0) & 1), ((j - j0) >> 1) & 1); };
+    auto free_k = [&](int j) { if (lane == 0) mbar_arrive(barKe + 8 * ((j - j0) & 1)); };
+    auto free_v = [&](int j) { if (lane == 0) mbar_arrive(barVe + 8 * ((j - j0) & 1)); };
+
+    mbar_wait(barQ, 0);
+    wait_k(j0);
     {
         wgmma_fence();
         issue_s(j0);
         wgmma_wait<0>();
         fence_regs(s);
+        free_k(j0);
         float alpha[2], ls[2];
         softmax(j0, alpha, ls);
         lrow[0] = ls[0];
@@ -1862,15 +1971,8 @@ __global__ void __launch_bounds__(256, 1) fa_fwd_wg_kernel(const FwdParams p) {
 
 #pragma unroll 1
     for (int j = j0 + 1; j < n_blocks; ++j) {
-        cp_async_wait<0>(); /* K_j and V_{j-1} */
-        fence_proxy_async();
-        __syncthreads();    /* ... visible to all; S_{j-1}, P_{j-2} V_{j-2} retired in both warpgroups */
-        if (!(VAR & 1)) {
-            load_v(j);
-            if (j + 1 < n_blocks) load_k(j + 1);
-        }
-        cp_async_commit();
-
+        wait_k(j);
+        wait_v(j - 1);
         fence_regs(o);
         fence_regs(pa);
         wgmma_fence();
@@ -1878,20 +1980,20 @@ __global__ void __launch_bounds__(256, 1) fa_fwd_wg_kernel(const FwdParams p) {
         issue_pv(j - 1);
         wgmma_wait<1>(); /* S_j done, P_{j-1} V_{j-1} may still run */
         fence_regs(s);
+        free_k(j);
         float alpha[2], ls[2];
         softmax(j, alpha, ls);
         wgmma_wait<0>();
         fence_regs(o);
         fence_regs(pa);
+        free_v(j - 1);
 #pragma unroll
         for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
         lrow[0] = lrow[0] * alpha[0] + ls[0];
         lrow[1] = lrow[1] * alpha[1] + ls[1];
         pack_p();
     }
-    cp_async_wait<0>(); /* V_{n-1} */
-    fence_proxy_async();
-    __syncthreads();
+    wait_v(n_blocks - 1);
     fence_regs(o);
     fence_regs(pa);
     wgmma_fence();
@@ -2780,15 +2882,29 @@ static int launch_dot_kernel(const BwdParams &p, long long rows, cudaStream_t st
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
+/* a [B][T][H][D] bf16 tensor as a TMA map over (D, H, T, B), boxes of 64 x 1 x rows x 1 */
+static int fa_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int D, int H, int T, int B, int rows) {
+    const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)H, (cuuint64_t)T, (cuuint64_t)B};
+    const cuuint64_t strides[3] = {(cuuint64_t)D * 2, (cuuint64_t)H * D * 2, (cuuint64_t)T * H * D * 2};
+    const cuuint32_t box[4] = {64, 1, (cuuint32_t)rows, 1};
+    return tma_map(enc, m, base, 4, dims, strides, box);
+}
+/* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
 template <int DQ, int DV, int BN, int VAR = 0>
 static int launch_fwd_wg_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const FwdParams) = fa_fwd_wg_kernel<DQ, DV, BN, VAR>;
+    void (*kern)(const FwdParams, const FwdMaps) = fa_fwd_wg_kernel<DQ, DV, BN, VAR>;
     const size_t smem = fwd_wg_smem_bytes<DQ, DV, BN>();
-    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     const int mblocks = (p.T + 127) / 128;
-    if (BH > 65535) return -1;
+    if (BH > 65535 || p.H <= 0) return -1;
+    const int B = BH / p.H;
+    EncodeTiledFn enc = tma_encoder();
+    FwdMaps tm;
+    if (!enc || fa_map(enc, &tm.q, p.q, p.dimq, p.H, p.T, B, 128) || fa_map(enc, &tm.k, p.k, p.dimq, p.H, p.T, B, BN) ||
+        fa_map(enc, &tm.v, p.v, p.dimv, p.H, p.T, B, BN))
+        return -2;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     dim3 grid((unsigned)mblocks, (unsigned)BH);
-    kern<<<grid, 256, smem, stream>>>(p);
+    kern<<<grid, 384, smem, stream>>>(p, tm);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
@@ -2801,7 +2917,10 @@ template <int DQ, int DV>
 static int launch_fwd(const FwdParams &p, int BH, cudaStream_t stream) {
     typedef Cfg<DQ, DV> C;
     if constexpr (wg_config<DQ, DV>())
-        if (p.vec_qk && p.vec_v) return launch_fwd_wg_kernel<DQ, DV, 128>(p, BH, stream);
+        if (p.vec_qk && p.vec_v) {
+            const int r = launch_fwd_wg_kernel<DQ, DV, 128>(p, BH, stream);
+            if (r != -2) return r;
+        }
     return launch_fwd_kernel<DQ, DV, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>(p, BH, stream);
 }
 template <int DQ, int DV, int VAR = 0>
@@ -4013,38 +4132,6 @@ struct TmaParams {
     Params p;
 };
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-/* wait until the phase of parity `parity` of the barrier has completed */
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
-        : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, int c2) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-        : "memory");
-}
-
 /* The producer's loads of reduction step kt of tile ti into the stage at sA, announced on its full
    barrier first.  Column blocks that start past the tensor's columns are not loaded (what the stage
    holds there meets only output rows or columns that are never stored). */
@@ -4206,31 +4293,6 @@ static int launch_main(const Params &p, int grid, cudaStream_t stream) {
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES) != cudaSuccess) return -1;
     kern<<<grid, NT, SMEM_BYTES, stream>>>(p);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
-}
-
-/* cuTensorMapEncodeTiled, reached through the runtime (no link against the driver library) */
-typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *, const cuuint64_t *,
-                                  const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-static EncodeTiledFn tma_encoder() {
-    void *fn = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-        return nullptr;
-    return reinterpret_cast<EncodeTiledFn>(fn);
-}
-
-/* A bf16 row-major tensor of `rank` dims (dims[0] innermost, elements; strides[i] in bytes between
-   consecutive indices of dim i + 1), read in boxes of box[] elements with the 128-byte swizzle;
-   elements outside the tensor read as zeros. */
-static int tma_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims, const cuuint64_t *strides,
-                   const cuuint32_t *box) {
-    const cuuint32_t ones[3] = {1, 1, 1};
-    return enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, const_cast<void *>(base), dims, strides, box, ones,
-               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS ? 0 : -1;
 }
 
 /* The operand maps of one mode (see tma_step for how they are read):
