@@ -2214,25 +2214,33 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
 }
 
 /* dQ: one CTA per (128-query block, b*h), two warpgroups x 64 query rows; Q and dO stay in shared */
-/* memory, key tiles of 64 stream through a 3-stage K ring and a 2-stage V ring.  Per key tile j:   */
+/* memory, key tiles of 64 stream through a 3-stage K ring and a 2-stage V ring, loaded with TMA by */
+/* a producer warpgroup through full/empty mbarriers as in fa_fwd_wg_kernel.  Per key tile j:      */
 /*   S_j = Q K_j^T, dP_j = dO V_j^T      m64n64 each (issued first)                                */
 /*   dQ += dS_{j-1} K_{j-1}              m64nDQ, dS from registers, K read MN-major (issued next)  */
 /* then, while dQ += dS_{j-1} K_{j-1} runs, P_j and dS_j are formed in registers.  K_j lives two   */
 /* iterations (S_j, then dS_j K_j), hence the third K stage.                                       */
 template <int DQ, int DV>
 constexpr size_t dq_wg_smem_bytes() {
-    return 1024 + (size_t)(128 * DQ + 128 * DV + 3 * 64 * DQ + 2 * 64 * DV) * sizeof(bf16);
+    return 1024 + (size_t)(128 * DQ + 128 * DV + 3 * 64 * DQ + 2 * 64 * DV) * sizeof(bf16) + 16 * 8;
 }
+/* the TMA maps of the dQ kernel: Q and dO in boxes of 128 rows, K and V in boxes of 64 */
+struct DqMaps {
+    CUtensorMap q, dout, k, v;
+};
 
-template <int DQ, int DV, int VAR> /* VAR as for fa_bwd_dkdv_wg_kernel */
-__global__ void __launch_bounds__(256, 1) fa_bwd_dq_wg_kernel(const BwdParams p) {
-    constexpr int BM = 128, BN = 64, NT = 256;
+/* VAR: 0 in the runtime; 1 in bench/attention.cu: no loads after the first key tiles (timing only) */
+template <int DQ, int DV, int VAR>
+__global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p, const __grid_constant__ DqMaps tm) {
+    constexpr int BM = 128, BN = 64;
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
     constexpr uint32_t Q_BYTES = BM * DQ * 2, O_BYTES = BM * DV * 2, K_BYTES = BN * DQ * 2, V_BYTES = BN * DV * 2;
     extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
     const uint32_t raw = smem_u32(smem_raw);
     const uint32_t sQ = raw + ((1024u - (raw & 1023u)) & 1023u);
-    const uint32_t sdO = sQ + Q_BYTES, sK = sdO + O_BYTES, sV = sK + 3 * K_BYTES;
+    const uint32_t sdO = sQ + Q_BYTES, sK = sdO + O_BYTES, sV = sK + 3 * K_BYTES, sBar = sV + 2 * V_BYTES;
+    /* mbarriers: Q+dO full; K full [3]; V full [2]; K empty [3]; V empty [2] */
+    const uint32_t barQ = sBar, barKf = sBar + 8, barVf = sBar + 32, barKe = sBar + 48, barVe = sBar + 72;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
@@ -2249,6 +2257,55 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dq_wg_kernel(const BwdParams p)
     const int n_blocks = (min(T, m0 + BM) + BN - 1) / BN;
     const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
     const int j0 = first_key_tile<BN>(dsb, m0);
+    (void)qbase; (void)kbase; (void)vbase; (void)dobase;
+
+    if (tid == 0) {
+        mbar_init(barQ, 1);
+        for (int i = 0; i < 3; ++i) {
+            mbar_init(barKf + 8 * i, 1);
+            mbar_init(barKe + 8 * i, 8);
+        }
+        for (int i = 0; i < 2; ++i) {
+            mbar_init(barVf + 8 * i, 1);
+            mbar_init(barVe + 8 * i, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads(); /* the last CTA-wide barrier: the producer warpgroup leaves below */
+    if (warp >= 8) { /* producer: Q and dO, then K_j (3 stages) and V_j (2 stages) for every key tile */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (warp == 8 && lane == 0) {
+            mbar_expect_tx(barQ, Q_BYTES + O_BYTES);
+#pragma unroll
+            for (int kb = 0; kb < DQ / 64; ++kb) tma_load_4d(sQ + (uint32_t)(kb * BM * 128), &tm.q, barQ, 64 * kb, h, m0, b);
+#pragma unroll
+            for (int kb = 0; kb < DV / 64; ++kb) tma_load_4d(sdO + (uint32_t)(kb * BM * 128), &tm.dout, barQ, 64 * kb, h, m0, b);
+            for (int j = j0; j < n_blocks; ++j) {
+                const int u = j - j0, sk = u % 3, sv = u & 1;
+                const bool load = !(VAR & 1) || u < 3;
+                if (u >= 3) mbar_wait(barKe + 8 * sk, ((u / 3) - 1) & 1);
+                if (load) {
+                    mbar_expect_tx(barKf + 8 * sk, K_BYTES);
+#pragma unroll
+                    for (int kb = 0; kb < DQ / 64; ++kb)
+                        tma_load_4d(sK + (uint32_t)(sk * K_BYTES + kb * BN * 128), &tm.k, barKf + 8 * sk, 64 * kb, h, j * BN, b);
+                } else {
+                    mbar_arrive(barKf + 8 * sk);
+                }
+                if (u >= 2) mbar_wait(barVe + 8 * sv, ((u - 2) >> 1) & 1);
+                if (load) {
+                    mbar_expect_tx(barVf + 8 * sv, V_BYTES);
+#pragma unroll
+                    for (int kb = 0; kb < DV / 64; ++kb)
+                        tma_load_4d(sV + (uint32_t)(sv * V_BYTES + kb * BN * 128), &tm.v, barVf + 8 * sv, 64 * kb, h, j * BN, b);
+                } else {
+                    mbar_arrive(barVf + 8 * sv);
+                }
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 
     const int r0w = m0 + 64 * wg + 16 * (warp & 3) + g; /* this thread's rows: r0w + 8hh */
     const int wg_first = m0 + 64 * wg, wg_last = min(m0 + 64 * wg + 63, T - 1);
@@ -2265,11 +2322,16 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dq_wg_kernel(const BwdParams p)
     if (dsb) dmax = wg_first < T ? dsb[wg_last] : 0;
     const float sl2 = p.scale_log2;
 
-    auto load_kv = [&](int j) {
-        const int n = j * BN;
-        load_sw128<BN, DQ, NT>(sK + (uint32_t)(j % 3) * K_BYTES, kbase + (size_t)n * ldqk, ldqk, T - n, p.dimq, kbase, tid);
-        load_sw128<BN, DV, NT>(sV + (uint32_t)(j & 1) * V_BYTES, vbase + (size_t)n * ldv, ldv, T - n, p.dimv, vbase, tid);
+    /* stage use u = j - j0: K_j in stage u % 3 (fill u / 3), V_j in stage u & 1 (fill u >> 1); lane 0 of
+       each warp releases a stage once the warpgroup's wgmma reading it has completed */
+    auto kstage = [&](int j) { return sK + (uint32_t)((j - j0) % 3) * K_BYTES; };
+    auto wait_kv = [&](int j) {
+        const int u = j - j0;
+        mbar_wait(barKf + 8 * (u % 3), (u / 3) & 1);
+        mbar_wait(barVf + 8 * (u & 1), (u >> 1) & 1);
     };
+    auto free_k = [&](int j) { if (lane == 0) mbar_arrive(barKe + 8 * ((j - j0) % 3)); };
+    auto free_v = [&](int j) { if (lane == 0) mbar_arrive(barVe + 8 * ((j - j0) & 1)); };
 
     float dq[DQ / 2];
 #pragma unroll
@@ -2279,25 +2341,16 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dq_wg_kernel(const BwdParams p)
     for (int kk = 0; kk < 4; ++kk) da4[kk][0] = da4[kk][1] = da4[kk][2] = da4[kk][3] = 0u;
 
     auto issue_dq = [&](int j) {
-        const uint32_t kst = sK + (uint32_t)(j % 3) * K_BYTES;
-        wgmma_pb<DQ, 4, BN>(dq, da4, kst);
+        wgmma_pb<DQ, 4, BN>(dq, da4, kstage(j));
         wgmma_commit();
     };
 
-    load_sw128<BM, DQ, NT>(sQ, qbase + (size_t)m0 * ldqk, ldqk, T - m0, p.dimq, qbase, tid);
-    load_sw128<BM, DV, NT>(sdO, dobase + (size_t)m0 * ldv, ldv, T - m0, p.dimv, dobase, tid);
-    load_kv(j0);
-    cp_async_commit();
+    mbar_wait(barQ, 0);
 
 #pragma unroll 1
     for (int j = j0; j < n_blocks; ++j) {
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads(); /* K_j, V_j visible; every warpgroup done with S_{j-1}, dP_{j-1}, dS_{j-2} K_{j-2} */
-        if (!(VAR & 1) && j + 1 < n_blocks) load_kv(j + 1);
-        cp_async_commit();
-
-        const uint32_t kst = sK + (uint32_t)(j % 3) * K_BYTES, vst = sV + (uint32_t)(j & 1) * V_BYTES;
+        wait_kv(j);
+        const uint32_t kst = kstage(j), vst = sV + (uint32_t)((j - j0) & 1) * V_BYTES;
         float s[32], dp[32];
         fence_regs(dq);
         fence_regs(da4);
@@ -2326,17 +2379,18 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dq_wg_kernel(const BwdParams p)
         }
         wgmma_wait<1>();
         fence_regs(dp);
+        free_v(j);
 #pragma unroll
         for (int i = 0; i < 32; ++i) dp[i] = s[i] * (dp[i] - dd[(i >> 1) & 1]);
         wgmma_wait<0>();
         fence_regs(dq);
         fence_regs(da4);
+        if (j > j0) free_k(j - 1);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
             for (int e = 0; e < 4; ++e) da4[kk][e] = pack_bf16(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
     }
-    cp_async_wait<0>();
     if (j0 < n_blocks) {
         fence_regs(dq);
         fence_regs(da4);
@@ -2933,14 +2987,21 @@ static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream
     kern<<<grid, 256, smem, stream>>>(p);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
+/* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
 template <int DQ, int DV, int VAR = 0>
 static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdParams) = fa_bwd_dq_wg_kernel<DQ, DV, VAR>;
+    void (*kern)(const BwdParams, const DqMaps) = fa_bwd_dq_wg_kernel<DQ, DV, VAR>;
     const size_t smem = dq_wg_smem_bytes<DQ, DV>();
+    if (BH > 65535 || p.H <= 0) return -1;
+    const int B = BH / p.H;
+    EncodeTiledFn enc = tma_encoder();
+    DqMaps tm;
+    if (!enc || fa_map(enc, &tm.q, p.q, p.dimq, p.H, p.T, B, 128) || fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 128) ||
+        fa_map(enc, &tm.k, p.k, p.dimq, p.H, p.T, B, 64) || fa_map(enc, &tm.v, p.v, p.dimv, p.H, p.T, B, 64))
+        return -2;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
-    if (BH > 65535) return -1;
     dim3 grid((unsigned)((p.T + 127) / 128), (unsigned)BH);
-    kern<<<grid, 256, smem, stream>>>(p);
+    kern<<<grid, 384, smem, stream>>>(p, tm);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
@@ -2950,7 +3011,9 @@ static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
     if constexpr (wg_config<DQ, DV>())
         if (p.vec_qk && p.vec_v) {
             if (launch_dkdv_wg_kernel<DQ, DV>(p, BH, stream)) return -1;
-            return launch_dq_wg_kernel<DQ, DV>(p, BH, stream);
+            const int r = launch_dq_wg_kernel<DQ, DV>(p, BH, stream);
+            if (r != -2) return r;
+            return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
         }
     if (launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream)) return -1;
     return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
