@@ -124,6 +124,62 @@ __device__ float block_max(float v, float *sh) {
     return sh[0];
 }
 
+/* Rows of bf16 in chunks of 8 elements (16 bytes). On the vector path (V: the row length is a multiple of 8 and
+ * every row pointer 16-byte aligned) a chunk is one 16-byte load or store; otherwise it is read element by element
+ * with the row end checked (elements past it read as zero bits and are never stored). Both paths give the same
+ * values per element; the memory-bound kernels below use them to keep 16 bytes per load in flight. */
+template <bool V>
+__device__ __forceinline__ uint4 ld8(const bf16 *row, int d, int D) {
+    if constexpr (V) return *(const uint4 *)(row + d);
+    unsigned short e[8];
+    const unsigned short *r = (const unsigned short *)row;
+#pragma unroll
+    for (int j = 0; j < 8; j++) e[j] = d + j < D ? r[d + j] : (unsigned short)0;
+    uint4 u;
+    u.x = e[0] | (unsigned)e[1] << 16; u.y = e[2] | (unsigned)e[3] << 16;
+    u.z = e[4] | (unsigned)e[5] << 16; u.w = e[6] | (unsigned)e[7] << 16;
+    return u;
+}
+template <bool V>
+__device__ __forceinline__ void st8raw(bf16 *row, int d, int D, uint4 u) {
+    if constexpr (V) { *(uint4 *)(row + d) = u; return; }
+    const unsigned short *e = (const unsigned short *)&u;
+    unsigned short *r = (unsigned short *)row;
+#pragma unroll
+    for (int j = 0; j < 8; j++) if (d + j < D) r[d + j] = e[j];
+}
+__device__ __forceinline__ void unpack8(float (&f)[8], uint4 u) {
+    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+#pragma unroll
+    for (int k = 0; k < 4; k++) { f[2 * k] = __low2float(h[k]); f[2 * k + 1] = __high2float(h[k]); }
+}
+/* round to bf16 (nearest even, as tobf) and pack */
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+    uint4 u;
+    __nv_bfloat162 *h = (__nv_bfloat162 *)&u;
+#pragma unroll
+    for (int k = 0; k < 4; k++) h[k] = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+    return u;
+}
+template <bool V>
+__device__ __forceinline__ void st8(bf16 *row, int d, int D, const float (&f)[8]) { st8raw<V>(row, d, D, pack8(f)); }
+/* 8 f32 (a weight vector) at element d: two 16-byte loads on the vector path */
+template <bool V>
+__device__ __forceinline__ void ld8f(float (&f)[8], const float *w, int d, int D) {
+    if constexpr (V) {
+        float4 a = *(const float4 *)(w + d), b = *(const float4 *)(w + d + 4);
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) f[j] = d + j < D ? w[d + j] : 0.0f;
+    }
+}
+/* host: may rows of D elements of esz bytes at these pointers take the vector path */
+static inline bool mt__rows16(int64_t D, int esz, const void *a, const void *b = NULL, const void *c = NULL, const void *d = NULL,
+                              const void *e = NULL) {
+    return (D * esz) % 16 == 0 && !(((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d | (uintptr_t)e) & 15);
+}
+
 extern "C" {
 
 int mt_cuda_device_count(void) {
@@ -770,118 +826,338 @@ int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_
  *    fixed-order sum of the chunks.
  * ====================================================================== */
 
-#define MT_RMS_CHUNK 64
-__global__ void k_rms_fwd(bf16 *y, float *rstd, const bf16 *x, const float *w, int N, int D, float eps) {
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= N) return;
-    const bf16 *xr = x + (int64_t)row * D;
-    float ss = 0;
-    for (int d = lane; d < D; d += 32) { float v = bf(xr[d]); ss += v * v; }
-    ss = warp_sum(ss);
-    float r = rsqrtf(ss / D + eps);
-    if (lane == 0) rstd[row] = r;
-    for (int d = lane; d < D; d += 32) y[(int64_t)row * D + d] = tobf(bf(xr[d]) * r * w[d]);
+#define MT_RMS_CHUNK 32        /* rows per dw partial */
+#define MT_RMS_CACHE 8         /* 8-element chunks per lane held in registers between a row's two passes
+                                  (rows up to 2048 wide; longer rows read the rest again) */
+}  /* extern "C": the RMSNorm kernels are templates */
+/* one chunk of the norm's input; ADD: the residual sum h = a + b, rounded to bf16 and stored, is the input */
+template <bool V, bool ADD>
+__device__ __forceinline__ uint4 mt__rms_in(bf16 *h, const bf16 *a, const bf16 *b, int64_t o, int d, int D) {
+    if (!ADD) return ld8<V>(a + o, d, D);
+    float x[8], y[8];
+    unpack8(x, ld8<V>(a + o, d, D));
+    unpack8(y, ld8<V>(b + o, d, D));
+#pragma unroll
+    for (int j = 0; j < 8; j++) x[j] += y[j];
+    uint4 u = pack8(x);
+    st8raw<V>(h + o, d, D, u);
+    return u;
 }
-__global__ void k_rms_bwd_dx(bf16 *dx, const bf16 *dy, const bf16 *x, const float *w, const float *rstd, int N, int D) {
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= N) return;
-    const bf16 *xr = x + (int64_t)row * D, *g = dy + (int64_t)row * D;
-    float dot = 0;
-    for (int d = lane; d < D; d += 32) dot += w[d] * bf(g[d]) * bf(xr[d]);
-    dot = warp_sum(dot);
-    float r = rstd[row], cc = r * r * r * dot / D;
-    for (int d = lane; d < D; d += 32) dx[(int64_t)row * D + d] = tobf(r * w[d] * bf(g[d]) - cc * bf(xr[d]));
+__device__ __forceinline__ float mt__ss8(float ss, uint4 u) {
+    float x[8];
+    unpack8(x, u);
+#pragma unroll
+    for (int j = 0; j < 8; j++) ss += x[j] * x[j];
+    return ss;
 }
-__global__ void k_rms_bwd_dw_part(float *part, const bf16 *dy, const bf16 *x, const float *rstd, int N, int D) {
-    int d = blockIdx.y * blockDim.x + threadIdx.x, ch = blockIdx.x;
-    if (d >= D) return;
-    float acc = 0;
-    int end = min(N, (ch + 1) * MT_RMS_CHUNK);
-    for (int n = ch * MT_RMS_CHUNK; n < end; n++) acc += bf(dy[(int64_t)n * D + d]) * bf(x[(int64_t)n * D + d]) * rstd[n];
-    part[(int64_t)ch * D + d] = acc;
+template <bool V>
+__device__ __forceinline__ void mt__rms_out(bf16 *y, int d, int D, uint4 u, float r, const float *w) {
+    float x[8], wv[8];
+    unpack8(x, u);
+    ld8f<V>(wv, w, d, D);
+#pragma unroll
+    for (int j = 0; j < 8; j++) x[j] = x[j] * r * wv[j];
+    st8<V>(y, d, D, x);
 }
-__global__ void k_colsum(float *out, const float *part, int chunks, int D) {
-    int d = blockIdx.x * blockDim.x + threadIdx.x;
-    if (d >= D) return;
-    float acc = 0;
-    for (int ch = 0; ch < chunks; ch++) acc += part[(int64_t)ch * D + d];
-    out[d] = acc;
-}
-/* fused residual add + RMSNorm: h rounds to bf16 before the norm reads it,
- * exactly as the unfused pair does (k_add_bf16 then k_rms_fwd) */
-__global__ void k_add_rms_fwd(bf16 *h, bf16 *y, float *rstd, const bf16 *a, const bf16 *b, const float *w, int N, int D, float eps) {
+/* one warp per row, 8-element chunks. ADD: the fused residual add + RMSNorm; both instantiations perform the
+ * same operations on the same values, so the fused node equals the unfused pair (add, then norm) bit for bit */
+template <bool V, bool ADD>
+__global__ void __launch_bounds__(256, 2) k_rms_fwd(bf16 *h, bf16 *y, float *rstd, const bf16 *a, const bf16 *b, const float *w, int N,
+                                                 int D, float eps) {
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     int64_t o = (int64_t)row * D;
+    uint4 c[MT_RMS_CACHE], cb[ADD ? MT_RMS_CACHE : 1];
     float ss = 0;
-    for (int d = lane; d < D; d += 32) {
-        bf16 hv = tobf(bf(a[o + d]) + bf(b[o + d]));
-        h[o + d] = hv;
-        float v = bf(hv);
-        ss += v * v;
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {   /* every load of the cached chunks first: none waits for a store */
+        int d = (lane + 32 * i) * 8;
+        if (d < D) {
+            c[i] = ld8<V>(a + o, d, D);
+            if (ADD) cb[ADD ? i : 0] = ld8<V>(b + o, d, D);
+        }
     }
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) {
+            if (ADD) {
+                float x[8], y[8];
+                unpack8(x, c[i]);
+                unpack8(y, cb[ADD ? i : 0]);
+#pragma unroll
+                for (int j = 0; j < 8; j++) x[j] += y[j];
+                c[i] = pack8(x);
+                st8raw<V>(h + o, d, D, c[i]);
+            }
+            ss = mt__ss8(ss, c[i]);
+        }
+    }
+    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) ss = mt__ss8(ss, mt__rms_in<V, ADD>(h, a, b, o, d, D));
     ss = warp_sum(ss);
     float r = rsqrtf(ss / D + eps);
     if (lane == 0) rstd[row] = r;
-    for (int d = lane; d < D; d += 32) y[o + d] = tobf(bf(h[o + d]) * r * w[d]);
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) mt__rms_out<V>(y + o, d, D, c[i], r, w);
+    }
+    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) mt__rms_out<V>(y + o, d, D, ld8<V>((ADD ? h : a) + o, d, D), r, w);
 }
-/* fused RMSNorm backward + residual-gradient accumulation: dx rounds to
- * bf16 before the add, as the unfused pair does */
-__global__ void k_rms_bwd_dx_add(bf16 *dx, const bf16 *dy, const bf16 *x, const float *w, const float *rstd, const bf16 *acc, int N, int D) {
+__device__ __forceinline__ float mt__dot8(float dot, uint4 ug, uint4 ux, const float (&wv)[8]) {
+    float g[8], x[8];
+    unpack8(g, ug);
+    unpack8(x, ux);
+#pragma unroll
+    for (int j = 0; j < 8; j++) dot += wv[j] * g[j] * x[j];
+    return dot;
+}
+/* dx of one chunk; ADD: dx rounds to bf16 before the residual gradient acc is added, as the unfused pair does */
+template <bool V, bool ADD>
+__device__ __forceinline__ void mt__rms_dx(bf16 *dx, const bf16 *acc, int d, int D, uint4 ug, uint4 ux, float r, float cc, const float *w) {
+    float g[8], x[8], wv[8];
+    unpack8(g, ug);
+    unpack8(x, ux);
+    ld8f<V>(wv, w, d, D);
+#pragma unroll
+    for (int j = 0; j < 8; j++) g[j] = r * wv[j] * g[j] - cc * x[j];
+    if (ADD) {
+        float own[8];
+        unpack8(own, pack8(g));
+        unpack8(g, ld8<V>(acc, d, D));
+#pragma unroll
+        for (int j = 0; j < 8; j++) g[j] += own[j];
+    }
+    st8<V>(dx, d, D, g);
+}
+/* two warps per block: a row's dy and x stay in registers (~170 per thread), so few warps fit an SM; small blocks
+ * let them retire independently */
+template <bool V, bool ADD>
+__global__ void __launch_bounds__(64) k_rms_bwd_dx(bf16 *dx, const bf16 *dy, const bf16 *x, const float *w, const float *rstd,
+                                                    const bf16 *acc, int N, int D) {
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
-    const bf16 *xr = x + (int64_t)row * D, *g = dy + (int64_t)row * D;
-    float dot = 0;
-    for (int d = lane; d < D; d += 32) dot += w[d] * bf(g[d]) * bf(xr[d]);
+    int64_t o = (int64_t)row * D;
+    uint4 cg[MT_RMS_CACHE], cx[MT_RMS_CACHE];
+    float dot = 0, wv[8];
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) {
+            cg[i] = ld8<V>(dy + o, d, D);
+            cx[i] = ld8<V>(x + o, d, D);
+            ld8f<V>(wv, w, d, D);
+            dot = mt__dot8(dot, cg[i], cx[i], wv);
+        }
+    }
+    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) {
+        ld8f<V>(wv, w, d, D);
+        dot = mt__dot8(dot, ld8<V>(dy + o, d, D), ld8<V>(x + o, d, D), wv);
+    }
     dot = warp_sum(dot);
     float r = rstd[row], cc = r * r * r * dot / D;
-    for (int d = lane; d < D; d += 32) {
-        float own = bf(tobf(r * w[d] * bf(g[d]) - cc * bf(xr[d])));
-        dx[(int64_t)row * D + d] = tobf(bf(acc[(int64_t)row * D + d]) + own);
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) mt__rms_dx<V, ADD>(dx + o, acc + o, d, D, cg[i], cx[i], r, cc, w);
     }
+    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256)
+        mt__rms_dx<V, ADD>(dx + o, acc + o, d, D, ld8<V>(dy + o, d, D), ld8<V>(x + o, d, D), r, cc, w);
+}
+/* dw[d] += g x r for one chunk, in a warp's shared-memory row */
+template <bool V>
+__device__ __forceinline__ void mt__dw8(float *my, int d, int D, uint4 ug, uint4 ux, float r) {
+    float g[8], x[8];
+    unpack8(g, ug);
+    unpack8(x, ux);
+    if constexpr (V) {
+        float4 *p = (float4 *)(my + d), a = p[0], b = p[1];
+        a.x += g[0] * x[0] * r; a.y += g[1] * x[1] * r; a.z += g[2] * x[2] * r; a.w += g[3] * x[3] * r;
+        b.x += g[4] * x[4] * r; b.y += g[5] * x[5] * r; b.z += g[6] * x[6] * r; b.w += g[7] * x[7] * r;
+        p[0] = a; p[1] = b;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) if (d + j < D) my[d + j] += g[j] * x[j] * r;
+    }
+}
+/* The whole backward in one pass over dy and x: a block takes MT_RMS_CHUNK consecutive rows, warp k the rows
+ * k, k + MT_RMS_WARPS, ... of them in order, one at a time as in k_rms_bwd_dx, and adds g x rstd to its own row
+ * of shared memory; the block's dw partial is then the sum of those rows in warp order (fixed, as the chunk's
+ * rows are). w is staged in shared memory too: (1 + MT_RMS_WARPS) D floats. */
+#define MT_RMS_WARPS 4
+#define MT_RMS_FUSED_MAXD 2456   /* (1 + MT_RMS_WARPS) * D * 4 bytes within the default 48 KB */
+template <bool V, bool ADD>
+__global__ void __launch_bounds__(32 * MT_RMS_WARPS) k_rms_bwd_fused(bf16 *dx, float *part, const bf16 *dy, const bf16 *x, const float *w,
+                                                                     const float *rstd, const bf16 *acc, int N, int D) {
+    extern __shared__ float mt_rms_sh[];
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float *sw = mt_rms_sh, *my = mt_rms_sh + (1 + wp) * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) sw[d] = w[d];
+    for (int d = lane; d < D; d += 32) my[d] = 0;
+    __syncthreads();
+    for (int j = 0; j < MT_RMS_CHUNK / MT_RMS_WARPS; j++) {
+        int row = blockIdx.x * MT_RMS_CHUNK + j * MT_RMS_WARPS + wp;
+        if (row >= N) break;
+        int64_t o = (int64_t)row * D;
+        float r = rstd[row], dot = 0, wv[8];
+        uint4 cg[MT_RMS_CACHE], cx[MT_RMS_CACHE], ca[ADD ? MT_RMS_CACHE : 1];
+#pragma unroll
+        for (int i = 0; i < MT_RMS_CACHE; i++) {   /* every load of the cached chunks first */
+            int d = (lane + 32 * i) * 8;
+            if (d < D) {
+                cg[i] = ld8<V>(dy + o, d, D);
+                cx[i] = ld8<V>(x + o, d, D);
+                if (ADD) ca[ADD ? i : 0] = ld8<V>(acc + o, d, D);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MT_RMS_CACHE; i++) {
+            int d = (lane + 32 * i) * 8;
+            if (d < D) {
+                ld8f<V>(wv, sw, d, D);
+                dot = mt__dot8(dot, cg[i], cx[i], wv);
+                mt__dw8<V>(my, d, D, cg[i], cx[i], r);
+            }
+        }
+        for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) {
+            uint4 g = ld8<V>(dy + o, d, D), xx = ld8<V>(x + o, d, D);
+            ld8f<V>(wv, sw, d, D);
+            dot = mt__dot8(dot, g, xx, wv);
+            mt__dw8<V>(my, d, D, g, xx, r);
+        }
+        dot = warp_sum(dot);
+        float cc = r * r * r * dot / D;
+#pragma unroll
+        for (int i = 0; i < MT_RMS_CACHE; i++) {
+            int d = (lane + 32 * i) * 8;
+            if (d < D) {
+                float g[8], xv[8];
+                unpack8(g, cg[i]);
+                unpack8(xv, cx[i]);
+                ld8f<V>(wv, sw, d, D);
+#pragma unroll
+                for (int k = 0; k < 8; k++) g[k] = r * wv[k] * g[k] - cc * xv[k];
+                if (ADD) {
+                    float own[8];
+                    unpack8(own, pack8(g));
+                    unpack8(g, ca[ADD ? i : 0]);
+#pragma unroll
+                    for (int k = 0; k < 8; k++) g[k] += own[k];
+                }
+                st8<V>(dx + o, d, D, g);
+            }
+        }
+        for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256)
+            mt__rms_dx<V, ADD>(dx + o, acc + o, d, D, ld8<V>(dy + o, d, D), ld8<V>(x + o, d, D), r, cc, sw);
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float t = 0;
+        for (int k = 0; k < MT_RMS_WARPS; k++) t += mt_rms_sh[(1 + k) * D + d];
+        part[(int64_t)blockIdx.x * D + d] = t;
+    }
+}
+/* dw partials: part[chunk][d] = sum over the chunk's rows, in row order; one thread per 8 columns */
+template <bool V>
+__global__ void __launch_bounds__(64) k_rms_bwd_dw_part(float *part, const bf16 *dy, const bf16 *x, const float *rstd, int N, int D) {
+    int d = (blockIdx.y * blockDim.x + threadIdx.x) * 8, ch = blockIdx.x;
+    if (d >= D) return;
+    float acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[j] = 0;
+    int end = min(N, (ch + 1) * MT_RMS_CHUNK);
+#pragma unroll 4
+    for (int n = ch * MT_RMS_CHUNK; n < end; n++) {
+        float g[8], xv[8], r = rstd[n];
+        unpack8(g, ld8<V>(dy + (int64_t)n * D, d, D));
+        unpack8(xv, ld8<V>(x + (int64_t)n * D, d, D));
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[j] += g[j] * xv[j] * r;
+    }
+    float *p = part + (int64_t)ch * D + d;
+    if constexpr (V) {
+        ((float4 *)p)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        ((float4 *)p)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) if (d + j < D) p[j] = acc[j];
+    }
+}
+extern "C" {
+/* out[d] = sum of part[ch][d] over the chunks: 32 columns x 32 groups per block, group t sums chunks t, t + 32,
+ * ... in order, then the 32 group sums add in order */
+__global__ void __launch_bounds__(1024) k_colsum(float *out, const float *part, int chunks, int D) {
+    __shared__ float sh[32][33];
+    int tx = threadIdx.x & 31, ty = threadIdx.x >> 5, d = blockIdx.x * 32 + tx;
+    float acc = 0;
+    if (d < D)
+#pragma unroll 4
+        for (int ch = ty; ch < chunks; ch += 32) acc += part[(int64_t)ch * D + d];
+    sh[ty][tx] = acc;
+    __syncthreads();
+    if (ty == 0 && d < D) {
+        float t = 0;
+        for (int k = 0; k < 32; k++) t += sh[k][tx];
+        out[d] = t;
+    }
+}
+static int mt__rms_fwd(mt_cuda *c, void *h, void *y, float *rstd, const void *a, const void *b, const float *w, int N, int D, float eps) {
+    if (N <= 0) return 0;
+    bool v = mt__rows16(D, 2, h, y, a, b, w);
+#define MT__RMS(V, ADD) k_rms_fwd<V, ADD><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)h, (bf16 *)y, rstd, (const bf16 *)a, \
+                                                                                    (const bf16 *)b, w, N, D, eps)
+    if (h) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
+    else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
+#undef MT__RMS
+    LAUNCHED();
+    return 0;
 }
 int mt_cuda_add_rmsnorm_forward(mt_cuda *c, void *h, void *y, float *rstd, const void *a, const void *b, const float *w, int N,
                                 int D, float eps) {
-    if (N <= 0) return 0;
-    k_add_rms_fwd<<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)h, (bf16 *)y, rstd, (const bf16 *)a, (const bf16 *)b, w, N, D, eps);
-    LAUNCHED();
-    return 0;
+    return mt__rms_fwd(c, h, y, rstd, a, b, w, N, D, eps);
 }
 size_t mt_cuda_rmsnorm_backward_workspace(int N, int D) { return mt__al((size_t)((N + MT_RMS_CHUNK - 1) / MT_RMS_CHUNK) * D * 4); }
 int mt_cuda_rmsnorm_forward(mt_cuda *c, void *y, float *rstd, const void *x, const float *w, int N, int D, float eps) {
-    if (N <= 0) return 0;
-    k_rms_fwd<<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)y, rstd, (const bf16 *)x, w, N, D, eps);
-    LAUNCHED();
-    return 0;
+    return mt__rms_fwd(c, NULL, y, rstd, x, NULL, w, N, D, eps);
 }
-static int mt__rms_dw(mt_cuda *c, float *dw, const void *dy, const void *x, const float *rstd, int N, int D, void *ws) {
+static int mt__rms_bwd(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w, const float *rstd,
+                       const void *acc, int N, int D, void *ws) {
+    if (N <= 0) { CK(cudaMemsetAsync(dw, 0, (size_t)D * 4, c->stream)); return 0; }
+    bool v = mt__rows16(D, 2, dx, dy, x, w, acc) && !((uintptr_t)ws & 15);
     int chunks = (N + MT_RMS_CHUNK - 1) / MT_RMS_CHUNK;
-    dim3 g(chunks, (D + 127) / 128);
-    k_rms_bwd_dw_part<<<g, 128, 0, c->stream>>>((float *)ws, (const bf16 *)dy, (const bf16 *)x, rstd, N, D);
+    if (D <= MT_RMS_FUSED_MAXD) {   /* one pass: dx and the chunks' dw partials */
+        size_t sm = (size_t)(1 + MT_RMS_WARPS) * D * 4;
+#define MT__RMS(V, ADD) k_rms_bwd_fused<V, ADD><<<chunks, 32 * MT_RMS_WARPS, sm, c->stream>>>((bf16 *)dx, (float *)ws, (const bf16 *)dy, \
+                                                                                         (const bf16 *)x, w, rstd, (const bf16 *)acc, N, D)
+        if (acc) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
+        else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
+#undef MT__RMS
+        LAUNCHED();
+        k_colsum<<<mt__blocks(D, 32), 1024, 0, c->stream>>>(dw, (const float *)ws, chunks, D);
+        LAUNCHED();
+        return 0;
+    }
+#define MT__RMS(V, ADD) k_rms_bwd_dx<V, ADD><<<mt__blocks(N, 2), 64, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dy, (const bf16 *)x, w, \
+                                                                                       rstd, (const bf16 *)acc, N, D)
+    if (acc) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
+    else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
+#undef MT__RMS
     LAUNCHED();
-    k_colsum<<<mt__blocks(D, 128), 128, 0, c->stream>>>(dw, (const float *)ws, chunks, D);
+    dim3 g(chunks, mt__blocks((D + 7) / 8, 64));
+    if (v) k_rms_bwd_dw_part<true><<<g, 64, 0, c->stream>>>((float *)ws, (const bf16 *)dy, (const bf16 *)x, rstd, N, D);
+    else k_rms_bwd_dw_part<false><<<g, 64, 0, c->stream>>>((float *)ws, (const bf16 *)dy, (const bf16 *)x, rstd, N, D);
+    LAUNCHED();
+    k_colsum<<<mt__blocks(D, 32), 1024, 0, c->stream>>>(dw, (const float *)ws, chunks, D);
     LAUNCHED();
     return 0;
 }
 int mt_cuda_rmsnorm_backward_add(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w,
                                  const float *rstd, const void *acc, int N, int D, void *ws) {
-    if (N <= 0) { CK(cudaMemsetAsync(dw, 0, (size_t)D * 4, c->stream)); return 0; }
-    k_rms_bwd_dx_add<<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dy, (const bf16 *)x, w, rstd, (const bf16 *)acc, N, D);
-    LAUNCHED();
-    return mt__rms_dw(c, dw, dy, x, rstd, N, D, ws);
+    return mt__rms_bwd(c, dx, dw, dy, x, w, rstd, acc, N, D, ws);
 }
 int mt_cuda_rmsnorm_backward(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w,
                              const float *rstd, int N, int D, void *ws) {
-    if (N <= 0) { CK(cudaMemsetAsync(dw, 0, (size_t)D * 4, c->stream)); return 0; }
-    k_rms_bwd_dx<<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dy, (const bf16 *)x, w, rstd, N, D);
-    LAUNCHED();
-    int chunks = (N + MT_RMS_CHUNK - 1) / MT_RMS_CHUNK;
-    dim3 g(chunks, (D + 127) / 128);
-    k_rms_bwd_dw_part<<<g, 128, 0, c->stream>>>((float *)ws, (const bf16 *)dy, (const bf16 *)x, rstd, N, D);
-    LAUNCHED();
-    k_colsum<<<mt__blocks(D, 128), 128, 0, c->stream>>>(dw, (const float *)ws, chunks, D);
-    LAUNCHED();
-    return 0;
+    return mt__rms_bwd(c, dx, dw, dy, x, w, rstd, NULL, N, D, ws);
 }
 
 /* ========================================================================
