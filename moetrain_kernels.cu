@@ -3441,15 +3441,149 @@ __global__ void k_offsets(int32_t *offs, const int32_t *cnt, int E) {
     offs[0] = 0;
     for (int e = 0; e < E; e++) offs[e + 1] = offs[e] + cnt[e];   /* cnt aliases offs + 1: read before write */
 }
-/* row i of xs is assignment perm[i]: its token's row of x; slot is the inverse */
-__global__ void k_gather_rows(bf16 *xs, int32_t *slot, const bf16 *x, const int32_t *perm, int K, int D) {
-    int64_t i = blockIdx.x;
+}  /* extern "C": the row kernels are templates */
+/* chunks of 8 elements per lane per group: a group's loads are independent, and are all issued before its stores */
+#define MT_ROWS_UNROLL 8
+/* row i of xs is assignment perm[i]: its token's row of x; slot is the inverse. One warp per row, 16-byte chunks. */
+template <bool V>
+__global__ void __launch_bounds__(256) k_gather_rows(bf16 *xs, int32_t *slot, const bf16 *x, const int32_t *perm, int64_t NK, int K, int D) {
+    int64_t i = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (i >= NK) return;
     int64_t a = perm[i];
-    if (threadIdx.x == 0) slot[a] = (int32_t)i;
+    if (lane == 0) slot[a] = (int32_t)i;
     const bf16 *src = x + (a / K) * D;
     bf16 *dst = xs + i * D;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) dst[d] = src[d];
+    for (int base = 0; base < D; base += 256 * MT_ROWS_UNROLL) {   /* all loads of a group, then its stores */
+        uint4 u[MT_ROWS_UNROLL];
+#pragma unroll
+        for (int k = 0; k < MT_ROWS_UNROLL; k++) {
+            int d = base + (lane + 32 * k) * 8;
+            if (d < D) u[k] = ld8<V>(src, d, D);
+        }
+#pragma unroll
+        for (int k = 0; k < MT_ROWS_UNROLL; k++) {
+            int d = base + (lane + 32 * k) * 8;
+            if (d < D) st8raw<V>(dst, d, D, u[k]);
+        }
+    }
 }
+/* dx[n] = sum over k, in order, of dxs[slot[n, k]]; one warp per token */
+template <bool V>
+__global__ void __launch_bounds__(256) k_permute_bwd(bf16 *dx, const bf16 *dxs, const int32_t *slot, int N, int D, int K) {
+    int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (n >= N) return;
+    for (int base = 0; base < D; base += 256 * MT_ROWS_UNROLL) {
+        float acc[MT_ROWS_UNROLL][8];
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[i][j] = 0;
+        for (int k = 0; k < K; k++) {
+            const bf16 *src = dxs + (int64_t)slot[n * K + k] * D;
+#pragma unroll
+            for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+                int d = base + (lane + 32 * i) * 8;
+                if (d < D) {
+                    float f[8];
+                    unpack8(f, ld8<V>(src, d, D));
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[i][j] += f[j];
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+            int d = base + (lane + 32 * i) * 8;
+            if (d < D) st8<V>(dx + n * D, d, D, acc[i]);
+        }
+    }
+}
+/* y[n] = sum over k, in order, of w[n, k] * ys[slot[n, k]]; one warp per token */
+template <bool V>
+__global__ void __launch_bounds__(256) k_combine(bf16 *y, const bf16 *ys, const int32_t *slot, const float *w, int N, int D, int K) {
+    int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (n >= N) return;
+    for (int base = 0; base < D; base += 256 * MT_ROWS_UNROLL) {
+        float acc[MT_ROWS_UNROLL][8];
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[i][j] = 0;
+        for (int k = 0; k < K; k++) {
+            const bf16 *src = ys + (int64_t)slot[n * K + k] * D;
+            float wk = w[n * K + k];
+#pragma unroll
+            for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+                int d = base + (lane + 32 * i) * 8;
+                if (d < D) {
+                    float f[8];
+                    unpack8(f, ld8<V>(src, d, D));
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[i][j] += wk * f[j];
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+            int d = base + (lane + 32 * i) * 8;
+            if (d < D) st8<V>(y + n * D, d, D, acc[i]);
+        }
+    }
+}
+/* dys[slot[n, k]] = w[n, k] dy[n]; dw[n, k] = <dy[n], ys[slot[n, k]]> (each lane sums its chunks in order, then a
+ * fixed butterfly across the warp). One warp per token; dy's first chunks stay in registers across k. */
+template <bool V>
+__global__ void __launch_bounds__(128) k_combine_bwd(bf16 *dys, float *dw, const bf16 *dy, const bf16 *ys, const int32_t *slot, const float *w,
+                                                     int N, int D, int K) {
+    int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (n >= N) return;
+    const bf16 *g = dy + n * D;
+    uint4 cg[MT_ROWS_UNROLL];
+#pragma unroll
+    for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) cg[i] = ld8<V>(g, d, D);
+    }
+    for (int k = 0; k < K; k++) {
+        int64_t s = slot[n * K + k];
+        float wk = w[n * K + k], part = 0;
+        const bf16 *src = ys + s * D;
+        bf16 *dst = dys + s * D;
+        uint4 cy[MT_ROWS_UNROLL];
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+            int d = (lane + 32 * i) * 8;
+            if (d < D) cy[i] = ld8<V>(src, d, D);
+        }
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+            int d = (lane + 32 * i) * 8;
+            if (d < D) {
+                float gf[8], yf[8];
+                unpack8(gf, cg[i]);
+                unpack8(yf, cy[i]);
+#pragma unroll
+                for (int j = 0; j < 8; j++) { part += gf[j] * yf[j]; gf[j] *= wk; }
+                st8<V>(dst, d, D, gf);
+            }
+        }
+        for (int d = (lane + 32 * MT_ROWS_UNROLL) * 8; d < D; d += 256) {
+            float gf[8], yf[8];
+            unpack8(gf, ld8<V>(g, d, D));
+            unpack8(yf, ld8<V>(src, d, D));
+#pragma unroll
+            for (int j = 0; j < 8; j++) { part += gf[j] * yf[j]; gf[j] *= wk; }
+            st8<V>(dst, d, D, gf);
+        }
+        part = warp_sum(part);
+        if (lane == 0) dw[n * K + k] = part;
+    }
+}
+extern "C" {
 size_t mt_cuda_moe_permute_workspace(int64_t NK) {
     size_t tmp = 0;
     cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, (int)NK);
@@ -3476,57 +3610,31 @@ int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, cons
     int bits = 1;
     while ((1 << bits) < E && bits < 31) bits++;
     CK(cub::DeviceRadixSort::SortPairs(w, tmp, idx, keys, iota, perm, (int)NK, 0, bits, c->stream));
-    k_gather_rows<<<(unsigned)NK, 128, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, K, D);
+    if (mt__rows16(D, 2, xs, x)) k_gather_rows<true><<<mt__blocks(NK, 8), 256, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, NK, K, D);
+    else k_gather_rows<false><<<mt__blocks(NK, 8), 256, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, NK, K, D);
     LAUNCHED();
     return 0;
-}
-__global__ void k_permute_bwd(bf16 *dx, const bf16 *dxs, const int32_t *slot, int D, int K) {
-    int64_t n = blockIdx.x;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc = 0;
-        for (int k = 0; k < K; k++) acc += bf(dxs[(int64_t)slot[n * K + k] * D + d]);
-        dx[n * D + d] = tobf(acc);
-    }
 }
 int mt_cuda_moe_permute_backward(mt_cuda *c, void *dx, const void *dxs, const int32_t *slot, int N, int D, int K) {
     if (N <= 0) return 0;
-    k_permute_bwd<<<N, 128, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, D, K);
+    if (mt__rows16(D, 2, dx, dxs)) k_permute_bwd<true><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, N, D, K);
+    else k_permute_bwd<false><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, N, D, K);
     LAUNCHED();
     return 0;
 }
-__global__ void k_combine(bf16 *y, const bf16 *ys, const int32_t *slot, const float *w, int D, int K) {
-    int64_t n = blockIdx.x;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc = 0;
-        for (int k = 0; k < K; k++) acc += w[n * K + k] * bf(ys[(int64_t)slot[n * K + k] * D + d]);
-        y[n * D + d] = tobf(acc);
-    }
-}
-__global__ void k_combine_bwd(bf16 *dys, float *dw, const bf16 *dy, const bf16 *ys, const int32_t *slot, const float *w, int D, int K) {
-    __shared__ float sh[32];
-    int64_t n = blockIdx.x;
-    for (int k = 0; k < K; k++) {
-        int64_t s = slot[n * K + k];
-        float wk = w[n * K + k], part = 0;
-        for (int d = threadIdx.x; d < D; d += blockDim.x) {
-            float g = bf(dy[n * D + d]);
-            dys[s * D + d] = tobf(wk * g);
-            part += g * bf(ys[s * D + d]);
-        }
-        float tot = block_sum(part, sh);
-        if (threadIdx.x == 0) dw[n * K + k] = tot;
-    }
-}
 int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32_t *slot, const float *w, int N, int D, int K) {
     if (N <= 0) return 0;
-    k_combine<<<N, 128, 0, c->stream>>>((bf16 *)y, (const bf16 *)ys, slot, w, D, K);
+    if (mt__rows16(D, 2, y, ys)) k_combine<true><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)y, (const bf16 *)ys, slot, w, N, D, K);
+    else k_combine<false><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)y, (const bf16 *)ys, slot, w, N, D, K);
     LAUNCHED();
     return 0;
 }
 int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
                                  const float *w, int N, int D, int K) {
     if (N <= 0) return 0;
-    k_combine_bwd<<<N, 128, 0, c->stream>>>((bf16 *)dys, dw, (const bf16 *)dy, (const bf16 *)ys, slot, w, D, K);
+    if (mt__rows16(D, 2, dys, dy, ys))
+        k_combine_bwd<true><<<mt__blocks(N, 4), 128, 0, c->stream>>>((bf16 *)dys, dw, (const bf16 *)dy, (const bf16 *)ys, slot, w, N, D, K);
+    else k_combine_bwd<false><<<mt__blocks(N, 4), 128, 0, c->stream>>>((bf16 *)dys, dw, (const bf16 *)dy, (const bf16 *)ys, slot, w, N, D, K);
     LAUNCHED();
     return 0;
 }
