@@ -4761,14 +4761,49 @@ __device__ __forceinline__ void ms_merge(float &m, float &s, float m2, float s2)
     s = s * __expf(m - mn) + s2 * __expf(m2 - mn);
     m = mn;
 }
-__global__ void k_ce_fwd(float *per, float *lse, const bf16 *logits, const int32_t *tgt, int V) {
+}  /* extern "C": the cross-entropy kernels are templates */
+#define MT_CE_UNROLL 4          /* 16-byte chunks per thread in flight */
+/* chunk d of a row of logits as floats; past the row end -inf (contributes nothing) */
+template <bool V>
+__device__ __forceinline__ void mt__ce_ld(float (&f)[8], const bf16 *l, int d, int V_) {
+    if constexpr (V) {
+        unpack8(f, *(const uint4 *)(l + d));
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) f[j] = d + j < V_ ? bf(l[d + j]) : -INFINITY;
+    }
+}
+/* one block per row, one pass: each thread folds MT_CE_UNROLL chunks at a time into its running (max, sum of
+ * exp) with one rescale, then the threads' pairs merge in a fixed order */
+template <bool V>
+__global__ void __launch_bounds__(256) k_ce_fwd(float *per, float *lse, const bf16 *logits, const int32_t *tgt, int V_) {
     __shared__ float shm[32], shs[32];
     int64_t n = blockIdx.x;
-    const bf16 *l = logits + n * V;
+    const bf16 *l = logits + n * V_;
     float m = -INFINITY, z = 0;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) {   /* one pass: online softmax statistics */
-        float x = bf(l[v]);
-        if (x > m) { z = z * __expf(m - x) + 1.0f; m = x; } else z += __expf(x - m);
+    for (int d0 = threadIdx.x * 8; d0 < V_; d0 += MT_CE_UNROLL * 8 * blockDim.x) {
+        float f[MT_CE_UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < MT_CE_UNROLL; u++) {
+            int d = d0 + u * 8 * blockDim.x;
+            if (d < V_) mt__ce_ld<V>(f[u], l, d, V_);
+            else
+#pragma unroll
+                for (int j = 0; j < 8; j++) f[u][j] = -INFINITY;
+        }
+        float lm = m;
+#pragma unroll
+        for (int u = 0; u < MT_CE_UNROLL; u++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) lm = fmaxf(lm, f[u][j]);
+        if (lm == -INFINITY) continue;
+        float s = 0;
+#pragma unroll
+        for (int u = 0; u < MT_CE_UNROLL; u++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) s += __expf(f[u][j] - lm);
+        z = z * __expf(m - lm) + s;
+        m = lm;
     }
     for (int o = 16; o > 0; o >>= 1) ms_merge(m, z, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, z, o));
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -4779,13 +4814,41 @@ __global__ void k_ce_fwd(float *per, float *lse, const bf16 *logits, const int32
         z = lane < (int)(blockDim.x >> 5) ? shs[lane] : 0.0f;
         for (int o = 16; o > 0; o >>= 1) ms_merge(m, z, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, z, o));
     }
-    float mx = m;
     if (threadIdx.x == 0) {
-        float L = mx + logf(z);
+        float L = m + logf(z);
         lse[n] = L;
         per[n] = L - bf(l[tgt[n]]);
     }
 }
+/* dlogits = (softmax - onehot) * inv, element by element as before; 16-byte chunks, MT_CE_UNROLL in flight */
+template <bool V>
+__global__ void __launch_bounds__(256) k_ce_bwd(bf16 *dl, const bf16 *logits, const float *lse, const int32_t *tgt, int V_, float inv) {
+    int64_t n = blockIdx.x;
+    float L = lse[n];
+    int t = tgt[n];
+    const bf16 *l = logits + n * V_;
+    bf16 *o = dl + n * V_;
+    for (int d0 = threadIdx.x * 8; d0 < V_; d0 += MT_CE_UNROLL * 8 * blockDim.x) {
+        uint4 u[MT_CE_UNROLL];
+#pragma unroll
+        for (int k = 0; k < MT_CE_UNROLL; k++) {
+            int d = d0 + k * 8 * blockDim.x;
+            if (d < V_) u[k] = ld8<V>(l, d, V_);
+        }
+#pragma unroll
+        for (int k = 0; k < MT_CE_UNROLL; k++) {
+            int d = d0 + k * 8 * blockDim.x;
+            if (d < V_) {
+                float f[8];
+                unpack8(f, u[k]);
+#pragma unroll
+                for (int j = 0; j < 8; j++) f[j] = (__expf(f[j] - L) - (d + j == t ? 1.0f : 0.0f)) * inv;
+                st8<V>(o, d, V_, f);
+            }
+        }
+    }
+}
+extern "C" {
 __global__ void k_mean(float *out, const float *x, int N) {
     __shared__ float sh[32];
     float acc = 0;
@@ -4793,19 +4856,11 @@ __global__ void k_mean(float *out, const float *x, int N) {
     acc = block_sum(acc, sh);
     if (threadIdx.x == 0) out[0] = acc / N;
 }
-__global__ void k_ce_bwd(bf16 *dl, const bf16 *logits, const float *lse, const int32_t *tgt, int V, float inv) {
-    int64_t n = blockIdx.x;
-    float L = lse[n];
-    int t = tgt[n];
-    for (int v = threadIdx.x; v < V; v += blockDim.x) {
-        float p = __expf(bf(logits[n * V + v]) - L);
-        dl[n * V + v] = tobf((p - (v == t ? 1.0f : 0.0f)) * inv);
-    }
-}
 size_t mt_cuda_cross_entropy_workspace(int N) { return mt__al((size_t)N * 4); }
 int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const void *logits, const int32_t *tgt, int N, int V, void *ws) {
     if (N <= 0) return 0;
-    k_ce_fwd<<<N, 256, 0, c->stream>>>((float *)ws, lse, (const bf16 *)logits, tgt, V);
+    if (mt__rows16(V, 2, logits)) k_ce_fwd<true><<<N, 256, 0, c->stream>>>((float *)ws, lse, (const bf16 *)logits, tgt, V);
+    else k_ce_fwd<false><<<N, 256, 0, c->stream>>>((float *)ws, lse, (const bf16 *)logits, tgt, V);
     LAUNCHED();
     k_mean<<<1, 1024, 0, c->stream>>>(loss, (const float *)ws, N);
     LAUNCHED();
@@ -4813,7 +4868,9 @@ int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const voi
 }
 int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int V) {
     if (N <= 0) return 0;
-    k_ce_bwd<<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, V, 1.0f / N);
+    if (mt__rows16(V, 2, dlogits, logits))
+        k_ce_bwd<true><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, V, 1.0f / N);
+    else k_ce_bwd<false><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, V, 1.0f / N);
     LAUNCHED();
     return 0;
 }
