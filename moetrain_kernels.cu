@@ -4879,32 +4879,58 @@ int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits
  * 10. optimizer
  * ====================================================================== */
 
-#define MT_SUMSQ_BLOCKS 1024   /* fixed: the summation order never depends on the GPU */
-/* squares = 0: g already holds squares (a GEMM epilogue's partials): a plain sum */
-__global__ void k_sumsq_part(float *part, const float *g, int64_t n, int squares) {
+#define MT_SUMSQ_BLOCKS 1024   /* at most; the count depends on n only, never on the GPU: a fixed summation order */
+#define MT_SUMSQ_PER 16384     /* elements per block before another block is added */
+#define MT_SUMSQ_ONE 65536     /* up to this many elements one block sums them and adds acc_in itself (one launch) */
+/* squares = 0: g already holds squares (a GEMM epilogue's partials): a plain sum.
+ * Each thread folds four float4 per step (64 bytes in flight), in index order within the step.
+ * One block (out set): out[0] = in[0] + the sum; otherwise part[block] = the block's sum. */
+__global__ void __launch_bounds__(256) k_sumsq_part(float *part, float *out, const float *in, const float *g, int64_t n, int squares) {
     __shared__ float sh[32];
     float acc = 0;
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
-    if (!squares) {
+    if (n % 4 == 0 && !((uintptr_t)g & 15)) {
+        const float4 *g4 = (const float4 *)g;
+        int64_t n4 = n / 4, i = t;
+        for (; i + 3 * stride < n4; i += 4 * stride) {
+            float4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) v[u] = g4[i + u * stride];
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                acc += squares ? v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w : v[u].x + v[u].y + v[u].z + v[u].w;
+        }
+        for (; i < n4; i += stride) {
+            float4 v = g4[i];
+            acc += squares ? v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w : v.x + v.y + v.z + v.w;
+        }
+    } else if (!squares) {
         for (int64_t i = t; i < n; i += stride) acc += g[i];
-    } else if (n % 4 == 0 && !((uintptr_t)g & 15)) {
-        for (int64_t i = t; i < n / 4; i += stride) { float4 v = ((const float4 *)g)[i]; acc += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
     } else {
         for (int64_t i = t; i < n; i += stride) acc += g[i] * g[i];
     }
     acc = block_sum(acc, sh);
-    if (threadIdx.x == 0) part[blockIdx.x] = acc;
+    if (threadIdx.x) return;
+    if (out) out[0] = (in ? in[0] : 0.0f) + acc;
+    else part[blockIdx.x] = acc;
 }
-__global__ void k_sumsq_final(float *out, const float *in, const float *part) {
+__global__ void k_sumsq_final(float *out, const float *in, const float *part, int nb) {
     __shared__ float sh[32];
-    float acc = block_sum(part[threadIdx.x], sh);
+    float acc = block_sum(threadIdx.x < (unsigned)nb ? part[threadIdx.x] : 0.0f, sh);
     if (threadIdx.x == 0) out[0] = (in ? in[0] : 0.0f) + acc;
 }
 size_t mt_cuda_sumsq_workspace(void) { return mt__al(MT_SUMSQ_BLOCKS * 4); }
 int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, int squares, void *ws) {
-    k_sumsq_part<<<MT_SUMSQ_BLOCKS, 256, 0, c->stream>>>((float *)ws, g, n, squares);
+    if (n <= MT_SUMSQ_ONE) {
+        k_sumsq_part<<<1, 256, 0, c->stream>>>(NULL, acc_out, acc_in, g, n, squares);
+        LAUNCHED();
+        return 0;
+    }
+    int64_t nb = (n + MT_SUMSQ_PER - 1) / MT_SUMSQ_PER;
+    if (nb > MT_SUMSQ_BLOCKS) nb = MT_SUMSQ_BLOCKS;
+    k_sumsq_part<<<(unsigned)nb, 256, 0, c->stream>>>((float *)ws, NULL, NULL, g, n, squares);
     LAUNCHED();
-    k_sumsq_final<<<1, MT_SUMSQ_BLOCKS, 0, c->stream>>>(acc_out, acc_in, (const float *)ws);   /* 1024 threads, one per partial */
+    k_sumsq_final<<<1, MT_SUMSQ_BLOCKS, 0, c->stream>>>(acc_out, acc_in, (const float *)ws, (int)nb);   /* one thread per partial */
     LAUNCHED();
     return 0;
 }
