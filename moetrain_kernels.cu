@@ -1267,12 +1267,87 @@ __global__ void k_rope_bwd2(__nv_bfloat162 *dq, __nv_bfloat162 *dkv, __nv_bfloat
         dkpe[(int64_t)n * half + i] = __floats2bfloat162_rn(a0, a1);
     }
 }
+/* the same two kernels on 16-byte chunks of 8 elements (4 rotation pairs), for dn, dr and dv multiples of 8 and
+ * 16-byte aligned tensors and tables; every element is computed as in the pair kernels (bitwise the same) */
+}  /* extern "C": the chunk kernels use the row helpers (templates) */
+__device__ __forceinline__ uint4 rot8(uint4 x, float4 c, float4 s, int inverse) {
+    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&x;
+    uint4 o;
+    __nv_bfloat162 *r = (__nv_bfloat162 *)&o;
+    r[0] = rot2(h[0], c.x, s.x, inverse); r[1] = rot2(h[1], c.y, s.y, inverse);
+    r[2] = rot2(h[2], c.z, s.z, inverse); r[3] = rot2(h[3], c.w, s.w, inverse);
+    return o;
+}
+__global__ void __launch_bounds__(256) k_rope_fwd8(bf16 *Q, bf16 *K, bf16 *V, const bf16 *q, const bf16 *kv, const bf16 *kpe, const float *cosv,
+                                                   const float *sinv, int T, int H, int dn, int dr, int dv) {
+    int n = blockIdx.x, half = dr / 2, cq = (dn + dr) / 8, cn = dn / 8, ckv = (dn + dv) / 8, cv = dv / 8;
+    const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
+    const uint4 *q8 = (const uint4 *)q + (int64_t)n * H * cq, *kv8 = (const uint4 *)kv + (int64_t)n * H * ckv, *kpe8 = (const uint4 *)kpe + (int64_t)n * (dr / 8);
+    uint4 *Q8 = (uint4 *)Q + (int64_t)n * H * cq, *K8 = (uint4 *)K + (int64_t)n * H * cq, *V8 = (uint4 *)V + (int64_t)n * H * cv;
+    for (int idx = threadIdx.x; idx < H * cq; idx += blockDim.x) {
+        int h = idx / cq, p = idx - h * cq;
+        if (p < cn) { Q8[idx] = q8[idx]; K8[idx] = kv8[h * ckv + p]; }
+        else {
+            int i = (p - cn) * 4;
+            float4 c = *(const float4 *)(cs + i), s = *(const float4 *)(sn + i);
+            Q8[idx] = rot8(q8[idx], c, s, 0);
+            K8[idx] = rot8(kpe8[p - cn], c, s, 0);
+        }
+    }
+    for (int idx = threadIdx.x; idx < H * cv; idx += blockDim.x) {
+        int h = idx / cv, e = idx - h * cv;
+        V8[idx] = kv8[h * ckv + cn + e];
+    }
+}
+__global__ void __launch_bounds__(256) k_rope_bwd8(bf16 *dq, bf16 *dkv, bf16 *dkpe, const bf16 *dQ, const bf16 *dK, const bf16 *dV,
+                                                   const float *cosv, const float *sinv, int T, int H, int dn, int dr, int dv) {
+    int n = blockIdx.x, half = dr / 2, cq = (dn + dr) / 8, cn = dn / 8, ckv = (dn + dv) / 8, cv = dv / 8;
+    const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
+    const uint4 *dQ8 = (const uint4 *)dQ + (int64_t)n * H * cq, *dK8 = (const uint4 *)dK + (int64_t)n * H * cq, *dV8 = (const uint4 *)dV + (int64_t)n * H * cv;
+    uint4 *dq8 = (uint4 *)dq + (int64_t)n * H * cq, *dkv8 = (uint4 *)dkv + (int64_t)n * H * ckv;
+    for (int idx = threadIdx.x; idx < H * cq; idx += blockDim.x) {
+        int h = idx / cq, p = idx - h * cq;
+        if (p < cn) dq8[idx] = dQ8[idx];
+        else {
+            int i = (p - cn) * 4;
+            dq8[idx] = rot8(dQ8[idx], *(const float4 *)(cs + i), *(const float4 *)(sn + i), 1);
+        }
+    }
+    for (int idx = threadIdx.x; idx < H * ckv; idx += blockDim.x) {
+        int h = idx / ckv, p = idx - h * ckv;
+        dkv8[idx] = p < cn ? dK8[h * cq + p] : dV8[h * cv + p - cn];
+    }
+    for (int i = threadIdx.x * 2; i < half; i += blockDim.x * 2) {   /* k_pe is shared: sum heads in order, two pairs per thread */
+        float a0 = 0, a1 = 0, b0 = 0, b1 = 0, c0 = cs[i], s0 = sn[i], c1 = cs[i + 1], s1 = sn[i + 1];
+        const __nv_bfloat162 *g = (const __nv_bfloat162 *)(dK + (int64_t)n * H * (dn + dr) + dn) + i;
+#pragma unroll 4
+        for (int h = 0; h < H; h++) {
+            __nv_bfloat162 x = g[(int64_t)h * ((dn + dr) / 2)], y = g[(int64_t)h * ((dn + dr) / 2) + 1];
+            float d0 = __low2float(x), d1 = __high2float(x), e0 = __low2float(y), e1 = __high2float(y);
+            a0 += d0 * c0 + d1 * s0;
+            a1 += -d0 * s0 + d1 * c0;
+            b0 += e0 * c1 + e1 * s1;
+            b1 += -e0 * s1 + e1 * c1;
+        }
+        __nv_bfloat162 *o = (__nv_bfloat162 *)(dkpe + (int64_t)n * dr) + i;
+        o[0] = __floats2bfloat162_rn(a0, a1);
+        o[1] = __floats2bfloat162_rn(b0, b1);
+    }
+}
+extern "C" {
 static int mt__pairs_ok(int dn, int dv, const void *a, const void *b, const void *c3, const void *d, const void *e, const void *f) {
     return dn % 2 == 0 && dv % 2 == 0 && !(((uintptr_t)a | (uintptr_t)b | (uintptr_t)c3 | (uintptr_t)d | (uintptr_t)e | (uintptr_t)f) & 3);
 }
 int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *q, const void *kv, const void *kpe,
                              const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv) {
     if (N <= 0) return 0;
+    if (dn % 8 == 0 && dr % 8 == 0 && dv % 8 == 0 && !(((uintptr_t)Q | (uintptr_t)K | (uintptr_t)V | (uintptr_t)q | (uintptr_t)kv | (uintptr_t)kpe |
+                                                       (uintptr_t)cosv | (uintptr_t)sinv) & 15)) {
+        k_rope_fwd8<<<N, 256, 0, c->stream>>>((bf16 *)Q, (bf16 *)K, (bf16 *)V, (const bf16 *)q, (const bf16 *)kv, (const bf16 *)kpe, cosv, sinv,
+                                              T, H, dn, dr, dv);
+        LAUNCHED();
+        return 0;
+    }
     if (mt__pairs_ok(dn, dv, Q, K, V, q, kv, kpe)) {
         k_rope_fwd2<<<N, 256, 0, c->stream>>>((__nv_bfloat162 *)Q, (__nv_bfloat162 *)K, (__nv_bfloat162 *)V, (const __nv_bfloat162 *)q,
                                               (const __nv_bfloat162 *)kv, (const __nv_bfloat162 *)kpe, cosv, sinv, T, H, dn, dr, dv);
@@ -1287,6 +1362,13 @@ int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *
 int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const void *dQ, const void *dK, const void *dV,
                               const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv) {
     if (N <= 0) return 0;
+    if (dn % 8 == 0 && dr % 8 == 0 && dv % 8 == 0 && !(((uintptr_t)dq | (uintptr_t)dkv | (uintptr_t)dkpe | (uintptr_t)dQ | (uintptr_t)dK |
+                                                       (uintptr_t)dV | (uintptr_t)cosv | (uintptr_t)sinv) & 15)) {
+        k_rope_bwd8<<<N, 256, 0, c->stream>>>((bf16 *)dq, (bf16 *)dkv, (bf16 *)dkpe, (const bf16 *)dQ, (const bf16 *)dK, (const bf16 *)dV, cosv,
+                                              sinv, T, H, dn, dr, dv);
+        LAUNCHED();
+        return 0;
+    }
     if (mt__pairs_ok(dn, dv, dq, dkv, dkpe, dQ, dK, dV)) {
         k_rope_bwd2<<<N, 256, 0, c->stream>>>((__nv_bfloat162 *)dq, (__nv_bfloat162 *)dkv, (__nv_bfloat162 *)dkpe, (const __nv_bfloat162 *)dQ,
                                               (const __nv_bfloat162 *)dK, (const __nv_bfloat162 *)dV, cosv, sinv, T, H, dn, dr, dv);
