@@ -735,13 +735,55 @@ int mt_cuda_swiglu_backward(mt_cuda *c, void *dg, void *du, const void *g, const
     return 0;
 }
 
+/* split / concat of rows whose parts are whole 16-byte chunks: one warp per row, all of a row's loads in flight
+ * before its stores (a 2D copy moves the narrow part in short rows, well under the bandwidth). In 16-byte units:
+ * a row of x is ca chunks of x1, then cb of x2; a NULL source of the concat writes zeros. */
+#define MT_SPLIT_UNROLL 4
+__global__ void __launch_bounds__(256) k_split16(uint4 *x1, uint4 *x2, uint4 *x, int N, int ca, int cb, int concat) {
+    int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31, cr = ca + cb;
+    if (r >= N) return;
+    for (int k0 = lane; k0 < cr; k0 += 32 * MT_SPLIT_UNROLL) {
+        uint4 v[MT_SPLIT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MT_SPLIT_UNROLL; u++) {
+            int k = k0 + 32 * u;
+            if (k >= cr) continue;
+            if (!concat) v[u] = x[(int64_t)r * cr + k];
+            else {
+                const uint4 *src = k < ca ? x1 : x2;
+                v[u] = src ? src[k < ca ? (int64_t)r * ca + k : (int64_t)r * cb + k - ca] : make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MT_SPLIT_UNROLL; u++) {
+            int k = k0 + 32 * u;
+            if (k >= cr) continue;
+            if (concat) x[(int64_t)r * cr + k] = v[u];
+            else if (k < ca) x1[(int64_t)r * ca + k] = v[u];
+            else x2[(int64_t)r * cb + k - ca] = v[u];
+        }
+    }
+}
+static bool mt__split16(int a, int b, int esz, const void *x, const void *x1, const void *x2) {
+    return (int64_t)a * esz % 16 == 0 && (int64_t)b * esz % 16 == 0 && !(((uintptr_t)x | (uintptr_t)x1 | (uintptr_t)x2) & 15);
+}
 int mt_cuda_split(mt_cuda *c, void *x1, void *x2, const void *x, int N, int a, int b, int esz) {
+    if (N > 0 && mt__split16(a, b, esz, x, x1, x2)) {   /* x is only read */
+        k_split16<<<mt__blocks(N, 8), 256, 0, c->stream>>>((uint4 *)x1, (uint4 *)x2, (uint4 *)x, N, a * esz / 16, b * esz / 16, 0);
+        LAUNCHED();
+        return 0;
+    }
     size_t row = (size_t)(a + b) * esz;
     CK(cudaMemcpy2DAsync(x1, (size_t)a * esz, x, row, (size_t)a * esz, N, cudaMemcpyDeviceToDevice, c->stream));
     CK(cudaMemcpy2DAsync(x2, (size_t)b * esz, (const char *)x + (size_t)a * esz, row, (size_t)b * esz, N, cudaMemcpyDeviceToDevice, c->stream));
     return 0;
 }
 int mt_cuda_concat(mt_cuda *c, void *x, const void *x1, const void *x2, int N, int a, int b, int esz) {
+    if (N > 0 && mt__split16(a, b, esz, x, x1, x2)) {
+        k_split16<<<mt__blocks(N, 8), 256, 0, c->stream>>>((uint4 *)x1, (uint4 *)x2, (uint4 *)x, N, a * esz / 16, b * esz / 16, 1);
+        LAUNCHED();
+        return 0;
+    }
     size_t row = (size_t)(a + b) * esz;
     if (x1) CK(cudaMemcpy2DAsync(x, row, x1, (size_t)a * esz, (size_t)a * esz, N, cudaMemcpyDeviceToDevice, c->stream));
     else CK(cudaMemset2DAsync(x, row, 0, (size_t)a * esz, N, c->stream));
