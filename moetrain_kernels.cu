@@ -1320,60 +1320,107 @@ __device__ __forceinline__ uint4 rot8(uint4 x, float4 c, float4 s, int inverse) 
     r[2] = rot2(h[2], c.z, s.z, inverse); r[3] = rot2(h[3], c.w, s.w, inverse);
     return o;
 }
+/* Each token's outputs are a list of 16-byte items; a thread loads MT_ROPE_UNROLL items before it stores any
+ * (the stores could alias the next loads as far as the compiler knows). */
+#define MT_ROPE_UNROLL 4
+/* items: Q chunks (H cq), K chunks (H cq), V chunks (H cv) */
 __global__ void __launch_bounds__(256) k_rope_fwd8(bf16 *Q, bf16 *K, bf16 *V, const bf16 *q, const bf16 *kv, const bf16 *kpe, const float *cosv,
                                                    const float *sinv, int T, int H, int dn, int dr, int dv) {
     int n = blockIdx.x, half = dr / 2, cq = (dn + dr) / 8, cn = dn / 8, ckv = (dn + dv) / 8, cv = dv / 8;
+    int nq = H * cq, total = 2 * nq + H * cv;
     const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
     const uint4 *q8 = (const uint4 *)q + (int64_t)n * H * cq, *kv8 = (const uint4 *)kv + (int64_t)n * H * ckv, *kpe8 = (const uint4 *)kpe + (int64_t)n * (dr / 8);
     uint4 *Q8 = (uint4 *)Q + (int64_t)n * H * cq, *K8 = (uint4 *)K + (int64_t)n * H * cq, *V8 = (uint4 *)V + (int64_t)n * H * cv;
-    for (int idx = threadIdx.x; idx < H * cq; idx += blockDim.x) {
-        int h = idx / cq, p = idx - h * cq;
-        if (p < cn) { Q8[idx] = q8[idx]; K8[idx] = kv8[h * ckv + p]; }
-        else {
-            int i = (p - cn) * 4;
-            float4 c = *(const float4 *)(cs + i), s = *(const float4 *)(sn + i);
-            Q8[idx] = rot8(q8[idx], c, s, 0);
-            K8[idx] = rot8(kpe8[p - cn], c, s, 0);
+    for (int b0 = threadIdx.x; b0 < total; b0 += MT_ROPE_UNROLL * blockDim.x) {
+        uint4 v[MT_ROPE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MT_ROPE_UNROLL; u++) {
+            int idx = b0 + u * blockDim.x;
+            if (idx >= total) continue;
+            if (idx < nq) v[u] = q8[idx];
+            else if (idx < 2 * nq) {
+                int j = idx - nq, h = j / cq, p = j - h * cq;
+                v[u] = p < cn ? kv8[h * ckv + p] : kpe8[p - cn];
+            } else {
+                int j = idx - 2 * nq, h = j / cv, e = j - h * cv;
+                v[u] = kv8[h * ckv + cn + e];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MT_ROPE_UNROLL; u++) {
+            int idx = b0 + u * blockDim.x;
+            if (idx >= total) continue;
+            if (idx < 2 * nq) {
+                int j = idx < nq ? idx : idx - nq, p = j % cq;
+                uint4 o = v[u];
+                if (p >= cn) {
+                    int i = (p - cn) * 4;
+                    o = rot8(o, *(const float4 *)(cs + i), *(const float4 *)(sn + i), 0);
+                }
+                (idx < nq ? Q8 : K8)[j] = o;
+            } else {
+                V8[idx - 2 * nq] = v[u];
+            }
         }
     }
-    for (int idx = threadIdx.x; idx < H * cv; idx += blockDim.x) {
-        int h = idx / cv, e = idx - h * cv;
-        V8[idx] = kv8[h * ckv + cn + e];
-    }
 }
+/* items: dq chunks (H cq), dkv chunks (H ckv), and the rope chunks of dK (H dr/8), whose rotated values go to
+ * shared memory [H][dr] in f32; k_pe is shared by the heads, so each of its elements then sums the heads in order */
 __global__ void __launch_bounds__(256) k_rope_bwd8(bf16 *dq, bf16 *dkv, bf16 *dkpe, const bf16 *dQ, const bf16 *dK, const bf16 *dV,
                                                    const float *cosv, const float *sinv, int T, int H, int dn, int dr, int dv) {
-    int n = blockIdx.x, half = dr / 2, cq = (dn + dr) / 8, cn = dn / 8, ckv = (dn + dv) / 8, cv = dv / 8;
+    extern __shared__ float mt_rope_sh[];
+    int n = blockIdx.x, half = dr / 2, cq = (dn + dr) / 8, cn = dn / 8, ckv = (dn + dv) / 8, cv = dv / 8, cr = dr / 8;
+    int nq = H * cq, nkv = H * ckv, total = nq + nkv + H * cr;
     const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
     const uint4 *dQ8 = (const uint4 *)dQ + (int64_t)n * H * cq, *dK8 = (const uint4 *)dK + (int64_t)n * H * cq, *dV8 = (const uint4 *)dV + (int64_t)n * H * cv;
     uint4 *dq8 = (uint4 *)dq + (int64_t)n * H * cq, *dkv8 = (uint4 *)dkv + (int64_t)n * H * ckv;
-    for (int idx = threadIdx.x; idx < H * cq; idx += blockDim.x) {
-        int h = idx / cq, p = idx - h * cq;
-        if (p < cn) dq8[idx] = dQ8[idx];
-        else {
-            int i = (p - cn) * 4;
-            dq8[idx] = rot8(dQ8[idx], *(const float4 *)(cs + i), *(const float4 *)(sn + i), 1);
+    for (int b0 = threadIdx.x; b0 < total; b0 += MT_ROPE_UNROLL * blockDim.x) {
+        uint4 v[MT_ROPE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MT_ROPE_UNROLL; u++) {
+            int idx = b0 + u * blockDim.x;
+            if (idx >= total) continue;
+            if (idx < nq) v[u] = dQ8[idx];
+            else if (idx < nq + nkv) {
+                int j = idx - nq, h = j / ckv, p = j - h * ckv;
+                v[u] = p < cn ? dK8[h * cq + p] : dV8[h * cv + p - cn];
+            } else {
+                int j = idx - nq - nkv, h = j / cr, k = j - h * cr;
+                v[u] = dK8[h * cq + cn + k];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MT_ROPE_UNROLL; u++) {
+            int idx = b0 + u * blockDim.x;
+            if (idx >= total) continue;
+            if (idx < nq) {
+                int p = idx % cq;
+                uint4 o = v[u];
+                if (p >= cn) {
+                    int i = (p - cn) * 4;
+                    o = rot8(o, *(const float4 *)(cs + i), *(const float4 *)(sn + i), 1);
+                }
+                dq8[idx] = o;
+            } else if (idx < nq + nkv) {
+                dkv8[idx - nq] = v[u];
+            } else {
+                int j = idx - nq - nkv, h = j / cr, k = j - h * cr, i = k * 4;
+                float g[8], *o = mt_rope_sh + h * dr + k * 8;
+                unpack8(g, v[u]);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float c = cs[i + e], s = sn[i + e], d0 = g[2 * e], d1 = g[2 * e + 1];
+                    o[2 * e] = d0 * c + d1 * s;
+                    o[2 * e + 1] = -d0 * s + d1 * c;
+                }
+            }
         }
     }
-    for (int idx = threadIdx.x; idx < H * ckv; idx += blockDim.x) {
-        int h = idx / ckv, p = idx - h * ckv;
-        dkv8[idx] = p < cn ? dK8[h * cq + p] : dV8[h * cv + p - cn];
-    }
-    for (int i = threadIdx.x * 2; i < half; i += blockDim.x * 2) {   /* k_pe is shared: sum heads in order, two pairs per thread */
-        float a0 = 0, a1 = 0, b0 = 0, b1 = 0, c0 = cs[i], s0 = sn[i], c1 = cs[i + 1], s1 = sn[i + 1];
-        const __nv_bfloat162 *g = (const __nv_bfloat162 *)(dK + (int64_t)n * H * (dn + dr) + dn) + i;
-#pragma unroll 4
-        for (int h = 0; h < H; h++) {
-            __nv_bfloat162 x = g[(int64_t)h * ((dn + dr) / 2)], y = g[(int64_t)h * ((dn + dr) / 2) + 1];
-            float d0 = __low2float(x), d1 = __high2float(x), e0 = __low2float(y), e1 = __high2float(y);
-            a0 += d0 * c0 + d1 * s0;
-            a1 += -d0 * s0 + d1 * c0;
-            b0 += e0 * c1 + e1 * s1;
-            b1 += -e0 * s1 + e1 * c1;
-        }
-        __nv_bfloat162 *o = (__nv_bfloat162 *)(dkpe + (int64_t)n * dr) + i;
-        o[0] = __floats2bfloat162_rn(a0, a1);
-        o[1] = __floats2bfloat162_rn(b0, b1);
+    __syncthreads();
+    for (int t = threadIdx.x; t < dr; t += blockDim.x) {
+        float a = 0;
+        for (int h = 0; h < H; h++) a += mt_rope_sh[h * dr + t];
+        dkpe[(int64_t)n * dr + t] = tobf(a);
     }
 }
 extern "C" {
@@ -1404,9 +1451,9 @@ int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *
 int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const void *dQ, const void *dK, const void *dV,
                               const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv) {
     if (N <= 0) return 0;
-    if (dn % 8 == 0 && dr % 8 == 0 && dv % 8 == 0 && !(((uintptr_t)dq | (uintptr_t)dkv | (uintptr_t)dkpe | (uintptr_t)dQ | (uintptr_t)dK |
-                                                       (uintptr_t)dV | (uintptr_t)cosv | (uintptr_t)sinv) & 15)) {
-        k_rope_bwd8<<<N, 256, 0, c->stream>>>((bf16 *)dq, (bf16 *)dkv, (bf16 *)dkpe, (const bf16 *)dQ, (const bf16 *)dK, (const bf16 *)dV, cosv,
+    if (dn % 8 == 0 && dr % 8 == 0 && dv % 8 == 0 && (size_t)H * dr * 4 <= 32768 &&
+        !(((uintptr_t)dq | (uintptr_t)dkv | (uintptr_t)dkpe | (uintptr_t)dQ | (uintptr_t)dK | (uintptr_t)dV | (uintptr_t)cosv | (uintptr_t)sinv) & 15)) {
+        k_rope_bwd8<<<N, 256, (size_t)H * dr * 4, c->stream>>>((bf16 *)dq, (bf16 *)dkv, (bf16 *)dkpe, (const bf16 *)dQ, (const bf16 *)dK, (const bf16 *)dV, cosv,
                                               sinv, T, H, dn, dr, dv);
         LAUNCHED();
         return 0;
