@@ -838,6 +838,57 @@ __global__ void k_embed_bwd(float *dwte, const float *part, const int32_t *keys,
         dwte[(int64_t)v * D + d] = acc;
     }
 }
+}  /* extern "C": the 16-byte variants use the row helpers (templates) */
+/* the same two passes on 8 columns per thread (16-byte loads of dx, 32-byte stores of the partials), for D a
+ * multiple of 8 and aligned rows; every column sums in the same order as above (bitwise the same). The rows of a
+ * step of MT_EMB_STEP positions are loaded before any partial is stored. */
+#define MT_EMB_STEP 4
+__global__ void __launch_bounds__(256) k_embed_bwd_part8(float *part, const bf16 *dx, const int32_t *keys, const int32_t *pos, int N, int D) {
+    int i0 = blockIdx.x * MT_EMB_CHUNK, i1 = min(N, i0 + MT_EMB_CHUNK);
+    for (int d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[j] = 0;
+        int start = i0;
+        for (int s0 = i0; s0 < i1; s0 += MT_EMB_STEP) {
+            uint4 u[MT_EMB_STEP];
+#pragma unroll
+            for (int k = 0; k < MT_EMB_STEP; k++)
+                if (s0 + k < i1) u[k] = *(const uint4 *)(dx + (int64_t)pos[s0 + k] * D + d);
+#pragma unroll
+            for (int k = 0; k < MT_EMB_STEP; k++) {
+                int i = s0 + k;
+                if (i >= i1) break;
+                float f[8];
+                unpack8(f, u[k]);
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[j] += f[j];
+                if (i + 1 == i1 || keys[i + 1] != keys[i]) {
+                    float4 *o = (float4 *)(part + (int64_t)start * D + d);
+                    o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                    o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[j] = 0;
+                    start = i + 1;
+                }
+            }
+        }
+    }
+}
+__global__ void __launch_bounds__(256) k_embed_bwd4(float *dwte, const float *part, const int32_t *keys, int N, int D) {
+    int i = blockIdx.x;
+    if (i > 0 && keys[i] == keys[i - 1]) return;       /* not the first of its token */
+    int v = keys[i];
+    for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
+        float4 acc = make_float4(0, 0, 0, 0);
+        for (int j = i; j < N && keys[j] == v; j = (j / MT_EMB_CHUNK + 1) * MT_EMB_CHUNK) {
+            float4 p = *(const float4 *)(part + (int64_t)j * D + d);
+            acc.x += p.x; acc.y += p.y; acc.z += p.z; acc.w += p.w;
+        }
+        *(float4 *)(dwte + (int64_t)v * D + d) = acc;
+    }
+}
+extern "C" {
 size_t mt_cuda_embed_backward_workspace(int N, int D) {
     size_t tmp = 0;
     cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, N);
@@ -856,6 +907,13 @@ int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_
     while ((1 << bits) < V && bits < 31) bits++;
     CK(cub::DeviceRadixSort::SortPairs(w, tmp, tok, keys, iota, pos, N, 0, bits, c->stream));
     float *part = (float *)(pos + mt__al((size_t)N * 4) / 4);
+    if (mt__rows16(D, 2, dx, part, dwte)) {
+        k_embed_bwd_part8<<<(N + MT_EMB_CHUNK - 1) / MT_EMB_CHUNK, 256, 0, c->stream>>>(part, (const bf16 *)dx, keys, pos, N, D);
+        LAUNCHED();
+        k_embed_bwd4<<<N, 256, 0, c->stream>>>(dwte, part, keys, N, D);
+        LAUNCHED();
+        return 0;
+    }
     k_embed_bwd_part<<<(N + MT_EMB_CHUNK - 1) / MT_EMB_CHUNK, 256, 0, c->stream>>>(part, (const bf16 *)dx, keys, pos, N, D);
     LAUNCHED();
     k_embed_bwd<<<N, 256, 0, c->stream>>>(dwte, part, keys, N, D);
