@@ -3658,8 +3658,9 @@ int mt_cuda_router_backward(mt_cuda *c, float *dlogits, const float *scores, con
 /* permutation: a stable radix sort of (expert, assignment) gives the
  * expert-major order with tokens in order inside each expert; offsets come
  * from an integer histogram. Deterministic. */
-__global__ void k_hist(int32_t *cnt, const int32_t *idx, int64_t NK, int E, int *flag) {
+__global__ void k_hist(int32_t *cnt, int32_t *iota, const int32_t *idx, int64_t NK, int E, int *flag) {
     for (int64_t a = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; a < NK; a += (int64_t)gridDim.x * blockDim.x) {
+        iota[a] = (int32_t)a;   /* the sort's values */
         int e = idx[a];
         if (e < 0 || e >= E) { atomicExch(flag, 1); continue; }
         atomicAdd(&cnt[e], 1);
@@ -3824,17 +3825,15 @@ int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, cons
     int32_t *cnt = offs + 1;
     CK(cudaMemsetAsync(offs, 0, (size_t)(E + 1) * 4, c->stream));
     if (NK <= 0) return 0;
-    unsigned g = mt__blocks(NK, 256);
-    if (g > 4096) g = 4096;
-    k_hist<<<g, 256, 0, c->stream>>>(cnt, idx, NK, E, c->flag);
-    LAUNCHED();
-    k_offsets<<<1, 1, 0, c->stream>>>(offs, cnt, E);
-    LAUNCHED();
     size_t tmp = 0;
     cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, (int)NK);
     char *w = (char *)ws;
     int32_t *iota = (int32_t *)(w + mt__al(tmp)), *keys = iota + mt__al((size_t)NK * 4) / 4, *perm = keys + mt__al((size_t)NK * 4) / 4;
-    k_iota<<<mt__blocks(NK, 256), 256, 0, c->stream>>>(iota, (int)NK);
+    unsigned g = mt__blocks(NK, 256);
+    if (g > 4096) g = 4096;
+    k_hist<<<g, 256, 0, c->stream>>>(cnt, iota, idx, NK, E, c->flag);
+    LAUNCHED();
+    k_offsets<<<1, 1, 0, c->stream>>>(offs, cnt, E);
     LAUNCHED();
     int bits = 1;
     while ((1 << bits) < E && bits < 31) bits++;
