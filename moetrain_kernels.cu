@@ -926,7 +926,8 @@ int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_
  *    fixed-order sum of the chunks.
  * ====================================================================== */
 
-#define MT_RMS_CHUNK 32        /* rows per dw partial */
+#define MT_RMS_CHUNK 32        /* rows per dw partial (rows of up to 1024: MT_RMS_CHUNK_NARROW, more blocks in flight) */
+#define MT_RMS_CHUNK_NARROW 8
 #define MT_RMS_CACHE 8         /* 8-element chunks per lane held in registers between a row's two passes
                                   (rows up to 2048 wide; longer rows read the rest again) */
 }  /* extern "C": the RMSNorm kernels are templates */
@@ -1080,7 +1081,7 @@ __device__ __forceinline__ void mt__dw8(float *my, int d, int D, uint4 ug, uint4
         for (int j = 0; j < 8; j++) if (d + j < D) my[d + j] += g[j] * x[j] * r;
     }
 }
-/* The whole backward in one pass over dy and x: a block takes MT_RMS_CHUNK consecutive rows, warp k the rows
+/* The whole backward in one pass over dy and x: a block takes `rows` consecutive rows, warp k the rows
  * k, k + MT_RMS_WARPS, ... of them in order, one at a time as in k_rms_bwd_dx, and adds g x rstd to its own row
  * of shared memory; the block's dw partial is then the sum of those rows in warp order (fixed, as the chunk's
  * rows are). w is staged in shared memory too: (1 + MT_RMS_WARPS) D floats. */
@@ -1088,15 +1089,15 @@ __device__ __forceinline__ void mt__dw8(float *my, int d, int D, uint4 ug, uint4
 #define MT_RMS_FUSED_MAXD 2456   /* (1 + MT_RMS_WARPS) * D * 4 bytes within the default 48 KB */
 template <bool V, bool ADD>
 __global__ void __launch_bounds__(32 * MT_RMS_WARPS) k_rms_bwd_fused(bf16 *dx, float *part, const bf16 *dy, const bf16 *x, const float *w,
-                                                                     const float *rstd, const bf16 *acc, int N, int D) {
+                                                                     const float *rstd, const bf16 *acc, int N, int D, int rows) {
     extern __shared__ float mt_rms_sh[];
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float *sw = mt_rms_sh, *my = mt_rms_sh + (1 + wp) * D;
     for (int d = threadIdx.x; d < D; d += blockDim.x) sw[d] = w[d];
     for (int d = lane; d < D; d += 32) my[d] = 0;
     __syncthreads();
-    for (int j = 0; j < MT_RMS_CHUNK / MT_RMS_WARPS; j++) {
-        int row = blockIdx.x * MT_RMS_CHUNK + j * MT_RMS_WARPS + wp;
+    for (int j = 0; j < rows / MT_RMS_WARPS; j++) {
+        int row = blockIdx.x * rows + j * MT_RMS_WARPS + wp;
         if (row >= N) break;
         int64_t o = (int64_t)row * D;
         float r = rstd[row], dot = 0, wv[8];
@@ -1216,7 +1217,9 @@ int mt_cuda_add_rmsnorm_forward(mt_cuda *c, void *h, void *y, float *rstd, const
                                 int D, float eps) {
     return mt__rms_fwd(c, h, y, rstd, a, b, w, N, D, eps);
 }
-size_t mt_cuda_rmsnorm_backward_workspace(int N, int D) { return mt__al((size_t)((N + MT_RMS_CHUNK - 1) / MT_RMS_CHUNK) * D * 4); }
+/* rows per dw partial */
+static int mt__rms_rows(int D) { return D <= 1024 ? MT_RMS_CHUNK_NARROW : MT_RMS_CHUNK; }
+size_t mt_cuda_rmsnorm_backward_workspace(int N, int D) { return mt__al((size_t)((N + mt__rms_rows(D) - 1) / mt__rms_rows(D)) * D * 4); }
 int mt_cuda_rmsnorm_forward(mt_cuda *c, void *y, float *rstd, const void *x, const float *w, int N, int D, float eps) {
     return mt__rms_fwd(c, NULL, y, rstd, x, NULL, w, N, D, eps);
 }
@@ -1226,9 +1229,11 @@ static int mt__rms_bwd(mt_cuda *c, void *dx, float *dw, const void *dy, const vo
     bool v = mt__rows16(D, 2, dx, dy, x, w, acc) && !((uintptr_t)ws & 15);
     int chunks = (N + MT_RMS_CHUNK - 1) / MT_RMS_CHUNK;
     if (D <= MT_RMS_FUSED_MAXD) {   /* one pass: dx and the chunks' dw partials */
+        int rows = mt__rms_rows(D);
+        chunks = (N + rows - 1) / rows;
         size_t sm = (size_t)(1 + MT_RMS_WARPS) * D * 4;
 #define MT__RMS(V, ADD) k_rms_bwd_fused<V, ADD><<<chunks, 32 * MT_RMS_WARPS, sm, c->stream>>>((bf16 *)dx, (float *)ws, (const bf16 *)dy, \
-                                                                                         (const bf16 *)x, w, rstd, (const bf16 *)acc, N, D)
+                                                                                         (const bf16 *)x, w, rstd, (const bf16 *)acc, N, D, rows)
         if (acc) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
         else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
 #undef MT__RMS
