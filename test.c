@@ -504,10 +504,10 @@ static void gpu_test_basic_ops(void) {
     }
 }
 
-/* The row kernels (RMSNorm, MoE permute / combine, cross-entropy, split / concat, gradient norm) on shapes that
- * take their 16-byte path (rows a multiple of 8 elements), their element path (not), rows longer than a lane's
- * register cache (over 2048) or than the one-pass RMSNorm backward takes (over 2456), and odd row counts: each
- * against the CPU, and each rerun bitwise. */
+/* The row kernels (RMSNorm, MoE permute / combine, cross-entropy, embedding backward, split / concat, gradient
+ * norm) on shapes that take their 16-byte path (rows a multiple of 8 elements), their element path (not), rows
+ * longer than a lane's register cache (over 2048) or than the one-pass RMSNorm backward takes (over 2456), and
+ * odd row counts: each against the CPU, and each rerun bitwise. */
 static int dsame(const void *a, const void *b, size_t bytes) {
     void *x = down(a, bytes), *y = down(b, bytes);
     int s = !memcmp(x, y, bytes);
@@ -515,7 +515,7 @@ static int dsame(const void *a, const void *b, size_t bytes) {
     return s;
 }
 static void gpu_test_rows(void) {
-    static const int rms[][2] = {{37, 2048}, {70, 2056}, {19, 100}, {9, 2601}, {7, 3080}, {5, 8}, {3, 7}};
+    static const int rms[][2] = {{37, 2048}, {70, 2056}, {41, 1024}, {19, 100}, {9, 2601}, {7, 3080}, {5, 8}, {3, 7}};
     for (int t = 0; t < (int)(sizeof rms / sizeof rms[0]); t++) {
         int N = rms[t][0], D = rms[t][1];
         int64_t ND = (int64_t)N * D;
@@ -629,6 +629,29 @@ static void gpu_test_rows(void) {
         free(lg); free(tg); free(lse); free(dl); free(glse); free(gdl);
         dfree(L); dfree(T); dfree(ws);
         for (int r = 0; r < 2; r++) { dfree(LOSS[r]); dfree(LSE[r]); dfree(DL[r]); }
+    }
+
+    /* embedding backward: the 16-byte path (D a multiple of 8) and the element path, many repeated tokens */
+    static const int emb[][3] = {{300, 2056, 50}, {77, 100, 9}};
+    for (int t = 0; t < (int)(sizeof emb / sizeof emb[0]); t++) {
+        int N = emb[t][0], D = emb[t][1], V = emb[t][2];
+        int64_t ND = (int64_t)N * D;
+        int32_t *tok = (int32_t *)malloc(4 * (size_t)N);
+        for (int i = 0; i < N; i++) tok[i] = (int32_t)(mt_rng_u64(&R) % 7) * (V / 7);
+        float *dx = randn(ND, 1), *dw = (float *)malloc(4 * (size_t)V * D);
+        round_bf(dx, ND);
+        mt_cpu_embed_backward(dw, dx, tok, N, V, D);
+        void *TK = up(tok, 4 * (size_t)N), *DX = up_bf(dx, ND), *ws = dalloc(mt_cuda_embed_backward_workspace(N, D)), *DW[2];
+        int ok = 1;
+        for (int r = 0; r < 2; r++) { DW[r] = dalloc(4 * (size_t)V * D); ok &= !mt_cuda_embed_backward(CU, (float *)DW[r], DX, (int32_t *)TK, N, V, D, ws); }
+        float *gw = (float *)down(DW[0], 4 * (size_t)V * D);
+        double e = rel(gw, dw, (int64_t)V * D);
+        int rerun = dsame(DW[0], DW[1], 4 * (size_t)V * D);
+        char nm[96];
+        snprintf(nm, sizeof nm, "gpu embedding bwd rows N=%d D=%d", N, D);
+        report(nm, ok && e < F32_TOL && rerun, "%.1e, rerun %s", e, rerun ? "bitwise" : "DIFFERS");
+        free(tok); free(dx); free(dw); free(gw);
+        dfree(TK); dfree(DX); dfree(ws); dfree(DW[0]); dfree(DW[1]);
     }
 
     /* split / concat: parts of whole 16-byte chunks (one kernel) or not (2D copies); concat with a missing part
