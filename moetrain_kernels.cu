@@ -124,6 +124,62 @@ __device__ float block_max(float v, float *sh) {
     return sh[0];
 }
 
+/* Rows of bf16 in chunks of 8 elements (16 bytes). On the vector path (V: the row length is a multiple of 8 and
+ * every row pointer 16-byte aligned) a chunk is one 16-byte load or store; otherwise it is read element by element
+ * with the row end checked (elements past it read as zero bits and are never stored). Both paths give the same
+ * values per element; the memory-bound kernels below use them to keep 16 bytes per load in flight. */
+template <bool V>
+__device__ __forceinline__ uint4 ld8(const bf16 *row, int d, int D) {
+    if constexpr (V) return *(const uint4 *)(row + d);
+    unsigned short e[8];
+    const unsigned short *r = (const unsigned short *)row;
+#pragma unroll
+    for (int j = 0; j < 8; j++) e[j] = d + j < D ? r[d + j] : (unsigned short)0;
+    uint4 u;
+    u.x = e[0] | (unsigned)e[1] << 16; u.y = e[2] | (unsigned)e[3] << 16;
+    u.z = e[4] | (unsigned)e[5] << 16; u.w = e[6] | (unsigned)e[7] << 16;
+    return u;
+}
+template <bool V>
+__device__ __forceinline__ void st8raw(bf16 *row, int d, int D, uint4 u) {
+    if constexpr (V) { *(uint4 *)(row + d) = u; return; }
+    const unsigned short *e = (const unsigned short *)&u;
+    unsigned short *r = (unsigned short *)row;
+#pragma unroll
+    for (int j = 0; j < 8; j++) if (d + j < D) r[d + j] = e[j];
+}
+__device__ __forceinline__ void unpack8(float (&f)[8], uint4 u) {
+    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+#pragma unroll
+    for (int k = 0; k < 4; k++) { f[2 * k] = __low2float(h[k]); f[2 * k + 1] = __high2float(h[k]); }
+}
+/* round to bf16 (nearest even, as tobf) and pack */
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+    uint4 u;
+    __nv_bfloat162 *h = (__nv_bfloat162 *)&u;
+#pragma unroll
+    for (int k = 0; k < 4; k++) h[k] = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+    return u;
+}
+template <bool V>
+__device__ __forceinline__ void st8(bf16 *row, int d, int D, const float (&f)[8]) { st8raw<V>(row, d, D, pack8(f)); }
+/* 8 f32 (a weight vector) at element d: two 16-byte loads on the vector path */
+template <bool V>
+__device__ __forceinline__ void ld8f(float (&f)[8], const float *w, int d, int D) {
+    if constexpr (V) {
+        float4 a = *(const float4 *)(w + d), b = *(const float4 *)(w + d + 4);
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) f[j] = d + j < D ? w[d + j] : 0.0f;
+    }
+}
+/* host: may rows of D elements of esz bytes at these pointers take the vector path */
+static inline bool mt__rows16(int64_t D, int esz, const void *a, const void *b = NULL, const void *c = NULL, const void *d = NULL,
+                              const void *e = NULL) {
+    return (D * esz) % 16 == 0 && !(((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d | (uintptr_t)e) & 15);
+}
+
 extern "C" {
 
 int mt_cuda_device_count(void) {
@@ -679,13 +735,55 @@ int mt_cuda_swiglu_backward(mt_cuda *c, void *dg, void *du, const void *g, const
     return 0;
 }
 
+/* split / concat of rows whose parts are whole 16-byte chunks: one warp per row, all of a row's loads in flight
+ * before its stores (a 2D copy moves the narrow part in short rows, well under the bandwidth). In 16-byte units:
+ * a row of x is ca chunks of x1, then cb of x2; a NULL source of the concat writes zeros. */
+#define MT_SPLIT_UNROLL 4
+__global__ void __launch_bounds__(256) k_split16(uint4 *x1, uint4 *x2, uint4 *x, int N, int ca, int cb, int concat) {
+    int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31, cr = ca + cb;
+    if (r >= N) return;
+    for (int k0 = lane; k0 < cr; k0 += 32 * MT_SPLIT_UNROLL) {
+        uint4 v[MT_SPLIT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MT_SPLIT_UNROLL; u++) {
+            int k = k0 + 32 * u;
+            if (k >= cr) continue;
+            if (!concat) v[u] = x[(int64_t)r * cr + k];
+            else {
+                const uint4 *src = k < ca ? x1 : x2;
+                v[u] = src ? src[k < ca ? (int64_t)r * ca + k : (int64_t)r * cb + k - ca] : make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MT_SPLIT_UNROLL; u++) {
+            int k = k0 + 32 * u;
+            if (k >= cr) continue;
+            if (concat) x[(int64_t)r * cr + k] = v[u];
+            else if (k < ca) x1[(int64_t)r * ca + k] = v[u];
+            else x2[(int64_t)r * cb + k - ca] = v[u];
+        }
+    }
+}
+static bool mt__split16(int a, int b, int esz, const void *x, const void *x1, const void *x2) {
+    return (int64_t)a * esz % 16 == 0 && (int64_t)b * esz % 16 == 0 && !(((uintptr_t)x | (uintptr_t)x1 | (uintptr_t)x2) & 15);
+}
 int mt_cuda_split(mt_cuda *c, void *x1, void *x2, const void *x, int N, int a, int b, int esz) {
+    if (N > 0 && mt__split16(a, b, esz, x, x1, x2)) {   /* x is only read */
+        k_split16<<<mt__blocks(N, 8), 256, 0, c->stream>>>((uint4 *)x1, (uint4 *)x2, (uint4 *)x, N, a * esz / 16, b * esz / 16, 0);
+        LAUNCHED();
+        return 0;
+    }
     size_t row = (size_t)(a + b) * esz;
     CK(cudaMemcpy2DAsync(x1, (size_t)a * esz, x, row, (size_t)a * esz, N, cudaMemcpyDeviceToDevice, c->stream));
     CK(cudaMemcpy2DAsync(x2, (size_t)b * esz, (const char *)x + (size_t)a * esz, row, (size_t)b * esz, N, cudaMemcpyDeviceToDevice, c->stream));
     return 0;
 }
 int mt_cuda_concat(mt_cuda *c, void *x, const void *x1, const void *x2, int N, int a, int b, int esz) {
+    if (N > 0 && mt__split16(a, b, esz, x, x1, x2)) {
+        k_split16<<<mt__blocks(N, 8), 256, 0, c->stream>>>((uint4 *)x1, (uint4 *)x2, (uint4 *)x, N, a * esz / 16, b * esz / 16, 1);
+        LAUNCHED();
+        return 0;
+    }
     size_t row = (size_t)(a + b) * esz;
     if (x1) CK(cudaMemcpy2DAsync(x, row, x1, (size_t)a * esz, (size_t)a * esz, N, cudaMemcpyDeviceToDevice, c->stream));
     else CK(cudaMemset2DAsync(x, row, 0, (size_t)a * esz, N, c->stream));
@@ -740,6 +838,57 @@ __global__ void k_embed_bwd(float *dwte, const float *part, const int32_t *keys,
         dwte[(int64_t)v * D + d] = acc;
     }
 }
+}  /* extern "C": the 16-byte variants use the row helpers (templates) */
+/* the same two passes on 8 columns per thread (16-byte loads of dx, 32-byte stores of the partials), for D a
+ * multiple of 8 and aligned rows; every column sums in the same order as above (bitwise the same). The rows of a
+ * step of MT_EMB_STEP positions are loaded before any partial is stored. */
+#define MT_EMB_STEP 4
+__global__ void __launch_bounds__(256) k_embed_bwd_part8(float *part, const bf16 *dx, const int32_t *keys, const int32_t *pos, int N, int D) {
+    int i0 = blockIdx.x * MT_EMB_CHUNK, i1 = min(N, i0 + MT_EMB_CHUNK);
+    for (int d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[j] = 0;
+        int start = i0;
+        for (int s0 = i0; s0 < i1; s0 += MT_EMB_STEP) {
+            uint4 u[MT_EMB_STEP];
+#pragma unroll
+            for (int k = 0; k < MT_EMB_STEP; k++)
+                if (s0 + k < i1) u[k] = *(const uint4 *)(dx + (int64_t)pos[s0 + k] * D + d);
+#pragma unroll
+            for (int k = 0; k < MT_EMB_STEP; k++) {
+                int i = s0 + k;
+                if (i >= i1) break;
+                float f[8];
+                unpack8(f, u[k]);
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[j] += f[j];
+                if (i + 1 == i1 || keys[i + 1] != keys[i]) {
+                    float4 *o = (float4 *)(part + (int64_t)start * D + d);
+                    o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                    o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[j] = 0;
+                    start = i + 1;
+                }
+            }
+        }
+    }
+}
+__global__ void __launch_bounds__(256) k_embed_bwd4(float *dwte, const float *part, const int32_t *keys, int N, int D) {
+    int i = blockIdx.x;
+    if (i > 0 && keys[i] == keys[i - 1]) return;       /* not the first of its token */
+    int v = keys[i];
+    for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
+        float4 acc = make_float4(0, 0, 0, 0);
+        for (int j = i; j < N && keys[j] == v; j = (j / MT_EMB_CHUNK + 1) * MT_EMB_CHUNK) {
+            float4 p = *(const float4 *)(part + (int64_t)j * D + d);
+            acc.x += p.x; acc.y += p.y; acc.z += p.z; acc.w += p.w;
+        }
+        *(float4 *)(dwte + (int64_t)v * D + d) = acc;
+    }
+}
+extern "C" {
 size_t mt_cuda_embed_backward_workspace(int N, int D) {
     size_t tmp = 0;
     cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, N);
@@ -758,6 +907,13 @@ int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_
     while ((1 << bits) < V && bits < 31) bits++;
     CK(cub::DeviceRadixSort::SortPairs(w, tmp, tok, keys, iota, pos, N, 0, bits, c->stream));
     float *part = (float *)(pos + mt__al((size_t)N * 4) / 4);
+    if (mt__rows16(D, 2, dx, part, dwte)) {
+        k_embed_bwd_part8<<<(N + MT_EMB_CHUNK - 1) / MT_EMB_CHUNK, 256, 0, c->stream>>>(part, (const bf16 *)dx, keys, pos, N, D);
+        LAUNCHED();
+        k_embed_bwd4<<<N, 256, 0, c->stream>>>(dwte, part, keys, N, D);
+        LAUNCHED();
+        return 0;
+    }
     k_embed_bwd_part<<<(N + MT_EMB_CHUNK - 1) / MT_EMB_CHUNK, 256, 0, c->stream>>>(part, (const bf16 *)dx, keys, pos, N, D);
     LAUNCHED();
     k_embed_bwd<<<N, 256, 0, c->stream>>>(dwte, part, keys, N, D);
@@ -770,118 +926,343 @@ int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_
  *    fixed-order sum of the chunks.
  * ====================================================================== */
 
-#define MT_RMS_CHUNK 64
-__global__ void k_rms_fwd(bf16 *y, float *rstd, const bf16 *x, const float *w, int N, int D, float eps) {
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= N) return;
-    const bf16 *xr = x + (int64_t)row * D;
-    float ss = 0;
-    for (int d = lane; d < D; d += 32) { float v = bf(xr[d]); ss += v * v; }
-    ss = warp_sum(ss);
-    float r = rsqrtf(ss / D + eps);
-    if (lane == 0) rstd[row] = r;
-    for (int d = lane; d < D; d += 32) y[(int64_t)row * D + d] = tobf(bf(xr[d]) * r * w[d]);
+#define MT_RMS_CHUNK 32        /* rows per dw partial (rows of up to 1024: MT_RMS_CHUNK_NARROW, more blocks in flight) */
+#define MT_RMS_CHUNK_NARROW 8
+#define MT_RMS_CACHE 8         /* 8-element chunks per lane held in registers between a row's two passes
+                                  (rows up to 2048 wide; longer rows read the rest again) */
+}  /* extern "C": the RMSNorm kernels are templates */
+/* one chunk of the norm's input; ADD: the residual sum h = a + b, rounded to bf16 and stored, is the input */
+template <bool V, bool ADD>
+__device__ __forceinline__ uint4 mt__rms_in(bf16 *h, const bf16 *a, const bf16 *b, int64_t o, int d, int D) {
+    if (!ADD) return ld8<V>(a + o, d, D);
+    float x[8], y[8];
+    unpack8(x, ld8<V>(a + o, d, D));
+    unpack8(y, ld8<V>(b + o, d, D));
+#pragma unroll
+    for (int j = 0; j < 8; j++) x[j] += y[j];
+    uint4 u = pack8(x);
+    st8raw<V>(h + o, d, D, u);
+    return u;
 }
-__global__ void k_rms_bwd_dx(bf16 *dx, const bf16 *dy, const bf16 *x, const float *w, const float *rstd, int N, int D) {
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= N) return;
-    const bf16 *xr = x + (int64_t)row * D, *g = dy + (int64_t)row * D;
-    float dot = 0;
-    for (int d = lane; d < D; d += 32) dot += w[d] * bf(g[d]) * bf(xr[d]);
-    dot = warp_sum(dot);
-    float r = rstd[row], cc = r * r * r * dot / D;
-    for (int d = lane; d < D; d += 32) dx[(int64_t)row * D + d] = tobf(r * w[d] * bf(g[d]) - cc * bf(xr[d]));
+__device__ __forceinline__ float mt__ss8(float ss, uint4 u) {
+    float x[8];
+    unpack8(x, u);
+#pragma unroll
+    for (int j = 0; j < 8; j++) ss += x[j] * x[j];
+    return ss;
 }
-__global__ void k_rms_bwd_dw_part(float *part, const bf16 *dy, const bf16 *x, const float *rstd, int N, int D) {
-    int d = blockIdx.y * blockDim.x + threadIdx.x, ch = blockIdx.x;
-    if (d >= D) return;
-    float acc = 0;
-    int end = min(N, (ch + 1) * MT_RMS_CHUNK);
-    for (int n = ch * MT_RMS_CHUNK; n < end; n++) acc += bf(dy[(int64_t)n * D + d]) * bf(x[(int64_t)n * D + d]) * rstd[n];
-    part[(int64_t)ch * D + d] = acc;
+template <bool V>
+__device__ __forceinline__ void mt__rms_out(bf16 *y, int d, int D, uint4 u, float r, const float *w) {
+    float x[8], wv[8];
+    unpack8(x, u);
+    ld8f<V>(wv, w, d, D);
+#pragma unroll
+    for (int j = 0; j < 8; j++) x[j] = x[j] * r * wv[j];
+    st8<V>(y, d, D, x);
 }
-__global__ void k_colsum(float *out, const float *part, int chunks, int D) {
-    int d = blockIdx.x * blockDim.x + threadIdx.x;
-    if (d >= D) return;
-    float acc = 0;
-    for (int ch = 0; ch < chunks; ch++) acc += part[(int64_t)ch * D + d];
-    out[d] = acc;
-}
-/* fused residual add + RMSNorm: h rounds to bf16 before the norm reads it,
- * exactly as the unfused pair does (k_add_bf16 then k_rms_fwd) */
-__global__ void k_add_rms_fwd(bf16 *h, bf16 *y, float *rstd, const bf16 *a, const bf16 *b, const float *w, int N, int D, float eps) {
+/* one warp per row, 8-element chunks. ADD: the fused residual add + RMSNorm; both instantiations perform the
+ * same operations on the same values, so the fused node equals the unfused pair (add, then norm) bit for bit */
+template <bool V, bool ADD>
+__global__ void __launch_bounds__(256, 2) k_rms_fwd(bf16 *h, bf16 *y, float *rstd, const bf16 *a, const bf16 *b, const float *w, int N,
+                                                 int D, float eps) {
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     int64_t o = (int64_t)row * D;
+    uint4 c[MT_RMS_CACHE], cb[ADD ? MT_RMS_CACHE : 1];
     float ss = 0;
-    for (int d = lane; d < D; d += 32) {
-        bf16 hv = tobf(bf(a[o + d]) + bf(b[o + d]));
-        h[o + d] = hv;
-        float v = bf(hv);
-        ss += v * v;
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {   /* every load of the cached chunks first: none waits for a store */
+        int d = (lane + 32 * i) * 8;
+        if (d < D) {
+            c[i] = ld8<V>(a + o, d, D);
+            if (ADD) cb[ADD ? i : 0] = ld8<V>(b + o, d, D);
+        }
     }
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) {
+            if (ADD) {
+                float x[8], y[8];
+                unpack8(x, c[i]);
+                unpack8(y, cb[ADD ? i : 0]);
+#pragma unroll
+                for (int j = 0; j < 8; j++) x[j] += y[j];
+                c[i] = pack8(x);
+                st8raw<V>(h + o, d, D, c[i]);
+            }
+            ss = mt__ss8(ss, c[i]);
+        }
+    }
+    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) ss = mt__ss8(ss, mt__rms_in<V, ADD>(h, a, b, o, d, D));
     ss = warp_sum(ss);
     float r = rsqrtf(ss / D + eps);
     if (lane == 0) rstd[row] = r;
-    for (int d = lane; d < D; d += 32) y[o + d] = tobf(bf(h[o + d]) * r * w[d]);
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) mt__rms_out<V>(y + o, d, D, c[i], r, w);
+    }
+    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) mt__rms_out<V>(y + o, d, D, ld8<V>((ADD ? h : a) + o, d, D), r, w);
 }
-/* fused RMSNorm backward + residual-gradient accumulation: dx rounds to
- * bf16 before the add, as the unfused pair does */
-__global__ void k_rms_bwd_dx_add(bf16 *dx, const bf16 *dy, const bf16 *x, const float *w, const float *rstd, const bf16 *acc, int N, int D) {
+__device__ __forceinline__ float mt__dot8(float dot, uint4 ug, uint4 ux, const float (&wv)[8]) {
+    float g[8], x[8];
+    unpack8(g, ug);
+    unpack8(x, ux);
+#pragma unroll
+    for (int j = 0; j < 8; j++) dot += wv[j] * g[j] * x[j];
+    return dot;
+}
+/* dx of one chunk; ADD: dx rounds to bf16 before the residual gradient acc is added, as the unfused pair does */
+template <bool V, bool ADD>
+__device__ __forceinline__ void mt__rms_dx(bf16 *dx, const bf16 *acc, int d, int D, uint4 ug, uint4 ux, float r, float cc, const float *w) {
+    float g[8], x[8], wv[8];
+    unpack8(g, ug);
+    unpack8(x, ux);
+    ld8f<V>(wv, w, d, D);
+#pragma unroll
+    for (int j = 0; j < 8; j++) g[j] = r * wv[j] * g[j] - cc * x[j];
+    if (ADD) {
+        float own[8];
+        unpack8(own, pack8(g));
+        unpack8(g, ld8<V>(acc, d, D));
+#pragma unroll
+        for (int j = 0; j < 8; j++) g[j] += own[j];
+    }
+    st8<V>(dx, d, D, g);
+}
+/* two warps per block: a row's dy and x stay in registers (~170 per thread), so few warps fit an SM; small blocks
+ * let them retire independently */
+template <bool V, bool ADD>
+__global__ void __launch_bounds__(64) k_rms_bwd_dx(bf16 *dx, const bf16 *dy, const bf16 *x, const float *w, const float *rstd,
+                                                    const bf16 *acc, int N, int D) {
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
-    const bf16 *xr = x + (int64_t)row * D, *g = dy + (int64_t)row * D;
-    float dot = 0;
-    for (int d = lane; d < D; d += 32) dot += w[d] * bf(g[d]) * bf(xr[d]);
+    int64_t o = (int64_t)row * D;
+    uint4 cg[MT_RMS_CACHE], cx[MT_RMS_CACHE];
+    float dot = 0, wv[8];
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) {
+            cg[i] = ld8<V>(dy + o, d, D);
+            cx[i] = ld8<V>(x + o, d, D);
+            ld8f<V>(wv, w, d, D);
+            dot = mt__dot8(dot, cg[i], cx[i], wv);
+        }
+    }
+    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) {
+        ld8f<V>(wv, w, d, D);
+        dot = mt__dot8(dot, ld8<V>(dy + o, d, D), ld8<V>(x + o, d, D), wv);
+    }
     dot = warp_sum(dot);
     float r = rstd[row], cc = r * r * r * dot / D;
-    for (int d = lane; d < D; d += 32) {
-        float own = bf(tobf(r * w[d] * bf(g[d]) - cc * bf(xr[d])));
-        dx[(int64_t)row * D + d] = tobf(bf(acc[(int64_t)row * D + d]) + own);
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) mt__rms_dx<V, ADD>(dx + o, acc + o, d, D, cg[i], cx[i], r, cc, w);
     }
+    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256)
+        mt__rms_dx<V, ADD>(dx + o, acc + o, d, D, ld8<V>(dy + o, d, D), ld8<V>(x + o, d, D), r, cc, w);
+}
+/* dw[d] += g x r for one chunk, in a warp's shared-memory row */
+template <bool V>
+__device__ __forceinline__ void mt__dw8(float *my, int d, int D, uint4 ug, uint4 ux, float r) {
+    float g[8], x[8];
+    unpack8(g, ug);
+    unpack8(x, ux);
+    if constexpr (V) {
+        float4 *p = (float4 *)(my + d), a = p[0], b = p[1];
+        a.x += g[0] * x[0] * r; a.y += g[1] * x[1] * r; a.z += g[2] * x[2] * r; a.w += g[3] * x[3] * r;
+        b.x += g[4] * x[4] * r; b.y += g[5] * x[5] * r; b.z += g[6] * x[6] * r; b.w += g[7] * x[7] * r;
+        p[0] = a; p[1] = b;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) if (d + j < D) my[d + j] += g[j] * x[j] * r;
+    }
+}
+/* The whole backward in one pass over dy and x: a block takes `rows` consecutive rows, warp k the rows
+ * k, k + MT_RMS_WARPS, ... of them in order, one at a time as in k_rms_bwd_dx, and adds g x rstd to its own row
+ * of shared memory; the block's dw partial is then the sum of those rows in warp order (fixed, as the chunk's
+ * rows are). w is staged in shared memory too: (1 + MT_RMS_WARPS) D floats. */
+#define MT_RMS_WARPS 4
+#define MT_RMS_FUSED_MAXD 2456   /* (1 + MT_RMS_WARPS) * D * 4 bytes within the default 48 KB */
+template <bool V, bool ADD>
+__global__ void __launch_bounds__(32 * MT_RMS_WARPS) k_rms_bwd_fused(bf16 *dx, float *part, const bf16 *dy, const bf16 *x, const float *w,
+                                                                     const float *rstd, const bf16 *acc, int N, int D, int rows) {
+    extern __shared__ float mt_rms_sh[];
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float *sw = mt_rms_sh, *my = mt_rms_sh + (1 + wp) * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) sw[d] = w[d];
+    for (int d = lane; d < D; d += 32) my[d] = 0;
+    __syncthreads();
+    for (int j = 0; j < rows / MT_RMS_WARPS; j++) {
+        int row = blockIdx.x * rows + j * MT_RMS_WARPS + wp;
+        if (row >= N) break;
+        int64_t o = (int64_t)row * D;
+        float r = rstd[row], dot = 0, wv[8];
+        uint4 cg[MT_RMS_CACHE], cx[MT_RMS_CACHE], ca[ADD ? MT_RMS_CACHE : 1];
+#pragma unroll
+        for (int i = 0; i < MT_RMS_CACHE; i++) {   /* every load of the cached chunks first */
+            int d = (lane + 32 * i) * 8;
+            if (d < D) {
+                cg[i] = ld8<V>(dy + o, d, D);
+                cx[i] = ld8<V>(x + o, d, D);
+                if (ADD) ca[ADD ? i : 0] = ld8<V>(acc + o, d, D);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MT_RMS_CACHE; i++) {
+            int d = (lane + 32 * i) * 8;
+            if (d < D) {
+                ld8f<V>(wv, sw, d, D);
+                dot = mt__dot8(dot, cg[i], cx[i], wv);
+                mt__dw8<V>(my, d, D, cg[i], cx[i], r);
+            }
+        }
+        for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) {
+            uint4 g = ld8<V>(dy + o, d, D), xx = ld8<V>(x + o, d, D);
+            ld8f<V>(wv, sw, d, D);
+            dot = mt__dot8(dot, g, xx, wv);
+            mt__dw8<V>(my, d, D, g, xx, r);
+        }
+        dot = warp_sum(dot);
+        float cc = r * r * r * dot / D;
+#pragma unroll
+        for (int i = 0; i < MT_RMS_CACHE; i++) {
+            int d = (lane + 32 * i) * 8;
+            if (d < D) {
+                float g[8], xv[8];
+                unpack8(g, cg[i]);
+                unpack8(xv, cx[i]);
+                ld8f<V>(wv, sw, d, D);
+#pragma unroll
+                for (int k = 0; k < 8; k++) g[k] = r * wv[k] * g[k] - cc * xv[k];
+                if (ADD) {
+                    float own[8];
+                    unpack8(own, pack8(g));
+                    unpack8(g, ca[ADD ? i : 0]);
+#pragma unroll
+                    for (int k = 0; k < 8; k++) g[k] += own[k];
+                }
+                st8<V>(dx + o, d, D, g);
+            }
+        }
+        for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256)
+            mt__rms_dx<V, ADD>(dx + o, acc + o, d, D, ld8<V>(dy + o, d, D), ld8<V>(x + o, d, D), r, cc, sw);
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float t = 0;
+        for (int k = 0; k < MT_RMS_WARPS; k++) t += mt_rms_sh[(1 + k) * D + d];
+        part[(int64_t)blockIdx.x * D + d] = t;
+    }
+}
+/* dw partials: part[chunk][d] = sum over the chunk's rows, in row order; one thread per 8 columns */
+template <bool V>
+__global__ void __launch_bounds__(64) k_rms_bwd_dw_part(float *part, const bf16 *dy, const bf16 *x, const float *rstd, int N, int D) {
+    int d = (blockIdx.y * blockDim.x + threadIdx.x) * 8, ch = blockIdx.x;
+    if (d >= D) return;
+    float acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[j] = 0;
+    int end = min(N, (ch + 1) * MT_RMS_CHUNK);
+#pragma unroll 4
+    for (int n = ch * MT_RMS_CHUNK; n < end; n++) {
+        float g[8], xv[8], r = rstd[n];
+        unpack8(g, ld8<V>(dy + (int64_t)n * D, d, D));
+        unpack8(xv, ld8<V>(x + (int64_t)n * D, d, D));
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[j] += g[j] * xv[j] * r;
+    }
+    float *p = part + (int64_t)ch * D + d;
+    if constexpr (V) {
+        ((float4 *)p)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        ((float4 *)p)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) if (d + j < D) p[j] = acc[j];
+    }
+}
+extern "C" {
+/* out[d] = sum of part[ch][d] over the chunks: 32 columns x 32 groups per block, group t sums chunks t, t + 32,
+ * ... in order, then the 32 group sums add in order */
+__global__ void __launch_bounds__(1024) k_colsum(float *out, const float *part, int chunks, int D) {
+    __shared__ float sh[32][33];
+    int tx = threadIdx.x & 31, ty = threadIdx.x >> 5, d = blockIdx.x * 32 + tx;
+    float acc = 0;
+    if (d < D)
+#pragma unroll 4
+        for (int ch = ty; ch < chunks; ch += 32) acc += part[(int64_t)ch * D + d];
+    sh[ty][tx] = acc;
+    __syncthreads();
+    if (ty == 0 && d < D) {
+        float t = 0;
+        for (int k = 0; k < 32; k++) t += sh[k][tx];
+        out[d] = t;
+    }
+}
+static int mt__rms_fwd(mt_cuda *c, void *h, void *y, float *rstd, const void *a, const void *b, const float *w, int N, int D, float eps) {
+    if (N <= 0) return 0;
+    bool v = mt__rows16(D, 2, h, y, a, b, w);
+#define MT__RMS(V, ADD) k_rms_fwd<V, ADD><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)h, (bf16 *)y, rstd, (const bf16 *)a, \
+                                                                                    (const bf16 *)b, w, N, D, eps)
+    if (h) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
+    else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
+#undef MT__RMS
+    LAUNCHED();
+    return 0;
 }
 int mt_cuda_add_rmsnorm_forward(mt_cuda *c, void *h, void *y, float *rstd, const void *a, const void *b, const float *w, int N,
                                 int D, float eps) {
-    if (N <= 0) return 0;
-    k_add_rms_fwd<<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)h, (bf16 *)y, rstd, (const bf16 *)a, (const bf16 *)b, w, N, D, eps);
-    LAUNCHED();
-    return 0;
+    return mt__rms_fwd(c, h, y, rstd, a, b, w, N, D, eps);
 }
-size_t mt_cuda_rmsnorm_backward_workspace(int N, int D) { return mt__al((size_t)((N + MT_RMS_CHUNK - 1) / MT_RMS_CHUNK) * D * 4); }
+/* rows per dw partial */
+static int mt__rms_rows(int D) { return D <= 1024 ? MT_RMS_CHUNK_NARROW : MT_RMS_CHUNK; }
+size_t mt_cuda_rmsnorm_backward_workspace(int N, int D) { return mt__al((size_t)((N + mt__rms_rows(D) - 1) / mt__rms_rows(D)) * D * 4); }
 int mt_cuda_rmsnorm_forward(mt_cuda *c, void *y, float *rstd, const void *x, const float *w, int N, int D, float eps) {
-    if (N <= 0) return 0;
-    k_rms_fwd<<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)y, rstd, (const bf16 *)x, w, N, D, eps);
-    LAUNCHED();
-    return 0;
+    return mt__rms_fwd(c, NULL, y, rstd, x, NULL, w, N, D, eps);
 }
-static int mt__rms_dw(mt_cuda *c, float *dw, const void *dy, const void *x, const float *rstd, int N, int D, void *ws) {
+static int mt__rms_bwd(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w, const float *rstd,
+                       const void *acc, int N, int D, void *ws) {
+    if (N <= 0) { CK(cudaMemsetAsync(dw, 0, (size_t)D * 4, c->stream)); return 0; }
+    bool v = mt__rows16(D, 2, dx, dy, x, w, acc) && !((uintptr_t)ws & 15);
     int chunks = (N + MT_RMS_CHUNK - 1) / MT_RMS_CHUNK;
-    dim3 g(chunks, (D + 127) / 128);
-    k_rms_bwd_dw_part<<<g, 128, 0, c->stream>>>((float *)ws, (const bf16 *)dy, (const bf16 *)x, rstd, N, D);
+    if (D <= MT_RMS_FUSED_MAXD) {   /* one pass: dx and the chunks' dw partials */
+        int rows = mt__rms_rows(D);
+        chunks = (N + rows - 1) / rows;
+        size_t sm = (size_t)(1 + MT_RMS_WARPS) * D * 4;
+#define MT__RMS(V, ADD) k_rms_bwd_fused<V, ADD><<<chunks, 32 * MT_RMS_WARPS, sm, c->stream>>>((bf16 *)dx, (float *)ws, (const bf16 *)dy, \
+                                                                                         (const bf16 *)x, w, rstd, (const bf16 *)acc, N, D, rows)
+        if (acc) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
+        else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
+#undef MT__RMS
+        LAUNCHED();
+        k_colsum<<<mt__blocks(D, 32), 1024, 0, c->stream>>>(dw, (const float *)ws, chunks, D);
+        LAUNCHED();
+        return 0;
+    }
+#define MT__RMS(V, ADD) k_rms_bwd_dx<V, ADD><<<mt__blocks(N, 2), 64, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dy, (const bf16 *)x, w, \
+                                                                                       rstd, (const bf16 *)acc, N, D)
+    if (acc) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
+    else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
+#undef MT__RMS
     LAUNCHED();
-    k_colsum<<<mt__blocks(D, 128), 128, 0, c->stream>>>(dw, (const float *)ws, chunks, D);
+    dim3 g(chunks, mt__blocks((D + 7) / 8, 64));
+    if (v) k_rms_bwd_dw_part<true><<<g, 64, 0, c->stream>>>((float *)ws, (const bf16 *)dy, (const bf16 *)x, rstd, N, D);
+    else k_rms_bwd_dw_part<false><<<g, 64, 0, c->stream>>>((float *)ws, (const bf16 *)dy, (const bf16 *)x, rstd, N, D);
+    LAUNCHED();
+    k_colsum<<<mt__blocks(D, 32), 1024, 0, c->stream>>>(dw, (const float *)ws, chunks, D);
     LAUNCHED();
     return 0;
 }
 int mt_cuda_rmsnorm_backward_add(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w,
                                  const float *rstd, const void *acc, int N, int D, void *ws) {
-    if (N <= 0) { CK(cudaMemsetAsync(dw, 0, (size_t)D * 4, c->stream)); return 0; }
-    k_rms_bwd_dx_add<<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dy, (const bf16 *)x, w, rstd, (const bf16 *)acc, N, D);
-    LAUNCHED();
-    return mt__rms_dw(c, dw, dy, x, rstd, N, D, ws);
+    return mt__rms_bwd(c, dx, dw, dy, x, w, rstd, acc, N, D, ws);
 }
 int mt_cuda_rmsnorm_backward(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w,
                              const float *rstd, int N, int D, void *ws) {
-    if (N <= 0) { CK(cudaMemsetAsync(dw, 0, (size_t)D * 4, c->stream)); return 0; }
-    k_rms_bwd_dx<<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dy, (const bf16 *)x, w, rstd, N, D);
-    LAUNCHED();
-    int chunks = (N + MT_RMS_CHUNK - 1) / MT_RMS_CHUNK;
-    dim3 g(chunks, (D + 127) / 128);
-    k_rms_bwd_dw_part<<<g, 128, 0, c->stream>>>((float *)ws, (const bf16 *)dy, (const bf16 *)x, rstd, N, D);
-    LAUNCHED();
-    k_colsum<<<mt__blocks(D, 128), 128, 0, c->stream>>>(dw, (const float *)ws, chunks, D);
-    LAUNCHED();
-    return 0;
+    return mt__rms_bwd(c, dx, dw, dy, x, w, rstd, NULL, N, D, ws);
 }
 
 /* ========================================================================
@@ -991,12 +1372,134 @@ __global__ void k_rope_bwd2(__nv_bfloat162 *dq, __nv_bfloat162 *dkv, __nv_bfloat
         dkpe[(int64_t)n * half + i] = __floats2bfloat162_rn(a0, a1);
     }
 }
+/* the same two kernels on 16-byte chunks of 8 elements (4 rotation pairs), for dn, dr and dv multiples of 8 and
+ * 16-byte aligned tensors and tables; every element is computed as in the pair kernels (bitwise the same) */
+}  /* extern "C": the chunk kernels use the row helpers (templates) */
+__device__ __forceinline__ uint4 rot8(uint4 x, float4 c, float4 s, int inverse) {
+    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&x;
+    uint4 o;
+    __nv_bfloat162 *r = (__nv_bfloat162 *)&o;
+    r[0] = rot2(h[0], c.x, s.x, inverse); r[1] = rot2(h[1], c.y, s.y, inverse);
+    r[2] = rot2(h[2], c.z, s.z, inverse); r[3] = rot2(h[3], c.w, s.w, inverse);
+    return o;
+}
+/* Each token's outputs are a list of 16-byte items; a thread loads MT_ROPE_UNROLL items before it stores any
+ * (the stores could alias the next loads as far as the compiler knows). */
+#define MT_ROPE_UNROLL 4
+/* items: Q chunks (H cq), K chunks (H cq), V chunks (H cv) */
+__global__ void __launch_bounds__(256) k_rope_fwd8(bf16 *Q, bf16 *K, bf16 *V, const bf16 *q, const bf16 *kv, const bf16 *kpe, const float *cosv,
+                                                   const float *sinv, int T, int H, int dn, int dr, int dv) {
+    int n = blockIdx.x, half = dr / 2, cq = (dn + dr) / 8, cn = dn / 8, ckv = (dn + dv) / 8, cv = dv / 8;
+    int nq = H * cq, total = 2 * nq + H * cv;
+    const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
+    const uint4 *q8 = (const uint4 *)q + (int64_t)n * H * cq, *kv8 = (const uint4 *)kv + (int64_t)n * H * ckv, *kpe8 = (const uint4 *)kpe + (int64_t)n * (dr / 8);
+    uint4 *Q8 = (uint4 *)Q + (int64_t)n * H * cq, *K8 = (uint4 *)K + (int64_t)n * H * cq, *V8 = (uint4 *)V + (int64_t)n * H * cv;
+    for (int b0 = threadIdx.x; b0 < total; b0 += MT_ROPE_UNROLL * blockDim.x) {
+        uint4 v[MT_ROPE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MT_ROPE_UNROLL; u++) {
+            int idx = b0 + u * blockDim.x;
+            if (idx >= total) continue;
+            if (idx < nq) v[u] = q8[idx];
+            else if (idx < 2 * nq) {
+                int j = idx - nq, h = j / cq, p = j - h * cq;
+                v[u] = p < cn ? kv8[h * ckv + p] : kpe8[p - cn];
+            } else {
+                int j = idx - 2 * nq, h = j / cv, e = j - h * cv;
+                v[u] = kv8[h * ckv + cn + e];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MT_ROPE_UNROLL; u++) {
+            int idx = b0 + u * blockDim.x;
+            if (idx >= total) continue;
+            if (idx < 2 * nq) {
+                int j = idx < nq ? idx : idx - nq, p = j % cq;
+                uint4 o = v[u];
+                if (p >= cn) {
+                    int i = (p - cn) * 4;
+                    o = rot8(o, *(const float4 *)(cs + i), *(const float4 *)(sn + i), 0);
+                }
+                (idx < nq ? Q8 : K8)[j] = o;
+            } else {
+                V8[idx - 2 * nq] = v[u];
+            }
+        }
+    }
+}
+/* items: dq chunks (H cq), dkv chunks (H ckv), and the rope chunks of dK (H dr/8), whose rotated values go to
+ * shared memory [H][dr] in f32; k_pe is shared by the heads, so each of its elements then sums the heads in order */
+__global__ void __launch_bounds__(256) k_rope_bwd8(bf16 *dq, bf16 *dkv, bf16 *dkpe, const bf16 *dQ, const bf16 *dK, const bf16 *dV,
+                                                   const float *cosv, const float *sinv, int T, int H, int dn, int dr, int dv) {
+    extern __shared__ float mt_rope_sh[];
+    int n = blockIdx.x, half = dr / 2, cq = (dn + dr) / 8, cn = dn / 8, ckv = (dn + dv) / 8, cv = dv / 8, cr = dr / 8;
+    int nq = H * cq, nkv = H * ckv, total = nq + nkv + H * cr;
+    const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
+    const uint4 *dQ8 = (const uint4 *)dQ + (int64_t)n * H * cq, *dK8 = (const uint4 *)dK + (int64_t)n * H * cq, *dV8 = (const uint4 *)dV + (int64_t)n * H * cv;
+    uint4 *dq8 = (uint4 *)dq + (int64_t)n * H * cq, *dkv8 = (uint4 *)dkv + (int64_t)n * H * ckv;
+    for (int b0 = threadIdx.x; b0 < total; b0 += MT_ROPE_UNROLL * blockDim.x) {
+        uint4 v[MT_ROPE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MT_ROPE_UNROLL; u++) {
+            int idx = b0 + u * blockDim.x;
+            if (idx >= total) continue;
+            if (idx < nq) v[u] = dQ8[idx];
+            else if (idx < nq + nkv) {
+                int j = idx - nq, h = j / ckv, p = j - h * ckv;
+                v[u] = p < cn ? dK8[h * cq + p] : dV8[h * cv + p - cn];
+            } else {
+                int j = idx - nq - nkv, h = j / cr, k = j - h * cr;
+                v[u] = dK8[h * cq + cn + k];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MT_ROPE_UNROLL; u++) {
+            int idx = b0 + u * blockDim.x;
+            if (idx >= total) continue;
+            if (idx < nq) {
+                int p = idx % cq;
+                uint4 o = v[u];
+                if (p >= cn) {
+                    int i = (p - cn) * 4;
+                    o = rot8(o, *(const float4 *)(cs + i), *(const float4 *)(sn + i), 1);
+                }
+                dq8[idx] = o;
+            } else if (idx < nq + nkv) {
+                dkv8[idx - nq] = v[u];
+            } else {
+                int j = idx - nq - nkv, h = j / cr, k = j - h * cr, i = k * 4;
+                float g[8], *o = mt_rope_sh + h * dr + k * 8;
+                unpack8(g, v[u]);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float c = cs[i + e], s = sn[i + e], d0 = g[2 * e], d1 = g[2 * e + 1];
+                    o[2 * e] = d0 * c + d1 * s;
+                    o[2 * e + 1] = -d0 * s + d1 * c;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < dr; t += blockDim.x) {
+        float a = 0;
+        for (int h = 0; h < H; h++) a += mt_rope_sh[h * dr + t];
+        dkpe[(int64_t)n * dr + t] = tobf(a);
+    }
+}
+extern "C" {
 static int mt__pairs_ok(int dn, int dv, const void *a, const void *b, const void *c3, const void *d, const void *e, const void *f) {
     return dn % 2 == 0 && dv % 2 == 0 && !(((uintptr_t)a | (uintptr_t)b | (uintptr_t)c3 | (uintptr_t)d | (uintptr_t)e | (uintptr_t)f) & 3);
 }
 int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *q, const void *kv, const void *kpe,
                              const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv) {
     if (N <= 0) return 0;
+    if (dn % 8 == 0 && dr % 8 == 0 && dv % 8 == 0 && !(((uintptr_t)Q | (uintptr_t)K | (uintptr_t)V | (uintptr_t)q | (uintptr_t)kv | (uintptr_t)kpe |
+                                                       (uintptr_t)cosv | (uintptr_t)sinv) & 15)) {
+        k_rope_fwd8<<<N, 256, 0, c->stream>>>((bf16 *)Q, (bf16 *)K, (bf16 *)V, (const bf16 *)q, (const bf16 *)kv, (const bf16 *)kpe, cosv, sinv,
+                                              T, H, dn, dr, dv);
+        LAUNCHED();
+        return 0;
+    }
     if (mt__pairs_ok(dn, dv, Q, K, V, q, kv, kpe)) {
         k_rope_fwd2<<<N, 256, 0, c->stream>>>((__nv_bfloat162 *)Q, (__nv_bfloat162 *)K, (__nv_bfloat162 *)V, (const __nv_bfloat162 *)q,
                                               (const __nv_bfloat162 *)kv, (const __nv_bfloat162 *)kpe, cosv, sinv, T, H, dn, dr, dv);
@@ -1011,6 +1514,13 @@ int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *
 int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const void *dQ, const void *dK, const void *dV,
                               const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv) {
     if (N <= 0) return 0;
+    if (dn % 8 == 0 && dr % 8 == 0 && dv % 8 == 0 && (size_t)H * dr * 4 <= 32768 &&
+        !(((uintptr_t)dq | (uintptr_t)dkv | (uintptr_t)dkpe | (uintptr_t)dQ | (uintptr_t)dK | (uintptr_t)dV | (uintptr_t)cosv | (uintptr_t)sinv) & 15)) {
+        k_rope_bwd8<<<N, 256, (size_t)H * dr * 4, c->stream>>>((bf16 *)dq, (bf16 *)dkv, (bf16 *)dkpe, (const bf16 *)dQ, (const bf16 *)dK, (const bf16 *)dV, cosv,
+                                              sinv, T, H, dn, dr, dv);
+        LAUNCHED();
+        return 0;
+    }
     if (mt__pairs_ok(dn, dv, dq, dkv, dkpe, dQ, dK, dV)) {
         k_rope_bwd2<<<N, 256, 0, c->stream>>>((__nv_bfloat162 *)dq, (__nv_bfloat162 *)dkv, (__nv_bfloat162 *)dkpe, (const __nv_bfloat162 *)dQ,
                                               (const __nv_bfloat162 *)dK, (const __nv_bfloat162 *)dV, cosv, sinv, T, H, dn, dr, dv);
@@ -3340,8 +3850,9 @@ int mt_cuda_router_backward(mt_cuda *c, float *dlogits, const float *scores, con
 /* permutation: a stable radix sort of (expert, assignment) gives the
  * expert-major order with tokens in order inside each expert; offsets come
  * from an integer histogram. Deterministic. */
-__global__ void k_hist(int32_t *cnt, const int32_t *idx, int64_t NK, int E, int *flag) {
+__global__ void k_hist(int32_t *cnt, int32_t *iota, const int32_t *idx, int64_t NK, int E, int *flag) {
     for (int64_t a = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; a < NK; a += (int64_t)gridDim.x * blockDim.x) {
+        iota[a] = (int32_t)a;   /* the sort's values */
         int e = idx[a];
         if (e < 0 || e >= E) { atomicExch(flag, 1); continue; }
         atomicAdd(&cnt[e], 1);
@@ -3352,15 +3863,149 @@ __global__ void k_offsets(int32_t *offs, const int32_t *cnt, int E) {
     offs[0] = 0;
     for (int e = 0; e < E; e++) offs[e + 1] = offs[e] + cnt[e];   /* cnt aliases offs + 1: read before write */
 }
-/* row i of xs is assignment perm[i]: its token's row of x; slot is the inverse */
-__global__ void k_gather_rows(bf16 *xs, int32_t *slot, const bf16 *x, const int32_t *perm, int K, int D) {
-    int64_t i = blockIdx.x;
+}  /* extern "C": the row kernels are templates */
+/* chunks of 8 elements per lane per group: a group's loads are independent, and are all issued before its stores */
+#define MT_ROWS_UNROLL 8
+/* row i of xs is assignment perm[i]: its token's row of x; slot is the inverse. One warp per row, 16-byte chunks. */
+template <bool V>
+__global__ void __launch_bounds__(256) k_gather_rows(bf16 *xs, int32_t *slot, const bf16 *x, const int32_t *perm, int64_t NK, int K, int D) {
+    int64_t i = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (i >= NK) return;
     int64_t a = perm[i];
-    if (threadIdx.x == 0) slot[a] = (int32_t)i;
+    if (lane == 0) slot[a] = (int32_t)i;
     const bf16 *src = x + (a / K) * D;
     bf16 *dst = xs + i * D;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) dst[d] = src[d];
+    for (int base = 0; base < D; base += 256 * MT_ROWS_UNROLL) {   /* all loads of a group, then its stores */
+        uint4 u[MT_ROWS_UNROLL];
+#pragma unroll
+        for (int k = 0; k < MT_ROWS_UNROLL; k++) {
+            int d = base + (lane + 32 * k) * 8;
+            if (d < D) u[k] = ld8<V>(src, d, D);
+        }
+#pragma unroll
+        for (int k = 0; k < MT_ROWS_UNROLL; k++) {
+            int d = base + (lane + 32 * k) * 8;
+            if (d < D) st8raw<V>(dst, d, D, u[k]);
+        }
+    }
 }
+/* dx[n] = sum over k, in order, of dxs[slot[n, k]]; one warp per token */
+template <bool V>
+__global__ void __launch_bounds__(256) k_permute_bwd(bf16 *dx, const bf16 *dxs, const int32_t *slot, int N, int D, int K) {
+    int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (n >= N) return;
+    for (int base = 0; base < D; base += 256 * MT_ROWS_UNROLL) {
+        float acc[MT_ROWS_UNROLL][8];
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[i][j] = 0;
+        for (int k = 0; k < K; k++) {
+            const bf16 *src = dxs + (int64_t)slot[n * K + k] * D;
+#pragma unroll
+            for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+                int d = base + (lane + 32 * i) * 8;
+                if (d < D) {
+                    float f[8];
+                    unpack8(f, ld8<V>(src, d, D));
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[i][j] += f[j];
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+            int d = base + (lane + 32 * i) * 8;
+            if (d < D) st8<V>(dx + n * D, d, D, acc[i]);
+        }
+    }
+}
+/* y[n] = sum over k, in order, of w[n, k] * ys[slot[n, k]]; one warp per token */
+template <bool V>
+__global__ void __launch_bounds__(256) k_combine(bf16 *y, const bf16 *ys, const int32_t *slot, const float *w, int N, int D, int K) {
+    int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (n >= N) return;
+    for (int base = 0; base < D; base += 256 * MT_ROWS_UNROLL) {
+        float acc[MT_ROWS_UNROLL][8];
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[i][j] = 0;
+        for (int k = 0; k < K; k++) {
+            const bf16 *src = ys + (int64_t)slot[n * K + k] * D;
+            float wk = w[n * K + k];
+#pragma unroll
+            for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+                int d = base + (lane + 32 * i) * 8;
+                if (d < D) {
+                    float f[8];
+                    unpack8(f, ld8<V>(src, d, D));
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[i][j] += wk * f[j];
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+            int d = base + (lane + 32 * i) * 8;
+            if (d < D) st8<V>(y + n * D, d, D, acc[i]);
+        }
+    }
+}
+/* dys[slot[n, k]] = w[n, k] dy[n]; dw[n, k] = <dy[n], ys[slot[n, k]]> (each lane sums its chunks in order, then a
+ * fixed butterfly across the warp). One warp per token; dy's first chunks stay in registers across k. */
+template <bool V>
+__global__ void __launch_bounds__(128) k_combine_bwd(bf16 *dys, float *dw, const bf16 *dy, const bf16 *ys, const int32_t *slot, const float *w,
+                                                     int N, int D, int K) {
+    int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (n >= N) return;
+    const bf16 *g = dy + n * D;
+    uint4 cg[MT_ROWS_UNROLL];
+#pragma unroll
+    for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) cg[i] = ld8<V>(g, d, D);
+    }
+    for (int k = 0; k < K; k++) {
+        int64_t s = slot[n * K + k];
+        float wk = w[n * K + k], part = 0;
+        const bf16 *src = ys + s * D;
+        bf16 *dst = dys + s * D;
+        uint4 cy[MT_ROWS_UNROLL];
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+            int d = (lane + 32 * i) * 8;
+            if (d < D) cy[i] = ld8<V>(src, d, D);
+        }
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+            int d = (lane + 32 * i) * 8;
+            if (d < D) {
+                float gf[8], yf[8];
+                unpack8(gf, cg[i]);
+                unpack8(yf, cy[i]);
+#pragma unroll
+                for (int j = 0; j < 8; j++) { part += gf[j] * yf[j]; gf[j] *= wk; }
+                st8<V>(dst, d, D, gf);
+            }
+        }
+        for (int d = (lane + 32 * MT_ROWS_UNROLL) * 8; d < D; d += 256) {
+            float gf[8], yf[8];
+            unpack8(gf, ld8<V>(g, d, D));
+            unpack8(yf, ld8<V>(src, d, D));
+#pragma unroll
+            for (int j = 0; j < 8; j++) { part += gf[j] * yf[j]; gf[j] *= wk; }
+            st8<V>(dst, d, D, gf);
+        }
+        part = warp_sum(part);
+        if (lane == 0) dw[n * K + k] = part;
+    }
+}
+extern "C" {
 size_t mt_cuda_moe_permute_workspace(int64_t NK) {
     size_t tmp = 0;
     cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, (int)NK);
@@ -3372,72 +4017,44 @@ int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, cons
     int32_t *cnt = offs + 1;
     CK(cudaMemsetAsync(offs, 0, (size_t)(E + 1) * 4, c->stream));
     if (NK <= 0) return 0;
-    unsigned g = mt__blocks(NK, 256);
-    if (g > 4096) g = 4096;
-    k_hist<<<g, 256, 0, c->stream>>>(cnt, idx, NK, E, c->flag);
-    LAUNCHED();
-    k_offsets<<<1, 1, 0, c->stream>>>(offs, cnt, E);
-    LAUNCHED();
     size_t tmp = 0;
     cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, (int)NK);
     char *w = (char *)ws;
     int32_t *iota = (int32_t *)(w + mt__al(tmp)), *keys = iota + mt__al((size_t)NK * 4) / 4, *perm = keys + mt__al((size_t)NK * 4) / 4;
-    k_iota<<<mt__blocks(NK, 256), 256, 0, c->stream>>>(iota, (int)NK);
+    unsigned g = mt__blocks(NK, 256);
+    if (g > 4096) g = 4096;
+    k_hist<<<g, 256, 0, c->stream>>>(cnt, iota, idx, NK, E, c->flag);
+    LAUNCHED();
+    k_offsets<<<1, 1, 0, c->stream>>>(offs, cnt, E);
     LAUNCHED();
     int bits = 1;
     while ((1 << bits) < E && bits < 31) bits++;
     CK(cub::DeviceRadixSort::SortPairs(w, tmp, idx, keys, iota, perm, (int)NK, 0, bits, c->stream));
-    k_gather_rows<<<(unsigned)NK, 128, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, K, D);
+    if (mt__rows16(D, 2, xs, x)) k_gather_rows<true><<<mt__blocks(NK, 8), 256, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, NK, K, D);
+    else k_gather_rows<false><<<mt__blocks(NK, 8), 256, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, NK, K, D);
     LAUNCHED();
     return 0;
-}
-__global__ void k_permute_bwd(bf16 *dx, const bf16 *dxs, const int32_t *slot, int D, int K) {
-    int64_t n = blockIdx.x;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc = 0;
-        for (int k = 0; k < K; k++) acc += bf(dxs[(int64_t)slot[n * K + k] * D + d]);
-        dx[n * D + d] = tobf(acc);
-    }
 }
 int mt_cuda_moe_permute_backward(mt_cuda *c, void *dx, const void *dxs, const int32_t *slot, int N, int D, int K) {
     if (N <= 0) return 0;
-    k_permute_bwd<<<N, 128, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, D, K);
+    if (mt__rows16(D, 2, dx, dxs)) k_permute_bwd<true><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, N, D, K);
+    else k_permute_bwd<false><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, N, D, K);
     LAUNCHED();
     return 0;
 }
-__global__ void k_combine(bf16 *y, const bf16 *ys, const int32_t *slot, const float *w, int D, int K) {
-    int64_t n = blockIdx.x;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc = 0;
-        for (int k = 0; k < K; k++) acc += w[n * K + k] * bf(ys[(int64_t)slot[n * K + k] * D + d]);
-        y[n * D + d] = tobf(acc);
-    }
-}
-__global__ void k_combine_bwd(bf16 *dys, float *dw, const bf16 *dy, const bf16 *ys, const int32_t *slot, const float *w, int D, int K) {
-    __shared__ float sh[32];
-    int64_t n = blockIdx.x;
-    for (int k = 0; k < K; k++) {
-        int64_t s = slot[n * K + k];
-        float wk = w[n * K + k], part = 0;
-        for (int d = threadIdx.x; d < D; d += blockDim.x) {
-            float g = bf(dy[n * D + d]);
-            dys[s * D + d] = tobf(wk * g);
-            part += g * bf(ys[s * D + d]);
-        }
-        float tot = block_sum(part, sh);
-        if (threadIdx.x == 0) dw[n * K + k] = tot;
-    }
-}
 int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32_t *slot, const float *w, int N, int D, int K) {
     if (N <= 0) return 0;
-    k_combine<<<N, 128, 0, c->stream>>>((bf16 *)y, (const bf16 *)ys, slot, w, D, K);
+    if (mt__rows16(D, 2, y, ys)) k_combine<true><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)y, (const bf16 *)ys, slot, w, N, D, K);
+    else k_combine<false><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)y, (const bf16 *)ys, slot, w, N, D, K);
     LAUNCHED();
     return 0;
 }
 int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
                                  const float *w, int N, int D, int K) {
     if (N <= 0) return 0;
-    k_combine_bwd<<<N, 128, 0, c->stream>>>((bf16 *)dys, dw, (const bf16 *)dy, (const bf16 *)ys, slot, w, D, K);
+    if (mt__rows16(D, 2, dys, dy, ys))
+        k_combine_bwd<true><<<mt__blocks(N, 4), 128, 0, c->stream>>>((bf16 *)dys, dw, (const bf16 *)dy, (const bf16 *)ys, slot, w, N, D, K);
+    else k_combine_bwd<false><<<mt__blocks(N, 4), 128, 0, c->stream>>>((bf16 *)dys, dw, (const bf16 *)dy, (const bf16 *)ys, slot, w, N, D, K);
     LAUNCHED();
     return 0;
 }
@@ -4507,14 +5124,49 @@ __device__ __forceinline__ void ms_merge(float &m, float &s, float m2, float s2)
     s = s * __expf(m - mn) + s2 * __expf(m2 - mn);
     m = mn;
 }
-__global__ void k_ce_fwd(float *per, float *lse, const bf16 *logits, const int32_t *tgt, int V) {
+}  /* extern "C": the cross-entropy kernels are templates */
+#define MT_CE_UNROLL 4          /* 16-byte chunks per thread in flight */
+/* chunk d of a row of logits as floats; past the row end -inf (contributes nothing) */
+template <bool V>
+__device__ __forceinline__ void mt__ce_ld(float (&f)[8], const bf16 *l, int d, int V_) {
+    if constexpr (V) {
+        unpack8(f, *(const uint4 *)(l + d));
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) f[j] = d + j < V_ ? bf(l[d + j]) : -INFINITY;
+    }
+}
+/* one block per row, one pass: each thread folds MT_CE_UNROLL chunks at a time into its running (max, sum of
+ * exp) with one rescale, then the threads' pairs merge in a fixed order */
+template <bool V>
+__global__ void __launch_bounds__(256) k_ce_fwd(float *per, float *lse, const bf16 *logits, const int32_t *tgt, int V_) {
     __shared__ float shm[32], shs[32];
     int64_t n = blockIdx.x;
-    const bf16 *l = logits + n * V;
+    const bf16 *l = logits + n * V_;
     float m = -INFINITY, z = 0;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) {   /* one pass: online softmax statistics */
-        float x = bf(l[v]);
-        if (x > m) { z = z * __expf(m - x) + 1.0f; m = x; } else z += __expf(x - m);
+    for (int d0 = threadIdx.x * 8; d0 < V_; d0 += MT_CE_UNROLL * 8 * blockDim.x) {
+        float f[MT_CE_UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < MT_CE_UNROLL; u++) {
+            int d = d0 + u * 8 * blockDim.x;
+            if (d < V_) mt__ce_ld<V>(f[u], l, d, V_);
+            else
+#pragma unroll
+                for (int j = 0; j < 8; j++) f[u][j] = -INFINITY;
+        }
+        float lm = m;
+#pragma unroll
+        for (int u = 0; u < MT_CE_UNROLL; u++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) lm = fmaxf(lm, f[u][j]);
+        if (lm == -INFINITY) continue;
+        float s = 0;
+#pragma unroll
+        for (int u = 0; u < MT_CE_UNROLL; u++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) s += __expf(f[u][j] - lm);
+        z = z * __expf(m - lm) + s;
+        m = lm;
     }
     for (int o = 16; o > 0; o >>= 1) ms_merge(m, z, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, z, o));
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -4525,13 +5177,41 @@ __global__ void k_ce_fwd(float *per, float *lse, const bf16 *logits, const int32
         z = lane < (int)(blockDim.x >> 5) ? shs[lane] : 0.0f;
         for (int o = 16; o > 0; o >>= 1) ms_merge(m, z, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, z, o));
     }
-    float mx = m;
     if (threadIdx.x == 0) {
-        float L = mx + logf(z);
+        float L = m + logf(z);
         lse[n] = L;
         per[n] = L - bf(l[tgt[n]]);
     }
 }
+/* dlogits = (softmax - onehot) * inv, element by element as before; 16-byte chunks, MT_CE_UNROLL in flight */
+template <bool V>
+__global__ void __launch_bounds__(256) k_ce_bwd(bf16 *dl, const bf16 *logits, const float *lse, const int32_t *tgt, int V_, float inv) {
+    int64_t n = blockIdx.x;
+    float L = lse[n];
+    int t = tgt[n];
+    const bf16 *l = logits + n * V_;
+    bf16 *o = dl + n * V_;
+    for (int d0 = threadIdx.x * 8; d0 < V_; d0 += MT_CE_UNROLL * 8 * blockDim.x) {
+        uint4 u[MT_CE_UNROLL];
+#pragma unroll
+        for (int k = 0; k < MT_CE_UNROLL; k++) {
+            int d = d0 + k * 8 * blockDim.x;
+            if (d < V_) u[k] = ld8<V>(l, d, V_);
+        }
+#pragma unroll
+        for (int k = 0; k < MT_CE_UNROLL; k++) {
+            int d = d0 + k * 8 * blockDim.x;
+            if (d < V_) {
+                float f[8];
+                unpack8(f, u[k]);
+#pragma unroll
+                for (int j = 0; j < 8; j++) f[j] = (__expf(f[j] - L) - (d + j == t ? 1.0f : 0.0f)) * inv;
+                st8<V>(o, d, V_, f);
+            }
+        }
+    }
+}
+extern "C" {
 __global__ void k_mean(float *out, const float *x, int N) {
     __shared__ float sh[32];
     float acc = 0;
@@ -4539,19 +5219,11 @@ __global__ void k_mean(float *out, const float *x, int N) {
     acc = block_sum(acc, sh);
     if (threadIdx.x == 0) out[0] = acc / N;
 }
-__global__ void k_ce_bwd(bf16 *dl, const bf16 *logits, const float *lse, const int32_t *tgt, int V, float inv) {
-    int64_t n = blockIdx.x;
-    float L = lse[n];
-    int t = tgt[n];
-    for (int v = threadIdx.x; v < V; v += blockDim.x) {
-        float p = __expf(bf(logits[n * V + v]) - L);
-        dl[n * V + v] = tobf((p - (v == t ? 1.0f : 0.0f)) * inv);
-    }
-}
 size_t mt_cuda_cross_entropy_workspace(int N) { return mt__al((size_t)N * 4); }
 int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const void *logits, const int32_t *tgt, int N, int V, void *ws) {
     if (N <= 0) return 0;
-    k_ce_fwd<<<N, 256, 0, c->stream>>>((float *)ws, lse, (const bf16 *)logits, tgt, V);
+    if (mt__rows16(V, 2, logits)) k_ce_fwd<true><<<N, 256, 0, c->stream>>>((float *)ws, lse, (const bf16 *)logits, tgt, V);
+    else k_ce_fwd<false><<<N, 256, 0, c->stream>>>((float *)ws, lse, (const bf16 *)logits, tgt, V);
     LAUNCHED();
     k_mean<<<1, 1024, 0, c->stream>>>(loss, (const float *)ws, N);
     LAUNCHED();
@@ -4559,7 +5231,9 @@ int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const voi
 }
 int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int V) {
     if (N <= 0) return 0;
-    k_ce_bwd<<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, V, 1.0f / N);
+    if (mt__rows16(V, 2, dlogits, logits))
+        k_ce_bwd<true><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, V, 1.0f / N);
+    else k_ce_bwd<false><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, V, 1.0f / N);
     LAUNCHED();
     return 0;
 }
@@ -4568,32 +5242,58 @@ int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits
  * 10. optimizer
  * ====================================================================== */
 
-#define MT_SUMSQ_BLOCKS 1024   /* fixed: the summation order never depends on the GPU */
-/* squares = 0: g already holds squares (a GEMM epilogue's partials): a plain sum */
-__global__ void k_sumsq_part(float *part, const float *g, int64_t n, int squares) {
+#define MT_SUMSQ_BLOCKS 1024   /* at most; the count depends on n only, never on the GPU: a fixed summation order */
+#define MT_SUMSQ_PER 16384     /* elements per block before another block is added */
+#define MT_SUMSQ_ONE 65536     /* up to this many elements one block sums them and adds acc_in itself (one launch) */
+/* squares = 0: g already holds squares (a GEMM epilogue's partials): a plain sum.
+ * Each thread folds four float4 per step (64 bytes in flight), in index order within the step.
+ * One block (out set): out[0] = in[0] + the sum; otherwise part[block] = the block's sum. */
+__global__ void __launch_bounds__(256) k_sumsq_part(float *part, float *out, const float *in, const float *g, int64_t n, int squares) {
     __shared__ float sh[32];
     float acc = 0;
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
-    if (!squares) {
+    if (n % 4 == 0 && !((uintptr_t)g & 15)) {
+        const float4 *g4 = (const float4 *)g;
+        int64_t n4 = n / 4, i = t;
+        for (; i + 3 * stride < n4; i += 4 * stride) {
+            float4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) v[u] = g4[i + u * stride];
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                acc += squares ? v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w : v[u].x + v[u].y + v[u].z + v[u].w;
+        }
+        for (; i < n4; i += stride) {
+            float4 v = g4[i];
+            acc += squares ? v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w : v.x + v.y + v.z + v.w;
+        }
+    } else if (!squares) {
         for (int64_t i = t; i < n; i += stride) acc += g[i];
-    } else if (n % 4 == 0 && !((uintptr_t)g & 15)) {
-        for (int64_t i = t; i < n / 4; i += stride) { float4 v = ((const float4 *)g)[i]; acc += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
     } else {
         for (int64_t i = t; i < n; i += stride) acc += g[i] * g[i];
     }
     acc = block_sum(acc, sh);
-    if (threadIdx.x == 0) part[blockIdx.x] = acc;
+    if (threadIdx.x) return;
+    if (out) out[0] = (in ? in[0] : 0.0f) + acc;
+    else part[blockIdx.x] = acc;
 }
-__global__ void k_sumsq_final(float *out, const float *in, const float *part) {
+__global__ void k_sumsq_final(float *out, const float *in, const float *part, int nb) {
     __shared__ float sh[32];
-    float acc = block_sum(part[threadIdx.x], sh);
+    float acc = block_sum(threadIdx.x < (unsigned)nb ? part[threadIdx.x] : 0.0f, sh);
     if (threadIdx.x == 0) out[0] = (in ? in[0] : 0.0f) + acc;
 }
 size_t mt_cuda_sumsq_workspace(void) { return mt__al(MT_SUMSQ_BLOCKS * 4); }
 int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, int squares, void *ws) {
-    k_sumsq_part<<<MT_SUMSQ_BLOCKS, 256, 0, c->stream>>>((float *)ws, g, n, squares);
+    if (n <= MT_SUMSQ_ONE) {
+        k_sumsq_part<<<1, 256, 0, c->stream>>>(NULL, acc_out, acc_in, g, n, squares);
+        LAUNCHED();
+        return 0;
+    }
+    int64_t nb = (n + MT_SUMSQ_PER - 1) / MT_SUMSQ_PER;
+    if (nb > MT_SUMSQ_BLOCKS) nb = MT_SUMSQ_BLOCKS;
+    k_sumsq_part<<<(unsigned)nb, 256, 0, c->stream>>>((float *)ws, NULL, NULL, g, n, squares);
     LAUNCHED();
-    k_sumsq_final<<<1, MT_SUMSQ_BLOCKS, 0, c->stream>>>(acc_out, acc_in, (const float *)ws);   /* 1024 threads, one per partial */
+    k_sumsq_final<<<1, MT_SUMSQ_BLOCKS, 0, c->stream>>>(acc_out, acc_in, (const float *)ws, (int)nb);   /* one thread per partial */
     LAUNCHED();
     return 0;
 }

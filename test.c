@@ -504,6 +504,209 @@ static void gpu_test_basic_ops(void) {
     }
 }
 
+/* The row kernels (RMSNorm, MoE permute / combine, cross-entropy, embedding backward, split / concat, gradient
+ * norm) on shapes that take their 16-byte path (rows a multiple of 8 elements), their element path (not), rows
+ * longer than a lane's register cache (over 2048) or than the one-pass RMSNorm backward takes (over 2456), and
+ * odd row counts: each against the CPU, and each rerun bitwise. */
+static int dsame(const void *a, const void *b, size_t bytes) {
+    void *x = down(a, bytes), *y = down(b, bytes);
+    int s = !memcmp(x, y, bytes);
+    free(x); free(y);
+    return s;
+}
+static void gpu_test_rows(void) {
+    static const int rms[][2] = {{37, 2048}, {70, 2056}, {41, 1024}, {19, 100}, {9, 2601}, {7, 3080}, {5, 8}, {3, 7}};
+    for (int t = 0; t < (int)(sizeof rms / sizeof rms[0]); t++) {
+        int N = rms[t][0], D = rms[t][1];
+        int64_t ND = (int64_t)N * D;
+        float *x = randn(ND, 2), *b = randn(ND, 1), *w = randn(D, 1), *dy = randn(ND, 1), *acc = randn(ND, 1);
+        round_bf(x, ND); round_bf(b, ND); round_bf(dy, ND); round_bf(acc, ND);
+        float *y = (float *)malloc(4 * (size_t)ND), *rs = (float *)malloc(4 * (size_t)N), *dx = (float *)malloc(4 * (size_t)ND), *dw = (float *)malloc(4 * (size_t)D);
+        mt_cpu_rmsnorm_forward(y, rs, x, w, N, D, 1e-6f);
+        mt_cpu_rmsnorm_backward(dx, dw, dy, x, w, rs, N, D);
+        void *X = up_bf(x, ND), *B = up_bf(b, ND), *W = up(w, 4 * (size_t)D), *DY = up_bf(dy, ND), *ACC = up_bf(acc, ND);
+        void *ws = dalloc(mt_cuda_rmsnorm_backward_workspace(N, D));
+        void *Y[2], *RS[2], *DX[2], *DW[2], *H[2], *DXA[2], *DWA[2], *HY[2], *HR[2];
+        int ok = 1;
+        for (int r = 0; r < 2; r++) {
+            Y[r] = dalloc(2 * (size_t)ND); RS[r] = dalloc(4 * (size_t)N); DX[r] = dalloc(2 * (size_t)ND); DW[r] = dalloc(4 * (size_t)D);
+            H[r] = dalloc(2 * (size_t)ND); DXA[r] = dalloc(2 * (size_t)ND); DWA[r] = dalloc(4 * (size_t)D); HY[r] = dalloc(2 * (size_t)ND); HR[r] = dalloc(4 * (size_t)N);
+            ok &= !mt_cuda_rmsnorm_forward(CU, Y[r], (float *)RS[r], X, (float *)W, N, D, 1e-6f) &&
+                  !mt_cuda_rmsnorm_backward(CU, DX[r], (float *)DW[r], DY, X, (float *)W, (float *)RS[r], N, D, ws) &&
+                  !mt_cuda_add_rmsnorm_forward(CU, H[r], HY[r], (float *)HR[r], X, B, (float *)W, N, D, 1e-6f) &&
+                  !mt_cuda_rmsnorm_backward_add(CU, DXA[r], (float *)DWA[r], DY, X, (float *)W, (float *)RS[r], ACC, N, D, ws);
+        }
+        /* the unfused pairs, for the fused nodes' bitwise equality */
+        void *h1 = dalloc(2 * (size_t)ND), *y1 = dalloc(2 * (size_t)ND), *r1 = dalloc(4 * (size_t)N), *g1 = dalloc(2 * (size_t)ND);
+        ok &= !mt_cuda_add(CU, h1, X, B, ND, MT_BF16) && !mt_cuda_rmsnorm_forward(CU, y1, (float *)r1, h1, (float *)W, N, D, 1e-6f) &&
+              !mt_cuda_add(CU, g1, ACC, DX[0], ND, MT_BF16);
+        float *gy = down_bf(Y[0], ND), *gr = (float *)down(RS[0], 4 * (size_t)N), *gdx = down_bf(DX[0], ND), *gdw = (float *)down(DW[0], 4 * (size_t)D);
+        double e1 = rel(gy, y, ND), e2 = rel(gr, rs, N), e3 = rel(gdx, dx, ND), e4 = rel(gdw, dw, D);
+        int rerun = 1, fused = dsame(h1, H[0], 2 * (size_t)ND) && dsame(y1, HY[0], 2 * (size_t)ND) && dsame(r1, HR[0], 4 * (size_t)N) &&
+                              dsame(g1, DXA[0], 2 * (size_t)ND) && dsame(DW[0], DWA[0], 4 * (size_t)D);
+        void *p0[] = {Y[0], RS[0], DX[0], DW[0], H[0], DXA[0], DWA[0], HY[0], HR[0]}, *p1[] = {Y[1], RS[1], DX[1], DW[1], H[1], DXA[1], DWA[1], HY[1], HR[1]};
+        size_t nb[] = {2 * (size_t)ND, 4 * (size_t)N, 2 * (size_t)ND, 4 * (size_t)D, 2 * (size_t)ND, 2 * (size_t)ND, 4 * (size_t)D, 2 * (size_t)ND, 4 * (size_t)N};
+        for (int i = 0; i < 9; i++) rerun &= dsame(p0[i], p1[i], nb[i]);
+        char nm[96];
+        snprintf(nm, sizeof nm, "gpu rmsnorm rows N=%d D=%d", N, D);
+        report(nm, ok && e1 < BF_TOL && e2 < F32_TOL && e3 < BF_TOL && e4 < F32_TOL && rerun && fused,
+               "y %.1e rstd %.1e dx %.1e dw %.1e, fused = pair %s, rerun %s", e1, e2, e3, e4, fused ? "bitwise" : "DIFFERS", rerun ? "bitwise" : "DIFFERS");
+        free(x); free(b); free(w); free(dy); free(acc); free(y); free(rs); free(dx); free(dw); free(gy); free(gr); free(gdx); free(gdw);
+        dfree(X); dfree(B); dfree(W); dfree(DY); dfree(ACC); dfree(ws); dfree(h1); dfree(y1); dfree(r1); dfree(g1);
+        for (int r = 0; r < 2; r++) { dfree(Y[r]); dfree(RS[r]); dfree(DX[r]); dfree(DW[r]); dfree(H[r]); dfree(DXA[r]); dfree(DWA[r]); dfree(HY[r]); dfree(HR[r]); }
+    }
+
+    static const int moe[][4] = {{37, 2048, 6, 8}, {21, 2056, 3, 5}, {23, 100, 2, 4}, {9, 2601, 6, 8}, {1, 8, 1, 1}};
+    for (int t = 0; t < (int)(sizeof moe / sizeof moe[0]); t++) {
+        int N = moe[t][0], D = moe[t][1], K = moe[t][2], E = moe[t][3];
+        int64_t NK = (int64_t)N * K, ND = (int64_t)N * D;
+        int32_t *idx = (int32_t *)malloc(4 * (size_t)NK), *slot = (int32_t *)malloc(4 * (size_t)NK), offs[16];
+        for (int n = 0; n < N; n++)
+            for (int k = 0; k < K; k++) idx[n * K + k] = (n * 7 + k) % E;   /* distinct experts per token */
+        float *x = randn(ND, 1), *w = randn(NK, 1), *ys = randn(NK * D, 1), *dy = randn(ND, 1);
+        round_bf(x, ND); round_bf(ys, NK * D); round_bf(dy, ND);
+        float *xs = (float *)malloc(4 * (size_t)(NK * D)), *yo = (float *)malloc(4 * (size_t)ND), *dys = (float *)malloc(4 * (size_t)(NK * D));
+        float *dwk = (float *)malloc(4 * (size_t)NK), *dxp = (float *)malloc(4 * (size_t)ND);
+        mt_cpu_moe_permute(xs, slot, offs, x, idx, N, D, K, E);
+        mt_cpu_moe_combine_forward(yo, ys, slot, w, N, D, K);
+        mt_cpu_moe_combine_backward(dys, dwk, dy, ys, slot, w, N, D, K);
+        round_bf(dys, NK * D);
+        mt_cpu_moe_permute_backward(dxp, dys, slot, N, D, K);
+        void *X = up_bf(x, ND), *I = up(idx, 4 * (size_t)NK), *W = up(w, 4 * (size_t)NK), *YS = up_bf(ys, NK * D), *DY = up_bf(dy, ND);
+        void *pws = dalloc(mt_cuda_moe_permute_workspace(NK));
+        void *XS[2], *SL[2], *OF[2], *YO[2], *DYS[2], *DWK[2], *DXP[2];
+        int ok = 1;
+        for (int r = 0; r < 2; r++) {
+            XS[r] = dalloc(2 * (size_t)(NK * D)); SL[r] = dalloc(4 * (size_t)NK); OF[r] = dalloc(4 * (size_t)(E + 1)); YO[r] = dalloc(2 * (size_t)ND);
+            DYS[r] = dalloc(2 * (size_t)(NK * D)); DWK[r] = dalloc(4 * (size_t)NK); DXP[r] = dalloc(2 * (size_t)ND);
+            ok &= !mt_cuda_moe_permute(CU, XS[r], (int32_t *)SL[r], (int32_t *)OF[r], X, (int32_t *)I, N, D, K, E, pws) &&
+                  !mt_cuda_moe_combine_forward(CU, YO[r], YS, (int32_t *)SL[r], (float *)W, N, D, K) &&
+                  !mt_cuda_moe_combine_backward(CU, DYS[r], (float *)DWK[r], DY, YS, (int32_t *)SL[r], (float *)W, N, D, K) &&
+                  !mt_cuda_moe_permute_backward(CU, DXP[r], DYS[r], (int32_t *)SL[r], N, D, K);
+        }
+        int32_t *gslot = (int32_t *)down(SL[0], 4 * (size_t)NK), *goffs = (int32_t *)down(OF[0], 4 * (size_t)(E + 1));
+        float *gxs = down_bf(XS[0], NK * D), *gyo = down_bf(YO[0], ND), *gdys = down_bf(DYS[0], NK * D), *gdw = (float *)down(DWK[0], 4 * (size_t)NK), *gdx = down_bf(DXP[0], ND);
+        int exact = !memcmp(gslot, slot, 4 * (size_t)NK) && !memcmp(goffs, offs, 4 * (size_t)(E + 1)) && rel(gxs, xs, NK * D) == 0;
+        double c1 = rel(gyo, yo, ND), c2 = rel(gdys, dys, NK * D), c3 = rel(gdw, dwk, NK), c4 = rel(gdx, dxp, ND);
+        int rerun = dsame(XS[0], XS[1], 2 * (size_t)(NK * D)) && dsame(YO[0], YO[1], 2 * (size_t)ND) && dsame(DYS[0], DYS[1], 2 * (size_t)(NK * D)) &&
+                    dsame(DWK[0], DWK[1], 4 * (size_t)NK) && dsame(DXP[0], DXP[1], 2 * (size_t)ND);
+        char nm[96];
+        snprintf(nm, sizeof nm, "gpu moe permute/combine rows N=%d D=%d K=%d", N, D, K);
+        report(nm, ok && exact && c1 < BF_TOL && c2 < BF_TOL && c3 < F32_TOL && c4 < BF_TOL && rerun,
+               "permute %s, combine %.1e dys %.1e dw %.1e dx %.1e, rerun %s", exact ? "exact" : "DIFFERS", c1, c2, c3, c4, rerun ? "bitwise" : "DIFFERS");
+        free(idx); free(slot); free(x); free(w); free(ys); free(dy); free(xs); free(yo); free(dys); free(dwk); free(dxp);
+        free(gslot); free(goffs); free(gxs); free(gyo); free(gdys); free(gdw); free(gdx);
+        dfree(X); dfree(I); dfree(W); dfree(YS); dfree(DY); dfree(pws);
+        for (int r = 0; r < 2; r++) { dfree(XS[r]); dfree(SL[r]); dfree(OF[r]); dfree(YO[r]); dfree(DYS[r]); dfree(DWK[r]); dfree(DXP[r]); }
+    }
+
+    static const int ce[][2] = {{5, 40000}, {3, 40001}, {7, 4096}, {2, 9}};
+    for (int t = 0; t < (int)(sizeof ce / sizeof ce[0]); t++) {
+        int N = ce[t][0], V = ce[t][1];
+        int64_t NV = (int64_t)N * V;
+        float *lg = randn(NV, 3);
+        round_bf(lg, NV);
+        int32_t *tg = (int32_t *)malloc(4 * (size_t)N);
+        for (int i = 0; i < N; i++) tg[i] = (int32_t)(mt_rng_u64(&R) % (uint64_t)V);
+        float loss, *lse = (float *)malloc(4 * (size_t)N), *dl = (float *)malloc(4 * (size_t)NV);
+        mt_cpu_cross_entropy_forward(NULL, &loss, lse, lg, tg, N, V);
+        mt_cpu_cross_entropy_backward(NULL, dl, lg, lse, tg, N, V);
+        void *L = up_bf(lg, NV), *T = up(tg, 4 * (size_t)N), *ws = dalloc(mt_cuda_cross_entropy_workspace(N));
+        void *LOSS[2], *LSE[2], *DL[2];
+        int ok = 1;
+        for (int r = 0; r < 2; r++) {
+            LOSS[r] = dalloc(4); LSE[r] = dalloc(4 * (size_t)N); DL[r] = dalloc(2 * (size_t)NV);
+            ok &= !mt_cuda_cross_entropy_forward(CU, (float *)LOSS[r], (float *)LSE[r], L, (int32_t *)T, N, V, ws) &&
+                  !mt_cuda_cross_entropy_backward(CU, DL[r], L, (float *)LSE[r], (int32_t *)T, N, V);
+        }
+        float gl, *glse = (float *)down(LSE[0], 4 * (size_t)N), *gdl = down_bf(DL[0], NV);
+        mt_cuda_copy(CU, &gl, LOSS[0], 4, 1);
+        double e1 = fabs(gl - loss) / loss, e2 = rel(glse, lse, N), e3 = rel(gdl, dl, NV);
+        int rerun = dsame(LOSS[0], LOSS[1], 4) && dsame(LSE[0], LSE[1], 4 * (size_t)N) && dsame(DL[0], DL[1], 2 * (size_t)NV);
+        char nm[96];
+        snprintf(nm, sizeof nm, "gpu cross-entropy rows N=%d V=%d", N, V);
+        report(nm, ok && e1 < F32_TOL && e2 < F32_TOL && e3 < BF_TOL && rerun, "loss %.1e lse %.1e dlogits %.1e, rerun %s", e1, e2, e3, rerun ? "bitwise" : "DIFFERS");
+        free(lg); free(tg); free(lse); free(dl); free(glse); free(gdl);
+        dfree(L); dfree(T); dfree(ws);
+        for (int r = 0; r < 2; r++) { dfree(LOSS[r]); dfree(LSE[r]); dfree(DL[r]); }
+    }
+
+    /* embedding backward: the 16-byte path (D a multiple of 8) and the element path, many repeated tokens */
+    static const int emb[][3] = {{300, 2056, 50}, {77, 100, 9}};
+    for (int t = 0; t < (int)(sizeof emb / sizeof emb[0]); t++) {
+        int N = emb[t][0], D = emb[t][1], V = emb[t][2];
+        int64_t ND = (int64_t)N * D;
+        int32_t *tok = (int32_t *)malloc(4 * (size_t)N);
+        for (int i = 0; i < N; i++) tok[i] = (int32_t)(mt_rng_u64(&R) % 7) * (V / 7);
+        float *dx = randn(ND, 1), *dw = (float *)malloc(4 * (size_t)V * D);
+        round_bf(dx, ND);
+        mt_cpu_embed_backward(dw, dx, tok, N, V, D);
+        void *TK = up(tok, 4 * (size_t)N), *DX = up_bf(dx, ND), *ws = dalloc(mt_cuda_embed_backward_workspace(N, D)), *DW[2];
+        int ok = 1;
+        for (int r = 0; r < 2; r++) { DW[r] = dalloc(4 * (size_t)V * D); ok &= !mt_cuda_embed_backward(CU, (float *)DW[r], DX, (int32_t *)TK, N, V, D, ws); }
+        float *gw = (float *)down(DW[0], 4 * (size_t)V * D);
+        double e = rel(gw, dw, (int64_t)V * D);
+        int rerun = dsame(DW[0], DW[1], 4 * (size_t)V * D);
+        char nm[96];
+        snprintf(nm, sizeof nm, "gpu embedding bwd rows N=%d D=%d", N, D);
+        report(nm, ok && e < F32_TOL && rerun, "%.1e, rerun %s", e, rerun ? "bitwise" : "DIFFERS");
+        free(tok); free(dx); free(dw); free(gw);
+        dfree(TK); dfree(DX); dfree(ws); dfree(DW[0]); dfree(DW[1]);
+    }
+
+    /* split / concat: parts of whole 16-byte chunks (one kernel) or not (2D copies); concat with a missing part
+     * writes zeros. Exact. */
+    static const int sp[][4] = {{33, 40, 24, 2}, {300, 512, 64, 2}, {5, 300, 4, 4}, {3, 4096, 8, 2}, {9, 13, 7, 2}, {4, 8, 3, 4}};
+    for (int t = 0; t < (int)(sizeof sp / sizeof sp[0]); t++) {
+        int N = sp[t][0], a = sp[t][1], b = sp[t][2], esz = sp[t][3];
+        size_t ra = (size_t)a * esz, rb = (size_t)b * esz, rr = ra + rb;
+        uint8_t *x = (uint8_t *)malloc(rr * N), *e1 = (uint8_t *)malloc(ra * N), *e2 = (uint8_t *)malloc(rb * N), *z = (uint8_t *)malloc(rr * N);
+        for (size_t i = 0; i < rr * N; i++) x[i] = (uint8_t)mt_rng_u64(&R);
+        for (int r = 0; r < N; r++) { memcpy(e1 + r * ra, x + r * rr, ra); memcpy(e2 + r * rb, x + r * rr + ra, rb); }
+        void *X = up(x, rr * N), *X1 = dalloc(ra * N), *X2 = dalloc(rb * N), *C = dalloc(rr * N), *C1 = dalloc(rr * N), *C2 = dalloc(rr * N);
+        int ok = !mt_cuda_split(CU, X1, X2, X, N, a, b, esz) && !mt_cuda_concat(CU, C, X1, X2, N, a, b, esz) &&
+                 !mt_cuda_concat(CU, C1, NULL, X2, N, a, b, esz) && !mt_cuda_concat(CU, C2, X1, NULL, N, a, b, esz);
+        uint8_t *g1 = (uint8_t *)down(X1, ra * N), *g2 = (uint8_t *)down(X2, rb * N), *gc = (uint8_t *)down(C, rr * N);
+        uint8_t *h1 = (uint8_t *)down(C1, rr * N), *h2 = (uint8_t *)down(C2, rr * N);
+        int exact = !memcmp(g1, e1, ra * N) && !memcmp(g2, e2, rb * N) && !memcmp(gc, x, rr * N);
+        memcpy(z, x, rr * N);
+        for (int r = 0; r < N; r++) memset(z + r * rr, 0, ra);
+        exact &= !memcmp(h1, z, rr * N);
+        memcpy(z, x, rr * N);
+        for (int r = 0; r < N; r++) memset(z + r * rr + ra, 0, rb);
+        exact &= !memcmp(h2, z, rr * N);
+        char nm[96];
+        snprintf(nm, sizeof nm, "gpu split/concat rows N=%d a=%d b=%d esz=%d", N, a, b, esz);
+        report(nm, ok && exact, exact ? "exact, zeros for a missing part" : "DIFFERS");
+        free(x); free(e1); free(e2); free(z); free(g1); free(g2); free(gc); free(h1); free(h2);
+        dfree(X); dfree(X1); dfree(X2); dfree(C); dfree(C1); dfree(C2);
+    }
+
+    /* gradient norm: one block, many blocks with the unrolled steps and their remainder, the element path, and
+     * the plain sum of partials (squares = 0), added to an incoming value */
+    static const int64_t ssn[][2] = {{1000, 1}, {70000, 1}, {3000000, 1}, {3000001, 1}, {20000000, 1}, {5000, 0}, {5003, 0}};
+    for (int t = 0; t < (int)(sizeof ssn / sizeof ssn[0]); t++) {
+        int64_t n = ssn[t][0];
+        int squares = (int)ssn[t][1];
+        float *g = randn(n, 0.1), in = 0.25f;
+        if (!squares) for (int64_t i = 0; i < n; i++) g[i] = g[i] * g[i];
+        double ref = in;
+        for (int64_t i = 0; i < n; i++) ref += squares ? (double)g[i] * g[i] : (double)g[i];
+        void *G = up(g, 4 * (size_t)n), *IN = up(&in, 4), *ws = dalloc(mt_cuda_sumsq_workspace()), *O[2];
+        int ok = 1;
+        for (int r = 0; r < 2; r++) { O[r] = dalloc(4); ok &= !mt_cuda_sumsq(CU, (float *)O[r], (float *)IN, (float *)G, n, squares, ws); }
+        float got;
+        mt_cuda_copy(CU, &got, O[0], 4, 1);
+        double e = fabs(got - ref) / ref;
+        int rerun = dsame(O[0], O[1], 4);
+        char nm[96];
+        snprintf(nm, sizeof nm, "gpu grad-norm sum n=%lld squares=%d", (long long)n, squares);
+        report(nm, ok && e < F32_TOL && rerun, "%.1e, rerun %s", e, rerun ? "bitwise" : "DIFFERS");
+        free(g);
+        dfree(G); dfree(IN); dfree(ws); dfree(O[0]); dfree(O[1]);
+    }
+}
+
 static void gpu_test_matmul(void) {
     int M = 130, Nn = 72, K = 200;
     for (int ta = 0; ta < 2; ta++)
@@ -656,10 +859,17 @@ static void gpu_test_rope(int dn, int dv) {
              !mt_cuda_mla_rope_backward(CU, Ddq, Ddkv, Ddkpe, DgQ, DgK, DgV, (float *)Dc, (float *)Ds, N, T, H, dn, dr, dv);
     float *a1 = down_bf(DQ, nq), *a2 = down_bf(DK, nq), *a3 = down_bf(DV, nv), *a4 = down_bf(Ddq, nq), *a5 = down_bf(Ddkv, nkv), *a6 = down_bf(Ddkpe, (int64_t)N * dr);
     double e1 = rel(a1, Q, nq), e2 = rel(a2, K, nq), e3 = rel(a3, Vv, nv), e4 = rel(a4, dq, nq), e5 = rel(a5, dkv, nkv), e6 = rel(a6, dkpe, (int64_t)N * dr);
+    /* rerun into fresh buffers: bitwise the same */
+    void *RQ = dalloc(2 * nq), *RK = dalloc(2 * nq), *RV = dalloc(2 * nv), *Rdq = dalloc(2 * nq), *Rdkv = dalloc(2 * nkv), *Rdkpe = dalloc(2 * (size_t)N * dr);
+    ok = ok && !mt_cuda_mla_rope_forward(CU, RQ, RK, RV, Dq, Dkv, Dkpe, (float *)Dc, (float *)Ds, N, T, H, dn, dr, dv) &&
+         !mt_cuda_mla_rope_backward(CU, Rdq, Rdkv, Rdkpe, DgQ, DgK, DgV, (float *)Dc, (float *)Ds, N, T, H, dn, dr, dv);
+    int rerun = dsame(RQ, DQ, 2 * nq) && dsame(RK, DK, 2 * nq) && dsame(RV, DV, 2 * nv) && dsame(Rdq, Ddq, 2 * nq) && dsame(Rdkv, Ddkv, 2 * nkv) &&
+                dsame(Rdkpe, Ddkpe, 2 * (size_t)N * dr);
+    dfree(RQ); dfree(RK); dfree(RV); dfree(Rdq); dfree(Rdkv); dfree(Rdkpe);
     char nm[64];
     snprintf(nm, sizeof nm, "gpu MLA rope (YaRN) fwd/bwd dn=%d dv=%d", dn, dv);
-    report(nm, ok && e1 < BF_TOL && e2 < BF_TOL && e3 == 0 && e4 < BF_TOL && e5 < BF_TOL && e6 < BF_TOL,
-           "%.1e %.1e %.1e %.1e %.1e %.1e", e1, e2, e3, e4, e5, e6);
+    report(nm, ok && e1 < BF_TOL && e2 < BF_TOL && e3 == 0 && e4 < BF_TOL && e5 < BF_TOL && e6 < BF_TOL && rerun,
+           "%.1e %.1e %.1e %.1e %.1e %.1e, rerun %s", e1, e2, e3, e4, e5, e6, rerun ? "bitwise" : "DIFFERS");
     free(cs); free(sn); free(q); free(kv); free(kpe); free(gQ); free(gK); free(gV); free(Q); free(K); free(Vv); free(dq); free(dkv); free(dkpe);
     free(a1); free(a2); free(a3); free(a4); free(a5); free(a6);
     dfree(Dq); dfree(Dkv); dfree(Dkpe); dfree(Dc); dfree(Ds); dfree(DQ); dfree(DK); dfree(DV); dfree(DgQ); dfree(DgK); dfree(DgV);
@@ -1342,41 +1552,46 @@ int main(void) {
         printf("%d passed, %d failed\n", n_pass, n_fail);
         return n_fail ? 1 : 0;
     }
-    gpu_test_basic_ops();
-    gpu_test_matmul();
-    gpu_test_rope(12, 10);   /* bf16-pair kernels */
-    gpu_test_rope(11, 9);    /* element kernels */
-    gpu_test_attention_shape(2, 64, 4, 24, 16, 0);
-    gpu_test_attention_shape(1, 7, 2, 12, 8, 0);
-    gpu_test_attention_shape(2, 100, 3, 64, 64, 0);
-    gpu_test_attention_shape(1, 130, 2, 192, 128, 0);
-    gpu_test_attention_shape(2, 256, 4, 192, 128, 0);
-    gpu_test_doc_starts();
-    gpu_test_attention_shape(2, 100, 3, 64, 64, 20);
-    gpu_test_attention_shape(2, 300, 2, 192, 128, 40);
-    gpu_test_attention_shape(2, 520, 4, 192, 128, 150);
-    gpu_test_attention_shape(1, 130, 2, 256, 256, 30);
-    gpu_test_attention_shape(2, 77, 3, 40, 72, 9);
-    gpu_test_attention_shape(1, 1000, 2, 128, 128, 0);   /* wgmma kernels: odd length, several key blocks */
-    gpu_test_attention_shape(1, 257, 2, 192, 128, 3);    /* wgmma kernels: many very short documents */
-    gpu_test_moe_ops();
-    gpu_test_gmm_dw_sumsq(8, 48, 64, 400);      /* few rows per expert: no row splits */
-    gpu_test_gmm_dw_sumsq(2, 64, 64, 16384);    /* few tiles, many rows: split rows, reduce kernel */
-    gpu_test_gmm_dw_sumsq(64, 1408, 256, 6144);
+    const char *only = getenv("MT_TEST_ONLY");   /* run the tests whose calls contain this, e.g. "rows" or "rope(11" */
+#define GPU_RUN(call) do { if (!only || strstr(#call, only)) call; } while (0)
+    GPU_RUN(gpu_test_basic_ops());
+    GPU_RUN(gpu_test_rows());
+    GPU_RUN(gpu_test_matmul());
+    GPU_RUN(gpu_test_rope(16, 24));   /* 16-byte chunk kernels */
+    GPU_RUN(gpu_test_rope(12, 10));   /* bf16-pair kernels */
+    GPU_RUN(gpu_test_rope(11, 9));    /* element kernels */
+    GPU_RUN(gpu_test_attention_shape(2, 64, 4, 24, 16, 0));
+    GPU_RUN(gpu_test_attention_shape(1, 7, 2, 12, 8, 0));
+    GPU_RUN(gpu_test_attention_shape(2, 100, 3, 64, 64, 0));
+    GPU_RUN(gpu_test_attention_shape(1, 130, 2, 192, 128, 0));
+    GPU_RUN(gpu_test_attention_shape(2, 256, 4, 192, 128, 0));
+    GPU_RUN(gpu_test_doc_starts());
+    GPU_RUN(gpu_test_attention_shape(2, 100, 3, 64, 64, 20));
+    GPU_RUN(gpu_test_attention_shape(2, 300, 2, 192, 128, 40));
+    GPU_RUN(gpu_test_attention_shape(2, 520, 4, 192, 128, 150));
+    GPU_RUN(gpu_test_attention_shape(1, 130, 2, 256, 256, 30));
+    GPU_RUN(gpu_test_attention_shape(2, 77, 3, 40, 72, 9));
+    GPU_RUN(gpu_test_attention_shape(1, 1000, 2, 128, 128, 0));   /* wgmma kernels: odd length, several key blocks */
+    GPU_RUN(gpu_test_attention_shape(1, 257, 2, 192, 128, 3));    /* wgmma kernels: many very short documents */
+    GPU_RUN(gpu_test_moe_ops());
+    GPU_RUN(gpu_test_gmm_dw_sumsq(8, 48, 64, 400));      /* few rows per expert: no row splits */
+    GPU_RUN(gpu_test_gmm_dw_sumsq(2, 64, 64, 16384));    /* few tiles, many rows: split rows, reduce kernel */
+    GPU_RUN(gpu_test_gmm_dw_sumsq(64, 1408, 256, 6144));
     {
         static const int c5[5] = {0, 17, 0, 200, 1}, c3[3] = {130, 0, 70};
         static const int c12[12] = {301, 0, 129, 1, 640, 77, 0, 1500, 255, 256, 63, 400};
-        gpu_test_gmm_shapes(5, 72, 40, c5);       /* dims under one tile, idle experts, single rows */
-        gpu_test_gmm_shapes(3, 136, 264, c3);     /* ragged last row / column tiles               */
-        gpu_test_gmm_shapes(12, 200, 328, c12);   /* unequal experts, one heavy, rows around 64 and 128 multiples */
+        GPU_RUN(gpu_test_gmm_shapes(5, 72, 40, c5));       /* dims under one tile, idle experts, single rows */
+        GPU_RUN(gpu_test_gmm_shapes(3, 136, 264, c3));     /* ragged last row / column tiles               */
+        GPU_RUN(gpu_test_gmm_shapes(12, 200, 328, c12));   /* unequal experts, one heavy, rows around 64 and 128 multiples */
     }
-    gpu_test_loss_and_optimizer();
-    gpu_test_whole_steps();
-    gpu_test_recompute();
-    gpu_test_doc_mask_steps();
-    gpu_test_tuning();
-    gpu_test_multi_rank();
-    gpu_test_resume();
+    GPU_RUN(gpu_test_loss_and_optimizer());
+    GPU_RUN(gpu_test_whole_steps());
+    GPU_RUN(gpu_test_recompute());
+    GPU_RUN(gpu_test_doc_mask_steps());
+    GPU_RUN(gpu_test_tuning());
+    GPU_RUN(gpu_test_multi_rank());
+    GPU_RUN(gpu_test_resume());
+#undef GPU_RUN
     mt_cuda_destroy(CU);
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
