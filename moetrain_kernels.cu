@@ -4095,7 +4095,7 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
  *   and give bitwise the same results:
  *     gg_tma_kernel (the default): a producer warp loads the stages with the copy engine (TMA,
  *       mbarriers) while two consumer warpgroups only multiply and store (see its own comment);
- *       on H200, on mid's expert shapes, 600-700 TFLOP/s forward and dX, 490-530 dW;
+ *       on H200, on mid's expert shapes, 600-700 TFLOP/s forward and dX, 490-545 dW;
  *     gg_kernel (drivers without tensor maps; the mma.sync fallback): described here.
  *   One persistent kernel per mode, 256 threads (2 warpgroups), one CTA per SM (~207 KB smem).
  *   CTA tile 128 x 256 (BM x BN) of the output, reduction in steps of 64 (BK); operands are staged
@@ -4123,7 +4123,9 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
  *                partial tiles go to the workspace and a second kernel sums them in order s=0..S-1.
  *   Every mode: CTA b takes one tile of each round of gridDim tiles, in serpentine order (b in even
  *   rounds, gridDim - 1 - b in odd ones; mode 2's list is sorted largest expert first, and the
- *   serpentine balances the unequal tiles). The id of the tile after next is
+ *   serpentine balances the unequal tiles: on mid's shapes with the largest expert at 5 to 7
+ *   times the mean, the busiest CTA gets 1-2% more steps than the mean, and the bench's layout
+ *   with the largest expert at 6.1 times the mean runs as fast as the one at 5.0). The id of the tile after next is
  *   published through a small smem ring, so the loads of the next tile are issued while the
  *   current one finishes (the cp.async pipeline runs across tile boundaries).
  * Determinism: every output element is produced by one thread of one CTA with a fixed reduction
@@ -4375,9 +4377,25 @@ __device__ __forceinline__ void fence_acc_all(float (&acc)[128]) {
     for (int i = 0; i < 128; ++i) fence_acc(acc[i]);
 }
 
-/* One reduction step (BK = 64) with wgmma: warpgroup wg computes tile rows [64wg, 64wg + 64). */
-template <int MODE>
-__device__ __forceinline__ void step_wgmma(float (&acc)[128], uint32_t sA, int wg, bool active, bool full, bool first) {
+/* NKK k16 slices of one step as one wgmma batch (N256: m64n256k16, else m64n128k16) */
+template <int TA, int TB, bool N256, int NKK>
+__device__ __forceinline__ void wgmma_batch(float (&acc)[128], uint64_t da, uint64_t db, int sd0) {
+    constexpr uint64_t DA = TA ? 128 : 2, DB = TB ? 128 : 2;
+    wgmma_fence();
+    if (N256) wgmma_n256<TA, TB>(acc, da, db, sd0);
+    else wgmma_n128<TA, TB>(acc, da, db, sd0);
+#pragma unroll
+    for (int kk = 1; kk < NKK; ++kk) {
+        if (N256) wgmma_n256<TA, TB>(acc, da + kk * DA, db + kk * DB, 1);
+        else wgmma_n128<TA, TB>(acc, da + kk * DA, db + kk * DB, 1);
+    }
+    wgmma_commit();
+}
+
+/* One reduction step (BK = 64) with wgmma: warpgroup wg computes tile rows [64wg, 64wg + 64).
+   SHORT: only the first nkk k16 slices (mode 2's last step of a tile: the rows that are left). */
+template <int MODE, bool SHORT = false>
+__device__ __forceinline__ void step_wgmma(float (&acc)[128], uint32_t sA, int wg, bool active, bool full, bool first, int nkk = 4) {
     constexpr int TA = (MODE == 2) ? 1 : 0, TB = (MODE == 0) ? 0 : 1;
     /* K-major: +32 bytes per k16; MN-major: +16 rows * 128 bytes = 2048 bytes (in 16-byte units) */
     constexpr uint64_t DA = TA ? 128 : 2, DB = TB ? 128 : 2;
@@ -4385,7 +4403,18 @@ __device__ __forceinline__ void step_wgmma(float (&acc)[128], uint32_t sA, int w
     const uint64_t db = sw128_desc(sA + (uint32_t)A_BYTES, TB ? 8192u : 16u, 1024u);
     const int sd0 = first ? 0 : 1;
     fence_acc_all(acc);
-    if (active && full) {
+    if (SHORT && active && nkk < BK / 16) {
+        /* separate straight-line batches: a conditional wgmma inside a batch makes ptxas fence each one */
+        if (full) {
+            if (nkk == 1) wgmma_batch<TA, TB, true, 1>(acc, da, db, sd0);
+            else if (nkk == 2) wgmma_batch<TA, TB, true, 2>(acc, da, db, sd0);
+            else wgmma_batch<TA, TB, true, 3>(acc, da, db, sd0);
+        } else {
+            if (nkk == 1) wgmma_batch<TA, TB, false, 1>(acc, da, db, sd0);
+            else if (nkk == 2) wgmma_batch<TA, TB, false, 2>(acc, da, db, sd0);
+            else wgmma_batch<TA, TB, false, 3>(acc, da, db, sd0);
+        }
+    } else if (active && full) {
         wgmma_fence();
         wgmma_n256<TA, TB>(acc, da, db, sd0);
 #pragma unroll
@@ -4795,11 +4824,23 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* row i of the product depends on row i of A only, and such rows are never stored); the W     */
 /* tensor is 3-D [E][M][K], so W rows beyond M are zeros, never the next expert's.  Mode 2     */
 /* reduces over the rows, so the consumers zero the rows past the tile's end in both operands  */
-/* of the last step before multiplying.                                                         */
+/* of the last step before multiplying; that step issues only the k16 slices that hold rows    */
+/* (DWV 1, the default; the skipped slices would add exact zeros: the same sums, up to the      */
+/* sign of a zero).  H200, mid's shapes: dW 541 -> 543 (gate/up) and 490 -> 495 TFLOP/s (down) */
+/* in the bench, GMM_DW_SQ in ./train --preset mid 12.60 -> 12.18 ms a step (21 calls).        */
 /* Measured slower on H200 (mid's shapes) and not kept: dW stored straight from the            */
 /* accumulators (whole 32-byte sectors, no staging: 497 against 530 TFLOP/s), and 3 stages with */
 /* the whole tile staged in smem and stored by bulk copies while the next tile runs (dW 415     */
-/* against 498, dX 621 against 647).                                                            */
+/* against 498, dX 621 against 647).  Also for dW: a ping-pong kernel (each consumer           */
+/* warpgroup on its own 128 x 128 tiles, their reduction loops taking turns so one warpgroup   */
+/* stores while the other multiplies: 440 against 516 gate/up, 425 against 463 down, 15.2      */
+/* against 12.6 ms in the step; 128-column tiles read a third more per flop from L2); stores   */
+/* from the registers after a lane-pair shuffle (16 bytes a lane, 64 contiguous bytes a row:   */
+/* within 1-3% of the staged stores); bulk tensor stores of 16 x 16 boxes from two 1 KB halves */
+/* of each warp's buffer (4-15% slower); CTA pairs in clusters of 2 that multicast the operand */
+/* their tiles share (one L2 read for both; correct, but 340 against 540).  The estimated L2   */
+/* reads of every grouped GEMM mode (7.5-8.7 TB/s at the rates above) suggest L2 bandwidth as  */
+/* the common limit; the dW tiles add 4-byte stores on top of the same loads per flop.          */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int NT_TMA = 384;
 constexpr int EPI_BYTES = 2048;                /* per consumer warp: 16 rows x 128 bytes     */
@@ -4839,19 +4880,21 @@ __device__ __forceinline__ void tma_step(const TmaParams &tp, const Tile &ti, in
     }
 }
 
-/* Mode 2, last step of a tile: zero stage rows [nv, 64) of both operands (6 column blocks of
+/* Mode 2, last step of a tile: zero stage rows [nv, nend) of both operands (6 column blocks of
    64 rows x 128 bytes); threads 0..255 of the consumers. */
-__device__ __forceinline__ void zero_tail_rows(unsigned char *stage, int nv, int ctid) {
+__device__ __forceinline__ void zero_tail_rows(unsigned char *stage, int nv, int nend, int ctid) {
 #pragma unroll 4
-    for (int i = ctid; i < 6 * 64 * 8; i += 256) {
-        const int blk = i >> 9, r = (i >> 3) & 63, ch = i & 7;
-        if (r >= nv) *reinterpret_cast<uint4 *>(stage + blk * 8192 + r * 128 + ch * 16) = make_uint4(0u, 0u, 0u, 0u);
+    for (int i = ctid; i < (nend - nv) * 48; i += 256) {
+        const int r = nv + i / 48, blk = (i % 48) >> 3, ch = i & 7;
+        *reinterpret_cast<uint4 *>(stage + blk * 8192 + r * 128 + ch * 16) = make_uint4(0u, 0u, 0u, 0u);
     }
 }
 
 
-template <int MODE>
+/* DWV (mode 2): 0 = as modes 0/1; 1 = short last steps (only the k16 slices that hold rows) */
+template <int MODE, int DWV = 0>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
+    constexpr bool SHORT = MODE == 2 && DWV >= 1;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const Params &p = tp.p;
     const int tid = threadIdx.x;
@@ -4913,15 +4956,18 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
             for (int kt = 0; kt < ti.nk; ++kt, ++step) {
                 const int s = step % ST;
                 mbar_wait(full0 + 8u * s, (step / ST) & 1);
+                int nkk = BK / 16;
                 if (MODE == 2 && kt == ti.nk - 1) {
                     const int nv = ti.r1 - (ti.r0 + kt * BK);
-                    if (nv < BK) { /* tile-uniform */
-                        zero_tail_rows(stages + (size_t)s * STAGE_BYTES, nv, ctid);
+                    if (SHORT) nkk = (nv + 15) >> 4; /* only the k16 slices holding rows */
+                    const int nend = SHORT ? 16 * nkk : BK;
+                    if (nv < nend) { /* tile-uniform */
+                        zero_tail_rows(stages + (size_t)s * STAGE_BYTES, nv, nend, ctid);
                         fence_proxy_async();
                         bar_sync_named(1, 256);
                     }
                 }
-                step_wgmma<MODE>(acc, sbase + (uint32_t)(s * STAGE_BYTES), wg, 64 * wg < rows_valid, cols_valid > 128, kt == 0);
+                step_wgmma<MODE, SHORT>(acc, sbase + (uint32_t)(s * STAGE_BYTES), wg, 64 * wg < rows_valid, cols_valid > 128, kt == 0, nkk);
                 wgmma_wait<1>();
                 fence_acc_all(acc);
                 /* the previous step's batch is complete: its stage goes back to the producer */
@@ -4991,7 +5037,7 @@ static int tma_w_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int E,
     return tma_map(enc, m, base, 3, dims, strides, box);
 }
 
-template <int MODE>
+template <int MODE, int DWV = 0>
 static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream) {
     TmaParams tp;
     memset(&tp, 0, sizeof tp);
@@ -5006,7 +5052,7 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
         rc = tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK);
     }
     if (rc) return -1;
-    void (*kern)(const TmaParams) = gg_tma_kernel<MODE>;
+    void (*kern)(const TmaParams) = gg_tma_kernel<MODE, DWV>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_TMA) != cudaSuccess) return -1;
     kern<<<grid, NT_TMA, SMEM_TMA, stream>>>(tp);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
@@ -5019,11 +5065,20 @@ static long long ssq_need(int E, int M, int K) {
     return t8 > SSQ_BLOCKS ? t8 : SSQ_BLOCKS;
 }
 
-/* variant: 2 = TMA + wgmma (warp-specialized), 1 = cp.async + wgmma, 0 = cp.async + mma.sync */
+/* variant: 2 = TMA + wgmma (warp-specialized), 1 = cp.async + wgmma, 0 = cp.async + mma.sync;
+   mode 2 also 3 + DWV (0, 1, see gg_tma_kernel): the TMA kernel's dW variants (benches) */
+#ifndef GG_DW_DV
+#define GG_DW_DV 1
+#endif
+constexpr int DW_DV = GG_DW_DV;   /* the TMA kernel's dW variant (-DGG_DW_DV=... to compare in place) */
+static_assert(DW_DV >= 0 && DW_DV <= 1, "dW variant");
 static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
                   int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
                   float *ssq = nullptr, long long ssq_len = 0, int nsm = 0) {
     if (!args_ok(mode, E, M, K, Rmax)) return -1;
+    if (variant < 0 || variant > 4) return -1;
+    int dv = DW_DV;
+    if (variant >= 3) { dv = variant - 3; variant = 2; }
     if (ssq && (mode != 2 || ssq_len < ssq_need(E, M, K))) return -1;
     if (!out || !a || !b || !d_offs || (!a2 != !b2) || (a2 && mode != 1)) return -1;
     if ((((uintptr_t)out) | ((uintptr_t)a) | ((uintptr_t)b) | ((uintptr_t)ws) | ((uintptr_t)a2) | ((uintptr_t)b2)) & 15u) return -1;
@@ -5069,7 +5124,8 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     if (variant == 2 && !enc) variant = 1; /* a driver without tensor maps: the same tiles through cp.async */
     if (variant == 2) {
         rc = mode == 0 ? launch_tma<0>(enc, p, grid, stream)
-           : mode == 1 ? launch_tma<1>(enc, p, grid, stream) : launch_tma<2>(enc, p, grid, stream);
+           : mode == 1 ? launch_tma<1>(enc, p, grid, stream)
+           : dv == 0 ? launch_tma<2, 0>(enc, p, grid, stream) : launch_tma<2, 1>(enc, p, grid, stream);
     } else if (variant) {
         rc = mode == 0 ? launch_main<0, true>(p, grid, stream)
            : mode == 1 ? launch_main<1, true>(p, grid, stream) : launch_main<2, true>(p, grid, stream);

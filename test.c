@@ -1577,12 +1577,17 @@ int main(void) {
     GPU_RUN(gpu_test_gmm_dw_sumsq(8, 48, 64, 400));      /* few rows per expert: no row splits */
     GPU_RUN(gpu_test_gmm_dw_sumsq(2, 64, 64, 16384));    /* few tiles, many rows: split rows, reduce kernel */
     GPU_RUN(gpu_test_gmm_dw_sumsq(64, 1408, 256, 6144));
+    GPU_RUN(gpu_test_gmm_dw_sumsq(16, 1408, 512, 8000));  /* an odd number of m tiles, an even one of k tiles */
+    GPU_RUN(gpu_test_gmm_dw_sumsq(8, 256, 320, 3000));    /* a ragged k tile */
+    GPU_RUN(gpu_test_gmm_dw_sumsq(2, 256, 256, 16384));   /* two m tiles per expert, row splits */
     {
         static const int c5[5] = {0, 17, 0, 200, 1}, c3[3] = {130, 0, 70};
         static const int c12[12] = {301, 0, 129, 1, 640, 77, 0, 1500, 255, 256, 63, 400};
         GPU_RUN(gpu_test_gmm_shapes(5, 72, 40, c5));       /* dims under one tile, idle experts, single rows */
         GPU_RUN(gpu_test_gmm_shapes(3, 136, 264, c3));     /* ragged last row / column tiles               */
         GPU_RUN(gpu_test_gmm_shapes(12, 200, 328, c12));   /* unequal experts, one heavy, rows around 64 and 128 multiples */
+        static const int c6[6] = {65, 0, 700, 16, 129, 48};
+        GPU_RUN(gpu_test_gmm_shapes(6, 72, 264, c6));      /* one m tile, a second k tile 8 columns wide */
     }
     GPU_RUN(gpu_test_loss_and_optimizer());
     GPU_RUN(gpu_test_whole_steps());

@@ -1,7 +1,10 @@
 /* bench/grouped_gemm.cu — the grouped expert GEMM of moetrain_kernels.cu on its own:
  * correctness against a float64 CPU reference over many expert layouts (outputs poisoned,
  * untouched rows checked, empty experts' gradients exactly zero), bitwise reruns, CUDA-graph
- * capture, bad arguments, and timing against one cuBLASLt call per expert.
+ * capture, bad arguments, dW with the squared-norm partials (GMM_DW_SQ), and timing against one
+ * cuBLASLt call per expert.  Timed layouts: mid's experts with the largest at 5 and at 6.1 times
+ * the mean (the loads of mid's training steps run from 3.5 to 7.3); for dW also the TMA kernel's
+ * variants (full or short last steps) and the default with the norm partials.
  *
  *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -o /tmp/gg bench/grouped_gemm.cu \
  *        -lcublasLt -lnccl && /tmp/gg
@@ -17,7 +20,8 @@ static int mt_gg(int mode, void *out, const void *a, const void *b, const int *d
                  cudaStream_t stream) {
     return mt_ggk::gg_run(2, mode, out, a, b, d_offs, E, M, K, Rmax, ws, stream, nullptr, nullptr, nullptr, 0, g_nsm);
 }
-static const char *variant_name[3] = {"mma.sync", "wgmma", "tma"};
+/* 3 + DWV: mode 2 only, the TMA kernel's dW variant DWV (0: as modes 0/1, 1: short last steps) */
+static const char *variant_name[5] = {"mma.sync", "wgmma", "tma", "tma-dw0", "tma-dw1"};
 
 /* ========================================================================================== */
 /* Test harness: nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DGG_MAIN           */
@@ -232,11 +236,12 @@ static void mode_io(const Bufs &b, int mode, void **out, const void **a, const v
 }
 
 /* pair: mode 1 with the second pair (dY, W) again, as GMM_DX2 runs it: dX = dY W + dY W */
-static int run_variant(int variant, const Bufs &b, int mode, void *ws, cudaStream_t st, bool pair = false) {
+static int run_variant(int variant, const Bufs &b, int mode, void *ws, cudaStream_t st, bool pair = false, float *ssq = nullptr,
+                       long long ssq_len = 0) {
     void *out; const void *a, *bb; size_t bytes;
     mode_io(b, mode, &out, &a, &bb, &bytes);
     return mt_ggk::gg_run(variant, mode, out, a, bb, b.d_offs, b.E, b.M, b.K, b.Rmax, ws, st, pair ? a : nullptr, pair ? bb : nullptr,
-                          nullptr, 0, g_nsm);
+                          ssq, ssq_len, g_nsm);
 }
 
 /* ---------------- cuBLASLt baseline: one matmul per expert (bf16 in, fp32 compute) ---------------- */
@@ -378,9 +383,10 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
     const bool full = (long long)b.R * M * K <= (1ll << 28);
 
     std::vector<unsigned char> first[3]; /* each mode's output of the first variant, for the cross-variant comparison */
-    for (int variant = 2; variant >= 0; --variant) {
+    const int variants[5] = {2, 3, 4, 1, 0};
+    for (int variant : variants) {
         const char *vname = variant_name[variant];
-        for (int mode = 0; mode < 3; ++mode) {
+        for (int mode = variant >= 3 ? 2 : 0; mode < 3; ++mode) {
             void *out; const void *a, *bb; size_t bytes;
             mode_io(b, mode, &out, &a, &bb, &bytes);
             std::vector<unsigned char> h1(bytes), h2(bytes);
@@ -403,6 +409,27 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
             report(ok, "%s %-8s mode %d %-11s %s", c.name.c_str(), vname, mode, mode_name[mode], msg);
             report(rc1 == 0 && memcmp(h1.data(), h2.data(), bytes) == 0, "%s %-8s mode %d bitwise identical rerun", c.name.c_str(),
                    vname, mode);
+            if (mode == 2 && variant >= 2) {
+                /* with the norm partials (GMM_DW_SQ): dW bitwise the same, the partials sum to sum(dW^2) */
+                const long long L = mt_ggk::ssq_need(E, M, K);
+                float *ssq;
+                CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
+                CK(cudaMemset(ssq, 0xFF, (size_t)L * sizeof(float)));
+                CK(cudaMemset(out, 0xFF, bytes));
+                const int rc4 = run_variant(variant, b, mode, b.ws, st, false, ssq, L);
+                CK(cudaStreamSynchronize(st));
+                std::vector<float> hq((size_t)L);
+                CK(cudaMemcpy(h2.data(), out, bytes, cudaMemcpyDeviceToHost));
+                CK(cudaMemcpy(hq.data(), ssq, (size_t)L * sizeof(float), cudaMemcpyDeviceToHost));
+                CK(cudaFree(ssq));
+                double sq = 0, ref = 0;
+                for (long long i = 0; i < L; ++i) sq += hq[i];
+                const float *o = (const float *)h2.data();
+                for (size_t i = 0; i < bytes / 4; ++i) ref += (double)o[i] * o[i];
+                const double rel = ref > 0 ? fabs(sq - ref) / ref : fabs(sq);
+                report(rc4 == 0 && std::isfinite(sq) && rel < 1e-5 && memcmp(h1.data(), h2.data(), bytes) == 0,
+                       "%s %-8s mode 2 with norm partials: dW bitwise as without, sum rel %.1e", c.name.c_str(), vname, rel);
+            }
             if (variant == 2) first[mode] = h1;
             else printf("  (info) %s %-8s mode %d bitwise equal to tma: %s\n", c.name.c_str(), vname, mode,
                         memcmp(h1.data(), first[mode].data(), bytes) == 0 ? "yes" : "no");
@@ -417,7 +444,7 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                        c.name.c_str(), vname, mode);
             }
         }
-        if (variant >= 1) {
+        if (variant == 1 || variant == 2) {
             /* mode 1 with a second pair (GMM_DX2), here (dY, W) twice: against twice the single result */
             const size_t n = (size_t)b.Rmax * K, bytes = n * 2;
             std::vector<uint16_t> hs(n), hp(n), hp2(n);
@@ -453,6 +480,23 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
             void *out; const void *a, *bb; size_t bytes;
             mode_io(b, mode, &out, &a, &bb, &bytes);
             const float t_tma = time_median([&]() { if (run_variant(2, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
+            if (mode == 2) {
+                /* the other dW kernels, and the default one with the norm partials (GMM_DW_SQ) */
+                const long long L = mt_ggk::ssq_need(E, M, K);
+                float *ssq;
+                CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
+                float t_dv[2];
+                for (int dv = 0; dv < 2; ++dv)
+                    t_dv[dv] = time_median([&]() { if (run_variant(3 + dv, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
+                const float t_sq = time_median([&]() { if (run_variant(2, b, 2, b.ws, st, false, ssq, L) != 0) fatal("launch failed"); }, st);
+                CK(cudaFree(ssq));
+                char line[400];
+                snprintf(line, sizeof line, "%-9s %-11s max/mean %.1f: tma %5.1f, with the norm partials %5.1f | dw0 (full last steps) %5.1f | dw1 (short) %5.1f TFLOP/s",
+                         c.name.c_str(), "dW kernels", (double)cmax * E / std::max(b.R, 1), flops / t_tma * 1e-9, flops / t_sq * 1e-9,
+                         flops / t_dv[0] * 1e-9, flops / t_dv[1] * 1e-9);
+                printf("  timing %s\n", line);
+                g_table.push_back(line);
+            }
             const float t_wg = time_median([&]() { if (run_variant(1, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
             /* keep the grouped result to compare the baseline against (all elements) */
             CK(cudaMemset(out, 0xFF, bytes));
@@ -604,6 +648,7 @@ int main() {
         return 1;
     }
     g_nsm = prop.multiProcessorCount;
+    printf("dW variant of the TMA kernel (GG_DW_DV): %d\n", mt_ggk::DW_DV);
     std::mt19937 rng(20240611);
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -614,6 +659,12 @@ int main() {
         std::vector<int> cnt = imbalanced_counts(64, 49152, rng, 3, {3.0, 4.0, 5.0});
         cases.push_back({"big", 64, 1408, 2048, cnt, true});        /* gate / up projections */
         cases.push_back({"big-down", 64, 2048, 1408, cnt, true});   /* down projection       */
+    }
+    {
+        /* the loads of mid's training steps: the largest expert 3.5 to 7 times the mean */
+        std::vector<int> cnt = imbalanced_counts(64, 49152, rng, 2, {6.0, 4.0, 3.0, 2.5});
+        cases.push_back({"skew", 64, 1408, 2048, cnt, true});
+        cases.push_back({"skew-down", 64, 2048, 1408, cnt, true});
     }
     {
         std::vector<int> cnt(8);
