@@ -1561,9 +1561,11 @@ int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const
  *                      recomputes P, dP, dS in registers, accumulates dQ in registers, writes once.
  * Hopper kernels (wgmma, sm_90a; same work split, same masking and skipping, see their own comments):
  *   fa_fwd_wg_kernel       one CTA per (128-query block, b*h), two warpgroups x 64 query rows,
- *                          128-key tiles; S = Q K^T and O += P V on wgmma, P from registers.
+ *                          128-key tiles; S = Q K^T and O += P V on wgmma, P from registers; a third
+ *                          warpgroup loads Q, K and V with TMA (mbarriers, no CTA barrier in the loop).
  *   fa_bwd_dkdv_wg_kernel  one CTA per (128-key block, b*h), two warpgroups x 64 keys, 64-query tiles.
- *   fa_bwd_dq_wg_kernel    one CTA per (128-query block, b*h), two warpgroups x 64 rows, 64-key tiles.
+ *   fa_bwd_dq_wg_kernel    one CTA per (128-query block, b*h), two warpgroups x 64 rows, 64-key tiles,
+ *                          K and V from a TMA producer warpgroup as in the forward.
  * The launchers take them for the configurations (64,64), (128,128) and (192,128) on the 16-byte
  * load path; every other case takes the mma.sync kernels above.
  * Why dQ has its own kernel (it recomputes S and dP): commit 35ee81b fused dQ into the dK/dV kernel,
