@@ -2288,6 +2288,29 @@ __device__ __forceinline__ void wgmma_pb(float (&acc)[N / 2], const uint32_t (&a
 /* 0.527 ms; the same loop without the copies 0.450 ms, without the softmax arithmetic 0.442   */
 /* ms, without both 0.305 ms.                                                                  */
 /* ------------------------------------------------------------------------------------------ */
+/* TMA producer side (fa_fwd_wg_kernel, fa_bwd_dq_wg_kernel): the R x D tile of head h at rows
+   [row, row + R) of sequence b into SW128 panels of R rows at s, announced on barrier bar */
+template <int R, int D>
+__device__ __forceinline__ void tma_head_tile(uint32_t s, const CUtensorMap *map, uint32_t bar, int h, int row, int b) {
+#pragma unroll
+    for (int kb = 0; kb < D / 64; ++kb) tma_load_4d(s + (uint32_t)(kb * R * 128), map, bar, 64 * kb, h, row, b);
+}
+/* use u of a ring of NS such tiles (stage u % NS at s0, full / empty barriers 8 bytes apart): wait for
+   the stage's previous use to be released, then load (or, for the bench's ablations, only arrive) */
+template <int NS, int R, int D>
+__device__ __forceinline__ void ring_fill(uint32_t s0, uint32_t full, uint32_t empty, const CUtensorMap *map, int u, int h,
+                                          int row, int b, bool load) {
+    constexpr uint32_t BYTES = R * D * 2;
+    const int st = NS == 2 ? (u & 1) : u % NS;
+    if (u >= NS) mbar_wait(empty + 8 * st, (NS == 2 ? ((u - 2) >> 1) : (u / NS) - 1) & 1);
+    if (load) {
+        mbar_expect_tx(full + 8 * st, BYTES);
+        tma_head_tile<R, D>(s0 + (uint32_t)st * BYTES, map, full + 8 * st, h, row, b);
+    } else {
+        mbar_arrive(full + 8 * st);
+    }
+}
+
 template <int DQ, int DV, int BN>
 constexpr size_t fwd_wg_smem_bytes() {
     return 1024 + (size_t)(128 * DQ + 2 * BN * DQ + 2 * BN * DV) * sizeof(bf16) + 16 * 8;
@@ -2343,29 +2366,12 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (warp == 8 && lane == 0) {
             mbar_expect_tx(barQ, Q_BYTES);
-#pragma unroll
-            for (int kb = 0; kb < DQ / 64; ++kb) tma_load_4d(sQ + (uint32_t)(kb * BM * 128), &tm.q, barQ, 64 * kb, h, m0, b);
+            tma_head_tile<BM, DQ>(sQ, &tm.q, barQ, h, m0, b);
             for (int j = j0; j < n_blocks; ++j) {
-                const int u = j - j0, st = u & 1;
+                const int u = j - j0;
                 const bool load = !(VAR & 1) || u < 2;
-                if (u >= 2) mbar_wait(barKe + 8 * st, ((u - 2) >> 1) & 1);
-                if (load) {
-                    mbar_expect_tx(barKf + 8 * st, K_BYTES);
-#pragma unroll
-                    for (int kb = 0; kb < DQ / 64; ++kb)
-                        tma_load_4d(sK + (uint32_t)(st * K_BYTES + kb * BN * 128), &tm.k, barKf + 8 * st, 64 * kb, h, j * BN, b);
-                } else {
-                    mbar_arrive(barKf + 8 * st);
-                }
-                if (u >= 2) mbar_wait(barVe + 8 * st, ((u - 2) >> 1) & 1);
-                if (load) {
-                    mbar_expect_tx(barVf + 8 * st, V_BYTES);
-#pragma unroll
-                    for (int kb = 0; kb < DV / 64; ++kb)
-                        tma_load_4d(sV + (uint32_t)(st * V_BYTES + kb * BN * 128), &tm.v, barVf + 8 * st, 64 * kb, h, j * BN, b);
-                } else {
-                    mbar_arrive(barVf + 8 * st);
-                }
+                ring_fill<2, BN, DQ>(sK, barKf, barKe, &tm.k, u, h, j * BN, b, load);
+                ring_fill<2, BN, DV>(sV, barVf, barVe, &tm.v, u, h, j * BN, b, load);
             }
         }
         return;
@@ -2788,31 +2794,13 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p,
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (warp == 8 && lane == 0) {
             mbar_expect_tx(barQ, Q_BYTES + O_BYTES);
-#pragma unroll
-            for (int kb = 0; kb < DQ / 64; ++kb) tma_load_4d(sQ + (uint32_t)(kb * BM * 128), &tm.q, barQ, 64 * kb, h, m0, b);
-#pragma unroll
-            for (int kb = 0; kb < DV / 64; ++kb) tma_load_4d(sdO + (uint32_t)(kb * BM * 128), &tm.dout, barQ, 64 * kb, h, m0, b);
+            tma_head_tile<BM, DQ>(sQ, &tm.q, barQ, h, m0, b);
+            tma_head_tile<BM, DV>(sdO, &tm.dout, barQ, h, m0, b);
             for (int j = j0; j < n_blocks; ++j) {
-                const int u = j - j0, sk = u % 3, sv = u & 1;
+                const int u = j - j0;
                 const bool load = !(VAR & 1) || u < 3;
-                if (u >= 3) mbar_wait(barKe + 8 * sk, ((u / 3) - 1) & 1);
-                if (load) {
-                    mbar_expect_tx(barKf + 8 * sk, K_BYTES);
-#pragma unroll
-                    for (int kb = 0; kb < DQ / 64; ++kb)
-                        tma_load_4d(sK + (uint32_t)(sk * K_BYTES + kb * BN * 128), &tm.k, barKf + 8 * sk, 64 * kb, h, j * BN, b);
-                } else {
-                    mbar_arrive(barKf + 8 * sk);
-                }
-                if (u >= 2) mbar_wait(barVe + 8 * sv, ((u - 2) >> 1) & 1);
-                if (load) {
-                    mbar_expect_tx(barVf + 8 * sv, V_BYTES);
-#pragma unroll
-                    for (int kb = 0; kb < DV / 64; ++kb)
-                        tma_load_4d(sV + (uint32_t)(sv * V_BYTES + kb * BN * 128), &tm.v, barVf + 8 * sv, 64 * kb, h, j * BN, b);
-                } else {
-                    mbar_arrive(barVf + 8 * sv);
-                }
+                ring_fill<3, BN, DQ>(sK, barKf, barKe, &tm.k, u, h, j * BN, b, load);
+                ring_fill<2, BN, DV>(sV, barVf, barVe, &tm.v, u, h, j * BN, b, load);
             }
         }
         return;
