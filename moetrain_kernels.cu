@@ -1563,7 +1563,8 @@ int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const
  *   fa_fwd_wg_kernel       one CTA per (128-query block, b*h), two warpgroups x 64 query rows,
  *                          128-key tiles; S = Q K^T and O += P V on wgmma, P from registers; a third
  *                          warpgroup loads Q, K and V with TMA (mbarriers, no CTA barrier in the loop).
- *   fa_bwd_dkdv_wg_kernel  one CTA per (128-key block, b*h), two warpgroups x 64 keys, 64-query tiles.
+ *   fa_bwd_dkdv_wg_kernel  one CTA per (128-key block, b*h), two warpgroups x 64 keys, 64-query tiles
+ *                          (Q, dO by TMA, lse / D / document starts by a producer warp; a ring of stages).
  *   fa_bwd_dq_wg_kernel    one CTA per (128-query block, b*h), two warpgroups x 64 rows, 64-key tiles,
  *                          K and V from a TMA producer warpgroup as in the forward.
  * The launchers take them for the configurations (64,64), (128,128) and (192,128) on the 16-byte
@@ -1654,6 +1655,13 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* named CTA barriers (id 1..15; id 0 is __syncthreads) over n threads: sync waits, arrive does not */
+__device__ __forceinline__ void named_bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 /* wait until the phase of parity `parity` of the barrier has completed */
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
@@ -2110,35 +2118,6 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[N][4]) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
 }
-/* byte offset of 16-byte chunk ch (columns 8ch..8ch+7) of row r in an R-row SW128 tile */
-template <int R>
-__device__ __forceinline__ uint32_t sw128_off(int r, int ch) {
-    return (uint32_t)((ch >> 3) * R * 128 + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
-}
-/* R x D tile (D multiple of 64) from global (row stride gstride elements) into an SW128 tile at
-   shared address s by NT threads, cp.async 16 bytes each; rows >= rows_valid and columns >=
-   cols_valid are zero-filled (cols_valid % 8 == 0, 16-byte aligned rows).  Thread t copies chunk
-   t % 8 of rows t / 8 + (NT / 8) i of every column block: its swizzle (row & 7) and shared
-   offsets are fixed, so a tile costs few registers. */
-template <int R, int D, int NT>
-__device__ __forceinline__ void load_sw128(uint32_t s, const bf16 *g, size_t gstride, int rows_valid, int cols_valid,
-                                           const bf16 *safe, int tid) {
-    constexpr int RP = NT / 8; /* rows per pass */
-    static_assert(R % RP == 0 && D % 64 == 0, "tile shape");
-    const int r0 = tid >> 3, cc = tid & 7;
-    const uint32_t s0 = s + (uint32_t)(r0 * 128 + ((cc ^ (r0 & 7)) << 4));
-    const bf16 *g0 = g + (size_t)r0 * gstride + cc * 8;
-#pragma unroll
-    for (int kb = 0; kb < D / 64; ++kb) {
-        const bool cok = kb * 64 + cc * 8 < cols_valid;
-#pragma unroll
-        for (int i = 0; i < R / RP; ++i) {
-            const bool ok = cok && r0 + RP * i < rows_valid;
-            cp_async_16(s0 + (uint32_t)(kb * R * 128 + i * RP * 128), ok ? g0 + (size_t)(RP * i) * gstride + kb * 64 : safe,
-                        ok ? 16 : 0);
-        }
-    }
-}
 /* wgmma.mma_async m64nNk16, bf16 x bf16 -> f32: D = A * B + (scale_d ? D : 0).
    _ss: A and B from shared-memory descriptors (TA/TB = 1: operand is MN-major);
    _rs: A from registers (the four 32-bit A fragment registers of this thread), B from a descriptor. */
@@ -2321,7 +2300,8 @@ struct FwdMaps {
 };
 
 /* VAR: 0 in the runtime; bench/attention.cu times ablations that leave a stage out (wrong results,
-   timing only): bit 0 no loads after the first two key tiles, bit 1 no softmax arithmetic. */
+   timing only): bit 0 no loads after the first two key tiles, bit 1 no softmax arithmetic; and
+   bit 2 (results right) without the ping-pong between the warpgroups. */
 template <int DQ, int DV, int BN, int VAR>
 __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, const __grid_constant__ FwdMaps tm) {
     constexpr int BM = 128;
@@ -2487,15 +2467,22 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
         pack_p();
     }
 
+    /* ping-pong: the warpgroups take turns issuing their matrix work (named barriers 1 and 2, one
+       per warpgroup), so that one's softmax runs while the other's wgmmas keep the tensor cores busy.
+       Warpgroup 0 goes first; every sync is matched by exactly one arrive of the other warpgroup. */
+    constexpr bool PP = !(VAR & 4);
+    if (PP && wg == 1 && j0 + 1 < n_blocks) named_bar_arrive(1, 256);
 #pragma unroll 1
     for (int j = j0 + 1; j < n_blocks; ++j) {
         wait_k(j);
         wait_v(j - 1);
         fence_regs(o);
         fence_regs(pa);
+        if (PP) named_bar_sync(1 + wg, 256);
         wgmma_fence();
         issue_s(j);
         issue_pv(j - 1);
+        if (PP && (wg == 0 || j + 1 < n_blocks)) named_bar_arrive(2 - wg, 256);
         wgmma_wait<1>(); /* S_j done, P_{j-1} V_{j-1} may still run */
         fence_regs(s);
         free_k(j);
@@ -2548,7 +2535,7 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
 /*                                                                                            */
 /* dK/dV: one CTA per (128-key block, b*h), two warpgroups, warpgroup wg owns keys             */
 /* [64wg, 64wg + 64) of the block; K and V stay in shared memory; the query tiles (64 rows of  */
-/* Q and dO, plus lse, D and document starts) are double buffered.  Per query tile i, each     */
+/* Q and dO, plus lse, D and document starts) stream through a ring of stages.  Per tile i, each */
 /* warpgroup computes with 64 keys as the M dimension:                                         */
 /*   S^T  = K Q_i^T        m64n64, K (K-major) x Q (K-major)                                   */
 /*   dP^T = V dO_i^T       m64n64, V x dO                                                      */
@@ -2558,30 +2545,56 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
 /* The accumulators (dK 64 x DQ and dV 64 x DV per warpgroup) leave no registers for a second  */
 /* S^T / dP^T set, so the steps of one warpgroup run in order (dP^T overlaps the P^T math);   */
 /* the two warpgroups interleave on the SM.                                                    */
+/* Loads: Q_i and dO_i stream through a ring of NS stages (3 where shared memory allows), each   */
+/* with a "full" mbarrier (the TMA bytes, plus one arrival per lane of warp 0 made by           */
+/* cp.async.mbarrier.arrive once that lane's 4-byte cp.async of lse, D and document starts have */
+/* landed: those rows are strided by H, no TMA box) and an "empty" one that the eight warps     */
+/* arrive on once their wgmmas reading the stage have completed.  Warp 0 refills: at the end of */
+/* tile u it waits for every warp to release tile u - 1's stage and loads tile u + NS - 1 there. */
+/* There is no room for a producer warpgroup (at 384 threads setmaxnreg can give the consumers  */
+/* 240 registers, and they need more), and no CTA barrier in the loop; the warpgroups take      */
+/* turns issuing S^T / dP^T (see "turns" below).  K and V arrive once, by TMA.                  */
 /* ------------------------------------------------------------------------------------------ */
 /* 4-byte cp.async (lse, D and document starts of a query tile), zero-filled when !ok */
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void *src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
 }
-
+/* arrive on the mbarrier once this thread's earlier cp.async copies have landed (counted in its init) */
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+template <int DQ, int DV>
+__host__ __device__ constexpr int dkdv_wg_stages() { return (128 * (DQ + DV) + 3 * 64 * (DQ + DV)) * 2 + 4096 <= 227 * 1024 ? 3 : 2; }
 template <int DQ, int DV>
 constexpr size_t dkdv_wg_smem_bytes() {
-    return 1024 + (size_t)(128 * DQ + 128 * DV + 2 * 64 * (DQ + DV)) * sizeof(bf16) + 2 * 3 * 64 * sizeof(float);
+    return 1024 + (size_t)(128 * DQ + 128 * DV + dkdv_wg_stages<DQ, DV>() * 64 * (DQ + DV)) * sizeof(bf16) +
+           (size_t)dkdv_wg_stages<DQ, DV>() * 3 * 64 * sizeof(float) + 16 * 8;
 }
+/* the TMA maps of the dK/dV kernel: K and V in boxes of 128 rows, Q and dO in boxes of 64 */
+struct DkdvMaps {
+    CUtensorMap q, dout, k, v;
+};
 
-/* VAR: 0 in the runtime; 1 in bench/attention.cu: an ablation without copies in the loop (timing only) */
+/* VAR: 0 in the runtime; bench/attention.cu's variants (results right unless said): bit 0 no loads in
+   the loop (timing only), bit 2 no turns at S^T / dP^T, bit 3 turns at dV / dK too, bit 4 refills at
+   the start of a tile instead of its end.  Measured (H200, B=8 T=2048 H=16, 192/128): the runtime's
+   choice 0.810 ms; no turns 0.923, turns at dV / dK instead 0.878, at both 0.831; refilling at the
+   start 0.839 (no turns 0.857, turns at both 0.876). */
 template <int DQ, int DV, int VAR>
-__global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams p) {
-    constexpr int BNK = 128, BMQ = 64, NT = 256;
+__global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams p, const __grid_constant__ DkdvMaps tm) {
+    constexpr int BNK = 128, BMQ = 64, NS = dkdv_wg_stages<DQ, DV>();
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
     constexpr uint32_t K_BYTES = BNK * DQ * 2, V_BYTES = BNK * DV * 2, Q_BYTES = BMQ * DQ * 2, O_BYTES = BMQ * DV * 2;
     extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
     const uint32_t raw = smem_u32(smem_raw);
     const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
-    const uint32_t sK = raw + pad, sV = sK + K_BYTES, sQ = sV + V_BYTES, sdO = sQ + 2 * Q_BYTES;
-    /* per stage: lse2 [64] f32, D [64] f32, document start [64] i32 */
-    const uint32_t sAux = sdO + 2 * O_BYTES;
-    const unsigned char *aux = smem_raw + pad + (sAux - sK);
+    const uint32_t sK = raw + pad, sV = sK + K_BYTES, sQ = sV + V_BYTES, sdO = sQ + NS * Q_BYTES;
+    /* per stage: lse [64] f32, D [64] f32, document start [64] i32; then the mbarriers:
+       K+V full; stage full [NS]; stage empty [NS] */
+    const uint32_t sAux = sdO + NS * O_BYTES;
+    const float *aux = reinterpret_cast<const float *>(smem_raw + pad + (sAux - sK));
+    const uint32_t sBar = sAux + NS * 3 * BMQ * 4;
+    const uint32_t barKV = sBar, barF = sBar + 8, barE = sBar + 8 + 8 * NS;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
@@ -2592,10 +2605,6 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
     const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
     const size_t qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
     const size_t voff = (size_t)b * T * ldv + (size_t)h * p.dimv;
-    const bf16 *qbase = p.q + qoff, *kbase = p.k + qoff;
-    const bf16 *vbase = p.v + voff, *dobase = p.dout + voff;
-    const float *lsebase = p.lse + (size_t)b * T * H + h;
-    const float *dsbase = p.dsum + (size_t)b * T * H + h;
     const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
 
     /* query tiles: from the one holding the block's first key to the last query that sees a key */
@@ -2611,20 +2620,51 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
         q_end = lo;
     }
     const int i_end = (q_end + BMQ - 1) / BMQ;
+    const int n_tiles = i_end - i_first;
 
-    auto load_tile_i = [&](int i) {
-        const int q0 = i * BMQ, st = i & 1;
-        load_sw128<BMQ, DQ, NT>(sQ + (uint32_t)st * Q_BYTES, qbase + (size_t)q0 * ldqk, ldqk, T - q0, p.dimq, qbase, tid);
-        load_sw128<BMQ, DV, NT>(sdO + (uint32_t)st * O_BYTES, dobase + (size_t)q0 * ldv, ldv, T - q0, p.dimv, dobase, tid);
-        if (tid < 3 * BMQ) {
-            const int kind = tid / BMQ, r = tid % BMQ, q = q0 + r;
-            const bool ok = q < T && (kind < 2 || dsb);
-            const void *src = kind == 0 ? (const void *)(lsebase + (size_t)(ok ? q : 0) * H)
-                            : kind == 1 ? (const void *)(dsbase + (size_t)(ok ? q : 0) * H)
-                                        : (dsb ? (const void *)(dsb + (ok ? q : 0)) : (const void *)lsebase);
-            cp_async_4(sAux + (uint32_t)((st * 3 + kind) * BMQ + r) * 4, src, ok);
+    if (tid == 0) {
+        mbar_init(barKV, 1);
+        for (int i = 0; i < NS; ++i) {
+            mbar_init(barF + 8 * i, 33);
+            mbar_init(barE + 8 * i, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads(); /* the only CTA-wide barrier */
+
+    /* warp 0: fill use u of the ring (tile i_first + u) into stage u % NS once its previous use is released */
+    const float *lseb = p.lse + (size_t)b * T * H + h, *dsumb = p.dsum + (size_t)b * T * H + h;
+    auto fill = [&](int u) {
+        const int st = u % NS, q0 = (i_first + u) * BMQ;
+        if (u >= NS) mbar_wait(barE + 8 * st, ((u / NS) - 1) & 1);
+        const uint32_t full = barF + 8 * st, a = sAux + (uint32_t)(st * 3 * BMQ) * 4;
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const int r = lane + 32 * rr, q = q0 + r;
+            const bool ok = q < T;
+            cp_async_4(a + 4 * r, lseb + (size_t)(ok ? q : 0) * H, ok);
+            cp_async_4(a + 4 * (BMQ + r), dsumb + (size_t)(ok ? q : 0) * H, ok);
+            if (dsb) cp_async_4(a + 4 * (2 * BMQ + r), dsb + (ok ? q : 0), ok);
+        }
+        cp_async_mbar_arrive(full);
+        if (lane == 0) {
+            if (!(VAR & 1) || u < NS) {
+                mbar_expect_tx(full, Q_BYTES + O_BYTES);
+                tma_head_tile<BMQ, DQ>(sQ + (uint32_t)st * Q_BYTES, &tm.q, full, h, q0, b);
+                tma_head_tile<BMQ, DV>(sdO + (uint32_t)st * O_BYTES, &tm.dout, full, h, q0, b);
+            } else {
+                mbar_arrive(full);
+            }
         }
     };
+    if (warp == 0) {
+        if (lane == 0) {
+            mbar_expect_tx(barKV, K_BYTES + V_BYTES);
+            tma_head_tile<BNK, DQ>(sK, &tm.k, barKV, h, n0, b);
+            tma_head_tile<BNK, DV>(sV, &tm.v, barKV, h, n0, b);
+        }
+        for (int u = 0; u < min(NS, n_tiles); ++u) fill(u);
+    }
 
     float dk[DQ / 2], dv[DV / 2];
 #pragma unroll
@@ -2637,33 +2677,35 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
     const int kr = kw0 + 16 * (warp & 3) + g;
     const float sl2 = p.scale_log2;
 
-    load_sw128<BNK, DQ, NT>(sK, kbase + (size_t)n0 * ldqk, ldqk, T - n0, p.dimq, kbase, tid);
-    load_sw128<BNK, DV, NT>(sV, vbase + (size_t)n0 * ldv, ldv, T - n0, p.dimv, vbase, tid);
-    if (i_first < i_end) load_tile_i(i_first);
-    cp_async_commit();
+    /* turns: the warpgroups take turns issuing S^T / dP^T (and, a bench variant, dV / dK) as in the
+       forward's ping-pong (named barriers 1 and 2; warpgroup 0 first, syncs and arrives matched), so
+       that one's exponentials run while the other's products keep the tensor cores busy */
+    constexpr bool TA = !(VAR & 4), TB = (VAR & 8) != 0;
+    auto turn_begin = [&]() { named_bar_sync(1 + wg, 256); };
+    auto turn_end = [&](bool last) { if (wg == 0 || !last) named_bar_arrive(2 - wg, 256); };
+    if ((TA || TB) && wg == 1 && n_tiles > 0) named_bar_arrive(1, 256);
 
+    mbar_wait(barKV, 0);
 #pragma unroll 1
     for (int i = i_first; i < i_end; ++i) {
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads(); /* tile i visible; every warpgroup done with tile i - 1 */
-        if (!(VAR & 1) && i + 1 < i_end) load_tile_i(i + 1);
-        cp_async_commit();
-
-        const int st = i & 1, q0 = i * BMQ;
+        const int u = i - i_first, st = u % NS, q0 = i * BMQ;
+        if ((VAR & 16) && warp == 0 && u >= 1 && u + NS - 1 < n_tiles) fill(u + NS - 1);
+        mbar_wait(barF + 8 * st, (u / NS) & 1);
         const uint32_t qst = sQ + (uint32_t)st * Q_BYTES, ost = sdO + (uint32_t)st * O_BYTES;
-        const float *sL = reinterpret_cast<const float *>(aux) + st * 3 * BMQ;
+        const float *sL = aux + st * 3 * BMQ;
         const float *sD = sL + BMQ;
         const int *sS = reinterpret_cast<const int *>(sD + BMQ);
 
         float s[32], dp[32];
         fence_regs(dk);
         fence_regs(dv);
+        if (TA) turn_begin();
         wgmma_fence();
         wgmma_abt<64, DQ, BNK, BMQ>(s, sK, qst, wg);
         wgmma_commit();
         wgmma_abt<64, DV, BNK, BMQ>(dp, sV, ost, wg);
         wgmma_commit();
+        if (TA) turn_end(!TB && u + 1 == n_tiles);
 
         /* P^T: element s[4j + 2hh + bb] is (key kr + 8hh, query q0 + 8j + 2c + bb) */
         const int dlast = dsb ? sS[min(BMQ, T - q0) - 1] : 0;
@@ -2701,17 +2743,22 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
                 da4[kk][e] = pack_bf16(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
             }
         }
+        if (TB) turn_begin();
         wgmma_fence();
         wgmma_pb<DV, 4, BMQ>(dv, pa, ost);
         wgmma_pb<DQ, 4, BMQ>(dk, da4, qst);
         wgmma_commit();
+        if (TB) turn_end(u + 1 == n_tiles);
         wgmma_wait<0>();
         fence_regs(dk);
         fence_regs(dv);
         fence_regs(pa);
         fence_regs(da4);
+        if (lane == 0) mbar_arrive(barE + 8 * st); /* this warp is done with the stage */
+        /* warp 0 refills tile u - 1's stage with tile u + NS - 1 (waiting, at worst, for the other
+           warpgroup to finish tile u - 1: the warpgroups may drift a whole tile apart) */
+        if (!(VAR & 16) && warp == 0 && u >= 1 && u + NS - 1 < n_tiles) fill(u + NS - 1);
     }
-    cp_async_wait<0>();
 
     /* epilogue: dK * scale, dV; accumulator d[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
     bf16 *dkbase = p.dk + qoff, *dvbase = p.dv + voff;
@@ -3477,14 +3524,21 @@ static int launch_fwd(const FwdParams &p, int BH, cudaStream_t stream) {
         }
     return launch_fwd_kernel<DQ, DV, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>(p, BH, stream);
 }
+/* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
 template <int DQ, int DV, int VAR = 0>
 static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdParams) = fa_bwd_dkdv_wg_kernel<DQ, DV, VAR>;
+    void (*kern)(const BwdParams, const DkdvMaps) = fa_bwd_dkdv_wg_kernel<DQ, DV, VAR>;
     const size_t smem = dkdv_wg_smem_bytes<DQ, DV>();
+    if (BH > 65535 || p.H <= 0) return -1;
+    const int B = BH / p.H;
+    EncodeTiledFn enc = tma_encoder();
+    DkdvMaps tm;
+    if (!enc || fa_map(enc, &tm.q, p.q, p.dimq, p.H, p.T, B, 64) || fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 64) ||
+        fa_map(enc, &tm.k, p.k, p.dimq, p.H, p.T, B, 128) || fa_map(enc, &tm.v, p.v, p.dimv, p.H, p.T, B, 128))
+        return -2;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
-    if (BH > 65535) return -1;
     dim3 grid((unsigned)((p.T + 127) / 128), (unsigned)BH);
-    kern<<<grid, 256, smem, stream>>>(p);
+    kern<<<grid, 256, smem, stream>>>(p, tm);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 /* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
@@ -3510,8 +3564,10 @@ static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
     typedef Cfg<DQ, DV> C;
     if constexpr (wg_config<DQ, DV>())
         if (p.vec_qk && p.vec_v) {
-            if (launch_dkdv_wg_kernel<DQ, DV>(p, BH, stream)) return -1;
-            const int r = launch_dq_wg_kernel<DQ, DV>(p, BH, stream);
+            int r = launch_dkdv_wg_kernel<DQ, DV>(p, BH, stream);
+            if (r == -2) r = launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream);
+            if (r) return -1;
+            r = launch_dq_wg_kernel<DQ, DV>(p, BH, stream);
             if (r != -2) return r;
             return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
         }

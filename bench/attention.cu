@@ -539,13 +539,23 @@ static void bench_breakdown(const Shape &s) {
         const float k0 = time_launcher(launch_dkdv_wg_kernel<192, 128, 0>, p, BH);
         const float k1 = time_launcher(launch_dkdv_wg_kernel<192, 128, 1>, p, BH);
         printf("ablations dQ (wgmma): %.3f ms, without the copies in the loop %.3f ms\n", q0, q1);
-        printf("ablations dK/dV (wgmma): %.3f ms, without the copies in the loop %.3f ms\n", k0, k1);
+        const float k4 = time_launcher(launch_dkdv_wg_kernel<192, 128, 4>, p, BH);
+        const float k8 = time_launcher(launch_dkdv_wg_kernel<192, 128, 8>, p, BH);
+        const float k12 = time_launcher(launch_dkdv_wg_kernel<192, 128, 12>, p, BH);
+        const float k16 = time_launcher(launch_dkdv_wg_kernel<192, 128, 16>, p, BH);
+        const float k20 = time_launcher(launch_dkdv_wg_kernel<192, 128, 20>, p, BH);
+        printf("ablations dK/dV (wgmma): %.3f ms, without the copies in the loop %.3f ms; without the warpgroups' turns at "
+               "S/dP %.3f ms, turns at dV/dK too %.3f ms, at dV/dK only %.3f ms; refilling at a tile's start %.3f ms (and no "
+               "turns %.3f ms)\n", k0, k1, k4, k8, k12, k16, k20);
         const float f0 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 0>, fp, BH);
         const float f1 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 1>, fp, BH);
         const float f2 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 2>, fp, BH);
         const float f3 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 3>, fp, BH);
+        const float f4 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 4>, fp, BH);
+        const float f6 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 6>, fp, BH);
         printf("ablations forward (wgmma): %.3f ms, without the copies in the loop %.3f ms, without the softmax %.3f ms, "
-               "without either %.3f ms\n", f0, f1, f2, f3);
+               "without either %.3f ms; without the warpgroup ping-pong %.3f ms (and without the softmax %.3f ms)\n", f0, f1, f2,
+               f3, f4, f6);
     }
     d.release();
 }
