@@ -538,7 +538,9 @@ static void bench_breakdown(const Shape &s) {
         const float q1 = time_launcher(launch_dq_wg_kernel<192, 128, 1>, p, BH);
         const float k0 = time_launcher(launch_dkdv_wg_kernel<192, 128, 0>, p, BH);
         const float k1 = time_launcher(launch_dkdv_wg_kernel<192, 128, 1>, p, BH);
-        printf("ablations dQ (wgmma): %.3f ms, without the copies in the loop %.3f ms\n", q0, q1);
+        const float q2 = time_launcher(launch_dq_wg_kernel<192, 128, 2>, p, BH);
+        printf("ablations dQ (wgmma): %.3f ms, without the copies in the loop %.3f ms; without the warpgroups' turns %.3f ms\n", q0,
+               q1, q2);
         const float k4 = time_launcher(launch_dkdv_wg_kernel<192, 128, 4>, p, BH);
         const float k8 = time_launcher(launch_dkdv_wg_kernel<192, 128, 8>, p, BH);
         const float k12 = time_launcher(launch_dkdv_wg_kernel<192, 128, 12>, p, BH);
