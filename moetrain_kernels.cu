@@ -2634,6 +2634,9 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads(); /* the only CTA-wide barrier */
+    /* the dQ kernel that follows (launched with programmatic stream serialization) may start on the
+       SMs this grid leaves idle once all of its CTAs have started: it needs none of its outputs */
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
     /* warp 0: fill use u of the ring (tile i_first + u) into stage u % NS once its previous use is released */
     const float *lseb = p.lse + (size_t)b * T * H + h, *dsumb = p.dsum + (size_t)b * T * H + h;
@@ -2970,6 +2973,9 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p,
             for (int j = 0; j < DQ / 8; ++j) store2(qrow, 8 * j + 2 * c, p.dimq, pq, dq[4 * j + 2 * hh] * sc, dq[4 * j + 2 * hh + 1] * sc);
         }
     }
+    /* launched early (after the dK/dV kernel, see launch_bwd): do not complete before it has, so that
+       what follows on the stream sees dK and dV as well (a no-op when launched normally) */
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -3552,7 +3558,7 @@ static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 /* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
-template <int DQ, int DV, int VAR = 0>
+template <int DQ, int DV, int VAR = 0, bool EARLY = false>
 static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
     void (*kern)(const BwdParams, const DqMaps) = fa_bwd_dq_wg_kernel<DQ, DV, VAR>;
     const size_t smem = dq_wg_smem_bytes<DQ, DV>();
@@ -3564,12 +3570,24 @@ static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
         fa_map(enc, &tm.k, p.k, p.dimq, p.H, p.T, B, 64) || fa_map(enc, &tm.v, p.v, p.dimv, p.H, p.T, B, 64))
         return -2;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
-    dim3 grid((unsigned)((p.T + 127) / 128), (unsigned)BH);
-    kern<<<grid, 384, smem, stream>>>(p, tm);
+    /* EARLY: programmatic stream serialization, so that it may start while the kernel before it
+       (the dK/dV kernel, which triggers at its start) is still running its last CTAs */
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)((p.T + 127) / 128), (unsigned)BH);
+    cfg.blockDim = dim3(384);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = EARLY ? attr : nullptr;
+    cfg.numAttrs = EARLY ? 1 : 0;
+    if (cudaLaunchKernelEx(&cfg, kern, p, tm) != cudaSuccess) return -1;
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
-template <int DQ, int DV>
+/* EARLY: the dQ kernel may start while the dK/dV kernel finishes (bench/attention.cu times both) */
+template <int DQ, int DV, bool EARLY = true>
 static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
     typedef Cfg<DQ, DV> C;
     if constexpr (wg_config<DQ, DV>())
@@ -3577,7 +3595,7 @@ static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
             int r = launch_dkdv_wg_kernel<DQ, DV>(p, BH, stream);
             if (r == -2) r = launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream);
             if (r) return -1;
-            r = launch_dq_wg_kernel<DQ, DV>(p, BH, stream);
+            r = launch_dq_wg_kernel<DQ, DV, 0, EARLY>(p, BH, stream);
             if (r != -2) return r;
             return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
         }

@@ -534,6 +534,9 @@ static void bench_breakdown(const Shape &s) {
            o1 == o2 ? "identical" : "DIFFERENT (info only)");
     {   /* wgmma kernels: ablations that leave a stage out (their outputs are wrong: timing only, so they
            run last; the backward ones first, as the forward ones spoil O and lse) */
+        const float b1 = time_launcher(launch_bwd<192, 128, true>, p, BH);
+        const float b0 = time_launcher(launch_bwd<192, 128, false>, p, BH);
+        printf("backward kernels (dK/dV, then dQ; wgmma): %.3f ms with dQ launched early, %.3f ms after dK/dV\n", b1, b0);
         const float q0 = time_launcher(launch_dq_wg_kernel<192, 128, 0>, p, BH);
         const float q1 = time_launcher(launch_dq_wg_kernel<192, 128, 1>, p, BH);
         const float k0 = time_launcher(launch_dkdv_wg_kernel<192, 128, 0>, p, BH);
