@@ -1813,6 +1813,7 @@ struct FwdParams {
     int T, H, dimq, dimv;
     float scale_log2; /* scale * log2(e) */
     int vec_qk, vec_v, pair_o;
+    int nbh; /* B * H (set by the persistent wgmma forward's launcher) */
 };
 
 struct BwdParams {
@@ -2247,7 +2248,7 @@ __device__ __forceinline__ void wgmma_pb(float (&acc)[N / 2], const uint32_t (&a
 /* ------------------------------------------------------------------------------------------ */
 /* Forward, Hopper: fa_fwd_wg_kernel                                                          */
 /*                                                                                            */
-/* One CTA per (128-query block, b*h), two warpgroups; warpgroup wg owns query rows           */
+/* Work items (128-query block, b*h), two warpgroups; warpgroup wg owns query rows             */
 /* [64wg, 64wg + 64) of the block.  Shared memory (SW128 tiles): Q [128 x DQ], two stages of   */
 /* K [BN x DQ] and two of V [BN x DV].  Per key tile j, each warpgroup:                        */
 /*   S_j = Q K_j^T               wgmma m64nBNk16, Q and K from shared memory                   */
@@ -2265,6 +2266,10 @@ __device__ __forceinline__ void wgmma_pb(float (&acc)[N / 2], const uint32_t (&a
 /* arrive on once the wgmma reading the stage has completed.  The consumers never meet at a     */
 /* CTA barrier: a warpgroup waits only for the stage it reads next.  setmaxnreg moves the       */
 /* producer's registers to the consumers (40 / 232 a thread).                                  */
+/* Persistent: one CTA per SM takes work items in turn (head by head, heaviest query block     */
+/* first, snaking over the CTAs); the K/V ring runs on from one item to the next, and Q has its own "empty" */
+/* barrier, so the next item's Q and first tiles load while this one's last products and its   */
+/* epilogue run.                                                                               */
 /* Masking as in fa_fwd_kernel (causal + document starts), applied only to tiles that need it. */
 /* Measured (H200, B=8 T=2048 H=16, 192/128) with cp.async loads by all 256 threads instead:    */
 /* 0.527 ms; the same loop without the copies 0.450 ms, without the softmax arithmetic 0.442   */
@@ -2314,27 +2319,37 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
     const uint32_t raw = smem_u32(smem_raw);
     const uint32_t sQ = raw + ((1024u - (raw & 1023u)) & 1023u);
     const uint32_t sK = sQ + Q_BYTES, sV = sK + 2 * K_BYTES, sBar = sV + 2 * V_BYTES;
-    /* mbarriers: Q full; K full [2]; V full [2]; K empty [2]; V empty [2] */
-    const uint32_t barQ = sBar, barKf = sBar + 8, barVf = sBar + 24, barKe = sBar + 40, barVe = sBar + 56;
+    /* mbarriers: Q full; K full [2]; V full [2]; K empty [2]; V empty [2]; Q empty */
+    const uint32_t barQ = sBar, barKf = sBar + 8, barVf = sBar + 24, barKe = sBar + 40, barVe = sBar + 56, barQe = sBar + 72;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0); /* warp-uniform for ptxas */
     const int g = lane >> 2, c = lane & 3;
-    const int T = p.T, H = p.H;
-    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
-    const int m0 = ((int)gridDim.x - 1 - (int)blockIdx.x) * BM; /* heaviest query block first */
-    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
-    const bf16 *qbase = p.q + (size_t)b * T * ldqk + (size_t)h * p.dimq;
-    const bf16 *kbase = p.k + (size_t)b * T * ldqk + (size_t)h * p.dimq;
-    const bf16 *vbase = p.v + (size_t)b * T * ldv + (size_t)h * p.dimv;
-
-    const int n_blocks = (min(T, m0 + BM) + BN - 1) / BN;
-    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
-    const int j0 = first_key_tile<BN>(dsb, m0);
-    (void)qbase; (void)kbase; (void)vbase;
+    const int T = p.T, H = p.H, nbh = p.nbh;
+    const int nqb = (T + BM - 1) / BM, items = nqb * nbh, G = (int)gridDim.x;
+    const size_t ldv = (size_t)H * p.dimv;
+    /* work item k of this CTA: rank r = kG + (k even ? x : G - 1 - x) (a snake over the CTAs, so
+       that the rounds' unequal sizes even out) of the list ordered by head, then heaviest query block
+       first: the CTAs running at one time share a few heads' K and V in L2.  (Ordered by query block
+       first instead, 128 heads at a time stream their K/V from memory again in every round: B=8
+       T=2048 H=16 took 0.401 ms instead of 0.37; at B=2 T=4096, 32 heads, it measured 0.316 ms.) */
+    auto item = [&](int k, int &m0, int &b, int &h) {
+        const int r = k * G + ((k & 1) ? G - 1 - (int)blockIdx.x : (int)blockIdx.x);
+        if (r >= items) return false;
+        const int bh = r / nqb;
+        m0 = (nqb - 1 - r % nqb) * BM;
+        b = bh / H;
+        h = bh - b * H;
+        return true;
+    };
+    auto key_tiles = [&](int m0, int b, int &j0) {
+        j0 = first_key_tile<BN>(p.dstart ? p.dstart + (size_t)b * T : nullptr, m0);
+        return (min(T, m0 + BM) + BN - 1) / BN;
+    };
 
     if (tid == 0) {
         mbar_init(barQ, 1);
+        mbar_init(barQe, 8);
         for (int i = 0; i < 2; ++i) {
             mbar_init(barKf + 8 * i, 1);
             mbar_init(barVf + 8 * i, 1);
@@ -2344,189 +2359,208 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads(); /* the last CTA-wide barrier: the producer warp leaves below */
-    if (warp >= 8) { /* producer warpgroup (its registers go to the consumers); one thread loads Q, then K_j
-                        and V_j for every key tile, two stages ahead at most */
+    if (warp >= 8) { /* producer warpgroup (its registers go to the consumers); one thread loads, item after
+                        item, Q once the consumers are done with the previous one's, then K_j and V_j for
+                        every key tile, two stages ahead at most (the ring runs on across items) */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (warp == 8 && lane == 0) {
-            mbar_expect_tx(barQ, Q_BYTES);
-            tma_head_tile<BM, DQ>(sQ, &tm.q, barQ, h, m0, b);
-            for (int j = j0; j < n_blocks; ++j) {
-                const int u = j - j0;
-                const bool load = !(VAR & 1) || u < 2;
-                ring_fill<2, BN, DQ>(sK, barKf, barKe, &tm.k, u, h, j * BN, b, load);
-                ring_fill<2, BN, DV>(sV, barVf, barVe, &tm.v, u, h, j * BN, b, load);
+            int m0, b, h, u = 0;
+            for (int k = 0; item(k, m0, b, h); ++k) {
+                int j0;
+                const int n_blocks = key_tiles(m0, b, j0);
+                if (k > 0) mbar_wait(barQe, (k - 1) & 1);
+                mbar_expect_tx(barQ, Q_BYTES);
+                tma_head_tile<BM, DQ>(sQ, &tm.q, barQ, h, m0, b);
+                for (int j = j0; j < n_blocks; ++j, ++u) {
+                    const bool load = !(VAR & 1) || u < 2;
+                    ring_fill<2, BN, DQ>(sK, barKf, barKe, &tm.k, u, h, j * BN, b, load);
+                    ring_fill<2, BN, DV>(sV, barVf, barVe, &tm.v, u, h, j * BN, b, load);
+                }
             }
         }
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 
-    /* rows of this thread: r0w + 8h, h = 0, 1 (block-local rows 64wg + 16(warp%4) + g + 8h) */
-    const int wrow = 64 * wg + 16 * (warp & 3);
-    const int r0w = m0 + wrow + g;
-    const int wg_first = m0 + 64 * wg, wg_last = min(m0 + 64 * wg + 63, T - 1);
-    /* document starts of this thread's rows, and the largest among the warpgroup's rows */
-    int dlo[2] = {0, 0}, dmax = 0;
-    if (dsb) {
-        dlo[0] = r0w < T ? dsb[r0w] : 0;
-        dlo[1] = r0w + 8 < T ? dsb[r0w + 8] : 0;
-        dmax = wg_first < T ? dsb[wg_last] : 0;
-    }
     const float sl2 = p.scale_log2;
-
-    float s[BN / 2];        /* S_j accumulators, then P_j in f32 */
-    float o[DV / 2];        /* O accumulators */
+    float s[BN / 2];         /* S_j accumulators, then P_j in f32 */
+    float o[DV / 2];         /* O accumulators */
     uint32_t pa[BN / 16][4]; /* P_{j-1} as bf16 A fragments */
-    float mrow[2] = {neg_inf(), neg_inf()}, lrow[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < DV / 2; ++i) o[i] = 0.f;
-
-    /* S = Q K_j^T for this warpgroup (issued and committed, not waited for) */
-    auto issue_s = [&](int j) {
-        const uint32_t kst = sK + (uint32_t)((j - j0) & 1) * K_BYTES;
-        wgmma_abt<BN, DQ, BM, BN>(s, sQ, kst, wg);
-        wgmma_commit();
-    };
-    /* O += P V_j (issued and committed) */
-    auto issue_pv = [&](int j) {
-        const uint32_t vst = sV + (uint32_t)((j - j0) & 1) * V_BYTES;
-        wgmma_pb<DV, BN / 16, BN>(o, pa, vst);
-        wgmma_commit();
-    };
-    /* mask + scale S_j (log2 domain), new running max; exponentiate in place; returns the
-       rescale factors of the old state and the row sums of the new P */
-    auto softmax = [&](int j, float (&alpha)[2], float (&ls)[2]) {
-        if (VAR & 2) {
-            alpha[0] = alpha[1] = 1.f;
-            ls[0] = s[0];
-            ls[1] = s[2];
-            return;
-        }
-        const int n0 = j * BN;
-        const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
-        float mx[2] = {mrow[0], mrow[1]};
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-            float x = s[i] * sl2;
-            if (need_mask) {
-                const int hh = (i >> 1) & 1;
-                const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
-                if (key > r0w + 8 * hh || key < dlo[hh]) x = neg_inf();
-            }
-            s[i] = x;
-            mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], x);
-        }
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-        }
-        /* a row that has seen no key of its document yet keeps mx = -inf: subtract 0 instead so
-           that exp2 gives 0, not NaN */
-        float mr[2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            mr[hh] = mx[hh] == neg_inf() ? 0.f : mx[hh];
-            alpha[hh] = fast_exp2(mrow[hh] - mr[hh]);
-            mrow[hh] = mx[hh];
-            ls[hh] = 0.f;
-        }
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-            const int hh = (i >> 1) & 1;
-            s[i] = fast_exp2(s[i] - mr[hh]);
-            ls[hh] += s[i];
-        }
-    };
-    auto pack_p = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            pa[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
-            pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-            pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-            pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-        }
-    };
-
-    /* consumers: stage use u = j - j0 of K_j / V_j waits for fill (u >> 1) of stage u & 1; lane 0 of
-       each warp releases the stage once the warpgroup's wgmma reading it has completed */
-    auto wait_k = [&](int j) { mbar_wait(barKf + 8 * ((j - j0) & 1), ((j - j0) >> 1) & 1); };
-    auto wait_v = [&](int j) { mbar_wait(barVf + 8 * ((j - j0) & 1), ((j - j0) >> 1) & 1); };
-    auto free_k = [&](int j) { if (lane == 0) mbar_arrive(barKe + 8 * ((j - j0) & 1)); };
-    auto free_v = [&](int j) { if (lane == 0) mbar_arrive(barVe + 8 * ((j - j0) & 1)); };
-
-    mbar_wait(barQ, 0);
-    wait_k(j0);
-    {
-        wgmma_fence();
-        issue_s(j0);
-        wgmma_wait<0>();
-        fence_regs(s);
-        free_k(j0);
-        float alpha[2], ls[2];
-        softmax(j0, alpha, ls);
-        lrow[0] = ls[0];
-        lrow[1] = ls[1];
-        pack_p();
-    }
 
     /* ping-pong: the warpgroups take turns issuing their matrix work (named barriers 1 and 2, one
        per warpgroup), so that one's softmax runs while the other's wgmmas keep the tensor cores busy.
-       Warpgroup 0 goes first; every sync is matched by exactly one arrive of the other warpgroup. */
+       Warpgroup 0 goes first: warpgroup 1 arrives once ahead, and warpgroup 0 absorbs that extra
+       arrival at its very end, so every sync is matched by exactly one arrive of the other. */
     constexpr bool PP = !(VAR & 4);
-    if (PP && wg == 1 && j0 + 1 < n_blocks) named_bar_arrive(1, 256);
+    if (PP && wg == 1) named_bar_arrive(1, 256);
+
+    int m0, b, h, ubase = 0; /* ubase: the ring use of this item's first key tile */
 #pragma unroll 1
-    for (int j = j0 + 1; j < n_blocks; ++j) {
-        wait_k(j);
-        wait_v(j - 1);
+    for (int k = 0; item(k, m0, b, h); ++k) {
+        int j0;
+        const int n_blocks = key_tiles(m0, b, j0);
+        const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+        /* rows of this thread: r0w + 8h, h = 0, 1 (block-local rows 64wg + 16(warp%4) + g + 8h) */
+        const int r0w = m0 + 64 * wg + 16 * (warp & 3) + g;
+        const int wg_first = m0 + 64 * wg, wg_last = min(m0 + 64 * wg + 63, T - 1);
+        /* document starts of this thread's rows, and the largest among the warpgroup's rows */
+        int dlo[2] = {0, 0}, dmax = 0;
+        if (dsb) {
+            dlo[0] = r0w < T ? dsb[r0w] : 0;
+            dlo[1] = r0w + 8 < T ? dsb[r0w + 8] : 0;
+            dmax = wg_first < T ? dsb[wg_last] : 0;
+        }
+        float mrow[2] = {neg_inf(), neg_inf()}, lrow[2] = {0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < DV / 2; ++i) o[i] = 0.f;
+
+        /* key tile j is ring use ubase + j - j0: stage (use & 1), fill (use >> 1) */
+        auto use = [&](int j) { return ubase + j - j0; };
+        /* S = Q K_j^T for this warpgroup (issued and committed, not waited for) */
+        auto issue_s = [&](int j) {
+            wgmma_abt<BN, DQ, BM, BN>(s, sQ, sK + (uint32_t)(use(j) & 1) * K_BYTES, wg);
+            wgmma_commit();
+        };
+        /* O += P V_j (issued and committed) */
+        auto issue_pv = [&](int j) {
+            wgmma_pb<DV, BN / 16, BN>(o, pa, sV + (uint32_t)(use(j) & 1) * V_BYTES);
+            wgmma_commit();
+        };
+        /* mask + scale S_j (log2 domain), new running max; exponentiate in place; returns the
+           rescale factors of the old state and the row sums of the new P */
+        auto softmax = [&](int j, float (&alpha)[2], float (&ls)[2]) {
+            if (VAR & 2) {
+                alpha[0] = alpha[1] = 1.f;
+                ls[0] = s[0];
+                ls[1] = s[2];
+                return;
+            }
+            const int n0 = j * BN;
+            const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
+            float mx[2] = {mrow[0], mrow[1]};
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) {
+                float x = s[i] * sl2;
+                if (need_mask) {
+                    const int hh = (i >> 1) & 1;
+                    const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
+                    if (key > r0w + 8 * hh || key < dlo[hh]) x = neg_inf();
+                }
+                s[i] = x;
+                mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], x);
+            }
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+                mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+            }
+            /* a row that has seen no key of its document yet keeps mx = -inf: subtract 0 instead so
+               that exp2 gives 0, not NaN */
+            float mr[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                mr[hh] = mx[hh] == neg_inf() ? 0.f : mx[hh];
+                alpha[hh] = fast_exp2(mrow[hh] - mr[hh]);
+                mrow[hh] = mx[hh];
+                ls[hh] = 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) {
+                const int hh = (i >> 1) & 1;
+                s[i] = fast_exp2(s[i] - mr[hh]);
+                ls[hh] += s[i];
+            }
+        };
+        auto pack_p = [&]() {
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                pa[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
+                pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+                pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+                pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+            }
+        };
+
+        /* consumers: use u of K_j / V_j waits for fill (u >> 1) of stage u & 1; lane 0 of each warp
+           releases the stage once the warpgroup's wgmma reading it has completed */
+        auto wait_k = [&](int j) { mbar_wait(barKf + 8 * (use(j) & 1), (use(j) >> 1) & 1); };
+        auto wait_v = [&](int j) { mbar_wait(barVf + 8 * (use(j) & 1), (use(j) >> 1) & 1); };
+        auto free_k = [&](int j) { if (lane == 0) mbar_arrive(barKe + 8 * (use(j) & 1)); };
+        auto free_v = [&](int j) { if (lane == 0) mbar_arrive(barVe + 8 * (use(j) & 1)); };
+
+        mbar_wait(barQ, k & 1);
+        wait_k(j0);
+        {
+            wgmma_fence();
+            issue_s(j0);
+            wgmma_wait<0>();
+            fence_regs(s);
+            free_k(j0);
+            float alpha[2], ls[2];
+            softmax(j0, alpha, ls);
+            lrow[0] = ls[0];
+            lrow[1] = ls[1];
+            pack_p();
+        }
+
+#pragma unroll 1
+        for (int j = j0 + 1; j < n_blocks; ++j) {
+            wait_k(j);
+            wait_v(j - 1);
+            fence_regs(o);
+            fence_regs(pa);
+            if (PP) named_bar_sync(1 + wg, 256);
+            wgmma_fence();
+            issue_s(j);
+            issue_pv(j - 1);
+            if (PP) named_bar_arrive(2 - wg, 256);
+            wgmma_wait<1>(); /* S_j done, P_{j-1} V_{j-1} may still run */
+            fence_regs(s);
+            free_k(j);
+            float alpha[2], ls[2];
+            softmax(j, alpha, ls);
+            wgmma_wait<0>();
+            fence_regs(o);
+            fence_regs(pa);
+            free_v(j - 1);
+#pragma unroll
+            for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+            lrow[0] = lrow[0] * alpha[0] + ls[0];
+            lrow[1] = lrow[1] * alpha[1] + ls[1];
+            pack_p();
+        }
+        /* every S of this item has completed: Q may be replaced by the next item's */
+        if (lane == 0) mbar_arrive(barQe);
+        wait_v(n_blocks - 1);
         fence_regs(o);
         fence_regs(pa);
-        if (PP) named_bar_sync(1 + wg, 256);
         wgmma_fence();
-        issue_s(j);
-        issue_pv(j - 1);
-        if (PP && (wg == 0 || j + 1 < n_blocks)) named_bar_arrive(2 - wg, 256);
-        wgmma_wait<1>(); /* S_j done, P_{j-1} V_{j-1} may still run */
-        fence_regs(s);
-        free_k(j);
-        float alpha[2], ls[2];
-        softmax(j, alpha, ls);
+        issue_pv(n_blocks - 1);
         wgmma_wait<0>();
         fence_regs(o);
-        fence_regs(pa);
-        free_v(j - 1);
-#pragma unroll
-        for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-        lrow[0] = lrow[0] * alpha[0] + ls[0];
-        lrow[1] = lrow[1] * alpha[1] + ls[1];
-        pack_p();
-    }
-    wait_v(n_blocks - 1);
-    fence_regs(o);
-    fence_regs(pa);
-    wgmma_fence();
-    issue_pv(n_blocks - 1);
-    wgmma_wait<0>();
-    fence_regs(o);
+        free_v(n_blocks - 1);
+        ubase += n_blocks - j0;
 
-    /* epilogue: O / l and lse (natural log) */
-    bf16 *obase = p.o + (size_t)b * T * ldv + (size_t)h * p.dimv;
-    const bool pair = p.pair_o != 0;
+        /* epilogue: O / l and lse (natural log) */
+        bf16 *obase = p.o + (size_t)b * T * ldv + (size_t)h * p.dimv;
+        const bool pair = p.pair_o != 0;
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        float l = lrow[hh];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = 1.f / l;
-        const int row = r0w + 8 * hh;
-        if (row < T) {
-            bf16 *orow = obase + (size_t)row * ldv;
+        for (int hh = 0; hh < 2; ++hh) {
+            float l = lrow[hh];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = 1.f / l;
+            const int row = r0w + 8 * hh;
+            if (row < T) {
+                bf16 *orow = obase + (size_t)row * ldv;
 #pragma unroll
-            for (int jn = 0; jn < DV / 8; ++jn)
-                store2(orow, 8 * jn + 2 * c, p.dimv, pair, o[4 * jn + 2 * hh] * inv, o[4 * jn + 2 * hh + 1] * inv);
-            if (c == 0) p.lse[((size_t)b * T + row) * H + h] = (mrow[hh] + log2f(l)) * MT_FA_LN2;
+                for (int jn = 0; jn < DV / 8; ++jn)
+                    store2(orow, 8 * jn + 2 * c, p.dimv, pair, o[4 * jn + 2 * hh] * inv, o[4 * jn + 2 * hh + 1] * inv);
+                if (c == 0) p.lse[((size_t)b * T + row) * H + h] = (mrow[hh] + log2f(l)) * MT_FA_LN2;
+            }
         }
     }
+    if (PP && wg == 0) named_bar_sync(1, 256); /* warpgroup 1's arrival ahead */
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -3520,8 +3554,16 @@ static int launch_fwd_wg_kernel(const FwdParams &p, int BH, cudaStream_t stream)
         fa_map(enc, &tm.v, p.v, p.dimv, p.H, p.T, B, BN))
         return -2;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
-    dim3 grid((unsigned)mblocks, (unsigned)BH);
-    kern<<<grid, 384, smem, stream>>>(p, tm);
+    /* persistent: one CTA per SM (at most one per work item), each takes its items in turn */
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        sms <= 0)
+        return -1;
+    const long long items = (long long)mblocks * BH;
+    if (items > 0x7fffffffLL) return -1;
+    FwdParams q = p;
+    q.nbh = BH;
+    kern<<<(unsigned)(items < sms ? items : sms), 384, smem, stream>>>(q, tm);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 

@@ -1573,6 +1573,7 @@ int main(void) {
     GPU_RUN(gpu_test_attention_shape(2, 77, 3, 40, 72, 9));
     GPU_RUN(gpu_test_attention_shape(1, 1000, 2, 128, 128, 0));   /* wgmma kernels: odd length, several key blocks */
     GPU_RUN(gpu_test_attention_shape(1, 257, 2, 192, 128, 3));    /* wgmma kernels: many very short documents */
+    GPU_RUN(gpu_test_attention_shape(3, 300, 16, 192, 128, 37));  /* persistent forward: 144 work items, more than SMs */
     GPU_RUN(gpu_test_moe_ops());
     GPU_RUN(gpu_test_gmm_dw_sumsq(8, 48, 64, 400));      /* few rows per expert: no row splits */
     GPU_RUN(gpu_test_gmm_dw_sumsq(2, 64, 64, 16384));    /* few tiles, many rows: split rows, reduce kernel */
