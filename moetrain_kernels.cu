@@ -1664,6 +1664,17 @@ __device__ __forceinline__ void named_bar_sync(int id, int n) {
 __device__ __forceinline__ void named_bar_arrive(int id, int n) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
+/* Two warpgroups (0 and 1) taking turns at issuing their wgmmas (ping-pong), on named barriers 1 and
+   2: begin() waits for this warpgroup's turn, end() hands the turn over.  Warpgroup 1 arrives once
+   ahead in start(), so warpgroup 0 goes first; warpgroup 0 absorbs the last hand-over in finish(), so
+   every sync meets exactly one arrive of the other warpgroup (both must take the same number of turns). */
+struct Turns {
+    int wg;
+    __device__ __forceinline__ void start() const { if (wg == 1) named_bar_arrive(1, 256); }
+    __device__ __forceinline__ void begin() const { named_bar_sync(1 + wg, 256); }
+    __device__ __forceinline__ void end() const { named_bar_arrive(2 - wg, 256); }
+    __device__ __forceinline__ void finish() const { if (wg == 0) named_bar_sync(1, 256); }
+};
 /* wait until the phase of parity `parity` of the barrier has completed */
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     uint32_t done;
@@ -2387,12 +2398,11 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
     float o[DV / 2];         /* O accumulators */
     uint32_t pa[BN / 16][4]; /* P_{j-1} as bf16 A fragments */
 
-    /* ping-pong: the warpgroups take turns issuing their matrix work (named barriers 1 and 2, one
-       per warpgroup), so that one's softmax runs while the other's wgmmas keep the tensor cores busy.
-       Warpgroup 0 goes first: warpgroup 1 arrives once ahead, and warpgroup 0 absorbs that extra
-       arrival at its very end, so every sync is matched by exactly one arrive of the other. */
+    /* ping-pong: the warpgroups take turns issuing their matrix work, so that one's softmax runs
+       while the other's wgmmas keep the tensor cores busy */
     constexpr bool PP = !(VAR & 4);
-    if (PP && wg == 1) named_bar_arrive(1, 256);
+    const Turns turns{wg};
+    if (PP) turns.start();
 
     int m0, b, h, ubase = 0; /* ubase: the ring use of this item's first key tile */
 #pragma unroll 1
@@ -2435,39 +2445,40 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
                 ls[1] = s[2];
                 return;
             }
+            /* the maximum is taken on the unscaled scores (the scale is positive: the launcher sends
+               other scales to the mma.sync kernel), the scale rides in the exponent's FMA */
             const int n0 = j * BN;
             const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
-            float mx[2] = {mrow[0], mrow[1]};
+            float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) {
-                float x = s[i] * sl2;
                 if (need_mask) {
                     const int hh = (i >> 1) & 1;
                     const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
-                    if (key > r0w + 8 * hh || key < dlo[hh]) x = neg_inf();
+                    if (key > r0w + 8 * hh || key < dlo[hh]) s[i] = neg_inf();
                 }
-                s[i] = x;
-                mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], x);
+                mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
             }
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
                 mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
             }
-            /* a row that has seen no key of its document yet keeps mx = -inf: subtract 0 instead so
-               that exp2 gives 0, not NaN */
+            /* running max in the log2 domain; a row that has seen no key of its document yet keeps
+               -inf: subtract 0 instead so that exp2 gives 0, not NaN */
             float mr[2];
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                mr[hh] = mx[hh] == neg_inf() ? 0.f : mx[hh];
+                const float mnew = fmaxf(mrow[hh], mx[hh] * sl2);
+                mr[hh] = mnew == neg_inf() ? 0.f : mnew;
                 alpha[hh] = fast_exp2(mrow[hh] - mr[hh]);
-                mrow[hh] = mx[hh];
+                mrow[hh] = mnew;
                 ls[hh] = 0.f;
             }
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) {
                 const int hh = (i >> 1) & 1;
-                s[i] = fast_exp2(s[i] - mr[hh]);
+                s[i] = fast_exp2(fmaf(s[i], sl2, -mr[hh]));
                 ls[hh] += s[i];
             }
         };
@@ -2509,11 +2520,11 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
             wait_v(j - 1);
             fence_regs(o);
             fence_regs(pa);
-            if (PP) named_bar_sync(1 + wg, 256);
+            if (PP) turns.begin();
             wgmma_fence();
             issue_s(j);
             issue_pv(j - 1);
-            if (PP) named_bar_arrive(2 - wg, 256);
+            if (PP) turns.end();
             wgmma_wait<1>(); /* S_j done, P_{j-1} V_{j-1} may still run */
             fence_regs(s);
             free_k(j);
@@ -2560,7 +2571,7 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
             }
         }
     }
-    if (PP && wg == 0) named_bar_sync(1, 256); /* warpgroup 1's arrival ahead */
+    if (PP) turns.finish();
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -2718,12 +2729,11 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
     const float sl2 = p.scale_log2;
 
     /* turns: the warpgroups take turns issuing S^T / dP^T (and, a bench variant, dV / dK) as in the
-       forward's ping-pong (named barriers 1 and 2; warpgroup 0 first, syncs and arrives matched), so
-       that one's exponentials run while the other's products keep the tensor cores busy */
+       forward's ping-pong, so that one's exponentials run while the other's products keep the tensor
+       cores busy */
     constexpr bool TA = !(VAR & 4), TB = (VAR & 8) != 0;
-    auto turn_begin = [&]() { named_bar_sync(1 + wg, 256); };
-    auto turn_end = [&](bool last) { if (wg == 0 || !last) named_bar_arrive(2 - wg, 256); };
-    if ((TA || TB) && wg == 1 && n_tiles > 0) named_bar_arrive(1, 256);
+    const Turns turns{wg};
+    if (TA || TB) turns.start();
 
     mbar_wait(barKV, 0);
 #pragma unroll 1
@@ -2739,13 +2749,13 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
         float s[32], dp[32];
         fence_regs(dk);
         fence_regs(dv);
-        if (TA) turn_begin();
+        if (TA) turns.begin();
         wgmma_fence();
         wgmma_abt<64, DQ, BNK, BMQ>(s, sK, qst, wg);
         wgmma_commit();
         wgmma_abt<64, DV, BNK, BMQ>(dp, sV, ost, wg);
         wgmma_commit();
-        if (TA) turn_end(!TB && u + 1 == n_tiles);
+        if (TA) turns.end();
 
         /* P^T: element s[4j + 2hh + bb] is (key kr + 8hh, query q0 + 8j + 2c + bb) */
         const int dlast = dsb ? sS[min(BMQ, T - q0) - 1] : 0;
@@ -2783,12 +2793,12 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
                 da4[kk][e] = pack_bf16(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
             }
         }
-        if (TB) turn_begin();
+        if (TB) turns.begin();
         wgmma_fence();
         wgmma_pb<DV, 4, BMQ>(dv, pa, ost);
         wgmma_pb<DQ, 4, BMQ>(dk, da4, qst);
         wgmma_commit();
-        if (TB) turn_end(u + 1 == n_tiles);
+        if (TB) turns.end();
         wgmma_wait<0>();
         fence_regs(dk);
         fence_regs(dv);
@@ -2799,6 +2809,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
            warpgroup to finish tile u - 1: the warpgroups may drift a whole tile apart) */
         if (!(VAR & 16) && warp == 0 && u >= 1 && u + NS - 1 < n_tiles) fill(u + NS - 1);
     }
+    if (TA || TB) turns.finish();
 
     /* epilogue: dK * scale, dV; accumulator d[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
     bf16 *dkbase = p.dk + qoff, *dvbase = p.dv + voff;
@@ -2937,7 +2948,8 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p,
     /* the warpgroups take turns issuing their products, as in the forward (named barriers 1 and 2;
        H100: 0.498 -> 0.479 ms for B=8 T=2048 H=16, 192/128) */
     constexpr bool TURNS = !(VAR & 2);
-    if (TURNS && wg == 1 && j0 < n_blocks) named_bar_arrive(1, 256);
+    const Turns turns{wg};
+    if (TURNS) turns.start();
 
 #pragma unroll 1
     for (int j = j0; j < n_blocks; ++j) {
@@ -2946,7 +2958,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p,
         float s[32], dp[32];
         fence_regs(dq);
         fence_regs(da4);
-        if (TURNS) named_bar_sync(1 + wg, 256);
+        if (TURNS) turns.begin();
         wgmma_fence();
         wgmma_abt<64, DQ, BM, BN>(s, sQ, kst, wg);
         wgmma_commit();
@@ -2955,7 +2967,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p,
         /* dS_{j-1} K_{j-1}: for j == j0, da4 is zero and K_{j0 - 1}'s stage holds whatever it holds
            (finite or not, 0 x it would still poison dq with NaN), so it reads the current stage */
         issue_dq(j > j0 ? j - 1 : j);
-        if (TURNS && (wg == 0 || j + 1 < n_blocks)) named_bar_arrive(2 - wg, 256);
+        if (TURNS) turns.end();
 
         const int n0 = j * BN;
         const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
@@ -2985,6 +2997,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p,
 #pragma unroll
             for (int e = 0; e < 4; ++e) da4[kk][e] = pack_bf16(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
     }
+    if (TURNS) turns.finish();
     if (j0 < n_blocks) {
         fence_regs(dq);
         fence_regs(da4);
@@ -3540,13 +3553,14 @@ static int fa_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int D, in
     const cuuint32_t box[4] = {64, 1, (cuuint32_t)rows, 1};
     return tma_map(enc, m, base, 4, dims, strides, box);
 }
-/* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
+/* -2: no tensor-map encoder, a map it refuses or a scale <= 0 (the caller takes the mma.sync kernel) */
 template <int DQ, int DV, int BN, int VAR = 0>
 static int launch_fwd_wg_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
     void (*kern)(const FwdParams, const FwdMaps) = fa_fwd_wg_kernel<DQ, DV, BN, VAR>;
     const size_t smem = fwd_wg_smem_bytes<DQ, DV, BN>();
     const int mblocks = (p.T + 127) / 128;
     if (BH > 65535 || p.H <= 0) return -1;
+    if (!(p.scale_log2 > 0.f)) return -2; /* the softmax takes its maximum before scaling */
     const int B = BH / p.H;
     EncodeTiledFn enc = tma_encoder();
     FwdMaps tm;
