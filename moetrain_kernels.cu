@@ -2319,7 +2319,7 @@ struct FwdMaps {
 };
 
 /* VAR: 0 in the runtime; bench/attention.cu times ablations that leave a stage out (wrong results,
-   timing only): bit 0 no loads after the first two key tiles, bit 1 no softmax arithmetic; and
+   timing only): bit 0 no loads after the ring's first two K/V fills, bit 1 no softmax arithmetic; and
    bit 2 (results right) without the ping-pong between the warpgroups. */
 template <int DQ, int DV, int BN, int VAR>
 __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, const __grid_constant__ FwdMaps tm) {
