@@ -1813,6 +1813,44 @@ __device__ __forceinline__ void store2(bf16 *row, int col, int ncols, bool pair,
     }
 }
 
+/* one row of an m64nN wgmma accumulator (this thread's columns 8j + 2c, 8j + 2c + 1 at acc[4j + 2hh],
+   acc[4j + 2hh + 1]) times sc, into the bf16 row `row` of ncols columns (ok: the row exists).  wide
+   (16-byte aligned rows, ncols % 8 == 0): a 4 x 4 transpose over the quad (xor shuffles) hands
+   thread c the whole 8-column chunks 4q + c, stored 16 bytes at a time (4-byte stores in the
+   accumulator's layout cost the forward 0.359 against 0.310 ms at B=8 T=2048 H=16, 192/128, H200);
+   else store2.  Every lane of the warp calls it (the shuffles); wide is the same for all. */
+template <int N>
+__device__ __forceinline__ void store_acc_row(bf16 *row, bool ok, int ncols, bool wide, bool pair, const float (&acc)[N / 2],
+                                              int hh, float sc, int c) {
+    static_assert(N % 32 == 0, "store_acc_row: N");
+    if (wide) {
+        uint32_t v[N / 8];
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) v[j] = pack_bf16(acc[4 * j + 2 * hh] * sc, acc[4 * j + 2 * hh + 1] * sc);
+#pragma unroll
+        for (int q = 0; q < N / 32; ++q) {
+            uint32_t w[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = c ^ r; /* thread c sends its part of chunk 4q + i and receives thread i's of 4q + c */
+                const uint32_t y = (i & 2) ? ((i & 1) ? v[4 * q + 3] : v[4 * q + 2]) : ((i & 1) ? v[4 * q + 1] : v[4 * q]);
+                const uint32_t x = r ? __shfl_xor_sync(0xffffffffu, y, r) : y;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) w[e] = i == e ? x : (r ? w[e] : 0u);
+            }
+            const int col = 8 * (4 * q + c);
+            if (ok && col < ncols) *reinterpret_cast<uint4 *>(row + col) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    } else if (ok) {
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) store2(row, 8 * j + 2 * c, ncols, pair, acc[4 * j + 2 * hh] * sc, acc[4 * j + 2 * hh + 1] * sc);
+    }
+}
+/* rows of ncols bf16 at base (aligned as given) take 16-byte stores */
+__device__ __forceinline__ bool rows16(const void *base, int ncols, bool pair) {
+    return pair && (ncols & 7) == 0 && ((uintptr_t)base & 15) == 0;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Parameters                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
@@ -2252,9 +2290,10 @@ __device__ __forceinline__ void wgmma_abt(float (&acc)[N / 2], uint32_t sA, uint
 /* acc (64 x N) += P B over KS k16 steps, issued (not committed): P in registers (A fragments), B an
    SW128 tile whose rows run along k (MN-major: 16 rows = 2048 bytes a step; RB rows a panel). */
 template <int N, int KS, int RB>
-__device__ __forceinline__ void wgmma_pb(float (&acc)[N / 2], const uint32_t (&a)[KS][4], uint32_t sB) {
+__device__ __forceinline__ void wgmma_pb(float (&acc)[N / 2], const uint32_t (&a)[KS][4], uint32_t sB, int scale_d = 1) {
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) wgmma_rs<N, 1>(acc, a[kk], sw128_desc(sB + (uint32_t)(kk * 2048), RB * 128, 1024), 1);
+    for (int kk = 0; kk < KS; ++kk)
+        wgmma_rs<N, 1>(acc, a[kk], sw128_desc(sB + (uint32_t)(kk * 2048), RB * 128, 1024), kk > 0 || scale_d);
 }
 /* ------------------------------------------------------------------------------------------ */
 /* Forward, Hopper: fa_fwd_wg_kernel                                                          */
@@ -2320,7 +2359,10 @@ struct FwdMaps {
 
 /* VAR: 0 in the runtime; bench/attention.cu times ablations that leave a stage out (wrong results,
    timing only): bit 0 no loads after the ring's first two K/V fills, bit 1 no softmax arithmetic; and
-   bit 2 (results right) without the ping-pong between the warpgroups. */
+   (results right) bit 2 without the ping-pong between the warpgroups, bit 5 Q released after the item's
+   last P V instead of its last S, bit 6 no turns at an item's first S and last P V, bit 7 4-byte
+   stores of O in the accumulator's layout.  Measured (H200, B=8 T=2048 H=16, 192/128): the runtime's
+   choice 0.310 ms; bit 6 0.317, bits 5 + 6 0.337, bit 7 0.359. */
 template <int DQ, int DV, int BN, int VAR>
 __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, const __grid_constant__ FwdMaps tm) {
     constexpr int BM = 128;
@@ -2404,172 +2446,188 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
     const Turns turns{wg};
     if (PP) turns.start();
 
-    int m0, b, h, ubase = 0; /* ubase: the ring use of this item's first key tile */
-#pragma unroll 1
-    for (int k = 0; item(k, m0, b, h); ++k) {
-        int j0;
-        const int n_blocks = key_tiles(m0, b, j0);
-        const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
-        /* rows of this thread: r0w + 8h, h = 0, 1 (block-local rows 64wg + 16(warp%4) + g + 8h) */
-        const int r0w = m0 + 64 * wg + 16 * (warp & 3) + g;
-        const int wg_first = m0 + 64 * wg, wg_last = min(m0 + 64 * wg + 63, T - 1);
-        /* document starts of this thread's rows, and the largest among the warpgroup's rows */
-        int dlo[2] = {0, 0}, dmax = 0;
-        if (dsb) {
+    /* the current work item: its query block m0, sequence b, head h, key tiles [j0, n_blocks); the
+       rows of this thread, r0w + 8hh for hh = 0, 1 (block-local rows 64wg + 16(warp%4) + g + 8hh),
+       their document starts and the largest among the warpgroup's rows */
+    int m0, b, h, j0 = 0, n_blocks = 0, r0w = 0, wg_first = 0, dlo[2] = {0, 0}, dmax = 0;
+    auto setup = [&]() {
+        n_blocks = key_tiles(m0, b, j0);
+        r0w = m0 + 64 * wg + 16 * (warp & 3) + g;
+        wg_first = m0 + 64 * wg;
+        const int wg_last = min(m0 + 64 * wg + 63, T - 1);
+        if (p.dstart) {
+            const int *dsb = p.dstart + (size_t)b * T;
             dlo[0] = r0w < T ? dsb[r0w] : 0;
             dlo[1] = r0w + 8 < T ? dsb[r0w + 8] : 0;
             dmax = wg_first < T ? dsb[wg_last] : 0;
         }
-        float mrow[2] = {neg_inf(), neg_inf()}, lrow[2] = {0.f, 0.f};
-#pragma unroll
-        for (int i = 0; i < DV / 2; ++i) o[i] = 0.f;
+    };
+    float mrow[2], lrow[2];
 
-        /* key tile j is ring use ubase + j - j0: stage (use & 1), fill (use >> 1) */
-        auto use = [&](int j) { return ubase + j - j0; };
-        /* S = Q K_j^T for this warpgroup (issued and committed, not waited for) */
-        auto issue_s = [&](int j) {
-            wgmma_abt<BN, DQ, BM, BN>(s, sQ, sK + (uint32_t)(use(j) & 1) * K_BYTES, wg);
-            wgmma_commit();
-        };
-        /* O += P V_j (issued and committed) */
-        auto issue_pv = [&](int j) {
-            wgmma_pb<DV, BN / 16, BN>(o, pa, sV + (uint32_t)(use(j) & 1) * V_BYTES);
-            wgmma_commit();
-        };
-        /* mask + scale S_j (log2 domain), new running max; exponentiate in place; returns the
-           rescale factors of the old state and the row sums of the new P */
-        auto softmax = [&](int j, float (&alpha)[2], float (&ls)[2]) {
-            if (VAR & 2) {
-                alpha[0] = alpha[1] = 1.f;
-                ls[0] = s[0];
-                ls[1] = s[2];
-                return;
-            }
-            /* the maximum is taken on the unscaled scores (the scale is positive: the launcher sends
-               other scales to the mma.sync kernel), the scale rides in the exponent's FMA */
-            const int n0 = j * BN;
-            const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
-            float mx[2] = {neg_inf(), neg_inf()};
+    /* ring use u of K / V: stage (u & 1), fill (u >> 1) */
+    /* S = Q K_u^T for this warpgroup (issued and committed, not waited for) */
+    auto issue_s = [&](int u) {
+        wgmma_abt<BN, DQ, BM, BN>(s, sQ, sK + (uint32_t)(u & 1) * K_BYTES, wg);
+        wgmma_commit();
+    };
+    /* O += P V_u, or O = P V_u for the item's first tile (issued and committed; O is never zeroed by
+       other instructions while a product may be in flight, which would serialize the wgmmas) */
+    auto issue_pv = [&](int u, bool first) {
+        wgmma_pb<DV, BN / 16, BN>(o, pa, sV + (uint32_t)(u & 1) * V_BYTES, first ? 0 : 1);
+        wgmma_commit();
+    };
+    /* mask + scale S_j (log2 domain), new running max; exponentiate in place; returns the
+       rescale factors of the old state and the row sums of the new P */
+    auto softmax = [&](int j, float (&alpha)[2], float (&ls)[2]) {
+        if (VAR & 2) {
+            alpha[0] = alpha[1] = 1.f;
+            ls[0] = s[0];
+            ls[1] = s[2];
+            return;
+        }
+        /* the maximum is taken on the unscaled scores (the scale is positive: the launcher sends
+           other scales to the mma.sync kernel), the scale rides in the exponent's FMA */
+        const int n0 = j * BN;
+        const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
+        float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) {
-                if (need_mask) {
-                    const int hh = (i >> 1) & 1;
-                    const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
-                    if (key > r0w + 8 * hh || key < dlo[hh]) s[i] = neg_inf();
-                }
-                mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-            }
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-                mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-            }
-            /* running max in the log2 domain; a row that has seen no key of its document yet keeps
-               -inf: subtract 0 instead so that exp2 gives 0, not NaN */
-            float mr[2];
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const float mnew = fmaxf(mrow[hh], mx[hh] * sl2);
-                mr[hh] = mnew == neg_inf() ? 0.f : mnew;
-                alpha[hh] = fast_exp2(mrow[hh] - mr[hh]);
-                mrow[hh] = mnew;
-                ls[hh] = 0.f;
-            }
-#pragma unroll
-            for (int i = 0; i < BN / 2; ++i) {
+        for (int i = 0; i < BN / 2; ++i) {
+            if (need_mask) {
                 const int hh = (i >> 1) & 1;
-                s[i] = fast_exp2(fmaf(s[i], sl2, -mr[hh]));
-                ls[hh] += s[i];
+                const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
+                if (key > r0w + 8 * hh || key < dlo[hh]) s[i] = neg_inf();
             }
-        };
-        auto pack_p = [&]() {
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                pa[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
-                pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-                pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-                pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-            }
-        };
-
-        /* consumers: use u of K_j / V_j waits for fill (u >> 1) of stage u & 1; lane 0 of each warp
-           releases the stage once the warpgroup's wgmma reading it has completed */
-        auto wait_k = [&](int j) { mbar_wait(barKf + 8 * (use(j) & 1), (use(j) >> 1) & 1); };
-        auto wait_v = [&](int j) { mbar_wait(barVf + 8 * (use(j) & 1), (use(j) >> 1) & 1); };
-        auto free_k = [&](int j) { if (lane == 0) mbar_arrive(barKe + 8 * (use(j) & 1)); };
-        auto free_v = [&](int j) { if (lane == 0) mbar_arrive(barVe + 8 * (use(j) & 1)); };
-
-        mbar_wait(barQ, k & 1);
-        wait_k(j0);
-        {
-            wgmma_fence();
-            issue_s(j0);
-            wgmma_wait<0>();
-            fence_regs(s);
-            free_k(j0);
-            float alpha[2], ls[2];
-            softmax(j0, alpha, ls);
-            lrow[0] = ls[0];
-            lrow[1] = ls[1];
-            pack_p();
+            mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
         }
-
-#pragma unroll 1
-        for (int j = j0 + 1; j < n_blocks; ++j) {
-            wait_k(j);
-            wait_v(j - 1);
-            fence_regs(o);
-            fence_regs(pa);
-            if (PP) turns.begin();
-            wgmma_fence();
-            issue_s(j);
-            issue_pv(j - 1);
-            if (PP) turns.end();
-            wgmma_wait<1>(); /* S_j done, P_{j-1} V_{j-1} may still run */
-            fence_regs(s);
-            free_k(j);
-            float alpha[2], ls[2];
-            softmax(j, alpha, ls);
-            wgmma_wait<0>();
-            fence_regs(o);
-            fence_regs(pa);
-            free_v(j - 1);
 #pragma unroll
-            for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-            lrow[0] = lrow[0] * alpha[0] + ls[0];
-            lrow[1] = lrow[1] * alpha[1] + ls[1];
-            pack_p();
+        for (int hh = 0; hh < 2; ++hh) {
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
         }
-        /* every S of this item has completed: Q may be replaced by the next item's */
-        if (lane == 0) mbar_arrive(barQe);
-        wait_v(n_blocks - 1);
-        fence_regs(o);
-        fence_regs(pa);
-        wgmma_fence();
-        issue_pv(n_blocks - 1);
-        wgmma_wait<0>();
-        fence_regs(o);
-        free_v(n_blocks - 1);
-        ubase += n_blocks - j0;
-
-        /* epilogue: O / l and lse (natural log) */
+        /* running max in the log2 domain; a row that has seen no key of its document yet keeps
+           -inf: subtract 0 instead so that exp2 gives 0, not NaN */
+        float mr[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const float mnew = fmaxf(mrow[hh], mx[hh] * sl2);
+            mr[hh] = mnew == neg_inf() ? 0.f : mnew;
+            alpha[hh] = fast_exp2(mrow[hh] - mr[hh]);
+            mrow[hh] = mnew;
+            ls[hh] = 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+            const int hh = (i >> 1) & 1;
+            s[i] = fast_exp2(fmaf(s[i], sl2, -mr[hh]));
+            ls[hh] += s[i];
+        }
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            pa[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+    };
+    /* O / l and lse (natural log) of the item at (b, h) whose rows of this thread are r0w + 8hh */
+    auto epilogue = [&]() {
         bf16 *obase = p.o + (size_t)b * T * ldv + (size_t)h * p.dimv;
         const bool pair = p.pair_o != 0;
+        const bool wide = !(VAR & 128) && rows16(p.o, p.dimv, pair);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             float l = lrow[hh];
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = 1.f / l;
             const int row = r0w + 8 * hh;
-            if (row < T) {
-                bf16 *orow = obase + (size_t)row * ldv;
-#pragma unroll
-                for (int jn = 0; jn < DV / 8; ++jn)
-                    store2(orow, 8 * jn + 2 * c, p.dimv, pair, o[4 * jn + 2 * hh] * inv, o[4 * jn + 2 * hh + 1] * inv);
-                if (c == 0) p.lse[((size_t)b * T + row) * H + h] = (mrow[hh] + log2f(l)) * MT_FA_LN2;
-            }
+            store_acc_row<DV>(obase + (size_t)row * ldv, row < T, p.dimv, wide, pair, o, hh, 1.f / l, c);
+            if (row < T && c == 0) p.lse[((size_t)b * T + row) * H + h] = (mrow[hh] + log2f(l)) * MT_FA_LN2;
         }
+    };
+
+    /* consumers: use u of K / V waits for fill (u >> 1) of stage u & 1; lane 0 of each warp releases
+       the stage once the warpgroup's wgmma reading it has completed, and Q once the item's last S has */
+    auto wait_k = [&](int u) { mbar_wait(barKf + 8 * (u & 1), (u >> 1) & 1); };
+    auto wait_v = [&](int u) { mbar_wait(barVf + 8 * (u & 1), (u >> 1) & 1); };
+    auto free_k = [&](int u) { if (lane == 0) mbar_arrive(barKe + 8 * (u & 1)); };
+    auto free_v = [&](int u) { if (lane == 0) mbar_arrive(barVe + 8 * (u & 1)); };
+    auto free_q = [&]() { if (lane == 0) mbar_arrive(barQe); };
+    auto rescale = [&](const float (&alpha)[2], const float (&ls)[2]) {
+#pragma unroll
+        for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+        lrow[0] = lrow[0] * alpha[0] + ls[0];
+        lrow[1] = lrow[1] * alpha[1] + ls[1];
+    };
+
+    /* Item after item: the first S, then per further key tile the product of tile u issued with the
+       P V of tile u - 1, then the last P V and the epilogue.  The first S and the last P V take turns
+       too (VAR bit 6 leaves them out), so the warpgroups stay out of step from one item to the next;
+       Q is released as soon as the item's last S has completed (VAR bit 5: after its last P V), so
+       the next item's Q loads while this one's last softmax, P V and epilogue run. */
+    constexpr bool EDGE = PP && !(VAR & 64);
+    int u = 0; /* ring use of the next K / V tile */
+#pragma unroll 1
+    for (int k = 0; item(k, m0, b, h); ++k) {
+        setup();
+        mrow[0] = mrow[1] = neg_inf();
+        mbar_wait(barQ, k & 1);
+        wait_k(u);
+        if (EDGE) turns.begin();
+        wgmma_fence();
+        issue_s(u);
+        if (EDGE) turns.end();
+        wgmma_wait<0>();
+        fence_regs(s);
+        free_k(u);
+        if (!(VAR & 32) && n_blocks == j0 + 1) free_q();
+        {
+            float alpha[2], ls[2];
+            softmax(j0, alpha, ls);
+            lrow[0] = ls[0];
+            lrow[1] = ls[1];
+        }
+        pack_p();
+        /* tile j's S with tile j - 1's P V (ring use u) */
+#pragma unroll 1
+        for (int j = j0 + 1; j < n_blocks; ++j, ++u) {
+            wait_k(u + 1);
+            wait_v(u);
+            fence_regs(o);
+            fence_regs(pa);
+            if (PP) turns.begin();
+            wgmma_fence();
+            issue_s(u + 1);
+            issue_pv(u, j - 1 == j0);
+            if (PP) turns.end();
+            wgmma_wait<1>(); /* S_j done, P_{j-1} V_{j-1} may still run */
+            fence_regs(s);
+            free_k(u + 1);
+            if (!(VAR & 32) && j == n_blocks - 1) free_q();
+            float alpha[2], ls[2];
+            softmax(j, alpha, ls);
+            wgmma_wait<0>();
+            fence_regs(o);
+            fence_regs(pa);
+            free_v(u);
+            rescale(alpha, ls);
+            pack_p();
+        }
+        if (VAR & 32) free_q();
+        /* the last P V */
+        wait_v(u);
+        fence_regs(o);
+        fence_regs(pa);
+        if (EDGE) turns.begin();
+        wgmma_fence();
+        issue_pv(u, n_blocks - 1 == j0);
+        if (EDGE) turns.end();
+        wgmma_wait<0>();
+        fence_regs(o);
+        free_v(u);
+        ++u;
+        epilogue();
     }
     if (PP) turns.finish();
 }
@@ -2814,18 +2872,12 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
     /* epilogue: dK * scale, dV; accumulator d[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
     bf16 *dkbase = p.dk + qoff, *dvbase = p.dv + voff;
     const bool pq = p.pair_qk != 0, pv = p.pair_v != 0;
-    const float sc = p.scale;
+    const bool wq = rows16(p.dk, p.dimq, pq), wv = rows16(p.dv, p.dimv, pv);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int key = kr + 8 * hh;
-        if (key < T) {
-            bf16 *krow = dkbase + (size_t)key * ldqk, *vrow = dvbase + (size_t)key * ldv;
-#pragma unroll
-            for (int j = 0; j < DQ / 8; ++j)
-                store2(krow, 8 * j + 2 * c, p.dimq, pq, dk[4 * j + 2 * hh] * sc, dk[4 * j + 2 * hh + 1] * sc);
-#pragma unroll
-            for (int j = 0; j < DV / 8; ++j) store2(vrow, 8 * j + 2 * c, p.dimv, pv, dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
-        }
+        store_acc_row<DQ>(dkbase + (size_t)key * ldqk, key < T, p.dimq, wq, pq, dk, hh, p.scale, c);
+        store_acc_row<DV>(dvbase + (size_t)key * ldv, key < T, p.dimv, wv, pv, dv, hh, 1.f, c);
     }
 }
 
@@ -3009,16 +3061,11 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p,
 
     /* epilogue: dQ * scale */
     bf16 *dqbase = p.dq + qoff;
-    const bool pq = p.pair_qk != 0;
-    const float sc = p.scale;
+    const bool pq = p.pair_qk != 0, wq = rows16(p.dq, p.dimq, pq);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int row = r0w + 8 * hh;
-        if (row < T) {
-            bf16 *qrow = dqbase + (size_t)row * ldqk;
-#pragma unroll
-            for (int j = 0; j < DQ / 8; ++j) store2(qrow, 8 * j + 2 * c, p.dimq, pq, dq[4 * j + 2 * hh] * sc, dq[4 * j + 2 * hh + 1] * sc);
-        }
+        store_acc_row<DQ>(dqbase + (size_t)row * ldqk, row < T, p.dimq, wq, pq, dq, hh, p.scale, c);
     }
     /* launched early (after the dK/dV kernel, see launch_bwd): do not complete before it has, so that
        what follows on the stream sees dK and dV as well (a no-op when launched normally) */

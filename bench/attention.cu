@@ -561,6 +561,12 @@ static void bench_breakdown(const Shape &s) {
         printf("ablations forward (wgmma): %.3f ms, without the copies in the loop %.3f ms, without the softmax %.3f ms, "
                "without either %.3f ms; without the warpgroup ping-pong %.3f ms (and without the softmax %.3f ms)\n", f0, f1, f2,
                f3, f4, f6);
+        const float f64 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 64>, fp, BH);
+        const float f96 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 96>, fp, BH);
+        const float f128 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 128>, fp, BH);
+        printf("ablations forward items (wgmma): %.3f ms; without turns at an item's first S and last P V %.3f ms (and Q "
+               "released after the last P V instead of the last S %.3f ms); O by 4-byte stores in the accumulator's layout "
+               "%.3f ms\n", f0, f64, f96, f128);
     }
     d.release();
 }
