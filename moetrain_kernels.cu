@@ -1560,8 +1560,8 @@ int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const
  *   fa_bwd_dq_kernel   one CTA per (128-query block, b*h), 8 warps x 16 rows, streams key blocks,
  *                      recomputes P, dP, dS in registers, accumulates dQ in registers, writes once.
  * Hopper kernels (wgmma, sm_90a; same work split, same masking and skipping, see their own comments):
- *   fa_fwd_wg_kernel       one CTA per (128-query block, b*h), two warpgroups x 64 query rows,
- *                          128-key tiles; S = Q K^T and O += P V on wgmma, P from registers; a third
+ *   fa_fwd_wg_kernel       persistent: one CTA per SM takes (128-query block, b*h) items in turn; two
+ *                          warpgroups x 64 query rows, 128-key tiles; S = Q K^T and O += P V on wgmma, P from registers; a third
  *                          warpgroup loads Q, K and V with TMA (mbarriers, no CTA barrier in the loop);
  *                          the two consumer warpgroups take turns issuing their wgmmas (ping-pong).
  *   fa_bwd_dkdv_wg_kernel  one CTA per (128-key block, b*h), two warpgroups x 64 keys, 64-query tiles
