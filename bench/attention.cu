@@ -542,10 +542,9 @@ static void bench_breakdown(const Shape &s) {
         const float k0 = time_launcher(launch_dkdv_wg_kernel<192, 128, 0>, p, BH);
         const float k1 = time_launcher(launch_dkdv_wg_kernel<192, 128, 1>, p, BH);
         const float q2 = time_launcher(launch_dq_wg_kernel<192, 128, 2>, p, BH);
-        printf("ablations dQ (wgmma): %.3f ms, without the copies in the loop %.3f ms; without the warpgroups' turns %.3f ms\n", q0,
-               q1, q2);
         const float q32 = time_launcher(launch_dq_wg_kernel<192, 128, 32>, p, BH);
-        printf("ablations dQ CTA order (wgmma): %.3f ms heaviest first in groups of 8 heads; head after head %.3f ms\n", q0, q32);
+        printf("ablations dQ (wgmma): %.3f ms, without the copies in the loop %.3f ms; without the warpgroups' turns %.3f ms; CTAs "
+               "head after head instead of heaviest first in groups of 8 heads %.3f ms\n", q0, q1, q2, q32);
         const float k4 = time_launcher(launch_dkdv_wg_kernel<192, 128, 4>, p, BH);
         const float k8 = time_launcher(launch_dkdv_wg_kernel<192, 128, 8>, p, BH);
         const float k12 = time_launcher(launch_dkdv_wg_kernel<192, 128, 12>, p, BH);
