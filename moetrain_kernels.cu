@@ -4087,39 +4087,9 @@ __global__ void __launch_bounds__(256) k_gather_rows(bf16 *xs, int32_t *slot, co
         }
     }
 }
-/* dx[n] = sum over k, in order, of dxs[slot[n, k]]; one warp per token */
-template <bool V>
-__global__ void __launch_bounds__(256) k_permute_bwd(bf16 *dx, const bf16 *dxs, const int32_t *slot, int N, int D, int K) {
-    int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
-    int lane = threadIdx.x & 31;
-    if (n >= N) return;
-    for (int base = 0; base < D; base += 256 * MT_ROWS_UNROLL) {
-        float acc[MT_ROWS_UNROLL][8];
-#pragma unroll
-        for (int i = 0; i < MT_ROWS_UNROLL; i++)
-#pragma unroll
-            for (int j = 0; j < 8; j++) acc[i][j] = 0;
-        for (int k = 0; k < K; k++) {
-            const bf16 *src = dxs + (int64_t)slot[n * K + k] * D;
-#pragma unroll
-            for (int i = 0; i < MT_ROWS_UNROLL; i++) {
-                int d = base + (lane + 32 * i) * 8;
-                if (d < D) {
-                    float f[8];
-                    unpack8(f, ld8<V>(src, d, D));
-#pragma unroll
-                    for (int j = 0; j < 8; j++) acc[i][j] += f[j];
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
-            int d = base + (lane + 32 * i) * 8;
-            if (d < D) st8<V>(dx + n * D, d, D, acc[i]);
-        }
-    }
-}
-/* y[n] = sum over k, in order, of w[n, k] * ys[slot[n, k]]; one warp per token */
+/* y[n] = sum over k, in order, of w[n, k] * ys[slot[n, k]]; one warp per token.  w NULL: weights of 1
+   (the permutation's backward, dx[n] = sum over k of dxs[slot[n, k]]; 1 * f is exact, so the sums are
+   those of plain adds) */
 template <bool V>
 __global__ void __launch_bounds__(256) k_combine(bf16 *y, const bf16 *ys, const int32_t *slot, const float *w, int N, int D, int K) {
     int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -4133,7 +4103,7 @@ __global__ void __launch_bounds__(256) k_combine(bf16 *y, const bf16 *ys, const 
             for (int j = 0; j < 8; j++) acc[i][j] = 0;
         for (int k = 0; k < K; k++) {
             const bf16 *src = ys + (int64_t)slot[n * K + k] * D;
-            float wk = w[n * K + k];
+            const float wk = w ? w[n * K + k] : 1.f;
 #pragma unroll
             for (int i = 0; i < MT_ROWS_UNROLL; i++) {
                 int d = base + (lane + 32 * i) * 8;
@@ -4234,8 +4204,8 @@ int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, cons
 }
 int mt_cuda_moe_permute_backward(mt_cuda *c, void *dx, const void *dxs, const int32_t *slot, int N, int D, int K) {
     if (N <= 0) return 0;
-    if (mt__rows16(D, 2, dx, dxs)) k_permute_bwd<true><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, N, D, K);
-    else k_permute_bwd<false><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, N, D, K);
+    if (mt__rows16(D, 2, dx, dxs)) k_combine<true><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, nullptr, N, D, K);
+    else k_combine<false><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, nullptr, N, D, K);
     LAUNCHED();
     return 0;
 }
