@@ -59,9 +59,10 @@ extern "C" {
 typedef MT_REAL mt_real;
 
 #define MT_VERSION_STRING "moetrain 0.1"
-#define MT_KERNELS_VERSION "moetrain-kernels 1"   /* bump when any kernel's numerics change */
-#define MT_FORMAT_VERSION 5u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
-                                                      4: activation recompute: the recompute phase, the choice and budget in the plan; 5: tuning by GPU model) */
+#define MT_KERNELS_VERSION "moetrain-kernels 2"   /* bump when any kernel's numerics change (2: RoPE rotations with pinned roundings) */
+#define MT_FORMAT_VERSION 6u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
+                                                      4: activation recompute: the recompute phase, the choice and budget in the plan; 5: tuning by GPU model;
+                                                      6: RoPE folded into attention: ROPE_PE, MLA_ATTENTION(_BWD), ROPE_PE_BWD, 10 inputs a node) */
 
 /* ========================================================================
  * 1. Basics
@@ -298,7 +299,7 @@ typedef struct {
     int64_t data_offset;      /* CONST: offset of its bytes in the constants blob; else -1 */
 } mt_value;
 
-#define MT_MAX_IN 8
+#define MT_MAX_IN 10
 #define MT_MAX_OUT 4
 #define MT_MAX_ATTR 8
 /* phases. RECOMPUTE: a forward op of a block re-run in the backward, just
@@ -359,7 +360,11 @@ typedef struct {
     X(GMM_DW_SQ, 3, 2, 0)        /* fused: dY, X, offs -> dW, ssq[mt_gmm_ssq_len] f32 partial sums of dW^2 */ \
     X(DOC_STARTS, 1, 1, 0)       /* tokens[N] i32 -> dstart[N] i32: where each token's document starts; i0 T, i1 eot */ \
     X(ALLGATHER, 1, 1, 1)        /* shard[ceil(n/S)] -> whole (padded); i0 mesh-dim mask, i1 group */ \
-    X(REDUCE_SCATTER, 1, 1, 0)   /* whole f32 (padded) -> my shard of the sum; i0 mask, i1 group; f0 scale (0: none) */
+    X(REDUCE_SCATTER, 1, 1, 0)   /* whole f32 (padded) -> my shard of the sum; i0 mask, i1 group; f0 scale (0: none) */ \
+    X(ROPE_PE, 4, 2, 0)          /* fold_rope: q, kpe, cos, sin -> qr[N,H*dr], kr[N,dr] (rotated rope parts); i as MLA_ROPE */ \
+    X(MLA_ATTENTION, 5, 2, 0)    /* fold_rope: q, kv, qr, kr, dstart (optional) -> O, lse: ATTENTION of MLA_ROPE's Q, K, V; i0 H i1 dq i2 dv i3 T i4 dn */ \
+    X(MLA_ATTENTION_BWD, 10, 3, 0) /* fold_rope: q, kv, qr, kr, O, lse, dO, dstart (optional), cos, sin -> dq, dkv, dkr[N,H*dr] */ \
+    X(ROPE_PE_BWD, 3, 1, 0)      /* fold_rope: dkr, cos, sin -> dkpe[N,dr] (the heads' kr gradients rotated back and summed) */
 
 enum {
 #define MT_OP_ENUM(name, ni, no, d) MT_OP_##name,
@@ -471,10 +476,20 @@ int mt_pass_plan_memory(mt_graph *g, mt_err *err);   /* liveness-based arena reu
 void mt_value_live_range(const mt_graph *g, int v, int *first, int *last);
 typedef struct {
     int elide, fuse, plan_memory, capture, isolate_ep, overlap;   /* which optimizing passes run */
+    int fold_rope;           /* CUDA graphs: MLA's RoPE assembly folded into the attention kernels (mt_pass_fold_rope) */
     int64_t memory_budget;   /* bytes (persistent + arena, as planned); > 0: recompute the fewest blocks that fit it */
 } mt_passes;
 int mt_pass_elide_collectives(mt_graph *g, mt_err *err); /* the expert exchange over one rank is a copy: gone */
 int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
+/* RoPE folded into attention: MLA_ROPE -> ATTENTION -> ATTENTION_BWD -> MLA_ROPE_BWD become ROPE_PE ->
+ * MLA_ATTENTION -> MLA_ATTENTION_BWD -> ROPE_PE_BWD, which never form Q, K, V or their gradients (the
+ * CUDA kernels load their tiles from q, kv and the rotated parts). Bitwise the same results. Any
+ * target when called; mt_run_passes runs it on CUDA graphs whose head dims the folded kernels take
+ * (mt_rope_fold_fits). Returns the number of attention layers folded, -1 on error. */
+int mt_pass_fold_rope(mt_graph *g, mt_err *err);
+static inline int mt_rope_fold_fits(int dn, int dr, int dv) {   /* the folded CUDA kernels' head dims */
+    return dn > 0 && dn % 64 == 0 && dr > 0 && dr % 64 == 0 && dv == 128 && (dn + dr == 192 || dn + dr == 128);
+}
 /* Collectives name a channel (iattr[1]); at bind, groups with the same ranks in the same order and
  * the same channel share one communicator. When the expert exchange's groups coincide with another
  * collective's (dp_shard = ep: FSDP and EP over the same ranks), this pass moves the exchange to
@@ -561,6 +576,22 @@ void mt_cpu_mla_rope_forward(mt_real *Q, mt_real *K, mt_real *Vv, const mt_real 
 void mt_cpu_mla_rope_backward(mt_real *dq, mt_real *dkv, mt_real *dkpe, const mt_real *dQ,
                               const mt_real *dK, const mt_real *dV, const mt_real *cosv,
                               const mt_real *sinv, int N, int T, int H, int dn, int dr, int dv);
+/* RoPE folded into attention (mt_pass_fold_rope): qr [N,H*dr] and kr [N,dr] are the rotated rope
+ * parts of Q and K; the attention ops assemble Q = [q's nope columns, qr], K = [kv's nope columns, kr],
+ * V = kv's value columns as mt_cpu_mla_rope_forward does, and the backward returns q's and kv's
+ * gradients and dkr [N,H*dr] (each head's gradient of kr), which ROPE_PE_BWD rotates back and sums
+ * over the heads into dkpe. Bitwise the unfolded ops. The attention ones return -1 when out of memory. */
+void mt_cpu_rope_pe_forward(mt_real *qr, mt_real *kr, const mt_real *q, const mt_real *kpe, const mt_real *cosv,
+                            const mt_real *sinv, int N, int T, int H, int dn, int dr);
+void mt_cpu_rope_pe_backward(mt_real *dkpe, const mt_real *dkr, const mt_real *cosv, const mt_real *sinv,
+                             int N, int T, int H, int dr);
+int mt_cpu_mla_attention_forward(mt_pool *pool, mt_real *O, mt_real *lse, const mt_real *q, const mt_real *kv,
+                                 const mt_real *qr, const mt_real *kr, const int32_t *dstart, int B, int T, int H,
+                                 int dn, int dr, int dv, float scale);
+int mt_cpu_mla_attention_backward(mt_pool *pool, mt_real *dq, mt_real *dkv, mt_real *dkr, const mt_real *q,
+                                  const mt_real *kv, const mt_real *qr, const mt_real *kr, const mt_real *O,
+                                  const mt_real *lse, const mt_real *dO, const int32_t *dstart, const mt_real *cosv,
+                                  const mt_real *sinv, int B, int T, int H, int dn, int dr, int dv, float scale);
 /* Document masking: dstart[N] gives, for each token, the position (within its
  * sequence) where its document starts: a document starts at position 0 and
  * after every end-of-text token (which ends the document it is in). Query i
@@ -763,6 +794,14 @@ int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *
 int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const void *dQ, const void *dK,
                               const void *dV, const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv);
 size_t mt_cuda_attention_backward_workspace(int B, int T, int H, int dq, int dv);
+int mt_cuda_rope_pe_forward(mt_cuda *c, void *qr, void *kr, const void *q, const void *kpe, const float *cosv, const float *sinv,
+                            int N, int T, int H, int dn, int dr);
+int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const float *cosv, const float *sinv, int N, int T, int H, int dr);
+int mt_cuda_mla_attention_forward(mt_cuda *c, const void *q, const void *kv, const void *qr, const void *kr, const int32_t *dstart,
+                                  void *O, float *lse, int B, int T, int H, int dn, int dr, int dv, float scale);
+int mt_cuda_mla_attention_backward(mt_cuda *c, const void *q, const void *kv, const void *qr, const void *kr, const void *O,
+                                   const float *lse, const void *dO, const int32_t *dstart, const float *cosv, const float *sinv,
+                                   void *dq, void *dkv, void *dkr, void *ws, int B, int T, int H, int dn, int dr, int dv, float scale);
 int mt_cuda_doc_starts(mt_cuda *c, int32_t *dstart, const int32_t *tok, int N, int T, int eot);
 int mt_cuda_attention_forward(mt_cuda *c, const void *Q, const void *K, const void *V, const int32_t *dstart, void *O,
                               float *lse, int B, int T, int H, int dq, int dv, float scale);  /* dstart NULL: causal */
@@ -1736,6 +1775,8 @@ static int mt__index_operands(int op, uint32_t *in, uint32_t *out) {
     case MT_OP_EXPERT_BIAS_UPDATE: *in = 2u; break;
     case MT_OP_ATTENTION: *in = 8u; break;
     case MT_OP_ATTENTION_BWD: *in = 64u; break;
+    case MT_OP_MLA_ATTENTION: *in = 16u; break;
+    case MT_OP_MLA_ATTENTION_BWD: *in = 128u; break;
     case MT_OP_DOC_STARTS: *in = 1u; *out = 1u; break;
     case MT_OP_ALLREDUCE: return 1;
     }
@@ -1768,7 +1809,8 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
     /* required inputs/outputs (optional ones handled per op below) */
     for (int i = 0; i < n->n_in; i++) {
         int optional = (n->op == MT_OP_SUMSQ && i == 1) || (n->op == MT_OP_CONCAT) ||
-                       (n->op == MT_OP_ATTENTION && i == 3) || (n->op == MT_OP_ATTENTION_BWD && i == 6);
+                       (n->op == MT_OP_ATTENTION && i == 3) || (n->op == MT_OP_ATTENTION_BWD && i == 6) ||
+                       (n->op == MT_OP_MLA_ATTENTION && i == 4) || (n->op == MT_OP_MLA_ATTENTION_BWD && i == 7);
         if (n->in[i] < 0 && !optional) return mt_errf(err, "%s: input %d missing", oi->name, i);
     }
     for (int i = 0; i < n->n_out; i++) {
@@ -1873,6 +1915,61 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
             MT__T(mt__shape(&c, mt__out(&c, 2), "dV", 2, N, H * dv, 0));
         }
         const mt_value *ds = mt__in(&c, n->op == MT_OP_ATTENTION ? 3 : 6);
+        if (ds) MT__T(mt__shape(&c, ds, "dstart", 1, N, 0, 0));
+        if (!(n->fattr[0] > 0)) return mt_errf(err, "%s: scale must be > 0", oi->name);
+        break;
+    }
+    case MT_OP_ROPE_PE: case MT_OP_ROPE_PE_BWD: {
+        MT__T(mt__int_attr(&c, 0, 1, 1024)); MT__T(mt__int_attr(&c, 1, 1, 1024));
+        MT__T(mt__int_attr(&c, 2, 2, 1024)); MT__T(mt__int_attr(&c, 3, 1, 1024));
+        MT__T(mt__int_attr(&c, 4, 1, 1 << 20));
+        int64_t H = n->iattr[0], dn = n->iattr[1], dr = n->iattr[2], T = n->iattr[4];
+        if (dr % 2) return mt_errf(err, "%s: rope width %lld is odd", oi->name, (long long)dr);
+        int fwd = n->op == MT_OP_ROPE_PE;
+        const mt_value *first = fwd ? a : o;   /* q [N, H*(dn+dr)] or dkpe [N, dr] */
+        MT__T(mt__shape(&c, first, fwd ? "q" : "dkpe", 2, MT__ANY, fwd ? H * (dn + dr) : dr, 0));
+        int64_t N = first->dims[0];
+        if (N % T) return mt_errf(err, "%s: %lld tokens is not a multiple of seq_len %lld", oi->name, (long long)N, (long long)T);
+        if (fwd) {
+            MT__T(mt__shape(&c, b, "kpe", 2, N, dr, 0));
+            MT__T(mt__shape(&c, o, "qr", 2, N, H * dr, 0));
+            MT__T(mt__shape(&c, mt__out(&c, 1), "kr", 2, N, dr, 0));
+        } else {
+            MT__T(mt__shape(&c, a, "dkr", 2, N, H * dr, 0));
+        }
+        MT__T(mt__shape(&c, mt__in(&c, fwd ? 2 : 1), "cos", 2, T, dr / 2, 0));
+        MT__T(mt__shape(&c, mt__in(&c, fwd ? 3 : 2), "sin", 2, T, dr / 2, 0));
+        break;
+    }
+    case MT_OP_MLA_ATTENTION: case MT_OP_MLA_ATTENTION_BWD: {
+        MT__T(mt__int_attr(&c, 0, 1, 1024)); MT__T(mt__int_attr(&c, 1, 2, 2048));
+        MT__T(mt__int_attr(&c, 2, 1, 2048)); MT__T(mt__int_attr(&c, 3, 1, 1 << 20));
+        MT__T(mt__int_attr(&c, 4, 1, 2047));
+        int64_t H = n->iattr[0], dq = n->iattr[1], dv = n->iattr[2], T = n->iattr[3], dn = n->iattr[4], dr = dq - dn;
+        if (dr <= 0 || dr % 2) return mt_errf(err, "%s: rope width %lld (dq %lld - dn %lld) is not positive and even", oi->name,
+                                              (long long)dr, (long long)dq, (long long)dn);
+        MT__T(mt__shape(&c, a, "q", 2, MT__ANY, H * dq, 0));
+        int64_t N = a->dims[0];
+        if (N % T) return mt_errf(err, "%s: %lld tokens is not a multiple of seq_len %lld", oi->name, (long long)N, (long long)T);
+        MT__T(mt__shape(&c, b, "kv", 2, N, H * (dn + dv), 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "qr", 2, N, H * dr, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 3), "kr", 2, N, dr, 0));
+        const mt_value *ds;
+        if (n->op == MT_OP_MLA_ATTENTION) {
+            MT__T(mt__shape(&c, o, "O", 2, N, H * dv, 0));
+            MT__T(mt__shape(&c, mt__out(&c, 1), "lse", 2, N, H, 0));
+            ds = mt__in(&c, 4);
+        } else {
+            MT__T(mt__shape(&c, mt__in(&c, 4), "O", 2, N, H * dv, 0));
+            MT__T(mt__shape(&c, mt__in(&c, 5), "lse", 2, N, H, 0));
+            MT__T(mt__shape(&c, mt__in(&c, 6), "dO", 2, N, H * dv, 0));
+            MT__T(mt__shape(&c, mt__in(&c, 8), "cos", 2, T, dr / 2, 0));
+            MT__T(mt__shape(&c, mt__in(&c, 9), "sin", 2, T, dr / 2, 0));
+            MT__T(mt__shape(&c, o, "dq", 2, N, H * dq, 0));
+            MT__T(mt__shape(&c, mt__out(&c, 1), "dkv", 2, N, H * (dn + dv), 0));
+            MT__T(mt__shape(&c, mt__out(&c, 2), "dkr", 2, N, H * dr, 0));
+            ds = mt__in(&c, 7);
+        }
         if (ds) MT__T(mt__shape(&c, ds, "dstart", 1, N, 0, 0));
         if (!(n->fattr[0] > 0)) return mt_errf(err, "%s: scale must be > 0", oi->name);
         break;
@@ -3749,6 +3846,110 @@ int mt_pass_fuse(mt_graph *g, mt_err *err) {
     return mt__compact_values(g, err);
 }
 
+/* RoPE folded into attention. MLA_ROPE forms Q, K, V [N, H*dq], [N, H*dq], [N, H*dv] from q, kv and
+ * k_pe only for the attention to read them (and MLA_ROPE_BWD takes dQ, dK, dV apart again): on `debug`
+ * that is four passes over 1.5 GB a step. Folded, ROPE_PE forms only the rotated parts (qr [N, H*dr],
+ * kr [N, dr]); MLA_ATTENTION's kernels load Q's tiles from q and qr, K's from kv and the shared kr,
+ * V's from kv; MLA_ATTENTION_BWD writes q's and kv's gradients directly (dQ's rope columns rotated back
+ * in its epilogue) and each head's gradient of kr, which ROPE_PE_BWD rotates back and sums over the
+ * heads. The arithmetic is the unfolded ops', so results are bitwise the same.
+ * Applies to an MLA_ROPE whose three outputs are read only by attention nodes (as their Q, K, V),
+ * and whose backward nodes' gradients are read only by one MLA_ROPE_BWD of the same attributes
+ * (with recompute, the forward's and the recomputed MLA_ROPE each fold on their own). */
+/* a new [rows, cols] value named like's name + "_rope", of like's dtype and role; -1 on error */
+static int mt__fold_value(mt_graph *g, int like, int64_t rows, int64_t cols, mt_err *err) {
+    if (mt__grow((void **)&g->values, &g->cap_values, g->n_values + 1, sizeof(mt_value))) return mt_errf(err, "out of memory");
+    const mt_value *l = &g->values[like];
+    char nm[MT_NAME_LEN + 8];
+    snprintf(nm, sizeof nm, "%s_rope", l->name);
+    mt_value *v = &g->values[g->n_values];
+    memset(v, 0, sizeof *v);
+    memcpy(v->name, nm, MT_NAME_LEN - 1);
+    v->dtype = l->dtype; v->role = l->role; v->ndim = 2; v->dims[0] = rows; v->dims[1] = cols;
+    v->param = -1; v->offset = -1; v->data_offset = -1;
+    v->nbytes = rows * cols * mt_dtype_bytes(g, l->dtype);
+    return g->n_values++;
+}
+static int mt__fold_name_free(const mt_graph *g, int like) {   /* like's name + "_rope" fits and is unused */
+    char nm[MT_NAME_LEN + 8];
+    snprintf(nm, sizeof nm, "%s_rope", g->values[like].name);
+    return strlen(nm) < MT_NAME_LEN && mt_graph_find(g, nm) < 0;
+}
+int mt_pass_fold_rope(mt_graph *g, mt_err *err) {
+    int folded = 0;
+    for (int i = 0; i < g->n_nodes; i++) {
+        if (g->nodes[i].op != MT_OP_MLA_ROPE) continue;
+        const mt_node R = g->nodes[i];
+        int Q = R.out[0], K = R.out[1], V = R.out[2], ok = 1, rb = -1, n_att = 0;
+        int H = R.iattr[0], dn = R.iattr[1], dr = R.iattr[2], dv = R.iattr[3], T = R.iattr[4];
+        if (g->target.backend == MT_BACKEND_CUDA && !mt_rope_fold_fits(dn, dr, dv)) continue;
+        for (int k = 0; k < MT_NIO; k++) ok &= g->io[k] != Q && g->io[k] != K && g->io[k] != V;
+        /* every reader of Q, K, V: an attention node reading them as (Q, K, V), of the same dims */
+        for (int j = 0; j < g->n_nodes && ok; j++) {
+            const mt_node *x = &g->nodes[j];
+            int reads = 0;
+            for (int k = 0; k < x->n_in; k++) reads |= x->in[k] == Q || x->in[k] == K || x->in[k] == V;
+            if (!reads) continue;
+            ok = j > i && (x->op == MT_OP_ATTENTION || x->op == MT_OP_ATTENTION_BWD) && x->in[0] == Q && x->in[1] == K && x->in[2] == V &&
+                 x->iattr[0] == H && x->iattr[1] == dn + dr && x->iattr[2] == dv && x->iattr[3] == T;
+            for (int k = 3; k < x->n_in && ok; k++) ok = x->in[k] != Q && x->in[k] != K && x->in[k] != V;
+            n_att++;
+            if (!ok || x->op != MT_OP_ATTENTION_BWD) continue;
+            /* its dQ, dK, dV: read only by one MLA_ROPE_BWD, as its (dQ, dK, dV) with R's tables and attributes */
+            for (int o = 0; o < 3 && ok; o++)
+                for (int k = 0; k < MT_NIO; k++) ok &= g->io[k] != x->out[o];
+            for (int m = j + 1; m < g->n_nodes && ok; m++) {
+                const mt_node *y = &g->nodes[m];
+                int r2 = 0;
+                for (int k = 0; k < y->n_in; k++) r2 |= y->in[k] == x->out[0] || y->in[k] == x->out[1] || y->in[k] == x->out[2];
+                if (!r2) continue;
+                ok = rb < 0 && y->op == MT_OP_MLA_ROPE_BWD && y->in[0] == x->out[0] && y->in[1] == x->out[1] && y->in[2] == x->out[2] &&
+                     y->in[3] == R.in[3] && y->in[4] == R.in[4] && !memcmp(y->iattr, R.iattr, sizeof R.iattr) && y->out[0] >= 0 &&
+                     y->out[1] >= 0 && y->out[2] >= 0;
+                rb = m;
+            }
+            ok &= rb >= 0;
+        }
+        if (!ok || !n_att) continue;
+        const int dK = rb >= 0 ? g->nodes[rb].in[1] : -1;
+        if (!mt__fold_name_free(g, Q) || !mt__fold_name_free(g, K) || (dK >= 0 && !mt__fold_name_free(g, dK))) continue;
+        /* the rotated parts, and kr's per-head gradient */
+        const int64_t N = g->values[R.in[0]].dims[0];
+        const int qr = mt__fold_value(g, Q, N, (int64_t)H * dr, err), kr = qr < 0 ? -1 : mt__fold_value(g, K, N, dr, err);
+        const int dkr = kr < 0 || dK < 0 ? -1 : mt__fold_value(g, dK, N, (int64_t)H * dr, err);
+        if (qr < 0 || kr < 0 || (dK >= 0 && dkr < 0)) return -1;
+        mt_node *r = &g->nodes[i];
+        r->op = MT_OP_ROPE_PE; r->n_in = 4; r->n_out = 2;
+        r->in[1] = R.in[2]; r->in[2] = R.in[3]; r->in[3] = R.in[4]; r->in[4] = -1;
+        r->out[0] = qr; r->out[1] = kr; r->out[2] = -1;
+        for (int j = i + 1; j < g->n_nodes; j++) {
+            mt_node *x = &g->nodes[j];
+            if (!((x->op == MT_OP_ATTENTION || x->op == MT_OP_ATTENTION_BWD) && x->in[0] == Q)) continue;
+            const mt_node a = *x;
+            x->in[0] = R.in[0]; x->in[1] = R.in[1]; x->in[2] = qr; x->in[3] = kr;
+            x->iattr[4] = dn;
+            if (a.op == MT_OP_ATTENTION) {
+                x->op = MT_OP_MLA_ATTENTION; x->n_in = 5;
+                x->in[4] = a.in[3];
+            } else {
+                mt_node *y = &g->nodes[rb];
+                x->op = MT_OP_MLA_ATTENTION_BWD; x->n_in = 10;
+                x->in[4] = a.in[3]; x->in[5] = a.in[4]; x->in[6] = a.in[5]; x->in[7] = a.in[6]; x->in[8] = R.in[3]; x->in[9] = R.in[4];
+                x->out[0] = y->out[0]; x->out[1] = y->out[1]; x->out[2] = dkr;
+                const int dkpe = y->out[2];
+                y->op = MT_OP_ROPE_PE_BWD; y->n_in = 3; y->n_out = 1;
+                y->in[0] = dkr; y->in[1] = R.in[3]; y->in[2] = R.in[4]; y->in[3] = y->in[4] = -1;
+                y->out[0] = dkpe; y->out[1] = y->out[2] = -1;
+            }
+        }
+        folded++;
+    }
+    if (!folded) return 0;
+    for (int i = 0; i < g->n_nodes; i++)
+        if (mt_check_node(g, &g->nodes[i], err)) return -1;
+    return mt__compact_values(g, err) ? -1 : folded;
+}
+
 int mt_op_is_ep_exchange(int op) { return op == MT_OP_EP_COUNTS || op == MT_OP_EP_DISPATCH || op == MT_OP_EP_COMBINE; }
 
 int mt_pass_isolate_ep(mt_graph *g, mt_err *err) {
@@ -3947,6 +4148,7 @@ int mt_pass_recompute(mt_graph *g, const int32_t *layers, int n, mt_err *err) {
 
 /* After elision: fusion and the memory plan, as mt_run_passes runs them. */
 static int mt__late_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
+    if (p->fold_rope && g->target.backend == MT_BACKEND_CUDA && mt_pass_fold_rope(g, err) < 0) return -1;
     if (p->fuse && mt_pass_fuse(g, err)) return -1;
     /* streams that run collectives side by side need them on separate communicators: overlap implies isolation */
     if ((p->isolate_ep || p->overlap) && mt_pass_isolate_ep(g, err) < 0) return -1;
@@ -4069,8 +4271,8 @@ out:
     return rc;
 }
 
-void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->memory_budget = 0; }
-void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->memory_budget = 0; }
+void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->fold_rope = 1; p->memory_budget = 0; }
+void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->fold_rope = 0; p->memory_budget = 0; }
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
     if (p->memory_budget < 0) return mt_errf(err, "memory budget %lld bytes is negative", (long long)p->memory_budget);
     if (p->elide && mt_pass_elide_collectives(g, err)) return -1;
@@ -4526,7 +4728,8 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         if (n->phase == MT_PHASE_RECOMPUTE) {   /* a forward op of a listed block */
             int listed = 0;
             for (int k = 0; k < g->n_recompute && !listed; k++) listed = g->recompute[k].layer == n->layer;
-            int fwd_op = mt_ops[n->op].differentiable || n->op == MT_OP_EP_COUNTS || n->op == MT_OP_ADD_RMSNORM || n->op == MT_OP_MATMUL_ACC;
+            int fwd_op = mt_ops[n->op].differentiable || n->op == MT_OP_EP_COUNTS || n->op == MT_OP_ADD_RMSNORM || n->op == MT_OP_MATMUL_ACC ||
+                         n->op == MT_OP_ROPE_PE || n->op == MT_OP_MLA_ATTENTION;   /* fused forward ops */
             if (!listed || !fwd_op) {
                 MT_FREE(state);
                 return mt_errf(err, "node %d (%s) re-runs %s of block %d, which the plan does not list as recomputed", i,
@@ -5235,6 +5438,85 @@ void mt_cpu_mla_rope_backward(mt_real *dq, mt_real *dkv, mt_real *dkpe, const mt
         }
         memcpy(dkpe + (int64_t)n * dr, acc, sizeof(mt_real) * (size_t)dr);
     }
+}
+
+/* --- RoPE folded into attention (see mt_pass_fold_rope): the same arithmetic as the two ops above,
+ *     with Q, K, V (and their gradients) formed only inside the attention op, here in temporaries --- */
+void mt_cpu_rope_pe_forward(mt_real *qr, mt_real *kr, const mt_real *q, const mt_real *kpe, const mt_real *cosv,
+                            const mt_real *sinv, int N, int T, int H, int dn, int dr) {
+    int half = dr / 2;
+    for (int n = 0; n < N; n++) {
+        const mt_real *c = cosv + (int64_t)(n % T) * half, *s = sinv + (int64_t)(n % T) * half;
+        mt__rotate(kr + (int64_t)n * dr, kpe + (int64_t)n * dr, c, s, half, 0);
+        for (int h = 0; h < H; h++)
+            mt__rotate(qr + ((int64_t)n * H + h) * dr, q + ((int64_t)n * H + h) * (dn + dr) + dn, c, s, half, 0);
+    }
+}
+void mt_cpu_rope_pe_backward(mt_real *dkpe, const mt_real *dkr, const mt_real *cosv, const mt_real *sinv,
+                             int N, int T, int H, int dr) {
+    int half = dr / 2;
+    for (int n = 0; n < N; n++) {
+        const mt_real *c = cosv + (int64_t)(n % T) * half, *s = sinv + (int64_t)(n % T) * half;
+        mt_real acc[1024], tmp[1024];
+        for (int i = 0; i < dr; i++) acc[i] = 0;
+        for (int h = 0; h < H; h++) {
+            mt__rotate(tmp, dkr + ((int64_t)n * H + h) * dr, c, s, half, 1);
+            for (int i = 0; i < dr; i++) acc[i] += tmp[i];   /* in head order, as mt_cpu_mla_rope_backward */
+        }
+        memcpy(dkpe + (int64_t)n * dr, acc, sizeof(mt_real) * (size_t)dr);
+    }
+}
+/* Q, K, V of MLA_ROPE from q, kv and the rotated parts [N*H, dq], [N*H, dq], [N*H, dv] */
+static void mt__mla_assemble(mt_real *Q, mt_real *K, mt_real *Vv, const mt_real *q, const mt_real *kv, const mt_real *qr,
+                             const mt_real *kr, int64_t N, int H, int dn, int dr, int dv) {
+    int dq = dn + dr;
+    for (int64_t n = 0; n < N; n++)
+        for (int h = 0; h < H; h++) {
+            int64_t r = n * H + h;
+            const mt_real *kvh = kv + r * (dn + dv);
+            memcpy(Q + r * dq, q + r * dq, sizeof(mt_real) * (size_t)dn);
+            memcpy(Q + r * dq + dn, qr + r * dr, sizeof(mt_real) * (size_t)dr);
+            memcpy(K + r * dq, kvh, sizeof(mt_real) * (size_t)dn);
+            memcpy(K + r * dq + dn, kr + n * dr, sizeof(mt_real) * (size_t)dr);
+            memcpy(Vv + r * dv, kvh + dn, sizeof(mt_real) * (size_t)dv);
+        }
+}
+int mt_cpu_mla_attention_forward(mt_pool *pool, mt_real *O, mt_real *lse, const mt_real *q, const mt_real *kv,
+                                 const mt_real *qr, const mt_real *kr, const int32_t *dstart, int B, int T, int H,
+                                 int dn, int dr, int dv, float scale) {
+    int64_t N = (int64_t)B * T, nq = N * H * (dn + dr), nv = N * H * dv;
+    mt_real *Q = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(2 * nq + nv + 1));
+    if (!Q) return -1;
+    mt_real *K = Q + nq, *Vv = K + nq;
+    mt__mla_assemble(Q, K, Vv, q, kv, qr, kr, N, H, dn, dr, dv);
+    mt_cpu_attention_forward(pool, O, lse, Q, K, Vv, dstart, B, T, H, dn + dr, dv, scale);
+    MT_FREE(Q);
+    return 0;
+}
+int mt_cpu_mla_attention_backward(mt_pool *pool, mt_real *dq, mt_real *dkv, mt_real *dkr, const mt_real *q,
+                                  const mt_real *kv, const mt_real *qr, const mt_real *kr, const mt_real *O,
+                                  const mt_real *lse, const mt_real *dO, const int32_t *dstart, const mt_real *cosv,
+                                  const mt_real *sinv, int B, int T, int H, int dn, int dr, int dv, float scale) {
+    int64_t N = (int64_t)B * T, nq = N * H * (dn + dr), nv = N * H * dv;
+    int dq_ = dn + dr, half = dr / 2;
+    mt_real *Q = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(4 * nq + 2 * nv + 1));
+    if (!Q) return -1;
+    mt_real *K = Q + nq, *Vv = K + nq, *dQ = Vv + nv, *dK = dQ + nq, *dV = dK + nq;
+    mt__mla_assemble(Q, K, Vv, q, kv, qr, kr, N, H, dn, dr, dv);
+    mt_cpu_attention_backward(pool, dQ, dK, dV, Q, K, Vv, O, lse, dO, dstart, B, T, H, dq_, dv, scale);
+    for (int64_t n = 0; n < N; n++) {   /* as mt_cpu_mla_rope_backward, but k_pe's part per head */
+        const mt_real *c = cosv + (int64_t)(n % T) * half, *s = sinv + (int64_t)(n % T) * half;
+        for (int h = 0; h < H; h++) {
+            int64_t r = n * H + h;
+            memcpy(dq + r * dq_, dQ + r * dq_, sizeof(mt_real) * (size_t)dn);
+            mt__rotate(dq + r * dq_ + dn, dQ + r * dq_ + dn, c, s, half, 1);
+            memcpy(dkv + r * (dn + dv), dK + r * dq_, sizeof(mt_real) * (size_t)dn);
+            memcpy(dkv + r * (dn + dv) + dn, dV + r * dv, sizeof(mt_real) * (size_t)dv);
+            memcpy(dkr + r * dr, dK + r * dq_ + dn, sizeof(mt_real) * (size_t)dr);
+        }
+    }
+    MT_FREE(Q);
+    return 0;
 }
 
 /* --- document starts: tokens [N] -> dstart [N], per sequence of T tokens --- */
@@ -6204,7 +6486,7 @@ static size_t mt__cuda_scratch(const mt_graph *G, mt_cuda *cu) {
             w = mt_cuda_matmul_workspace(M, Nn, K, G->values[n->out[0]].dtype, a->dtype, b->dtype);
             break;
         }
-        case MT_OP_ATTENTION_BWD:
+        case MT_OP_ATTENTION_BWD: case MT_OP_MLA_ATTENTION_BWD:
             w = mt_cuda_attention_backward_workspace((int)(a->dims[0] / n->iattr[3]), n->iattr[3], n->iattr[0], n->iattr[1], n->iattr[2]);
             break;
         case MT_OP_CROSS_ENTROPY: w = mt_cuda_cross_entropy_workspace((int)a->dims[0]); break;
@@ -6662,6 +6944,23 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         mt_cpu_attention_backward(rt->pool, RO(0), RO(1), RO(2), R_(0), R_(1), R_(2), R_(3), R_(4), R_(5),
                                   n->in[6] >= 0 ? I_(6) : NULL, DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
         break;
+    case MT_OP_ROPE_PE:
+        mt_cpu_rope_pe_forward(RO(0), RO(1), R_(0), R_(1), R_(2), R_(3), DIM(n->in[0], 0), a[4], a[0], a[1], a[2]);
+        break;
+    case MT_OP_ROPE_PE_BWD:
+        mt_cpu_rope_pe_backward(RO(0), R_(0), R_(1), R_(2), DIM(n->in[0], 0), a[4], a[0], a[2]);
+        break;
+    case MT_OP_MLA_ATTENTION:
+        if (mt_cpu_mla_attention_forward(rt->pool, RO(0), RO(1), R_(0), R_(1), R_(2), R_(3), n->in[4] >= 0 ? I_(4) : NULL,
+                                         DIM(n->in[0], 0) / a[3], a[3], a[0], a[4], a[1] - a[4], a[2], n->fattr[0]))
+            return mt_errf(err, "MLA_ATTENTION: out of memory");
+        break;
+    case MT_OP_MLA_ATTENTION_BWD:
+        if (mt_cpu_mla_attention_backward(rt->pool, RO(0), RO(1), RO(2), R_(0), R_(1), R_(2), R_(3), R_(4), R_(5), R_(6),
+                                          n->in[7] >= 0 ? I_(7) : NULL, R_(8), R_(9), DIM(n->in[0], 0) / a[3], a[3], a[0], a[4],
+                                          a[1] - a[4], a[2], n->fattr[0]))
+            return mt_errf(err, "MLA_ATTENTION_BWD: out of memory");
+        break;
     case MT_OP_DOC_STARTS: mt_cpu_doc_starts(IO(0), I_(0), DIM(n->in[0], 0), a[0], a[1]); break;
     case MT_OP_SWIGLU: mt_cpu_swiglu_forward(RO(0), R_(0), R_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
     case MT_OP_SWIGLU_BWD: mt_cpu_swiglu_backward(RO(0), RO(1), R_(0), R_(1), R_(2), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
@@ -6819,6 +7118,19 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_ATTENTION_BWD:
         rc = mt_cuda_attention_backward(c, V_(0), V_(1), V_(2), V_(3), F_(4), V_(5), n->in[6] >= 0 ? I_(6) : NULL, VO(0), VO(1), VO(2),
                                         rt->scratch, DIM(n->in[0], 0) / a[3], a[3], a[0], a[1], a[2], n->fattr[0]);
+        break;
+    case MT_OP_ROPE_PE:
+        rc = mt_cuda_rope_pe_forward(c, VO(0), VO(1), V_(0), V_(1), F_(2), F_(3), DIM(n->in[0], 0), a[4], a[0], a[1], a[2]);
+        break;
+    case MT_OP_ROPE_PE_BWD: rc = mt_cuda_rope_pe_backward(c, VO(0), V_(0), F_(1), F_(2), DIM(n->in[0], 0), a[4], a[0], a[2]); break;
+    case MT_OP_MLA_ATTENTION:
+        rc = mt_cuda_mla_attention_forward(c, V_(0), V_(1), V_(2), V_(3), n->in[4] >= 0 ? I_(4) : NULL, VO(0), FO(1), DIM(n->in[0], 0) / a[3],
+                                           a[3], a[0], a[4], a[1] - a[4], a[2], n->fattr[0]);
+        break;
+    case MT_OP_MLA_ATTENTION_BWD:
+        rc = mt_cuda_mla_attention_backward(c, V_(0), V_(1), V_(2), V_(3), V_(4), F_(5), V_(6), n->in[7] >= 0 ? I_(7) : NULL, F_(8), F_(9),
+                                            VO(0), VO(1), VO(2), rt->scratch, DIM(n->in[0], 0) / a[3], a[3], a[0], a[4], a[1] - a[4], a[2],
+                                            n->fattr[0]);
         break;
     case MT_OP_DOC_STARTS: rc = mt_cuda_doc_starts(c, IO(0), I_(0), DIM(n->in[0], 0), a[0], a[1]); break;
     case MT_OP_SWIGLU: rc = mt_cuda_swiglu_forward(c, VO(0), V_(0), V_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
@@ -8452,10 +8764,10 @@ void mt_node_cost(const mt_graph *g, const mt_node *n, double *flops, double *by
         if (n->op == MT_OP_GMM_DX2) { f *= 2; b += mt__moved_bytes(g, n->in[3]) + mt__moved_bytes(g, n->in[4]); }
         break;
     }
-    case MT_OP_ATTENTION: case MT_OP_ATTENTION_BWD: {
+    case MT_OP_ATTENTION: case MT_OP_ATTENTION_BWD: case MT_OP_MLA_ATTENTION: case MT_OP_MLA_ATTENTION_BWD: {
         double N = (double)a->dims[0], T = n->iattr[3], H = n->iattr[0], dq = n->iattr[1], dv = n->iattr[2];
         double fwd = 2.0 * (N / T) * H * (T * (T + 1) / 2) * (dq + dv);
-        f = n->op == MT_OP_ATTENTION ? fwd : 2.5 * fwd;
+        f = n->op == MT_OP_ATTENTION || n->op == MT_OP_MLA_ATTENTION ? fwd : 2.5 * fwd;
         break;
     }
     default: break;

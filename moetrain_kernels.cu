@@ -1328,10 +1328,17 @@ __global__ void k_rope_bwd(bf16 *dq, bf16 *dkv, bf16 *dkpe, const bf16 *dQ, cons
 }
 /* the same two kernels on bf16 pairs, which are exactly the rotation pairs
  * (needs even dn and dv; the element kernels above handle the rest) */
+/* The rotation's arithmetic is pinned (explicit roundings, no contraction left to the compiler), so
+ * that the attention kernels' folded RoPE (MLA_ATTENTION_BWD's dQ epilogue, ROPE_PE) computes the very
+ * bits of these kernels wherever it is inlined. */
 __device__ __forceinline__ __nv_bfloat162 rot2(__nv_bfloat162 x, float c, float s, int inverse) {
     float x0 = __low2float(x), x1 = __high2float(x);
     if (inverse) s = -s;
-    return __floats2bfloat162_rn(x0 * c - x1 * s, x0 * s + x1 * c);
+    return __floats2bfloat162_rn(__fmaf_rn(x0, c, -__fmul_rn(x1, s)), __fmaf_rn(x0, s, __fmul_rn(x1, c)));
+}
+/* one pair of a rope gradient rotated back (the rotation's transpose), in f32: k_pe's heads are summed after */
+__device__ __forceinline__ float2 unrot_f(float d0, float d1, float c, float s) {
+    return make_float2(__fmaf_rn(d0, c, __fmul_rn(d1, s)), __fmaf_rn(-d0, s, __fmul_rn(d1, c)));
 }
 __global__ void k_rope_fwd2(__nv_bfloat162 *Q, __nv_bfloat162 *K, __nv_bfloat162 *V, const __nv_bfloat162 *q, const __nv_bfloat162 *kv,
                             const __nv_bfloat162 *kpe, const float *cosv, const float *sinv, int T, int H, int dn, int dr, int dv) {
@@ -1365,9 +1372,9 @@ __global__ void k_rope_bwd2(__nv_bfloat162 *dq, __nv_bfloat162 *dkv, __nv_bfloat
         float a0 = 0, a1 = 0;
         for (int h = 0; h < H; h++) {
             __nv_bfloat162 g = dK[((int64_t)n * H + h) * pq + pn + i];
-            float d0 = __low2float(g), d1 = __high2float(g);
-            a0 += d0 * cs[i] + d1 * sn[i];
-            a1 += -d0 * sn[i] + d1 * cs[i];
+            const float2 r = unrot_f(__low2float(g), __high2float(g), cs[i], sn[i]);
+            a0 = __fadd_rn(a0, r.x);
+            a1 = __fadd_rn(a1, r.y);
         }
         dkpe[(int64_t)n * half + i] = __floats2bfloat162_rn(a0, a1);
     }
@@ -1472,9 +1479,9 @@ __global__ void __launch_bounds__(256) k_rope_bwd8(bf16 *dq, bf16 *dkv, bf16 *dk
                 unpack8(g, v[u]);
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    float c = cs[i + e], s = sn[i + e], d0 = g[2 * e], d1 = g[2 * e + 1];
-                    o[2 * e] = d0 * c + d1 * s;
-                    o[2 * e + 1] = -d0 * s + d1 * c;
+                    const float2 r = unrot_f(g[2 * e], g[2 * e + 1], cs[i + e], sn[i + e]);
+                    o[2 * e] = r.x;
+                    o[2 * e + 1] = r.y;
                 }
             }
         }
@@ -1482,8 +1489,59 @@ __global__ void __launch_bounds__(256) k_rope_bwd8(bf16 *dq, bf16 *dkv, bf16 *dk
     __syncthreads();
     for (int t = threadIdx.x; t < dr; t += blockDim.x) {
         float a = 0;
-        for (int h = 0; h < H; h++) a += mt_rope_sh[h * dr + t];
+        for (int h = 0; h < H; h++) a = __fadd_rn(a, mt_rope_sh[h * dr + t]);
         dkpe[(int64_t)n * dr + t] = tobf(a);
+    }
+}
+/* RoPE folded into attention (ROPE_PE, see the pass mt_pass_fold_rope): only the rotary parts are
+ * formed, qr [N, H*dr] = the rotated rope columns of q and kr [N, dr] = rotated k_pe; the attention
+ * kernels read q, kv, qr and kr in place of Q, K and V.  16-byte items: H dr/8 of qr, then dr/8 of kr,
+ * each rotated as k_rope_fwd8 rotates it (bitwise the same Q and K columns). */
+__global__ void __launch_bounds__(256) k_rope_pe_fwd8(bf16 *qr, bf16 *kr, const bf16 *q, const bf16 *kpe, const float *cosv,
+                                                      const float *sinv, int64_t N, int T, int H, int dn, int dr) {
+    const int cr = dr / 8, cq = (dn + dr) / 8, cn = dn / 8, per = (H + 1) * cr;
+    const int64_t total = N * per;
+    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total; idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t n = idx / per;
+        const int j = (int)(idx - n * per), h = j / cr, k = j - h * cr, i = k * 4;
+        const float *cs = cosv + (int64_t)(n % T) * (dr / 2) + i, *sn = sinv + (int64_t)(n % T) * (dr / 2) + i;
+        const uint4 x = h < H ? ((const uint4 *)q)[(n * H + h) * cq + cn + k] : ((const uint4 *)kpe)[n * cr + k];
+        const uint4 o = rot8(x, *(const float4 *)cs, *(const float4 *)sn, 0);
+        if (h < H) ((uint4 *)qr)[(n * H + h) * cr + k] = o;
+        else ((uint4 *)kr)[n * cr + k] = o;
+    }
+}
+/* the same on bf16 pairs (dn, dr even, 4-byte aligned) */
+__global__ void k_rope_pe_fwd2(__nv_bfloat162 *qr, __nv_bfloat162 *kr, const __nv_bfloat162 *q, const __nv_bfloat162 *kpe, const float *cosv,
+                               const float *sinv, int64_t N, int T, int H, int dn, int dr) {
+    const int half = dr / 2, pq = (dn + dr) / 2, pn = dn / 2, per = (H + 1) * half;
+    const int64_t total = N * per;
+    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total; idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t n = idx / per;
+        const int j = (int)(idx - n * per), h = j / half, i = j - h * half;
+        const float c = cosv[(n % T) * half + i], s = sinv[(n % T) * half + i];
+        if (h < H) qr[(n * H + h) * half + i] = rot2(q[(n * H + h) * pq + pn + i], c, s, 0);
+        else kr[n * half + i] = rot2(kpe[n * half + i], c, s, 0);
+    }
+}
+/* ROPE_PE_BWD: dkpe [N, dr] = the heads' rope gradients dkr [N, H*dr] rotated back and summed in head
+ * order, each head's value rounded to f32 first: as k_rope_bwd8 sums them (bitwise the same).  One
+ * thread per (token, pair). */
+__global__ void k_rope_pe_bwd(__nv_bfloat162 *dkpe, const __nv_bfloat162 *dkr, const float *cosv, const float *sinv, int64_t N, int T,
+                              int H, int dr) {
+    const int half = dr / 2;
+    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < N * half; idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t n = idx / half;
+        const int i = (int)(idx - n * half);
+        const float c = cosv[(n % T) * half + i], s = sinv[(n % T) * half + i];
+        float a0 = 0, a1 = 0;
+        for (int h = 0; h < H; h++) {
+            const __nv_bfloat162 g = dkr[(n * H + h) * half + i];
+            const float2 r = unrot_f(__low2float(g), __high2float(g), c, s);
+            a0 = __fadd_rn(a0, r.x);
+            a1 = __fadd_rn(a1, r.y);
+        }
+        dkpe[idx] = __floats2bfloat162_rn(a0, a1);
     }
 }
 extern "C" {
@@ -1529,6 +1587,33 @@ int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const
     }
     k_rope_bwd<<<N, 256, 0, c->stream>>>((bf16 *)dq, (bf16 *)dkv, (bf16 *)dkpe, (const bf16 *)dQ, (const bf16 *)dK,
                                          (const bf16 *)dV, cosv, sinv, T, H, dn, dr, dv);
+    LAUNCHED();
+    return 0;
+}
+static unsigned mt__grid_for(int64_t n, int per_block) {   /* grid-stride kernels: enough blocks to fill the GPU */
+    int64_t b = (n + per_block - 1) / per_block;
+    return (unsigned)(b < 1 ? 1 : b > 65536 ? 65536 : b);
+}
+int mt_cuda_rope_pe_forward(mt_cuda *c, void *qr, void *kr, const void *q, const void *kpe, const float *cosv, const float *sinv,
+                            int N, int T, int H, int dn, int dr) {
+    if (N <= 0) return 0;
+    if (dr % 2 || dn % 2 || (((uintptr_t)qr | (uintptr_t)kr | (uintptr_t)q | (uintptr_t)kpe) & 3))
+        return mt__fail(c, "rope_pe", "needs even widths and 4-byte aligned tensors");
+    if (dn % 8 == 0 && dr % 8 == 0 && !(((uintptr_t)qr | (uintptr_t)kr | (uintptr_t)q | (uintptr_t)kpe | (uintptr_t)cosv | (uintptr_t)sinv) & 15)) {
+        k_rope_pe_fwd8<<<mt__grid_for((int64_t)N * (H + 1) * (dr / 8), 256), 256, 0, c->stream>>>(
+            (bf16 *)qr, (bf16 *)kr, (const bf16 *)q, (const bf16 *)kpe, cosv, sinv, N, T, H, dn, dr);
+    } else {
+        k_rope_pe_fwd2<<<mt__grid_for((int64_t)N * (H + 1) * (dr / 2), 256), 256, 0, c->stream>>>(
+            (__nv_bfloat162 *)qr, (__nv_bfloat162 *)kr, (const __nv_bfloat162 *)q, (const __nv_bfloat162 *)kpe, cosv, sinv, N, T, H, dn, dr);
+    }
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const float *cosv, const float *sinv, int N, int T, int H, int dr) {
+    if (N <= 0) return 0;
+    if (dr % 2 || (((uintptr_t)dkpe | (uintptr_t)dkr) & 3)) return mt__fail(c, "rope_pe backward", "needs an even width and 4-byte aligned tensors");
+    k_rope_pe_bwd<<<mt__grid_for((int64_t)N * (dr / 2), 256), 256, 0, c->stream>>>((__nv_bfloat162 *)dkpe, (const __nv_bfloat162 *)dkr, cosv, sinv,
+                                                                                 N, T, H, dr);
     LAUNCHED();
     return 0;
 }
@@ -1836,9 +1921,13 @@ __device__ __forceinline__ void store2(bf16 *row, int col, int ncols, bool pair,
    thread c the whole 8-column chunks 4q + c, stored 16 bytes at a time (4-byte stores in the
    accumulator's layout cost the forward 0.359 against 0.310 ms at B=8 T=2048 H=16, 192/128, H200);
    else store2.  Every lane of the warp calls it (the shuffles); wide is the same for all. */
+/* Columns >= split (a multiple of 8) go to row2 at col - split instead; with rc (cos, sin of the row's
+   position: rc[i], rs[i] for the pair at row2's columns 2i, 2i + 1) they are first rounded to bf16 and
+   rotated back as k_rope_bwd8 does (MLA_ATTENTION_BWD's dQ: bitwise the unfolded dq). */
 template <int N>
 __device__ __forceinline__ void store_acc_row(bf16 *row, bool ok, int ncols, bool wide, bool pair, const float (&acc)[N / 2],
-                                              int hh, float sc, int c) {
+                                              int hh, float sc, int c, bf16 *row2 = nullptr, int split = 1 << 30,
+                                              const float *rc = nullptr, const float *rs = nullptr) {
     static_assert(N % 32 == 0, "store_acc_row: N");
     if (wide) {
         uint32_t v[N / 8];
@@ -1856,11 +1945,34 @@ __device__ __forceinline__ void store_acc_row(bf16 *row, bool ok, int ncols, boo
                 for (int e = 0; e < 4; ++e) w[e] = i == e ? x : (r ? w[e] : 0u);
             }
             const int col = 8 * (4 * q + c);
-            if (ok && col < ncols) *reinterpret_cast<uint4 *>(row + col) = make_uint4(w[0], w[1], w[2], w[3]);
+            if (ok && col < ncols) {
+                uint4 val = make_uint4(w[0], w[1], w[2], w[3]);
+                if (col < split) {
+                    *reinterpret_cast<uint4 *>(row + col) = val;
+                } else {
+                    const int i = (col - split) >> 1;
+                    if (rc) val = rot8(val, make_float4(rc[i], rc[i + 1], rc[i + 2], rc[i + 3]), make_float4(rs[i], rs[i + 1], rs[i + 2], rs[i + 3]), 1);
+                    *reinterpret_cast<uint4 *>(row2 + (col - split)) = val;
+                }
+            }
         }
     } else if (ok) {
 #pragma unroll
-        for (int j = 0; j < N / 8; ++j) store2(row, 8 * j + 2 * c, ncols, pair, acc[4 * j + 2 * hh] * sc, acc[4 * j + 2 * hh + 1] * sc);
+        for (int j = 0; j < N / 8; ++j) {
+            const int col = 8 * j + 2 * c;
+            float v0 = acc[4 * j + 2 * hh] * sc, v1 = acc[4 * j + 2 * hh + 1] * sc;
+            if (col < split) {
+                store2(row, col, ncols, pair, v0, v1);
+            } else {
+                if (rc && col + 1 < ncols) {
+                    const int i = (col - split) >> 1;
+                    const __nv_bfloat162 x = rot2(__floats2bfloat162_rn(v0, v1), rc[i], rs[i], 1);
+                    v0 = __low2float(x);
+                    v1 = __high2float(x);
+                }
+                store2(row2, col - split, ncols - split, pair, v0, v1);
+            }
+        }
     }
 }
 /* rows of ncols bf16 at base (aligned as given) take 16-byte stores */
@@ -1871,6 +1983,15 @@ __device__ __forceinline__ bool rows16(const void *base, int ncols, bool pair) {
 /* ------------------------------------------------------------------------------------------ */
 /* Parameters                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
+/* MLA with its RoPE folded in (MLA_ATTENTION, wgmma kernels only; fold_dn = 0: not folded): Q's tiles
+   come from q [N, H*dimq] (its first fold_dn columns) and qr [N, H*(dimq - fold_dn)] (the rotated rest),
+   K's from kv [N, H*(fold_dn + dimv)] (its first fold_dn columns per head) and kr [N, dimq - fold_dn]
+   (one rotated row per token, shared by the heads), V's from kv's last dimv columns per head; q, k and
+   v are unused.  See TileSrc. */
+struct Fold {
+    const bf16 *q = nullptr, *kv = nullptr, *qr = nullptr, *kr = nullptr;
+    int dn = 0;
+};
 struct FwdParams {
     const bf16 *q, *k, *v;
     bf16 *o;
@@ -1879,7 +2000,8 @@ struct FwdParams {
     int T, H, dimq, dimv;
     float scale_log2; /* scale * log2(e) */
     int vec_qk, vec_v, pair_o;
-    int nbh; /* B * H (set by the persistent wgmma forward's launcher) */
+    int nbh = 0; /* B * H (set by the persistent wgmma forward's launcher) */
+    Fold fold;
 };
 
 struct BwdParams {
@@ -1891,6 +2013,13 @@ struct BwdParams {
     int T, H, dimq, dimv;
     float scale, scale_log2;
     int vec_qk, vec_v, pair_qk, pair_v;
+    /* folded (fold.dn > 0): dq is q's gradient [N, H*dimq], its rope columns rotated back by (rcos,
+       rsin) [T, (dimq - dn) / 2]; dk is kv's gradient [N, H*(dn + dimv)] (dK's first dn columns per
+       head), dv = that + dn (dV, same rows), dk2 [N, H*(dimq - dn)] the rest of dK per head (kr's
+       gradient before the heads are summed) */
+    Fold fold;
+    bf16 *dk2 = nullptr;
+    const float *rcos = nullptr, *rsin = nullptr;
 };
 
 /* ldmatrix per-lane offsets (see header comment of each kernel):
@@ -2349,17 +2478,36 @@ __device__ __forceinline__ void tma_head_tile(uint32_t s, const CUtensorMap *map
 #pragma unroll
     for (int kb = 0; kb < D / 64; ++kb) tma_load_4d(s + (uint32_t)(kb * R * 128), map, bar, 64 * kb, h, row, b);
 }
+/* Where the 64-column panels of a Q, K or V tile come from: panel kb < split from `map` at column
+   col0 + 64 kb (4-D: head dim, heads, T, B), the others from `map2` at column 64 (kb - split), 4-D, or
+   3-D (dim, T, B: one row per token, shared by the heads) when shared2.  Unfolded: one map, split =
+   all panels.  Folded RoPE (Fold): Q = q's nope panels + qr, K = kv's nope panels + kr (shared),
+   V = kv's value panels (col0 = dn). */
+struct TileSrc {
+    int split, col0, shared2;
+};
+template <int R, int D>
+__device__ __forceinline__ void tma_src_tile(uint32_t s, const CUtensorMap *map, const CUtensorMap *map2, const TileSrc ts, uint32_t bar,
+                                             int h, int row, int b) {
+#pragma unroll
+    for (int kb = 0; kb < D / 64; ++kb) {
+        const uint32_t dst = s + (uint32_t)(kb * R * 128);
+        if (kb < ts.split) tma_load_4d(dst, map, bar, ts.col0 + 64 * kb, h, row, b);
+        else if (ts.shared2) tma_load_3d(dst, map2, bar, 64 * (kb - ts.split), row, b);
+        else tma_load_4d(dst, map2, bar, 64 * (kb - ts.split), h, row, b);
+    }
+}
 /* use u of a ring of NS such tiles (stage u % NS at s0, full / empty barriers 8 bytes apart): wait for
    the stage's previous use to be released, then load (or, for the bench's ablations, only arrive) */
 template <int NS, int R, int D>
-__device__ __forceinline__ void ring_fill(uint32_t s0, uint32_t full, uint32_t empty, const CUtensorMap *map, int u, int h,
-                                          int row, int b, bool load) {
+__device__ __forceinline__ void ring_fill(uint32_t s0, uint32_t full, uint32_t empty, const CUtensorMap *map, const CUtensorMap *map2,
+                                          const TileSrc ts, int u, int h, int row, int b, bool load) {
     constexpr uint32_t BYTES = R * D * 2;
     const int st = NS == 2 ? (u & 1) : u % NS;
     if (u >= NS) mbar_wait(empty + 8 * st, (NS == 2 ? ((u - 2) >> 1) : (u / NS) - 1) & 1);
     if (load) {
         mbar_expect_tx(full + 8 * st, BYTES);
-        tma_head_tile<R, D>(s0 + (uint32_t)st * BYTES, map, full + 8 * st, h, row, b);
+        tma_src_tile<R, D>(s0 + (uint32_t)st * BYTES, map, map2, ts, full + 8 * st, h, row, b);
     } else {
         mbar_arrive(full + 8 * st);
     }
@@ -2369,9 +2517,11 @@ template <int DQ, int DV, int BN>
 constexpr size_t fwd_wg_smem_bytes() {
     return 1024 + (size_t)(128 * DQ + 2 * BN * DQ + 2 * BN * DV) * sizeof(bf16) + 16 * 8;
 }
-/* the TMA maps of Q, K and V (4-D: head dim, heads, T, B; boxes of 64 columns x 1 x rows x 1) */
+/* the TMA maps of Q, K and V (4-D: head dim, heads, T, B; boxes of 64 columns x 1 x rows x 1), the
+   second maps of Q and K and where each tile's panels come from (see TileSrc) */
 struct FwdMaps {
-    CUtensorMap q, k, v;
+    CUtensorMap q, k, v, q2, k2;
+    TileSrc qs, ks, vs;
 };
 
 /* VAR: 0 in the runtime; bench/attention.cu times ablations that leave a stage out (wrong results,
@@ -2440,11 +2590,11 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
                 const int n_blocks = key_tiles(m0, b, j0);
                 if (k > 0) mbar_wait(barQe, (k - 1) & 1);
                 mbar_expect_tx(barQ, Q_BYTES);
-                tma_head_tile<BM, DQ>(sQ, &tm.q, barQ, h, m0, b);
+                tma_src_tile<BM, DQ>(sQ, &tm.q, &tm.q2, tm.qs, barQ, h, m0, b);
                 for (int j = j0; j < n_blocks; ++j, ++u) {
                     const bool load = !(VAR & 1) || u < 2;
-                    ring_fill<2, BN, DQ>(sK, barKf, barKe, &tm.k, u, h, j * BN, b, load);
-                    ring_fill<2, BN, DV>(sV, barVf, barVe, &tm.v, u, h, j * BN, b, load);
+                    ring_fill<2, BN, DQ>(sK, barKf, barKe, &tm.k, &tm.k2, tm.ks, u, h, j * BN, b, load);
+                    ring_fill<2, BN, DV>(sV, barVf, barVe, &tm.v, &tm.v, tm.vs, u, h, j * BN, b, load);
                 }
             }
         }
@@ -2693,9 +2843,11 @@ constexpr size_t dkdv_wg_smem_bytes() {
     return 1024 + (size_t)(128 * DQ + 128 * DV + dkdv_wg_stages<DQ, DV>() * 64 * (DQ + DV)) * sizeof(bf16) +
            (size_t)dkdv_wg_stages<DQ, DV>() * 3 * 64 * sizeof(float) + 16 * 8;
 }
-/* the TMA maps of the dK/dV kernel: K and V in boxes of 128 rows, Q and dO in boxes of 64 */
+/* the TMA maps of the dK/dV kernel: K and V in boxes of 128 rows, Q and dO in boxes of 64 (second maps
+   and panel sources as in FwdMaps) */
 struct DkdvMaps {
-    CUtensorMap q, dout, k, v;
+    CUtensorMap q, dout, k, v, q2, k2;
+    TileSrc qs, ks, vs;
 };
 
 /* VAR: 0 in the runtime; bench/attention.cu's variants (results right unless said): bit 0 no loads in
@@ -2777,7 +2929,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
         if (lane == 0) {
             if (!(VAR & 1) || u < NS) {
                 mbar_expect_tx(full, Q_BYTES + O_BYTES);
-                tma_head_tile<BMQ, DQ>(sQ + (uint32_t)st * Q_BYTES, &tm.q, full, h, q0, b);
+                tma_src_tile<BMQ, DQ>(sQ + (uint32_t)st * Q_BYTES, &tm.q, &tm.q2, tm.qs, full, h, q0, b);
                 tma_head_tile<BMQ, DV>(sdO + (uint32_t)st * O_BYTES, &tm.dout, full, h, q0, b);
             } else {
                 mbar_arrive(full);
@@ -2787,8 +2939,8 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
     if (warp == 0) {
         if (lane == 0) {
             mbar_expect_tx(barKV, K_BYTES + V_BYTES);
-            tma_head_tile<BNK, DQ>(sK, &tm.k, barKV, h, n0, b);
-            tma_head_tile<BNK, DV>(sV, &tm.v, barKV, h, n0, b);
+            tma_src_tile<BNK, DQ>(sK, &tm.k, &tm.k2, tm.ks, barKV, h, n0, b);
+            tma_src_tile<BNK, DV>(sV, &tm.v, &tm.v, tm.vs, barKV, h, n0, b);
         }
         for (int u = 0; u < min(NS, n_tiles); ++u) fill(u);
     }
@@ -2887,15 +3039,23 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
     }
     if (TA || TB) turns.finish();
 
-    /* epilogue: dK * scale, dV; accumulator d[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
-    bf16 *dkbase = p.dk + qoff, *dvbase = p.dv + voff;
+    /* epilogue: dK * scale, dV; accumulator d[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb).
+       Folded RoPE: dK's first dn columns and dV go to kv's gradient rows, dK's rope columns to dk2 */
     const bool pq = p.pair_qk != 0, pv = p.pair_v != 0;
-    const bool wq = rows16(p.dk, p.dimq, pq), wv = rows16(p.dv, p.dimv, pv);
+    const int fd = p.fold.dn;
+    const size_t khs = fd ? (size_t)(fd + p.dimv) : (size_t)p.dimq, vhs = fd ? (size_t)(fd + p.dimv) : (size_t)p.dimv;
+    const size_t k2hs = (size_t)(p.dimq - fd);
+    const bool wq = fd ? pq && (khs & 7) == 0 && (k2hs & 7) == 0 && (fd & 7) == 0 && rows16(p.dk, 8, true) && rows16(p.dk2, 8, true)
+                       : rows16(p.dk, p.dimq, pq);
+    const bool wv = fd ? pv && (vhs & 7) == 0 && rows16(p.dv, 8, true) : rows16(p.dv, p.dimv, pv);
+    (void)qoff; (void)voff; (void)ldqk; (void)ldv;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int key = kr + 8 * hh;
-        store_acc_row<DQ>(dkbase + (size_t)key * ldqk, key < T, p.dimq, wq, pq, dk, hh, p.scale, c);
-        store_acc_row<DV>(dvbase + (size_t)key * ldv, key < T, p.dimv, wv, pv, dv, hh, 1.f, c);
+        const size_t tk = ((size_t)b * T + key) * H + h;
+        store_acc_row<DQ>(p.dk + tk * khs, key < T, p.dimq, wq, pq, dk, hh, p.scale, c, fd ? p.dk2 + tk * k2hs : nullptr,
+                          fd ? fd : 1 << 30);
+        store_acc_row<DV>(p.dv + tk * vhs, key < T, p.dimv, wv, pv, dv, hh, 1.f, c);
     }
 }
 
@@ -2910,9 +3070,11 @@ template <int DQ, int DV>
 constexpr size_t dq_wg_smem_bytes() {
     return 1024 + (size_t)(128 * DQ + 128 * DV + 3 * 64 * DQ + 2 * 64 * DV) * sizeof(bf16) + 16 * 8;
 }
-/* the TMA maps of the dQ kernel: Q and dO in boxes of 128 rows, K and V in boxes of 64 */
+/* the TMA maps of the dQ kernel: Q and dO in boxes of 128 rows, K and V in boxes of 64 (second maps and
+   panel sources as in FwdMaps) */
 struct DqMaps {
-    CUtensorMap q, dout, k, v;
+    CUtensorMap q, dout, k, v, q2, k2;
+    TileSrc qs, ks, vs;
 };
 
 /* VAR: 0 in the runtime; bench/attention.cu: 1 no loads after the first key tiles (timing only),
@@ -2965,13 +3127,13 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p,
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (warp == 8 && lane == 0) {
             mbar_expect_tx(barQ, Q_BYTES + O_BYTES);
-            tma_head_tile<BM, DQ>(sQ, &tm.q, barQ, h, m0, b);
+            tma_src_tile<BM, DQ>(sQ, &tm.q, &tm.q2, tm.qs, barQ, h, m0, b);
             tma_head_tile<BM, DV>(sdO, &tm.dout, barQ, h, m0, b);
             for (int j = j0; j < n_blocks; ++j) {
                 const int u = j - j0;
                 const bool load = !(VAR & 1) || u < 3;
-                ring_fill<3, BN, DQ>(sK, barKf, barKe, &tm.k, u, h, j * BN, b, load);
-                ring_fill<2, BN, DV>(sV, barVf, barVe, &tm.v, u, h, j * BN, b, load);
+                ring_fill<3, BN, DQ>(sK, barKf, barKe, &tm.k, &tm.k2, tm.ks, u, h, j * BN, b, load);
+                ring_fill<2, BN, DV>(sV, barVf, barVe, &tm.v, &tm.v, tm.vs, u, h, j * BN, b, load);
             }
         }
         return;
@@ -3079,13 +3241,17 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p,
         fence_regs(dq);
     }
 
-    /* epilogue: dQ * scale */
+    /* epilogue: dQ * scale (folded RoPE: its rope columns rotated back, as q's gradient) */
     bf16 *dqbase = p.dq + qoff;
     const bool pq = p.pair_qk != 0, wq = rows16(p.dq, p.dimq, pq);
+    const int fd = p.fold.dn, half = (p.dimq - fd) / 2;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int row = r0w + 8 * hh;
-        store_acc_row<DQ>(dqbase + (size_t)row * ldqk, row < T, p.dimq, wq, pq, dq, hh, p.scale, c);
+        bf16 *dqrow = dqbase + (size_t)row * ldqk;
+        const bool rot = fd && row < T;
+        store_acc_row<DQ>(dqrow, row < T, p.dimq, wq, pq, dq, hh, p.scale, c, dqrow + fd, fd ? fd : 1 << 30,
+                          rot ? p.rcos + (size_t)row * half : nullptr, rot ? p.rsin + (size_t)row * half : nullptr);
     }
     /* launched early (after the dK/dV kernel, see launch_bwd): do not complete before it has, so that
        what follows on the stream sees dK and dV as well (a no-op when launched normally) */
@@ -3620,6 +3786,35 @@ static int fa_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int D, in
     const cuuint32_t box[4] = {64, 1, (cuuint32_t)rows, 1};
     return tma_map(enc, m, base, 4, dims, strides, box);
 }
+/* a [B][T][D] bf16 tensor (one row per token, shared by the heads) as a TMA map over (D, T, B), boxes of
+   64 x rows x 1: the same shared-memory panels as fa_map's boxes */
+static int fa_map_shared(EncodeTiledFn enc, CUtensorMap *m, const void *base, int D, int T, int B, int rows) {
+    const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)T, (cuuint64_t)B};
+    const cuuint64_t strides[2] = {(cuuint64_t)D * 2, (cuuint64_t)T * D * 2};
+    const cuuint32_t box[3] = {64, (cuuint32_t)rows, 1};
+    return tma_map(enc, m, base, 3, dims, strides, box);
+}
+/* Q's, K's and V's maps and panel sources (TileSrc) for any of the three kernels' map sets: Q in boxes
+   of qrows rows, K and V of krows; from p.q, p.k, p.v, or with the RoPE folded (p.fold.dn > 0) from
+   q + qr, kv + kr and kv's value columns (the dims must then be the kernel's DQ, DV exactly: a panel
+   past them would read the next head's columns, not zeros) */
+template <class P, class M>
+static int qkv_maps(EncodeTiledFn enc, M &m, const P &p, int B, int qrows, int krows) {
+    memset(&m.q2, 0, sizeof m.q2);
+    memset(&m.k2, 0, sizeof m.k2);
+    const int fd = p.fold.dn;
+    if (!fd) {
+        m.qs = TileSrc{1 << 20, 0, 0}; m.ks = TileSrc{1 << 20, 0, 0}; m.vs = TileSrc{1 << 20, 0, 0};
+        return fa_map(enc, &m.q, p.q, p.dimq, p.H, p.T, B, qrows) || fa_map(enc, &m.k, p.k, p.dimq, p.H, p.T, B, krows) ||
+               fa_map(enc, &m.v, p.v, p.dimv, p.H, p.T, B, krows);
+    }
+    const int dr = p.dimq - fd;
+    if (fd % 64 || dr % 64 || p.dimv % 64) return -1;
+    m.qs = TileSrc{fd / 64, 0, 0}; m.ks = TileSrc{fd / 64, 0, 1}; m.vs = TileSrc{1 << 20, fd, 0};
+    return fa_map(enc, &m.q, p.fold.q, p.dimq, p.H, p.T, B, qrows) || fa_map(enc, &m.q2, p.fold.qr, dr, p.H, p.T, B, qrows) ||
+           fa_map(enc, &m.k, p.fold.kv, fd + p.dimv, p.H, p.T, B, krows) || fa_map_shared(enc, &m.k2, p.fold.kr, dr, p.T, B, krows) ||
+           fa_map(enc, &m.v, p.fold.kv, fd + p.dimv, p.H, p.T, B, krows);
+}
 /* -2: no tensor-map encoder, a map it refuses or a scale <= 0 (the caller takes the mma.sync kernel) */
 template <int DQ, int DV, int BN, int VAR = 0>
 static int launch_fwd_wg_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
@@ -3631,9 +3826,8 @@ static int launch_fwd_wg_kernel(const FwdParams &p, int BH, cudaStream_t stream)
     const int B = BH / p.H;
     EncodeTiledFn enc = tma_encoder();
     FwdMaps tm;
-    if (!enc || fa_map(enc, &tm.q, p.q, p.dimq, p.H, p.T, B, 128) || fa_map(enc, &tm.k, p.k, p.dimq, p.H, p.T, B, BN) ||
-        fa_map(enc, &tm.v, p.v, p.dimv, p.H, p.T, B, BN))
-        return -2;
+    if (p.fold.dn && (p.dimq != DQ || p.dimv != DV)) return -1;
+    if (!enc || qkv_maps(enc, tm, p, B, 128, BN)) return -2;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     /* persistent: one CTA per SM (at most one per work item), each takes its items in turn */
     int dev = 0, sms = 0;
@@ -3661,6 +3855,7 @@ static int launch_fwd(const FwdParams &p, int BH, cudaStream_t stream) {
             const int r = launch_fwd_wg_kernel<DQ, DV, 128>(p, BH, stream);
             if (r != -2) return r;
         }
+    if (p.fold.dn) return -1; /* folded RoPE: the wgmma kernel only */
     return launch_fwd_kernel<DQ, DV, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>(p, BH, stream);
 }
 /* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
@@ -3672,9 +3867,8 @@ static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream
     const int B = BH / p.H;
     EncodeTiledFn enc = tma_encoder();
     DkdvMaps tm;
-    if (!enc || fa_map(enc, &tm.q, p.q, p.dimq, p.H, p.T, B, 64) || fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 64) ||
-        fa_map(enc, &tm.k, p.k, p.dimq, p.H, p.T, B, 128) || fa_map(enc, &tm.v, p.v, p.dimv, p.H, p.T, B, 128))
-        return -2;
+    if (p.fold.dn && (p.dimq != DQ || p.dimv != DV)) return -1;
+    if (!enc || qkv_maps(enc, tm, p, B, 64, 128) || fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 64)) return -2;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     dim3 grid((unsigned)((p.T + 127) / 128), (unsigned)BH);
     kern<<<grid, 256, smem, stream>>>(p, tm);
@@ -3689,9 +3883,8 @@ static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
     const int B = BH / p.H;
     EncodeTiledFn enc = tma_encoder();
     DqMaps tm;
-    if (!enc || fa_map(enc, &tm.q, p.q, p.dimq, p.H, p.T, B, 128) || fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 128) ||
-        fa_map(enc, &tm.k, p.k, p.dimq, p.H, p.T, B, 64) || fa_map(enc, &tm.v, p.v, p.dimv, p.H, p.T, B, 64))
-        return -2;
+    if (p.fold.dn && (p.dimq != DQ || p.dimv != DV)) return -1;
+    if (!enc || qkv_maps(enc, tm, p, B, 128, 64) || fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 128)) return -2;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     /* EARLY: programmatic stream serialization, so that it may start while the kernel before it
        (the dK/dV kernel, which triggers at its start) is still running its last CTAs */
@@ -3716,12 +3909,15 @@ static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
     if constexpr (wg_config<DQ, DV>())
         if (p.vec_qk && p.vec_v) {
             int r = launch_dkdv_wg_kernel<DQ, DV>(p, BH, stream);
+            if (r == -2 && p.fold.dn) return -1; /* folded RoPE: the wgmma kernels only */
             if (r == -2) r = launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream);
             if (r) return -1;
             r = launch_dq_wg_kernel<DQ, DV, 0, EARLY>(p, BH, stream);
             if (r != -2) return r;
+            if (p.fold.dn) return -1;
             return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
         }
+    if (p.fold.dn) return -1;
     if (launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream)) return -1;
     return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
 }
@@ -3827,6 +4023,60 @@ static int mt__fa_backward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const
     }
 }
 
+/* MLA attention with its RoPE folded in (MLA_ATTENTION / MLA_ATTENTION_BWD): the wgmma kernels take
+   their tiles from q [N, H*(dn+dr)], kv [N, H*(dn+dv)], qr [N, H*dr] and kr [N, dr] (see Fold), so Q, K,
+   V and their gradients are never formed; the backward writes q's gradient (rope columns rotated back
+   in the dQ epilogue), kv's, and dkr [N, H*dr] (each head's gradient of the shared kr).  Bitwise the
+   results of MLA_ROPE + attention + MLA_ROPE_BWD.  Only the head dims of mt_rope_fold_fits, with
+   16-byte aligned tensors. */
+namespace mt_fa {
+static bool fold_ok(int dn, int dr, int dv, const void *a, const void *b, const void *c, const void *d) {
+    return mt_rope_fold_fits(dn, dr, dv) && aligned_to(a, 16) && aligned_to(b, 16) && aligned_to(c, 16) && aligned_to(d, 16);
+}
+} /* namespace mt_fa */
+
+static int mt__fa_mla_forward(const __nv_bfloat16 *q, const __nv_bfloat16 *kv, const __nv_bfloat16 *qr, const __nv_bfloat16 *kr,
+                              const int32_t *dstart, __nv_bfloat16 *O, float *lse, int B, int T, int H, int dn, int dr, int dv,
+                              float scale, cudaStream_t stream) {
+    using namespace mt_fa;
+    if (B < 0 || T < 0 || H < 0) return -1;
+    if ((long long)B * T * H == 0) return 0;
+    if (!fold_ok(dn, dr, dv, q, kv, qr, kr) || !O || !lse || !aligned_to(O, 4)) return -1;
+    if ((long long)B * H > 0x7fffffffLL || (long long)B * T > 0x7fffffffLL) return -1;
+    if (!(scale > 0.f)) return -1;
+    FwdParams p;
+    p.q = p.k = p.v = nullptr; p.o = O; p.lse = lse; p.dstart = dstart;
+    p.T = T; p.H = H; p.dimq = dn + dr; p.dimv = dv;
+    p.scale_log2 = scale * MT_FA_LOG2E;
+    p.vec_qk = p.vec_v = 1;
+    p.pair_o = 1;
+    p.fold.q = q; p.fold.kv = kv; p.fold.qr = qr; p.fold.kr = kr; p.fold.dn = dn;
+    const int BH = B * H;
+    return p.dimq == 192 ? launch_fwd<192, 128>(p, BH, stream) : launch_fwd<128, 128>(p, BH, stream);
+}
+static int mt__fa_mla_backward(const __nv_bfloat16 *q, const __nv_bfloat16 *kv, const __nv_bfloat16 *qr, const __nv_bfloat16 *kr,
+                               const __nv_bfloat16 *O, const float *lse, const __nv_bfloat16 *dO, const int32_t *dstart,
+                               const float *cosv, const float *sinv, __nv_bfloat16 *dq, __nv_bfloat16 *dkv, __nv_bfloat16 *dkr,
+                               void *workspace, int B, int T, int H, int dn, int dr, int dv, float scale, cudaStream_t stream) {
+    using namespace mt_fa;
+    if (B < 0 || T < 0 || H < 0) return -1;
+    if ((long long)B * T * H == 0) return 0;
+    if (!fold_ok(dn, dr, dv, q, kv, qr, kr) || !cosv || !sinv || !aligned_to(dq, 16) || !aligned_to(dkv, 16) || !aligned_to(dkr, 16))
+        return -1;
+    BwdParams p;
+    /* q, kv stand in for Q, K, V in the checks (they are not read); dV is dkv's value columns */
+    const int cfg = setup_bwd(p, q, kv, kv, O, lse, dO, dstart, dq, dkv, dkv + dn, workspace, B, T, H, dn + dr, dv, scale);
+    if (cfg == -2) return 0;
+    if (cfg < 0 || !p.vec_v || !(scale > 0.f)) return -1;
+    p.q = p.k = p.v = nullptr;
+    p.vec_qk = 1;
+    p.pair_qk = p.pair_v = 1;
+    p.fold.q = q; p.fold.kv = kv; p.fold.qr = qr; p.fold.kr = kr; p.fold.dn = dn;
+    p.dk2 = dkr; p.rcos = cosv; p.rsin = sinv;
+    if (launch_dot_kernel(p, (long long)B * T * H, stream)) return -1;
+    const int BH = B * H;
+    return p.dimq == 192 ? launch_bwd<192, 128>(p, BH, stream) : launch_bwd<128, 128>(p, BH, stream);
+}
 
 extern "C" {
 size_t mt_cuda_attention_backward_workspace(int B, int T, int H, int dq, int dv) {
@@ -3846,6 +4096,27 @@ int mt_cuda_attention_backward(mt_cuda *c, const void *Q, const void *K, const v
     if (mt__fa_backward((const bf16 *)Q, (const bf16 *)K, (const bf16 *)V, (const bf16 *)O, lse, (const bf16 *)dO, dstart,
                         (bf16 *)dQ, (bf16 *)dK, (bf16 *)dV, ws, B, T, H, dq, dv, scale, c->stream))
         return mt__fail(c, "attention backward", cudaGetErrorString(cudaGetLastError()));
+    return 0;
+}
+int mt_cuda_mla_attention_forward(mt_cuda *c, const void *q, const void *kv, const void *qr, const void *kr, const int32_t *dstart,
+                                  void *O, float *lse, int B, int T, int H, int dn, int dr, int dv, float scale) {
+    if (!mt_rope_fold_fits(dn, dr, dv))
+        return mt__fail(c, "attention (RoPE folded)", "these head dims have no folded kernels: compile without the fold_rope pass");
+    if (mt__fa_mla_forward((const bf16 *)q, (const bf16 *)kv, (const bf16 *)qr, (const bf16 *)kr, dstart, (bf16 *)O, lse, B, T, H, dn, dr,
+                           dv, scale, c->stream))
+        return mt__fail(c, "attention forward (RoPE folded)", cudaGetLastError() != cudaSuccess ? "a launch failed"
+                                                                                              : "misaligned tensors or no TMA tensor-map encoder");
+    return 0;
+}
+int mt_cuda_mla_attention_backward(mt_cuda *c, const void *q, const void *kv, const void *qr, const void *kr, const void *O,
+                                   const float *lse, const void *dO, const int32_t *dstart, const float *cosv, const float *sinv,
+                                   void *dq, void *dkv, void *dkr, void *ws, int B, int T, int H, int dn, int dr, int dv, float scale) {
+    if (!mt_rope_fold_fits(dn, dr, dv))
+        return mt__fail(c, "attention (RoPE folded)", "these head dims have no folded kernels: compile without the fold_rope pass");
+    if (mt__fa_mla_backward((const bf16 *)q, (const bf16 *)kv, (const bf16 *)qr, (const bf16 *)kr, (const bf16 *)O, lse, (const bf16 *)dO,
+                            dstart, cosv, sinv, (bf16 *)dq, (bf16 *)dkv, (bf16 *)dkr, ws, B, T, H, dn, dr, dv, scale, c->stream))
+        return mt__fail(c, "attention backward (RoPE folded)", cudaGetLastError() != cudaSuccess ? "a launch failed"
+                                                                                               : "misaligned tensors or no TMA tensor-map encoder");
     return 0;
 }
 

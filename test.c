@@ -383,6 +383,113 @@ static void test_recompute_bitwise(void) {
     c.q_lora_rank = 24; c.doc_mask = 1; c.eot_id = 10; c.top_k = 3;
     test_recompute_bitwise_for("all-MoE", &c);
 }
+
+/* ======================================================================
+ * RoPE folded into attention (mt_pass_fold_rope): bitwise the same step
+ * ==================================================================== */
+
+/* The step graph through the passes one by one: fold 1: RoPE folded (any target); n_rc blocks recomputed. */
+static int compile_fold(mt_graph *g, const mt_config *c, int cuda, int fold, int n_rc, int kind, int *folded, mt_err *err) {
+    mt_mesh m;
+    mt_target t;
+    mt_mesh_single(&m);
+    if (cuda) mt_target_cuda(&t, "sm_90a"); else mt_target_cpu(&t);
+    int32_t layers[256];
+    for (int i = 0; i < n_rc; i++) layers[i] = i;
+    *folded = 0;
+    if (mt_build(g, c, &m, &t, kind, err)) return -1;
+    if (mt_pass_elide_collectives(g, err) || (n_rc && mt_pass_recompute(g, layers, n_rc, err))) { mt_graph_free(g); return -1; }
+    if (fold && (*folded = mt_pass_fold_rope(g, err)) < 0) { mt_graph_free(g); return -1; }
+    if (mt_pass_fuse(g, err) || mt_pass_plan_memory(g, err)) { mt_graph_free(g); return -1; }
+    return 0;
+}
+static void count_ops(const mt_graph *g, int *unfolded, int *fwd, int *bwd) {
+    *unfolded = *fwd = *bwd = 0;
+    for (int i = 0; i < g->n_nodes; i++) {
+        int op = g->nodes[i].op;
+        *unfolded += op == MT_OP_MLA_ROPE || op == MT_OP_MLA_ROPE_BWD || op == MT_OP_ATTENTION || op == MT_OP_ATTENTION_BWD;
+        *fwd += op == MT_OP_MLA_ATTENTION;
+        *bwd += op == MT_OP_MLA_ATTENTION_BWD;
+    }
+}
+static void test_fold_rope_for(const char *tag, const mt_config *c, int n_rc) {
+    mt_err e;
+    mt_graph g0, g1;
+    char name[128];
+    int f0, f1;
+    snprintf(name, sizeof name, "fold RoPE %s%s: bitwise losses, norms, weights, biases", tag, n_rc ? ", recomputed" : "");
+    if (compile_fold(&g0, c, 0, 0, n_rc, MT_GRAPH_TRAIN, &f0, &e) || compile_fold(&g1, c, 0, 1, n_rc, MT_GRAPH_TRAIN, &f1, &e)) {
+        report(name, 0, "%s", e.msg);
+        return;
+    }
+    int unfolded, nf, nb;
+    count_ops(&g1, &unfolded, &nf, &nb);
+    /* the artifact carries the folded ops (10 inputs): train from its round trip */
+    uint8_t *bytes = NULL;
+    size_t len = 0;
+    mt_graph g2;
+    int art = !mt_artifact_write(&g1, &bytes, &len, &e) && !mt_artifact_read(&g2, bytes, len, &e);
+    free(bytes);
+    rc_result r0, r1, r2;
+    memset(&r2, 0, sizeof r2);
+    int ok = rc_train(&g0, &r0, &e) == 0 && rc_train(&g1, &r1, &e) == 0 && art && rc_train(&g2, &r2, &e) == 0;
+    int want = c->n_layers + n_rc;   /* the recomputed blocks' MLA_ROPE fold too */
+    report(name, ok && f1 == want && unfolded == 0 && nf == want && nb == c->n_layers && rc_same(&r0, &r1) && rc_same_experts(&r0, &r1) &&
+                     rc_same(&r0, &r2),
+           "%d folded, %d unfolded nodes left, loss %.7f -> %.7f, peak %.2f -> %.2f MiB %s", f1, unfolded, r0.loss[0], r0.loss[RC_STEPS - 1],
+           mt_graph_peak_bytes(&g0) / 1048576.0, mt_graph_peak_bytes(&g1) / 1048576.0, ok ? "" : e.msg);
+    rc_free(&r0); rc_free(&r1); rc_free(&r2);
+    mt_graph_free(&g0); mt_graph_free(&g1);
+    if (art) mt_graph_free(&g2);
+}
+static void test_fold_rope(void) {
+    mt_config c;
+    rc_tiny(&c);
+    test_fold_rope_for("tiny", &c, 0);
+    test_fold_rope_for("tiny", &c, 2);
+    c.n_dense_layers = 0; c.q_lora_rank = 24; c.doc_mask = 1; c.eot_id = 10;
+    test_fold_rope_for("low-rank q, documents", &c, 0);
+#if !MT_TEST_F64
+    /* where it applies: a reader of K other than attention keeps that layer unfolded; CUDA graphs fold
+       only head dims the folded kernels take (debug's 128 + 64 / 128, not tiny's); mt_compile folds CUDA
+       graphs by default and the pass's switch turns it off */
+    mt_err e;
+    mt_graph g;
+    mt_mesh m;
+    mt_target t;
+    mt_mesh_single(&m);
+    mt_target_cpu(&t);
+    rc_tiny(&c);
+    int ok = !mt_build(&g, &c, &m, &t, MT_GRAPH_TRAIN, &e), k = ok ? mt_graph_find(&g, "L0.attn.K") : -1, folded = -1, unf = 0, nf = 0, nb = 0;
+    if (ok && k >= 0) {
+        g.io[MT_IO_LOGITS] = k;
+        folded = mt_pass_fold_rope(&g, &e);
+        count_ops(&g, &unf, &nf, &nb);
+    }
+    if (ok) mt_graph_free(&g);
+    report("fold RoPE: a K read elsewhere stays unfolded", ok && k >= 0 && folded == c.n_layers - 1 && unf == 4 && nf == c.n_layers - 1,
+           "%d of %d layers folded, %d unfolded nodes", folded, c.n_layers, unf);
+    int f_tiny = -1, f_debug = -1, f_fwd = -1, dflt = -1, off = -1;
+    mt_config d;
+    mt_config_preset(&d, "debug", &e);
+    d.batch = 1; d.seq_len = 256;
+    if (!compile_fold(&g, &c, 1, 1, 0, MT_GRAPH_TRAIN, &f_tiny, &e)) mt_graph_free(&g);
+    if (!compile_fold(&g, &d, 1, 1, 0, MT_GRAPH_TRAIN, &f_debug, &e)) mt_graph_free(&g);
+    if (!compile_fold(&g, &d, 1, 1, 0, MT_GRAPH_FORWARD, &f_fwd, &e)) {
+        count_ops(&g, &unf, &nf, &nb);
+        mt_graph_free(&g);
+    }
+    mt_passes p;
+    mt_target_cuda(&t, "sm_90a");
+    mt_passes_all(&p);
+    if (!mt_compile(&g, &d, &m, &t, MT_GRAPH_TRAIN, &p, &e)) { count_ops(&g, &unf, &dflt, &nb); mt_graph_free(&g); }
+    p.fold_rope = 0;
+    if (!mt_compile(&g, &d, &m, &t, MT_GRAPH_TRAIN, &p, &e)) { count_ops(&g, &unf, &off, &nb); mt_graph_free(&g); }
+    report("fold RoPE: CUDA head dims, forward graphs, the switch", f_tiny == 0 && f_debug == d.n_layers && f_fwd == d.n_layers &&
+                                                                      dflt == d.n_layers && off == 0,
+           "tiny %d, debug %d (forward graph %d), mt_compile %d, switched off %d", f_tiny, f_debug, f_fwd, dflt, off);
+#endif
+}
 #endif
 
 #if MT_TEST_GPU
@@ -876,6 +983,60 @@ static void gpu_test_rope(int dn, int dv) {
     dfree(Ddq); dfree(Ddkv); dfree(Ddkpe);
 }
 
+/* RoPE folded into attention (ROPE_PE -> MLA_ATTENTION -> MLA_ATTENTION_BWD -> ROPE_PE_BWD on the
+ * wgmma kernels' folded loads and epilogues): every output bitwise the unfolded chain's (MLA_ROPE ->
+ * attention -> attention backward -> MLA_ROPE_BWD, itself checked against the CPU above), with YaRN
+ * tables, document masking and lengths off the tile grid. */
+static void gpu_test_fold_rope(int B, int T, int H, int dn, int dr, int dv, int docs) {
+    mt_config c;
+    mt_err e;
+    mt_config_preset(&c, "tiny", &e);
+    c.seq_len = T; c.qk_rope_head_dim = dr; c.rope_factor = 4; c.original_seq_len = T / 2;
+    const int half = dr / 2, dq = dn + dr;
+    const int64_t N = (int64_t)B * T, nq = N * H * dq, nkv = N * H * (dn + dv), nv = N * H * dv, nr = N * H * dr;
+    float *cs = (float *)malloc(4 * (size_t)T * half), *sn = (float *)malloc(4 * (size_t)T * half);
+    mt_cpu_rope_tables(cs, sn, &c);
+    float *q = randn(nq, 1), *kv = randn(nkv, 1), *kpe = randn(N * dr, 1), *dO = randn(nv, 1);
+    int32_t *ds = NULL;
+    if (docs) {
+        int32_t *tok = (int32_t *)malloc(4 * (size_t)N);
+        for (int64_t i = 0; i < N; i++) tok[i] = mt_rng_u64(&R) % (uint64_t)docs == 0 ? 0 : 1;
+        ds = (int32_t *)malloc(4 * (size_t)N);
+        mt_cpu_doc_starts(ds, tok, (int)N, T, 0);
+        free(tok);
+    }
+    void *Dq = up_bf(q, nq), *Dkv = up_bf(kv, nkv), *Dkpe = up_bf(kpe, N * dr), *DdO = up_bf(dO, nv), *Dc = up(cs, 4 * (size_t)T * half),
+         *Ds = up(sn, 4 * (size_t)T * half);
+    int32_t *Dds = ds ? (int32_t *)up(ds, 4 * (size_t)N) : NULL;
+    const float scale = 1.0f / sqrtf((float)dq);
+    const size_t wsb = mt_cuda_attention_backward_workspace(B, T, H, dq, dv);
+    /* unfolded */
+    void *Q = dalloc(2 * nq), *K = dalloc(2 * nq), *V = dalloc(2 * nv), *O0 = dalloc(2 * nv), *L0 = dalloc(4 * N * H), *dQ = dalloc(2 * nq),
+         *dK = dalloc(2 * nq), *dV = dalloc(2 * nv), *dq0 = dalloc(2 * nq), *dkv0 = dalloc(2 * nkv), *dkpe0 = dalloc(2 * N * dr), *ws = dalloc(wsb);
+    int ok = !mt_cuda_mla_rope_forward(CU, Q, K, V, Dq, Dkv, Dkpe, (float *)Dc, (float *)Ds, (int)N, T, H, dn, dr, dv) &&
+             !mt_cuda_attention_forward(CU, Q, K, V, Dds, O0, (float *)L0, B, T, H, dq, dv, scale) &&
+             !mt_cuda_attention_backward(CU, Q, K, V, O0, (float *)L0, DdO, Dds, dQ, dK, dV, ws, B, T, H, dq, dv, scale) &&
+             !mt_cuda_mla_rope_backward(CU, dq0, dkv0, dkpe0, dQ, dK, dV, (float *)Dc, (float *)Ds, (int)N, T, H, dn, dr, dv);
+    /* folded, into freshly poisoned buffers */
+    void *qr = dalloc(2 * nr), *kr = dalloc(2 * N * dr), *O1 = dalloc(2 * nv), *L1 = dalloc(4 * N * H), *dq1 = dalloc(2 * nq),
+         *dkv1 = dalloc(2 * nkv), *dkr = dalloc(2 * nr), *dkpe1 = dalloc(2 * N * dr);
+    mt_cuda_memset(CU, ws, 0xff, wsb);
+    int ok1 = !mt_cuda_rope_pe_forward(CU, qr, kr, Dq, Dkpe, (float *)Dc, (float *)Ds, (int)N, T, H, dn, dr) &&
+              !mt_cuda_mla_attention_forward(CU, Dq, Dkv, qr, kr, Dds, O1, (float *)L1, B, T, H, dn, dr, dv, scale) &&
+              !mt_cuda_mla_attention_backward(CU, Dq, Dkv, qr, kr, O1, (float *)L1, DdO, Dds, (float *)Dc, (float *)Ds, dq1, dkv1, dkr, ws, B, T, H,
+                                              dn, dr, dv, scale) &&
+              !mt_cuda_rope_pe_backward(CU, dkpe1, dkr, (float *)Dc, (float *)Ds, (int)N, T, H, dr);
+    if (!ok1) printf("  folded: %s\n", mt_cuda_error(CU));
+    int same[5] = {dsame(O0, O1, 2 * nv), dsame(L0, L1, 4 * N * H), dsame(dq0, dq1, 2 * nq), dsame(dkv0, dkv1, 2 * nkv), dsame(dkpe0, dkpe1, 2 * N * dr)};
+    char nm[96];
+    snprintf(nm, sizeof nm, "gpu RoPE folded into attention B%d T%d H%d %d+%d/%d%s", B, T, H, dn, dr, dv, docs ? " doc-masked" : "");
+    report(nm, ok && ok1 && same[0] && same[1] && same[2] && same[3] && same[4], "bitwise the unfolded O %d lse %d dq %d dkv %d dkpe %d", same[0],
+           same[1], same[2], same[3], same[4]);
+    free(cs); free(sn); free(q); free(kv); free(kpe); free(dO); free(ds);
+    void *bufs[] = {Dq, Dkv, Dkpe, DdO, Dc, Ds, Dds, Q, K, V, O0, L0, dQ, dK, dV, dq0, dkv0, dkpe0, ws, qr, kr, O1, L1, dq1, dkv1, dkr, dkpe1};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) if (bufs[i]) dfree(bufs[i]);
+}
+
 /* GMM_DW_SQ: dW unchanged, its partial sums of squares add up to sum(dW^2); S = 1 and row splits */
 static void gpu_test_gmm_dw_sumsq(int E, int F, int D, int64_t NK) {
     int32_t *offs = (int32_t *)malloc(4 * (size_t)(E + 1));
@@ -1261,6 +1422,49 @@ static void gpu_test_whole_steps(void) {
     mt_graph_free(&gc); mt_graph_free(&gg); mt_graph_free(&ge); mt_graph_free(&gn);
 }
 
+/* Training steps with the RoPE folded into attention (the default for these head dims) against the
+ * same graph with the pass off: bitwise losses, grad norms and weights; with packed documents too. */
+static void gpu_test_fold_rope_steps(int docs) {
+    mt_config c;
+    mt_err e;
+    mt_config_preset(&c, "tiny", &e);
+    c.n_heads = 2; c.qk_nope_head_dim = 128; c.qk_rope_head_dim = 64; c.v_head_dim = 128;
+    c.seq_len = 256; c.original_seq_len = 256; c.batch = 2;
+    if (docs) { c.doc_mask = 1; c.eot_id = 10; }
+    mt_mesh m;
+    mt_target t;
+    mt_passes p;
+    mt_graph g0, g1;
+    mt_mesh_single(&m);
+    mt_target_cuda(&t, "sm_90a");
+    mt_passes_all(&p);
+    char name[96];
+    snprintf(name, sizeof name, "gpu steps with RoPE folded = unfolded, bitwise%s", docs ? " (documents)" : "");
+    if (mt_compile(&g1, &c, &m, &t, MT_GRAPH_TRAIN, &p, &e)) { report(name, 0, "%s", e.msg); return; }
+    p.fold_rope = 0;
+    if (mt_compile(&g0, &c, &m, &t, MT_GRAPH_TRAIN, &p, &e)) { report(name, 0, "%s", e.msg); mt_graph_free(&g1); return; }
+    int folded = 0;
+    for (int i = 0; i < g1.n_nodes; i++) folded += g1.nodes[i].op == MT_OP_MLA_ATTENTION_BWD;
+    enum { S = 5 };
+    double l0[S] = {0}, l1[S] = {0}, n0[S] = {0}, n1[S] = {0};
+    mt_runtime *r0 = gpu_runtime(&g0, 1), *r1 = gpu_runtime(&g1, 1);
+    int ok = r0 && r1 && !gpu_steps(r0, &c, S, l0, n0) && !gpu_steps(r1, &c, S, l1, n1);
+    int same = ok && bitwise_equal(l0, l1, S) && bitwise_equal(n0, n1, S);
+    for (int i = 0; same && i < g0.n_values; i++) {
+        const mt_value *v = &g0.values[i];
+        if (v->role != MT_ROLE_PARAM) continue;
+        int j = mt_graph_find(&g1, v->name);
+        size_t nb = (size_t)v->nbytes;
+        void *a = malloc(nb), *b = malloc(nb);
+        same = j >= 0 && (size_t)g1.values[j].nbytes == nb && !mt_runtime_read(r0, i, a, &e) && !mt_runtime_read(r1, j, b, &e) && !memcmp(a, b, nb);
+        free(a); free(b);
+    }
+    report(name, same && folded == c.n_layers, "%d layers folded; loss %.6f -> %.6f; peak %.2f -> %.2f MiB", folded, l1[0], l1[S - 1],
+           mt_graph_peak_bytes(&g0) / 1048576.0, mt_graph_peak_bytes(&g1) / 1048576.0);
+    mt_runtime_destroy(r0); mt_runtime_destroy(r1);
+    mt_graph_free(&g0); mt_graph_free(&g1);
+}
+
 /* Activation recompute on the GPU: every block recomputed (bf16 activations
  * re-run by the same kernels, graph capture on), bitwise the step without. */
 static void gpu_test_recompute(void) {
@@ -1574,6 +1778,10 @@ int main(void) {
     GPU_RUN(gpu_test_attention_shape(1, 1000, 2, 128, 128, 0));   /* wgmma kernels: odd length, several key blocks */
     GPU_RUN(gpu_test_attention_shape(1, 257, 2, 192, 128, 3));    /* wgmma kernels: many very short documents */
     GPU_RUN(gpu_test_attention_shape(3, 300, 16, 192, 128, 37));  /* persistent forward: 144 work items, more than SMs */
+    GPU_RUN(gpu_test_fold_rope(2, 300, 3, 128, 64, 128, 0));
+    GPU_RUN(gpu_test_fold_rope(2, 300, 3, 128, 64, 128, 40));
+    GPU_RUN(gpu_test_fold_rope(3, 1000, 16, 128, 64, 128, 0));   /* persistent forward: more work items than SMs */
+    GPU_RUN(gpu_test_fold_rope(1, 257, 2, 64, 64, 128, 3));
     GPU_RUN(gpu_test_moe_ops());
     GPU_RUN(gpu_test_gmm_dw_sumsq(8, 48, 64, 400));      /* few rows per expert: no row splits */
     GPU_RUN(gpu_test_gmm_dw_sumsq(2, 64, 64, 16384));    /* few tiles, many rows: split rows, reduce kernel */
@@ -1592,6 +1800,8 @@ int main(void) {
     }
     GPU_RUN(gpu_test_loss_and_optimizer());
     GPU_RUN(gpu_test_whole_steps());
+    GPU_RUN(gpu_test_fold_rope_steps(0));
+    GPU_RUN(gpu_test_fold_rope_steps(1));
     GPU_RUN(gpu_test_recompute());
     GPU_RUN(gpu_test_doc_mask_steps());
     GPU_RUN(gpu_test_tuning());
@@ -2017,6 +2227,7 @@ int main(void) {
     test_doc_packing();
     test_multirank_f64();
     test_recompute_bitwise();
+    test_fold_rope();
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }
@@ -4625,6 +4836,7 @@ int main(void) {
     RUN(test_memory_plan);
     RUN(test_bitwise);
     RUN(test_recompute_bitwise);
+    RUN(test_fold_rope);
     RUN(test_recompute_budget);
     RUN(test_recompute_artifact);
     RUN(test_artifact_rejects);

@@ -25,7 +25,7 @@
 
 typedef struct {
     const char *preset, *graph, *data, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
-    int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap;
+    int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_fold_rope;
     int nproc, dp_replicate, dp_shard, ep;   /* ranks; 0 = derive */
     float timeout;                           /* seconds without progress before a rank gives up */
     float roof_tflops, roof_gbps;
@@ -84,6 +84,7 @@ static const opt_spec specs[] = {
     {"logits-out", OPT_STR, O_(logits_out), 0, 0, 0, 0, "none", "with --forward: write float32 logits [batch*seq_len, vocab]", "FILE"},
     {"eager", OPT_FLAG, O_(eager), 0, 0, 0, 0, "off", "no optimizing passes (the baseline)", NULL},
     {"overlap", OPT_FLAG, O_(overlap), 0, 0, 0, 0, "off", "collectives on their own CUDA streams: FSDP prefetch, EP ahead of its host sync", NULL},
+    {"no-fold-rope", OPT_FLAG, O_(no_fold_rope), 0, 0, 0, 0, "off", "CUDA: form MLA's Q, K, V apart instead of folding RoPE into attention (same results; for comparison)", NULL},
     {"memory-budget", OPT_FLOAT, O_(memory_budget), 0, 1 << 20, 0, 0, "0: off", "recompute the fewest blocks' activations so the planned peak (persistent + arena) fits (compiling here; an artifact has its own)", "GiB"},
     {"nan-check", OPT_FLAG, O_(nan_check), 0, 0, 0, 0, "off", "check every op's output for NaN/Inf and name the first (slower)", NULL},
     {"threads", OPT_INT, O_(threads), 1, 64, 0, 0, "all cores", "CPU threads (results do not depend on it)", NULL},
@@ -503,6 +504,7 @@ static int run_forward(const opts *o, mt_config cfg) {
     mt_mesh_single(&mesh);
     choose_target(o, &tgt);
     if (o->eager) mt_passes_none(&passes); else mt_passes_all(&passes);
+    if (o->no_fold_rope) passes.fold_rope = 0;
     if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_FORWARD, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
     mt_binding bind;
     mt_binding_single(&bind);
@@ -1051,6 +1053,7 @@ int main(int argc, char **argv) {
         choose_target(&o, &tgt);
         if (o.eager) mt_passes_none(&passes); else mt_passes_all(&passes);
         passes.overlap = o.overlap;
+        if (o.no_fold_rope) passes.fold_rope = 0;
         passes.memory_budget = (int64_t)((double)o.memory_budget * 1073741824.0);
         double t0 = mt_now();
         if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_TRAIN, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }

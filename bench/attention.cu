@@ -572,6 +572,71 @@ static void bench_breakdown(const Shape &s) {
     d.release();
 }
 
+/* RoPE folded into attention (MLA_ATTENTION): the same work with Q's tiles from q + qr, K's from kv +
+   the shared kr, V's from kv, and the backward writing q's and kv's gradients (dQ's rope columns
+   rotated back) and each head's kr gradient; beside the unfolded kernels on separate Q, K, V of the
+   same shape, and per kernel (dK/dV, dQ) */
+static void bench_fold(int B, int T, int H, int dn, int dr, int dv) {
+    using namespace mt_fa;
+    const int dq = dn + dr;
+    const size_t N = (size_t)B * T, nq = N * H * dq, nkv = N * H * (dn + dv), nr = N * H * dr, nv = N * H * dv, nl = N * H;
+    __nv_bfloat16 *q, *kv, *qr, *kr, *o, *dout, *gq, *gkv, *gkr, *Q, *K, *V, *dQ, *dK, *dV;
+    float *lse, *cs, *sn;
+    void *ws;
+    const size_t wsb = mt__fa_backward_workspace(B, T, H, dq, dv);
+    CK(cudaMalloc(&q, nq * 2)); CK(cudaMalloc(&kv, nkv * 2)); CK(cudaMalloc(&qr, nr * 2)); CK(cudaMalloc(&kr, N * dr * 2));
+    CK(cudaMalloc(&o, nv * 2)); CK(cudaMalloc(&dout, nv * 2)); CK(cudaMalloc(&gq, nq * 2)); CK(cudaMalloc(&gkv, nkv * 2));
+    CK(cudaMalloc(&gkr, nr * 2)); CK(cudaMalloc(&Q, nq * 2)); CK(cudaMalloc(&K, nq * 2)); CK(cudaMalloc(&V, nv * 2));
+    CK(cudaMalloc(&dQ, nq * 2)); CK(cudaMalloc(&dK, nq * 2)); CK(cudaMalloc(&dV, nv * 2));
+    CK(cudaMalloc(&lse, nl * 4)); CK(cudaMalloc(&cs, (size_t)T * dr / 2 * 4)); CK(cudaMalloc(&sn, (size_t)T * dr / 2 * 4)); CK(cudaMalloc(&ws, wsb));
+    fill_random_bf16<<<1024, 256>>>(q, nq, 21u); fill_random_bf16<<<1024, 256>>>(kv, nkv, 22u);
+    fill_random_bf16<<<1024, 256>>>(qr, nr, 23u); fill_random_bf16<<<1024, 256>>>(kr, N * dr, 24u);
+    fill_random_bf16<<<1024, 256>>>(dout, nv, 25u); fill_random_bf16<<<1024, 256>>>(Q, nq, 26u);
+    fill_random_bf16<<<1024, 256>>>(K, nq, 27u); fill_random_bf16<<<1024, 256>>>(V, nv, 28u);
+    CK(cudaMemset(cs, 0, (size_t)T * dr / 2 * 4)); CK(cudaMemset(sn, 0, (size_t)T * dr / 2 * 4));
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    const float scale = 1.0f / sqrtf((float)dq);
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+    auto timed = [&](int which) {
+        std::vector<float> ms;
+        for (int it = 0; it < 13; ++it) {
+            CK(cudaEventRecord(e0, 0));
+            if (which == 0) CKAPI(mt__fa_mla_forward(q, kv, qr, kr, nullptr, o, lse, B, T, H, dn, dr, dv, scale, 0));
+            if (which == 1) CKAPI(mt__fa_mla_backward(q, kv, qr, kr, o, lse, dout, nullptr, cs, sn, gq, gkv, gkr, ws, B, T, H, dn, dr, dv, scale, 0));
+            if (which == 2) CKAPI(mt__fa_forward(Q, K, V, nullptr, o, lse, B, T, H, dq, dv, scale, 0));
+            if (which == 3) CKAPI(mt__fa_backward(Q, K, V, o, lse, dout, nullptr, dQ, dK, dV, ws, B, T, H, dq, dv, scale, 0));
+            CK(cudaEventRecord(e1, 0));
+            CK(cudaEventSynchronize(e1));
+            float t;
+            CK(cudaEventElapsedTime(&t, e0, e1));
+            if (it >= 3) ms.push_back(t);
+        }
+        std::sort(ms.begin(), ms.end());
+        return 0.5f * (ms[4] + ms[5]);
+    };
+    float t[4];
+    for (int w = 0; w < 4; ++w) t[w] = timed(w);
+    /* per kernel: the same parameter blocks the entry points build */
+    BwdParams pf, pu;
+    setup_bwd(pu, Q, K, V, o, lse, dout, nullptr, dQ, dK, dV, ws, B, T, H, dq, dv, scale);
+    setup_bwd(pf, q, kv, kv, o, lse, dout, nullptr, gq, gkv, gkv + dn, ws, B, T, H, dq, dv, scale);
+    pf.q = pf.k = pf.v = nullptr; pf.vec_qk = 1; pf.pair_qk = pf.pair_v = 1;
+    pf.fold.q = q; pf.fold.kv = kv; pf.fold.qr = qr; pf.fold.kr = kr; pf.fold.dn = dn;
+    pf.dk2 = gkr; pf.rcos = cs; pf.rsin = sn;
+    const int BH = B * H;
+    const float kf = time_launcher(launch_dkdv_wg_kernel<192, 128>, pf, BH), ku = time_launcher(launch_dkdv_wg_kernel<192, 128>, pu, BH);
+    const float qf = time_launcher(launch_dq_wg_kernel<192, 128>, pf, BH), qu = time_launcher(launch_dq_wg_kernel<192, 128>, pu, BH);
+    const double ffwd = 2.0 * H * ((double)B * T * T / 2.0) * (dq + dv), fbwd = 2.5 * ffwd;
+    printf("timing-fold B=%d T=%d H=%d %d+%d/%d: folded forward %.3f ms (%.1f TFLOP/s), backward %.3f ms (%.1f TFLOP/s); unfolded "
+           "forward %.3f ms, backward %.3f ms; kernels folded / unfolded: dK/dV %.3f / %.3f ms, dQ %.3f / %.3f ms\n", B, T, H, dn, dr, dv,
+           t[0], ffwd / (t[0] * 1e-3) / 1e12, t[1], fbwd / (t[1] * 1e-3) / 1e12, t[2], t[3], kf, ku, qf, qu);
+    CK(cudaEventDestroy(e0)); CK(cudaEventDestroy(e1));
+    void *bufs[] = {q, kv, qr, kr, o, dout, gq, gkv, gkr, Q, K, V, dQ, dK, dV, lse, cs, sn, ws};
+    for (void *b : bufs) CK(cudaFree(b));
+}
+
 int main(int argc, char **argv) {
     (void)argc; (void)argv;
     int dev = 0;
@@ -611,6 +676,8 @@ int main(int argc, char **argv) {
     bench_shape({8, 2048, 16, 192, 128, 512});
     bench_shape({2, 4096, 16, 192, 128, 1024});
     bench_breakdown({8, 2048, 16, 192, 128});
+    bench_fold(8, 2048, 16, 128, 64, 128);
+    bench_fold(2, 4096, 16, 128, 64, 128);
 
     printf("FLASH_ATTN: %d passed, %d failed\n", g_pass, g_fail);
     return g_fail ? 1 : 0;
