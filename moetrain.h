@@ -488,7 +488,7 @@ int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, 
  * (mt_rope_fold_fits). Returns the number of attention layers folded, -1 on error. */
 int mt_pass_fold_rope(mt_graph *g, mt_err *err);
 static inline int mt_rope_fold_fits(int dn, int dr, int dv) {   /* the folded CUDA kernels' head dims */
-    return dn > 0 && dn % 64 == 0 && dr > 0 && dr % 64 == 0 && dv == 128 && (dn + dr == 192 || dn + dr == 128);
+    return dr == 64 && dv == 128 && (dn == 128 || dn == 64);
 }
 /* Collectives name a channel (iattr[1]); at bind, groups with the same ranks in the same order and
  * the same channel share one communicator. When the expert exchange's groups coincide with another
