@@ -1930,7 +1930,7 @@ __device__ __forceinline__ void store2(bf16 *row, int col, int ncols, bool pair,
 /* Columns >= split (a multiple of 8) go to row2 at col - split instead; with rc (cos, sin of the row's
    position: rc[i], rs[i] for the pair at row2's columns 2i, 2i + 1) they are first rounded to bf16 and
    rotated back as k_rope_bwd8 does (MLA_ATTENTION_BWD's dQ: bitwise the unfolded dq). */
-template <int N>
+template <int N, bool SPLIT = false>
 __device__ __forceinline__ void store_acc_row(bf16 *row, bool ok, int ncols, bool wide, bool pair, const float (&acc)[N / 2],
                                               int hh, float sc, int c, bf16 *row2 = nullptr, int split = 1 << 30,
                                               const float *rc = nullptr, const float *rs = nullptr) {
@@ -1953,7 +1953,7 @@ __device__ __forceinline__ void store_acc_row(bf16 *row, bool ok, int ncols, boo
             const int col = 8 * (4 * q + c);
             if (ok && col < ncols) {
                 uint4 val = make_uint4(w[0], w[1], w[2], w[3]);
-                if (col < split) {
+                if (!SPLIT || col < split) {
                     *reinterpret_cast<uint4 *>(row + col) = val;
                 } else {
                     const int i = (col - split) >> 1;
@@ -1967,7 +1967,7 @@ __device__ __forceinline__ void store_acc_row(bf16 *row, bool ok, int ncols, boo
         for (int j = 0; j < N / 8; ++j) {
             const int col = 8 * j + 2 * c;
             float v0 = acc[4 * j + 2 * hh] * sc, v1 = acc[4 * j + 2 * hh + 1] * sc;
-            if (col < split) {
+            if (!SPLIT || col < split) {
                 store2(row, col, ncols, pair, v0, v1);
             } else {
                 if (rc && col + 1 < ncols) {
@@ -1998,7 +1998,11 @@ struct Fold {
     const bf16 *q = nullptr, *kv = nullptr, *qr = nullptr, *kr = nullptr;
     int dn = 0;
 };
-struct FwdParams {
+/* What the kernels take (FwdCore, BwdCore) and what the launchers take: the same plus the fold, which
+   only the launchers read (it shapes the TMA maps; the folded kernels find the rest in their maps'
+   struct).  Kept apart so that the kernels' parameter block stays as small as it was: grown by the
+   fold's fields, it cost the unfolded backward 4% on an H200 (1.209 -> 1.256 ms at B=8 T=2048). */
+struct FwdCore {
     const bf16 *q, *k, *v;
     bf16 *o;
     float *lse;
@@ -2007,10 +2011,12 @@ struct FwdParams {
     float scale_log2; /* scale * log2(e) */
     int vec_qk, vec_v, pair_o;
     int nbh = 0; /* B * H (set by the persistent wgmma forward's launcher) */
+};
+struct FwdParams : FwdCore {
     Fold fold;
 };
 
-struct BwdParams {
+struct BwdCore {
     const bf16 *q, *k, *v, *o, *dout;
     const float *lse;
     float *dsum; /* D [N*H] */
@@ -2019,6 +2025,8 @@ struct BwdParams {
     int T, H, dimq, dimv;
     float scale, scale_log2;
     int vec_qk, vec_v, pair_qk, pair_v;
+};
+struct BwdParams : BwdCore {
     /* folded (fold.dn > 0): dq is q's gradient [N, H*dimq], its rope columns rotated back by (rcos,
        rsin) [T, (dimq - dn) / 2]; dk is kv's gradient [N, H*(dn + dimv)] (dK's first dn columns per
        head), dv = that + dn (dV, same rows), dk2 [N, H*(dimq - dn)] the rest of dK per head (kr's
@@ -2068,7 +2076,7 @@ __device__ __forceinline__ int first_key_tile(const int *dsb, int m0) {
 }
 
 template <int DQ, int DV, int NW, int BN, int ST, bool QREG, int MT>
-__global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_kernel(const FwdCore p) {
     /* NW warps, each owning MT m16 tiles (16*MT consecutive query rows); BM = 16*NW*MT rows per CTA */
     constexpr int BM = NW * 16 * MT;
     constexpr int NT = NW * 32;
@@ -2505,7 +2513,13 @@ __device__ __forceinline__ void tma_src_tile(uint32_t s, const CUtensorMap *map,
 }
 /* use u of a ring of NS such tiles (stage u % NS at s0, full / empty barriers 8 bytes apart): wait for
    the stage's previous use to be released, then load (or, for the bench's ablations, only arrive) */
-template <int NS, int R, int D>
+template <int R, int D, bool FOLD>
+__device__ __forceinline__ void tma_qkv_tile(uint32_t s, const CUtensorMap *map, const CUtensorMap *map2, const TileSrc ts, uint32_t bar,
+                                             int h, int row, int b) {
+    if constexpr (FOLD) tma_src_tile<R, D>(s, map, map2, ts, bar, h, row, b);
+    else tma_head_tile<R, D>(s, map, bar, h, row, b);
+}
+template <int NS, int R, int D, bool FOLD>
 __device__ __forceinline__ void ring_fill(uint32_t s0, uint32_t full, uint32_t empty, const CUtensorMap *map, const CUtensorMap *map2,
                                           const TileSrc ts, int u, int h, int row, int b, bool load) {
     constexpr uint32_t BYTES = R * D * 2;
@@ -2513,7 +2527,7 @@ __device__ __forceinline__ void ring_fill(uint32_t s0, uint32_t full, uint32_t e
     if (u >= NS) mbar_wait(empty + 8 * st, (NS == 2 ? ((u - 2) >> 1) : (u / NS) - 1) & 1);
     if (load) {
         mbar_expect_tx(full + 8 * st, BYTES);
-        tma_src_tile<R, D>(s0 + (uint32_t)st * BYTES, map, map2, ts, full + 8 * st, h, row, b);
+        tma_qkv_tile<R, D, FOLD>(s0 + (uint32_t)st * BYTES, map, map2, ts, full + 8 * st, h, row, b);
     } else {
         mbar_arrive(full + 8 * st);
     }
@@ -2536,8 +2550,8 @@ struct FwdMaps {
    last P V instead of its last S, bit 6 no turns at an item's first S and last P V, bit 7 4-byte
    stores of O in the accumulator's layout.  Measured (H200, B=8 T=2048 H=16, 192/128): the runtime's
    choice 0.310 ms; bit 6 0.317, bits 5 + 6 0.337, bit 7 0.359. */
-template <int DQ, int DV, int BN, int VAR>
-__global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, const __grid_constant__ FwdMaps tm) {
+template <int DQ, int DV, int BN, int VAR, bool FOLD>
+__global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, const __grid_constant__ FwdMaps tm) {
     constexpr int BM = 128;
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && (BN == 64 || BN == 128) && (DV == 64 || DV == 128), "wgmma tiles");
     constexpr uint32_t Q_BYTES = BM * DQ * 2, K_BYTES = BN * DQ * 2, V_BYTES = BN * DV * 2;
@@ -2596,11 +2610,11 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
                 const int n_blocks = key_tiles(m0, b, j0);
                 if (k > 0) mbar_wait(barQe, (k - 1) & 1);
                 mbar_expect_tx(barQ, Q_BYTES);
-                tma_src_tile<BM, DQ>(sQ, &tm.q, &tm.q2, tm.qs, barQ, h, m0, b);
+                tma_qkv_tile<BM, DQ, FOLD>(sQ, &tm.q, &tm.q2, tm.qs, barQ, h, m0, b);
                 for (int j = j0; j < n_blocks; ++j, ++u) {
                     const bool load = !(VAR & 1) || u < 2;
-                    ring_fill<2, BN, DQ>(sK, barKf, barKe, &tm.k, &tm.k2, tm.ks, u, h, j * BN, b, load);
-                    ring_fill<2, BN, DV>(sV, barVf, barVe, &tm.v, &tm.v, tm.vs, u, h, j * BN, b, load);
+                    ring_fill<2, BN, DQ, FOLD>(sK, barKf, barKe, &tm.k, &tm.k2, tm.ks, u, h, j * BN, b, load);
+                    ring_fill<2, BN, DV, FOLD>(sV, barVf, barVe, &tm.v, &tm.v, tm.vs, u, h, j * BN, b, load);
                 }
             }
         }
@@ -2838,6 +2852,10 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, co
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void *src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
 }
+/* 16-byte cp.async, zero-filled when !ok */
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
 /* arrive on the mbarrier once this thread's earlier cp.async copies have landed (counted in its init) */
 __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
@@ -2854,6 +2872,8 @@ constexpr size_t dkdv_wg_smem_bytes() {
 struct DkdvMaps {
     CUtensorMap q, dout, k, v, q2, k2;
     TileSrc qs, ks, vs;
+    bf16 *dk2;   /* folded: dK's rope columns (see BwdParams) */
+    int fold_dn;
 };
 
 /* VAR: 0 in the runtime; bench/attention.cu's variants (results right unless said): bit 0 no loads in
@@ -2861,8 +2881,8 @@ struct DkdvMaps {
    the start of a tile instead of its end.  Measured (H200, B=8 T=2048 H=16, 192/128): the runtime's
    choice 0.810 ms; no turns 0.923, turns at dV / dK instead 0.878, at both 0.831; refilling at the
    start 0.839 (no turns 0.857, turns at both 0.876). */
-template <int DQ, int DV, int VAR>
-__global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams p, const __grid_constant__ DkdvMaps tm) {
+template <int DQ, int DV, int VAR, bool FOLD>
+__global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p, const __grid_constant__ DkdvMaps tm) {
     constexpr int BNK = 128, BMQ = 64, NS = dkdv_wg_stages<DQ, DV>();
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
     constexpr uint32_t K_BYTES = BNK * DQ * 2, V_BYTES = BNK * DV * 2, Q_BYTES = BMQ * DQ * 2, O_BYTES = BMQ * DV * 2;
@@ -2935,7 +2955,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
         if (lane == 0) {
             if (!(VAR & 1) || u < NS) {
                 mbar_expect_tx(full, Q_BYTES + O_BYTES);
-                tma_src_tile<BMQ, DQ>(sQ + (uint32_t)st * Q_BYTES, &tm.q, &tm.q2, tm.qs, full, h, q0, b);
+                tma_qkv_tile<BMQ, DQ, FOLD>(sQ + (uint32_t)st * Q_BYTES, &tm.q, &tm.q2, tm.qs, full, h, q0, b);
                 tma_head_tile<BMQ, DV>(sdO + (uint32_t)st * O_BYTES, &tm.dout, full, h, q0, b);
             } else {
                 mbar_arrive(full);
@@ -2945,8 +2965,8 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
     if (warp == 0) {
         if (lane == 0) {
             mbar_expect_tx(barKV, K_BYTES + V_BYTES);
-            tma_src_tile<BNK, DQ>(sK, &tm.k, &tm.k2, tm.ks, barKV, h, n0, b);
-            tma_src_tile<BNK, DV>(sV, &tm.v, &tm.v, tm.vs, barKV, h, n0, b);
+            tma_qkv_tile<BNK, DQ, FOLD>(sK, &tm.k, &tm.k2, tm.ks, barKV, h, n0, b);
+            tma_qkv_tile<BNK, DV, FOLD>(sV, &tm.v, &tm.v, tm.vs, barKV, h, n0, b);
         }
         for (int u = 0; u < min(NS, n_tiles); ++u) fill(u);
     }
@@ -3045,23 +3065,30 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams 
     }
     if (TA || TB) turns.finish();
 
-    /* epilogue: dK * scale, dV; accumulator d[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb).
-       Folded RoPE: dK's first dn columns and dV go to kv's gradient rows, dK's rope columns to dk2 */
+    /* epilogue: dK * scale, dV; accumulator d[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
     const bool pq = p.pair_qk != 0, pv = p.pair_v != 0;
-    const int fd = p.fold.dn;
-    const size_t khs = fd ? (size_t)(fd + p.dimv) : (size_t)p.dimq, vhs = fd ? (size_t)(fd + p.dimv) : (size_t)p.dimv;
-    const size_t k2hs = (size_t)(p.dimq - fd);
-    const bool wq = fd ? pq && (khs & 7) == 0 && (k2hs & 7) == 0 && (fd & 7) == 0 && rows16(p.dk, 8, true) && rows16(p.dk2, 8, true)
-                       : rows16(p.dk, p.dimq, pq);
-    const bool wv = fd ? pv && (vhs & 7) == 0 && rows16(p.dv, 8, true) : rows16(p.dv, p.dimv, pv);
-    (void)qoff; (void)voff; (void)ldqk; (void)ldv;
+    if constexpr (!FOLD) {
+        bf16 *dkbase = p.dk + qoff, *dvbase = p.dv + voff;
+        const bool wq = rows16(p.dk, p.dimq, pq), wv = rows16(p.dv, p.dimv, pv);
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int key = kr + 8 * hh;
-        const size_t tk = ((size_t)b * T + key) * H + h;
-        store_acc_row<DQ>(p.dk + tk * khs, key < T, p.dimq, wq, pq, dk, hh, p.scale, c, fd ? p.dk2 + tk * k2hs : nullptr,
-                          fd ? fd : 1 << 30);
-        store_acc_row<DV>(p.dv + tk * vhs, key < T, p.dimv, wv, pv, dv, hh, 1.f, c);
+        for (int hh = 0; hh < 2; ++hh) {
+            const int key = kr + 8 * hh;
+            store_acc_row<DQ>(dkbase + (size_t)key * ldqk, key < T, p.dimq, wq, pq, dk, hh, p.scale, c);
+            store_acc_row<DV>(dvbase + (size_t)key * ldv, key < T, p.dimv, wv, pv, dv, hh, 1.f, c);
+        }
+    } else { /* folded RoPE: dK's first dn columns and dV go to kv's gradient rows, dK's rope columns to dk2 */
+        const int fd = tm.fold_dn;
+        const size_t khs = (size_t)(fd + p.dimv), k2hs = (size_t)(p.dimq - fd);
+        const bool wq = pq && (khs & 7) == 0 && (k2hs & 7) == 0 && (fd & 7) == 0 && rows16(p.dk, 8, true) && rows16(tm.dk2, 8, true);
+        const bool wv = pv && (khs & 7) == 0 && rows16(p.dv, 8, true);
+        (void)qoff; (void)voff; (void)ldqk; (void)ldv;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int key = kr + 8 * hh;
+            const size_t tk = ((size_t)b * T + key) * H + h;
+            store_acc_row<DQ, true>(p.dk + tk * khs, key < T, p.dimq, wq, pq, dk, hh, p.scale, c, tm.dk2 + tk * k2hs, fd);
+            store_acc_row<DV>(p.dv + tk * khs, key < T, p.dimv, wv, pv, dv, hh, 1.f, c);
+        }
     }
 }
 
@@ -3081,12 +3108,14 @@ constexpr size_t dq_wg_smem_bytes() {
 struct DqMaps {
     CUtensorMap q, dout, k, v, q2, k2;
     TileSrc qs, ks, vs;
+    const float *rcos, *rsin;   /* folded: the rotation tables (see BwdParams) */
+    int fold_dn;
 };
 
 /* VAR: 0 in the runtime; bench/attention.cu: 1 no loads after the first key tiles (timing only),
    2 without the warpgroups' turns, 32 CTAs head after head (see heavy_first) */
-template <int DQ, int DV, int VAR>
-__global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p, const __grid_constant__ DqMaps tm) {
+template <int DQ, int DV, int VAR, bool FOLD>
+__global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, const __grid_constant__ DqMaps tm) {
     constexpr int BM = 128, BN = 64;
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
     constexpr uint32_t Q_BYTES = BM * DQ * 2, O_BYTES = BM * DV * 2, K_BYTES = BN * DQ * 2, V_BYTES = BN * DV * 2;
@@ -3097,7 +3126,8 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p,
     /* mbarriers: Q+dO full; K full [3]; V full [2]; K empty [3]; V empty [2]; the rotation tables */
     const uint32_t barQ = sBar, barKf = sBar + 8, barVf = sBar + 32, barKe = sBar + 48, barVe = sBar + 72, barRot = sBar + 88;
     /* folded RoPE: cos and sin of the block's 128 rows [128][half] each, staged by an idle producer warp
-       (read straight from memory in the epilogue, their latency showed: 0.465 -> 0.497 ms on an H100) */
+       with cp.async (read straight from memory in the epilogue, their latency showed: 0.465 -> 0.497 ms on
+       an H100; staged by plain loads and stores, the copy loop outlasted the CTA: 0.996 ms on an H200) */
     float *sRot = reinterpret_cast<float *>(smem_raw + (sBar + 128 - raw));
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -3129,30 +3159,35 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p,
             mbar_init(barVf + 8 * i, 1);
             mbar_init(barVe + 8 * i, 8);
         }
-        mbar_init(barRot, 32);
+        if (FOLD) mbar_init(barRot, 32);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads(); /* the last CTA-wide barrier: the producer warpgroup leaves below */
-    const int fd = p.fold.dn, half = (p.dimq - fd) / 2;
+    const int fd = FOLD ? tm.fold_dn : 0, half = (p.dimq - fd) / 2;
     if (warp >= 8) { /* producer: Q and dO, then K_j (3 stages) and V_j (2 stages) for every key tile */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (warp == 9 && fd) { /* the rotation tables of rows [m0, m0 + 128) */
-            for (int i = lane; i < BM * half; i += 32) {
-                const int r = m0 + i / half;
-                sRot[i] = r < T ? p.rcos[(size_t)r * half + i % half] : 0.f;
-                sRot[BM * half + i] = r < T ? p.rsin[(size_t)r * half + i % half] : 0.f;
+        if (FOLD && warp == 9) { /* the rotation tables of rows [m0, m0 + 128): 16-byte cp.async (rows past T
+                                      zero-filled), each lane arriving once its copies have landed */
+            const int per = half / 4;
+            const uint32_t sRotU = sBar + 128;
+            for (int i = lane; i < BM * per; i += 32) {
+                const int r = m0 + i / per, k = i - (i / per) * per;
+                const bool ok = r < T;
+                const size_t src = (size_t)(ok ? r : 0) * half + 4 * k;
+                cp_async_16(sRotU + 16 * i, tm.rcos + src, ok);
+                cp_async_16(sRotU + 16 * (BM * per + i), tm.rsin + src, ok);
             }
-            mbar_arrive(barRot);
+            cp_async_mbar_arrive(barRot);
         }
         if (warp == 8 && lane == 0) {
             mbar_expect_tx(barQ, Q_BYTES + O_BYTES);
-            tma_src_tile<BM, DQ>(sQ, &tm.q, &tm.q2, tm.qs, barQ, h, m0, b);
+            tma_qkv_tile<BM, DQ, FOLD>(sQ, &tm.q, &tm.q2, tm.qs, barQ, h, m0, b);
             tma_head_tile<BM, DV>(sdO, &tm.dout, barQ, h, m0, b);
             for (int j = j0; j < n_blocks; ++j) {
                 const int u = j - j0;
                 const bool load = !(VAR & 1) || u < 3;
-                ring_fill<3, BN, DQ>(sK, barKf, barKe, &tm.k, &tm.k2, tm.ks, u, h, j * BN, b, load);
-                ring_fill<2, BN, DV>(sV, barVf, barVe, &tm.v, &tm.v, tm.vs, u, h, j * BN, b, load);
+                ring_fill<3, BN, DQ, FOLD>(sK, barKf, barKe, &tm.k, &tm.k2, tm.ks, u, h, j * BN, b, load);
+                ring_fill<2, BN, DV, FOLD>(sV, barVf, barVe, &tm.v, &tm.v, tm.vs, u, h, j * BN, b, load);
             }
         }
         return;
@@ -3263,14 +3298,21 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p,
     /* epilogue: dQ * scale (folded RoPE: its rope columns rotated back, as q's gradient) */
     bf16 *dqbase = p.dq + qoff;
     const bool pq = p.pair_qk != 0, wq = rows16(p.dq, p.dimq, pq);
-    if (fd) mbar_wait(barRot, 0);
+    if constexpr (!FOLD) {
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int row = r0w + 8 * hh;
-        bf16 *dqrow = dqbase + (size_t)row * ldqk;
-        const float *rc = sRot + (row - m0) * half;
-        store_acc_row<DQ>(dqrow, row < T, p.dimq, wq, pq, dq, hh, p.scale, c, dqrow + fd, fd ? fd : 1 << 30, fd ? rc : nullptr,
-                          fd ? rc + BM * half : nullptr);
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = r0w + 8 * hh;
+            store_acc_row<DQ>(dqbase + (size_t)row * ldqk, row < T, p.dimq, wq, pq, dq, hh, p.scale, c);
+        }
+    } else {
+        mbar_wait(barRot, 0);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = r0w + 8 * hh;
+            bf16 *dqrow = dqbase + (size_t)row * ldqk;
+            const float *rc = sRot + (row - m0) * half;
+            store_acc_row<DQ, true>(dqrow, row < T, p.dimq, wq, pq, dq, hh, p.scale, c, dqrow + fd, fd, rc, rc + BM * half);
+        }
     }
     /* launched early (after the dK/dV kernel, see launch_bwd): do not complete before it has, so that
        what follows on the stream sees dK and dV as well (a no-op when launched normally) */
@@ -3297,7 +3339,7 @@ __global__ void __launch_bounds__(256) fa_bwd_dot_kernel(const bf16 *__restrict_
 /* Backward dQ: one CTA per (b*h, BM-query block), NW warps x 16 rows, streams key blocks.     */
 /* ------------------------------------------------------------------------------------------ */
 template <int DQ, int DV, int NW, int BN, int ST>
-__global__ void __launch_bounds__(NW * 32, 1) fa_bwd_dq_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(NW * 32, 1) fa_bwd_dq_kernel(const BwdCore p) {
     constexpr int BM = NW * 16;
     constexpr int NT = NW * 32;
     constexpr int LDQ = DQ + 8, LDV = DV + 8;
@@ -3465,7 +3507,7 @@ __global__ void __launch_bounds__(NW * 32, 1) fa_bwd_dq_kernel(const BwdParams p
 /*           dsp-th 1/DS slice of the head dims, dV += P^T dO and dK += dS^T Q.               */
 /* ------------------------------------------------------------------------------------------ */
 template <int DQ, int DV, int BMQ, int ST, int MINB, int QC, bool KVREG, int MT>
-__global__ void __launch_bounds__(256, MINB) fa_bwd_dkdv_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(256, MINB) fa_bwd_dkdv_kernel(const BwdCore p) {
     constexpr int NT = 256, BNK = 64;
     constexpr int LDQ = DQ + 8, LDV = DV + 8, LDP = BMQ + 8;
     constexpr int QW = BMQ / 2; /* queries per warp in phase 1 */
@@ -3758,7 +3800,7 @@ constexpr size_t dkdv_smem_bytes() {
 
 template <int DQ, int DV, int NW, int BN, int ST, bool QREG, int MT>
 static int launch_fwd_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const FwdParams) = fa_fwd_kernel<DQ, DV, NW, BN, ST, QREG, MT>;
+    void (*kern)(const FwdCore) = fa_fwd_kernel<DQ, DV, NW, BN, ST, QREG, MT>;
     const size_t smem = fwd_smem_bytes<DQ, DV, NW, BN, ST, MT>();
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     const int BM = NW * 16 * MT;
@@ -3770,7 +3812,7 @@ static int launch_fwd_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
 }
 template <int DQ, int DV, int BMQ, int ST, int MINB, int QC, bool KVREG, int MT>
 static int launch_dkdv_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdParams) = fa_bwd_dkdv_kernel<DQ, DV, BMQ, ST, MINB, QC, KVREG, MT>;
+    void (*kern)(const BwdCore) = fa_bwd_dkdv_kernel<DQ, DV, BMQ, ST, MINB, QC, KVREG, MT>;
     const size_t smem = dkdv_smem_bytes<DQ, DV, BMQ, ST>();
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     const int nblocks = (p.T + 63) / 64;
@@ -3781,7 +3823,7 @@ static int launch_dkdv_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
 }
 template <int DQ, int DV, int NW, int BN, int ST>
 static int launch_dq_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdParams) = fa_bwd_dq_kernel<DQ, DV, NW, BN, ST>;
+    void (*kern)(const BwdCore) = fa_bwd_dq_kernel<DQ, DV, NW, BN, ST>;
     const size_t smem = dq_smem_bytes<DQ, DV, NW, BN, ST>();
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     const int BM = NW * 16;
@@ -3837,7 +3879,9 @@ static int qkv_maps(EncodeTiledFn enc, M &m, const P &p, int B, int qrows, int k
 /* -2: no tensor-map encoder, a map it refuses or a scale <= 0 (the caller takes the mma.sync kernel) */
 template <int DQ, int DV, int BN, int VAR = 0>
 static int launch_fwd_wg_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const FwdParams, const FwdMaps) = fa_fwd_wg_kernel<DQ, DV, BN, VAR>;
+    void (*kern)(const FwdCore, const FwdMaps) = fa_fwd_wg_kernel<DQ, DV, BN, VAR, false>;
+    if constexpr (VAR == 0 && DV == 128) if (p.fold.dn) kern = fa_fwd_wg_kernel<DQ, DV, BN, 0, true>;
+    if ((VAR != 0 || DV != 128) && p.fold.dn) return -1;
     const size_t smem = fwd_wg_smem_bytes<DQ, DV, BN>();
     const int mblocks = (p.T + 127) / 128;
     if (BH > 65535 || p.H <= 0) return -1;
@@ -3880,13 +3924,17 @@ static int launch_fwd(const FwdParams &p, int BH, cudaStream_t stream) {
 /* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
 template <int DQ, int DV, int VAR = 0>
 static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdParams, const DkdvMaps) = fa_bwd_dkdv_wg_kernel<DQ, DV, VAR>;
+    void (*kern)(const BwdCore, const DkdvMaps) = fa_bwd_dkdv_wg_kernel<DQ, DV, VAR, false>;
+    if constexpr (VAR == 0 && DV == 128) if (p.fold.dn) kern = fa_bwd_dkdv_wg_kernel<DQ, DV, 0, true>;
+    if ((VAR != 0 || DV != 128) && p.fold.dn) return -1;
     const size_t smem = dkdv_wg_smem_bytes<DQ, DV>();
     if (BH > 65535 || p.H <= 0) return -1;
     const int B = BH / p.H;
     EncodeTiledFn enc = tma_encoder();
     DkdvMaps tm;
     if (p.fold.dn && (p.dimq != DQ || p.dimv != DV)) return -1;
+    tm.dk2 = p.dk2;
+    tm.fold_dn = p.fold.dn;
     if (!enc || qkv_maps(enc, tm, p, B, 64, 128) || fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 64)) return -2;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     dim3 grid((unsigned)((p.T + 127) / 128), (unsigned)BH);
@@ -3896,13 +3944,17 @@ static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream
 /* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
 template <int DQ, int DV, int VAR = 0, bool EARLY = false>
 static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdParams, const DqMaps) = fa_bwd_dq_wg_kernel<DQ, DV, VAR>;
+    void (*kern)(const BwdCore, const DqMaps) = fa_bwd_dq_wg_kernel<DQ, DV, VAR, false>;
+    if constexpr (VAR == 0 && DV == 128) if (p.fold.dn) kern = fa_bwd_dq_wg_kernel<DQ, DV, 0, true>;
+    if ((VAR != 0 || DV != 128) && p.fold.dn) return -1;
     const size_t smem = dq_wg_smem_bytes<DQ, DV>() + (p.fold.dn ? (size_t)128 * (p.dimq - p.fold.dn) * 4 : 0);
     if (BH > 65535 || p.H <= 0) return -1;
     const int B = BH / p.H;
     EncodeTiledFn enc = tma_encoder();
     DqMaps tm;
     if (p.fold.dn && (p.dimq != DQ || p.dimv != DV)) return -1;
+    tm.rcos = p.rcos; tm.rsin = p.rsin;
+    tm.fold_dn = p.fold.dn;
     if (!enc || qkv_maps(enc, tm, p, B, 128, 64) || fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 128)) return -2;
     if (smem > 227 * 1024 || cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     /* EARLY: programmatic stream serialization, so that it may start while the kernel before it
