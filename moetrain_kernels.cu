@@ -1927,15 +1927,17 @@ __device__ __forceinline__ void store2(bf16 *row, int col, int ncols, bool pair,
    thread c the whole 8-column chunks 4q + c, stored 16 bytes at a time (4-byte stores in the
    accumulator's layout cost the forward 0.359 against 0.310 ms at B=8 T=2048 H=16, 192/128, H200);
    else store2.  Every lane of the warp calls it (the shuffles); wide is the same for all. */
-/* Columns >= split (a multiple of 8) go to row2 at col - split instead; with rc (cos, sin of the row's
-   position: rc[i], rs[i] for the pair at row2's columns 2i, 2i + 1) they are first rounded to bf16 and
-   rotated back as k_rope_bwd8 does (MLA_ATTENTION_BWD's dQ: bitwise the unfolded dq). */
-template <int N, bool SPLIT = false>
+/* SPLIT > 0 (folded RoPE; a multiple of 32; wide rows only: the folded tensors are 16-byte aligned):
+   columns >= SPLIT go to row2 at col - SPLIT instead, and with ROT (cos, sin of the row's position: rc[i],
+   rs[i] for the pair at row2's columns 2i, 2i + 1) are first rounded to bf16 and rotated back as
+   k_rope_bwd8 does (MLA_ATTENTION_BWD's dQ: bitwise the unfolded dq).  Thread c's chunk 4q + c lies
+   below SPLIT exactly when q < SPLIT / 32, so the routing is decided at compile time. */
+template <int N, int SPLIT = 0, bool ROT = false>
 __device__ __forceinline__ void store_acc_row(bf16 *row, bool ok, int ncols, bool wide, bool pair, const float (&acc)[N / 2],
-                                              int hh, float sc, int c, bf16 *row2 = nullptr, int split = 1 << 30,
-                                              const float *rc = nullptr, const float *rs = nullptr) {
-    static_assert(N % 32 == 0, "store_acc_row: N");
-    if (wide) {
+                                              int hh, float sc, int c, bf16 *row2 = nullptr, const float *rc = nullptr,
+                                              const float *rs = nullptr) {
+    static_assert(N % 32 == 0 && SPLIT % 32 == 0 && SPLIT < N, "store_acc_row: N, SPLIT");
+    if (SPLIT || wide) {
         uint32_t v[N / 8];
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) v[j] = pack_bf16(acc[4 * j + 2 * hh] * sc, acc[4 * j + 2 * hh + 1] * sc);
@@ -1953,32 +1955,18 @@ __device__ __forceinline__ void store_acc_row(bf16 *row, bool ok, int ncols, boo
             const int col = 8 * (4 * q + c);
             if (ok && col < ncols) {
                 uint4 val = make_uint4(w[0], w[1], w[2], w[3]);
-                if (!SPLIT || col < split) {
+                if (!SPLIT || q < SPLIT / 32) {
                     *reinterpret_cast<uint4 *>(row + col) = val;
                 } else {
-                    const int i = (col - split) >> 1;
-                    if (rc) val = rot8(val, make_float4(rc[i], rc[i + 1], rc[i + 2], rc[i + 3]), make_float4(rs[i], rs[i + 1], rs[i + 2], rs[i + 3]), 1);
-                    *reinterpret_cast<uint4 *>(row2 + (col - split)) = val;
+                    const int i = (col - SPLIT) >> 1;
+                    if (ROT) val = rot8(val, make_float4(rc[i], rc[i + 1], rc[i + 2], rc[i + 3]), make_float4(rs[i], rs[i + 1], rs[i + 2], rs[i + 3]), 1);
+                    *reinterpret_cast<uint4 *>(row2 + (col - SPLIT)) = val;
                 }
             }
         }
     } else if (ok) {
 #pragma unroll
-        for (int j = 0; j < N / 8; ++j) {
-            const int col = 8 * j + 2 * c;
-            float v0 = acc[4 * j + 2 * hh] * sc, v1 = acc[4 * j + 2 * hh + 1] * sc;
-            if (!SPLIT || col < split) {
-                store2(row, col, ncols, pair, v0, v1);
-            } else {
-                if (rc && col + 1 < ncols) {
-                    const int i = (col - split) >> 1;
-                    const __nv_bfloat162 x = rot2(__floats2bfloat162_rn(v0, v1), rc[i], rs[i], 1);
-                    v0 = __low2float(x);
-                    v1 = __high2float(x);
-                }
-                store2(row2, col - split, ncols - split, pair, v0, v1);
-            }
-        }
+        for (int j = 0; j < N / 8; ++j) store2(row, 8 * j + 2 * c, ncols, pair, acc[4 * j + 2 * hh] * sc, acc[4 * j + 2 * hh + 1] * sc);
     }
 }
 /* rows of ncols bf16 at base (aligned as given) take 16-byte stores */
@@ -1993,7 +1981,7 @@ __device__ __forceinline__ bool rows16(const void *base, int ncols, bool pair) {
    come from q [N, H*dimq] (its first fold_dn columns) and qr [N, H*(dimq - fold_dn)] (the rotated rest),
    K's from kv [N, H*(fold_dn + dimv)] (its first fold_dn columns per head) and kr [N, dimq - fold_dn]
    (one rotated row per token, shared by the heads), V's from kv's last dimv columns per head; q, k and
-   v are unused.  See TileSrc. */
+   v are unused.  See tma_qkv_tile. */
 struct Fold {
     const bf16 *q = nullptr, *kv = nullptr, *qr = nullptr, *kr = nullptr;
     int dn = 0;
@@ -2492,42 +2480,38 @@ __device__ __forceinline__ void tma_head_tile(uint32_t s, const CUtensorMap *map
 #pragma unroll
     for (int kb = 0; kb < D / 64; ++kb) tma_load_4d(s + (uint32_t)(kb * R * 128), map, bar, 64 * kb, h, row, b);
 }
-/* Where the 64-column panels of a Q, K or V tile come from: panel kb < split from `map` at column
-   col0 + 64 kb (4-D: head dim, heads, T, B), the others from `map2` at column 64 (kb - split), 4-D, or
-   3-D (dim, T, B: one row per token, shared by the heads) when shared2.  Unfolded: one map, split =
-   all panels.  Folded RoPE (Fold): Q = q's nope panels + qr, K = kv's nope panels + kr (shared),
-   V = kv's value panels (col0 = dn). */
-struct TileSrc {
-    int split, col0, shared2;
-};
-template <int R, int D>
-__device__ __forceinline__ void tma_src_tile(uint32_t s, const CUtensorMap *map, const CUtensorMap *map2, const TileSrc ts, uint32_t bar,
-                                             int h, int row, int b) {
+/* Folded RoPE (Fold, rope width 64): a Q tile's panels but the last from q, the last from qr (KIND 0);
+   a K tile's from kv, the last from the shared kr through a 3-D map (dim, T, B; KIND 1); a V tile's
+   from kv's columns [C0, C0 + D) (KIND 2, C0 = dn).  Compile-time, like the unfolded loads: with the
+   panels' sources read at run time, the folded kernels ran 4% (dK/dV) and 10% (dQ) slower than the
+   unfolded ones even on the unfolded tensors (H200, B=8 T=2048 H=16). */
+template <int R, int D, bool FOLD, int KIND, int C0 = 0>
+__device__ __forceinline__ void tma_qkv_tile(uint32_t s, const CUtensorMap *map, const CUtensorMap *map2, uint32_t bar, int h, int row,
+                                             int b) {
+    if constexpr (!FOLD) {
+        tma_head_tile<R, D>(s, map, bar, h, row, b);
+    } else if constexpr (KIND == 2) {
 #pragma unroll
-    for (int kb = 0; kb < D / 64; ++kb) {
-        const uint32_t dst = s + (uint32_t)(kb * R * 128);
-        if (kb < ts.split) tma_load_4d(dst, map, bar, ts.col0 + 64 * kb, h, row, b);
-        else if (ts.shared2) tma_load_3d(dst, map2, bar, 64 * (kb - ts.split), row, b);
-        else tma_load_4d(dst, map2, bar, 64 * (kb - ts.split), h, row, b);
+        for (int kb = 0; kb < D / 64; ++kb) tma_load_4d(s + (uint32_t)(kb * R * 128), map, bar, C0 + 64 * kb, h, row, b);
+    } else {
+#pragma unroll
+        for (int kb = 0; kb < D / 64 - 1; ++kb) tma_load_4d(s + (uint32_t)(kb * R * 128), map, bar, 64 * kb, h, row, b);
+        const uint32_t last = s + (uint32_t)((D / 64 - 1) * R * 128);
+        if constexpr (KIND == 1) tma_load_3d(last, map2, bar, 0, row, b);
+        else tma_load_4d(last, map2, bar, 0, h, row, b);
     }
 }
 /* use u of a ring of NS such tiles (stage u % NS at s0, full / empty barriers 8 bytes apart): wait for
    the stage's previous use to be released, then load (or, for the bench's ablations, only arrive) */
-template <int R, int D, bool FOLD>
-__device__ __forceinline__ void tma_qkv_tile(uint32_t s, const CUtensorMap *map, const CUtensorMap *map2, const TileSrc ts, uint32_t bar,
-                                             int h, int row, int b) {
-    if constexpr (FOLD) tma_src_tile<R, D>(s, map, map2, ts, bar, h, row, b);
-    else tma_head_tile<R, D>(s, map, bar, h, row, b);
-}
-template <int NS, int R, int D, bool FOLD>
+template <int NS, int R, int D, bool FOLD, int KIND, int C0 = 0>
 __device__ __forceinline__ void ring_fill(uint32_t s0, uint32_t full, uint32_t empty, const CUtensorMap *map, const CUtensorMap *map2,
-                                          const TileSrc ts, int u, int h, int row, int b, bool load) {
+                                          int u, int h, int row, int b, bool load) {
     constexpr uint32_t BYTES = R * D * 2;
     const int st = NS == 2 ? (u & 1) : u % NS;
     if (u >= NS) mbar_wait(empty + 8 * st, (NS == 2 ? ((u - 2) >> 1) : (u / NS) - 1) & 1);
     if (load) {
         mbar_expect_tx(full + 8 * st, BYTES);
-        tma_qkv_tile<R, D, FOLD>(s0 + (uint32_t)st * BYTES, map, map2, ts, full + 8 * st, h, row, b);
+        tma_qkv_tile<R, D, FOLD, KIND, C0>(s0 + (uint32_t)st * BYTES, map, map2, full + 8 * st, h, row, b);
     } else {
         mbar_arrive(full + 8 * st);
     }
@@ -2537,11 +2521,10 @@ template <int DQ, int DV, int BN>
 constexpr size_t fwd_wg_smem_bytes() {
     return 1024 + (size_t)(128 * DQ + 2 * BN * DQ + 2 * BN * DV) * sizeof(bf16) + 16 * 8;
 }
-/* the TMA maps of Q, K and V (4-D: head dim, heads, T, B; boxes of 64 columns x 1 x rows x 1), the
-   second maps of Q and K and where each tile's panels come from (see TileSrc) */
+/* the TMA maps of Q, K and V (4-D: head dim, heads, T, B; boxes of 64 columns x 1 x rows x 1) and, folded,
+   the second maps of Q and K (see tma_qkv_tile) */
 struct FwdMaps {
     CUtensorMap q, k, v, q2, k2;
-    TileSrc qs, ks, vs;
 };
 
 /* VAR: 0 in the runtime; bench/attention.cu times ablations that leave a stage out (wrong results,
@@ -2610,11 +2593,11 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
                 const int n_blocks = key_tiles(m0, b, j0);
                 if (k > 0) mbar_wait(barQe, (k - 1) & 1);
                 mbar_expect_tx(barQ, Q_BYTES);
-                tma_qkv_tile<BM, DQ, FOLD>(sQ, &tm.q, &tm.q2, tm.qs, barQ, h, m0, b);
+                tma_qkv_tile<BM, DQ, FOLD, 0>(sQ, &tm.q, &tm.q2, barQ, h, m0, b);
                 for (int j = j0; j < n_blocks; ++j, ++u) {
                     const bool load = !(VAR & 1) || u < 2;
-                    ring_fill<2, BN, DQ, FOLD>(sK, barKf, barKe, &tm.k, &tm.k2, tm.ks, u, h, j * BN, b, load);
-                    ring_fill<2, BN, DV, FOLD>(sV, barVf, barVe, &tm.v, &tm.v, tm.vs, u, h, j * BN, b, load);
+                    ring_fill<2, BN, DQ, FOLD, 1>(sK, barKf, barKe, &tm.k, &tm.k2, u, h, j * BN, b, load);
+                    ring_fill<2, BN, DV, FOLD, 2, DQ - 64>(sV, barVf, barVe, &tm.v, &tm.v, u, h, j * BN, b, load);
                 }
             }
         }
@@ -2867,11 +2850,10 @@ constexpr size_t dkdv_wg_smem_bytes() {
     return 1024 + (size_t)(128 * DQ + 128 * DV + dkdv_wg_stages<DQ, DV>() * 64 * (DQ + DV)) * sizeof(bf16) +
            (size_t)dkdv_wg_stages<DQ, DV>() * 3 * 64 * sizeof(float) + 16 * 8;
 }
-/* the TMA maps of the dK/dV kernel: K and V in boxes of 128 rows, Q and dO in boxes of 64 (second maps
-   and panel sources as in FwdMaps) */
+/* the TMA maps of the dK/dV kernel: K and V in boxes of 128 rows, Q and dO in boxes of 64 (second maps as
+   in FwdMaps) */
 struct DkdvMaps {
     CUtensorMap q, dout, k, v, q2, k2;
-    TileSrc qs, ks, vs;
     bf16 *dk2;   /* folded: dK's rope columns (see BwdParams) */
     int fold_dn;
 };
@@ -2955,7 +2937,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
         if (lane == 0) {
             if (!(VAR & 1) || u < NS) {
                 mbar_expect_tx(full, Q_BYTES + O_BYTES);
-                tma_qkv_tile<BMQ, DQ, FOLD>(sQ + (uint32_t)st * Q_BYTES, &tm.q, &tm.q2, tm.qs, full, h, q0, b);
+                tma_qkv_tile<BMQ, DQ, FOLD, 0>(sQ + (uint32_t)st * Q_BYTES, &tm.q, &tm.q2, full, h, q0, b);
                 tma_head_tile<BMQ, DV>(sdO + (uint32_t)st * O_BYTES, &tm.dout, full, h, q0, b);
             } else {
                 mbar_arrive(full);
@@ -2965,8 +2947,8 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
     if (warp == 0) {
         if (lane == 0) {
             mbar_expect_tx(barKV, K_BYTES + V_BYTES);
-            tma_qkv_tile<BNK, DQ, FOLD>(sK, &tm.k, &tm.k2, tm.ks, barKV, h, n0, b);
-            tma_qkv_tile<BNK, DV, FOLD>(sV, &tm.v, &tm.v, tm.vs, barKV, h, n0, b);
+            tma_qkv_tile<BNK, DQ, FOLD, 1>(sK, &tm.k, &tm.k2, barKV, h, n0, b);
+            tma_qkv_tile<BNK, DV, FOLD, 2, DQ - 64>(sV, &tm.v, &tm.v, barKV, h, n0, b);
         }
         for (int u = 0; u < min(NS, n_tiles); ++u) fill(u);
     }
@@ -3086,7 +3068,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
         for (int hh = 0; hh < 2; ++hh) {
             const int key = kr + 8 * hh;
             const size_t tk = ((size_t)b * T + key) * H + h;
-            store_acc_row<DQ, true>(p.dk + tk * khs, key < T, p.dimq, wq, pq, dk, hh, p.scale, c, tm.dk2 + tk * k2hs, fd);
+            store_acc_row<DQ, DQ - 64>(p.dk + tk * khs, key < T, p.dimq, wq, pq, dk, hh, p.scale, c, tm.dk2 + tk * k2hs);
             store_acc_row<DV>(p.dv + tk * khs, key < T, p.dimv, wv, pv, dv, hh, 1.f, c);
         }
     }
@@ -3103,11 +3085,10 @@ template <int DQ, int DV>
 constexpr size_t dq_wg_smem_bytes() {
     return 1024 + (size_t)(128 * DQ + 128 * DV + 3 * 64 * DQ + 2 * 64 * DV) * sizeof(bf16) + 16 * 8;
 }
-/* the TMA maps of the dQ kernel: Q and dO in boxes of 128 rows, K and V in boxes of 64 (second maps and
-   panel sources as in FwdMaps) */
+/* the TMA maps of the dQ kernel: Q and dO in boxes of 128 rows, K and V in boxes of 64 (second maps as in
+   FwdMaps) */
 struct DqMaps {
     CUtensorMap q, dout, k, v, q2, k2;
-    TileSrc qs, ks, vs;
     const float *rcos, *rsin;   /* folded: the rotation tables (see BwdParams) */
     int fold_dn;
 };
@@ -3181,13 +3162,13 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
         }
         if (warp == 8 && lane == 0) {
             mbar_expect_tx(barQ, Q_BYTES + O_BYTES);
-            tma_qkv_tile<BM, DQ, FOLD>(sQ, &tm.q, &tm.q2, tm.qs, barQ, h, m0, b);
+            tma_qkv_tile<BM, DQ, FOLD, 0>(sQ, &tm.q, &tm.q2, barQ, h, m0, b);
             tma_head_tile<BM, DV>(sdO, &tm.dout, barQ, h, m0, b);
             for (int j = j0; j < n_blocks; ++j) {
                 const int u = j - j0;
                 const bool load = !(VAR & 1) || u < 3;
-                ring_fill<3, BN, DQ, FOLD>(sK, barKf, barKe, &tm.k, &tm.k2, tm.ks, u, h, j * BN, b, load);
-                ring_fill<2, BN, DV, FOLD>(sV, barVf, barVe, &tm.v, &tm.v, tm.vs, u, h, j * BN, b, load);
+                ring_fill<3, BN, DQ, FOLD, 1>(sK, barKf, barKe, &tm.k, &tm.k2, u, h, j * BN, b, load);
+                ring_fill<2, BN, DV, FOLD, 2, DQ - 64>(sV, barVf, barVe, &tm.v, &tm.v, u, h, j * BN, b, load);
             }
         }
         return;
@@ -3311,7 +3292,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
             const int row = r0w + 8 * hh;
             bf16 *dqrow = dqbase + (size_t)row * ldqk;
             const float *rc = sRot + (row - m0) * half;
-            store_acc_row<DQ, true>(dqrow, row < T, p.dimq, wq, pq, dq, hh, p.scale, c, dqrow + fd, fd, rc, rc + BM * half);
+            store_acc_row<DQ, DQ - 64, true>(dqrow, row < T, p.dimq, wq, pq, dq, hh, p.scale, c, dqrow + fd, rc, rc + BM * half);
         }
     }
     /* launched early (after the dK/dV kernel, see launch_bwd): do not complete before it has, so that
@@ -3855,25 +3836,21 @@ static int fa_map_shared(EncodeTiledFn enc, CUtensorMap *m, const void *base, in
     const cuuint32_t box[3] = {64, (cuuint32_t)rows, 1};
     return tma_map(enc, m, base, 3, dims, strides, box);
 }
-/* Q's, K's and V's maps and panel sources (TileSrc) for any of the three kernels' map sets: Q in boxes
-   of qrows rows, K and V of krows; from p.q, p.k, p.v, or with the RoPE folded (p.fold.dn > 0) from
-   q + qr, kv + kr and kv's value columns (the dims must then be the kernel's DQ, DV exactly: a panel
-   past them would read the next head's columns, not zeros) */
+/* Q's, K's and V's maps for any of the three kernels' map sets: Q in boxes of qrows rows, K and V of
+   krows; from p.q, p.k, p.v, or with the RoPE folded (p.fold.dn > 0, rope width 64) from q + qr, kv +
+   kr and kv's value columns (the dims must then be the kernel's DQ, DV exactly: a panel past them would
+   read the next head's columns, not zeros) */
 template <class P, class M>
 static int qkv_maps(EncodeTiledFn enc, M &m, const P &p, int B, int qrows, int krows) {
     memset(&m.q2, 0, sizeof m.q2);
     memset(&m.k2, 0, sizeof m.k2);
     const int fd = p.fold.dn;
-    if (!fd) {
-        m.qs = TileSrc{1 << 20, 0, 0}; m.ks = TileSrc{1 << 20, 0, 0}; m.vs = TileSrc{1 << 20, 0, 0};
+    if (!fd)
         return fa_map(enc, &m.q, p.q, p.dimq, p.H, p.T, B, qrows) || fa_map(enc, &m.k, p.k, p.dimq, p.H, p.T, B, krows) ||
                fa_map(enc, &m.v, p.v, p.dimv, p.H, p.T, B, krows);
-    }
-    const int dr = p.dimq - fd;
-    if (fd % 64 || dr % 64 || p.dimv % 64) return -1;
-    m.qs = TileSrc{fd / 64, 0, 0}; m.ks = TileSrc{fd / 64, 0, 1}; m.vs = TileSrc{1 << 20, fd, 0};
-    return fa_map(enc, &m.q, p.fold.q, p.dimq, p.H, p.T, B, qrows) || fa_map(enc, &m.q2, p.fold.qr, dr, p.H, p.T, B, qrows) ||
-           fa_map(enc, &m.k, p.fold.kv, fd + p.dimv, p.H, p.T, B, krows) || fa_map_shared(enc, &m.k2, p.fold.kr, dr, p.T, B, krows) ||
+    if (p.dimq - fd != 64 || fd % 64 || p.dimv % 64) return -1;
+    return fa_map(enc, &m.q, p.fold.q, p.dimq, p.H, p.T, B, qrows) || fa_map(enc, &m.q2, p.fold.qr, 64, p.H, p.T, B, qrows) ||
+           fa_map(enc, &m.k, p.fold.kv, fd + p.dimv, p.H, p.T, B, krows) || fa_map_shared(enc, &m.k2, p.fold.kr, 64, p.T, B, krows) ||
            fa_map(enc, &m.v, p.fold.kv, fd + p.dimv, p.H, p.T, B, krows);
 }
 /* -2: no tensor-map encoder, a map it refuses or a scale <= 0 (the caller takes the mma.sync kernel) */
