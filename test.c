@@ -4198,6 +4198,36 @@ static void test_multirank(void) {
     mr_equivalence(1, 8, 8, 20, 1e-6, 1e-5);
     mr_equivalence(2, 2, 2, 20, 1e-6, 1e-5);
 
+    /* RoPE folded into attention on many ranks (dp_shard 4, ep 2): bitwise the unfolded run */
+    {
+        mt_graph gf[2];
+        int nf = -1, built = 0;
+        for (int f = 0; f < 2; f++) {
+            mt_config c;
+            mt_mesh m;
+            mt_target t;
+            mt_config_preset(&c, "tiny", &e);
+            c.seq_len = 32; c.original_seq_len = 32; c.batch = 2;
+            mt_target_cpu(&t);
+            if (mt_mesh_init(&m, 1, 4, 1, 2, &e) || mt_build(&gf[f], &c, &m, &t, MT_GRAPH_TRAIN, &e)) break;
+            int k = 0;
+            if (mt_pass_elide_collectives(&gf[f], &e) || (f && (k = mt_pass_fold_rope(&gf[f], &e)) < 0) || mt_pass_fuse(&gf[f], &e) ||
+                mt_pass_isolate_ep(&gf[f], &e) < 0 || mt_pass_plan_memory(&gf[f], &e)) { mt_graph_free(&gf[f]); break; }
+            if (f) nf = k;
+            built++;
+        }
+        mr_job a, b;
+        memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
+        a.fail_rank = b.fail_rank = -1;
+        int ok = built == 2 && mr_run(&a, &gf[0], 6, &e) == 0 && mr_run(&b, &gf[1], 6, &e) == 0;
+        int same = ok && nf == gf[1].cfg.n_layers && bitwise_equal(a.loss, b.loss, 6) && bitwise_equal(a.gnorm, b.gnorm, 6);
+        for (int r = 0; same && r < 4; r++) same = a.param_bytes[r] == b.param_bytes[r] && !memcmp(a.params[r], b.params[r], a.param_bytes[r]);
+        report("4 ranks (dp_shard 4, ep 2): RoPE folded = unfolded, bitwise", same, "%d layers folded; losses, norms, every rank's weights %s", nf,
+               ok ? "" : e.msg);
+        mr_free(&a); mr_free(&b);
+        for (int f = 0; f < built; f++) mt_graph_free(&gf[f]);
+    }
+
     /* two runs bitwise equal; replicas hold bitwise equal weights */
     mt_graph g;
     if (mr_compile(&g, 2, 2, 2, 2, 0, &e)) { report("multi-rank graph", 0, "%s", e.msg); return; }

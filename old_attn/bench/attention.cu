@@ -1,0 +1,618 @@
+/* bench/attention.cu — the attention kernels of moetrain_kernels.cu on their own: correctness
+ * against a float64 CPU reference over many shapes (outputs poisoned, NaN never passes), bitwise
+ * determinism, and timing (TFLOP/s, counting the causal half) per kernel; plain causal and with
+ * document masking (packed documents, block-causal; FLOPs counted over the unmasked part).
+ *
+ *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -o /tmp/attn bench/attention.cu \
+ *        -lcublasLt -lnccl && /tmp/attn
+ */
+#define MOETRAIN_IMPLEMENTATION   /* mt_errf and friends, for the kernels file */
+#include "../moetrain_kernels.cu"
+#undef CK
+
+/* ========================================================================================== */
+/* Self test                                                                                  */
+/* ========================================================================================== */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <vector>
+#include <algorithm>
+
+#define CK(x)                                                                                             \
+    do {                                                                                                  \
+        cudaError_t e_ = (x);                                                                             \
+        if (e_ != cudaSuccess) {                                                                          \
+            fprintf(stderr, "CUDA error '%s' at %s:%d: %s\n", #x, __FILE__, __LINE__, cudaGetErrorString(e_)); \
+            exit(2);                                                                                      \
+        }                                                                                                 \
+    } while (0)
+#define CKAPI(x)                                                                      \
+    do {                                                                              \
+        int r_ = (x);                                                                 \
+        if (r_ != 0) {                                                                \
+            fprintf(stderr, "API call '%s' failed (%d) at %s:%d\n", #x, r_, __FILE__, __LINE__); \
+            cudaError_t e_ = cudaGetLastError();                                      \
+            fprintf(stderr, "  last CUDA error: %s\n", cudaGetErrorString(e_));       \
+            exit(2);                                                                  \
+        }                                                                             \
+    } while (0)
+
+static int g_pass = 0, g_fail = 0;
+
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+static inline uint64_t rng_next() {
+    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static inline double rng_uniform() { return ((rng_next() >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float bf2f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static void fill_normal(std::vector<uint16_t> &v) {
+    for (size_t i = 0; i < v.size(); i += 2) {
+        const double u1 = rng_uniform(), u2 = rng_uniform();
+        const double r = sqrt(-2.0 * log(u1));
+        v[i] = f2bf((float)(r * cos(6.283185307179586 * u2)));
+        if (i + 1 < v.size()) v[i + 1] = f2bf((float)(r * sin(6.283185307179586 * u2)));
+    }
+}
+
+struct Shape {
+    int B, T, H, dq, dv;
+    int doc; /* 0: plain causal; > 0: packed documents of random lengths 1..2*doc (fixed length doc when timing) */
+};
+
+/* document starts [B*T] (see mt_cpu_doc_starts): random lengths in 1..2*doc, or all of length doc */
+static std::vector<int> make_doc_starts(const Shape &s, bool fixed) {
+    std::vector<int> ds((size_t)s.B * s.T);
+    for (int b = 0; b < s.B; ++b) {
+        int start = 0, left = 0;
+        for (int t = 0; t < s.T; ++t) {
+            if (left == 0) { start = t; left = fixed ? s.doc : 1 + (int)(rng_next() % (uint64_t)(2 * s.doc)); }
+            ds[(size_t)b * s.T + t] = start;
+            --left;
+        }
+    }
+    return ds;
+}
+
+struct Err {
+    double num = 0, den = 0;
+    size_t count = 0;
+    void add(double gpu, double ref) {
+        num += (gpu - ref) * (gpu - ref);
+        den += ref * ref;
+        ++count;
+    }
+    /* relative L2 error; the reference norm is floored at RMS 1e-2 so that exactly-zero references
+       (e.g. dQ when T == 1) compare against an absolute scale instead of dividing by zero */
+    double rel() const {
+        const double floor_ = 1e-4 * (double)count;
+        return sqrt(num) / sqrt(std::max(den, floor_));
+    }
+};
+
+static void report(const char *tag, const char *name, const Err &e, double tol, size_t nonfinite) {
+    const double r = e.rel();
+    const bool ok = (nonfinite == 0) && (r <= tol) && e.count > 0;
+    printf("  %-28s %-4s rel_err=%.3e (tol %.0e, %zu checked, %zu non-finite) %s\n", tag, name, r, tol, e.count, nonfinite,
+           ok ? "PASS" : "FAIL");
+    if (ok) ++g_pass; else ++g_fail;
+}
+static void check(bool ok, const char *what) {
+    printf("  %-60s %s\n", what, ok ? "PASS" : "FAIL");
+    if (ok) ++g_pass; else ++g_fail;
+}
+
+static size_t count_nonfinite_bf(const std::vector<uint16_t> &v) {
+    size_t n = 0;
+    for (uint16_t x : v) n += ((x & 0x7f80u) == 0x7f80u);
+    return n;
+}
+static size_t count_nonfinite_f(const std::vector<float> &v) {
+    size_t n = 0;
+    for (float x : v) n += !std::isfinite(x);
+    return n;
+}
+
+struct DevBufs {
+    __nv_bfloat16 *q = 0, *k = 0, *v = 0, *o = 0, *dout = 0, *dq = 0, *dk = 0, *dv = 0;
+    float *lse = 0;
+    int *ds = 0; /* document starts, or null */
+    void *ws = 0;
+    size_t nq = 0, nv = 0, nl = 0, wsb = 0;
+    void alloc(const Shape &s) {
+        const size_t N = (size_t)s.B * s.T;
+        nq = N * s.H * s.dq;
+        nv = N * s.H * s.dv;
+        nl = N * s.H;
+        wsb = mt__fa_backward_workspace(s.B, s.T, s.H, s.dq, s.dv);
+        CK(cudaMalloc(&q, nq * 2)); CK(cudaMalloc(&k, nq * 2)); CK(cudaMalloc(&v, nv * 2));
+        CK(cudaMalloc(&o, nv * 2)); CK(cudaMalloc(&dout, nv * 2));
+        CK(cudaMalloc(&dq, nq * 2)); CK(cudaMalloc(&dk, nq * 2)); CK(cudaMalloc(&dv, nv * 2));
+        CK(cudaMalloc(&lse, nl * 4)); CK(cudaMalloc(&ws, wsb));
+    }
+    void release() {
+        CK(cudaFree(q)); CK(cudaFree(k)); CK(cudaFree(v)); CK(cudaFree(o)); CK(cudaFree(dout));
+        CK(cudaFree(dq)); CK(cudaFree(dk)); CK(cudaFree(dv)); CK(cudaFree(lse)); CK(cudaFree(ws));
+        if (ds) CK(cudaFree(ds));
+    }
+    void set_docs(const std::vector<int> &h) {
+        CK(cudaMalloc(&ds, h.size() * 4));
+        CK(cudaMemcpy(ds, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+    }
+    void poison() {
+        CK(cudaMemset(o, 0xFF, nv * 2)); CK(cudaMemset(lse, 0xFF, nl * 4));
+        CK(cudaMemset(dq, 0xFF, nq * 2)); CK(cudaMemset(dk, 0xFF, nq * 2)); CK(cudaMemset(dv, 0xFF, nv * 2));
+        CK(cudaMemset(ws, 0xFF, wsb));
+    }
+};
+
+struct HostOut {
+    std::vector<uint16_t> o, dq, dk, dv;
+    std::vector<float> lse;
+};
+
+static void run_gpu(const Shape &s, DevBufs &d, float scale, HostOut &out) {
+    d.poison();
+    CKAPI(mt__fa_forward(d.q, d.k, d.v, d.ds, d.o, d.lse, s.B, s.T, s.H, s.dq, s.dv, scale, 0));
+    CKAPI(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, d.ds, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq, s.dv,
+                                     scale, 0));
+    CK(cudaDeviceSynchronize());
+    out.o.resize(d.nv); out.dv.resize(d.nv); out.dq.resize(d.nq); out.dk.resize(d.nq); out.lse.resize(d.nl);
+    CK(cudaMemcpy(out.o.data(), d.o, d.nv * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(out.dv.data(), d.dv, d.nv * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(out.dq.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(out.dk.data(), d.dk, d.nq * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(out.lse.data(), d.lse, d.nl * 4, cudaMemcpyDeviceToHost));
+}
+
+static void test_shape(const Shape &s) {
+    char tag[96];
+    snprintf(tag, sizeof tag, "B=%d T=%d H=%d dq=%d dv=%d%s", s.B, s.T, s.H, s.dq, s.dv, s.doc ? " docs" : "");
+    printf("shape %s\n", tag);
+    fflush(stdout);
+    const int B = s.B, T = s.T, H = s.H, dq = s.dq, dv = s.dv;
+    const size_t N = (size_t)B * T;
+    const float scale = 1.0f / sqrtf((float)dq);
+    std::vector<uint16_t> hq(N * H * dq), hk(N * H * dq), hv(N * H * dv), hdo(N * H * dv);
+    fill_normal(hq); fill_normal(hk); fill_normal(hv); fill_normal(hdo);
+
+    std::vector<int> hds;
+    if (s.doc) hds = make_doc_starts(s, false);
+    DevBufs d;
+    d.alloc(s);
+    if (s.doc) d.set_docs(hds);
+    CK(cudaMemcpy(d.q, hq.data(), d.nq * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.k, hk.data(), d.nq * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.v, hv.data(), d.nv * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.dout, hdo.data(), d.nv * 2, cudaMemcpyHostToDevice));
+
+    HostOut r1, r2;
+    run_gpu(s, d, scale, r1);
+
+    /* ---- which (b,h) pairs / rows / keys to check ---- */
+    const bool full = (double)B * H * (double)T * T <= 4.0e6;
+    std::vector<std::pair<int, int>> pairs;
+    if (full) {
+        for (int b = 0; b < B; ++b)
+            for (int h = 0; h < H; ++h) pairs.push_back({b, h});
+    } else {
+        pairs.push_back({0, 0});
+        pairs.push_back({B - 1, H - 1});
+        pairs.push_back({(int)(rng_next() % B), (int)(rng_next() % H)});
+        std::sort(pairs.begin(), pairs.end());
+        pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
+    }
+    std::vector<int> sel;
+    if (full) {
+        for (int t = 0; t < T; ++t) sel.push_back(t);
+    } else {
+        const int fixed[] = {0, 1, 2, 15, 16, 63, 64, 65, 127, 128, 129, T / 2, T - 65, T - 64, T - 2, T - 1};
+        for (int t : fixed)
+            if (t >= 0 && t < T) sel.push_back(t);
+        for (int i = 0; i < 48; ++i) sel.push_back((int)(rng_next() % T));
+        std::sort(sel.begin(), sel.end());
+        sel.erase(std::unique(sel.begin(), sel.end()), sel.end());
+    }
+
+    Err eo, el, edq, edk, edv;
+    std::vector<double> Qd((size_t)T * dq), Kd((size_t)T * dq), Vd((size_t)T * dv), Gd((size_t)T * dv);
+    std::vector<double> Od((size_t)T * dv), L(T), Dd(T), srow(T);
+    std::vector<int> lo(T, 0); /* first key each query sees */
+    for (auto bh : pairs) {
+        const int b = bh.first, h = bh.second;
+        for (int t = 0; t < T; ++t) lo[t] = s.doc ? hds[(size_t)b * T + t] : 0;
+        for (int t = 0; t < T; ++t) {
+            const size_t n = (size_t)b * T + t;
+            for (int x = 0; x < dq; ++x) {
+                Qd[(size_t)t * dq + x] = bf2f(hq[(n * H + h) * dq + x]);
+                Kd[(size_t)t * dq + x] = bf2f(hk[(n * H + h) * dq + x]);
+            }
+            for (int x = 0; x < dv; ++x) {
+                Vd[(size_t)t * dv + x] = bf2f(hv[(n * H + h) * dv + x]);
+                Gd[(size_t)t * dv + x] = bf2f(hdo[(n * H + h) * dv + x]);
+            }
+        }
+        /* forward for every row (needed for D and for dK/dV) */
+        for (int i = 0; i < T; ++i) {
+            double mx = -1e300;
+            const double *qi = &Qd[(size_t)i * dq];
+            for (int j = lo[i]; j <= i; ++j) {
+                const double *kj = &Kd[(size_t)j * dq];
+                double acc = 0;
+                for (int x = 0; x < dq; ++x) acc += qi[x] * kj[x];
+                srow[j] = acc * (double)scale;
+                mx = std::max(mx, srow[j]);
+            }
+            double sum = 0;
+            for (int j = lo[i]; j <= i; ++j) { srow[j] = exp(srow[j] - mx); sum += srow[j]; }
+            L[i] = mx + log(sum);
+            double *oi = &Od[(size_t)i * dv];
+            for (int x = 0; x < dv; ++x) oi[x] = 0;
+            for (int j = lo[i]; j <= i; ++j) {
+                const double pj = srow[j] / sum;
+                const double *vj = &Vd[(size_t)j * dv];
+                for (int x = 0; x < dv; ++x) oi[x] += pj * vj[x];
+            }
+            double D = 0;
+            for (int x = 0; x < dv; ++x) D += oi[x] * Gd[(size_t)i * dv + x];
+            Dd[i] = D;
+        }
+        auto P = [&](int i, int j, double *dpij) {
+            double acc = 0, dp = 0;
+            for (int x = 0; x < dq; ++x) acc += Qd[(size_t)i * dq + x] * Kd[(size_t)j * dq + x];
+            for (int x = 0; x < dv; ++x) dp += Gd[(size_t)i * dv + x] * Vd[(size_t)j * dv + x];
+            *dpij = dp;
+            return exp(acc * (double)scale - L[i]);
+        };
+        std::vector<double> g((size_t)std::max(dq, dv));
+        for (int i : sel) {
+            const size_t n = (size_t)b * T + i;
+            for (int x = 0; x < dv; ++x) eo.add(bf2f(r1.o[(n * H + h) * dv + x]), Od[(size_t)i * dv + x]);
+            el.add(r1.lse[n * H + h], L[i]);
+            /* dQ_i */
+            std::fill(g.begin(), g.end(), 0.0);
+            for (int j = lo[i]; j <= i; ++j) {
+                double dp;
+                const double pij = P(i, j, &dp);
+                const double ds = pij * (dp - Dd[i]);
+                for (int x = 0; x < dq; ++x) g[x] += ds * Kd[(size_t)j * dq + x];
+            }
+            for (int x = 0; x < dq; ++x) edq.add(bf2f(r1.dq[(n * H + h) * dq + x]), g[x] * scale);
+            /* dK_j, dV_j for j = i (key rows use the same selection) */
+            const int j = i;
+            std::vector<double> gk(dq, 0.0), gv(dv, 0.0);
+            for (int ii = j; ii < T && lo[ii] <= j; ++ii) {
+                double dp;
+                const double pij = P(ii, j, &dp);
+                const double ds = pij * (dp - Dd[ii]);
+                for (int x = 0; x < dq; ++x) gk[x] += ds * Qd[(size_t)ii * dq + x];
+                for (int x = 0; x < dv; ++x) gv[x] += pij * Gd[(size_t)ii * dv + x];
+            }
+            for (int x = 0; x < dq; ++x) edk.add(bf2f(r1.dk[(n * H + h) * dq + x]), gk[x] * scale);
+            for (int x = 0; x < dv; ++x) edv.add(bf2f(r1.dv[(n * H + h) * dv + x]), gv[x]);
+        }
+    }
+    report(tag, "O", eo, 1e-2, count_nonfinite_bf(r1.o));
+    report(tag, "lse", el, 1e-3, count_nonfinite_f(r1.lse));
+    report(tag, "dQ", edq, 1e-2, count_nonfinite_bf(r1.dq));
+    report(tag, "dK", edk, 1e-2, count_nonfinite_bf(r1.dk));
+    report(tag, "dV", edv, 1e-2, count_nonfinite_bf(r1.dv));
+
+    /* determinism: run again from poisoned outputs and compare bitwise */
+    run_gpu(s, d, scale, r2);
+    const bool same = r1.o == r2.o && r1.dq == r2.dq && r1.dk == r2.dk && r1.dv == r2.dv &&
+                      memcmp(r1.lse.data(), r2.lse.data(), r1.lse.size() * 4) == 0;
+    char what[160];
+    snprintf(what, sizeof what, "%s bitwise identical rerun", tag);
+    check(same, what);
+    d.release();
+    fflush(stdout);
+}
+
+__global__ void fill_random_bf16(__nv_bfloat16 *x, size_t n, uint32_t seed) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+        h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
+        uint32_t h2 = h * 0x27d4eb2fu + 0x165667b1u;
+        h2 ^= h2 >> 15;
+        /* sum of two uniforms - approx normal-ish, std ~1 */
+        const float u1 = (h & 0xffffff) * (1.0f / 16777216.0f), u2 = (h2 & 0xffffff) * (1.0f / 16777216.0f);
+        x[i] = __float2bfloat16_rn((u1 + u2 - 1.0f) * 2.449f);
+    }
+}
+
+static void bench_shape(const Shape &s) {
+    DevBufs d;
+    d.alloc(s);
+    double pairs = (double)s.B * ((double)s.T * s.T / 2.0); /* causal: the C bench's count */
+    if (s.doc) {
+        const std::vector<int> hds = make_doc_starts(s, true);
+        d.set_docs(hds);
+        pairs = 0;
+        for (size_t n = 0; n < hds.size(); ++n) pairs += (double)((int)(n % s.T) - hds[n] + 1);
+    }
+    fill_random_bf16<<<1024, 256>>>(d.q, d.nq, 1u);
+    fill_random_bf16<<<1024, 256>>>(d.k, d.nq, 2u);
+    fill_random_bf16<<<1024, 256>>>(d.v, d.nv, 3u);
+    fill_random_bf16<<<1024, 256>>>(d.dout, d.nv, 4u);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    const float scale = 1.0f / sqrtf((float)s.dq);
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    const double flops_fwd = 2.0 * s.H * pairs * (s.dq + s.dv);
+    const double flops_bwd = 2.5 * flops_fwd;
+    double med[2];
+    for (int pass = 0; pass < 2; ++pass) {
+        std::vector<float> ms;
+        for (int it = 0; it < 13; ++it) {
+            CK(cudaEventRecord(e0, 0));
+            if (pass == 0)
+                CKAPI(mt__fa_forward(d.q, d.k, d.v, d.ds, d.o, d.lse, s.B, s.T, s.H, s.dq, s.dv, scale, 0));
+            else
+                CKAPI(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, d.ds, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq,
+                                                 s.dv, scale, 0));
+            CK(cudaEventRecord(e1, 0));
+            CK(cudaEventSynchronize(e1));
+            float t;
+            CK(cudaEventElapsedTime(&t, e0, e1));
+            if (it >= 3) ms.push_back(t);
+        }
+        std::sort(ms.begin(), ms.end());
+        med[pass] = 0.5 * (ms[4] + ms[5]);
+    }
+    char docs[48] = "";
+    if (s.doc) snprintf(docs, sizeof docs, " docs=%d", s.doc);
+    printf("timing B=%d T=%d H=%d dq=%d dv=%d%s: forward %.3f ms (%.1f TFLOP/s), backward %.3f ms (%.1f TFLOP/s)\n", s.B, s.T,
+           s.H, s.dq, s.dv, docs, med[0], flops_fwd / (med[0] * 1e-3) / 1e12, med[1], flops_bwd / (med[1] * 1e-3) / 1e12);
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    d.release();
+}
+
+/* Per-kernel breakdown of the backward plus an alternative dK/dV configuration (2 CTAs/SM, single
+   buffered, K/V fragments reloaded from smem) so the two can be compared on the real hardware. */
+template <class P>
+static float time_launcher(int (*f)(const P &, int, cudaStream_t), const P &p, int BH) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<float> ms;
+    for (int it = 0; it < 13; ++it) {
+        CK(cudaEventRecord(e0, 0));
+        CKAPI(f(p, BH, 0));
+        CK(cudaEventRecord(e1, 0));
+        CK(cudaEventSynchronize(e1));
+        float t;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        if (it >= 3) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return 0.5f * (ms[4] + ms[5]);
+}
+static int launch_dot_only(const mt_fa::BwdParams &p, int BH, cudaStream_t st) {
+    return mt_fa::launch_dot_kernel(p, (long long)p.T * BH, st); /* BH here is B*H: rows = B*T*H */
+}
+static void bench_breakdown(const Shape &s) {
+    using namespace mt_fa;
+    if (s.dq != 192 || s.dv != 128) return;
+    DevBufs d;
+    d.alloc(s);
+    fill_random_bf16<<<1024, 256>>>(d.q, d.nq, 11u);
+    fill_random_bf16<<<1024, 256>>>(d.k, d.nq, 12u);
+    fill_random_bf16<<<1024, 256>>>(d.v, d.nv, 13u);
+    fill_random_bf16<<<1024, 256>>>(d.dout, d.nv, 14u);
+    CK(cudaGetLastError());
+    const float scale = 1.0f / sqrtf((float)s.dq);
+    CKAPI(mt__fa_forward(d.q, d.k, d.v, d.ds, d.o, d.lse, s.B, s.T, s.H, s.dq, s.dv, scale, 0));
+    CKAPI(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, d.ds, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq, s.dv,
+                                     scale, 0));
+    CK(cudaDeviceSynchronize());
+    std::vector<uint16_t> dk1(d.nq), dv1(d.nv), dk2(d.nq), dv2(d.nv);
+    CK(cudaMemcpy(dk1.data(), d.dk, d.nq * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(dv1.data(), d.dv, d.nv * 2, cudaMemcpyDeviceToHost));
+    BwdParams p;
+    const int cfg = setup_bwd(p, d.q, d.k, d.v, d.o, d.lse, d.dout, nullptr, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq, s.dv, scale);
+    if (cfg != 3) { printf("breakdown: unexpected config %d\n", cfg); d.release(); return; }
+    const int BH = s.B * s.H;
+    typedef Cfg<192, 128> C;
+    const float t_dot = time_launcher(launch_dot_only, p, BH);
+    {   /* the wgmma backward kernels (the default) one by one, against the mma.sync ones */
+        const float t_kv_wg = time_launcher(launch_dkdv_wg_kernel<192, 128>, p, BH);
+        const float t_q_wg = time_launcher(launch_dq_wg_kernel<192, 128>, p, BH);
+        CK(cudaDeviceSynchronize());
+        std::vector<uint16_t> a(d.nq), bq(d.nq);
+        CK(cudaMemcpy(a.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        CKAPI((launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, 0)));
+        CK(cudaMemcpy(bq.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        double md = 0;
+        for (size_t i = 0; i < a.size(); ++i) md = std::max(md, (double)fabsf(bf2f(a[i]) - bf2f(bq[i])));
+        const double fl0 = 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0);
+        printf("  wgmma backward: dK/dV %.3f ms (%.1f TFLOP/s of mma work), dQ %.3f ms (%.1f TFLOP/s of mma work); "
+               "max |dQ - dQ(mma.sync)| = %.3g\n",
+               t_kv_wg, fl0 * 2 * (192 + 128) / (t_kv_wg * 1e-3) / 1e12, t_q_wg, fl0 * (192 + 128 + 192) / (t_q_wg * 1e-3) / 1e12, md);
+    }
+    const float t_kv = time_launcher(launch_dkdv_kernel<192, 128, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>, p, BH);
+    const float t_q = time_launcher(launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>, p, BH);
+    const float t_kv_alt = time_launcher(launch_dkdv_kernel<192, 128, 64, 1, 2, 16, false, 2>, p, BH);
+    CK(cudaDeviceSynchronize());
+    {   /* dQ alternatives (same key order, so bitwise the same dQ), and dK/dV || dQ on two streams */
+        std::vector<uint16_t> q1(d.nq), q2(d.nq);
+        CKAPI((launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, 0)));
+        CK(cudaMemcpy(q1.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        struct { const char *name; int (*f)(const BwdParams &, int, cudaStream_t); } alts[] = {
+            {"8 warps, 32-key tiles", launch_dq_kernel<192, 128, 8, 32, 2>},
+            {"4 warps, 64-key tiles", launch_dq_kernel<192, 128, 4, 64, 2>},
+            {"4 warps, 32-key tiles (2 CTAs/SM)", launch_dq_kernel<192, 128, 4, 32, 2>},
+        };
+        for (auto &a : alts) {
+            const float t = time_launcher(a.f, p, BH);
+            CK(cudaMemcpy(q2.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+            printf("  alternative dQ config (%s): %.3f ms vs %.3f ms; dQ bitwise %s\n", a.name, t, t_q, q1 == q2 ? "identical" : "DIFFERENT");
+        }
+        cudaStream_t s1;
+        cudaEvent_t fork, join, e0, e1;
+        CK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+        CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+        CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        std::vector<float> ms[2];
+        for (int it = 0; it < 26; ++it) {
+            const bool par = it & 1;
+            CK(cudaEventRecord(e0, 0));
+            if (par) { CK(cudaEventRecord(fork, 0)); CK(cudaStreamWaitEvent(s1, fork, 0)); }
+            CKAPI((launch_dq_kernel<192, 128, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, par ? s1 : 0)));
+            CKAPI((launch_dkdv_kernel<192, 128, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, 0)));
+            if (par) { CK(cudaEventRecord(join, s1)); CK(cudaStreamWaitEvent(0, join, 0)); }
+            CK(cudaEventRecord(e1, 0));
+            CK(cudaEventSynchronize(e1));
+            float t;
+            CK(cudaEventElapsedTime(&t, e0, e1));
+            if (it >= 6) ms[par].push_back(t);
+        }
+        for (auto &v : ms) std::sort(v.begin(), v.end());
+        CK(cudaMemcpy(q2.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        printf("  dQ then dK/dV on one stream: %.3f ms; on two streams, concurrently: %.3f ms; dQ bitwise %s\n",
+               0.5f * (ms[0][4] + ms[0][5]), 0.5f * (ms[1][4] + ms[1][5]), q1 == q2 ? "identical" : "DIFFERENT");
+        CK(cudaStreamDestroy(s1));
+        CK(cudaEventDestroy(fork)); CK(cudaEventDestroy(join)); CK(cudaEventDestroy(e0)); CK(cudaEventDestroy(e1));
+    }
+    /* forward: default vs. 4 warps x 2 m-tiles (BM = 128, K/V fragments reused by two m-tiles) */
+    FwdParams fp;
+    fp.q = d.q; fp.k = d.k; fp.v = d.v; fp.o = d.o; fp.lse = d.lse; fp.dstart = nullptr;
+    fp.T = s.T; fp.H = s.H; fp.dimq = s.dq; fp.dimv = s.dv;
+    fp.scale_log2 = scale * MT_FA_LOG2E;
+    fp.vec_qk = 1; fp.vec_v = 1; fp.pair_o = 1;
+    std::vector<uint16_t> o1(d.nv), o2(d.nv);
+    const double fl = 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0);
+    const float t_f = time_launcher(launch_fwd_kernel<192, 128, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>, fp, BH);
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(o1.data(), d.o, d.nv * 2, cudaMemcpyDeviceToHost));
+    const float t_f_alt = time_launcher(launch_fwd_kernel<192, 128, 4, 64, 2, false, 2>, fp, BH);
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(o2.data(), d.o, d.nv * 2, cudaMemcpyDeviceToHost));
+    {   /* wgmma forward against the mma.sync one: max |difference| of O (both bf16) */
+        const float t_wg = time_launcher(launch_fwd_wg_kernel<192, 128, 128>, fp, BH);
+        CK(cudaDeviceSynchronize());
+        std::vector<uint16_t> o3(d.nv);
+        CK(cudaMemcpy(o3.data(), d.o, d.nv * 2, cudaMemcpyDeviceToHost));
+        double md = 0;
+        for (size_t i = 0; i < o3.size(); ++i) md = std::max(md, (double)fabsf(bf2f(o3[i]) - bf2f(o1[i])));
+        printf("  forward wgmma (2 warpgroups x 64 rows, 128-key tiles): %.3f ms (%.1f TFLOP/s); max |O - O(mma.sync)| = %.3g\n",
+               t_wg, fl * (192 + 128) / (t_wg * 1e-3) / 1e12, md);
+    }
+    CK(cudaMemcpy(dk2.data(), d.dk, d.nq * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(dv2.data(), d.dv, d.nv * 2, cudaMemcpyDeviceToHost));
+    printf("breakdown B=%d T=%d H=%d 192/128: D %.3f ms | dK/dV %.3f ms (%.1f TFLOP/s of mma work) | dQ %.3f ms (%.1f TFLOP/s "
+           "of mma work)\n",
+           s.B, s.T, s.H, t_dot, t_kv, fl * 2 * (192 + 128) / (t_kv * 1e-3) / 1e12, t_q, fl * (192 + 128 + 192) / (t_q * 1e-3) / 1e12);
+    printf("  alternative dK/dV config (ST=1, 2 CTAs/SM, no K/V register cache): %.3f ms; outputs bitwise %s to the default\n",
+           t_kv_alt, (dk1 == dk2 && dv1 == dv2) ? "identical" : "DIFFERENT (info only)");
+    printf("  forward default (8 warps x 16 rows): %.3f ms (%.1f TFLOP/s); alternative (4 warps x 32 rows): %.3f ms (%.1f "
+           "TFLOP/s), O bitwise %s\n",
+           t_f, fl * (192 + 128) / (t_f * 1e-3) / 1e12, t_f_alt, fl * (192 + 128) / (t_f_alt * 1e-3) / 1e12,
+           o1 == o2 ? "identical" : "DIFFERENT (info only)");
+    {   /* wgmma kernels: ablations that leave a stage out (their outputs are wrong: timing only, so they
+           run last; the backward ones first, as the forward ones spoil O and lse) */
+        const float b1 = time_launcher(launch_bwd<192, 128, true>, p, BH);
+        const float b0 = time_launcher(launch_bwd<192, 128, false>, p, BH);
+        printf("backward kernels (dK/dV, then dQ; wgmma): %.3f ms with dQ launched early, %.3f ms after dK/dV\n", b1, b0);
+        const float q0 = time_launcher(launch_dq_wg_kernel<192, 128, 0>, p, BH);
+        const float q1 = time_launcher(launch_dq_wg_kernel<192, 128, 1>, p, BH);
+        const float k0 = time_launcher(launch_dkdv_wg_kernel<192, 128, 0>, p, BH);
+        const float k1 = time_launcher(launch_dkdv_wg_kernel<192, 128, 1>, p, BH);
+        const float q2 = time_launcher(launch_dq_wg_kernel<192, 128, 2>, p, BH);
+        const float q32 = time_launcher(launch_dq_wg_kernel<192, 128, 32>, p, BH);
+        printf("ablations dQ (wgmma): %.3f ms, without the copies in the loop %.3f ms; without the warpgroups' turns %.3f ms; CTAs "
+               "head after head instead of heaviest first in groups of 8 heads %.3f ms\n", q0, q1, q2, q32);
+        const float k4 = time_launcher(launch_dkdv_wg_kernel<192, 128, 4>, p, BH);
+        const float k8 = time_launcher(launch_dkdv_wg_kernel<192, 128, 8>, p, BH);
+        const float k12 = time_launcher(launch_dkdv_wg_kernel<192, 128, 12>, p, BH);
+        const float k16 = time_launcher(launch_dkdv_wg_kernel<192, 128, 16>, p, BH);
+        const float k20 = time_launcher(launch_dkdv_wg_kernel<192, 128, 20>, p, BH);
+        printf("ablations dK/dV (wgmma): %.3f ms, without the copies in the loop %.3f ms; without the warpgroups' turns at "
+               "S/dP %.3f ms, turns at dV/dK too %.3f ms, at dV/dK only %.3f ms; refilling at a tile's start %.3f ms (and no "
+               "turns %.3f ms)\n", k0, k1, k4, k8, k12, k16, k20);
+        const float f0 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 0>, fp, BH);
+        const float f1 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 1>, fp, BH);
+        const float f2 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 2>, fp, BH);
+        const float f3 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 3>, fp, BH);
+        const float f4 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 4>, fp, BH);
+        const float f6 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 6>, fp, BH);
+        printf("ablations forward (wgmma): %.3f ms, without the copies in the loop %.3f ms, without the softmax %.3f ms, "
+               "without either %.3f ms; without the warpgroup ping-pong %.3f ms (and without the softmax %.3f ms)\n", f0, f1, f2,
+               f3, f4, f6);
+        const float f64 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 64>, fp, BH);
+        const float f96 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 96>, fp, BH);
+        const float f128 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 128>, fp, BH);
+        printf("ablations forward items (wgmma): %.3f ms; without turns at an item's first S and last P V %.3f ms (and Q "
+               "released after the last P V instead of the last S %.3f ms); O by 4-byte stores in the accumulator's layout "
+               "%.3f ms\n", f0, f64, f96, f128);
+    }
+    d.release();
+}
+
+int main(int argc, char **argv) {
+    (void)argc; (void)argv;
+    int dev = 0;
+    CK(cudaGetDevice(&dev));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, dev));
+    printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+
+    const Shape shapes[] = {
+        {2, 64, 4, 24, 16}, {1, 7, 2, 12, 8}, {2, 100, 3, 64, 64}, {1, 130, 2, 128, 128}, {2, 256, 4, 192, 128},
+        {1, 1, 1, 192, 128}, {8, 2048, 16, 192, 128},
+        /* extra coverage: other padding configurations and odd sizes */
+        {1, 130, 2, 256, 256}, {2, 77, 3, 40, 72}, {1, 33, 2, 20, 7}, {1, 300, 2, 192, 128},
+        /* document masking: packed documents of random lengths */
+        {2, 256, 4, 192, 128, 40}, {1, 300, 2, 192, 128, 70}, {2, 100, 3, 64, 64, 10}, {1, 130, 2, 256, 256, 25},
+        {2, 2048, 16, 192, 128, 300},
+        /* odd lengths and very short documents on the wgmma kernels */
+        {1, 1000, 3, 192, 128}, {1, 257, 2, 192, 128, 3}, {3, 333, 2, 128, 128, 50}, {1, 515, 2, 64, 64, 200},
+    };
+    for (const Shape &s : shapes) test_shape(s);
+
+    /* argument validation */
+    {
+        DevBufs d;
+        Shape s = {1, 4, 1, 32, 32};
+        d.alloc(s);
+        check(mt__fa_forward(d.q, d.k, d.v, nullptr, d.o, d.lse, 1, 4, 1, 300, 32, 1.f, 0) == -1, "forward rejects dq > 256");
+        check(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, nullptr, d.dq, d.dk, d.dv, 0, 1, 4, 1, 32, 32, 1.f, 0) == -1,
+              "backward rejects NULL workspace");
+        check(mt__fa_forward(d.q, d.k, d.v, nullptr, d.o, d.lse, -1, 4, 1, 32, 32, 1.f, 0) == -1, "forward rejects B < 0");
+        CK(cudaDeviceSynchronize());
+        d.release();
+    }
+
+    bench_shape({8, 2048, 16, 192, 128});
+    bench_shape({2, 4096, 16, 192, 128});
+    bench_shape({8, 2048, 16, 192, 128, 512});
+    bench_shape({2, 4096, 16, 192, 128, 1024});
+    bench_breakdown({8, 2048, 16, 192, 128});
+
+    printf("FLASH_ATTN: %d passed, %d failed\n", g_pass, g_fail);
+    return g_fail ? 1 : 0;
+}
+

@@ -1,0 +1,5771 @@
+/* moetrain_kernels.cu — every CUDA kernel of moetrain and its host launcher,
+ * with C linkage. moetrain.h (section 10) dispatches graph nodes to them.
+ *
+ * Conventions
+ *   - activations are bf16 (__nv_bfloat16), statistics and master state f32;
+ *     every kernel accumulates in f32.
+ *   - matrices are row-major; GEMMs go through cuBLASLt (bf16 in, f32
+ *     accumulate) using the transpose identity C^T = B^T A^T.
+ *   - determinism: no floating-point atomics. Reductions run in a fixed order
+ *     over a fixed grid; integer counters (expert histograms) may use atomics
+ *     because integer sums do not depend on order.
+ *   - every launcher runs on the context's stream and returns 0, or -1 with
+ *     a message for mt_cuda_error().
+ *
+ * TABLE OF CONTENTS
+ *   1. context, memory, errors
+ *   2. GEMMs (cuBLASLt)
+ *   3. elementwise: cast, add, SwiGLU
+ *   4. embedding
+ *   5. RMSNorm
+ *   6. MLA RoPE assembly
+ *   7. attention
+ *   8. router, permutation, expert exchange, grouped GEMM, combine
+ *   9. cross-entropy
+ *   10. optimizer: gradient norm, schedule, clip, AdamW, expert bias
+ */
+#include <cuda.h>            /* CUtensorMap (the encoder is reached through the runtime) */
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cublasLt.h>
+#include <nccl.h>
+#include <cub/cub.cuh>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#define MT_CUDA 1
+#include "moetrain.h"
+
+typedef __nv_bfloat16 bf16;
+
+/* ========================================================================
+ * 1. context, memory, errors
+ * ====================================================================== */
+
+#define MT_GEMM_CACHE 1024
+struct mt__gemm_entry {
+    int used, ta, tb, mb, n, k, at, bt, ct;   /* mb: rows bucket */
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatmulAlgo_t algo;
+};
+
+#define MT_SIDE_STREAMS 4          /* grouped GEMMs spread experts over these */
+#define MT_SIDE_WS (32u << 20)
+struct mt_cuda {
+    int device;              /* the binding's device: every call makes it current first */
+    int n_sms, split_sms;    /* this GPU's multiprocessors; the count the grouped GEMM's split choice uses (tuning) */
+    int gemm_preset, gemm_derived;   /* cuBLASLt choices taken from the graph's tuning, and chosen here */
+    cudaStream_t stream;     /* where launches go now: one of queue[] */
+    cudaStream_t queue[MT_NQUEUES];   /* one stream per queue; [MT_Q_COMPUTE] is created with the context, the
+                                         others on first use at the highest priority */
+    cudaEvent_t *qev;        /* per graph node: recorded after it, for the other streams to wait on */
+    int n_qev;
+    cudaStream_t side[MT_SIDE_STREAMS];
+    void *side_ws[MT_SIDE_STREAMS];
+    cudaEvent_t fork, join[MT_SIDE_STREAMS];
+    cublasLtHandle_t lt;
+    void *lt_ws;
+    size_t lt_ws_bytes;
+    mt__gemm_entry *cache;
+    int *flag;               /* device: non-zero when a kernel saw invalid data */
+    cudaEvent_t *ev;         /* timing events (profiling) */
+    int n_ev;
+    size_t in_use, peak;
+    char err[512];
+};
+
+static int mt__fail(mt_cuda *c, const char *what, const char *why) {
+    snprintf(c->err, sizeof c->err, "%s: %s", what, why);
+    return -1;
+}
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) return mt__fail(c, #x, cudaGetErrorString(e_)); } while (0)
+#define LAUNCHED() do { cudaError_t e_ = cudaGetLastError(); if (e_ != cudaSuccess) return mt__fail(c, __func__, cudaGetErrorString(e_)); } while (0)
+
+static unsigned mt__blocks(int64_t n, int per) {
+    int64_t b = (n + per - 1) / per;
+    if (b < 1) b = 1;
+    if (b > (1 << 30)) b = 1 << 30;
+    return (unsigned)b;
+}
+__device__ __forceinline__ float bf(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ bf16 tobf(float x) { return __float2bfloat16(x); }
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+/* fixed-order block reduction (blockDim.x a multiple of 32, <= 1024) */
+__device__ float block_sum(float v, float *sh) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float t = threadIdx.x < (unsigned)nw ? sh[threadIdx.x] : 0.0f;
+    if (w == 0) t = warp_sum(t);
+    if (threadIdx.x == 0) sh[0] = t;
+    __syncthreads();
+    return sh[0];
+}
+__device__ float block_max(float v, float *sh) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float t = threadIdx.x < (unsigned)nw ? sh[threadIdx.x] : -INFINITY;
+    if (w == 0) t = warp_max(t);
+    if (threadIdx.x == 0) sh[0] = t;
+    __syncthreads();
+    return sh[0];
+}
+
+/* Rows of bf16 in chunks of 8 elements (16 bytes). On the vector path (V: the row length is a multiple of 8 and
+ * every row pointer 16-byte aligned) a chunk is one 16-byte load or store; otherwise it is read element by element
+ * with the row end checked (elements past it read as zero bits and are never stored). Both paths give the same
+ * values per element; the memory-bound kernels below use them to keep 16 bytes per load in flight. */
+template <bool V>
+__device__ __forceinline__ uint4 ld8(const bf16 *row, int d, int D) {
+    if constexpr (V) return *(const uint4 *)(row + d);
+    unsigned short e[8];
+    const unsigned short *r = (const unsigned short *)row;
+#pragma unroll
+    for (int j = 0; j < 8; j++) e[j] = d + j < D ? r[d + j] : (unsigned short)0;
+    uint4 u;
+    u.x = e[0] | (unsigned)e[1] << 16; u.y = e[2] | (unsigned)e[3] << 16;
+    u.z = e[4] | (unsigned)e[5] << 16; u.w = e[6] | (unsigned)e[7] << 16;
+    return u;
+}
+template <bool V>
+__device__ __forceinline__ void st8raw(bf16 *row, int d, int D, uint4 u) {
+    if constexpr (V) { *(uint4 *)(row + d) = u; return; }
+    const unsigned short *e = (const unsigned short *)&u;
+    unsigned short *r = (unsigned short *)row;
+#pragma unroll
+    for (int j = 0; j < 8; j++) if (d + j < D) r[d + j] = e[j];
+}
+__device__ __forceinline__ void unpack8(float (&f)[8], uint4 u) {
+    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+#pragma unroll
+    for (int k = 0; k < 4; k++) { f[2 * k] = __low2float(h[k]); f[2 * k + 1] = __high2float(h[k]); }
+}
+/* round to bf16 (nearest even, as tobf) and pack */
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+    uint4 u;
+    __nv_bfloat162 *h = (__nv_bfloat162 *)&u;
+#pragma unroll
+    for (int k = 0; k < 4; k++) h[k] = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+    return u;
+}
+template <bool V>
+__device__ __forceinline__ void st8(bf16 *row, int d, int D, const float (&f)[8]) { st8raw<V>(row, d, D, pack8(f)); }
+/* 8 f32 (a weight vector) at element d: two 16-byte loads on the vector path */
+template <bool V>
+__device__ __forceinline__ void ld8f(float (&f)[8], const float *w, int d, int D) {
+    if constexpr (V) {
+        float4 a = *(const float4 *)(w + d), b = *(const float4 *)(w + d + 4);
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) f[j] = d + j < D ? w[d + j] : 0.0f;
+    }
+}
+/* host: may rows of D elements of esz bytes at these pointers take the vector path */
+static inline bool mt__rows16(int64_t D, int esz, const void *a, const void *b = NULL, const void *c = NULL, const void *d = NULL,
+                              const void *e = NULL) {
+    return (D * esz) % 16 == 0 && !(((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d | (uintptr_t)e) & 15);
+}
+
+extern "C" {
+
+int mt_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) { cudaGetLastError(); return 0; }
+    return n;
+}
+
+int mt_cuda_describe(char *out, int n) {
+    int rt = 0, drv = 0, dev = 0, nccl = 0;
+    cudaRuntimeGetVersion(&rt);
+    cudaDriverGetVersion(&drv);
+    cudaError_t e = cudaGetDeviceCount(&dev);
+    if (e != cudaSuccess) { dev = 0; cudaGetLastError(); }
+    ncclGetVersion(&nccl);
+    size_t lt = cublasLtGetVersion();
+    return snprintf(out, (size_t)n, "%s: CUDA runtime %d, driver %d, cuBLASLt %zu, NCCL %d, %d device(s)", MT_KERNELS_VERSION,
+                    rt, drv, lt, nccl, dev);
+}
+
+int mt_cuda_create(mt_cuda **out, int device, mt_err *err) {
+    *out = NULL;
+    int n = mt_cuda_device_count();
+    if (device < 0 || device >= n) return mt_errf(err, "CUDA device %d requested, %d visible", device, n);
+    mt_cuda *c = (mt_cuda *)calloc(1, sizeof *c);
+    if (!c) return mt_errf(err, "out of memory");
+    c->device = device;
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
+    c->queue[MT_Q_COMPUTE] = c->stream;
+    if (e == cudaSuccess) { c->lt_ws_bytes = MT_SIDE_WS; /* all workspaces equal: a cached algorithm fits any stream */ e = cudaMalloc(&c->lt_ws, c->lt_ws_bytes); }
+    if (e == cudaSuccess) e = cudaMalloc((void **)&c->flag, sizeof(int));
+    if (e == cudaSuccess) e = cudaMemset(c->flag, 0, sizeof(int));
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming);
+    for (int i = 0; i < MT_SIDE_STREAMS && e == cudaSuccess; i++) {
+        e = cudaStreamCreateWithFlags(&c->side[i], cudaStreamNonBlocking);
+        if (e == cudaSuccess) e = cudaMalloc(&c->side_ws[i], MT_SIDE_WS);
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->join[i], cudaEventDisableTiming);
+    }
+    if (e != cudaSuccess) { mt_cuda_destroy(c); return mt_errf(err, "CUDA device %d: %s", device, cudaGetErrorString(e)); }
+    c->in_use = c->peak = c->lt_ws_bytes + (size_t)MT_SIDE_STREAMS * MT_SIDE_WS;
+    if (cublasLtCreate(&c->lt) != CUBLAS_STATUS_SUCCESS) { mt_cuda_destroy(c); return mt_errf(err, "cublasLtCreate failed"); }
+    c->cache = (mt__gemm_entry *)calloc(MT_GEMM_CACHE, sizeof(mt__gemm_entry));
+    if (!c->cache) { mt_cuda_destroy(c); return mt_errf(err, "out of memory"); }
+    if (cudaDeviceGetAttribute(&c->n_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || c->n_sms < 1) {
+        mt_cuda_destroy(c);
+        return mt_errf(err, "CUDA device %d: cannot read its multiprocessor count", device);
+    }
+    c->split_sms = c->n_sms;
+    *out = c;
+    return 0;
+}
+
+/* Make the binding's device current on the calling thread: a runtime may be
+ * driven from any thread, whatever device that thread used last. */
+int mt_cuda_use(mt_cuda *c) {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur == c->device) return 0;
+    CK(cudaSetDevice(c->device));
+    return 0;
+}
+int mt_cuda_device_of(mt_cuda *c, const void *p, int *device) {
+    cudaPointerAttributes a;
+    CK(cudaPointerGetAttributes(&a, p));
+    *device = a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
+    return 0;
+}
+int mt_cuda_device_info(mt_cuda *c, mt_tuning_info *t) {
+    cudaDeviceProp p;
+    CK(cudaGetDeviceProperties(&p, c->device));
+    memset(t, 0, sizeof *t);
+    for (size_t i = 0; i + 1 < sizeof t->device && p.name[i]; i++) t->device[i] = p.name[i];   /* NUL-padded, terminated */
+    t->sm = p.major * 10 + p.minor;
+    t->n_sms = p.multiProcessorCount;
+    t->blas_version = (int64_t)cublasLtGetVersion();
+    return 0;
+}
+void mt_cuda_set_split_sms(mt_cuda *c, int n) { c->split_sms = n > 0 ? n : c->n_sms; }
+
+void mt_cuda_destroy(mt_cuda *c) {
+    if (!c) return;
+    cudaSetDevice(c->device);
+    if (c->cache)
+        for (int i = 0; i < MT_GEMM_CACHE; i++)
+            if (c->cache[i].used) cublasLtMatmulDescDestroy(c->cache[i].desc);
+    free(c->cache);
+    if (c->lt) cublasLtDestroy(c->lt);
+    if (c->lt_ws) cudaFree(c->lt_ws);
+    if (c->flag) cudaFree(c->flag);
+    for (int i = 0; i < MT_SIDE_STREAMS; i++) {
+        if (c->side_ws[i]) cudaFree(c->side_ws[i]);
+        if (c->side[i]) cudaStreamDestroy(c->side[i]);
+        if (c->join[i]) cudaEventDestroy(c->join[i]);
+    }
+    if (c->fork) cudaEventDestroy(c->fork);
+    for (int i = 0; i < c->n_ev; i++) cudaEventDestroy(c->ev[i]);
+    free(c->ev);
+    for (int i = 0; i < c->n_qev; i++) cudaEventDestroy(c->qev[i]);
+    free(c->qev);
+    for (int q = 0; q < MT_NQUEUES; q++) if (c->queue[q]) cudaStreamDestroy(c->queue[q]);
+    free(c);
+}
+
+const char *mt_cuda_error(const mt_cuda *c) { return c->err; }
+
+int mt_cuda_malloc(mt_cuda *c, void **p, size_t n) {
+    *p = NULL;
+    cudaError_t e = cudaMalloc(p, n ? n : 256);
+    if (e != cudaSuccess) {
+        char why[256];
+        snprintf(why, sizeof why, "%s (asked %.2f GiB, %.2f GiB already in use)", cudaGetErrorString(e), n / 1073741824.0,
+                 c->in_use / 1073741824.0);
+        cudaGetLastError();
+        return mt__fail(c, "cudaMalloc", why);
+    }
+    c->in_use += n;
+    if (c->in_use > c->peak) c->peak = c->in_use;
+    return 0;
+}
+void mt_cuda_free(mt_cuda *c, void *p) { (void)c; if (p) cudaFree(p); }
+size_t mt_cuda_peak_bytes(mt_cuda *c) { return c->peak; }
+
+int mt_cuda_copy(mt_cuda *c, void *dst, const void *src, size_t n, int kind) {
+    if (!n) return 0;
+    cudaMemcpyKind k = kind == 0 ? cudaMemcpyHostToDevice : kind == 1 ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice;
+    CK(cudaMemcpyAsync(dst, src, n, k, c->stream));
+    if (kind != 2) CK(cudaStreamSynchronize(c->stream));   /* host buffers may be reused at once */
+    return 0;
+}
+int mt_cuda_memset(mt_cuda *c, void *p, int byte, size_t n) {
+    if (n) CK(cudaMemsetAsync(p, byte, n, c->stream));
+    return 0;
+}
+int mt_cuda_sync(mt_cuda *c) {
+    CK(cudaStreamSynchronize(c->stream));
+    return 0;
+}
+int mt_cuda_events(mt_cuda *c, int n) {
+    if (n <= c->n_ev) return 0;
+    cudaEvent_t *ev = (cudaEvent_t *)realloc(c->ev, sizeof(cudaEvent_t) * (size_t)n);
+    if (!ev) return mt__fail(c, "events", "out of memory");
+    c->ev = ev;
+    for (; c->n_ev < n; c->n_ev++) CK(cudaEventCreate(&c->ev[c->n_ev]));
+    return 0;
+}
+int mt_cuda_event_record(mt_cuda *c, int i) {
+    CK(cudaEventRecord(c->ev[i], c->stream));
+    return 0;
+}
+float mt_cuda_event_ms(mt_cuda *c, int i, int j) {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, c->ev[i], c->ev[j]) != cudaSuccess) { cudaGetLastError(); return 0; }
+    return ms;
+}
+/* Queues: launches go to the current queue's stream; events order the streams. */
+int mt_cuda_set_queue(mt_cuda *c, int q) {
+    if (q < 0 || q >= MT_NQUEUES) return mt__fail(c, "queue", "no such queue");
+    if (!c->queue[q]) {
+        int least = 0, greatest = 0;
+        CK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+        CK(cudaStreamCreateWithPriority(&c->queue[q], cudaStreamNonBlocking, greatest));
+    }
+    c->stream = c->queue[q];
+    return 0;
+}
+int mt_cuda_queue_events(mt_cuda *c, int n) {
+    if (n <= c->n_qev) return 0;
+    cudaEvent_t *ev = (cudaEvent_t *)realloc(c->qev, sizeof(cudaEvent_t) * (size_t)n);
+    if (!ev) return mt__fail(c, "events", "out of memory");
+    c->qev = ev;
+    for (; c->n_qev < n; c->n_qev++) CK(cudaEventCreateWithFlags(&c->qev[c->n_qev], cudaEventDisableTiming));
+    return 0;
+}
+int mt_cuda_queue_record(mt_cuda *c, int i) {
+    CK(cudaEventRecord(c->qev[i], c->stream));
+    return 0;
+}
+int mt_cuda_queue_wait(mt_cuda *c, int i) {
+    CK(cudaStreamWaitEvent(c->stream, c->qev[i], 0));
+    return 0;
+}
+
+int mt_cuda_capture_begin(mt_cuda *c) {
+    CK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+    return 0;
+}
+int mt_cuda_capture_end(mt_cuda *c, void **graph) {
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &g);
+    if (!graph) { if (g) cudaGraphDestroy(g); cudaGetLastError(); return 0; }
+    if (e != cudaSuccess) return mt__fail(c, "cudaStreamEndCapture", cudaGetErrorString(e));
+    cudaGraphExec_t x = NULL;
+    e = cudaGraphInstantiate(&x, g, 0);
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess) return mt__fail(c, "cudaGraphInstantiate", cudaGetErrorString(e));
+    *graph = (void *)x;
+    return 0;
+}
+int mt_cuda_graph_launch(mt_cuda *c, void *graph) {
+    CK(cudaGraphLaunch((cudaGraphExec_t)graph, c->stream));
+    return 0;
+}
+void mt_cuda_graph_destroy(void *graph) { if (graph) cudaGraphExecDestroy((cudaGraphExec_t)graph); }
+
+int mt_cuda_check_flag(mt_cuda *c) {
+    int f = 0;
+    CK(cudaMemcpyAsync(&f, c->flag, sizeof f, cudaMemcpyDeviceToHost, c->stream));
+    CK(cudaStreamSynchronize(c->stream));
+    if (!f) return 0;
+    CK(cudaMemsetAsync(c->flag, 0, sizeof(int), c->stream));
+    return mt__fail(c, "step", f == 1 ? "an expert index was out of range" : "a kernel reported invalid data");
+}
+
+/* ========================================================================
+ * 2. GEMMs (cuBLASLt)
+ * Row-major C[M,N] = op(A)[M,K] op(B)[K,N] is the column-major product
+ * C^T = op(B)^T op(A)^T: cuBLAS sees B first, with m = N, n = M.
+ * The algorithm is chosen once per (transposes, types, N, K, bucket of M)
+ * and reused, so a shape always runs the same kernel: bitwise reproducible.
+ * ====================================================================== */
+
+static cudaDataType_t mt__cu_type(int dt) { return dt == MT_BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+static int mt__bucket(int m) { int b = 1; while (b < m) b <<= 1; return b; }
+
+/* The cache slot of a key: its entry, or the empty slot it would take (NULL: the cache is full). */
+static mt__gemm_entry *mt__gemm_slot(mt_cuda *c, int ta, int tb, int mb, int N, int K, int at, int bt, int ct) {
+    unsigned h = (unsigned)(ta * 31 + tb * 17 + mb * 131 + N * 7919 + K * 104729 + at * 3 + bt * 5 + ct * 11);
+    for (int p = 0; p < MT_GEMM_CACHE; p++) {
+        mt__gemm_entry *x = &c->cache[(h + p) % MT_GEMM_CACHE];
+        if (!x->used) return x;
+        if (x->ta == ta && x->tb == tb && x->mb == mb && x->n == N && x->k == K && x->at == at && x->bt == bt && x->ct == ct) return x;
+    }
+    return NULL;
+}
+
+/* cuBLAS's view of a row-major GEMM: layouts of B (its first operand: col-major rows x cols with ld = B's
+ * row-major row length), A and C; a descriptor with the transposes; the heuristic's first algorithm. */
+static void mt__gemm_layouts_free(cublasLtMatrixLayout_t l[3]) {
+    for (int i = 0; i < 3; i++) if (l[i]) cublasLtMatrixLayoutDestroy(l[i]);
+}
+static int mt__gemm_layouts(int ta, int tb, int M, int N, int K, int at, int bt, int ct, cublasLtMatrixLayout_t l[3]) {
+    l[0] = l[1] = l[2] = NULL;
+    if (cublasLtMatrixLayoutCreate(&l[0], mt__cu_type(bt), tb ? K : N, tb ? N : K, tb ? K : N) ||
+        cublasLtMatrixLayoutCreate(&l[1], mt__cu_type(at), ta ? M : K, ta ? K : M, ta ? M : K) ||
+        cublasLtMatrixLayoutCreate(&l[2], mt__cu_type(ct), N, M, N)) {
+        mt__gemm_layouts_free(l);
+        return -1;
+    }
+    return 0;
+}
+static int mt__gemm_desc(int ta, int tb, cublasLtMatmulDesc_t *d) {
+    cublasOperation_t opa = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    *d = NULL;
+    if (cublasLtMatmulDescCreate(d, CUBLAS_COMPUTE_32F, CUDA_R_32F) ||
+        cublasLtMatmulDescSetAttribute(*d, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa) ||
+        cublasLtMatmulDescSetAttribute(*d, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb)) {
+        if (*d) cublasLtMatmulDescDestroy(*d);
+        *d = NULL;
+        return -1;
+    }
+    return 0;
+}
+static int mt__gemm_heuristic(mt_cuda *c, cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t l[3], size_t ws_bytes, cublasLtMatmulAlgo_t *algo) {
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    int bad = cublasLtMatmulPreferenceCreate(&pref) ||
+              cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes) ||
+              cublasLtMatmulAlgoGetHeuristic(c->lt, d, l[0], l[1], l[2], l[2], pref, 1, &res, &found) || found < 1;
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (!bad) *algo = res.algo;
+    return bad ? -1 : 0;
+}
+
+/* C = op(A) op(B), or with acc (same layout as C): C = acc + op(A) op(B) in one pass (the epilogue
+ * reads acc: beta = 1), so a residual or gradient sum costs no separate kernel. */
+static int mt__lt_gemm_on(mt_cuda *c, cudaStream_t stream, void *ws, size_t ws_bytes, int ta, int tb, int M, int N, int K,
+                          const void *A, int at, const void *B, int bt, void *C, int ct, const void *acc) {
+    if (M <= 0 || N <= 0) return 0;
+    if (K <= 0) {
+        size_t bytes = (size_t)M * N * (ct == MT_BF16 ? 2 : 4);
+        if (acc) CK(cudaMemcpyAsync(C, acc, bytes, cudaMemcpyDeviceToDevice, stream));
+        else CK(cudaMemsetAsync(C, 0, bytes, stream));
+        return 0;
+    }
+    int mb = mt__bucket(M);
+    mt__gemm_entry *e = mt__gemm_slot(c, ta, tb, mb, N, K, at, bt, ct);
+    cublasLtMatrixLayout_t l[3];
+    if (mt__gemm_layouts(ta, tb, M, N, K, at, bt, ct, l)) return mt__fail(c, "cublasLtMatrixLayoutCreate", "failed");
+    int rc = 0;
+    mt__gemm_entry local;
+    memset(&local, 0, sizeof local);
+    if (!e || !e->used) {
+        mt__gemm_entry *n = e ? e : &local;
+        if (mt__gemm_desc(ta, tb, &n->desc) || mt__gemm_heuristic(c, n->desc, l, ws_bytes, &n->algo)) {
+            if (n->desc) cublasLtMatmulDescDestroy(n->desc);
+            n->desc = NULL;
+            rc = mt__fail(c, "cuBLASLt", "no GEMM algorithm for this shape");
+        } else {
+            n->used = 1; n->ta = ta; n->tb = tb; n->mb = mb; n->n = N; n->k = K; n->at = at; n->bt = bt; n->ct = ct;
+            c->gemm_derived++;
+        }
+        e = n;
+    }
+    if (!rc) {
+        float one = 1.0f, beta = acc ? 1.0f : 0.0f;
+        const void *Cin = acc ? acc : C;
+        cublasStatus_t st = cublasLtMatmul(c->lt, e->desc, &one, B, l[0], A, l[1], &beta, Cin, l[2], C, l[2], &e->algo, ws, ws_bytes, stream);
+        if (st != CUBLAS_STATUS_SUCCESS) {   /* the bucket's algorithm does not fit this M: ask for this exact shape */
+            cublasLtMatmulAlgo_t exact;
+            if (!mt__gemm_heuristic(c, e->desc, l, ws_bytes, &exact))
+                st = cublasLtMatmul(c->lt, e->desc, &one, B, l[0], A, l[1], &beta, Cin, l[2], C, l[2], &exact, ws, ws_bytes, stream);
+            if (st != CUBLAS_STATUS_SUCCESS) {
+                char why[128];
+                snprintf(why, sizeof why, "status %d for M=%d N=%d K=%d", (int)st, M, N, K);
+                rc = mt__fail(c, "cublasLtMatmul", why);
+            }
+        }
+    }
+    if (local.used) cublasLtMatmulDescDestroy(local.desc);
+    mt__gemm_layouts_free(l);
+    return rc;
+}
+static int mt__lt_gemm(mt_cuda *c, int ta, int tb, int M, int N, int K, const void *A, int at, const void *B, int bt, void *C,
+                       int ct, const void *acc) {
+    return mt__lt_gemm_on(c, c->stream, c->lt_ws, c->lt_ws_bytes, ta, tb, M, N, K, A, at, B, bt, C, ct, acc);
+}
+
+static_assert(sizeof(cublasLtMatmulAlgo_t) == 8 * MT_ALGO_WORDS, "cuBLASLt algorithm size");
+
+/* The choice the runtime would make for this key (the same heuristic, deterministic for a GPU model and
+ * library version), without touching the cache: precompile records it in the graph's tuning. */
+int mt_cuda_gemm_choose(mt_cuda *c, mt_tuning *t, int M) {
+    cublasLtMatrixLayout_t l[3];
+    cublasLtMatmulDesc_t desc = NULL;
+    cublasLtMatmulAlgo_t algo;
+    int bad = mt__gemm_layouts(t->ta, t->tb, M, t->n, t->k, t->at, t->bt, t->ct, l);
+    bad = bad || mt__gemm_desc(t->ta, t->tb, &desc) || mt__gemm_heuristic(c, desc, l, c->lt_ws_bytes, &algo);
+    if (!bad) memcpy(t->algo, &algo, sizeof algo);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    mt__gemm_layouts_free(l);
+    if (bad) {
+        char why[96];
+        snprintf(why, sizeof why, "no algorithm for M=%d N=%d K=%d", M, t->n, t->k);
+        return mt__fail(c, "cuBLASLt", why);
+    }
+    return 0;
+}
+/* Take these choices instead of choosing: a loading rank runs the kernels precompile chose. */
+int mt_cuda_gemm_preset(mt_cuda *c, const mt_tuning *t, int n) {
+    for (int i = 0; i < n; i++) {
+        mt__gemm_entry *e = mt__gemm_slot(c, t[i].ta, t[i].tb, t[i].mb, t[i].n, t[i].k, t[i].at, t[i].bt, t[i].ct);
+        if (!e) return mt__fail(c, "tuning", "the GEMM cache is full");
+        if (e->used) continue;
+        if (mt__gemm_desc(t[i].ta, t[i].tb, &e->desc)) return mt__fail(c, "tuning", "cublasLtMatmulDescCreate failed");
+        memcpy(&e->algo, t[i].algo, sizeof e->algo);
+        e->used = 1; e->ta = t[i].ta; e->tb = t[i].tb; e->mb = t[i].mb; e->n = t[i].n; e->k = t[i].k;
+        e->at = t[i].at; e->bt = t[i].bt; e->ct = t[i].ct;
+        c->gemm_preset++;
+    }
+    return 0;
+}
+/* What this rank runs: choices taken from the tuning and made here, and a digest of every (key, algorithm)
+ * (order-free), so ranks can compare their kernels. */
+uint64_t mt_cuda_gemm_digest(mt_cuda *c, int *preset, int *derived) {
+    uint64_t d = 0;
+    for (int i = 0; i < MT_GEMM_CACHE; i++) {
+        const mt__gemm_entry *e = &c->cache[i];
+        if (!e->used) continue;
+        int32_t key[8] = {e->ta, e->tb, e->mb, e->n, e->k, e->at, e->bt, e->ct};
+        uint64_t h = 1469598103934665603ull;
+        const uint8_t *p = (const uint8_t *)key;
+        for (size_t k = 0; k < sizeof key; k++) h = (h ^ p[k]) * 1099511628211ull;
+        p = (const uint8_t *)&e->algo;
+        for (size_t k = 0; k < sizeof e->algo; k++) h = (h ^ p[k]) * 1099511628211ull;
+        d += h;
+    }
+    if (preset) *preset = c->gemm_preset;
+    if (derived) *derived = c->gemm_derived;
+    return d;
+}
+
+static size_t mt__al(size_t x) { return (x + 255) & ~(size_t)255; }
+
+size_t mt_cuda_matmul_workspace(int M, int N, int K, int ct, int at, int bt) {
+    if (at == MT_BF16 && bt == MT_BF16) return 0;
+    size_t w = 0;
+    if (at == MT_BF16) w += mt__al((size_t)M * K * 4);
+    if (bt == MT_BF16) w += mt__al((size_t)K * N * 4);
+    if (ct == MT_BF16) w += mt__al((size_t)M * N * 4);
+    return w;
+}
+
+/* C = op(A) op(B) (+ acc when given). bf16 x bf16 -> bf16 or f32 on tensor
+ * cores, acc added in the GEMM epilogue before the one rounding; any f32
+ * operand -> everything in exact f32 (the router's small GEMMs), then acc
+ * added as a separate ADD would. */
+int mt_cuda_matmul(mt_cuda *c, void *C, int ct, const void *A, int at, const void *B, int bt, int M, int N, int K, int ta,
+                   int tb, void *ws, const void *acc) {
+    if (at == MT_BF16 && bt == MT_BF16) return mt__lt_gemm(c, ta, tb, M, N, K, A, at, B, bt, C, ct, acc);
+    char *w = (char *)ws;
+    const void *A32 = A, *B32 = B;
+    void *C32 = C;
+    if (at == MT_BF16) { A32 = w; if (mt_cuda_cast(c, w, MT_F32, A, MT_BF16, (int64_t)M * K)) return -1; w += mt__al((size_t)M * K * 4); }
+    if (bt == MT_BF16) { B32 = w; if (mt_cuda_cast(c, w, MT_F32, B, MT_BF16, (int64_t)K * N)) return -1; w += mt__al((size_t)K * N * 4); }
+    if (ct == MT_BF16) C32 = w;
+    if (mt__lt_gemm(c, ta, tb, M, N, K, A32, MT_F32, B32, MT_F32, C32, MT_F32, NULL)) return -1;
+    if (ct == MT_BF16 && mt_cuda_cast(c, C, MT_BF16, C32, MT_F32, (int64_t)M * N)) return -1;
+    return acc ? mt_cuda_add(c, C, C, acc, (int64_t)M * N, ct) : 0;
+}
+
+/* ========================================================================
+ * 3. elementwise
+ * ====================================================================== */
+
+__global__ void k_f32_to_bf16(bf16 *y, const float *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) y[i] = tobf(x[i]);
+}
+__global__ void k_bf16_to_f32(float *y, const bf16 *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) y[i] = bf(x[i]);
+}
+int mt_cuda_cast(mt_cuda *c, void *dst, int dst_dtype, const void *src, int src_dtype, int64_t n) {
+    if (n <= 0) return 0;
+    unsigned g = mt__blocks(n, 256);
+    if (g > 65536) g = 65536;
+    if (dst_dtype == src_dtype) { CK(cudaMemcpyAsync(dst, src, (size_t)n * (dst_dtype == MT_BF16 ? 2 : 4), cudaMemcpyDeviceToDevice, c->stream)); return 0; }
+    if (dst_dtype == MT_BF16) k_f32_to_bf16<<<g, 256, 0, c->stream>>>((bf16 *)dst, (const float *)src, n);
+    else k_bf16_to_f32<<<g, 256, 0, c->stream>>>((float *)dst, (const bf16 *)src, n);
+    LAUNCHED();
+    return 0;
+}
+
+/* Parameter initialization on the device: the CPU's bits (mt_init_draw in moetrain.h), with no host
+ * buffer and no upload. */
+__global__ void k_init_fill(float *dst, int64_t stored, int64_t lo, int64_t n, int64_t per, int init,
+                            const uint64_t *keys, int64_t c0, const float *table, double std) {
+    int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < stored; k += stride) {
+        int64_t l = lo + k;
+        double x = 0;
+        if (l < n) {
+            if (init == MT_INIT_ONE) x = 1;
+            else if (init == MT_INIT_NORMAL) {
+                int64_t ch = l / per;
+                x = mt_init_draw(table, mt_init_bits(keys[ch - c0], (uint64_t)(l - ch * per))) * std;
+            }
+        }
+        dst[k] = (float)x;
+    }
+}
+int mt_cuda_init_fill(mt_cuda *c, float *dst, int64_t stored, int64_t lo, int64_t n, int64_t per, int init,
+                      const uint64_t *keys, int64_t first_chunk, const float *table, float std) {
+    if (stored <= 0) return 0;
+    if (init == MT_INIT_NORMAL && (per <= 0 || !keys || !table)) return mt__fail(c, __func__, "normal init needs chunks, keys and a table");
+    unsigned g = mt__blocks(stored, 256);
+    if (g > 65536) g = 65536;
+    k_init_fill<<<g, 256, 0, c->stream>>>(dst, stored, lo, n, per, init, keys, first_chunk, table, (double)std);
+    LAUNCHED();
+    return 0;
+}
+
+/* 8 bf16 at a time (16-byte loads) when the length and pointers allow */
+struct bf8 { __nv_bfloat162 h[4]; };
+__device__ __forceinline__ bool mt__vec8(const void *a, const void *b, const void *c, const void *d, int64_t n) {
+    return n % 8 == 0 && !(((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d) & 15);
+}
+__global__ void k_add_bf16(bf16 *o, const bf16 *a, const bf16 *b, int64_t n) {
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    if (mt__vec8(o, a, b, b, n)) {
+        for (int64_t i = t; i < n / 8; i += stride) {
+            bf8 x = ((const bf8 *)a)[i], y = ((const bf8 *)b)[i], z;
+#pragma unroll
+            for (int k = 0; k < 4; k++) z.h[k] = __floats2bfloat162_rn(__low2float(x.h[k]) + __low2float(y.h[k]), __high2float(x.h[k]) + __high2float(y.h[k]));
+            ((bf8 *)o)[i] = z;
+        }
+        return;
+    }
+    for (int64_t i = t; i < n; i += stride) o[i] = tobf(bf(a[i]) + bf(b[i]));
+}
+__global__ void k_add_f32(float *o, const float *a, const float *b, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) o[i] = a[i] + b[i];
+}
+int mt_cuda_add(mt_cuda *c, void *out, const void *a, const void *b, int64_t n, int dtype) {
+    if (n <= 0) return 0;
+    unsigned g = mt__blocks(n / 8 + 1, 256);
+    if (g > 65536) g = 65536;
+    if (dtype == MT_BF16) k_add_bf16<<<g, 256, 0, c->stream>>>((bf16 *)out, (const bf16 *)a, (const bf16 *)b, n);
+    else k_add_f32<<<g, 256, 0, c->stream>>>((float *)out, (const float *)a, (const float *)b, n);
+    LAUNCHED();
+    return 0;
+}
+
+__device__ __forceinline__ float sigm(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float swiglu1(float x, float y) { return x * sigm(x) * y; }
+__global__ void k_swiglu(bf16 *h, const bf16 *g, const bf16 *u, int64_t n) {
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    if (mt__vec8(h, g, u, u, n)) {
+        for (int64_t i = t; i < n / 8; i += stride) {
+            bf8 x = ((const bf8 *)g)[i], y = ((const bf8 *)u)[i], z;
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                z.h[k] = __floats2bfloat162_rn(swiglu1(__low2float(x.h[k]), __low2float(y.h[k])), swiglu1(__high2float(x.h[k]), __high2float(y.h[k])));
+            ((bf8 *)h)[i] = z;
+        }
+        return;
+    }
+    for (int64_t i = t; i < n; i += stride) h[i] = tobf(swiglu1(bf(g[i]), bf(u[i])));
+}
+__device__ __forceinline__ void swiglu1_bwd(float x, float y, float d, float &dg, float &du) {
+    float s = sigm(x);
+    dg = d * y * s * (1.0f + x * (1.0f - s));
+    du = d * x * s;
+}
+__global__ void k_swiglu_bwd(bf16 *dg, bf16 *du, const bf16 *g, const bf16 *u, const bf16 *dh, int64_t n) {
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    if (mt__vec8(dg, du, g, u, n) && mt__vec8(dh, dh, dh, dh, n)) {
+        for (int64_t i = t; i < n / 8; i += stride) {
+            bf8 x = ((const bf8 *)g)[i], y = ((const bf8 *)u)[i], d = ((const bf8 *)dh)[i], a, b;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                float a0, b0, a1, b1;
+                swiglu1_bwd(__low2float(x.h[k]), __low2float(y.h[k]), __low2float(d.h[k]), a0, b0);
+                swiglu1_bwd(__high2float(x.h[k]), __high2float(y.h[k]), __high2float(d.h[k]), a1, b1);
+                a.h[k] = __floats2bfloat162_rn(a0, a1);
+                b.h[k] = __floats2bfloat162_rn(b0, b1);
+            }
+            ((bf8 *)dg)[i] = a;
+            ((bf8 *)du)[i] = b;
+        }
+        return;
+    }
+    for (int64_t i = t; i < n; i += stride) {
+        float a, b;
+        swiglu1_bwd(bf(g[i]), bf(u[i]), bf(dh[i]), a, b);
+        dg[i] = tobf(a);
+        du[i] = tobf(b);
+    }
+}
+int mt_cuda_swiglu_forward(mt_cuda *c, void *h, const void *g, const void *u, int64_t n) {
+    if (n <= 0) return 0;
+    unsigned gr = mt__blocks(n / 8 + 1, 256);
+    if (gr > 65536) gr = 65536;
+    k_swiglu<<<gr, 256, 0, c->stream>>>((bf16 *)h, (const bf16 *)g, (const bf16 *)u, n);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_swiglu_backward(mt_cuda *c, void *dg, void *du, const void *g, const void *u, const void *dh, int64_t n) {
+    if (n <= 0) return 0;
+    unsigned gr = mt__blocks(n / 8 + 1, 256);
+    if (gr > 65536) gr = 65536;
+    k_swiglu_bwd<<<gr, 256, 0, c->stream>>>((bf16 *)dg, (bf16 *)du, (const bf16 *)g, (const bf16 *)u, (const bf16 *)dh, n);
+    LAUNCHED();
+    return 0;
+}
+
+/* split / concat of rows whose parts are whole 16-byte chunks: one warp per row, all of a row's loads in flight
+ * before its stores (a 2D copy moves the narrow part in short rows, well under the bandwidth). In 16-byte units:
+ * a row of x is ca chunks of x1, then cb of x2; a NULL source of the concat writes zeros. */
+#define MT_SPLIT_UNROLL 4
+__global__ void __launch_bounds__(256) k_split16(uint4 *x1, uint4 *x2, uint4 *x, int N, int ca, int cb, int concat) {
+    int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31, cr = ca + cb;
+    if (r >= N) return;
+    for (int k0 = lane; k0 < cr; k0 += 32 * MT_SPLIT_UNROLL) {
+        uint4 v[MT_SPLIT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MT_SPLIT_UNROLL; u++) {
+            int k = k0 + 32 * u;
+            if (k >= cr) continue;
+            if (!concat) v[u] = x[(int64_t)r * cr + k];
+            else {
+                const uint4 *src = k < ca ? x1 : x2;
+                v[u] = src ? src[k < ca ? (int64_t)r * ca + k : (int64_t)r * cb + k - ca] : make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MT_SPLIT_UNROLL; u++) {
+            int k = k0 + 32 * u;
+            if (k >= cr) continue;
+            if (concat) x[(int64_t)r * cr + k] = v[u];
+            else if (k < ca) x1[(int64_t)r * ca + k] = v[u];
+            else x2[(int64_t)r * cb + k - ca] = v[u];
+        }
+    }
+}
+static bool mt__split16(int a, int b, int esz, const void *x, const void *x1, const void *x2) {
+    return (int64_t)a * esz % 16 == 0 && (int64_t)b * esz % 16 == 0 && !(((uintptr_t)x | (uintptr_t)x1 | (uintptr_t)x2) & 15);
+}
+int mt_cuda_split(mt_cuda *c, void *x1, void *x2, const void *x, int N, int a, int b, int esz) {
+    if (N > 0 && mt__split16(a, b, esz, x, x1, x2)) {   /* x is only read */
+        k_split16<<<mt__blocks(N, 8), 256, 0, c->stream>>>((uint4 *)x1, (uint4 *)x2, (uint4 *)x, N, a * esz / 16, b * esz / 16, 0);
+        LAUNCHED();
+        return 0;
+    }
+    size_t row = (size_t)(a + b) * esz;
+    CK(cudaMemcpy2DAsync(x1, (size_t)a * esz, x, row, (size_t)a * esz, N, cudaMemcpyDeviceToDevice, c->stream));
+    CK(cudaMemcpy2DAsync(x2, (size_t)b * esz, (const char *)x + (size_t)a * esz, row, (size_t)b * esz, N, cudaMemcpyDeviceToDevice, c->stream));
+    return 0;
+}
+int mt_cuda_concat(mt_cuda *c, void *x, const void *x1, const void *x2, int N, int a, int b, int esz) {
+    if (N > 0 && mt__split16(a, b, esz, x, x1, x2)) {
+        k_split16<<<mt__blocks(N, 8), 256, 0, c->stream>>>((uint4 *)x1, (uint4 *)x2, (uint4 *)x, N, a * esz / 16, b * esz / 16, 1);
+        LAUNCHED();
+        return 0;
+    }
+    size_t row = (size_t)(a + b) * esz;
+    if (x1) CK(cudaMemcpy2DAsync(x, row, x1, (size_t)a * esz, (size_t)a * esz, N, cudaMemcpyDeviceToDevice, c->stream));
+    else CK(cudaMemset2DAsync(x, row, 0, (size_t)a * esz, N, c->stream));
+    if (x2) CK(cudaMemcpy2DAsync((char *)x + (size_t)a * esz, row, x2, (size_t)b * esz, (size_t)b * esz, N, cudaMemcpyDeviceToDevice, c->stream));
+    else CK(cudaMemset2DAsync((char *)x + (size_t)a * esz, row, 0, (size_t)b * esz, N, c->stream));
+    return 0;
+}
+
+/* ========================================================================
+ * 4. embedding
+ * The backward sums the rows of each token id in token order: a stable
+ * radix sort of (token, position) groups them, then one block per group.
+ * ====================================================================== */
+
+__global__ void k_embed(bf16 *x, const int32_t *tok, const bf16 *wte, int D) {
+    int n = blockIdx.x;
+    const bf16 *src = wte + (int64_t)tok[n] * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) x[(int64_t)n * D + d] = src[d];
+}
+int mt_cuda_embed_forward(mt_cuda *c, void *x, const int32_t *tok, const void *wte, int N, int D) {
+    if (N <= 0) return 0;
+    k_embed<<<N, 128, 0, c->stream>>>((bf16 *)x, tok, (const bf16 *)wte, D);
+    LAUNCHED();
+    return 0;
+}
+__global__ void k_iota(int32_t *v, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) v[i] = i;
+}
+/* pass 1: within each chunk of MT_EMB_CHUNK sorted positions, sum each run of
+ * equal tokens into part[run start]; pass 2: each token's first position sums
+ * its runs' partials in order. Both orders are fixed: deterministic. */
+#define MT_EMB_CHUNK 32
+__global__ void k_embed_bwd_part(float *part, const bf16 *dx, const int32_t *keys, const int32_t *pos, int N, int D) {
+    int i0 = blockIdx.x * MT_EMB_CHUNK, i1 = min(N, i0 + MT_EMB_CHUNK);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float acc = 0;
+        int start = i0;
+        for (int i = i0; i < i1; i++) {
+            acc += bf(dx[(int64_t)pos[i] * D + d]);
+            if (i + 1 == i1 || keys[i + 1] != keys[i]) { part[(int64_t)start * D + d] = acc; acc = 0; start = i + 1; }
+        }
+    }
+}
+__global__ void k_embed_bwd(float *dwte, const float *part, const int32_t *keys, int N, int D) {
+    int i = blockIdx.x;
+    if (i > 0 && keys[i] == keys[i - 1]) return;       /* not the first of its token */
+    int v = keys[i];
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float acc = 0;
+        for (int j = i; j < N && keys[j] == v; j = (j / MT_EMB_CHUNK + 1) * MT_EMB_CHUNK) acc += part[(int64_t)j * D + d];
+        dwte[(int64_t)v * D + d] = acc;
+    }
+}
+}  /* extern "C": the 16-byte variants use the row helpers (templates) */
+/* the same two passes on 8 columns per thread (16-byte loads of dx, 32-byte stores of the partials), for D a
+ * multiple of 8 and aligned rows; every column sums in the same order as above (bitwise the same). The rows of a
+ * step of MT_EMB_STEP positions are loaded before any partial is stored. */
+#define MT_EMB_STEP 4
+__global__ void __launch_bounds__(256) k_embed_bwd_part8(float *part, const bf16 *dx, const int32_t *keys, const int32_t *pos, int N, int D) {
+    int i0 = blockIdx.x * MT_EMB_CHUNK, i1 = min(N, i0 + MT_EMB_CHUNK);
+    for (int d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[j] = 0;
+        int start = i0;
+        for (int s0 = i0; s0 < i1; s0 += MT_EMB_STEP) {
+            uint4 u[MT_EMB_STEP];
+#pragma unroll
+            for (int k = 0; k < MT_EMB_STEP; k++)
+                if (s0 + k < i1) u[k] = *(const uint4 *)(dx + (int64_t)pos[s0 + k] * D + d);
+#pragma unroll
+            for (int k = 0; k < MT_EMB_STEP; k++) {
+                int i = s0 + k;
+                if (i >= i1) break;
+                float f[8];
+                unpack8(f, u[k]);
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[j] += f[j];
+                if (i + 1 == i1 || keys[i + 1] != keys[i]) {
+                    float4 *o = (float4 *)(part + (int64_t)start * D + d);
+                    o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                    o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[j] = 0;
+                    start = i + 1;
+                }
+            }
+        }
+    }
+}
+__global__ void __launch_bounds__(256) k_embed_bwd4(float *dwte, const float *part, const int32_t *keys, int N, int D) {
+    int i = blockIdx.x;
+    if (i > 0 && keys[i] == keys[i - 1]) return;       /* not the first of its token */
+    int v = keys[i];
+    for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
+        float4 acc = make_float4(0, 0, 0, 0);
+        for (int j = i; j < N && keys[j] == v; j = (j / MT_EMB_CHUNK + 1) * MT_EMB_CHUNK) {
+            float4 p = *(const float4 *)(part + (int64_t)j * D + d);
+            acc.x += p.x; acc.y += p.y; acc.z += p.z; acc.w += p.w;
+        }
+        *(float4 *)(dwte + (int64_t)v * D + d) = acc;
+    }
+}
+extern "C" {
+size_t mt_cuda_embed_backward_workspace(int N, int D) {
+    size_t tmp = 0;
+    cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, N);
+    return mt__al(tmp) + 3 * mt__al((size_t)N * 4) + mt__al((size_t)N * D * 4);
+}
+int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_t *tok, int N, int V, int D, void *ws) {
+    CK(cudaMemsetAsync(dwte, 0, (size_t)V * D * 4, c->stream));
+    if (N <= 0) return 0;
+    size_t tmp = 0;
+    cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, N);
+    char *w = (char *)ws;
+    int32_t *iota = (int32_t *)(w + mt__al(tmp)), *keys = iota + mt__al((size_t)N * 4) / 4, *pos = keys + mt__al((size_t)N * 4) / 4;
+    k_iota<<<mt__blocks(N, 256), 256, 0, c->stream>>>(iota, N);
+    LAUNCHED();
+    int bits = 1;
+    while ((1 << bits) < V && bits < 31) bits++;
+    CK(cub::DeviceRadixSort::SortPairs(w, tmp, tok, keys, iota, pos, N, 0, bits, c->stream));
+    float *part = (float *)(pos + mt__al((size_t)N * 4) / 4);
+    if (mt__rows16(D, 2, dx, part, dwte)) {
+        k_embed_bwd_part8<<<(N + MT_EMB_CHUNK - 1) / MT_EMB_CHUNK, 256, 0, c->stream>>>(part, (const bf16 *)dx, keys, pos, N, D);
+        LAUNCHED();
+        k_embed_bwd4<<<N, 256, 0, c->stream>>>(dwte, part, keys, N, D);
+        LAUNCHED();
+        return 0;
+    }
+    k_embed_bwd_part<<<(N + MT_EMB_CHUNK - 1) / MT_EMB_CHUNK, 256, 0, c->stream>>>(part, (const bf16 *)dx, keys, pos, N, D);
+    LAUNCHED();
+    k_embed_bwd<<<N, 256, 0, c->stream>>>(dwte, part, keys, N, D);
+    LAUNCHED();
+    return 0;
+}
+
+/* ========================================================================
+ * 5. RMSNorm: one warp per row; dw by fixed chunks of rows, then a
+ *    fixed-order sum of the chunks.
+ * ====================================================================== */
+
+#define MT_RMS_CHUNK 32        /* rows per dw partial (rows of up to 1024: MT_RMS_CHUNK_NARROW, more blocks in flight) */
+#define MT_RMS_CHUNK_NARROW 8
+#define MT_RMS_CACHE 8         /* 8-element chunks per lane held in registers between a row's two passes
+                                  (rows up to 2048 wide; longer rows read the rest again) */
+}  /* extern "C": the RMSNorm kernels are templates */
+/* one chunk of the norm's input; ADD: the residual sum h = a + b, rounded to bf16 and stored, is the input */
+template <bool V, bool ADD>
+__device__ __forceinline__ uint4 mt__rms_in(bf16 *h, const bf16 *a, const bf16 *b, int64_t o, int d, int D) {
+    if (!ADD) return ld8<V>(a + o, d, D);
+    float x[8], y[8];
+    unpack8(x, ld8<V>(a + o, d, D));
+    unpack8(y, ld8<V>(b + o, d, D));
+#pragma unroll
+    for (int j = 0; j < 8; j++) x[j] += y[j];
+    uint4 u = pack8(x);
+    st8raw<V>(h + o, d, D, u);
+    return u;
+}
+__device__ __forceinline__ float mt__ss8(float ss, uint4 u) {
+    float x[8];
+    unpack8(x, u);
+#pragma unroll
+    for (int j = 0; j < 8; j++) ss += x[j] * x[j];
+    return ss;
+}
+template <bool V>
+__device__ __forceinline__ void mt__rms_out(bf16 *y, int d, int D, uint4 u, float r, const float *w) {
+    float x[8], wv[8];
+    unpack8(x, u);
+    ld8f<V>(wv, w, d, D);
+#pragma unroll
+    for (int j = 0; j < 8; j++) x[j] = x[j] * r * wv[j];
+    st8<V>(y, d, D, x);
+}
+/* one warp per row, 8-element chunks. ADD: the fused residual add + RMSNorm; both instantiations perform the
+ * same operations on the same values, so the fused node equals the unfused pair (add, then norm) bit for bit */
+template <bool V, bool ADD>
+__global__ void __launch_bounds__(256, 2) k_rms_fwd(bf16 *h, bf16 *y, float *rstd, const bf16 *a, const bf16 *b, const float *w, int N,
+                                                 int D, float eps) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    int64_t o = (int64_t)row * D;
+    uint4 c[MT_RMS_CACHE], cb[ADD ? MT_RMS_CACHE : 1];
+    float ss = 0;
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {   /* every load of the cached chunks first: none waits for a store */
+        int d = (lane + 32 * i) * 8;
+        if (d < D) {
+            c[i] = ld8<V>(a + o, d, D);
+            if (ADD) cb[ADD ? i : 0] = ld8<V>(b + o, d, D);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) {
+            if (ADD) {
+                float x[8], y[8];
+                unpack8(x, c[i]);
+                unpack8(y, cb[ADD ? i : 0]);
+#pragma unroll
+                for (int j = 0; j < 8; j++) x[j] += y[j];
+                c[i] = pack8(x);
+                st8raw<V>(h + o, d, D, c[i]);
+            }
+            ss = mt__ss8(ss, c[i]);
+        }
+    }
+    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) ss = mt__ss8(ss, mt__rms_in<V, ADD>(h, a, b, o, d, D));
+    ss = warp_sum(ss);
+    float r = rsqrtf(ss / D + eps);
+    if (lane == 0) rstd[row] = r;
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) mt__rms_out<V>(y + o, d, D, c[i], r, w);
+    }
+    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) mt__rms_out<V>(y + o, d, D, ld8<V>((ADD ? h : a) + o, d, D), r, w);
+}
+__device__ __forceinline__ float mt__dot8(float dot, uint4 ug, uint4 ux, const float (&wv)[8]) {
+    float g[8], x[8];
+    unpack8(g, ug);
+    unpack8(x, ux);
+#pragma unroll
+    for (int j = 0; j < 8; j++) dot += wv[j] * g[j] * x[j];
+    return dot;
+}
+/* dx of one chunk; ADD: dx rounds to bf16 before the residual gradient acc is added, as the unfused pair does */
+template <bool V, bool ADD>
+__device__ __forceinline__ void mt__rms_dx(bf16 *dx, const bf16 *acc, int d, int D, uint4 ug, uint4 ux, float r, float cc, const float *w) {
+    float g[8], x[8], wv[8];
+    unpack8(g, ug);
+    unpack8(x, ux);
+    ld8f<V>(wv, w, d, D);
+#pragma unroll
+    for (int j = 0; j < 8; j++) g[j] = r * wv[j] * g[j] - cc * x[j];
+    if (ADD) {
+        float own[8];
+        unpack8(own, pack8(g));
+        unpack8(g, ld8<V>(acc, d, D));
+#pragma unroll
+        for (int j = 0; j < 8; j++) g[j] += own[j];
+    }
+    st8<V>(dx, d, D, g);
+}
+/* two warps per block: a row's dy and x stay in registers (~170 per thread), so few warps fit an SM; small blocks
+ * let them retire independently */
+template <bool V, bool ADD>
+__global__ void __launch_bounds__(64) k_rms_bwd_dx(bf16 *dx, const bf16 *dy, const bf16 *x, const float *w, const float *rstd,
+                                                    const bf16 *acc, int N, int D) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    int64_t o = (int64_t)row * D;
+    uint4 cg[MT_RMS_CACHE], cx[MT_RMS_CACHE];
+    float dot = 0, wv[8];
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) {
+            cg[i] = ld8<V>(dy + o, d, D);
+            cx[i] = ld8<V>(x + o, d, D);
+            ld8f<V>(wv, w, d, D);
+            dot = mt__dot8(dot, cg[i], cx[i], wv);
+        }
+    }
+    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) {
+        ld8f<V>(wv, w, d, D);
+        dot = mt__dot8(dot, ld8<V>(dy + o, d, D), ld8<V>(x + o, d, D), wv);
+    }
+    dot = warp_sum(dot);
+    float r = rstd[row], cc = r * r * r * dot / D;
+#pragma unroll
+    for (int i = 0; i < MT_RMS_CACHE; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) mt__rms_dx<V, ADD>(dx + o, acc + o, d, D, cg[i], cx[i], r, cc, w);
+    }
+    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256)
+        mt__rms_dx<V, ADD>(dx + o, acc + o, d, D, ld8<V>(dy + o, d, D), ld8<V>(x + o, d, D), r, cc, w);
+}
+/* dw[d] += g x r for one chunk, in a warp's shared-memory row */
+template <bool V>
+__device__ __forceinline__ void mt__dw8(float *my, int d, int D, uint4 ug, uint4 ux, float r) {
+    float g[8], x[8];
+    unpack8(g, ug);
+    unpack8(x, ux);
+    if constexpr (V) {
+        float4 *p = (float4 *)(my + d), a = p[0], b = p[1];
+        a.x += g[0] * x[0] * r; a.y += g[1] * x[1] * r; a.z += g[2] * x[2] * r; a.w += g[3] * x[3] * r;
+        b.x += g[4] * x[4] * r; b.y += g[5] * x[5] * r; b.z += g[6] * x[6] * r; b.w += g[7] * x[7] * r;
+        p[0] = a; p[1] = b;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) if (d + j < D) my[d + j] += g[j] * x[j] * r;
+    }
+}
+/* The whole backward in one pass over dy and x: a block takes `rows` consecutive rows, warp k the rows
+ * k, k + MT_RMS_WARPS, ... of them in order, one at a time as in k_rms_bwd_dx, and adds g x rstd to its own row
+ * of shared memory; the block's dw partial is then the sum of those rows in warp order (fixed, as the chunk's
+ * rows are). w is staged in shared memory too: (1 + MT_RMS_WARPS) D floats. */
+#define MT_RMS_WARPS 4
+#define MT_RMS_FUSED_MAXD 2456   /* (1 + MT_RMS_WARPS) * D * 4 bytes within the default 48 KB */
+template <bool V, bool ADD>
+__global__ void __launch_bounds__(32 * MT_RMS_WARPS) k_rms_bwd_fused(bf16 *dx, float *part, const bf16 *dy, const bf16 *x, const float *w,
+                                                                     const float *rstd, const bf16 *acc, int N, int D, int rows) {
+    extern __shared__ float mt_rms_sh[];
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float *sw = mt_rms_sh, *my = mt_rms_sh + (1 + wp) * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) sw[d] = w[d];
+    for (int d = lane; d < D; d += 32) my[d] = 0;
+    __syncthreads();
+    for (int j = 0; j < rows / MT_RMS_WARPS; j++) {
+        int row = blockIdx.x * rows + j * MT_RMS_WARPS + wp;
+        if (row >= N) break;
+        int64_t o = (int64_t)row * D;
+        float r = rstd[row], dot = 0, wv[8];
+        uint4 cg[MT_RMS_CACHE], cx[MT_RMS_CACHE], ca[ADD ? MT_RMS_CACHE : 1];
+#pragma unroll
+        for (int i = 0; i < MT_RMS_CACHE; i++) {   /* every load of the cached chunks first */
+            int d = (lane + 32 * i) * 8;
+            if (d < D) {
+                cg[i] = ld8<V>(dy + o, d, D);
+                cx[i] = ld8<V>(x + o, d, D);
+                if (ADD) ca[ADD ? i : 0] = ld8<V>(acc + o, d, D);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MT_RMS_CACHE; i++) {
+            int d = (lane + 32 * i) * 8;
+            if (d < D) {
+                ld8f<V>(wv, sw, d, D);
+                dot = mt__dot8(dot, cg[i], cx[i], wv);
+                mt__dw8<V>(my, d, D, cg[i], cx[i], r);
+            }
+        }
+        for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) {
+            uint4 g = ld8<V>(dy + o, d, D), xx = ld8<V>(x + o, d, D);
+            ld8f<V>(wv, sw, d, D);
+            dot = mt__dot8(dot, g, xx, wv);
+            mt__dw8<V>(my, d, D, g, xx, r);
+        }
+        dot = warp_sum(dot);
+        float cc = r * r * r * dot / D;
+#pragma unroll
+        for (int i = 0; i < MT_RMS_CACHE; i++) {
+            int d = (lane + 32 * i) * 8;
+            if (d < D) {
+                float g[8], xv[8];
+                unpack8(g, cg[i]);
+                unpack8(xv, cx[i]);
+                ld8f<V>(wv, sw, d, D);
+#pragma unroll
+                for (int k = 0; k < 8; k++) g[k] = r * wv[k] * g[k] - cc * xv[k];
+                if (ADD) {
+                    float own[8];
+                    unpack8(own, pack8(g));
+                    unpack8(g, ca[ADD ? i : 0]);
+#pragma unroll
+                    for (int k = 0; k < 8; k++) g[k] += own[k];
+                }
+                st8<V>(dx + o, d, D, g);
+            }
+        }
+        for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256)
+            mt__rms_dx<V, ADD>(dx + o, acc + o, d, D, ld8<V>(dy + o, d, D), ld8<V>(x + o, d, D), r, cc, sw);
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float t = 0;
+        for (int k = 0; k < MT_RMS_WARPS; k++) t += mt_rms_sh[(1 + k) * D + d];
+        part[(int64_t)blockIdx.x * D + d] = t;
+    }
+}
+/* dw partials: part[chunk][d] = sum over the chunk's rows, in row order; one thread per 8 columns */
+template <bool V>
+__global__ void __launch_bounds__(64) k_rms_bwd_dw_part(float *part, const bf16 *dy, const bf16 *x, const float *rstd, int N, int D) {
+    int d = (blockIdx.y * blockDim.x + threadIdx.x) * 8, ch = blockIdx.x;
+    if (d >= D) return;
+    float acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[j] = 0;
+    int end = min(N, (ch + 1) * MT_RMS_CHUNK);
+#pragma unroll 4
+    for (int n = ch * MT_RMS_CHUNK; n < end; n++) {
+        float g[8], xv[8], r = rstd[n];
+        unpack8(g, ld8<V>(dy + (int64_t)n * D, d, D));
+        unpack8(xv, ld8<V>(x + (int64_t)n * D, d, D));
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[j] += g[j] * xv[j] * r;
+    }
+    float *p = part + (int64_t)ch * D + d;
+    if constexpr (V) {
+        ((float4 *)p)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        ((float4 *)p)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) if (d + j < D) p[j] = acc[j];
+    }
+}
+extern "C" {
+/* out[d] = sum of part[ch][d] over the chunks: 32 columns x 32 groups per block, group t sums chunks t, t + 32,
+ * ... in order, then the 32 group sums add in order */
+__global__ void __launch_bounds__(1024) k_colsum(float *out, const float *part, int chunks, int D) {
+    __shared__ float sh[32][33];
+    int tx = threadIdx.x & 31, ty = threadIdx.x >> 5, d = blockIdx.x * 32 + tx;
+    float acc = 0;
+    if (d < D)
+#pragma unroll 4
+        for (int ch = ty; ch < chunks; ch += 32) acc += part[(int64_t)ch * D + d];
+    sh[ty][tx] = acc;
+    __syncthreads();
+    if (ty == 0 && d < D) {
+        float t = 0;
+        for (int k = 0; k < 32; k++) t += sh[k][tx];
+        out[d] = t;
+    }
+}
+static int mt__rms_fwd(mt_cuda *c, void *h, void *y, float *rstd, const void *a, const void *b, const float *w, int N, int D, float eps) {
+    if (N <= 0) return 0;
+    bool v = mt__rows16(D, 2, h, y, a, b, w);
+#define MT__RMS(V, ADD) k_rms_fwd<V, ADD><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)h, (bf16 *)y, rstd, (const bf16 *)a, \
+                                                                                    (const bf16 *)b, w, N, D, eps)
+    if (h) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
+    else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
+#undef MT__RMS
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_add_rmsnorm_forward(mt_cuda *c, void *h, void *y, float *rstd, const void *a, const void *b, const float *w, int N,
+                                int D, float eps) {
+    return mt__rms_fwd(c, h, y, rstd, a, b, w, N, D, eps);
+}
+/* rows per dw partial */
+static int mt__rms_rows(int D) { return D <= 1024 ? MT_RMS_CHUNK_NARROW : MT_RMS_CHUNK; }
+size_t mt_cuda_rmsnorm_backward_workspace(int N, int D) { return mt__al((size_t)((N + mt__rms_rows(D) - 1) / mt__rms_rows(D)) * D * 4); }
+int mt_cuda_rmsnorm_forward(mt_cuda *c, void *y, float *rstd, const void *x, const float *w, int N, int D, float eps) {
+    return mt__rms_fwd(c, NULL, y, rstd, x, NULL, w, N, D, eps);
+}
+static int mt__rms_bwd(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w, const float *rstd,
+                       const void *acc, int N, int D, void *ws) {
+    if (N <= 0) { CK(cudaMemsetAsync(dw, 0, (size_t)D * 4, c->stream)); return 0; }
+    bool v = mt__rows16(D, 2, dx, dy, x, w, acc) && !((uintptr_t)ws & 15);
+    int chunks = (N + MT_RMS_CHUNK - 1) / MT_RMS_CHUNK;
+    if (D <= MT_RMS_FUSED_MAXD) {   /* one pass: dx and the chunks' dw partials */
+        int rows = mt__rms_rows(D);
+        chunks = (N + rows - 1) / rows;
+        size_t sm = (size_t)(1 + MT_RMS_WARPS) * D * 4;
+#define MT__RMS(V, ADD) k_rms_bwd_fused<V, ADD><<<chunks, 32 * MT_RMS_WARPS, sm, c->stream>>>((bf16 *)dx, (float *)ws, (const bf16 *)dy, \
+                                                                                         (const bf16 *)x, w, rstd, (const bf16 *)acc, N, D, rows)
+        if (acc) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
+        else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
+#undef MT__RMS
+        LAUNCHED();
+        k_colsum<<<mt__blocks(D, 32), 1024, 0, c->stream>>>(dw, (const float *)ws, chunks, D);
+        LAUNCHED();
+        return 0;
+    }
+#define MT__RMS(V, ADD) k_rms_bwd_dx<V, ADD><<<mt__blocks(N, 2), 64, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dy, (const bf16 *)x, w, \
+                                                                                       rstd, (const bf16 *)acc, N, D)
+    if (acc) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
+    else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
+#undef MT__RMS
+    LAUNCHED();
+    dim3 g(chunks, mt__blocks((D + 7) / 8, 64));
+    if (v) k_rms_bwd_dw_part<true><<<g, 64, 0, c->stream>>>((float *)ws, (const bf16 *)dy, (const bf16 *)x, rstd, N, D);
+    else k_rms_bwd_dw_part<false><<<g, 64, 0, c->stream>>>((float *)ws, (const bf16 *)dy, (const bf16 *)x, rstd, N, D);
+    LAUNCHED();
+    k_colsum<<<mt__blocks(D, 32), 1024, 0, c->stream>>>(dw, (const float *)ws, chunks, D);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_rmsnorm_backward_add(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w,
+                                 const float *rstd, const void *acc, int N, int D, void *ws) {
+    return mt__rms_bwd(c, dx, dw, dy, x, w, rstd, acc, N, D, ws);
+}
+int mt_cuda_rmsnorm_backward(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w,
+                             const float *rstd, int N, int D, void *ws) {
+    return mt__rms_bwd(c, dx, dw, dy, x, w, rstd, NULL, N, D, ws);
+}
+
+/* ========================================================================
+ * 6. MLA RoPE assembly (see mt_cpu_mla_rope_forward): one block per token
+ * ====================================================================== */
+
+__global__ void k_rope_fwd(bf16 *Q, bf16 *K, bf16 *V, const bf16 *q, const bf16 *kv, const bf16 *kpe, const float *cosv,
+                           const float *sinv, int T, int H, int dn, int dr, int dv) {
+    int n = blockIdx.x, half = dr / 2, dq = dn + dr;
+    const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
+    for (int idx = threadIdx.x; idx < H * dq; idx += blockDim.x) {
+        int h = idx / dq, d = idx % dq;
+        const bf16 *qh = q + ((int64_t)n * H + h) * dq, *kvh = kv + ((int64_t)n * H + h) * (dn + dv);
+        float qo, ko;
+        if (d < dn) { qo = bf(qh[d]); ko = bf(kvh[d]); }
+        else {
+            int i = (d - dn) >> 1, odd = (d - dn) & 1;
+            float c = cs[i], s = sn[i];
+            float x0 = bf(qh[dn + 2 * i]), x1 = bf(qh[dn + 2 * i + 1]);
+            float k0 = bf(kpe[(int64_t)n * dr + 2 * i]), k1 = bf(kpe[(int64_t)n * dr + 2 * i + 1]);
+            qo = odd ? x0 * s + x1 * c : x0 * c - x1 * s;
+            ko = odd ? k0 * s + k1 * c : k0 * c - k1 * s;
+        }
+        Q[((int64_t)n * H + h) * dq + d] = tobf(qo);
+        K[((int64_t)n * H + h) * dq + d] = tobf(ko);
+    }
+    for (int idx = threadIdx.x; idx < H * dv; idx += blockDim.x) {
+        int h = idx / dv, e = idx % dv;
+        V[((int64_t)n * H + h) * dv + e] = kv[((int64_t)n * H + h) * (dn + dv) + dn + e];
+    }
+}
+__global__ void k_rope_bwd(bf16 *dq, bf16 *dkv, bf16 *dkpe, const bf16 *dQ, const bf16 *dK, const bf16 *dV,
+                           const float *cosv, const float *sinv, int T, int H, int dn, int dr, int dv) {
+    int n = blockIdx.x, half = dr / 2, dqq = dn + dr;
+    const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
+    for (int idx = threadIdx.x; idx < H * dqq; idx += blockDim.x) {
+        int h = idx / dqq, d = idx % dqq;
+        const bf16 *g = dQ + ((int64_t)n * H + h) * dqq;
+        float o;
+        if (d < dn) o = bf(g[d]);
+        else {
+            int i = (d - dn) >> 1, odd = (d - dn) & 1;
+            float d0 = bf(g[dn + 2 * i]), d1 = bf(g[dn + 2 * i + 1]);
+            o = odd ? -d0 * sn[i] + d1 * cs[i] : d0 * cs[i] + d1 * sn[i];
+        }
+        dq[((int64_t)n * H + h) * dqq + d] = tobf(o);
+    }
+    for (int idx = threadIdx.x; idx < H * (dn + dv); idx += blockDim.x) {
+        int h = idx / (dn + dv), d = idx % (dn + dv);
+        bf16 v = d < dn ? dK[((int64_t)n * H + h) * dqq + d] : dV[((int64_t)n * H + h) * dv + d - dn];
+        dkv[((int64_t)n * H + h) * (dn + dv) + d] = v;
+    }
+    for (int d = threadIdx.x; d < dr; d += blockDim.x) {   /* k_pe is shared: sum heads in order */
+        int i = d >> 1, odd = d & 1;
+        float acc = 0;
+        for (int h = 0; h < H; h++) {
+            const bf16 *g = dK + ((int64_t)n * H + h) * dqq + dn;
+            float d0 = bf(g[2 * i]), d1 = bf(g[2 * i + 1]);
+            acc += odd ? -d0 * sn[i] + d1 * cs[i] : d0 * cs[i] + d1 * sn[i];
+        }
+        dkpe[(int64_t)n * dr + d] = tobf(acc);
+    }
+}
+/* the same two kernels on bf16 pairs, which are exactly the rotation pairs
+ * (needs even dn and dv; the element kernels above handle the rest) */
+__device__ __forceinline__ __nv_bfloat162 rot2(__nv_bfloat162 x, float c, float s, int inverse) {
+    float x0 = __low2float(x), x1 = __high2float(x);
+    if (inverse) s = -s;
+    return __floats2bfloat162_rn(x0 * c - x1 * s, x0 * s + x1 * c);
+}
+__global__ void k_rope_fwd2(__nv_bfloat162 *Q, __nv_bfloat162 *K, __nv_bfloat162 *V, const __nv_bfloat162 *q, const __nv_bfloat162 *kv,
+                            const __nv_bfloat162 *kpe, const float *cosv, const float *sinv, int T, int H, int dn, int dr, int dv) {
+    int n = blockIdx.x, half = dr / 2, pq = (dn + dr) / 2, pn = dn / 2, pkv = (dn + dv) / 2, pv = dv / 2;
+    const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
+    for (int idx = threadIdx.x; idx < H * pq; idx += blockDim.x) {
+        int h = idx / pq, p = idx % pq;
+        int64_t o = ((int64_t)n * H + h) * pq + p;
+        if (p < pn) { Q[o] = q[o]; K[o] = kv[((int64_t)n * H + h) * pkv + p]; }
+        else { int i = p - pn; Q[o] = rot2(q[o], cs[i], sn[i], 0); K[o] = rot2(kpe[(int64_t)n * half + i], cs[i], sn[i], 0); }
+    }
+    for (int idx = threadIdx.x; idx < H * pv; idx += blockDim.x) {
+        int h = idx / pv, e = idx % pv;
+        V[((int64_t)n * H + h) * pv + e] = kv[((int64_t)n * H + h) * pkv + pn + e];
+    }
+}
+__global__ void k_rope_bwd2(__nv_bfloat162 *dq, __nv_bfloat162 *dkv, __nv_bfloat162 *dkpe, const __nv_bfloat162 *dQ, const __nv_bfloat162 *dK,
+                            const __nv_bfloat162 *dV, const float *cosv, const float *sinv, int T, int H, int dn, int dr, int dv) {
+    int n = blockIdx.x, half = dr / 2, pq = (dn + dr) / 2, pn = dn / 2, pkv = (dn + dv) / 2, pv = dv / 2;
+    const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
+    for (int idx = threadIdx.x; idx < H * pq; idx += blockDim.x) {
+        int h = idx / pq, p = idx % pq;
+        int64_t o = ((int64_t)n * H + h) * pq + p;
+        dq[o] = p < pn ? dQ[o] : rot2(dQ[o], cs[p - pn], sn[p - pn], 1);
+    }
+    for (int idx = threadIdx.x; idx < H * pkv; idx += blockDim.x) {
+        int h = idx / pkv, p = idx % pkv;
+        dkv[((int64_t)n * H + h) * pkv + p] = p < pn ? dK[((int64_t)n * H + h) * pq + p] : dV[((int64_t)n * H + h) * pv + p - pn];
+    }
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {   /* k_pe is shared: sum heads in order */
+        float a0 = 0, a1 = 0;
+        for (int h = 0; h < H; h++) {
+            __nv_bfloat162 g = dK[((int64_t)n * H + h) * pq + pn + i];
+            float d0 = __low2float(g), d1 = __high2float(g);
+            a0 += d0 * cs[i] + d1 * sn[i];
+            a1 += -d0 * sn[i] + d1 * cs[i];
+        }
+        dkpe[(int64_t)n * half + i] = __floats2bfloat162_rn(a0, a1);
+    }
+}
+/* the same two kernels on 16-byte chunks of 8 elements (4 rotation pairs), for dn, dr and dv multiples of 8 and
+ * 16-byte aligned tensors and tables; every element is computed as in the pair kernels (bitwise the same) */
+}  /* extern "C": the chunk kernels use the row helpers (templates) */
+__device__ __forceinline__ uint4 rot8(uint4 x, float4 c, float4 s, int inverse) {
+    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&x;
+    uint4 o;
+    __nv_bfloat162 *r = (__nv_bfloat162 *)&o;
+    r[0] = rot2(h[0], c.x, s.x, inverse); r[1] = rot2(h[1], c.y, s.y, inverse);
+    r[2] = rot2(h[2], c.z, s.z, inverse); r[3] = rot2(h[3], c.w, s.w, inverse);
+    return o;
+}
+/* Each token's outputs are a list of 16-byte items; a thread loads MT_ROPE_UNROLL items before it stores any
+ * (the stores could alias the next loads as far as the compiler knows). */
+#define MT_ROPE_UNROLL 4
+/* items: Q chunks (H cq), K chunks (H cq), V chunks (H cv) */
+__global__ void __launch_bounds__(256) k_rope_fwd8(bf16 *Q, bf16 *K, bf16 *V, const bf16 *q, const bf16 *kv, const bf16 *kpe, const float *cosv,
+                                                   const float *sinv, int T, int H, int dn, int dr, int dv) {
+    int n = blockIdx.x, half = dr / 2, cq = (dn + dr) / 8, cn = dn / 8, ckv = (dn + dv) / 8, cv = dv / 8;
+    int nq = H * cq, total = 2 * nq + H * cv;
+    const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
+    const uint4 *q8 = (const uint4 *)q + (int64_t)n * H * cq, *kv8 = (const uint4 *)kv + (int64_t)n * H * ckv, *kpe8 = (const uint4 *)kpe + (int64_t)n * (dr / 8);
+    uint4 *Q8 = (uint4 *)Q + (int64_t)n * H * cq, *K8 = (uint4 *)K + (int64_t)n * H * cq, *V8 = (uint4 *)V + (int64_t)n * H * cv;
+    for (int b0 = threadIdx.x; b0 < total; b0 += MT_ROPE_UNROLL * blockDim.x) {
+        uint4 v[MT_ROPE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MT_ROPE_UNROLL; u++) {
+            int idx = b0 + u * blockDim.x;
+            if (idx >= total) continue;
+            if (idx < nq) v[u] = q8[idx];
+            else if (idx < 2 * nq) {
+                int j = idx - nq, h = j / cq, p = j - h * cq;
+                v[u] = p < cn ? kv8[h * ckv + p] : kpe8[p - cn];
+            } else {
+                int j = idx - 2 * nq, h = j / cv, e = j - h * cv;
+                v[u] = kv8[h * ckv + cn + e];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MT_ROPE_UNROLL; u++) {
+            int idx = b0 + u * blockDim.x;
+            if (idx >= total) continue;
+            if (idx < 2 * nq) {
+                int j = idx < nq ? idx : idx - nq, p = j % cq;
+                uint4 o = v[u];
+                if (p >= cn) {
+                    int i = (p - cn) * 4;
+                    o = rot8(o, *(const float4 *)(cs + i), *(const float4 *)(sn + i), 0);
+                }
+                (idx < nq ? Q8 : K8)[j] = o;
+            } else {
+                V8[idx - 2 * nq] = v[u];
+            }
+        }
+    }
+}
+/* items: dq chunks (H cq), dkv chunks (H ckv), and the rope chunks of dK (H dr/8), whose rotated values go to
+ * shared memory [H][dr] in f32; k_pe is shared by the heads, so each of its elements then sums the heads in order */
+__global__ void __launch_bounds__(256) k_rope_bwd8(bf16 *dq, bf16 *dkv, bf16 *dkpe, const bf16 *dQ, const bf16 *dK, const bf16 *dV,
+                                                   const float *cosv, const float *sinv, int T, int H, int dn, int dr, int dv) {
+    extern __shared__ float mt_rope_sh[];
+    int n = blockIdx.x, half = dr / 2, cq = (dn + dr) / 8, cn = dn / 8, ckv = (dn + dv) / 8, cv = dv / 8, cr = dr / 8;
+    int nq = H * cq, nkv = H * ckv, total = nq + nkv + H * cr;
+    const float *cs = cosv + (int64_t)(n % T) * half, *sn = sinv + (int64_t)(n % T) * half;
+    const uint4 *dQ8 = (const uint4 *)dQ + (int64_t)n * H * cq, *dK8 = (const uint4 *)dK + (int64_t)n * H * cq, *dV8 = (const uint4 *)dV + (int64_t)n * H * cv;
+    uint4 *dq8 = (uint4 *)dq + (int64_t)n * H * cq, *dkv8 = (uint4 *)dkv + (int64_t)n * H * ckv;
+    for (int b0 = threadIdx.x; b0 < total; b0 += MT_ROPE_UNROLL * blockDim.x) {
+        uint4 v[MT_ROPE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MT_ROPE_UNROLL; u++) {
+            int idx = b0 + u * blockDim.x;
+            if (idx >= total) continue;
+            if (idx < nq) v[u] = dQ8[idx];
+            else if (idx < nq + nkv) {
+                int j = idx - nq, h = j / ckv, p = j - h * ckv;
+                v[u] = p < cn ? dK8[h * cq + p] : dV8[h * cv + p - cn];
+            } else {
+                int j = idx - nq - nkv, h = j / cr, k = j - h * cr;
+                v[u] = dK8[h * cq + cn + k];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MT_ROPE_UNROLL; u++) {
+            int idx = b0 + u * blockDim.x;
+            if (idx >= total) continue;
+            if (idx < nq) {
+                int p = idx % cq;
+                uint4 o = v[u];
+                if (p >= cn) {
+                    int i = (p - cn) * 4;
+                    o = rot8(o, *(const float4 *)(cs + i), *(const float4 *)(sn + i), 1);
+                }
+                dq8[idx] = o;
+            } else if (idx < nq + nkv) {
+                dkv8[idx - nq] = v[u];
+            } else {
+                int j = idx - nq - nkv, h = j / cr, k = j - h * cr, i = k * 4;
+                float g[8], *o = mt_rope_sh + h * dr + k * 8;
+                unpack8(g, v[u]);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float c = cs[i + e], s = sn[i + e], d0 = g[2 * e], d1 = g[2 * e + 1];
+                    o[2 * e] = d0 * c + d1 * s;
+                    o[2 * e + 1] = -d0 * s + d1 * c;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < dr; t += blockDim.x) {
+        float a = 0;
+        for (int h = 0; h < H; h++) a += mt_rope_sh[h * dr + t];
+        dkpe[(int64_t)n * dr + t] = tobf(a);
+    }
+}
+extern "C" {
+static int mt__pairs_ok(int dn, int dv, const void *a, const void *b, const void *c3, const void *d, const void *e, const void *f) {
+    return dn % 2 == 0 && dv % 2 == 0 && !(((uintptr_t)a | (uintptr_t)b | (uintptr_t)c3 | (uintptr_t)d | (uintptr_t)e | (uintptr_t)f) & 3);
+}
+int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *q, const void *kv, const void *kpe,
+                             const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv) {
+    if (N <= 0) return 0;
+    if (dn % 8 == 0 && dr % 8 == 0 && dv % 8 == 0 && !(((uintptr_t)Q | (uintptr_t)K | (uintptr_t)V | (uintptr_t)q | (uintptr_t)kv | (uintptr_t)kpe |
+                                                       (uintptr_t)cosv | (uintptr_t)sinv) & 15)) {
+        k_rope_fwd8<<<N, 256, 0, c->stream>>>((bf16 *)Q, (bf16 *)K, (bf16 *)V, (const bf16 *)q, (const bf16 *)kv, (const bf16 *)kpe, cosv, sinv,
+                                              T, H, dn, dr, dv);
+        LAUNCHED();
+        return 0;
+    }
+    if (mt__pairs_ok(dn, dv, Q, K, V, q, kv, kpe)) {
+        k_rope_fwd2<<<N, 256, 0, c->stream>>>((__nv_bfloat162 *)Q, (__nv_bfloat162 *)K, (__nv_bfloat162 *)V, (const __nv_bfloat162 *)q,
+                                              (const __nv_bfloat162 *)kv, (const __nv_bfloat162 *)kpe, cosv, sinv, T, H, dn, dr, dv);
+        LAUNCHED();
+        return 0;
+    }
+    k_rope_fwd<<<N, 256, 0, c->stream>>>((bf16 *)Q, (bf16 *)K, (bf16 *)V, (const bf16 *)q, (const bf16 *)kv, (const bf16 *)kpe,
+                                         cosv, sinv, T, H, dn, dr, dv);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const void *dQ, const void *dK, const void *dV,
+                              const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv) {
+    if (N <= 0) return 0;
+    if (dn % 8 == 0 && dr % 8 == 0 && dv % 8 == 0 && (size_t)H * dr * 4 <= 32768 &&
+        !(((uintptr_t)dq | (uintptr_t)dkv | (uintptr_t)dkpe | (uintptr_t)dQ | (uintptr_t)dK | (uintptr_t)dV | (uintptr_t)cosv | (uintptr_t)sinv) & 15)) {
+        k_rope_bwd8<<<N, 256, (size_t)H * dr * 4, c->stream>>>((bf16 *)dq, (bf16 *)dkv, (bf16 *)dkpe, (const bf16 *)dQ, (const bf16 *)dK, (const bf16 *)dV, cosv,
+                                              sinv, T, H, dn, dr, dv);
+        LAUNCHED();
+        return 0;
+    }
+    if (mt__pairs_ok(dn, dv, dq, dkv, dkpe, dQ, dK, dV)) {
+        k_rope_bwd2<<<N, 256, 0, c->stream>>>((__nv_bfloat162 *)dq, (__nv_bfloat162 *)dkv, (__nv_bfloat162 *)dkpe, (const __nv_bfloat162 *)dQ,
+                                              (const __nv_bfloat162 *)dK, (const __nv_bfloat162 *)dV, cosv, sinv, T, H, dn, dr, dv);
+        LAUNCHED();
+        return 0;
+    }
+    k_rope_bwd<<<N, 256, 0, c->stream>>>((bf16 *)dq, (bf16 *)dkv, (bf16 *)dkpe, (const bf16 *)dQ, (const bf16 *)dK,
+                                         (const bf16 *)dV, cosv, sinv, T, H, dn, dr, dv);
+    LAUNCHED();
+    return 0;
+}
+
+/* ========================================================================
+ * 7. attention: causal flash attention, forward and deterministic backward
+ *
+ * Layouts (token-major, row-major, bf16): Q,K [N, H*dq], V,O,dO [N, H*dv],
+ * lse [N, H] f32, N = B*T; causal within each sequence of T tokens. Nothing
+ * T x T is ever stored.
+ *
+ * Document masking (optional dstart [N] i32, see mt_cpu_doc_starts): query i sees keys
+ * dstart[i]..i. dstart is non-decreasing within a sequence, so a query block's smallest
+ * document start is that of its first row, and a key block's last useful query is found by
+ * binary search: the forward and dQ kernels start at the key tile holding that start, the
+ * dK/dV kernel stops after the last query block that can see its keys. Whole tiles outside
+ * the document are never visited; partial ones are masked element by element.
+ *
+ * Kernels (all tensor-core mma.sync.m16n8k16 bf16 -> f32, ldmatrix / ldmatrix.trans from shared
+ * memory with rows padded by 16 bytes (conflict-free), cp.async double buffering of streamed tiles):
+ *   fa_fwd_kernel      one CTA per (128-query block, b*h): 8 warps x 16 query rows, online softmax
+ *                      with quad shuffles, K/V tiles of 64 keys double buffered, Q fragments kept in
+ *                      registers, P converted in registers to the A operand of P.V.  Only key tiles
+ *                      at or below the diagonal are visited; the mask is applied only where needed.
+ *   fa_bwd_dot_kernel  D[n,h] = <dO, O> (fixed-order warp reduction) into the workspace.
+ *   fa_bwd_dkdv_kernel one CTA per (64-key block, b*h), 8 warps, streams the query blocks at or
+ *                      after the key block, recomputes P^T / dS^T from lse (stored as bf16 tiles in
+ *                      smem), accumulates dK, dV in registers, writes them once.
+ *   fa_bwd_dq_kernel   one CTA per (128-query block, b*h), 8 warps x 16 rows, streams key blocks,
+ *                      recomputes P, dP, dS in registers, accumulates dQ in registers, writes once.
+ * Hopper kernels (wgmma, sm_90a; same work split, same masking and skipping, see their own comments):
+ *   fa_fwd_wg_kernel       persistent: one CTA per SM takes (128-query block, b*h) items in turn; two
+ *                          warpgroups x 64 query rows, 128-key tiles; S = Q K^T and O += P V on wgmma, P from registers; a third
+ *                          warpgroup loads Q, K and V with TMA (mbarriers, no CTA barrier in the loop);
+ *                          the two consumer warpgroups take turns issuing their wgmmas (ping-pong).
+ *   fa_bwd_dkdv_wg_kernel  one CTA per (128-key block, b*h), two warpgroups x 64 keys, 64-query tiles
+ *                          (Q, dO by TMA, lse / D / document starts by a producer warp; a ring of stages).
+ *   fa_bwd_dq_wg_kernel    one CTA per (128-query block, b*h), two warpgroups x 64 rows, 64-key tiles,
+ *                          K and V from a TMA producer warpgroup, turns, as in the forward.
+ * The launchers take them for the configurations (64,64), (128,128) and (192,128) on the 16-byte
+ * load path; every other case takes the mma.sync kernels above.
+ * Why dQ has its own kernel (it recomputes S and dP): commit 35ee81b fused dQ into the dK/dV kernel,
+ * adding each key block's dQ part to an fp32 accumulator with bulk reductions in a fixed order. On an
+ * H200 (B=8 T=2048 H=16, 192/128) that took 1.98 ms (1.73 ms with unordered adds, so determinism cost
+ * 15% there; 0.96 ms with no adds at all) against 0.90 + 0.57 ms for the two kernels: the 1.7 GB of
+ * dQ reductions through L2 cost more than the recomputation they save.
+ * No atomics anywhere: every output element is produced by exactly one thread with a fixed
+ * reduction order, so results are bitwise reproducible run to run.
+ *
+ * Head dims are padded (zero-filled on load) to one of the compiled configurations
+ * (DQ,DV) in {(32,32), (64,64), (128,128), (192,128), (256,256)}; the first that fits is used.
+ * Dims that are not multiples of 8 (or misaligned pointers) use a slower synchronous load path.
+ *
+ * ====================================================================== */
+}  /* extern "C": the attention kernels are templates */
+
+/* PTX helpers shared by the attention and grouped-GEMM kernels */
+namespace mt_ptx {
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+/* 4 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i; r[i] = matrix i fragment */
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+/* generic-proxy shared-memory writes (cp.async) -> visible to the async proxy (wgmma operand reads) */
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* shared-memory matrix descriptor for wgmma, 128-byte swizzle (layout type 1 in bits 62..63) */
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+/* D[64 x 128] (+)= A(desc) B(desc), bf16 -> f32 (attention and the grouped GEMM) */
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+/* mbarriers and TMA tensor loads (attention and the grouped GEMM) */
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* named CTA barriers (id 1..15; id 0 is __syncthreads) over n threads: sync waits, arrive does not */
+__device__ __forceinline__ void named_bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+/* The dQ kernel's CTAs of a (blocks, b*h) grid in launch order, heaviest block first: heads in groups
+   of 8, and within a group block 0 of each head, then block 1, ...  Head after head instead, the last
+   heads' heaviest CTAs start in the last wave and run on alone: 0.471 against 0.434 ms (H200, B=8
+   T=2048 H=16, 192/128).  A group's K, V, Q and dO stay in L2. */
+__device__ __forceinline__ void heavy_first(int &blk, int &bh, bool grouped) {
+    const int nb = (int)gridDim.x, nbh = (int)gridDim.y;
+    if (!grouped) {
+        blk = (int)blockIdx.x;
+        bh = (int)blockIdx.y;
+        return;
+    }
+    constexpr int G = 8;
+    const int L = (int)blockIdx.y * nb + (int)blockIdx.x;
+    const int grp = L / (G * nb), r = L - grp * G * nb, gs = min(G, nbh - grp * G);
+    blk = r / gs;
+    bh = grp * G + r % gs;
+}
+/* Two warpgroups (0 and 1) taking turns at issuing their wgmmas (ping-pong), on named barriers 1 and
+   2: begin() waits for this warpgroup's turn, end() hands the turn over.  Warpgroup 1 arrives once
+   ahead in start(), so warpgroup 0 goes first; warpgroup 0 absorbs the last hand-over in finish(), so
+   every sync meets exactly one arrive of the other warpgroup (both must take the same number of turns). */
+struct Turns {
+    int wg;
+    __device__ __forceinline__ void start() const { if (wg == 1) named_bar_arrive(1, 256); }
+    __device__ __forceinline__ void begin() const { named_bar_sync(1 + wg, 256); }
+    __device__ __forceinline__ void end() const { named_bar_arrive(2 - wg, 256); }
+    __device__ __forceinline__ void finish() const { if (wg == 0) named_bar_sync(1, 256); }
+};
+/* wait until the phase of parity `parity` of the barrier has completed */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+
+/* cuTensorMapEncodeTiled, reached through the runtime (no link against the driver library) */
+typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *, const cuuint64_t *,
+                                  const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static EncodeTiledFn tma_encoder() {
+    void *fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+        return nullptr;
+    return reinterpret_cast<EncodeTiledFn>(fn);
+}
+
+/* A bf16 row-major tensor of `rank` dims (dims[0] innermost, elements; strides[i] in bytes between
+   consecutive indices of dim i + 1), read in boxes of box[] elements with the 128-byte swizzle;
+   elements outside the tensor read as zeros. */
+static int tma_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims, const cuuint64_t *strides,
+                   const cuuint32_t *box) {
+    const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
+    return enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, const_cast<void *>(base), dims, strides, box, ones,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS ? 0 : -1;
+}
+} /* namespace mt_ptx */
+
+namespace mt_fa {
+using namespace mt_ptx;
+
+typedef __nv_bfloat16 bf16;
+
+#define MT_FA_LOG2E 1.4426950408889634f
+#define MT_FA_LN2 0.6931471805599453f
+
+/* ------------------------------------------------------------------------------------------ */
+/* PTX helpers                                                                                */
+/* ------------------------------------------------------------------------------------------ */
+/* (cp.async, ldmatrix and shared-address helpers: namespace mt_ptx) */
+/* D = A(16x16 row) * B(16x8 col) + D, bf16 inputs, f32 accumulate */
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); /* .x (low 16 bits) = lo */
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+/* ------------------------------------------------------------------------------------------ */
+/* Tile loader: ROWS x DP (padded width, multiple of 8) tile into smem (row stride LDS elems). */
+/* g points at (row 0, col 0) of the tile in global memory, gstride = elements between rows.   */
+/* Rows >= rows_valid and columns >= cols_valid are zero filled.  vec: 16-byte cp.async path    */
+/* allowed (cols_valid % 8 == 0, gstride % 8 == 0, 16-byte aligned base); otherwise synchronous */
+/* element loads.  safe: any valid global address (used as the dummy source of zero-fills).    */
+/* ------------------------------------------------------------------------------------------ */
+template <int ROWS, int DP, int LDS, int NT>
+__device__ __forceinline__ void load_tile(bf16 *s, const bf16 *g, size_t gstride, int rows_valid, int cols_valid, bool vec,
+                                          const bf16 *safe, int tid) {
+    constexpr int CPR = DP / 8;
+    constexpr int TOTAL = ROWS * CPR;
+    if (vec) {
+#pragma unroll
+        for (int i = 0; i < (TOTAL + NT - 1) / NT; ++i) {
+            const int c = tid + i * NT;
+            if ((TOTAL % NT) == 0 || c < TOTAL) {
+                const int r = c / CPR, col = (c % CPR) * 8;
+                const bool ok = (r < rows_valid) && (col < cols_valid);
+                const bf16 *src = ok ? (g + (size_t)r * gstride + col) : safe;
+                cp_async_16(smem_u32(s + r * LDS + col), src, ok ? 16 : 0);
+            }
+        }
+    } else {
+        const unsigned short *gs = reinterpret_cast<const unsigned short *>(g);
+        for (int c = tid; c < TOTAL; c += NT) {
+            const int r = c / CPR, col = (c % CPR) * 8;
+            uint32_t w[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c0 = col + 2 * e, c1 = c0 + 1;
+                uint32_t lo = 0, hi = 0;
+                if (r < rows_valid) {
+                    if (c0 < cols_valid) lo = gs[(size_t)r * gstride + c0];
+                    if (c1 < cols_valid) hi = gs[(size_t)r * gstride + c1];
+                }
+                w[e] = lo | (hi << 16);
+            }
+            *reinterpret_cast<uint4 *>(s + r * LDS + col) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
+
+/* Store two adjacent output columns (col, col+1) of one row. */
+__device__ __forceinline__ void store2(bf16 *row, int col, int ncols, bool pair, float v0, float v1) {
+    if (pair) {
+        if (col < ncols) *reinterpret_cast<__nv_bfloat162 *>(row + col) = __floats2bfloat162_rn(v0, v1);
+    } else {
+        if (col < ncols) row[col] = __float2bfloat16_rn(v0);
+        if (col + 1 < ncols) row[col + 1] = __float2bfloat16_rn(v1);
+    }
+}
+
+/* one row of an m64nN wgmma accumulator (this thread's columns 8j + 2c, 8j + 2c + 1 at acc[4j + 2hh],
+   acc[4j + 2hh + 1]) times sc, into the bf16 row `row` of ncols columns (ok: the row exists).  wide
+   (16-byte aligned rows, ncols % 8 == 0): a 4 x 4 transpose over the quad (xor shuffles) hands
+   thread c the whole 8-column chunks 4q + c, stored 16 bytes at a time (4-byte stores in the
+   accumulator's layout cost the forward 0.359 against 0.310 ms at B=8 T=2048 H=16, 192/128, H200);
+   else store2.  Every lane of the warp calls it (the shuffles); wide is the same for all. */
+template <int N>
+__device__ __forceinline__ void store_acc_row(bf16 *row, bool ok, int ncols, bool wide, bool pair, const float (&acc)[N / 2],
+                                              int hh, float sc, int c) {
+    static_assert(N % 32 == 0, "store_acc_row: N");
+    if (wide) {
+        uint32_t v[N / 8];
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) v[j] = pack_bf16(acc[4 * j + 2 * hh] * sc, acc[4 * j + 2 * hh + 1] * sc);
+#pragma unroll
+        for (int q = 0; q < N / 32; ++q) {
+            uint32_t w[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = c ^ r; /* thread c sends its part of chunk 4q + i and receives thread i's of 4q + c */
+                const uint32_t y = (i & 2) ? ((i & 1) ? v[4 * q + 3] : v[4 * q + 2]) : ((i & 1) ? v[4 * q + 1] : v[4 * q]);
+                const uint32_t x = r ? __shfl_xor_sync(0xffffffffu, y, r) : y;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) w[e] = i == e ? x : (r ? w[e] : 0u);
+            }
+            const int col = 8 * (4 * q + c);
+            if (ok && col < ncols) *reinterpret_cast<uint4 *>(row + col) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    } else if (ok) {
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) store2(row, 8 * j + 2 * c, ncols, pair, acc[4 * j + 2 * hh] * sc, acc[4 * j + 2 * hh + 1] * sc);
+    }
+}
+/* rows of ncols bf16 at base (aligned as given) take 16-byte stores */
+__device__ __forceinline__ bool rows16(const void *base, int ncols, bool pair) {
+    return pair && (ncols & 7) == 0 && ((uintptr_t)base & 15) == 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Parameters                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+struct FwdParams {
+    const bf16 *q, *k, *v;
+    bf16 *o;
+    float *lse;
+    const int *dstart; /* [N] document starts, or null: plain causal */
+    int T, H, dimq, dimv;
+    float scale_log2; /* scale * log2(e) */
+    int vec_qk, vec_v, pair_o;
+    int nbh; /* B * H (set by the persistent wgmma forward's launcher) */
+};
+
+struct BwdParams {
+    const bf16 *q, *k, *v, *o, *dout;
+    const float *lse;
+    float *dsum; /* D [N*H] */
+    const int *dstart; /* [N] document starts, or null: plain causal */
+    bf16 *dq, *dk, *dv;
+    int T, H, dimq, dimv;
+    float scale, scale_log2;
+    int vec_qk, vec_v, pair_qk, pair_v;
+};
+
+/* ldmatrix per-lane offsets (see header comment of each kernel):
+ *  A operand (16x16, row-major [m][k] in smem):              row = lane%16,            col = (lane/16)*8
+ *  B operand, smem holds [n][k] (e.g. K for Q K^T):          row = (lane/16)*8+lane%8,  col = ((lane/8)%2)*8
+ *     -> r0,r1 = (b0,b1) of n-tile 0, r2,r3 = (b0,b1) of n-tile 1
+ *  B operand, smem holds [k][n] (e.g. V for P V), .trans:     row = ((lane/8)%2)*8+lane%8, col = (lane/16)*8
+ *     -> r0,r1 = (b0,b1) of n-tile 0, r2,r3 = (b0,b1) of n-tile 1
+ */
+
+/* ------------------------------------------------------------------------------------------ */
+/* Forward                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+/* Key/value streaming shared by the forward and dQ kernels: start loading
+ * tile j+1 into the other stage (double buffering), wait for tile j, and
+ * return the stage that holds it. */
+template <int BN, int DQ, int DV, int LDQ, int LDV, int NT, int ST>
+__device__ __forceinline__ int prefetch_kv(bf16 *sK, bf16 *sV, const bf16 *kbase, const bf16 *vbase, size_t ldqk, size_t ldv,
+                                           int T, int dimq, int dimv, bool vqk, bool vv, int j, int n_blocks, int tid) {
+    const int stage = (ST == 2) ? (j & 1) : 0;
+    if (ST == 2 && j + 1 < n_blocks) {
+        const int n1 = (j + 1) * BN, st1 = (j + 1) & 1;
+        load_tile<BN, DQ, LDQ, NT>(sK + st1 * BN * LDQ, kbase + (size_t)n1 * ldqk, ldqk, T - n1, dimq, vqk, kbase, tid);
+        load_tile<BN, DV, LDV, NT>(sV + st1 * BN * LDV, vbase + (size_t)n1 * ldv, ldv, T - n1, dimv, vv, vbase, tid);
+        cp_async_commit();
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+    return stage;
+}
+
+/* Document masking: the first key tile a query block starting at row m0 can see. */
+template <int BN>
+__device__ __forceinline__ int first_key_tile(const int *dsb, int m0) {
+    if (!dsb) return 0;
+    const int lo = dsb[m0];
+    return max(0, min(lo, m0)) / BN;
+}
+
+template <int DQ, int DV, int NW, int BN, int ST, bool QREG, int MT>
+__global__ void __launch_bounds__(NW * 32, (NW <= 4 && MT == 1 ? 2 : 1)) fa_fwd_kernel(const FwdParams p) {
+    /* NW warps, each owning MT m16 tiles (16*MT consecutive query rows); BM = 16*NW*MT rows per CTA */
+    constexpr int BM = NW * 16 * MT;
+    constexpr int NT = NW * 32;
+    constexpr int LDQ = DQ + 8, LDV = DV + 8;
+    static_assert(DQ % 16 == 0 && DV % 16 == 0 && BN % 16 == 0, "tile dims");
+    static_assert(MT == 1 || !QREG, "Q register cache only with one m-tile per warp");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16 *sQ = reinterpret_cast<bf16 *>(smem_raw);
+    bf16 *sK = sQ + BM * LDQ;
+    bf16 *sV = sK + ST * BN * LDQ;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, c = lane & 3;
+    const int T = p.T, H = p.H;
+    /* grid: x = query block (heaviest = last block first), y = b*H + h.  All blocks of one head are
+       adjacent in launch order, so the K/V of the heads in flight stay L2 resident. */
+    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int m_block = (int)gridDim.x - 1 - (int)blockIdx.x;
+    const int m0 = m_block * BM;
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+    const bf16 *qbase = p.q + (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const bf16 *kbase = p.k + (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const bf16 *vbase = p.v + (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const bool vqk = p.vec_qk != 0, vv = p.vec_v != 0;
+
+    const int kv_end = min(T, m0 + BM);
+    const int n_blocks = (kv_end + BN - 1) / BN;
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+    const int j0 = first_key_tile<BN>(dsb, m0); /* 0 without document masking */
+
+    load_tile<BM, DQ, LDQ, NT>(sQ, qbase + (size_t)m0 * ldqk, ldqk, T - m0, p.dimq, vqk, qbase, tid);
+    cp_async_commit();
+    {
+        const int st0 = (ST == 2) ? (j0 & 1) : 0, k0 = j0 * BN;
+        load_tile<BN, DQ, LDQ, NT>(sK + st0 * BN * LDQ, kbase + (size_t)k0 * ldqk, ldqk, T - k0, p.dimq, vqk, kbase, tid);
+        load_tile<BN, DV, LDV, NT>(sV + st0 * BN * LDV, vbase + (size_t)k0 * ldv, ldv, T - k0, p.dimv, vv, vbase, tid);
+    }
+    cp_async_commit();
+
+    const int a_row = lane & 15, a_col = (lane >> 4) << 3;
+    const int b_row = ((lane >> 4) << 3) + (lane & 7), b_col = ((lane >> 3) & 1) << 3;
+    const int t_row = (((lane >> 3) & 1) << 3) + (lane & 7), t_col = (lane >> 4) << 3;
+
+    const int wrow0 = warp * 16 * MT; /* first local row of this warp */
+    const uint32_t sQ_warp = smem_u32(sQ + (wrow0 + a_row) * LDQ + a_col);
+
+    uint32_t qf[QREG ? DQ / 16 : 1][4];
+    if (QREG) {
+        cp_async_wait<1>();
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < (QREG ? DQ / 16 : 0); ++kk) ldsm_x4(qf[kk], sQ_warp + kk * 32);
+    }
+
+    float acc[MT][DV / 8][4];
+    float mrow[MT][2], lrow[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < DV / 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.f;
+        mrow[mt][0] = mrow[mt][1] = neg_inf();
+        lrow[mt][0] = lrow[mt][1] = 0.f;
+    }
+    const int row_lo = m0 + wrow0 + g; /* m-tile mt: rows row_lo + 16*mt and row_lo + 16*mt + 8 */
+    const float sl2 = p.scale_log2;
+    /* the largest document start among this warp's rows: its last row's (starts grow with the row) */
+    const int dmax = dsb ? dsb[min(m0 + wrow0 + 16 * MT, T) - 1] : 0;
+
+    for (int j = j0; j < n_blocks; ++j) {
+        const int stage = prefetch_kv<BN, DQ, DV, LDQ, LDV, NT, ST>(sK, sV, kbase, vbase, ldqk, ldv, T, p.dimq, p.dimv, vqk, vv, j, n_blocks, tid);
+
+        const uint32_t cK = smem_u32(sK + stage * BN * LDQ);
+        const uint32_t cV = smem_u32(sV + stage * BN * LDV);
+
+        /* S = Q K^T  (16*MT x BN per warp) */
+        float s[MT][BN / 8][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < BN / 8; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < DQ / 16; ++kk) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (QREG) {
+                    a[mt][0] = qf[QREG ? kk : 0][0]; a[mt][1] = qf[QREG ? kk : 0][1];
+                    a[mt][2] = qf[QREG ? kk : 0][2]; a[mt][3] = qf[QREG ? kk : 0][3];
+                } else {
+                    ldsm_x4(a[mt], sQ_warp + (mt * 16 * LDQ + kk * 16) * 2);
+                }
+            }
+#pragma unroll
+            for (int nn = 0; nn < BN / 16; ++nn) {
+                uint32_t bb[4];
+                ldsm_x4(bb, cK + ((nn * 16 + b_row) * LDQ + kk * 16 + b_col) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(s[mt][2 * nn], a[mt], bb[0], bb[1]);
+                    mma_bf16(s[mt][2 * nn + 1], a[mt], bb[2], bb[3]);
+                }
+            }
+        }
+
+        const int n0 = j * BN;
+        uint32_t pa[MT][BN / 16][4]; /* P as bf16 A fragments */
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            /* scale (to log2 domain) + causal mask + document mask */
+            const int rlo = row_lo + mt * 16;
+            const bool need_mask = (n0 + BN - 1) > (m0 + wrow0 + mt * 16) || n0 < dmax;
+            int dlo[2] = {0, 0}; /* document starts of rows rlo, rlo + 8, read only where a mask applies */
+            if (need_mask && p.dstart) {
+                const int *d = p.dstart + (size_t)b * T;
+                dlo[0] = rlo < T ? d[rlo] : 0;
+                dlo[1] = rlo + 8 < T ? d[rlo + 8] : 0;
+            }
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[mt][nt][e] * sl2;
+                    if (need_mask) {
+                        const int key = n0 + nt * 8 + 2 * c + (e & 1);
+                        const int row = rlo + ((e >> 1) << 3);
+                        if (key > row || key < dlo[e >> 1]) x = neg_inf();
+                    }
+                    s[mt][nt][e] = x;
+                }
+            }
+            /* online softmax */
+            float mx0 = mrow[mt][0], mx1 = mrow[mt][1];
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+                mx0 = fmaxf(mx0, fmaxf(s[mt][nt][0], s[mt][nt][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[mt][nt][2], s[mt][nt][3]));
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            /* a row may have seen no key of its document yet (mx = -inf, document masking):
+               subtract 0 instead so that exp2 gives 0, not NaN; otherwise this is mx itself */
+            const float mr0 = mx0 == neg_inf() ? 0.f : mx0, mr1 = mx1 == neg_inf() ? 0.f : mx1;
+            const float alpha0 = fast_exp2(mrow[mt][0] - mr0), alpha1 = fast_exp2(mrow[mt][1] - mr1);
+            mrow[mt][0] = mx0;
+            mrow[mt][1] = mx1;
+            float ls0 = 0.f, ls1 = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+                s[mt][nt][0] = fast_exp2(s[mt][nt][0] - mr0);
+                s[mt][nt][1] = fast_exp2(s[mt][nt][1] - mr0);
+                s[mt][nt][2] = fast_exp2(s[mt][nt][2] - mr1);
+                s[mt][nt][3] = fast_exp2(s[mt][nt][3] - mr1);
+                ls0 += s[mt][nt][0] + s[mt][nt][1];
+                ls1 += s[mt][nt][2] + s[mt][nt][3];
+            }
+            lrow[mt][0] = lrow[mt][0] * alpha0 + ls0;
+            lrow[mt][1] = lrow[mt][1] * alpha1 + ls1;
+#pragma unroll
+            for (int i = 0; i < DV / 8; ++i) {
+                acc[mt][i][0] *= alpha0; acc[mt][i][1] *= alpha0;
+                acc[mt][i][2] *= alpha1; acc[mt][i][3] *= alpha1;
+            }
+            /* C layout of n-tiles (2kk, 2kk+1) == A layout of k-tile kk */
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                pa[mt][kk][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][kk][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][kk][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][kk][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+        }
+
+        /* O += P V */
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+            for (int dn = 0; dn < DV / 16; ++dn) {
+                uint32_t bb[4];
+                ldsm_x4_t(bb, cV + ((kk * 16 + t_row) * LDV + dn * 16 + t_col) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(acc[mt][2 * dn], pa[mt][kk], bb[0], bb[1]);
+                    mma_bf16(acc[mt][2 * dn + 1], pa[mt][kk], bb[2], bb[3]);
+                }
+            }
+        }
+        __syncthreads(); /* everyone done with this stage before it is refilled */
+        if (ST == 1 && j + 1 < n_blocks) {
+            const int n1 = (j + 1) * BN;
+            load_tile<BN, DQ, LDQ, NT>(sK, kbase + (size_t)n1 * ldqk, ldqk, T - n1, p.dimq, vqk, kbase, tid);
+            load_tile<BN, DV, LDV, NT>(sV, vbase + (size_t)n1 * ldv, ldv, T - n1, p.dimv, vv, vbase, tid);
+            cp_async_commit();
+        }
+    }
+
+    /* epilogue */
+    bf16 *obase = p.o + (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const bool pair = p.pair_o != 0;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            float l = lrow[mt][hf];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = 1.f / l;
+            const int row = row_lo + mt * 16 + hf * 8;
+            if (row < T) {
+                bf16 *orow = obase + (size_t)row * ldv;
+#pragma unroll
+                for (int nt = 0; nt < DV / 8; ++nt)
+                    store2(orow, nt * 8 + 2 * c, p.dimv, pair, acc[mt][nt][2 * hf] * inv, acc[mt][nt][2 * hf + 1] * inv);
+                if (c == 0) p.lse[((size_t)b * T + row) * H + h] = (mrow[mt][hf] + log2f(l)) * MT_FA_LN2;
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Hopper (sm_90a) warpgroup MMA building blocks for the wgmma kernels below                  */
+/*                                                                                            */
+/* Shared-memory tiles use the canonical 128-byte-swizzled (SW128) layouts of wgmma; every    */
+/* tile starts on a 1024-byte boundary.  A tile of R rows x D columns (bf16) is stored as     */
+/* D/64 column blocks of R x 64:                                                              */
+/*   block kb at kb*R*128 bytes, row r at r*128, 16-byte chunk cc (columns 8cc..8cc+7) at     */
+/*   ((cc ^ (r & 7)) << 4)                                                                    */
+/* Read as an operand whose reduction dimension runs along the columns ("K-major", e.g. Q and  */
+/* K for S = Q K^T): descriptor at block kb + 32 bytes per k16 step, SBO = 1024 (8-row       */
+/* groups).  Read as an operand whose reduction dimension runs along the rows ("MN-major",    */
+/* transpose bit set, e.g. V for O = P V): descriptor at row 16*kk (2048 bytes per k16 step),  */
+/* LBO = R*128 (the next 64 columns of N), SBO = 1024.                                        */
+/* Accumulators of m64nNk16 (per warp w of the warpgroup, lane = 4g + c):                     */
+/*   d[4j + 2h + b] = D[16w + g + 8h][8j + 2c + b]                                            */
+/* which, for two adjacent n8 tiles (j = 2kk, 2kk+1) packed to bf16 pairs, is exactly the      */
+/* register A fragment of m64nNk16 for reduction columns 16kk..16kk+15 (as in mma.sync).       */
+/* ------------------------------------------------------------------------------------------ */
+/* Pin registers across the asynchronous wgmma window: accumulators must not be read (and A
+   fragments must not be reused) by ordinary instructions before the wait that retires them. */
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
+}
+/* wgmma.mma_async m64nNk16, bf16 x bf16 -> f32: D = A * B + (scale_d ? D : 0).
+   _ss: A and B from shared-memory descriptors (TA/TB = 1: operand is MN-major);
+   _rs: A from registers (the four 32-bit A fragment registers of this thread), B from a descriptor. */
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+template <int TB>
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+template <int TB>
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+
+template <int TB>
+__device__ __forceinline__ void wgmma_rs_n192(float (&d)[96], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, "
+        "%72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, "
+        "%88, %89, %90, %91, %92, %93, %94, %95"
+        "}, {%96, %97, %98, %99}, %100, p, 1, 1, %102;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+/* m64nNk16 by N (64, 128, 192) */
+template <int N, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
+    static_assert(N == 64 || N == 128, "wgmma_ss: N");
+    if constexpr (N == 64) wgmma_ss_n64<TA, TB>(d, da, db, scale_d);
+    else wgmma_ss_n128<TA, TB>(d, da, db, scale_d);
+}
+template <int N, int TB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    static_assert(N == 64 || N == 128 || N == 192, "wgmma_rs: N");
+    if constexpr (N == 64) wgmma_rs_n64<TB>(d, a, db, scale_d);
+    else if constexpr (N == 128) wgmma_rs_n128<TB>(d, a, db, scale_d);
+    else wgmma_rs_n192<TB>(d, a, db, scale_d);
+}
+
+/* acc (64 x N) = A B^T over D columns, issued (not committed): A is warpgroup wg's 64 rows of an
+   SW128 tile of RA rows, B an SW128 tile of N rows (RB per 64-column panel); both K-major. */
+template <int N, int D, int RA, int RB>
+__device__ __forceinline__ void wgmma_abt(float (&acc)[N / 2], uint32_t sA, uint32_t sB, int wg) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint64_t da = sw128_desc(sA + (uint32_t)((kk >> 2) * RA * 128 + wg * 64 * 128 + (kk & 3) * 32), 16, 1024);
+        const uint64_t db = sw128_desc(sB + (uint32_t)((kk >> 2) * RB * 128 + (kk & 3) * 32), 16, 1024);
+        wgmma_ss<N, 0, 0>(acc, da, db, kk > 0);
+    }
+}
+/* acc (64 x N) += P B over KS k16 steps, issued (not committed): P in registers (A fragments), B an
+   SW128 tile whose rows run along k (MN-major: 16 rows = 2048 bytes a step; RB rows a panel). */
+template <int N, int KS, int RB>
+__device__ __forceinline__ void wgmma_pb(float (&acc)[N / 2], const uint32_t (&a)[KS][4], uint32_t sB, int scale_d = 1) {
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+        wgmma_rs<N, 1>(acc, a[kk], sw128_desc(sB + (uint32_t)(kk * 2048), RB * 128, 1024), kk > 0 || scale_d);
+}
+/* ------------------------------------------------------------------------------------------ */
+/* Forward, Hopper: fa_fwd_wg_kernel                                                          */
+/*                                                                                            */
+/* Work items (128-query block, b*h), two warpgroups; warpgroup wg owns query rows             */
+/* [64wg, 64wg + 64) of the block.  Shared memory (SW128 tiles): Q [128 x DQ], two stages of   */
+/* K [BN x DQ] and two of V [BN x DV].  Per key tile j, each warpgroup:                        */
+/*   S_j = Q K_j^T               wgmma m64nBNk16, Q and K from shared memory                   */
+/*   O  += P_{j-1} V_{j-1}       wgmma m64nDVk16, P from registers (bf16 A fragments), V       */
+/*                               from shared memory read MN-major (transpose bit)              */
+/* Both are issued back to back; the warpgroup waits for S_j only (wait_group 1), runs the     */
+/* masking, the running max and exp2 of S_j while P_{j-1} V_{j-1} still runs on the tensor     */
+/* cores, then waits for it, rescales O and packs P_j.  The two warpgroups take turns issuing   */
+/* their products (ping-pong on named barriers 1 and 2), so that one's softmax runs while the   */
+/* other's wgmmas keep the tensor cores busy: 0.446 -> 0.367 ms on an H200 (B=8 T=2048 H=16,    */
+/* 192/128); left to themselves the two fell into step and softmaxed at the same time.          */
+/* Loads: a third warpgroup (the producer; one thread works) issues TMA tensor loads (4-D maps over [B][T][H][D], so   */
+/* rows past T and columns past the head dim read as zeros) into two K and two V stages, each   */
+/* with a "full" mbarrier (transaction bytes) and an "empty" one that the eight consumer warps  */
+/* arrive on once the wgmma reading the stage has completed.  The consumers never meet at a     */
+/* CTA barrier: a warpgroup waits only for the stage it reads next.  setmaxnreg moves the       */
+/* producer's registers to the consumers (40 / 232 a thread).                                  */
+/* Persistent: one CTA per SM takes work items in turn (head by head, heaviest query block     */
+/* first, snaking over the CTAs); the K/V ring runs on from one item to the next, and Q has its own "empty" */
+/* barrier, so the next item's Q and first tiles load while this one's last products and its   */
+/* epilogue run.                                                                               */
+/* Masking as in fa_fwd_kernel (causal + document starts), applied only to tiles that need it. */
+/* Measured (H200, B=8 T=2048 H=16, 192/128) with cp.async loads by all 256 threads instead:    */
+/* 0.527 ms; the same loop without the copies 0.450 ms, without the softmax arithmetic 0.442   */
+/* ms, without both 0.305 ms.                                                                  */
+/* ------------------------------------------------------------------------------------------ */
+/* TMA producer side (fa_fwd_wg_kernel, fa_bwd_dq_wg_kernel): the R x D tile of head h at rows
+   [row, row + R) of sequence b into SW128 panels of R rows at s, announced on barrier bar */
+template <int R, int D>
+__device__ __forceinline__ void tma_head_tile(uint32_t s, const CUtensorMap *map, uint32_t bar, int h, int row, int b) {
+#pragma unroll
+    for (int kb = 0; kb < D / 64; ++kb) tma_load_4d(s + (uint32_t)(kb * R * 128), map, bar, 64 * kb, h, row, b);
+}
+/* use u of a ring of NS such tiles (stage u % NS at s0, full / empty barriers 8 bytes apart): wait for
+   the stage's previous use to be released, then load (or, for the bench's ablations, only arrive) */
+template <int NS, int R, int D>
+__device__ __forceinline__ void ring_fill(uint32_t s0, uint32_t full, uint32_t empty, const CUtensorMap *map, int u, int h,
+                                          int row, int b, bool load) {
+    constexpr uint32_t BYTES = R * D * 2;
+    const int st = NS == 2 ? (u & 1) : u % NS;
+    if (u >= NS) mbar_wait(empty + 8 * st, (NS == 2 ? ((u - 2) >> 1) : (u / NS) - 1) & 1);
+    if (load) {
+        mbar_expect_tx(full + 8 * st, BYTES);
+        tma_head_tile<R, D>(s0 + (uint32_t)st * BYTES, map, full + 8 * st, h, row, b);
+    } else {
+        mbar_arrive(full + 8 * st);
+    }
+}
+
+template <int DQ, int DV, int BN>
+constexpr size_t fwd_wg_smem_bytes() {
+    return 1024 + (size_t)(128 * DQ + 2 * BN * DQ + 2 * BN * DV) * sizeof(bf16) + 16 * 8;
+}
+/* the TMA maps of Q, K and V (4-D: head dim, heads, T, B; boxes of 64 columns x 1 x rows x 1) */
+struct FwdMaps {
+    CUtensorMap q, k, v;
+};
+
+/* VAR: 0 in the runtime; bench/attention.cu times ablations that leave a stage out (wrong results,
+   timing only): bit 0 no loads after the ring's first two K/V fills, bit 1 no softmax arithmetic; and
+   (results right) bit 2 without the ping-pong between the warpgroups, bit 5 Q released after the item's
+   last P V instead of its last S, bit 6 no turns at an item's first S and last P V, bit 7 4-byte
+   stores of O in the accumulator's layout.  Measured (H200, B=8 T=2048 H=16, 192/128): the runtime's
+   choice 0.310 ms; bit 6 0.317, bits 5 + 6 0.337, bit 7 0.359. */
+template <int DQ, int DV, int BN, int VAR>
+__global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdParams p, const __grid_constant__ FwdMaps tm) {
+    constexpr int BM = 128;
+    static_assert(DQ % 64 == 0 && DV % 64 == 0 && (BN == 64 || BN == 128) && (DV == 64 || DV == 128), "wgmma tiles");
+    constexpr uint32_t Q_BYTES = BM * DQ * 2, K_BYTES = BN * DQ * 2, V_BYTES = BN * DV * 2;
+    extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t sQ = raw + ((1024u - (raw & 1023u)) & 1023u);
+    const uint32_t sK = sQ + Q_BYTES, sV = sK + 2 * K_BYTES, sBar = sV + 2 * V_BYTES;
+    /* mbarriers: Q full; K full [2]; V full [2]; K empty [2]; V empty [2]; Q empty */
+    const uint32_t barQ = sBar, barKf = sBar + 8, barVf = sBar + 24, barKe = sBar + 40, barVe = sBar + 56, barQe = sBar + 72;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0); /* warp-uniform for ptxas */
+    const int g = lane >> 2, c = lane & 3;
+    const int T = p.T, H = p.H, nbh = p.nbh;
+    const int nqb = (T + BM - 1) / BM, items = nqb * nbh, G = (int)gridDim.x;
+    const size_t ldv = (size_t)H * p.dimv;
+    /* work item k of this CTA: rank r = kG + (k even ? x : G - 1 - x) (a snake over the CTAs, so
+       that the rounds' unequal sizes even out) of the list ordered by head, then heaviest query block
+       first: the CTAs running at one time share a few heads' K and V in L2.  (Ordered by query block
+       first instead, 128 heads at a time stream their K/V from memory again in every round: B=8
+       T=2048 H=16 took 0.401 ms instead of 0.37; at B=2 T=4096, 32 heads, it measured 0.316 ms.) */
+    auto item = [&](int k, int &m0, int &b, int &h) {
+        const int r = k * G + ((k & 1) ? G - 1 - (int)blockIdx.x : (int)blockIdx.x);
+        if (r >= items) return false;
+        const int bh = r / nqb;
+        m0 = (nqb - 1 - r % nqb) * BM;
+        b = bh / H;
+        h = bh - b * H;
+        return true;
+    };
+    auto key_tiles = [&](int m0, int b, int &j0) {
+        j0 = first_key_tile<BN>(p.dstart ? p.dstart + (size_t)b * T : nullptr, m0);
+        return (min(T, m0 + BM) + BN - 1) / BN;
+    };
+
+    if (tid == 0) {
+        mbar_init(barQ, 1);
+        mbar_init(barQe, 8);
+        for (int i = 0; i < 2; ++i) {
+            mbar_init(barKf + 8 * i, 1);
+            mbar_init(barVf + 8 * i, 1);
+            mbar_init(barKe + 8 * i, 8);
+            mbar_init(barVe + 8 * i, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads(); /* the last CTA-wide barrier: the producer warp leaves below */
+    if (warp >= 8) { /* producer warpgroup (its registers go to the consumers); one thread loads, item after
+                        item, Q once the consumers are done with the previous one's, then K_j and V_j for
+                        every key tile, two stages ahead at most (the ring runs on across items) */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (warp == 8 && lane == 0) {
+            int m0, b, h, u = 0;
+            for (int k = 0; item(k, m0, b, h); ++k) {
+                int j0;
+                const int n_blocks = key_tiles(m0, b, j0);
+                if (k > 0) mbar_wait(barQe, (k - 1) & 1);
+                mbar_expect_tx(barQ, Q_BYTES);
+                tma_head_tile<BM, DQ>(sQ, &tm.q, barQ, h, m0, b);
+                for (int j = j0; j < n_blocks; ++j, ++u) {
+                    const bool load = !(VAR & 1) || u < 2;
+                    ring_fill<2, BN, DQ>(sK, barKf, barKe, &tm.k, u, h, j * BN, b, load);
+                    ring_fill<2, BN, DV>(sV, barVf, barVe, &tm.v, u, h, j * BN, b, load);
+                }
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+
+    const float sl2 = p.scale_log2;
+    float s[BN / 2];         /* S_j accumulators, then P_j in f32 */
+    float o[DV / 2];         /* O accumulators */
+    uint32_t pa[BN / 16][4]; /* P_{j-1} as bf16 A fragments */
+
+    /* ping-pong: the warpgroups take turns issuing their matrix work, so that one's softmax runs
+       while the other's wgmmas keep the tensor cores busy */
+    constexpr bool PP = !(VAR & 4);
+    const Turns turns{wg};
+    if (PP) turns.start();
+
+    /* the current work item: its query block m0, sequence b, head h, key tiles [j0, n_blocks); the
+       rows of this thread, r0w + 8hh for hh = 0, 1 (block-local rows 64wg + 16(warp%4) + g + 8hh),
+       their document starts and the largest among the warpgroup's rows */
+    int m0, b, h, j0 = 0, n_blocks = 0, r0w = 0, wg_first = 0, dlo[2] = {0, 0}, dmax = 0;
+    auto setup = [&]() {
+        n_blocks = key_tiles(m0, b, j0);
+        r0w = m0 + 64 * wg + 16 * (warp & 3) + g;
+        wg_first = m0 + 64 * wg;
+        const int wg_last = min(m0 + 64 * wg + 63, T - 1);
+        if (p.dstart) {
+            const int *dsb = p.dstart + (size_t)b * T;
+            dlo[0] = r0w < T ? dsb[r0w] : 0;
+            dlo[1] = r0w + 8 < T ? dsb[r0w + 8] : 0;
+            dmax = wg_first < T ? dsb[wg_last] : 0;
+        }
+    };
+    float mrow[2], lrow[2];
+
+    /* ring use u of K / V: stage (u & 1), fill (u >> 1) */
+    /* S = Q K_u^T for this warpgroup (issued and committed, not waited for) */
+    auto issue_s = [&](int u) {
+        wgmma_abt<BN, DQ, BM, BN>(s, sQ, sK + (uint32_t)(u & 1) * K_BYTES, wg);
+        wgmma_commit();
+    };
+    /* O += P V_u, or O = P V_u for the item's first tile (issued and committed; O is never zeroed by
+       other instructions while a product may be in flight, which would serialize the wgmmas) */
+    auto issue_pv = [&](int u, bool first) {
+        wgmma_pb<DV, BN / 16, BN>(o, pa, sV + (uint32_t)(u & 1) * V_BYTES, first ? 0 : 1);
+        wgmma_commit();
+    };
+    /* mask + scale S_j (log2 domain), new running max; exponentiate in place; returns the
+       rescale factors of the old state and the row sums of the new P */
+    auto softmax = [&](int j, float (&alpha)[2], float (&ls)[2]) {
+        if (VAR & 2) {
+            alpha[0] = alpha[1] = 1.f;
+            ls[0] = s[0];
+            ls[1] = s[2];
+            return;
+        }
+        /* the maximum is taken on the unscaled scores (the scale is positive: the launcher sends
+           other scales to the mma.sync kernel), the scale rides in the exponent's FMA */
+        const int n0 = j * BN;
+        const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
+        float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+            if (need_mask) {
+                const int hh = (i >> 1) & 1;
+                const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
+                if (key > r0w + 8 * hh || key < dlo[hh]) s[i] = neg_inf();
+            }
+            mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+        }
+        /* running max in the log2 domain; a row that has seen no key of its document yet keeps
+           -inf: subtract 0 instead so that exp2 gives 0, not NaN */
+        float mr[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const float mnew = fmaxf(mrow[hh], mx[hh] * sl2);
+            mr[hh] = mnew == neg_inf() ? 0.f : mnew;
+            alpha[hh] = fast_exp2(mrow[hh] - mr[hh]);
+            mrow[hh] = mnew;
+            ls[hh] = 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+            const int hh = (i >> 1) & 1;
+            s[i] = fast_exp2(fmaf(s[i], sl2, -mr[hh]));
+            ls[hh] += s[i];
+        }
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            pa[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+    };
+    /* O / l and lse (natural log) of the item at (b, h) whose rows of this thread are r0w + 8hh */
+    auto epilogue = [&]() {
+        bf16 *obase = p.o + (size_t)b * T * ldv + (size_t)h * p.dimv;
+        const bool pair = p.pair_o != 0;
+        const bool wide = !(VAR & 128) && rows16(p.o, p.dimv, pair);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float l = lrow[hh];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int row = r0w + 8 * hh;
+            store_acc_row<DV>(obase + (size_t)row * ldv, row < T, p.dimv, wide, pair, o, hh, 1.f / l, c);
+            if (row < T && c == 0) p.lse[((size_t)b * T + row) * H + h] = (mrow[hh] + log2f(l)) * MT_FA_LN2;
+        }
+    };
+
+    /* consumers: use u of K / V waits for fill (u >> 1) of stage u & 1; lane 0 of each warp releases
+       the stage once the warpgroup's wgmma reading it has completed, and Q once the item's last S has */
+    auto wait_k = [&](int u) { mbar_wait(barKf + 8 * (u & 1), (u >> 1) & 1); };
+    auto wait_v = [&](int u) { mbar_wait(barVf + 8 * (u & 1), (u >> 1) & 1); };
+    auto free_k = [&](int u) { if (lane == 0) mbar_arrive(barKe + 8 * (u & 1)); };
+    auto free_v = [&](int u) { if (lane == 0) mbar_arrive(barVe + 8 * (u & 1)); };
+    auto free_q = [&]() { if (lane == 0) mbar_arrive(barQe); };
+    auto rescale = [&](const float (&alpha)[2], const float (&ls)[2]) {
+#pragma unroll
+        for (int i = 0; i < DV / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+        lrow[0] = lrow[0] * alpha[0] + ls[0];
+        lrow[1] = lrow[1] * alpha[1] + ls[1];
+    };
+
+    /* Item after item: the first S, then per further key tile the product of tile u issued with the
+       P V of tile u - 1, then the last P V and the epilogue.  The first S and the last P V take turns
+       too (VAR bit 6 leaves them out), so the warpgroups stay out of step from one item to the next;
+       Q is released as soon as the item's last S has completed (VAR bit 5: after its last P V), so
+       the next item's Q loads while this one's last softmax, P V and epilogue run. */
+    constexpr bool EDGE = PP && !(VAR & 64);
+    int u = 0; /* ring use of the next K / V tile */
+#pragma unroll 1
+    for (int k = 0; item(k, m0, b, h); ++k) {
+        setup();
+        mrow[0] = mrow[1] = neg_inf();
+        mbar_wait(barQ, k & 1);
+        wait_k(u);
+        if (EDGE) turns.begin();
+        wgmma_fence();
+        issue_s(u);
+        if (EDGE) turns.end();
+        wgmma_wait<0>();
+        fence_regs(s);
+        free_k(u);
+        if (!(VAR & 32) && n_blocks == j0 + 1) free_q();
+        {
+            float alpha[2], ls[2];
+            softmax(j0, alpha, ls);
+            lrow[0] = ls[0];
+            lrow[1] = ls[1];
+        }
+        pack_p();
+        /* tile j's S with tile j - 1's P V (ring use u) */
+#pragma unroll 1
+        for (int j = j0 + 1; j < n_blocks; ++j, ++u) {
+            wait_k(u + 1);
+            wait_v(u);
+            fence_regs(o);
+            fence_regs(pa);
+            if (PP) turns.begin();
+            wgmma_fence();
+            issue_s(u + 1);
+            issue_pv(u, j - 1 == j0);
+            if (PP) turns.end();
+            wgmma_wait<1>(); /* S_j done, P_{j-1} V_{j-1} may still run */
+            fence_regs(s);
+            free_k(u + 1);
+            if (!(VAR & 32) && j == n_blocks - 1) free_q();
+            float alpha[2], ls[2];
+            softmax(j, alpha, ls);
+            wgmma_wait<0>();
+            fence_regs(o);
+            fence_regs(pa);
+            free_v(u);
+            rescale(alpha, ls);
+            pack_p();
+        }
+        if (VAR & 32) free_q();
+        /* the last P V */
+        wait_v(u);
+        fence_regs(o);
+        fence_regs(pa);
+        if (EDGE) turns.begin();
+        wgmma_fence();
+        issue_pv(u, n_blocks - 1 == j0);
+        if (EDGE) turns.end();
+        wgmma_wait<0>();
+        fence_regs(o);
+        free_v(u);
+        ++u;
+        epilogue();
+    }
+    if (PP) turns.finish();
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward, Hopper: fa_bwd_dkdv_wg_kernel and fa_bwd_dq_wg_kernel                            */
+/*                                                                                            */
+/* Same split as the mma.sync backward (no atomics: dK/dV per key block, dQ per query block,   */
+/* each output element written once by one thread after a fixed-order reduction), on wgmma.    */
+/* lse is used in the log2 domain (lse * log2 e), so P = exp2(S * scale * log2 e - lse2).      */
+/*                                                                                            */
+/* dK/dV: one CTA per (128-key block, b*h), two warpgroups, warpgroup wg owns keys             */
+/* [64wg, 64wg + 64) of the block; K and V stay in shared memory; the query tiles (64 rows of  */
+/* Q and dO, plus lse, D and document starts) stream through a ring of stages.  Per tile i, each */
+/* warpgroup computes with 64 keys as the M dimension:                                         */
+/*   S^T  = K Q_i^T        m64n64, K (K-major) x Q (K-major)                                   */
+/*   dP^T = V dO_i^T       m64n64, V x dO                                                      */
+/*   P^T = exp2(S^T sl2 - lse2[q]),  dS^T = P^T (dP^T - D[q])   (registers; masked entries 0)   */
+/*   dV  += P^T dO_i       m64nDV, P^T from registers, dO read MN-major                        */
+/*   dK  += dS^T Q_i       m64nDQ, dS^T from registers, Q read MN-major                        */
+/* The accumulators (dK 64 x DQ and dV 64 x DV per warpgroup) leave no registers for a second  */
+/* S^T / dP^T set, so the steps of one warpgroup run in order (dP^T overlaps the P^T math);   */
+/* the two warpgroups interleave on the SM.                                                    */
+/* Loads: Q_i and dO_i stream through a ring of NS stages (3 where shared memory allows), each   */
+/* with a "full" mbarrier (the TMA bytes, plus one arrival per lane of warp 0 made by           */
+/* cp.async.mbarrier.arrive once that lane's 4-byte cp.async of lse, D and document starts have */
+/* landed: those rows are strided by H, no TMA box) and an "empty" one that the eight warps     */
+/* arrive on once their wgmmas reading the stage have completed.  Warp 0 refills: at the end of */
+/* tile u it waits for every warp to release tile u - 1's stage and loads tile u + NS - 1 there. */
+/* There is no room for a producer warpgroup (at 384 threads setmaxnreg can give the consumers  */
+/* 240 registers, and they need more), and no CTA barrier in the loop; the warpgroups take      */
+/* turns issuing S^T / dP^T (see "turns" below).  K and V arrive once, by TMA.                  */
+/* ------------------------------------------------------------------------------------------ */
+/* 4-byte cp.async (lse, D and document starts of a query tile), zero-filled when !ok */
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void *src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
+/* arrive on the mbarrier once this thread's earlier cp.async copies have landed (counted in its init) */
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+template <int DQ, int DV>
+__host__ __device__ constexpr int dkdv_wg_stages() { return (128 * (DQ + DV) + 3 * 64 * (DQ + DV)) * 2 + 4096 <= 227 * 1024 ? 3 : 2; }
+template <int DQ, int DV>
+constexpr size_t dkdv_wg_smem_bytes() {
+    return 1024 + (size_t)(128 * DQ + 128 * DV + dkdv_wg_stages<DQ, DV>() * 64 * (DQ + DV)) * sizeof(bf16) +
+           (size_t)dkdv_wg_stages<DQ, DV>() * 3 * 64 * sizeof(float) + 16 * 8;
+}
+/* the TMA maps of the dK/dV kernel: K and V in boxes of 128 rows, Q and dO in boxes of 64 */
+struct DkdvMaps {
+    CUtensorMap q, dout, k, v;
+};
+
+/* VAR: 0 in the runtime; bench/attention.cu's variants (results right unless said): bit 0 no loads in
+   the loop (timing only), bit 2 no turns at S^T / dP^T, bit 3 turns at dV / dK too, bit 4 refills at
+   the start of a tile instead of its end.  Measured (H200, B=8 T=2048 H=16, 192/128): the runtime's
+   choice 0.810 ms; no turns 0.923, turns at dV / dK instead 0.878, at both 0.831; refilling at the
+   start 0.839 (no turns 0.857, turns at both 0.876). */
+template <int DQ, int DV, int VAR>
+__global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdParams p, const __grid_constant__ DkdvMaps tm) {
+    constexpr int BNK = 128, BMQ = 64, NS = dkdv_wg_stages<DQ, DV>();
+    static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
+    constexpr uint32_t K_BYTES = BNK * DQ * 2, V_BYTES = BNK * DV * 2, Q_BYTES = BMQ * DQ * 2, O_BYTES = BMQ * DV * 2;
+    extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
+    const uint32_t sK = raw + pad, sV = sK + K_BYTES, sQ = sV + V_BYTES, sdO = sQ + NS * Q_BYTES;
+    /* per stage: lse [64] f32, D [64] f32, document start [64] i32; then the mbarriers:
+       K+V full; stage full [NS]; stage empty [NS] */
+    const uint32_t sAux = sdO + NS * O_BYTES;
+    const float *aux = reinterpret_cast<const float *>(smem_raw + pad + (sAux - sK));
+    const uint32_t sBar = sAux + NS * 3 * BMQ * 4;
+    const uint32_t barKV = sBar, barF = sBar + 8, barE = sBar + 8 + 8 * NS;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int g = lane >> 2, c = lane & 3;
+    const int T = p.T, H = p.H;
+    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int n0 = (int)blockIdx.x * BNK; /* key block 0 (most work) first; heads in order (heavy_first
+                                              measured 0.865 against 0.818 ms: it costs registers here) */
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+    const size_t qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const size_t voff = (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+
+    /* query tiles: from the one holding the block's first key to the last query that sees a key */
+    const int i_first = n0 / BMQ;
+    int q_end = T;
+    if (dsb) { /* queries from the first one whose document starts after this block's last key see none of it */
+        const int kmax = min(n0 + BNK, T) - 1;
+        int lo = kmax + 1, hi = T;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (dsb[mid] > kmax) hi = mid; else lo = mid + 1;
+        }
+        q_end = lo;
+    }
+    const int i_end = (q_end + BMQ - 1) / BMQ;
+    const int n_tiles = i_end - i_first;
+
+    if (tid == 0) {
+        mbar_init(barKV, 1);
+        for (int i = 0; i < NS; ++i) {
+            mbar_init(barF + 8 * i, 33);
+            mbar_init(barE + 8 * i, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads(); /* the only CTA-wide barrier */
+    /* the dQ kernel that follows (launched with programmatic stream serialization) may start on the
+       SMs this grid leaves idle once all of its CTAs have started: it needs none of its outputs */
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+    /* warp 0: fill use u of the ring (tile i_first + u) into stage u % NS once its previous use is released */
+    const float *lseb = p.lse + (size_t)b * T * H + h, *dsumb = p.dsum + (size_t)b * T * H + h;
+    auto fill = [&](int u) {
+        const int st = u % NS, q0 = (i_first + u) * BMQ;
+        if (u >= NS) mbar_wait(barE + 8 * st, ((u / NS) - 1) & 1);
+        const uint32_t full = barF + 8 * st, a = sAux + (uint32_t)(st * 3 * BMQ) * 4;
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const int r = lane + 32 * rr, q = q0 + r;
+            const bool ok = q < T;
+            cp_async_4(a + 4 * r, lseb + (size_t)(ok ? q : 0) * H, ok);
+            cp_async_4(a + 4 * (BMQ + r), dsumb + (size_t)(ok ? q : 0) * H, ok);
+            if (dsb) cp_async_4(a + 4 * (2 * BMQ + r), dsb + (ok ? q : 0), ok);
+        }
+        cp_async_mbar_arrive(full);
+        if (lane == 0) {
+            if (!(VAR & 1) || u < NS) {
+                mbar_expect_tx(full, Q_BYTES + O_BYTES);
+                tma_head_tile<BMQ, DQ>(sQ + (uint32_t)st * Q_BYTES, &tm.q, full, h, q0, b);
+                tma_head_tile<BMQ, DV>(sdO + (uint32_t)st * O_BYTES, &tm.dout, full, h, q0, b);
+            } else {
+                mbar_arrive(full);
+            }
+        }
+    };
+    if (warp == 0) {
+        if (lane == 0) {
+            mbar_expect_tx(barKV, K_BYTES + V_BYTES);
+            tma_head_tile<BNK, DQ>(sK, &tm.k, barKV, h, n0, b);
+            tma_head_tile<BNK, DV>(sV, &tm.v, barKV, h, n0, b);
+        }
+        for (int u = 0; u < min(NS, n_tiles); ++u) fill(u);
+    }
+
+    float dk[DQ / 2], dv[DV / 2];
+#pragma unroll
+    for (int i = 0; i < DQ / 2; ++i) dk[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < DV / 2; ++i) dv[i] = 0.f;
+
+    /* this thread's keys: kr + 8hh, hh = 0, 1 */
+    const int kw0 = n0 + 64 * wg;
+    const int kr = kw0 + 16 * (warp & 3) + g;
+    const float sl2 = p.scale_log2;
+
+    /* turns: the warpgroups take turns issuing S^T / dP^T (and, a bench variant, dV / dK) as in the
+       forward's ping-pong, so that one's exponentials run while the other's products keep the tensor
+       cores busy */
+    constexpr bool TA = !(VAR & 4), TB = (VAR & 8) != 0;
+    const Turns turns{wg};
+    if (TA || TB) turns.start();
+
+    mbar_wait(barKV, 0);
+#pragma unroll 1
+    for (int i = i_first; i < i_end; ++i) {
+        const int u = i - i_first, st = u % NS, q0 = i * BMQ;
+        if ((VAR & 16) && warp == 0 && u >= 1 && u + NS - 1 < n_tiles) fill(u + NS - 1);
+        mbar_wait(barF + 8 * st, (u / NS) & 1);
+        const uint32_t qst = sQ + (uint32_t)st * Q_BYTES, ost = sdO + (uint32_t)st * O_BYTES;
+        const float *sL = aux + st * 3 * BMQ;
+        const float *sD = sL + BMQ;
+        const int *sS = reinterpret_cast<const int *>(sD + BMQ);
+
+        float s[32], dp[32];
+        fence_regs(dk);
+        fence_regs(dv);
+        if (TA) turns.begin();
+        wgmma_fence();
+        wgmma_abt<64, DQ, BNK, BMQ>(s, sK, qst, wg);
+        wgmma_commit();
+        wgmma_abt<64, DV, BNK, BMQ>(dp, sV, ost, wg);
+        wgmma_commit();
+        if (TA) turns.end();
+
+        /* P^T: element s[4j + 2hh + bb] is (key kr + 8hh, query q0 + 8j + 2c + bb) */
+        const int dlast = dsb ? sS[min(BMQ, T - q0) - 1] : 0;
+        const bool need_mask = (kw0 + 63 > q0) || (q0 + BMQ > T) || (dlast > kw0);
+        wgmma_wait<1>();
+        fence_regs(s);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 l2 = *reinterpret_cast<const float2 *>(sL + 8 * j + 2 * c);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int bb = e & 1, hh = e >> 1;
+                float x = fast_exp2(s[4 * j + e] * sl2 - (bb ? l2.y : l2.x) * MT_FA_LOG2E);
+                if (need_mask) {
+                    const int q = q0 + 8 * j + 2 * c + bb, key = kr + 8 * hh;
+                    if (key > q || q >= T || (dsb && key < sS[8 * j + 2 * c + bb])) x = 0.f;
+                }
+                s[4 * j + e] = x;
+            }
+        }
+        wgmma_wait<0>();
+        fence_regs(dp);
+        uint32_t pa[4][4], da4[4][4]; /* P^T and dS^T as A fragments (reduction over the 64 queries) */
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 d2 = *reinterpret_cast<const float2 *>(sD + 8 * j + 2 * c);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? d2.y : d2.x));
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                pa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+                da4[kk][e] = pack_bf16(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
+            }
+        }
+        if (TB) turns.begin();
+        wgmma_fence();
+        wgmma_pb<DV, 4, BMQ>(dv, pa, ost);
+        wgmma_pb<DQ, 4, BMQ>(dk, da4, qst);
+        wgmma_commit();
+        if (TB) turns.end();
+        wgmma_wait<0>();
+        fence_regs(dk);
+        fence_regs(dv);
+        fence_regs(pa);
+        fence_regs(da4);
+        if (lane == 0) mbar_arrive(barE + 8 * st); /* this warp is done with the stage */
+        /* warp 0 refills tile u - 1's stage with tile u + NS - 1 (waiting, at worst, for the other
+           warpgroup to finish tile u - 1: the warpgroups may drift a whole tile apart) */
+        if (!(VAR & 16) && warp == 0 && u >= 1 && u + NS - 1 < n_tiles) fill(u + NS - 1);
+    }
+    if (TA || TB) turns.finish();
+
+    /* epilogue: dK * scale, dV; accumulator d[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
+    bf16 *dkbase = p.dk + qoff, *dvbase = p.dv + voff;
+    const bool pq = p.pair_qk != 0, pv = p.pair_v != 0;
+    const bool wq = rows16(p.dk, p.dimq, pq), wv = rows16(p.dv, p.dimv, pv);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int key = kr + 8 * hh;
+        store_acc_row<DQ>(dkbase + (size_t)key * ldqk, key < T, p.dimq, wq, pq, dk, hh, p.scale, c);
+        store_acc_row<DV>(dvbase + (size_t)key * ldv, key < T, p.dimv, wv, pv, dv, hh, 1.f, c);
+    }
+}
+
+/* dQ: one CTA per (128-query block, b*h), two warpgroups x 64 query rows; Q and dO stay in shared */
+/* memory, key tiles of 64 stream through a 3-stage K ring and a 2-stage V ring, loaded with TMA by */
+/* a producer warpgroup through full/empty mbarriers as in fa_fwd_wg_kernel.  Per key tile j:      */
+/*   S_j = Q K_j^T, dP_j = dO V_j^T      m64n64 each (issued first)                                */
+/*   dQ += dS_{j-1} K_{j-1}              m64nDQ, dS from registers, K read MN-major (issued next)  */
+/* then, while dQ += dS_{j-1} K_{j-1} runs, P_j and dS_j are formed in registers.  K_j lives two   */
+/* iterations (S_j, then dS_j K_j), hence the third K stage.                                       */
+template <int DQ, int DV>
+constexpr size_t dq_wg_smem_bytes() {
+    return 1024 + (size_t)(128 * DQ + 128 * DV + 3 * 64 * DQ + 2 * 64 * DV) * sizeof(bf16) + 16 * 8;
+}
+/* the TMA maps of the dQ kernel: Q and dO in boxes of 128 rows, K and V in boxes of 64 */
+struct DqMaps {
+    CUtensorMap q, dout, k, v;
+};
+
+/* VAR: 0 in the runtime; bench/attention.cu: 1 no loads after the first key tiles (timing only),
+   2 without the warpgroups' turns, 32 CTAs head after head (see heavy_first) */
+template <int DQ, int DV, int VAR>
+__global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdParams p, const __grid_constant__ DqMaps tm) {
+    constexpr int BM = 128, BN = 64;
+    static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
+    constexpr uint32_t Q_BYTES = BM * DQ * 2, O_BYTES = BM * DV * 2, K_BYTES = BN * DQ * 2, V_BYTES = BN * DV * 2;
+    extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t sQ = raw + ((1024u - (raw & 1023u)) & 1023u);
+    const uint32_t sdO = sQ + Q_BYTES, sK = sdO + O_BYTES, sV = sK + 3 * K_BYTES, sBar = sV + 2 * V_BYTES;
+    /* mbarriers: Q+dO full; K full [3]; V full [2]; K empty [3]; V empty [2] */
+    const uint32_t barQ = sBar, barKf = sBar + 8, barVf = sBar + 32, barKe = sBar + 48, barVe = sBar + 72;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int g = lane >> 2, c = lane & 3;
+    const int T = p.T, H = p.H;
+    int qb, bh;
+    heavy_first(qb, bh, !(VAR & 32));
+    const int b = bh / H, h = bh - b * H;
+    const int m0 = ((int)gridDim.x - 1 - qb) * BM; /* the last query block has the most work */
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+    const size_t qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const size_t voff = (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const bf16 *qbase = p.q + qoff, *kbase = p.k + qoff;
+    const bf16 *vbase = p.v + voff, *dobase = p.dout + voff;
+
+    const int n_blocks = (min(T, m0 + BM) + BN - 1) / BN;
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+    const int j0 = first_key_tile<BN>(dsb, m0);
+    (void)qbase; (void)kbase; (void)vbase; (void)dobase;
+
+    if (tid == 0) {
+        mbar_init(barQ, 1);
+        for (int i = 0; i < 3; ++i) {
+            mbar_init(barKf + 8 * i, 1);
+            mbar_init(barKe + 8 * i, 8);
+        }
+        for (int i = 0; i < 2; ++i) {
+            mbar_init(barVf + 8 * i, 1);
+            mbar_init(barVe + 8 * i, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads(); /* the last CTA-wide barrier: the producer warpgroup leaves below */
+    if (warp >= 8) { /* producer: Q and dO, then K_j (3 stages) and V_j (2 stages) for every key tile */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (warp == 8 && lane == 0) {
+            mbar_expect_tx(barQ, Q_BYTES + O_BYTES);
+            tma_head_tile<BM, DQ>(sQ, &tm.q, barQ, h, m0, b);
+            tma_head_tile<BM, DV>(sdO, &tm.dout, barQ, h, m0, b);
+            for (int j = j0; j < n_blocks; ++j) {
+                const int u = j - j0;
+                const bool load = !(VAR & 1) || u < 3;
+                ring_fill<3, BN, DQ>(sK, barKf, barKe, &tm.k, u, h, j * BN, b, load);
+                ring_fill<2, BN, DV>(sV, barVf, barVe, &tm.v, u, h, j * BN, b, load);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+
+    const int r0w = m0 + 64 * wg + 16 * (warp & 3) + g; /* this thread's rows: r0w + 8hh */
+    const int wg_first = m0 + 64 * wg, wg_last = min(m0 + 64 * wg + 63, T - 1);
+    int dlo[2] = {0, 0}, dmax = 0;
+    float lse2[2], dd[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = r0w + 8 * hh;
+        const bool ok = r < T;
+        lse2[hh] = ok ? p.lse[((size_t)b * T + r) * H + h] * MT_FA_LOG2E : 0.f;
+        dd[hh] = ok ? p.dsum[((size_t)b * T + r) * H + h] : 0.f;
+        if (dsb) dlo[hh] = ok ? dsb[r] : 0;
+    }
+    if (dsb) dmax = wg_first < T ? dsb[wg_last] : 0;
+    const float sl2 = p.scale_log2;
+
+    /* stage use u = j - j0: K_j in stage u % 3 (fill u / 3), V_j in stage u & 1 (fill u >> 1); lane 0 of
+       each warp releases a stage once the warpgroup's wgmma reading it has completed */
+    auto kstage = [&](int j) { return sK + (uint32_t)((j - j0) % 3) * K_BYTES; };
+    auto wait_kv = [&](int j) {
+        const int u = j - j0;
+        mbar_wait(barKf + 8 * (u % 3), (u / 3) & 1);
+        mbar_wait(barVf + 8 * (u & 1), (u >> 1) & 1);
+    };
+    auto free_k = [&](int j) { if (lane == 0) mbar_arrive(barKe + 8 * ((j - j0) % 3)); };
+    auto free_v = [&](int j) { if (lane == 0) mbar_arrive(barVe + 8 * ((j - j0) & 1)); };
+
+    float dq[DQ / 2];
+#pragma unroll
+    for (int i = 0; i < DQ / 2; ++i) dq[i] = 0.f;
+    uint32_t da4[4][4]; /* dS_{j-1} as A fragments (reduction over its 64 keys) */
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) da4[kk][0] = da4[kk][1] = da4[kk][2] = da4[kk][3] = 0u;
+
+    auto issue_dq = [&](int j) {
+        wgmma_pb<DQ, 4, BN>(dq, da4, kstage(j));
+        wgmma_commit();
+    };
+
+    mbar_wait(barQ, 0);
+    /* the warpgroups take turns issuing their products, as in the forward (named barriers 1 and 2;
+       H100: 0.498 -> 0.479 ms for B=8 T=2048 H=16, 192/128) */
+    constexpr bool TURNS = !(VAR & 2);
+    const Turns turns{wg};
+    if (TURNS) turns.start();
+
+#pragma unroll 1
+    for (int j = j0; j < n_blocks; ++j) {
+        wait_kv(j);
+        const uint32_t kst = kstage(j), vst = sV + (uint32_t)((j - j0) & 1) * V_BYTES;
+        float s[32], dp[32];
+        fence_regs(dq);
+        fence_regs(da4);
+        if (TURNS) turns.begin();
+        wgmma_fence();
+        wgmma_abt<64, DQ, BM, BN>(s, sQ, kst, wg);
+        wgmma_commit();
+        wgmma_abt<64, DV, BM, BN>(dp, sdO, vst, wg);
+        wgmma_commit();
+        /* dS_{j-1} K_{j-1}: for j == j0, da4 is zero and K_{j0 - 1}'s stage holds whatever it holds
+           (finite or not, 0 x it would still poison dq with NaN), so it reads the current stage */
+        issue_dq(j > j0 ? j - 1 : j);
+        if (TURNS) turns.end();
+
+        const int n0 = j * BN;
+        const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
+        wgmma_wait<2>();
+        fence_regs(s);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int hh = (i >> 1) & 1;
+            float x = fast_exp2(s[i] * sl2 - lse2[hh]);
+            if (need_mask) {
+                const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
+                if (key > r0w + 8 * hh || key < dlo[hh]) x = 0.f;
+            }
+            s[i] = x;
+        }
+        wgmma_wait<1>();
+        fence_regs(dp);
+        free_v(j);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) dp[i] = s[i] * (dp[i] - dd[(i >> 1) & 1]);
+        wgmma_wait<0>();
+        fence_regs(dq);
+        fence_regs(da4);
+        if (j > j0) free_k(j - 1);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) da4[kk][e] = pack_bf16(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
+    }
+    if (TURNS) turns.finish();
+    if (j0 < n_blocks) {
+        fence_regs(dq);
+        fence_regs(da4);
+        wgmma_fence();
+        issue_dq(n_blocks - 1);
+        wgmma_wait<0>();
+        fence_regs(dq);
+    }
+
+    /* epilogue: dQ * scale */
+    bf16 *dqbase = p.dq + qoff;
+    const bool pq = p.pair_qk != 0, wq = rows16(p.dq, p.dimq, pq);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int row = r0w + 8 * hh;
+        store_acc_row<DQ>(dqbase + (size_t)row * ldqk, row < T, p.dimq, wq, pq, dq, hh, p.scale, c);
+    }
+    /* launched early (after the dK/dV kernel, see launch_bwd): do not complete before it has, so that
+       what follows on the stream sees dK and dV as well (a no-op when launched normally) */
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward preprocessing: D[r] = sum_d dO[r,d] * O[r,d], r = n*H + h (rows of dv contiguous) */
+/* ------------------------------------------------------------------------------------------ */
+__global__ void __launch_bounds__(256) fa_bwd_dot_kernel(const bf16 *__restrict__ o, const bf16 *__restrict__ dout,
+                                                          float *__restrict__ D, long long rows, int dv) {
+    const long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (r >= rows) return; /* warp-uniform */
+    const bf16 *po = o + r * dv, *pd = dout + r * dv;
+    float s = 0.f;
+    for (int d = lane; d < dv; d += 32) s = fmaf(__bfloat162float(po[d]), __bfloat162float(pd[d]), s);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) D[r] = s;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward dQ: one CTA per (b*h, BM-query block), NW warps x 16 rows, streams key blocks.     */
+/* ------------------------------------------------------------------------------------------ */
+template <int DQ, int DV, int NW, int BN, int ST>
+__global__ void __launch_bounds__(NW * 32, 1) fa_bwd_dq_kernel(const BwdParams p) {
+    constexpr int BM = NW * 16;
+    constexpr int NT = NW * 32;
+    constexpr int LDQ = DQ + 8, LDV = DV + 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16 *sQ = reinterpret_cast<bf16 *>(smem_raw);
+    bf16 *sdO = sQ + BM * LDQ;
+    bf16 *sK = sdO + BM * LDV;
+    bf16 *sV = sK + ST * BN * LDQ;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, c = lane & 3;
+    const int T = p.T, H = p.H;
+    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int m_block = (int)gridDim.x - 1 - (int)blockIdx.x; /* heaviest first */
+    const int m0 = m_block * BM;
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+    const size_t qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const size_t voff = (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const bf16 *qbase = p.q + qoff, *kbase = p.k + qoff;
+    const bf16 *vbase = p.v + voff, *dobase = p.dout + voff;
+    const bool vqk = p.vec_qk != 0, vv = p.vec_v != 0;
+
+    const int kv_end = min(T, m0 + BM);
+    const int n_blocks = (kv_end + BN - 1) / BN;
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+    const int j0 = first_key_tile<BN>(dsb, m0); /* 0 without document masking */
+
+    load_tile<BM, DQ, LDQ, NT>(sQ, qbase + (size_t)m0 * ldqk, ldqk, T - m0, p.dimq, vqk, qbase, tid);
+    load_tile<BM, DV, LDV, NT>(sdO, dobase + (size_t)m0 * ldv, ldv, T - m0, p.dimv, vv, dobase, tid);
+    {
+        const int st0 = (ST == 2) ? (j0 & 1) : 0, k0 = j0 * BN;
+        load_tile<BN, DQ, LDQ, NT>(sK + st0 * BN * LDQ, kbase + (size_t)k0 * ldqk, ldqk, T - k0, p.dimq, vqk, kbase, tid);
+        load_tile<BN, DV, LDV, NT>(sV + st0 * BN * LDV, vbase + (size_t)k0 * ldv, ldv, T - k0, p.dimv, vv, vbase, tid);
+    }
+    cp_async_commit();
+
+    const int a_row = lane & 15, a_col = (lane >> 4) << 3;
+    const int b_row = ((lane >> 4) << 3) + (lane & 7), b_col = ((lane >> 3) & 1) << 3;
+    const int t_row = (((lane >> 3) & 1) << 3) + (lane & 7), t_col = (lane >> 4) << 3;
+    const uint32_t sQ_warp = smem_u32(sQ + (warp * 16 + a_row) * LDQ + a_col);
+    const uint32_t sdO_warp = smem_u32(sdO + (warp * 16 + a_row) * LDV + a_col);
+
+    const int row_lo = m0 + warp * 16 + g;
+    float lse2[2], Dr[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int row = row_lo + hf * 8;
+        const size_t idx = ((size_t)b * T + row) * H + h;
+        lse2[hf] = row < T ? p.lse[idx] * MT_FA_LOG2E : 0.f;
+        Dr[hf] = row < T ? p.dsum[idx] : 0.f;
+    }
+    /* the largest document start among this warp's rows: its last row's (starts grow with the row) */
+    const int dmax = dsb ? dsb[min(m0 + warp * 16 + 16, T) - 1] : 0;
+
+    float acc[DQ / 8][4];
+#pragma unroll
+    for (int i = 0; i < DQ / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    const float sl2 = p.scale_log2;
+
+    for (int j = j0; j < n_blocks; ++j) {
+        const int stage = prefetch_kv<BN, DQ, DV, LDQ, LDV, NT, ST>(sK, sV, kbase, vbase, ldqk, ldv, T, p.dimq, p.dimv, vqk, vv, j, n_blocks, tid);
+        const uint32_t cK = smem_u32(sK + stage * BN * LDQ);
+        const uint32_t cV = smem_u32(sV + stage * BN * LDV);
+
+        float s[BN / 8][4], dp[BN / 8][4];
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+            s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+            dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+        }
+        /* S = Q K^T */
+#pragma unroll
+        for (int kk = 0; kk < DQ / 16; ++kk) {
+            uint32_t a[4];
+            ldsm_x4(a, sQ_warp + kk * 32);
+#pragma unroll
+            for (int nn = 0; nn < BN / 16; ++nn) {
+                uint32_t bb[4];
+                ldsm_x4(bb, cK + ((nn * 16 + b_row) * LDQ + kk * 16 + b_col) * 2);
+                mma_bf16(s[2 * nn], a, bb[0], bb[1]);
+                mma_bf16(s[2 * nn + 1], a, bb[2], bb[3]);
+            }
+        }
+        /* dP = dO V^T */
+#pragma unroll
+        for (int kk = 0; kk < DV / 16; ++kk) {
+            uint32_t a[4];
+            ldsm_x4(a, sdO_warp + kk * 32);
+#pragma unroll
+            for (int nn = 0; nn < BN / 16; ++nn) {
+                uint32_t bb[4];
+                ldsm_x4(bb, cV + ((nn * 16 + b_row) * LDV + kk * 16 + b_col) * 2);
+                mma_bf16(dp[2 * nn], a, bb[0], bb[1]);
+                mma_bf16(dp[2 * nn + 1], a, bb[2], bb[3]);
+            }
+        }
+        /* dS = P * (dP - D), P = exp(scale*s - lse) */
+        const int n0 = j * BN;
+        const bool need_mask = (n0 + BN - 1) > (m0 + warp * 16) || n0 < dmax;
+        int dlo[2] = {0, 0}; /* document starts of rows row_lo, row_lo + 8, read only where a mask applies */
+        if (need_mask && p.dstart) {
+            const int *d = p.dstart + (size_t)b * T;
+            dlo[0] = row_lo < T ? d[row_lo] : 0;
+            dlo[1] = row_lo + 8 < T ? d[row_lo + 8] : 0;
+        }
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int hf = e >> 1;
+                float pv = fast_exp2(fmaf(s[nt][e], sl2, -lse2[hf]));
+                if (need_mask) {
+                    const int key = n0 + nt * 8 + 2 * c + (e & 1);
+                    if (key > row_lo + hf * 8 || key < dlo[hf]) pv = 0.f;
+                }
+                s[nt][e] = pv * (dp[nt][e] - Dr[hf]);
+            }
+        }
+        /* dQ += dS K */
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            uint32_t a[4];
+            a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dn = 0; dn < DQ / 16; ++dn) {
+                uint32_t bb[4];
+                ldsm_x4_t(bb, cK + ((kk * 16 + t_row) * LDQ + dn * 16 + t_col) * 2);
+                mma_bf16(acc[2 * dn], a, bb[0], bb[1]);
+                mma_bf16(acc[2 * dn + 1], a, bb[2], bb[3]);
+            }
+        }
+        __syncthreads();
+        if (ST == 1 && j + 1 < n_blocks) {
+            const int n1 = (j + 1) * BN;
+            load_tile<BN, DQ, LDQ, NT>(sK, kbase + (size_t)n1 * ldqk, ldqk, T - n1, p.dimq, vqk, kbase, tid);
+            load_tile<BN, DV, LDV, NT>(sV, vbase + (size_t)n1 * ldv, ldv, T - n1, p.dimv, vv, vbase, tid);
+            cp_async_commit();
+        }
+    }
+
+    bf16 *dqbase = p.dq + qoff;
+    const bool pair = p.pair_qk != 0;
+    const float sc = p.scale;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int row = row_lo + hf * 8;
+        if (row < T) {
+            bf16 *drow = dqbase + (size_t)row * ldqk;
+#pragma unroll
+            for (int nt = 0; nt < DQ / 8; ++nt)
+                store2(drow, nt * 8 + 2 * c, p.dimq, pair, acc[nt][2 * hf] * sc, acc[nt][2 * hf + 1] * sc);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward dK, dV: one CTA (8 warps) per (b*h, 64-key block); streams query blocks of BMQ.    */
+/*  phase 1: warp (kw = warp%4, wh = warp/4) computes S^T = K Q^T, dP^T = V dO^T for keys      */
+/*           kw*16..+16 and queries wh*BMQ/2..+BMQ/2 (in chunks of QC), writes P^T and dS^T    */
+/*           (bf16) to smem.  KVREG: the warp's K/V A-fragments stay in registers.             */
+/*  phase 2: warp (kg = warp%KG, dsp = warp/KG) accumulates, for keys kg*16*MT..+16*MT and the  */
+/*           dsp-th 1/DS slice of the head dims, dV += P^T dO and dK += dS^T Q.               */
+/* ------------------------------------------------------------------------------------------ */
+template <int DQ, int DV, int BMQ, int ST, int MINB, int QC, bool KVREG, int MT>
+__global__ void __launch_bounds__(256, MINB) fa_bwd_dkdv_kernel(const BwdParams p) {
+    constexpr int NT = 256, BNK = 64;
+    constexpr int LDQ = DQ + 8, LDV = DV + 8, LDP = BMQ + 8;
+    constexpr int QW = BMQ / 2; /* queries per warp in phase 1 */
+    /* phase 2 warp grid: KG key groups of MT m16-tiles each, DS dim splits */
+    constexpr int KG = 4 / MT, DS = 8 / KG, DQS = DQ / DS, DVS = DV / DS;
+    static_assert(QW % QC == 0 && QC % 16 == 0, "query tiling");
+    static_assert((MT == 1 || MT == 2) && DQS % 16 == 0 && DVS % 16 == 0, "phase-2 dim split");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16 *sK = reinterpret_cast<bf16 *>(smem_raw);
+    bf16 *sV = sK + BNK * LDQ;
+    bf16 *sQ = sV + BNK * LDV;        /* ST x [BMQ][LDQ] */
+    bf16 *sdO = sQ + ST * BMQ * LDQ;  /* ST x [BMQ][LDV] */
+    bf16 *sP = sdO + ST * BMQ * LDV;  /* [64][LDP]  P^T */
+    bf16 *sdS = sP + BNK * LDP;       /* [64][LDP]  dS^T */
+    float *sL = reinterpret_cast<float *>(sdS + BNK * LDP); /* ST x [BMQ]  lse * log2e */
+    float *sD = sL + ST * BMQ;                               /* ST x [BMQ]  D */
+    int *sS = reinterpret_cast<int *>(sD + ST * BMQ);         /* ST x [BMQ]  document starts (T past the end) */
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, c = lane & 3;
+    const int kw = warp & 3, wh = warp >> 2;
+    const int T = p.T, H = p.H;
+    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int n0 = (int)blockIdx.x * BNK; /* key block 0 (most work) first */
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+    const size_t qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    const size_t voff = (size_t)b * T * ldv + (size_t)h * p.dimv;
+    const bf16 *qbase = p.q + qoff, *kbase = p.k + qoff;
+    const bf16 *vbase = p.v + voff, *dobase = p.dout + voff;
+    const float *lsebase = p.lse + (size_t)b * T * H + h;
+    const float *dsbase = p.dsum + (size_t)b * T * H + h;
+    const bool vqk = p.vec_qk != 0, vv = p.vec_v != 0;
+
+    const int m_first = n0 / BMQ;
+    int m_count = (T + BMQ - 1) / BMQ;
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+    if (dsb) { /* queries from the first one whose document starts after this block's last key see none of it */
+        const int kmax = min(n0 + BNK, T) - 1;
+        int lo = kmax + 1, hi = T;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (dsb[mid] > kmax) hi = mid; else lo = mid + 1;
+        }
+        m_count = (lo + BMQ - 1) / BMQ;
+    }
+
+    load_tile<BNK, DQ, LDQ, NT>(sK, kbase + (size_t)n0 * ldqk, ldqk, T - n0, p.dimq, vqk, kbase, tid);
+    load_tile<BNK, DV, LDV, NT>(sV, vbase + (size_t)n0 * ldv, ldv, T - n0, p.dimv, vv, vbase, tid);
+    cp_async_commit();
+    {
+        const int q0 = m_first * BMQ;
+        load_tile<BMQ, DQ, LDQ, NT>(sQ, qbase + (size_t)q0 * ldqk, ldqk, T - q0, p.dimq, vqk, qbase, tid);
+        load_tile<BMQ, DV, LDV, NT>(sdO, dobase + (size_t)q0 * ldv, ldv, T - q0, p.dimv, vv, dobase, tid);
+        if (tid < BMQ) {
+            const int q = q0 + tid;
+            sL[tid] = q < T ? lsebase[(size_t)q * H] * MT_FA_LOG2E : 0.f;
+            sD[tid] = q < T ? dsbase[(size_t)q * H] : 0.f;
+            if (dsb) sS[tid] = q < T ? dsb[q] : T;
+        }
+    }
+    cp_async_commit();
+
+    const int a_row = lane & 15, a_col = (lane >> 4) << 3;
+    const int b_row = ((lane >> 4) << 3) + (lane & 7), b_col = ((lane >> 3) & 1) << 3;
+    const int t_row = (((lane >> 3) & 1) << 3) + (lane & 7), t_col = (lane >> 4) << 3;
+    const uint32_t sK_warp = smem_u32(sK + (kw * 16 + a_row) * LDQ + a_col);
+    const uint32_t sV_warp = smem_u32(sV + (kw * 16 + a_row) * LDV + a_col);
+    const int kg = warp % KG, dsp = warp / KG; /* phase-2 role */
+    const uint32_t sP_warp = smem_u32(sP + (kg * 16 * MT + a_row) * LDP + a_col);
+    const uint32_t sdS_warp = smem_u32(sdS + (kg * 16 * MT + a_row) * LDP + a_col);
+
+    /* optionally keep this warp's K / V A-fragments (16 keys) in registers for the whole kernel */
+    uint32_t kf[KVREG ? DQ / 16 : 1][4], vf[KVREG ? DV / 16 : 1][4];
+    if (KVREG) {
+        cp_async_wait<1>();
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < (KVREG ? DQ / 16 : 0); ++kk) ldsm_x4(kf[kk], sK_warp + kk * 32);
+#pragma unroll
+        for (int kk = 0; kk < (KVREG ? DV / 16 : 0); ++kk) ldsm_x4(vf[kk], sV_warp + kk * 32);
+    }
+
+    float dk[MT][DQS / 8][4], dv[MT][DVS / 8][4]; /* (16*MT keys) x DQS, (16*MT keys) x DVS */
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < DQS / 8; ++i) dk[mt][i][0] = dk[mt][i][1] = dk[mt][i][2] = dk[mt][i][3] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DVS / 8; ++i) dv[mt][i][0] = dv[mt][i][1] = dv[mt][i][2] = dv[mt][i][3] = 0.f;
+    }
+
+    const int key_lo = n0 + kw * 16 + g; /* keys key_lo and key_lo + 8 */
+    const float sl2 = p.scale_log2;
+
+    for (int mb = m_first, it = 0; mb < m_count; ++mb, ++it) {
+        const int stage = (ST == 2) ? (it & 1) : 0;
+        if (ST == 2 && mb + 1 < m_count) {
+            const int q1 = (mb + 1) * BMQ, st1 = (it + 1) & 1;
+            load_tile<BMQ, DQ, LDQ, NT>(sQ + st1 * BMQ * LDQ, qbase + (size_t)q1 * ldqk, ldqk, T - q1, p.dimq, vqk, qbase, tid);
+            load_tile<BMQ, DV, LDV, NT>(sdO + st1 * BMQ * LDV, dobase + (size_t)q1 * ldv, ldv, T - q1, p.dimv, vv, dobase,
+                                        tid);
+            if (tid < BMQ) {
+                const int q = q1 + tid;
+                sL[st1 * BMQ + tid] = q < T ? lsebase[(size_t)q * H] * MT_FA_LOG2E : 0.f;
+                sD[st1 * BMQ + tid] = q < T ? dsbase[(size_t)q * H] : 0.f;
+                if (dsb) sS[st1 * BMQ + tid] = q < T ? dsb[q] : T;
+            }
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const uint32_t cQ = smem_u32(sQ + stage * BMQ * LDQ);
+        const uint32_t cdO = smem_u32(sdO + stage * BMQ * LDV);
+        const float *cL = sL + stage * BMQ, *cD = sD + stage * BMQ;
+        const int *cS = sS + stage * BMQ;
+        const int qb0 = mb * BMQ;
+
+        /* ---- phase 1: S^T = K Q^T, dP^T = V dO^T for 16 keys x QW queries, in chunks of QC ---- */
+#pragma unroll 1
+        for (int ch = 0; ch < QW / QC; ++ch) {
+            const int qw0 = wh * QW + ch * QC; /* first local query of this chunk */
+            float s[QC / 8][4], dp[QC / 8][4];
+#pragma unroll
+            for (int i = 0; i < QC / 8; ++i) {
+                s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+                dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+            }
+#pragma unroll
+            for (int kk = 0; kk < DQ / 16; ++kk) {
+                uint32_t a[4];
+                if (KVREG) {
+                    a[0] = kf[KVREG ? kk : 0][0]; a[1] = kf[KVREG ? kk : 0][1];
+                    a[2] = kf[KVREG ? kk : 0][2]; a[3] = kf[KVREG ? kk : 0][3];
+                } else {
+                    ldsm_x4(a, sK_warp + kk * 32);
+                }
+#pragma unroll
+                for (int nn = 0; nn < QC / 16; ++nn) {
+                    uint32_t bb[4];
+                    ldsm_x4(bb, cQ + ((qw0 + nn * 16 + b_row) * LDQ + kk * 16 + b_col) * 2);
+                    mma_bf16(s[2 * nn], a, bb[0], bb[1]);
+                    mma_bf16(s[2 * nn + 1], a, bb[2], bb[3]);
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < DV / 16; ++kk) {
+                uint32_t a[4];
+                if (KVREG) {
+                    a[0] = vf[KVREG ? kk : 0][0]; a[1] = vf[KVREG ? kk : 0][1];
+                    a[2] = vf[KVREG ? kk : 0][2]; a[3] = vf[KVREG ? kk : 0][3];
+                } else {
+                    ldsm_x4(a, sV_warp + kk * 32);
+                }
+#pragma unroll
+                for (int nn = 0; nn < QC / 16; ++nn) {
+                    uint32_t bb[4];
+                    ldsm_x4(bb, cdO + ((qw0 + nn * 16 + b_row) * LDV + kk * 16 + b_col) * 2);
+                    mma_bf16(dp[2 * nn], a, bb[0], bb[1]);
+                    mma_bf16(dp[2 * nn + 1], a, bb[2], bb[3]);
+                }
+            }
+            const int qmin = qb0 + qw0;
+            /* document starts grow with the query: the chunk's last one is its largest */
+            const bool need_mask = (qmin < n0 + kw * 16 + 15) || (qb0 + BMQ > T) || (dsb && cS[qw0 + QC - 1] > n0 + kw * 16);
+#pragma unroll
+            for (int nt = 0; nt < QC / 8; ++nt) {
+                const int ql = qw0 + nt * 8 + 2 * c; /* local query of elements e=0,2 (e=1,3: +1) */
+                const float L0 = cL[ql], L1 = cL[ql + 1], D0 = cD[ql], D1 = cD[ql + 1];
+                float pv[4], ds[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float L = (e & 1) ? L1 : L0, Dq = (e & 1) ? D1 : D0;
+                    float pe = fast_exp2(fmaf(s[nt][e], sl2, -L));
+                    if (need_mask) {
+                        const int q = qb0 + ql + (e & 1);
+                        const int key = key_lo + ((e >> 1) << 3);
+                        if (q < key || q >= T || (dsb && cS[ql + (e & 1)] > key)) pe = 0.f;
+                    }
+                    pv[e] = pe;
+                    ds[e] = pe * (dp[nt][e] - Dq);
+                }
+                const int r0 = (kw * 16 + g) * LDP + ql, r1 = r0 + 8 * LDP;
+                *reinterpret_cast<uint32_t *>(sP + r0) = pack_bf16(pv[0], pv[1]);
+                *reinterpret_cast<uint32_t *>(sP + r1) = pack_bf16(pv[2], pv[3]);
+                *reinterpret_cast<uint32_t *>(sdS + r0) = pack_bf16(ds[0], ds[1]);
+                *reinterpret_cast<uint32_t *>(sdS + r1) = pack_bf16(ds[2], ds[3]);
+            }
+        }
+        __syncthreads();
+        /* ---- phase 2: dV += P^T dO, dK += dS^T Q (this warp: 16*MT keys x 1/DS of the dims) ---- */
+#pragma unroll
+        for (int kk = 0; kk < BMQ / 16; ++kk) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], sP_warp + (mt * 16 * LDP + kk * 16) * 2);
+#pragma unroll
+            for (int dn = 0; dn < DVS / 16; ++dn) {
+                uint32_t bb[4];
+                ldsm_x4_t(bb, cdO + ((kk * 16 + t_row) * LDV + dsp * DVS + dn * 16 + t_col) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(dv[mt][2 * dn], a[mt], bb[0], bb[1]);
+                    mma_bf16(dv[mt][2 * dn + 1], a[mt], bb[2], bb[3]);
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], sdS_warp + (mt * 16 * LDP + kk * 16) * 2);
+#pragma unroll
+            for (int dn = 0; dn < DQS / 16; ++dn) {
+                uint32_t bb[4];
+                ldsm_x4_t(bb, cQ + ((kk * 16 + t_row) * LDQ + dsp * DQS + dn * 16 + t_col) * 2);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(dk[mt][2 * dn], a[mt], bb[0], bb[1]);
+                    mma_bf16(dk[mt][2 * dn + 1], a[mt], bb[2], bb[3]);
+                }
+            }
+        }
+        __syncthreads();
+        if (ST == 1 && mb + 1 < m_count) {
+            const int q1 = (mb + 1) * BMQ;
+            load_tile<BMQ, DQ, LDQ, NT>(sQ, qbase + (size_t)q1 * ldqk, ldqk, T - q1, p.dimq, vqk, qbase, tid);
+            load_tile<BMQ, DV, LDV, NT>(sdO, dobase + (size_t)q1 * ldv, ldv, T - q1, p.dimv, vv, dobase, tid);
+            if (tid < BMQ) {
+                const int q = q1 + tid;
+                sL[tid] = q < T ? lsebase[(size_t)q * H] * MT_FA_LOG2E : 0.f;
+                sD[tid] = q < T ? dsbase[(size_t)q * H] : 0.f;
+                if (dsb) sS[tid] = q < T ? dsb[q] : T;
+            }
+            cp_async_commit();
+        }
+    }
+
+    /* epilogue: this warp's phase-2 keys n0 + kg*16*MT + mt*16 + g (+8) */
+    bf16 *dkbase = p.dk + qoff, *dvbase = p.dv + voff;
+    const bool pq = p.pair_qk != 0, pv2 = p.pair_v != 0;
+    const float sc = p.scale;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int key = n0 + kg * 16 * MT + mt * 16 + g + hf * 8;
+            if (key < T) {
+                bf16 *krow = dkbase + (size_t)key * ldqk, *vrow = dvbase + (size_t)key * ldv;
+#pragma unroll
+                for (int nt = 0; nt < DQS / 8; ++nt)
+                    store2(krow, dsp * DQS + nt * 8 + 2 * c, p.dimq, pq, dk[mt][nt][2 * hf] * sc, dk[mt][nt][2 * hf + 1] * sc);
+#pragma unroll
+                for (int nt = 0; nt < DVS / 8; ++nt)
+                    store2(vrow, dsp * DVS + nt * 8 + 2 * c, p.dimv, pv2, dv[mt][nt][2 * hf], dv[mt][nt][2 * hf + 1]);
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Configurations                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+template <int DQ_, int DV_>
+struct Cfg {
+    static constexpr int DQ = DQ_, DV = DV_;
+    static constexpr bool BIG = (DQ_ > 192 || DV_ > 128);
+    /* forward: 8 warps (128 queries; 4 warps / 64 for the 256 config), BN keys per tile,
+       double-buffered K/V, Q fragments in registers */
+    static constexpr int F_NW = BIG ? 4 : 8, F_BN = BIG ? 32 : 64, F_ST = 2, F_MT = 1;
+    static constexpr bool F_QREG = !BIG;
+    /* dQ: 8 warps (128 queries), double-buffered K/V */
+    static constexpr int Q_NW = 8, Q_BN = BIG ? 32 : 64, Q_ST = 2;
+    /* dK/dV: 64 keys, K_BMQ-query tiles double buffered, one CTA per SM */
+    static constexpr int K_BMQ = BIG ? 32 : 64, K_ST = 2, K_MINB = 1, K_QC = K_BMQ / 2;
+    static constexpr bool K_KVREG = !BIG;
+    static constexpr int K_MT = (DQ_ % 64 == 0 && DV_ % 64 == 0) ? 2 : 1;
+};
+
+template <int DQ, int DV, int NW, int BN, int ST, int MT>
+constexpr size_t fwd_smem_bytes() {
+    return (size_t)(NW * 16 * MT * (DQ + 8) + ST * BN * (DQ + 8 + DV + 8)) * sizeof(bf16);
+}
+template <int DQ, int DV, int NW, int BN, int ST>
+constexpr size_t dq_smem_bytes() {
+    return (size_t)(NW * 16 * (DQ + 8 + DV + 8) + ST * BN * (DQ + 8 + DV + 8)) * sizeof(bf16);
+}
+template <int DQ, int DV, int BMQ, int ST>
+constexpr size_t dkdv_smem_bytes() {
+    return (size_t)(64 * (DQ + 8 + DV + 8) + ST * BMQ * (DQ + 8 + DV + 8) + 2 * 64 * (BMQ + 8)) * sizeof(bf16) +
+           (size_t)2 * ST * BMQ * sizeof(float) + (size_t)ST * BMQ * sizeof(int);
+}
+
+template <int DQ, int DV, int NW, int BN, int ST, bool QREG, int MT>
+static int launch_fwd_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const FwdParams) = fa_fwd_kernel<DQ, DV, NW, BN, ST, QREG, MT>;
+    const size_t smem = fwd_smem_bytes<DQ, DV, NW, BN, ST, MT>();
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    const int BM = NW * 16 * MT;
+    const int mblocks = (p.T + BM - 1) / BM;
+    if (BH > 65535) return -1;
+    dim3 grid((unsigned)mblocks, (unsigned)BH);
+    kern<<<grid, NW * 32, smem, stream>>>(p);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+template <int DQ, int DV, int BMQ, int ST, int MINB, int QC, bool KVREG, int MT>
+static int launch_dkdv_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const BwdParams) = fa_bwd_dkdv_kernel<DQ, DV, BMQ, ST, MINB, QC, KVREG, MT>;
+    const size_t smem = dkdv_smem_bytes<DQ, DV, BMQ, ST>();
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    const int nblocks = (p.T + 63) / 64;
+    if (BH > 65535) return -1;
+    dim3 grid((unsigned)nblocks, (unsigned)BH);
+    kern<<<grid, 256, smem, stream>>>(p);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+template <int DQ, int DV, int NW, int BN, int ST>
+static int launch_dq_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const BwdParams) = fa_bwd_dq_kernel<DQ, DV, NW, BN, ST>;
+    const size_t smem = dq_smem_bytes<DQ, DV, NW, BN, ST>();
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    const int BM = NW * 16;
+    const int mblocks = (p.T + BM - 1) / BM;
+    if (BH > 65535) return -1;
+    dim3 grid((unsigned)mblocks, (unsigned)BH);
+    kern<<<grid, NW * 32, smem, stream>>>(p);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+static int launch_dot_kernel(const BwdParams &p, long long rows, cudaStream_t stream) {
+    const long long nblk = (rows + 7) / 8;
+    if (nblk > 0x7fffffffLL) return -1;
+    fa_bwd_dot_kernel<<<(unsigned)nblk, 256, 0, stream>>>(p.o, p.dout, p.dsum, rows, p.dimv);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
+/* a [B][T][H][D] bf16 tensor as a TMA map over (D, H, T, B), boxes of 64 x 1 x rows x 1 */
+static int fa_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int D, int H, int T, int B, int rows) {
+    const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)H, (cuuint64_t)T, (cuuint64_t)B};
+    const cuuint64_t strides[3] = {(cuuint64_t)D * 2, (cuuint64_t)H * D * 2, (cuuint64_t)T * H * D * 2};
+    const cuuint32_t box[4] = {64, 1, (cuuint32_t)rows, 1};
+    return tma_map(enc, m, base, 4, dims, strides, box);
+}
+/* -2: no tensor-map encoder, a map it refuses or a scale <= 0 (the caller takes the mma.sync kernel) */
+template <int DQ, int DV, int BN, int VAR = 0>
+static int launch_fwd_wg_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const FwdParams, const FwdMaps) = fa_fwd_wg_kernel<DQ, DV, BN, VAR>;
+    const size_t smem = fwd_wg_smem_bytes<DQ, DV, BN>();
+    const int mblocks = (p.T + 127) / 128;
+    if (BH > 65535 || p.H <= 0) return -1;
+    if (!(p.scale_log2 > 0.f)) return -2; /* the softmax takes its maximum before scaling */
+    const int B = BH / p.H;
+    EncodeTiledFn enc = tma_encoder();
+    FwdMaps tm;
+    if (!enc || fa_map(enc, &tm.q, p.q, p.dimq, p.H, p.T, B, 128) || fa_map(enc, &tm.k, p.k, p.dimq, p.H, p.T, B, BN) ||
+        fa_map(enc, &tm.v, p.v, p.dimv, p.H, p.T, B, BN))
+        return -2;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    /* persistent: one CTA per SM (at most one per work item), each takes its items in turn */
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        sms <= 0)
+        return -1;
+    const long long items = (long long)mblocks * BH;
+    if (items > 0x7fffffffLL) return -1;
+    FwdParams q = p;
+    q.nbh = BH;
+    kern<<<(unsigned)(items < sms ? items : sms), 384, smem, stream>>>(q, tm);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
+/* The wgmma kernels cover the configurations whose padded dims are multiples of 64 with a value
+   head of at most 128, on the 16-byte load path; everything else takes the mma.sync kernels. */
+template <int DQ, int DV>
+constexpr bool wg_config() { return DQ % 64 == 0 && DV % 64 == 0 && DV <= 128 && DQ <= 192; }
+
+template <int DQ, int DV>
+static int launch_fwd(const FwdParams &p, int BH, cudaStream_t stream) {
+    typedef Cfg<DQ, DV> C;
+    if constexpr (wg_config<DQ, DV>())
+        if (p.vec_qk && p.vec_v) {
+            const int r = launch_fwd_wg_kernel<DQ, DV, 128>(p, BH, stream);
+            if (r != -2) return r;
+        }
+    return launch_fwd_kernel<DQ, DV, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>(p, BH, stream);
+}
+/* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
+template <int DQ, int DV, int VAR = 0>
+static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const BwdParams, const DkdvMaps) = fa_bwd_dkdv_wg_kernel<DQ, DV, VAR>;
+    const size_t smem = dkdv_wg_smem_bytes<DQ, DV>();
+    if (BH > 65535 || p.H <= 0) return -1;
+    const int B = BH / p.H;
+    EncodeTiledFn enc = tma_encoder();
+    DkdvMaps tm;
+    if (!enc || fa_map(enc, &tm.q, p.q, p.dimq, p.H, p.T, B, 64) || fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 64) ||
+        fa_map(enc, &tm.k, p.k, p.dimq, p.H, p.T, B, 128) || fa_map(enc, &tm.v, p.v, p.dimv, p.H, p.T, B, 128))
+        return -2;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    dim3 grid((unsigned)((p.T + 127) / 128), (unsigned)BH);
+    kern<<<grid, 256, smem, stream>>>(p, tm);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+/* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
+template <int DQ, int DV, int VAR = 0, bool EARLY = false>
+static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const BwdParams, const DqMaps) = fa_bwd_dq_wg_kernel<DQ, DV, VAR>;
+    const size_t smem = dq_wg_smem_bytes<DQ, DV>();
+    if (BH > 65535 || p.H <= 0) return -1;
+    const int B = BH / p.H;
+    EncodeTiledFn enc = tma_encoder();
+    DqMaps tm;
+    if (!enc || fa_map(enc, &tm.q, p.q, p.dimq, p.H, p.T, B, 128) || fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 128) ||
+        fa_map(enc, &tm.k, p.k, p.dimq, p.H, p.T, B, 64) || fa_map(enc, &tm.v, p.v, p.dimv, p.H, p.T, B, 64))
+        return -2;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    /* EARLY: programmatic stream serialization, so that it may start while the kernel before it
+       (the dK/dV kernel, which triggers at its start) is still running its last CTAs */
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)((p.T + 127) / 128), (unsigned)BH);
+    cfg.blockDim = dim3(384);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = EARLY ? attr : nullptr;
+    cfg.numAttrs = EARLY ? 1 : 0;
+    if (cudaLaunchKernelEx(&cfg, kern, p, tm) != cudaSuccess) return -1;
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
+/* EARLY: the dQ kernel may start while the dK/dV kernel finishes (bench/attention.cu times both) */
+template <int DQ, int DV, bool EARLY = true>
+static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
+    typedef Cfg<DQ, DV> C;
+    if constexpr (wg_config<DQ, DV>())
+        if (p.vec_qk && p.vec_v) {
+            int r = launch_dkdv_wg_kernel<DQ, DV>(p, BH, stream);
+            if (r == -2) r = launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream);
+            if (r) return -1;
+            r = launch_dq_wg_kernel<DQ, DV, 0, EARLY>(p, BH, stream);
+            if (r != -2) return r;
+            return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
+        }
+    if (launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream)) return -1;
+    return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
+}
+
+/* configuration index for head dims, -1 if unsupported */
+static int pick_cfg(int dq, int dv) {
+    if (dq <= 0 || dv <= 0) return -1;
+    if (dq <= 32 && dv <= 32) return 0;
+    if (dq <= 64 && dv <= 64) return 1;
+    if (dq <= 128 && dv <= 128) return 2;
+    if (dq <= 192 && dv <= 128) return 3;
+    if (dq <= 256 && dv <= 256) return 4;
+    return -1;
+}
+static inline bool aligned_to(const void *ptr, size_t a) { return ((uintptr_t)ptr % a) == 0; }
+
+} /* namespace mt_fa */
+
+/* ------------------------------------------------------------------------------------------ */
+/* Entry points (wrapped by mt_cuda_attention_* below)                                        */
+/* ------------------------------------------------------------------------------------------ */
+static int mt__fa_forward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const __nv_bfloat16 *V, const int32_t *dstart,
+                          __nv_bfloat16 *O, float *lse, int B, int T, int H, int dq, int dv, float scale,
+                          cudaStream_t stream) {
+    using namespace mt_fa;
+    if (B < 0 || T < 0 || H < 0) return -1;
+    const int cfg = pick_cfg(dq, dv);
+    if (cfg < 0) return -1;
+    if ((long long)B * T * H == 0) return 0;
+    if (!Q || !K || !V || !O || !lse) return -1;
+    if ((long long)B * H > 0x7fffffffLL || (long long)B * T > 0x7fffffffLL) return -1;
+    if (!(scale == scale)) return -1;
+    FwdParams p;
+    p.q = Q; p.k = K; p.v = V; p.o = O; p.lse = lse; p.dstart = dstart;
+    p.T = T; p.H = H; p.dimq = dq; p.dimv = dv;
+    p.scale_log2 = scale * MT_FA_LOG2E;
+    p.vec_qk = (dq % 8 == 0) && aligned_to(Q, 16) && aligned_to(K, 16);
+    p.vec_v = (dv % 8 == 0) && aligned_to(V, 16);
+    p.pair_o = (dv % 2 == 0) && aligned_to(O, 4);
+    const int BH = B * H;
+    switch (cfg) {
+    case 0: return launch_fwd<32, 32>(p, BH, stream);
+    case 1: return launch_fwd<64, 64>(p, BH, stream);
+    case 2: return launch_fwd<128, 128>(p, BH, stream);
+    case 3: return launch_fwd<192, 128>(p, BH, stream);
+    default: return launch_fwd<256, 256>(p, BH, stream);
+    }
+}
+
+static size_t mt__fa_backward_workspace(int B, int T, int H, int dq, int dv) {
+    (void)dq; (void)dv;
+    if (B <= 0 || T <= 0 || H <= 0) return 256;
+    const size_t bytes = (size_t)B * T * H * sizeof(float);
+    return (bytes + 255) & ~(size_t)255;
+}
+
+namespace mt_fa {
+/* argument checks + parameter block for the backward; returns the config index or -1 (0 size: -2) */
+static int setup_bwd(BwdParams &p, const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const __nv_bfloat16 *V,
+                     const __nv_bfloat16 *O, const float *lse, const __nv_bfloat16 *dO, const int32_t *dstart, __nv_bfloat16 *dQ,
+                     __nv_bfloat16 *dK, __nv_bfloat16 *dV, void *workspace, int B, int T, int H, int dq, int dv,
+                     float scale) {
+    if (B < 0 || T < 0 || H < 0) return -1;
+    const int cfg = pick_cfg(dq, dv);
+    if (cfg < 0) return -1;
+    if ((long long)B * T * H == 0) return -2;
+    if (!Q || !K || !V || !O || !lse || !dO || !dQ || !dK || !dV || !workspace) return -1;
+    if ((long long)B * H > 0x7fffffffLL || (long long)B * T > 0x7fffffffLL) return -1;
+    if (!aligned_to(workspace, 4)) return -1;
+    if (!(scale == scale)) return -1;
+    p.q = Q; p.k = K; p.v = V; p.o = O; p.dout = dO; p.lse = lse;
+    p.dsum = (float *)workspace;
+    p.dstart = dstart;
+    p.dq = dQ; p.dk = dK; p.dv = dV;
+    p.T = T; p.H = H; p.dimq = dq; p.dimv = dv;
+    p.scale = scale;
+    p.scale_log2 = scale * MT_FA_LOG2E;
+    p.vec_qk = (dq % 8 == 0) && aligned_to(Q, 16) && aligned_to(K, 16);
+    p.vec_v = (dv % 8 == 0) && aligned_to(V, 16) && aligned_to(dO, 16);
+    p.pair_qk = (dq % 2 == 0) && aligned_to(dQ, 4) && aligned_to(dK, 4);
+    p.pair_v = (dv % 2 == 0) && aligned_to(dV, 4);
+    return cfg;
+}
+} /* namespace mt_fa */
+
+static int mt__fa_backward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const __nv_bfloat16 *V,
+                           const __nv_bfloat16 *O, const float *lse, const __nv_bfloat16 *dO, const int32_t *dstart,
+                           __nv_bfloat16 *dQ, __nv_bfloat16 *dK, __nv_bfloat16 *dV, void *workspace, int B,
+                           int T, int H, int dq, int dv, float scale, cudaStream_t stream) {
+    using namespace mt_fa;
+    BwdParams p;
+    const int cfg = setup_bwd(p, Q, K, V, O, lse, dO, dstart, dQ, dK, dV, workspace, B, T, H, dq, dv, scale);
+    if (cfg == -2) return 0;
+    if (cfg < 0) return -1;
+    if (launch_dot_kernel(p, (long long)B * T * H, stream)) return -1;
+    const int BH = B * H;
+    switch (cfg) {
+    case 0: return launch_bwd<32, 32>(p, BH, stream);
+    case 1: return launch_bwd<64, 64>(p, BH, stream);
+    case 2: return launch_bwd<128, 128>(p, BH, stream);
+    case 3: return launch_bwd<192, 128>(p, BH, stream);
+    default: return launch_bwd<256, 256>(p, BH, stream);
+    }
+}
+
+
+extern "C" {
+size_t mt_cuda_attention_backward_workspace(int B, int T, int H, int dq, int dv) {
+    return mt__fa_backward_workspace(B, T, H, dq, dv);
+}
+int mt_cuda_attention_forward(mt_cuda *c, const void *Q, const void *K, const void *V, const int32_t *dstart, void *O,
+                              float *lse, int B, int T, int H, int dq, int dv, float scale) {
+    if (dq > 256 || dv > 256) return mt__fail(c, "attention", "head dims above 256 are not supported on CUDA");
+    if (mt__fa_forward((const bf16 *)Q, (const bf16 *)K, (const bf16 *)V, dstart, (bf16 *)O, lse, B, T, H, dq, dv, scale, c->stream))
+        return mt__fail(c, "attention forward", cudaGetErrorString(cudaGetLastError()));
+    return 0;
+}
+int mt_cuda_attention_backward(mt_cuda *c, const void *Q, const void *K, const void *V, const void *O, const float *lse,
+                               const void *dO, const int32_t *dstart, void *dQ, void *dK, void *dV, void *ws, int B, int T,
+                               int H, int dq, int dv, float scale) {
+    if (dq > 256 || dv > 256) return mt__fail(c, "attention", "head dims above 256 are not supported on CUDA");
+    if (mt__fa_backward((const bf16 *)Q, (const bf16 *)K, (const bf16 *)V, (const bf16 *)O, lse, (const bf16 *)dO, dstart,
+                        (bf16 *)dQ, (bf16 *)dK, (bf16 *)dV, ws, B, T, H, dq, dv, scale, c->stream))
+        return mt__fail(c, "attention backward", cudaGetErrorString(cudaGetLastError()));
+    return 0;
+}
+
+/* Document starts (see mt_cpu_doc_starts): one block per sequence; each thread takes a chunk of
+   positions, the position after the chunk's last end-of-text token is max-scanned across the
+   block, then each chunk is walked again from its prefix. Integer max: order-free. */
+__global__ void k_doc_starts(int32_t *ds, const int32_t *tok, int T, int eot) {
+    __shared__ int part[1024];
+    const size_t s0 = (size_t)blockIdx.x * T;
+    const int tid = threadIdx.x, nt = blockDim.x, chunk = (T + nt - 1) / nt;
+    const int t0 = min(tid * chunk, T), t1 = min(t0 + chunk, T);
+    int m = 0;
+    for (int t = t0; t < t1; t++) if (tok[s0 + t] == eot) m = t + 1;
+    part[tid] = m;
+    __syncthreads();
+    for (int off = 1; off < nt; off <<= 1) {   /* inclusive max-scan */
+        const int v = tid >= off ? part[tid - off] : 0;
+        __syncthreads();
+        part[tid] = max(part[tid], v);
+        __syncthreads();
+    }
+    int start = tid ? part[tid - 1] : 0;
+    for (int t = t0; t < t1; t++) {
+        ds[s0 + t] = start;
+        if (tok[s0 + t] == eot) start = t + 1;
+    }
+}
+int mt_cuda_doc_starts(mt_cuda *c, int32_t *dstart, const int32_t *tok, int N, int T, int eot) {
+    if (N <= 0) return 0;
+    if (T <= 0 || N % T) return mt__fail(c, "doc starts", "token count is not a multiple of seq_len");
+    k_doc_starts<<<N / T, 1024, 0, c->stream>>>(dstart, tok, T, eot);
+    LAUNCHED();
+    return 0;
+}
+
+/* ========================================================================
+ * 8. MoE: router, permutation, expert exchange, grouped GEMM, combine
+ * ====================================================================== */
+
+#define MT_ROUTER_MAXE 1024      /* one warp per token, up to 32 experts per lane */
+#define MT_ROUTER_MAXG 64
+/* (value, index) argmax across the warp; ties go to the lower index */
+__device__ __forceinline__ void warp_argmax(float &v, int &i) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+        int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+        if (v2 > v || (v2 == v && i2 >= 0 && (i < 0 || i2 < i))) { v = v2; i = i2; }
+    }
+}
+}  /* extern "C": templates need C++ linkage */
+/* R = experts per lane (compile time, so the arrays stay in registers) */
+template <int R>
+__global__ void k_router_fwd(int32_t *idx, float *w, float *scores, int32_t *counts, const float *logits, const float *bias,
+                             int N, int E, int K, int score_func, int route_norm, float route_scale, int G, int Gl) {
+    int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (n >= N) return;
+    float s[R], sel[R];
+    const float *l = logits + (int64_t)n * E;
+    if (score_func == MT_SCORE_SIGMOID) {
+#pragma unroll
+        for (int r = 0; r < R; r++) { int e = lane + 32 * r; s[r] = e < E ? 1.0f / (1.0f + expf(-l[e])) : 0.0f; }
+    } else {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E) mx = fmaxf(mx, l[e]); }
+        mx = warp_max(mx);
+        float z = 0;
+#pragma unroll
+        for (int r = 0; r < R; r++) { int e = lane + 32 * r; s[r] = e < E ? expf(l[e] - mx) : 0.0f; z += s[r]; }
+        z = warp_sum(z);
+#pragma unroll
+        for (int r = 0; r < R; r++) s[r] /= z;
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int e = lane + 32 * r;
+        sel[r] = e < E ? s[r] + bias[e] : -INFINITY;
+        if (e < E) scores[(int64_t)n * E + e] = s[r];
+    }
+    if (G > 1) {                              /* group-limited: keep the best Gl groups */
+        int per = E / G;
+        unsigned long long keep = 0;
+        float gs[MT_ROUTER_MAXG];
+        for (int g = 0; g < G; g++) {
+            float b1 = -INFINITY, b2 = -INFINITY;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                int e = lane + 32 * r;
+                if (e < E && e / per == g) { float v = sel[r]; if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) b2 = v; }
+            }
+            for (int o = 16; o > 0; o >>= 1) {  /* merge top-2 pairs across lanes */
+                float o1 = __shfl_xor_sync(0xffffffffu, b1, o), o2 = __shfl_xor_sync(0xffffffffu, b2, o);
+                float n1 = fmaxf(b1, o1), n2 = fmaxf(fminf(b1, o1), fmaxf(b2, o2));
+                b1 = n1; b2 = n2;
+            }
+            gs[g] = per >= 2 ? b1 + b2 : b1;
+        }
+        for (int r = 0; r < Gl; r++) {
+            int best = -1;
+            for (int g = 0; g < G; g++) if (!(keep >> g & 1ull) && (best < 0 || gs[g] > gs[best])) best = g;
+            keep |= 1ull << best;
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E && !(keep >> (e / per) & 1ull)) sel[r] = -INFINITY; }
+    }
+    float sum = 0;
+    for (int k = 0; k < K; k++) {
+        float bv = -INFINITY;
+        int bi = -1;
+#pragma unroll
+        for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E && sel[r] != -INFINITY && (bi < 0 || sel[r] > bv)) { bv = sel[r]; bi = e; } }
+        warp_argmax(bv, bi);
+        if (bi < 0) bi = 0;
+        float raw = 0;
+#pragma unroll
+        for (int r = 0; r < R; r++) if (lane + 32 * r == bi) { raw = s[r]; sel[r] = -INFINITY; }
+        raw = warp_sum(raw);               /* exactly one lane holds it */
+        sum += raw;
+        if (lane == 0) {
+            idx[(int64_t)n * K + k] = bi;
+            w[(int64_t)n * K + k] = raw;
+            atomicAdd(&counts[bi], 1);     /* integer: order-independent */
+        }
+    }
+    if (lane == 0)
+        for (int k = 0; k < K; k++) {
+            float x = w[(int64_t)n * K + k];
+            if (route_norm) x = x / (sum + 1e-20f);
+            w[(int64_t)n * K + k] = x * route_scale;
+        }
+}
+template <int R>
+__global__ void k_router_bwd(float *dlogits, const float *scores, const int32_t *idx, const float *dw, int N, int E, int K,
+                             int score_func, int route_norm, float route_scale) {
+    int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (n >= N) return;
+    const float *s = scores + (int64_t)n * E;
+    const int32_t *ix = idx + (int64_t)n * K;
+    const float *g = dw + (int64_t)n * K;
+    float S = 0, gr = 0;
+    for (int k = 0; k < K; k++) { S += s[ix[k]]; gr += g[k] * s[ix[k]]; }
+    float ds[R], dot = 0;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int e = lane + 32 * r;
+        ds[r] = 0;
+        if (e >= E) continue;
+        for (int k = 0; k < K; k++)
+            if (ix[k] == e) ds[r] += route_norm ? route_scale * (g[k] / (S + 1e-20f) - gr / ((S + 1e-20f) * (S + 1e-20f)))
+                                                : route_scale * g[k];
+        dot += ds[r] * s[e];
+    }
+    dot = warp_sum(dot);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int e = lane + 32 * r;
+        if (e >= E) continue;
+        dlogits[(int64_t)n * E + e] = score_func == MT_SCORE_SIGMOID ? ds[r] * s[e] * (1 - s[e]) : s[e] * (ds[r] - dot);
+    }
+}
+extern "C" {
+int mt_cuda_router_forward(mt_cuda *c, int32_t *idx, float *w, float *scores, int32_t *counts, const float *logits,
+                           const float *bias, int N, int E, int K, int score_func, int route_norm, float route_scale,
+                           int n_groups, int n_limited) {
+    if (E > MT_ROUTER_MAXE || n_groups > MT_ROUTER_MAXG || K > 64)
+        return mt__fail(c, "router", "the CUDA router supports up to 1024 experts, 64 groups and top-64");
+    CK(cudaMemsetAsync(counts, 0, (size_t)E * 4, c->stream));
+    if (N <= 0) return 0;
+    unsigned g = mt__blocks(N, 4);
+#define MT__ROUTE(R) k_router_fwd<R><<<g, 128, 0, c->stream>>>(idx, w, scores, counts, logits, bias, N, E, K, score_func, route_norm, \
+                                                             route_scale, n_groups, n_limited)
+    if (E <= 32) MT__ROUTE(1);
+    else if (E <= 64) MT__ROUTE(2);
+    else if (E <= 128) MT__ROUTE(4);
+    else if (E <= 256) MT__ROUTE(8);
+    else if (E <= 512) MT__ROUTE(16);
+    else MT__ROUTE(32);
+#undef MT__ROUTE
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_router_backward(mt_cuda *c, float *dlogits, const float *scores, const int32_t *idx, const float *dw, int N, int E,
+                            int K, int score_func, int route_norm, float route_scale) {
+    if (E > MT_ROUTER_MAXE) return mt__fail(c, "router", "the CUDA router supports up to 1024 experts");
+    if (N <= 0) return 0;
+    unsigned g = mt__blocks(N, 4);
+#define MT__ROUTE(R) k_router_bwd<R><<<g, 128, 0, c->stream>>>(dlogits, scores, idx, dw, N, E, K, score_func, route_norm, route_scale)
+    if (E <= 32) MT__ROUTE(1);
+    else if (E <= 64) MT__ROUTE(2);
+    else if (E <= 128) MT__ROUTE(4);
+    else if (E <= 256) MT__ROUTE(8);
+    else if (E <= 512) MT__ROUTE(16);
+    else MT__ROUTE(32);
+#undef MT__ROUTE
+    LAUNCHED();
+    return 0;
+}
+
+/* permutation: a stable radix sort of (expert, assignment) gives the
+ * expert-major order with tokens in order inside each expert; offsets come
+ * from an integer histogram. Deterministic. */
+__global__ void k_hist(int32_t *cnt, int32_t *iota, const int32_t *idx, int64_t NK, int E, int *flag) {
+    for (int64_t a = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; a < NK; a += (int64_t)gridDim.x * blockDim.x) {
+        iota[a] = (int32_t)a;   /* the sort's values */
+        int e = idx[a];
+        if (e < 0 || e >= E) { atomicExch(flag, 1); continue; }
+        atomicAdd(&cnt[e], 1);
+    }
+}
+__global__ void k_offsets(int32_t *offs, const int32_t *cnt, int E) {
+    if (threadIdx.x || blockIdx.x) return;
+    offs[0] = 0;
+    for (int e = 0; e < E; e++) offs[e + 1] = offs[e] + cnt[e];   /* cnt aliases offs + 1: read before write */
+}
+}  /* extern "C": the row kernels are templates */
+/* chunks of 8 elements per lane per group: a group's loads are independent, and are all issued before its stores */
+#define MT_ROWS_UNROLL 8
+/* row i of xs is assignment perm[i]: its token's row of x; slot is the inverse. One warp per row, 16-byte chunks. */
+template <bool V>
+__global__ void __launch_bounds__(256) k_gather_rows(bf16 *xs, int32_t *slot, const bf16 *x, const int32_t *perm, int64_t NK, int K, int D) {
+    int64_t i = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (i >= NK) return;
+    int64_t a = perm[i];
+    if (lane == 0) slot[a] = (int32_t)i;
+    const bf16 *src = x + (a / K) * D;
+    bf16 *dst = xs + i * D;
+    for (int base = 0; base < D; base += 256 * MT_ROWS_UNROLL) {   /* all loads of a group, then its stores */
+        uint4 u[MT_ROWS_UNROLL];
+#pragma unroll
+        for (int k = 0; k < MT_ROWS_UNROLL; k++) {
+            int d = base + (lane + 32 * k) * 8;
+            if (d < D) u[k] = ld8<V>(src, d, D);
+        }
+#pragma unroll
+        for (int k = 0; k < MT_ROWS_UNROLL; k++) {
+            int d = base + (lane + 32 * k) * 8;
+            if (d < D) st8raw<V>(dst, d, D, u[k]);
+        }
+    }
+}
+/* y[n] = sum over k, in order, of w[n, k] * ys[slot[n, k]]; one warp per token.  w NULL: weights of 1
+   (the permutation's backward, dx[n] = sum over k of dxs[slot[n, k]]; 1 * f is exact, so the sums are
+   those of plain adds) */
+template <bool V>
+__global__ void __launch_bounds__(256) k_combine(bf16 *y, const bf16 *ys, const int32_t *slot, const float *w, int N, int D, int K) {
+    int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (n >= N) return;
+    for (int base = 0; base < D; base += 256 * MT_ROWS_UNROLL) {
+        float acc[MT_ROWS_UNROLL][8];
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[i][j] = 0;
+        for (int k = 0; k < K; k++) {
+            const bf16 *src = ys + (int64_t)slot[n * K + k] * D;
+            const float wk = w ? w[n * K + k] : 1.f;
+#pragma unroll
+            for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+                int d = base + (lane + 32 * i) * 8;
+                if (d < D) {
+                    float f[8];
+                    unpack8(f, ld8<V>(src, d, D));
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[i][j] += wk * f[j];
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+            int d = base + (lane + 32 * i) * 8;
+            if (d < D) st8<V>(y + n * D, d, D, acc[i]);
+        }
+    }
+}
+/* dys[slot[n, k]] = w[n, k] dy[n]; dw[n, k] = <dy[n], ys[slot[n, k]]> (each lane sums its chunks in order, then a
+ * fixed butterfly across the warp). One warp per token; dy's first chunks stay in registers across k. */
+template <bool V>
+__global__ void __launch_bounds__(128) k_combine_bwd(bf16 *dys, float *dw, const bf16 *dy, const bf16 *ys, const int32_t *slot, const float *w,
+                                                     int N, int D, int K) {
+    int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (n >= N) return;
+    const bf16 *g = dy + n * D;
+    uint4 cg[MT_ROWS_UNROLL];
+#pragma unroll
+    for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+        int d = (lane + 32 * i) * 8;
+        if (d < D) cg[i] = ld8<V>(g, d, D);
+    }
+    for (int k = 0; k < K; k++) {
+        int64_t s = slot[n * K + k];
+        float wk = w[n * K + k], part = 0;
+        const bf16 *src = ys + s * D;
+        bf16 *dst = dys + s * D;
+        uint4 cy[MT_ROWS_UNROLL];
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+            int d = (lane + 32 * i) * 8;
+            if (d < D) cy[i] = ld8<V>(src, d, D);
+        }
+#pragma unroll
+        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+            int d = (lane + 32 * i) * 8;
+            if (d < D) {
+                float gf[8], yf[8];
+                unpack8(gf, cg[i]);
+                unpack8(yf, cy[i]);
+#pragma unroll
+                for (int j = 0; j < 8; j++) { part += gf[j] * yf[j]; gf[j] *= wk; }
+                st8<V>(dst, d, D, gf);
+            }
+        }
+        for (int d = (lane + 32 * MT_ROWS_UNROLL) * 8; d < D; d += 256) {
+            float gf[8], yf[8];
+            unpack8(gf, ld8<V>(g, d, D));
+            unpack8(yf, ld8<V>(src, d, D));
+#pragma unroll
+            for (int j = 0; j < 8; j++) { part += gf[j] * yf[j]; gf[j] *= wk; }
+            st8<V>(dst, d, D, gf);
+        }
+        part = warp_sum(part);
+        if (lane == 0) dw[n * K + k] = part;
+    }
+}
+extern "C" {
+size_t mt_cuda_moe_permute_workspace(int64_t NK) {
+    size_t tmp = 0;
+    cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, (int)NK);
+    return mt__al(tmp) + 3 * mt__al((size_t)NK * 4);
+}
+int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, const void *x, const int32_t *idx, int N, int D,
+                        int K, int E, void *ws) {
+    int64_t NK = (int64_t)N * K;
+    int32_t *cnt = offs + 1;
+    CK(cudaMemsetAsync(offs, 0, (size_t)(E + 1) * 4, c->stream));
+    if (NK <= 0) return 0;
+    size_t tmp = 0;
+    cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, (int)NK);
+    char *w = (char *)ws;
+    int32_t *iota = (int32_t *)(w + mt__al(tmp)), *keys = iota + mt__al((size_t)NK * 4) / 4, *perm = keys + mt__al((size_t)NK * 4) / 4;
+    unsigned g = mt__blocks(NK, 256);
+    if (g > 4096) g = 4096;
+    k_hist<<<g, 256, 0, c->stream>>>(cnt, iota, idx, NK, E, c->flag);
+    LAUNCHED();
+    k_offsets<<<1, 1, 0, c->stream>>>(offs, cnt, E);
+    LAUNCHED();
+    int bits = 1;
+    while ((1 << bits) < E && bits < 31) bits++;
+    CK(cub::DeviceRadixSort::SortPairs(w, tmp, idx, keys, iota, perm, (int)NK, 0, bits, c->stream));
+    if (mt__rows16(D, 2, xs, x)) k_gather_rows<true><<<mt__blocks(NK, 8), 256, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, NK, K, D);
+    else k_gather_rows<false><<<mt__blocks(NK, 8), 256, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, NK, K, D);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_moe_permute_backward(mt_cuda *c, void *dx, const void *dxs, const int32_t *slot, int N, int D, int K) {
+    if (N <= 0) return 0;
+    if (mt__rows16(D, 2, dx, dxs)) k_combine<true><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, nullptr, N, D, K);
+    else k_combine<false><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, nullptr, N, D, K);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32_t *slot, const float *w, int N, int D, int K) {
+    if (N <= 0) return 0;
+    if (mt__rows16(D, 2, y, ys)) k_combine<true><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)y, (const bf16 *)ys, slot, w, N, D, K);
+    else k_combine<false><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)y, (const bf16 *)ys, slot, w, N, D, K);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
+                                 const float *w, int N, int D, int K) {
+    if (N <= 0) return 0;
+    if (mt__rows16(D, 2, dys, dy, ys))
+        k_combine_bwd<true><<<mt__blocks(N, 4), 128, 0, c->stream>>>((bf16 *)dys, dw, (const bf16 *)dy, (const bf16 *)ys, slot, w, N, D, K);
+    else k_combine_bwd<false><<<mt__blocks(N, 4), 128, 0, c->stream>>>((bf16 *)dys, dw, (const bf16 *)dy, (const bf16 *)ys, slot, w, N, D, K);
+    LAUNCHED();
+    return 0;
+}
+
+/* expert-parallel exchange on one rank: my experts' counts and offsets */
+__global__ void k_ep_counts(int32_t *recv, const int32_t *offs, int El, int first) {
+    int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e < El) recv[e] = offs[first + e + 1] - offs[first + e];
+}
+int mt_cuda_ep_counts(mt_cuda *c, int32_t *recv, const int32_t *offs, int E_local, int first_expert) {
+    k_ep_counts<<<mt__blocks(E_local, 128), 128, 0, c->stream>>>(recv, offs, E_local, first_expert);
+    LAUNCHED();
+    return 0;
+}
+__global__ void k_ep_offsets(int32_t *roffs, const int32_t *recv, int El) {
+    if (threadIdx.x || blockIdx.x) return;
+    roffs[0] = 0;
+    for (int e = 0; e < El; e++) roffs[e + 1] = roffs[e] + recv[e];
+}
+int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_local) {
+    k_ep_offsets<<<1, 1, 0, c->stream>>>(roffs, recv, E_local);
+    LAUNCHED();
+    return 0;
+}
+
+/* --- grouped GEMM on the device -------------------------------------------
+ *
+ * E experts; expert e owns rows [offs[e], offs[e+1]) of the token dimension, offs (int32, E+1
+ * entries) lives in DEVICE memory and is never read by the host (no host synchronization; the
+ * launch is CUDA-graph capturable: the grid depends only on E, M, K, Rmax and the SM count).
+ *   mode 0 (forward):  Y [r, m]     = sum_k X [r, k] * W[e, m, k]      bf16 out
+ *   mode 1 (grad in):  dX[r, k]     = sum_m dY[r, m] * W[e, m, k]      bf16 out
+ *   mode 2 (grad W):   dW[e, m, k]  = sum_{r in e} dY[r, m] * X[r, k]  fp32 out (empty expert: zeros)
+ * bf16 inputs, fp32 accumulation, row-major, M and K multiples of 8, 16-byte aligned pointers.
+ *
+ * Design
+ *   Two kernels share the tiles, stage layouts, wgmma batches, schedule and reduction order below,
+ *   and give bitwise the same results:
+ *     gg_tma_kernel (the default): a producer warp loads the stages with the copy engine (TMA,
+ *       mbarriers) while two consumer warpgroups only multiply and store (see its own comment);
+ *       on H200, on mid's expert shapes, 600-700 TFLOP/s forward and dX, 490-545 dW;
+ *     gg_kernel (drivers without tensor maps; the mma.sync fallback): described here.
+ *   One persistent kernel per mode, 256 threads (2 warpgroups), one CTA per SM (~207 KB smem).
+ *   CTA tile 128 x 256 (BM x BN) of the output, reduction in steps of 64 (BK); operands are staged
+ *   by cp.async (zero-filled outside the valid rows / columns) into a 4-stage ring of 128-byte
+ *   swizzled tiles (48 KB per stage), prefetch distance 2 steps.  The stage layouts are the
+ *   canonical SW128 layouts of wgmma:
+ *     K-major  tile [rows][64]:  16-byte chunk c of row r at  r*128 + ((c ^ (r&7)) << 4)
+ *     MN-major tile [64][cols]:  64-column block j at j*8192, row r at r*128, chunk c of the block
+ *                                at ((c ^ (r&7)) << 4)                       (LBO 8192, SBO 1024)
+ *   operand majorness:   mode 0: A = X  K-major,  B = W   K-major
+ *                        mode 1: A = dY K-major,  B = W   MN-major (transposed)
+ *                        mode 2: A = dY MN-major, B = X   MN-major  (reduction over the rows)
+ *   Math (default): wgmma.mma_async m64n256k16 (m64n128k16 for tiles with <= 128 valid columns),
+ *   warpgroup g owns tile rows [64g, 64g+64); one wgmma batch (4 x k16) stays in flight across the
+ *   barrier of the next step.  Fallback (template WG=false, -DGG_MMA_SYNC): mma.sync m16n8k16 with
+ *   ldmatrix from the same swizzled stages, 8 warps as 2 x 4 of 64 x 64.
+ *   Scheduling: work items ("tiles") form a linear list derived on the device from offs:
+ *     modes 0/1: (expert, 128-row tile, 256-col tile), experts in order, per-expert row-tile counts
+ *                prefix-summed in smem at kernel start, tile -> expert by binary search;
+ *     mode 2:    (expert, row split s, 128-m tile, 256-k tile), experts sorted by row count,
+ *                largest first (bitonic sort in smem), so the list ends with cheap tiles; the
+ *                reduction walks the expert's rows in order (ragged tail zero-filled); experts
+ *                without rows get zero tiles.  When E*ceil(M/128)*ceil(K/256) < #SMs the rows of
+ *                each expert are split into S fixed chunks (S from E, M, K, Rmax, #SMs only),
+ *                partial tiles go to the workspace and a second kernel sums them in order s=0..S-1.
+ *   Every mode: CTA b takes one tile of each round of gridDim tiles, in serpentine order (b in even
+ *   rounds, gridDim - 1 - b in odd ones; mode 2's list is sorted largest expert first, and the
+ *   serpentine balances the unequal tiles: on mid's shapes with the largest expert at 5 to 7
+ *   times the mean, the busiest CTA gets 1-2% more steps than the mean, and the bench's layout
+ *   with the largest expert at 6.1 times the mean runs as fast as the one at 5.0). The id of the tile after next is
+ *   published through a small smem ring, so the loads of the next tile are issued while the
+ *   current one finishes (the cp.async pipeline runs across tile boundaries).
+ * Determinism: every output element is produced by one thread of one CTA with a fixed reduction
+ *   order (and, for S > 1, a fixed-order second pass), and the schedule is static. Results are
+ *   bitwise reproducible.
+ * ------------------------------------------------------------------------ */
+}  /* extern "C": the grouped GEMM kernels are templates */
+
+namespace mt_ggk {
+using namespace mt_ptx;
+
+typedef __nv_bfloat16 bf16;
+
+constexpr int BM = 128;                        /* tile rows                                  */
+constexpr int BN = 256;                        /* tile columns                               */
+constexpr int BK = 64;                         /* reduction per step (one 128-byte row)      */
+constexpr int ST = 4;                          /* smem stages                                */
+constexpr int PD = 2;                          /* prefetch distance in steps (<= ST - 2)     */
+constexpr int NT = 256;                        /* threads per CTA                            */
+constexpr int A_BYTES = BM * BK * 2;           /* 16 KB                                      */
+constexpr int B_BYTES = BN * BK * 2;           /* 32 KB                                      */
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES; /* 48 KB                                      */
+constexpr int MAX_E = 1024;
+constexpr int RING = 8;                        /* tile-id ring (power of two)                */
+constexpr int MISC_INTS = 2 * (MAX_E + 1) + NT + RING + 8;
+constexpr size_t SMEM_BYTES = 1024 + (size_t)ST * STAGE_BYTES + (size_t)MISC_INTS * sizeof(int);
+constexpr size_t WS_HEADER = 256;              /* reserved bytes before the partial tiles in ws */
+static_assert(PD <= ST - 2, "a stage may still be read by the wgmma batch in flight");
+
+/* ------------------------------------------------------------------------------------------ */
+/* PTX helpers                                                                                */
+/* ------------------------------------------------------------------------------------------ */
+/* (cp.async, ldmatrix and shared-address helpers: namespace mt_ptx) */
+/* D = A(16x16 row) * B(16x8 col) + D, bf16 inputs, f32 accumulate */
+__device__ __forceinline__ void mma_bf16(float &d0, float &d1, float &d2, float &d3, const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* named barrier over nthreads threads (multiple of 32) */
+__device__ __forceinline__ void bar_sync_named(int id, int nthreads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
+}
+/* keeps the compiler from moving accumulator accesses across the asynchronous wgmma window */
+__device__ __forceinline__ void fence_acc(float &r) { asm volatile("" : "+f"(r)::"memory"); }
+/* D[64 x N] = A(desc) * B(desc) + (scale_d ? D : 0); TA/TB = 1: operand is MN-major (transposed) in smem.
+   Accumulator layout (per warp w of the warpgroup, lane = 4g + c): d[4j + 2h + b] =
+   D[16w + g + 8h][8j + 2c + b].  m64n128k16 uses d[0..63] only. */
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_n256(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "
+        "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, "
+        "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, "
+        "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, "
+        "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]),
+          "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+          "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
+          "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
+          "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_n128(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {   /* d[0..63] */
+    wgmma_ss_n128<TA, TB>(*reinterpret_cast<float (*)[64]>(&d[0]), da, db, scale_d);
+}
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_n8(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3"
+        "}, %4, %5, p, 1, 1, %7, %8;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+/* ------------------------------------------------------------------------------------------ */
+/* end of PTX helpers                                                                         */
+/* ------------------------------------------------------------------------------------------ */
+
+
+struct Params {
+    void *out;           /* Y / dX (bf16) or dW (fp32)                                        */
+    const bf16 *a;       /* X (mode 0) or dY (modes 1, 2)                                     */
+    const bf16 *b;       /* W (modes 0, 1) or X (mode 2)                                      */
+    const int *offs;     /* [E + 1], device                                                   */
+    float *part;         /* mode 2: [S][E][M][K] partials when S > 1, else == out             */
+    const bf16 *a2, *b2; /* mode 1, optional second pair: dX = dY W + dY2 W2, one reduction loop  */
+    int nkh;             /* mode 1 with a second pair: steps per pair (nk01 = 2 nkh)           */
+    float *ssq;          /* mode 2, optional: partial sums of dW^2, [tile * 8 + warp] (S == 1) */
+    int E, M, K, Rmax;
+    int ncols;           /* output columns: M (mode 0), K (modes 1, 2)                        */
+    int ct;              /* column tiles ceil(ncols / BN)                                     */
+    int nk01;            /* modes 0/1: reduction steps ceil(K / BK) or ceil(M / BK)            */
+    int S, ntm;          /* mode 2: row splits, m tiles ceil(M / BM)                           */
+    int T2;              /* mode 2: number of tiles E * S * ntm * ct                           */
+};
+
+struct Tile {
+    int valid, e, nk;
+    int t;      /* the tile's index in the work list                                              */
+    int r0, r1; /* modes 0/1: output rows [r0, r1), r1 <= r0 + BM; mode 2: reduction rows [r0, r1) */
+    int m0;     /* mode 2: first output row (m)                                                   */
+    int c0;     /* first output column                                                            */
+    int s;      /* mode 2: split index                                                            */
+};
+
+template <int MODE>
+__device__ __forceinline__ Tile decode_tile(const Params &p, const int *s_offs, const int *s_aux, int T, int t) {
+    Tile ti;
+    ti.valid = (t >= 0 && t < T) ? 1 : 0;
+    ti.t = t;
+    ti.e = 0; ti.nk = 0; ti.r0 = 0; ti.r1 = 0; ti.m0 = 0; ti.c0 = 0; ti.s = 0;
+    if (!ti.valid) return ti;
+    if (MODE != 2) {
+        /* largest e with pref[e] <= t (pref non-decreasing, pref[0] = 0) */
+        int lo = 0, hi = p.E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_aux[mid] <= t) lo = mid; else hi = mid - 1;
+        }
+        const int local = t - s_aux[lo];
+        const int rt = local / p.ct, cti = local - rt * p.ct;
+        ti.e = lo;
+        ti.r0 = s_offs[lo] + rt * BM;
+        ti.r1 = min(ti.r0 + BM, s_offs[lo + 1]);
+        ti.c0 = cti * BN;
+        ti.nk = p.nk01;
+    } else {
+        const int per_s = p.ntm * p.ct, per_e = p.S * per_s;
+        const int pos = t / per_e;
+        int rem = t - pos * per_e;
+        const int s = rem / per_s;
+        rem -= s * per_s;
+        const int mt = rem / p.ct, kt = rem - mt * p.ct;
+        const int e = (int)((unsigned)s_aux[pos] & (unsigned)(MAX_E - 1));
+        const int beg = s_offs[e], n = max(0, s_offs[e + 1] - beg);
+        ti.e = e;
+        ti.s = s;
+        ti.r0 = beg + (int)(((long long)n * s) / p.S);
+        ti.r1 = beg + (int)(((long long)n * (s + 1)) / p.S);
+        ti.m0 = mt * BM;
+        ti.c0 = kt * BN;
+        ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
+    }
+    return ti;
+}
+
+/* Issue the cp.async of reduction step kt of tile ti into the stage at smem address sA. */
+template <int MODE>
+__device__ __forceinline__ void load_step(const Params &p, const Tile &ti, int kt, uint32_t sA, int tid) {
+    const uint32_t sB = sA + A_BYTES;
+    if (MODE == 0 || MODE == 1) {
+        /* mode 1 with a second pair: steps [nkh, 2 nkh) reduce dY2 W2 into the same accumulators */
+        const bf16 *pa = p.a, *pb = p.b;
+        if (MODE == 1 && p.a2 && kt >= p.nkh) { pa = p.a2; pb = p.b2; kt -= p.nkh; }
+        /* A: 128 token rows x 64 reduction columns, K-major; thread: chunk tid&7 of rows tid/8 + 32u */
+        const int lda = (MODE == 0) ? p.K : p.M; /* X [R, K] or dY [R, M]; also the reduction extent */
+        const int kc = kt * BK + (tid & 7) * 8;
+        const bool kok = kc < lda;
+        const int rl = tid >> 3;
+        const uint32_t swz = (uint32_t)(((tid & 7) ^ (rl & 7)) << 4);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int r = ti.r0 + rl + 32 * u;
+            const bool ok = kok && r < ti.r1;
+            const bf16 *src = ok ? pa + (size_t)r * lda + kc : pa;
+            cp_async_16(sA + (uint32_t)((rl + 32 * u) * 128) + swz, src, ok ? 16 : 0);
+        }
+        const bf16 *wb = pb + (size_t)ti.e * p.M * p.K;
+        if (MODE == 0) {
+            /* B: W[e] rows m = tile columns (256) x 64 k, K-major */
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int m = ti.c0 + rl + 32 * u;
+                const bool ok = kok && m < p.M;
+                const bf16 *src = ok ? wb + (size_t)m * p.K + kc : pb;
+                cp_async_16(sB + (uint32_t)((rl + 32 * u) * 128) + swz, src, ok ? 16 : 0);
+            }
+        } else {
+            /* B: W[e] rows m = reduction (64) x 256 k columns, MN-major; thread: chunk tid&31 of rows tid/32 + 8u */
+            const int cc = tid & 31, rr = tid >> 5;
+            const int col = ti.c0 + cc * 8;
+            const bool cok = col < p.K;
+            const uint32_t off = (uint32_t)((cc >> 3) * 8192 + rr * 128 + (((cc & 7) ^ (rr & 7)) << 4));
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int m = kt * BK + rr + 8 * u;
+                const bool ok = cok && m < p.M;
+                const bf16 *src = ok ? wb + (size_t)m * p.K + col : pb;
+                cp_async_16(sB + off + (uint32_t)(u * 1024), src, ok ? 16 : 0);
+            }
+        }
+    } else {
+        const int rbase = ti.r0 + kt * BK;
+        {
+            /* A: dY rows r (64, reduction) x 128 m columns, MN-major; thread: chunk tid&15 of rows tid/16 + 16u */
+            const int cc = tid & 15, rr = tid >> 4;
+            const int col = ti.m0 + cc * 8;
+            const bool cok = col < p.M;
+            const uint32_t off = (uint32_t)((cc >> 3) * 8192 + rr * 128 + (((cc & 7) ^ (rr & 7)) << 4));
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int r = rbase + rr + 16 * u;
+                const bool ok = cok && r < ti.r1;
+                const bf16 *src = ok ? p.a + (size_t)r * p.M + col : p.a;
+                cp_async_16(sA + off + (uint32_t)(u * 2048), src, ok ? 16 : 0);
+            }
+        }
+        {
+            /* B: X rows r (64) x 256 k columns, MN-major */
+            const int cc = tid & 31, rr = tid >> 5;
+            const int col = ti.c0 + cc * 8;
+            const bool cok = col < p.K;
+            const uint32_t off = (uint32_t)((cc >> 3) * 8192 + rr * 128 + (((cc & 7) ^ (rr & 7)) << 4));
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int r = rbase + rr + 8 * u;
+                const bool ok = cok && r < ti.r1;
+                const bf16 *src = ok ? p.b + (size_t)r * p.K + col : p.b;
+                cp_async_16(sB + off + (uint32_t)(u * 1024), src, ok ? 16 : 0);
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void fence_acc_all(float (&acc)[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) fence_acc(acc[i]);
+}
+
+/* NKK k16 slices of one step as one wgmma batch (N256: m64n256k16, else m64n128k16) */
+template <int TA, int TB, bool N256, int NKK>
+__device__ __forceinline__ void wgmma_batch(float (&acc)[128], uint64_t da, uint64_t db, int sd0) {
+    constexpr uint64_t DA = TA ? 128 : 2, DB = TB ? 128 : 2;
+    wgmma_fence();
+    if (N256) wgmma_n256<TA, TB>(acc, da, db, sd0);
+    else wgmma_n128<TA, TB>(acc, da, db, sd0);
+#pragma unroll
+    for (int kk = 1; kk < NKK; ++kk) {
+        if (N256) wgmma_n256<TA, TB>(acc, da + kk * DA, db + kk * DB, 1);
+        else wgmma_n128<TA, TB>(acc, da + kk * DA, db + kk * DB, 1);
+    }
+    wgmma_commit();
+}
+
+/* One reduction step (BK = 64) with wgmma: warpgroup wg computes tile rows [64wg, 64wg + 64).
+   SHORT: only the first nkk k16 slices (mode 2's last step of a tile: the rows that are left). */
+template <int MODE, bool SHORT = false>
+__device__ __forceinline__ void step_wgmma(float (&acc)[128], uint32_t sA, int wg, bool active, bool full, bool first, int nkk = 4) {
+    constexpr int TA = (MODE == 2) ? 1 : 0, TB = (MODE == 0) ? 0 : 1;
+    /* K-major: +32 bytes per k16; MN-major: +16 rows * 128 bytes = 2048 bytes (in 16-byte units) */
+    constexpr uint64_t DA = TA ? 128 : 2, DB = TB ? 128 : 2;
+    const uint64_t da = sw128_desc(sA + (uint32_t)wg * 8192u, TA ? 8192u : 16u, 1024u);
+    const uint64_t db = sw128_desc(sA + (uint32_t)A_BYTES, TB ? 8192u : 16u, 1024u);
+    const int sd0 = first ? 0 : 1;
+    fence_acc_all(acc);
+    if (SHORT && active && nkk < BK / 16) {
+        /* separate straight-line batches: a conditional wgmma inside a batch makes ptxas fence each one */
+        if (full) {
+            if (nkk == 1) wgmma_batch<TA, TB, true, 1>(acc, da, db, sd0);
+            else if (nkk == 2) wgmma_batch<TA, TB, true, 2>(acc, da, db, sd0);
+            else wgmma_batch<TA, TB, true, 3>(acc, da, db, sd0);
+        } else {
+            if (nkk == 1) wgmma_batch<TA, TB, false, 1>(acc, da, db, sd0);
+            else if (nkk == 2) wgmma_batch<TA, TB, false, 2>(acc, da, db, sd0);
+            else wgmma_batch<TA, TB, false, 3>(acc, da, db, sd0);
+        }
+    } else if (active && full) {
+        wgmma_fence();
+        wgmma_n256<TA, TB>(acc, da, db, sd0);
+#pragma unroll
+        for (int kk = 1; kk < BK / 16; ++kk) wgmma_n256<TA, TB>(acc, da + kk * DA, db + kk * DB, 1);
+        wgmma_commit();
+    } else if (active) {
+        wgmma_fence();
+        wgmma_n128<TA, TB>(acc, da, db, sd0);
+#pragma unroll
+        for (int kk = 1; kk < BK / 16; ++kk) wgmma_n128<TA, TB>(acc, da + kk * DA, db + kk * DB, 1);
+        wgmma_commit();
+    } else {
+        /* all rows of this warpgroup are outside the tile: a token m64n8k16 whose result is never
+           stored (issuing no wgmma at all on this path makes ptxas serialize every wgmma) */
+        wgmma_fence();
+        wgmma_n8<0, 0>(acc, da, db, 0);
+        wgmma_commit();
+    }
+    fence_acc_all(acc);
+}
+
+/* One reduction step with mma.sync: warp (wm, wn) = (warp / 4, warp % 4) computes the 64 x 64 block
+   at rows 64wm, columns 64wn; acc[((mi * 8 + ni) * 4) + e] = m16 tile mi, n8 tile ni, element e. */
+template <int MODE>
+__device__ __forceinline__ void step_mma(float (&acc)[128], uint32_t sA, int warp, int lane, int rows_valid,
+                                         int cols_valid) {
+    const int wm = warp >> 2, wn = warp & 3;
+    if (64 * wm >= rows_valid || 64 * wn >= cols_valid) return;
+    const uint32_t sB = sA + A_BYTES;
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+        uint32_t a[4][4], b[4][4];
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+            if (MODE != 2) { /* [row][k]: row = lane % 16, k chunk = 2kk + lane / 16 */
+                const int row = 64 * wm + 16 * mi + (lane & 15), ch = 2 * kk + (lane >> 4);
+                ldsm_x4(a[mi], sA + (uint32_t)(row * 128 + ((ch ^ (row & 7)) << 4)));
+            } else { /* [k][m], .trans: k = 8 * (lane / 16) + lane % 8, m = 8 * ((lane / 8) % 2) */
+                const int kr = 16 * kk + ((lane >> 4) << 3) + (lane & 7);
+                const int mc = 64 * wm + 16 * mi + (((lane >> 3) & 1) << 3);
+                ldsm_x4_t(a[mi], sA + (uint32_t)((mc >> 6) * 8192 + kr * 128 + ((((mc >> 3) & 7) ^ (kr & 7)) << 4)));
+            }
+        }
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            if (MODE == 0) { /* [n][k]: n = 8 * (lane / 16) + lane % 8, k chunk = 2kk + (lane / 8) % 2 */
+                const int n = 64 * wn + 16 * np + ((lane >> 4) << 3) + (lane & 7), ch = 2 * kk + ((lane >> 3) & 1);
+                ldsm_x4(b[np], sB + (uint32_t)(n * 128 + ((ch ^ (n & 7)) << 4)));
+            } else { /* [k][n], .trans: k = 8 * ((lane / 8) % 2) + lane % 8, n = 8 * (lane / 16) */
+                const int kr = 16 * kk + (((lane >> 3) & 1) << 3) + (lane & 7);
+                const int nc = 64 * wn + 16 * np + ((lane >> 4) << 3);
+                ldsm_x4_t(b[np], sB + (uint32_t)((nc >> 6) * 8192 + kr * 128 + ((((nc >> 3) & 7) ^ (kr & 7)) << 4)));
+            }
+        }
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < 8; ++ni) {
+                float *d = &acc[(mi * 8 + ni) * 4];
+                mma_bf16(d[0], d[1], d[2], d[3], a[mi], b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
+            }
+    }
+}
+
+/* The gradient-norm partial of one warp's part of a dW tile: a fixed-order warp sum. */
+__device__ __forceinline__ void store_ssq(const Params &p, const Tile &ti, int warp, int lane, float ss) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) p.ssq[(size_t)ti.t * 8 + warp] = ss;
+}
+
+/* Write the accumulators of tile ti (rows < rows_valid, columns < cols_valid). */
+template <int MODE, bool WG>
+__device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128], const Tile &ti, int warp, int lane,
+                                         int rows_valid, int cols_valid) {
+    const int g = lane >> 2, c = lane & 3;
+    bf16 *obase = nullptr;
+    float *pbase = nullptr;
+    float ss = 0.f;
+    int ld;
+    if (MODE == 2) {
+        pbase = p.part + ((size_t)(ti.s * p.E + ti.e) * p.M + ti.m0) * p.K + ti.c0;
+        ld = p.K;
+    } else {
+        obase = reinterpret_cast<bf16 *>(p.out) + (size_t)ti.r0 * p.ncols + ti.c0;
+        ld = p.ncols;
+    }
+#pragma unroll
+    for (int q = 0; q < 64; ++q) {
+        int row, col;
+        if (WG) {
+            row = 64 * (warp >> 2) + 16 * (warp & 3) + g + 8 * (q & 1);
+            col = 8 * (q >> 1) + 2 * c;
+        } else {
+            row = 64 * (warp >> 2) + 16 * (q >> 4) + g + 8 * (q & 1);
+            col = 64 * (warp & 3) + 8 * ((q >> 1) & 7) + 2 * c;
+        }
+        if (row < rows_valid && col < cols_valid) {
+            /* wgmma: the first step of a tile overwrites the accumulators (scale-d = 0), so a tile
+               without reduction steps (mode 2, expert without rows) must not read them */
+            const float v0 = ti.nk > 0 ? acc[2 * q] : 0.f, v1 = ti.nk > 0 ? acc[2 * q + 1] : 0.f;
+            if (MODE == 2) {
+                *reinterpret_cast<float2 *>(pbase + row * ld + col) = make_float2(v0, v1);
+                ss += v0 * v0 + v1 * v1;
+            } else {
+                *reinterpret_cast<__nv_bfloat162 *>(obase + row * ld + col) = __floats2bfloat162_rn(v0, v1);
+            }
+        }
+    }
+    if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
+}
+
+/* wgmma kernels: the accumulators of each warp (16 rows x 256 columns) leave through a private
+   shared-memory buffer of 16 rows x RB bytes, in passes of RB / ESZ columns (16-byte chunks
+   XOR-swizzled by row: conflict-free), as 16-byte coalesced stores (RB / 16 lanes per row segment).
+   The cp.async kernel uses 4 KB buffers (RB = 256: 128 bf16 or 64 fp32 columns a pass), the TMA
+   kernel 2 KB ones (RB = 128). */
+template <int MODE, int RB>
+__device__ __forceinline__ void epilogue_staged(const Params &p, const float (&acc)[128], const Tile &ti, int warp, int lane,
+                                                int rows_valid, int cols_valid, unsigned char *buf) {
+    constexpr int ESZ = (MODE == 2) ? 4 : 2;                /* output element bytes                        */
+    constexpr int JB = RB / (8 * ESZ);                      /* n8 column blocks per pass                   */
+    constexpr int NP = 32 / JB;                             /* passes                                      */
+    constexpr int SW = (RB == 256 && ESZ == 4) ? 1 : 0;     /* swizzle shift (fp32 lanes write 8 bytes)    */
+    constexpr int CH = RB / 16, LG = CH == 16 ? 4 : 3;      /* 16-byte chunks per row = lanes per row; log2 */
+    static_assert(RB == 128 || RB == 256, "row buffers of 128 or 256 bytes");
+    const int g = lane >> 2, c = lane & 3;
+    const int wrow = 64 * (warp >> 2) + 16 * (warp & 3); /* first tile row of this warp */
+    const bool has = ti.nk > 0; /* no reduction steps: the accumulators were never written -> zeros */
+    float ss = 0.f;
+    char *obase;
+    size_t ld;
+    if (MODE == 2) {
+        obase = reinterpret_cast<char *>(p.part + ((size_t)(ti.s * p.E + ti.e) * p.M + ti.m0) * p.K + ti.c0);
+        ld = (size_t)p.K * 4;
+    } else {
+        obase = reinterpret_cast<char *>(reinterpret_cast<bf16 *>(p.out) + (size_t)ti.r0 * p.ncols + ti.c0);
+        ld = (size_t)p.ncols * 2;
+    }
+#pragma unroll
+    for (int pass = 0; pass < NP; ++pass) {
+        if (pass * JB * 8 >= cols_valid) break; /* tile-uniform */
+#pragma unroll
+        for (int jj = 0; jj < JB; ++jj) {
+            const int j = pass * JB + jj;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = g + 8 * h;
+                const float v0 = has ? acc[4 * j + 2 * h] : 0.f, v1 = has ? acc[4 * j + 2 * h + 1] : 0.f;
+                const int byte = (8 * jj + 2 * c) * ESZ;
+                const int off = r * RB + ((((byte >> 4) ^ ((r & 7) << SW))) << 4) + (byte & 15);
+                if (ESZ == 2) {
+                    *reinterpret_cast<__nv_bfloat162 *>(buf + off) = __floats2bfloat162_rn(v0, v1);
+                } else {
+                    *reinterpret_cast<float2 *>(buf + off) = make_float2(v0, v1);
+                    if (wrow + r < rows_valid && pass * JB * 8 + 8 * jj + 2 * c < cols_valid) ss += v0 * v0 + v1 * v1;
+                }
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int it = 0; it < CH / 2; ++it) {
+            const int r = (32 / CH) * it + (lane >> LG), ch = lane & (CH - 1);
+            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * RB + ((ch ^ ((r & 7) << SW)) << 4));
+            const int row = wrow + r, col = pass * JB * 8 + ch * (16 / ESZ);
+            if (row < rows_valid && col < cols_valid)
+                *reinterpret_cast<uint4 *>(obase + (size_t)row * ld + (size_t)col * ESZ) = v;
+        }
+        __syncwarp();
+    }
+    if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
+}
+
+/* the q-th tile of this CTA: a static serpentine round robin over the work list. Round q hands
+ * tiles [q G, q G + G) to the G CTAs, forwards in even rounds and backwards in odd ones, so a CTA
+ * that got one of the cheaper tiles of a round (a narrow last column tile; mode 2's list is sorted
+ * most rows first) gets one of the dearer tiles of the next: with G a multiple of the column tiles
+ * a plain round robin would give the narrow column tile to the same CTAs in every round. */
+__device__ __forceinline__ int next_ticket(const Params &p, int q) {
+    (void)p;
+    const int G = (int)gridDim.x, b = (int)blockIdx.x;
+    return q * G + ((q & 1) ? G - 1 - b : b);
+}
+
+/* The work list from the device offsets, built in shared memory by threads [0, NT) (any
+   further threads only join the barriers); returns the number of tiles T.
+     s_offs [E + 1]: the offsets, clamped to [0, Rmax]
+     s_aux  [E]    : modes 0/1: first tile of each expert (exclusive prefix of its tile count);
+                     mode 2: sort keys, most rows first (expert id in the low 10 bits)
+     s_scan [NT]   : scratch */
+template <int MODE>
+__device__ __forceinline__ int build_work_list(const Params &p, int *s_offs, int *s_aux, int *s_scan, int tid) {
+    const bool act = tid < NT;
+    const int E = p.E;
+    if (act)
+        for (int i = tid; i <= E; i += NT) s_offs[i] = min(max(p.offs[i], 0), p.Rmax);
+    __syncthreads();
+    if (MODE != 2) {
+        int loc[4], sum = 0;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int e = 4 * tid + q;
+            int cnt = 0;
+            if (act && e < E) {
+                const int n = s_offs[e + 1] - s_offs[e];
+                if (n > 0) cnt = ((n + BM - 1) / BM) * p.ct;
+            }
+            loc[q] = cnt;
+            sum += cnt;
+        }
+        if (act) s_scan[tid] = sum;
+        __syncthreads();
+        for (int off = 1; off < NT; off <<= 1) {
+            const int v = (act && tid >= off) ? s_scan[tid - off] : 0;
+            __syncthreads();
+            if (act) s_scan[tid] += v;
+            __syncthreads();
+        }
+        if (act) {
+            int ex = s_scan[tid] - sum;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int e = 4 * tid + q;
+                if (e < E) s_aux[e] = ex;
+                ex += loc[q];
+            }
+        }
+        const int T = s_scan[NT - 1];
+        __syncthreads();
+        return T;
+    } else {
+        /* keys: (0x3FFFFF - min(rows, 0x3FFFFF)) << 10 | e, ascending = most rows first, ties by e */
+        unsigned *keys = reinterpret_cast<unsigned *>(s_aux);
+        int P = 2;
+        while (P < E) P <<= 1;
+        if (act)
+            for (int i = tid; i < P; i += NT) {
+                unsigned k = 0xFFFFFFFFu;
+                if (i < E) {
+                    const int n = min(max(s_offs[i + 1] - s_offs[i], 0), 0x3FFFFF);
+                    k = ((unsigned)(0x3FFFFF - n) << 10) | (unsigned)i;
+                }
+                keys[i] = k;
+            }
+        __syncthreads();
+        for (int k = 2; k <= P; k <<= 1) {
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                if (act)
+                    for (int i = tid; i < (P >> 1); i += NT) {
+                        const int i1 = ((i & ~(j - 1)) << 1) | (i & (j - 1)), i2 = i1 + j;
+                        const unsigned x = keys[i1], y = keys[i2];
+                        if ((x > y) == ((i1 & k) == 0)) { keys[i1] = y; keys[i2] = x; }
+                    }
+                __syncthreads();
+            }
+        }
+        return p.T2;
+    }
+}
+
+template <int MODE, bool WG>
+__global__ void __launch_bounds__(NT, 1) gg_kernel(const Params p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t pad = (1024u - (raw & 1023u)) & 1023u; /* SW128 tiles need 1024-byte alignment */
+    const uint32_t sbase = raw + pad;
+    int *s_offs = reinterpret_cast<int *>(smem_raw + pad + (size_t)ST * STAGE_BYTES);
+    int *s_aux = s_offs + (MAX_E + 1); /* modes 0/1: tile prefix per expert; mode 2: sorted keys */
+    int *s_scan = s_aux + (MAX_E + 1);
+    int *s_ring = s_scan + NT;
+
+    /* ---- work list from the device offsets ---- */
+    const int T = build_work_list<MODE>(p, s_offs, s_aux, s_scan, tid);
+    if (tid == 0) {
+        s_ring[0] = (int)blockIdx.x;
+        s_ring[1] = next_ticket(p, 1);
+    }
+    __syncthreads();
+
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+
+    /* ---- producer: runs PD steps ahead of the consumer along the same (tile, step) sequence ---- */
+    int pq = 0, pkt = 0, pstep = 0;
+    bool pneed = false;
+    Tile pt = decode_tile<MODE>(p, s_offs, s_aux, T, s_ring[0]);
+    int pend = 0, pend_slot = 0;
+    bool pend_v = false;
+    if (tid == 0 && pt.valid) { pend = next_ticket(p, 2); pend_slot = 2; pend_v = true; }
+    auto produce = [&]() {
+        if (pend_v) { s_ring[pend_slot] = pend; pend_v = false; } /* thread 0: publish a requested ticket */
+        if (pneed) {
+            ++pq;
+            pt = decode_tile<MODE>(p, s_offs, s_aux, T, s_ring[pq & (RING - 1)]);
+            pkt = 0;
+            pneed = false;
+            if (tid == 0 && pt.valid) { pend = next_ticket(p, pq + 2); pend_slot = (pq + 2) & (RING - 1); pend_v = true; }
+        }
+        if (pt.valid) {
+            if (pt.nk > 0) load_step<MODE>(p, pt, pkt, sbase + (uint32_t)((pstep % ST) * STAGE_BYTES), tid);
+            if (++pkt >= max(pt.nk, 1)) pneed = true;
+        }
+        cp_async_commit();
+        ++pstep;
+    };
+#pragma unroll 1
+    for (int d = 0; d < PD; ++d) produce();
+
+    /* ---- consumer ---- */
+    int cq = 0, ckt = 0, cstep = 0;
+    Tile ct = decode_tile<MODE>(p, s_offs, s_aux, T, s_ring[0]);
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0); /* warpgroup index, warp-uniform for ptxas */
+#pragma unroll 1
+    while (ct.valid) {
+        cp_async_wait<PD - 1>();
+        if (WG) fence_proxy_async();
+        __syncthreads();
+        const uint32_t stA = sbase + (uint32_t)((cstep % ST) * STAGE_BYTES);
+        const int rows_valid = (MODE == 2) ? min(BM, p.M - ct.m0) : (ct.r1 - ct.r0);
+        const int cols_valid = min(BN, p.ncols - ct.c0);
+        if (WG) {
+            step_wgmma<MODE>(acc, stA, wg, 64 * wg < rows_valid, cols_valid > 128, ckt == 0);
+        } else {
+            if (ct.nk > 0) step_mma<MODE>(acc, stA, warp, lane, rows_valid, cols_valid);
+        }
+        produce();
+        if (WG) {
+            wgmma_wait<1>();
+            fence_acc_all(acc);
+        }
+        ++cstep;
+        if (++ckt >= max(ct.nk, 1)) {
+            if (WG) {
+                wgmma_wait<0>();
+                fence_acc_all(acc);
+            }
+            if (WG) {
+                /* staging: this warpgroup's A half (8 KB) of the stages of the last two steps.  Only this
+                   warpgroup's wgmma read them; a warp past wgmma.wait_group 0 only knows that ITS slice of
+                   the warpgroup MMA is done, hence the warpgroup barrier.  The producer refills these
+                   stages only after the next CTA barrier. */
+                bar_sync_named(1 + wg, 128);
+                const int sst = (cstep - 1 - ((warp & 3) >> 1) + ST) % ST;
+                unsigned char *buf = smem_raw + pad + (size_t)sst * STAGE_BYTES + (size_t)wg * 8192 + (size_t)(warp & 1) * 4096;
+                epilogue_staged<MODE, 256>(p, acc, ct, warp, lane, rows_valid, cols_valid, buf);
+            } else {
+                epilogue<MODE, WG>(p, acc, ct, warp, lane, rows_valid, cols_valid);
+            }
+            if (!WG) {
+#pragma unroll
+                for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+            }
+            ++cq;
+            ct = decode_tile<MODE>(p, s_offs, s_aux, T, s_ring[cq & (RING - 1)]);
+            ckt = 0;
+        }
+    }
+    cp_async_wait<0>();
+}
+
+/* mode 2 with S > 1: out = part[0] + part[1] + ... + part[S-1], in this order; with ssq, each
+   block's sum of out^2 (fixed order) goes to ssq[block] */
+__global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float4 *part, long long n4, int S, float *ssq) {
+    float ss = 0.f;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x) {
+        float4 acc = part[i];
+        for (int s = 1; s < S; ++s) {
+            const float4 v = part[(size_t)s * (size_t)n4 + (size_t)i];
+            acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+        }
+        out[i] = acc;
+        ss += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
+    }
+    if (ssq) {
+        __shared__ float sh[8];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = ss;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float t = 0.f;
+            for (int w = 0; w < 8; ++w) t += sh[w];
+            ssq[blockIdx.x] = t;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The TMA kernel (default on sm_90a): a producer warp feeds the stages with the copy engine,  */
+/* two consumer warpgroups only multiply and store.                                           */
+/*                                                                                            */
+/* 384 threads: warpgroup 0 is the producer (one thread issues every load; the warpgroup gives */
+/* back its registers with setmaxnreg), warpgroups 1 and 2 are the consumers (tile rows [0, 64) */
+/* and [64, 128)).  Same tiles, stage layouts, wgmma batches, schedule and reduction order as   */
+/* gg_kernel; what changes is how the stages are filled and handed over:                      */
+/*   - each stage is filled by cp.async.bulk.tensor (TMA) with the 128-byte swizzle, which     */
+/*     writes exactly the SW128 layouts above; rows and columns outside the tensors are zeros; */
+/*   - stage s has two mbarriers: full[s] (the producer's expect_tx of the bytes it loads,      */
+/*     completed by the copy engine) and                                                        */
+/*     empty[s] (one arrival per consumer warp once its wgmma reading the stage completed);    */
+/*   - the consumers keep one wgmma batch in flight and release a stage one step later;         */
+/*   - each consumer warp stores its accumulators through its own 2 KB smem buffer, so the      */
+/*     producer keeps loading the next tile while the consumers store this one.                 */
+/* Rows of a box beyond the tile's rows: modes 0/1 load other tokens' rows into A (harmless:   */
+/* row i of the product depends on row i of A only, and such rows are never stored); the W     */
+/* tensor is 3-D [E][M][K], so W rows beyond M are zeros, never the next expert's.  Mode 2     */
+/* reduces over the rows, so the consumers zero the rows past the tile's end in both operands  */
+/* of the last step before multiplying; that step issues only the k16 slices that hold rows    */
+/* (DWV 1, the default; the skipped slices would add exact zeros: the same sums, up to the      */
+/* sign of a zero).  H200, mid's shapes: dW 541 -> 543 (gate/up) and 490 -> 495 TFLOP/s (down) */
+/* in the bench, GMM_DW_SQ in ./train --preset mid 12.60 -> 12.18 ms a step (21 calls).        */
+/* Measured slower on H200 (mid's shapes) and not kept: dW stored straight from the            */
+/* accumulators (whole 32-byte sectors, no staging: 497 against 530 TFLOP/s), and 3 stages with */
+/* the whole tile staged in smem and stored by bulk copies while the next tile runs (dW 415     */
+/* against 498, dX 621 against 647).  Also for dW: a ping-pong kernel (each consumer           */
+/* warpgroup on its own 128 x 128 tiles, their reduction loops taking turns so one warpgroup   */
+/* stores while the other multiplies: 440 against 516 gate/up, 425 against 463 down, 15.2      */
+/* against 12.6 ms in the step; 128-column tiles read a third more per flop from L2); stores   */
+/* from the registers after a lane-pair shuffle (16 bytes a lane, 64 contiguous bytes a row:   */
+/* within 1-3% of the staged stores); bulk tensor stores of 16 x 16 boxes from two 1 KB halves */
+/* of each warp's buffer (4-15% slower); CTA pairs in clusters of 2 that multicast the operand */
+/* their tiles share (one L2 read for both; correct, but 340 against 540).  The estimated L2   */
+/* reads of every grouped GEMM mode (7.5-8.7 TB/s at the rates above) suggest L2 bandwidth as  */
+/* the common limit; the dW tiles add 4-byte stores on top of the same loads per flop.          */
+/* ------------------------------------------------------------------------------------------ */
+constexpr int NT_TMA = 384;
+constexpr int EPI_BYTES = 2048;                /* per consumer warp: 16 rows x 128 bytes     */
+constexpr size_t SMEM_TMA = 1024 + (size_t)ST * STAGE_BYTES + 8 * EPI_BYTES + 2 * ST * 8 +
+                            (size_t)(2 * (MAX_E + 1) + NT) * sizeof(int);
+
+struct TmaParams {
+    CUtensorMap ta, tb;    /* A and B operands (see launch_tma for their shapes and boxes)    */
+    CUtensorMap ta2, tb2;  /* mode 1, second pair                                             */
+    Params p;
+};
+
+/* The producer's loads of reduction step kt of tile ti into the stage at sA, announced on its full
+   barrier first.  Column blocks that start past the tensor's columns are not loaded (what the stage
+   holds there meets only output rows or columns that are never stored). */
+template <int MODE>
+__device__ __forceinline__ void tma_step(const TmaParams &tp, const Tile &ti, int kt, uint32_t sA, uint32_t bar) {
+    const uint32_t sB = sA + A_BYTES;
+    if (MODE == 0) {
+        mbar_expect_tx(bar, (uint32_t)STAGE_BYTES);
+        tma_load_2d(sA, &tp.ta, bar, kt * BK, ti.r0);               /* X [Rmax][K]: box 64 x 128 rows   */
+        tma_load_3d(sB, &tp.tb, bar, kt * BK, ti.c0, ti.e);          /* W [E][M][K]: box 64 x 256 x 1    */
+    } else if (MODE == 1) {
+        const CUtensorMap *ma = &tp.ta, *mb = &tp.tb;
+        if (tp.p.a2 && kt >= tp.p.nkh) { ma = &tp.ta2; mb = &tp.tb2; kt -= tp.p.nkh; }
+        const int nb = min(4, (tp.p.K - ti.c0 + 63) / 64);
+        mbar_expect_tx(bar, (uint32_t)(A_BYTES + nb * 8192));
+        tma_load_2d(sA, ma, bar, kt * BK, ti.r0);                    /* dY [Rmax][M]: box 64 x 128 rows  */
+        for (int j = 0; j < nb; ++j)                                 /* W [E][M][K]: box 64 x 64 x 1     */
+            tma_load_3d(sB + (uint32_t)j * 8192u, mb, bar, ti.c0 + 64 * j, kt * BK, ti.e);
+    } else {
+        const int r = ti.r0 + kt * BK;
+        const int na = min(2, (tp.p.M - ti.m0 + 63) / 64), nb = min(4, (tp.p.K - ti.c0 + 63) / 64);
+        mbar_expect_tx(bar, (uint32_t)((na + nb) * 8192));
+        for (int j = 0; j < na; ++j) tma_load_2d(sA + (uint32_t)j * 8192u, &tp.ta, bar, ti.m0 + 64 * j, r); /* dY: 64 x 64 */
+        for (int j = 0; j < nb; ++j) tma_load_2d(sB + (uint32_t)j * 8192u, &tp.tb, bar, ti.c0 + 64 * j, r); /* X: 64 x 64 */
+    }
+}
+
+/* Mode 2, last step of a tile: zero stage rows [nv, nend) of both operands (6 column blocks of
+   64 rows x 128 bytes); threads 0..255 of the consumers. */
+__device__ __forceinline__ void zero_tail_rows(unsigned char *stage, int nv, int nend, int ctid) {
+#pragma unroll 4
+    for (int i = ctid; i < (nend - nv) * 48; i += 256) {
+        const int r = nv + i / 48, blk = (i % 48) >> 3, ch = i & 7;
+        *reinterpret_cast<uint4 *>(stage + blk * 8192 + r * 128 + ch * 16) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+
+/* DWV (mode 2): 0 = as modes 0/1; 1 = short last steps (only the k16 slices that hold rows) */
+template <int MODE, int DWV = 0>
+__global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
+    constexpr bool SHORT = MODE == 2 && DWV >= 1;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const Params &p = tp.p;
+    const int tid = threadIdx.x;
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t pad = (1024u - (raw & 1023u)) & 1023u; /* SW128 tiles need 1024-byte alignment */
+    const uint32_t sbase = raw + pad;
+    unsigned char *stages = smem_raw + pad;
+    unsigned char *epi = stages + (size_t)ST * STAGE_BYTES;
+    const uint32_t full0 = sbase + (uint32_t)(ST * STAGE_BYTES + 8 * EPI_BYTES); /* full[s] = full0 + 8 s  */
+    const uint32_t empty0 = full0 + 8u * ST;                                     /* empty[s] = empty0 + 8 s */
+    int *s_offs = reinterpret_cast<int *>(epi + 8 * EPI_BYTES + 2 * ST * 8);
+    int *s_aux = s_offs + (MAX_E + 1);
+    int *s_scan = s_aux + (MAX_E + 1);
+
+    if (tid == NT) {
+#pragma unroll 1
+        for (int s = 0; s < ST; ++s) {
+            mbar_init(full0 + 8u * s, 1);
+            mbar_init(empty0 + 8u * s, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    const int T = build_work_list<MODE>(p, s_offs, s_aux, s_scan, tid); /* ends with a CTA barrier */
+
+    if (tid < 128) {
+        /* ---- producer warpgroup: one thread walks this CTA's (tile, step) sequence ---- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid == 0) {
+            int step = 0;
+#pragma unroll 1
+            for (int q = 0;; ++q) {
+                const Tile ti = decode_tile<MODE>(p, s_offs, s_aux, T, next_ticket(p, q));
+                if (!ti.valid) break;
+#pragma unroll 1
+                for (int kt = 0; kt < ti.nk; ++kt, ++step) {
+                    const int s = step % ST;
+                    mbar_wait(empty0 + 8u * s, ((step / ST) & 1) ^ 1);
+                    tma_step<MODE>(tp, ti, kt, sbase + (uint32_t)(s * STAGE_BYTES), full0 + 8u * s);
+                }
+            }
+        }
+    } else {
+        /* ---- consumer warpgroups ---- */
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        const int ctid = tid - 128, warp = ctid >> 5, lane = ctid & 31;
+        const int wg = __shfl_sync(0xffffffffu, ctid >> 7, 0); /* warp-uniform for ptxas */
+        unsigned char *buf = epi + (size_t)warp * EPI_BYTES;
+        float acc[128];
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+        int step = 0;
+#pragma unroll 1
+        for (int q = 0;; ++q) {
+            const Tile ti = decode_tile<MODE>(p, s_offs, s_aux, T, next_ticket(p, q));
+            if (!ti.valid) break;
+            const int rows_valid = (MODE == 2) ? min(BM, p.M - ti.m0) : (ti.r1 - ti.r0);
+            const int cols_valid = min(BN, p.ncols - ti.c0);
+#pragma unroll 1
+            for (int kt = 0; kt < ti.nk; ++kt, ++step) {
+                const int s = step % ST;
+                mbar_wait(full0 + 8u * s, (step / ST) & 1);
+                int nkk = BK / 16;
+                if (MODE == 2 && kt == ti.nk - 1) {
+                    const int nv = ti.r1 - (ti.r0 + kt * BK);
+                    if (SHORT) nkk = (nv + 15) >> 4; /* only the k16 slices holding rows */
+                    const int nend = SHORT ? 16 * nkk : BK;
+                    if (nv < nend) { /* tile-uniform */
+                        zero_tail_rows(stages + (size_t)s * STAGE_BYTES, nv, nend, ctid);
+                        fence_proxy_async();
+                        bar_sync_named(1, 256);
+                    }
+                }
+                step_wgmma<MODE, SHORT>(acc, sbase + (uint32_t)(s * STAGE_BYTES), wg, 64 * wg < rows_valid, cols_valid > 128, kt == 0, nkk);
+                wgmma_wait<1>();
+                fence_acc_all(acc);
+                /* the previous step's batch is complete: its stage goes back to the producer */
+                if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + ST - 1) % ST));
+            }
+            wgmma_wait<0>();
+            fence_acc_all(acc);
+            if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + ST - 1) % ST));
+            epilogue_staged<MODE, 128>(p, acc, ti, warp, lane, rows_valid, cols_valid, buf);   /* consumer warp w: tile rows 64 (w / 4) + 16 (w % 4) + [0, 16) */
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Host side                                                                                  */
+/* ------------------------------------------------------------------------------------------ */
+static bool args_ok(int mode, int E, int M, int K, int Rmax) {
+    if (mode < 0 || mode > 2) return false;
+    if (E < 1 || E > MAX_E) return false;
+    if (M < 8 || K < 8 || (M % 8) != 0 || (K % 8) != 0) return false;
+    if (M > (1 << 24) || K > (1 << 24)) return false;
+    if (Rmax < 0 || Rmax > INT_MAX - 4 * BM) return false;
+    return true;
+}
+
+static int num_sms(int *n) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return -1;
+    if (cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return -1;
+    return *n >= 1 ? 0 : -1;
+}
+
+/* mode 2 row splits: only when the output tiles alone cannot fill the GPU */
+static int split_count(int mode, int E, int M, int K, int Rmax, int nsm) {
+    if (mode != 2) return 1;
+    const long long tiles = (long long)E * ((M + BM - 1) / BM) * ((K + BN - 1) / BN);
+    if (tiles >= nsm) return 1;
+    long long s = nsm / tiles;
+    long long smax = ((long long)Rmax / E) / 256; /* at least ~4 steps per split on average */
+    if (smax < 1) smax = 1;
+    if (smax > 16) smax = 16;
+    if (s > smax) s = smax;
+    return (int)(s < 1 ? 1 : s);
+}
+
+template <int MODE, bool WG>
+static int launch_main(const Params &p, int grid, cudaStream_t stream) {
+    void (*kern)(const Params) = gg_kernel<MODE, WG>;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES) != cudaSuccess) return -1;
+    kern<<<grid, NT, SMEM_BYTES, stream>>>(p);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
+/* The operand maps of one mode (see tma_step for how they are read):
+     rows [Rmax][C] (X: C = K, dY: C = M), boxes of 64 columns x `rows_box` rows;
+     W [E][M][K] as 3-D (K, M, E), boxes of 64 k x `w_box` m x 1 expert. */
+static int tma_row_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int C, int Rmax, int rows_box) {
+    const cuuint64_t dims[2] = {(cuuint64_t)C, (cuuint64_t)(Rmax > 0 ? Rmax : 1)}; /* Rmax = 0: no box is ever read */
+    const cuuint64_t strides[1] = {(cuuint64_t)C * 2};
+    const cuuint32_t box[2] = {64, (cuuint32_t)rows_box};
+    return tma_map(enc, m, base, 2, dims, strides, box);
+}
+static int tma_w_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int E, int M, int K, int w_box) {
+    const cuuint64_t dims[3] = {(cuuint64_t)K, (cuuint64_t)M, (cuuint64_t)E};
+    const cuuint64_t strides[2] = {(cuuint64_t)K * 2, (cuuint64_t)M * K * 2};
+    const cuuint32_t box[3] = {64, (cuuint32_t)w_box, 1};
+    return tma_map(enc, m, base, 3, dims, strides, box);
+}
+
+template <int MODE, int DWV = 0>
+static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream) {
+    TmaParams tp;
+    memset(&tp, 0, sizeof tp);
+    tp.p = p;
+    int rc;
+    if (MODE == 0) {
+        rc = tma_row_map(enc, &tp.ta, p.a, p.K, p.Rmax, BM) | tma_w_map(enc, &tp.tb, p.b, p.E, p.M, p.K, BN);
+    } else if (MODE == 1) {
+        rc = tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BM) | tma_w_map(enc, &tp.tb, p.b, p.E, p.M, p.K, BK);
+        if (p.a2) rc |= tma_row_map(enc, &tp.ta2, p.a2, p.M, p.Rmax, BM) | tma_w_map(enc, &tp.tb2, p.b2, p.E, p.M, p.K, BK);
+    } else {
+        rc = tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK);
+    }
+    if (rc) return -1;
+    void (*kern)(const TmaParams) = gg_tma_kernel<MODE, DWV>;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_TMA) != cudaSuccess) return -1;
+    kern<<<grid, NT_TMA, SMEM_TMA, stream>>>(tp);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
+/* entries of the dW^2 partials: 8 per tile without row splits, SSQ_BLOCKS with them */
+constexpr long long SSQ_BLOCKS = 1024;
+static long long ssq_need(int E, int M, int K) {
+    const long long t8 = (long long)E * ((M + BM - 1) / BM) * ((K + BN - 1) / BN) * 8;
+    return t8 > SSQ_BLOCKS ? t8 : SSQ_BLOCKS;
+}
+
+/* variant: 2 = TMA + wgmma (warp-specialized), 1 = cp.async + wgmma, 0 = cp.async + mma.sync;
+   mode 2 also 3 + DWV (0, 1, see gg_tma_kernel): the TMA kernel's dW variants (benches) */
+#ifndef GG_DW_DV
+#define GG_DW_DV 1
+#endif
+constexpr int DW_DV = GG_DW_DV;   /* the TMA kernel's dW variant (-DGG_DW_DV=... to compare in place) */
+static_assert(DW_DV >= 0 && DW_DV <= 1, "dW variant");
+static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
+                  int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
+                  float *ssq = nullptr, long long ssq_len = 0, int nsm = 0) {
+    if (!args_ok(mode, E, M, K, Rmax)) return -1;
+    if (variant < 0 || variant > 4) return -1;
+    int dv = DW_DV;
+    if (variant >= 3) { dv = variant - 3; variant = 2; }
+    if (ssq && (mode != 2 || ssq_len < ssq_need(E, M, K))) return -1;
+    if (!out || !a || !b || !d_offs || (!a2 != !b2) || (a2 && mode != 1)) return -1;
+    if ((((uintptr_t)out) | ((uintptr_t)a) | ((uintptr_t)b) | ((uintptr_t)ws) | ((uintptr_t)a2) | ((uintptr_t)b2)) & 15u) return -1;
+    if (nsm <= 0 && num_sms(&nsm) != 0) return -1;   /* the library passes the binding's count; benches use the current device */
+    const int S = split_count(mode, E, M, K, Rmax, nsm);
+    if (S > 1 && !ws) return -1;
+
+    Params p;
+    p.out = out;
+    p.a = reinterpret_cast<const bf16 *>(a);
+    p.b = reinterpret_cast<const bf16 *>(b);
+    p.offs = d_offs;
+    p.a2 = reinterpret_cast<const bf16 *>(a2);
+    p.ssq = (ssq && S == 1) ? ssq : nullptr;
+    p.b2 = reinterpret_cast<const bf16 *>(b2);
+    /* every mode: a static round robin. (A dynamic ticket counter for mode 2 was
+     * measured on H200 to change bits between runs; the static schedule does not.) */
+    p.part = (S > 1) ? reinterpret_cast<float *>(reinterpret_cast<char *>(ws) + WS_HEADER) : reinterpret_cast<float *>(out);
+    p.E = E; p.M = M; p.K = K; p.Rmax = Rmax;
+    p.ncols = (mode == 0) ? M : K;
+    p.ct = (p.ncols + BN - 1) / BN;
+    p.nk01 = (mode == 0) ? (K + BK - 1) / BK : (M + BK - 1) / BK;
+    p.nkh = p.nk01;
+    if (a2) p.nk01 *= 2;
+    p.S = S;
+    p.ntm = (M + BM - 1) / BM;
+    long long tiles;
+    if (mode == 2) {
+        tiles = (long long)E * S * p.ntm * p.ct;
+        if (tiles > INT_MAX / 2) return -1;
+        p.T2 = (int)tiles;
+    } else {
+        tiles = ((long long)Rmax / BM + E) * p.ct; /* upper bound on the row tiles */
+        if (tiles > INT_MAX / 2) return -1;
+        p.T2 = 0;
+        if (Rmax == 0) return 0; /* nothing to write */
+    }
+    const int grid = (int)(tiles < nsm ? tiles : nsm);
+    if (ssq && (S > 1 || tiles * 8 < ssq_len))   /* entries no tile or block writes read as zero */
+        if (cudaMemsetAsync(ssq, 0, (size_t)ssq_len * sizeof(float), stream) != cudaSuccess) return -1;
+    int rc;
+    EncodeTiledFn enc = variant == 2 ? tma_encoder() : nullptr;
+    if (variant == 2 && !enc) variant = 1; /* a driver without tensor maps: the same tiles through cp.async */
+    if (variant == 2) {
+        rc = mode == 0 ? launch_tma<0>(enc, p, grid, stream)
+           : mode == 1 ? launch_tma<1>(enc, p, grid, stream)
+           : dv == 0 ? launch_tma<2, 0>(enc, p, grid, stream) : launch_tma<2, 1>(enc, p, grid, stream);
+    } else if (variant) {
+        rc = mode == 0 ? launch_main<0, true>(p, grid, stream)
+           : mode == 1 ? launch_main<1, true>(p, grid, stream) : launch_main<2, true>(p, grid, stream);
+    } else {
+        rc = mode == 0 ? launch_main<0, false>(p, grid, stream)
+           : mode == 1 ? launch_main<1, false>(p, grid, stream) : launch_main<2, false>(p, grid, stream);
+    }
+    if (rc != 0) return -1;
+    if (S > 1) {
+        const long long n4 = (long long)E * M * K / 4;
+        long long blocks = (n4 + 255) / 256;
+        if (blocks > (long long)nsm * 8) blocks = (long long)nsm * 8;
+        if (ssq && blocks > SSQ_BLOCKS) blocks = SSQ_BLOCKS;
+        gg_reduce_kernel<<<(int)blocks, 256, 0, stream>>>(reinterpret_cast<float4 *>(out), reinterpret_cast<const float4 *>(p.part),
+                                                          n4, S, ssq);
+        if (cudaGetLastError() != cudaSuccess) return -1;
+    }
+    return 0;
+}
+
+static size_t gg_workspace(int mode, int E, int M, int K, int Rmax, int nsm) {
+    if (!args_ok(mode, E, M, K, Rmax)) return 0;
+    if (mode != 2) return 0;
+    const int S = split_count(mode, E, M, K, Rmax, nsm);
+    return WS_HEADER + (S > 1 ? (size_t)S * E * M * K * sizeof(float) : 0);
+}
+
+} /* namespace mt_ggk */
+
+extern "C" {
+size_t mt_cuda_gmm_workspace(mt_cuda *c, int mode, int E, int M, int K, int Rmax) { return mt_ggk::gg_workspace(mode, E, M, K, Rmax, c->split_sms); }
+/* The expert offsets stay on the device: no host synchronization; an expert
+ * with no tokens costs nothing (modes 0/1) or a zero tile (mode 2). */
+int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, const int32_t *d_offs, int E, int M, int K, int Rmax,
+                void *ws, const void *a2, const void *b2, float *ssq, int64_t ssq_len) {
+    if (ssq && ssq_len != mt_ggk::ssq_need(E, M, K)) return mt__fail(c, "grouped GEMM", "gradient-norm partials of the wrong length");
+    if (mt_ggk::gg_run(2, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream, a2, b2, ssq, ssq_len, c->split_sms)) {
+        cudaError_t e = cudaGetLastError();
+        return mt__fail(c, "grouped GEMM", e != cudaSuccess ? cudaGetErrorString(e) : "bad arguments (dims must be multiples of 8)");
+    }
+    return 0;
+}
+
+/* ========================================================================
+ * 9. cross-entropy: one block per row; the mean is a fixed-order sum
+ * ====================================================================== */
+
+/* (max, sum of exp) pairs merge associatively; the merge order is fixed */
+__device__ __forceinline__ void ms_merge(float &m, float &s, float m2, float s2) {
+    float mn = fmaxf(m, m2);
+    if (mn == -INFINITY) return;
+    s = s * __expf(m - mn) + s2 * __expf(m2 - mn);
+    m = mn;
+}
+}  /* extern "C": the cross-entropy kernels are templates */
+#define MT_CE_UNROLL 4          /* 16-byte chunks per thread in flight */
+/* chunk d of a row of logits as floats; past the row end -inf (contributes nothing) */
+template <bool V>
+__device__ __forceinline__ void mt__ce_ld(float (&f)[8], const bf16 *l, int d, int V_) {
+    if constexpr (V) {
+        unpack8(f, *(const uint4 *)(l + d));
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) f[j] = d + j < V_ ? bf(l[d + j]) : -INFINITY;
+    }
+}
+/* one block per row, one pass: each thread folds MT_CE_UNROLL chunks at a time into its running (max, sum of
+ * exp) with one rescale, then the threads' pairs merge in a fixed order */
+template <bool V>
+__global__ void __launch_bounds__(256) k_ce_fwd(float *per, float *lse, const bf16 *logits, const int32_t *tgt, int V_) {
+    __shared__ float shm[32], shs[32];
+    int64_t n = blockIdx.x;
+    const bf16 *l = logits + n * V_;
+    float m = -INFINITY, z = 0;
+    for (int d0 = threadIdx.x * 8; d0 < V_; d0 += MT_CE_UNROLL * 8 * blockDim.x) {
+        float f[MT_CE_UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < MT_CE_UNROLL; u++) {
+            int d = d0 + u * 8 * blockDim.x;
+            if (d < V_) mt__ce_ld<V>(f[u], l, d, V_);
+            else
+#pragma unroll
+                for (int j = 0; j < 8; j++) f[u][j] = -INFINITY;
+        }
+        float lm = m;
+#pragma unroll
+        for (int u = 0; u < MT_CE_UNROLL; u++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) lm = fmaxf(lm, f[u][j]);
+        if (lm == -INFINITY) continue;
+        float s = 0;
+#pragma unroll
+        for (int u = 0; u < MT_CE_UNROLL; u++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) s += __expf(f[u][j] - lm);
+        z = z * __expf(m - lm) + s;
+        m = lm;
+    }
+    for (int o = 16; o > 0; o >>= 1) ms_merge(m, z, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, z, o));
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) { shm[w] = m; shs[w] = z; }
+    __syncthreads();
+    if (w == 0) {
+        m = lane < (int)(blockDim.x >> 5) ? shm[lane] : -INFINITY;
+        z = lane < (int)(blockDim.x >> 5) ? shs[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) ms_merge(m, z, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, z, o));
+    }
+    if (threadIdx.x == 0) {
+        float L = m + logf(z);
+        lse[n] = L;
+        per[n] = L - bf(l[tgt[n]]);
+    }
+}
+/* dlogits = (softmax - onehot) * inv, element by element as before; 16-byte chunks, MT_CE_UNROLL in flight */
+template <bool V>
+__global__ void __launch_bounds__(256) k_ce_bwd(bf16 *dl, const bf16 *logits, const float *lse, const int32_t *tgt, int V_, float inv) {
+    int64_t n = blockIdx.x;
+    float L = lse[n];
+    int t = tgt[n];
+    const bf16 *l = logits + n * V_;
+    bf16 *o = dl + n * V_;
+    for (int d0 = threadIdx.x * 8; d0 < V_; d0 += MT_CE_UNROLL * 8 * blockDim.x) {
+        uint4 u[MT_CE_UNROLL];
+#pragma unroll
+        for (int k = 0; k < MT_CE_UNROLL; k++) {
+            int d = d0 + k * 8 * blockDim.x;
+            if (d < V_) u[k] = ld8<V>(l, d, V_);
+        }
+#pragma unroll
+        for (int k = 0; k < MT_CE_UNROLL; k++) {
+            int d = d0 + k * 8 * blockDim.x;
+            if (d < V_) {
+                float f[8];
+                unpack8(f, u[k]);
+#pragma unroll
+                for (int j = 0; j < 8; j++) f[j] = (__expf(f[j] - L) - (d + j == t ? 1.0f : 0.0f)) * inv;
+                st8<V>(o, d, V_, f);
+            }
+        }
+    }
+}
+extern "C" {
+__global__ void k_mean(float *out, const float *x, int N) {
+    __shared__ float sh[32];
+    float acc = 0;
+    for (int i = threadIdx.x; i < N; i += blockDim.x) acc += x[i];
+    acc = block_sum(acc, sh);
+    if (threadIdx.x == 0) out[0] = acc / N;
+}
+size_t mt_cuda_cross_entropy_workspace(int N) { return mt__al((size_t)N * 4); }
+int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const void *logits, const int32_t *tgt, int N, int V, void *ws) {
+    if (N <= 0) return 0;
+    if (mt__rows16(V, 2, logits)) k_ce_fwd<true><<<N, 256, 0, c->stream>>>((float *)ws, lse, (const bf16 *)logits, tgt, V);
+    else k_ce_fwd<false><<<N, 256, 0, c->stream>>>((float *)ws, lse, (const bf16 *)logits, tgt, V);
+    LAUNCHED();
+    k_mean<<<1, 1024, 0, c->stream>>>(loss, (const float *)ws, N);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int V) {
+    if (N <= 0) return 0;
+    if (mt__rows16(V, 2, dlogits, logits))
+        k_ce_bwd<true><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, V, 1.0f / N);
+    else k_ce_bwd<false><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, V, 1.0f / N);
+    LAUNCHED();
+    return 0;
+}
+
+/* ========================================================================
+ * 10. optimizer
+ * ====================================================================== */
+
+#define MT_SUMSQ_BLOCKS 1024   /* at most; the count depends on n only, never on the GPU: a fixed summation order */
+#define MT_SUMSQ_PER 16384     /* elements per block before another block is added */
+#define MT_SUMSQ_ONE 65536     /* up to this many elements one block sums them and adds acc_in itself (one launch) */
+/* squares = 0: g already holds squares (a GEMM epilogue's partials): a plain sum.
+ * Each thread folds four float4 per step (64 bytes in flight), in index order within the step.
+ * One block (out set): out[0] = in[0] + the sum; otherwise part[block] = the block's sum. */
+__global__ void __launch_bounds__(256) k_sumsq_part(float *part, float *out, const float *in, const float *g, int64_t n, int squares) {
+    __shared__ float sh[32];
+    float acc = 0;
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    if (n % 4 == 0 && !((uintptr_t)g & 15)) {
+        const float4 *g4 = (const float4 *)g;
+        int64_t n4 = n / 4, i = t;
+        for (; i + 3 * stride < n4; i += 4 * stride) {
+            float4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) v[u] = g4[i + u * stride];
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                acc += squares ? v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w : v[u].x + v[u].y + v[u].z + v[u].w;
+        }
+        for (; i < n4; i += stride) {
+            float4 v = g4[i];
+            acc += squares ? v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w : v.x + v.y + v.z + v.w;
+        }
+    } else if (!squares) {
+        for (int64_t i = t; i < n; i += stride) acc += g[i];
+    } else {
+        for (int64_t i = t; i < n; i += stride) acc += g[i] * g[i];
+    }
+    acc = block_sum(acc, sh);
+    if (threadIdx.x) return;
+    if (out) out[0] = (in ? in[0] : 0.0f) + acc;
+    else part[blockIdx.x] = acc;
+}
+__global__ void k_sumsq_final(float *out, const float *in, const float *part, int nb) {
+    __shared__ float sh[32];
+    float acc = block_sum(threadIdx.x < (unsigned)nb ? part[threadIdx.x] : 0.0f, sh);
+    if (threadIdx.x == 0) out[0] = (in ? in[0] : 0.0f) + acc;
+}
+size_t mt_cuda_sumsq_workspace(void) { return mt__al(MT_SUMSQ_BLOCKS * 4); }
+int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, int squares, void *ws) {
+    if (n <= MT_SUMSQ_ONE) {
+        k_sumsq_part<<<1, 256, 0, c->stream>>>(NULL, acc_out, acc_in, g, n, squares);
+        LAUNCHED();
+        return 0;
+    }
+    int64_t nb = (n + MT_SUMSQ_PER - 1) / MT_SUMSQ_PER;
+    if (nb > MT_SUMSQ_BLOCKS) nb = MT_SUMSQ_BLOCKS;
+    k_sumsq_part<<<(unsigned)nb, 256, 0, c->stream>>>((float *)ws, NULL, NULL, g, n, squares);
+    LAUNCHED();
+    k_sumsq_final<<<1, MT_SUMSQ_BLOCKS, 0, c->stream>>>(acc_out, acc_in, (const float *)ws, (int)nb);   /* one thread per partial */
+    LAUNCHED();
+    return 0;
+}
+
+__global__ void k_lr(float *lr, const float *hp, const int32_t *step) {
+    double base = hp[MT_HP_LR], warm = hp[MT_HP_WARMUP], decay = hp[MT_HP_DECAY], lo = base * hp[MT_HP_MIN_LR_RATIO];
+    int s = step[0];
+    double v;
+    if (s < warm) v = base * (s + 1) / warm;
+    else if (decay <= warm || s >= decay) v = s >= decay ? lo : base;
+    else v = lo + 0.5 * (base - lo) * (1.0 + cos(3.141592653589793 * (s - warm) / (decay - warm)));
+    lr[0] = (float)v;
+}
+int mt_cuda_lr_schedule(mt_cuda *c, float *lr, const float *hp, const int32_t *step) {
+    k_lr<<<1, 1, 0, c->stream>>>(lr, hp, step);
+    LAUNCHED();
+    return 0;
+}
+__global__ void k_clip(float *coef, float *norm, const float *sumsq, const float *hp) {
+    double nrm = sqrt((double)sumsq[0]), clip = hp[MT_HP_CLIP];
+    coef[0] = (float)(clip > 0 && nrm > clip ? clip / (nrm + 1e-6) : 1.0);
+    norm[0] = (float)nrm;
+}
+int mt_cuda_clip(mt_cuda *c, float *coef, float *norm, const float *sumsq, const float *hp) {
+    k_clip<<<1, 1, 0, c->stream>>>(coef, norm, sumsq, hp);
+    LAUNCHED();
+    return 0;
+}
+__global__ void k_adamw(float *p, float *m, float *v, bf16 *p16, const float *g, int64_t n, const float *lrp, const float *coefp,
+                        const float *hp, const int32_t *step, int decay) {
+    float b1 = hp[MT_HP_BETA1], b2 = hp[MT_HP_BETA2], eps = hp[MT_HP_EPS], wd = decay ? hp[MT_HP_WD] : 0.0f;
+    float lr = lrp[0], coef = coefp[0];
+    int ts = step[0] + 1;
+    float bc1 = 1.0f - powf(b1, (float)ts), bc2s = sqrtf(1.0f - powf(b2, (float)ts)), step_size = lr / bc1;
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    if (n % 4 == 0 && !(((uintptr_t)p | (uintptr_t)m | (uintptr_t)v | (uintptr_t)g) & 15) && !((uintptr_t)p16 & 7)) {
+        for (int64_t i = t; i < n / 4; i += stride) {
+            float4 P = ((float4 *)p)[i], G = ((const float4 *)g)[i], Mv = ((float4 *)m)[i], Vv = ((float4 *)v)[i];
+            float *pp = &P.x, *gg = &G.x, *mm = &Mv.x, *vv = &Vv.x;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                float gi = gg[k] * coef;
+                mm[k] = b1 * mm[k] + (1 - b1) * gi;
+                vv[k] = b2 * vv[k] + (1 - b2) * gi * gi;
+                pp[k] = pp[k] * (1 - lr * wd) - step_size * mm[k] / (sqrtf(vv[k]) / bc2s + eps);
+            }
+            ((float4 *)p)[i] = P; ((float4 *)m)[i] = Mv; ((float4 *)v)[i] = Vv;
+            if (p16) {
+                __nv_bfloat162 lo = __floats2bfloat162_rn(P.x, P.y), hi = __floats2bfloat162_rn(P.z, P.w);
+                uint2 u;
+                memcpy(&u.x, &lo, 4); memcpy(&u.y, &hi, 4);
+                ((uint2 *)p16)[i] = u;
+            }
+        }
+        return;
+    }
+    for (int64_t i = t; i < n; i += stride) {
+        float gi = g[i] * coef;
+        float mi = b1 * m[i] + (1 - b1) * gi, vi = b2 * v[i] + (1 - b2) * gi * gi;
+        m[i] = mi; v[i] = vi;
+        float pi = p[i] * (1 - lr * wd);
+        pi = pi - step_size * mi / (sqrtf(vi) / bc2s + eps);
+        p[i] = pi;
+        if (p16) p16[i] = tobf(pi);
+    }
+}
+int mt_cuda_adamw(mt_cuda *c, float *p, float *m, float *v, void *p_bf16, const float *g, int64_t n, const float *lr,
+                  const float *coef, const float *hp, const int32_t *step, int decay) {
+    if (n <= 0) return 0;
+    unsigned gr = mt__blocks(n / 4 + 1, 256);
+    if (gr > 65536) gr = 65536;
+    k_adamw<<<gr, 256, 0, c->stream>>>(p, m, v, (bf16 *)p_bf16, g, n, lr, coef, hp, step, decay);
+    LAUNCHED();
+    return 0;
+}
+__global__ void k_bias_update(float *bias, const int32_t *counts, int E, float coeff) {
+    if (threadIdx.x || blockIdx.x) return;
+    double mean = 0, dmean = 0;
+    for (int e = 0; e < E; e++) mean += counts[e];
+    mean /= E;
+    for (int e = 0; e < E; e++) { double d = mean - counts[e]; dmean += coeff * (d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0); }
+    dmean /= E;
+    for (int e = 0; e < E; e++) {
+        double d = mean - counts[e];
+        bias[e] += (float)(coeff * (d > 0 ? 1.0 : d < 0 ? -1.0 : 0.0) - dmean);
+    }
+}
+int mt_cuda_expert_bias_update(mt_cuda *c, float *bias, const int32_t *counts, int E, float coeff) {
+    k_bias_update<<<1, 1, 0, c->stream>>>(bias, counts, E, coeff);
+    LAUNCHED();
+    return 0;
+}
+
+/* ========================================================================
+ * Collectives: the expert exchange's local regrouping, and NCCL
+ * ====================================================================== */
+
+__global__ void k_scale(float *x, int64_t n, float s) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) x[i] *= s;
+}
+int mt_cuda_scale(mt_cuda *c, float *x, int64_t n, float s) {
+    if (n <= 0) return 0;
+    k_scale<<<mt__blocks(n < (1 << 22) ? n : (1 << 22), 256), 256, 0, c->stream>>>(x, n, s);
+    LAUNCHED();
+    return 0;
+}
+
+/* roffs[e] = rows of my experts before expert e, from recv[P, El] */
+__global__ void k_ep_offsets_table(int32_t *roffs, const int32_t *recv, int P, int El) {
+    if (threadIdx.x || blockIdx.x) return;
+    roffs[0] = 0;
+    for (int e = 0; e < El; e++) {
+        int32_t n = 0;
+        for (int s = 0; s < P; s++) n += recv[s * El + e];
+        roffs[e + 1] = roffs[e] + n;
+    }
+}
+int mt_cuda_ep_offsets_table(mt_cuda *c, int32_t *roffs, const int32_t *recv, int P, int El) {
+    k_ep_offsets_table<<<1, 1, 0, c->stream>>>(roffs, recv, P, El);
+    LAUNCHED();
+    return 0;
+}
+
+/* Rows arrive from (and leave for) the peers in sender order: chunk (s, e)
+ * holds recv[s, e] rows. The grouped GEMMs want them expert-major: chunk
+ * (e, s). Each block builds both chunk-start tables in shared memory, then
+ * copies whole rows; a destination row finds its chunk by binary search. */
+__global__ void k_ep_regroup(uint8_t *dst, const uint8_t *src, const int32_t *recv, int P, int El, int64_t row_bytes,
+                             int64_t rows, int to_expert_major) {
+    extern __shared__ int32_t tab[];
+    const int C = P * El;
+    int32_t *em = tab, *sm = tab + C + 1;    /* chunk starts: expert-major (e*P+s), sender-major (s*El+e) */
+    if (threadIdx.x == 0) {
+        int32_t a = 0;
+        for (int e = 0; e < El; e++)
+            for (int s = 0; s < P; s++) { em[e * P + s] = a; a += recv[s * El + e]; }
+        em[C] = a;
+        a = 0;
+        for (int s = 0; s < P; s++)
+            for (int e = 0; e < El; e++) { sm[s * El + e] = a; a += recv[s * El + e]; }
+        sm[C] = a;
+    }
+    __syncthreads();
+    const int32_t *dt = to_expert_major ? em : sm;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        int lo = 0, hi = C - 1;          /* the last chunk starting at or before r: it holds r */
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if (dt[mid] <= r) lo = mid; else hi = mid - 1;
+        }
+        int e = to_expert_major ? lo / P : lo % El, s = to_expert_major ? lo % P : lo / El;
+        int64_t srow = (to_expert_major ? sm[s * El + e] : em[e * P + s]) + (r - dt[lo]);
+        const uint8_t *from = src + srow * row_bytes;
+        uint8_t *to = dst + r * row_bytes;
+        if (row_bytes % 16 == 0) {
+            for (int64_t i = threadIdx.x; i < row_bytes / 16; i += blockDim.x)
+                ((int4 *)to)[i] = ((const int4 *)from)[i];
+        } else {
+            for (int64_t i = threadIdx.x; i < row_bytes; i += blockDim.x) to[i] = from[i];
+        }
+    }
+}
+int mt_cuda_ep_regroup(mt_cuda *c, void *dst, const void *src, const int32_t *recv, int P, int El, int64_t row_bytes,
+                       int64_t rows, int to_expert_major) {
+    if (rows <= 0) return 0;
+    if (P * El > 4096 || rows > INT32_MAX) return mt__fail(c, "mt_cuda_ep_regroup", "more than 4096 chunks or 2^31 rows");
+    size_t smem = sizeof(int32_t) * 2 * (size_t)(P * El + 1);
+    int grid = rows < 1056 ? (int)rows : 1056;
+    k_ep_regroup<<<grid, 128, smem, c->stream>>>((uint8_t *)dst, (const uint8_t *)src, recv, P, El, row_bytes, rows, to_expert_major);
+    LAUNCHED();
+    return 0;
+}
+
+void *mt_cuda_stream_handle(mt_cuda *c) { return (void *)c->stream; }
+
+#define NK(x) do { ncclResult_t r_ = (x); if (r_ != ncclSuccess) return mt__fail(c, #x, ncclGetErrorString(r_)); } while (0)
+static int mt__nccl_type(int dtype, ncclDataType_t *t) {
+    switch (dtype) {
+    case MT_F32: *t = ncclFloat32; return 0;
+    case MT_BF16: *t = ncclBfloat16; return 0;
+    case MT_I32: *t = ncclInt32; return 0;
+    case -1: *t = ncclFloat64; return 0;
+    }
+    return -1;
+}
+int mt_nccl_unique_id(void *id, mt_err *err) {
+    ncclUniqueId u;
+    ncclResult_t r = ncclGetUniqueId(&u);
+    if (r != ncclSuccess) return mt_errf(err, "ncclGetUniqueId: %s", ncclGetErrorString(r));
+    static_assert(sizeof u == MT_NCCL_ID_BYTES, "NCCL unique id size");
+    memcpy(id, &u, sizeof u);
+    return 0;
+}
+int mt_nccl_init(mt_cuda *c, void **comm, const void *id, int nranks, int rank) {
+    ncclUniqueId u;
+    memcpy(&u, id, sizeof u);
+    ncclComm_t cm;
+    CK(cudaSetDevice(c->device));
+    NK(ncclCommInitRank(&cm, nranks, u, rank));
+    *comm = (void *)cm;
+    return 0;
+}
+int mt_nccl_split(mt_cuda *c, void *parent, int color, int key, void **comm) {
+    ncclComm_t cm = NULL;
+    NK(ncclCommSplit((ncclComm_t)parent, color, key, &cm, NULL));
+    *comm = (void *)cm;
+    return 0;
+}
+void mt_nccl_free(void *comm, int abort) {
+    if (!comm) return;
+    if (abort) ncclCommAbort((ncclComm_t)comm);
+    else ncclCommDestroy((ncclComm_t)comm);
+}
+int mt_nccl_async_error(void *comm, char *msg, size_t n) {
+    ncclResult_t r = ncclSuccess;
+    if (ncclCommGetAsyncError((ncclComm_t)comm, &r) != ncclSuccess || (r != ncclSuccess && r != ncclInProgress)) {
+        snprintf(msg, n, "%s (%s)", ncclGetErrorString(r), ncclGetLastError((ncclComm_t)comm));
+        return 1;
+    }
+    return 0;
+}
+int mt_nccl_allreduce(mt_cuda *c, void *comm, void *buf, int64_t n, int dtype, int op_max) {
+    ncclDataType_t t;
+    if (mt__nccl_type(dtype, &t)) return mt__fail(c, "mt_nccl_allreduce", "unsupported dtype");
+    if (n > 0) NK(ncclAllReduce(buf, buf, (size_t)n, t, op_max ? ncclMax : ncclSum, (ncclComm_t)comm, c->stream));
+    return 0;
+}
+int mt_nccl_allgather(mt_cuda *c, void *comm, const void *in, void *out, int64_t n, int dtype) {
+    ncclDataType_t t;
+    if (mt__nccl_type(dtype, &t)) return mt__fail(c, "mt_nccl_allgather", "unsupported dtype");
+    if (n > 0) NK(ncclAllGather(in, out, (size_t)n, t, (ncclComm_t)comm, c->stream));
+    return 0;
+}
+int mt_nccl_reduce_scatter(mt_cuda *c, void *comm, const void *in, void *out, int64_t n, int dtype) {
+    ncclDataType_t t;
+    if (mt__nccl_type(dtype, &t)) return mt__fail(c, "mt_nccl_reduce_scatter", "unsupported dtype");
+    if (n > 0) NK(ncclReduceScatter(in, out, (size_t)n, t, ncclSum, (ncclComm_t)comm, c->stream));
+    return 0;
+}
+/* per-peer byte ranges, one NCCL group: every send meets its peer's recv of the same size */
+int mt_nccl_exchange(mt_cuda *c, void *comm, int P, const void *send, const int64_t *soff, const int64_t *sbytes,
+                     void *recv, const int64_t *roff, const int64_t *rbytes) {
+    NK(ncclGroupStart());
+    for (int p = 0; p < P; p++) {
+        if (sbytes[p] > 0) NK(ncclSend((const uint8_t *)send + soff[p], (size_t)sbytes[p], ncclUint8, p, (ncclComm_t)comm, c->stream));
+        if (rbytes[p] > 0) NK(ncclRecv((uint8_t *)recv + roff[p], (size_t)rbytes[p], ncclUint8, p, (ncclComm_t)comm, c->stream));
+    }
+    NK(ncclGroupEnd());
+    return 0;
+}
+
+}  /* extern "C" */
