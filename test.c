@@ -3324,8 +3324,10 @@ static void fuzz_artifact(fuzzer *z, int base) {
     mt_target_cpu(&tgt);
     if (base == 1) mt_passes_none(&passes); else mt_passes_all(&passes);
     if (base == 3 && mt_mesh_init(&mesh, 1, 2, 1, 2, &e)) { fz_fail(z, "mesh: %s", e.msg); return; }
+    int folded = 0;
     if (base == 4 ? compile_rc(&g, &c, &mesh, -1, 0, &e)   /* every block recomputed */
-                  : mt_compile(&g, &c, &mesh, &tgt, base == 2 ? MT_GRAPH_FORWARD : MT_GRAPH_TRAIN, &passes, &e)) { fz_fail(z, "compile: %s", e.msg); return; }
+        : base == 5 ? compile_fold(&g, &c, 0, 1, 0, MT_GRAPH_TRAIN, &folded, &e)   /* RoPE folded: the 10-input nodes */
+                    : mt_compile(&g, &c, &mesh, &tgt, base == 2 ? MT_GRAPH_FORWARD : MT_GRAPH_TRAIN, &passes, &e)) { fz_fail(z, "compile: %s", e.msg); return; }
     uint8_t *good;
     size_t len;
     if (mt_artifact_write(&g, &good, &len, &e)) { fz_fail(z, "write: %s", e.msg); mt_graph_free(&g); return; }
@@ -3712,7 +3714,7 @@ static void test_fuzz(void) {
         if (z.scale < 1) z.scale = 1;
         alarm(600 * (unsigned)z.scale);
         mt_rng_seed(&z.r, 20240909);
-        for (int base = 0; base < 5; base++) fuzz_artifact(&z, base);
+        for (int base = 0; base < 6; base++) fuzz_artifact(&z, base);
         fuzz_safetensors(&z);
         fuzz_data(&z);
         fuzz_rec rec;
