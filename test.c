@@ -1422,6 +1422,22 @@ static void gpu_test_whole_steps(void) {
     mt_graph_free(&gc); mt_graph_free(&gg); mt_graph_free(&ge); mt_graph_free(&gn);
 }
 
+/* Every parameter (expert biases too) of runtime ra over graph ga bitwise that of rb over gb, matched by name */
+static int gpu_same_params(const mt_graph *ga, mt_runtime *ra, const mt_graph *gb, mt_runtime *rb) {
+    mt_err e;
+    int same = 1;
+    for (int i = 0; same && i < ga->n_values; i++) {
+        const mt_value *v = &ga->values[i];
+        if (v->role != MT_ROLE_PARAM) continue;
+        int j = mt_graph_find(gb, v->name);
+        size_t nb = (size_t)v->nbytes;
+        void *a = malloc(nb), *b = malloc(nb);
+        same = j >= 0 && (size_t)gb->values[j].nbytes == nb && !mt_runtime_read(ra, i, a, &e) && !mt_runtime_read(rb, j, b, &e) && !memcmp(a, b, nb);
+        free(a); free(b);
+    }
+    return same;
+}
+
 /* Training steps with the RoPE folded into attention (the default for these head dims) against the
  * same graph with the pass off: bitwise losses, grad norms and weights; with packed documents too. */
 static void gpu_test_fold_rope_steps(int docs) {
@@ -1449,16 +1465,7 @@ static void gpu_test_fold_rope_steps(int docs) {
     double l0[S] = {0}, l1[S] = {0}, n0[S] = {0}, n1[S] = {0};
     mt_runtime *r0 = gpu_runtime(&g0, 1), *r1 = gpu_runtime(&g1, 1);
     int ok = r0 && r1 && !gpu_steps(r0, &c, S, l0, n0) && !gpu_steps(r1, &c, S, l1, n1);
-    int same = ok && bitwise_equal(l0, l1, S) && bitwise_equal(n0, n1, S);
-    for (int i = 0; same && i < g0.n_values; i++) {
-        const mt_value *v = &g0.values[i];
-        if (v->role != MT_ROLE_PARAM) continue;
-        int j = mt_graph_find(&g1, v->name);
-        size_t nb = (size_t)v->nbytes;
-        void *a = malloc(nb), *b = malloc(nb);
-        same = j >= 0 && (size_t)g1.values[j].nbytes == nb && !mt_runtime_read(r0, i, a, &e) && !mt_runtime_read(r1, j, b, &e) && !memcmp(a, b, nb);
-        free(a); free(b);
-    }
+    int same = ok && bitwise_equal(l0, l1, S) && bitwise_equal(n0, n1, S) && gpu_same_params(&g0, r0, &g1, r1);
     report(name, same && folded == c.n_layers, "%d layers folded; loss %.6f -> %.6f; peak %.2f -> %.2f MiB", folded, l1[0], l1[S - 1],
            mt_graph_peak_bytes(&g0) / 1048576.0, mt_graph_peak_bytes(&g1) / 1048576.0);
     mt_runtime_destroy(r0); mt_runtime_destroy(r1);
@@ -1488,16 +1495,7 @@ static void gpu_test_recompute(void) {
     double l0[S] = {0}, la[S] = {0}, n0[S] = {0}, na[S] = {0};
     mt_runtime *r0 = gpu_runtime(&g0, 1), *ra = gpu_runtime(&ga, 1);
     int ok = r0 && ra && !gpu_steps(r0, &c, S, l0, n0) && !gpu_steps(ra, &c, S, la, na);
-    int same = ok && bitwise_equal(l0, la, S) && bitwise_equal(n0, na, S);
-    for (int i = 0; same && i < g0.n_values; i++) {   /* every parameter (expert biases too), matched by name */
-        const mt_value *v = &g0.values[i];
-        if (v->role != MT_ROLE_PARAM) continue;
-        int j = mt_graph_find(&ga, v->name);
-        size_t nb = (size_t)v->nbytes;
-        void *a = malloc(nb), *b = malloc(nb);
-        same = j >= 0 && (size_t)ga.values[j].nbytes == nb && !mt_runtime_read(r0, i, a, &e) && !mt_runtime_read(ra, j, b, &e) && !memcmp(a, b, nb);
-        free(a); free(b);
-    }
+    int same = ok && bitwise_equal(l0, la, S) && bitwise_equal(n0, na, S) && gpu_same_params(&g0, r0, &ga, ra);
     report("gpu recompute every block: bitwise losses, norms, weights", same, "planned peak %.2f -> %.2f MiB",
            mt_graph_peak_bytes(&g0) / 1048576.0, mt_graph_peak_bytes(&ga) / 1048576.0);
     mt_runtime_destroy(r0); mt_runtime_destroy(ra);

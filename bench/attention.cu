@@ -337,6 +337,28 @@ __global__ void fill_random_bf16(__nv_bfloat16 *x, size_t n, uint32_t seed) {
     }
 }
 
+/* f() 13 times on the default stream, timed by events: the median of the last 10 (ms) */
+template <class F>
+static float median_ms(F &&f) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<float> ms;
+    for (int it = 0; it < 13; ++it) {
+        CK(cudaEventRecord(e0, 0));
+        f();
+        CK(cudaEventRecord(e1, 0));
+        CK(cudaEventSynchronize(e1));
+        float t;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        if (it >= 3) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return 0.5f * (ms[4] + ms[5]);
+}
+
 static void bench_shape(const Shape &s) {
     DevBufs d;
     d.alloc(s);
@@ -354,36 +376,17 @@ static void bench_shape(const Shape &s) {
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     const float scale = 1.0f / sqrtf((float)s.dq);
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     const double flops_fwd = 2.0 * s.H * pairs * (s.dq + s.dv);
     const double flops_bwd = 2.5 * flops_fwd;
     double med[2];
-    for (int pass = 0; pass < 2; ++pass) {
-        std::vector<float> ms;
-        for (int it = 0; it < 13; ++it) {
-            CK(cudaEventRecord(e0, 0));
-            if (pass == 0)
-                CKAPI(mt__fa_forward(d.q, d.k, d.v, d.ds, d.o, d.lse, s.B, s.T, s.H, s.dq, s.dv, scale, 0));
-            else
-                CKAPI(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, d.ds, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq,
-                                                 s.dv, scale, 0));
-            CK(cudaEventRecord(e1, 0));
-            CK(cudaEventSynchronize(e1));
-            float t;
-            CK(cudaEventElapsedTime(&t, e0, e1));
-            if (it >= 3) ms.push_back(t);
-        }
-        std::sort(ms.begin(), ms.end());
-        med[pass] = 0.5 * (ms[4] + ms[5]);
-    }
+    med[0] = median_ms([&] { CKAPI(mt__fa_forward(d.q, d.k, d.v, d.ds, d.o, d.lse, s.B, s.T, s.H, s.dq, s.dv, scale, 0)); });
+    med[1] = median_ms([&] {
+        CKAPI(mt__fa_backward(d.q, d.k, d.v, d.o, d.lse, d.dout, d.ds, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq, s.dv, scale, 0));
+    });
     char docs[48] = "";
     if (s.doc) snprintf(docs, sizeof docs, " docs=%d", s.doc);
     printf("timing B=%d T=%d H=%d dq=%d dv=%d%s: forward %.3f ms (%.1f TFLOP/s), backward %.3f ms (%.1f TFLOP/s)\n", s.B, s.T,
            s.H, s.dq, s.dv, docs, med[0], flops_fwd / (med[0] * 1e-3) / 1e12, med[1], flops_bwd / (med[1] * 1e-3) / 1e12);
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
     d.release();
 }
 
@@ -391,23 +394,7 @@ static void bench_shape(const Shape &s) {
    buffered, K/V fragments reloaded from smem) so the two can be compared on the real hardware. */
 template <class P>
 static float time_launcher(int (*f)(const P &, int, cudaStream_t), const P &p, int BH) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    std::vector<float> ms;
-    for (int it = 0; it < 13; ++it) {
-        CK(cudaEventRecord(e0, 0));
-        CKAPI(f(p, BH, 0));
-        CK(cudaEventRecord(e1, 0));
-        CK(cudaEventSynchronize(e1));
-        float t;
-        CK(cudaEventElapsedTime(&t, e0, e1));
-        if (it >= 3) ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
-    return 0.5f * (ms[4] + ms[5]);
+    return median_ms([&] { CKAPI(f(p, BH, 0)); });
 }
 static int launch_dot_only(const mt_fa::BwdParams &p, int BH, cudaStream_t st) {
     return mt_fa::launch_dot_kernel(p, (long long)p.T * BH, st); /* BH here is B*H: rows = B*T*H */
@@ -597,27 +584,11 @@ static void bench_fold(int B, int T, int H, int dn, int dr, int dv) {
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     const float scale = 1.0f / sqrtf((float)dq);
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-    auto timed = [&](int which) {
-        std::vector<float> ms;
-        for (int it = 0; it < 13; ++it) {
-            CK(cudaEventRecord(e0, 0));
-            if (which == 0) CKAPI(mt__fa_mla_forward(q, kv, qr, kr, nullptr, o, lse, B, T, H, dn, dr, dv, scale, 0));
-            if (which == 1) CKAPI(mt__fa_mla_backward(q, kv, qr, kr, o, lse, dout, nullptr, cs, sn, gq, gkv, gkr, ws, B, T, H, dn, dr, dv, scale, 0));
-            if (which == 2) CKAPI(mt__fa_forward(Q, K, V, nullptr, o, lse, B, T, H, dq, dv, scale, 0));
-            if (which == 3) CKAPI(mt__fa_backward(Q, K, V, o, lse, dout, nullptr, dQ, dK, dV, ws, B, T, H, dq, dv, scale, 0));
-            CK(cudaEventRecord(e1, 0));
-            CK(cudaEventSynchronize(e1));
-            float t;
-            CK(cudaEventElapsedTime(&t, e0, e1));
-            if (it >= 3) ms.push_back(t);
-        }
-        std::sort(ms.begin(), ms.end());
-        return 0.5f * (ms[4] + ms[5]);
-    };
     float t[4];
-    for (int w = 0; w < 4; ++w) t[w] = timed(w);
+    t[0] = median_ms([&] { CKAPI(mt__fa_mla_forward(q, kv, qr, kr, nullptr, o, lse, B, T, H, dn, dr, dv, scale, 0)); });
+    t[1] = median_ms([&] { CKAPI(mt__fa_mla_backward(q, kv, qr, kr, o, lse, dout, nullptr, cs, sn, gq, gkv, gkr, ws, B, T, H, dn, dr, dv, scale, 0)); });
+    t[2] = median_ms([&] { CKAPI(mt__fa_forward(Q, K, V, nullptr, o, lse, B, T, H, dq, dv, scale, 0)); });
+    t[3] = median_ms([&] { CKAPI(mt__fa_backward(Q, K, V, o, lse, dout, nullptr, dQ, dK, dV, ws, B, T, H, dq, dv, scale, 0)); });
     /* per kernel: the same parameter blocks the entry points build */
     BwdParams pf, pu;
     setup_bwd(pu, Q, K, V, o, lse, dout, nullptr, dQ, dK, dV, ws, B, T, H, dq, dv, scale);
@@ -632,7 +603,6 @@ static void bench_fold(int B, int T, int H, int dn, int dr, int dv) {
     printf("timing-fold B=%d T=%d H=%d %d+%d/%d: folded forward %.3f ms (%.1f TFLOP/s), backward %.3f ms (%.1f TFLOP/s); unfolded "
            "forward %.3f ms, backward %.3f ms; kernels folded / unfolded: dK/dV %.3f / %.3f ms, dQ %.3f / %.3f ms\n", B, T, H, dn, dr, dv,
            t[0], ffwd / (t[0] * 1e-3) / 1e12, t[1], fbwd / (t[1] * 1e-3) / 1e12, t[2], t[3], kf, ku, qf, qu);
-    CK(cudaEventDestroy(e0)); CK(cudaEventDestroy(e1));
     void *bufs[] = {q, kv, qr, kr, o, dout, gq, gkv, gkr, Q, K, V, dQ, dK, dV, lse, cs, sn, ws};
     for (void *b : bufs) CK(cudaFree(b));
 }
