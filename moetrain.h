@@ -20,7 +20,7 @@
  *   3.  Mesh
  *   4.  Graph IR: dtypes, roles, queues, symbols, values, nodes, the op table
  *   5.  Builder: the model forward, reverse-mode autodiff, optimizer
- *   6.  Passes: elision, activation recompute, fusion, memory planning, capture
+ *   6.  Passes: elision, activation recompute, RoPE folding, fusion, memory planning, capture
  *   7.  Artifact: write, validate + load, fingerprint, dump
  *   8.  CPU reference ops (forward/backward pairs, plain C)
  *   9.  Collectives
