@@ -1977,7 +1977,7 @@ __device__ __forceinline__ bool rows16(const void *base, int ncols, bool pair) {
 /* ------------------------------------------------------------------------------------------ */
 /* Parameters                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
-/* MLA with its RoPE folded in (MLA_ATTENTION, wgmma kernels only; fold_dn = 0: not folded): Q's tiles
+/* MLA with its RoPE folded in (MLA_ATTENTION, wgmma kernels only; fold.dn = 0: not folded): Q's tiles
    come from q [N, H*dimq] (its first fold_dn columns) and qr [N, H*(dimq - fold_dn)] (the rotated rest),
    K's from kv [N, H*(fold_dn + dimv)] (its first fold_dn columns per head) and kr [N, dimq - fold_dn]
    (one rotated row per token, shared by the heads), V's from kv's last dimv columns per head; q, k and
@@ -3061,15 +3061,13 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
     } else { /* folded RoPE: dK's first dn columns and dV go to kv's gradient rows, dK's rope columns to dk2 */
         const int fd = tm.fold_dn;
         const size_t khs = (size_t)(fd + p.dimv), k2hs = (size_t)(p.dimq - fd);
-        const bool wq = pq && (khs & 7) == 0 && (k2hs & 7) == 0 && (fd & 7) == 0 && rows16(p.dk, 8, true) && rows16(tm.dk2, 8, true);
-        const bool wv = pv && (khs & 7) == 0 && rows16(p.dv, 8, true);
         (void)qoff; (void)voff; (void)ldqk; (void)ldv;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
+        for (int hh = 0; hh < 2; ++hh) { /* wide rows: mt__fa_mla_backward takes 16-byte aligned tensors only */
             const int key = kr + 8 * hh;
             const size_t tk = ((size_t)b * T + key) * H + h;
-            store_acc_row<DQ, DQ - 64>(p.dk + tk * khs, key < T, p.dimq, wq, pq, dk, hh, p.scale, c, tm.dk2 + tk * k2hs);
-            store_acc_row<DV>(p.dv + tk * khs, key < T, p.dimv, wv, pv, dv, hh, 1.f, c);
+            store_acc_row<DQ, DQ - 64>(p.dk + tk * khs, key < T, p.dimq, true, pq, dk, hh, p.scale, c, tm.dk2 + tk * k2hs);
+            store_acc_row<DV>(p.dv + tk * khs, key < T, p.dimv, true, pv, dv, hh, 1.f, c);
         }
     }
 }
