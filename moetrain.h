@@ -689,6 +689,8 @@ typedef struct {
     int strict_tuning; /* CUDA: refuse a graph tuned for another GPU model instead of re-deriving its choices */
     int init_on_host;  /* CUDA: mt_runtime_init_params fills on the host and uploads (default: on the GPU in place, the same bits) */
     int nan_check;     /* stop at the first node that writes a NaN or Inf (scans every output: slow) */
+    int attn_recompute_dq; /* CUDA: the attention backward recomputes S and dP for dQ instead of reading the dS
+                              its dK/dV kernel stored (B*H*T^2 bytes less workspace: 0.5 GB for 2 x 4096, 16 heads; slower) */
 } mt_binding;
 void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
 
@@ -793,7 +795,10 @@ int mt_cuda_mla_rope_forward(mt_cuda *c, void *Q, void *K, void *V, const void *
                              const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv);
 int mt_cuda_mla_rope_backward(mt_cuda *c, void *dq, void *dkv, void *dkpe, const void *dQ, const void *dK,
                               const void *dV, const float *cosv, const float *sinv, int N, int T, int H, int dn, int dr, int dv);
-size_t mt_cuda_attention_backward_workspace(int B, int T, int H, int dq, int dv);
+/* the attention backward's workspace: D, and the dS^T tiles that dQ is formed from (unless
+ * mt_cuda_set_attn_recompute_dq: dQ recomputes S and dP, B*H*T^2 bytes less, slower) */
+size_t mt_cuda_attention_backward_workspace(const mt_cuda *c, int B, int T, int H, int dq, int dv);
+void mt_cuda_set_attn_recompute_dq(mt_cuda *c, int on);
 int mt_cuda_rope_pe_forward(mt_cuda *c, void *qr, void *kr, const void *q, const void *kpe, const float *cosv, const float *sinv,
                             int N, int T, int H, int dn, int dr);
 int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const float *cosv, const float *sinv, int N, int T, int H, int dr);
@@ -6487,7 +6492,7 @@ static size_t mt__cuda_scratch(const mt_graph *G, mt_cuda *cu) {
             break;
         }
         case MT_OP_ATTENTION_BWD: case MT_OP_MLA_ATTENTION_BWD:
-            w = mt_cuda_attention_backward_workspace((int)(a->dims[0] / n->iattr[3]), n->iattr[3], n->iattr[0], n->iattr[1], n->iattr[2]);
+            w = mt_cuda_attention_backward_workspace(cu, (int)(a->dims[0] / n->iattr[3]), n->iattr[3], n->iattr[0], n->iattr[1], n->iattr[2]);
             break;
         case MT_OP_CROSS_ENTROPY: w = mt_cuda_cross_entropy_workspace((int)a->dims[0]); break;
         case MT_OP_MOE_PERMUTE: w = mt_cuda_moe_permute_workspace(a->dims[0] * b->dims[1]); break;
@@ -6580,6 +6585,7 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
         } else {
             mt_cuda_set_split_sms(cu, G->tuned_for.n_sms);
         }
+        mt_cuda_set_attn_recompute_dq(cu, b->attn_recompute_dq);
         rt->scratch_bytes = mt__cuda_scratch(G, cu);
         for (int i = 0; i < G->n_nodes; i++) {   /* the expert exchange stages rows in peer order */
             const mt_node *n = &G->nodes[i];

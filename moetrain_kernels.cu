@@ -55,6 +55,7 @@ struct mt__gemm_entry {
 struct mt_cuda {
     int device;              /* the binding's device: every call makes it current first */
     int n_sms, split_sms;    /* this GPU's multiprocessors; the count the grouped GEMM's split choice uses (tuning) */
+    int attn_recompute_dq;   /* the attention backward recomputes S and dP for dQ instead of storing dS (less workspace) */
     int gemm_preset, gemm_derived;   /* cuBLASLt choices taken from the graph's tuning, and chosen here */
     cudaStream_t stream;     /* where launches go now: one of queue[] */
     cudaStream_t queue[MT_NQUEUES];   /* one stream per queue; [MT_Q_COMPUTE] is created with the context, the
@@ -258,6 +259,7 @@ int mt_cuda_device_info(mt_cuda *c, mt_tuning_info *t) {
     return 0;
 }
 void mt_cuda_set_split_sms(mt_cuda *c, int n) { c->split_sms = n > 0 ? n : c->n_sms; }
+void mt_cuda_set_attn_recompute_dq(mt_cuda *c, int on) { c->attn_recompute_dq = on != 0; }
 
 void mt_cuda_destroy(mt_cuda *c) {
     if (!c) return;
@@ -2022,6 +2024,10 @@ struct BwdParams : BwdCore {
     Fold fold;
     bf16 *dk2 = nullptr;
     const float *rcos = nullptr, *rsin = nullptr;
+    /* the wgmma dK/dV kernel also writes dS^T (ds_tile) and dQ is formed from it (fa_bwd_dq_ds_kernel);
+       null: the dQ kernel recomputes S and dP (see ds_workspace for when) */
+    bf16 *ds = nullptr;
+    int ntri = 0;
 };
 
 /* ldmatrix per-lane offsets (see header comment of each kernel):
@@ -2409,12 +2415,46 @@ __device__ __forceinline__ void wgmma_rs_n192(float (&d)[96], const uint32_t (&a
           "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
 }
+/* D[64 x 192] (+)= A(desc) B(desc) (the dQ kernel that reads dS: A MN-major, B MN-major) */
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n192(float (&d)[96], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, "
+        "%72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, "
+        "%88, %89, %90, %91, %92, %93, %94, %95"
+        "}, %96, %97, p, 1, 1, %99, %100;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
 /* m64nNk16 by N (64, 128, 192) */
 template <int N, int TA, int TB>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
-    static_assert(N == 64 || N == 128, "wgmma_ss: N");
+    static_assert(N == 64 || N == 128 || N == 192, "wgmma_ss: N");
     if constexpr (N == 64) wgmma_ss_n64<TA, TB>(d, da, db, scale_d);
-    else wgmma_ss_n128<TA, TB>(d, da, db, scale_d);
+    else if constexpr (N == 128) wgmma_ss_n128<TA, TB>(d, da, db, scale_d);
+    else wgmma_ss_n192<TA, TB>(d, da, db, scale_d);
 }
 template <int N, int TB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d) {
@@ -2846,16 +2886,61 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
 template <int DQ, int DV>
 __host__ __device__ constexpr int dkdv_wg_stages() { return (128 * (DQ + DV) + 3 * 64 * (DQ + DV)) * 2 + 4096 <= 227 * 1024 ? 3 : 2; }
 template <int DQ, int DV>
-constexpr size_t dkdv_wg_smem_bytes() {
+constexpr size_t dkdv_wg_smem_bytes(bool ds_stage = false) {   /* ds_stage: DS 3's two 8 KB tiles */
     return 1024 + (size_t)(128 * DQ + 128 * DV + dkdv_wg_stages<DQ, DV>() * 64 * (DQ + DV)) * sizeof(bf16) +
-           (size_t)dkdv_wg_stages<DQ, DV>() * 3 * 64 * sizeof(float) + 16 * 8;
+           (size_t)dkdv_wg_stages<DQ, DV>() * 3 * 64 * sizeof(float) + 16 * 8 + (ds_stage ? 1024 + 2 * 8192 : 0);
+}
+/* dS^T tiles (DS): the dK/dV kernel writes, for each (b, h), query tile i and key tile kt <= i (64 rows
+   each), the 64 x 64 tile dS^T[key][query] (row-major bf16, 8 KB) at tile index i (i + 1) / 2 + kt of the
+   (b, h)'s ntri = n (n + 1) / 2 (n = ceil(T / 64)); the dQ kernel reads them back by TMA */
+__host__ __device__ __forceinline__ size_t ds_tile(int bh, int ntri, int i, int kt) {
+    return ((size_t)bh * (size_t)ntri + (size_t)i * (size_t)(i + 1) / 2 + (size_t)kt) * 4096;
+}
+/* A warp's 16 rows of a dS^T tile from the A fragments of dK += dS^T Q: da4[kk][e] holds the pair at row
+   16(warp & 3) + g + 8(e & 1), columns 16kk + 8(e >> 1) + 2c.  V 1: as they are, 4-byte stores (8 rows
+   a store); V 2: 4 x 4 transposes over the quad (xor shuffles, as store_acc_row) give thread c the
+   8-column chunks c and 4 + c of its two rows, 16-byte stores.  H200, B=8 T=2048 H=16, 192/128, dK/dV
+   without the stores 0.760 ms, V 1 0.945-0.954, V 2 0.876-0.882; V 2 before dK and dV are issued
+   instead of after they complete, or as streaming stores (st.global.cs), within 0.003 ms. */
+template <int V>
+__device__ __forceinline__ void store_ds(bf16 *tile, const uint32_t (&da4)[4][4], int warp, int g, int c) {
+    if constexpr (V == 1) {
+        uint32_t *t = reinterpret_cast<uint32_t *>(tile) + (16 * (warp & 3) + g) * 32 + c;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) t[(e & 1) * 256 + 8 * kk + 4 * (e >> 1)] = da4[kk][e];
+    } else {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            bf16 *row = tile + (16 * (warp & 3) + g + 8 * hh) * 64;
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                uint32_t w[4];
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int i = c ^ r; /* send my pair of chunk 4q + i, receive thread i's of chunk 4q + c */
+                    /* pair j = 4q + i of row hh: da4[j >> 1][hh + 2 (j & 1)] */
+                    const uint32_t y = (i & 2) ? ((i & 1) ? da4[2 * q + 1][hh + 2] : da4[2 * q + 1][hh])
+                                               : ((i & 1) ? da4[2 * q][hh + 2] : da4[2 * q][hh]);
+                    const uint32_t x = r ? __shfl_xor_sync(0xffffffffu, y, r) : y;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) w[e] = i == e ? x : (r ? w[e] : 0u);
+                }
+                *reinterpret_cast<uint4 *>(row + 8 * (4 * q + c)) = make_uint4(w[0], w[1], w[2], w[3]);
+            }
+        }
+    }
 }
 /* the TMA maps of the dK/dV kernel: K and V in boxes of 128 rows, Q and dO in boxes of 64 (second maps as
    in FwdMaps) */
 struct DkdvMaps {
     CUtensorMap q, dout, k, v, q2, k2;
+    CUtensorMap dsm;   /* DS 3: the dS^T tiles (as the dQ kernel's map) */
     bf16 *dk2;   /* folded: dK's rope columns (see BwdParams) */
     int fold_dn;
+    bf16 *ds;    /* DS: where dS^T goes, in 64 x 64 tiles (see ds_tile) */
+    int ntri;    /* DS: tiles per (b, h) */
 };
 
 /* VAR: 0 in the runtime; bench/attention.cu's variants (results right unless said): bit 0 no loads in
@@ -2863,7 +2948,26 @@ struct DkdvMaps {
    the start of a tile instead of its end.  Measured (H200, B=8 T=2048 H=16, 192/128): the runtime's
    choice 0.810 ms; no turns 0.923, turns at dV / dK instead 0.878, at both 0.831; refilling at the
    start 0.839 (no turns 0.857, turns at both 0.876). */
-template <int DQ, int DV, int VAR, bool FOLD>
+/* DS 3: the warpgroup's dS^T tile through shared memory: stmatrix writes the A fragments into an SW128
+   tile (fragment kk, e is the 8 x 8 matrix at rows 16(warp & 3) + 8(e & 1), columns 16kk + 8(e >> 1)),
+   and one thread stores it with a TMA tensor store (the copy engine does the global writes) */
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]),
+                 "r"(r[3])
+                 : "memory");
+}
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+                 "r"(src), "r"(c0), "r"(c1)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+/* DS: 0 no dS^T stores; 1, 2 store_ds<DS> once dK and dV have been formed (2 in the runtime); 3 through
+   shared memory and a TMA store */
+template <int DQ, int DV, int VAR, bool FOLD, int DS>
 __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p, const __grid_constant__ DkdvMaps tm) {
     constexpr int BNK = 128, BMQ = 64, NS = dkdv_wg_stages<DQ, DV>();
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
@@ -2878,6 +2982,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
     const float *aux = reinterpret_cast<const float *>(smem_raw + pad + (sAux - sK));
     const uint32_t sBar = sAux + NS * 3 * BMQ * 4;
     const uint32_t barKV = sBar, barF = sBar + 8, barE = sBar + 8 + 8 * NS;
+    const uint32_t sDs = (sBar + 128 + 1023u) & ~1023u; /* DS 3: two 8 KB tiles */
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
@@ -3041,11 +3146,34 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
         fence_regs(pa);
         fence_regs(da4);
         if (lane == 0) mbar_arrive(barE + 8 * st); /* this warp is done with the stage */
+        /* dS^T for the dQ kernel: this warpgroup's 64 keys x the tile's 64 queries, when any key is at or
+           before a query */
+        if constexpr (DS == 1 || DS == 2)
+            if (kw0 <= q0 + BMQ - 1) store_ds<DS>(tm.ds + ds_tile(bh, tm.ntri, i, kw0 / 64), da4, warp, g, c);
+        if constexpr (DS == 3)
+            if (kw0 <= q0 + BMQ - 1) { /* warpgroup-uniform */
+                const bool issuer = (tid & 127) == 0;
+                if (issuer) bulk_wait_read0();  /* the previous tile's store has read the buffer */
+                named_bar_sync(3 + wg, 128);
+                const uint32_t sb = sDs + (uint32_t)wg * 8192u;
+                const int m = lane >> 3, rr = lane & 7, row = 16 * (warp & 3) + 8 * (m & 1) + rr;
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    stmatrix_x4(sb + (uint32_t)(row * 128 + (((2 * kk + (m >> 1)) ^ rr) << 4)), da4[kk]);
+                fence_proxy_async();
+                named_bar_sync(3 + wg, 128);
+                if (issuer) {
+                    tma_store_2d(&tm.dsm, sb, 0, (int)(ds_tile(bh, tm.ntri, i, kw0 / 64) / 64));
+                    bulk_commit();
+                }
+            }
         /* warp 0 refills tile u - 1's stage with tile u + NS - 1 (waiting, at worst, for the other
            warpgroup to finish tile u - 1: the warpgroups may drift a whole tile apart) */
         if (!(VAR & 16) && warp == 0 && u >= 1 && u + NS - 1 < n_tiles) fill(u + NS - 1);
     }
     if (TA || TB) turns.finish();
+    if constexpr (DS == 3)
+        if ((tid & 127) == 0) bulk_wait0(); /* the dS^T stores have completed */
 
     /* epilogue: dK * scale, dV; accumulator d[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
     const bool pq = p.pair_qk != 0, pv = p.pair_v != 0;
@@ -3062,12 +3190,19 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
         const int fd = tm.fold_dn;
         const size_t khs = (size_t)(fd + p.dimv), k2hs = (size_t)(p.dimq - fd);
         (void)qoff; (void)voff; (void)ldqk; (void)ldv;
+        /* the row indices read afresh, not kept live through the loop */
+        uint32_t cx, cy, tx;
+        asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cx));
+        asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(cy));
+        asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tx));
+        const int b2 = (int)cy / p.H, h2 = (int)cy - b2 * p.H, c2 = (int)(tx & 3);
+        const int kr2 = (int)cx * BNK + 64 * (int)(tx >> 7) + 16 * (int)((tx >> 5) & 3) + (int)((tx & 31) >> 2);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) { /* wide rows: mt__fa_mla_backward takes 16-byte aligned tensors only */
-            const int key = kr + 8 * hh;
-            const size_t tk = ((size_t)b * T + key) * H + h;
-            store_acc_row<DQ, DQ - 64>(p.dk + tk * khs, key < T, p.dimq, true, pq, dk, hh, p.scale, c, tm.dk2 + tk * k2hs);
-            store_acc_row<DV>(p.dv + tk * khs, key < T, p.dimv, true, pv, dv, hh, 1.f, c);
+            const int key = kr2 + 8 * hh;
+            const size_t tk = ((size_t)b2 * p.T + key) * p.H + h2;
+            store_acc_row<DQ, DQ - 64>(p.dk + tk * khs, key < p.T, p.dimq, true, pq, dk, hh, p.scale, c2, tm.dk2 + tk * k2hs);
+            store_acc_row<DV>(p.dv + tk * khs, key < p.T, p.dimv, true, pv, dv, hh, 1.f, c2);
         }
     }
 }
@@ -3296,6 +3431,150 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
     /* launched early (after the dK/dV kernel, see launch_bwd): do not complete before it has, so that
        what follows on the stream sees dK and dV as well (a no-op when launched normally) */
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+/* dQ from the stored dS (the default with the dK/dV kernel's DS): dQ = scale * dS K, nothing recomputed.
+   The dQ kernel above forms S and dP again (two of its three products); here the dK/dV kernel has
+   written each dS^T tile (ds_tile) and this kernel only multiplies.  One CTA per (128-query block, b*h),
+   heaviest first (heavy_first); warpgroup wg owns query tile i = m0 / 64 + wg.  Per key tile j the
+   producer loads K_j (64 x DQ) and the dS^T tiles (j, i) of the warpgroups that see key tile j (from
+   their first document's tile to i) into one of NS stages; each such warpgroup issues
+     dQ += dS_ij K_j      m64nDQk16 x 4, A = dS^T read MN-major, B = K read MN-major
+   and releases the stage once the next tile's products have been issued and this one's completed.  Key
+   tiles are summed in order, so the result is bitwise the same run to run.  Launched right after the
+   dK/dV kernel with programmatic stream serialization: its setup (and, folded, the rotation tables)
+   overlaps that kernel's last wave; the producer waits for it (griddepcontrol.wait) before the first
+   load of dS. */
+template <int DQ>
+__host__ __device__ constexpr int dqds_stages() { return DQ <= 128 ? 5 : 4; }
+template <int DQ>
+constexpr size_t dqds_smem_bytes() {
+    return 1024 + (size_t)dqds_stages<DQ>() * (64 * DQ * 2 + 2 * 8192) + 16 * 8;
+}
+struct DqdsMaps {
+    CUtensorMap k, k2, ds;
+    const float *rcos, *rsin;   /* folded: the rotation tables (see BwdParams) */
+    int fold_dn, ntri;
+};
+template <int DQ, bool FOLD>
+__global__ void __launch_bounds__(384, 1) fa_bwd_dq_ds_kernel(const BwdCore p, const __grid_constant__ DqdsMaps tm) {
+    constexpr int BM = 128, BN = 64, NS = dqds_stages<DQ>();
+    static_assert(DQ % 64 == 0 && DQ <= 192, "wgmma tiles");
+    constexpr uint32_t K_BYTES = BN * DQ * 2, S_BYTES = 64 * 64 * 2, ST_BYTES = K_BYTES + 2 * S_BYTES;
+    extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t sSt = raw + ((1024u - (raw & 1023u)) & 1023u), sBar = sSt + NS * ST_BYTES;
+    /* mbarriers: full [NS]; empty [NS]; the rotation tables; then the tables (folded) */
+    const uint32_t barF = sBar, barE = sBar + 8 * NS, barRot = sBar + 16 * NS;
+    float *sRot = reinterpret_cast<float *>(smem_raw + (sBar + 128 - raw));
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int g = lane >> 2, c = lane & 3;
+    const int T = p.T, H = p.H;
+    int qb, bh;
+    heavy_first(qb, bh, true);
+    const int b = bh / H, h = bh - b * H;
+    const int m0 = ((int)gridDim.x - 1 - qb) * BM; /* the last query block has the most work */
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+    /* warpgroup w's key tiles: [lo_w, i_w] (none when its rows start past T) */
+    const int i0 = m0 / 64, i1 = i0 + 1;
+    const bool has1 = 64 * i1 < T;
+    const int lo0 = first_key_tile<BN>(dsb, m0), lo1 = has1 ? first_key_tile<BN>(dsb, 64 * i1) : 0;
+    const int j_end = has1 ? i1 + 1 : i0 + 1; /* one past the last key tile */
+
+    if (tid == 0) {
+        for (int i = 0; i < NS; ++i) {
+            mbar_init(barF + 8 * i, 1);
+            mbar_init(barE + 8 * i, 8);
+        }
+        if (FOLD) mbar_init(barRot, 32);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads(); /* the last CTA-wide barrier: the producer warpgroup leaves below */
+    const int fd = FOLD ? tm.fold_dn : 0, half = (p.dimq - fd) / 2;
+    if (warp >= 8) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (FOLD && warp == 9) { /* the rotation tables of rows [m0, m0 + 128), as in fa_bwd_dq_wg_kernel */
+            const int per = half / 4;
+            const uint32_t sRotU = sBar + 128;
+            for (int i = lane; i < BM * per; i += 32) {
+                const int r = m0 + i / per, k = i - (i / per) * per;
+                const bool ok = r < T;
+                const size_t src = (size_t)(ok ? r : 0) * half + 4 * k;
+                cp_async_16(sRotU + 16 * i, tm.rcos + src, ok);
+                cp_async_16(sRotU + 16 * (BM * per + i), tm.rsin + src, ok);
+            }
+            cp_async_mbar_arrive(barRot);
+        }
+        if (warp == 8 && lane == 0) {
+            asm volatile("griddepcontrol.wait;\n" ::: "memory"); /* dS is the dK/dV kernel's */
+            for (int j = lo0; j < j_end; ++j) {
+                const int u = j - lo0, st = u % NS;
+                if (u >= NS) mbar_wait(barE + 8 * st, ((u / NS) - 1) & 1);
+                const bool in0 = j <= i0, in1 = has1 && j >= lo1;
+                const uint32_t s0 = sSt + (uint32_t)st * ST_BYTES, full = barF + 8 * st;
+                mbar_expect_tx(full, K_BYTES + S_BYTES * ((int)in0 + (int)in1));
+                tma_qkv_tile<BN, DQ, FOLD, 1>(s0, &tm.k, &tm.k2, full, h, j * BN, b);
+                if (in0) tma_load_2d(s0 + K_BYTES, &tm.ds, full, 0, (int)(ds_tile(bh, tm.ntri, i0, j) / 64));
+                if (in1) tma_load_2d(s0 + K_BYTES + S_BYTES, &tm.ds, full, 0, (int)(ds_tile(bh, tm.ntri, i1, j) / 64));
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+
+    const int lo = wg ? lo1 : lo0, hi = wg ? (has1 ? i1 : -1) : i0;
+    float dq[DQ / 2];
+#pragma unroll
+    for (int i = 0; i < DQ / 2; ++i) dq[i] = 0.f;
+    int prev = -1; /* the stage of the last tile issued, released once the next one's products are issued */
+#pragma unroll 1
+    for (int j = lo0; j < j_end; ++j) {
+        const int u = j - lo0, st = u % NS;
+        mbar_wait(barF + 8 * st, (u / NS) & 1);
+        if (j >= lo && j <= hi) {
+            const uint32_t sk = sSt + (uint32_t)st * ST_BYTES, sa = sk + K_BYTES + (uint32_t)wg * S_BYTES;
+            fence_regs(dq);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                wgmma_ss<DQ, 1, 1>(dq, sw128_desc(sa + (uint32_t)(kk * 2048), 64 * 128, 1024),
+                                   sw128_desc(sk + (uint32_t)(kk * 2048), BN * 128, 1024), 1);
+            wgmma_commit();
+            wgmma_wait<1>();
+            fence_regs(dq);
+            if (prev >= 0 && lane == 0) mbar_arrive(barE + 8 * prev);
+            prev = st;
+        } else if (lane == 0) {
+            mbar_arrive(barE + 8 * st); /* not this warpgroup's tile */
+        }
+    }
+    wgmma_wait<0>();
+    fence_regs(dq);
+    if (prev >= 0 && lane == 0) mbar_arrive(barE + 8 * prev);
+
+    /* epilogue: dQ * scale (folded RoPE: its rope columns rotated back, as q's gradient) */
+    const int r0w = m0 + 64 * wg + 16 * (warp & 3) + g; /* this thread's rows: r0w + 8hh */
+    const size_t ldqk = (size_t)H * p.dimq, qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
+    bf16 *dqbase = p.dq + qoff;
+    const bool pq = p.pair_qk != 0, wq = rows16(p.dq, p.dimq, pq);
+    if constexpr (!FOLD) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = r0w + 8 * hh;
+            store_acc_row<DQ>(dqbase + (size_t)row * ldqk, row < T, p.dimq, wq, pq, dq, hh, p.scale, c);
+        }
+    } else {
+        mbar_wait(barRot, 0);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = r0w + 8 * hh;
+            bf16 *dqrow = dqbase + (size_t)row * ldqk;
+            const float *rc = sRot + (row - m0) * half;
+            store_acc_row<DQ, DQ - 64, true>(dqrow, row < T, p.dimq, wq, pq, dq, hh, p.scale, c, dqrow + fd, rc, rc + BM * half);
+        }
+    }
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -3897,19 +4176,35 @@ static int launch_fwd(const FwdParams &p, int BH, cudaStream_t stream) {
     return launch_fwd_kernel<DQ, DV, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>(p, BH, stream);
 }
 /* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
-template <int DQ, int DV, int VAR = 0>
+/* the dS^T tiles (ds_tile) as a TMA map: 64-column rows, boxes of 64 x 64 */
+static int ds_map(EncodeTiledFn enc, CUtensorMap *m, const void *ds, int BH, int ntri) {
+    const cuuint64_t dims[2] = {64, (cuuint64_t)BH * (cuuint64_t)ntri * 64};
+    const cuuint64_t strides[1] = {128};
+    const cuuint32_t box[2] = {64, 64};
+    return tma_map(enc, m, ds, 2, dims, strides, box);
+}
+#ifndef MT_FA_DSV
+#define MT_FA_DSV 3
+#endif
+template <int DQ, int DV, int VAR = 0, int DSV = MT_FA_DSV>
 static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdCore, const DkdvMaps) = fa_bwd_dkdv_wg_kernel<DQ, DV, VAR, false>;
-    if constexpr (VAR == 0 && DV == 128) if (p.fold.dn) kern = fa_bwd_dkdv_wg_kernel<DQ, DV, 0, true>;
+    void (*kern)(const BwdCore, const DkdvMaps) = fa_bwd_dkdv_wg_kernel<DQ, DV, VAR, false, 0>;
+    if constexpr (VAR == 0) if (p.ds) kern = fa_bwd_dkdv_wg_kernel<DQ, DV, 0, false, DSV>;
+    if constexpr (VAR == 0 && DV == 128) if (p.fold.dn) kern = p.ds ? fa_bwd_dkdv_wg_kernel<DQ, DV, 0, true, DSV>
+                                                                      : fa_bwd_dkdv_wg_kernel<DQ, DV, 0, true, 0>;
     if ((VAR != 0 || DV != 128) && p.fold.dn) return -1;
-    const size_t smem = dkdv_wg_smem_bytes<DQ, DV>();
+    const size_t smem = dkdv_wg_smem_bytes<DQ, DV>(VAR == 0 && DSV == 3 && p.ds);
     if (BH > 65535 || p.H <= 0) return -1;
     const int B = BH / p.H;
     EncodeTiledFn enc = tma_encoder();
     DkdvMaps tm;
+    memset(&tm.dsm, 0, sizeof tm.dsm);
+    if (VAR == 0 && DSV == 3 && p.ds && enc && ds_map(enc, &tm.dsm, p.ds, BH, p.ntri)) return -2;
     if (p.fold.dn && (p.dimq != DQ || p.dimv != DV)) return -1;
     tm.dk2 = p.dk2;
     tm.fold_dn = p.fold.dn;
+    tm.ds = p.ds;
+    tm.ntri = p.ntri;
     if (!enc || qkv_maps(enc, tm, p, B, 64, 128) || fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 64)) return -2;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     dim3 grid((unsigned)((p.T + 127) / 128), (unsigned)BH);
@@ -3948,6 +4243,41 @@ static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
+/* dQ from the stored dS (p.ds, after launch_dkdv_wg_kernel wrote it); -2 as above */
+template <int DQ, bool EARLY = true>
+static int launch_dq_ds_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const BwdCore, const DqdsMaps) = p.fold.dn ? fa_bwd_dq_ds_kernel<DQ, true> : fa_bwd_dq_ds_kernel<DQ, false>;
+    const size_t smem = dqds_smem_bytes<DQ>() + (p.fold.dn ? (size_t)128 * (p.dimq - p.fold.dn) * 4 : 0);
+    if (BH > 65535 || p.H <= 0 || !p.ds) return -1;
+    const int B = BH / p.H;
+    EncodeTiledFn enc = tma_encoder();
+    DqdsMaps tm;
+    memset(&tm, 0, sizeof tm);
+    if (p.fold.dn && p.dimq != DQ) return -1;
+    tm.rcos = p.rcos; tm.rsin = p.rsin;
+    tm.fold_dn = p.fold.dn;
+    tm.ntri = p.ntri;
+    if (!enc) return -2;
+    const int fd = p.fold.dn;
+    int rc = fd ? (fa_map(enc, &tm.k, p.fold.kv, fd + p.dimv, p.H, p.T, B, 64) || fa_map_shared(enc, &tm.k2, p.fold.kr, 64, p.T, B, 64))
+                : fa_map(enc, &tm.k, p.k, p.dimq, p.H, p.T, B, 64);
+    rc = rc || ds_map(enc, &tm.ds, p.ds, BH, p.ntri);
+    if (rc) return -2;
+    if (smem > 227 * 1024 || cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)((p.T + 127) / 128), (unsigned)BH);
+    cfg.blockDim = dim3(384);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = EARLY ? attr : nullptr;
+    cfg.numAttrs = EARLY ? 1 : 0;
+    if (cudaLaunchKernelEx(&cfg, kern, p, tm) != cudaSuccess) return -1;
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
 /* EARLY: the dQ kernel may start while the dK/dV kernel finishes (bench/attention.cu times both) */
 template <int DQ, int DV, bool EARLY = true>
 static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
@@ -3956,6 +4286,7 @@ static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
         if (p.vec_qk && p.vec_v) {
             int r = launch_dkdv_wg_kernel<DQ, DV>(p, BH, stream);
             if (r == -2 && p.fold.dn) return -1; /* folded RoPE: the wgmma kernels only */
+            if (r == 0 && p.ds) return launch_dq_ds_kernel<DQ, EARLY>(p, BH, stream) ? -1 : 0; /* dS written: dQ from it */
             if (r == -2) r = launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream);
             if (r) return -1;
             r = launch_dq_wg_kernel<DQ, DV, 0, EARLY>(p, BH, stream);
@@ -4013,11 +4344,25 @@ static int mt__fa_forward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const 
     }
 }
 
-static size_t mt__fa_backward_workspace(int B, int T, int H, int dq, int dv) {
-    (void)dq; (void)dv;
+/* The backward's workspace: D [B*T*H] f32, then (when ds_bytes says so) the dS^T tiles of the wgmma
+   kernels (ds_tile): B*H*n(n+1)/2 tiles of 8 KB, n = ceil(T / 64), e.g. 0.55 GB for B=8 T=2048 H=16.
+   Storing dS once instead of recomputing S and dP for dQ: H200, B=8 T=2048 H=16, 192/128, see
+   fa_bwd_dq_ds_kernel.  Above MT_FA_DS_MAX_BYTES (long sequences: the tiles grow as T^2) the dQ
+   kernel recomputes them instead. */
+#define MT_FA_DS_MAX_BYTES ((size_t)4 << 30)
+static size_t mt__fa_ds_offset(int B, int T, int H) {
+    return ((size_t)B * T * H * sizeof(float) + 1023) & ~(size_t)1023;
+}
+static size_t mt__fa_ds_bytes(int B, int T, int H, int dq, int dv) {
+    const int cfg = mt_fa::pick_cfg(dq, dv);
+    if (B <= 0 || T <= 0 || H <= 0 || cfg < 1 || cfg > 3) return 0; /* the wgmma configurations */
+    const size_t n = ((size_t)T + 63) / 64, bytes = (size_t)B * H * (n * (n + 1) / 2) * 8192;
+    return bytes <= MT_FA_DS_MAX_BYTES ? bytes : 0;
+}
+static size_t mt__fa_backward_workspace(int B, int T, int H, int dq, int dv, bool store_ds = true) {
     if (B <= 0 || T <= 0 || H <= 0) return 256;
-    const size_t bytes = (size_t)B * T * H * sizeof(float);
-    return (bytes + 255) & ~(size_t)255;
+    const size_t ds = store_ds ? mt__fa_ds_bytes(B, T, H, dq, dv) : 0;
+    return ds ? mt__fa_ds_offset(B, T, H) + ds : mt__fa_ds_offset(B, T, H);
 }
 
 namespace mt_fa {
@@ -4025,7 +4370,7 @@ namespace mt_fa {
 static int setup_bwd(BwdParams &p, const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const __nv_bfloat16 *V,
                      const __nv_bfloat16 *O, const float *lse, const __nv_bfloat16 *dO, const int32_t *dstart, __nv_bfloat16 *dQ,
                      __nv_bfloat16 *dK, __nv_bfloat16 *dV, void *workspace, int B, int T, int H, int dq, int dv,
-                     float scale) {
+                     float scale, bool store_ds = true) {
     if (B < 0 || T < 0 || H < 0) return -1;
     const int cfg = pick_cfg(dq, dv);
     if (cfg < 0) return -1;
@@ -4041,6 +4386,11 @@ static int setup_bwd(BwdParams &p, const __nv_bfloat16 *Q, const __nv_bfloat16 *
     p.T = T; p.H = H; p.dimq = dq; p.dimv = dv;
     p.scale = scale;
     p.scale_log2 = scale * MT_FA_LOG2E;
+    if (store_ds && mt__fa_ds_bytes(B, T, H, dq, dv) && aligned_to(workspace, 16)) {
+        const size_t n = ((size_t)T + 63) / 64;
+        p.ds = (bf16 *)((char *)workspace + mt__fa_ds_offset(B, T, H));
+        p.ntri = (int)(n * (n + 1) / 2);
+    }
     p.vec_qk = (dq % 8 == 0) && aligned_to(Q, 16) && aligned_to(K, 16);
     p.vec_v = (dv % 8 == 0) && aligned_to(V, 16) && aligned_to(dO, 16);
     p.pair_qk = (dq % 2 == 0) && aligned_to(dQ, 4) && aligned_to(dK, 4);
@@ -4052,10 +4402,10 @@ static int setup_bwd(BwdParams &p, const __nv_bfloat16 *Q, const __nv_bfloat16 *
 static int mt__fa_backward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const __nv_bfloat16 *V,
                            const __nv_bfloat16 *O, const float *lse, const __nv_bfloat16 *dO, const int32_t *dstart,
                            __nv_bfloat16 *dQ, __nv_bfloat16 *dK, __nv_bfloat16 *dV, void *workspace, int B,
-                           int T, int H, int dq, int dv, float scale, cudaStream_t stream) {
+                           int T, int H, int dq, int dv, float scale, cudaStream_t stream, bool store_ds = true) {
     using namespace mt_fa;
     BwdParams p;
-    const int cfg = setup_bwd(p, Q, K, V, O, lse, dO, dstart, dQ, dK, dV, workspace, B, T, H, dq, dv, scale);
+    const int cfg = setup_bwd(p, Q, K, V, O, lse, dO, dstart, dQ, dK, dV, workspace, B, T, H, dq, dv, scale, store_ds);
     if (cfg == -2) return 0;
     if (cfg < 0) return -1;
     if (launch_dot_kernel(p, (long long)B * T * H, stream)) return -1;
@@ -4103,7 +4453,8 @@ static int mt__fa_mla_forward(const __nv_bfloat16 *q, const __nv_bfloat16 *kv, c
 static int mt__fa_mla_backward(const __nv_bfloat16 *q, const __nv_bfloat16 *kv, const __nv_bfloat16 *qr, const __nv_bfloat16 *kr,
                                const __nv_bfloat16 *O, const float *lse, const __nv_bfloat16 *dO, const int32_t *dstart,
                                const float *cosv, const float *sinv, __nv_bfloat16 *dq, __nv_bfloat16 *dkv, __nv_bfloat16 *dkr,
-                               void *workspace, int B, int T, int H, int dn, int dr, int dv, float scale, cudaStream_t stream) {
+                               void *workspace, int B, int T, int H, int dn, int dr, int dv, float scale, cudaStream_t stream,
+                               bool store_ds = true) {
     using namespace mt_fa;
     if (B < 0 || T < 0 || H < 0) return -1;
     if ((long long)B * T * H == 0) return 0;
@@ -4111,7 +4462,7 @@ static int mt__fa_mla_backward(const __nv_bfloat16 *q, const __nv_bfloat16 *kv, 
         return -1;
     BwdParams p;
     /* q, kv stand in for Q, K, V in the checks (they are not read); dV is dkv's value columns */
-    const int cfg = setup_bwd(p, q, kv, kv, O, lse, dO, dstart, dq, dkv, dkv + dn, workspace, B, T, H, dn + dr, dv, scale);
+    const int cfg = setup_bwd(p, q, kv, kv, O, lse, dO, dstart, dq, dkv, dkv + dn, workspace, B, T, H, dn + dr, dv, scale, store_ds);
     if (cfg == -2) return 0;
     if (cfg < 0 || !p.vec_v || !(scale > 0.f)) return -1;
     p.q = p.k = p.v = nullptr;
@@ -4125,8 +4476,8 @@ static int mt__fa_mla_backward(const __nv_bfloat16 *q, const __nv_bfloat16 *kv, 
 }
 
 extern "C" {
-size_t mt_cuda_attention_backward_workspace(int B, int T, int H, int dq, int dv) {
-    return mt__fa_backward_workspace(B, T, H, dq, dv);
+size_t mt_cuda_attention_backward_workspace(const mt_cuda *c, int B, int T, int H, int dq, int dv) {
+    return mt__fa_backward_workspace(B, T, H, dq, dv, !c->attn_recompute_dq);
 }
 int mt_cuda_attention_forward(mt_cuda *c, const void *Q, const void *K, const void *V, const int32_t *dstart, void *O,
                               float *lse, int B, int T, int H, int dq, int dv, float scale) {
@@ -4140,7 +4491,7 @@ int mt_cuda_attention_backward(mt_cuda *c, const void *Q, const void *K, const v
                                int H, int dq, int dv, float scale) {
     if (dq > 256 || dv > 256) return mt__fail(c, "attention", "head dims above 256 are not supported on CUDA");
     if (mt__fa_backward((const bf16 *)Q, (const bf16 *)K, (const bf16 *)V, (const bf16 *)O, lse, (const bf16 *)dO, dstart,
-                        (bf16 *)dQ, (bf16 *)dK, (bf16 *)dV, ws, B, T, H, dq, dv, scale, c->stream))
+                        (bf16 *)dQ, (bf16 *)dK, (bf16 *)dV, ws, B, T, H, dq, dv, scale, c->stream, !c->attn_recompute_dq))
         return mt__fail(c, "attention backward", cudaGetErrorString(cudaGetLastError()));
     return 0;
 }
@@ -4160,7 +4511,7 @@ int mt_cuda_mla_attention_backward(mt_cuda *c, const void *q, const void *kv, co
     if (!mt_rope_fold_fits(dn, dr, dv))
         return mt__fail(c, "attention (RoPE folded)", "these head dims have no folded kernels: compile without the fold_rope pass");
     if (mt__fa_mla_backward((const bf16 *)q, (const bf16 *)kv, (const bf16 *)qr, (const bf16 *)kr, (const bf16 *)O, lse, (const bf16 *)dO,
-                            dstart, cosv, sinv, (bf16 *)dq, (bf16 *)dkv, (bf16 *)dkr, ws, B, T, H, dn, dr, dv, scale, c->stream))
+                            dstart, cosv, sinv, (bf16 *)dq, (bf16 *)dkv, (bf16 *)dkr, ws, B, T, H, dn, dr, dv, scale, c->stream, !c->attn_recompute_dq))
         return mt__fail(c, "attention backward (RoPE folded)", cudaGetLastError() != cudaSuccess ? "a launch failed"
                                                                                                : "misaligned tensors or no TMA tensor-map encoder");
     return 0;

@@ -898,7 +898,7 @@ static void gpu_test_attention_shape(int B, int T, int H, int dq, int dv, int do
     round_bf(O, nv);   /* the GPU backward reads the bf16 output */
     mt_cpu_attention_backward(NULL, dQ, dK, dV, Q, K, V, O, L, dO, ds, B, T, H, dq, dv, scale);
     void *dQ_ = up_bf(Q, nq), *dK_ = up_bf(K, nq), *dV_ = up_bf(V, nv), *ddO = up_bf(dO, nv), *dOo = dalloc(2 * nv), *dL = dalloc(4 * N * H);
-    void *gQ = dalloc(2 * nq), *gK = dalloc(2 * nq), *gV = dalloc(2 * nv), *ws = dalloc(mt_cuda_attention_backward_workspace(B, T, H, dq, dv));
+    void *gQ = dalloc(2 * nq), *gK = dalloc(2 * nq), *gV = dalloc(2 * nv), *ws = dalloc(mt_cuda_attention_backward_workspace(CU, B, T, H, dq, dv));
     int32_t *dds = ds ? (int32_t *)up(ds, 4 * (size_t)N) : NULL;
     int ok = !mt_cuda_attention_forward(CU, dQ_, dK_, dV_, dds, dOo, (float *)dL, B, T, H, dq, dv, scale);
     float *go = down_bf(dOo, nv), *gl = (float *)down(dL, 4 * N * H);
@@ -908,7 +908,7 @@ static void gpu_test_attention_shape(int B, int T, int H, int dq, int dv, int do
     double e3 = rel(gq, dQ, nq), e4 = rel(gk, dK, nq), e5 = rel(gv, dV, nv);
     /* rerun into freshly poisoned outputs: bitwise the same */
     void *dO2 = dalloc(2 * nv), *dL2 = dalloc(4 * N * H), *gQ2 = dalloc(2 * nq), *gK2 = dalloc(2 * nq), *gV2 = dalloc(2 * nv);
-    mt_cuda_memset(CU, ws, 0xff, mt_cuda_attention_backward_workspace(B, T, H, dq, dv));
+    mt_cuda_memset(CU, ws, 0xff, mt_cuda_attention_backward_workspace(CU, B, T, H, dq, dv));
     ok = ok && !mt_cuda_attention_forward(CU, dQ_, dK_, dV_, dds, dO2, (float *)dL2, B, T, H, dq, dv, scale) &&
          !mt_cuda_attention_backward(CU, dQ_, dK_, dV_, dO2, (float *)dL2, ddO, dds, gQ2, gK2, gV2, ws, B, T, H, dq, dv, scale);
     void *h1[5] = {down(dOo, 2 * nv), down(dL, 4 * N * H), down(gQ, 2 * nq), down(gK, 2 * nq), down(gV, 2 * nv)};
@@ -916,10 +916,21 @@ static void gpu_test_attention_shape(int B, int T, int H, int dq, int dv, int do
     size_t nb[5] = {2 * (size_t)nv, 4 * (size_t)(N * H), 2 * (size_t)nq, 2 * (size_t)nq, 2 * (size_t)nv};
     int same = 1;
     for (int i = 0; i < 5; i++) { same &= !memcmp(h1[i], h2[i], nb[i]); free(h1[i]); free(h2[i]); }
+    /* the backward again with dQ recomputing S and dP instead of reading the stored dS: dK and dV bitwise the
+       same, dQ within the tolerance */
+    mt_cuda_set_attn_recompute_dq(CU, 1);
+    int ok_r = !mt_cuda_attention_backward(CU, dQ_, dK_, dV_, dOo, (float *)dL, ddO, dds, gQ2, gK2, gV2, ws, B, T, H, dq, dv, scale);
+    mt_cuda_set_attn_recompute_dq(CU, 0);
+    float *rq = down_bf(gQ2, nq);
+    void *rk = down(gK2, 2 * nq), *rv = down(gV2, 2 * nv), *k1 = down(gK, 2 * nq), *v1 = down(gV, 2 * nv);
+    double e6 = rel(rq, dQ, nq);
+    ok_r = ok_r && e6 < BF_TOL && !memcmp(rk, k1, 2 * (size_t)nq) && !memcmp(rv, v1, 2 * (size_t)nv);
+    free(rq); free(rk); free(rv); free(k1); free(v1);
     char nm[96];
     snprintf(nm, sizeof nm, "gpu attention%s B%d T%d H%d %d/%d", docs ? " doc-masked" : "", B, T, H, dq, dv);
-    report(nm, ok && same && e1 < BF_TOL && e2 < 1e-4 && e3 < BF_TOL && e4 < BF_TOL && e5 < BF_TOL,
-           "O %.1e lse %.1e dQ %.1e dK %.1e dV %.1e; rerun bitwise %s", e1, e2, e3, e4, e5, same ? "yes" : "NO");
+    report(nm, ok && same && ok_r && e1 < BF_TOL && e2 < 1e-4 && e3 < BF_TOL && e4 < BF_TOL && e5 < BF_TOL,
+           "O %.1e lse %.1e dQ %.1e dK %.1e dV %.1e; rerun bitwise %s; dQ recomputed %.1e, dK dV bitwise %s", e1, e2, e3, e4, e5,
+           same ? "yes" : "NO", e6, ok_r ? "yes" : "NO");
     free(Q); free(K); free(V); free(dO); free(O); free(L); free(dQ); free(dK); free(dV); free(go); free(gl); free(gq); free(gk); free(gv); free(ds);
     dfree(dQ_); dfree(dK_); dfree(dV_); dfree(ddO); dfree(dOo); dfree(dL); dfree(gQ); dfree(gK); dfree(gV); dfree(ws); dfree(dds);
     dfree(dO2); dfree(dL2); dfree(gQ2); dfree(gK2); dfree(gV2);
@@ -1009,7 +1020,7 @@ static void gpu_test_fold_rope(int B, int T, int H, int dn, int dr, int dv, int 
          *Ds = up(sn, 4 * (size_t)T * half);
     int32_t *Dds = ds ? (int32_t *)up(ds, 4 * (size_t)N) : NULL;
     const float scale = 1.0f / sqrtf((float)dq);
-    const size_t wsb = mt_cuda_attention_backward_workspace(B, T, H, dq, dv);
+    const size_t wsb = mt_cuda_attention_backward_workspace(CU, B, T, H, dq, dv);
     /* unfolded */
     void *Q = dalloc(2 * nq), *K = dalloc(2 * nq), *V = dalloc(2 * nv), *O0 = dalloc(2 * nv), *L0 = dalloc(4 * N * H), *dQ = dalloc(2 * nq),
          *dK = dalloc(2 * nq), *dV = dalloc(2 * nv), *dq0 = dalloc(2 * nq), *dkv0 = dalloc(2 * nkv), *dkpe0 = dalloc(2 * N * dr), *ws = dalloc(wsb);

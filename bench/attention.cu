@@ -181,6 +181,27 @@ static void run_gpu(const Shape &s, DevBufs &d, float scale, HostOut &out) {
     CK(cudaMemcpy(out.lse.data(), d.lse, d.nl * 4, cudaMemcpyDeviceToHost));
 }
 
+/* the backward with dQ recomputing S and dP (p.ds null: the path taken when the dS tiles would pass
+   MT_FA_DS_MAX_BYTES), from the forward's O and lse in d */
+static void run_bwd_recompute(const Shape &s, DevBufs &d, float scale) {
+    using namespace mt_fa;
+    BwdParams p;
+    const int cfg = setup_bwd(p, d.q, d.k, d.v, d.o, d.lse, d.dout, d.ds, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq, s.dv, scale);
+    if (cfg < 0) { check(false, "setup_bwd for the recomputing dQ"); return; }
+    p.ds = nullptr;
+    p.ntri = 0;
+    const int BH = s.B * s.H;
+    CKAPI(launch_dot_kernel(p, (long long)BH * s.T, 0));
+    switch (cfg) {
+    case 0: CKAPI((launch_bwd<32, 32>(p, BH, 0))); break;
+    case 1: CKAPI((launch_bwd<64, 64>(p, BH, 0))); break;
+    case 2: CKAPI((launch_bwd<128, 128>(p, BH, 0))); break;
+    case 3: CKAPI((launch_bwd<192, 128>(p, BH, 0))); break;
+    default: CKAPI((launch_bwd<256, 256>(p, BH, 0))); break;
+    }
+    CK(cudaDeviceSynchronize());
+}
+
 static void test_shape(const Shape &s) {
     char tag[96];
     snprintf(tag, sizeof tag, "B=%d T=%d H=%d dq=%d dv=%d%s", s.B, s.T, s.H, s.dq, s.dv, s.doc ? " docs" : "");
@@ -321,6 +342,24 @@ static void test_shape(const Shape &s) {
     char what[160];
     snprintf(what, sizeof what, "%s bitwise identical rerun", tag);
     check(same, what);
+
+    /* dQ recomputed instead of read from the stored dS: dK and dV bitwise the same (the dK/dV kernel only
+       adds the stores), dQ within bf16 rounding of the default's */
+    CK(cudaMemset(d.dq, 0xFF, d.nq * 2)); CK(cudaMemset(d.dk, 0xFF, d.nq * 2)); CK(cudaMemset(d.dv, 0xFF, d.nv * 2));
+    run_bwd_recompute(s, d, scale);
+    {
+        std::vector<uint16_t> rq(d.nq), rk(d.nq), rv(d.nv);
+        CK(cudaMemcpy(rq.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(rk.data(), d.dk, d.nq * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(rv.data(), d.dv, d.nv * 2, cudaMemcpyDeviceToHost));
+        double md = 0, mx = 0;
+        for (size_t i = 0; i < rq.size(); ++i) {
+            md = std::max(md, (double)fabsf(bf2f(rq[i]) - bf2f(r1.dq[i])));
+            mx = std::max(mx, (double)fabsf(bf2f(r1.dq[i])));
+        }
+        snprintf(what, sizeof what, "%s dQ recomputed: dK, dV bitwise; max |dQ - dQ(dS)| = %.3g (max |dQ| %.3g)", tag, md, mx);
+        check(rk == r1.dk && rv == r1.dv && count_nonfinite_bf(rq) == 0 && md <= 1e-2 * mx + 1e-6, what);
+    }
     d.release();
     fflush(stdout);
 }
@@ -424,8 +463,42 @@ static void bench_breakdown(const Shape &s) {
     typedef Cfg<192, 128> C;
     const float t_dot = time_launcher(launch_dot_only, p, BH);
     {   /* the wgmma backward kernels (the default) one by one, against the mma.sync ones */
-        const float t_kv_wg = time_launcher(launch_dkdv_wg_kernel<192, 128>, p, BH);
-        const float t_q_wg = time_launcher(launch_dq_wg_kernel<192, 128>, p, BH);
+        BwdParams pr = p; /* dQ recomputing S and dP */
+        pr.ds = nullptr;
+        const float t_kv_ds = time_launcher(launch_dkdv_wg_kernel<192, 128>, p, BH);
+        const float t_q_ds = time_launcher(launch_dq_ds_kernel<192>, p, BH);
+        const float t_pair_ds = time_launcher(launch_bwd<192, 128, true>, p, BH);
+        const float t_pair_rec = time_launcher(launch_bwd<192, 128, true>, pr, BH);
+        const double fl0 = 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0);
+        printf("  wgmma backward, dS stored: dK/dV %.3f ms (%.1f TFLOP/s of mma work), dQ from dS %.3f ms (%.1f TFLOP/s); "
+               "the pair %.3f ms (%.1f TFLOP/s as counted); dQ recomputing S and dP instead: the pair %.3f ms (%.1f)\n",
+               t_kv_ds, fl0 * 2 * (192 + 128) / (t_kv_ds * 1e-3) / 1e12, t_q_ds, fl0 * 192 / (t_q_ds * 1e-3) / 1e12, t_pair_ds,
+               2.5 * fl0 * (192 + 128) / (t_pair_ds * 1e-3) / 1e12, t_pair_rec, 2.5 * fl0 * (192 + 128) / (t_pair_rec * 1e-3) / 1e12);
+        {   /* the ways of storing dS^T (store_ds): same tiles, so dQ bitwise the same */
+            std::vector<uint16_t> q0(d.nq), q1(d.nq);
+            CK(cudaDeviceSynchronize());
+            CK(cudaMemcpy(q0.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+            float tv[4];
+            bool same = true;
+            int (*const ks[3])(const BwdParams &, int, cudaStream_t) = {launch_dkdv_wg_kernel<192, 128, 0, 1>,
+                                                                          launch_dkdv_wg_kernel<192, 128, 0, 2>,
+                                                                          launch_dkdv_wg_kernel<192, 128, 0, 3>};
+            for (int v = 0; v < 3; ++v) {
+                CK(cudaMemset(d.ws, 0xFF, d.wsb));
+                CKAPI(launch_dot_kernel(p, (long long)BH * s.T, 0));
+                tv[v + 1] = time_launcher(ks[v], p, BH);
+                CKAPI((launch_dq_ds_kernel<192, false>(p, BH, 0)));
+                CK(cudaDeviceSynchronize());
+                CK(cudaMemcpy(q1.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
+                same = same && q1 == q0;
+            }
+            tv[0] = time_launcher(launch_dkdv_wg_kernel<192, 128>, pr, BH);
+            printf("  dK/dV storing dS^T: none %.3f ms; 4-byte stores %.3f ms; quad-transposed 16-byte stores %.3f ms; stmatrix + TMA "
+                   "store %.3f ms\n", tv[0], tv[1], tv[2], tv[3]);
+            check(same, "dS^T stored three ways: dQ bitwise the same");
+        }
+        const float t_kv_wg = time_launcher(launch_dkdv_wg_kernel<192, 128>, pr, BH);
+        const float t_q_wg = time_launcher(launch_dq_wg_kernel<192, 128>, pr, BH);
         CK(cudaDeviceSynchronize());
         std::vector<uint16_t> a(d.nq), bq(d.nq);
         CK(cudaMemcpy(a.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
@@ -433,8 +506,7 @@ static void bench_breakdown(const Shape &s) {
         CK(cudaMemcpy(bq.data(), d.dq, d.nq * 2, cudaMemcpyDeviceToHost));
         double md = 0;
         for (size_t i = 0; i < a.size(); ++i) md = std::max(md, (double)fabsf(bf2f(a[i]) - bf2f(bq[i])));
-        const double fl0 = 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0);
-        printf("  wgmma backward: dK/dV %.3f ms (%.1f TFLOP/s of mma work), dQ %.3f ms (%.1f TFLOP/s of mma work); "
+        printf("  wgmma backward, dQ recomputing: dK/dV %.3f ms (%.1f TFLOP/s of mma work), dQ %.3f ms (%.1f TFLOP/s of mma work); "
                "max |dQ - dQ(mma.sync)| = %.3g\n",
                t_kv_wg, fl0 * 2 * (192 + 128) / (t_kv_wg * 1e-3) / 1e12, t_q_wg, fl0 * (192 + 128 + 192) / (t_q_wg * 1e-3) / 1e12, md);
     }
@@ -521,22 +593,24 @@ static void bench_breakdown(const Shape &s) {
            o1 == o2 ? "identical" : "DIFFERENT (info only)");
     {   /* wgmma kernels: ablations that leave a stage out (their outputs are wrong: timing only, so they
            run last; the backward ones first, as the forward ones spoil O and lse) */
+        BwdParams pn = p; /* the ablations below: the kernels without the dS path */
+        pn.ds = nullptr;
         const float b1 = time_launcher(launch_bwd<192, 128, true>, p, BH);
         const float b0 = time_launcher(launch_bwd<192, 128, false>, p, BH);
         printf("backward kernels (dK/dV, then dQ; wgmma): %.3f ms with dQ launched early, %.3f ms after dK/dV\n", b1, b0);
-        const float q0 = time_launcher(launch_dq_wg_kernel<192, 128, 0>, p, BH);
-        const float q1 = time_launcher(launch_dq_wg_kernel<192, 128, 1>, p, BH);
-        const float k0 = time_launcher(launch_dkdv_wg_kernel<192, 128, 0>, p, BH);
-        const float k1 = time_launcher(launch_dkdv_wg_kernel<192, 128, 1>, p, BH);
-        const float q2 = time_launcher(launch_dq_wg_kernel<192, 128, 2>, p, BH);
-        const float q32 = time_launcher(launch_dq_wg_kernel<192, 128, 32>, p, BH);
+        const float q0 = time_launcher(launch_dq_wg_kernel<192, 128, 0>, pn, BH);
+        const float q1 = time_launcher(launch_dq_wg_kernel<192, 128, 1>, pn, BH);
+        const float k0 = time_launcher(launch_dkdv_wg_kernel<192, 128, 0>, pn, BH);
+        const float k1 = time_launcher(launch_dkdv_wg_kernel<192, 128, 1>, pn, BH);
+        const float q2 = time_launcher(launch_dq_wg_kernel<192, 128, 2>, pn, BH);
+        const float q32 = time_launcher(launch_dq_wg_kernel<192, 128, 32>, pn, BH);
         printf("ablations dQ (wgmma): %.3f ms, without the copies in the loop %.3f ms; without the warpgroups' turns %.3f ms; CTAs "
                "head after head instead of heaviest first in groups of 8 heads %.3f ms\n", q0, q1, q2, q32);
-        const float k4 = time_launcher(launch_dkdv_wg_kernel<192, 128, 4>, p, BH);
-        const float k8 = time_launcher(launch_dkdv_wg_kernel<192, 128, 8>, p, BH);
-        const float k12 = time_launcher(launch_dkdv_wg_kernel<192, 128, 12>, p, BH);
-        const float k16 = time_launcher(launch_dkdv_wg_kernel<192, 128, 16>, p, BH);
-        const float k20 = time_launcher(launch_dkdv_wg_kernel<192, 128, 20>, p, BH);
+        const float k4 = time_launcher(launch_dkdv_wg_kernel<192, 128, 4>, pn, BH);
+        const float k8 = time_launcher(launch_dkdv_wg_kernel<192, 128, 8>, pn, BH);
+        const float k12 = time_launcher(launch_dkdv_wg_kernel<192, 128, 12>, pn, BH);
+        const float k16 = time_launcher(launch_dkdv_wg_kernel<192, 128, 16>, pn, BH);
+        const float k20 = time_launcher(launch_dkdv_wg_kernel<192, 128, 20>, pn, BH);
         printf("ablations dK/dV (wgmma): %.3f ms, without the copies in the loop %.3f ms; without the warpgroups' turns at "
                "S/dP %.3f ms, turns at dV/dK too %.3f ms, at dV/dK only %.3f ms; refilling at a tile's start %.3f ms (and no "
                "turns %.3f ms)\n", k0, k1, k4, k8, k12, k16, k20);
@@ -580,6 +654,13 @@ static void bench_fold(int B, int T, int H, int dn, int dr, int dv) {
     fill_random_bf16<<<1024, 256>>>(qr, nr, 23u); fill_random_bf16<<<1024, 256>>>(kr, N * dr, 24u);
     fill_random_bf16<<<1024, 256>>>(dout, nv, 25u); fill_random_bf16<<<1024, 256>>>(Q, nq, 26u);
     fill_random_bf16<<<1024, 256>>>(K, nq, 27u); fill_random_bf16<<<1024, 256>>>(V, nv, 28u);
+    if (getenv("FOLD_SAME")) { /* Q, K, V formed from q, qr, kv, kr: the unfolded kernels on the folded ones' values */
+        CK(cudaMemcpy2D(Q, dq * 2, q, dq * 2, dn * 2, N * H, cudaMemcpyDeviceToDevice));
+        CK(cudaMemcpy2D(Q + dn, dq * 2, qr, dr * 2, dr * 2, N * H, cudaMemcpyDeviceToDevice));
+        CK(cudaMemcpy2D(K, dq * 2, kv, (dn + dv) * 2, dn * 2, N * H, cudaMemcpyDeviceToDevice));
+        for (int h = 0; h < H; ++h) CK(cudaMemcpy2D(K + h * dq + dn, (size_t)H * dq * 2, kr, dr * 2, dr * 2, N, cudaMemcpyDeviceToDevice));
+        CK(cudaMemcpy2D(V, dv * 2, kv + dn, (dn + dv) * 2, dv * 2, N * H, cudaMemcpyDeviceToDevice));
+    }
     CK(cudaMemset(cs, 0, (size_t)T * dr / 2 * 4)); CK(cudaMemset(sn, 0, (size_t)T * dr / 2 * 4));
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
@@ -598,7 +679,15 @@ static void bench_fold(int B, int T, int H, int dn, int dr, int dv) {
     pf.dk2 = gkr; pf.rcos = cs; pf.rsin = sn;
     const int BH = B * H;
     const float kf = time_launcher(launch_dkdv_wg_kernel<192, 128>, pf, BH), ku = time_launcher(launch_dkdv_wg_kernel<192, 128>, pu, BH);
-    const float qf = time_launcher(launch_dq_wg_kernel<192, 128>, pf, BH), qu = time_launcher(launch_dq_wg_kernel<192, 128>, pu, BH);
+    {   /* the folded dK/dV by the way it stores dS^T (store_ds) */
+        BwdParams pn = pf;
+        pn.ds = nullptr;
+        BwdParams un = pu;
+        un.ds = nullptr;
+        const float k0 = time_launcher(launch_dkdv_wg_kernel<192, 128>, pn, BH), k1 = time_launcher(launch_dkdv_wg_kernel<192, 128>, un, BH);
+        printf("  dK/dV without the dS^T stores: folded %.3f ms, unfolded %.3f ms\n", k0, k1);
+    }
+    const float qf = time_launcher(launch_dq_ds_kernel<192>, pf, BH), qu = time_launcher(launch_dq_ds_kernel<192>, pu, BH);
     const double ffwd = 2.0 * H * ((double)B * T * T / 2.0) * (dq + dv), fbwd = 2.5 * ffwd;
     printf("timing-fold B=%d T=%d H=%d %d+%d/%d: folded forward %.3f ms (%.1f TFLOP/s), backward %.3f ms (%.1f TFLOP/s); unfolded "
            "forward %.3f ms, backward %.3f ms; kernels folded / unfolded: dK/dV %.3f / %.3f ms, dQ %.3f / %.3f ms\n", B, T, H, dn, dr, dv,
@@ -615,6 +704,11 @@ int main(int argc, char **argv) {
     CK(cudaGetDeviceProperties(&prop, dev));
     printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
 
+    if (getenv("FOLD_ONLY")) { /* only the folded-against-unfolded timings (FOLD_SAME: on the same values) */
+        bench_fold(8, 2048, 16, 128, 64, 128);
+        bench_fold(2, 4096, 16, 128, 64, 128);
+        return 0;
+    }
     const Shape shapes[] = {
         {2, 64, 4, 24, 16}, {1, 7, 2, 12, 8}, {2, 100, 3, 64, 64}, {1, 130, 2, 128, 128}, {2, 256, 4, 192, 128},
         {1, 1, 1, 192, 128}, {8, 2048, 16, 192, 128},
