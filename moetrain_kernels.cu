@@ -2028,6 +2028,7 @@ struct BwdParams : BwdCore {
        null: the dQ kernel recomputes S and dP (see ds_workspace for when) */
     bf16 *ds = nullptr;
     int ntri = 0;
+    int *tick = nullptr; /* with ds: the dQ kernel's two work counters (zeroed by the D kernel) */
 };
 
 /* ldmatrix per-lane offsets (see header comment of each kernel):
@@ -3435,27 +3436,43 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
 
 /* dQ from the stored dS (the default with the dK/dV kernel's DS): dQ = scale * dS K, nothing recomputed.
    The dQ kernel above forms S and dP again (two of its three products); here the dK/dV kernel has
-   written each dS^T tile (ds_tile) and this kernel only multiplies.  One CTA per (128-query block, b*h),
-   heaviest first (heavy_first); warpgroup wg owns query tile i = m0 / 64 + wg.  Per key tile j the
-   producer loads K_j (64 x DQ) and the dS^T tiles (j, i) of the warpgroups that see key tile j (from
-   their first document's tile to i) into one of NS stages; each such warpgroup issues
+   written each dS^T tile (ds_tile) and this kernel only multiplies.  Work items (128-query block, b*h),
+   warpgroup wg owns query tile i = m0 / 64 + wg.  Per key tile j the producer loads K_j (64 x DQ) and
+   the dS^T tiles (j, i) of the warpgroups that see key tile j (from their first document's tile to i)
+   into one of NS stages; each such warpgroup issues
      dQ += dS_ij K_j      m64nDQk16 x 4, A = dS^T read MN-major, B = K read MN-major
    and releases the stage once the next tile's products have been issued and this one's completed.  Key
-   tiles are summed in order, so the result is bitwise the same run to run.  Launched right after the
-   dK/dV kernel with programmatic stream serialization: its setup (and, folded, the rotation tables)
-   overlaps that kernel's last wave; the producer waits for it (griddepcontrol.wait) before the first
-   load of dS. */
+   tiles are summed in order, so the result is bitwise the same run to run.
+   Persistent: one CTA per SM takes items dq_item(t): first t = blockIdx.x, then tickets (gridDim.x + an
+   atomic counter's count, handed out in order: the heaviest first, whichever CTA is free; a static
+   round robin measured 0.369 against 0.222 ms for one CTA per item, its CTAs' work differing by 2.8x).
+   The producer passes each ticket to the consumers through a 4-slot ring in shared memory.  The stage
+   ring runs on from one item to the next, so the next item's first loads overlap this one's epilogue.
+   Which CTA takes which item changes nothing in the results.
+   Folded, each consumer warp stages the rotation tables of its 16 rows by cp.async when it starts an
+   item (its own 4 KB of shared memory; waited for before the epilogue).
+   Launched right after the dK/dV kernel with programmatic stream serialization: its setup overlaps that
+   kernel's last wave; the producer waits for it (griddepcontrol.wait) before its first load. */
 template <int DQ>
 __host__ __device__ constexpr int dqds_stages() { return DQ <= 128 ? 5 : 4; }
 template <int DQ>
 constexpr size_t dqds_smem_bytes() {
-    return 1024 + (size_t)dqds_stages<DQ>() * (64 * DQ * 2 + 2 * 8192) + 16 * 8;
+    return 1024 + (size_t)dqds_stages<DQ>() * (64 * DQ * 2 + 2 * 8192) + 256;
 }
 struct DqdsMaps {
     CUtensorMap k, k2, ds;
     const float *rcos, *rsin;   /* folded: the rotation tables (see BwdParams) */
-    int fold_dn, ntri;
+    int fold_dn, ntri, nbh;
+    int *tick;   /* [0]: work items handed out past the first wave; [1]: CTAs done taking them (the last resets both) */
 };
+/* work item t of nb query blocks x nbh heads: heads in groups of 8 (their K and dS in L2 together), and
+   within a group the heaviest query block of each head first (as heavy_first) */
+__device__ __forceinline__ void dq_item(int t, int nb, int nbh, int &m0, int &bh) {
+    constexpr int G = 8;
+    const int grp = t / (G * nb), r = t - grp * G * nb, gs = min(G, nbh - grp * G);
+    m0 = (nb - 1 - r / gs) * 128;
+    bh = grp * G + r % gs;
+}
 template <int DQ, bool FOLD>
 __global__ void __launch_bounds__(384, 1) fa_bwd_dq_ds_kernel(const BwdCore p, const __grid_constant__ DqdsMaps tm) {
     constexpr int BM = 128, BN = 64, NS = dqds_stages<DQ>();
@@ -3464,115 +3481,155 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_ds_kernel(const BwdCore p, c
     extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
     const uint32_t raw = smem_u32(smem_raw);
     const uint32_t sSt = raw + ((1024u - (raw & 1023u)) & 1023u), sBar = sSt + NS * ST_BYTES;
-    /* mbarriers: full [NS]; empty [NS]; the rotation tables; then the tables (folded) */
-    const uint32_t barF = sBar, barE = sBar + 8 * NS, barRot = sBar + 16 * NS;
-    float *sRot = reinterpret_cast<float *>(smem_raw + (sBar + 128 - raw));
+    /* mbarriers: full [NS]; empty [NS]; item full [R]; item empty [R]; the item ring [R] (ints); then
+       (folded) each consumer warp's rotation tables */
+    constexpr int R = 4;
+    const uint32_t barF = sBar, barE = sBar + 8 * NS, barIF = sBar + 16 * NS, barIE = barIF + 8 * R;
+    volatile int *sItem = reinterpret_cast<volatile int *>(smem_raw + (barIE + 8 * R - raw));
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int g = lane >> 2, c = lane & 3;
-    const int T = p.T, H = p.H;
-    int qb, bh;
-    heavy_first(qb, bh, true);
-    const int b = bh / H, h = bh - b * H;
-    const int m0 = ((int)gridDim.x - 1 - qb) * BM; /* the last query block has the most work */
-    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
-    /* warpgroup w's key tiles: [lo_w, i_w] (none when its rows start past T) */
-    const int i0 = m0 / 64, i1 = i0 + 1;
-    const bool has1 = 64 * i1 < T;
-    const int lo0 = first_key_tile<BN>(dsb, m0), lo1 = has1 ? first_key_tile<BN>(dsb, 64 * i1) : 0;
-    const int j_end = has1 ? i1 + 1 : i0 + 1; /* one past the last key tile */
+    const int T = p.T, H = p.H, nb = (T + BM - 1) / BM, nbh = tm.nbh, items = nb * nbh;
+    auto tiles = [&](int m0, int bh, int &lo0, int &lo1, int &i0, bool &has1, int &j_end) {
+        const int *dsb = p.dstart ? p.dstart + (size_t)(bh / H) * T : nullptr;
+        i0 = m0 / 64;
+        has1 = 64 * (i0 + 1) < T;
+        lo0 = first_key_tile<BN>(dsb, m0);
+        lo1 = has1 ? first_key_tile<BN>(dsb, 64 * (i0 + 1)) : 0;
+        j_end = has1 ? i0 + 2 : i0 + 1; /* one past the last key tile */
+    };
 
     if (tid == 0) {
         for (int i = 0; i < NS; ++i) {
             mbar_init(barF + 8 * i, 1);
             mbar_init(barE + 8 * i, 8);
         }
-        if (FOLD) mbar_init(barRot, 32);
+        for (int i = 0; i < R; ++i) {
+            mbar_init(barIF + 8 * i, 1);
+            mbar_init(barIE + 8 * i, 8);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads(); /* the last CTA-wide barrier: the producer warpgroup leaves below */
-    const int fd = FOLD ? tm.fold_dn : 0, half = (p.dimq - fd) / 2;
     if (warp >= 8) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (FOLD && warp == 9) { /* the rotation tables of rows [m0, m0 + 128), as in fa_bwd_dq_wg_kernel */
-            const int per = half / 4;
-            const uint32_t sRotU = sBar + 128;
-            for (int i = lane; i < BM * per; i += 32) {
-                const int r = m0 + i / per, k = i - (i / per) * per;
-                const bool ok = r < T;
-                const size_t src = (size_t)(ok ? r : 0) * half + 4 * k;
-                cp_async_16(sRotU + 16 * i, tm.rcos + src, ok);
-                cp_async_16(sRotU + 16 * (BM * per + i), tm.rsin + src, ok);
-            }
-            cp_async_mbar_arrive(barRot);
-        }
         if (warp == 8 && lane == 0) {
-            asm volatile("griddepcontrol.wait;\n" ::: "memory"); /* dS is the dK/dV kernel's */
-            for (int j = lo0; j < j_end; ++j) {
-                const int u = j - lo0, st = u % NS;
-                if (u >= NS) mbar_wait(barE + 8 * st, ((u / NS) - 1) & 1);
-                const bool in0 = j <= i0, in1 = has1 && j >= lo1;
-                const uint32_t s0 = sSt + (uint32_t)st * ST_BYTES, full = barF + 8 * st;
-                mbar_expect_tx(full, K_BYTES + S_BYTES * ((int)in0 + (int)in1));
-                tma_qkv_tile<BN, DQ, FOLD, 1>(s0, &tm.k, &tm.k2, full, h, j * BN, b);
-                if (in0) tma_load_2d(s0 + K_BYTES, &tm.ds, full, 0, (int)(ds_tile(bh, tm.ntri, i0, j) / 64));
-                if (in1) tma_load_2d(s0 + K_BYTES + S_BYTES, &tm.ds, full, 0, (int)(ds_tile(bh, tm.ntri, i1, j) / 64));
+            asm volatile("griddepcontrol.wait;\n" ::: "memory"); /* dS is the dK/dV kernel's (and the tickets' zeros) */
+            int u = 0;
+            for (int q = 0, t = (int)blockIdx.x;; ++q) {
+                const int slot = q % R;
+                if (q >= R) mbar_wait(barIE + 8 * slot, ((q / R) - 1) & 1);
+                sItem[slot] = t;
+                mbar_arrive(barIF + 8 * slot);
+                if (t >= items) break;
+                int m0, bh, lo0, lo1, i0, j_end;
+                bool has1;
+                dq_item(t, nb, nbh, m0, bh);
+                tiles(m0, bh, lo0, lo1, i0, has1, j_end);
+                const int b = bh / H, h = bh - b * H;
+                for (int j = lo0; j < j_end; ++j, ++u) {
+                    const int st = u % NS;
+                    if (u >= NS) mbar_wait(barE + 8 * st, ((u / NS) - 1) & 1);
+                    const bool in0 = j <= i0, in1 = has1 && j >= lo1;
+                    const uint32_t s0 = sSt + (uint32_t)st * ST_BYTES, full = barF + 8 * st;
+                    mbar_expect_tx(full, K_BYTES + S_BYTES * ((int)in0 + (int)in1));
+                    tma_qkv_tile<BN, DQ, FOLD, 1>(s0, &tm.k, &tm.k2, full, h, j * BN, b);
+                    if (in0) tma_load_2d(s0 + K_BYTES, &tm.ds, full, 0, (int)(ds_tile(bh, tm.ntri, i0, j) / 64));
+                    if (in1) tma_load_2d(s0 + K_BYTES + S_BYTES, &tm.ds, full, 0, (int)(ds_tile(bh, tm.ntri, i0 + 1, j) / 64));
+                }
+                t = (int)gridDim.x + atomicAdd(tm.tick, 1);
+            }
+            __threadfence();
+            if (atomicAdd(tm.tick + 1, 1) == (int)gridDim.x - 1) { /* every CTA has taken its last ticket */
+                __threadfence();
+                atomicExch(tm.tick, 0);
+                atomicExch(tm.tick + 1, 0);
             }
         }
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 
-    const int lo = wg ? lo1 : lo0, hi = wg ? (has1 ? i1 : -1) : i0;
-    float dq[DQ / 2];
+    const int fd = FOLD ? tm.fold_dn : 0, half = (p.dimq - fd) / 2;
+    float *sRotW = reinterpret_cast<float *>(smem_raw + (sBar + 256 - raw)) + (size_t)warp * 32 * half; /* [2][16][half] */
+    int u = 0;
+    for (int q = 0;; ++q) {
+        const int slot = q % R;
+        mbar_wait(barIF + 8 * slot, (q / R) & 1);
+        const int t = sItem[slot];
+        __syncwarp();
+        if (lane == 0) mbar_arrive(barIE + 8 * slot);
+        if (t >= items) break;
+        int m0, bh, lo0, lo1, i0, j_end;
+        bool has1;
+        dq_item(t, nb, nbh, m0, bh);
+        tiles(m0, bh, lo0, lo1, i0, has1, j_end);
+        const int b = bh / H, h = bh - b * H;
+        const int r0w = m0 + 64 * wg + 16 * (warp & 3) + g; /* this thread's rows: r0w + 8hh */
+        if constexpr (FOLD) { /* cos, sin of this warp's 16 rows (rows past T zero-filled) */
+            const int per = half / 4, rbase = r0w - g;
+            const uint32_t dst = smem_u32(sRotW);
+            for (int k = lane; k < 16 * per; k += 32) {
+                const int r = rbase + k / per, q = k - (k / per) * per;
+                const bool ok = r < T;
+                const size_t src = (size_t)(ok ? r : 0) * half + 4 * q;
+                cp_async_16(dst + 16 * k, tm.rcos + src, ok);
+                cp_async_16(dst + 16 * (16 * per + k), tm.rsin + src, ok);
+            }
+            cp_async_commit();
+        }
+        const int lo = wg ? lo1 : lo0, hi = wg ? (has1 ? i0 + 1 : -1) : i0;
+        float dq[DQ / 2];
 #pragma unroll
-    for (int i = 0; i < DQ / 2; ++i) dq[i] = 0.f;
-    int prev = -1; /* the stage of the last tile issued, released once the next one's products are issued */
+        for (int i = 0; i < DQ / 2; ++i) dq[i] = 0.f;
+        int prev = -1; /* the stage of the last tile issued, released once the next one's products are issued */
 #pragma unroll 1
-    for (int j = lo0; j < j_end; ++j) {
-        const int u = j - lo0, st = u % NS;
-        mbar_wait(barF + 8 * st, (u / NS) & 1);
-        if (j >= lo && j <= hi) {
-            const uint32_t sk = sSt + (uint32_t)st * ST_BYTES, sa = sk + K_BYTES + (uint32_t)wg * S_BYTES;
-            fence_regs(dq);
-            wgmma_fence();
+        for (int j = lo0; j < j_end; ++j, ++u) {
+            const int st = u % NS;
+            mbar_wait(barF + 8 * st, (u / NS) & 1);
+            if (j >= lo && j <= hi) {
+                const uint32_t sk = sSt + (uint32_t)st * ST_BYTES, sa = sk + K_BYTES + (uint32_t)wg * S_BYTES;
+                fence_regs(dq);
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                wgmma_ss<DQ, 1, 1>(dq, sw128_desc(sa + (uint32_t)(kk * 2048), 64 * 128, 1024),
-                                   sw128_desc(sk + (uint32_t)(kk * 2048), BN * 128, 1024), 1);
-            wgmma_commit();
-            wgmma_wait<1>();
-            fence_regs(dq);
-            if (prev >= 0 && lane == 0) mbar_arrive(barE + 8 * prev);
-            prev = st;
-        } else if (lane == 0) {
-            mbar_arrive(barE + 8 * st); /* not this warpgroup's tile */
+                for (int kk = 0; kk < 4; ++kk)
+                    wgmma_ss<DQ, 1, 1>(dq, sw128_desc(sa + (uint32_t)(kk * 2048), 64 * 128, 1024),
+                                       sw128_desc(sk + (uint32_t)(kk * 2048), BN * 128, 1024), 1);
+                wgmma_commit();
+                wgmma_wait<1>();
+                fence_regs(dq);
+                if (prev >= 0 && lane == 0) mbar_arrive(barE + 8 * prev);
+                prev = st;
+            } else if (lane == 0) {
+                mbar_arrive(barE + 8 * st); /* not this warpgroup's tile */
+            }
         }
-    }
-    wgmma_wait<0>();
-    fence_regs(dq);
-    if (prev >= 0 && lane == 0) mbar_arrive(barE + 8 * prev);
+        wgmma_wait<0>();
+        fence_regs(dq);
+        if (prev >= 0 && lane == 0) mbar_arrive(barE + 8 * prev);
 
-    /* epilogue: dQ * scale (folded RoPE: its rope columns rotated back, as q's gradient) */
-    const int r0w = m0 + 64 * wg + 16 * (warp & 3) + g; /* this thread's rows: r0w + 8hh */
-    const size_t ldqk = (size_t)H * p.dimq, qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
-    bf16 *dqbase = p.dq + qoff;
-    const bool pq = p.pair_qk != 0, wq = rows16(p.dq, p.dimq, pq);
-    if constexpr (!FOLD) {
+        /* epilogue: dQ * scale (folded RoPE: its rope columns rotated back, as q's gradient) */
+        const size_t ldqk = (size_t)H * p.dimq, qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
+        bf16 *dqbase = p.dq + qoff;
+        const bool pq = p.pair_qk != 0, wq = rows16(p.dq, p.dimq, pq);
+        if constexpr (!FOLD) {
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int row = r0w + 8 * hh;
-            store_acc_row<DQ>(dqbase + (size_t)row * ldqk, row < T, p.dimq, wq, pq, dq, hh, p.scale, c);
-        }
-    } else {
-        mbar_wait(barRot, 0);
+            for (int hh = 0; hh < 2; ++hh) {
+                const int row = r0w + 8 * hh;
+                store_acc_row<DQ>(dqbase + (size_t)row * ldqk, row < T, p.dimq, wq, pq, dq, hh, p.scale, c);
+            }
+        } else {
+            cp_async_wait<0>();
+            __syncwarp();
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int row = r0w + 8 * hh;
-            bf16 *dqrow = dqbase + (size_t)row * ldqk;
-            const float *rc = sRot + (row - m0) * half;
-            store_acc_row<DQ, DQ - 64, true>(dqrow, row < T, p.dimq, wq, pq, dq, hh, p.scale, c, dqrow + fd, rc, rc + BM * half);
+            for (int hh = 0; hh < 2; ++hh) {
+                const int row = r0w + 8 * hh;
+                bf16 *dqrow = dqbase + (size_t)row * ldqk;
+                const float *rc = sRotW + (g + 8 * hh) * half;
+                store_acc_row<DQ, DQ - 64, true>(dqrow, row < T, p.dimq, wq, pq, dq, hh, p.scale, c, dqrow + fd, rc, rc + 16 * half);
+            }
+            __syncwarp(); /* the tables are read before the next item's copies overwrite them */
         }
     }
 }
@@ -3581,7 +3638,8 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_ds_kernel(const BwdCore p, c
 /* Backward preprocessing: D[r] = sum_d dO[r,d] * O[r,d], r = n*H + h (rows of dv contiguous) */
 /* ------------------------------------------------------------------------------------------ */
 __global__ void __launch_bounds__(256) fa_bwd_dot_kernel(const bf16 *__restrict__ o, const bf16 *__restrict__ dout,
-                                                          float *__restrict__ D, long long rows, int dv) {
+                                                          float *__restrict__ D, long long rows, int dv, int *tick) {
+    if (tick && blockIdx.x == 0 && threadIdx.x < 2) tick[threadIdx.x] = 0; /* the dQ kernel's tickets (fa_bwd_dq_ds_kernel) */
     const long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (r >= rows) return; /* warp-uniform */
@@ -4094,7 +4152,7 @@ static int launch_dq_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
 static int launch_dot_kernel(const BwdParams &p, long long rows, cudaStream_t stream) {
     const long long nblk = (rows + 7) / 8;
     if (nblk > 0x7fffffffLL) return -1;
-    fa_bwd_dot_kernel<<<(unsigned)nblk, 256, 0, stream>>>(p.o, p.dout, p.dsum, rows, p.dimv);
+    fa_bwd_dot_kernel<<<(unsigned)nblk, 256, 0, stream>>>(p.o, p.dout, p.dsum, rows, p.dimv, p.ds ? p.tick : nullptr);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
@@ -4257,7 +4315,9 @@ static int launch_dq_ds_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
     tm.rcos = p.rcos; tm.rsin = p.rsin;
     tm.fold_dn = p.fold.dn;
     tm.ntri = p.ntri;
-    if (!enc) return -2;
+    tm.nbh = BH;
+    tm.tick = p.tick;
+    if (!enc || !p.tick) return -2;
     const int fd = p.fold.dn;
     int rc = fd ? (fa_map(enc, &tm.k, p.fold.kv, fd + p.dimv, p.H, p.T, B, 64) || fa_map_shared(enc, &tm.k2, p.fold.kr, 64, p.T, B, 64))
                 : fa_map(enc, &tm.k, p.k, p.dimq, p.H, p.T, B, 64);
@@ -4268,7 +4328,12 @@ static int launch_dq_ds_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)((p.T + 127) / 128), (unsigned)BH);
+    int dev = 0, sms = 0; /* persistent: one CTA per SM (at most one per work item) */
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0)
+        return -1;
+    const long long items = (long long)((p.T + 127) / 128) * BH;
+    if (items > 0x7fffffffLL) return -1;
+    cfg.gridDim = dim3((unsigned)(items < sms ? items : sms));
     cfg.blockDim = dim3(384);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
@@ -4350,8 +4415,8 @@ static int mt__fa_forward(const __nv_bfloat16 *Q, const __nv_bfloat16 *K, const 
    fa_bwd_dq_ds_kernel.  Above MT_FA_DS_MAX_BYTES (long sequences: the tiles grow as T^2) the dQ
    kernel recomputes them instead. */
 #define MT_FA_DS_MAX_BYTES ((size_t)4 << 30)
-static size_t mt__fa_ds_offset(int B, int T, int H) {
-    return ((size_t)B * T * H * sizeof(float) + 1023) & ~(size_t)1023;
+static size_t mt__fa_ds_offset(int B, int T, int H) {   /* D, then the dQ kernel's two counters */
+    return ((size_t)B * T * H * sizeof(float) + 16 + 1023) & ~(size_t)1023;
 }
 static size_t mt__fa_ds_bytes(int B, int T, int H, int dq, int dv) {
     const int cfg = mt_fa::pick_cfg(dq, dv);
@@ -4390,6 +4455,7 @@ static int setup_bwd(BwdParams &p, const __nv_bfloat16 *Q, const __nv_bfloat16 *
         const size_t n = ((size_t)T + 63) / 64;
         p.ds = (bf16 *)((char *)workspace + mt__fa_ds_offset(B, T, H));
         p.ntri = (int)(n * (n + 1) / 2);
+        p.tick = (int *)((char *)workspace + (size_t)B * T * H * sizeof(float));
     }
     p.vec_qk = (dq % 8 == 0) && aligned_to(Q, 16) && aligned_to(K, 16);
     p.vec_v = (dv % 8 == 0) && aligned_to(V, 16) && aligned_to(dO, 16);
