@@ -3465,13 +3465,21 @@ struct DqdsMaps {
     int fold_dn, ntri, nbh;
     int *tick;   /* [0]: work items handed out past the first wave; [1]: CTAs done taking them (the last resets both) */
 };
-/* work item t of nb query blocks x nbh heads: heads in groups of 8 (their K and dS in L2 together), and
-   within a group the heaviest query block of each head first (as heavy_first) */
+/* work item t of nb query blocks x nbh heads: heads in groups of 8 (their K and dS in L2 together), the
+   last group first (the dK/dV kernel wrote its dS last: some of it is still in L2), and within a group
+   the heaviest query block of each head first (as heavy_first) */
 __device__ __forceinline__ void dq_item(int t, int nb, int nbh, int &m0, int &bh) {
     constexpr int G = 8;
-    const int grp = t / (G * nb), r = t - grp * G * nb, gs = min(G, nbh - grp * G);
+    const int rem = nbh % G, first = rem * nb; /* the partial group (the last heads) comes first */
+    int gb, gs, r;
+    if (t < first) {
+        gb = nbh - rem; gs = rem; r = t;
+    } else {
+        const int t2 = t - first, grp = t2 / (G * nb);
+        r = t2 - grp * G * nb; gs = G; gb = nbh - rem - (grp + 1) * G;
+    }
     m0 = (nb - 1 - r / gs) * 128;
-    bh = grp * G + r % gs;
+    bh = gb + r % gs;
 }
 template <int DQ, bool FOLD>
 __global__ void __launch_bounds__(384, 1) fa_bwd_dq_ds_kernel(const BwdCore p, const __grid_constant__ DqdsMaps tm) {

@@ -4,7 +4,7 @@
  * document masking (packed documents, block-causal; FLOPs counted over the unmasked part).
  *
  *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -o /tmp/attn bench/attention.cu \
- *        -lcublasLt -lnccl && /tmp/attn
+ *        -lcublasLt -lnccl && /tmp/attn          (FOLD_ONLY=1: only the folded-against-unfolded timings)
  */
 #define MOETRAIN_IMPLEMENTATION   /* mt_errf and friends, for the kernels file */
 #include "../moetrain_kernels.cu"
@@ -654,13 +654,6 @@ static void bench_fold(int B, int T, int H, int dn, int dr, int dv) {
     fill_random_bf16<<<1024, 256>>>(qr, nr, 23u); fill_random_bf16<<<1024, 256>>>(kr, N * dr, 24u);
     fill_random_bf16<<<1024, 256>>>(dout, nv, 25u); fill_random_bf16<<<1024, 256>>>(Q, nq, 26u);
     fill_random_bf16<<<1024, 256>>>(K, nq, 27u); fill_random_bf16<<<1024, 256>>>(V, nv, 28u);
-    if (getenv("FOLD_SAME")) { /* Q, K, V formed from q, qr, kv, kr: the unfolded kernels on the folded ones' values */
-        CK(cudaMemcpy2D(Q, dq * 2, q, dq * 2, dn * 2, N * H, cudaMemcpyDeviceToDevice));
-        CK(cudaMemcpy2D(Q + dn, dq * 2, qr, dr * 2, dr * 2, N * H, cudaMemcpyDeviceToDevice));
-        CK(cudaMemcpy2D(K, dq * 2, kv, (dn + dv) * 2, dn * 2, N * H, cudaMemcpyDeviceToDevice));
-        for (int h = 0; h < H; ++h) CK(cudaMemcpy2D(K + h * dq + dn, (size_t)H * dq * 2, kr, dr * 2, dr * 2, N, cudaMemcpyDeviceToDevice));
-        CK(cudaMemcpy2D(V, dv * 2, kv + dn, (dn + dv) * 2, dv * 2, N * H, cudaMemcpyDeviceToDevice));
-    }
     CK(cudaMemset(cs, 0, (size_t)T * dr / 2 * 4)); CK(cudaMemset(sn, 0, (size_t)T * dr / 2 * 4));
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
@@ -704,7 +697,7 @@ int main(int argc, char **argv) {
     CK(cudaGetDeviceProperties(&prop, dev));
     printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
 
-    if (getenv("FOLD_ONLY")) { /* only the folded-against-unfolded timings (FOLD_SAME: on the same values) */
+    if (getenv("FOLD_ONLY")) { /* only the folded-against-unfolded timings */
         bench_fold(8, 2048, 16, 128, 64, 128);
         bench_fold(2, 4096, 16, 128, 64, 128);
         return 0;
