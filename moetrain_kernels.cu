@@ -1630,8 +1630,9 @@ int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const floa
  * 7. attention: causal flash attention, forward and deterministic backward
  *
  * Layouts (token-major, row-major, bf16): Q,K [N, H*dq], V,O,dO [N, H*dv],
- * lse [N, H] f32, N = B*T; causal within each sequence of T tokens. Nothing
- * T x T is ever stored.
+ * lse [N, H] f32, N = B*T; causal within each sequence of T tokens. The forward stores
+ * nothing T x T; the Hopper backward stores dS once (bf16 tiles of the causal half, ds_tile)
+ * unless its workspace would pass MT_FA_DS_MAX_BYTES or the caller turned it off.
  *
  * Document masking (optional dstart [N] i32, see mt_cpu_doc_starts): query i sees keys
  * dstart[i]..i. dstart is non-decreasing within a sequence, so a query block's smallest
@@ -1658,9 +1659,13 @@ int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const floa
  *                          warpgroup loads Q, K and V with TMA (mbarriers, no CTA barrier in the loop);
  *                          the two consumer warpgroups take turns issuing their wgmmas (ping-pong).
  *   fa_bwd_dkdv_wg_kernel  one CTA per (128-key block, b*h), two warpgroups x 64 keys, 64-query tiles
- *                          (Q, dO by TMA, lse / D / document starts by a producer warp; a ring of stages).
- *   fa_bwd_dq_wg_kernel    one CTA per (128-query block, b*h), two warpgroups x 64 rows, 64-key tiles,
- *                          K and V from a TMA producer warpgroup, turns, as in the forward.
+ *                          (Q, dO by TMA, lse / D / document starts by a producer warp; a ring of stages);
+ *                          with DS it also writes dS^T tiles (stmatrix, then a TMA tensor store).
+ *   fa_bwd_dq_ds_kernel    (the default after DS) persistent, work items by ticket: dQ += dS K over the
+ *                          stored tiles, K and dS by a TMA producer warp.
+ *   fa_bwd_dq_wg_kernel    (without DS) one CTA per (128-query block, b*h), two warpgroups x 64 rows,
+ *                          64-key tiles, S and dP formed again, K and V from a TMA producer warpgroup,
+ *                          turns, as in the forward.
  * The launchers take them for the configurations (64,64), (128,128) and (192,128) on the 16-byte
  * load path; every other case takes the mma.sync kernels above.
  * Why dQ has its own kernel (it recomputes S and dP): commit 35ee81b fused dQ into the dK/dV kernel,
@@ -2848,6 +2853,7 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
 /*                                                                                            */
 /* Same split as the mma.sync backward (no atomics: dK/dV per key block, dQ per query block,   */
 /* each output element written once by one thread after a fixed-order reduction), on wgmma.    */
+/* With the dS tiles (DS, see fa_bwd_dq_ds_kernel) dQ is formed from what dK/dV stored instead. */
 /* lse is used in the log2 domain (lse * log2 e), so P = exp2(S * scale * log2 e - lse2).      */
 /*                                                                                            */
 /* dK/dV: one CTA per (128-key block, b*h), two warpgroups, warpgroup wg owns keys             */
