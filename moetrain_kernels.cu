@@ -2389,70 +2389,45 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
 }
 
+/* the 96 accumulator registers of an m64n192 wgmma: the operand list and the constraints */
+#define MT_WG_D96 "{" "%0, %1, %2, %3, %4, %5, %6, %7, " \
+    "%8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, " \
+    "%40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, " \
+    "%56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, " \
+    "%72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, " \
+    "%88, %89, %90, %91, %92, %93, %94, %95" "}"
+#define MT_WG_OUT96(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
 template <int TB>
 __device__ __forceinline__ void wgmma_rs_n192(float (&d)[96], const uint32_t (&a)[4], uint64_t db, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, "
-        "%8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, "
-        "%24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, "
-        "%40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, "
-        "%56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, "
-        "%72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, "
-        "%88, %89, %90, %91, %92, %93, %94, %95"
-        "}, {%96, %97, %98, %99}, %100, p, 1, 1, %102;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 " MT_WG_D96 ", {%96, %97, %98, %99}, %100, p, 1, 1, %102;\n}\n"
+                 : MT_WG_OUT96(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
 }
 /* D[64 x 192] (+)= A(desc) B(desc) (the dQ kernel that reads dS: A MN-major, B MN-major) */
 template <int TA, int TB>
 __device__ __forceinline__ void wgmma_ss_n192(float (&d)[96], uint64_t da, uint64_t db, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, "
-        "%8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, "
-        "%24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, "
-        "%40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, "
-        "%56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, "
-        "%72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, "
-        "%88, %89, %90, %91, %92, %93, %94, %95"
-        "}, %96, %97, p, 1, 1, %99, %100;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 " MT_WG_D96 ", %96, %97, p, 1, 1, %99, %100;\n}\n"
+                 : MT_WG_OUT96(d)
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
 /* m64nNk16 by N (64, 128, 192) */
 template <int N, int TA, int TB>
@@ -3214,6 +3189,26 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
     }
 }
 
+/* The dQ kernels' epilogue: this thread's rows r0w and r0w + 8 of dQ * scale into dqbase (rows ldqk
+   apart); folded RoPE: the rope columns rotated back as q's gradient, by the tables of row r at
+   rot + (r - rfirst) * half (cos) and sin_off floats further (sin). */
+template <int DQ, bool FOLD>
+__device__ __forceinline__ void dq_epilogue(const BwdCore &p, const float (&dq)[DQ / 2], bf16 *dqbase, size_t ldqk, int r0w, int c, int fd,
+                                            const float *rot, int rfirst, int half, int sin_off) {
+    const bool pq = p.pair_qk != 0, wq = rows16(p.dq, p.dimq, pq);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int row = r0w + 8 * hh;
+        bf16 *dqrow = dqbase + (size_t)row * ldqk;
+        if constexpr (!FOLD) {
+            store_acc_row<DQ>(dqrow, row < p.T, p.dimq, wq, pq, dq, hh, p.scale, c);
+        } else {
+            const float *rc = rot + (row - rfirst) * half;
+            store_acc_row<DQ, DQ - 64, true>(dqrow, row < p.T, p.dimq, wq, pq, dq, hh, p.scale, c, dqrow + fd, rc, rc + sin_off);
+        }
+    }
+}
+
 /* dQ: one CTA per (128-query block, b*h), two warpgroups x 64 query rows; Q and dO stay in shared */
 /* memory, key tiles of 64 stream through a 3-stage K ring and a 2-stage V ring, loaded with TMA by */
 /* a producer warpgroup through full/empty mbarriers as in fa_fwd_wg_kernel.  Per key tile j:      */
@@ -3417,24 +3412,8 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
     }
 
     /* epilogue: dQ * scale (folded RoPE: its rope columns rotated back, as q's gradient) */
-    bf16 *dqbase = p.dq + qoff;
-    const bool pq = p.pair_qk != 0, wq = rows16(p.dq, p.dimq, pq);
-    if constexpr (!FOLD) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int row = r0w + 8 * hh;
-            store_acc_row<DQ>(dqbase + (size_t)row * ldqk, row < T, p.dimq, wq, pq, dq, hh, p.scale, c);
-        }
-    } else {
-        mbar_wait(barRot, 0);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int row = r0w + 8 * hh;
-            bf16 *dqrow = dqbase + (size_t)row * ldqk;
-            const float *rc = sRot + (row - m0) * half;
-            store_acc_row<DQ, DQ - 64, true>(dqrow, row < T, p.dimq, wq, pq, dq, hh, p.scale, c, dqrow + fd, rc, rc + BM * half);
-        }
-    }
+    if (FOLD) mbar_wait(barRot, 0);
+    dq_epilogue<DQ, FOLD>(p, dq, p.dq + qoff, ldqk, r0w, c, fd, sRot, m0, half, BM * half);
     /* launched early (after the dK/dV kernel, see launch_bwd): do not complete before it has, so that
        what follows on the stream sees dK and dV as well (a no-op when launched normally) */
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -3505,13 +3484,22 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_ds_kernel(const BwdCore p, c
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int g = lane >> 2, c = lane & 3;
     const int T = p.T, H = p.H, nb = (T + BM - 1) / BM, nbh = tm.nbh, items = nb * nbh;
-    auto tiles = [&](int m0, int bh, int &lo0, int &lo1, int &i0, bool &has1, int &j_end) {
-        const int *dsb = p.dstart ? p.dstart + (size_t)(bh / H) * T : nullptr;
-        i0 = m0 / 64;
-        has1 = 64 * (i0 + 1) < T;
-        lo0 = first_key_tile<BN>(dsb, m0);
-        lo1 = has1 ? first_key_tile<BN>(dsb, 64 * (i0 + 1)) : 0;
-        j_end = has1 ? i0 + 2 : i0 + 1; /* one past the last key tile */
+    struct Item {
+        int m0, bh, b, h, i0, lo0, lo1, j_end; /* warpgroup w's key tiles: [lo_w, i0 + w]; j_end: one past the last */
+        bool has1;                             /* warpgroup 1 has rows (before T) */
+    };
+    auto item_of = [&](int t) {
+        Item it;
+        dq_item(t, nb, nbh, it.m0, it.bh);
+        it.b = it.bh / H;
+        it.h = it.bh - it.b * H;
+        const int *dsb = p.dstart ? p.dstart + (size_t)it.b * T : nullptr;
+        it.i0 = it.m0 / 64;
+        it.has1 = 64 * (it.i0 + 1) < T;
+        it.lo0 = first_key_tile<BN>(dsb, it.m0);
+        it.lo1 = it.has1 ? first_key_tile<BN>(dsb, 64 * (it.i0 + 1)) : 0;
+        it.j_end = it.has1 ? it.i0 + 2 : it.i0 + 1;
+        return it;
     };
 
     if (tid == 0) {
@@ -3537,20 +3525,16 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_ds_kernel(const BwdCore p, c
                 sItem[slot] = t;
                 mbar_arrive(barIF + 8 * slot);
                 if (t >= items) break;
-                int m0, bh, lo0, lo1, i0, j_end;
-                bool has1;
-                dq_item(t, nb, nbh, m0, bh);
-                tiles(m0, bh, lo0, lo1, i0, has1, j_end);
-                const int b = bh / H, h = bh - b * H;
-                for (int j = lo0; j < j_end; ++j, ++u) {
+                const Item it = item_of(t);
+                for (int j = it.lo0; j < it.j_end; ++j, ++u) {
                     const int st = u % NS;
                     if (u >= NS) mbar_wait(barE + 8 * st, ((u / NS) - 1) & 1);
-                    const bool in0 = j <= i0, in1 = has1 && j >= lo1;
+                    const bool in0 = j <= it.i0, in1 = it.has1 && j >= it.lo1;
                     const uint32_t s0 = sSt + (uint32_t)st * ST_BYTES, full = barF + 8 * st;
                     mbar_expect_tx(full, K_BYTES + S_BYTES * ((int)in0 + (int)in1));
-                    tma_qkv_tile<BN, DQ, FOLD, 1>(s0, &tm.k, &tm.k2, full, h, j * BN, b);
-                    if (in0) tma_load_2d(s0 + K_BYTES, &tm.ds, full, 0, (int)(ds_tile(bh, tm.ntri, i0, j) / 64));
-                    if (in1) tma_load_2d(s0 + K_BYTES + S_BYTES, &tm.ds, full, 0, (int)(ds_tile(bh, tm.ntri, i0 + 1, j) / 64));
+                    tma_qkv_tile<BN, DQ, FOLD, 1>(s0, &tm.k, &tm.k2, full, it.h, j * BN, it.b);
+                    if (in0) tma_load_2d(s0 + K_BYTES, &tm.ds, full, 0, (int)(ds_tile(it.bh, tm.ntri, it.i0, j) / 64));
+                    if (in1) tma_load_2d(s0 + K_BYTES + S_BYTES, &tm.ds, full, 0, (int)(ds_tile(it.bh, tm.ntri, it.i0 + 1, j) / 64));
                 }
                 t = (int)gridDim.x + atomicAdd(tm.tick, 1);
             }
@@ -3575,12 +3559,8 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_ds_kernel(const BwdCore p, c
         __syncwarp();
         if (lane == 0) mbar_arrive(barIE + 8 * slot);
         if (t >= items) break;
-        int m0, bh, lo0, lo1, i0, j_end;
-        bool has1;
-        dq_item(t, nb, nbh, m0, bh);
-        tiles(m0, bh, lo0, lo1, i0, has1, j_end);
-        const int b = bh / H, h = bh - b * H;
-        const int r0w = m0 + 64 * wg + 16 * (warp & 3) + g; /* this thread's rows: r0w + 8hh */
+        const Item it = item_of(t);
+        const int r0w = it.m0 + 64 * wg + 16 * (warp & 3) + g; /* this thread's rows: r0w + 8hh */
         if constexpr (FOLD) { /* cos, sin of this warp's 16 rows (rows past T zero-filled) */
             const int per = half / 4, rbase = r0w - g;
             const uint32_t dst = smem_u32(sRotW);
@@ -3593,13 +3573,13 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_ds_kernel(const BwdCore p, c
             }
             cp_async_commit();
         }
-        const int lo = wg ? lo1 : lo0, hi = wg ? (has1 ? i0 + 1 : -1) : i0;
+        const int lo = wg ? it.lo1 : it.lo0, hi = wg ? (it.has1 ? it.i0 + 1 : -1) : it.i0;
         float dq[DQ / 2];
 #pragma unroll
         for (int i = 0; i < DQ / 2; ++i) dq[i] = 0.f;
         int prev = -1; /* the stage of the last tile issued, released once the next one's products are issued */
 #pragma unroll 1
-        for (int j = lo0; j < j_end; ++j, ++u) {
+        for (int j = it.lo0; j < it.j_end; ++j, ++u) {
             const int st = u % NS;
             mbar_wait(barF + 8 * st, (u / NS) & 1);
             if (j >= lo && j <= hi) {
@@ -3624,27 +3604,13 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_ds_kernel(const BwdCore p, c
         if (prev >= 0 && lane == 0) mbar_arrive(barE + 8 * prev);
 
         /* epilogue: dQ * scale (folded RoPE: its rope columns rotated back, as q's gradient) */
-        const size_t ldqk = (size_t)H * p.dimq, qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
-        bf16 *dqbase = p.dq + qoff;
-        const bool pq = p.pair_qk != 0, wq = rows16(p.dq, p.dimq, pq);
-        if constexpr (!FOLD) {
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int row = r0w + 8 * hh;
-                store_acc_row<DQ>(dqbase + (size_t)row * ldqk, row < T, p.dimq, wq, pq, dq, hh, p.scale, c);
-            }
-        } else {
+        const size_t ldqk = (size_t)H * p.dimq, qoff = (size_t)it.b * T * ldqk + (size_t)it.h * p.dimq;
+        if (FOLD) {
             cp_async_wait<0>();
             __syncwarp();
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int row = r0w + 8 * hh;
-                bf16 *dqrow = dqbase + (size_t)row * ldqk;
-                const float *rc = sRotW + (g + 8 * hh) * half;
-                store_acc_row<DQ, DQ - 64, true>(dqrow, row < T, p.dimq, wq, pq, dq, hh, p.scale, c, dqrow + fd, rc, rc + 16 * half);
-            }
-            __syncwarp(); /* the tables are read before the next item's copies overwrite them */
         }
+        dq_epilogue<DQ, FOLD>(p, dq, p.dq + qoff, ldqk, r0w, c, fd, sRotW, r0w - g, half, 16 * half);
+        if (FOLD) __syncwarp(); /* the tables are read before the next item's copies overwrite them */
     }
 }
 
@@ -4248,6 +4214,24 @@ static int launch_fwd(const FwdParams &p, int BH, cudaStream_t stream) {
     return launch_fwd_kernel<DQ, DV, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>(p, BH, stream);
 }
 /* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
+/* kern(p, tm) on grid x threads; early: with programmatic stream serialization (it may start while the
+   kernel before it runs its last CTAs, and waits for it itself: griddepcontrol.wait) */
+template <class M>
+static int launch_pss(void (*kern)(const BwdCore, const M), dim3 grid, int threads, size_t smem, cudaStream_t stream, bool early,
+                      const BwdParams &p, const M &tm) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3((unsigned)threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = early ? attr : nullptr;
+    cfg.numAttrs = early ? 1 : 0;
+    if (cudaLaunchKernelEx(&cfg, kern, p, tm) != cudaSuccess) return -1;
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
 /* the dS^T tiles (ds_tile) as a TMA map: 64-column rows, boxes of 64 x 64 */
 static int ds_map(EncodeTiledFn enc, CUtensorMap *m, const void *ds, int BH, int ntri) {
     const cuuint64_t dims[2] = {64, (cuuint64_t)BH * (cuuint64_t)ntri * 64};
@@ -4301,18 +4285,7 @@ static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
     if (smem > 227 * 1024 || cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     /* EARLY: programmatic stream serialization, so that it may start while the kernel before it
        (the dK/dV kernel, which triggers at its start) is still running its last CTAs */
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)((p.T + 127) / 128), (unsigned)BH);
-    cfg.blockDim = dim3(384);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = EARLY ? attr : nullptr;
-    cfg.numAttrs = EARLY ? 1 : 0;
-    if (cudaLaunchKernelEx(&cfg, kern, p, tm) != cudaSuccess) return -1;
-    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+    return launch_pss(kern, dim3((unsigned)((p.T + 127) / 128), (unsigned)BH), 384, smem, stream, EARLY, p, tm);
 }
 
 /* dQ from the stored dS (p.ds, after launch_dkdv_wg_kernel wrote it); -2 as above */
@@ -4338,23 +4311,12 @@ static int launch_dq_ds_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
     rc = rc || ds_map(enc, &tm.ds, p.ds, BH, p.ntri);
     if (rc) return -2;
     if (smem > 227 * 1024 || cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
     int dev = 0, sms = 0; /* persistent: one CTA per SM (at most one per work item) */
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0)
         return -1;
     const long long items = (long long)((p.T + 127) / 128) * BH;
     if (items > 0x7fffffffLL) return -1;
-    cfg.gridDim = dim3((unsigned)(items < sms ? items : sms));
-    cfg.blockDim = dim3(384);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = EARLY ? attr : nullptr;
-    cfg.numAttrs = EARLY ? 1 : 0;
-    if (cudaLaunchKernelEx(&cfg, kern, p, tm) != cudaSuccess) return -1;
-    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+    return launch_pss(kern, dim3((unsigned)(items < sms ? items : sms)), 384, smem, stream, EARLY, p, tm);
 }
 
 /* EARLY: the dQ kernel may start while the dK/dV kernel finishes (bench/attention.cu times both) */
