@@ -3438,11 +3438,16 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
    item (its own 4 KB of shared memory; waited for before the epilogue).
    Launched right after the dK/dV kernel with programmatic stream serialization: its setup overlaps that
    kernel's last wave; the producer waits for it (griddepcontrol.wait) before its first load. */
-template <int DQ>
-__host__ __device__ constexpr int dqds_stages() { return DQ <= 128 ? 5 : 4; }
-template <int DQ>
+/* as many stages (K_j and two dS tiles) as shared memory holds, at most 6; folded, the rotation tables
+   (8 warps x 16 rows x 64 floats) take 32 KB of it */
+template <int DQ, bool FOLD>
+__host__ __device__ constexpr int dqds_stages() {
+    return (227 * 1024 - 1024 - 256 - (FOLD ? 128 * 64 * 4 : 0)) / (64 * DQ * 2 + 2 * 8192) < 6
+               ? (227 * 1024 - 1024 - 256 - (FOLD ? 128 * 64 * 4 : 0)) / (64 * DQ * 2 + 2 * 8192) : 6;
+}
+template <int DQ, bool FOLD>
 constexpr size_t dqds_smem_bytes() {
-    return 1024 + (size_t)dqds_stages<DQ>() * (64 * DQ * 2 + 2 * 8192) + 256;
+    return 1024 + (size_t)dqds_stages<DQ, FOLD>() * (64 * DQ * 2 + 2 * 8192) + 256 + (FOLD ? 128 * 64 * 4 : 0);
 }
 struct DqdsMaps {
     CUtensorMap k, k2, ds;
@@ -3468,7 +3473,7 @@ __device__ __forceinline__ void dq_item(int t, int nb, int nbh, int &m0, int &bh
 }
 template <int DQ, bool FOLD>
 __global__ void __launch_bounds__(384, 1) fa_bwd_dq_ds_kernel(const BwdCore p, const __grid_constant__ DqdsMaps tm) {
-    constexpr int BM = 128, BN = 64, NS = dqds_stages<DQ>();
+    constexpr int BM = 128, BN = 64, NS = dqds_stages<DQ, FOLD>();
     static_assert(DQ % 64 == 0 && DQ <= 192, "wgmma tiles");
     constexpr uint32_t K_BYTES = BN * DQ * 2, S_BYTES = 64 * 64 * 2, ST_BYTES = K_BYTES + 2 * S_BYTES;
     extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
@@ -4292,7 +4297,8 @@ static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
 template <int DQ, bool EARLY = true>
 static int launch_dq_ds_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
     void (*kern)(const BwdCore, const DqdsMaps) = p.fold.dn ? fa_bwd_dq_ds_kernel<DQ, true> : fa_bwd_dq_ds_kernel<DQ, false>;
-    const size_t smem = dqds_smem_bytes<DQ>() + (p.fold.dn ? (size_t)128 * (p.dimq - p.fold.dn) * 4 : 0);
+    const size_t smem = p.fold.dn ? dqds_smem_bytes<DQ, true>() : dqds_smem_bytes<DQ, false>();
+    if (p.fold.dn && p.dimq - p.fold.dn != 64) return -1; /* the tables' room is for a rope width of 64 */
     if (BH > 65535 || p.H <= 0 || !p.ds) return -1;
     const int B = BH / p.H;
     EncodeTiledFn enc = tma_encoder();
