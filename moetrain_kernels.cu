@@ -2947,8 +2947,9 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-/* DS: 0 no dS^T stores; 1, 2 store_ds<DS> once dK and dV have been formed (2 in the runtime); 3 through
-   shared memory and a TMA store */
+/* DS: 0 no dS^T stores; 1, 2 store_ds<DS> once dK and dV have been formed (bench variants); 3 (the
+   runtime's) through shared memory and a TMA store: 0.848-0.868 ms against 0.875-0.887 for 2 (H200, B=8
+   T=2048 H=16, 192/128) */
 template <int DQ, int DV, int VAR, bool FOLD, int DS>
 __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p, const __grid_constant__ DkdvMaps tm) {
     constexpr int BNK = 128, BMQ = 64, NS = dkdv_wg_stages<DQ, DV>();
@@ -4244,7 +4245,7 @@ static int ds_map(EncodeTiledFn enc, CUtensorMap *m, const void *ds, int BH, int
     const cuuint32_t box[2] = {64, 64};
     return tma_map(enc, m, ds, 2, dims, strides, box);
 }
-#ifndef MT_FA_DSV
+#ifndef MT_FA_DSV   /* the dK/dV kernel's way of storing dS^T when p.ds is set (DS above; -DMT_FA_DSV=... to compare) */
 #define MT_FA_DSV 3
 #endif
 template <int DQ, int DV, int VAR = 0, int DSV = MT_FA_DSV>
