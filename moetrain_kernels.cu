@@ -3637,6 +3637,44 @@ __global__ void __launch_bounds__(256) fa_bwd_dot_kernel(const bf16 *__restrict_
     if (lane == 0) D[r] = s;
 }
 
+/* The same with 16-byte loads (dv a multiple of 8, both tensors 16-byte aligned): LPR lanes a row (the
+   power of two at least dv / 8, at most 32), each lane summing its 8-element chunks lane, lane + LPR, ...
+   then a shuffle tree over the row's lanes; each thread takes RPT rows (RPT x 2 loads in flight).  At 8 x 2048
+   x 16 heads x 128 on an H200 (bench/attention.cu): 0.0384 ms (3.5 TB/s) against 0.0465 ms for the
+   one-lane-per-element kernel above (still used for other dv or alignments); the backward 1.079 -> 1.068 ms.  A fixed order: bitwise the same run to run. */
+template <int LPR>
+__global__ void __launch_bounds__(256) fa_bwd_dot16_kernel(const uint4 *__restrict__ o, const uint4 *__restrict__ dout,
+                                                            float *__restrict__ D, long long rows, int ch, int *tick) {
+    constexpr int RPW = 32 / LPR, RPT = 2; /* rows a warp (at once), rows a thread */
+    if (tick && blockIdx.x == 0 && threadIdx.x < 2) tick[threadIdx.x] = 0; /* the dQ kernel's tickets (fa_bwd_dq_ds_kernel) */
+    const int lane = threadIdx.x & 31, sub = lane % LPR;
+    const long long r0 = ((long long)blockIdx.x * 8 + (threadIdx.x >> 5)) * (RPW * RPT) + lane / LPR;
+    float s[RPT];
+#pragma unroll
+    for (int k = 0; k < RPT; ++k) {
+        s[k] = 0.f;
+        const long long r = r0 + (long long)k * RPW;
+        if (r >= rows) continue;
+        for (int cc = sub; cc < ch; cc += LPR) {
+            const uint4 a = __ldg(o + r * ch + cc), b = __ldg(dout + r * ch + cc);
+            const __nv_bfloat162 *pa = reinterpret_cast<const __nv_bfloat162 *>(&a), *pb = reinterpret_cast<const __nv_bfloat162 *>(&b);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 fa = __bfloat1622float2(pa[e]), fb = __bfloat1622float2(pb[e]);
+                s[k] = fmaf(fa.x, fb.x, s[k]);
+                s[k] = fmaf(fa.y, fb.y, s[k]);
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < RPT; ++k) {
+#pragma unroll
+        for (int off = LPR / 2; off > 0; off >>= 1) s[k] += __shfl_xor_sync(0xffffffffu, s[k], off);
+        const long long r = r0 + (long long)k * RPW;
+        if (sub == 0 && r < rows) D[r] = s[k];
+    }
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Backward dQ: one CTA per (b*h, BM-query block), NW warps x 16 rows, streams key blocks.     */
 /* ------------------------------------------------------------------------------------------ */
@@ -4136,9 +4174,22 @@ static int launch_dq_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 static int launch_dot_kernel(const BwdParams &p, long long rows, cudaStream_t stream) {
+    int *tick = p.ds ? p.tick : nullptr;
+    const int dv = p.dimv;
+    if (dv % 8 == 0 && !(((uintptr_t)p.o | (uintptr_t)p.dout) & 15u)) {
+        const int ch = dv / 8, lpr = ch <= 4 ? 4 : ch <= 8 ? 8 : ch <= 16 ? 16 : 32;
+        const long long per_blk = 8LL * (32 / lpr) * 2, nblk = (rows + per_blk - 1) / per_blk;
+        if (nblk > 0x7fffffffLL) return -1;
+        const uint4 *o = reinterpret_cast<const uint4 *>(p.o), *d = reinterpret_cast<const uint4 *>(p.dout);
+        if (lpr == 4) fa_bwd_dot16_kernel<4><<<(unsigned)nblk, 256, 0, stream>>>(o, d, p.dsum, rows, ch, tick);
+        else if (lpr == 8) fa_bwd_dot16_kernel<8><<<(unsigned)nblk, 256, 0, stream>>>(o, d, p.dsum, rows, ch, tick);
+        else if (lpr == 16) fa_bwd_dot16_kernel<16><<<(unsigned)nblk, 256, 0, stream>>>(o, d, p.dsum, rows, ch, tick);
+        else fa_bwd_dot16_kernel<32><<<(unsigned)nblk, 256, 0, stream>>>(o, d, p.dsum, rows, ch, tick);
+        return cudaGetLastError() == cudaSuccess ? 0 : -1;
+    }
     const long long nblk = (rows + 7) / 8;
     if (nblk > 0x7fffffffLL) return -1;
-    fa_bwd_dot_kernel<<<(unsigned)nblk, 256, 0, stream>>>(p.o, p.dout, p.dsum, rows, p.dimv, p.ds ? p.tick : nullptr);
+    fa_bwd_dot_kernel<<<(unsigned)nblk, 256, 0, stream>>>(p.o, p.dout, p.dsum, rows, p.dimv, tick);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 

@@ -438,6 +438,11 @@ static float time_launcher(int (*f)(const P &, int, cudaStream_t), const P &p, i
 static int launch_dot_only(const mt_fa::BwdParams &p, int BH, cudaStream_t st) {
     return mt_fa::launch_dot_kernel(p, (long long)p.T * BH, st); /* BH here is B*H: rows = B*T*H */
 }
+static int launch_dot_scalar(const mt_fa::BwdParams &p, int BH, cudaStream_t st) { /* the one-lane-per-element D kernel */
+    const long long rows = (long long)p.T * BH;
+    mt_fa::fa_bwd_dot_kernel<<<(unsigned)((rows + 7) / 8), 256, 0, st>>>(p.o, p.dout, p.dsum, rows, p.dimv, p.ds ? p.tick : nullptr);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
 static void bench_breakdown(const Shape &s) {
     using namespace mt_fa;
     if (s.dq != 192 || s.dv != 128) return;
@@ -462,6 +467,20 @@ static void bench_breakdown(const Shape &s) {
     const int BH = s.B * s.H;
     typedef Cfg<192, 128> C;
     const float t_dot = time_launcher(launch_dot_only, p, BH);
+    {   /* D by 16-byte loads against one lane per element: the same sums in another order, so only close */
+        std::vector<float> a((size_t)p.T * BH), b((size_t)p.T * BH);
+        CK(cudaDeviceSynchronize());
+        CK(cudaMemcpy(a.data(), p.dsum, a.size() * 4, cudaMemcpyDeviceToHost));
+        const float t_dot1 = time_launcher(launch_dot_scalar, p, BH);
+        CK(cudaDeviceSynchronize());
+        CK(cudaMemcpy(b.data(), p.dsum, b.size() * 4, cudaMemcpyDeviceToHost));
+        double md = 0, mx = 0;
+        for (size_t i = 0; i < a.size(); ++i) md = std::max(md, (double)fabsf(a[i] - b[i])), mx = std::max(mx, (double)fabsf(b[i]));
+        printf("  D = rowsum(dO * O): 16-byte loads %.4f ms, one lane per element %.4f ms; max |difference| %.3g (max |D| %.3g)\n",
+               t_dot, t_dot1, md, mx);
+        check(md <= 1e-5 * std::max(1.0, mx), "D by 16-byte loads agrees with one lane per element");
+        CKAPI(launch_dot_only(p, BH, 0));
+    }
     {   /* the wgmma backward kernels (the default) one by one, against the mma.sync ones */
         BwdParams pr = p; /* dQ recomputing S and dP */
         pr.ds = nullptr;
