@@ -3641,7 +3641,8 @@ __global__ void __launch_bounds__(256) fa_bwd_dot_kernel(const bf16 *__restrict_
    power of two at least dv / 8, at most 32), each lane summing its 8-element chunks lane, lane + LPR, ...
    then a shuffle tree over the row's lanes; each thread takes RPT rows (RPT x 2 loads in flight).  At 8 x 2048
    x 16 heads x 128 on an H200 (bench/attention.cu): 0.0384 ms (3.5 TB/s) against 0.0465 ms for the
-   one-lane-per-element kernel above (still used for other dv or alignments); the backward 1.079 -> 1.068 ms.  A fixed order: bitwise the same run to run. */
+   one-lane-per-element kernel above (still used for other dv or alignments); the whole backward measured
+   1.068 ms (402 TFLOP/s) in that run, 1.079-1.083 ms on earlier H200s with the kernel above.  A fixed order: bitwise the same run to run. */
 template <int LPR>
 __global__ void __launch_bounds__(256) fa_bwd_dot16_kernel(const uint4 *__restrict__ o, const uint4 *__restrict__ dout,
                                                             float *__restrict__ D, long long rows, int ch, int *tick) {
