@@ -443,6 +443,38 @@ static int launch_dot_scalar(const mt_fa::BwdParams &p, int BH, cudaStream_t st)
     mt_fa::fa_bwd_dot_kernel<<<(unsigned)((rows + 7) / 8), 256, 0, st>>>(p.o, p.dout, p.dsum, rows, p.dimv, p.ds ? p.tick : nullptr);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
+/* heads of 256: the wgmma forward (64-key tiles) against the mma.sync one, same inputs */
+static void bench_fwd256(const Shape &s) {
+    using namespace mt_fa;
+    typedef Cfg<256, 256> C;
+    DevBufs d;
+    d.alloc(s);
+    fill_random_bf16<<<1024, 256>>>(d.q, d.nq, 31u);
+    fill_random_bf16<<<1024, 256>>>(d.k, d.nq, 32u);
+    fill_random_bf16<<<1024, 256>>>(d.v, d.nv, 33u);
+    CK(cudaGetLastError());
+    const float scale = 1.0f / sqrtf((float)s.dq);
+    FwdParams fp;
+    fp.q = d.q; fp.k = d.k; fp.v = d.v; fp.o = d.o; fp.lse = d.lse; fp.dstart = nullptr;
+    fp.T = s.T; fp.H = s.H; fp.dimq = s.dq; fp.dimv = s.dv;
+    fp.scale_log2 = scale * MT_FA_LOG2E;
+    fp.vec_qk = 1; fp.vec_v = 1; fp.pair_o = 1;
+    const int BH = s.B * s.H;
+    std::vector<uint16_t> o1(d.nv), o2(d.nv);
+    const float t_mma = time_launcher(launch_fwd_kernel<256, 256, C::F_NW, C::F_BN, C::F_ST, C::F_QREG, C::F_MT>, fp, BH);
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(o1.data(), d.o, d.nv * 2, cudaMemcpyDeviceToHost));
+    const float t_wg = time_launcher(launch_fwd_wg_kernel<256, 256, 64>, fp, BH);
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(o2.data(), d.o, d.nv * 2, cudaMemcpyDeviceToHost));
+    double md = 0;
+    for (size_t i = 0; i < o1.size(); ++i) md = std::max(md, (double)fabsf(bf2f(o2[i]) - bf2f(o1[i])));
+    const double fl = 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0) * (s.dq + s.dv);
+    printf("timing-256 B=%d T=%d H=%d %d/%d: forward wgmma (64-key tiles) %.3f ms (%.1f TFLOP/s), mma.sync %.3f ms (%.1f TFLOP/s); "
+           "max |O - O(mma.sync)| = %.3g\n", s.B, s.T, s.H, s.dq, s.dv, t_wg, fl / (t_wg * 1e-3) / 1e12, t_mma, fl / (t_mma * 1e-3) / 1e12, md);
+    check(md < 0.02, "forward at heads of 256: wgmma agrees with mma.sync");
+    d.release();
+}
 static void bench_breakdown(const Shape &s) {
     using namespace mt_fa;
     if (s.dq != 192 || s.dv != 128) return;
@@ -719,6 +751,7 @@ int main(int argc, char **argv) {
     if (getenv("TIMING_ONLY")) { /* only the two timed shapes (A/B runs of builds) */
         bench_shape({8, 2048, 16, 192, 128});
         bench_shape({2, 4096, 16, 192, 128});
+        bench_fwd256({4, 2048, 16, 256, 256});
         return 0;
     }
     if (getenv("FOLD_ONLY")) { /* only the folded-against-unfolded timings */
@@ -757,6 +790,7 @@ int main(int argc, char **argv) {
     bench_shape({8, 2048, 16, 192, 128, 512});
     bench_shape({2, 4096, 16, 192, 128, 1024});
     bench_breakdown({8, 2048, 16, 192, 128});
+    bench_fwd256({4, 2048, 16, 256, 256});
     bench_fold(8, 2048, 16, 128, 64, 128);
     bench_fold(2, 4096, 16, 128, 64, 128);
 
