@@ -5812,6 +5812,10 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* their tiles share (one L2 read for both; correct, but 340 against 540).  The estimated L2   */
 /* reads of every grouped GEMM mode (7.5-8.7 TB/s at the rates above) suggest L2 bandwidth as  */
 /* the common limit; the dW tiles add 4-byte stores on top of the same loads per flop.          */
+/* Also measured and not kept: mid's down projection as dW^T = X^T dY (11 x 8 full tiles instead */
+/* of 16 x 6 whose last column is half empty, the tile transposed on its way out; bitwise the   */
+/* same dW): 455-496 against 470-472 TFLOP/s in one run, within its noise, since the half tiles */
+/* already issue half-width products.                                                          */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int NT_TMA = 384;
 constexpr int EPI_BYTES = 2048;                /* per consumer warp: 16 rows x 128 bytes     */
