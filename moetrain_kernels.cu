@@ -1647,7 +1647,8 @@ int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const floa
  *                      with quad shuffles, K/V tiles of 64 keys double buffered, Q fragments kept in
  *                      registers, P converted in registers to the A operand of P.V.  Only key tiles
  *                      at or below the diagonal are visited; the mask is applied only where needed.
- *   fa_bwd_dot_kernel  D[n,h] = <dO, O> (fixed-order warp reduction) into the workspace.
+ *   fa_bwd_dot_kernel  D[n,h] = <dO, O> (fixed-order warp reduction) into the workspace;
+ *                      fa_bwd_dot16_kernel the same by 16-byte loads (dv a multiple of 8, aligned).
  *   fa_bwd_dkdv_kernel one CTA per (64-key block, b*h), 8 warps, streams the query blocks at or
  *                      after the key block, recomputes P^T / dS^T from lse (stored as bf16 tiles in
  *                      smem), accumulates dK, dV in registers, writes them once.
@@ -1655,7 +1656,8 @@ int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const floa
  *                      recomputes P, dP, dS in registers, accumulates dQ in registers, writes once.
  * Hopper kernels (wgmma, sm_90a; same work split, same masking and skipping, see their own comments):
  *   fa_fwd_wg_kernel       persistent: one CTA per SM takes (128-query block, b*h) items in turn; two
- *                          warpgroups x 64 query rows, 128-key tiles; S = Q K^T and O += P V on wgmma, P from registers; a third
+ *                          warpgroups x 64 query rows, 128-key tiles (64 at heads of 256); S = Q K^T and
+ *                          O += P V on wgmma, P from registers; a third
  *                          warpgroup loads Q, K and V with TMA (mbarriers, no CTA barrier in the loop);
  *                          the two consumer warpgroups take turns issuing their wgmmas (ping-pong).
  *   fa_bwd_dkdv_wg_kernel  one CTA per (128-key block, b*h), two warpgroups x 64 keys, 64-query tiles
@@ -1667,7 +1669,7 @@ int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const floa
  *                          64-key tiles, S and dP formed again, K and V from a TMA producer warpgroup,
  *                          turns, as in the forward.
  * The launchers take them for the configurations (64,64), (128,128) and (192,128) on the 16-byte
- * load path; every other case takes the mma.sync kernels above.
+ * load path, and the forward also for (256,256); every other case takes the mma.sync kernels above.
  * Why dQ has its own kernel (it recomputes S and dP): commit 35ee81b fused dQ into the dK/dV kernel,
  * adding each key block's dQ part to an fp32 accumulator with bulk reductions in a fixed order. On an
  * H200 (B=8 T=2048 H=16, 192/128) that took 1.98 ms (1.73 ms with unordered adds, so determinism cost
