@@ -3670,10 +3670,11 @@ __global__ void __launch_bounds__(256) fa_bwd_dot_kernel(const bf16 *__restrict_
 
 /* The same with 16-byte loads (dv a multiple of 8, both tensors 16-byte aligned): LPR lanes a row (the
    power of two at least dv / 8, at most 32), each lane summing its 8-element chunks lane, lane + LPR, ...
-   then a shuffle tree over the row's lanes; each thread takes RPT rows (RPT x 2 loads in flight).  At 8 x 2048
-   x 16 heads x 128 on an H200 (bench/attention.cu): 0.0384 ms (3.5 TB/s) against 0.0465 ms for the
-   one-lane-per-element kernel above (still used for other dv or alignments); the whole backward measured
-   1.068 ms (402 TFLOP/s) in that run, 1.079-1.083 ms on earlier H200s with the kernel above.  A fixed order: bitwise the same run to run. */
+   then a shuffle tree over the row's lanes; each thread takes RPT rows (RPT x 2 loads in flight).  A
+   fixed order: bitwise the same run to run.  At 8 x 2048 x 16 heads x 128 on an H200
+   (bench/attention.cu): 0.0384 ms (3.5 TB/s) against 0.0465 ms for the one-lane-per-element kernel
+   above (still used for other dv or alignments); the whole backward measured 1.068 ms (402 TFLOP/s) in
+   that run, 1.079-1.083 ms on earlier H200s with the kernel above. */
 template <int LPR>
 __global__ void __launch_bounds__(256) fa_bwd_dot16_kernel(const uint4 *__restrict__ o, const uint4 *__restrict__ dout,
                                                             float *__restrict__ D, long long rows, int ch, int *tick) {
@@ -4293,7 +4294,7 @@ constexpr bool wg_config() { return DQ % 64 == 0 && DV % 64 == 0 && DV <= 128 &&
 /* the forward also up to heads of 256 (q/k and v): key tiles of 64 there, so that O (64 x 256 a
    warpgroup, 128 registers a thread) and S fit the registers and Q, K and V shared memory */
 template <int DQ, int DV>
-constexpr bool fwd_wg_config() { return DQ % 64 == 0 && DV % 64 == 0 && DV <= 256 && DQ <= 256 && (DV <= 128 || DV == 256); }
+constexpr bool fwd_wg_config() { return DQ % 64 == 0 && DQ <= 256 && (DV == 64 || DV == 128 || DV == 256); }
 template <int DQ, int DV>
 constexpr int fwd_wg_bn() { return DQ <= 192 && DV <= 128 ? 128 : 64; }
 
