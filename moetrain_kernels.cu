@@ -1660,16 +1660,21 @@ int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const floa
  *                          O += P V on wgmma, P from registers; a third
  *                          warpgroup loads Q, K and V with TMA (mbarriers, no CTA barrier in the loop);
  *                          the two consumer warpgroups take turns issuing their wgmmas (ping-pong).
- *   fa_bwd_dkdv_wg_kernel  one CTA per (128-key block, b*h), two warpgroups x 64 keys, 64-query tiles
- *                          (Q, dO by TMA, lse / D / document starts by a producer warp; a ring of stages);
- *                          with DS it also writes dS^T tiles (stmatrix, then a TMA tensor store).
+ *   fa_bwd_dkdv_split_kernel  (the runtime's dK/dV) one CTA per (64-key block, b*h): one warpgroup forms
+ *                          P^T and dV, the other dP^T, dS^T (P^T passed through shared memory) and dK,
+ *                          64-query tiles (Q, dO, lse / D / document starts from a TMA producer warpgroup,
+ *                          a ring of stages); with DS it also writes dS^T tiles (stmatrix, then a TMA
+ *                          tensor store).
+ *   fa_bwd_dkdv_wg_kernel  (-DMT_FA_SPLIT=0) the same results with two warpgroups x 64 keys, each
+ *                          forming both dK and dV of its keys, 128-key blocks.
  *   fa_bwd_dq_ds_kernel    (the default after DS) persistent, work items by ticket: dQ += dS K over the
  *                          stored tiles, K and dS by a TMA producer warp.
  *   fa_bwd_dq_wg_kernel    (without DS) one CTA per (128-query block, b*h), two warpgroups x 64 rows,
  *                          64-key tiles, S and dP formed again, K and V from a TMA producer warpgroup,
  *                          turns, as in the forward.
- * The launchers take them for the configurations (64,64), (128,128) and (192,128) on the 16-byte
- * load path, and the forward also for (256,256); every other case takes the mma.sync kernels above.
+ * The launchers take them for the configurations (64,64), (128,128), (192,128) and (256,256) on the
+ * 16-byte load path (at (256,256) dQ from dS, or the mma.sync dQ kernel without DS); every other case
+ * takes the mma.sync kernels above.
  * Why dQ has its own kernel (it recomputes S and dP): commit 35ee81b fused dQ into the dK/dV kernel,
  * adding each key block's dQ part to an fp32 accumulator with bulk reductions in a fixed order. On an
  * H200 (B=8 T=2048 H=16, 192/128) that took 1.98 ms (1.73 ms with unordered adds, so determinism cost
@@ -2450,13 +2455,22 @@ __device__ __forceinline__ void wgmma_ss_n192(float (&d)[96], uint64_t da, uint6
                  : MT_WG_OUT96(d)
                  : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
-/* m64nNk16 by N (64, 128, 192) */
+/* D[64 x 256] (+)= A(desc) B(desc) (the same at a q/k head of 256) */
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n256(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " MT_WG_D128 ", %128, %129, p, 1, 1, %131, %132;\n}\n"
+                 : MT_WG_OUT128(d)
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+/* m64nNk16 by N (64, 128, 192, 256) */
 template <int N, int TA, int TB>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
-    static_assert(N == 64 || N == 128 || N == 192, "wgmma_ss: N");
+    static_assert(N == 64 || N == 128 || N == 192 || N == 256, "wgmma_ss: N");
     if constexpr (N == 64) wgmma_ss_n64<TA, TB>(d, da, db, scale_d);
     else if constexpr (N == 128) wgmma_ss_n128<TA, TB>(d, da, db, scale_d);
-    else wgmma_ss_n192<TA, TB>(d, da, db, scale_d);
+    else if constexpr (N == 192) wgmma_ss_n192<TA, TB>(d, da, db, scale_d);
+    else wgmma_ss_n256<TA, TB>(d, da, db, scale_d);
 }
 template <int N, int TB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d) {
@@ -2851,6 +2865,7 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
 
 /* ------------------------------------------------------------------------------------------ */
 /* Backward, Hopper: fa_bwd_dkdv_wg_kernel and fa_bwd_dq_wg_kernel                            */
+/* (the runtime's dK/dV is fa_bwd_dkdv_split_kernel below: the same products, split otherwise) */
 /*                                                                                            */
 /* Same split as the mma.sync backward (no atomics: dK/dV per key block, dQ per query block,   */
 /* each output element written once by one thread after a fixed-order reduction), on wgmma.    */
@@ -3218,6 +3233,240 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
     }
 }
 
+/* dK/dV with dK and dV on separate warpgroups (the runtime's, at every wgmma head size, and the only one at
+   heads of 256, where dK and dV of 64 keys x 256 would take 256 accumulator registers a thread in one
+   warpgroup).  Two warpgroups work on the same 64 keys.  One CTA per (64-key block, b*h), 384 threads;
+   per query tile i (64 rows of Q and dO, streamed as above):
+     warpgroup 0:  S^T = K Q_i^T (m64n64),  P^T = exp2(S^T sl2 - lse2[q]) masked  ->  shared memory
+                   (f32, in fragment order), then  dV += P^T dO_i  (m64nDV, P^T from registers)
+     warpgroup 1:  dP^T = V dO_i^T (m64n64),  P^T from shared memory,  dS^T = P^T (dP^T - D[q]),
+                   then  dK += dS^T Q_i  (m64nDQ),  and dS^T to memory for the dQ kernel (DS 3)
+   so each does two of the tile's four products, and warpgroup 1's dP^T runs while warpgroup 0 forms P.
+   P^T passes through one 16 KB buffer: named barrier 5 says it is full, 6 that it has been read.  The
+   third warpgroup loads: K and V once, Q_i and dO_i with lse, D and document starts into NS stages
+   (warp 8, as fill() above).  Deterministic as the 192/128 kernel (each element of dK and dV summed in
+   query-tile order by one thread): dK, dV and the dS tiles are bitwise those of fa_bwd_dkdv_wg_kernel, the
+   same products in the same order.  It is faster because each warpgroup's two products and its
+   exponentials or dS make one chain the other warpgroup's chain overlaps, with 64 + 96 accumulator
+   registers at 192/128 instead of 160 in each warpgroup.  H200, B=8 T=2048 H=16, 192/128: 0.729 ms with
+   the dS stores (0.667 without) against 0.846 (0.760), the backward 0.953 against 1.075 ms; folded RoPE
+   0.970 against 1.140 ms; 4 x 2048 x 16 at 256/256: 0.538 ms, the backward 0.657 against 2.615 ms on the
+   mma.sync kernels. */
+template <int DQ, int DV>
+__host__ __device__ constexpr int dkdv_split_stages() {
+    return 1024 + 64 * (DQ + DV) * 2 * 4 + 16384 + 8192 + 4 * 3 * 256 + 128 <= 227 * 1024 ? 3 : 2;
+}
+template <int DQ, int DV>
+constexpr size_t dkdv_split_smem_bytes(bool ds_stage) {
+    return 1024 + (size_t)64 * (DQ + DV) * 2 * (1 + dkdv_split_stages<DQ, DV>()) + 16384 +
+           (size_t)dkdv_split_stages<DQ, DV>() * 3 * 64 * 4 + 128 + (ds_stage ? 1024 + 8192 : 0);
+}
+/* fa_bwd_dkdv_split_kernel's consumer warpgroups: W 0 forms P^T and dV, W 1 dP^T, dS^T and dK (compile-time
+   roles, so that each runs straight-line code around its wgmmas) */
+template <int DQ, int DV, int DS, bool FOLD, int W>
+__device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps &tm, const float *aux, float4 *pbuf, uint32_t sK,
+                                                uint32_t sV, uint32_t sQ, uint32_t sdO, uint32_t sDs, uint32_t barKV, uint32_t barF,
+                                                uint32_t barE, int n0, int i_first, int n_tiles, int bh, int b, int h,
+                                                const int *dsb) {
+    constexpr int BN = 64, BMQ = 64, NS = dkdv_split_stages<DQ, DV>();
+    constexpr int NA = W == 0 ? DV : DQ; /* the accumulator: dV (warpgroup 0) or dK (1), 64 keys x NA */
+    constexpr uint32_t Q_BYTES = BMQ * DQ * 2, O_BYTES = BMQ * DV * 2;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3, t = tid & 127;
+    const int T = p.T, H = p.H;
+    float acc[NA / 2];
+#pragma unroll
+    for (int i = 0; i < NA / 2; ++i) acc[i] = 0.f;
+    const int kr = n0 + 16 * (warp & 3) + g; /* this thread's keys: kr + 8hh */
+    const float sl2 = p.scale_log2;
+
+    mbar_wait(barKV, 0);
+#pragma unroll 1
+    for (int u = 0; u < n_tiles; ++u) {
+        const int i = i_first + u, st = u % NS, q0 = i * BMQ;
+        mbar_wait(barF + 8 * st, (u / NS) & 1);
+        const uint32_t qst = sQ + (uint32_t)st * Q_BYTES, ost = sdO + (uint32_t)st * O_BYTES;
+        const float *sL = aux + st * 3 * BMQ;
+        const float *sD = sL + BMQ;
+        const int *sS = reinterpret_cast<const int *>(sD + BMQ);
+        float s[32]; /* element 4j + 2hh + bb: (key kr + 8hh, query q0 + 8j + 2c + bb) */
+        uint32_t fa[4][4]; /* P^T or dS^T as A fragments (reduction over the 64 queries) */
+        fence_regs(acc);
+        wgmma_fence();
+        if constexpr (W == 0) wgmma_abt<64, DQ, BN, BMQ>(s, sK, qst, 0);
+        else wgmma_abt<64, DV, BN, BMQ>(s, sV, ost, 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s);
+        if constexpr (W == 0) {
+            const int dlast = dsb ? sS[min(BMQ, T - q0) - 1] : 0;
+            const bool need_mask = (n0 + BN - 1 > q0) || (q0 + BMQ > T) || (dlast > n0);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float2 l2 = *reinterpret_cast<const float2 *>(sL + 8 * j + 2 * c);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int bb = e & 1, hh = e >> 1;
+                    float x = fast_exp2(s[4 * j + e] * sl2 - (bb ? l2.y : l2.x) * MT_FA_LOG2E);
+                    if (need_mask) {
+                        const int q = q0 + 8 * j + 2 * c + bb, key = kr + 8 * hh;
+                        if (key > q || q >= T || (dsb && key < sS[8 * j + 2 * c + bb])) x = 0.f;
+                    }
+                    s[4 * j + e] = x;
+                }
+            }
+            if (u > 0) named_bar_sync(6, 256); /* warpgroup 1 has read the previous tile's P^T */
+#pragma unroll
+            for (int j = 0; j < 8; ++j) pbuf[j * 128 + t] = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
+            named_bar_arrive(5, 256);
+        } else {
+            named_bar_sync(5, 256); /* P^T of this tile is in */
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float4 pv = pbuf[j * 128 + t];
+                const float2 d2 = *reinterpret_cast<const float2 *>(sD + 8 * j + 2 * c);
+                s[4 * j] = pv.x * (s[4 * j] - d2.x);
+                s[4 * j + 1] = pv.y * (s[4 * j + 1] - d2.y);
+                s[4 * j + 2] = pv.z * (s[4 * j + 2] - d2.x);
+                s[4 * j + 3] = pv.w * (s[4 * j + 3] - d2.y);
+            }
+            named_bar_arrive(6, 256);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+        wgmma_fence();
+        wgmma_pb<NA, 4, BMQ>(acc, fa, W == 0 ? ost : qst);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc);
+        fence_regs(fa);
+        if (lane == 0) mbar_arrive(barE + 8 * st); /* this warp is done with the stage */
+        if constexpr (DS == 3)
+            if constexpr (W == 1) { /* dS^T of the 64 keys x the tile's 64 queries, for the dQ kernel */
+                const bool issuer = t == 0;
+                if (issuer) bulk_wait_read0(); /* the previous tile's store has read the buffer */
+                named_bar_sync(4, 128);
+                const int m = lane >> 3, rr = lane & 7, row = 16 * (warp & 3) + 8 * (m & 1) + rr;
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) stmatrix_x4(sDs + (uint32_t)(row * 128 + (((2 * kk + (m >> 1)) ^ rr) << 4)), fa[kk]);
+                fence_proxy_async();
+                named_bar_sync(4, 128);
+                if (issuer) {
+                    tma_store_2d(&tm.dsm, sDs, 0, (int)(ds_tile(bh, tm.ntri, i, n0 / 64) / 64));
+                    bulk_commit();
+                }
+            }
+    }
+    if (W == 0 && n_tiles > 0) named_bar_sync(6, 256); /* warpgroup 1's last "read" */
+    if constexpr (DS == 3)
+        if (W == 1 && t == 0) bulk_wait0(); /* the dS^T stores have completed */
+
+    /* epilogue: warpgroup 0 dV, warpgroup 1 dK * scale; acc[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int key = kr + 8 * hh;
+        const size_t row = (size_t)b * T + key;
+        if constexpr (FOLD) { /* dK's first dn columns and dV to kv's gradient rows, dK's rope columns to dk2 */
+            const size_t tk = row * H + h, khs = (size_t)(tm.fold_dn + p.dimv), k2hs = (size_t)(p.dimq - tm.fold_dn);
+            if constexpr (W == 0) store_acc_row<DV>(p.dv + tk * khs, key < T, p.dimv, true, p.pair_v != 0, acc, hh, 1.f, c);
+            else store_acc_row<DQ, DQ - 64>(p.dk + tk * khs, key < T, p.dimq, true, p.pair_qk != 0, acc, hh, p.scale, c, tm.dk2 + tk * k2hs);
+        } else if constexpr (W == 0)
+            store_acc_row<DV>(p.dv + row * ldv + (size_t)h * p.dimv, key < T, p.dimv, rows16(p.dv, p.dimv, p.pair_v != 0), p.pair_v != 0,
+                              acc, hh, 1.f, c);
+        else
+            store_acc_row<DQ>(p.dk + row * ldqk + (size_t)h * p.dimq, key < T, p.dimq, rows16(p.dk, p.dimq, p.pair_qk != 0),
+                              p.pair_qk != 0, acc, hh, p.scale, c);
+    }
+}
+
+template <int DQ, int DV, int DS, bool FOLD>
+__global__ void __launch_bounds__(384, 1) fa_bwd_dkdv_split_kernel(const BwdCore p, const __grid_constant__ DkdvMaps tm) {
+    constexpr int BN = 64, BMQ = 64, NS = dkdv_split_stages<DQ, DV>();
+    static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 256 && DV <= 256, "wgmma tiles");
+    constexpr uint32_t K_BYTES = BN * DQ * 2, V_BYTES = BN * DV * 2, Q_BYTES = BMQ * DQ * 2, O_BYTES = BMQ * DV * 2;
+    extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
+    const uint32_t sK = raw + pad, sV = sK + K_BYTES, sQ = sV + V_BYTES, sdO = sQ + NS * Q_BYTES;
+    const uint32_t sP = sdO + NS * O_BYTES; /* P^T: [8][128 threads] float4 */
+    const uint32_t sAux = sP + 16384;       /* per stage: lse [64], D [64], document start [64] */
+    const float *aux = reinterpret_cast<const float *>(smem_raw + pad + (sAux - sK));
+    float4 *pbuf = reinterpret_cast<float4 *>(smem_raw + pad + (sP - sK));
+    const uint32_t sBar = sAux + NS * 3 * BMQ * 4;
+    const uint32_t barKV = sBar, barF = sBar + 8, barE = sBar + 8 + 8 * NS;
+    const uint32_t sDs = (sBar + 128 + 1023u) & ~1023u; /* DS 3: warpgroup 1's 8 KB tile */
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int T = p.T, H = p.H;
+    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
+    const int n0 = (int)blockIdx.x * BN;
+    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
+
+    /* query tiles: from the one holding the block's first key to the last query that sees a key */
+    const int i_first = n0 / BMQ;
+    int q_end = T;
+    if (dsb) {
+        const int kmax = min(n0 + BN, T) - 1;
+        int lo = kmax + 1, hi = T;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (dsb[mid] > kmax) hi = mid; else lo = mid + 1;
+        }
+        q_end = lo;
+    }
+    const int n_tiles = (q_end + BMQ - 1) / BMQ - i_first;
+
+    if (tid == 0) {
+        mbar_init(barKV, 1);
+        for (int i = 0; i < NS; ++i) {
+            mbar_init(barF + 8 * i, 33);
+            mbar_init(barE + 8 * i, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads(); /* the last CTA-wide barrier: the producer warpgroup leaves below */
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+    if (warp >= 8) { /* producer: K and V, then the query tiles through the ring */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (warp == 8) {
+            const float *lseb = p.lse + (size_t)b * T * H + h, *dsumb = p.dsum + (size_t)b * T * H + h;
+            if (lane == 0) {
+                mbar_expect_tx(barKV, K_BYTES + V_BYTES);
+                tma_qkv_tile<BN, DQ, FOLD, 1>(sK, &tm.k, &tm.k2, barKV, h, n0, b);
+                tma_qkv_tile<BN, DV, FOLD, 2, DQ - 64>(sV, &tm.v, &tm.v, barKV, h, n0, b);
+            }
+            for (int u = 0; u < n_tiles; ++u) {
+                const int st = u % NS, q0 = (i_first + u) * BMQ;
+                if (u >= NS) mbar_wait(barE + 8 * st, ((u / NS) - 1) & 1);
+                const uint32_t full = barF + 8 * st, a = sAux + (uint32_t)(st * 3 * BMQ) * 4;
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    const int r = lane + 32 * rr, q = q0 + r;
+                    const bool ok = q < T;
+                    cp_async_4(a + 4 * r, lseb + (size_t)(ok ? q : 0) * H, ok);
+                    cp_async_4(a + 4 * (BMQ + r), dsumb + (size_t)(ok ? q : 0) * H, ok);
+                    if (dsb) cp_async_4(a + 4 * (2 * BMQ + r), dsb + (ok ? q : 0), ok);
+                }
+                cp_async_mbar_arrive(full);
+                if (lane == 0) {
+                    mbar_expect_tx(full, Q_BYTES + O_BYTES);
+                    tma_qkv_tile<BMQ, DQ, FOLD, 0>(sQ + (uint32_t)st * Q_BYTES, &tm.q, &tm.q2, full, h, q0, b);
+                    tma_head_tile<BMQ, DV>(sdO + (uint32_t)st * O_BYTES, &tm.dout, full, h, q0, b);
+                }
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+
+    if (wg == 0) dkdv_split_role<DQ, DV, DS, FOLD, 0>(p, tm, aux, pbuf, sK, sV, sQ, sdO, sDs, barKV, barF, barE, n0, i_first, n_tiles, bh, b, h, dsb);
+    else dkdv_split_role<DQ, DV, DS, FOLD, 1>(p, tm, aux, pbuf, sK, sV, sQ, sdO, sDs, barKV, barF, barE, n0, i_first, n_tiles, bh, b, h, dsb);
+}
+
 /* The dQ kernels' epilogue: this thread's rows r0w and r0w + 8 of dQ * scale into dqbase (rows ldqk
    apart); folded RoPE: the rope columns rotated back as q's gradient, by the tables of row r at
    rot + (r - rfirst) * half (cos) and sin_off floats further (sin). */
@@ -3506,7 +3755,7 @@ __device__ __forceinline__ void dq_item(int t, int nb, int nbh, int &m0, int &bh
 template <int DQ, bool FOLD>
 __global__ void __launch_bounds__(384, 1) fa_bwd_dq_ds_kernel(const BwdCore p, const __grid_constant__ DqdsMaps tm) {
     constexpr int BM = 128, BN = 64, NS = dqds_stages<DQ, FOLD>();
-    static_assert(DQ % 64 == 0 && DQ <= 192, "wgmma tiles");
+    static_assert(DQ % 64 == 0 && DQ <= 256 && (!FOLD || DQ <= 192), "wgmma tiles");
     constexpr uint32_t K_BYTES = BN * DQ * 2, S_BYTES = 64 * 64 * 2, ST_BYTES = K_BYTES + 2 * S_BYTES;
     extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
     const uint32_t raw = smem_u32(smem_raw);
@@ -4288,11 +4537,15 @@ static int launch_fwd_wg_kernel(const FwdParams &p, int BH, cudaStream_t stream)
 }
 
 /* The wgmma kernels cover the configurations whose padded dims are multiples of 64 with a value
-   head of at most 128, on the 16-byte load path; everything else takes the mma.sync kernels. */
+   head of at most 128, on the 16-byte load path, and heads of 256 (split_config); everything else
+   takes the mma.sync kernels. */
 template <int DQ, int DV>
 constexpr bool wg_config() { return DQ % 64 == 0 && DV % 64 == 0 && DV <= 128 && DQ <= 192; }
 /* the forward also up to heads of 256 (q/k and v): key tiles of 64 there, so that O (64 x 256 a
    warpgroup, 128 registers a thread) and S fit the registers and Q, K and V shared memory */
+/* the backward's dK/dV at heads of 256 (fa_bwd_dkdv_split_kernel; dQ from its dS, or the mma.sync kernel) */
+template <int DQ, int DV>
+constexpr bool split_config() { return !wg_config<DQ, DV>() && DQ == 256 && DV == 256; }
 template <int DQ, int DV>
 constexpr bool fwd_wg_config() { return DQ % 64 == 0 && DQ <= 256 && (DV == 64 || DV == 128 || DV == 256); }
 template <int DQ, int DV>
@@ -4363,6 +4616,30 @@ static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream
     kern<<<grid, 256, smem, stream>>>(p, tm);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
+/* heads above 192/128: dK and dV on separate warpgroups (fa_bwd_dkdv_split_kernel), dS^T stored when p.ds
+   is set; -2 as above */
+template <int DQ, int DV>
+static int launch_dkdv_split_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
+    void (*kern)(const BwdCore, const DkdvMaps) = p.ds ? fa_bwd_dkdv_split_kernel<DQ, DV, 3, false> : fa_bwd_dkdv_split_kernel<DQ, DV, 0, false>;
+    if constexpr (DV == 128)
+        if (p.fold.dn) kern = p.ds ? fa_bwd_dkdv_split_kernel<DQ, DV, 3, true> : fa_bwd_dkdv_split_kernel<DQ, DV, 0, true>;
+    const size_t smem = dkdv_split_smem_bytes<DQ, DV>(p.ds != nullptr);
+    if ((p.fold.dn && (DV != 128 || p.dimq != DQ || p.dimv != DV)) || BH > 65535 || p.H <= 0 || smem > 227 * 1024) return -1;
+    const int B = BH / p.H;
+    EncodeTiledFn enc = tma_encoder();
+    DkdvMaps tm;
+    memset(&tm, 0, sizeof tm);
+    tm.ds = p.ds;
+    tm.ntri = p.ntri;
+    tm.dk2 = p.dk2;
+    tm.fold_dn = p.fold.dn;
+    if (!enc || (p.ds && ds_map(enc, &tm.dsm, p.ds, BH, p.ntri)) || qkv_maps(enc, tm, p, B, 64, 64) ||
+        fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 64))
+        return -2;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    kern<<<dim3((unsigned)((p.T + 63) / 64), (unsigned)BH), 384, smem, stream>>>(p, tm);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
 /* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
 template <int DQ, int DV, int VAR = 0, bool EARLY = false>
 static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
@@ -4387,9 +4664,14 @@ static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
 /* dQ from the stored dS (p.ds, after launch_dkdv_wg_kernel wrote it); -2 as above */
 template <int DQ, bool EARLY = true>
 static int launch_dq_ds_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdCore, const DqdsMaps) = p.fold.dn ? fa_bwd_dq_ds_kernel<DQ, true> : fa_bwd_dq_ds_kernel<DQ, false>;
-    const size_t smem = p.fold.dn ? dqds_smem_bytes<DQ, true>() : dqds_smem_bytes<DQ, false>();
-    if (p.fold.dn && p.dimq - p.fold.dn != 64) return -1; /* the tables' room is for a rope width of 64 */
+    void (*kern)(const BwdCore, const DqdsMaps) = fa_bwd_dq_ds_kernel<DQ, false>;
+    size_t smem = dqds_smem_bytes<DQ, false>();
+    if constexpr (DQ <= 192)
+        if (p.fold.dn) {
+            kern = fa_bwd_dq_ds_kernel<DQ, true>;
+            smem = dqds_smem_bytes<DQ, true>();
+        }
+    if (p.fold.dn && (DQ > 192 || p.dimq - p.fold.dn != 64)) return -1; /* the tables' room is for a rope width of 64 */
     if (BH > 65535 || p.H <= 0 || !p.ds) return -1;
     const int B = BH / p.H;
     EncodeTiledFn enc = tma_encoder();
@@ -4416,13 +4698,17 @@ static int launch_dq_ds_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
     return launch_pss(kern, dim3((unsigned)(items < sms ? items : sms)), 384, smem, stream, EARLY, p, tm);
 }
 
+#ifndef MT_FA_SPLIT   /* the dK/dV kernel: 1 fa_bwd_dkdv_split_kernel (the runtime's), 0 fa_bwd_dkdv_wg_kernel (-DMT_FA_SPLIT=0
+                         to compare: the same dK, dV and dS bitwise) */
+#define MT_FA_SPLIT 1
+#endif
 /* EARLY: the dQ kernel may start while the dK/dV kernel finishes (bench/attention.cu times both) */
 template <int DQ, int DV, bool EARLY = true>
 static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
     typedef Cfg<DQ, DV> C;
     if constexpr (wg_config<DQ, DV>())
         if (p.vec_qk && p.vec_v) {
-            int r = launch_dkdv_wg_kernel<DQ, DV>(p, BH, stream);
+            int r = MT_FA_SPLIT ? launch_dkdv_split_kernel<DQ, DV>(p, BH, stream) : launch_dkdv_wg_kernel<DQ, DV>(p, BH, stream);
             if (r == -2 && p.fold.dn) return -1; /* folded RoPE: the wgmma kernels only */
             if (r == 0 && p.ds) return launch_dq_ds_kernel<DQ, EARLY>(p, BH, stream) ? -1 : 0; /* dS written: dQ from it */
             if (r == -2) r = launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream);
@@ -4433,7 +4719,14 @@ static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
             return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
         }
     if (p.fold.dn) return -1;
-    if (launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream)) return -1;
+    int r = -2;
+    if constexpr (split_config<DQ, DV>())
+        if (p.vec_qk && p.vec_v) {
+            r = launch_dkdv_split_kernel<DQ, DV>(p, BH, stream);
+            if (r == 0 && p.ds) return launch_dq_ds_kernel<DQ, EARLY>(p, BH, stream) ? -1 : 0; /* dS written: dQ from it */
+        }
+    if (r == -2) r = launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream);
+    if (r) return -1;
     return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
 }
 
@@ -4493,7 +4786,7 @@ static size_t mt__fa_ds_offset(int B, int T, int H) {   /* D, then the dQ kernel
 }
 static size_t mt__fa_ds_bytes(int B, int T, int H, int dq, int dv) {
     const int cfg = mt_fa::pick_cfg(dq, dv);
-    if (B <= 0 || T <= 0 || H <= 0 || cfg < 1 || cfg > 3) return 0; /* the wgmma configurations */
+    if (B <= 0 || T <= 0 || H <= 0 || cfg < 1 || cfg > 4) return 0; /* the wgmma configurations */
     const size_t n = ((size_t)T + 63) / 64, bytes = (size_t)B * H * (n * (n + 1) / 2) * 8192;
     return bytes <= MT_FA_DS_MAX_BYTES ? bytes : 0;
 }

@@ -1783,6 +1783,8 @@ int main(void) {
     GPU_RUN(gpu_test_attention_shape(2, 300, 2, 192, 128, 40));
     GPU_RUN(gpu_test_attention_shape(2, 520, 4, 192, 128, 150));
     GPU_RUN(gpu_test_attention_shape(1, 130, 2, 256, 256, 30));
+    GPU_RUN(gpu_test_attention_shape(2, 300, 3, 256, 256, 0));    /* heads of 256: dK, dV on separate warpgroups */
+    GPU_RUN(gpu_test_attention_shape(1, 200, 2, 224, 160, 0));    /* head dims padded to 256 */
     GPU_RUN(gpu_test_attention_shape(2, 77, 3, 40, 72, 9));
     GPU_RUN(gpu_test_attention_shape(1, 1000, 2, 128, 128, 0));   /* wgmma kernels: odd length, several key blocks */
     GPU_RUN(gpu_test_attention_shape(1, 257, 2, 192, 128, 3));    /* wgmma kernels: many very short documents */

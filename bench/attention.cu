@@ -475,6 +475,67 @@ static void bench_fwd256(const Shape &s) {
     check(md < 0.02, "forward at heads of 256: wgmma agrees with mma.sync");
     d.release();
 }
+/* heads of 256: the backward with dK and dV on separate warpgroups (fa_bwd_dkdv_split_kernel) and dQ from
+   its dS, or recomputing (mma.sync dQ), against the mma.sync pair, same inputs */
+static int launch_bwd256_mma(const mt_fa::BwdParams &p, int BH, cudaStream_t st) {
+    using namespace mt_fa;
+    typedef Cfg<256, 256> C;
+    if (launch_dkdv_kernel<256, 256, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, st)) return -1;
+    return launch_dq_kernel<256, 256, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, st);
+}
+static void bench_bwd256(const Shape &s) {
+    using namespace mt_fa;
+    DevBufs d;
+    d.alloc(s);
+    fill_random_bf16<<<1024, 256>>>(d.q, d.nq, 41u);
+    fill_random_bf16<<<1024, 256>>>(d.k, d.nq, 42u);
+    fill_random_bf16<<<1024, 256>>>(d.v, d.nv, 43u);
+    fill_random_bf16<<<1024, 256>>>(d.dout, d.nv, 44u);
+    CK(cudaGetLastError());
+    const float scale = 1.0f / sqrtf((float)s.dq);
+    CKAPI(mt__fa_forward(d.q, d.k, d.v, nullptr, d.o, d.lse, s.B, s.T, s.H, s.dq, s.dv, scale, 0));
+    BwdParams p;
+    const int cfg = setup_bwd(p, d.q, d.k, d.v, d.o, d.lse, d.dout, nullptr, d.dq, d.dk, d.dv, d.ws, s.B, s.T, s.H, s.dq, s.dv, scale);
+    if (cfg != 4 || !p.ds) { check(false, "backward at heads of 256: config 4 with the dS tiles"); d.release(); return; }
+    const int BH = s.B * s.H;
+    CKAPI(launch_dot_only(p, BH, 0));
+    BwdParams pr = p;
+    pr.ds = nullptr;
+    std::vector<uint16_t> r[3][3]; /* [run][dq, dk, dv] */
+    float ms[3], ms_kv = 0;
+    for (int k = 0; k < 3; ++k) {
+        int (*f)(const BwdParams &, int, cudaStream_t) = k == 2 ? launch_bwd256_mma : launch_bwd<256, 256, true>;
+        ms[k] = time_launcher(f, k == 1 ? pr : p, BH);
+        CK(cudaDeviceSynchronize());
+        __nv_bfloat16 *src[3] = {d.dq, d.dk, d.dv};
+        for (int o = 0; o < 3; ++o) {
+            r[k][o].resize(o == 2 ? d.nv : d.nq);
+            CK(cudaMemcpy(r[k][o].data(), src[o], r[k][o].size() * 2, cudaMemcpyDeviceToHost));
+        }
+    }
+    ms_kv = time_launcher(launch_dkdv_split_kernel<256, 256>, p, BH);
+    double md[3] = {0, 0, 0}, mx[3] = {0, 0, 0};
+    size_t bad = 0; /* non-finite values in any run's outputs */
+    for (int o = 0; o < 3; ++o)
+        for (size_t i = 0; i < r[0][o].size(); ++i) {
+            const float a = bf2f(r[0][o][i]), b = bf2f(r[2][o][i]), c = bf2f(r[1][o][i]);
+            if (!std::isfinite(a) || !std::isfinite(b) || !std::isfinite(c)) { ++bad; continue; }
+            md[o] = std::max(md[o], (double)fabsf(a - b));
+            mx[o] = std::max(mx[o], (double)fabsf(b));
+        }
+    const bool kv_same = r[0][1] == r[1][1] && r[0][2] == r[1][2];
+    printf("  heads of 256: max |d(mma.sync)| dQ %.3g dK %.3g dV %.3g; non-finite values %zu\n", mx[0], mx[1], mx[2], bad);
+    const double fl = 2.5 * 2.0 * s.B * s.H * ((double)s.T * s.T / 2.0) * (s.dq + s.dv);
+    printf("timing-256 B=%d T=%d H=%d %d/%d: backward wgmma (dK, dV split, dQ from dS) %.3f ms (%.1f TFLOP/s; dK/dV kernel %.3f ms), "
+           "dQ recomputed (mma.sync) %.3f ms (%.1f), mma.sync %.3f ms (%.1f); max |d - d(mma.sync)| dQ %.3g dK %.3g dV %.3g; "
+           "dK dV bitwise the same either way: %s\n",
+           s.B, s.T, s.H, s.dq, s.dv, ms[0], fl / (ms[0] * 1e-3) / 1e12, ms_kv, ms[1], fl / (ms[1] * 1e-3) / 1e12, ms[2],
+           fl / (ms[2] * 1e-3) / 1e12, md[0], md[1], md[2], kv_same ? "yes" : "NO");
+    check(bad == 0 && mx[0] > 0 && mx[1] > 0 && mx[2] > 0, "backward at heads of 256: finite, non-zero gradients");
+    check(md[0] <= 0.02 * mx[0] && md[1] <= 0.02 * mx[1] && md[2] <= 0.02 * mx[2], "backward at heads of 256: wgmma agrees with mma.sync");
+    check(kv_same, "backward at heads of 256: dK, dV the same with dQ from dS or recomputed");
+    d.release();
+}
 static void bench_breakdown(const Shape &s) {
     using namespace mt_fa;
     if (s.dq != 192 || s.dv != 128) return;
@@ -516,7 +577,7 @@ static void bench_breakdown(const Shape &s) {
     {   /* the wgmma backward kernels (the default) one by one, against the mma.sync ones */
         BwdParams pr = p; /* dQ recomputing S and dP */
         pr.ds = nullptr;
-        const float t_kv_ds = time_launcher(launch_dkdv_wg_kernel<192, 128>, p, BH);
+        const float t_kv_ds = time_launcher(MT_FA_SPLIT ? launch_dkdv_split_kernel<192, 128> : launch_dkdv_wg_kernel<192, 128>, p, BH);
         const float t_q_ds = time_launcher(launch_dq_ds_kernel<192>, p, BH);
         const float t_pair_ds = time_launcher(launch_bwd<192, 128, true>, p, BH);
         const float t_pair_rec = time_launcher(launch_bwd<192, 128, true>, pr, BH);
@@ -525,6 +586,36 @@ static void bench_breakdown(const Shape &s) {
                "the pair %.3f ms (%.1f TFLOP/s as counted); dQ recomputing S and dP instead: the pair %.3f ms (%.1f)\n",
                t_kv_ds, fl0 * 2 * (192 + 128) / (t_kv_ds * 1e-3) / 1e12, t_q_ds, fl0 * 192 / (t_q_ds * 1e-3) / 1e12, t_pair_ds,
                2.5 * fl0 * (192 + 128) / (t_pair_ds * 1e-3) / 1e12, t_pair_rec, 2.5 * fl0 * (192 + 128) / (t_pair_rec * 1e-3) / 1e12);
+        {   /* dK/dV on separate warpgroups (64-key blocks) against the two-warpgroup kernel: close, and the dS tiles
+               the same up to rounding */
+            std::vector<uint16_t> k0(d.nq), v0(d.nv), k1(d.nq), v1(d.nv);
+            CKAPI((launch_dkdv_wg_kernel<192, 128>(p, BH, 0)));
+            CK(cudaDeviceSynchronize());
+            CK(cudaMemcpy(k0.data(), d.dk, d.nq * 2, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(v0.data(), d.dv, d.nv * 2, cudaMemcpyDeviceToHost));
+            const float t_sp = time_launcher(launch_dkdv_split_kernel<192, 128>, p, BH);
+            CK(cudaDeviceSynchronize());
+            CK(cudaMemcpy(k1.data(), d.dk, d.nq * 2, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(v1.data(), d.dv, d.nv * 2, cudaMemcpyDeviceToHost));
+            const float t_sp0 = time_launcher(launch_dkdv_split_kernel<192, 128>, pr, BH);
+            double mk = 0, mv = 0, xk = 0, xv = 0;
+            size_t bad = 0;
+            for (size_t i = 0; i < k0.size(); ++i) {
+                const float a = bf2f(k0[i]), b = bf2f(k1[i]);
+                if (!std::isfinite(a) || !std::isfinite(b)) { ++bad; continue; }
+                mk = std::max(mk, (double)fabsf(a - b)); xk = std::max(xk, (double)fabsf(a));
+            }
+            for (size_t i = 0; i < v0.size(); ++i) {
+                const float a = bf2f(v0[i]), b = bf2f(v1[i]);
+                if (!std::isfinite(a) || !std::isfinite(b)) { ++bad; continue; }
+                mv = std::max(mv, (double)fabsf(a - b)); xv = std::max(xv, (double)fabsf(a));
+            }
+            printf("  dK/dV on separate warpgroups (64-key blocks): %.3f ms with the dS stores, %.3f ms without (%.1f TFLOP/s); "
+                   "max |dK - dK(two warpgroups)| %.3g (max %.3g), dV %.3g (max %.3g), non-finite %zu\n",
+                   t_sp, t_sp0, fl0 * 2 * (192 + 128) / (t_sp * 1e-3) / 1e12, mk, xk, mv, xv, bad);
+            check(bad == 0 && xk > 0 && xv > 0 && mk <= 0.02 * xk && mv <= 0.02 * xv, "dK/dV split across warpgroups agrees");
+            CKAPI((launch_dkdv_wg_kernel<192, 128>(p, BH, 0)));
+        }
         {   /* the ways of storing dS^T (store_ds): same tiles, so dQ bitwise the same */
             std::vector<uint16_t> q0(d.nq), q1(d.nq);
             CK(cudaDeviceSynchronize());
@@ -722,13 +813,14 @@ static void bench_fold(int B, int T, int H, int dn, int dr, int dv) {
     pf.fold.q = q; pf.fold.kv = kv; pf.fold.qr = qr; pf.fold.kr = kr; pf.fold.dn = dn;
     pf.dk2 = gkr; pf.rcos = cs; pf.rsin = sn;
     const int BH = B * H;
-    const float kf = time_launcher(launch_dkdv_wg_kernel<192, 128>, pf, BH), ku = time_launcher(launch_dkdv_wg_kernel<192, 128>, pu, BH);
-    {   /* the folded dK/dV by the way it stores dS^T (store_ds) */
+    int (*const kv_rt)(const BwdParams &, int, cudaStream_t) = MT_FA_SPLIT ? launch_dkdv_split_kernel<192, 128> : launch_dkdv_wg_kernel<192, 128>;
+    const float kf = time_launcher(kv_rt, pf, BH), ku = time_launcher(kv_rt, pu, BH);
+    {   /* the runtime's dK/dV kernel, folded and not, without the dS^T stores */
         BwdParams pn = pf;
         pn.ds = nullptr;
         BwdParams un = pu;
         un.ds = nullptr;
-        const float k0 = time_launcher(launch_dkdv_wg_kernel<192, 128>, pn, BH), k1 = time_launcher(launch_dkdv_wg_kernel<192, 128>, un, BH);
+        const float k0 = time_launcher(kv_rt, pn, BH), k1 = time_launcher(kv_rt, un, BH);
         printf("  dK/dV without the dS^T stores: folded %.3f ms, unfolded %.3f ms\n", k0, k1);
     }
     const float qf = time_launcher(launch_dq_ds_kernel<192>, pf, BH), qu = time_launcher(launch_dq_ds_kernel<192>, pu, BH);
@@ -751,7 +843,9 @@ int main(int argc, char **argv) {
     if (getenv("TIMING_ONLY")) { /* only the two timed shapes (A/B runs of builds) */
         bench_shape({8, 2048, 16, 192, 128});
         bench_shape({2, 4096, 16, 192, 128});
+        bench_shape({8, 2048, 16, 128, 128});
         bench_fwd256({4, 2048, 16, 256, 256});
+        bench_bwd256({4, 2048, 16, 256, 256});
         return 0;
     }
     if (getenv("FOLD_ONLY")) { /* only the folded-against-unfolded timings */
@@ -769,6 +863,8 @@ int main(int argc, char **argv) {
         {2, 2048, 16, 192, 128, 300},
         /* odd lengths and very short documents on the wgmma kernels */
         {1, 1000, 3, 192, 128}, {1, 257, 2, 192, 128, 3}, {3, 333, 2, 128, 128, 50}, {1, 515, 2, 64, 64, 200},
+        /* heads of 256 (dK and dV on separate warpgroups), and head dims padded to them */
+        {2, 300, 3, 256, 256}, {1, 700, 2, 256, 256, 90}, {1, 200, 2, 224, 160},
     };
     for (const Shape &s : shapes) test_shape(s);
 
@@ -791,6 +887,7 @@ int main(int argc, char **argv) {
     bench_shape({2, 4096, 16, 192, 128, 1024});
     bench_breakdown({8, 2048, 16, 192, 128});
     bench_fwd256({4, 2048, 16, 256, 256});
+    bench_bwd256({4, 2048, 16, 256, 256});
     bench_fold(8, 2048, 16, 128, 64, 128);
     bench_fold(2, 4096, 16, 128, 64, 128);
 
