@@ -3261,6 +3261,29 @@ constexpr size_t dkdv_split_smem_bytes(bool ds_stage) {
     return 1024 + (size_t)64 * (DQ + DV) * 2 * (1 + dkdv_split_stages<DQ, DV>()) + 16384 +
            (size_t)dkdv_split_stages<DQ, DV>() * 3 * 64 * 4 + 128 + (ds_stage ? 1024 + 8192 : 0);
 }
+/* fa_bwd_dkdv_split_kernel's epilogue: warpgroup W's accumulator (dV for 0, dK for 1) to memory */
+template <int DQ, int DV, bool FOLD, int W>
+__device__ __forceinline__ void dkdv_split_epilogue(const BwdCore &p, const DkdvMaps &tm, const float (&acc)[(W == 0 ? DV : DQ) / 2], int kr,
+                                                    int b, int h, int c) {
+    const int T = p.T, H = p.H;
+    /* warpgroup 0 dV, warpgroup 1 dK * scale; acc[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
+    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int key = kr + 8 * hh;
+        const size_t row = (size_t)b * T + key;
+        if constexpr (FOLD) { /* dK's first dn columns and dV to kv's gradient rows, dK's rope columns to dk2 */
+            const size_t tk = row * H + h, khs = (size_t)(tm.fold_dn + p.dimv), k2hs = (size_t)(p.dimq - tm.fold_dn);
+            if constexpr (W == 0) store_acc_row<DV>(p.dv + tk * khs, key < T, p.dimv, true, p.pair_v != 0, acc, hh, 1.f, c);
+            else store_acc_row<DQ, DQ - 64>(p.dk + tk * khs, key < T, p.dimq, true, p.pair_qk != 0, acc, hh, p.scale, c, tm.dk2 + tk * k2hs);
+        } else if constexpr (W == 0)
+            store_acc_row<DV>(p.dv + row * ldv + (size_t)h * p.dimv, key < T, p.dimv, rows16(p.dv, p.dimv, p.pair_v != 0), p.pair_v != 0,
+                              acc, hh, 1.f, c);
+        else
+            store_acc_row<DQ>(p.dk + row * ldqk + (size_t)h * p.dimq, key < T, p.dimq, rows16(p.dk, p.dimq, p.pair_qk != 0),
+                              p.pair_qk != 0, acc, hh, p.scale, c);
+    }
+}
 /* fa_bwd_dkdv_split_kernel's consumer warpgroups: W 0 forms P^T and dV, W 1 dP^T, dS^T and dK (compile-time
    roles, so that each runs straight-line code around its wgmmas) */
 template <int DQ, int DV, int DS, bool FOLD, int W>
@@ -3272,7 +3295,7 @@ __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps
     constexpr int NA = W == 0 ? DV : DQ; /* the accumulator: dV (warpgroup 0) or dK (1), 64 keys x NA */
     constexpr uint32_t Q_BYTES = BMQ * DQ * 2, O_BYTES = BMQ * DV * 2;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3, t = tid & 127;
-    const int T = p.T, H = p.H;
+    const int T = p.T;
     float acc[NA / 2];
 #pragma unroll
     for (int i = 0; i < NA / 2; ++i) acc[i] = 0.f;
@@ -3362,26 +3385,155 @@ __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps
     if constexpr (DS == 3)
         if (W == 1 && t == 0) bulk_wait0(); /* the dS^T stores have completed */
 
-    /* epilogue: warpgroup 0 dV, warpgroup 1 dK * scale; acc[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
-    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int key = kr + 8 * hh;
-        const size_t row = (size_t)b * T + key;
-        if constexpr (FOLD) { /* dK's first dn columns and dV to kv's gradient rows, dK's rope columns to dk2 */
-            const size_t tk = row * H + h, khs = (size_t)(tm.fold_dn + p.dimv), k2hs = (size_t)(p.dimq - tm.fold_dn);
-            if constexpr (W == 0) store_acc_row<DV>(p.dv + tk * khs, key < T, p.dimv, true, p.pair_v != 0, acc, hh, 1.f, c);
-            else store_acc_row<DQ, DQ - 64>(p.dk + tk * khs, key < T, p.dimq, true, p.pair_qk != 0, acc, hh, p.scale, c, tm.dk2 + tk * k2hs);
-        } else if constexpr (W == 0)
-            store_acc_row<DV>(p.dv + row * ldv + (size_t)h * p.dimv, key < T, p.dimv, rows16(p.dv, p.dimv, p.pair_v != 0), p.pair_v != 0,
-                              acc, hh, 1.f, c);
-        else
-            store_acc_row<DQ>(p.dk + row * ldqk + (size_t)h * p.dimq, key < T, p.dimq, rows16(p.dk, p.dimq, p.pair_qk != 0),
-                              p.pair_qk != 0, acc, hh, p.scale, c);
-    }
+    dkdv_split_epilogue<DQ, DV, FOLD, W>(p, tm, acc, kr, b, h, c);
 }
 
-template <int DQ, int DV, int DS, bool FOLD>
+/* The same with each warpgroup's next first product issued with this tile's second (PIPE, where three
+   stages or more let the next query tile be loaded a tile ahead):
+     warpgroup 0:  issue S^T_{u+1}, dV += P^T_u dO_u;  wait for S^T_{u+1};  P^T_{u+1};  wait for dV
+     warpgroup 1:  issue dP^T_{u+1}, dK += dS^T_u Q_u;  wait for dP^T_{u+1};  dS^T_{u+1};  wait for dK
+   so the exponentials (and dS) of tile u + 1 run while tile u's accumulation does. */
+template <int DQ, int DV, int DS, bool FOLD, int W>
+__device__ __forceinline__ void dkdv_split_role_pipe(const BwdCore &p, const DkdvMaps &tm, const float *aux, float4 *pbuf, uint32_t sK,
+                                                     uint32_t sV, uint32_t sQ, uint32_t sdO, uint32_t sDs, uint32_t barKV, uint32_t barF,
+                                                     uint32_t barE, int n0, int i_first, int n_tiles, int bh, int b, int h,
+                                                     const int *dsb) {
+    constexpr int BN = 64, BMQ = 64, NS = dkdv_split_stages<DQ, DV>();
+    constexpr int NA = W == 0 ? DV : DQ; /* the accumulator: dV (warpgroup 0) or dK (1), 64 keys x NA */
+    constexpr uint32_t Q_BYTES = BMQ * DQ * 2, O_BYTES = BMQ * DV * 2;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3, t = tid & 127;
+    const int T = p.T;
+    float acc[NA / 2];
+#pragma unroll
+    for (int i = 0; i < NA / 2; ++i) acc[i] = 0.f;
+    const int kr = n0 + 16 * (warp & 3) + g; /* this thread's keys: kr + 8hh */
+    const float sl2 = p.scale_log2;
+    auto qst = [&](int u) { return sQ + (uint32_t)(u % NS) * Q_BYTES; };
+    auto ost = [&](int u) { return sdO + (uint32_t)(u % NS) * O_BYTES; };
+    /* the first product of tile u: S^T (warpgroup 0) or dP^T (1) */
+    auto issue_first = [&](float (&x)[32], int u) {
+        if constexpr (W == 0) wgmma_abt<64, DQ, BN, BMQ>(x, sK, qst(u), 0);
+        else wgmma_abt<64, DV, BN, BMQ>(x, sV, ost(u), 0);
+    };
+    /* P^T of tile u from its S^T, handed over (warpgroup 0); dS^T from dP^T and the P^T handed over (1) */
+    auto form = [&](float (&x)[32], int u) {
+        const int q0 = (i_first + u) * BMQ;
+        const float *sL = aux + (u % NS) * 3 * BMQ;
+        const float *sD = sL + BMQ;
+        const int *sS = reinterpret_cast<const int *>(sD + BMQ);
+        if constexpr (W == 0) {
+            const int dlast = dsb ? sS[min(BMQ, T - q0) - 1] : 0;
+            const bool need_mask = (n0 + BN - 1 > q0) || (q0 + BMQ > T) || (dlast > n0);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float2 l2 = *reinterpret_cast<const float2 *>(sL + 8 * j + 2 * c);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int bb = e & 1, hh = e >> 1;
+                    float y = fast_exp2(x[4 * j + e] * sl2 - (bb ? l2.y : l2.x) * MT_FA_LOG2E);
+                    if (need_mask) {
+                        const int q = q0 + 8 * j + 2 * c + bb, key = kr + 8 * hh;
+                        if (key > q || q >= T || (dsb && key < sS[8 * j + 2 * c + bb])) y = 0.f;
+                    }
+                    x[4 * j + e] = y;
+                }
+            }
+            if (u > 0) named_bar_sync(6, 256); /* warpgroup 1 has read the previous tile's P^T */
+#pragma unroll
+            for (int j = 0; j < 8; ++j) pbuf[j * 128 + t] = make_float4(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]);
+            named_bar_arrive(5, 256);
+        } else {
+            named_bar_sync(5, 256); /* P^T of this tile is in */
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float4 pv = pbuf[j * 128 + t];
+                const float2 d2 = *reinterpret_cast<const float2 *>(sD + 8 * j + 2 * c);
+                x[4 * j] = pv.x * (x[4 * j] - d2.x);
+                x[4 * j + 1] = pv.y * (x[4 * j + 1] - d2.y);
+                x[4 * j + 2] = pv.z * (x[4 * j + 2] - d2.x);
+                x[4 * j + 3] = pv.w * (x[4 * j + 3] - d2.y);
+            }
+            named_bar_arrive(6, 256);
+        }
+    };
+    auto pack = [&](uint32_t (&fa)[4][4], const float (&x)[32]) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fa[kk][e] = pack_bf16(x[8 * kk + 2 * e], x[8 * kk + 2 * e + 1]);
+    };
+
+    mbar_wait(barKV, 0);
+    float s[32];       /* element 4j + 2hh + bb: (key kr + 8hh, query q0 + 8j + 2c + bb) */
+    uint32_t fa[4][4]; /* P^T or dS^T of the tile being accumulated, as A fragments */
+    if (n_tiles > 0) {
+        mbar_wait(barF, 0);
+        wgmma_fence();
+        issue_first(s, 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s);
+        form(s, 0);
+        pack(fa, s);
+    }
+    /* tile u's accumulation has completed: release its stage, and (warpgroup 1) store its dS^T for the dQ kernel */
+    auto done = [&](int u) {
+        if (lane == 0) mbar_arrive(barE + 8 * (u % NS));
+        if constexpr (DS == 3)
+            if constexpr (W == 1) {
+                const bool issuer = t == 0;
+                if (issuer) bulk_wait_read0(); /* the previous tile's store has read the buffer */
+                named_bar_sync(4, 128);
+                const int m = lane >> 3, rr = lane & 7, row = 16 * (warp & 3) + 8 * (m & 1) + rr;
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) stmatrix_x4(sDs + (uint32_t)(row * 128 + (((2 * kk + (m >> 1)) ^ rr) << 4)), fa[kk]);
+                fence_proxy_async();
+                named_bar_sync(4, 128);
+                if (issuer) {
+                    tma_store_2d(&tm.dsm, sDs, 0, (int)(ds_tile(bh, tm.ntri, i_first + u, n0 / 64) / 64));
+                    bulk_commit();
+                }
+            }
+    };
+    /* every tile but the last: no branch between the wgmmas (a conditional product serializes them) */
+#pragma unroll 1
+    for (int u = 0; u + 1 < n_tiles; ++u) {
+        mbar_wait(barF + 8 * ((u + 1) % NS), ((u + 1) / NS) & 1);
+        fence_regs(acc);
+        fence_regs(fa);
+        fence_regs(s);
+        wgmma_fence();
+        issue_first(s, u + 1);
+        wgmma_commit();
+        wgmma_pb<NA, 4, BMQ>(acc, fa, W == 0 ? ost(u) : qst(u));
+        wgmma_commit();
+        wgmma_wait<1>(); /* the next tile's first product; this one's accumulation may still run */
+        fence_regs(s);
+        form(s, u + 1);
+        wgmma_wait<0>();
+        fence_regs(acc);
+        fence_regs(fa);
+        done(u);
+        pack(fa, s);
+    }
+    if (n_tiles > 0) {
+        fence_regs(acc);
+        fence_regs(fa);
+        wgmma_fence();
+        wgmma_pb<NA, 4, BMQ>(acc, fa, W == 0 ? ost(n_tiles - 1) : qst(n_tiles - 1));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc);
+        fence_regs(fa);
+        done(n_tiles - 1);
+    }
+    if (W == 0 && n_tiles > 0) named_bar_sync(6, 256); /* warpgroup 1's last "read" */
+    if constexpr (DS == 3)
+        if (W == 1 && t == 0) bulk_wait0();
+    dkdv_split_epilogue<DQ, DV, FOLD, W>(p, tm, acc, kr, b, h, c);
+}
+
+template <int DQ, int DV, int DS, bool FOLD, bool PIPE>
 __global__ void __launch_bounds__(384, 1) fa_bwd_dkdv_split_kernel(const BwdCore p, const __grid_constant__ DkdvMaps tm) {
     constexpr int BN = 64, BMQ = 64, NS = dkdv_split_stages<DQ, DV>();
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 256 && DV <= 256, "wgmma tiles");
@@ -3463,8 +3615,15 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dkdv_split_kernel(const BwdCore
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 
-    if (wg == 0) dkdv_split_role<DQ, DV, DS, FOLD, 0>(p, tm, aux, pbuf, sK, sV, sQ, sdO, sDs, barKV, barF, barE, n0, i_first, n_tiles, bh, b, h, dsb);
-    else dkdv_split_role<DQ, DV, DS, FOLD, 1>(p, tm, aux, pbuf, sK, sV, sQ, sdO, sDs, barKV, barF, barE, n0, i_first, n_tiles, bh, b, h, dsb);
+#define MT_SPLIT_ARGS p, tm, aux, pbuf, sK, sV, sQ, sdO, sDs, barKV, barF, barE, n0, i_first, n_tiles, bh, b, h, dsb
+    if constexpr (PIPE) {
+        if (wg == 0) dkdv_split_role_pipe<DQ, DV, DS, FOLD, 0>(MT_SPLIT_ARGS);
+        else dkdv_split_role_pipe<DQ, DV, DS, FOLD, 1>(MT_SPLIT_ARGS);
+    } else {
+        if (wg == 0) dkdv_split_role<DQ, DV, DS, FOLD, 0>(MT_SPLIT_ARGS);
+        else dkdv_split_role<DQ, DV, DS, FOLD, 1>(MT_SPLIT_ARGS);
+    }
+#undef MT_SPLIT_ARGS
 }
 
 /* The dQ kernels' epilogue: this thread's rows r0w and r0w + 8 of dQ * scale into dqbase (rows ldqk
@@ -4618,11 +4777,13 @@ static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream
 }
 /* heads above 192/128: dK and dV on separate warpgroups (fa_bwd_dkdv_split_kernel), dS^T stored when p.ds
    is set; -2 as above */
-template <int DQ, int DV>
+template <int DQ, int DV, bool PIPE = (dkdv_split_stages<DQ, DV>() >= 3)>
 static int launch_dkdv_split_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdCore, const DkdvMaps) = p.ds ? fa_bwd_dkdv_split_kernel<DQ, DV, 3, false> : fa_bwd_dkdv_split_kernel<DQ, DV, 0, false>;
+    static_assert(!PIPE || dkdv_split_stages<DQ, DV>() >= 3, "PIPE loads a tile ahead: three stages");
+    void (*kern)(const BwdCore, const DkdvMaps) = p.ds ? fa_bwd_dkdv_split_kernel<DQ, DV, 3, false, PIPE>
+                                                       : fa_bwd_dkdv_split_kernel<DQ, DV, 0, false, PIPE>;
     if constexpr (DV == 128)
-        if (p.fold.dn) kern = p.ds ? fa_bwd_dkdv_split_kernel<DQ, DV, 3, true> : fa_bwd_dkdv_split_kernel<DQ, DV, 0, true>;
+        if (p.fold.dn) kern = p.ds ? fa_bwd_dkdv_split_kernel<DQ, DV, 3, true, PIPE> : fa_bwd_dkdv_split_kernel<DQ, DV, 0, true, PIPE>;
     const size_t smem = dkdv_split_smem_bytes<DQ, DV>(p.ds != nullptr);
     if ((p.fold.dn && (DV != 128 || p.dimq != DQ || p.dimv != DV)) || BH > 65535 || p.H <= 0 || smem > 227 * 1024) return -1;
     const int B = BH / p.H;
