@@ -852,6 +852,7 @@ int main(int argc, char **argv) {
         bench_shape({8, 2048, 16, 192, 128});
         bench_shape({2, 4096, 16, 192, 128});
         bench_shape({8, 2048, 16, 128, 128});
+        bench_shape({8, 2048, 16, 64, 64});
         bench_fwd256({4, 2048, 16, 256, 256});
         bench_bwd256({4, 2048, 16, 256, 256});
         return 0;
