@@ -3171,6 +3171,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
         fence_regs(dv);
         fence_regs(pa);
         fence_regs(da4);
+        __syncwarp(); /* every lane's reads of the stage's lse / D / starts before lane 0 releases it */
         if (lane == 0) mbar_arrive(barE + 8 * st); /* this warp is done with the stage */
         /* dS^T for the dQ kernel: this warpgroup's 64 keys x the tile's 64 queries, when any key is at or
            before a query */
@@ -3252,6 +3253,15 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
    the dS stores (0.667 without) against 0.846 (0.760), the backward 0.953 against 1.075 ms; folded RoPE
    0.970 against 1.140 ms; 4 x 2048 x 16 at 256/256: 0.538 ms, the backward 0.657 against 2.615 ms on the
    mma.sync kernels. */
+/* MT_FA_PMBAR 1: P^T handed over on two mbarriers instead of named barriers 5 and 6.  Both are correct (a
+   bar.arrive synchronizes with the bar.sync that completes the barrier, and orders the arriving thread's
+   earlier accesses before it, PTX ISA 9.7.13.1); compute-sanitizer's racecheck does not model bar.arrive and
+   reports the named barriers' hand-over as a race, while the mbarrier build runs clean under it.  The
+   named barriers are the default: on an H200 the mbarriers measured 1% slower (8 x 2048 x 16, 192/128: the
+   backward 0.952-0.953 against 0.943-0.944 ms). */
+#ifndef MT_FA_PMBAR
+#define MT_FA_PMBAR 0
+#endif
 template <int DQ, int DV>
 __host__ __device__ constexpr int dkdv_split_stages() {
     return 1024 + 64 * (DQ + DV) * 2 * 4 + 16384 + 8192 + 4 * 3 * 256 + 128 <= 227 * 1024 ? 3 : 2;
@@ -3301,6 +3311,13 @@ __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps
     for (int i = 0; i < NA / 2; ++i) acc[i] = 0.f;
     const int kr = n0 + 16 * (warp & 3) + g; /* this thread's keys: kr + 8hh */
     const float sl2 = p.scale_log2;
+    /* P^T's hand-over (named barriers 5 full, 6 empty; MT_FA_PMBAR: two mbarriers after the stages') */
+    const uint32_t barPF = barE + 8 * NS, barPE = barPF + 8;
+    (void)barPF; (void)barPE;
+    auto p_wait_empty = [&](int u) { if (MT_FA_PMBAR) mbar_wait(barPE, (u - 1) & 1); else named_bar_sync(6, 256); };
+    auto p_arrive_full = [&]() { if (MT_FA_PMBAR) mbar_arrive(barPF); else named_bar_arrive(5, 256); };
+    auto p_wait_full = [&](int u) { if (MT_FA_PMBAR) mbar_wait(barPF, u & 1); else named_bar_sync(5, 256); };
+    auto p_arrive_empty = [&]() { if (MT_FA_PMBAR) mbar_arrive(barPE); else named_bar_arrive(6, 256); };
 
     mbar_wait(barKV, 0);
 #pragma unroll 1
@@ -3337,12 +3354,12 @@ __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps
                     s[4 * j + e] = x;
                 }
             }
-            if (u > 0) named_bar_sync(6, 256); /* warpgroup 1 has read the previous tile's P^T */
+            if (u > 0) p_wait_empty(u); /* warpgroup 1 has read the previous tile's P^T */
 #pragma unroll
             for (int j = 0; j < 8; ++j) pbuf[j * 128 + t] = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
-            named_bar_arrive(5, 256);
+            p_arrive_full();
         } else {
-            named_bar_sync(5, 256); /* P^T of this tile is in */
+            p_wait_full(u); /* P^T of this tile is in */
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const float4 pv = pbuf[j * 128 + t];
@@ -3352,7 +3369,7 @@ __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps
                 s[4 * j + 2] = pv.z * (s[4 * j + 2] - d2.x);
                 s[4 * j + 3] = pv.w * (s[4 * j + 3] - d2.y);
             }
-            named_bar_arrive(6, 256);
+            p_arrive_empty();
         }
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
@@ -3364,6 +3381,7 @@ __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps
         wgmma_wait<0>();
         fence_regs(acc);
         fence_regs(fa);
+        __syncwarp(); /* every lane's reads of the stage's lse / D / starts before lane 0 releases it */
         if (lane == 0) mbar_arrive(barE + 8 * st); /* this warp is done with the stage */
         if constexpr (DS == 3)
             if constexpr (W == 1) { /* dS^T of the 64 keys x the tile's 64 queries, for the dQ kernel */
@@ -3381,7 +3399,7 @@ __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps
                 }
             }
     }
-    if (W == 0 && n_tiles > 0) named_bar_sync(6, 256); /* warpgroup 1's last "read" */
+    if (!MT_FA_PMBAR && W == 0 && n_tiles > 0) named_bar_sync(6, 256); /* warpgroup 1's last "read" */
     if constexpr (DS == 3)
         if (W == 1 && t == 0) bulk_wait0(); /* the dS^T stores have completed */
 
@@ -3408,6 +3426,13 @@ __device__ __forceinline__ void dkdv_split_role_pipe(const BwdCore &p, const Dkd
     for (int i = 0; i < NA / 2; ++i) acc[i] = 0.f;
     const int kr = n0 + 16 * (warp & 3) + g; /* this thread's keys: kr + 8hh */
     const float sl2 = p.scale_log2;
+    /* P^T's hand-over (named barriers 5 full, 6 empty; MT_FA_PMBAR: two mbarriers after the stages') */
+    const uint32_t barPF = barE + 8 * NS, barPE = barPF + 8;
+    (void)barPF; (void)barPE;
+    auto p_wait_empty = [&](int u) { if (MT_FA_PMBAR) mbar_wait(barPE, (u - 1) & 1); else named_bar_sync(6, 256); };
+    auto p_arrive_full = [&]() { if (MT_FA_PMBAR) mbar_arrive(barPF); else named_bar_arrive(5, 256); };
+    auto p_wait_full = [&](int u) { if (MT_FA_PMBAR) mbar_wait(barPF, u & 1); else named_bar_sync(5, 256); };
+    auto p_arrive_empty = [&]() { if (MT_FA_PMBAR) mbar_arrive(barPE); else named_bar_arrive(6, 256); };
     auto qst = [&](int u) { return sQ + (uint32_t)(u % NS) * Q_BYTES; };
     auto ost = [&](int u) { return sdO + (uint32_t)(u % NS) * O_BYTES; };
     /* the first product of tile u: S^T (warpgroup 0) or dP^T (1) */
@@ -3438,12 +3463,12 @@ __device__ __forceinline__ void dkdv_split_role_pipe(const BwdCore &p, const Dkd
                     x[4 * j + e] = y;
                 }
             }
-            if (u > 0) named_bar_sync(6, 256); /* warpgroup 1 has read the previous tile's P^T */
+            if (u > 0) p_wait_empty(u); /* warpgroup 1 has read the previous tile's P^T */
 #pragma unroll
             for (int j = 0; j < 8; ++j) pbuf[j * 128 + t] = make_float4(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]);
-            named_bar_arrive(5, 256);
+            p_arrive_full();
         } else {
-            named_bar_sync(5, 256); /* P^T of this tile is in */
+            p_wait_full(u); /* P^T of this tile is in */
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const float4 pv = pbuf[j * 128 + t];
@@ -3453,7 +3478,7 @@ __device__ __forceinline__ void dkdv_split_role_pipe(const BwdCore &p, const Dkd
                 x[4 * j + 2] = pv.z * (x[4 * j + 2] - d2.x);
                 x[4 * j + 3] = pv.w * (x[4 * j + 3] - d2.y);
             }
-            named_bar_arrive(6, 256);
+            p_arrive_empty();
         }
     };
     auto pack = [&](uint32_t (&fa)[4][4], const float (&x)[32]) {
@@ -3478,6 +3503,7 @@ __device__ __forceinline__ void dkdv_split_role_pipe(const BwdCore &p, const Dkd
     }
     /* tile u's accumulation has completed: release its stage, and (warpgroup 1) store its dS^T for the dQ kernel */
     auto done = [&](int u) {
+        __syncwarp(); /* every lane's reads of the stage's lse / D / starts before lane 0 releases it */
         if (lane == 0) mbar_arrive(barE + 8 * (u % NS));
         if constexpr (DS == 3)
             if constexpr (W == 1) {
@@ -3527,7 +3553,7 @@ __device__ __forceinline__ void dkdv_split_role_pipe(const BwdCore &p, const Dkd
         fence_regs(fa);
         done(n_tiles - 1);
     }
-    if (W == 0 && n_tiles > 0) named_bar_sync(6, 256); /* warpgroup 1's last "read" */
+    if (!MT_FA_PMBAR && W == 0 && n_tiles > 0) named_bar_sync(6, 256); /* warpgroup 1's last "read" */
     if constexpr (DS == 3)
         if (W == 1 && t == 0) bulk_wait0();
     dkdv_split_epilogue<DQ, DV, FOLD, W>(p, tm, acc, kr, b, h, c);
@@ -3576,6 +3602,10 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dkdv_split_kernel(const BwdCore
         for (int i = 0; i < NS; ++i) {
             mbar_init(barF + 8 * i, 33);
             mbar_init(barE + 8 * i, 8);
+        }
+        if (MT_FA_PMBAR) {
+            mbar_init(barE + 8 * NS, 128);     /* P^T full: warpgroup 0's threads */
+            mbar_init(barE + 8 * NS + 8, 128); /* P^T empty: warpgroup 1's */
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
