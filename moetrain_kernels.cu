@@ -2533,6 +2533,19 @@ __device__ __forceinline__ void wgmma_pb(float (&acc)[N / 2], const uint32_t (&a
 /* 0.527 ms; the same loop without the copies 0.450 ms, without the softmax arithmetic 0.442   */
 /* ms, without both 0.305 ms.                                                                  */
 /* ------------------------------------------------------------------------------------------ */
+/* MT_FA_MASK_BRANCH 1: the wgmma kernels run their causal / document masks on separate code for the tiles
+   that need them; 0: under a flag inside the one loop, which the compiler turns into selects executed on
+   every tile (the forward's main loop held 99 ISETP, 65 PLOP3, 66 FSEL and 32 LOP3 of its ~830
+   instructions a tile, tiles that need no mask included; the softmax is what limits the forward: its
+   ablation without the softmax arithmetic ran 0.253 against 0.319 ms).  H200, B=8 T=2048 H=16, 192/128:
+   the forward 0.313-0.314 -> 0.282-0.284 ms (549 -> 605-609 TFLOP/s), at 2 x 4096 0.290-0.291 ->
+   0.256-0.259 ms; the backward (dK/dV's P^T, the recomputing dQ's P) 0.932-0.943 -> 0.923-0.925 ms in
+   runs on other starts; at 4 x 2048 x 16, 256/256, 0.656-0.659 -> 0.629 ms. */
+#ifndef MT_FA_MASK_BRANCH
+#define MT_FA_MASK_BRANCH 1
+#endif
+template <bool B>
+struct BoolC { static constexpr bool value = B; };
 /* TMA producer side (fa_fwd_wg_kernel, fa_bwd_dq_wg_kernel): the R x D tile of head h at rows
    [row, row + R) of sequence b into SW128 panels of R rows at s, announced on barrier bar */
 template <int R, int D>
@@ -2720,38 +2733,44 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
            other scales to the mma.sync kernel), the scale rides in the exponent's FMA */
         const int n0 = j * BN;
         const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
-        float mx[2] = {neg_inf(), neg_inf()};
+        /* MT_FA_MASK_BRANCH: masked and unmasked tiles run separate copies of the whole softmax (folded into
+           one loop under the tile's flag, the mask is if-converted and its selects run on every tile) */
+        auto body = [&](auto masked) {
+            float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-            if (need_mask) {
-                const int hh = (i >> 1) & 1;
-                const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
-                if (key > r0w + 8 * hh || key < dlo[hh]) s[i] = neg_inf();
+            for (int i = 0; i < BN / 2; ++i) {
+                if (decltype(masked)::value || (!MT_FA_MASK_BRANCH && need_mask)) {
+                    const int hh = (i >> 1) & 1;
+                    const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
+                    if (key > r0w + 8 * hh || key < dlo[hh]) s[i] = neg_inf();
+                }
+                mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
             }
-            mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-        }
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-        }
-        /* running max in the log2 domain; a row that has seen no key of its document yet keeps
-           -inf: subtract 0 instead so that exp2 gives 0, not NaN */
-        float mr[2];
+            for (int hh = 0; hh < 2; ++hh) {
+                mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+                mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+            }
+            /* running max in the log2 domain; a row that has seen no key of its document yet keeps
+               -inf: subtract 0 instead so that exp2 gives 0, not NaN */
+            float mr[2];
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const float mnew = fmaxf(mrow[hh], mx[hh] * sl2);
-            mr[hh] = mnew == neg_inf() ? 0.f : mnew;
-            alpha[hh] = fast_exp2(mrow[hh] - mr[hh]);
-            mrow[hh] = mnew;
-            ls[hh] = 0.f;
-        }
+            for (int hh = 0; hh < 2; ++hh) {
+                const float mnew = fmaxf(mrow[hh], mx[hh] * sl2);
+                mr[hh] = mnew == neg_inf() ? 0.f : mnew;
+                alpha[hh] = fast_exp2(mrow[hh] - mr[hh]);
+                mrow[hh] = mnew;
+                ls[hh] = 0.f;
+            }
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-            const int hh = (i >> 1) & 1;
-            s[i] = fast_exp2(fmaf(s[i], sl2, -mr[hh]));
-            ls[hh] += s[i];
-        }
+            for (int i = 0; i < BN / 2; ++i) {
+                const int hh = (i >> 1) & 1;
+                s[i] = fast_exp2(fmaf(s[i], sl2, -mr[hh]));
+                ls[hh] += s[i];
+            }
+        };
+        if (MT_FA_MASK_BRANCH && need_mask) body(BoolC<true>{});
+        else body(BoolC<false>{});
     };
     auto pack_p = [&]() {
 #pragma unroll
@@ -3271,6 +3290,27 @@ constexpr size_t dkdv_split_smem_bytes(bool ds_stage) {
     return 1024 + (size_t)64 * (DQ + DV) * 2 * (1 + dkdv_split_stages<DQ, DV>()) + 16384 +
            (size_t)dkdv_split_stages<DQ, DV>() * 3 * 64 * 4 + 128 + (ds_stage ? 1024 + 8192 : 0);
 }
+/* P^T of a dK/dV tile in place (x: S^T on entry, element 4j + 2hh + bb = key kr + 8hh, query q0 + 8j + 2c
+   + bb): exp2(S^T sl2 - lse2[q]); M 1 with the causal / document / sequence-end mask, 0 without, 2 with it
+   under the run-time flag need (MT_FA_MASK_BRANCH 0) */
+template <int M>
+__device__ __forceinline__ void split_pt(float (&x)[32], const float *sL, const int *sS, const int *dsb, int q0, int kr, int c, int T,
+                                         float sl2, bool need = false) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float2 l2 = *reinterpret_cast<const float2 *>(sL + 8 * j + 2 * c);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int bb = e & 1, hh = e >> 1;
+            float y = fast_exp2(x[4 * j + e] * sl2 - (bb ? l2.y : l2.x) * MT_FA_LOG2E);
+            if (M == 1 || (M == 2 && need)) {
+                const int q = q0 + 8 * j + 2 * c + bb, key = kr + 8 * hh;
+                if (key > q || q >= T || (dsb && key < sS[8 * j + 2 * c + bb])) y = 0.f;
+            }
+            x[4 * j + e] = y;
+        }
+    }
+}
 /* fa_bwd_dkdv_split_kernel's epilogue: warpgroup W's accumulator (dV for 0, dK for 1) to memory */
 template <int DQ, int DV, bool FOLD, int W>
 __device__ __forceinline__ void dkdv_split_epilogue(const BwdCore &p, const DkdvMaps &tm, const float (&acc)[(W == 0 ? DV : DQ) / 2], int kr,
@@ -3340,20 +3380,9 @@ __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps
         if constexpr (W == 0) {
             const int dlast = dsb ? sS[min(BMQ, T - q0) - 1] : 0;
             const bool need_mask = (n0 + BN - 1 > q0) || (q0 + BMQ > T) || (dlast > n0);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float2 l2 = *reinterpret_cast<const float2 *>(sL + 8 * j + 2 * c);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int bb = e & 1, hh = e >> 1;
-                    float x = fast_exp2(s[4 * j + e] * sl2 - (bb ? l2.y : l2.x) * MT_FA_LOG2E);
-                    if (need_mask) {
-                        const int q = q0 + 8 * j + 2 * c + bb, key = kr + 8 * hh;
-                        if (key > q || q >= T || (dsb && key < sS[8 * j + 2 * c + bb])) x = 0.f;
-                    }
-                    s[4 * j + e] = x;
-                }
-            }
+            if (!MT_FA_MASK_BRANCH) split_pt<2>(s, sL, sS, dsb, q0, kr, c, T, sl2, need_mask);
+            else if (need_mask) split_pt<1>(s, sL, sS, dsb, q0, kr, c, T, sl2); /* separate code: see MT_FA_MASK_BRANCH */
+            else split_pt<0>(s, sL, sS, dsb, q0, kr, c, T, sl2);
             if (u > 0) p_wait_empty(u); /* warpgroup 1 has read the previous tile's P^T */
 #pragma unroll
             for (int j = 0; j < 8; ++j) pbuf[j * 128 + t] = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
@@ -3449,20 +3478,9 @@ __device__ __forceinline__ void dkdv_split_role_pipe(const BwdCore &p, const Dkd
         if constexpr (W == 0) {
             const int dlast = dsb ? sS[min(BMQ, T - q0) - 1] : 0;
             const bool need_mask = (n0 + BN - 1 > q0) || (q0 + BMQ > T) || (dlast > n0);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float2 l2 = *reinterpret_cast<const float2 *>(sL + 8 * j + 2 * c);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int bb = e & 1, hh = e >> 1;
-                    float y = fast_exp2(x[4 * j + e] * sl2 - (bb ? l2.y : l2.x) * MT_FA_LOG2E);
-                    if (need_mask) {
-                        const int q = q0 + 8 * j + 2 * c + bb, key = kr + 8 * hh;
-                        if (key > q || q >= T || (dsb && key < sS[8 * j + 2 * c + bb])) y = 0.f;
-                    }
-                    x[4 * j + e] = y;
-                }
-            }
+            if (!MT_FA_MASK_BRANCH) split_pt<2>(x, sL, sS, dsb, q0, kr, c, T, sl2, need_mask);
+            else if (need_mask) split_pt<1>(x, sL, sS, dsb, q0, kr, c, T, sl2); /* separate code: see MT_FA_MASK_BRANCH */
+            else split_pt<0>(x, sL, sS, dsb, q0, kr, c, T, sl2);
             if (u > 0) p_wait_empty(u); /* warpgroup 1 has read the previous tile's P^T */
 #pragma unroll
             for (int j = 0; j < 8; ++j) pbuf[j * 128 + t] = make_float4(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]);
@@ -3844,16 +3862,20 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
         const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
         wgmma_wait<2>();
         fence_regs(s);
+        auto form_p = [&](auto masked) { /* separate code for masked tiles: see MT_FA_MASK_BRANCH */
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const int hh = (i >> 1) & 1;
-            float x = fast_exp2(s[i] * sl2 - lse2[hh]);
-            if (need_mask) {
-                const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
-                if (key > r0w + 8 * hh || key < dlo[hh]) x = 0.f;
+            for (int i = 0; i < 32; ++i) {
+                const int hh = (i >> 1) & 1;
+                float x = fast_exp2(s[i] * sl2 - lse2[hh]);
+                if (decltype(masked)::value || (!MT_FA_MASK_BRANCH && need_mask)) {
+                    const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
+                    if (key > r0w + 8 * hh || key < dlo[hh]) x = 0.f;
+                }
+                s[i] = x;
             }
-            s[i] = x;
-        }
+        };
+        if (MT_FA_MASK_BRANCH && need_mask) form_p(BoolC<true>{});
+        else form_p(BoolC<false>{});
         wgmma_wait<1>();
         fence_regs(dp);
         free_v(j);
