@@ -2925,6 +2925,21 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, bool 
 __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
+/* a dK/dV query tile's lse, D and document starts (64 rows each, strided by H: no TMA box) into a stage's
+   aux area at a (lse [64], D [64], starts [64]) by the 32 lanes of one warp, 4-byte cp.async zero-filled
+   past T, each lane arriving on the stage's full barrier once its copies have landed */
+__device__ __forceinline__ void fill_aux(uint32_t a, uint32_t full, const float *lseb, const float *dsumb, const int *dsb, int q0, int T,
+                                         int H, int lane) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const int r = lane + 32 * rr, q = q0 + r;
+        const bool ok = q < T;
+        cp_async_4(a + 4 * r, lseb + (size_t)(ok ? q : 0) * H, ok);
+        cp_async_4(a + 4 * (64 + r), dsumb + (size_t)(ok ? q : 0) * H, ok);
+        if (dsb) cp_async_4(a + 4 * (128 + r), dsb + (ok ? q : 0), ok);
+    }
+    cp_async_mbar_arrive(full);
+}
 template <int DQ, int DV>
 __host__ __device__ constexpr int dkdv_wg_stages() { return (128 * (DQ + DV) + 3 * 64 * (DQ + DV)) * 2 + 4096 <= 227 * 1024 ? 3 : 2; }
 template <int DQ, int DV>
@@ -3075,15 +3090,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
         const int st = u % NS, q0 = (i_first + u) * BMQ;
         if (u >= NS) mbar_wait(barE + 8 * st, ((u / NS) - 1) & 1);
         const uint32_t full = barF + 8 * st, a = sAux + (uint32_t)(st * 3 * BMQ) * 4;
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            const int r = lane + 32 * rr, q = q0 + r;
-            const bool ok = q < T;
-            cp_async_4(a + 4 * r, lseb + (size_t)(ok ? q : 0) * H, ok);
-            cp_async_4(a + 4 * (BMQ + r), dsumb + (size_t)(ok ? q : 0) * H, ok);
-            if (dsb) cp_async_4(a + 4 * (2 * BMQ + r), dsb + (ok ? q : 0), ok);
-        }
-        cp_async_mbar_arrive(full);
+        fill_aux(a, full, lseb, dsumb, dsb, q0, T, H, lane);
         if (lane == 0) {
             if (!(VAR & 1) || u < NS) {
                 mbar_expect_tx(full, Q_BYTES + O_BYTES);
@@ -3335,116 +3342,19 @@ __device__ __forceinline__ void dkdv_split_epilogue(const BwdCore &p, const Dkdv
     }
 }
 /* fa_bwd_dkdv_split_kernel's consumer warpgroups: W 0 forms P^T and dV, W 1 dP^T, dS^T and dK (compile-time
-   roles, so that each runs straight-line code around its wgmmas) */
-template <int DQ, int DV, int DS, bool FOLD, int W>
+   roles, so that each runs straight-line code around its wgmmas).  Per query tile u, in order:
+     wait for the stage;  first product (S^T or dP^T);  P^T (handed over) or dS^T (P^T taken);
+     accumulation (dV += P^T dO or dK += dS^T Q);  release the stage;  (W 1) store dS^T
+   With PIPE (three stages or more, so the next query tile is loaded a tile ahead) each warpgroup issues
+   its next tile's first product together with this tile's accumulation:
+     warpgroup 0:  issue S^T_{u+1}, dV += P^T_u dO_u;  wait for S^T_{u+1};  P^T_{u+1};  wait for dV
+     warpgroup 1:  issue dP^T_{u+1}, dK += dS^T_u Q_u;  wait for dP^T_{u+1};  dS^T_{u+1};  wait for dK
+   so the exponentials (and dS) of tile u + 1 run while tile u's accumulation does. */
+template <int DQ, int DV, int DS, bool FOLD, bool PIPE, int W>
 __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps &tm, const float *aux, float4 *pbuf, uint32_t sK,
                                                 uint32_t sV, uint32_t sQ, uint32_t sdO, uint32_t sDs, uint32_t barKV, uint32_t barF,
                                                 uint32_t barE, int n0, int i_first, int n_tiles, int bh, int b, int h,
                                                 const int *dsb) {
-    constexpr int BN = 64, BMQ = 64, NS = dkdv_split_stages<DQ, DV>();
-    constexpr int NA = W == 0 ? DV : DQ; /* the accumulator: dV (warpgroup 0) or dK (1), 64 keys x NA */
-    constexpr uint32_t Q_BYTES = BMQ * DQ * 2, O_BYTES = BMQ * DV * 2;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3, t = tid & 127;
-    const int T = p.T;
-    float acc[NA / 2];
-#pragma unroll
-    for (int i = 0; i < NA / 2; ++i) acc[i] = 0.f;
-    const int kr = n0 + 16 * (warp & 3) + g; /* this thread's keys: kr + 8hh */
-    const float sl2 = p.scale_log2;
-    /* P^T's hand-over (named barriers 5 full, 6 empty; MT_FA_PMBAR: two mbarriers after the stages') */
-    const uint32_t barPF = barE + 8 * NS, barPE = barPF + 8;
-    (void)barPF; (void)barPE;
-    auto p_wait_empty = [&](int u) { if (MT_FA_PMBAR) mbar_wait(barPE, (u - 1) & 1); else named_bar_sync(6, 256); };
-    auto p_arrive_full = [&]() { if (MT_FA_PMBAR) mbar_arrive(barPF); else named_bar_arrive(5, 256); };
-    auto p_wait_full = [&](int u) { if (MT_FA_PMBAR) mbar_wait(barPF, u & 1); else named_bar_sync(5, 256); };
-    auto p_arrive_empty = [&]() { if (MT_FA_PMBAR) mbar_arrive(barPE); else named_bar_arrive(6, 256); };
-
-    mbar_wait(barKV, 0);
-#pragma unroll 1
-    for (int u = 0; u < n_tiles; ++u) {
-        const int i = i_first + u, st = u % NS, q0 = i * BMQ;
-        mbar_wait(barF + 8 * st, (u / NS) & 1);
-        const uint32_t qst = sQ + (uint32_t)st * Q_BYTES, ost = sdO + (uint32_t)st * O_BYTES;
-        const float *sL = aux + st * 3 * BMQ;
-        const float *sD = sL + BMQ;
-        const int *sS = reinterpret_cast<const int *>(sD + BMQ);
-        float s[32]; /* element 4j + 2hh + bb: (key kr + 8hh, query q0 + 8j + 2c + bb) */
-        uint32_t fa[4][4]; /* P^T or dS^T as A fragments (reduction over the 64 queries) */
-        fence_regs(acc);
-        wgmma_fence();
-        if constexpr (W == 0) wgmma_abt<64, DQ, BN, BMQ>(s, sK, qst, 0);
-        else wgmma_abt<64, DV, BN, BMQ>(s, sV, ost, 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(s);
-        if constexpr (W == 0) {
-            const int dlast = dsb ? sS[min(BMQ, T - q0) - 1] : 0;
-            const bool need_mask = (n0 + BN - 1 > q0) || (q0 + BMQ > T) || (dlast > n0);
-            if (!MT_FA_MASK_BRANCH) split_pt<2>(s, sL, sS, dsb, q0, kr, c, T, sl2, need_mask);
-            else if (need_mask) split_pt<1>(s, sL, sS, dsb, q0, kr, c, T, sl2); /* separate code: see MT_FA_MASK_BRANCH */
-            else split_pt<0>(s, sL, sS, dsb, q0, kr, c, T, sl2);
-            if (u > 0) p_wait_empty(u); /* warpgroup 1 has read the previous tile's P^T */
-#pragma unroll
-            for (int j = 0; j < 8; ++j) pbuf[j * 128 + t] = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
-            p_arrive_full();
-        } else {
-            p_wait_full(u); /* P^T of this tile is in */
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float4 pv = pbuf[j * 128 + t];
-                const float2 d2 = *reinterpret_cast<const float2 *>(sD + 8 * j + 2 * c);
-                s[4 * j] = pv.x * (s[4 * j] - d2.x);
-                s[4 * j + 1] = pv.y * (s[4 * j + 1] - d2.y);
-                s[4 * j + 2] = pv.z * (s[4 * j + 2] - d2.x);
-                s[4 * j + 3] = pv.w * (s[4 * j + 3] - d2.y);
-            }
-            p_arrive_empty();
-        }
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-        wgmma_fence();
-        wgmma_pb<NA, 4, BMQ>(acc, fa, W == 0 ? ost : qst);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(acc);
-        fence_regs(fa);
-        __syncwarp(); /* every lane's reads of the stage's lse / D / starts before lane 0 releases it */
-        if (lane == 0) mbar_arrive(barE + 8 * st); /* this warp is done with the stage */
-        if constexpr (DS == 3)
-            if constexpr (W == 1) { /* dS^T of the 64 keys x the tile's 64 queries, for the dQ kernel */
-                const bool issuer = t == 0;
-                if (issuer) bulk_wait_read0(); /* the previous tile's store has read the buffer */
-                named_bar_sync(4, 128);
-                const int m = lane >> 3, rr = lane & 7, row = 16 * (warp & 3) + 8 * (m & 1) + rr;
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) stmatrix_x4(sDs + (uint32_t)(row * 128 + (((2 * kk + (m >> 1)) ^ rr) << 4)), fa[kk]);
-                fence_proxy_async();
-                named_bar_sync(4, 128);
-                if (issuer) {
-                    tma_store_2d(&tm.dsm, sDs, 0, (int)(ds_tile(bh, tm.ntri, i, n0 / 64) / 64));
-                    bulk_commit();
-                }
-            }
-    }
-    if (!MT_FA_PMBAR && W == 0 && n_tiles > 0) named_bar_sync(6, 256); /* warpgroup 1's last "read" */
-    if constexpr (DS == 3)
-        if (W == 1 && t == 0) bulk_wait0(); /* the dS^T stores have completed */
-
-    dkdv_split_epilogue<DQ, DV, FOLD, W>(p, tm, acc, kr, b, h, c);
-}
-
-/* The same with each warpgroup's next first product issued with this tile's second (PIPE, where three
-   stages or more let the next query tile be loaded a tile ahead):
-     warpgroup 0:  issue S^T_{u+1}, dV += P^T_u dO_u;  wait for S^T_{u+1};  P^T_{u+1};  wait for dV
-     warpgroup 1:  issue dP^T_{u+1}, dK += dS^T_u Q_u;  wait for dP^T_{u+1};  dS^T_{u+1};  wait for dK
-   so the exponentials (and dS) of tile u + 1 run while tile u's accumulation does. */
-template <int DQ, int DV, int DS, bool FOLD, int W>
-__device__ __forceinline__ void dkdv_split_role_pipe(const BwdCore &p, const DkdvMaps &tm, const float *aux, float4 *pbuf, uint32_t sK,
-                                                     uint32_t sV, uint32_t sQ, uint32_t sdO, uint32_t sDs, uint32_t barKV, uint32_t barF,
-                                                     uint32_t barE, int n0, int i_first, int n_tiles, int bh, int b, int h,
-                                                     const int *dsb) {
     constexpr int BN = 64, BMQ = 64, NS = dkdv_split_stages<DQ, DV>();
     constexpr int NA = W == 0 ? DV : DQ; /* the accumulator: dV (warpgroup 0) or dK (1), 64 keys x NA */
     constexpr uint32_t Q_BYTES = BMQ * DQ * 2, O_BYTES = BMQ * DV * 2;
@@ -3509,16 +3419,6 @@ __device__ __forceinline__ void dkdv_split_role_pipe(const BwdCore &p, const Dkd
     mbar_wait(barKV, 0);
     float s[32];       /* element 4j + 2hh + bb: (key kr + 8hh, query q0 + 8j + 2c + bb) */
     uint32_t fa[4][4]; /* P^T or dS^T of the tile being accumulated, as A fragments */
-    if (n_tiles > 0) {
-        mbar_wait(barF, 0);
-        wgmma_fence();
-        issue_first(s, 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(s);
-        form(s, 0);
-        pack(fa, s);
-    }
     /* tile u's accumulation has completed: release its stage, and (warpgroup 1) store its dS^T for the dQ kernel */
     auto done = [&](int u) {
         __syncwarp(); /* every lane's reads of the stage's lse / D / starts before lane 0 releases it */
@@ -3539,37 +3439,69 @@ __device__ __forceinline__ void dkdv_split_role_pipe(const BwdCore &p, const Dkd
                 }
             }
     };
-    /* every tile but the last: no branch between the wgmmas (a conditional product serializes them) */
+    if constexpr (!PIPE) {
 #pragma unroll 1
-    for (int u = 0; u + 1 < n_tiles; ++u) {
-        mbar_wait(barF + 8 * ((u + 1) % NS), ((u + 1) / NS) & 1);
-        fence_regs(acc);
-        fence_regs(fa);
-        fence_regs(s);
-        wgmma_fence();
-        issue_first(s, u + 1);
-        wgmma_commit();
-        wgmma_pb<NA, 4, BMQ>(acc, fa, W == 0 ? ost(u) : qst(u));
-        wgmma_commit();
-        wgmma_wait<1>(); /* the next tile's first product; this one's accumulation may still run */
-        fence_regs(s);
-        form(s, u + 1);
-        wgmma_wait<0>();
-        fence_regs(acc);
-        fence_regs(fa);
-        done(u);
-        pack(fa, s);
-    }
-    if (n_tiles > 0) {
-        fence_regs(acc);
-        fence_regs(fa);
-        wgmma_fence();
-        wgmma_pb<NA, 4, BMQ>(acc, fa, W == 0 ? ost(n_tiles - 1) : qst(n_tiles - 1));
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(acc);
-        fence_regs(fa);
-        done(n_tiles - 1);
+        for (int u = 0; u < n_tiles; ++u) {
+            mbar_wait(barF + 8 * (u % NS), (u / NS) & 1);
+            fence_regs(acc);
+            wgmma_fence();
+            issue_first(s, u);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(s);
+            form(s, u);
+            pack(fa, s);
+            wgmma_fence();
+            wgmma_pb<NA, 4, BMQ>(acc, fa, W == 0 ? ost(u) : qst(u));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(acc);
+            fence_regs(fa);
+            done(u);
+        }
+    } else {
+        if (n_tiles > 0) {
+            mbar_wait(barF, 0);
+            wgmma_fence();
+            issue_first(s, 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(s);
+            form(s, 0);
+            pack(fa, s);
+        }
+        /* every tile but the last: no branch between the wgmmas (a conditional product serializes them) */
+#pragma unroll 1
+        for (int u = 0; u + 1 < n_tiles; ++u) {
+            mbar_wait(barF + 8 * ((u + 1) % NS), ((u + 1) / NS) & 1);
+            fence_regs(acc);
+            fence_regs(fa);
+            fence_regs(s);
+            wgmma_fence();
+            issue_first(s, u + 1);
+            wgmma_commit();
+            wgmma_pb<NA, 4, BMQ>(acc, fa, W == 0 ? ost(u) : qst(u));
+            wgmma_commit();
+            wgmma_wait<1>(); /* the next tile's first product; this one's accumulation may still run */
+            fence_regs(s);
+            form(s, u + 1);
+            wgmma_wait<0>();
+            fence_regs(acc);
+            fence_regs(fa);
+            done(u);
+            pack(fa, s);
+        }
+        if (n_tiles > 0) {
+            fence_regs(acc);
+            fence_regs(fa);
+            wgmma_fence();
+            wgmma_pb<NA, 4, BMQ>(acc, fa, W == 0 ? ost(n_tiles - 1) : qst(n_tiles - 1));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(acc);
+            fence_regs(fa);
+            done(n_tiles - 1);
+        }
     }
     if (!MT_FA_PMBAR && W == 0 && n_tiles > 0) named_bar_sync(6, 256); /* warpgroup 1's last "read" */
     if constexpr (DS == 3)
@@ -3643,15 +3575,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dkdv_split_kernel(const BwdCore
                 const int st = u % NS, q0 = (i_first + u) * BMQ;
                 if (u >= NS) mbar_wait(barE + 8 * st, ((u / NS) - 1) & 1);
                 const uint32_t full = barF + 8 * st, a = sAux + (uint32_t)(st * 3 * BMQ) * 4;
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    const int r = lane + 32 * rr, q = q0 + r;
-                    const bool ok = q < T;
-                    cp_async_4(a + 4 * r, lseb + (size_t)(ok ? q : 0) * H, ok);
-                    cp_async_4(a + 4 * (BMQ + r), dsumb + (size_t)(ok ? q : 0) * H, ok);
-                    if (dsb) cp_async_4(a + 4 * (2 * BMQ + r), dsb + (ok ? q : 0), ok);
-                }
-                cp_async_mbar_arrive(full);
+                fill_aux(a, full, lseb, dsumb, dsb, q0, T, H, lane);
                 if (lane == 0) {
                     mbar_expect_tx(full, Q_BYTES + O_BYTES);
                     tma_qkv_tile<BMQ, DQ, FOLD, 0>(sQ + (uint32_t)st * Q_BYTES, &tm.q, &tm.q2, full, h, q0, b);
@@ -3664,13 +3588,8 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dkdv_split_kernel(const BwdCore
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 
 #define MT_SPLIT_ARGS p, tm, aux, pbuf, sK, sV, sQ, sdO, sDs, barKV, barF, barE, n0, i_first, n_tiles, bh, b, h, dsb
-    if constexpr (PIPE) {
-        if (wg == 0) dkdv_split_role_pipe<DQ, DV, DS, FOLD, 0>(MT_SPLIT_ARGS);
-        else dkdv_split_role_pipe<DQ, DV, DS, FOLD, 1>(MT_SPLIT_ARGS);
-    } else {
-        if (wg == 0) dkdv_split_role<DQ, DV, DS, FOLD, 0>(MT_SPLIT_ARGS);
-        else dkdv_split_role<DQ, DV, DS, FOLD, 1>(MT_SPLIT_ARGS);
-    }
+    if (wg == 0) dkdv_split_role<DQ, DV, DS, FOLD, PIPE, 0>(MT_SPLIT_ARGS);
+    else dkdv_split_role<DQ, DV, DS, FOLD, PIPE, 1>(MT_SPLIT_ARGS);
 #undef MT_SPLIT_ARGS
 }
 
