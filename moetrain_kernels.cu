@@ -3281,7 +3281,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
    mma.sync kernels. */
 /* MT_FA_PMBAR 1: P^T handed over on two mbarriers instead of named barriers 5 and 6.  Both are correct (a
    bar.arrive synchronizes with the bar.sync that completes the barrier, and orders the arriving thread's
-   earlier accesses before it, PTX ISA 9.7.13.1); compute-sanitizer's racecheck does not model bar.arrive and
+   earlier accesses before it: the PTX ISA on bar, barrier); compute-sanitizer's racecheck does not model bar.arrive and
    reports the named barriers' hand-over as a race, while the mbarrier build runs clean under it.  The
    named barriers are the default: on an H200 the mbarriers measured 1% slower (8 x 2048 x 16, 192/128: the
    backward 0.952-0.953 against 0.943-0.944 ms). */
