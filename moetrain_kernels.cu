@@ -3271,18 +3271,20 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
    so each does two of the tile's four products, and warpgroup 1's dP^T runs while warpgroup 0 forms P.
    P^T passes through one 16 KB buffer: named barrier 5 says it is full, 6 that it has been read.  The
    third warpgroup loads: K and V once, Q_i and dO_i with lse, D and document starts into NS stages
-   (warp 8, as fill() above).  Deterministic as the 192/128 kernel (each element of dK and dV summed in
+   (warp 8, fill_aux).  Deterministic as the 192/128 kernel (each element of dK and dV summed in
    query-tile order by one thread): dK, dV and the dS tiles are bitwise those of fa_bwd_dkdv_wg_kernel, the
    same products in the same order.  It is faster because each warpgroup's two products and its
    exponentials or dS make one chain the other warpgroup's chain overlaps, with 64 + 96 accumulator
-   registers at 192/128 instead of 160 in each warpgroup.  H200, B=8 T=2048 H=16, 192/128: 0.729 ms with
-   the dS stores (0.667 without) against 0.846 (0.760), the backward 0.953 against 1.075 ms; folded RoPE
-   0.970 against 1.140 ms; 4 x 2048 x 16 at 256/256: 0.538 ms, the backward 0.657 against 2.615 ms on the
-   mma.sync kernels. */
+   registers at 192/128 instead of 160 in each warpgroup.  H200, B=8 T=2048 H=16, 192/128, its first
+   version: 0.729 ms with the dS stores (0.667 without) against 0.846 (0.760), the backward 0.953 against
+   1.075 ms; folded RoPE 0.970 against 1.140 ms; 4 x 2048 x 16 at 256/256: 0.538 ms, the backward 0.657
+   against 2.615 ms on the mma.sync kernels.  With PIPE and the masks' separate code (MT_FA_MASK_BRANCH):
+   0.693-0.709 ms, the backward 0.923-0.939 ms; at 256/256 0.511-0.525 and 0.629-0.646 ms. */
 /* MT_FA_PMBAR 1: P^T handed over on two mbarriers instead of named barriers 5 and 6.  Both are correct (a
    bar.arrive synchronizes with the bar.sync that completes the barrier, and orders the arriving thread's
-   earlier accesses before it: the PTX ISA on bar, barrier); compute-sanitizer's racecheck does not model bar.arrive and
-   reports the named barriers' hand-over as a race, while the mbarrier build runs clean under it.  The
+   earlier accesses before it: the PTX ISA on bar, barrier); compute-sanitizer's racecheck does not model
+   bar.arrive and reports the named barriers' hand-over as a race, while the mbarrier build runs clean
+   under it at 192/128 and 128/128 (at 256/256 it still reports the refill of D against its reads).  The
    named barriers are the default: on an H200 the mbarriers measured 1% slower (8 x 2048 x 16, 192/128: the
    backward 0.952-0.953 against 0.943-0.944 ms). */
 #ifndef MT_FA_PMBAR
