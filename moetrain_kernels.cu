@@ -5522,7 +5522,14 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
  *                without rows get zero tiles.  When E*ceil(M/128)*ceil(K/256) < #SMs the rows of
  *                each expert are split into S fixed chunks (S from E, M, K, Rmax, #SMs only),
  *                partial tiles go to the workspace and a second kernel sums them in order s=0..S-1.
- *   Every mode: CTA b takes one tile of each round of gridDim tiles, in serpentine order (b in even
+ *   Wide tiles (TMA kernel): when the last column tile has <= 128 valid columns (mid's 1408 = 5.5 x
+   256), its rows go in pairs of row tiles (modes 0/1: 256 token rows; mode 2: 256 m) as one 256 x 128
+   tile in the same 48 KB stages, computed as D^T = B^T A^T with the same m64n256k16 products (bitwise
+   the results of 128 x 128 tiles): a 128 x 128 tile reads as many bytes per step for half the work.
+   H200, mid's shapes: forward with 1408 outputs 589 -> 621, dX with 1408 outputs 606 -> 623, dW
+   with 1408 columns 457 -> 465-486 TFLOP/s (bench/grouped_gemm.cu, same run; 1536 columns, no half
+   tiles: 676, 672, 511-531).
+   Every mode: CTA b takes one tile of each round of gridDim tiles, in serpentine order (b in even
  *   rounds, gridDim - 1 - b in odd ones; mode 2's list is sorted largest expert first, and the
  *   serpentine balances the unequal tiles: on mid's shapes with the largest expert at 5 to 7
  *   times the mean, the busiest CTA gets 1-2% more steps than the mean, and the bench's layout
@@ -5642,11 +5649,14 @@ struct Params {
     int ct;              /* column tiles ceil(ncols / BN)                                     */
     int nk01;            /* modes 0/1: reduction steps ceil(K / BK) or ceil(M / BK)            */
     int S, ntm;          /* mode 2: row splits, m tiles ceil(M / BM)                           */
-    int T2;              /* mode 2: number of tiles E * S * ntm * ct                           */
+    int T2;              /* mode 2: number of tiles E * S * (ntm * ctf + half * ceil(ntm / 2))   */
+    int half, ctf;       /* half = 1: the last column tile has <= 128 columns and pairs its rows   */
+                         /* into 256 x 128 tiles (TMA kernel); ctf = ct - half full-width tiles    */
 };
 
 struct Tile {
     int valid, e, nk;
+    int wide;   /* 256 x 128 tile (two 128-row tiles of the last, half-wide column tile)          */
     int t;      /* the tile's index in the work list                                              */
     int r0, r1; /* modes 0/1: output rows [r0, r1), r1 <= r0 + BM; mode 2: reduction rows [r0, r1) */
     int m0;     /* mode 2: first output row (m)                                                   */
@@ -5659,7 +5669,7 @@ __device__ __forceinline__ Tile decode_tile(const Params &p, const int *s_offs, 
     Tile ti;
     ti.valid = (t >= 0 && t < T) ? 1 : 0;
     ti.t = t;
-    ti.e = 0; ti.nk = 0; ti.r0 = 0; ti.r1 = 0; ti.m0 = 0; ti.c0 = 0; ti.s = 0;
+    ti.e = 0; ti.nk = 0; ti.r0 = 0; ti.r1 = 0; ti.m0 = 0; ti.c0 = 0; ti.s = 0; ti.wide = 0;
     if (!ti.valid) return ti;
     if (MODE != 2) {
         /* largest e with pref[e] <= t (pref non-decreasing, pref[0] = 0) */
@@ -5669,27 +5679,41 @@ __device__ __forceinline__ Tile decode_tile(const Params &p, const int *s_offs, 
             if (s_aux[mid] <= t) lo = mid; else hi = mid - 1;
         }
         const int local = t - s_aux[lo];
-        const int rt = local / p.ct, cti = local - rt * p.ct;
+        const int nrt = (s_offs[lo + 1] - s_offs[lo] + BM - 1) / BM;
         ti.e = lo;
-        ti.r0 = s_offs[lo] + rt * BM;
-        ti.r1 = min(ti.r0 + BM, s_offs[lo + 1]);
-        ti.c0 = cti * BN;
+        if (local < nrt * p.ctf) {
+            const int rt = local / p.ctf, cti = local - rt * p.ctf;
+            ti.r0 = s_offs[lo] + rt * BM;
+            ti.r1 = min(ti.r0 + BM, s_offs[lo + 1]);
+            ti.c0 = cti * BN;
+        } else { /* the half-wide last column: rows in pairs of row tiles */
+            ti.r0 = s_offs[lo] + (local - nrt * p.ctf) * 2 * BM;
+            ti.r1 = min(ti.r0 + 2 * BM, s_offs[lo + 1]);
+            ti.c0 = p.ctf * BN;
+            ti.wide = ti.r1 - ti.r0 > BM;
+        }
         ti.nk = p.nk01;
     } else {
-        const int per_s = p.ntm * p.ct, per_e = p.S * per_s;
+        const int per_s = p.ntm * p.ctf + p.half * ((p.ntm + 1) >> 1), per_e = p.S * per_s;
         const int pos = t / per_e;
         int rem = t - pos * per_e;
         const int s = rem / per_s;
         rem -= s * per_s;
-        const int mt = rem / p.ct, kt = rem - mt * p.ct;
+        if (rem < p.ntm * p.ctf) {
+            const int mt = rem / p.ctf, kt = rem - mt * p.ctf;
+            ti.m0 = mt * BM;
+            ti.c0 = kt * BN;
+        } else { /* the half-wide last column: m in pairs of m tiles */
+            ti.m0 = (rem - p.ntm * p.ctf) * 2 * BM;
+            ti.c0 = p.ctf * BN;
+            ti.wide = p.M - ti.m0 > BM;
+        }
         const int e = (int)((unsigned)s_aux[pos] & (unsigned)(MAX_E - 1));
         const int beg = s_offs[e], n = max(0, s_offs[e + 1] - beg);
         ti.e = e;
         ti.s = s;
         ti.r0 = beg + (int)(((long long)n * s) / p.S);
         ti.r1 = beg + (int)(((long long)n * (s + 1)) / p.S);
-        ti.m0 = mt * BM;
-        ti.c0 = kt * BN;
         ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
     }
     return ti;
@@ -5794,14 +5818,23 @@ __device__ __forceinline__ void wgmma_batch(float (&acc)[128], uint64_t da, uint
 }
 
 /* One reduction step (BK = 64) with wgmma: warpgroup wg computes tile rows [64wg, 64wg + 64).
-   SHORT: only the first nkk k16 slices (mode 2's last step of a tile: the rows that are left). */
-template <int MODE, bool SHORT = false>
+   SHORT: only the first nkk k16 slices (mode 2's last step of a tile: the rows that are left).
+   SWAP (the TMA kernel's wide tiles: 256 rows x 128 columns, A's 256 rows then B's 128 columns in
+   the stage): the transposed product D^T = B^T A^T, warpgroup wg computing tile columns [64wg,
+   64wg + 64) over all 256 rows, so acc[4j + 2h + b] = D[8j + 2c + b][64wg + 16w + g + 8h] (see
+   epilogue_wide).  The same m64n256k16 products; each output element sees the same k16 slices in
+   the same order as in a 128 x 128 tile. */
+template <int MODE, bool SHORT = false, bool SWAP = false>
 __device__ __forceinline__ void step_wgmma(float (&acc)[128], uint32_t sA, int wg, bool active, bool full, bool first, int nkk = 4) {
-    constexpr int TA = (MODE == 2) ? 1 : 0, TB = (MODE == 0) ? 0 : 1;
+    constexpr int TA0 = (MODE == 2) ? 1 : 0, TB0 = (MODE == 0) ? 0 : 1;
+    constexpr int TA = SWAP ? TB0 : TA0, TB = SWAP ? TA0 : TB0;
     /* K-major: +32 bytes per k16; MN-major: +16 rows * 128 bytes = 2048 bytes (in 16-byte units) */
     constexpr uint64_t DA = TA ? 128 : 2, DB = TB ? 128 : 2;
-    const uint64_t da = sw128_desc(sA + (uint32_t)wg * 8192u, TA ? 8192u : 16u, 1024u);
-    const uint64_t db = sw128_desc(sA + (uint32_t)A_BYTES, TB ? 8192u : 16u, 1024u);
+    /* K-major rows of 128 bytes or MN-major 64-wide blocks of 8 KB: 64 j at 8 KB j either way */
+    const uint32_t a_addr = SWAP ? sA + 2u * (uint32_t)A_BYTES + (uint32_t)wg * 8192u : sA + (uint32_t)wg * 8192u;
+    const uint32_t b_addr = SWAP ? sA : sA + (uint32_t)A_BYTES;
+    const uint64_t da = sw128_desc(a_addr, TA ? 8192u : 16u, 1024u);
+    const uint64_t db = sw128_desc(b_addr, TB ? 8192u : 16u, 1024u);
     const int sd0 = first ? 0 : 1;
     fence_acc_all(acc);
     if (SHORT && active && nkk < BK / 16) {
@@ -5932,10 +5965,11 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
    shared-memory buffer of 16 rows x RB bytes, in passes of RB / ESZ columns (16-byte chunks
    XOR-swizzled by row: conflict-free), as 16-byte coalesced stores (RB / 16 lanes per row segment).
    The cp.async kernel uses 4 KB buffers (RB = 256: 128 bf16 or 64 fp32 columns a pass), the TMA
-   kernel 2 KB ones (RB = 128). */
+   kernel 2 KB ones (RB = 128).  The warp's rows start at tile row wrow.  Returns the sum of the
+   squares of what it stored (mode 2), in a fixed order. */
 template <int MODE, int RB>
-__device__ __forceinline__ void epilogue_staged(const Params &p, const float (&acc)[128], const Tile &ti, int warp, int lane,
-                                                int rows_valid, int cols_valid, unsigned char *buf) {
+__device__ __forceinline__ float epilogue_staged(const Params &p, const float (&acc)[128], const Tile &ti, int wrow, int lane,
+                                                 int rows_valid, int cols_valid, unsigned char *buf) {
     constexpr int ESZ = (MODE == 2) ? 4 : 2;                /* output element bytes                        */
     constexpr int JB = RB / (8 * ESZ);                      /* n8 column blocks per pass                   */
     constexpr int NP = 32 / JB;                             /* passes                                      */
@@ -5943,7 +5977,6 @@ __device__ __forceinline__ void epilogue_staged(const Params &p, const float (&a
     constexpr int CH = RB / 16, LG = CH == 16 ? 4 : 3;      /* 16-byte chunks per row = lanes per row; log2 */
     static_assert(RB == 128 || RB == 256, "row buffers of 128 or 256 bytes");
     const int g = lane >> 2, c = lane & 3;
-    const int wrow = 64 * (warp >> 2) + 16 * (warp & 3); /* first tile row of this warp */
     const bool has = ti.nk > 0; /* no reduction steps: the accumulators were never written -> zeros */
     float ss = 0.f;
     char *obase;
@@ -5986,7 +6019,70 @@ __device__ __forceinline__ void epilogue_staged(const Params &p, const float (&a
         }
         __syncwarp();
     }
-    if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
+    return ss;
+}
+
+/* The TMA kernel's wide tiles (see step_wgmma with SWAP): warp w holds the tile's columns
+   [16w, 16w + 16) of all 256 rows, acc[4j + 2h + b] at row 8j + 2c + b, column 16w + g + 8h.  They
+   leave through the warp's 2 KB buffer in passes of 2048 / (16 ESZ) rows (row r's 16-byte chunks
+   XOR-swizzled by (r / 2) mod the chunks of a row: at most two lanes on a bank when written), as
+   16-byte stores (64 or 32 contiguous bytes a row).  Returns the sum of the squares it stored
+   (mode 2). */
+template <int MODE>
+__device__ __forceinline__ float epilogue_wide(const Params &p, const float (&acc)[128], const Tile &ti, int warp, int lane,
+                                               int rows_valid, int cols_valid, unsigned char *buf) {
+    constexpr int ESZ = (MODE == 2) ? 4 : 2;  /* output element bytes                         */
+    constexpr int RW = 16 * ESZ;              /* bytes of a buffer row: the warp's 16 columns */
+    constexpr int RP = 2048 / RW;             /* rows per pass (32 or 64)                     */
+    constexpr int JP = RP / 8;                /* n8 blocks of acc per pass                    */
+    constexpr int CPR = RW / 16;              /* 16-byte chunks per row (4 or 2)              */
+    const int g = lane >> 2, c = lane & 3, col0 = 16 * warp;
+    float ss = 0.f;
+    if (col0 >= cols_valid) return ss; /* warp-uniform */
+    const bool has = ti.nk > 0;
+    char *obase;
+    size_t ld;
+    if (MODE == 2) {
+        obase = reinterpret_cast<char *>(p.part + ((size_t)(ti.s * p.E + ti.e) * p.M + ti.m0) * p.K + ti.c0 + col0);
+        ld = (size_t)p.K * 4;
+    } else {
+        obase = reinterpret_cast<char *>(reinterpret_cast<bf16 *>(p.out) + (size_t)ti.r0 * p.ncols + ti.c0 + col0);
+        ld = (size_t)p.ncols * 2;
+    }
+#pragma unroll
+    for (int pass = 0; pass < 32 / JP; ++pass) {
+        if (pass * RP >= rows_valid) break; /* tile-uniform */
+#pragma unroll
+        for (int jj = 0; jj < JP; ++jj) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int b = 0; b < 2; ++b) {
+                    const int r = 8 * jj + 2 * c + b, cl = g + 8 * h;
+                    const float v = has ? acc[4 * (pass * JP + jj) + 2 * h + b] : 0.f;
+                    const int byte = cl * ESZ;
+                    const int off = r * RW + ((((byte >> 4) ^ ((r >> 1) & (CPR - 1)))) << 4) + (byte & 15);
+                    if (ESZ == 4) {
+                        *reinterpret_cast<float *>(buf + off) = v;
+                        if (pass * RP + r < rows_valid && col0 + cl < cols_valid) ss += v * v;
+                    } else {
+                        *reinterpret_cast<bf16 *>(buf + off) = __float2bfloat16_rn(v);
+                    }
+                }
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+            const int idx = 32 * it + lane, r = idx / CPR, ch = idx % CPR;
+            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * RW + ((ch ^ ((r >> 1) & (CPR - 1))) << 4));
+            const int row = pass * RP + r, col = ch * (16 / ESZ);
+            if (row < rows_valid && col0 + col < cols_valid)
+                *reinterpret_cast<uint4 *>(obase + (size_t)row * ld + (size_t)col * ESZ) = v;
+        }
+        __syncwarp();
+    }
+    return ss;
 }
 
 /* the q-th tile of this CTA: a static serpentine round robin over the work list. Round q hands
@@ -6021,7 +6117,8 @@ __device__ __forceinline__ int build_work_list(const Params &p, int *s_offs, int
             int cnt = 0;
             if (act && e < E) {
                 const int n = s_offs[e + 1] - s_offs[e];
-                if (n > 0) cnt = ((n + BM - 1) / BM) * p.ct;
+                const int nrt = (n + BM - 1) / BM;
+                if (n > 0) cnt = nrt * p.ctf + p.half * ((nrt + 1) >> 1);
             }
             loc[q] = cnt;
             sum += cnt;
@@ -6162,7 +6259,8 @@ __global__ void __launch_bounds__(NT, 1) gg_kernel(const Params p) {
                 bar_sync_named(1 + wg, 128);
                 const int sst = (cstep - 1 - ((warp & 3) >> 1) + ST) % ST;
                 unsigned char *buf = smem_raw + pad + (size_t)sst * STAGE_BYTES + (size_t)wg * 8192 + (size_t)(warp & 1) * 4096;
-                epilogue_staged<MODE, 256>(p, acc, ct, warp, lane, rows_valid, cols_valid, buf);
+                const float ss = epilogue_staged<MODE, 256>(p, acc, ct, 64 * (warp >> 2) + 16 * (warp & 3), lane, rows_valid, cols_valid, buf);
+                if (MODE == 2 && p.ssq) store_ssq(p, ct, warp, lane, ss);
             } else {
                 epilogue<MODE, WG>(p, acc, ct, warp, lane, rows_valid, cols_valid);
             }
@@ -6255,30 +6353,39 @@ constexpr size_t SMEM_TMA = 1024 + (size_t)ST * STAGE_BYTES + 8 * EPI_BYTES + 2 
 struct TmaParams {
     CUtensorMap ta, tb;    /* A and B operands (see launch_tma for their shapes and boxes)    */
     CUtensorMap ta2, tb2;  /* mode 1, second pair                                             */
+    CUtensorMap tbh;       /* mode 0: W with boxes of 128 rows (the wide tiles' B)              */
     Params p;
 };
 
 /* The producer's loads of reduction step kt of tile ti into the stage at sA, announced on its full
    barrier first.  Column blocks that start past the tensor's columns are not loaded (what the stage
    holds there meets only output rows or columns that are never stored). */
+/* A wide tile (256 x 128) fills the same stage bytes: A 256 rows (32 KB), then B 128 columns. */
 template <int MODE>
 __device__ __forceinline__ void tma_step(const TmaParams &tp, const Tile &ti, int kt, uint32_t sA, uint32_t bar) {
-    const uint32_t sB = sA + A_BYTES;
+    const int w = ti.wide;
+    const uint32_t sB = sA + (w ? 2u : 1u) * A_BYTES;
     if (MODE == 0) {
         mbar_expect_tx(bar, (uint32_t)STAGE_BYTES);
         tma_load_2d(sA, &tp.ta, bar, kt * BK, ti.r0);               /* X [Rmax][K]: box 64 x 128 rows   */
-        tma_load_3d(sB, &tp.tb, bar, kt * BK, ti.c0, ti.e);          /* W [E][M][K]: box 64 x 256 x 1    */
+        if (w) {
+            tma_load_2d(sA + A_BYTES, &tp.ta, bar, kt * BK, ti.r0 + BM);
+            tma_load_3d(sB, &tp.tbh, bar, kt * BK, ti.c0, ti.e);     /* W: box 64 x 128 x 1              */
+        } else {
+            tma_load_3d(sB, &tp.tb, bar, kt * BK, ti.c0, ti.e);      /* W [E][M][K]: box 64 x 256 x 1    */
+        }
     } else if (MODE == 1) {
         const CUtensorMap *ma = &tp.ta, *mb = &tp.tb;
         if (tp.p.a2 && kt >= tp.p.nkh) { ma = &tp.ta2; mb = &tp.tb2; kt -= tp.p.nkh; }
         const int nb = min(4, (tp.p.K - ti.c0 + 63) / 64);
-        mbar_expect_tx(bar, (uint32_t)(A_BYTES + nb * 8192));
+        mbar_expect_tx(bar, (uint32_t)((w + 1) * A_BYTES + nb * 8192));
         tma_load_2d(sA, ma, bar, kt * BK, ti.r0);                    /* dY [Rmax][M]: box 64 x 128 rows  */
+        if (w) tma_load_2d(sA + A_BYTES, ma, bar, kt * BK, ti.r0 + BM);
         for (int j = 0; j < nb; ++j)                                 /* W [E][M][K]: box 64 x 64 x 1     */
             tma_load_3d(sB + (uint32_t)j * 8192u, mb, bar, ti.c0 + 64 * j, kt * BK, ti.e);
     } else {
         const int r = ti.r0 + kt * BK;
-        const int na = min(2, (tp.p.M - ti.m0 + 63) / 64), nb = min(4, (tp.p.K - ti.c0 + 63) / 64);
+        const int na = min(2 + 2 * w, (tp.p.M - ti.m0 + 63) / 64), nb = min(4, (tp.p.K - ti.c0 + 63) / 64);
         mbar_expect_tx(bar, (uint32_t)((na + nb) * 8192));
         for (int j = 0; j < na; ++j) tma_load_2d(sA + (uint32_t)j * 8192u, &tp.ta, bar, ti.m0 + 64 * j, r); /* dY: 64 x 64 */
         for (int j = 0; j < nb; ++j) tma_load_2d(sB + (uint32_t)j * 8192u, &tp.tb, bar, ti.c0 + 64 * j, r); /* X: 64 x 64 */
@@ -6355,7 +6462,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
         for (int q = 0;; ++q) {
             const Tile ti = decode_tile<MODE>(p, s_offs, s_aux, T, next_ticket(p, q));
             if (!ti.valid) break;
-            const int rows_valid = (MODE == 2) ? min(BM, p.M - ti.m0) : (ti.r1 - ti.r0);
+            const int rows_valid = (MODE == 2) ? min(BM << ti.wide, p.M - ti.m0) : (ti.r1 - ti.r0);
             const int cols_valid = min(BN, p.ncols - ti.c0);
 #pragma unroll 1
             for (int kt = 0; kt < ti.nk; ++kt, ++step) {
@@ -6372,7 +6479,10 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
                         bar_sync_named(1, 256);
                     }
                 }
-                step_wgmma<MODE, SHORT>(acc, sbase + (uint32_t)(s * STAGE_BYTES), wg, 64 * wg < rows_valid, cols_valid > 128, kt == 0, nkk);
+                if (ti.wide)
+                    step_wgmma<MODE, SHORT, true>(acc, sbase + (uint32_t)(s * STAGE_BYTES), wg, 64 * wg < cols_valid, true, kt == 0, nkk);
+                else
+                    step_wgmma<MODE, SHORT>(acc, sbase + (uint32_t)(s * STAGE_BYTES), wg, 64 * wg < rows_valid, cols_valid > 128, kt == 0, nkk);
                 wgmma_wait<1>();
                 fence_acc_all(acc);
                 /* the previous step's batch is complete: its stage goes back to the producer */
@@ -6381,7 +6491,10 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
             wgmma_wait<0>();
             fence_acc_all(acc);
             if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + ST - 1) % ST));
-            epilogue_staged<MODE, 128>(p, acc, ti, warp, lane, rows_valid, cols_valid, buf);   /* consumer warp w: tile rows 64 (w / 4) + 16 (w % 4) + [0, 16) */
+            /* consumer warp w: tile rows 64 (w / 4) + 16 (w % 4) + [0, 16); in a wide tile columns 16 w + [0, 16) */
+            const float ss = ti.wide ? epilogue_wide<MODE>(p, acc, ti, warp, lane, rows_valid, cols_valid, buf)
+                                     : epilogue_staged<MODE, 128>(p, acc, ti, 64 * wg + 16 * (warp & 3), lane, rows_valid, cols_valid, buf);
+            if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
         }
     }
 }
@@ -6450,6 +6563,7 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
     int rc;
     if (MODE == 0) {
         rc = tma_row_map(enc, &tp.ta, p.a, p.K, p.Rmax, BM) | tma_w_map(enc, &tp.tb, p.b, p.E, p.M, p.K, BN);
+        if (p.half) rc |= tma_w_map(enc, &tp.tbh, p.b, p.E, p.M, p.K, BN / 2);
     } else if (MODE == 1) {
         rc = tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BM) | tma_w_map(enc, &tp.tb, p.b, p.E, p.M, p.K, BK);
         if (p.a2) rc |= tma_row_map(enc, &tp.ta2, p.a2, p.M, p.Rmax, BM) | tma_w_map(enc, &tp.tb2, p.b2, p.E, p.M, p.K, BK);
@@ -6471,7 +6585,8 @@ static long long ssq_need(int E, int M, int K) {
 }
 
 /* variant: 2 = TMA + wgmma (warp-specialized), 1 = cp.async + wgmma, 0 = cp.async + mma.sync;
-   mode 2 also 3 + DWV (0, 1, see gg_tma_kernel): the TMA kernel's dW variants (benches) */
+   mode 2 also 3 + DWV (0, 1, see gg_tma_kernel): the TMA kernel's dW variants; 5: the TMA kernel
+   without wide tiles (benches) */
 #ifndef GG_DW_DV
 #define GG_DW_DV 1
 #endif
@@ -6481,15 +6596,20 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
                   int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
                   float *ssq = nullptr, long long ssq_len = 0, int nsm = 0) {
     if (!args_ok(mode, E, M, K, Rmax)) return -1;
-    if (variant < 0 || variant > 4) return -1;
+    if (variant < 0 || variant > 5) return -1;
+    if ((variant == 3 || variant == 4) && mode != 2) return -1;
     int dv = DW_DV;
-    if (variant >= 3) { dv = variant - 3; variant = 2; }
+    bool wide = true;
+    if (variant == 5) { wide = false; variant = 2; }
+    else if (variant >= 3) { dv = variant - 3; variant = 2; }
     if (ssq && (mode != 2 || ssq_len < ssq_need(E, M, K))) return -1;
     if (!out || !a || !b || !d_offs || (!a2 != !b2) || (a2 && mode != 1)) return -1;
     if ((((uintptr_t)out) | ((uintptr_t)a) | ((uintptr_t)b) | ((uintptr_t)ws) | ((uintptr_t)a2) | ((uintptr_t)b2)) & 15u) return -1;
     if (nsm <= 0 && num_sms(&nsm) != 0) return -1;   /* the library passes the binding's count; benches use the current device */
     const int S = split_count(mode, E, M, K, Rmax, nsm);
     if (S > 1 && !ws) return -1;
+    EncodeTiledFn enc = variant == 2 ? tma_encoder() : nullptr;
+    if (variant == 2 && !enc) variant = 1; /* a driver without tensor maps: the same tiles through cp.async */
 
     Params p;
     p.out = out;
@@ -6505,6 +6625,9 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     p.E = E; p.M = M; p.K = K; p.Rmax = Rmax;
     p.ncols = (mode == 0) ? M : K;
     p.ct = (p.ncols + BN - 1) / BN;
+    /* the TMA kernel pairs the rows of a last column tile of <= 128 columns into 256 x 128 tiles */
+    p.half = (variant == 2 && wide && p.ncols % BN != 0 && p.ncols % BN <= BN / 2) ? 1 : 0;
+    p.ctf = p.ct - p.half;
     p.nk01 = (mode == 0) ? (K + BK - 1) / BK : (M + BK - 1) / BK;
     p.nkh = p.nk01;
     if (a2) p.nk01 *= 2;
@@ -6512,7 +6635,7 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     p.ntm = (M + BM - 1) / BM;
     long long tiles;
     if (mode == 2) {
-        tiles = (long long)E * S * p.ntm * p.ct;
+        tiles = (long long)E * S * ((long long)p.ntm * p.ctf + p.half * ((p.ntm + 1) / 2));
         if (tiles > INT_MAX / 2) return -1;
         p.T2 = (int)tiles;
     } else {
@@ -6525,8 +6648,6 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     if (ssq && (S > 1 || tiles * 8 < ssq_len))   /* entries no tile or block writes read as zero */
         if (cudaMemsetAsync(ssq, 0, (size_t)ssq_len * sizeof(float), stream) != cudaSuccess) return -1;
     int rc;
-    EncodeTiledFn enc = variant == 2 ? tma_encoder() : nullptr;
-    if (variant == 2 && !enc) variant = 1; /* a driver without tensor maps: the same tiles through cp.async */
     if (variant == 2) {
         rc = mode == 0 ? launch_tma<0>(enc, p, grid, stream)
            : mode == 1 ? launch_tma<1>(enc, p, grid, stream)

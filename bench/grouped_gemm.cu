@@ -20,8 +20,9 @@ static int mt_gg(int mode, void *out, const void *a, const void *b, const int *d
                  cudaStream_t stream) {
     return mt_ggk::gg_run(2, mode, out, a, b, d_offs, E, M, K, Rmax, ws, stream, nullptr, nullptr, nullptr, 0, g_nsm);
 }
-/* 3 + DWV: mode 2 only, the TMA kernel's dW variant DWV (0: as modes 0/1, 1: short last steps) */
-static const char *variant_name[5] = {"mma.sync", "wgmma", "tma", "tma-dw0", "tma-dw1"};
+/* 3 + DWV: mode 2 only, the TMA kernel's dW variant DWV (0: as modes 0/1, 1: short last steps);
+   5: the TMA kernel without wide tiles (a last column tile of <= 128 columns in 128 x 128 tiles) */
+static const char *variant_name[6] = {"mma.sync", "wgmma", "tma", "tma-dw0", "tma-dw1", "tma-nowide"};
 
 /* ========================================================================================== */
 /* Test harness: nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DGG_MAIN           */
@@ -383,10 +384,10 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
     const bool full = (long long)b.R * M * K <= (1ll << 28);
 
     std::vector<unsigned char> first[3]; /* each mode's output of the first variant, for the cross-variant comparison */
-    const int variants[5] = {2, 3, 4, 1, 0};
+    const int variants[6] = {2, 3, 4, 5, 1, 0};
     for (int variant : variants) {
         const char *vname = variant_name[variant];
-        for (int mode = variant >= 3 ? 2 : 0; mode < 3; ++mode) {
+        for (int mode = (variant == 3 || variant == 4) ? 2 : 0; mode < 3; ++mode) {
             void *out; const void *a, *bb; size_t bytes;
             mode_io(b, mode, &out, &a, &bb, &bytes);
             std::vector<unsigned char> h1(bytes), h2(bytes);
@@ -431,6 +432,8 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                        "%s %-8s mode 2 with norm partials: dW bitwise as without, sum rel %.1e", c.name.c_str(), vname, rel);
             }
             if (variant == 2) first[mode] = h1;
+            else if (variant >= 3)   /* the TMA kernel's variants and tilings: the same products in the same order */
+                report(memcmp(h1.data(), first[mode].data(), bytes) == 0, "%s %-8s mode %d bitwise equal to tma", c.name.c_str(), vname, mode);
             else printf("  (info) %s %-8s mode %d bitwise equal to tma: %s\n", c.name.c_str(), vname, mode,
                         memcmp(h1.data(), first[mode].data(), bytes) == 0 ? "yes" : "no");
             if (variant >= 1 && mt_gg_workspace(mode, E, M, K, Rmax) <= 256) {
@@ -480,6 +483,16 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
             void *out; const void *a, *bb; size_t bytes;
             mode_io(b, mode, &out, &a, &bb, &bytes);
             const float t_tma = time_median([&]() { if (run_variant(2, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
+            {
+                /* the wide tiles (256 x 128 for a last column tile of <= 128 columns) against 128 x 128 ones */
+                const float t_nw = time_median([&]() { if (run_variant(5, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
+                const float t_w = time_median([&]() { if (run_variant(2, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
+                char line[400];
+                snprintf(line, sizeof line, "%-9s %-11s wide tiles %5.1f, %5.1f | 128 x 128 tiles %5.1f TFLOP/s", c.name.c_str(),
+                         mode_name[mode], flops / t_tma * 1e-9, flops / t_w * 1e-9, flops / t_nw * 1e-9);
+                printf("  timing %s\n", line);
+                g_table.push_back(line);
+            }
             if (mode == 2) {
                 /* the other dW kernels, and the default one with the norm partials (GMM_DW_SQ) */
                 const long long L = mt_ggk::ssq_need(E, M, K);
@@ -665,6 +678,11 @@ int main() {
         std::vector<int> cnt = imbalanced_counts(64, 49152, rng, 2, {6.0, 4.0, 3.0, 2.5});
         cases.push_back({"skew", 64, 1408, 2048, cnt, true});
         cases.push_back({"skew-down", 64, 2048, 1408, cnt, true});
+    }
+    if (getenv("GG_EXTRA")) {   /* the same loads with 1536 in place of 1408: no half-wide column tiles */
+        std::vector<int> cnt = imbalanced_counts(64, 49152, rng, 3, {3.0, 4.0, 5.0});
+        cases.push_back({"w1536", 64, 1536, 2048, cnt, true});
+        cases.push_back({"w1536-down", 64, 2048, 1536, cnt, true});
     }
     {
         std::vector<int> cnt(8);
