@@ -6590,6 +6590,9 @@ static long long ssq_need(int E, int M, int K) {
 #ifndef GG_DW_DV
 #define GG_DW_DV 1
 #endif
+#ifndef GG_WIDE
+#define GG_WIDE 1                 /* the TMA kernel's wide tiles (-DGG_WIDE=0: 128 x 128, to compare in place) */
+#endif
 constexpr int DW_DV = GG_DW_DV;   /* the TMA kernel's dW variant (-DGG_DW_DV=... to compare in place) */
 static_assert(DW_DV >= 0 && DW_DV <= 1, "dW variant");
 static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
@@ -6599,7 +6602,7 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     if (variant < 0 || variant > 5) return -1;
     if ((variant == 3 || variant == 4) && mode != 2) return -1;
     int dv = DW_DV;
-    bool wide = true;
+    bool wide = GG_WIDE != 0;
     if (variant == 5) { wide = false; variant = 2; }
     else if (variant >= 3) { dv = variant - 3; variant = 2; }
     if (ssq && (mode != 2 || ssq_len < ssq_need(E, M, K))) return -1;
