@@ -6338,12 +6338,20 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* within 1-3% of the staged stores); bulk tensor stores of 16 x 16 boxes from two 1 KB halves */
 /* of each warp's buffer (4-15% slower); CTA pairs in clusters of 2 that multicast the operand */
 /* their tiles share (one L2 read for both; correct, but 340 against 540).  The estimated L2   */
-/* reads of every grouped GEMM mode (7.5-8.7 TB/s at the rates above) suggest L2 bandwidth as  */
-/* the common limit; the dW tiles add 4-byte stores on top of the same loads per flop.          */
+/* reads of every grouped GEMM mode (7.5-8.7 TB/s at the rates above) suggested L2 bandwidth as */
+/* the common limit, but dW's loop alone (no epilogue, a bench build) runs at 880-910 TFLOP/s on */
+/* mid's shapes, 540-575 with the epilogue staged through shared memory but no global stores,   */
+/* and 477-515 with them (same run): its ~12 steps a tile pay for a 128 KB epilogue, during    */
+/* which the tensor cores wait.                                                                */
 /* Also measured and not kept: mid's down projection as dW^T = X^T dY (11 x 8 full tiles instead */
 /* of 16 x 6 whose last column is half empty, the tile transposed on its way out; bitwise the   */
-/* same dW): 455-496 against 470-472 TFLOP/s in one run, within its noise, since the half tiles */
-/* already issue half-width products.                                                          */
+/* same dW): 455-496 against 470-472 TFLOP/s in one run, within its noise (the wide tiles, above, */
+/* later did what this aimed at).  The second consumer warpgroup held 1-3 steps behind the     */
+/* first, so that their epilogues do not coincide: within 1% in the bench and in the step.    */
+/* dW stored with evict-first (__stcs): the same in the bench, mid's step 1-2% slower (AdamW    */
+/* then finds less of dW in L2).  192 x 256 dW tiles on three consumer warpgroups do not        */
+/* compile: at 512 threads ptxas allocates 128 registers a thread whatever setmaxnreg grants,   */
+/* and an m64n256 accumulator needs 154.                                                       */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int NT_TMA = 384;
 constexpr int EPI_BYTES = 2048;                /* per consumer warp: 16 rows x 128 bytes     */
