@@ -6347,7 +6347,8 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* of 16 x 6 whose last column is half empty, the tile transposed on its way out; bitwise the   */
 /* same dW): 455-496 against 470-472 TFLOP/s in one run, within its noise (the wide tiles, above, */
 /* later did what this aimed at).  The second consumer warpgroup held 1-3 steps behind the     */
-/* first, so that their epilogues do not coincide: within 1% in the bench and in the step.    */
+/* first, so that their epilogues do not coincide: within 1% in the bench, within the step's */
+/* run-to-run noise (4%).                                                                      */
 /* dW stored with evict-first (__stcs): the same in the bench, mid's step 1-2% slower (AdamW    */
 /* then finds less of dW in L2).  192 x 256 dW tiles on three consumer warpgroups do not        */
 /* compile: at 512 threads ptxas allocates 128 registers a thread whatever setmaxnreg grants,   */
