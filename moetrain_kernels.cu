@@ -3024,6 +3024,27 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
+/* P^T of a dK/dV tile in place (x: S^T on entry, element 4j + 2hh + bb = key kr + 8hh, query q0 + 8j + 2c
+   + bb): exp2(S^T sl2 - lse2[q]); M 1 with the causal / document / sequence-end mask, 0 without, 2 with it
+   under the run-time flag need (MT_FA_MASK_BRANCH 0) */
+template <int M>
+__device__ __forceinline__ void split_pt(float (&x)[32], const float *sL, const int *sS, const int *dsb, int q0, int kr, int c, int T,
+                                         float sl2, bool need = false) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float2 l2 = *reinterpret_cast<const float2 *>(sL + 8 * j + 2 * c);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int bb = e & 1, hh = e >> 1;
+            float y = fast_exp2(x[4 * j + e] * sl2 - (bb ? l2.y : l2.x) * MT_FA_LOG2E);
+            if (M == 1 || (M == 2 && need)) {
+                const int q = q0 + 8 * j + 2 * c + bb, key = kr + 8 * hh;
+                if (key > q || q >= T || (dsb && key < sS[8 * j + 2 * c + bb])) y = 0.f;
+            }
+            x[4 * j + e] = y;
+        }
+    }
+}
 /* DS: 0 no dS^T stores; 1, 2 store_ds<DS> once dK and dV have been formed (bench variants); 3 (the
    runtime's) through shared memory and a TMA store: 0.848-0.868 ms against 0.875-0.887 for 2 (H200, B=8
    T=2048 H=16, 192/128) */
@@ -3155,20 +3176,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
         const bool need_mask = (kw0 + 63 > q0) || (q0 + BMQ > T) || (dlast > kw0);
         wgmma_wait<1>();
         fence_regs(s);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float2 l2 = *reinterpret_cast<const float2 *>(sL + 8 * j + 2 * c);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int bb = e & 1, hh = e >> 1;
-                float x = fast_exp2(s[4 * j + e] * sl2 - (bb ? l2.y : l2.x) * MT_FA_LOG2E);
-                if (need_mask) {
-                    const int q = q0 + 8 * j + 2 * c + bb, key = kr + 8 * hh;
-                    if (key > q || q >= T || (dsb && key < sS[8 * j + 2 * c + bb])) x = 0.f;
-                }
-                s[4 * j + e] = x;
-            }
-        }
+        split_pt<2>(s, sL, sS, dsb, q0, kr, c, T, sl2, need_mask);
         wgmma_wait<0>();
         fence_regs(dp);
         uint32_t pa[4][4], da4[4][4]; /* P^T and dS^T as A fragments (reduction over the 64 queries) */
@@ -3298,27 +3306,6 @@ template <int DQ, int DV>
 constexpr size_t dkdv_split_smem_bytes(bool ds_stage) {
     return 1024 + (size_t)64 * (DQ + DV) * 2 * (1 + dkdv_split_stages<DQ, DV>()) + 16384 +
            (size_t)dkdv_split_stages<DQ, DV>() * 3 * 64 * 4 + 128 + (ds_stage ? 1024 + 8192 : 0);
-}
-/* P^T of a dK/dV tile in place (x: S^T on entry, element 4j + 2hh + bb = key kr + 8hh, query q0 + 8j + 2c
-   + bb): exp2(S^T sl2 - lse2[q]); M 1 with the causal / document / sequence-end mask, 0 without, 2 with it
-   under the run-time flag need (MT_FA_MASK_BRANCH 0) */
-template <int M>
-__device__ __forceinline__ void split_pt(float (&x)[32], const float *sL, const int *sS, const int *dsb, int q0, int kr, int c, int T,
-                                         float sl2, bool need = false) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const float2 l2 = *reinterpret_cast<const float2 *>(sL + 8 * j + 2 * c);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int bb = e & 1, hh = e >> 1;
-            float y = fast_exp2(x[4 * j + e] * sl2 - (bb ? l2.y : l2.x) * MT_FA_LOG2E);
-            if (M == 1 || (M == 2 && need)) {
-                const int q = q0 + 8 * j + 2 * c + bb, key = kr + 8 * hh;
-                if (key > q || q >= T || (dsb && key < sS[8 * j + 2 * c + bb])) y = 0.f;
-            }
-            x[4 * j + e] = y;
-        }
-    }
 }
 /* fa_bwd_dkdv_split_kernel's epilogue: warpgroup W's accumulator (dV for 0, dK for 1) to memory */
 template <int DQ, int DV, bool FOLD, int W>
@@ -5712,8 +5699,13 @@ __device__ __forceinline__ Tile decode_tile(const Params &p, const int *s_offs, 
         const int beg = s_offs[e], n = max(0, s_offs[e + 1] - beg);
         ti.e = e;
         ti.s = s;
-        ti.r0 = beg + (int)(((long long)n * s) / p.S);
-        ti.r1 = beg + (int)(((long long)n * (s + 1)) / p.S);
+        if (p.S == 1) { /* no 64-bit divisions on the common path */
+            ti.r0 = beg;
+            ti.r1 = beg + n;
+        } else {
+            ti.r0 = beg + (int)(((long long)n * s) / p.S);
+            ti.r1 = beg + (int)(((long long)n * (s + 1)) / p.S);
+        }
         ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
     }
     return ti;
@@ -6353,6 +6345,17 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* then finds less of dW in L2).  192 x 256 dW tiles on three consumer warpgroups do not        */
 /* compile: at 512 threads ptxas allocates 128 registers a thread whatever setmaxnreg grants,   */
 /* and an m64n256 accumulator needs 154.                                                       */
+/* Per-phase cycle counts (clock64 around each phase, a bench build; H200, mid's gate/up dW,    */
+/* ~21000 cycles a tile): the wgmma steps ~12000 with their full-barrier waits ~2100, the        */
+/* epilogue ~6300, decoding the next tile ~1200 (now done under the first wgmma batch: 549 ->   */
+/* 557 TFLOP/s gate/up, 534 -> 548 down).  Of the epilogue, the global stores are ~2700 (a      */
+/* build without them: ~3500); staggering the CTAs' start by half a tile leaves it at ~6000, so */
+/* it is each SM's own store path, not all SMs storing at once.  Not kept: the whole tile staged */
+/* in shared memory and written by TMA tensor stores while the next tile multiplies (bitwise the */
+/* same dW; the staging needs 32-row stages, 6 x 24 KB): 390-400 against 525 TFLOP/s, the copy  */
+/* engine reading the staging at ~8 bytes a cycle and the loads waiting behind the stores (full- */
+/* barrier waits 8200 cycles a tile); 4 KB epilogue buffers per warp (8 passes -> 4): 540-545   */
+/* against 555-557; the per-element selects and bounds of the epilogue hoisted: 543-549.        */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int NT_TMA = 384;
 constexpr int EPI_BYTES = 2048;                /* per consumer warp: 16 rows x 128 bytes     */
@@ -6467,10 +6470,18 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
         int step = 0;
+        /* the next tile is decoded while the first wgmma batch of the current one runs: between
+           tiles, mode 2's decode measured ~1200 cycles of a ~21000-cycle tile on mid's shapes.
+           q0 is opaque to the compiler: decoding ticket 0 here and in the producer must not merge
+           into one computation before the branch, whose registers the producer gives back
+           (setmaxnreg) while still using them -- seen as illegal addresses */
+        int q0 = 0;
+        asm volatile("" : "+r"(q0));
+        Tile nxt = decode_tile<MODE>(p, s_offs, s_aux, T, next_ticket(p, q0));
 #pragma unroll 1
-        for (int q = 0;; ++q) {
-            const Tile ti = decode_tile<MODE>(p, s_offs, s_aux, T, next_ticket(p, q));
-            if (!ti.valid) break;
+        for (int q = q0; nxt.valid; ++q) {
+            const Tile ti = nxt;
+            if (ti.nk == 0) nxt = decode_tile<MODE>(p, s_offs, s_aux, T, next_ticket(p, q + 1));
             const int rows_valid = (MODE == 2) ? min(BM << ti.wide, p.M - ti.m0) : (ti.r1 - ti.r0);
             const int cols_valid = min(BN, p.ncols - ti.c0);
 #pragma unroll 1
@@ -6492,6 +6503,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
                     step_wgmma<MODE, SHORT, true>(acc, sbase + (uint32_t)(s * STAGE_BYTES), wg, 64 * wg < cols_valid, true, kt == 0, nkk);
                 else
                     step_wgmma<MODE, SHORT>(acc, sbase + (uint32_t)(s * STAGE_BYTES), wg, 64 * wg < rows_valid, cols_valid > 128, kt == 0, nkk);
+                if (kt == 0) nxt = decode_tile<MODE>(p, s_offs, s_aux, T, next_ticket(p, q + 1));
                 wgmma_wait<1>();
                 fence_acc_all(acc);
                 /* the previous step's batch is complete: its stage goes back to the producer */
