@@ -6357,6 +6357,12 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* barrier waits 8200 cycles a tile); 4 KB epilogue buffers per warp (8 passes -> 4): 540-545   */
 /* against 555-557; the per-element selects and bounds of the epilogue hoisted: 543-549; dW    */
 /* stored straight from the accumulators (above), again in mid's step: 435-445 against 443-473.*/
+/* Also not kept: the tile leaving in two 128-column halves through a 64 KB staging area in     */
+/* place of the fourth stage, written to memory by the producer warpgroup's three spare warps   */
+/* while the consumers go on (bitwise the same dW): 425-438 against 516-527 gate/up, 397-403   */
+/* against 509-511 down; per tile ~7200 cycles of full-barrier waits with 3 stages (4 stages:   */
+/* ~2100) and ~5900 waiting for the storers (their shared loads, 40 registers a thread, wait    */
+/* behind the wgmma's operand reads).                                                          */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int NT_TMA = 384;
 constexpr int EPI_BYTES = 2048;                /* per consumer warp: 16 rows x 128 bytes     */
