@@ -3292,7 +3292,8 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
    bar.arrive synchronizes with the bar.sync that completes the barrier, and orders the arriving thread's
    earlier accesses before it: the PTX ISA on bar, barrier); compute-sanitizer's racecheck does not model
    bar.arrive and reports the named barriers' hand-over as a race, while the mbarrier build runs clean
-   under it at 192/128 and 128/128 (at 256/256 it still reports the refill of D against its reads).  The
+   under it at 256/256, 192/128 and 128/128 (ONLY_SHAPE=1,130,2,256,256, 2,300,3,256,256, 1,300,2,192,128
+   and 1,300,2,128,128 in bench/attention.cu: 0 hazards; every thread releases a stage, see done).  The
    named barriers are the default: on an H200 the mbarriers measured 1% slower (8 x 2048 x 16, 192/128: the
    backward 0.952-0.953 against 0.943-0.944 ms). */
 #ifndef MT_FA_PMBAR
@@ -3410,8 +3411,11 @@ __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps
     uint32_t fa[4][4]; /* P^T or dS^T of the tile being accumulated, as A fragments */
     /* tile u's accumulation has completed: release its stage, and (warpgroup 1) store its dS^T for the dQ kernel */
     auto done = [&](int u) {
-        __syncwarp(); /* every lane's reads of the stage's lse / D / starts before lane 0 releases it */
-        if (lane == 0) mbar_arrive(barE + 8 * (u % NS));
+        /* every thread releases the stage after its own reads of the stage's lse / D / starts (a
+           __syncwarp and lane 0 alone: racecheck reported the refill of D against those reads at
+           256/256; the same speed, H200: backward 0.921-0.926 against 0.923-0.926 ms at 8 x 2048,
+           192/128, 0.630-0.637 against 0.631-0.634 at 256/256) */
+        mbar_arrive(barE + 8 * (u % NS));
         if constexpr (DS == 3)
             if constexpr (W == 1) {
                 const bool issuer = t == 0;
@@ -3540,7 +3544,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dkdv_split_kernel(const BwdCore
         mbar_init(barKV, 1);
         for (int i = 0; i < NS; ++i) {
             mbar_init(barF + 8 * i, 33);
-            mbar_init(barE + 8 * i, 8);
+            mbar_init(barE + 8 * i, 256);
         }
         if (MT_FA_PMBAR) {
             mbar_init(barE + 8 * NS, 128);     /* P^T full: warpgroup 0's threads */

@@ -4,7 +4,8 @@
  * document masking (packed documents, block-causal; FLOPs counted over the unmasked part).
  *
  *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -o /tmp/attn bench/attention.cu \
- *        -lcublasLt -lnccl && /tmp/attn          (FOLD_ONLY=1: only the folded-against-unfolded timings)
+ *        -lcublasLt -lnccl && /tmp/attn          (FOLD_ONLY=1: only the folded-against-unfolded timings;
+ *   ONLY_SHAPE=B,T,H,dq,dv[,doc]: only that shape's tests, e.g. under compute-sanitizer)
  */
 #define MOETRAIN_IMPLEMENTATION   /* mt_errf and friends, for the kernels file */
 #include "../moetrain_kernels.cu"
@@ -856,6 +857,17 @@ int main(int argc, char **argv) {
         bench_fwd256({4, 2048, 16, 256, 256});
         bench_bwd256({4, 2048, 16, 256, 256});
         return 0;
+    }
+    if (const char *only = getenv("ONLY_SHAPE")) { /* one test shape "B,T,H,dq,dv[,doc]" (e.g. under compute-sanitizer) */
+        Shape s = {0, 0, 0, 0, 0, 0};
+        if (sscanf(only, "%d,%d,%d,%d,%d,%d", &s.B, &s.T, &s.H, &s.dq, &s.dv, &s.doc) < 5 || s.B < 1 || s.T < 1 || s.H < 1 ||
+            s.dq < 1 || s.dq > 256 || s.dv < 1 || s.dv > 256 || s.doc < 0) {
+            printf("ONLY_SHAPE: expected B,T,H,dq,dv[,doc] with heads up to 256, got \"%s\"\n", only);
+            return 2;
+        }
+        test_shape(s);
+        printf("FLASH_ATTN: %d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
     }
     if (getenv("FOLD_ONLY")) { /* only the folded-against-unfolded timings */
         bench_fold(8, 2048, 16, 128, 64, 128);
