@@ -3096,7 +3096,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
         mbar_init(barKV, 1);
         for (int i = 0; i < NS; ++i) {
             mbar_init(barF + 8 * i, 33);
-            mbar_init(barE + 8 * i, 8);
+            mbar_init(barE + 8 * i, 256);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -3205,8 +3205,7 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
         fence_regs(dv);
         fence_regs(pa);
         fence_regs(da4);
-        __syncwarp(); /* every lane's reads of the stage's lse / D / starts before lane 0 releases it */
-        if (lane == 0) mbar_arrive(barE + 8 * st); /* this warp is done with the stage */
+        mbar_arrive(barE + 8 * st); /* this thread is done with the stage (every thread: see the split kernel's done) */
         /* dS^T for the dQ kernel: this warpgroup's 64 keys x the tile's 64 queries, when any key is at or
            before a query */
         if constexpr (DS == 1 || DS == 2)
