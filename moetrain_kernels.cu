@@ -6366,6 +6366,18 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* against 509-511 down; per tile ~7200 cycles of full-barrier waits with 3 stages (4 stages:   */
 /* ~2100) and ~5900 waiting for the storers (their shared loads, 40 registers a thread, wait    */
 /* behind the wgmma's operand reads).                                                          */
+/* Bounds measured on H200 (bench/store_rate.cu, and bench builds on mid's dW shapes, same    */
+/* run): one CTA per SM writing 128 KB tiles of fp32 with 16-byte stores drains ~31 bytes a   */
+/* cycle per SM when half the SMs write (4200 cycles a tile) and ~18 when all do (7100        */
+/* cycles; 4.25 TB/s in all), but the same stores followed by 8000 cycles of independent work */
+/* cost the CTA only ~1100 cycles: stores issued straight from registers would leave the      */
+/* epilogue's 128 KB draining under the next tile. A build storing each warp's accumulators   */
+/* unpermuted (lane-contiguous 512-byte stores, no staging; dW in an accumulator-native       */
+/* layout, not row-major) ran 551-558 against 521-529 TFLOP/s: the drain then competes with   */
+/* the operand loads for L2. A build loading only half of X's columns (as a 2-CTA multicast   */
+/* of X would; results wrong, timing only) ran 500-568, and with the native stores 582-599.   */
+/* So even a native dW layout plus multicast would reach ~600 in the bench, ~540 in mid's     */
+/* step, at the cost of a non-row-major gradient in every consumer; not done.                 */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int NT_TMA = 384;
 constexpr int EPI_BYTES = 2048;                /* per consumer warp: 16 rows x 128 bytes     */
