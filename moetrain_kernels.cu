@@ -6369,7 +6369,7 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* Bounds measured on H200 (bench/store_rate.cu, and bench builds on mid's dW shapes, same    */
 /* run): one CTA per SM writing 128 KB tiles of fp32 with 16-byte stores drains ~31 bytes a   */
 /* cycle per SM when half the SMs write (4200 cycles a tile) and ~18 when all do (7100        */
-/* cycles; 4.25 TB/s in all), but the same stores followed by 8000 cycles of independent work */
+/* cycles; 4.2 TB/s in all), but the same stores followed by 8000 cycles of independent work  */
 /* cost the CTA only ~1100 cycles: stores issued straight from registers would leave the      */
 /* epilogue's 128 KB draining under the next tile. A build storing each warp's accumulators   */
 /* unpermuted (lane-contiguous 512-byte stores, no staging; dW in an accumulator-native       */
