@@ -5484,10 +5484,13 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
  * Design
  *   Two kernels share the tiles, stage layouts, wgmma batches, schedule and reduction order below,
  *   and give bitwise the same results:
- *     gg_tma_kernel (the default): a producer warp loads the stages with the copy engine (TMA,
- *       mbarriers) while two consumer warpgroups only multiply and store (see its own comment);
- *       on H200, on mid's expert shapes, 600-700 TFLOP/s forward and dX, 490-545 dW;
+ *     gg_tma_kernel (the default for modes 0/1): a producer warp loads the stages with the copy
+ *       engine (TMA, mbarriers) while two consumer warpgroups only multiply and store (see its own
+ *       comment); on H200, on mid's expert shapes, 600-700 TFLOP/s forward and dX;
  *     gg_kernel (drivers without tensor maps; the mma.sync fallback): described here.
+ *   Mode 2 without row splits (the default dW) runs gg_pp_kernel: the same TMA producer, but each
+ *   consumer warpgroup owns whole 128 x 128 tiles and the two take turns at the tensor cores, so one
+ *   stores while the other multiplies; bitwise the same dW (see its comment).
  *   One persistent kernel per mode, 256 threads (2 warpgroups), one CTA per SM (~207 KB smem).
  *   CTA tile 128 x 256 (BM x BN) of the output, reduction in steps of 64 (BK); operands are staged
  *   by cp.async (zero-filled outside the valid rows / columns) into a 4-stage ring of 128-byte
@@ -6543,6 +6546,244 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* dW in turns (mode 2, the default when no row split is needed): each consumer warpgroup owns   */
+/* whole 128 x 128 tiles, and the two take turns at the tensor cores, so one warpgroup's        */
+/* epilogue (64 KB of fp32 stored straight from its registers) drains while the other            */
+/* multiplies.  384 threads: warpgroup 0 is the producer (one thread issues the TMA loads), 1    */
+/* and 2 the consumers; the CTA's tiles alternate between them (j even: warpgroup 1, odd: 2).    */
+/*   - a stage (32 KB) is one 64-row step of one tile: dY's 128 m columns as two MN-major       */
+/*     64 x 64 blocks, then X's 128 columns as two; PP_ST stages in one ring, filled in the      */
+/*     order the tiles are taken, each released by the 4 warps of the warpgroup that read it;   */
+/*   - turns on named barriers 1 and 2 (as in attention's Turns): a warpgroup issues its tile's */
+/*     products only between begin (the other finished issuing) and end;                        */
+/*   - each k16 slice is two m64n128k16 products (tile rows [0, 64) and [64, 128)) over the    */
+/*     same slices in the same order as the gg_tma_kernel's m64n256k16: dW is bitwise the same; */
+/*   - mode 2's short last step and tail-row zeroing as in gg_tma_kernel (DWV 1);              */
+/*   - each warp's accumulators leave through its 2 KB buffer as 512-byte stores (whole lines);  */
+/*   - the norm partial of warp w of a tile at column tile ct (128 wide) goes to entry           */
+/*     ((e ntm + mt) ct256 + ct / 2) 8 + 4 (ct % 2) + w: the same entries as the 128 x 256     */
+/*     tiles' (ssq_need), in another grouping.                                                  */
+/* Measured on H200 (mid's shapes; bench/grouped_gemm.cu, the kernels alternating in one run):  */
+/*   524-558 TFLOP/s against 483-535 for gg_tma_kernel's 128 x 256 tiles; equal experts 561-563 */
+/*   against 519-553; in mid's step (GMM_DW_SQ) 476-500 against 455-462 on one machine start,    */
+/*   466-481 against 459-466 on another.  Also measured, not kept:                             */
+/*   - the accumulators stored straight from the registers (8-byte lanes, 32 bytes of a row a   */
+/*     store): 453-466, as slow as the 128 x 256 kernel; no global stores at all (timing only):  */
+/*     610-646, so the stores still cost ~15%;                                                  */
+/*   - loading only one of dY's two blocks (timing only: the L2 reads a 2-CTA multicast saves):  */
+/*     546-577; a real cluster of two CTAs sharing dY's or X's block by TMA multicast (bitwise  */
+/*     the same dW; the consumers release a stage in both CTAs): 547-549 against 553-555 with   */
+/*     equal experts, 454 against 466-481 in mid's step.  Its first build released the peer's   */
+/*     stage with mbarrier.arrive.release.cluster and ran at 240-265: a cluster-scope release   */
+/*     waits for the warp's outstanding global stores (the epilogue's).                         */
+/*   cuBLASLt's strided-batched GEMM on the same work with equal experts (one call, the best of */
+/*   its first 8 algorithms: 128 x 128 and 128 x 160 tiles in clusters of 2) runs 652-688.      */
+/* ------------------------------------------------------------------------------------------ */
+constexpr int PP_BN = 128;
+constexpr int PP_ST = 6;
+constexpr int PP_STAGE = 4 * 8192;
+constexpr size_t SMEM_PP = 1024 + (size_t)PP_ST * PP_STAGE + 2 * PP_ST * 8 + 8 * EPI_BYTES + (size_t)(2 * (MAX_E + 1) + NT) * sizeof(int);
+
+struct PpTile {
+    int valid, e, m0, c0, r0, r1, nk, sq;
+};
+
+/* tile t of the list: experts most rows first (s_aux), then m tiles, then 128-wide column tiles */
+__device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, const int *s_aux, int t) {
+    PpTile ti;
+    ti.valid = (t >= 0 && t < p.T2) ? 1 : 0;
+    ti.e = ti.m0 = ti.c0 = ti.r0 = ti.r1 = ti.nk = ti.sq = 0;
+    if (!ti.valid) return ti;
+    const int nct = (p.K + PP_BN - 1) / PP_BN, per_e = p.ntm * nct;
+    const int pos = t / per_e, rem = t - pos * per_e, mt = rem / nct, ct = rem - mt * nct;
+    const int e = (int)((unsigned)s_aux[pos] & (unsigned)(MAX_E - 1));
+    ti.e = e;
+    ti.m0 = mt * BM;
+    ti.c0 = ct * PP_BN;
+    ti.r0 = s_offs[e];
+    ti.r1 = max(ti.r0, s_offs[e + 1]);
+    ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
+    ti.sq = ((e * p.ntm + mt) * p.ct + (ct >> 1)) * 8 + 4 * (ct & 1);
+    return ti;
+}
+
+/* the NKK k16 slices of one step: rows [0, 64) into a0, [64, 128) into a1 */
+template <int NKK>
+__device__ __forceinline__ void pp_batch(float (&a0)[64], float (&a1)[64], uint64_t da0, uint64_t da1, uint64_t db, int sd0) {
+    wgmma_fence();
+    wgmma_ss_n128<1, 1>(a0, da0, db, sd0);
+    wgmma_ss_n128<1, 1>(a1, da1, db, sd0);
+#pragma unroll
+    for (int kk = 1; kk < NKK; ++kk) {
+        wgmma_ss_n128<1, 1>(a0, da0 + kk * 128, db + kk * 128, 1);
+        wgmma_ss_n128<1, 1>(a1, da1 + kk * 128, db + kk * 128, 1);
+    }
+    wgmma_commit();
+}
+__device__ __forceinline__ void fence_acc64(float (&a)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) fence_acc(a[i]);
+}
+
+/* One warp's 16 rows x 128 columns of an m64n128 accumulator (a[4j + 2h + b] = row g + 8h, column
+   8j + 2c + b) through its 2 KB buffer, as epilogue_staged: 4 passes of 32 columns, each written
+   to the buffer with the 16-byte chunks XOR-swizzled by row, then stored as 16-byte lanes (8 lanes a
+   row: 512 bytes, four whole lines, a store).  o: the warp's first row and the tile's first column;
+   returns the sum of the squares of what it stored, in a fixed order. */
+__device__ __forceinline__ float pp_store_staged(const float (&a)[64], float *o, size_t ld, int rows_valid, int cols_valid,
+                                                 int lane, bool has, unsigned char *buf) {
+    const int g = lane >> 2, c = lane & 3;
+    float ss = 0.f;
+#pragma unroll
+    for (int pass = 0; pass < 4; ++pass) {
+        if (32 * pass >= cols_valid) break; /* tile-uniform */
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+            const int j = 4 * pass + jj;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = g + 8 * h;
+                const float v0 = has ? a[4 * j + 2 * h] : 0.f, v1 = has ? a[4 * j + 2 * h + 1] : 0.f;
+                const int byte = (8 * jj + 2 * c) * 4;
+                *reinterpret_cast<float2 *>(buf + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15)) = make_float2(v0, v1);
+                if (r < rows_valid && 32 * pass + 8 * jj + 2 * c < cols_valid) ss += v0 * v0 + v1 * v1;
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+            const int r = 4 * it + (lane >> 3), ch = lane & 7;
+            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * 128 + ((ch ^ (r & 7)) << 4));
+            const int col = 32 * pass + 4 * ch;
+            if (r < rows_valid && col < cols_valid) *reinterpret_cast<uint4 *>(o + (size_t)r * ld + col) = v;
+        }
+        __syncwarp();
+    }
+    return ss;
+}
+
+__global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant__ TmaParams tp) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const Params &p = tp.p;
+    const int tid = threadIdx.x;
+    const uint32_t raw = smem_u32(smem_raw);
+    const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
+    const uint32_t sbase = raw + pad;
+    unsigned char *stages = smem_raw + pad;
+    const uint32_t full0 = sbase + (uint32_t)(PP_ST * PP_STAGE), empty0 = full0 + 8u * PP_ST;
+    int *s_offs = reinterpret_cast<int *>(stages + (size_t)PP_ST * PP_STAGE + 2 * PP_ST * 8 + 8 * EPI_BYTES);
+    int *s_aux = s_offs + (MAX_E + 1);
+    int *s_scan = s_aux + (MAX_E + 1);
+    if (tid == NT) {
+#pragma unroll 1
+        for (int s = 0; s < PP_ST; ++s) {
+            mbar_init(full0 + 8u * s, 1);
+            mbar_init(empty0 + 8u * s, 4);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    build_work_list<2>(p, s_offs, s_aux, s_scan, tid); /* ends with a CTA barrier */
+
+    if (tid < 128) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid == 0) {
+            int step = 0;
+#pragma unroll 1
+            for (int q = 0;; ++q) {
+                const PpTile ti = pp_decode(p, s_offs, s_aux, next_ticket(p, q));
+                if (!ti.valid) break;
+                const int na = min(2, (p.M - ti.m0 + 63) / 64), nb = min(2, (p.K - ti.c0 + 63) / 64);
+#pragma unroll 1
+                for (int kt = 0; kt < ti.nk; ++kt, ++step) {
+                    const int s = step % PP_ST;
+                    const uint32_t sA = sbase + (uint32_t)(s * PP_STAGE), bar = full0 + 8u * s;
+                    const int r = ti.r0 + kt * BK;
+                    mbar_wait(empty0 + 8u * s, ((step / PP_ST) & 1) ^ 1);
+                    mbar_expect_tx(bar, (uint32_t)((na + nb) * 8192));
+                    for (int j = 0; j < na; ++j) tma_load_2d(sA + (uint32_t)j * 8192u, &tp.ta, bar, ti.m0 + 64 * j, r);
+                    for (int j = 0; j < nb; ++j) tma_load_2d(sA + 16384u + (uint32_t)j * 8192u, &tp.tb, bar, ti.c0 + 64 * j, r);
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        const int ctid = tid - 128, lane = ctid & 31;
+        const int wg = __shfl_sync(0xffffffffu, ctid >> 7, 0), v = __shfl_sync(0xffffffffu, (ctid >> 5) & 3, 0);
+        unsigned char *buf = stages + (size_t)PP_ST * PP_STAGE + 2 * PP_ST * 8 + (size_t)(ctid >> 5) * EPI_BYTES;
+        float a0[64], a1[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) { a0[i] = 0.f; a1[i] = 0.f; }
+        if (wg == 1) named_bar_arrive(1, 256); /* warpgroup 1 (the first) may begin */
+        int step = 0, q = 0;
+#pragma unroll 1
+        for (;; ++q) {
+            const PpTile ti = pp_decode(p, s_offs, s_aux, next_ticket(p, q));
+            if (!ti.valid) break;
+            if ((q & 1) != wg) { step += ti.nk; continue; }
+            named_bar_sync(1 + wg, 256); /* begin: the other warpgroup has issued its products */
+#pragma unroll 1
+            for (int kt = 0; kt < ti.nk; ++kt, ++step) {
+                const int s = step % PP_ST;
+                const uint32_t sA = sbase + (uint32_t)(s * PP_STAGE);
+                mbar_wait(full0 + 8u * s, (step / PP_ST) & 1);
+                int nkk = BK / 16;
+                if (kt == ti.nk - 1) {
+                    const int nv = ti.r1 - (ti.r0 + kt * BK);
+                    nkk = (nv + 15) >> 4; /* only the k16 slices holding rows */
+                    const int nend = 16 * nkk;
+                    if (nv < nend) { /* tile-uniform: zero rows [nv, nend) of the four blocks */
+                        unsigned char *st = stages + (size_t)s * PP_STAGE;
+                        for (int i = ctid & 127; i < (nend - nv) * 32; i += 128) {
+                            const int rr = nv + (i >> 5), blk = (i >> 3) & 3, ch = i & 7;
+                            *reinterpret_cast<uint4 *>(st + blk * 8192 + rr * 128 + ch * 16) = make_uint4(0u, 0u, 0u, 0u);
+                        }
+                        fence_proxy_async();
+                        named_bar_sync(3 + wg, 128);
+                    }
+                }
+                const uint64_t da0 = sw128_desc(sA, 8192u, 1024u), da1 = sw128_desc(sA + 8192u, 8192u, 1024u);
+                const uint64_t db = sw128_desc(sA + 16384u, 8192u, 1024u);
+                const int sd0 = kt == 0 ? 0 : 1;
+                fence_acc64(a0);
+                fence_acc64(a1);
+                if (nkk == 4) pp_batch<4>(a0, a1, da0, da1, db, sd0);
+                else if (nkk == 3) pp_batch<3>(a0, a1, da0, da1, db, sd0);
+                else if (nkk == 2) pp_batch<2>(a0, a1, da0, da1, db, sd0);
+                else pp_batch<1>(a0, a1, da0, da1, db, sd0);
+                fence_acc64(a0);
+                fence_acc64(a1);
+                wgmma_wait<1>();
+                fence_acc64(a0);
+                fence_acc64(a1);
+                if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + PP_ST - 1) % PP_ST));
+            }
+            named_bar_arrive(2 - wg, 256); /* end: the other warpgroup may issue */
+            wgmma_wait<0>();
+            fence_acc64(a0);
+            fence_acc64(a1);
+            if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + PP_ST - 1) % PP_ST));
+            /* warp v: tile rows 16 v + [0, 16) from a0 and 64 + 16 v + [0, 16) from a1 (an expert
+               without rows: zeros) */
+            float *o = reinterpret_cast<float *>(p.out) + ((size_t)ti.e * p.M + ti.m0 + 16 * v) * p.K + ti.c0;
+            const int rv = p.M - ti.m0 - 16 * v, cv = min(PP_BN, p.K - ti.c0);
+            float ss = pp_store_staged(a0, o, (size_t)p.K, rv, cv, lane, ti.nk > 0, buf);
+            ss += pp_store_staged(a1, o + (size_t)64 * p.K, (size_t)p.K, rv - 64, cv, lane, ti.nk > 0, buf);
+            if (p.ssq) {
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+                if (lane == 0) p.ssq[ti.sq + v] = ss;
+            }
+        }
+        /* equal turns: after an odd number of tiles warpgroup 2 takes an empty one */
+        if ((q & 1) && wg == 1) {
+            named_bar_sync(2, 256);
+            named_bar_arrive(1, 256);
+        }
+        if (wg == 0) named_bar_sync(1, 256);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Host side                                                                                  */
 /* ------------------------------------------------------------------------------------------ */
 static bool args_ok(int mode, int E, int M, int K, int Rmax) {
@@ -6620,6 +6861,16 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
+static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream) {
+    TmaParams tp;
+    memset(&tp, 0, sizeof tp);
+    tp.p = p;
+    if (tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK)) return -1;
+    if (cudaFuncSetAttribute(gg_pp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_PP) != cudaSuccess) return -1;
+    gg_pp_kernel<<<grid, NT_TMA, SMEM_PP, stream>>>(tp);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
 /* entries of the dW^2 partials: 8 per tile without row splits, SSQ_BLOCKS with them */
 constexpr long long SSQ_BLOCKS = 1024;
 static long long ssq_need(int E, int M, int K) {
@@ -6627,14 +6878,17 @@ static long long ssq_need(int E, int M, int K) {
     return t8 > SSQ_BLOCKS ? t8 : SSQ_BLOCKS;
 }
 
-/* variant: 2 = TMA + wgmma (warp-specialized), 1 = cp.async + wgmma, 0 = cp.async + mma.sync;
-   mode 2 also 3 + DWV (0, 1, see gg_tma_kernel): the TMA kernel's dW variants; 5: the TMA kernel
-   without wide tiles (benches) */
+/* variant: 2 = TMA + wgmma (warp-specialized; mode 2 without row splits: gg_pp_kernel), 1 = cp.async
+   + wgmma, 0 = cp.async + mma.sync; mode 2 also 3 + DWV (0, 1, see gg_tma_kernel): the TMA kernel's
+   dW variants; 5: the TMA kernel without wide tiles; 6: mode 2 in turns (gg_pp_kernel; benches) */
 #ifndef GG_DW_DV
 #define GG_DW_DV 1
 #endif
 #ifndef GG_WIDE
 #define GG_WIDE 1                 /* the TMA kernel's wide tiles (-DGG_WIDE=0: 128 x 128, to compare in place) */
+#endif
+#ifndef GG_PP
+#define GG_PP 1                   /* mode 2 in turns (gg_pp_kernel) where no row split is needed (-DGG_PP=0: the 128 x 256 kernel) */
 #endif
 constexpr int DW_DV = GG_DW_DV;   /* the TMA kernel's dW variant (-DGG_DW_DV=... to compare in place) */
 static_assert(DW_DV >= 0 && DW_DV <= 1, "dW variant");
@@ -6642,11 +6896,13 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
                   int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
                   float *ssq = nullptr, long long ssq_len = 0, int nsm = 0) {
     if (!args_ok(mode, E, M, K, Rmax)) return -1;
-    if (variant < 0 || variant > 5) return -1;
-    if ((variant == 3 || variant == 4) && mode != 2) return -1;
+    if (variant < 0 || variant > 6) return -1;
+    if ((variant == 3 || variant == 4 || variant == 6) && mode != 2) return -1;
     int dv = DW_DV;
     bool wide = GG_WIDE != 0;
-    if (variant == 5) { wide = false; variant = 2; }
+    bool pp = mode == 2 && (variant == 6 || (variant == 2 && GG_PP));
+    if (variant == 6) variant = 2;
+    else if (variant == 5) { wide = false; variant = 2; }
     else if (variant >= 3) { dv = variant - 3; variant = 2; }
     if (ssq && (mode != 2 || ssq_len < ssq_need(E, M, K))) return -1;
     if (!out || !a || !b || !d_offs || (!a2 != !b2) || (a2 && mode != 1)) return -1;
@@ -6656,6 +6912,7 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     if (S > 1 && !ws) return -1;
     EncodeTiledFn enc = variant == 2 ? tma_encoder() : nullptr;
     if (variant == 2 && !enc) variant = 1; /* a driver without tensor maps: the same tiles through cp.async */
+    if (S > 1 || variant != 2) pp = false;
 
     Params p;
     p.out = out;
@@ -6680,7 +6937,11 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     p.S = S;
     p.ntm = (M + BM - 1) / BM;
     long long tiles;
-    if (mode == 2) {
+    if (pp) {
+        tiles = (long long)E * p.ntm * ((K + PP_BN - 1) / PP_BN);
+        if (tiles > INT_MAX / 8) return -1;
+        p.T2 = (int)tiles;
+    } else if (mode == 2) {
         tiles = (long long)E * S * ((long long)p.ntm * p.ctf + p.half * ((p.ntm + 1) / 2));
         if (tiles > INT_MAX / 2) return -1;
         p.T2 = (int)tiles;
@@ -6691,10 +6952,13 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
         if (Rmax == 0) return 0; /* nothing to write */
     }
     const int grid = (int)(tiles < nsm ? tiles : nsm);
-    if (ssq && (S > 1 || tiles * 8 < ssq_len))   /* entries no tile or block writes read as zero */
+    /* entries no tile or block writes read as zero (in turns: 4 a tile of 128 columns) */
+    if (ssq && (S > 1 || tiles * (pp ? 4 : 8) < ssq_len))
         if (cudaMemsetAsync(ssq, 0, (size_t)ssq_len * sizeof(float), stream) != cudaSuccess) return -1;
     int rc;
-    if (variant == 2) {
+    if (pp) {
+        rc = launch_pp(enc, p, grid, stream);
+    } else if (variant == 2) {
         rc = mode == 0 ? launch_tma<0>(enc, p, grid, stream)
            : mode == 1 ? launch_tma<1>(enc, p, grid, stream)
            : dv == 0 ? launch_tma<2, 0>(enc, p, grid, stream) : launch_tma<2, 1>(enc, p, grid, stream);

@@ -3,8 +3,9 @@
  * untouched rows checked, empty experts' gradients exactly zero), bitwise reruns, CUDA-graph
  * capture, bad arguments, dW with the squared-norm partials (GMM_DW_SQ), and timing against one
  * cuBLASLt call per expert.  Timed layouts: mid's experts with the largest at 5 and at 6.1 times
- * the mean (the loads of mid's training steps run from 3.5 to 7.3); for dW also the TMA kernel's
- * variants (full or short last steps) and the default with the norm partials.
+ * the mean (the loads of mid's training steps run from 3.5 to 7.3), and all at the mean (also
+ * against cuBLASLt's strided-batched GEMM, the same work in one call); for dW also the TMA
+ * kernel's variants (full or short last steps) and the default with the norm partials.
  *
  *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -o /tmp/gg bench/grouped_gemm.cu \
  *        -lcublasLt -lnccl && /tmp/gg
@@ -22,7 +23,8 @@ static int mt_gg(int mode, void *out, const void *a, const void *b, const int *d
 }
 /* 3 + DWV: mode 2 only, the TMA kernel's dW variant DWV (0: as modes 0/1, 1: short last steps);
    5: the TMA kernel without wide tiles (a last column tile of <= 128 columns in 128 x 128 tiles) */
-static const char *variant_name[6] = {"mma.sync", "wgmma", "tma", "tma-dw0", "tma-dw1", "tma-nowide"};
+/* 6: dW in turns (gg_pp_kernel, the default for mode 2 unless built with -DGG_PP=0) */
+static const char *variant_name[7] = {"mma.sync", "wgmma", "tma", "tma-dw0", "tma-dw1", "tma-nowide", "tma-pp"};
 
 /* ========================================================================================== */
 /* Test harness: nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DGG_MAIN           */
@@ -311,6 +313,85 @@ static void lt_run(LtPlan &P, const Bufs &b, void *out, cudaStream_t st) {
         for (int e = 0; e < b.E; ++e)
             if (b.offs[e + 1] == b.offs[e]) CK(cudaMemsetAsync((float *)out + (size_t)e * M * K, 0, (size_t)M * K * 4, st));
 }
+template <class F>
+static float time_median(F f, cudaStream_t st);
+
+/* ---------------- cuBLASLt anchor for equal experts: one strided-batched call --------------------
+   The same work as one grouped call when every expert has n rows: cuBLASLt's batched GEMM, the best
+   of its first 16 heuristic algorithms (each timed; bitwise-irrelevant, only a rate to compare with).
+   Returns the best time in ms and checks its output against the grouped result (rel <= tol). */
+static float lt_batched(const Bufs &b, int mode, int n, void *out, const void *ref, size_t bytes, cudaStream_t st, double *rel_out,
+                        int *nalgo) {
+    const int M = b.M, K = b.K, E = b.E;
+    cublasLtHandle_t lt;
+    cublasLtMatmulDesc_t op;
+    CKL(cublasLtCreate(&lt));
+    CKL(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t ta = mode == 0 ? CUBLAS_OP_T : CUBLAS_OP_N, tb = mode == 2 ? CUBLAS_OP_T : CUBLAS_OP_N;
+    CKL(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CKL(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    /* rows, cols, ld, batch stride of A, B, C in column-major views (as lt_plan, one expert) */
+    long long d[3][4];
+    cudaDataType_t ct = CUDA_R_16BF;
+    const void *A, *B;
+    if (mode == 0) {
+        long long t[3][4] = {{K, M, K, (long long)M * K}, {K, n, K, (long long)n * K}, {M, n, M, (long long)n * M}};
+        memcpy(d, t, sizeof d); A = b.W; B = b.X;
+    } else if (mode == 1) {
+        long long t[3][4] = {{K, M, K, (long long)M * K}, {M, n, M, (long long)n * M}, {K, n, K, (long long)n * K}};
+        memcpy(d, t, sizeof d); A = b.W; B = b.dY;
+    } else {
+        long long t[3][4] = {{K, n, K, (long long)n * K}, {M, n, M, (long long)n * M}, {K, M, K, (long long)M * K}};
+        memcpy(d, t, sizeof d); A = b.X; B = b.dY; ct = CUDA_R_32F;
+    }
+    cublasLtMatrixLayout_t L[3];
+    for (int i = 0; i < 3; ++i) {
+        CKL(cublasLtMatrixLayoutCreate(&L[i], i == 2 ? ct : CUDA_R_16BF, d[i][0], d[i][1], d[i][2]));
+        CKL(cublasLtMatrixLayoutSetAttribute(L[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &E, sizeof E));
+        CKL(cublasLtMatrixLayoutSetAttribute(L[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &d[i][3], sizeof d[i][3]));
+    }
+    void *ws;
+    size_t wsz = 64u << 20;
+    CK(cudaMalloc(&ws, wsz));
+    cublasLtMatmulPreference_t pref;
+    CKL(cublasLtMatmulPreferenceCreate(&pref));
+    CKL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof wsz));
+    cublasLtMatmulHeuristicResult_t res[16];
+    int nres = 0;
+    CKL(cublasLtMatmulAlgoGetHeuristic(lt, op, L[0], L[1], L[2], L[2], pref, 16, res, &nres));
+    if (nres < 1) fatal("cuBLASLt: no batched algorithm for mode %d", mode);
+    const float alpha = 1.f, beta = 0.f;
+    float best = 1e30f;
+    int besti = 0;
+    for (int i = 0; i < nres; ++i) {
+        const float t = time_median([&]() {
+            CKL(cublasLtMatmul(lt, op, &alpha, A, L[0], B, L[1], &beta, out, L[2], out, L[2], &res[i].algo, ws, wsz, st));
+        }, st);
+        if (t < best) { best = t; besti = i; }
+    }
+    CK(cudaMemset(out, 0xFF, bytes));
+    CKL(cublasLtMatmul(lt, op, &alpha, A, L[0], B, L[1], &beta, out, L[2], out, L[2], &res[besti].algo, ws, wsz, st));
+    CK(cudaStreamSynchronize(st));
+    std::vector<unsigned char> h(bytes);
+    CK(cudaMemcpy(h.data(), out, bytes, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    const size_t cnt = mode == 2 ? bytes / 4 : (size_t)b.R * (mode == 0 ? M : K);
+    for (size_t i = 0; i < cnt; ++i) {
+        const double g = mode == 2 ? ((const float *)ref)[i] : bf2f(((const uint16_t *)ref)[i]);
+        const double r = mode == 2 ? ((const float *)h.data())[i] : bf2f(((const uint16_t *)h.data())[i]);
+        num += (g - r) * (g - r);
+        den += r * r;
+    }
+    *rel_out = den > 0 ? sqrt(num / den) : sqrt(num);
+    *nalgo = nres;
+    CKL(cublasLtMatmulPreferenceDestroy(pref));
+    for (int i = 0; i < 3; ++i) CKL(cublasLtMatrixLayoutDestroy(L[i]));
+    CKL(cublasLtMatmulDescDestroy(op));
+    CKL(cublasLtDestroy(lt));
+    CK(cudaFree(ws));
+    return best;
+}
+
 static void lt_free(LtPlan &P) {
     for (size_t i = 0; i < P.ex.size(); ++i) {
         CKL(cublasLtMatrixLayoutDestroy(P.la[i]));
@@ -353,11 +434,12 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
     b.R = b.offs[c.E];
     b.Rmax = b.R + 37;
     b.rexp.assign(b.R, 0);
-    int nempty = 0, cmax = 0;
+    int nempty = 0, cmax = 0, cmin = 1 << 30;
     for (int e = 0; e < c.E; ++e) {
         for (int r = b.offs[e]; r < b.offs[e + 1]; ++r) b.rexp[r] = e;
         nempty += c.counts[e] == 0;
         cmax = std::max(cmax, c.counts[e]);
+        cmin = std::min(cmin, c.counts[e]);
     }
     const int E = b.E, M = b.M, K = b.K, Rmax = b.Rmax;
     printf("case %s: E=%d M=%d K=%d R=%d Rmax=%d (empty experts %d, largest %d rows, mean %.1f)\n", c.name.c_str(), E, M, K,
@@ -384,10 +466,11 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
     const bool full = (long long)b.R * M * K <= (1ll << 28);
 
     std::vector<unsigned char> first[3]; /* each mode's output of the first variant, for the cross-variant comparison */
-    const int variants[6] = {2, 3, 4, 5, 1, 0};
+    const int variants[7] = {2, 3, 4, 5, 6, 1, 0};
     for (int variant : variants) {
+        if (getenv("GG_ONLY_TIME")) break;   /* timings only (bench builds that give wrong results) */
         const char *vname = variant_name[variant];
-        for (int mode = (variant == 3 || variant == 4) ? 2 : 0; mode < 3; ++mode) {
+        for (int mode = (variant == 3 || variant == 4 || variant == 6) ? 2 : 0; mode < 3; ++mode) {
             void *out; const void *a, *bb; size_t bytes;
             mode_io(b, mode, &out, &a, &bb, &bytes);
             std::vector<unsigned char> h1(bytes), h2(bytes);
@@ -493,20 +576,58 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                 printf("  timing %s\n", line);
                 g_table.push_back(line);
             }
+            if (mode == 2 && getenv("GG_SOAK")) {
+                /* GG_SOAK=S: dW with the norm partials back to back for about S seconds, the rate of each
+                   100 launches: the steady (power-limited) rate, against the median of 10 above */
+                const double soak = atof(getenv("GG_SOAK"));
+                const long long L = mt_ggk::ssq_need(E, M, K);
+                float *ssq;
+                CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
+                cudaEvent_t e0, e1;
+                CK(cudaEventCreate(&e0));
+                CK(cudaEventCreate(&e1));
+                double spent = 0, lo = 1e30, hi = 0;
+                std::vector<double> rates;
+                while (spent < soak * 1e3) {
+                    CK(cudaEventRecord(e0, st));
+                    for (int i = 0; i < 100; ++i)
+                        if (run_variant(2, b, 2, b.ws, st, false, ssq, L) != 0) fatal("launch failed");
+                    CK(cudaEventRecord(e1, st));
+                    CK(cudaEventSynchronize(e1));
+                    float ms = 0;
+                    CK(cudaEventElapsedTime(&ms, e0, e1));
+                    spent += ms;
+                    const double r = 100 * flops / ms * 1e-9;
+                    rates.push_back(r);
+                    lo = std::min(lo, r); hi = std::max(hi, r);
+                }
+                CK(cudaEventDestroy(e0));
+                CK(cudaEventDestroy(e1));
+                CK(cudaFree(ssq));
+                char line[400];
+                snprintf(line, sizeof line, "%-9s %-11s soaked %.1f s: first 100 launches %5.1f, last 100 %5.1f (min %5.1f, max %5.1f) TFLOP/s",
+                         c.name.c_str(), "dW+norm", spent * 1e-3, rates.front(), rates.back(), lo, hi);
+                printf("  timing %s\n", line);
+                g_table.push_back(line);
+            }
             if (mode == 2) {
                 /* the other dW kernels, and the default one with the norm partials (GMM_DW_SQ) */
                 const long long L = mt_ggk::ssq_need(E, M, K);
                 float *ssq;
                 CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
-                float t_dv[2];
-                for (int dv = 0; dv < 2; ++dv)
-                    t_dv[dv] = time_median([&]() { if (run_variant(3 + dv, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
+                /* in turns (6, the default) and the 128 x 256 kernel (4, 3) alternately, so that clocks drift alike */
+                float t_pp[2], t_dv[2][2];
+                for (int r = 0; r < 2; ++r) {
+                    t_pp[r] = time_median([&]() { if (run_variant(6, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
+                    for (int dv = 1; dv >= 0; --dv)
+                        t_dv[r][dv] = time_median([&]() { if (run_variant(3 + dv, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
+                }
                 const float t_sq = time_median([&]() { if (run_variant(2, b, 2, b.ws, st, false, ssq, L) != 0) fatal("launch failed"); }, st);
                 CK(cudaFree(ssq));
                 char line[400];
-                snprintf(line, sizeof line, "%-9s %-11s max/mean %.1f: tma %5.1f, with the norm partials %5.1f | dw0 (full last steps) %5.1f | dw1 (short) %5.1f TFLOP/s",
-                         c.name.c_str(), "dW kernels", (double)cmax * E / std::max(b.R, 1), flops / t_tma * 1e-9, flops / t_sq * 1e-9,
-                         flops / t_dv[0] * 1e-9, flops / t_dv[1] * 1e-9);
+                snprintf(line, sizeof line, "%-9s %-11s max/mean %.1f: in turns %5.1f %5.1f, default with the norm partials %5.1f | 128x256 tiles: short last steps %5.1f %5.1f, full %5.1f %5.1f TFLOP/s",
+                         c.name.c_str(), "dW kernels", (double)cmax * E / std::max(b.R, 1), flops / t_pp[0] * 1e-9, flops / t_pp[1] * 1e-9,
+                         flops / t_sq * 1e-9, flops / t_dv[0][1] * 1e-9, flops / t_dv[1][1] * 1e-9, flops / t_dv[0][0] * 1e-9, flops / t_dv[1][0] * 1e-9);
                 printf("  timing %s\n", line);
                 g_table.push_back(line);
             }
@@ -541,6 +662,18 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                      P.ex.size(), t_lt, flops / t_lt * 1e-9);
             printf("  timing %s\n", line);
             g_table.push_back(line);
+            if (cmin == cmax) {
+                /* equal experts: cuBLASLt's own batched GEMM on the same work (the rate cuBLAS gets) */
+                double brel = 0;
+                int nalgo = 0;
+                const float t_b = lt_batched(b, mode, cmax, cout, hg.data(), bytes, st, &brel, &nalgo);
+                snprintf(line, sizeof line, "%-8s %-11s cuBLASLt strided-batched (E=%d x %d rows, best of %d algos) %7.3f ms %6.1f TFLOP/s",
+                         c.name.c_str(), mode_name[mode], E, cmax, nalgo, t_b, flops / t_b * 1e-9);
+                printf("  timing %s\n", line);
+                g_table.push_back(line);
+                report(std::isfinite(brel) && brel <= (mode == 2 ? 1e-4 : 1e-2), "%s mode %d grouped vs cuBLASLt batched: rel=%.2e",
+                       c.name.c_str(), mode, brel);
+            }
             if (mode == 1) {
                 const float p_tma = time_median([&]() { if (run_variant(2, b, 1, b.ws, st, true) != 0) fatal("launch failed"); }, st);
                 const float p_wg = time_median([&]() { if (run_variant(1, b, 1, b.ws, st, true) != 0) fatal("launch failed"); }, st);
@@ -678,6 +811,12 @@ int main() {
         std::vector<int> cnt = imbalanced_counts(64, 49152, rng, 2, {6.0, 4.0, 3.0, 2.5});
         cases.push_back({"skew", 64, 1408, 2048, cnt, true});
         cases.push_back({"skew-down", 64, 2048, 1408, cnt, true});
+    }
+    {
+        /* mid's shapes with every expert at the mean (768 rows): also timed against cuBLASLt's batched GEMM */
+        std::vector<int> cnt(64, 768);
+        cases.push_back({"even", 64, 1408, 2048, cnt, true});
+        cases.push_back({"even-down", 64, 2048, 1408, cnt, true});
     }
     if (getenv("GG_EXTRA")) {   /* the same loads with 1536 in place of 1408: no half-wide column tiles */
         std::vector<int> cnt = imbalanced_counts(64, 49152, rng, 3, {3.0, 4.0, 5.0});
