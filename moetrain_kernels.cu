@@ -6331,7 +6331,8 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* against 498, dX 621 against 647).  Also for dW: a ping-pong kernel (each consumer           */
 /* warpgroup on its own 128 x 128 tiles, their reduction loops taking turns so one warpgroup   */
 /* stores while the other multiplies: 440 against 516 gate/up, 425 against 463 down, 15.2      */
-/* against 12.6 ms in the step; 128-column tiles read a third more per flop from L2); stores   */
+/* against 12.6 ms in the step; 128-column tiles read a third more per flop from L2; the later */
+/* gg_pp_kernel, which stores through the warps' buffers, is the default dW now); stores       */
 /* from the registers after a lane-pair shuffle (16 bytes a lane, 64 contiguous bytes a row:   */
 /* within 1-3% of the staged stores); bulk tensor stores of 16 x 16 boxes from two 1 KB halves */
 /* of each warp's buffer (4-15% slower); CTA pairs in clusters of 2 that multicast the operand */

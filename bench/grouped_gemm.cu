@@ -9,6 +9,9 @@
  *
  *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -o /tmp/gg bench/grouped_gemm.cu \
  *        -lcublasLt -lnccl && /tmp/gg
+ * Environment: GG_ONLY_TIME=1 skips the checks (timing-only builds); GG_SOAK=S also runs dW back to
+ * back for S seconds per layout (the power-limited rate; it slows the timings after it: alone only);
+ * GG_EXTRA=1 adds layouts with 1536 in place of 1408.
  */
 #define MOETRAIN_IMPLEMENTATION   /* mt_errf and friends, for the kernels file */
 #include "../moetrain_kernels.cu"
