@@ -6441,6 +6441,17 @@ __device__ __forceinline__ void zero_tail_rows(unsigned char *stage, int nv, int
 }
 
 
+/* The stage ring's mbarriers: full[s] completes on the producer's expect_tx and the copies' bytes,
+   empty[s] on `readers` arrivals (one per consumer warp that reads the stage). */
+__device__ __forceinline__ void init_ring(uint32_t full0, uint32_t empty0, int n, int readers) {
+#pragma unroll 1
+    for (int s = 0; s < n; ++s) {
+        mbar_init(full0 + 8u * s, 1);
+        mbar_init(empty0 + 8u * s, readers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
 /* DWV (mode 2): 0 = as modes 0/1; 1 = short last steps (only the k16 slices that hold rows) */
 template <int MODE, int DWV = 0>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
@@ -6459,14 +6470,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
     int *s_aux = s_offs + (MAX_E + 1);
     int *s_scan = s_aux + (MAX_E + 1);
 
-    if (tid == NT) {
-#pragma unroll 1
-        for (int s = 0; s < ST; ++s) {
-            mbar_init(full0 + 8u * s, 1);
-            mbar_init(empty0 + 8u * s, 8);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
+    if (tid == NT) init_ring(full0, empty0, ST, 8);
     const int T = build_work_list<MODE>(p, s_offs, s_aux, s_scan, tid); /* ends with a CTA barrier */
 
     if (tid < 128) {
@@ -6675,14 +6679,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
     int *s_offs = reinterpret_cast<int *>(stages + (size_t)PP_ST * PP_STAGE + 2 * PP_ST * 8 + 8 * EPI_BYTES);
     int *s_aux = s_offs + (MAX_E + 1);
     int *s_scan = s_aux + (MAX_E + 1);
-    if (tid == NT) {
-#pragma unroll 1
-        for (int s = 0; s < PP_ST; ++s) {
-            mbar_init(full0 + 8u * s, 1);
-            mbar_init(empty0 + 8u * s, 4);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
+    if (tid == NT) init_ring(full0, empty0, PP_ST, 4);
     build_work_list<2>(p, s_offs, s_aux, s_scan, tid); /* ends with a CTA barrier */
 
     if (tid < 128) {
