@@ -6553,7 +6553,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /* ------------------------------------------------------------------------------------------ */
 /* dW in turns (mode 2, the default when no row split is needed): each consumer warpgroup owns   */
 /* whole 128 x 128 tiles, and the two take turns at the tensor cores, so one warpgroup's        */
-/* epilogue (64 KB of fp32 stored straight from its registers) drains while the other            */
+/* epilogue (64 KB of fp32 through the warps' 2 KB buffers) drains while the other              */
 /* multiplies.  384 threads: warpgroup 0 is the producer (one thread issues the TMA loads), 1    */
 /* and 2 the consumers; the CTA's tiles alternate between them (j even: warpgroup 1, odd: 2).    */
 /*   - a stage (32 KB) is one 64-row step of one tile: dY's 128 m columns as two MN-major       */
@@ -6631,9 +6631,11 @@ __device__ __forceinline__ void fence_acc64(float (&a)[64]) {
 }
 
 /* One warp's 16 rows x 128 columns of an m64n128 accumulator (a[4j + 2h + b] = row g + 8h, column
-   8j + 2c + b) through its 2 KB buffer, as epilogue_staged: 4 passes of 32 columns, each written
-   to the buffer with the 16-byte chunks XOR-swizzled by row, then stored as 16-byte lanes (8 lanes a
-   row: 512 bytes, four whole lines, a store).  o: the warp's first row and the tile's first column;
+   8j + 2c + b) through its 2 KB buffer, as epilogue_staged does for m64n256 (kept apart: a build
+   sharing one epilogue_staged for both accumulator sizes made illegal accesses in the grouped GEMM
+   bench and ./train, cause not found).  4 passes of 32 columns, each written to the buffer with
+   the 16-byte chunks XOR-swizzled by row, then stored as 16-byte lanes (8 lanes a row: 512 bytes,
+   four whole lines, a store).  o: the warp's first row and the tile's first column;
    returns the sum of the squares of what it stored, in a fixed order. */
 __device__ __forceinline__ float pp_store_staged(const float (&a)[64], float *o, size_t ld, int rows_valid, int cols_valid,
                                                  int lane, bool has, unsigned char *buf) {
