@@ -1813,6 +1813,21 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map
         "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
         : "memory");
 }
+/* TMA tensor stores from shared memory (bulk groups: commit, then wait until read or done) */
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+                 "r"(src), "r"(c0), "r"(c1)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap *map, uint32_t src, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, int c2) {
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
@@ -1844,9 +1859,9 @@ static EncodeTiledFn tma_encoder() {
    consecutive indices of dim i + 1), read in boxes of box[] elements with the 128-byte swizzle;
    elements outside the tensor read as zeros. */
 static int tma_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int rank, const cuuint64_t *dims, const cuuint64_t *strides,
-                   const cuuint32_t *box) {
+                   const cuuint32_t *box, CUtensorMapDataType dt = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
     const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
-    return enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, const_cast<void *>(base), dims, strides, box, ones,
+    return enc(m, dt, (cuuint32_t)rank, const_cast<void *>(base), dims, strides, box, ones,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS ? 0 : -1;
 }
@@ -3015,14 +3030,6 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4
                  "r"(r[3])
                  : "memory");
 }
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t src, int c0, int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
-                 "r"(src), "r"(c0), "r"(c1)
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 /* P^T of a dK/dV tile in place (x: S^T on entry, element 4j + 2hh + bb = key kr + 8hh, query q0 + 8j + 2c
    + bb): exp2(S^T sl2 - lse2[q]); M 1 with the causal / document / sequence-end mask, 0 without, 2 with it
@@ -6392,6 +6399,7 @@ struct TmaParams {
     CUtensorMap ta, tb;    /* A and B operands (see launch_tma for their shapes and boxes)    */
     CUtensorMap ta2, tb2;  /* mode 1, second pair                                             */
     CUtensorMap tbh;       /* mode 0: W with boxes of 128 rows (the wide tiles' B)              */
+    CUtensorMap tc;        /* gg_pp_kernel's TMA stores: dW [E][M][K] fp32, boxes 32 k x 8 m    */
     Params p;
 };
 
@@ -6669,6 +6677,67 @@ __device__ __forceinline__ float pp_store_staged(const float (&a)[64], float *o,
     return ss;
 }
 
+/* The sum of the squares of what pp_store_staged stores from a, in its order (the TMA stores'
+   norm partials: bitwise the same as the staged stores') */
+__device__ __forceinline__ float pp_ssq(const float (&a)[64], int rows_valid, int cols_valid, int lane, bool has) {
+    const int g = lane >> 2, c = lane & 3;
+    float ss = 0.f;
+#pragma unroll
+    for (int pass = 0; pass < 4; ++pass) {
+        if (32 * pass >= cols_valid) break;
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int j = 4 * pass + jj;
+                const float v0 = has ? a[4 * j + 2 * h] : 0.f, v1 = has ? a[4 * j + 2 * h + 1] : 0.f;
+                if (g + 8 * h < rows_valid && 32 * pass + 8 * jj + 2 * c < cols_valid) ss += v0 * v0 + v1 * v1;
+            }
+    }
+    return ss;
+}
+
+/* The same 16 rows x 128 columns as TMA tensor stores (the copy engine does the global writes):
+   8 rows x 32 columns (1 KB) at a time from the two 1 KB halves of the warp's buffer in turn, a half
+   rewritten once the store before last has read it (wait_group.read 1).  Rows and columns past the
+   expert's M x K are clipped by the map (dims K, M, E).  The halves hold 128-byte rows with the
+   16-byte chunks XOR-swizzled by row (the map's 128-byte swizzle; the buffer is 1024-aligned);
+   lane (g, c) writes its row's column blocks in the order jj ^ 2 (g & 1), so that the four rows
+   of a half-warp's 8-byte writes fall in four distinct 32-byte bank groups (no conflicts).
+   c0: the tile's first column, m0: the warp's first row. */
+__device__ __forceinline__ void pp_store_tma(const float (&a)[64], const CUtensorMap *map, int c0, int m0, int e, int rows_valid,
+                                             int cols_valid, int lane, bool has, unsigned char *buf) {
+    const int g = lane >> 2, c = lane & 3;
+    const bool odd = (g & 1) != 0;
+    const uint32_t sbuf = smem_u32(buf);
+#pragma unroll
+    for (int pass = 0; pass < 4; ++pass) {
+        if (32 * pass >= cols_valid) break; /* tile-uniform */
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (8 * h >= rows_valid) break; /* warp-uniform: nothing of these rows is in the expert */
+            unsigned char *hb = buf + h * 1024;
+            if (lane == 0) bulk_wait_read1();
+            __syncwarp();
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                const int ja = 4 * pass + jj, jb = 4 * pass + (jj ^ 2);
+                float v0 = odd ? a[4 * jb + 2 * h] : a[4 * ja + 2 * h], v1 = odd ? a[4 * jb + 2 * h + 1] : a[4 * ja + 2 * h + 1];
+                if (!has) v0 = v1 = 0.f;
+                const int byte = (8 * (jj ^ (odd ? 2 : 0)) + 2 * c) * 4;
+                *reinterpret_cast<float2 *>(hb + g * 128 + (((byte >> 4) ^ g) << 4) + (byte & 15)) = make_float2(v0, v1);
+            }
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) {
+                tma_store_3d(map, sbuf + (uint32_t)(h * 1024), c0 + 32 * pass, m0 + 8 * h, e);
+                bulk_commit();
+            }
+        }
+    }
+}
+
+template <bool TS>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant__ TmaParams tp) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const Params &p = tp.p;
@@ -6677,8 +6746,9 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
     const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
     const uint32_t sbase = raw + pad;
     unsigned char *stages = smem_raw + pad;
-    const uint32_t full0 = sbase + (uint32_t)(PP_ST * PP_STAGE), empty0 = full0 + 8u * PP_ST;
-    int *s_offs = reinterpret_cast<int *>(stages + (size_t)PP_ST * PP_STAGE + 2 * PP_ST * 8 + 8 * EPI_BYTES);
+    /* stages, the 8 consumer warps' buffers (1024-aligned: the stores' 128-byte swizzle), barriers */
+    const uint32_t full0 = sbase + (uint32_t)(PP_ST * PP_STAGE + 8 * EPI_BYTES), empty0 = full0 + 8u * PP_ST;
+    int *s_offs = reinterpret_cast<int *>(stages + (size_t)PP_ST * PP_STAGE + 8 * EPI_BYTES + 2 * PP_ST * 8);
     int *s_aux = s_offs + (MAX_E + 1);
     int *s_scan = s_aux + (MAX_E + 1);
     if (tid == NT) init_ring(full0, empty0, PP_ST, 4);
@@ -6709,7 +6779,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
         const int ctid = tid - 128, lane = ctid & 31;
         const int wg = __shfl_sync(0xffffffffu, ctid >> 7, 0), v = __shfl_sync(0xffffffffu, (ctid >> 5) & 3, 0);
-        unsigned char *buf = stages + (size_t)PP_ST * PP_STAGE + 2 * PP_ST * 8 + (size_t)(ctid >> 5) * EPI_BYTES;
+        unsigned char *buf = stages + (size_t)PP_ST * PP_STAGE + (size_t)(ctid >> 5) * EPI_BYTES;
         float a0[64], a1[64];
 #pragma unroll
         for (int i = 0; i < 64; ++i) { a0[i] = 0.f; a1[i] = 0.f; }
@@ -6764,10 +6834,18 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + PP_ST - 1) % PP_ST));
             /* warp v: tile rows 16 v + [0, 16) from a0 and 64 + 16 v + [0, 16) from a1 (an expert
                without rows: zeros) */
-            float *o = reinterpret_cast<float *>(p.out) + ((size_t)ti.e * p.M + ti.m0 + 16 * v) * p.K + ti.c0;
             const int rv = p.M - ti.m0 - 16 * v, cv = min(PP_BN, p.K - ti.c0);
-            float ss = pp_store_staged(a0, o, (size_t)p.K, rv, cv, lane, ti.nk > 0, buf);
-            ss += pp_store_staged(a1, o + (size_t)64 * p.K, (size_t)p.K, rv - 64, cv, lane, ti.nk > 0, buf);
+            float ss;
+            if (TS) {
+                ss = pp_ssq(a0, rv, cv, lane, ti.nk > 0);
+                ss += pp_ssq(a1, rv - 64, cv, lane, ti.nk > 0);
+                pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cv, lane, ti.nk > 0, buf);
+                pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cv, lane, ti.nk > 0, buf);
+            } else {
+                float *o = reinterpret_cast<float *>(p.out) + ((size_t)ti.e * p.M + ti.m0 + 16 * v) * p.K + ti.c0;
+                ss = pp_store_staged(a0, o, (size_t)p.K, rv, cv, lane, ti.nk > 0, buf);
+                ss += pp_store_staged(a1, o + (size_t)64 * p.K, (size_t)p.K, rv - 64, cv, lane, ti.nk > 0, buf);
+            }
             if (p.ssq) {
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -6780,6 +6858,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             named_bar_arrive(1, 256);
         }
         if (wg == 0) named_bar_sync(1, 256);
+        if (TS && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
     }
 }
 
@@ -6861,13 +6940,21 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
-static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream) {
+/* ts: the epilogue as TMA tensor stores (pp_store_tma) when dW's map can be made, else staged stores */
+static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream, bool ts) {
     TmaParams tp;
     memset(&tp, 0, sizeof tp);
     tp.p = p;
     if (tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK)) return -1;
-    if (cudaFuncSetAttribute(gg_pp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_PP) != cudaSuccess) return -1;
-    gg_pp_kernel<<<grid, NT_TMA, SMEM_PP, stream>>>(tp);
+    if (ts) {
+        const cuuint64_t dims[3] = {(cuuint64_t)p.K, (cuuint64_t)p.M, (cuuint64_t)p.E};
+        const cuuint64_t strides[2] = {(cuuint64_t)p.K * 4, (cuuint64_t)p.M * p.K * 4};
+        const cuuint32_t box[3] = {32, 8, 1};
+        ts = tma_map(enc, &tp.tc, p.out, 3, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) == 0;
+    }
+    void (*kern)(const TmaParams) = ts ? gg_pp_kernel<true> : gg_pp_kernel<false>;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_PP) != cudaSuccess) return -1;
+    kern<<<grid, NT_TMA, SMEM_PP, stream>>>(tp);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
@@ -6880,7 +6967,8 @@ static long long ssq_need(int E, int M, int K) {
 
 /* variant: 2 = TMA + wgmma (warp-specialized; mode 2 without row splits: gg_pp_kernel), 1 = cp.async
    + wgmma, 0 = cp.async + mma.sync; mode 2 also 3 + DWV (0, 1, see gg_tma_kernel): the TMA kernel's
-   dW variants; 5: the TMA kernel without wide tiles; 6: mode 2 in turns (gg_pp_kernel; benches) */
+   dW variants; 5: the TMA kernel without wide tiles; 6: mode 2 in turns (gg_pp_kernel; benches);
+   7: the same with the other epilogue (staged st.global if GG_PP_TS, else TMA stores) */
 #ifndef GG_DW_DV
 #define GG_DW_DV 1
 #endif
@@ -6890,18 +6978,22 @@ static long long ssq_need(int E, int M, int K) {
 #ifndef GG_PP
 #define GG_PP 1                   /* mode 2 in turns (gg_pp_kernel) where no row split is needed (-DGG_PP=0: the 128 x 256 kernel) */
 #endif
+#ifndef GG_PP_TS
+#define GG_PP_TS 1                /* gg_pp_kernel's epilogue as TMA stores (0: staged st.global; variant 7 runs the other one) */
+#endif
 constexpr int DW_DV = GG_DW_DV;   /* the TMA kernel's dW variant (-DGG_DW_DV=... to compare in place) */
 static_assert(DW_DV >= 0 && DW_DV <= 1, "dW variant");
 static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
                   int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
                   float *ssq = nullptr, long long ssq_len = 0, int nsm = 0) {
     if (!args_ok(mode, E, M, K, Rmax)) return -1;
-    if (variant < 0 || variant > 6) return -1;
-    if ((variant == 3 || variant == 4 || variant == 6) && mode != 2) return -1;
+    if (variant < 0 || variant > 7) return -1;
+    if ((variant == 3 || variant == 4 || variant >= 6) && mode != 2) return -1;
     int dv = DW_DV;
     bool wide = GG_WIDE != 0;
-    bool pp = mode == 2 && (variant == 6 || (variant == 2 && GG_PP));
-    if (variant == 6) variant = 2;
+    bool pp = mode == 2 && (variant >= 6 || (variant == 2 && GG_PP));
+    const bool ts = (GG_PP_TS != 0) != (variant == 7);
+    if (variant >= 6) variant = 2;
     else if (variant == 5) { wide = false; variant = 2; }
     else if (variant >= 3) { dv = variant - 3; variant = 2; }
     if (ssq && (mode != 2 || ssq_len < ssq_need(E, M, K))) return -1;
@@ -6957,7 +7049,7 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
         if (cudaMemsetAsync(ssq, 0, (size_t)ssq_len * sizeof(float), stream) != cudaSuccess) return -1;
     int rc;
     if (pp) {
-        rc = launch_pp(enc, p, grid, stream);
+        rc = launch_pp(enc, p, grid, stream, ts);
     } else if (variant == 2) {
         rc = mode == 0 ? launch_tma<0>(enc, p, grid, stream)
            : mode == 1 ? launch_tma<1>(enc, p, grid, stream)

@@ -27,8 +27,9 @@ static int mt_gg(int mode, void *out, const void *a, const void *b, const int *d
 }
 /* 3 + DWV: mode 2 only, the TMA kernel's dW variant DWV (0: as modes 0/1, 1: short last steps);
    5: the TMA kernel without wide tiles (a last column tile of <= 128 columns in 128 x 128 tiles) */
-/* 6: dW in turns (gg_pp_kernel, the default for mode 2 unless built with -DGG_PP=0) */
-static const char *variant_name[7] = {"mma.sync", "wgmma", "tma", "tma-dw0", "tma-dw1", "tma-nowide", "tma-pp"};
+/* 6: dW in turns (gg_pp_kernel, the default for mode 2 unless built with -DGG_PP=0), its epilogue as
+   built (GG_PP_TS: TMA stores by default); 7: the same kernel with the other epilogue */
+static const char *variant_name[8] = {"mma.sync", "wgmma", "tma", "tma-dw0", "tma-dw1", "tma-nowide", "tma-pp", "tma-pp-alt"};
 
 /* ========================================================================================== */
 /* Test harness: nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DGG_MAIN           */
@@ -470,11 +471,11 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
     const bool full = (long long)b.R * M * K <= (1ll << 28);
 
     std::vector<unsigned char> first[3]; /* each mode's output of the first variant, for the cross-variant comparison */
-    const int variants[7] = {2, 3, 4, 5, 6, 1, 0};
+    const int variants[8] = {2, 3, 4, 5, 6, 7, 1, 0};
     for (int variant : variants) {
         if (getenv("GG_ONLY_TIME")) break;   /* timings only (bench builds that give wrong results) */
         const char *vname = variant_name[variant];
-        for (int mode = (variant == 3 || variant == 4 || variant == 6) ? 2 : 0; mode < 3; ++mode) {
+        for (int mode = (variant == 3 || variant == 4 || variant >= 6) ? 2 : 0; mode < 3; ++mode) {
             void *out; const void *a, *bb; size_t bytes;
             mode_io(b, mode, &out, &a, &bb, &bytes);
             std::vector<unsigned char> h1(bytes), h2(bytes);
@@ -564,7 +565,7 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
         }
     }
 
-    if (c.timed) {
+    if (c.timed && !getenv("GG_NOTIME")) {   /* GG_NOTIME=1: the checks only (sanitizer runs of the big layouts) */
         const double flops = 2.0 * b.R * M * K;
         for (int mode = 0; mode < 3; ++mode) {
             void *out; const void *a, *bb; size_t bytes;
@@ -619,18 +620,21 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                 const long long L = mt_ggk::ssq_need(E, M, K);
                 float *ssq;
                 CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
-                /* in turns (6, the default) and the 128 x 256 kernel (4, 3) alternately, so that clocks drift alike */
-                float t_pp[2], t_dv[2][2];
+                /* in turns (6, the default; 7, its other epilogue) and the 128 x 256 kernel (4, 3) alternately,
+                   so that clocks drift alike */
+                float t_pp[2], t_alt[2], t_dv[2][2];
                 for (int r = 0; r < 2; ++r) {
                     t_pp[r] = time_median([&]() { if (run_variant(6, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
+                    t_alt[r] = time_median([&]() { if (run_variant(7, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
                     for (int dv = 1; dv >= 0; --dv)
                         t_dv[r][dv] = time_median([&]() { if (run_variant(3 + dv, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
                 }
                 const float t_sq = time_median([&]() { if (run_variant(2, b, 2, b.ws, st, false, ssq, L) != 0) fatal("launch failed"); }, st);
                 CK(cudaFree(ssq));
                 char line[400];
-                snprintf(line, sizeof line, "%-9s %-11s max/mean %.1f: in turns %5.1f %5.1f, default with the norm partials %5.1f | 128x256 tiles: short last steps %5.1f %5.1f, full %5.1f %5.1f TFLOP/s",
+                snprintf(line, sizeof line, "%-9s %-11s max/mean %.1f: in turns %5.1f %5.1f, %s %5.1f %5.1f, default with the norm partials %5.1f | 128x256 tiles: short last steps %5.1f %5.1f, full %5.1f %5.1f TFLOP/s",
                          c.name.c_str(), "dW kernels", (double)cmax * E / std::max(b.R, 1), flops / t_pp[0] * 1e-9, flops / t_pp[1] * 1e-9,
+                         GG_PP_TS ? "staged st.global" : "TMA stores", flops / t_alt[0] * 1e-9, flops / t_alt[1] * 1e-9,
                          flops / t_sq * 1e-9, flops / t_dv[0][1] * 1e-9, flops / t_dv[1][1] * 1e-9, flops / t_dv[0][0] * 1e-9, flops / t_dv[1][0] * 1e-9);
                 printf("  timing %s\n", line);
                 g_table.push_back(line);
@@ -847,6 +851,7 @@ int main() {
     uint64_t seed = 1;
     for (const Case &c : cases) {
         if (getenv("GG_SMALL") && c.timed) { ++seed; continue; }   /* the untimed layouts only (sanitizer runs) */
+        if (getenv("GG_CASE") && c.name != getenv("GG_CASE")) { ++seed; continue; }   /* GG_CASE=name: that layout only (profiler runs) */
         run_case(c, seed++, rng, st);
     }
     test_graph_capture(rng);
