@@ -1828,6 +1828,28 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+/* clusters: the CTA's rank, a barrier over all threads of the cluster, an arrive on the mbarrier at
+   the same offset in CTA cta's shared memory, and a TMA load written to (and counted on the
+   mbarriers of) every CTA in mask */
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive_cta(uint32_t bar, uint32_t cta) {
+    asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
+                 "r"(cta)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_load_2d_mc(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, uint16_t mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(mask)
+        : "memory");
+}
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, int c2) {
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
@@ -5650,6 +5672,7 @@ struct Params {
     int nk01;            /* modes 0/1: reduction steps ceil(K / BK) or ceil(M / BK)            */
     int S, ntm;          /* mode 2: row splits, m tiles ceil(M / BM)                           */
     int T2;              /* mode 2: number of tiles E * S * (ntm * ctf + half * ceil(ntm / 2))   */
+    int pair;            /* gg_pp_kernel in clusters of 2: 1 tiles paired along columns, 2 along m */
     int half, ctf;       /* half = 1: the last column tile has <= 128 columns and pairs its rows   */
                          /* into 256 x 128 tiles (TMA kernel); ctf = ct - half full-width tiles    */
 };
@@ -6561,9 +6584,9 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /* ------------------------------------------------------------------------------------------ */
 /* dW in turns (mode 2, the default when no row split is needed): each consumer warpgroup owns   */
 /* whole 128 x 128 tiles, and the two take turns at the tensor cores, so one warpgroup's        */
-/* epilogue (64 KB of fp32 through the warps' 2 KB buffers) drains while the other              */
-/* multiplies.  384 threads: warpgroup 0 is the producer (one thread issues the TMA loads), 1    */
-/* and 2 the consumers; the CTA's tiles alternate between them (j even: warpgroup 1, odd: 2).    */
+/* epilogue (64 KB of fp32) drains while the other multiplies.  384 threads: warpgroup 0 is the  */
+/* producer (one thread issues the TMA loads), 1 and 2 the consumers; the CTA's tiles alternate  */
+/* between them (j even: warpgroup 1, odd: 2).                                                   */
 /*   - a stage (32 KB) is one 64-row step of one tile: dY's 128 m columns as two MN-major       */
 /*     64 x 64 blocks, then X's 128 columns as two; PP_ST stages in one ring, filled in the      */
 /*     order the tiles are taken, each released by the 4 warps of the warpgroup that read it;   */
@@ -6572,25 +6595,31 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   - each k16 slice is two m64n128k16 products (tile rows [0, 64) and [64, 128)) over the    */
 /*     same slices in the same order as the gg_tma_kernel's m64n256k16: dW is bitwise the same; */
 /*   - mode 2's short last step and tail-row zeroing as in gg_tma_kernel (DWV 1);              */
-/*   - each warp's accumulators leave through its 2 KB buffer as 512-byte stores (whole lines);  */
+/*   - TS (the default): each warp's accumulators leave as TMA tensor stores of 1 KB from the   */
+/*     two halves of its 2 KB buffer (pp_store_tma); TS 0: staged st.global (pp_store_staged);  */
+/*   - MC (GG_PP_MC, off by default): CTAs in clusters of 2 take the two tiles of a pair (along */
+/*     the columns, or along m when the column tiles are odd), each loading its own block and   */
+/*     half of the shared one by multicast to both; a stage is released in both CTAs;          */
 /*   - the norm partial of warp w of a tile at column tile ct (128 wide) goes to entry           */
 /*     ((e ntm + mt) ct256 + ct / 2) 8 + 4 (ct % 2) + w: the same entries as the 128 x 256     */
 /*     tiles' (ssq_need), in another grouping.                                                  */
 /* Measured on H200 (mid's shapes; bench/grouped_gemm.cu, the kernels alternating in one run):  */
-/*   524-558 TFLOP/s against 483-535 for gg_tma_kernel's 128 x 256 tiles; equal experts 561-563 */
-/*   against 519-553; in mid's step (GMM_DW_SQ) 476-500 against 455-462 on one machine start,    */
-/*   466-481 against 459-466 on another.  Also measured, not kept:                             */
-/*   - the accumulators stored straight from the registers (8-byte lanes, 32 bytes of a row a   */
-/*     store): 453-466, as slow as the 128 x 256 kernel; no global stores at all (timing only):  */
-/*     610-646, so the stores still cost ~15%;                                                  */
-/*   - loading only one of dY's two blocks (timing only: the L2 reads a 2-CTA multicast saves):  */
-/*     546-577; a real cluster of two CTAs sharing dY's or X's block by TMA multicast (bitwise  */
-/*     the same dW; the consumers release a stage in both CTAs): 547-549 against 553-555 with   */
-/*     equal experts, 454 against 466-481 in mid's step.  Its first build released the peer's   */
-/*     stage with mbarrier.arrive.release.cluster and ran at 240-265: a cluster-scope release   */
-/*     waits for the warp's outstanding global stores (the epilogue's).                         */
-/*   cuBLASLt's strided-batched GEMM on the same work with equal experts (one call, the best of */
-/*   its first 8 algorithms: 128 x 128 and 128 x 160 tiles in clusters of 2) runs 652-688.      */
+/*   staged stores 524-558 TFLOP/s against 483-535 for gg_tma_kernel's 128 x 256 tiles; in      */
+/*   mid's step (GMM_DW_SQ) 476-500 against 455-462 on one machine start.  With equal experts   */
+/*   (768 rows each, a probe timing the variants in turn): staged 545-559, TMA stores 556-573,   */
+/*   clusters 575-584, cuBLASLt's strided-batched GEMM on the same work 658-696 (its best:      */
+/*   nvjet 128 x 128 tiles, 6 stages, clusters of 2).  In mid's step the clusters gave nothing   */
+/*   measurable (GMM_DW_SQ 480 / 483 against 477 / 495 for staged stores, alternating), so they */
+/*   stay off: the step runs at the power limit (~1560 MHz), not at the bench's clocks.         */
+/*   Where the time goes (ncu, base clocks, equal experts): 786k cycles with the tensor pipe    */
+/*   67% busy, against 586k and 91% for cuBLAS's kernel; a quarter to a third of the consumers' */
+/*   mainloop samples wait for a stage (22% with clusters), and the epilogue's per-1-KB proxy  */
+/*   fences show.  Timing-only builds: without loads 681-688, without loads or stores 741       */
+/*   (clusters) / 773, so loads cost ~16% and stores ~11% even in turns.  Also measured, not   */
+/*   kept: stores straight from the registers (8-byte lanes) 453-466; stores of 2 KB (one fence */
+/*   per 2 KB, no double buffering) 572-584, no better; an L2 prefetch of the next tile's first */
+/*   16 steps 300-322; a cluster-scope release of the peer's stage (mbarrier.arrive.release.   */
+/*   cluster) with staged stores 240-265 (it waits for the warp's outstanding global stores).   */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int PP_BN = 128;
 constexpr int PP_ST = 6;
@@ -6609,6 +6638,29 @@ __device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, 
     if (!ti.valid) return ti;
     const int nct = (p.K + PP_BN - 1) / PP_BN, per_e = p.ntm * nct;
     const int pos = t / per_e, rem = t - pos * per_e, mt = rem / nct, ct = rem - mt * nct;
+    const int e = (int)((unsigned)s_aux[pos] & (unsigned)(MAX_E - 1));
+    ti.e = e;
+    ti.m0 = mt * BM;
+    ti.c0 = ct * PP_BN;
+    ti.r0 = s_offs[e];
+    ti.r1 = max(ti.r0, s_offs[e + 1]);
+    ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
+    ti.sq = ((e * p.ntm + mt) * p.ct + (ct >> 1)) * 8 + 4 * (ct & 1);
+    return ti;
+}
+
+/* MC: pair t of the list (the tiles of an expert in pairs: along the column tiles, sharing dY's
+   block, when there is an even number of them (p.pair 1), else along the m tiles, sharing X's
+   block (p.pair 2)); rank: which tile of the pair */
+__device__ __forceinline__ PpTile pp_decode_pair(const Params &p, const int *s_offs, const int *s_aux, int t, int rank) {
+    PpTile ti;
+    ti.valid = t < p.T2;
+    ti.e = ti.m0 = ti.c0 = ti.r0 = ti.r1 = ti.nk = ti.sq = 0;
+    if (!ti.valid) return ti;
+    const int nct = (p.K + PP_BN - 1) / PP_BN, ncp = p.pair == 1 ? nct / 2 : nct, nmp = p.pair == 1 ? p.ntm : p.ntm / 2;
+    const int per_e = nmp * ncp;
+    const int pos = t / per_e, rem = t - pos * per_e, mp = rem / ncp, cp = rem - mp * ncp;
+    const int mt = p.pair == 1 ? mp : 2 * mp + rank, ct = p.pair == 1 ? 2 * cp + rank : cp;
     const int e = (int)((unsigned)s_aux[pos] & (unsigned)(MAX_E - 1));
     ti.e = e;
     ti.m0 = mt * BM;
@@ -6737,7 +6789,7 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[64], const CUtenso
     }
 }
 
-template <bool TS>
+template <bool TS, bool MC>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant__ TmaParams tp) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const Params &p = tp.p;
@@ -6751,8 +6803,17 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
     int *s_offs = reinterpret_cast<int *>(stages + (size_t)PP_ST * PP_STAGE + 8 * EPI_BYTES + 2 * PP_ST * 8);
     int *s_aux = s_offs + (MAX_E + 1);
     int *s_scan = s_aux + (MAX_E + 1);
-    if (tid == NT) init_ring(full0, empty0, PP_ST, 4);
+    if (tid == NT) init_ring(full0, empty0, PP_ST, MC ? 8 : 4); /* MC: both CTAs' consumer warps release a stage */
     build_work_list<2>(p, s_offs, s_aux, s_scan, tid); /* ends with a CTA barrier */
+    /* MC: the CTAs of a cluster of 2 take the two tiles of a pair, in the same order; each loads its
+       own operand block and half of the shared one, the latter written to both CTAs */
+    const int rank = MC ? (int)cluster_ctarank() : 0;
+    const int cid = MC ? (int)(blockIdx.x >> 1) : 0, G2 = MC ? (int)(gridDim.x >> 1) : 0;
+    auto tile = [&](int q) -> PpTile {
+        if (!MC) return pp_decode(p, s_offs, s_aux, next_ticket(p, q));
+        return pp_decode_pair(p, s_offs, s_aux, q * G2 + ((q & 1) ? G2 - 1 - cid : cid), rank);
+    };
+    if (MC) cluster_sync_all(); /* the peer's barriers are initialized */
 
     if (tid < 128) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -6760,9 +6821,9 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             int step = 0;
 #pragma unroll 1
             for (int q = 0;; ++q) {
-                const PpTile ti = pp_decode(p, s_offs, s_aux, next_ticket(p, q));
+                const PpTile ti = tile(q);
                 if (!ti.valid) break;
-                const int na = min(2, (p.M - ti.m0 + 63) / 64), nb = min(2, (p.K - ti.c0 + 63) / 64);
+                const int na = MC ? 2 : min(2, (p.M - ti.m0 + 63) / 64), nb = MC ? 2 : min(2, (p.K - ti.c0 + 63) / 64);
 #pragma unroll 1
                 for (int kt = 0; kt < ti.nk; ++kt, ++step) {
                     const int s = step % PP_ST;
@@ -6770,8 +6831,18 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                     const int r = ti.r0 + kt * BK;
                     mbar_wait(empty0 + 8u * s, ((step / PP_ST) & 1) ^ 1);
                     mbar_expect_tx(bar, (uint32_t)((na + nb) * 8192));
-                    for (int j = 0; j < na; ++j) tma_load_2d(sA + (uint32_t)j * 8192u, &tp.ta, bar, ti.m0 + 64 * j, r);
-                    for (int j = 0; j < nb; ++j) tma_load_2d(sA + 16384u + (uint32_t)j * 8192u, &tp.tb, bar, ti.c0 + 64 * j, r);
+                    if (MC) { /* all four blocks (past the tensor: zeros), the shared one's half rank from here to both */
+                        const bool sha = p.pair == 1;
+                        for (int j = 0; j < 2; ++j) {
+                            if (sha && j == rank) tma_load_2d_mc(sA + (uint32_t)j * 8192u, &tp.ta, bar, ti.m0 + 64 * j, r, 3);
+                            else if (!sha) tma_load_2d(sA + (uint32_t)j * 8192u, &tp.ta, bar, ti.m0 + 64 * j, r);
+                            if (!sha && j == rank) tma_load_2d_mc(sA + 16384u + (uint32_t)j * 8192u, &tp.tb, bar, ti.c0 + 64 * j, r, 3);
+                            else if (sha) tma_load_2d(sA + 16384u + (uint32_t)j * 8192u, &tp.tb, bar, ti.c0 + 64 * j, r);
+                        }
+                    } else {
+                        for (int j = 0; j < na; ++j) tma_load_2d(sA + (uint32_t)j * 8192u, &tp.ta, bar, ti.m0 + 64 * j, r);
+                        for (int j = 0; j < nb; ++j) tma_load_2d(sA + 16384u + (uint32_t)j * 8192u, &tp.tb, bar, ti.c0 + 64 * j, r);
+                    }
                 }
             }
         }
@@ -6787,7 +6858,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
         int step = 0, q = 0;
 #pragma unroll 1
         for (;; ++q) {
-            const PpTile ti = pp_decode(p, s_offs, s_aux, next_ticket(p, q));
+            const PpTile ti = tile(q);
             if (!ti.valid) break;
             if ((q & 1) != wg) { step += ti.nk; continue; }
             named_bar_sync(1 + wg, 256); /* begin: the other warpgroup has issued its products */
@@ -6825,13 +6896,19 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                 wgmma_wait<1>();
                 fence_acc64(a0);
                 fence_acc64(a1);
-                if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + PP_ST - 1) % PP_ST));
+                if (kt > 0 && lane == 0) {
+                    mbar_arrive(empty0 + 8u * ((step + PP_ST - 1) % PP_ST));
+                    if (MC) mbar_arrive_cta(empty0 + 8u * ((step + PP_ST - 1) % PP_ST), (uint32_t)(rank ^ 1));
+                }
             }
             named_bar_arrive(2 - wg, 256); /* end: the other warpgroup may issue */
             wgmma_wait<0>();
             fence_acc64(a0);
             fence_acc64(a1);
-            if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + PP_ST - 1) % PP_ST));
+            if (ti.nk > 0 && lane == 0) {
+                mbar_arrive(empty0 + 8u * ((step + PP_ST - 1) % PP_ST));
+                if (MC) mbar_arrive_cta(empty0 + 8u * ((step + PP_ST - 1) % PP_ST), (uint32_t)(rank ^ 1));
+            }
             /* warp v: tile rows 16 v + [0, 16) from a0 and 64 + 16 v + [0, 16) from a1 (an expert
                without rows: zeros) */
             const int rv = p.M - ti.m0 - 16 * v, cv = min(PP_BN, p.K - ti.c0);
@@ -6860,6 +6937,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
         if (wg == 0) named_bar_sync(1, 256);
         if (TS && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
     }
+    if (MC) cluster_sync_all(); /* no CTA leaves while its peer may still arrive on its barriers */
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -6941,7 +7019,8 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
 }
 
 /* ts: the epilogue as TMA tensor stores (pp_store_tma) when dW's map can be made, else staged stores */
-static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream, bool ts) {
+/* mc: in clusters of 2 (p.pair set, grid even; needs the TMA stores) */
+static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream, bool ts, bool mc) {
     TmaParams tp;
     memset(&tp, 0, sizeof tp);
     tp.p = p;
@@ -6952,9 +7031,22 @@ static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t 
         const cuuint32_t box[3] = {32, 8, 1};
         ts = tma_map(enc, &tp.tc, p.out, 3, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) == 0;
     }
-    void (*kern)(const TmaParams) = ts ? gg_pp_kernel<true> : gg_pp_kernel<false>;
+    if (mc && !ts) return -1;
+    void (*kern)(const TmaParams) = mc ? gg_pp_kernel<true, true> : ts ? gg_pp_kernel<true, false> : gg_pp_kernel<false, false>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_PP) != cudaSuccess) return -1;
-    kern<<<grid, NT_TMA, SMEM_PP, stream>>>(tp);
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)grid);
+    cfg.blockDim = dim3((unsigned)NT_TMA);
+    cfg.dynamicSmemBytes = SMEM_PP;
+    cfg.stream = stream;
+    cfg.attrs = mc ? attr : nullptr;
+    cfg.numAttrs = mc ? 1 : 0;
+    if (cudaLaunchKernelEx(&cfg, kern, tp) != cudaSuccess) return -1;
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
@@ -6968,7 +7060,7 @@ static long long ssq_need(int E, int M, int K) {
 /* variant: 2 = TMA + wgmma (warp-specialized; mode 2 without row splits: gg_pp_kernel), 1 = cp.async
    + wgmma, 0 = cp.async + mma.sync; mode 2 also 3 + DWV (0, 1, see gg_tma_kernel): the TMA kernel's
    dW variants; 5: the TMA kernel without wide tiles; 6: mode 2 in turns (gg_pp_kernel; benches);
-   7: the same with the other epilogue (staged st.global if GG_PP_TS, else TMA stores) */
+   7, 8, 9: in turns with staged st.global, with TMA stores, with TMA stores in clusters of 2 (benches) */
 #ifndef GG_DW_DV
 #define GG_DW_DV 1
 #endif
@@ -6979,7 +7071,10 @@ static long long ssq_need(int E, int M, int K) {
 #define GG_PP 1                   /* mode 2 in turns (gg_pp_kernel) where no row split is needed (-DGG_PP=0: the 128 x 256 kernel) */
 #endif
 #ifndef GG_PP_TS
-#define GG_PP_TS 1                /* gg_pp_kernel's epilogue as TMA stores (0: staged st.global; variant 7 runs the other one) */
+#define GG_PP_TS 1                /* gg_pp_kernel's epilogue as TMA stores (0: staged st.global) */
+#endif
+#ifndef GG_PP_MC
+#define GG_PP_MC 0                /* 1: gg_pp_kernel in clusters of 2 sharing a block by multicast, where tiles pair (needs GG_PP_TS) */
 #endif
 constexpr int DW_DV = GG_DW_DV;   /* the TMA kernel's dW variant (-DGG_DW_DV=... to compare in place) */
 static_assert(DW_DV >= 0 && DW_DV <= 1, "dW variant");
@@ -6987,12 +7082,14 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
                   int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
                   float *ssq = nullptr, long long ssq_len = 0, int nsm = 0) {
     if (!args_ok(mode, E, M, K, Rmax)) return -1;
-    if (variant < 0 || variant > 7) return -1;
+    if (variant < 0 || variant > 9) return -1;
     if ((variant == 3 || variant == 4 || variant >= 6) && mode != 2) return -1;
     int dv = DW_DV;
     bool wide = GG_WIDE != 0;
     bool pp = mode == 2 && (variant >= 6 || (variant == 2 && GG_PP));
-    const bool ts = (GG_PP_TS != 0) != (variant == 7);
+    bool ts = GG_PP_TS != 0, mc = GG_PP_MC != 0;
+    if (variant >= 7) { ts = variant != 7; mc = variant == 9; }
+    mc = mc && ts;
     if (variant >= 6) variant = 2;
     else if (variant == 5) { wide = false; variant = 2; }
     else if (variant >= 3) { dv = variant - 3; variant = 2; }
@@ -7029,10 +7126,15 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     p.S = S;
     p.ntm = (M + BM - 1) / BM;
     long long tiles;
+    p.pair = 0;
     if (pp) {
-        tiles = (long long)E * p.ntm * ((K + PP_BN - 1) / PP_BN);
+        const int nct = (K + PP_BN - 1) / PP_BN;
+        tiles = (long long)E * p.ntm * nct;
         if (tiles > INT_MAX / 8) return -1;
         p.T2 = (int)tiles;
+        if (mc) p.pair = nct % 2 == 0 ? 1 : p.ntm % 2 == 0 ? 2 : 0; /* tiles pair along columns, else along m, else no clusters */
+        if (nsm < 2) p.pair = 0;
+        if (p.pair) p.T2 = (int)(tiles / 2);
     } else if (mode == 2) {
         tiles = (long long)E * S * ((long long)p.ntm * p.ctf + p.half * ((p.ntm + 1) / 2));
         if (tiles > INT_MAX / 2) return -1;
@@ -7043,13 +7145,13 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
         p.T2 = 0;
         if (Rmax == 0) return 0; /* nothing to write */
     }
-    const int grid = (int)(tiles < nsm ? tiles : nsm);
+    const int grid = p.pair ? 2 * (int)(tiles / 2 < nsm / 2 ? tiles / 2 : nsm / 2) : (int)(tiles < nsm ? tiles : nsm);
     /* entries no tile or block writes read as zero (in turns: 4 a tile of 128 columns) */
     if (ssq && (S > 1 || tiles * (pp ? 4 : 8) < ssq_len))
         if (cudaMemsetAsync(ssq, 0, (size_t)ssq_len * sizeof(float), stream) != cudaSuccess) return -1;
     int rc;
     if (pp) {
-        rc = launch_pp(enc, p, grid, stream, ts);
+        rc = launch_pp(enc, p, grid, stream, ts, p.pair != 0);
     } else if (variant == 2) {
         rc = mode == 0 ? launch_tma<0>(enc, p, grid, stream)
            : mode == 1 ? launch_tma<1>(enc, p, grid, stream)
