@@ -6606,11 +6606,14 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /* Measured on H200 (mid's shapes; bench/grouped_gemm.cu, the kernels alternating in one run):  */
 /*   staged stores 524-558 TFLOP/s against 483-535 for gg_tma_kernel's 128 x 256 tiles; in      */
 /*   mid's step (GMM_DW_SQ) 476-500 against 455-462 on one machine start.  With equal experts   */
-/*   (768 rows each, a probe timing the variants in turn): staged 545-559, TMA stores 556-573,   */
-/*   clusters 575-584, cuBLASLt's strided-batched GEMM on the same work 658-696 (its best:      */
-/*   nvjet 128 x 128 tiles, 6 stages, clusters of 2).  In mid's step the clusters gave nothing   */
-/*   measurable (GMM_DW_SQ 480 / 483 against 477 / 495 for staged stores, alternating), so they */
-/*   stay off: the step runs at the power limit (~1560 MHz), not at the bench's clocks.         */
+/*   (768 rows each, a probe timing the variants in turn): staged 545-559, TMA stores 579-581,   */
+/*   clusters 589-592, cuBLASLt's strided-batched GEMM on the same work 658-696 (its best:      */
+/*   nvjet 128 x 128 tiles, 6 stages, clusters of 2); mid's unequal layouts: TMA stores 522-542 */
+/*   against staged 517-525.  In mid's step the clusters (with an earlier, slower epilogue)    */
+/*   gave nothing measurable (GMM_DW_SQ 480 / 483 against 477 / 495 for staged stores,        */
+/*   alternating), so they stay off: the step runs at the power limit (~1560 MHz).  The TMA     */
+/*   stores' epilogue skips the norm partials without p.ssq, sums whole tiles without bounds    */
+/*   tests and zeroes an empty expert's accumulators once (a select per value before: 556-573).  */
 /*   Where the time goes (ncu, base clocks, equal experts): 786k cycles with the tensor pipe    */
 /*   67% busy, against 586k and 91% for cuBLAS's kernel; a quarter to a third of the consumers' */
 /*   mainloop samples wait for a stage (22% with clusters), and the epilogue's per-1-KB proxy  */
@@ -6730,10 +6733,21 @@ __device__ __forceinline__ float pp_store_staged(const float (&a)[64], float *o,
 }
 
 /* The sum of the squares of what pp_store_staged stores from a, in its order (the TMA stores'
-   norm partials: bitwise the same as the staged stores') */
-__device__ __forceinline__ float pp_ssq(const float (&a)[64], int rows_valid, int cols_valid, int lane, bool has) {
+   norm partials: bitwise the same as the staged stores'); whole rows and columns without the
+   bounds tests (the same sums in the same order) */
+__device__ __forceinline__ float pp_ssq(const float (&a)[64], int rows_valid, int cols_valid, int lane) {
     const int g = lane >> 2, c = lane & 3;
     float ss = 0.f;
+    if (rows_valid >= 16 && cols_valid >= PP_BN) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float v0 = a[4 * j + 2 * h], v1 = a[4 * j + 2 * h + 1];
+                ss += v0 * v0 + v1 * v1;
+            }
+        return ss;
+    }
 #pragma unroll
     for (int pass = 0; pass < 4; ++pass) {
         if (32 * pass >= cols_valid) break;
@@ -6742,7 +6756,7 @@ __device__ __forceinline__ float pp_ssq(const float (&a)[64], int rows_valid, in
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int j = 4 * pass + jj;
-                const float v0 = has ? a[4 * j + 2 * h] : 0.f, v1 = has ? a[4 * j + 2 * h + 1] : 0.f;
+                const float v0 = a[4 * j + 2 * h], v1 = a[4 * j + 2 * h + 1];
                 if (g + 8 * h < rows_valid && 32 * pass + 8 * jj + 2 * c < cols_valid) ss += v0 * v0 + v1 * v1;
             }
     }
@@ -6753,14 +6767,13 @@ __device__ __forceinline__ float pp_ssq(const float (&a)[64], int rows_valid, in
    8 rows x 32 columns (1 KB) at a time from the two 1 KB halves of the warp's buffer in turn, a half
    rewritten once the store before last has read it (wait_group.read 1).  Rows and columns past the
    expert's M x K are clipped by the map (dims K, M, E).  The halves hold 128-byte rows with the
-   16-byte chunks XOR-swizzled by row (the map's 128-byte swizzle; the buffer is 1024-aligned);
-   lane (g, c) writes its row's column blocks in the order jj ^ 2 (g & 1), so that the four rows
-   of a half-warp's 8-byte writes fall in four distinct 32-byte bank groups (no conflicts).
+   16-byte chunks XOR-swizzled by row (the map's 128-byte swizzle; the buffer is 1024-aligned).
+   (Lanes writing their column blocks in a per-lane order, which avoids the 2-way bank conflicts
+   of rows g and g ^ 1, cost a select per value and measured no faster.)
    c0: the tile's first column, m0: the warp's first row. */
 __device__ __forceinline__ void pp_store_tma(const float (&a)[64], const CUtensorMap *map, int c0, int m0, int e, int rows_valid,
-                                             int cols_valid, int lane, bool has, unsigned char *buf) {
+                                             int cols_valid, int lane, unsigned char *buf) {
     const int g = lane >> 2, c = lane & 3;
-    const bool odd = (g & 1) != 0;
     const uint32_t sbuf = smem_u32(buf);
 #pragma unroll
     for (int pass = 0; pass < 4; ++pass) {
@@ -6773,10 +6786,9 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[64], const CUtenso
             __syncwarp();
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
-                const int ja = 4 * pass + jj, jb = 4 * pass + (jj ^ 2);
-                float v0 = odd ? a[4 * jb + 2 * h] : a[4 * ja + 2 * h], v1 = odd ? a[4 * jb + 2 * h + 1] : a[4 * ja + 2 * h + 1];
-                if (!has) v0 = v1 = 0.f;
-                const int byte = (8 * (jj ^ (odd ? 2 : 0)) + 2 * c) * 4;
+                const int j = 4 * pass + jj;
+                const float v0 = a[4 * j + 2 * h], v1 = a[4 * j + 2 * h + 1];
+                const int byte = (8 * jj + 2 * c) * 4;
                 *reinterpret_cast<float2 *>(hb + g * 128 + (((byte >> 4) ^ g) << 4) + (byte & 15)) = make_float2(v0, v1);
             }
             fence_proxy_async();
@@ -6912,12 +6924,17 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             /* warp v: tile rows 16 v + [0, 16) from a0 and 64 + 16 v + [0, 16) from a1 (an expert
                without rows: zeros) */
             const int rv = p.M - ti.m0 - 16 * v, cv = min(PP_BN, p.K - ti.c0);
-            float ss;
+            float ss = 0.f;
             if (TS) {
-                ss = pp_ssq(a0, rv, cv, lane, ti.nk > 0);
-                ss += pp_ssq(a1, rv - 64, cv, lane, ti.nk > 0);
-                pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cv, lane, ti.nk > 0, buf);
-                pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cv, lane, ti.nk > 0, buf);
+                if (ti.nk == 0) /* tile-uniform: an expert without rows */
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) a0[i] = a1[i] = 0.f;
+                if (p.ssq) {
+                    ss = pp_ssq(a0, rv, cv, lane);
+                    ss += pp_ssq(a1, rv - 64, cv, lane);
+                }
+                pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cv, lane, buf);
+                pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cv, lane, buf);
             } else {
                 float *o = reinterpret_cast<float *>(p.out) + ((size_t)ti.e * p.M + ti.m0 + 16 * v) * p.K + ti.c0;
                 ss = pp_store_staged(a0, o, (size_t)p.K, rv, cv, lane, ti.nk > 0, buf);
