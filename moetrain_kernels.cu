@@ -6633,37 +6633,19 @@ struct PpTile {
     int valid, e, m0, c0, r0, r1, nk, sq;
 };
 
-/* tile t of the list: experts most rows first (s_aux), then m tiles, then 128-wide column tiles */
-__device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, const int *s_aux, int t) {
+/* tile t of the list: experts most rows first (s_aux), then m tiles, then 128-wide column tiles.
+   In clusters (p.pair, MC) t counts pairs of an expert's tiles: along the column tiles, sharing
+   dY's block, when there is an even number of them (p.pair 1), else along the m tiles, sharing
+   X's block (p.pair 2); rank: which tile of the pair */
+__device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, const int *s_aux, int t, int rank) {
     PpTile ti;
     ti.valid = (t >= 0 && t < p.T2) ? 1 : 0;
     ti.e = ti.m0 = ti.c0 = ti.r0 = ti.r1 = ti.nk = ti.sq = 0;
     if (!ti.valid) return ti;
-    const int nct = (p.K + PP_BN - 1) / PP_BN, per_e = p.ntm * nct;
-    const int pos = t / per_e, rem = t - pos * per_e, mt = rem / nct, ct = rem - mt * nct;
-    const int e = (int)((unsigned)s_aux[pos] & (unsigned)(MAX_E - 1));
-    ti.e = e;
-    ti.m0 = mt * BM;
-    ti.c0 = ct * PP_BN;
-    ti.r0 = s_offs[e];
-    ti.r1 = max(ti.r0, s_offs[e + 1]);
-    ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
-    ti.sq = ((e * p.ntm + mt) * p.ct + (ct >> 1)) * 8 + 4 * (ct & 1);
-    return ti;
-}
-
-/* MC: pair t of the list (the tiles of an expert in pairs: along the column tiles, sharing dY's
-   block, when there is an even number of them (p.pair 1), else along the m tiles, sharing X's
-   block (p.pair 2)); rank: which tile of the pair */
-__device__ __forceinline__ PpTile pp_decode_pair(const Params &p, const int *s_offs, const int *s_aux, int t, int rank) {
-    PpTile ti;
-    ti.valid = t < p.T2;
-    ti.e = ti.m0 = ti.c0 = ti.r0 = ti.r1 = ti.nk = ti.sq = 0;
-    if (!ti.valid) return ti;
-    const int nct = (p.K + PP_BN - 1) / PP_BN, ncp = p.pair == 1 ? nct / 2 : nct, nmp = p.pair == 1 ? p.ntm : p.ntm / 2;
+    const int nct = (p.K + PP_BN - 1) / PP_BN, ncp = p.pair == 1 ? nct / 2 : nct, nmp = p.pair == 2 ? p.ntm / 2 : p.ntm;
     const int per_e = nmp * ncp;
     const int pos = t / per_e, rem = t - pos * per_e, mp = rem / ncp, cp = rem - mp * ncp;
-    const int mt = p.pair == 1 ? mp : 2 * mp + rank, ct = p.pair == 1 ? 2 * cp + rank : cp;
+    const int mt = p.pair == 2 ? 2 * mp + rank : mp, ct = p.pair == 1 ? 2 * cp + rank : cp;
     const int e = (int)((unsigned)s_aux[pos] & (unsigned)(MAX_E - 1));
     ti.e = e;
     ti.m0 = mt * BM;
@@ -6822,8 +6804,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
     const int rank = MC ? (int)cluster_ctarank() : 0;
     const int cid = MC ? (int)(blockIdx.x >> 1) : 0, G2 = MC ? (int)(gridDim.x >> 1) : 0;
     auto tile = [&](int q) -> PpTile {
-        if (!MC) return pp_decode(p, s_offs, s_aux, next_ticket(p, q));
-        return pp_decode_pair(p, s_offs, s_aux, q * G2 + ((q & 1) ? G2 - 1 - cid : cid), rank);
+        if (!MC) return pp_decode(p, s_offs, s_aux, next_ticket(p, q), 0);
+        return pp_decode(p, s_offs, s_aux, q * G2 + ((q & 1) ? G2 - 1 - cid : cid), rank);
     };
     if (MC) cluster_sync_all(); /* the peer's barriers are initialized */
 
