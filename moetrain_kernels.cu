@@ -6617,8 +6617,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   Where the time goes (ncu, base clocks, equal experts): 786k cycles with the tensor pipe    */
 /*   67% busy, against 586k and 91% for cuBLAS's kernel; a quarter to a third of the consumers' */
 /*   mainloop samples wait for a stage (22% with clusters), and the epilogue's per-1-KB proxy  */
-/*   fences show.  Timing-only builds: without loads 681-688, without loads or stores 741       */
-/*   (clusters) / 773, so loads cost ~16% and stores ~11% even in turns.  Also measured, not   */
+/*   fences show.  Timing-only builds: without loads 641-689, without loads or stores 741       */
+/*   (clusters) / 773, so loads cost 12-17% and stores ~11% even in turns.  Also measured, not */
 /*   kept: stores straight from the registers (8-byte lanes) 453-466; stores of 2 KB (one fence */
 /*   per 2 KB, no double buffering) 572-584, no better; an L2 prefetch of the next tile's first */
 /*   16 steps 300-322; a cluster-scope release of the peer's stage (mbarrier.arrive.release.   */
