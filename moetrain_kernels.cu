@@ -5518,7 +5518,7 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
  *       comment); on H200, on mid's expert shapes, 600-700 TFLOP/s forward and dX;
  *     gg_kernel (drivers without tensor maps; the mma.sync fallback): described here.
  *   Mode 2 without row splits (the default dW) runs gg_pp_kernel: the same TMA producer, but each
- *   consumer warpgroup owns whole 128 x 128 tiles and the two take turns at the tensor cores, so one
+ *   consumer warpgroup owns whole 128 x 192 tiles and the two take turns at the tensor cores, so one
  *   stores while the other multiplies; bitwise the same dW (see its comment).
  *   One persistent kernel per mode, 256 threads (2 warpgroups), one CTA per SM (~207 KB smem).
  *   CTA tile 128 x 256 (BM x BN) of the output, reduction in steps of 64 (BK); operands are staged
@@ -6583,51 +6583,73 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 
 /* ------------------------------------------------------------------------------------------ */
 /* dW in turns (mode 2, the default when no row split is needed): each consumer warpgroup owns   */
-/* whole 128 x 128 tiles, and the two take turns at the tensor cores, so one warpgroup's        */
-/* epilogue (64 KB of fp32) drains while the other multiplies.  384 threads: warpgroup 0 is the  */
-/* producer (one thread issues the TMA loads), 1 and 2 the consumers; the CTA's tiles alternate  */
-/* between them (j even: warpgroup 1, odd: 2).                                                   */
-/*   - a stage (32 KB) is one 64-row step of one tile: dY's 128 m columns as two MN-major       */
-/*     64 x 64 blocks, then X's 128 columns as two; PP_ST stages in one ring, filled in the      */
-/*     order the tiles are taken, each released by the 4 warps of the warpgroup that read it;   */
+/* whole 128 x BNP tiles (BNP = 192 by default, 128 in the bench's variants), and the two take  */
+/* turns at the tensor cores, so one warpgroup's epilogue (96 KB of fp32) drains while the     */
+/* other multiplies.  384 threads: warpgroup 0 is the producer (one thread issues the TMA       */
+/* loads), 1 and 2 the consumers; the CTA's tiles alternate between them (j even: 1, odd: 2).   */
+/*   - a stage is one 64-row step of one tile: dY's 128 m columns as two MN-major 64 x 64       */
+/*     blocks, then X's BNP columns as BNP / 64 (40 KB at 192: 5 stages; 32 KB at 128: 6) in    */
+/*     one ring, filled in the order the tiles are taken, each released by the 4 warps of the   */
+/*     warpgroup that read it;                                                                   */
 /*   - turns on named barriers 1 and 2 (as in attention's Turns): a warpgroup issues its tile's */
 /*     products only between begin (the other finished issuing) and end;                        */
-/*   - each k16 slice is two m64n128k16 products (tile rows [0, 64) and [64, 128)) over the    */
+/*   - each k16 slice is two m64nBNPk16 products (tile rows [0, 64) and [64, 128)) over the    */
 /*     same slices in the same order as the gg_tma_kernel's m64n256k16: dW is bitwise the same; */
+/*     a last column tile with <= 64 or <= 128 columns in K multiplies only those (m64n64 /     */
+/*     m64n128 on the accumulators' first registers, which hold the same columns);             */
 /*   - mode 2's short last step and tail-row zeroing as in gg_tma_kernel (DWV 1);              */
 /*   - TS (the default): each warp's accumulators leave as TMA tensor stores of 1 KB from the   */
-/*     two halves of its 2 KB buffer (pp_store_tma); TS 0: staged st.global (pp_store_staged);  */
-/*   - MC (GG_PP_MC, off by default): CTAs in clusters of 2 take the two tiles of a pair (along */
-/*     the columns, or along m when the column tiles are odd), each loading its own block and   */
-/*     half of the shared one by multicast to both; a stage is released in both CTAs;          */
-/*   - the norm partial of warp w of a tile at column tile ct (128 wide) goes to entry           */
-/*     ((e ntm + mt) ct256 + ct / 2) 8 + 4 (ct % 2) + w: the same entries as the 128 x 256     */
-/*     tiles' (ssq_need), in another grouping.                                                  */
+/*     two halves of its 2 KB buffer (pp_store_tma); TS 0: staged st.global (pp_store_staged,   */
+/*     BNP 128 only);                                                                            */
+/*   - MC (GG_PP_MC, off by default, BNP 128): CTAs in clusters of 2 take the two tiles of a    */
+/*     pair (along the columns, or along m when the column tiles are odd), each loading its own */
+/*     block and half of the shared one by multicast to both; a stage is released in both CTAs; */
+/*   - the norm partial of warp w of a tile goes to entry 4 ((e ntm + mt) nct + ct) + w at 192 */
+/*     columns, and at 128 to ((e ntm + mt) ct256 + ct / 2) 8 + 4 (ct % 2) + w, the entries of  */
+/*     the 128 x 256 tiles (all within ssq_need; those no tile writes are zeroed first).        */
 /* Measured on H200 (mid's shapes; bench/grouped_gemm.cu, the kernels alternating in one run):  */
-/*   staged stores 524-558 TFLOP/s against 483-535 for gg_tma_kernel's 128 x 256 tiles; in      */
-/*   mid's step (GMM_DW_SQ) 476-500 against 455-462 on one machine start.  With equal experts   */
-/*   (768 rows each, a probe timing the variants in turn): staged 545-559, TMA stores 579-581,   */
-/*   clusters 589-592, cuBLASLt's strided-batched GEMM on the same work 658-696 (its best:      */
-/*   nvjet 128 x 128 tiles, 6 stages, clusters of 2); mid's unequal layouts: TMA stores 522-542 */
-/*   against staged 517-525.  In mid's step the clusters (with an earlier, slower epilogue)    */
-/*   gave nothing measurable (GMM_DW_SQ 480 / 483 against 477 / 495 for staged stores,        */
-/*   alternating), so they stay off: the step runs at the power limit (~1560 MHz).  The TMA     */
-/*   stores' epilogue skips the norm partials without p.ssq, sums whole tiles without bounds    */
-/*   tests and zeroes an empty expert's accumulators once (a select per value before: 556-573).  */
-/*   Where the time goes (ncu, base clocks, equal experts): 786k cycles with the tensor pipe    */
-/*   67% busy, against 586k and 91% for cuBLAS's kernel; a quarter to a third of the consumers' */
-/*   mainloop samples wait for a stage (22% with clusters), and the epilogue's per-1-KB proxy  */
-/*   fences show.  Timing-only builds: without loads 641-689, without loads or stores 741       */
-/*   (clusters) / 773, so loads cost 12-17% and stores ~11% even in turns.  Also measured, not */
-/*   kept: stores straight from the registers (8-byte lanes) 453-466; stores of 2 KB (one fence */
-/*   per 2 KB, no double buffering) 572-584, no better; an L2 prefetch of the next tile's first */
-/*   16 steps 300-322; a cluster-scope release of the peer's stage (mbarrier.arrive.release.   */
-/*   cluster) with staged stores 240-265 (it waits for the warp's outstanding global stores).   */
+/*   128 x 192 tiles read 17% fewer operand bytes per product than 128 x 128 (40 KB a step for  */
+/*   1.5 times the work).  In mid's step (GMM_DW_SQ, ./train --preset mid --profile, builds     */
+/*   alternating on one start) 526-538 against 502-514 TFLOP/s for 128 columns, 531-534 for     */
+/*   192 on gate/up with 128 on down; on another start 537-551 against 491-511; steps 121.2-    */
+/*   123.4 against 123.0-125.2 ms.  In the bench, first round of each layout (cooler) 518-597   */
+/*   against 545-599, second round 500-551 against 482-523: the wider tiles gain at the clocks  */
+/*   the step runs at.  Not kept: 32-row steps (10 stages of 20 KB at 192, a deeper ring for    */
+/*   the same bytes): 390-418 against 509-514 in mid's step.                                    */
+/*   With 128 columns: staged stores 524-558 TFLOP/s against 483-535 for gg_tma_kernel's       */
+/*   128 x 256 tiles.  With equal experts (768 rows each, a probe timing the variants in turn): */
+/*   staged 545-559, TMA stores 579-581, clusters 589-592, cuBLASLt's strided-batched GEMM on   */
+/*   the same work 658-696 (its best: nvjet 128 x 128 tiles, 6 stages, clusters of 2).  In     */
+/*   mid's step the clusters (with an earlier, slower epilogue) gave nothing measurable         */
+/*   (GMM_DW_SQ 480 / 483 against 477 / 495 for staged stores, alternating), so they stay off:  */
+/*   the step runs at the power limit (~1560 MHz).  The TMA stores' epilogue skips the norm     */
+/*   partials without p.ssq, sums whole tiles without bounds tests and zeroes an empty expert's */
+/*   accumulators once (a select per value before: 556-573).                                   */
+/*   Where the time goes (ncu, equal experts, 128 columns): the tensor pipe 72-74% busy in      */
+/*   every epilogue variant (67% with --set full), against 91% for cuBLAS's kernel; L2 read     */
+/*   sectors 114M (clusters 96M: the multicast halves one block, yet the time moved by 2%);    */
+/*   a quarter to a third of the consumers' mainloop samples wait for a stage.  Timing-only     */
+/*   builds: without loads 641-689, without loads or stores 741 (clusters) / 773, so loads cost */
+/*   12-17% and stores ~11% even in turns.  Also measured, not kept: the 1 KB stores replaced   */
+/*   by 2 KB ones from rings of 3-8 slots that the two warpgroups share (a token on two named   */
+/*   barriers, 4-6 stages; bitwise the same dW): 471-578 against 537-583 (first rounds), the    */
+/*   store latency is not what limits; stores straight from the registers (8-byte lanes)      */
+/*   453-466; stores of 2 KB (one fence per 2 KB, no double buffering) 572-584, no better; an   */
+/*   L2 prefetch of the next tile's first 16 steps 300-322; a cluster-scope release of the     */
+/*   peer's stage (mbarrier.arrive.release.cluster) with staged stores 240-265 (it waits for   */
+/*   the warp's stores).                                                                        */
 /* ------------------------------------------------------------------------------------------ */
-constexpr int PP_BN = 128;
 constexpr int PP_ST = 6;
-constexpr int PP_STAGE = 4 * 8192;
-constexpr size_t SMEM_PP = 1024 + (size_t)PP_ST * PP_STAGE + 2 * PP_ST * 8 + 8 * EPI_BYTES + (size_t)(2 * (MAX_E + 1) + NT) * sizeof(int);
+/* BNP: the tiles' columns, 128 or 192 (dY's 128 m as 2 blocks, then X's BNP columns as BNP / 64
+   blocks of 64 x 64); 6 stages of 32 KB or 5 of 40 KB */
+constexpr int PP_BK = BK;                      /* rows a step */
+constexpr int PP_BLK = 128 * PP_BK;            /* one 64-column block of a step: PP_BK rows of 128 bytes (8 KB) */
+__host__ __device__ constexpr int pp_stage(int bnp) { return (2 + bnp / 64) * PP_BLK; }
+__host__ __device__ constexpr int pp_nst(int bnp) { return bnp == 128 ? PP_ST : 5; }
+__host__ __device__ constexpr size_t pp_smem(int bnp) {
+    return 1024 + (size_t)pp_nst(bnp) * pp_stage(bnp) + 2 * pp_nst(bnp) * 8 + 8 * EPI_BYTES + (size_t)(2 * (MAX_E + 1) + NT) * sizeof(int);
+}
+static_assert(pp_smem(192) <= 232448, "gg_pp_kernel's shared memory");
 
 struct PpTile {
     int valid, e, m0, c0, r0, r1, nk, sq;
@@ -6637,42 +6659,56 @@ struct PpTile {
    In clusters (p.pair, MC) t counts pairs of an expert's tiles: along the column tiles, sharing
    dY's block, when there is an even number of them (p.pair 1), else along the m tiles, sharing
    X's block (p.pair 2); rank: which tile of the pair */
+template <int BNP>
 __device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, const int *s_aux, int t, int rank) {
     PpTile ti;
     ti.valid = (t >= 0 && t < p.T2) ? 1 : 0;
     ti.e = ti.m0 = ti.c0 = ti.r0 = ti.r1 = ti.nk = ti.sq = 0;
     if (!ti.valid) return ti;
-    const int nct = (p.K + PP_BN - 1) / PP_BN, ncp = p.pair == 1 ? nct / 2 : nct, nmp = p.pair == 2 ? p.ntm / 2 : p.ntm;
+    const int nct = (p.K + BNP - 1) / BNP, ncp = p.pair == 1 ? nct / 2 : nct, nmp = p.pair == 2 ? p.ntm / 2 : p.ntm;
     const int per_e = nmp * ncp;
     const int pos = t / per_e, rem = t - pos * per_e, mp = rem / ncp, cp = rem - mp * ncp;
     const int mt = p.pair == 2 ? 2 * mp + rank : mp, ct = p.pair == 1 ? 2 * cp + rank : cp;
     const int e = (int)((unsigned)s_aux[pos] & (unsigned)(MAX_E - 1));
     ti.e = e;
     ti.m0 = mt * BM;
-    ti.c0 = ct * PP_BN;
+    ti.c0 = ct * BNP;
     ti.r0 = s_offs[e];
     ti.r1 = max(ti.r0, s_offs[e + 1]);
-    ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
-    ti.sq = ((e * p.ntm + mt) * p.ct + (ct >> 1)) * 8 + 4 * (ct & 1);
+    ti.nk = (ti.r1 - ti.r0 + PP_BK - 1) / PP_BK;
+    ti.sq = BNP == 128 ? ((e * p.ntm + mt) * p.ct + (ct >> 1)) * 8 + 4 * (ct & 1) : ((e * p.ntm + mt) * nct + ct) * 4;
     return ti;
 }
 
 /* the NKK k16 slices of one step: rows [0, 64) into a0, [64, 128) into a1 */
-template <int NKK>
-__device__ __forceinline__ void pp_batch(float (&a0)[64], float (&a1)[64], uint64_t da0, uint64_t da1, uint64_t db, int sd0) {
+template <int NKK, int N>
+__device__ __forceinline__ void pp_batch(float (&a0)[N], float (&a1)[N], uint64_t da0, uint64_t da1, uint64_t db, int sd0) {
     wgmma_fence();
-    wgmma_ss_n128<1, 1>(a0, da0, db, sd0);
-    wgmma_ss_n128<1, 1>(a1, da1, db, sd0);
+    mt_fa::wgmma_ss<2 * N, 1, 1>(a0, da0, db, sd0);
+    mt_fa::wgmma_ss<2 * N, 1, 1>(a1, da1, db, sd0);
 #pragma unroll
     for (int kk = 1; kk < NKK; ++kk) {
-        wgmma_ss_n128<1, 1>(a0, da0 + kk * 128, db + kk * 128, 1);
-        wgmma_ss_n128<1, 1>(a1, da1 + kk * 128, db + kk * 128, 1);
+        mt_fa::wgmma_ss<2 * N, 1, 1>(a0, da0 + kk * 128, db + kk * 128, 1);
+        mt_fa::wgmma_ss<2 * N, 1, 1>(a1, da1 + kk * 128, db + kk * 128, 1);
     }
     wgmma_commit();
 }
-__device__ __forceinline__ void fence_acc64(float (&a)[64]) {
+/* one step's nkk k16 slices on the first 2N columns of the accumulators (the rest keep their values:
+   a tile's last columns past K are neither stored nor summed) */
+template <int N, int M>
+__device__ __forceinline__ void pp_step(float (&a0)[M], float (&a1)[M], uint64_t da0, uint64_t da1, uint64_t db, int sd0, int nkk) {
+    static_assert(N <= M, "pp_step");
+    float (&b0)[N] = *reinterpret_cast<float (*)[N]>(&a0[0]);
+    float (&b1)[N] = *reinterpret_cast<float (*)[N]>(&a1[0]);
+    if (nkk == 4) pp_batch<4, N>(b0, b1, da0, da1, db, sd0);
+    else if (nkk == 3) pp_batch<3, N>(b0, b1, da0, da1, db, sd0);
+    else if (nkk == 2) pp_batch<2, N>(b0, b1, da0, da1, db, sd0);
+    else pp_batch<1, N>(b0, b1, da0, da1, db, sd0);
+}
+template <int N>
+__device__ __forceinline__ void fence_acc64(float (&a)[N]) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) fence_acc(a[i]);
+    for (int i = 0; i < N; ++i) fence_acc(a[i]);
 }
 
 /* One warp's 16 rows x 128 columns of an m64n128 accumulator (a[4j + 2h + b] = row g + 8h, column
@@ -6717,12 +6753,13 @@ __device__ __forceinline__ float pp_store_staged(const float (&a)[64], float *o,
 /* The sum of the squares of what pp_store_staged stores from a, in its order (the TMA stores'
    norm partials: bitwise the same as the staged stores'); whole rows and columns without the
    bounds tests (the same sums in the same order) */
-__device__ __forceinline__ float pp_ssq(const float (&a)[64], int rows_valid, int cols_valid, int lane) {
+template <int N>
+__device__ __forceinline__ float pp_ssq(const float (&a)[N], int rows_valid, int cols_valid, int lane) {
     const int g = lane >> 2, c = lane & 3;
     float ss = 0.f;
-    if (rows_valid >= 16 && cols_valid >= PP_BN) {
+    if (rows_valid >= 16 && cols_valid >= 2 * N) {
 #pragma unroll
-        for (int j = 0; j < 16; ++j)
+        for (int j = 0; j < N / 4; ++j)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float v0 = a[4 * j + 2 * h], v1 = a[4 * j + 2 * h + 1];
@@ -6731,7 +6768,7 @@ __device__ __forceinline__ float pp_ssq(const float (&a)[64], int rows_valid, in
         return ss;
     }
 #pragma unroll
-    for (int pass = 0; pass < 4; ++pass) {
+    for (int pass = 0; pass < N / 16; ++pass) {
         if (32 * pass >= cols_valid) break;
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj)
@@ -6754,12 +6791,13 @@ __device__ __forceinline__ float pp_ssq(const float (&a)[64], int rows_valid, in
    of the column blocks avoided them at the cost of a select per value, and dropping it with the
    other per-value selects took equal experts from 556-573 to 579-581 TFLOP/s.)
    c0: the tile's first column, m0: the warp's first row. */
-__device__ __forceinline__ void pp_store_tma(const float (&a)[64], const CUtensorMap *map, int c0, int m0, int e, int rows_valid,
+template <int N>
+__device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensorMap *map, int c0, int m0, int e, int rows_valid,
                                              int cols_valid, int lane, unsigned char *buf) {
     const int g = lane >> 2, c = lane & 3;
     const uint32_t sbuf = smem_u32(buf);
 #pragma unroll
-    for (int pass = 0; pass < 4; ++pass) {
+    for (int pass = 0; pass < N / 16; ++pass) {
         if (32 * pass >= cols_valid) break; /* tile-uniform */
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -6784,8 +6822,10 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[64], const CUtenso
     }
 }
 
-template <bool TS, bool MC>
+template <bool TS, bool MC, int BNP>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant__ TmaParams tp) {
+    static_assert(BNP == 128 || (BNP == 192 && TS && !MC), "gg_pp_kernel: 192 columns with TMA stores, no clusters");
+    constexpr int NST = pp_nst(BNP), STB = pp_stage(BNP), NBB = BNP / 64;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const Params &p = tp.p;
     const int tid = threadIdx.x;
@@ -6794,19 +6834,19 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
     const uint32_t sbase = raw + pad;
     unsigned char *stages = smem_raw + pad;
     /* stages, the 8 consumer warps' buffers (1024-aligned: the stores' 128-byte swizzle), barriers */
-    const uint32_t full0 = sbase + (uint32_t)(PP_ST * PP_STAGE + 8 * EPI_BYTES), empty0 = full0 + 8u * PP_ST;
-    int *s_offs = reinterpret_cast<int *>(stages + (size_t)PP_ST * PP_STAGE + 8 * EPI_BYTES + 2 * PP_ST * 8);
+    const uint32_t full0 = sbase + (uint32_t)(NST * STB + 8 * EPI_BYTES), empty0 = full0 + 8u * NST;
+    int *s_offs = reinterpret_cast<int *>(stages + (size_t)NST * STB + 8 * EPI_BYTES + 2 * NST * 8);
     int *s_aux = s_offs + (MAX_E + 1);
     int *s_scan = s_aux + (MAX_E + 1);
-    if (tid == NT) init_ring(full0, empty0, PP_ST, MC ? 8 : 4); /* MC: both CTAs' consumer warps release a stage */
+    if (tid == NT) init_ring(full0, empty0, NST, MC ? 8 : 4); /* MC: both CTAs' consumer warps release a stage */
     build_work_list<2>(p, s_offs, s_aux, s_scan, tid); /* ends with a CTA barrier */
     /* MC: the CTAs of a cluster of 2 take the two tiles of a pair, in the same order; each loads its
        own operand block and half of the shared one, the latter written to both CTAs */
     const int rank = MC ? (int)cluster_ctarank() : 0;
     const int cid = MC ? (int)(blockIdx.x >> 1) : 0, G2 = MC ? (int)(gridDim.x >> 1) : 0;
     auto tile = [&](int q) -> PpTile {
-        if (!MC) return pp_decode(p, s_offs, s_aux, next_ticket(p, q), 0);
-        return pp_decode(p, s_offs, s_aux, q * G2 + ((q & 1) ? G2 - 1 - cid : cid), rank);
+        if (!MC) return pp_decode<BNP>(p, s_offs, s_aux, next_ticket(p, q), 0);
+        return pp_decode<BNP>(p, s_offs, s_aux, q * G2 + ((q & 1) ? G2 - 1 - cid : cid), rank);
     };
     if (MC) cluster_sync_all(); /* the peer's barriers are initialized */
 
@@ -6818,25 +6858,25 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             for (int q = 0;; ++q) {
                 const PpTile ti = tile(q);
                 if (!ti.valid) break;
-                const int na = MC ? 2 : min(2, (p.M - ti.m0 + 63) / 64), nb = MC ? 2 : min(2, (p.K - ti.c0 + 63) / 64);
+                const int na = MC ? 2 : min(2, (p.M - ti.m0 + 63) / 64), nb = MC ? 2 : min(NBB, (p.K - ti.c0 + 63) / 64);
 #pragma unroll 1
                 for (int kt = 0; kt < ti.nk; ++kt, ++step) {
-                    const int s = step % PP_ST;
-                    const uint32_t sA = sbase + (uint32_t)(s * PP_STAGE), bar = full0 + 8u * s;
-                    const int r = ti.r0 + kt * BK;
-                    mbar_wait(empty0 + 8u * s, ((step / PP_ST) & 1) ^ 1);
-                    mbar_expect_tx(bar, (uint32_t)((na + nb) * 8192));
+                    const int s = step % NST;
+                    const uint32_t sA = sbase + (uint32_t)(s * STB), bar = full0 + 8u * s;
+                    const int r = ti.r0 + kt * PP_BK;
+                    mbar_wait(empty0 + 8u * s, ((step / NST) & 1) ^ 1);
+                    mbar_expect_tx(bar, (uint32_t)((na + nb) * PP_BLK));
                     if (MC) { /* all four blocks (past the tensor: zeros), the shared one's half rank from here to both */
                         const bool sha = p.pair == 1;
                         for (int j = 0; j < 2; ++j) {
-                            if (sha && j == rank) tma_load_2d_mc(sA + (uint32_t)j * 8192u, &tp.ta, bar, ti.m0 + 64 * j, r, 3);
-                            else if (!sha) tma_load_2d(sA + (uint32_t)j * 8192u, &tp.ta, bar, ti.m0 + 64 * j, r);
-                            if (!sha && j == rank) tma_load_2d_mc(sA + 16384u + (uint32_t)j * 8192u, &tp.tb, bar, ti.c0 + 64 * j, r, 3);
-                            else if (sha) tma_load_2d(sA + 16384u + (uint32_t)j * 8192u, &tp.tb, bar, ti.c0 + 64 * j, r);
+                            if (sha && j == rank) tma_load_2d_mc(sA + (uint32_t)(j * PP_BLK), &tp.ta, bar, ti.m0 + 64 * j, r, 3);
+                            else if (!sha) tma_load_2d(sA + (uint32_t)(j * PP_BLK), &tp.ta, bar, ti.m0 + 64 * j, r);
+                            if (!sha && j == rank) tma_load_2d_mc(sA + (uint32_t)(2 * PP_BLK) + (uint32_t)(j * PP_BLK), &tp.tb, bar, ti.c0 + 64 * j, r, 3);
+                            else if (sha) tma_load_2d(sA + (uint32_t)(2 * PP_BLK) + (uint32_t)(j * PP_BLK), &tp.tb, bar, ti.c0 + 64 * j, r);
                         }
                     } else {
-                        for (int j = 0; j < na; ++j) tma_load_2d(sA + (uint32_t)j * 8192u, &tp.ta, bar, ti.m0 + 64 * j, r);
-                        for (int j = 0; j < nb; ++j) tma_load_2d(sA + 16384u + (uint32_t)j * 8192u, &tp.tb, bar, ti.c0 + 64 * j, r);
+                        for (int j = 0; j < na; ++j) tma_load_2d(sA + (uint32_t)(j * PP_BLK), &tp.ta, bar, ti.m0 + 64 * j, r);
+                        for (int j = 0; j < nb; ++j) tma_load_2d(sA + (uint32_t)(2 * PP_BLK) + (uint32_t)(j * PP_BLK), &tp.tb, bar, ti.c0 + 64 * j, r);
                     }
                 }
             }
@@ -6845,10 +6885,10 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
         const int ctid = tid - 128, lane = ctid & 31;
         const int wg = __shfl_sync(0xffffffffu, ctid >> 7, 0), v = __shfl_sync(0xffffffffu, (ctid >> 5) & 3, 0);
-        unsigned char *buf = stages + (size_t)PP_ST * PP_STAGE + (size_t)(ctid >> 5) * EPI_BYTES;
-        float a0[64], a1[64];
+        unsigned char *buf = stages + (size_t)NST * STB + (size_t)(ctid >> 5) * EPI_BYTES;
+        float a0[BNP / 2], a1[BNP / 2];
 #pragma unroll
-        for (int i = 0; i < 64; ++i) { a0[i] = 0.f; a1[i] = 0.f; }
+        for (int i = 0; i < BNP / 2; ++i) { a0[i] = 0.f; a1[i] = 0.f; }
         if (wg == 1) named_bar_arrive(1, 256); /* warpgroup 1 (the first) may begin */
         int step = 0, q = 0;
 #pragma unroll 1
@@ -6857,43 +6897,44 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             if (!ti.valid) break;
             if ((q & 1) != wg) { step += ti.nk; continue; }
             named_bar_sync(1 + wg, 256); /* begin: the other warpgroup has issued its products */
+            const int cw = min(BNP, p.K - ti.c0);
 #pragma unroll 1
             for (int kt = 0; kt < ti.nk; ++kt, ++step) {
-                const int s = step % PP_ST;
-                const uint32_t sA = sbase + (uint32_t)(s * PP_STAGE);
-                mbar_wait(full0 + 8u * s, (step / PP_ST) & 1);
-                int nkk = BK / 16;
+                const int s = step % NST;
+                const uint32_t sA = sbase + (uint32_t)(s * STB);
+                mbar_wait(full0 + 8u * s, (step / NST) & 1);
+                int nkk = PP_BK / 16;
                 if (kt == ti.nk - 1) {
-                    const int nv = ti.r1 - (ti.r0 + kt * BK);
+                    const int nv = ti.r1 - (ti.r0 + kt * PP_BK);
                     nkk = (nv + 15) >> 4; /* only the k16 slices holding rows */
                     const int nend = 16 * nkk;
-                    if (nv < nend) { /* tile-uniform: zero rows [nv, nend) of the four blocks */
-                        unsigned char *st = stages + (size_t)s * PP_STAGE;
-                        for (int i = ctid & 127; i < (nend - nv) * 32; i += 128) {
-                            const int rr = nv + (i >> 5), blk = (i >> 3) & 3, ch = i & 7;
-                            *reinterpret_cast<uint4 *>(st + blk * 8192 + rr * 128 + ch * 16) = make_uint4(0u, 0u, 0u, 0u);
+                    if (nv < nend) { /* tile-uniform: zero rows [nv, nend) of the 2 + NBB blocks */
+                        unsigned char *st = stages + (size_t)s * STB;
+                        for (int i = ctid & 127; i < (nend - nv) * 8 * (2 + NBB); i += 128) {
+                            const int rr = nv + i / (8 * (2 + NBB)), blk = (i >> 3) % (2 + NBB), ch = i & 7;
+                            *reinterpret_cast<uint4 *>(st + blk * PP_BLK + rr * 128 + ch * 16) = make_uint4(0u, 0u, 0u, 0u);
                         }
                         fence_proxy_async();
                         named_bar_sync(3 + wg, 128);
                     }
                 }
-                const uint64_t da0 = sw128_desc(sA, 8192u, 1024u), da1 = sw128_desc(sA + 8192u, 8192u, 1024u);
-                const uint64_t db = sw128_desc(sA + 16384u, 8192u, 1024u);
+                const uint64_t da0 = sw128_desc(sA, PP_BLK, 1024u), da1 = sw128_desc(sA + PP_BLK, PP_BLK, 1024u);
+                const uint64_t db = sw128_desc(sA + 2 * PP_BLK, PP_BLK, 1024u);
                 const int sd0 = kt == 0 ? 0 : 1;
                 fence_acc64(a0);
                 fence_acc64(a1);
-                if (nkk == 4) pp_batch<4>(a0, a1, da0, da1, db, sd0);
-                else if (nkk == 3) pp_batch<3>(a0, a1, da0, da1, db, sd0);
-                else if (nkk == 2) pp_batch<2>(a0, a1, da0, da1, db, sd0);
-                else pp_batch<1>(a0, a1, da0, da1, db, sd0);
+                /* 192 columns: a last tile with <= 64 or <= 128 columns in K multiplies only those */
+                if (BNP == 192 && cw <= 64) pp_step<32>(a0, a1, da0, da1, db, sd0, nkk);
+                else if (BNP == 128 || cw <= 128) pp_step<64>(a0, a1, da0, da1, db, sd0, nkk);
+                else pp_step<BNP / 2>(a0, a1, da0, da1, db, sd0, nkk);
                 fence_acc64(a0);
                 fence_acc64(a1);
                 wgmma_wait<1>();
                 fence_acc64(a0);
                 fence_acc64(a1);
                 if (kt > 0 && lane == 0) {
-                    mbar_arrive(empty0 + 8u * ((step + PP_ST - 1) % PP_ST));
-                    if (MC) mbar_arrive_cta(empty0 + 8u * ((step + PP_ST - 1) % PP_ST), (uint32_t)(rank ^ 1));
+                    mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
+                    if (MC) mbar_arrive_cta(empty0 + 8u * ((step + NST - 1) % NST), (uint32_t)(rank ^ 1));
                 }
             }
             named_bar_arrive(2 - wg, 256); /* end: the other warpgroup may issue */
@@ -6901,24 +6942,24 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             fence_acc64(a0);
             fence_acc64(a1);
             if (ti.nk > 0 && lane == 0) {
-                mbar_arrive(empty0 + 8u * ((step + PP_ST - 1) % PP_ST));
-                if (MC) mbar_arrive_cta(empty0 + 8u * ((step + PP_ST - 1) % PP_ST), (uint32_t)(rank ^ 1));
+                mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
+                if (MC) mbar_arrive_cta(empty0 + 8u * ((step + NST - 1) % NST), (uint32_t)(rank ^ 1));
             }
             /* warp v: tile rows 16 v + [0, 16) from a0 and 64 + 16 v + [0, 16) from a1 (an expert
                without rows: zeros) */
-            const int rv = p.M - ti.m0 - 16 * v, cv = min(PP_BN, p.K - ti.c0);
+            const int rv = p.M - ti.m0 - 16 * v, cv = min(BNP, p.K - ti.c0);
             float ss = 0.f;
             if (TS) {
                 if (ti.nk == 0) /* tile-uniform: an expert without rows */
 #pragma unroll
-                    for (int i = 0; i < 64; ++i) a0[i] = a1[i] = 0.f;
+                    for (int i = 0; i < BNP / 2; ++i) a0[i] = a1[i] = 0.f;
                 if (p.ssq) {
                     ss = pp_ssq(a0, rv, cv, lane);
                     ss += pp_ssq(a1, rv - 64, cv, lane);
                 }
                 pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cv, lane, buf);
                 pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cv, lane, buf);
-            } else {
+            } else if constexpr (BNP == 128) {
                 float *o = reinterpret_cast<float *>(p.out) + ((size_t)ti.e * p.M + ti.m0 + 16 * v) * p.K + ti.c0;
                 ss = pp_store_staged(a0, o, (size_t)p.K, rv, cv, lane, ti.nk > 0, buf);
                 ss += pp_store_staged(a1, o + (size_t)64 * p.K, (size_t)p.K, rv - 64, cv, lane, ti.nk > 0, buf);
@@ -7020,20 +7061,24 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
 
 /* ts: the epilogue as TMA tensor stores (pp_store_tma) when dW's map can be made, else staged stores */
 /* mc: in clusters of 2 (p.pair set, grid even; needs the TMA stores) */
-static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream, bool ts, bool mc) {
+/* bnp: the tiles' columns, 128 or 192 (192: TMA stores, no clusters) */
+static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream, bool ts, bool mc, int bnp) {
     TmaParams tp;
     memset(&tp, 0, sizeof tp);
     tp.p = p;
-    if (tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK)) return -1;
+    if (tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, PP_BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, PP_BK)) return -1;
     if (ts) {
         const cuuint64_t dims[3] = {(cuuint64_t)p.K, (cuuint64_t)p.M, (cuuint64_t)p.E};
         const cuuint64_t strides[2] = {(cuuint64_t)p.K * 4, (cuuint64_t)p.M * p.K * 4};
         const cuuint32_t box[3] = {32, 8, 1};
         ts = tma_map(enc, &tp.tc, p.out, 3, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) == 0;
     }
-    if (mc && !ts) return -1;
-    void (*kern)(const TmaParams) = mc ? gg_pp_kernel<true, true> : ts ? gg_pp_kernel<true, false> : gg_pp_kernel<false, false>;
-    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_PP) != cudaSuccess) return -1;
+    if ((mc || bnp == 192) && !ts) return -1;
+    if (bnp != 128 && (bnp != 192 || mc)) return -1;
+    void (*kern)(const TmaParams) = bnp == 192 ? gg_pp_kernel<true, false, 192> : mc ? gg_pp_kernel<true, true, 128>
+                                  : ts ? gg_pp_kernel<true, false, 128> : gg_pp_kernel<false, false, 128>;
+    const size_t smem = pp_smem(bnp);
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = 2;
@@ -7042,7 +7087,7 @@ static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t 
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)grid);
     cfg.blockDim = dim3((unsigned)NT_TMA);
-    cfg.dynamicSmemBytes = SMEM_PP;
+    cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
     cfg.attrs = mc ? attr : nullptr;
     cfg.numAttrs = mc ? 1 : 0;
@@ -7060,7 +7105,8 @@ static long long ssq_need(int E, int M, int K) {
 /* variant: 2 = TMA + wgmma (warp-specialized; mode 2 without row splits: gg_pp_kernel), 1 = cp.async
    + wgmma, 0 = cp.async + mma.sync; mode 2 also 3 + DWV (0, 1, see gg_tma_kernel): the TMA kernel's
    dW variants; 5: the TMA kernel without wide tiles; 6: mode 2 in turns (gg_pp_kernel; benches);
-   7, 8, 9: in turns with staged st.global, with TMA stores, with TMA stores in clusters of 2 (benches) */
+   7, 8, 9: in turns with staged st.global, with TMA stores, with TMA stores in clusters of 2; 10: in
+   turns with 128 x 192 tiles (benches) */
 #ifndef GG_DW_DV
 #define GG_DW_DV 1
 #endif
@@ -7073,6 +7119,9 @@ static long long ssq_need(int E, int M, int K) {
 #ifndef GG_PP_TS
 #define GG_PP_TS 1                /* gg_pp_kernel's epilogue as TMA stores (0: staged st.global) */
 #endif
+#ifndef GG_PP_BN
+#define GG_PP_BN 192              /* gg_pp_kernel's tile columns: 128, 192, or 0: 192 where the last tile keeps >= 128 */
+#endif
 #ifndef GG_PP_MC
 #define GG_PP_MC 0                /* 1: gg_pp_kernel in clusters of 2 sharing a block by multicast, where tiles pair (needs GG_PP_TS) */
 #endif
@@ -7082,14 +7131,16 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
                   int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
                   float *ssq = nullptr, long long ssq_len = 0, int nsm = 0) {
     if (!args_ok(mode, E, M, K, Rmax)) return -1;
-    if (variant < 0 || variant > 9) return -1;
+    if (variant < 0 || variant > 10) return -1;
     if ((variant == 3 || variant == 4 || variant >= 6) && mode != 2) return -1;
     int dv = DW_DV;
     bool wide = GG_WIDE != 0;
     bool pp = mode == 2 && (variant >= 6 || (variant == 2 && GG_PP));
     bool ts = GG_PP_TS != 0, mc = GG_PP_MC != 0;
-    if (variant >= 7) { ts = variant != 7; mc = variant == 9; }
-    mc = mc && ts;
+    int bnp = GG_PP_BN != 0 ? GG_PP_BN : (K % 192 == 0 || K % 192 >= 128) ? 192 : 128;
+    if (variant >= 7) { ts = variant != 7; mc = variant == 9; bnp = variant == 10 ? 192 : 128; }
+    mc = mc && ts && bnp == 128;
+    if (!ts) bnp = 128;
     if (variant >= 6) variant = 2;
     else if (variant == 5) { wide = false; variant = 2; }
     else if (variant >= 3) { dv = variant - 3; variant = 2; }
@@ -7128,7 +7179,7 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     long long tiles;
     p.pair = 0;
     if (pp) {
-        const int nct = (K + PP_BN - 1) / PP_BN;
+        const int nct = (K + bnp - 1) / bnp;
         tiles = (long long)E * p.ntm * nct;
         if (tiles > INT_MAX / 8) return -1;
         p.T2 = (int)tiles;
@@ -7151,7 +7202,7 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
         if (cudaMemsetAsync(ssq, 0, (size_t)ssq_len * sizeof(float), stream) != cudaSuccess) return -1;
     int rc;
     if (pp) {
-        rc = launch_pp(enc, p, grid, stream, ts, p.pair != 0);
+        rc = launch_pp(enc, p, grid, stream, ts, p.pair != 0, bnp);
     } else if (variant == 2) {
         rc = mode == 0 ? launch_tma<0>(enc, p, grid, stream)
            : mode == 1 ? launch_tma<1>(enc, p, grid, stream)

@@ -29,8 +29,9 @@ static int mt_gg(int mode, void *out, const void *a, const void *b, const int *d
    5: the TMA kernel without wide tiles (a last column tile of <= 128 columns in 128 x 128 tiles) */
 /* 6: dW in turns (gg_pp_kernel, the default for mode 2 unless built with -DGG_PP=0) as built (GG_PP_TS
    and GG_PP_MC: TMA stores, no clusters); 7: in turns with staged st.global stores; 8: with TMA stores;
-   9: with TMA stores in clusters of 2 */
-static const char *variant_name[10] = {"mma.sync", "wgmma", "tma", "tma-dw0", "tma-dw1", "tma-nowide", "tma-pp", "pp-staged", "pp-tmast", "pp-cluster"};
+   9: with TMA stores in clusters of 2; 10: with TMA stores and 128 x 192 tiles */
+static const char *variant_name[11] = {"mma.sync", "wgmma", "tma", "tma-dw0", "tma-dw1", "tma-nowide", "tma-pp", "pp-staged", "pp-tmast", "pp-cluster",
+                                       "pp-192"};
 
 /* ========================================================================================== */
 /* Test harness: nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DGG_MAIN           */
@@ -472,7 +473,7 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
     const bool full = (long long)b.R * M * K <= (1ll << 28);
 
     std::vector<unsigned char> first[3]; /* each mode's output of the first variant, for the cross-variant comparison */
-    const int variants[10] = {2, 3, 4, 5, 6, 7, 8, 9, 1, 0};
+    const int variants[11] = {2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 0};
     for (int variant : variants) {
         if (getenv("GG_ONLY_TIME")) break;   /* timings only (bench builds that give wrong results) */
         const char *vname = variant_name[variant];
@@ -623,9 +624,9 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                 CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
                 /* in turns (staged stores 7, TMA stores 8, in clusters 9) and the 128 x 256 kernel (4, 3)
                    alternately, so that clocks drift alike */
-                float t_pp[3][2], t_dv[2][2];
+                float t_pp[4][2], t_dv[2][2];
                 for (int r = 0; r < 2; ++r) {
-                    for (int v = 0; v < 3; ++v)
+                    for (int v = 0; v < 4; ++v)
                         t_pp[v][r] = time_median([&]() { if (run_variant(7 + v, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
                     for (int dv = 1; dv >= 0; --dv)
                         t_dv[r][dv] = time_median([&]() { if (run_variant(3 + dv, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
@@ -633,9 +634,10 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                 const float t_sq = time_median([&]() { if (run_variant(2, b, 2, b.ws, st, false, ssq, L) != 0) fatal("launch failed"); }, st);
                 CK(cudaFree(ssq));
                 char line[400];
-                snprintf(line, sizeof line, "%-9s %-11s max/mean %.1f: in turns: staged %5.1f %5.1f, TMA stores %5.1f %5.1f, clusters %5.1f %5.1f; default with the norm partials %5.1f | 128x256 tiles: short last steps %5.1f %5.1f, full %5.1f %5.1f TFLOP/s",
+                snprintf(line, sizeof line, "%-9s %-11s max/mean %.1f: in turns: staged %5.1f %5.1f, TMA stores %5.1f %5.1f, clusters %5.1f %5.1f, 128x192 %5.1f %5.1f; default with the norm partials %5.1f | 128x256 tiles: short last steps %5.1f %5.1f, full %5.1f %5.1f TFLOP/s",
                          c.name.c_str(), "dW kernels", (double)cmax * E / std::max(b.R, 1), flops / t_pp[0][0] * 1e-9, flops / t_pp[0][1] * 1e-9,
                          flops / t_pp[1][0] * 1e-9, flops / t_pp[1][1] * 1e-9, flops / t_pp[2][0] * 1e-9, flops / t_pp[2][1] * 1e-9,
+                         flops / t_pp[3][0] * 1e-9, flops / t_pp[3][1] * 1e-9,
                          flops / t_sq * 1e-9, flops / t_dv[0][1] * 1e-9, flops / t_dv[1][1] * 1e-9, flops / t_dv[0][0] * 1e-9, flops / t_dv[1][0] * 1e-9);
                 printf("  timing %s\n", line);
                 g_table.push_back(line);
