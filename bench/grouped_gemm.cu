@@ -103,6 +103,14 @@ __global__ void fill_normal_kernel(__nv_bfloat16 *p, size_t n, uint64_t seed) {
         p[i] = __float2bfloat16_rn(sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2));
     }
 }
+/* cudaMemset runs on the legacy default stream, which does not order with the bench's non-blocking
+   stream: wait for it, so that no later launch on that stream can run before (or under) the fill.
+   (Without the wait, the graph-capture check failed under racecheck's slower launches: the fill
+   landed after the eager launch.) */
+static cudaError_t memset_dev(void *p, int v, size_t n) {
+    const cudaError_t e = cudaMemset(p, v, n);
+    return e != cudaSuccess ? e : cudaDeviceSynchronize();
+}
 static void fill_normal(__nv_bfloat16 *p, size_t n, uint64_t seed) {
     fill_normal_kernel<<<1024, 256>>>(p, n, seed);
     CK(cudaGetLastError());
@@ -376,7 +384,7 @@ static float lt_batched(const Bufs &b, int mode, int n, void *out, const void *r
         }, st);
         if (t < best) { best = t; besti = i; }
     }
-    CK(cudaMemset(out, 0xFF, bytes));
+    CK(memset_dev(out, 0xFF, bytes));
     CKL(cublasLtMatmul(lt, op, &alpha, A, L[0], B, L[1], &beta, out, L[2], out, L[2], &res[besti].algo, ws, wsz, st));
     CK(cudaStreamSynchronize(st));
     std::vector<unsigned char> h(bytes);
@@ -481,14 +489,14 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
             void *out; const void *a, *bb; size_t bytes;
             mode_io(b, mode, &out, &a, &bb, &bytes);
             std::vector<unsigned char> h1(bytes), h2(bytes);
-            CK(cudaMemset(out, 0xFF, bytes));
-            CK(cudaMemset(b.ws, 0xFF, b.ws_bytes));
+            CK(memset_dev(out, 0xFF, bytes));
+            CK(memset_dev(b.ws, 0xFF, b.ws_bytes));
             const int rc1 = run_variant(variant, b, mode, b.ws, st);
             CK(cudaStreamSynchronize(st));
             CK(cudaGetLastError());
             CK(cudaMemcpy(h1.data(), out, bytes, cudaMemcpyDeviceToHost));
-            CK(cudaMemset(out, 0xFF, bytes));
-            CK(cudaMemset(b.ws, 0x7F, b.ws_bytes));
+            CK(memset_dev(out, 0xFF, bytes));
+            CK(memset_dev(b.ws, 0x7F, b.ws_bytes));
             const int rc2 = run_variant(variant, b, mode, b.ws, st);
             CK(cudaStreamSynchronize(st));
             CK(cudaGetLastError());
@@ -505,8 +513,8 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                 const long long L = mt_ggk::ssq_need(E, M, K);
                 float *ssq;
                 CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
-                CK(cudaMemset(ssq, 0xFF, (size_t)L * sizeof(float)));
-                CK(cudaMemset(out, 0xFF, bytes));
+                CK(memset_dev(ssq, 0xFF, (size_t)L * sizeof(float)));
+                CK(memset_dev(out, 0xFF, bytes));
                 const int rc4 = run_variant(variant, b, mode, b.ws, st, false, ssq, L);
                 CK(cudaStreamSynchronize(st));
                 std::vector<float> hq((size_t)L);
@@ -529,7 +537,7 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
             if (variant >= 1 && mt_gg_workspace(mode, E, M, K, Rmax) <= 256) {
                 /* without a workspace (possible when mode 2 needs no row split) mode 2 assigns its tiles
                    ws=NULL where allowed: must give the same bits */
-                CK(cudaMemset(out, 0xFF, bytes));
+                CK(memset_dev(out, 0xFF, bytes));
                 const int rc3 = run_variant(variant, b, mode, nullptr, st);
                 CK(cudaStreamSynchronize(st));
                 CK(cudaMemcpy(h2.data(), out, bytes, cudaMemcpyDeviceToHost));
@@ -541,15 +549,15 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
             /* mode 1 with a second pair (GMM_DX2), here (dY, W) twice: against twice the single result */
             const size_t n = (size_t)b.Rmax * K, bytes = n * 2;
             std::vector<uint16_t> hs(n), hp(n), hp2(n);
-            CK(cudaMemset(b.dX, 0xFF, bytes));
+            CK(memset_dev(b.dX, 0xFF, bytes));
             int rc = run_variant(variant, b, 1, b.ws, st);
             CK(cudaStreamSynchronize(st));
             CK(cudaMemcpy(hs.data(), b.dX, bytes, cudaMemcpyDeviceToHost));
-            CK(cudaMemset(b.dX, 0xFF, bytes));
+            CK(memset_dev(b.dX, 0xFF, bytes));
             rc |= run_variant(variant, b, 1, b.ws, st, true);
             CK(cudaStreamSynchronize(st));
             CK(cudaMemcpy(hp.data(), b.dX, bytes, cudaMemcpyDeviceToHost));
-            CK(cudaMemset(b.dX, 0xFF, bytes));
+            CK(memset_dev(b.dX, 0xFF, bytes));
             rc |= run_variant(variant, b, 1, b.ws, st, true);
             CK(cudaStreamSynchronize(st));
             CK(cudaMemcpy(hp2.data(), b.dX, bytes, cudaMemcpyDeviceToHost));
@@ -644,7 +652,7 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
             }
             const float t_wg = time_median([&]() { if (run_variant(1, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
             /* keep the grouped result to compare the baseline against (all elements) */
-            CK(cudaMemset(out, 0xFF, bytes));
+            CK(memset_dev(out, 0xFF, bytes));
             if (run_variant(2, b, mode, b.ws, st) != 0) fatal("launch failed");
             CK(cudaStreamSynchronize(st));
             std::vector<unsigned char> hg(bytes), hc(bytes);
@@ -653,7 +661,7 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
             lt_plan(P, b, mode);
             void *cout;
             CK(cudaMalloc(&cout, bytes));
-            CK(cudaMemset(cout, 0xFF, bytes));
+            CK(memset_dev(cout, 0xFF, bytes));
             const float t_lt = time_median([&]() { lt_run(P, b, cout, st); }, st);
             CK(cudaStreamSynchronize(st));
             CK(cudaMemcpy(hc.data(), cout, bytes, cudaMemcpyDeviceToHost));
@@ -749,11 +757,11 @@ static void test_graph_capture(std::mt19937 &rng) {
     for (int mode = 0; mode < 3; ++mode) {
         const void *a = mode == 0 ? (const void *)X : (const void *)dY, *b = mode == 2 ? (const void *)X : (const void *)W;
         std::vector<unsigned char> h1(ybytes), h2(ybytes);
-        CK(cudaMemset(Y, 0xFF, ybytes));
+        CK(memset_dev(Y, 0xFF, ybytes));
         int rc = mt_gg(mode, Y, a, b, d_offs, E, M, K, Rmax, ws, st);
         CK(cudaStreamSynchronize(st));
         CK(cudaMemcpy(h1.data(), Y, ybytes, cudaMemcpyDeviceToHost));
-        CK(cudaMemset(Y, 0xFF, ybytes));
+        CK(memset_dev(Y, 0xFF, ybytes));
         cudaGraph_t g;
         cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
@@ -781,7 +789,7 @@ static void test_bad_args() {
     int *o;
     CK(cudaMalloc(&p, 1 << 20));
     CK(cudaMalloc(&o, 64));
-    CK(cudaMemset(o, 0, 64));
+    CK(memset_dev(o, 0, 64));
     char *c = (char *)p;
     report(mt_gg(0, p, p, p, o, 1, 12, 16, 10, nullptr, 0) == -1, "rejects M %% 8 != 0");
     report(mt_gg(1, p, p, p, o, 1, 16, 20, 10, nullptr, 0) == -1, "rejects K %% 8 != 0");
