@@ -5825,9 +5825,10 @@ __device__ __forceinline__ void load_step(const Params &p, const Tile &ti, int k
     }
 }
 
-__device__ __forceinline__ void fence_acc_all(float (&acc)[128]) {
+template <int N>
+__device__ __forceinline__ void fence_acc_all(float (&acc)[N]) {
 #pragma unroll
-    for (int i = 0; i < 128; ++i) fence_acc(acc[i]);
+    for (int i = 0; i < N; ++i) fence_acc(acc[i]);
 }
 
 /* NKK k16 slices of one step as one wgmma batch (N256: m64n256k16, else m64n128k16) */
@@ -6642,8 +6643,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 constexpr int PP_ST = 6;
 /* BNP: the tiles' columns, 128 or 192 (dY's 128 m as 2 blocks, then X's BNP columns as BNP / 64
    blocks of 64 x 64); 6 stages of 32 KB or 5 of 40 KB */
-constexpr int PP_BK = BK;                      /* rows a step */
-constexpr int PP_BLK = 128 * PP_BK;            /* one 64-column block of a step: PP_BK rows of 128 bytes (8 KB) */
+constexpr int PP_BLK = 128 * BK;               /* one 64-column block of a step: BK rows of 128 bytes (8 KB) */
 __host__ __device__ constexpr int pp_stage(int bnp) { return (2 + bnp / 64) * PP_BLK; }
 __host__ __device__ constexpr int pp_nst(int bnp) { return bnp == 128 ? PP_ST : 5; }
 __host__ __device__ constexpr size_t pp_smem(int bnp) {
@@ -6675,7 +6675,7 @@ __device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, 
     ti.c0 = ct * BNP;
     ti.r0 = s_offs[e];
     ti.r1 = max(ti.r0, s_offs[e + 1]);
-    ti.nk = (ti.r1 - ti.r0 + PP_BK - 1) / PP_BK;
+    ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
     ti.sq = BNP == 128 ? ((e * p.ntm + mt) * p.ct + (ct >> 1)) * 8 + 4 * (ct & 1) : ((e * p.ntm + mt) * nct + ct) * 4;
     return ti;
 }
@@ -6704,11 +6704,6 @@ __device__ __forceinline__ void pp_step(float (&a0)[M], float (&a1)[M], uint64_t
     else if (nkk == 3) pp_batch<3, N>(b0, b1, da0, da1, db, sd0);
     else if (nkk == 2) pp_batch<2, N>(b0, b1, da0, da1, db, sd0);
     else pp_batch<1, N>(b0, b1, da0, da1, db, sd0);
-}
-template <int N>
-__device__ __forceinline__ void fence_acc64(float (&a)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) fence_acc(a[i]);
 }
 
 /* One warp's 16 rows x 128 columns of an m64n128 accumulator (a[4j + 2h + b] = row g + 8h, column
@@ -6863,7 +6858,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                 for (int kt = 0; kt < ti.nk; ++kt, ++step) {
                     const int s = step % NST;
                     const uint32_t sA = sbase + (uint32_t)(s * STB), bar = full0 + 8u * s;
-                    const int r = ti.r0 + kt * PP_BK;
+                    const int r = ti.r0 + kt * BK;
                     mbar_wait(empty0 + 8u * s, ((step / NST) & 1) ^ 1);
                     mbar_expect_tx(bar, (uint32_t)((na + nb) * PP_BLK));
                     if (MC) { /* all four blocks (past the tensor: zeros), the shared one's half rank from here to both */
@@ -6903,9 +6898,9 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                 const int s = step % NST;
                 const uint32_t sA = sbase + (uint32_t)(s * STB);
                 mbar_wait(full0 + 8u * s, (step / NST) & 1);
-                int nkk = PP_BK / 16;
+                int nkk = BK / 16;
                 if (kt == ti.nk - 1) {
-                    const int nv = ti.r1 - (ti.r0 + kt * PP_BK);
+                    const int nv = ti.r1 - (ti.r0 + kt * BK);
                     nkk = (nv + 15) >> 4; /* only the k16 slices holding rows */
                     const int nend = 16 * nkk;
                     if (nv < nend) { /* tile-uniform: zero rows [nv, nend) of the 2 + NBB blocks */
@@ -6921,17 +6916,17 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                 const uint64_t da0 = sw128_desc(sA, PP_BLK, 1024u), da1 = sw128_desc(sA + PP_BLK, PP_BLK, 1024u);
                 const uint64_t db = sw128_desc(sA + 2 * PP_BLK, PP_BLK, 1024u);
                 const int sd0 = kt == 0 ? 0 : 1;
-                fence_acc64(a0);
-                fence_acc64(a1);
+                fence_acc_all(a0);
+                fence_acc_all(a1);
                 /* 192 columns: a last tile with <= 64 or <= 128 columns in K multiplies only those */
                 if (BNP == 192 && cw <= 64) pp_step<32>(a0, a1, da0, da1, db, sd0, nkk);
                 else if (BNP == 128 || cw <= 128) pp_step<64>(a0, a1, da0, da1, db, sd0, nkk);
                 else pp_step<BNP / 2>(a0, a1, da0, da1, db, sd0, nkk);
-                fence_acc64(a0);
-                fence_acc64(a1);
+                fence_acc_all(a0);
+                fence_acc_all(a1);
                 wgmma_wait<1>();
-                fence_acc64(a0);
-                fence_acc64(a1);
+                fence_acc_all(a0);
+                fence_acc_all(a1);
                 if (kt > 0 && lane == 0) {
                     mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
                     if (MC) mbar_arrive_cta(empty0 + 8u * ((step + NST - 1) % NST), (uint32_t)(rank ^ 1));
@@ -6939,8 +6934,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             }
             named_bar_arrive(2 - wg, 256); /* end: the other warpgroup may issue */
             wgmma_wait<0>();
-            fence_acc64(a0);
-            fence_acc64(a1);
+            fence_acc_all(a0);
+            fence_acc_all(a1);
             if (ti.nk > 0 && lane == 0) {
                 mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
                 if (MC) mbar_arrive_cta(empty0 + 8u * ((step + NST - 1) % NST), (uint32_t)(rank ^ 1));
@@ -7066,7 +7061,7 @@ static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t 
     TmaParams tp;
     memset(&tp, 0, sizeof tp);
     tp.p = p;
-    if (tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, PP_BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, PP_BK)) return -1;
+    if (tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK)) return -1;
     if (ts) {
         const cuuint64_t dims[3] = {(cuuint64_t)p.K, (cuuint64_t)p.M, (cuuint64_t)p.E};
         const cuuint64_t strides[2] = {(cuuint64_t)p.K * 4, (cuuint64_t)p.M * p.K * 4};
