@@ -6616,7 +6616,16 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   123.4 against 123.0-125.2 ms.  In the bench, first round of each layout (cooler) 518-597   */
 /*   against 545-599, second round 500-551 against 482-523: the wider tiles gain at the clocks  */
 /*   the step runs at.  Not kept: 32-row steps (10 stages of 20 KB at 192, a deeper ring for    */
-/*   the same bytes): 390-418 against 509-514 in mid's step.                                    */
+/*   the same bytes): 390-418 against 509-514 in mid's step.  Nor 128 x 192 tiles in clusters */
+/*   of 2 (any tile counts: pairs along the columns sharing dY's block, the odd last column's */
+/*   tiles along m sharing X's, an odd expert's last tile computed by both CTAs; each CTA     */
+/*   multicasting every other 64-column block of the shared operand; bitwise the same dW,     */
+/*   bench 1021 passed): 443-449 against 501-506 TFLOP/s in mid's step, bench even 546 / 467  */
+/*   against 594 / 541; pairs along m first: bench 522 / 420, 435-478 against 516-561 in the  */
+/*   step (another start).  The clusters at 128 columns ran 484-505 against 478-479 for 128   */
+/*   without them in mid's step (a third start; 192 without them: 503-510).  Cause not        */
+/*   measured; one difference is the ring: 5 stages at 192 against 6, each released in both   */
+/*   CTAs.                                                                                    */
 /*   With 128 columns: staged stores 524-558 TFLOP/s against 483-535 for gg_tma_kernel's       */
 /*   128 x 256 tiles.  With equal experts (768 rows each, a probe timing the variants in turn): */
 /*   staged 545-559, TMA stores 579-581, clusters 589-592, cuBLASLt's strided-batched GEMM on   */
