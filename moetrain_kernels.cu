@@ -6006,7 +6006,9 @@ __device__ __forceinline__ float epilogue_staged(const Params &p, const float (&
     constexpr int CH = RB / 16, LG = CH == 16 ? 4 : 3;      /* 16-byte chunks per row = lanes per row; log2 */
     static_assert(RB == 128 || RB == 256, "row buffers of 128 or 256 bytes");
     const int g = lane >> 2, c = lane & 3;
-    const bool has = ti.nk > 0; /* no reduction steps: the accumulators were never written -> zeros */
+    /* no reduction steps (mode 2, an expert without rows): the accumulators were never written -> zeros;
+       modes 0/1 always take at least one step (K, M >= 8), so no select per value there */
+    const bool has = MODE != 2 || ti.nk > 0;
     float ss = 0.f;
     char *obase;
     size_t ld;
@@ -6068,7 +6070,7 @@ __device__ __forceinline__ float epilogue_wide(const Params &p, const float (&ac
     const int g = lane >> 2, c = lane & 3, col0 = 16 * warp;
     float ss = 0.f;
     if (col0 >= cols_valid) return ss; /* warp-uniform */
-    const bool has = ti.nk > 0;
+    const bool has = MODE != 2 || ti.nk > 0; /* as in epilogue_staged */
     char *obase;
     size_t ld;
     if (MODE == 2) {
