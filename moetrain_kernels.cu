@@ -6627,7 +6627,13 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   step (another start).  The clusters at 128 columns ran 484-505 against 478-479 for 128   */
 /*   without them in mid's step (a third start; 192 without them: 503-510).  Cause not        */
 /*   measured; one difference is the ring: 5 stages at 192 against 6, each released in both   */
-/*   CTAs.                                                                                    */
+/*   CTAs.  Balance: with nct = 11 column tiles (gate/up at 192) dividing the 132 CTAs, each  */
+/*   CTA meets the same column tile in every other round, and two CTAs in eleven take the     */
+/*   narrow last tile in half of their rounds (ncu, equal experts: tensor pipe 64.8% busy on  */
+/*   the least busy SM against 76.3% on average and 79.2% at most).  Starting m tile mt's     */
+/*   column tiles at column tile mt evened it out (74.1 / 75.2 / 75.8%) but not the time      */
+/*   (529.6-552.1 against 530.2-542.5 us; in mid's step GMM_DW_SQ 514-550 against 527-542,    */
+/*   alternating): the SMs with less to do were not what limits, so not kept.                 */
 /*   With 128 columns: staged stores 524-558 TFLOP/s against 483-535 for gg_tma_kernel's       */
 /*   128 x 256 tiles.  With equal experts (768 rows each, a probe timing the variants in turn): */
 /*   staged 545-559, TMA stores 579-581, clusters 589-592, cuBLASLt's strided-batched GEMM on   */
