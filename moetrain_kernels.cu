@@ -6642,7 +6642,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   into the SMs looks like the common ceiling (L2 itself at 64% of its sector rate here),   */
 /*   and fewer operand bytes per product is what would move all three; the clusters'          */
 /*   multicast, which cuts L2 reads but still delivers every stage's bytes to each SM, did    */
-/*   not.                                                                                     */
+/*   not.  Not settled: cuBLAS's kernel (128 x 128 tiles in clusters of 2, 91% busy on equal  */
+/*   experts, above) was not measured this way.                                               */
 /*   With 128 columns: staged stores 524-558 TFLOP/s against 483-535 for gg_tma_kernel's       */
 /*   128 x 256 tiles.  With equal experts (768 rows each, a probe timing the variants in turn): */
 /*   staged 545-559, TMA stores 579-581, clusters 589-592, cuBLASLt's strided-batched GEMM on   */
