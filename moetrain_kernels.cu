@@ -6633,17 +6633,16 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   the least busy SM against 76.3% on average and 79.2% at most).  Starting m tile mt's     */
 /*   column tiles at column tile mt evened it out (74.1 / 75.2 / 75.8%) but not the time      */
 /*   (529.6-552.1 against 530.2-542.5 us; in mid's step GMM_DW_SQ 514-550 against 527-542,    */
-/*   alternating): the SMs with less to do were not what limits, so not kept.  What they      */
-/*   share: ncu on equal experts (base clocks) read 7.03 TB/s from L2 into the SMs            */
+/*   alternating): the SMs with less to do were not what limits, so not kept.  ncu on equal   */
+/*   experts (base clocks) read 7.03 TB/s from L2 into the SMs                                */
 /*   (l1tex__m_xbar2l1tex_read_bytes) for this kernel at 192 columns, 6.87 for                */
 /*   gg_tma_kernel's dX and 7.02 for its forward, with the tensor pipe busy 75.2%, 83.0% and  */
 /*   84.7%: in inverse proportion to the operand bytes each reads per product (40 KB a 128 x  */
-/*   192 x 64 step, 48 KB a 128 x 256 x 64 one: 12.7 against 11.4 KB a MFLOP).  So ~7 TB/s    */
-/*   into the SMs looks like the common ceiling (L2 itself at 64% of its sector rate here),   */
-/*   and fewer operand bytes per product is what would move all three; the clusters'          */
-/*   multicast, which cuts L2 reads but still delivers every stage's bytes to each SM, did    */
-/*   not.  Not settled: cuBLAS's kernel (128 x 128 tiles in clusters of 2, 91% busy on equal  */
-/*   experts, above) was not measured this way.                                               */
+/*   192 x 64 step, 48 KB a 128 x 256 x 64 one: 12.7 against 11.4 KB a MFLOP; L2 itself at    */
+/*   46-64% of its sector rate).  That is not the hardware's limit: cuBLAS's per-expert       */
+/*   kernel in the same bench (nvjet 128 x 64 tiles in clusters of 2) took in 8.3-8.4 TB/s.   */
+/*   So all three of ours stop at the same ~7 TB/s for a reason not found (the depth of their */
+/*   rings is one candidate), and fewer operand bytes per product would move them under it.   */
 /*   With 128 columns: staged stores 524-558 TFLOP/s against 483-535 for gg_tma_kernel's       */
 /*   128 x 256 tiles.  With equal experts (768 rows each, a probe timing the variants in turn): */
 /*   staged 545-559, TMA stores 579-581, clusters 589-592, cuBLASLt's strided-batched GEMM on   */
