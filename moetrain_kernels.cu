@@ -6639,10 +6639,13 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   gg_tma_kernel's dX and 7.02 for its forward, with the tensor pipe busy 75.2%, 83.0% and  */
 /*   84.7%: in inverse proportion to the operand bytes each reads per product (40 KB a 128 x  */
 /*   192 x 64 step, 48 KB a 128 x 256 x 64 one: 12.7 against 11.4 KB a MFLOP; L2 itself at    */
-/*   46-64% of its sector rate).  That is not the hardware's limit: cuBLAS's per-expert       */
-/*   kernel in the same bench (nvjet 128 x 64 tiles in clusters of 2) took in 8.3-8.4 TB/s.   */
-/*   So all three of ours stop at the same ~7 TB/s for a reason not found (the depth of their */
-/*   rings is one candidate), and fewer operand bytes per product would move them under it.   */
+/*   46-64% of its sector rate).  That is not the hardware's limit: cuBLASLt's                */
+/*   strided-batched kernels on the same work (the algorithms the bench tries) took in up to  */
+/*   10.8 TB/s with the tensor pipe 97.1% busy (nvjet 128 x 128 tiles, 6 stages, clusters of  */
+/*   2: 409.5 us), 9.7 TB/s and 96.9% without clusters (128 x 160, 5 stages), and 7.6 TB/s    */
+/*   and 90.7% cooperative (128 x 256, 4 stages, the nearest to gg_tma_kernel).  So ours stop */
+/*   at ~7 TB/s for a reason in their pipelines, not found; that their rates follow their     */
+/*   bytes per product suggests the loads' latency, with too few bytes in flight.             */
 /*   With 128 columns: staged stores 524-558 TFLOP/s against 483-535 for gg_tma_kernel's       */
 /*   128 x 256 tiles.  With equal experts (768 rows each, a probe timing the variants in turn): */
 /*   staged 545-559, TMA stores 579-581, clusters 589-592, cuBLASLt's strided-batched GEMM on   */
