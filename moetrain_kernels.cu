@@ -6921,7 +6921,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             if (!ti.valid) break;
             if ((q & 1) != wg) { step += ti.nk; continue; }
             named_bar_sync(1 + wg, 256); /* begin: the other warpgroup has issued its products */
-            const int cw = min(BNP, p.K - ti.c0);
+            const int cw = min(BNP, p.K - ti.c0); /* the tile's valid columns (mainloop and epilogue) */
 #pragma unroll 1
             for (int kt = 0; kt < ti.nk; ++kt, ++step) {
                 const int s = step % NST;
@@ -6971,22 +6971,22 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             }
             /* warp v: tile rows 16 v + [0, 16) from a0 and 64 + 16 v + [0, 16) from a1 (an expert
                without rows: zeros) */
-            const int rv = p.M - ti.m0 - 16 * v, cv = min(BNP, p.K - ti.c0);
+            const int rv = p.M - ti.m0 - 16 * v;
             float ss = 0.f;
             if (TS) {
                 if (ti.nk == 0) /* tile-uniform: an expert without rows */
 #pragma unroll
                     for (int i = 0; i < BNP / 2; ++i) a0[i] = a1[i] = 0.f;
                 if (p.ssq) {
-                    ss = pp_ssq(a0, rv, cv, lane);
-                    ss += pp_ssq(a1, rv - 64, cv, lane);
+                    ss = pp_ssq(a0, rv, cw, lane);
+                    ss += pp_ssq(a1, rv - 64, cw, lane);
                 }
-                pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cv, lane, buf);
-                pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cv, lane, buf);
+                pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cw, lane, buf);
+                pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cw, lane, buf);
             } else if constexpr (BNP == 128) {
                 float *o = reinterpret_cast<float *>(p.out) + ((size_t)ti.e * p.M + ti.m0 + 16 * v) * p.K + ti.c0;
-                ss = pp_store_staged(a0, o, (size_t)p.K, rv, cv, lane, ti.nk > 0, buf);
-                ss += pp_store_staged(a1, o + (size_t)64 * p.K, (size_t)p.K, rv - 64, cv, lane, ti.nk > 0, buf);
+                ss = pp_store_staged(a0, o, (size_t)p.K, rv, cw, lane, ti.nk > 0, buf);
+                ss += pp_store_staged(a1, o + (size_t)64 * p.K, (size_t)p.K, rv - 64, cw, lane, ti.nk > 0, buf);
             }
             if (p.ssq) {
 #pragma unroll
