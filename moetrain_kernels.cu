@@ -6403,6 +6403,13 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* against 509-511 down; per tile ~7200 cycles of full-barrier waits with 3 stages (4 stages:   */
 /* ~2100) and ~5900 waiting for the storers (their shared loads, 40 registers a thread, wait    */
 /* behind the wgmma's operand reads).                                                          */
+/* Also not kept (modes 0/1): the epilogue deferred under the next tile's first wgmma batches  */
+/* (each warp writes the first passes of its tile at once and keeps the last 1-3 as bf16 pairs */
+/* in registers, writing one after each of the next tile's first steps; the same bits).  Three */
+/* passes deferred spill 60 bytes and make intermittent illegal addresses (none under          */
+/* memcheck; cause not found), two do so more rarely.  One deferred pass passed the checks and */
+/* ran no faster: bench dX 626-632 against 629-642 TFLOP/s and forward 624-633 against 629-643 */
+/* (big and big-down, alternating); in mid's step GMM_DX 594 / 570 against 582 / 576 (H200).   */
 /* Bounds measured on H200 (bench/store_rate.cu, and bench builds on mid's dW shapes, same    */
 /* run): one CTA per SM writing 128 KB tiles of fp32 with 16-byte stores drains ~31 bytes a   */
 /* cycle per SM when half the SMs write (4200 cycles a tile) and ~18 when all do (7100        */
