@@ -6408,7 +6408,7 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* in registers, writing one after each of the next tile's first steps; the same bits).  Three */
 /* passes deferred spill 60 bytes and make intermittent illegal addresses (none under          */
 /* memcheck; cause not found), two do so more rarely.  One deferred pass passed the checks and */
-/* ran no faster: bench dX 626-632 against 629-642 TFLOP/s and forward 624-633 against 629-643 */
+/* ran no faster: bench dX 625-632 against 629-642 TFLOP/s and forward 624-633 against 629-643 */
 /* (big and big-down, alternating); in mid's step GMM_DX 594 / 570 against 582 / 576 (H200).   */
 /* Bounds measured on H200 (bench/store_rate.cu, and bench builds on mid's dW shapes, same    */
 /* run): one CTA per SM writing 128 KB tiles of fp32 with 16-byte stores drains ~31 bytes a   */
