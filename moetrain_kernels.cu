@@ -6675,6 +6675,22 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   L2 prefetch of the next tile's first 16 steps 300-322; a cluster-scope release of the     */
 /*   peer's stage (mbarrier.arrive.release.cluster) with staged stores 240-265 (it waits for   */
 /*   the warp's stores).                                                                        */
+/*   Also measured and not kept (H200, builds alternating on one start): each operand of a step */
+/*   as one TMA box (3-D maps with the 64-column blocks outermost, so a box of 64 x 64 x 2 or 3  */
+/*   lands as the stage's blocks; mode 1's W as a 4-D box of its 4 blocks): 2 load instructions */
+/*   a step instead of 5, bitwise the same results; bench dW 565-570 / 535-548 (gate/up / down) */
+/*   against 565 / 539, dX 634 / 614 against 629 / 623; in mid's step GMM_DW_SQ 497-509 against */
+/*   496-501, GMM_DX 568-581 against 572-576: the copy engine's instruction rate is not what    */
+/*   limits.  The norm partials summed after the stores (under their drain) in four chains: in  */
+/*   mid's step 506-507 against 507-518.  What the partials cost, timed alternating with and    */
+/*   without them in the bench (its "dW (+norm)" line): 3-4% where the clock holds between the  */
+/*   two (575.6 / 558.4, 574.8 / 559.6), up to 12% where it drops between them.  The clock      */
+/*   does drop within one bench process: dW without partials 575.6 -> 548.2 -> 505.4 TFLOP/s    */
+/*   over its three rounds, so mid's step, at the power limit, runs near the bench's warm rate  */
+/*   (GMM_DW_SQ 496-518 on the two starts of these runs).  On two H200s (ep 2: 32 experts a    */
+/*   rank, 1536 rows each on average, so 24 steps a tile) mid's GMM_DW (there without the       */
+/*   partials: a separate SUMSQ sums the sharded gradients) runs at 611 and GMM_DX at 639 in    */
+/*   the step: one GPU's short reductions (12 steps a tile) are what the per-tile costs weigh on. */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int PP_ST = 6;
 /* BNP: the tiles' columns, 128 or 192 (dY's 128 m as 2 blocks, then X's BNP columns as BNP / 64

@@ -5,7 +5,8 @@
  * cuBLASLt call per expert.  Timed layouts: mid's experts with the largest at 5 and at 6.1 times
  * the mean (the loads of mid's training steps run from 3.5 to 7.3), and all at the mean (also
  * against cuBLASLt's strided-batched GEMM, the same work in one call); for dW also the TMA
- * kernel's variants (full or short last steps) and the default with the norm partials.
+ * kernel's variants (full or short last steps) and the default with the norm partials (also timed
+ * alternating with the default without them: the "dW (+norm)" line, what GMM_DW_SQ adds).
  *
  *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -o /tmp/gg bench/grouped_gemm.cu \
  *        -lcublasLt -lnccl && /tmp/gg
@@ -622,6 +623,24 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                 char line[400];
                 snprintf(line, sizeof line, "%-9s %-11s soaked %.1f s: first 100 launches %5.1f, last 100 %5.1f (min %5.1f, max %5.1f) TFLOP/s",
                          c.name.c_str(), "dW+norm", spent * 1e-3, rates.front(), rates.back(), lo, hi);
+                printf("  timing %s\n", line);
+                g_table.push_back(line);
+            }
+            if (mode == 2) {
+                /* the default dW with and without the norm partials, alternating (what GMM_DW_SQ adds) */
+                const long long L = mt_ggk::ssq_need(E, M, K);
+                float *ssq;
+                CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
+                float t_ab[3][2];
+                for (int r = 0; r < 3; ++r) {
+                    t_ab[r][0] = time_median([&]() { if (run_variant(2, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
+                    t_ab[r][1] = time_median([&]() { if (run_variant(2, b, 2, b.ws, st, false, ssq, L) != 0) fatal("launch failed"); }, st);
+                }
+                CK(cudaFree(ssq));
+                char line[400];
+                snprintf(line, sizeof line, "%-9s %-11s without / with the norm partials, alternating: %5.1f / %5.1f, %5.1f / %5.1f, %5.1f / %5.1f TFLOP/s",
+                         c.name.c_str(), "dW (+norm)", flops / t_ab[0][0] * 1e-9, flops / t_ab[0][1] * 1e-9, flops / t_ab[1][0] * 1e-9,
+                         flops / t_ab[1][1] * 1e-9, flops / t_ab[2][0] * 1e-9, flops / t_ab[2][1] * 1e-9);
                 printf("  timing %s\n", line);
                 g_table.push_back(line);
             }
