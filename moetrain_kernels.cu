@@ -6691,6 +6691,13 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   rank, 1536 rows each on average, so 24 steps a tile) mid's GMM_DW (there without the       */
 /*   partials: a separate SUMSQ sums the sharded gradients) runs at 611 and GMM_DX at 639 in    */
 /*   the step: one GPU's short reductions (12 steps a tile) are what the per-tile costs weigh on. */
+/*   32-row steps again, now with two wgmma groups left in flight (wait_group 2, so a stage goes  */
+/*   back two steps later; 10 stages of 20 KB, 160 KB loading against 120 KB): bench dW 487-491 */
+/*   / 449-464 against 582-584 / 548-557 (gate/up / down), mid's GMM_DW_SQ 395-401 against      */
+/*   516-543: more bytes in flight do not help, so the loads' latency is not what limits either. */
+/*   What the data fit: the epilogue of a 128 x 192 tile (24 KB of fp32 a warp, on 4 warps) takes */
+/*   about as long as the other warpgroup's 12 steps, so it is not hidden at mid's 768 rows an   */
+/*   expert (its norm partials show up in the time; at 1536 rows, on two GPUs, dW runs at 611).  */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int PP_ST = 6;
 /* BNP: the tiles' columns, 128 or 192 (dY's 128 m as 2 blocks, then X's BNP columns as BNP / 64
