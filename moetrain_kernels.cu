@@ -6695,9 +6695,11 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   back two steps later; 10 stages of 20 KB, 160 KB loading against 120 KB): bench dW 487-491 */
 /*   / 449-464 against 582-584 / 548-557 (gate/up / down), mid's GMM_DW_SQ 395-401 against      */
 /*   516-543: more bytes in flight do not help, so the loads' latency is not what limits either. */
-/*   What the data fit: the epilogue of a 128 x 192 tile (24 KB of fp32 a warp, on 4 warps) takes */
-/*   about as long as the other warpgroup's 12 steps, so it is not hidden at mid's 768 rows an   */
-/*   expert (its norm partials show up in the time; at 1536 rows, on two GPUs, dW runs at 611).  */
+/*   Rows an expert (bench/grouped_gemm.cu GG_CASE=even against GG_EXTRA=1 GG_CASE=even1536, the */
+/*   same work as 32 experts of 1536 rows; one start, two rounds): ours 618-619 -> 692-694        */
+/*   (gate/up) and 592-595 -> 665-666 (down), cuBLASLt's strided-batched 677-679 -> 745-747 and  */
+/*   678-679 -> 745-748: both gain ~11% (half the fp32 dW written per flop), ours stays at       */
+/*   0.87-0.93 of cuBLAS's rate.                                                                 */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int PP_ST = 6;
 /* BNP: the tiles' columns, 128 or 192 (dY's 128 m as 2 blocks, then X's BNP columns as BNP / 64

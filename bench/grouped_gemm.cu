@@ -12,7 +12,7 @@
  *        -lcublasLt -lnccl && /tmp/gg
  * Environment: GG_ONLY_TIME=1 skips the checks (timing-only builds); GG_SOAK=S also runs dW back to
  * back for S seconds per layout (the power-limited rate; it slows the timings after it: alone only);
- * GG_EXTRA=1 adds layouts with 1536 in place of 1408; GG_SMALL=1 runs only the small untimed layouts
+ * GG_EXTRA=1 adds layouts with 1536 in place of 1408, and "even1536": 32 experts of 1536 rows; GG_SMALL=1 runs only the small untimed layouts
  * (for compute-sanitizer); GG_NOTIME=1 runs the checks only, GG_CASE=name one layout (e.g. even).
  */
 #define MOETRAIN_IMPLEMENTATION   /* mt_errf and friends, for the kernels file */
@@ -864,6 +864,10 @@ int main() {
         std::vector<int> cnt = imbalanced_counts(64, 49152, rng, 3, {3.0, 4.0, 5.0});
         cases.push_back({"w1536", 64, 1536, 2048, cnt, true});
         cases.push_back({"w1536-down", 64, 2048, 1536, cnt, true});
+        /* the same work as "even" in half as many experts of twice the rows (as ep = 2 gives each rank) */
+        std::vector<int> c32(32, 1536);
+        cases.push_back({"even1536", 32, 1408, 2048, c32, true});
+        cases.push_back({"even1536-down", 32, 2048, 1408, c32, true});
     }
     {
         std::vector<int> cnt(8);
