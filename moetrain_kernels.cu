@@ -6700,6 +6700,11 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   (gate/up) and 592-595 -> 665-666 (down), cuBLASLt's strided-batched 677-679 -> 745-747 and  */
 /*   678-679 -> 745-748: both gain ~11% (half the fp32 dW written per flop), ours stays at       */
 /*   0.87-0.93 of cuBLAS's rate.                                                                 */
+/*   The list's order, largest expert first, measured against two mixes (so that short tiles,    */
+/*   whose fp32 stores dominate, run beside long ones): experts alternating from both ends of   */
+/*   the sorted list, 362-377 against 583-592 TFLOP/s in the bench (big) and 364-376 against     */
+/*   517-529 in mid's step (the serpentine no longer balances the CTAs); tiles alternating from  */
+/*   both ends, 519-522 against 575-579 (big) and 461-499 against 511-532 in mid's step.         */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int PP_ST = 6;
 /* BNP: the tiles' columns, 128 or 192 (dY's 128 m as 2 blocks, then X's BNP columns as BNP / 64
