@@ -6700,6 +6700,11 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   (gate/up) and 592-595 -> 665-666 (down), cuBLASLt's strided-batched 677-679 -> 745-747 and  */
 /*   678-679 -> 745-748: both gain ~11% (half the fp32 dW written per flop), ours stays at       */
 /*   0.87-0.93 of cuBLAS's rate.                                                                 */
+/*   Unequal against equal experts in one process (GG_CASE=big and even alternating, H200):      */
+/*   forward 620-632 / 706-707 (gate/up), 648 / 687 (down); dX 642-645 / 677-683, 622-635 /      */
+/*   709-711; dW 565-570 / 605-607, 543-553 / 587-588: each expert's partial last row tile (and  */
+/*   at 1408 outputs its last wide tile) loads a whole tile's weights for part of its rows: the  */
+/*   layout has 2293 tiles against 2112 at 1408 outputs, 3312 against 3072 at 2048.             */
 /*   The list's order, largest expert first, measured against two mixes (so that short tiles,    */
 /*   whose fp32 stores dominate, run beside long ones): experts alternating from both ends of   */
 /*   the sorted list, 362-377 against 583-592 TFLOP/s in the bench (big) and 364-376 against     */
