@@ -12,8 +12,8 @@
  *        -lcublasLt -lnccl && /tmp/gg
  * Environment: GG_ONLY_TIME=1 skips the checks (timing-only builds); GG_SOAK=S also runs dW back to
  * back for S seconds per layout (the power-limited rate; it slows the timings after it: alone only);
- * GG_EXTRA=1 adds layouts with 1536 in place of 1408, and "even1536": 32 experts of 1536 rows; GG_SMALL=1 runs only the small untimed layouts
- * (for compute-sanitizer); GG_NOTIME=1 runs the checks only, GG_CASE=name one layout (e.g. even).
+ * GG_EXTRA=1 adds layouts with 1536 in place of 1408, and "even1536": 32 experts of 1536 rows;
+ * GG_SMALL=1 runs only the small untimed layouts (for compute-sanitizer); GG_NOTIME=1 runs the checks only, GG_CASE=name one layout (e.g. even).
  */
 #define MOETRAIN_IMPLEMENTATION   /* mt_errf and friends, for the kernels file */
 #include "../moetrain_kernels.cu"
@@ -627,28 +627,22 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                 g_table.push_back(line);
             }
             if (mode == 2) {
-                /* the default dW with and without the norm partials, alternating (what GMM_DW_SQ adds) */
+                /* the other dW kernels, and the default one with the norm partials (GMM_DW_SQ) */
                 const long long L = mt_ggk::ssq_need(E, M, K);
                 float *ssq;
                 CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
+                /* first the default with and without the partials, alternating (what GMM_DW_SQ adds) */
                 float t_ab[3][2];
                 for (int r = 0; r < 3; ++r) {
                     t_ab[r][0] = time_median([&]() { if (run_variant(2, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
                     t_ab[r][1] = time_median([&]() { if (run_variant(2, b, 2, b.ws, st, false, ssq, L) != 0) fatal("launch failed"); }, st);
                 }
-                CK(cudaFree(ssq));
-                char line[400];
-                snprintf(line, sizeof line, "%-9s %-11s without / with the norm partials, alternating: %5.1f / %5.1f, %5.1f / %5.1f, %5.1f / %5.1f TFLOP/s",
+                char ab[400];
+                snprintf(ab, sizeof ab, "%-9s %-11s without / with the norm partials, alternating: %5.1f / %5.1f, %5.1f / %5.1f, %5.1f / %5.1f TFLOP/s",
                          c.name.c_str(), "dW (+norm)", flops / t_ab[0][0] * 1e-9, flops / t_ab[0][1] * 1e-9, flops / t_ab[1][0] * 1e-9,
                          flops / t_ab[1][1] * 1e-9, flops / t_ab[2][0] * 1e-9, flops / t_ab[2][1] * 1e-9);
-                printf("  timing %s\n", line);
-                g_table.push_back(line);
-            }
-            if (mode == 2) {
-                /* the other dW kernels, and the default one with the norm partials (GMM_DW_SQ) */
-                const long long L = mt_ggk::ssq_need(E, M, K);
-                float *ssq;
-                CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
+                printf("  timing %s\n", ab);
+                g_table.push_back(ab);
                 /* in turns (staged stores 7, TMA stores 8, in clusters 9) and the 128 x 256 kernel (4, 3)
                    alternately, so that clocks drift alike */
                 float t_pp[4][2], t_dv[2][2];
