@@ -59,7 +59,7 @@ extern "C" {
 typedef MT_REAL mt_real;
 
 #define MT_VERSION_STRING "moetrain 0.1"
-#define MT_KERNELS_VERSION "moetrain-kernels 2"   /* bump when any kernel's numerics change (2: RoPE rotations with pinned roundings) */
+#define MT_KERNELS_VERSION "moetrain-kernels 3"   /* bump when any kernel's numerics change (2: RoPE rotations with pinned roundings; 3: the SwiGLU's logistic with the approximate reciprocal) */
 #define MT_FORMAT_VERSION 6u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
                                                       4: activation recompute: the recompute phase, the choice and budget in the plan; 5: tuning by GPU model;
                                                       6: RoPE folded into attention: ROPE_PE, MLA_ATTENTION(_BWD), ROPE_PE_BWD, 10 inputs a node) */
@@ -364,7 +364,8 @@ typedef struct {
     X(ROPE_PE, 4, 2, 0)          /* fold_rope: q, kpe, cos, sin -> qr[N,H*dr], kr[N,dr] (rotated rope parts); i as MLA_ROPE */ \
     X(MLA_ATTENTION, 5, 2, 0)    /* fold_rope: q, kv, qr, kr, dstart (optional) -> O, lse: ATTENTION of MLA_ROPE's Q, K, V; i0 H i1 dq i2 dv i3 T i4 dn */ \
     X(MLA_ATTENTION_BWD, 10, 3, 0) /* fold_rope: q, kv, qr, kr, O, lse, dO, dstart (optional), cos, sin -> dq, dkv, dkr[N,H*dr] */ \
-    X(ROPE_PE_BWD, 3, 1, 0)      /* fold_rope: dkr, cos, sin -> dkpe[N,dr] (the heads' kr gradients rotated back and summed) */
+    X(ROPE_PE_BWD, 3, 1, 0)      /* fold_rope: dkr, cos, sin -> dkpe[N,dr] (the heads' kr gradients rotated back and summed) */ \
+    X(GMM_GLU, 4, 3, 0)          /* fused: X, Wg, offs, Wu -> g = X_e Wg_e^T, u = X_e Wu_e^T, h = silu(g) u (one launch) */
 
 enum {
 #define MT_OP_ENUM(name, ni, no, d) MT_OP_##name,
@@ -477,10 +478,16 @@ void mt_value_live_range(const mt_graph *g, int v, int *first, int *last);
 typedef struct {
     int elide, fuse, plan_memory, capture, isolate_ep, overlap;   /* which optimizing passes run */
     int fold_rope;           /* CUDA graphs: MLA's RoPE assembly folded into the attention kernels (mt_pass_fold_rope) */
+    int fuse_glu;            /* with fuse: the experts' gate and up GEMMs and their SwiGLU as one op (mt_pass_fuse_glu) */
     int64_t memory_budget;   /* bytes (persistent + arena, as planned); > 0: recompute the fewest blocks that fit it */
 } mt_passes;
 int mt_pass_elide_collectives(mt_graph *g, mt_err *err); /* the expert exchange over one rank is a copy: gone */
 int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
+/* The routed experts' GMM (x, W_gate) -> g, GMM (x, W_up) -> u, SWIGLU (g, u) -> h become one GMM_GLU
+ * (x, W_gate, offs, W_up) -> g, u, h: on CUDA one grouped GEMM whose tiles hold g's and u's same
+ * columns, the SwiGLU in its epilogue; on the CPU the three ops in order. Bitwise the same results.
+ * Returns the number of fusions, -1 on error. */
+int mt_pass_fuse_glu(mt_graph *g, mt_err *err);
 /* RoPE folded into attention: MLA_ROPE -> ATTENTION -> ATTENTION_BWD -> MLA_ROPE_BWD become ROPE_PE ->
  * MLA_ATTENTION -> MLA_ATTENTION_BWD -> ROPE_PE_BWD, which never form Q, K, V or their gradients (the
  * CUDA kernels load their tiles from q, kv and the rotated parts). Bitwise the same results. Any
@@ -841,6 +848,9 @@ int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, c
                 int Rmax, void *ws, const void *a2, const void *b2, float *ssq, int64_t ssq_len);
                 /* mode 0: Y=X W^T, 1: dX = dY W, 2: dW = dY^T X (f32 out); offsets on the device; mode 1 with
                    a2, b2: dX = dY W + a2 b2; mode 2 with ssq: partial sums of dW^2 (mt_gmm_ssq_len entries) */
+int mt_cuda_gmm_glu(mt_cuda *c, void *g, void *u, void *h, const void *x, const void *wg, const void *wu, const int32_t *d_offs,
+                    int E, int M, int K, int Rmax);
+                /* gate and up in one launch: g = X Wg^T, u = X Wu^T, h = silu(g) u (h may be NULL) */
 int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32_t *slot, const float *w, int N, int D, int K);
 int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
                                  const float *w, int N, int D, int K);
@@ -1770,7 +1780,7 @@ static int mt__index_operands(int op, uint32_t *in, uint32_t *out) {
     case MT_OP_EP_COUNTS: *in = 1u; *out = 1u; break;
     case MT_OP_EP_DISPATCH: *in = 2u | 4u; *out = 2u; break;
     case MT_OP_EP_COMBINE: *in = 2u | 4u; break;
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: *in = 4u; break;
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: case MT_OP_GMM_GLU: *in = 4u; break;
     case MT_OP_MOE_COMBINE: *in = 2u; break;
     case MT_OP_MOE_COMBINE_BWD: *in = 4u; break;
     case MT_OP_CROSS_ENTROPY: *in = 2u; break;
@@ -2057,6 +2067,20 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
             MT__T(mt__is_index(&c, mt__out(&c, 1), "roffs", 1));
             MT__T(mt__shape(&c, mt__out(&c, 1), "roffs", 1, El + 1, 0, 0));
         }
+        break;
+    }
+    case MT_OP_GMM_GLU: {
+        const mt_value *offs = mt__in(&c, 2), *W2 = mt__in(&c, 3);
+        MT__T(mt__shape(&c, b, "Wg", 3, MT__ANY, MT__ANY, MT__ANY));
+        int64_t E = b->dims[0], M = b->dims[1], K = b->dims[2];
+        MT__T(mt__is_index(&c, offs, "offs", 1)); MT__T(mt__shape(&c, offs, "offs", 1, E + 1, 0, 0));
+        MT__T(mt__shape(&c, W2, "Wu", 3, E, M, K));
+        MT__T(mt__shape(&c, a, "X", 2, MT__ANY, K, 0));
+        MT__T(mt__shape(&c, o, "g", 2, a->dims[0], M, 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "u", 2, a->dims[0], M, 0));
+        MT__T(mt__shape(&c, mt__out(&c, 2), "h", 2, a->dims[0], M, 0));
+        if (W2->dtype != b->dtype || mt__out(&c, 1)->dtype != o->dtype || mt__out(&c, 2)->dtype != o->dtype)
+            return mt_errf(err, "GMM_GLU: gate and up differ in dtype");
         break;
     }
     case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {
@@ -3737,6 +3761,51 @@ static int mt__uses_after(const mt_graph *g, int i, int v) {
  *    Only where every all-reduce of that gradient is over one rank (the
  *    norm is of the reduced gradient). Not on the CPU, whose SUMSQ sums in
  *    double and stays the reference. */
+int mt_pass_fuse_glu(mt_graph *g, mt_err *err) {
+    (void)err;
+    int fused = 0;
+    for (int i = 0; i < g->n_nodes; i++) {
+        mt_node *s = &g->nodes[i];
+        if (s->op != MT_OP_SWIGLU) continue;
+        int jg = -1, ju = -1;   /* the nodes that produce g and u */
+        for (int j = i - 1; j >= 0 && (jg < 0 || ju < 0); j--) {
+            const mt_node *x = &g->nodes[j];
+            for (int k = 0; k < x->n_out; k++) {
+                if (x->out[k] == s->in[0] && jg < 0) jg = j;
+                if (x->out[k] == s->in[1] && ju < 0) ju = j;
+            }
+        }
+        if (jg < 0 || ju < 0 || jg == ju) continue;
+        mt_node *a = &g->nodes[jg], *b = &g->nodes[ju];
+        if (a->op != MT_OP_GMM || b->op != MT_OP_GMM || a->in[0] != b->in[0] || a->in[2] != b->in[2] ||
+            a->phase != b->phase || a->phase != s->phase || a->queue != b->queue || a->queue != s->queue)
+            continue;
+        const mt_value *wg = &g->values[a->in[1]], *wu = &g->values[b->in[1]];
+        if (wg->dtype != wu->dtype || memcmp(wg->dims, wu->dims, sizeof wg->dims) ||
+            g->values[a->out[0]].dtype != g->values[b->out[0]].dtype || g->values[s->out[0]].dtype != g->values[a->out[0]].dtype)
+            continue;
+        /* the fused node stands where the later GEMM stood: nothing between the two may read the earlier one's result */
+        int lo = jg < ju ? jg : ju, hi = jg < ju ? ju : jg, early = g->nodes[lo].out[0], clash = 0;
+        for (int k = lo + 1; k < hi && !clash; k++)
+            for (int j = 0; j < g->nodes[k].n_in; j++) clash |= g->nodes[k].in[j] == early;
+        if (clash) continue;
+        mt_node f = g->nodes[hi];
+        f.op = MT_OP_GMM_GLU; f.n_in = 4; f.n_out = 3;
+        f.in[0] = a->in[0]; f.in[1] = a->in[1]; f.in[2] = a->in[2]; f.in[3] = b->in[1];
+        f.out[0] = a->out[0]; f.out[1] = b->out[0]; f.out[2] = s->out[0];
+        g->nodes[hi] = f;
+        g->nodes[lo].op = -1;
+        s->op = -1;
+        fused++;
+    }
+    int w = 0, fwd = 0;
+    for (int i = 0; i < g->n_nodes; i++) if (g->nodes[i].op >= 0) g->nodes[w++] = g->nodes[i];
+    g->n_nodes = w;
+    for (int i = 0; i < g->n_nodes; i++) fwd += g->nodes[i].phase == MT_PHASE_FORWARD;
+    g->n_forward_nodes = fwd;
+    return fused;
+}
+
 int mt_pass_fuse(mt_graph *g, mt_err *err) {
     int w = 0;
     for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
@@ -4155,6 +4224,7 @@ int mt_pass_recompute(mt_graph *g, const int32_t *layers, int n, mt_err *err) {
 static int mt__late_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
     if (p->fold_rope && g->target.backend == MT_BACKEND_CUDA && mt_pass_fold_rope(g, err) < 0) return -1;
     if (p->fuse && mt_pass_fuse(g, err)) return -1;
+    if (p->fuse && p->fuse_glu && mt_pass_fuse_glu(g, err) < 0) return -1;
     /* streams that run collectives side by side need them on separate communicators: overlap implies isolation */
     if ((p->isolate_ep || p->overlap) && mt_pass_isolate_ep(g, err) < 0) return -1;
     g->overlap = 0;
@@ -4276,8 +4346,8 @@ out:
     return rc;
 }
 
-void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->fold_rope = 1; p->memory_budget = 0; }
-void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->fold_rope = 0; p->memory_budget = 0; }
+void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->fold_rope = 1; p->fuse_glu = 1; p->memory_budget = 0; }
+void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->fold_rope = 0; p->fuse_glu = 0; p->memory_budget = 0; }
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
     if (p->memory_budget < 0) return mt_errf(err, "memory budget %lld bytes is negative", (long long)p->memory_budget);
     if (p->elide && mt_pass_elide_collectives(g, err)) return -1;
@@ -4734,7 +4804,7 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
             int listed = 0;
             for (int k = 0; k < g->n_recompute && !listed; k++) listed = g->recompute[k].layer == n->layer;
             int fwd_op = mt_ops[n->op].differentiable || n->op == MT_OP_EP_COUNTS || n->op == MT_OP_ADD_RMSNORM || n->op == MT_OP_MATMUL_ACC ||
-                         n->op == MT_OP_ROPE_PE || n->op == MT_OP_MLA_ATTENTION;   /* fused forward ops */
+                         n->op == MT_OP_ROPE_PE || n->op == MT_OP_MLA_ATTENTION || n->op == MT_OP_GMM_GLU;   /* fused forward ops */
             if (!listed || !fwd_op) {
                 MT_FREE(state);
                 return mt_errf(err, "node %d (%s) re-runs %s of block %d, which the plan does not list as recomputed", i,
@@ -6523,7 +6593,8 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
         return mt_errf(err, "CUDA graphs need a float32 build (MT_REAL=float)");
     for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
         const mt_node *n = &g->nodes[i];
-        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX2 && n->op != MT_OP_GMM_DW_SQ) continue;
+        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX2 && n->op != MT_OP_GMM_DW_SQ &&
+            n->op != MT_OP_GMM_GLU) continue;
         const mt_value *W = &g->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
         if (W->dims[1] % 8 || W->dims[2] % 8)
             return mt_errf(err, "on CUDA the expert GEMMs need dim and moe_inter_dim to be multiples of 8 (got %lld and %lld)",
@@ -6987,7 +7058,7 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         break;
     case MT_OP_EP_COUNTS: case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE:
     case MT_OP_ALLGATHER: case MT_OP_REDUCE_SCATTER: return mt__cpu_collective(rt, n, err);
-    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: case MT_OP_GMM_GLU: {
         int dw = n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ;
         int wi = dw ? n->out[0] : n->in[1];
         int E = DIM(wi, 0), M = DIM(wi, 1), K = DIM(wi, 2);
@@ -6996,6 +7067,12 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         for (int e = 0; e < E; e++)
             if (offs[0] != 0 || offs[e + 1] < offs[e] || offs[E] > rows)
                 return mt_errf(err, "%s: bad expert offsets", mt_ops[n->op].name);
+        if (n->op == MT_OP_GMM_GLU) {   /* the three ops it stands for, in their order: bitwise theirs */
+            mt_cpu_gmm(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
+            mt_cpu_gmm(rt->pool, RO(1), R_(0), R_(3), offs, E, M, K);
+            mt_cpu_swiglu_forward(RO(2), RO(0), RO(1), rows * M);
+            break;
+        }
         if (n->op == MT_OP_GMM) mt_cpu_gmm(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
         else if (dw) mt_cpu_gmm_dw(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
         else mt_cpu_gmm_dx(rt->pool, RO(0), R_(0), R_(1), offs, E, M, K);
@@ -7167,6 +7244,10 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         if (!rc && n->op == MT_OP_EP_DISPATCH) { rc = mt_cuda_ep_offsets(c, IO(1), I_(2), a[3]); rt->rows[n->out[0]] = rows; }
         break;
     }
+    case MT_OP_GMM_GLU:
+        rc = mt_cuda_gmm_glu(c, VO(0), VO(1), VO(2), V_(0), V_(1), V_(3), I_(2), DIM(n->in[1], 0), DIM(n->in[1], 1), DIM(n->in[1], 2),
+                             (int)mt__nrows(rt, n->in[0]));
+        break;
     case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {   /* the offsets come from our own permutation */
         int dw = n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ, sq = n->op == MT_OP_GMM_DW_SQ;
         int wi = dw ? n->out[0] : n->in[1];
@@ -8768,6 +8849,12 @@ void mt_node_cost(const mt_graph *g, const mt_node *n, double *flops, double *by
         f = 2.0 * rows * (double)W->dims[1] * (double)W->dims[2];
         b = mt__moved_bytes(g, n->in[0]) + mt__moved_bytes(g, n->in[1]) + mt__moved_bytes(g, n->out[0]);
         if (n->op == MT_OP_GMM_DX2) { f *= 2; b += mt__moved_bytes(g, n->in[3]) + mt__moved_bytes(g, n->in[4]); }
+        break;
+    }
+    case MT_OP_GMM_GLU: {   /* two GEMMs (the SwiGLU's few flops not counted), their operands and three results */
+        const mt_value *W = &g->values[n->in[1]];
+        double rows = mt__moved_bytes(g, n->in[0]) / (double)mt_dtype_bytes(g, a->dtype) / (double)a->dims[1];
+        f = 4.0 * rows * (double)W->dims[1] * (double)W->dims[2];
         break;
     }
     case MT_OP_ATTENTION: case MT_OP_ATTENTION_BWD: case MT_OP_MLA_ATTENTION: case MT_OP_MLA_ATTENTION_BWD: {

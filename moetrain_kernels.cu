@@ -674,7 +674,9 @@ int mt_cuda_add(mt_cuda *c, void *out, const void *a, const void *b, int64_t n, 
     return 0;
 }
 
-__device__ __forceinline__ float sigm(float x) { return 1.0f / (1.0f + __expf(-x)); }
+/* the logistic with the approximate reciprocal (rcp.approx: a few ulp, 0 past 2^126; the IEEE division's
+   sequence, unrolled 64 times in the grouped GEMM's SwiGLU epilogue, cost that kernel a fifth of its rate) */
+__device__ __forceinline__ float sigm(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 __device__ __forceinline__ float swiglu1(float x, float y) { return x * sigm(x) * y; }
 __global__ void k_swiglu(bf16 *h, const bf16 *g, const bf16 *u, int64_t n) {
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
@@ -5666,6 +5668,7 @@ struct Params {
     const bf16 *a2, *b2; /* mode 1, optional second pair: dX = dY W + dY2 W2, one reduction loop  */
     int nkh;             /* mode 1 with a second pair: steps per pair (nk01 = 2 nkh)           */
     float *ssq;          /* mode 2, optional: partial sums of dW^2, [tile * 8 + warp] (S == 1) */
+    void *out2, *out3;   /* gate/up in one launch (gg_run_glu): out = g, out2 = u, out3 = silu(g) u (optional) */
     int E, M, K, Rmax;
     int ncols;           /* output columns: M (mode 0), K (modes 1, 2)                        */
     int ct;              /* column tiles ceil(ncols / BN)                                     */
@@ -6116,6 +6119,51 @@ __device__ __forceinline__ float epilogue_wide(const Params &p, const float (&ac
     return ss;
 }
 
+/* Gate and up in one launch (gg_run_glu): tile columns [0, 128) are g's columns [c0 / 2, c0 / 2 + 128),
+   [128, 256) u's same columns, so a thread holds g and u of the same elements (acc[4j + 2h + b] and
+   acc[4 (j + 16) + 2h + b]).  Six passes of 64 columns through the warp's 2 KB buffer, as
+   epilogue_staged<0, 128> stores: g's two, u's two, then h = silu(g) u's two (out3, when given),
+   each from the bf16-rounded g and u as k_swiglu computes it: the same bits as the two GEMMs and
+   the SwiGLU apart. */
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)[128], const Tile &ti, int wrow, int lane,
+                                             int rows_valid, unsigned char *buf) {
+    const int g = lane >> 2, c = lane & 3, c0h = ti.c0 >> 1, hv = min(128, p.M - c0h);
+    const size_t ld = (size_t)p.M * 2, o0 = ((size_t)ti.r0 * p.M + c0h) * 2;
+    char *base[3] = {reinterpret_cast<char *>(p.out) + o0, reinterpret_cast<char *>(p.out2) + o0,
+                     p.out3 ? reinterpret_cast<char *>(p.out3) + o0 : nullptr};
+#pragma unroll
+    for (int pass = 0; pass < 6; ++pass) {
+        const int half = pass & 1, which = pass >> 1;
+        if (which == 2 && !p.out3) break;
+        if (64 * half >= hv) continue; /* tile-uniform */
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+            const int j = 8 * half + jj;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = g + 8 * h, i = 4 * j + 2 * h;
+                __nv_bfloat162 v;
+                if (which == 0) v = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+                else if (which == 1) v = __floats2bfloat162_rn(acc[i + 64], acc[i + 65]);
+                else v = __floats2bfloat162_rn(swiglu1(bf16_round(acc[i]), bf16_round(acc[i + 64])),
+                                               swiglu1(bf16_round(acc[i + 1]), bf16_round(acc[i + 65])));
+                const int byte = (8 * jj + 2 * c) * 2;
+                *reinterpret_cast<__nv_bfloat162 *>(buf + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15)) = v;
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+            const int r = 4 * it + (lane >> 3), ch = lane & 7;
+            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * 128 + ((ch ^ (r & 7)) << 4));
+            const int row = wrow + r, col = 64 * half + 8 * ch;
+            if (row < rows_valid && col < hv) *reinterpret_cast<uint4 *>(base[which] + (size_t)row * ld + (size_t)col * 2) = v;
+        }
+        __syncwarp();
+    }
+}
+
 /* the q-th tile of this CTA: a static serpentine round robin over the work list. Round q hands
  * tiles [q G, q G + G) to the G CTAs, forwards in even rounds and backwards in odd ones, so a CTA
  * that got one of the cheaper tiles of a round (a narrow last column tile; mode 2's list is sorted
@@ -6440,11 +6488,17 @@ struct TmaParams {
    barrier first.  Column blocks that start past the tensor's columns are not loaded (what the stage
    holds there meets only output rows or columns that are never stored). */
 /* A wide tile (256 x 128) fills the same stage bytes: A 256 rows (32 KB), then B 128 columns. */
-template <int MODE>
+/* GLU (mode 0, gate and up in one launch): B is W_gate's 128 rows from c0 / 2, then W_up's same rows. */
+template <int MODE, bool GLU = false>
 __device__ __forceinline__ void tma_step(const TmaParams &tp, const Tile &ti, int kt, uint32_t sA, uint32_t bar) {
     const int w = ti.wide;
     const uint32_t sB = sA + (w ? 2u : 1u) * A_BYTES;
-    if (MODE == 0) {
+    if (MODE == 0 && GLU) {
+        mbar_expect_tx(bar, (uint32_t)STAGE_BYTES);
+        tma_load_2d(sA, &tp.ta, bar, kt * BK, ti.r0);                /* X: box 64 x 128 rows             */
+        tma_load_3d(sB, &tp.tbh, bar, kt * BK, ti.c0 >> 1, ti.e);    /* W_gate: box 64 x 128 x 1         */
+        tma_load_3d(sB + A_BYTES, &tp.tb2, bar, kt * BK, ti.c0 >> 1, ti.e); /* W_up: the same rows       */
+    } else if (MODE == 0) {
         mbar_expect_tx(bar, (uint32_t)STAGE_BYTES);
         tma_load_2d(sA, &tp.ta, bar, kt * BK, ti.r0);               /* X [Rmax][K]: box 64 x 128 rows   */
         if (w) {
@@ -6493,8 +6547,9 @@ __device__ __forceinline__ void init_ring(uint32_t full0, uint32_t empty0, int n
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
-/* DWV (mode 2): 0 = as modes 0/1; 1 = short last steps (only the k16 slices that hold rows) */
-template <int MODE, int DWV = 0>
+/* DWV (mode 2): 0 = as modes 0/1; 1 = short last steps (only the k16 slices that hold rows);
+   GLU (mode 0): gate and up in one launch, the SwiGLU in the epilogue (see gg_run_glu) */
+template <int MODE, int DWV = 0, bool GLU = false>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
     constexpr bool SHORT = MODE == 2 && DWV >= 1;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -6527,7 +6582,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
                 for (int kt = 0; kt < ti.nk; ++kt, ++step) {
                     const int s = step % ST;
                     mbar_wait(empty0 + 8u * s, ((step / ST) & 1) ^ 1);
-                    tma_step<MODE>(tp, ti, kt, sbase + (uint32_t)(s * STAGE_BYTES), full0 + 8u * s);
+                    tma_step<MODE, GLU>(tp, ti, kt, sbase + (uint32_t)(s * STAGE_BYTES), full0 + 8u * s);
                 }
             }
         }
@@ -6584,6 +6639,10 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
             fence_acc_all(acc);
             if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + ST - 1) % ST));
             /* consumer warp w: tile rows 64 (w / 4) + 16 (w % 4) + [0, 16); in a wide tile columns 16 w + [0, 16) */
+            if (GLU) {
+                epilogue_glu(p, acc, ti, 64 * wg + 16 * (warp & 3), lane, rows_valid, buf);
+                continue;
+            }
             const float ss = ti.wide ? epilogue_wide<MODE>(p, acc, ti, warp, lane, rows_valid, cols_valid, buf)
                                      : epilogue_staged<MODE, 128>(p, acc, ti, 64 * wg + 16 * (warp & 3), lane, rows_valid, cols_valid, buf);
             if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
@@ -7103,13 +7162,16 @@ static int tma_w_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int E,
     return tma_map(enc, m, base, 3, dims, strides, box);
 }
 
-template <int MODE, int DWV = 0>
+template <int MODE, int DWV = 0, bool GLU = false>
 static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream) {
     TmaParams tp;
     memset(&tp, 0, sizeof tp);
     tp.p = p;
     int rc;
-    if (MODE == 0) {
+    if (MODE == 0 && GLU) {
+        rc = tma_row_map(enc, &tp.ta, p.a, p.K, p.Rmax, BM) | tma_w_map(enc, &tp.tbh, p.b, p.E, p.M, p.K, BN / 2) |
+             tma_w_map(enc, &tp.tb2, p.b2, p.E, p.M, p.K, BN / 2);
+    } else if (MODE == 0) {
         rc = tma_row_map(enc, &tp.ta, p.a, p.K, p.Rmax, BM) | tma_w_map(enc, &tp.tb, p.b, p.E, p.M, p.K, BN);
         if (p.half) rc |= tma_w_map(enc, &tp.tbh, p.b, p.E, p.M, p.K, BN / 2);
     } else if (MODE == 1) {
@@ -7119,7 +7181,7 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
         rc = tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK);
     }
     if (rc) return -1;
-    void (*kern)(const TmaParams) = gg_tma_kernel<MODE, DWV>;
+    void (*kern)(const TmaParams) = gg_tma_kernel<MODE, DWV, GLU>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_TMA) != cudaSuccess) return -1;
     kern<<<grid, NT_TMA, SMEM_TMA, stream>>>(tp);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
@@ -7227,6 +7289,7 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     p.offs = d_offs;
     p.a2 = reinterpret_cast<const bf16 *>(a2);
     p.ssq = (ssq && S == 1) ? ssq : nullptr;
+    p.out2 = p.out3 = nullptr;
     p.b2 = reinterpret_cast<const bf16 *>(b2);
     /* every mode: a static round robin. (A dynamic ticket counter for mode 2 was
      * measured on H200 to change bits between runs; the static schedule does not.) */
@@ -7293,6 +7356,61 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     return 0;
 }
 
+/* Gate and up projections of the same rows in one launch, and the SwiGLU (GMM_GLU):
+ *   g[r, m] = sum_k X[r, k] Wg[e, m, k],  u likewise with Wu,  h = silu(g) u  (h optional: NULL)
+ * On the TMA kernel (variant 2) as one work list: 256-column tiles whose first 128 columns are g's
+ * and last 128 u's same columns, so ceil(M / 128) full-width column tiles (mid's 1408: 11, where
+ * two launches take 5 full and a half-wide one each) and the SwiGLU in the epilogue from the
+ * bf16-rounded g and u, as k_swiglu computes it.  Each element of g and u sees the same k16 slices
+ * in the same order as in its own launch: the same bits as two launches and k_swiglu, which is what
+ * the other variants run (and the tests compare against).
+ * H200, mid's shapes (bench/grouped_gemm.cu GG_GLU=1, layout big, three rounds): 600, 610, 510 TFLOP/s
+ * against 565, 570, 494 for two launches and k_swiglu; without h 652, 584, 570 against 626, 539, 540.
+ * With sigm's IEEE division (64 of them unrolled in the epilogue) the fused launch ran at 510 against
+ * 555: see sigm. */
+static int gg_run_glu(int variant, void *g, void *u, void *h, const void *x, const void *wg, const void *wu, const int *d_offs,
+                      int E, int M, int K, int Rmax, cudaStream_t stream, int nsm = 0) {
+    if (!args_ok(0, E, M, K, Rmax) || !g || !u || !x || !wg || !wu || !d_offs) return -1;
+    if ((((uintptr_t)g) | ((uintptr_t)u) | ((uintptr_t)h) | ((uintptr_t)x) | ((uintptr_t)wg) | ((uintptr_t)wu)) & 15u) return -1;
+    if (nsm <= 0 && num_sms(&nsm) != 0) return -1;
+    EncodeTiledFn enc = variant == 2 ? tma_encoder() : nullptr;
+    if (variant != 2 || !enc) {
+        const int v = variant == 2 ? 1 : variant;
+        if (gg_run(v, 0, g, x, wg, d_offs, E, M, K, Rmax, nullptr, stream, nullptr, nullptr, nullptr, 0, nsm) ||
+            gg_run(v, 0, u, x, wu, d_offs, E, M, K, Rmax, nullptr, stream, nullptr, nullptr, nullptr, 0, nsm))
+            return -1;
+        const long long n = (long long)Rmax * M;
+        if (h && n > 0) {
+            long long blocks = (n / 8 + 1 + 255) / 256;
+            if (blocks > 65536) blocks = 65536;
+            k_swiglu<<<(unsigned)blocks, 256, 0, stream>>>((bf16 *)h, (const bf16 *)g, (const bf16 *)u, n);
+            if (cudaGetLastError() != cudaSuccess) return -1;
+        }
+        return 0;
+    }
+    Params p;
+    memset(&p, 0, sizeof p);
+    p.out = g; p.out2 = u; p.out3 = h;
+    p.a = reinterpret_cast<const bf16 *>(x);
+    p.b = reinterpret_cast<const bf16 *>(wg);
+    p.b2 = reinterpret_cast<const bf16 *>(wu);
+    p.offs = d_offs;
+    p.part = nullptr;
+    p.E = E; p.M = M; p.K = K; p.Rmax = Rmax;
+    p.ct = (M + BN / 2 - 1) / (BN / 2);
+    p.ncols = p.ct * BN;   /* virtual: 256 columns a tile, the half of g's and the half of u's */
+    p.half = 0;
+    p.ctf = p.ct;
+    p.nk01 = p.nkh = (K + BK - 1) / BK;
+    p.S = 1;
+    p.ntm = (M + BM - 1) / BM;
+    const long long tiles = ((long long)Rmax / BM + E) * p.ct;
+    if (tiles > INT_MAX / 2) return -1;
+    if (Rmax == 0) return 0;
+    const int grid = (int)(tiles < nsm ? tiles : nsm);
+    return launch_tma<0, 0, true>(enc, p, grid, stream);
+}
+
 static size_t gg_workspace(int mode, int E, int M, int K, int Rmax, int nsm) {
     if (!args_ok(mode, E, M, K, Rmax)) return 0;
     if (mode != 2) return 0;
@@ -7312,6 +7430,15 @@ int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, c
     if (mt_ggk::gg_run(2, mode, out, a, b, d_offs, E, M, K, Rmax, ws, c->stream, a2, b2, ssq, ssq_len, c->split_sms)) {
         cudaError_t e = cudaGetLastError();
         return mt__fail(c, "grouped GEMM", e != cudaSuccess ? cudaGetErrorString(e) : "bad arguments (dims must be multiples of 8)");
+    }
+    return 0;
+}
+
+int mt_cuda_gmm_glu(mt_cuda *c, void *g, void *u, void *h, const void *x, const void *wg, const void *wu, const int32_t *d_offs,
+                    int E, int M, int K, int Rmax) {
+    if (mt_ggk::gg_run_glu(2, g, u, h, x, wg, wu, d_offs, E, M, K, Rmax, c->stream, c->split_sms)) {
+        cudaError_t e = cudaGetLastError();
+        return mt__fail(c, "grouped GEMM (gate and up)", e != cudaSuccess ? cudaGetErrorString(e) : "bad arguments (dims must be multiples of 8)");
     }
     return 0;
 }

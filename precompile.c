@@ -35,6 +35,7 @@ static const opt_spec specs[] = {
     {"dot", "FILE", OPT_STR, 0, 0, "", "also write the graph for Graphviz (dot -Tsvg FILE); with --dump FILE too"},
     {"overlap", NULL, OPT_FLAG, 0, 0, "off", "collectives on their own streams: FSDP prefetch, EP ahead of its host sync"},
     {"no-fold-rope", NULL, OPT_FLAG, 0, 0, "off", "CUDA: form MLA's Q, K, V apart instead of folding RoPE into attention"},
+    {"no-fuse-glu", NULL, OPT_FLAG, 0, 0, "off", "the experts' gate and up GEMMs and their SwiGLU as three ops"},
     {"memory-budget", "GiB", OPT_FLOAT, 0, 1 << 20, "0: off", "recompute the fewest blocks' activations so the planned peak (persistent + arena) fits"},
     {"help", NULL, OPT_FLAG, 0, 0, "", "this text"},
 };
@@ -161,6 +162,7 @@ int main(int argc, char **argv) {
     if (eager) mt_passes_none(&passes); else mt_passes_all(&passes);
     passes.overlap = flag[at("overlap")];
     if (flag[at("no-fold-rope")]) passes.fold_rope = 0;
+    if (flag[at("no-fuse-glu")]) passes.fuse_glu = 0;
     passes.memory_budget = (int64_t)(fnum[at("memory-budget")] * 1073741824.0);
     mt_graph g;
     double t0 = mt_now();

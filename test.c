@@ -1308,6 +1308,7 @@ static int gpu_compile(mt_graph *g, const mt_config *c, int cuda, int planned, m
     if (planned) mt_passes_all(&p); else mt_passes_none(&p);
     if (planned == 2) p.fuse = 0;   /* every pass but fusion: bitwise the eager step */
     if (planned == 3) p.overlap = 0;   /* every pass but overlap */
+    if (planned == 4) p.fuse_glu = 0;  /* every pass but the gate/up + SwiGLU fusion */
     return mt_compile(g, c, &m, &t, MT_GRAPH_TRAIN, &p, e);
 }
 static mt_runtime *gpu_runtime(const mt_graph *g, int poison) {
@@ -1428,6 +1429,19 @@ static void gpu_test_whole_steps(void) {
                "worst rel loss %.1e (bitwise: %s)", w, ok3 && bitwise_equal(lg, lo, S) ? "yes" : "no");
         mt_runtime_destroy(ro); mt_runtime_destroy(rp);
         if (ok && ok3) mt_graph_free(&go);
+    }
+    {   /* the experts' gate and up GEMMs and their SwiGLU as one op (gg) against three ops: bitwise */
+        mt_graph gu;
+        double lu[S] = {0};
+        int glu = 0, left = 0, made = ok && !gpu_compile(&gu, &c, 1, 4, &e), oku = made;
+        for (int i = 0; i < gg.n_nodes; i++) glu += gg.nodes[i].op == MT_OP_GMM_GLU;
+        for (int i = 0; oku && i < gu.n_nodes; i++) left += gu.nodes[i].op == MT_OP_GMM_GLU;
+        mt_runtime *ru = oku ? gpu_runtime(&gu, 1) : NULL;
+        oku = oku && ru && !gpu_steps(ru, &c, S, lu, NULL);
+        report("gpu experts' gate/up GEMMs + SwiGLU as one op (GMM_GLU) = three ops, bitwise", oku && glu == 2 && !left && bitwise_equal(lg, lu, S),
+               "%d fused (%d without the pass); worst rel loss %.1e", glu, left, oku ? max_rel(lg, lu, S) : 1.0);
+        mt_runtime_destroy(ru);
+        if (made) mt_graph_free(&gu);
     }
     mt_runtime_destroy(rc); mt_runtime_destroy(r1); mt_runtime_destroy(r2); mt_runtime_destroy(r3); mt_runtime_destroy(r5);
     mt_graph_free(&gc); mt_graph_free(&gg); mt_graph_free(&ge); mt_graph_free(&gn);
@@ -2393,6 +2407,24 @@ static void test_graph_structure(void) {
     /* per MoE layer: shared + routed (fwd); q/kv, shared gate/up, router (bwd); dense layer: q/kv, gate/up */
     report("fusion pass: GEMM + ADD -> epilogue sums, expert dX pairs", acc_mm == 2 * 4 + 2 && dx2 == 2 && adds == 2,
            "%d MATMUL_ACC, %d GMM_DX2, %d ADD left", acc_mm, dx2, adds);
+    {   /* per MoE layer the routed experts' gate, up and SwiGLU become one GMM_GLU; the shared experts' and the
+           dense layer's SwiGLU stay (their GEMMs are dense); the backward still reads g and u */
+        int glu = 0, gmm = 0, sw = 0, swb = 0, okg = 1;
+        for (int i = 0; i < g.n_nodes; i++) {
+            const mt_node *x = &g.nodes[i];
+            glu += x->op == MT_OP_GMM_GLU; gmm += x->op == MT_OP_GMM; sw += x->op == MT_OP_SWIGLU;
+            if (x->op != MT_OP_SWIGLU_BWD) continue;
+            swb++;
+            for (int k = 0; k < 2; k++) {   /* the routed experts' g and u come from a GMM_GLU before it */
+                int from = -1;
+                for (int j = 0; j < i; j++)
+                    for (int o = 0; o < g.nodes[j].n_out; o++) if (g.nodes[j].out[o] == x->in[k]) from = j;
+                okg &= from >= 0;
+            }
+        }
+        report("fusion pass: the experts' gate/up GEMMs + SwiGLU -> GMM_GLU", okg && glu == 2 && gmm == 2 && sw == 3 && swb == 5,
+               "%d GMM_GLU, %d GMM (down) and %d SWIGLU left, %d SWIGLU_BWD", glu, gmm, sw, swb);
+    }
     {   /* on the CUDA target, expert weight gradients' norm partials come from the dW GEMM; over 2 data-parallel
            ranks (gradients all-reduced first) they do not */
         mt_graph gc2;

@@ -25,7 +25,7 @@
 
 typedef struct {
     const char *preset, *graph, *data, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
-    int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_fold_rope,
+    int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_fold_rope, no_fuse_glu,
         attn_recompute_dq;
     int nproc, dp_replicate, dp_shard, ep;   /* ranks; 0 = derive */
     float timeout;                           /* seconds without progress before a rank gives up */
@@ -86,6 +86,7 @@ static const opt_spec specs[] = {
     {"eager", OPT_FLAG, O_(eager), 0, 0, 0, 0, "off", "no optimizing passes (the baseline)", NULL},
     {"overlap", OPT_FLAG, O_(overlap), 0, 0, 0, 0, "off", "collectives on their own CUDA streams: FSDP prefetch, EP ahead of its host sync", NULL},
     {"no-fold-rope", OPT_FLAG, O_(no_fold_rope), 0, 0, 0, 0, "off", "CUDA: form MLA's Q, K, V apart instead of folding RoPE into attention (same results; for comparison)", NULL},
+    {"no-fuse-glu", OPT_FLAG, O_(no_fuse_glu), 0, 0, 0, 0, "off", "run the experts' gate and up GEMMs and their SwiGLU as three ops (same results; for comparison)", NULL},
     {"attn-recompute-dq", OPT_FLAG, O_(attn_recompute_dq), 0, 0, 0, 0, "off", "CUDA: the attention backward recomputes S and dP for dQ instead of storing dS (B*H*T^2 bytes less workspace; slower)", NULL},
     {"memory-budget", OPT_FLOAT, O_(memory_budget), 0, 1 << 20, 0, 0, "0: off", "recompute the fewest blocks' activations so the planned peak (persistent + arena) fits (compiling here; an artifact has its own)", "GiB"},
     {"nan-check", OPT_FLAG, O_(nan_check), 0, 0, 0, 0, "off", "check every op's output for NaN/Inf and name the first (slower)", NULL},
@@ -507,6 +508,7 @@ static int run_forward(const opts *o, mt_config cfg) {
     choose_target(o, &tgt);
     if (o->eager) mt_passes_none(&passes); else mt_passes_all(&passes);
     if (o->no_fold_rope) passes.fold_rope = 0;
+    if (o->no_fuse_glu) passes.fuse_glu = 0;
     if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_FORWARD, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
     mt_binding bind;
     mt_binding_single(&bind);
@@ -1057,6 +1059,7 @@ int main(int argc, char **argv) {
         if (o.eager) mt_passes_none(&passes); else mt_passes_all(&passes);
         passes.overlap = o.overlap;
         if (o.no_fold_rope) passes.fold_rope = 0;
+        if (o.no_fuse_glu) passes.fuse_glu = 0;
         passes.memory_budget = (int64_t)((double)o.memory_budget * 1073741824.0);
         double t0 = mt_now();
         if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_TRAIN, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }

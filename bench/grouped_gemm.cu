@@ -14,6 +14,9 @@
  * back for S seconds per layout (the power-limited rate; it slows the timings after it: alone only);
  * GG_EXTRA=1 adds layouts with 1536 in place of 1408, and "even1536": 32 experts of 1536 rows;
  * GG_SMALL=1 runs only the small untimed layouts (for compute-sanitizer); GG_NOTIME=1 runs the checks only, GG_CASE=name one layout (e.g. even).
+ * Every layout also checks the gate/up launch with the SwiGLU (gg_run_glu, GMM_GLU) bitwise against two
+ * launches and k_swiglu; GG_GLU=1 runs only the layout's own checks and that one, timed on the timed
+ * layouts (with GG_ONLY_TIME=1: only the gate/up checks and timing).
  */
 #define MOETRAIN_IMPLEMENTATION   /* mt_errf and friends, for the kernels file */
 #include "../moetrain_kernels.cu"
@@ -442,6 +445,84 @@ static float time_median(F f, cudaStream_t st) {
     return 0.5f * (ts[4] + ts[5]);
 }
 
+/* GMM_GLU (gate and up in one launch, the SwiGLU in the epilogue) against two launches of the default
+   kernel and k_swiglu, bitwise over every row of g, u and h (rows past R poisoned and untouched); the
+   cp.async fallback likewise; h against silu(g) u from the bf16 g and u on the host.  Timed layouts:
+   the fused launch against the two launches with and without the SwiGLU, alternating. */
+static void glu_case(const Case &c, const Bufs &b, uint64_t seed, cudaStream_t st) {
+    const int E = b.E, M = b.M, K = b.K, Rmax = b.Rmax;
+    const size_t n = (size_t)Rmax * M, bytes = n * 2;
+    __nv_bfloat16 *W2, *o[6];
+    CK(cudaMalloc(&W2, (size_t)E * M * K * 2));
+    fill_normal(W2, (size_t)E * M * K, seed * 7919 + 5);
+    for (int i = 0; i < 6; ++i) { CK(cudaMalloc(&o[i], bytes)); CK(memset_dev(o[i], 0xFF, bytes)); }
+    auto sep = [&](bool h) {
+        if (mt_ggk::gg_run(2, 0, o[3], b.X, b.W, b.d_offs, E, M, K, Rmax, nullptr, st, nullptr, nullptr, nullptr, 0, g_nsm) ||
+            mt_ggk::gg_run(2, 0, o[4], b.X, W2, b.d_offs, E, M, K, Rmax, nullptr, st, nullptr, nullptr, nullptr, 0, g_nsm))
+            fatal("launch failed");
+        if (h) {
+            const size_t nr = (size_t)b.R * M;   /* the rows the GEMMs write */
+            k_swiglu<<<(unsigned)std::min<size_t>((nr / 8 + 1 + 255) / 256, 65536), 256, 0, st>>>(o[5], o[3], o[4], (int64_t)nr);
+            CK(cudaGetLastError());
+        }
+    };
+    auto glu = [&](int variant, bool h) {
+        if (mt_ggk::gg_run_glu(variant, o[0], o[1], h ? o[2] : nullptr, b.X, b.W, W2, b.d_offs, E, M, K, Rmax, st, g_nsm)) fatal("launch failed");
+    };
+    sep(true);
+    std::vector<uint16_t> ref(3 * n), got(3 * n);
+    CK(cudaStreamSynchronize(st));
+    for (int i = 0; i < 3; ++i) CK(cudaMemcpy(&ref[i * n], o[3 + i], bytes, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    long long untouched = 0;
+    for (size_t i = 0; i < (size_t)b.R * M; ++i) {
+        const double gg = bf2f(ref[i]), uu = bf2f(ref[n + i]), want = gg / (1.0 + exp(-gg)) * uu, h = bf2f(ref[2 * n + i]);
+        num += (h - want) * (h - want); den += want * want;
+    }
+    for (size_t i = (size_t)b.R * M; i < n; ++i) untouched += ref[i] != 0xFFFF || ref[n + i] != 0xFFFF || ref[2 * n + i] != 0xFFFF;
+    const double rel = den > 0 ? sqrt(num / den) : sqrt(num);
+    report(rel <= 1e-2 && untouched == 0, "%s GLU reference: h = silu(g) u from the bf16 g, u: rel=%.2e, untouched rows bad=%lld", c.name.c_str(), rel, untouched);
+    for (int variant = 2; variant >= 1; --variant) {
+        for (int i = 0; i < 3; ++i) CK(memset_dev(o[i], 0xFF, bytes));
+        glu(variant, true);
+        CK(cudaStreamSynchronize(st));
+        for (int i = 0; i < 3; ++i) CK(cudaMemcpy(&got[i * n], o[i], bytes, cudaMemcpyDeviceToHost));
+        /* g and u over every row; h over the rows the GEMMs write (the fallback's k_swiglu runs over all
+           Rmax rows, from the untouched rows of g and u), and untouched past them by the TMA kernel */
+        long long diff = 0;
+        for (size_t i = 0; i < 2 * n + (size_t)b.R * M; ++i) diff += got[i] != ref[i];
+        if (variant == 2)
+            for (size_t i = 2 * n + (size_t)b.R * M; i < 3 * n; ++i) diff += got[i] != 0xFFFF;
+        const bool same = diff == 0;
+        /* without h: g and u the same, h's buffer untouched */
+        CK(memset_dev(o[2], 0xFF, bytes));
+        glu(variant, false);
+        CK(cudaStreamSynchronize(st));
+        std::vector<uint16_t> h2(n);
+        CK(cudaMemcpy(h2.data(), o[2], bytes, cudaMemcpyDeviceToHost));
+        long long htouched = 0;
+        for (size_t i = 0; i < n; ++i) htouched += h2[i] != 0xFFFF;
+        report(same && htouched == 0, "%s GLU %-6s g, u, h = two launches + k_swiglu, bitwise (%lld of %zu differ); without h, h untouched (%lld)",
+               c.name.c_str(), variant_name[variant], diff, 3 * n, htouched);
+    }
+    if (c.timed && !getenv("GG_NOTIME")) {
+        const double flops = 2.0 * 2.0 * b.R * M * K;
+        for (int r = 0; r < 3; ++r) {
+            const float t0 = time_median([&]() { glu(2, true); }, st);
+            const float t1 = time_median([&]() { sep(true); }, st);
+            const float t2 = time_median([&]() { glu(2, false); }, st);
+            const float t3 = time_median([&]() { sep(false); }, st);
+            char line[400];
+            snprintf(line, sizeof line, "%-9s %-11s round %d: with the SwiGLU: one launch %5.1f, two launches + k_swiglu %5.1f; without: one launch %5.1f, two launches %5.1f TFLOP/s",
+                     c.name.c_str(), "gate+up", r, flops / t0 * 1e-9, flops / t1 * 1e-9, flops / t2 * 1e-9, flops / t3 * 1e-9);
+            printf("  timing %s\n", line);
+            g_table.push_back(line);
+        }
+    }
+    for (int i = 0; i < 6; ++i) CK(cudaFree(o[i]));
+    CK(cudaFree(W2));
+}
+
 static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream_t st) {
     Bufs b;
     b.E = c.E; b.M = c.M; b.K = c.K;
@@ -576,6 +657,8 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
         }
     }
 
+    if (!getenv("GG_ONLY_TIME") || (getenv("GG_GLU") && c.timed)) glu_case(c, b, seed, st);
+    if (getenv("GG_GLU")) goto done;           /* GG_GLU=1: only the gate/up checks and timing after the layout's own checks */
     if (c.timed && !getenv("GG_NOTIME")) {   /* GG_NOTIME=1: the checks only (sanitizer runs of the big layouts) */
         const double flops = 2.0 * b.R * M * K;
         for (int mode = 0; mode < 3; ++mode) {
@@ -721,6 +804,7 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
         }
     }
 
+done:
     CK(cudaFree(b.d_offs));
     CK(cudaFree(b.X)); CK(cudaFree(b.W)); CK(cudaFree(b.dY));
     CK(cudaFree(b.Y)); CK(cudaFree(b.dX)); CK(cudaFree(b.dW)); CK(cudaFree(b.ws));
