@@ -7367,7 +7367,14 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
  * H200, mid's shapes (bench/grouped_gemm.cu GG_GLU=1, layout big, three rounds): 600, 610, 510 TFLOP/s
  * against 565, 570, 494 for two launches and k_swiglu; without h 652, 584, 570 against 626, 539, 540.
  * With sigm's IEEE division (64 of them unrolled in the epilogue) the fused launch ran at 510 against
- * 555: see sigm. */
+ * 555: see sigm.
+ * Measured and not kept: the backward's counterpart, the down projection's dX (mode 1) with the
+ * SwiGLU's backward in the epilogue (each stored 16-byte chunk of dh, with g's and u's chunks at the
+ * same place, leaving as dg and du; g's and u's tile rows put into L2 by the producer at the tile's
+ * first step; bitwise dX and k_swiglu_bwd, 413 bench checks and memcheck clean).  H200, bench layout
+ * big-down (mid's GMM_DX), three rounds: 0.627, 0.627, 0.691 ms against 0.616, 0.618, 0.642 for dX
+ * and k_swiglu_bwd apart (dX alone 0.449-0.504): the epilogue, which no multiply overlaps, took longer
+ * for its 128 KB of loads and 128 KB of stores a tile than k_swiglu_bwd over the whole GPU. */
 static int gg_run_glu(int variant, void *g, void *u, void *h, const void *x, const void *wg, const void *wu, const int *d_offs,
                       int E, int M, int K, int Rmax, cudaStream_t stream, int nsm = 0) {
     if (!args_ok(0, E, M, K, Rmax) || !g || !u || !x || !wg || !wu || !d_offs) return -1;
