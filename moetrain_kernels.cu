@@ -6754,6 +6754,11 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   back two steps later; 10 stages of 20 KB, 160 KB loading against 120 KB): bench dW 487-491 */
 /*   / 449-464 against 582-584 / 548-557 (gate/up / down), mid's GMM_DW_SQ 395-401 against      */
 /*   516-543: more bytes in flight do not help, so the loads' latency is not what limits either. */
+/*   L2 cache policies on the copies (createpolicy, .L2::cache_hint): the operand loads evict-last  */
+/*   or the TMA stores evict-first, bench dW (big, without / with the partials, two processes     */
+/*   each, alternating) 559-505 / 543-475 and 553 / 538 (loads), 551-547 / 532-473 and 567-566 /  */
+/*   549-547 (stores) against 570-506 / 535-486 and 566-525 / 545-505: within the clock's drift;   */
+/*   the stores' policy in mid's step GMM_DW_SQ 476.0, 479.3, 478.7 against 491.6, 478.8, 485.7.  */
 /*   Rows an expert (bench/grouped_gemm.cu GG_CASE=even against GG_EXTRA=1 GG_CASE=even1536, the */
 /*   same work as 32 experts of 1536 rows; one start, two rounds): ours 618-619 -> 692-694        */
 /*   (gate/up) and 592-595 -> 665-666 (down), cuBLASLt's strided-batched 677-679 -> 745-747 and  */
