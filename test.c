@@ -1137,6 +1137,30 @@ static void gpu_test_gmm_shapes(int E, int M, int K, const int *counts) {
     report(nm, ok && same && untouched && zero_ok && e1 < BF_TOL && e2 < BF_TOL && e3 < BF_TOL && e4 < F32_TOL,
            "fwd %.1e dX %.1e dX2 %.1e dW %.1e, idle dW zero %d, tail rows untouched %d, rerun %s", e1, e2, e3, e4, zero_ok, untouched,
            same ? "bitwise" : "DIFFERS");
+    {   /* the experts' gate (W) and up (W2) GEMMs and their SwiGLU in one launch (GMM_GLU): bitwise the forward
+           above, a second forward and the SwiGLU kernel over the R rows; rows [R, Rmax) untouched */
+        void *g = dalloc(by), *u = dalloc(by), *h = dalloc(by), *u2 = dalloc(by), *h2 = dalloc(by);
+        int okg = !mt_cuda_gmm_glu(CU, g, u, h, DX, DW, DW2, (int32_t *)Doffs, E, M, K, Rmax) &&
+                  !mt_cuda_gmm(CU, 0, u2, DX, DW2, (int32_t *)Doffs, E, M, K, Rmax, ws, NULL, NULL, NULL, 0) &&
+                  !mt_cuda_swiglu_forward(CU, h2, out[0][0], u2, (int64_t)R * M);
+        unsigned char *hg = (unsigned char *)down(g, by), *hu = (unsigned char *)down(u, by), *hh = (unsigned char *)down(h, by);
+        unsigned char *ry = (unsigned char *)down(out[0][0], by), *ru = (unsigned char *)down(u2, by), *rh = (unsigned char *)down(h2, by);
+        size_t nr = 2 * (size_t)R * M;
+        int bit = okg && !memcmp(hg, ry, by) && !memcmp(hu, ru, by) && !memcmp(hh, rh, nr), tail = 1;
+        for (size_t j = nr; j < by; j++) tail &= hh[j] == 0xff;
+        /* h against silu(g) u from the CPU's g and u (bf16 tolerance) */
+        float *U = (float *)malloc(4 * (size_t)(R ? R : 1) * M), *H = (float *)malloc(4 * (size_t)(R ? R : 1) * M);
+        mt_cpu_gmm(NULL, U, X, W2, offs, E, M, K);
+        mt_cpu_swiglu_forward(H, Y, U, (int64_t)R * M);
+        float *gh = down_bf(h, (int64_t)R * M);
+        double eh = rel(gh, H, (int64_t)R * M);
+        char nm2[96];
+        snprintf(nm2, sizeof nm2, "gpu grouped gate/up + SwiGLU, one launch (E=%d M=%d K=%d)", E, M, K);
+        report(nm2, bit && tail && eh < BF_TOL, "g, u, h = two launches + SwiGLU bitwise %s, h's tail rows untouched %d, h vs CPU %.1e",
+               bit ? "yes" : "NO", tail, eh);
+        free(hg); free(hu); free(hh); free(ry); free(ru); free(rh); free(U); free(H); free(gh);
+        dfree(g); dfree(u); dfree(h); dfree(u2); dfree(h2);
+    }
     for (int run = 0; run < 2; run++) for (int i = 0; i < 4; i++) dfree(out[run][i]);
     free(offs); free(X); free(dY); free(dY2); free(W); free(W2); free(Y); free(dX); free(dX2); free(dW);
     free(gY); free(gdX); free(gdX2); free(gdW);
