@@ -3741,26 +3741,7 @@ static int mt__uses_after(const mt_graph *g, int i, int v) {
     return uses;
 }
 
-/* Fusion, over pairs the builder emits next to each other:
- *  - the residual add and the RMSNorm that reads it: one pass over the rows
- *    (ADD_RMSNORM); RMSNorm's backward adds its input gradient into the
- *    residual gradient directly (RMSNORM_BWD_ADD). Bitwise those of the pair.
- *  - two expert GEMMs dX = dY W over the same offsets whose results only
- *    meet in an ADD (the routed experts' gate and up inputs): one grouped
- *    GEMM that runs both reductions into the same accumulators (GMM_DX2;
- *    one rounding instead of three on the GPU, bitwise the trio on the CPU).
- *  - a GEMM whose result only feeds an ADD: the sum moves into the GEMM's
- *    epilogue (MATMUL_ACC: cuBLASLt with beta = 1, one rounding instead of
- *    two). These are the gradient sums where one activation feeds several
- *    GEMMs (q and kv, gate and up, shared experts and router) and the
- *    shared + routed expert sum. An ADD that an RMSNorm reads stays for
- *    ADD_RMSNORM, which saves more.
- *  - CUDA: an expert weight gradient's share of the global norm is summed in
- *    the grouped GEMM's epilogue while the tile is in registers (GMM_DW_SQ),
- *    and its SUMSQ adds those partials instead of re-reading the gradient.
- *    Only where every all-reduce of that gradient is over one rank (the
- *    norm is of the reduced gradient). Not on the CPU, whose SUMSQ sums in
- *    double and stays the reference. */
+/* The experts' gate/up GEMMs and their SwiGLU as one op: see the declaration (section 6). */
 int mt_pass_fuse_glu(mt_graph *g, mt_err *err) {
     (void)err;
     int fused = 0;
@@ -3806,6 +3787,26 @@ int mt_pass_fuse_glu(mt_graph *g, mt_err *err) {
     return fused;
 }
 
+/* Fusion, over pairs the builder emits next to each other:
+ *  - the residual add and the RMSNorm that reads it: one pass over the rows
+ *    (ADD_RMSNORM); RMSNorm's backward adds its input gradient into the
+ *    residual gradient directly (RMSNORM_BWD_ADD). Bitwise those of the pair.
+ *  - two expert GEMMs dX = dY W over the same offsets whose results only
+ *    meet in an ADD (the routed experts' gate and up inputs): one grouped
+ *    GEMM that runs both reductions into the same accumulators (GMM_DX2;
+ *    one rounding instead of three on the GPU, bitwise the trio on the CPU).
+ *  - a GEMM whose result only feeds an ADD: the sum moves into the GEMM's
+ *    epilogue (MATMUL_ACC: cuBLASLt with beta = 1, one rounding instead of
+ *    two). These are the gradient sums where one activation feeds several
+ *    GEMMs (q and kv, gate and up, shared experts and router) and the
+ *    shared + routed expert sum. An ADD that an RMSNorm reads stays for
+ *    ADD_RMSNORM, which saves more.
+ *  - CUDA: an expert weight gradient's share of the global norm is summed in
+ *    the grouped GEMM's epilogue while the tile is in registers (GMM_DW_SQ),
+ *    and its SUMSQ adds those partials instead of re-reading the gradient.
+ *    Only where every all-reduce of that gradient is over one rank (the
+ *    norm is of the reduced gradient). Not on the CPU, whose SUMSQ sums in
+ *    double and stays the reference. */
 int mt_pass_fuse(mt_graph *g, mt_err *err) {
     int w = 0;
     for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
