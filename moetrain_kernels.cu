@@ -6759,6 +6759,12 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   each, alternating) 559-505 / 543-475 and 553 / 538 (loads), 551-547 / 532-473 and 567-566 /  */
 /*   549-547 (stores) against 570-506 / 535-486 and 566-525 / 545-505: within the clock's drift;   */
 /*   the stores' policy in mid's step GMM_DW_SQ 476.0, 479.3, 478.7 against 491.6, 478.8, 485.7.  */
+/*   The copy engine relieved of half the stores (each warp's rows 8-15 of a round read back    */
+/*   from its buffer and written by st.global, rows 0-7 by the TMA store; bitwise the same dW,    */
+/*   bench 403 passed): dW (big, without / with the partials, alternating, two processes) 563.7-  */
+/*   567.3 / 549.9-553.5 and 574.1 / 557.4 against 571.7-575.3 / 551.3-558.5 and 571.1 / 553.5;   */
+/*   big-down 547.7 / 531.4 against 553.9 / 536.8; every round by st.global 545.8-556.3 / 539.1-  */
+/*   542.3 (big): the stores sharing the copy engine with the loads is not what limits.           */
 /*   Rows an expert (bench/grouped_gemm.cu GG_CASE=even against GG_EXTRA=1 GG_CASE=even1536, the */
 /*   same work as 32 experts of 1536 rows; one start, two rounds): ours 618-619 -> 692-694        */
 /*   (gate/up) and 592-595 -> 665-666 (down), cuBLASLt's strided-batched 677-679 -> 745-747 and  */
