@@ -1826,6 +1826,11 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap *map, uint32_t sr
                  "r"(src), "r"(c0), "r"(c1), "r"(c2)
                  : "memory");
 }
+__device__ __forceinline__ void tma_store_5d(const CUtensorMap *map, uint32_t src, int c0, int c1, int c2, int c3, int c4) {
+    asm volatile("cp.async.bulk.tensor.5d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5, %6}], [%1];\n"
+                 ::"l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
@@ -6481,6 +6486,7 @@ struct TmaParams {
     CUtensorMap ta2, tb2;  /* mode 1, second pair                                             */
     CUtensorMap tbh;       /* mode 0: W with boxes of 128 rows (the wide tiles' B)              */
     CUtensorMap tc;        /* gg_pp_kernel's TMA stores: dW [E][M][K] fp32, boxes 32 k x 8 m    */
+    int perm;              /* tc is the 5-D view with the 8 rows of a box in the order 0 4 1 5 2 6 3 7 (see pp_store_tma) */
     Params p;
 };
 
@@ -6765,6 +6771,21 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   567.3 / 549.9-553.5 and 574.1 / 557.4 against 571.7-575.3 / 551.3-558.5 and 571.1 / 553.5;   */
 /*   big-down 547.7 / 531.4 against 553.9 / 536.8; every round by st.global 545.8-556.3 / 539.1-  */
 /*   542.3 (big): the stores sharing the copy engine with the loads is not what limits.           */
+/*   Bank conflicts of the staging writes (ncu, equal experts): 31.96M shared-store wavefronts,   */
+/*   8.58M of them conflicts, for 2.89M 8-byte store instructions; with the rows permuted through  */
+/*   the 5-D map (perm, see pp_store_tma; bitwise the same dW, bench 403 + 939 passed) 19.23M and  */
+/*   2.55M, 462.4 -> 453.8 us.  Bench (two rounds, alternating with GG_PP_PERM=0): even 605.3 /   */
+/*   605.7 -> 616.3 / 617.1, big 574.6 / 575.3 -> 575.9 / 577.5, big-down 546.9 / 554.1 ->        */
+/*   553.6 / 546.2; in mid's step (three profiles each, alternating) GMM_DW_SQ 494.9, 485.9,       */
+/*   460.5 against 477.9, 432.8, 437.3, the same losses: kept.                                     */
+/*   Where the rest goes (timing-only builds, results wrong, alternating; even / big): without    */
+/*   the staging writes 631-634 / 582-588 against 610-614 / 574-578; without the TMA stores (no   */
+/*   dW written) 689-694 / 630-641, against cuBLASLt's strided-batched 671-674 on even with its     */
+/*   dW written: writing dW's fp32 costs ours 10-13%.  The same work in 8 experts of 6144 rows    */
+/*   (GG_LONG=1: an eighth of the epilogues per product): 672.9-684.5 against cuBLASLt's 744.7-    */
+/*   755.8, so the gap to cuBLAS (0.89-0.91) is not the per-tile cost.  CTAs (GG_NSM, even): 132,  */
+/*   99, 66 -> 613.8, 519.7, 375.9: 4.65, 5.25, 5.70 TFLOP/s a CTA, so the SMs share a limit (L2 */
+/*   or its links) and one CTA alone still stops at ~80% of an SM's tensor rate.                 */
 /*   Rows an expert (bench/grouped_gemm.cu GG_CASE=even against GG_EXTRA=1 GG_CASE=even1536, the */
 /*   same work as 32 experts of 1536 rows; one start, two rounds): ours 618-619 -> 692-694        */
 /*   (gate/up) and 592-595 -> 665-666 (down), cuBLASLt's strided-batched 677-679 -> 745-747 and  */
@@ -6923,14 +6944,20 @@ __device__ __forceinline__ float pp_ssq(const float (&a)[N], int rows_valid, int
    rewritten once the store before last has read it (wait_group.read 1).  Rows and columns past the
    expert's M x K are clipped by the map (dims K, M, E).  The halves hold 128-byte rows with the
    16-byte chunks XOR-swizzled by row (the map's 128-byte swizzle; the buffer is 1024-aligned).
-   (Rows g and g ^ 1 of a half-warp's 8-byte writes meet 2-way bank conflicts; a per-lane order
-   of the column blocks avoided them at the cost of a select per value, and dropping it with the
-   other per-value selects took equal experts from 556-573 to 579-581 TFLOP/s.)
+   Bank conflicts: with the rows in order, rows g and g ^ 1 of a half-warp's 8-byte writes fall on
+   the same banks (their 32-byte pieces share a swizzled pair of chunks): 2-way conflicts.  perm (the
+   default where the driver takes the map): the map is a 5-D view of dW whose box lists a group's
+   8 rows in the order 0 4 1 5 2 6 3 7 (dims K, 2 rows 4 apart, 4 rows 1 apart, M / 8, E), so row g
+   sits in buffer row s = 2 (g % 4) + g / 4, and the four rows of each half-warp take four different
+   pairs of chunks: no conflicts, and no selects (earlier, a per-lane order of the column blocks
+   avoided them at the cost of a select per value, and dropping it with the other per-value selects
+   took equal experts from 556-573 to 579-581 TFLOP/s).
    c0: the tile's first column, m0: the warp's first row. */
 template <int N>
 __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensorMap *map, int c0, int m0, int e, int rows_valid,
-                                             int cols_valid, int lane, unsigned char *buf) {
+                                             int cols_valid, int lane, unsigned char *buf, bool perm) {
     const int g = lane >> 2, c = lane & 3;
+    const int sr = perm ? 2 * (g & 3) + (g >> 2) : g; /* the buffer row of this lane's row g */
     const uint32_t sbuf = smem_u32(buf);
 #pragma unroll
     for (int pass = 0; pass < N / 16; ++pass) {
@@ -6946,12 +6973,13 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
                 const int j = 4 * pass + jj;
                 const float v0 = a[4 * j + 2 * h], v1 = a[4 * j + 2 * h + 1];
                 const int byte = (8 * jj + 2 * c) * 4;
-                *reinterpret_cast<float2 *>(hb + g * 128 + (((byte >> 4) ^ g) << 4) + (byte & 15)) = make_float2(v0, v1);
+                *reinterpret_cast<float2 *>(hb + sr * 128 + (((byte >> 4) ^ sr) << 4) + (byte & 15)) = make_float2(v0, v1);
             }
             fence_proxy_async();
             __syncwarp();
             if (lane == 0) {
-                tma_store_3d(map, sbuf + (uint32_t)(h * 1024), c0 + 32 * pass, m0 + 8 * h, e);
+                if (perm) tma_store_5d(map, sbuf + (uint32_t)(h * 1024), c0 + 32 * pass, 0, 0, (m0 + 8 * h) >> 3, e);
+                else tma_store_3d(map, sbuf + (uint32_t)(h * 1024), c0 + 32 * pass, m0 + 8 * h, e);
                 bulk_commit();
             }
         }
@@ -7093,8 +7121,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                     ss = pp_ssq(a0, rv, cw, lane);
                     ss += pp_ssq(a1, rv - 64, cw, lane);
                 }
-                pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cw, lane, buf);
-                pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cw, lane, buf);
+                pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cw, lane, buf, tp.perm != 0);
+                pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cw, lane, buf, tp.perm != 0);
             } else if constexpr (BNP == 128) {
                 float *o = reinterpret_cast<float *>(p.out) + ((size_t)ti.e * p.M + ti.m0 + 16 * v) * p.K + ti.c0;
                 ss = pp_store_staged(a0, o, (size_t)p.K, rv, cw, lane, ti.nk > 0, buf);
@@ -7198,6 +7226,9 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
+#ifndef GG_PP_PERM
+#define GG_PP_PERM 1              /* gg_pp_kernel's stores through the 5-D view without bank conflicts (0: rows in order) */
+#endif
 /* ts: the epilogue as TMA tensor stores (pp_store_tma) when dW's map can be made, else staged stores */
 /* mc: in clusters of 2 (p.pair set, grid even; needs the TMA stores) */
 /* bnp: the tiles' columns, 128 or 192 (192: TMA stores, no clusters) */
@@ -7206,7 +7237,14 @@ static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t 
     memset(&tp, 0, sizeof tp);
     tp.p = p;
     if (tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK)) return -1;
-    if (ts) {
+    if (ts && GG_PP_PERM) { /* the 5-D view (pp_store_tma): dims K, 2 rows 4 apart, 4 rows 1 apart, M / 8, E */
+        const cuuint64_t r = (cuuint64_t)p.K * 4;
+        const cuuint64_t dims[5] = {(cuuint64_t)p.K, 2, 4, (cuuint64_t)(p.M / 8), (cuuint64_t)p.E};
+        const cuuint64_t strides[4] = {4 * r, r, 8 * r, (cuuint64_t)p.M * r};
+        const cuuint32_t box[5] = {32, 2, 4, 1, 1};
+        tp.perm = tma_map(enc, &tp.tc, p.out, 5, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) == 0;
+    }
+    if (ts && !tp.perm) {
         const cuuint64_t dims[3] = {(cuuint64_t)p.K, (cuuint64_t)p.M, (cuuint64_t)p.E};
         const cuuint64_t strides[2] = {(cuuint64_t)p.K * 4, (cuuint64_t)p.M * p.K * 4};
         const cuuint32_t box[3] = {32, 8, 1};

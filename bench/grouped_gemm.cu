@@ -13,6 +13,8 @@
  * Environment: GG_ONLY_TIME=1 skips the checks (timing-only builds); GG_SOAK=S also runs dW back to
  * back for S seconds per layout (the power-limited rate; it slows the timings after it: alone only);
  * GG_EXTRA=1 adds layouts with 1536 in place of 1408, and "even1536": 32 experts of 1536 rows;
+ * GG_LONG=1 adds "long": the same work as "even" in 8 experts of 6144 rows; GG_NSM=N runs the
+ * persistent kernels on N CTAs (scaling runs; the split choice sees N SMs too);
  * GG_SMALL=1 runs only the small untimed layouts (for compute-sanitizer); GG_NOTIME=1 runs the checks only, GG_CASE=name one layout (e.g. even).
  * Every layout also checks the gate/up launch with the SwiGLU (gg_run_glu, GMM_GLU) bitwise against two
  * launches and k_swiglu; GG_GLU=1 runs only the layout's own checks and that one, timed on the timed
@@ -914,6 +916,7 @@ int main() {
         return 1;
     }
     g_nsm = prop.multiProcessorCount;
+    if (getenv("GG_NSM")) g_nsm = atoi(getenv("GG_NSM"));   /* CTAs of the persistent kernels (scaling runs) */
     printf("dW variant of the TMA kernel (GG_DW_DV): %d\n", mt_ggk::DW_DV);
     std::mt19937 rng(20240611);
     cudaStream_t st;
@@ -946,6 +949,11 @@ int main() {
         std::vector<int> c32(32, 1536);
         cases.push_back({"even1536", 32, 1408, 2048, c32, true});
         cases.push_back({"even1536-down", 32, 2048, 1408, c32, true});
+    }
+    if (getenv("GG_LONG")) {   /* long reductions: the same work as "even" in 8 experts of 6144 rows */
+        std::vector<int> c8(8, 6144);
+        cases.push_back({"long", 8, 1408, 2048, c8, true});
+        cases.push_back({"long-down", 8, 2048, 1408, c8, true});
     }
     {
         std::vector<int> cnt(8);
