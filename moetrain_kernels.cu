@@ -6673,9 +6673,9 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*     a last column tile with <= 64 or <= 128 columns in K multiplies only those (m64n64 /     */
 /*     m64n128 on the accumulators' first registers, which hold the same columns);             */
 /*   - mode 2's short last step and tail-row zeroing as in gg_tma_kernel (DWV 1);              */
-/*   - TS (the default): each warp's accumulators leave as TMA tensor stores of 1 KB from the   */
-/*     two halves of its 2 KB buffer (pp_store_tma); TS 0: staged st.global (pp_store_staged,   */
-/*     BNP 128 only);                                                                            */
+/*   - TS (the default): each warp's accumulators leave as TMA tensor stores of 2 KB, its whole  */
+/*     buffer (16 rows x 32 columns; PP_ST2K=0 or the 3-D map: 1 KB from each half in turn;    */
+/*     pp_store_tma); TS 0: staged st.global (pp_store_staged, BNP 128 only);                   */
 /*   - MC (GG_PP_MC, off by default, BNP 128): CTAs in clusters of 2 take the two tiles of a    */
 /*     pair (along the columns, or along m when the column tiles are odd), each loading its own */
 /*     block and half of the shared one by multicast to both; a stage is released in both CTAs; */
@@ -6714,7 +6714,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   46-64% of its sector rate).  That is not the hardware's limit: cuBLASLt's                */
 /*   strided-batched kernels on the same work (the algorithms the bench tries) took in up to  */
 /*   10.8 TB/s with the tensor pipe 97.1% busy (nvjet 128 x 128 tiles, 6 stages, clusters of  */
-/*   2: 409.5 us), 9.7 TB/s and 96.9% without clusters (128 x 160, 5 stages), and 7.6 TB/s    */
+/*   2: 409.5 us), 9.7 TB/s and 96.9% (128 x 160, 5 stages; also in clusters of 2, its name   */
+/*   says: nvjet_sm90_tss_128x160_64x5_2x1_v_bz_NTT), and 7.6 TB/s                             */
 /*   and 90.7% cooperative (128 x 256, 4 stages, the nearest to gg_tma_kernel).  So ours stop */
 /*   at ~7 TB/s for a reason in their pipelines, not found; that their rates follow their     */
 /*   bytes per product suggests the loads' latency, with too few bytes in flight.             */
@@ -6801,13 +6802,50 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   the sorted list, 362-377 against 583-592 TFLOP/s in the bench (big) and 364-376 against     */
 /*   517-529 in mid's step (the serpentine no longer balances the CTAs); tiles alternating from  */
 /*   both ends, 519-522 against 575-579 (big) and 461-499 against 511-532 in mid's step.         */
+/*   Cycles a tile, the build before the 2 KB stores (GG_T_PROF, the instrumented bench build:   */
+/*   clock64 on each consumer warpgroup's first warp, summed into gg_prof and printed by         */
+/*   bench/grouped_gemm.cu; H200, equal experts, 12 steps a tile, ideal 9216 at the tensor       */
+/*   rate): begin + the first step's data 919-1065, the rest of the mainloop 9393-9536 (of it    */
+/*   waiting for stages 1288-1467), drain 539, epilogue 9766-10095 without the norm partials and */
+/*   11112-11312 with them (the partials 1445), so a warpgroup's life is 22.2-22.6K cycles a     */
+/*   tile without and 23.4-23.7K with: two tiles a life, the epilogue longer than the other      */
+/*   warpgroup's mainloop (82-83% of the tensor rate).  In the same build without the stores     */
+/*   (GG_T_NOST, results wrong): epilogue 1114, life 19.8K (93%), 735 TFLOP/s against 625;       */
+/*   without products or stores (GG_T_NOMMA too) 815-828 (the loads alone need ~9.7K cycles a    */
+/*   tile of data waits and bookkeeping).  A sub-timer build (removed: it cost 20%) put the TMA  */
+/*   store's issue at 130-170 cycles a 1 KB store, the largest part of the epilogue (24 a warp a */
+/*   tile), the fences ~57 and the staging writes ~43 a round: hence the 2 KB stores (see        */
+/*   pp_store_tma), kept.  The norm's 192 values a thread took 651 cycles with no products       */
+/*   running and 1445 beside the other warpgroup's (three instructions a pair: the issue, not    */
+/*   the chain, is what costs: four chains of them took the same 1449); one fma a value in four  */
+/*   chains (kept) takes 920-925, and the epilogue 10925 against 11312 (bench dW with the        */
+/*   partials, first pairs of two processes: even 595.5 / 603.2 against 587.2 / 567.7, big 569.1 */
+/*   / 573.8 against 566.9 / 561.3). Summed round by round in the stores instead: epilogue 12093 */
+/*   against 11312 (and with the 2 KB stores 9931 against 9523), so not kept.  A shorter         */
+/*   epilogue needs buffer space the ring holds: 4 stages (PP_NST192=4; bench even 616-623       */
+/*   against 601-612, big 567-577 against 561-580) with each warp's 2 KB grown to 6 KB of 1 KB   */
+/*   slots, two rounds a fence: epilogue 7632-7655 against 9768, but the stages' waits grow from */
+/*   1475 to 3411-3725 and the life stays 22.0-22.5K (bench even 627-636 against 625-631, big    */
+/*   584-593 against 581-595), as with 6 slots of one round a fence or three (8693 / 7409, 22.0K */
+/*   / 22.3K), so not kept either.  Stores that stay in L2 (each CTA rewriting its own 96 KB,    */
+/*   results wrong): even 622-626 against 601-602, big 574-578 against 561-570: dW's DRAM writes */
+/*   cost 1-4%.  ncu (equal experts, clocks not fixed): ours 464.6 us at 1.45 GHz reading 108.6M */
+/*   L2 sectors; cuBLASLt's strided-batched best, nvjet 128 x 160 tiles in clusters of 2 (5      */
+/*   stages, not cooperative), 414.2 us at 1.41 GHz reading 84.8M (its 128 x 128 in clusters of  */
+/*   2: 417.7 us, 90.3M); its cooperative 256 x 128 and 128 x 256: 469-494 us.                   */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int PP_ST = 6;
 /* BNP: the tiles' columns, 128 or 192 (dY's 128 m as 2 blocks, then X's BNP columns as BNP / 64
    blocks of 64 x 64); 6 stages of 32 KB or 5 of 40 KB */
 constexpr int PP_BLK = 128 * BK;               /* one 64-column block of a step: BK rows of 128 bytes (8 KB) */
 __host__ __device__ constexpr int pp_stage(int bnp) { return (2 + bnp / 64) * PP_BLK; }
-__host__ __device__ constexpr int pp_nst(int bnp) { return bnp == 128 ? PP_ST : 5; }
+#ifndef PP_ST2K
+#define PP_ST2K 1
+#endif
+#ifndef PP_NST192
+#define PP_NST192 5
+#endif
+__host__ __device__ constexpr int pp_nst(int bnp) { return bnp == 128 ? PP_ST : PP_NST192; }
 __host__ __device__ constexpr size_t pp_smem(int bnp) {
     return 1024 + (size_t)pp_nst(bnp) * pp_stage(bnp) + 2 * pp_nst(bnp) * 8 + 8 * EPI_BYTES + (size_t)(2 * (MAX_E + 1) + NT) * sizeof(int);
 }
@@ -6914,15 +6952,13 @@ template <int N>
 __device__ __forceinline__ float pp_ssq(const float (&a)[N], int rows_valid, int cols_valid, int lane) {
     const int g = lane >> 2, c = lane & 3;
     float ss = 0.f;
-    if (rows_valid >= 16 && cols_valid >= 2 * N) {
+    if (rows_valid >= 16 && cols_valid >= 2 * N) { /* one fma a value, in four chains */
+        float q[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < N / 4; ++j)
+        for (int i = 0; i < 2 * (N / 4) * 2; i += 4)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float v0 = a[4 * j + 2 * h], v1 = a[4 * j + 2 * h + 1];
-                ss += v0 * v0 + v1 * v1;
-            }
-        return ss;
+            for (int k = 0; k < 4; ++k) q[k] = fmaf(a[i + k], a[i + k], q[k]);
+        return (q[0] + q[1]) + (q[2] + q[3]);
     }
 #pragma unroll
     for (int pass = 0; pass < N / 16; ++pass) {
@@ -6952,6 +6988,14 @@ __device__ __forceinline__ float pp_ssq(const float (&a)[N], int rows_valid, int
    pairs of chunks: no conflicts, and no selects (earlier, a per-lane order of the column blocks
    avoided them at the cost of a select per value, and dropping it with the other per-value selects
    took equal experts from 556-573 to 579-581 TFLOP/s).
+   PP_ST2K (the default, with perm): the map's box is both groups (dims' box {32, 2, 4, 2, 1}), and a
+   pass writes its 16 rows x 32 columns into the whole 2 KB buffer once the previous store has read
+   it (wait_group.read 0) and leaves as one 2 KB store: half the stores and fences of the 1 KB halves
+   in turn, without their overlap, and shorter (H200, GG_T_PROF cycles a tile on equal experts: the
+   epilogue 8644 against 10075, a warpgroup's life 21190 against 22571; bench dW, even and big,
+   alternating: 638-641 against 616-622 and 594-595 against 577-586; with the norm partials 614-620
+   against 595-603 and 553-580 against 557-563; in mid's step GMM_DW_SQ 525.6 / 519.4 against
+   516.6 / 495.6 TFLOP/s, two profiles each, alternating, the same losses).
    c0: the tile's first column, m0: the warp's first row. */
 template <int N>
 __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensorMap *map, int c0, int m0, int e, int rows_valid,
@@ -6959,6 +7003,32 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
     const int g = lane >> 2, c = lane & 3;
     const int sr = perm ? 2 * (g & 3) + (g >> 2) : g; /* the buffer row of this lane's row g */
     const uint32_t sbuf = smem_u32(buf);
+#if PP_ST2K
+    if (perm) { /* 2 KB boxes: both row groups of a pass in one store (rows past M are clipped) */
+#pragma unroll
+        for (int pass = 0; pass < N / 16; ++pass) {
+            if (32 * pass >= cols_valid) break; /* tile-uniform */
+            if (lane == 0) bulk_wait_read0();
+            __syncwarp();
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    const int j = 4 * pass + jj;
+                    const float v0 = a[4 * j + 2 * h], v1 = a[4 * j + 2 * h + 1];
+                    const int byte = (8 * jj + 2 * c) * 4;
+                    *reinterpret_cast<float2 *>(buf + h * 1024 + sr * 128 + (((byte >> 4) ^ sr) << 4) + (byte & 15)) = make_float2(v0, v1);
+                }
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) {
+                tma_store_5d(map, sbuf, c0 + 32 * pass, 0, 0, m0 >> 3, e);
+                bulk_commit();
+            }
+        }
+        return;
+    }
+#endif
 #pragma unroll
     for (int pass = 0; pass < N / 16; ++pass) {
         if (32 * pass >= cols_valid) break; /* tile-uniform */
@@ -6986,6 +7056,14 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
     }
 }
 
+#ifdef GG_T_PROF /* instrumented build (bench only): cycles per phase of gg_pp_kernel, summed over warpgroups */
+__device__ unsigned long long gg_prof[8];
+#define PROF_T(x) const long long x = (ctid & 127) == 0 ? clock64() : 0
+#define PROF_ADD(i, v) do { if ((ctid & 127) == 0) pr[i] += (v); } while (0)
+#else
+#define PROF_T(x)
+#define PROF_ADD(i, v)
+#endif
 template <bool TS, bool MC, int BNP>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant__ TmaParams tp) {
     static_assert(BNP == 128 || (BNP == 192 && TS && !MC), "gg_pp_kernel: 192 columns with TMA stores, no clusters");
@@ -7054,19 +7132,34 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
 #pragma unroll
         for (int i = 0; i < BNP / 2; ++i) { a0[i] = 0.f; a1[i] = 0.f; }
         if (wg == 1) named_bar_arrive(1, 256); /* warpgroup 1 (the first) may begin */
+#ifdef GG_T_PROF
+        long long pr[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#endif
+        PROF_T(tk0);
         int step = 0, q = 0;
 #pragma unroll 1
         for (;; ++q) {
             const PpTile ti = tile(q);
             if (!ti.valid) break;
             if ((q & 1) != wg) { step += ti.nk; continue; }
+            PROF_T(tb0);
             named_bar_sync(1 + wg, 256); /* begin: the other warpgroup has issued its products */
+            PROF_ADD(5, 1);
+#ifdef GG_T_PROF
+            long long tfirst = tb0; /* the first step's data in: the clock read stays below its wait loop */
+#endif
             const int cw = min(BNP, p.K - ti.c0); /* the tile's valid columns (mainloop and epilogue) */
 #pragma unroll 1
             for (int kt = 0; kt < ti.nk; ++kt, ++step) {
                 const int s = step % NST;
                 const uint32_t sA = sbase + (uint32_t)(s * STB);
+                PROF_T(tf0);
                 mbar_wait(full0 + 8u * s, (step / NST) & 1);
+                PROF_T(tf1);
+#ifdef GG_T_PROF
+                if (kt == 0) tfirst = tf1;
+                else PROF_ADD(1, tf1 - tf0);
+#endif
                 int nkk = BK / 16;
                 if (kt == ti.nk - 1) {
                     const int nv = ti.r1 - (ti.r0 + kt * BK);
@@ -7088,9 +7181,11 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                 fence_acc_all(a0);
                 fence_acc_all(a1);
                 /* 192 columns: a last tile with <= 64 or <= 128 columns in K multiplies only those */
+#ifndef GG_T_NOMMA /* timing-only: no products */
                 if (BNP == 192 && cw <= 64) pp_step<32>(a0, a1, da0, da1, db, sd0, nkk);
                 else if (BNP == 128 || cw <= 128) pp_step<64>(a0, a1, da0, da1, db, sd0, nkk);
                 else pp_step<BNP / 2>(a0, a1, da0, da1, db, sd0, nkk);
+#endif
                 fence_acc_all(a0);
                 fence_acc_all(a1);
                 wgmma_wait<1>();
@@ -7101,10 +7196,15 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                     if (MC) mbar_arrive_cta(empty0 + 8u * ((step + NST - 1) % NST), (uint32_t)(rank ^ 1));
                 }
             }
+            PROF_T(te0);
+            PROF_ADD(0, tfirst - tb0);
+            PROF_ADD(2, te0 - tfirst);
             named_bar_arrive(2 - wg, 256); /* end: the other warpgroup may issue */
             wgmma_wait<0>();
             fence_acc_all(a0);
             fence_acc_all(a1);
+            PROF_T(te1);
+            PROF_ADD(3, te1 - te0);
             if (ti.nk > 0 && lane == 0) {
                 mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
                 if (MC) mbar_arrive_cta(empty0 + 8u * ((step + NST - 1) % NST), (uint32_t)(rank ^ 1));
@@ -7117,12 +7217,17 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                 if (ti.nk == 0) /* tile-uniform: an expert without rows */
 #pragma unroll
                     for (int i = 0; i < BNP / 2; ++i) a0[i] = a1[i] = 0.f;
+                PROF_T(ts0);
                 if (p.ssq) {
                     ss = pp_ssq(a0, rv, cw, lane);
                     ss += pp_ssq(a1, rv - 64, cw, lane);
                 }
+                PROF_T(ts1);
+                PROF_ADD(7, ts1 - ts0);
+#ifndef GG_T_NOST /* timing-only: nothing stored */
                 pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cw, lane, buf, tp.perm != 0);
                 pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cw, lane, buf, tp.perm != 0);
+#endif
             } else if constexpr (BNP == 128) {
                 float *o = reinterpret_cast<float *>(p.out) + ((size_t)ti.e * p.M + ti.m0 + 16 * v) * p.K + ti.c0;
                 ss = pp_store_staged(a0, o, (size_t)p.K, rv, cw, lane, ti.nk > 0, buf);
@@ -7133,6 +7238,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                 for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
                 if (lane == 0) p.ssq[ti.sq + v] = ss;
             }
+            PROF_T(te2);
+            PROF_ADD(4, te2 - te1);
         }
         /* equal turns: after an odd number of tiles warpgroup 2 takes an empty one */
         if ((q & 1) && wg == 1) {
@@ -7141,6 +7248,12 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
         }
         if (wg == 0) named_bar_sync(1, 256);
         if (TS && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
+#ifdef GG_T_PROF
+        PROF_T(tk1);
+        PROF_ADD(6, tk1 - tk0);
+        if ((ctid & 127) == 0)
+            for (int i = 0; i < 8; ++i) atomicAdd(&gg_prof[i], (unsigned long long)pr[i]);
+#endif
     }
     if (MC) cluster_sync_all(); /* no CTA leaves while its peer may still arrive on its barriers */
 }
@@ -7241,7 +7354,7 @@ static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t 
         const cuuint64_t r = (cuuint64_t)p.K * 4;
         const cuuint64_t dims[5] = {(cuuint64_t)p.K, 2, 4, (cuuint64_t)(p.M / 8), (cuuint64_t)p.E};
         const cuuint64_t strides[4] = {4 * r, r, 8 * r, (cuuint64_t)p.M * r};
-        const cuuint32_t box[5] = {32, 2, 4, 1, 1};
+        const cuuint32_t box[5] = {32, 2, 4, PP_ST2K ? 2u : 1u, 1};
         tp.perm = tma_map(enc, &tp.tc, p.out, 5, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) == 0;
     }
     if (ts && !tp.perm) {

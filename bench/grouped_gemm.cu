@@ -15,7 +15,11 @@
  * GG_EXTRA=1 adds layouts with 1536 in place of 1408, and "even1536": 32 experts of 1536 rows;
  * GG_LONG=1 adds "long": the same work as "even" in 8 experts of 6144 rows; GG_NSM=N runs the
  * persistent kernels on N CTAs (scaling runs; the split choice sees N SMs too);
- * GG_SMALL=1 runs only the small untimed layouts (for compute-sanitizer); GG_NOTIME=1 runs the checks only, GG_CASE=name one layout (e.g. even).
+ * GG_SMALL=1 runs only the small untimed layouts (for compute-sanitizer); GG_NOTIME=1 runs the checks only, GG_CASE=name one layout (e.g. even),
+ * GG_MODE=m the timings of one mode (0 forward, 1 dX, 2 dW); GG_LTB=1 (equal layouts) our kernel once, then only cuBLASLt's batched
+ * GEMM, each algorithm launched once (for ncu -k regex:nvjet).  Built with -DGG_T_PROF, mode 2 also prints the dW kernel's cycles
+ * a tile per phase (gg_pp_kernel's clock64 instrumentation; -DGG_T_NOST / -DGG_T_NOMMA: timing-only builds without its stores /
+ * products; -DPP_NST192=N: its ring's stages).
  * Every layout also checks the gate/up launch with the SwiGLU (gg_run_glu, GMM_GLU) bitwise against two
  * launches and k_swiglu; GG_GLU=1 runs only the layout's own checks and that one, timed on the timed
  * layouts (with GG_ONLY_TIME=1: only the gate/up checks and timing).
@@ -429,10 +433,11 @@ static float time_median(F f, cudaStream_t st) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 3; ++i) f();
+    const bool once = getenv("GG_LTB") != nullptr;   /* profiler runs: one launch each */
+    for (int i = 0; i < (once ? 0 : 3); ++i) f();
     CK(cudaStreamSynchronize(st));
     std::vector<float> ts;
-    for (int i = 0; i < 10; ++i) {
+    for (int i = 0; i < (once ? 1 : 10); ++i) {
         CK(cudaEventRecord(e0, st));
         f();
         CK(cudaEventRecord(e1, st));
@@ -444,7 +449,7 @@ static float time_median(F f, cudaStream_t st) {
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
     std::sort(ts.begin(), ts.end());
-    return 0.5f * (ts[4] + ts[5]);
+    return once ? ts[0] : 0.5f * (ts[4] + ts[5]);
 }
 
 /* GMM_GLU (gate and up in one launch, the SwiGLU in the epilogue) against two launches of the default
@@ -664,8 +669,20 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
     if (c.timed && !getenv("GG_NOTIME")) {   /* GG_NOTIME=1: the checks only (sanitizer runs of the big layouts) */
         const double flops = 2.0 * b.R * M * K;
         for (int mode = 0; mode < 3; ++mode) {
+            if (getenv("GG_MODE") && mode != atoi(getenv("GG_MODE"))) continue;   /* GG_MODE=m: that mode only (profiler runs) */
             void *out; const void *a, *bb; size_t bytes;
             mode_io(b, mode, &out, &a, &bb, &bytes);
+            if (getenv("GG_LTB") && cmin == cmax) {   /* GG_LTB=1: our kernel once, then only cuBLASLt's batched GEMM (profiler runs) */
+                if (run_variant(2, b, mode, b.ws, st) != 0) fatal("launch failed");
+                CK(cudaStreamSynchronize(st));
+                std::vector<unsigned char> hr(bytes);
+                CK(cudaMemcpy(hr.data(), out, bytes, cudaMemcpyDeviceToHost));
+                double brel = 0;
+                int nalgo = 0;
+                const float t_b = lt_batched(b, mode, cmax, out, hr.data(), bytes, st, &brel, &nalgo);
+                printf("  timing %s mode %d cuBLASLt strided-batched %.3f ms %.1f TFLOP/s\n", c.name.c_str(), mode, t_b, flops / t_b * 1e-9);
+                continue;
+            }
             const float t_tma = time_median([&]() { if (run_variant(2, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
             {
                 /* the wide tiles (256 x 128 for a last column tile of <= 128 columns) against 128 x 128 ones */
@@ -677,6 +694,25 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                 printf("  timing %s\n", line);
                 g_table.push_back(line);
             }
+#ifdef GG_T_PROF
+            if (mode == 2) {   /* the instrumented build: cycles per phase, per tile of a warpgroup (without, then with the norm partials) */
+                const long long L = mt_ggk::ssq_need(E, M, K);
+                float *ssq;
+                CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
+                for (int w = 0; w < 2; ++w) {
+                    unsigned long long z[8] = {0, 0, 0, 0, 0, 0, 0, 0}, h[8];
+                    CK(cudaMemcpyToSymbol(mt_ggk::gg_prof, z, sizeof z));
+                    if (run_variant(2, b, mode, b.ws, st, false, w ? ssq : nullptr, w ? L : 0) != 0) fatal("launch failed");
+                    CK(cudaStreamSynchronize(st));
+                    CK(cudaMemcpyFromSymbol(h, mt_ggk::gg_prof, sizeof h));
+                    const double nt = (double)std::max(h[5], 1ull);
+                    printf("  prof %s%s: %llu tiles; cycles a tile: begin + first data %.0f, mainloop after it %.0f (of it full waits %.0f), drain %.0f, epilogue %.0f "
+                           "(norm %.0f); warpgroup life %.0f a tile\n", c.name.c_str(), w ? " +norm" : "", h[5], h[0] / nt, h[2] / nt, h[1] / nt,
+                           h[3] / nt, h[4] / nt, h[7] / nt, h[6] / nt);
+                }
+                CK(cudaFree(ssq));
+            }
+#endif
             if (mode == 2 && getenv("GG_SOAK")) {
                 /* GG_SOAK=S: dW with the norm partials back to back for about S seconds, the rate of each
                    100 launches: the steady (power-limited) rate, against the median of 10 above */
