@@ -6842,6 +6842,9 @@ __host__ __device__ constexpr int pp_stage(int bnp) { return (2 + bnp / 64) * PP
 #ifndef PP_ST2K
 #define PP_ST2K 1
 #endif
+#ifndef PP_SQ_IN_STORES
+#define PP_SQ_IN_STORES 1
+#endif
 #ifndef PP_NST192
 #define PP_NST192 5
 #endif
@@ -6995,16 +6998,23 @@ __device__ __forceinline__ float pp_ssq(const float (&a)[N], int rows_valid, int
    epilogue 8644 against 10075, a warpgroup's life 21190 against 22571; bench dW, even and big,
    alternating: 638-641 against 616-622 and 594-595 against 577-586; with the norm partials 614-620
    against 595-603 and 553-580 against 557-563; in mid's step GMM_DW_SQ 525.6 / 519.4 against
-   516.6 / 495.6 TFLOP/s, two profiles each, alternating, the same losses).
+   516.6 / 495.6 TFLOP/s, two profiles each, alternating, the same losses).  sq (a whole tile's
+   accumulator with the norm partials, PP_SQ_IN_STORES): its squares, one fma a value in four chains,
+   are summed into ss pass by pass while the pass's store reads the buffer: with the partials the
+   epilogue 9285 cycles against 9523 and the life 21515 against 21930 (without them 8844 / 21347
+   against 8644 / 21190); bench with the partials, first pairs of two processes, even 620.0 / 622.3
+   against 615.4 / 616.3, big 577.5 / 571.2 against 568.7 / 579.9; mid's GMM_DW_SQ 525.4 / 499.8
+   against 459.7 / 497.1 (a slower start; the same losses and norms).
    c0: the tile's first column, m0: the warp's first row. */
 template <int N>
 __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensorMap *map, int c0, int m0, int e, int rows_valid,
-                                             int cols_valid, int lane, unsigned char *buf, bool perm) {
+                                             int cols_valid, int lane, unsigned char *buf, bool perm, bool sq, float &ss) {
     const int g = lane >> 2, c = lane & 3;
     const int sr = perm ? 2 * (g & 3) + (g >> 2) : g; /* the buffer row of this lane's row g */
     const uint32_t sbuf = smem_u32(buf);
 #if PP_ST2K
     if (perm) { /* 2 KB boxes: both row groups of a pass in one store (rows past M are clipped) */
+        float q[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int pass = 0; pass < N / 16; ++pass) {
             if (32 * pass >= cols_valid) break; /* tile-uniform */
@@ -7025,7 +7035,17 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
                 tma_store_5d(map, sbuf, c0 + 32 * pass, 0, 0, m0 >> 3, e);
                 bulk_commit();
             }
+            if (sq) /* warp-uniform (a whole tile): the pass's squares while its store reads the buffer */
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int jj = 0; jj < 4; ++jj) {
+                        const int j = 4 * pass + jj;
+                        q[jj] = fmaf(a[4 * j + 2 * h], a[4 * j + 2 * h], q[jj]);
+                        q[jj] = fmaf(a[4 * j + 2 * h + 1], a[4 * j + 2 * h + 1], q[jj]);
+                    }
         }
+        if (sq) ss += (q[0] + q[1]) + (q[2] + q[3]);
         return;
     }
 #endif
@@ -7217,16 +7237,16 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                 if (ti.nk == 0) /* tile-uniform: an expert without rows */
 #pragma unroll
                     for (int i = 0; i < BNP / 2; ++i) a0[i] = a1[i] = 0.f;
+                /* the norm partial: a whole accumulator's squares summed in the 2 KB stores, else here */
+                const bool f = p.ssq && PP_ST2K && PP_SQ_IN_STORES && tp.perm && cw >= BNP, f0 = f && rv >= 16, f1 = f && rv - 64 >= 16;
                 PROF_T(ts0);
-                if (p.ssq) {
-                    ss = pp_ssq(a0, rv, cw, lane);
-                    ss += pp_ssq(a1, rv - 64, cw, lane);
-                }
+                if (p.ssq && !f0) ss += pp_ssq(a0, rv, cw, lane);
+                if (p.ssq && !f1) ss += pp_ssq(a1, rv - 64, cw, lane);
                 PROF_T(ts1);
                 PROF_ADD(7, ts1 - ts0);
 #ifndef GG_T_NOST /* timing-only: nothing stored */
-                pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cw, lane, buf, tp.perm != 0);
-                pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cw, lane, buf, tp.perm != 0);
+                pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cw, lane, buf, tp.perm != 0, f0, ss);
+                pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cw, lane, buf, tp.perm != 0, f1, ss);
 #endif
             } else if constexpr (BNP == 128) {
                 float *o = reinterpret_cast<float *>(p.out) + ((size_t)ti.e * p.M + ti.m0 + 16 * v) * p.K + ti.c0;
