@@ -7006,6 +7006,17 @@ __device__ __forceinline__ float pp_ssq(const float (&a)[N], int rows_valid, int
    against 615.4 / 616.3, big 577.5 / 571.2 against 568.7 / 579.9; mid's GMM_DW_SQ 525.4 / 499.8
    against 459.7 / 497.1 (a slower start; the same losses and norms).
    c0: the tile's first column, m0: the warp's first row. */
+/* a lane's 8 values of rows g + 8 h, columns 32 pass + [0, 32) into a 1 KB half at hb (buffer row sr, the
+   16-byte chunks XOR-swizzled by row) */
+template <int N>
+__device__ __forceinline__ void pp_stage_rows(const float (&a)[N], unsigned char *hb, int pass, int h, int sr, int c) {
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+        const int j = 4 * pass + jj;
+        const int byte = (8 * jj + 2 * c) * 4;
+        *reinterpret_cast<float2 *>(hb + sr * 128 + (((byte >> 4) ^ sr) << 4) + (byte & 15)) = make_float2(a[4 * j + 2 * h], a[4 * j + 2 * h + 1]);
+    }
+}
 template <int N>
 __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensorMap *map, int c0, int m0, int e, int rows_valid,
                                              int cols_valid, int lane, unsigned char *buf, bool perm, bool sq, float &ss) {
@@ -7021,14 +7032,7 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
             if (lane == 0) bulk_wait_read0();
             __syncwarp();
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
-                    const int j = 4 * pass + jj;
-                    const float v0 = a[4 * j + 2 * h], v1 = a[4 * j + 2 * h + 1];
-                    const int byte = (8 * jj + 2 * c) * 4;
-                    *reinterpret_cast<float2 *>(buf + h * 1024 + sr * 128 + (((byte >> 4) ^ sr) << 4) + (byte & 15)) = make_float2(v0, v1);
-                }
+            for (int h = 0; h < 2; ++h) pp_stage_rows(a, buf + h * 1024, pass, h, sr, c);
             fence_proxy_async();
             __syncwarp();
             if (lane == 0) {
@@ -7058,13 +7062,7 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
             unsigned char *hb = buf + h * 1024;
             if (lane == 0) bulk_wait_read1();
             __syncwarp();
-#pragma unroll
-            for (int jj = 0; jj < 4; ++jj) {
-                const int j = 4 * pass + jj;
-                const float v0 = a[4 * j + 2 * h], v1 = a[4 * j + 2 * h + 1];
-                const int byte = (8 * jj + 2 * c) * 4;
-                *reinterpret_cast<float2 *>(hb + sr * 128 + (((byte >> 4) ^ sr) << 4) + (byte & 15)) = make_float2(v0, v1);
-            }
+            pp_stage_rows(a, hb, pass, h, sr, c);
             fence_proxy_async();
             __syncwarp();
             if (lane == 0) {
