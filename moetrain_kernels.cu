@@ -6858,19 +6858,47 @@ struct PpTile {
     int valid, e, m0, c0, r0, r1, nk, sq;
 };
 
+/* n / d for 0 <= n < 2^31 and a divisor d >= 1 fixed for the kernel: a multiply-high, an add and a
+   shift (m = floor(2^32 (2^l - d) / d) + 1, l = ceil(log2 d)); the tile decode's divisions */
+struct FastDiv {
+    uint32_t m, l;
+    __host__ __device__ explicit FastDiv(uint32_t d) {
+        l = 0;
+        while (l < 32 && (1ull << l) < d) ++l;
+        m = (uint32_t)((((1ull << l) - d) << 32) / d + 1);
+    }
+    __host__ __device__ uint32_t div(uint32_t n) const {
+#ifdef __CUDA_ARCH__
+        const uint32_t t = __umulhi(m, n);
+#else
+        const uint32_t t = (uint32_t)(((uint64_t)m * n) >> 32);
+#endif
+        return (t + n) >> l;
+    }
+};
+
 /* tile t of the list: experts most rows first (s_aux), then m tiles, then 128-wide column tiles.
    In clusters (p.pair, MC) t counts pairs of an expert's tiles: along the column tiles, sharing
    dY's block, when there is an even number of them (p.pair 1), else along the m tiles, sharing
    X's block (p.pair 2); rank: which tile of the pair */
+/* the decode's divisors: the tiles (or pairs) of an expert and the column tiles (or pairs) of an m tile */
 template <int BNP>
-__device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, const int *s_aux, int t, int rank) {
+__device__ __forceinline__ void pp_divisors(const Params &p, int &per_e, int &ncp) {
+    const int nct = (p.K + BNP - 1) / BNP, nmp = p.pair == 2 ? p.ntm / 2 : p.ntm;
+    ncp = p.pair == 1 ? nct / 2 : nct;
+    per_e = nmp * ncp;
+}
+template <int BNP>
+__device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, const int *s_aux, int t, int rank, const FastDiv &dpe,
+                                            const FastDiv &dnc) {
     PpTile ti;
     ti.valid = (t >= 0 && t < p.T2) ? 1 : 0;
     ti.e = ti.m0 = ti.c0 = ti.r0 = ti.r1 = ti.nk = ti.sq = 0;
     if (!ti.valid) return ti;
-    const int nct = (p.K + BNP - 1) / BNP, ncp = p.pair == 1 ? nct / 2 : nct, nmp = p.pair == 2 ? p.ntm / 2 : p.ntm;
-    const int per_e = nmp * ncp;
-    const int pos = t / per_e, rem = t - pos * per_e, mp = rem / ncp, cp = rem - mp * ncp;
+    int per_e, ncp;
+    pp_divisors<BNP>(p, per_e, ncp);
+    const int nct = (p.K + BNP - 1) / BNP;
+    const int pos = (int)dpe.div((uint32_t)t), rem = t - pos * per_e, mp = (int)dnc.div((uint32_t)rem), cp = rem - mp * ncp;
     const int mt = p.pair == 2 ? 2 * mp + rank : mp, ct = p.pair == 1 ? 2 * cp + rank : cp;
     const int e = (int)((unsigned)s_aux[pos] & (unsigned)(MAX_E - 1));
     ti.e = e;
@@ -7104,9 +7132,12 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
        own operand block and half of the shared one, the latter written to both CTAs */
     const int rank = MC ? (int)cluster_ctarank() : 0;
     const int cid = MC ? (int)(blockIdx.x >> 1) : 0, G2 = MC ? (int)(gridDim.x >> 1) : 0;
+    int per_e, ncp;
+    pp_divisors<BNP>(p, per_e, ncp);
+    const FastDiv dpe((uint32_t)max(per_e, 1)), dnc((uint32_t)max(ncp, 1));
     auto tile = [&](int q) -> PpTile {
-        if (!MC) return pp_decode<BNP>(p, s_offs, s_aux, next_ticket(p, q), 0);
-        return pp_decode<BNP>(p, s_offs, s_aux, q * G2 + ((q & 1) ? G2 - 1 - cid : cid), rank);
+        if (!MC) return pp_decode<BNP>(p, s_offs, s_aux, next_ticket(p, q), 0, dpe, dnc);
+        return pp_decode<BNP>(p, s_offs, s_aux, q * G2 + ((q & 1) ? G2 - 1 - cid : cid), rank, dpe, dnc);
     };
     if (MC) cluster_sync_all(); /* the peer's barriers are initialized */
 
@@ -7154,12 +7185,14 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
         long long pr[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #endif
         PROF_T(tk0);
-        int step = 0, q = 0;
+        /* warpgroup wg takes the CTA's tiles q = wg, wg + 2, ...; the other's tile q + 1 (its steps in
+           the ring) and this one's next, q + 2, are decoded under the drain of tile q */
+        int step = 0, q = wg, ov = 1; /* ov: the tile before q (the other warpgroup's) exists */
+        if (wg == 1) { const PpTile t0 = tile(0); ov = t0.valid; step = t0.nk; }
+        PpTile ti = tile(q);
 #pragma unroll 1
-        for (;; ++q) {
-            const PpTile ti = tile(q);
+        for (;; q += 2) {
             if (!ti.valid) break;
-            if ((q & 1) != wg) { step += ti.nk; continue; }
             PROF_T(tb0);
             named_bar_sync(1 + wg, 256); /* begin: the other warpgroup has issued its products */
             PROF_ADD(5, 1);
@@ -7218,6 +7251,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             PROF_ADD(0, tfirst - tb0);
             PROF_ADD(2, te0 - tfirst);
             named_bar_arrive(2 - wg, 256); /* end: the other warpgroup may issue */
+            const PpTile to = tile(q + 1), tn = tile(q + 2);
+            ov = to.valid;
             wgmma_wait<0>();
             fence_acc_all(a0);
             fence_acc_all(a1);
@@ -7258,9 +7293,12 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             }
             PROF_T(te2);
             PROF_ADD(4, te2 - te1);
+            step += to.nk;
+            ti = tn;
         }
+        const int n = ov ? q : q - 1; /* the CTA's tiles */
         /* equal turns: after an odd number of tiles warpgroup 2 takes an empty one */
-        if ((q & 1) && wg == 1) {
+        if ((n & 1) && wg == 1) {
             named_bar_sync(2, 256);
             named_bar_arrive(1, 256);
         }
