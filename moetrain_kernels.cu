@@ -6833,6 +6833,28 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   L2 sectors; cuBLASLt's strided-batched best, nvjet 128 x 160 tiles in clusters of 2 (5      */
 /*   stages, not cooperative), 414.2 us at 1.41 GHz reading 84.8M (its 128 x 128 in clusters of  */
 /*   2: 417.7 us, 90.3M); its cooperative 256 x 128 and 128 x 256: 469-494 us.                   */
+/*   The tile decode (kept): two integer divisions and three shared loads, ~600 cycles a tile on  */
+/*   the epilogue's side of the turns (each warpgroup decodes its own tiles and the other's, for  */
+/*   the ring's step count); now both are decoded under the drain and the divisions are         */
+/*   multiply-highs by the kernel's fixed divisors (FastDiv): life 20530 / 20877 cycles a tile    */
+/*   without / with the partials, against 21124 / 21600 with only the decode moved (the drain    */
+/*   then 1178 cycles, not 539) and 21190 / 21515 before (the previous start); bench, first       */
+/*   values, alternating: even 643.8 / 633.0 and 645.6 / 613.2 against 634.3 / 626.1 and 631.1 /  */
+/*   609.1; mid's GMM_DW_SQ 547.6, 535.4, 546.6 against 537.4, 548.8, 527.1 (one start,           */
+/*   alternating, the same losses).  With the begin barrier timed alone (gg_prof[8]) the wait     */
+/*   before a tile's first products is ~30 cycles at the barrier and 0.9-1.1K (equal experts) or  */
+/*   ~4K (big-down) for the first stage's data, with 1.35-1.65K a tile of stage waits after it:   */
+/*   what is left is the operands' supply, not the epilogue.  Measured against it and not kept   */
+/*   (H200, bitwise the same dW, bench 403 passed each): rows 0-63 and 64-127 as two commit      */
+/*   groups, so a0's epilogue starts while a1's products drain (even 638.2 / 606.7 against 642.0 */
+/*   / 633.7); 128 x 192 tiles in clusters of 2 along m, X's 3 blocks multicast (the down        */
+/*   projection: 30% fewer L2 reads) ran as fast as without (even-down 615.7 / 558.0 and 542.9 /  */
+/*   541.7 against 617.5 / 554.4 and 539.2 / 542.3, big-down the same) with the stage waits up    */
+/*   from 1599 to 2192 cycles a tile; L2 prefetches by the producer (cp.async.bulk.prefetch.tensor) */
+/*   cost in every form: each step's blocks 4 or 8 steps ahead 350 against 646 (even), each block */
+/*   8 or 10 steps ahead by one CTA only (X's by the m tile 0, dY's by the column tile 0) 551-564  */
+/*   against 637-638, the next tile's first 1 or 2 steps as a tile begins 636-640 / 587-600       */
+/*   against 649 (its first data wait 1609 cycles against 950).                                  */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int PP_ST = 6;
 /* BNP: the tiles' columns, 128 or 192 (dY's 128 m as 2 blocks, then X's BNP columns as BNP / 64
@@ -7103,7 +7125,7 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
 }
 
 #ifdef GG_T_PROF /* instrumented build (bench only): cycles per phase of gg_pp_kernel, summed over warpgroups */
-__device__ unsigned long long gg_prof[8];
+__device__ unsigned long long gg_prof[9]; /* [8]: the begin barrier's wait alone */
 #define PROF_T(x) const long long x = (ctid & 127) == 0 ? clock64() : 0
 #define PROF_ADD(i, v) do { if ((ctid & 127) == 0) pr[i] += (v); } while (0)
 #else
@@ -7182,7 +7204,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
         for (int i = 0; i < BNP / 2; ++i) { a0[i] = 0.f; a1[i] = 0.f; }
         if (wg == 1) named_bar_arrive(1, 256); /* warpgroup 1 (the first) may begin */
 #ifdef GG_T_PROF
-        long long pr[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        long long pr[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
 #endif
         PROF_T(tk0);
         /* warpgroup wg takes the CTA's tiles q = wg, wg + 2, ...; the other's tile q + 1 (its steps in
@@ -7195,6 +7217,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             if (!ti.valid) break;
             PROF_T(tb0);
             named_bar_sync(1 + wg, 256); /* begin: the other warpgroup has issued its products */
+            PROF_T(tb1);
+            PROF_ADD(8, tb1 - tb0);
             PROF_ADD(5, 1);
 #ifdef GG_T_PROF
             long long tfirst = tb0; /* the first step's data in: the clock read stays below its wait loop */
@@ -7308,7 +7332,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
         PROF_T(tk1);
         PROF_ADD(6, tk1 - tk0);
         if ((ctid & 127) == 0)
-            for (int i = 0; i < 8; ++i) atomicAdd(&gg_prof[i], (unsigned long long)pr[i]);
+            for (int i = 0; i < 9; ++i) atomicAdd(&gg_prof[i], (unsigned long long)pr[i]);
 #endif
     }
     if (MC) cluster_sync_all(); /* no CTA leaves while its peer may still arrive on its barriers */
