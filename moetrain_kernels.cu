@@ -6841,10 +6841,13 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   then 1178 cycles, not 539) and 21190 / 21515 before (the previous start); bench, first       */
 /*   values, alternating: even 643.8 / 633.0 and 645.6 / 613.2 against 634.3 / 626.1 and 631.1 /  */
 /*   609.1; mid's GMM_DW_SQ 547.6, 535.4, 546.6 against 537.4, 548.8, 527.1 (one start,           */
-/*   alternating, the same losses).  With the begin barrier timed alone (gg_prof[8]) the wait     */
-/*   before a tile's first products is ~30 cycles at the barrier and 0.9-1.1K (equal experts) or  */
-/*   ~4K (big-down) for the first stage's data, with 1.35-1.65K a tile of stage waits after it:   */
-/*   what is left is the operands' supply, not the epilogue.  Measured against it and not kept   */
+/*   alternating, the same losses).  Where the rest goes (GG_T_PROF, with / without the stores,   */
+/*   GG_T_NOST; life a tile): equal experts 20630 / 19605, big 23312 / 20587, big-down 22771 /   */
+/*   20163: dW's stores still cost 5% on equal experts and 12-13% on the unequal layouts, whose   */
+/*   short tiles wait on their epilogues; the rest is the mainloop's supply (1.3-1.5K cycles a    */
+/*   tile of stage waits; a tile's first stages reuse the slots of the other warpgroup's last     */
+/*   steps, so begin + first data holds the turn's wait: 0.9-1.2K on equal                       */
+/*   experts, 3.9-4.2K on the unequal ones).  Measured and not kept                               */
 /*   (H200, bitwise the same dW, bench 403 passed each): rows 0-63 and 64-127 as two commit      */
 /*   groups, so a0's epilogue starts while a1's products drain (even 638.2 / 606.7 against 642.0 */
 /*   / 633.7); 128 x 192 tiles in clusters of 2 along m, X's 3 blocks multicast (the down        */
@@ -7125,7 +7128,7 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
 }
 
 #ifdef GG_T_PROF /* instrumented build (bench only): cycles per phase of gg_pp_kernel, summed over warpgroups */
-__device__ unsigned long long gg_prof[9]; /* [8]: the begin barrier's wait alone */
+__device__ unsigned long long gg_prof[8];
 #define PROF_T(x) const long long x = (ctid & 127) == 0 ? clock64() : 0
 #define PROF_ADD(i, v) do { if ((ctid & 127) == 0) pr[i] += (v); } while (0)
 #else
@@ -7204,7 +7207,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
         for (int i = 0; i < BNP / 2; ++i) { a0[i] = 0.f; a1[i] = 0.f; }
         if (wg == 1) named_bar_arrive(1, 256); /* warpgroup 1 (the first) may begin */
 #ifdef GG_T_PROF
-        long long pr[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
+        long long pr[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #endif
         PROF_T(tk0);
         /* warpgroup wg takes the CTA's tiles q = wg, wg + 2, ...; the other's tile q + 1 (its steps in
@@ -7217,8 +7220,6 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             if (!ti.valid) break;
             PROF_T(tb0);
             named_bar_sync(1 + wg, 256); /* begin: the other warpgroup has issued its products */
-            PROF_T(tb1);
-            PROF_ADD(8, tb1 - tb0);
             PROF_ADD(5, 1);
 #ifdef GG_T_PROF
             long long tfirst = tb0; /* the first step's data in: the clock read stays below its wait loop */
@@ -7332,7 +7333,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
         PROF_T(tk1);
         PROF_ADD(6, tk1 - tk0);
         if ((ctid & 127) == 0)
-            for (int i = 0; i < 9; ++i) atomicAdd(&gg_prof[i], (unsigned long long)pr[i]);
+            for (int i = 0; i < 8; ++i) atomicAdd(&gg_prof[i], (unsigned long long)pr[i]);
 #endif
     }
     if (MC) cluster_sync_all(); /* no CTA leaves while its peer may still arrive on its barriers */

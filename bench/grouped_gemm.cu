@@ -700,16 +700,16 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                 float *ssq;
                 CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
                 for (int w = 0; w < 2; ++w) {
-                    unsigned long long z[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0}, h[9];
+                    unsigned long long z[8] = {0, 0, 0, 0, 0, 0, 0, 0}, h[8];
                     CK(cudaMemcpyToSymbol(mt_ggk::gg_prof, z, sizeof z));
                     const int pv = getenv("GG_PROF_VARIANT") ? atoi(getenv("GG_PROF_VARIANT")) : 2; /* GG_PROF_VARIANT=v: that dW variant */
                     if (run_variant(pv, b, mode, b.ws, st, false, w ? ssq : nullptr, w ? L : 0) != 0) fatal("launch failed");
                     CK(cudaStreamSynchronize(st));
                     CK(cudaMemcpyFromSymbol(h, mt_ggk::gg_prof, sizeof h));
                     const double nt = (double)std::max(h[5], 1ull);
-                    printf("  prof %s%s: %llu tiles; cycles a tile: begin + first data %.0f (the begin barrier %.0f), mainloop after it %.0f (of it full waits %.0f), "
-                           "drain %.0f, epilogue %.0f (norm %.0f); warpgroup life %.0f a tile\n", c.name.c_str(), w ? " +norm" : "", h[5], h[0] / nt,
-                           h[8] / nt, h[2] / nt, h[1] / nt, h[3] / nt, h[4] / nt, h[7] / nt, h[6] / nt);
+                    printf("  prof %s%s: %llu tiles; cycles a tile: begin + first data %.0f, mainloop after it %.0f (of it full waits %.0f), drain %.0f, epilogue %.0f "
+                           "(norm %.0f); warpgroup life %.0f a tile\n", c.name.c_str(), w ? " +norm" : "", h[5], h[0] / nt, h[2] / nt, h[1] / nt,
+                           h[3] / nt, h[4] / nt, h[7] / nt, h[6] / nt);
                 }
                 CK(cudaFree(ssq));
             }
