@@ -6902,10 +6902,6 @@ struct FastDiv {
     }
 };
 
-/* tile t of the list: experts most rows first (s_aux), then m tiles, then 128-wide column tiles.
-   In clusters (p.pair, MC) t counts pairs of an expert's tiles: along the column tiles, sharing
-   dY's block, when there is an even number of them (p.pair 1), else along the m tiles, sharing
-   X's block (p.pair 2); rank: which tile of the pair */
 /* the decode's divisors: the tiles (or pairs) of an expert and the column tiles (or pairs) of an m tile */
 template <int BNP>
 __device__ __forceinline__ void pp_divisors(const Params &p, int &per_e, int &ncp) {
@@ -6913,6 +6909,10 @@ __device__ __forceinline__ void pp_divisors(const Params &p, int &per_e, int &nc
     ncp = p.pair == 1 ? nct / 2 : nct;
     per_e = nmp * ncp;
 }
+/* tile t of the list: experts most rows first (s_aux), then m tiles, then 128-wide column tiles.
+   In clusters (p.pair, MC) t counts pairs of an expert's tiles: along the column tiles, sharing
+   dY's block, when there is an even number of them (p.pair 1), else along the m tiles, sharing
+   X's block (p.pair 2); rank: which tile of the pair; dpe, dnc: per_e and ncp as FastDivs */
 template <int BNP>
 __device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, const int *s_aux, int t, int rank, const FastDiv &dpe,
                                             const FastDiv &dnc) {
