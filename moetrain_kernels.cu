@@ -6463,6 +6463,25 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* memcheck; cause not found), two do so more rarely.  One deferred pass passed the checks and */
 /* ran no faster: bench dX 625-632 against 629-642 TFLOP/s and forward 624-633 against 629-643 */
 /* (big and big-down, alternating); in mid's step GMM_DX 594 / 570 against 582 / 576 (H200).   */
+/* Also not kept (modes 0/1): CTAs in clusters of 2 sharing an operand block by multicast. The */
+/* serpentine round robin hands a cluster tickets 2k and 2k + 1 in every round; with each      */
+/* expert's count padded to even and its full tiles listed by pairs of row tiles, then column, */
+/* 87-93% of the pairs on mid's layouts were two row tiles of one column tile (each CTA        */
+/* loading half of W's block into both), 3-4% two column tiles of one row tile (half of the    */
+/* rows' block each), the rest loading their own stages; every stage released in both CTAs; a  */
+/* CTA whose ticket was the pad computed its peer's tile without storing it. Bitwise the same  */
+/* outputs (bench 939 + 403 passed; ./test_gpu 119 with a first form, column-major order       */
+/* without the pad or the shared rows). What sharing W could give, from a timing-only build    */
+/* loading half of W's bytes (results wrong; H200): dX 646 -> 677 (big-down) and 657 -> 700    */
+/* (big), the GLU forward 628 -> 677 TFLOP/s. The clusters got a third of that (bench,         */
+/* alternating; the first form on one start, the last on another): dX 637.7-645.7 ->           */
+/* 647.2-653.3 and 621.7-632.7 -> 632.7-640.0, forward (big) 626.9-635.3 -> 645.4-652.5 and    */
+/* 618.0-619.8 -> 633.4-634.3, GLU 615.4-620.0 -> 629.2 and 605.4-606.3 -> 606.1-612.3. In     */
+/* mid's step (alternating, three pairs a start) the median step went 126.07 -> 124.66 ms      */
+/* (first form), 125.21 -> 124.03 and 122.03 -> 122.29 (last form; W shared in the forward     */
+/* alone 122.10), while the profiled step's GMM_DX went 595.5 / 599.1 / 594.7 -> 578.9 / 586.7 */
+/* / 591.0 and GMM_DX2 631-632 -> 617-625: a mixed gain of at most ~1% for the coupled rings'  */
+/* complexity, so the kernel keeps one CTA a tile.                                             */
 /* Bounds measured on H200 (bench/store_rate.cu, and bench builds on mid's dW shapes, same    */
 /* run): one CTA per SM writing 128 KB tiles of fp32 with 16-byte stores drains ~31 bytes a   */
 /* cycle per SM when half the SMs write (4200 cycles a tile) and ~18 when all do (7100        */
