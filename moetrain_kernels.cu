@@ -6129,7 +6129,11 @@ __device__ __forceinline__ float epilogue_wide(const Params &p, const float (&ac
    acc[4 (j + 16) + 2h + b]).  Six passes of 64 columns through the warp's 2 KB buffer, as
    epilogue_staged<0, 128> stores: g's two, u's two, then h = silu(g) u's two (out3, when given),
    each from the bf16-rounded g and u as k_swiglu computes it: the same bits as the two GEMMs and
-   the SwiGLU apart. */
+   the SwiGLU apart.  What h's sigmoid costs (two MUFU operations a value, ex2 and rcp: ~2K cycles of
+   a ~34K-cycle tile, with the tensor cores idle): a timing-only build with h = g u (H200, bench
+   GG_GLU=1 GG_CASE=big, alternating, first rounds) ran 639.0 / 636.8 TFLOP/s against 615.2 / 613.8,
+   and without h at all 657-658; an exp on the FMA pipe would halve the MUFU work for ~10 more
+   instructions a value, so at most ~2% to gain, and other bits than k_swiglu's: not done. */
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)[128], const Tile &ti, int wrow, int lane,
                                              int rows_valid, unsigned char *buf) {
