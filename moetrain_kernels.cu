@@ -6576,12 +6576,35 @@ __device__ __forceinline__ void init_ring(uint32_t full0, uint32_t empty0, int n
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
+/* GG_T_CLOCK (a diagnostic build: make train NVFLAGS="... -DGG_T_CLOCK"): after each launch of
+   gg_tma_kernel or gg_pp_kernel a one-thread kernel prints the launch's span on the GPU (first CTA
+   start to last warp end, %globaltimer), CTA 0's SM clock over its life, the rate, and the share of
+   the tensor cores' rate at that clock (4096 flops a clock an SM on the launch's CTAs); the print
+   kernel adds ~30-40 us a call to the step, the spans are the kernels' own.  mid's step on H200: the
+   grouped GEMMs at 1359-1518 MHz, 72-84% of the tensor rate a clock (README) */
+#ifdef GG_T_CLOCK
+__device__ unsigned long long g_clk[6] = {~0ull, 0, 0, 0, 0, 0}; /* min start, max end; CTA 0's clock start / end, time start / end */
+__device__ __forceinline__ unsigned long long gtimer() { unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+#define CLK_BEGIN if (threadIdx.x == 0) { const unsigned long long t = gtimer(); atomicMin(&g_clk[0], t); if (blockIdx.x == 0) { g_clk[2] = clock64(); g_clk[4] = t; } }
+#define CLK_END if ((threadIdx.x & 31) == 0) { const unsigned long long t = gtimer(); atomicMax(&g_clk[1], t); if (blockIdx.x == 0) { atomicMax(&g_clk[3], (unsigned long long)clock64()); atomicMax(&g_clk[5], t); } }
+__global__ void k_clk_print(int tag, int E, int M, int K, const int *offs, double mult, int ctas) {
+    const double rows = (double)offs[E], fl = mult * 2.0 * rows * M * K;
+    const double span = (double)(g_clk[1] - g_clk[0]), mhz = (double)(g_clk[3] - g_clk[2]) * 1e3 / (double)(g_clk[5] - g_clk[4]);
+    const char *nm = tag == 0 ? "fwd" : tag == 1 ? "dx" : tag == 2 ? "dW" : tag == 3 ? "glu" : tag == 4 ? "dx2" : "dw-split";
+    printf("CLK %s M=%d K=%d us=%.1f MHz=%.0f TFLOPs=%.1f eff=%.3f\n", nm, M, K, span * 1e-3, mhz, fl / span * 1e-3, fl / (span * 1e-9 * mhz * 1e6 * 4096.0 * ctas));
+    g_clk[0] = ~0ull; g_clk[1] = 0; g_clk[3] = 0; g_clk[5] = 0;
+}
+#else
+#define CLK_BEGIN
+#define CLK_END
+#endif
 /* DWV (mode 2): 0 = as modes 0/1; 1 = short last steps (only the k16 slices that hold rows);
    GLU (mode 0): gate and up in one launch, the SwiGLU in the epilogue (see gg_run_glu) */
 template <int MODE, int DWV = 0, bool GLU = false>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
     constexpr bool SHORT = MODE == 2 && DWV >= 1;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
+    CLK_BEGIN
     const Params &p = tp.p;
     const int tid = threadIdx.x;
     const uint32_t raw = smem_u32(smem_raw);
@@ -6677,6 +6700,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
             if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
         }
     }
+    CLK_END
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -7162,6 +7186,7 @@ template <bool TS, bool MC, int BNP>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant__ TmaParams tp) {
     static_assert(BNP == 128 || (BNP == 192 && TS && !MC), "gg_pp_kernel: 192 columns with TMA stores, no clusters");
     constexpr int NST = pp_nst(BNP), STB = pp_stage(BNP), NBB = BNP / 64;
+    CLK_BEGIN
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const Params &p = tp.p;
     const int tid = threadIdx.x;
@@ -7360,6 +7385,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
 #endif
     }
     if (MC) cluster_sync_all(); /* no CTA leaves while its peer may still arrive on its barriers */
+    CLK_END
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -7440,6 +7466,9 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
     void (*kern)(const TmaParams) = gg_tma_kernel<MODE, DWV, GLU>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_TMA) != cudaSuccess) return -1;
     kern<<<grid, NT_TMA, SMEM_TMA, stream>>>(tp);
+#ifdef GG_T_CLOCK
+    k_clk_print<<<1, 1, 0, stream>>>(GLU ? 3 : (MODE == 1 && p.a2) ? 4 : MODE == 2 ? 5 : MODE, p.E, p.M, p.K, p.offs, (GLU || (MODE == 1 && p.a2)) ? 2.0 : 1.0, grid);
+#endif
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
@@ -7486,6 +7515,9 @@ static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t 
     cfg.attrs = mc ? attr : nullptr;
     cfg.numAttrs = mc ? 1 : 0;
     if (cudaLaunchKernelEx(&cfg, kern, tp) != cudaSuccess) return -1;
+#ifdef GG_T_CLOCK
+    k_clk_print<<<1, 1, 0, stream>>>(2, p.E, p.M, p.K, p.offs, 1.0, grid);
+#endif
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 

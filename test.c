@@ -1467,6 +1467,22 @@ static void gpu_test_whole_steps(void) {
         mt_runtime_destroy(ru);
         if (made) mt_graph_free(&gu);
     }
+    for (int eager = 0; eager < 2; eager++) {   /* profiled steps (node by node, an event after each): the same bits, every node timed */
+        const mt_graph *gp = eager ? &ge : &gg;
+        double lp[S] = {0}, ms[MT_NOPS], tot = 0;
+        int64_t calls[MT_NOPS], nc = 0;
+        mt_runtime *rq = ok ? gpu_runtime(gp, 0) : NULL;
+        int okp = rq != NULL;
+        if (okp) mt_runtime_set_profile(rq, 1);
+        okp = okp && !gpu_steps(rq, &c, S, lp, NULL);
+        if (okp) {
+            mt_runtime_profile(rq, ms, calls);
+            for (int i = 0; i < MT_NOPS; i++) { tot += ms[i]; nc += calls[i]; okp = okp && isfinite(ms[i]) && ms[i] >= 0; }
+        }
+        report(eager ? "gpu profiled eager steps = unprofiled, bitwise" : "gpu profiled compiled steps = unprofiled, bitwise",
+               okp && bitwise_equal(eager ? le : lg, lp, S) && nc == (int64_t)S * gp->n_nodes && tot > 0, "%lld node calls timed, %.2f ms", (long long)nc, tot);
+        mt_runtime_destroy(rq);
+    }
     mt_runtime_destroy(rc); mt_runtime_destroy(r1); mt_runtime_destroy(r2); mt_runtime_destroy(r3); mt_runtime_destroy(r5);
     mt_graph_free(&gc); mt_graph_free(&gg); mt_graph_free(&ge); mt_graph_free(&gn);
 }
