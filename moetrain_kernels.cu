@@ -7547,6 +7547,9 @@ static long long ssq_need(int E, int M, int K) {
 #endif
 #ifndef GG_PP_BN
 #define GG_PP_BN 192              /* gg_pp_kernel's tile columns: 128, 192, or 0: 192 where the last tile keeps >= 128 */
+/* (GG_PP_BN=0 gives mid's down projection, K = 1408, eleven 128-column tiles in place of seven of 192
+   and one of 64: in mid's step, GG_T_CLOCK build, H200, alternating, 524.4-529.3 TFLOP/s at 67.7-67.8%
+   of the tensor rate a clock against 545.2-553.4 at 70.6-70.8%) */
 #endif
 #ifndef GG_PP_MC
 #define GG_PP_MC 0                /* 1: gg_pp_kernel in clusters of 2 sharing a block by multicast, where tiles pair (needs GG_PP_TS) */
