@@ -5673,6 +5673,7 @@ struct Params {
     const bf16 *a2, *b2; /* mode 1, optional second pair: dX = dY W + dY2 W2, one reduction loop  */
     int nkh;             /* mode 1 with a second pair: steps per pair (nk01 = 2 nkh)           */
     float *ssq;          /* mode 2, optional: partial sums of dW^2, [tile * 8 + warp] (S == 1) */
+    int ssq_z0, ssq_z1;  /* gg_pp_kernel: the entries [z0, z1) of ssq that no tile writes, zeroed by the kernel */
     void *out2, *out3;   /* gate/up in one launch (gg_run_glu): out = g, out2 = u, out3 = silu(g) u (optional) */
     int E, M, K, Rmax;
     int ncols;           /* output columns: M (mode 0), K (modes 1, 2)                        */
@@ -6509,6 +6510,8 @@ struct TmaParams {
     CUtensorMap ta2, tb2;  /* mode 1, second pair                                             */
     CUtensorMap tbh;       /* mode 0: W with boxes of 128 rows (the wide tiles' B)              */
     CUtensorMap tc;        /* gg_pp_kernel's TMA stores: dW [E][M][K] fp32, boxes 32 k x 8 m    */
+    CUtensorMap to;        /* modes 0/1 (GG_TS01, not GLU): the bf16 output [Rmax][ncols], boxes 64 x 16 rows */
+    int ts01;              /* to made: a warp's whole 16-row slabs leave as TMA stores (epilogue_ts01) */
     int perm;              /* tc is the 5-D view with the 8 rows of a box in the order 0 4 1 5 2 6 3 7 (see pp_store_tma) */
     Params p;
 };
@@ -6574,6 +6577,54 @@ __device__ __forceinline__ void init_ring(uint32_t full0, uint32_t empty0, int n
         mbar_init(empty0 + 8u * s, readers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+#ifndef GG_TS01
+#define GG_TS01 1 /* modes 0/1: a warp's whole 16-row slabs leave as TMA tensor stores (0: staged st.global) */
+#endif
+/* Modes 0/1, a warp whose 16 rows all lie in the tile's expert (not the wide tiles, not GLU): each pass
+   of 64 columns is written to the warp's 2 KB buffer in epilogue_staged's layout (row r's 16-byte
+   chunks XOR-swizzled by r mod 8, which is the TMA's 128-byte swizzle), then leaves as one TMA tensor
+   store of 64 columns x 16 rows (tp.to; columns past the tensor are clipped), the warp going on while
+   the copy engine drains it; the buffer is rewritten once the store before it has read it.  The same
+   bytes as the staged stores (a slab holding an expert's last row goes that way: the rows past it are
+   the next expert's).  What the epilogue costs these modes: a timing-only build without it ran dX
+   701-705 against 648-654 TFLOP/s and the forward 698-700 against 637-645 (H200, bench GG_CASE=big,
+   alternating); these stores took the bench's dX from 651.9 / 651.2 to 655.8 / 652.3 and the forward
+   from 632.5 / 632.5 to 639.7 / 635.6 (big-down within 1%), and mid's profiled step (builds
+   alternating on one start, three runs each) GMM_DX from 596.2 / 570.0 / 576.9 to 598.4 / 614.5 /
+   627.7, GMM_DX2 from 630.3 / 607.0 / 612.5 to 642.4 / 643.9 / 656.4, GMM from 563.5 / 637.3 / 633.3
+   to 576.9 / 641.1 / 637.4; the step (10 steps, alternating on another start) 124.86 / 124.06 /
+   123.83 ms against 125.91 / 123.77 / 124.03.  The GLU epilogue through the same stores (g, u and h
+   each from its own map) read shared memory out of bounds under compute-sanitizer on mid's layouts
+   (a store's source at 0x3f040, not the warp's buffer; the small layouts passed): cause not found, so
+   GLU keeps the staged stores. */
+__device__ __forceinline__ void epilogue_ts01(const TmaParams &tp, const float (&acc)[128], const Tile &ti, int wrow, int lane,
+                                              int cols_valid, unsigned char *buf) {
+    const int g = lane >> 2, c = lane & 3;
+    const uint32_t sbuf = smem_u32(buf);
+#pragma unroll
+    for (int pass = 0; pass < 4; ++pass) {
+        if (64 * pass >= cols_valid) break; /* tile-uniform */
+        if (lane == 0) bulk_wait_read0();
+        __syncwarp();
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+            const int j = 8 * pass + jj;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = g + 8 * h, byte = (8 * jj + 2 * c) * 2;
+                *reinterpret_cast<__nv_bfloat162 *>(buf + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15)) =
+                    __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            }
+        }
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) {
+            tma_store_2d(&tp.to, sbuf, ti.c0 + 64 * pass, ti.r0 + wrow);
+            bulk_commit();
+        }
+    }
 }
 
 /* GG_T_CLOCK (a diagnostic build: make train NVFLAGS="... -DGG_T_CLOCK"): after each launch of
@@ -6691,6 +6742,15 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
             fence_acc_all(acc);
             if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + ST - 1) % ST));
             /* consumer warp w: tile rows 64 (w / 4) + 16 (w % 4) + [0, 16); in a wide tile columns 16 w + [0, 16) */
+            if (MODE != 2 && !GLU && GG_TS01 && tp.ts01) {
+                const int wrow = 64 * wg + 16 * (warp & 3);
+                if (!ti.wide && wrow + 16 <= rows_valid) {
+                    epilogue_ts01(tp, acc, ti, wrow, lane, cols_valid, buf);
+                    continue;
+                }
+                if (lane == 0) bulk_wait_read0(); /* the buffer's last TMA store has read it */
+                __syncwarp();
+            }
             if (GLU) {
                 epilogue_glu(p, acc, ti, 64 * wg + 16 * (warp & 3), lane, rows_valid, buf);
                 continue;
@@ -6699,6 +6759,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
                                      : epilogue_staged<MODE, 128>(p, acc, ti, 64 * wg + 16 * (warp & 3), lane, rows_valid, cols_valid, buf);
             if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
         }
+        if (MODE != 2 && !GLU && GG_TS01 && tp.ts01 && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
     }
     CLK_END
 }
@@ -7200,6 +7261,9 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
     int *s_aux = s_offs + (MAX_E + 1);
     int *s_scan = s_aux + (MAX_E + 1);
     if (tid == NT) init_ring(full0, empty0, NST, MC ? 8 : 4); /* MC: both CTAs' consumer warps release a stage */
+    /* the norm partials no tile writes read as zero (in place of a memset launch before the kernel;
+       mid's GMM_DW_SQ within the step's noise: 529.1 / 516.9 / 541.6 against 534.4 / 544.5 / 534.9) */
+    for (int i = p.ssq_z0 + (int)blockIdx.x * NT_TMA + tid; i < p.ssq_z1; i += (int)gridDim.x * NT_TMA) p.ssq[i] = 0.f;
     build_work_list<2>(p, s_offs, s_aux, s_scan, tid); /* ends with a CTA barrier */
     /* MC: the CTAs of a cluster of 2 take the two tiles of a pair, in the same order; each loads its
        own operand block and half of the shared one, the latter written to both CTAs */
@@ -7463,6 +7527,8 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
         rc = tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK);
     }
     if (rc) return -1;
+    if (MODE != 2 && !GLU && GG_TS01 && p.Rmax > 0) /* the output's map (without it: staged stores) */
+        tp.ts01 = tma_row_map(enc, &tp.to, p.out, p.ncols, p.Rmax, 16) == 0;
     void (*kern)(const TmaParams) = gg_tma_kernel<MODE, DWV, GLU>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_TMA) != cudaSuccess) return -1;
     kern<<<grid, NT_TMA, SMEM_TMA, stream>>>(tp);
@@ -7627,8 +7693,13 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
         if (Rmax == 0) return 0; /* nothing to write */
     }
     const int grid = p.pair ? 2 * (int)(tiles / 2 < nsm / 2 ? tiles / 2 : nsm / 2) : (int)(tiles < nsm ? tiles : nsm);
-    /* entries no tile or block writes read as zero (in turns: 4 a tile of 128 columns) */
-    if (ssq && (S > 1 || tiles * (pp ? 4 : 8) < ssq_len))
+    /* entries no tile or block writes read as zero (in turns: 4 a tile of 128 columns); gg_pp_kernel
+       at 192 columns without clusters writes entries [0, 4 tiles) and zeroes the rest itself */
+    p.ssq_z0 = p.ssq_z1 = 0;
+    if (ssq && pp && bnp == 192 && !p.pair && ssq_len <= INT_MAX) {
+        p.ssq_z0 = (int)(4 * tiles);
+        p.ssq_z1 = (int)ssq_len;
+    } else if (ssq && (S > 1 || tiles * (pp ? 4 : 8) < ssq_len))
         if (cudaMemsetAsync(ssq, 0, (size_t)ssq_len * sizeof(float), stream) != cudaSuccess) return -1;
     int rc;
     if (pp) {
