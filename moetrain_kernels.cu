@@ -6597,8 +6597,10 @@ __device__ __forceinline__ void init_ring(uint32_t full0, uint32_t empty0, int n
    to 576.9 / 641.1 / 637.4; the step (10 steps, alternating on another start) 124.86 / 124.06 /
    123.83 ms against 125.91 / 123.77 / 124.03.  The GLU epilogue through the same stores (g, u and h
    each from its own map) read shared memory out of bounds under compute-sanitizer on mid's layouts
-   (a store's source at 0x3f040, not the warp's buffer; the small layouts passed): cause not found, so
-   GLU keeps the staged stores. */
+   (a store's source at 0x3f040, not the warp's buffer; the small layouts passed) and faulted without it,
+   also with the maps as separate fields, with each buffer reused only after its store had completed
+   (wait_group 0), and with only g stored this way (u and h staged): so neither the number of maps nor
+   stores in flight; cause not found, and GLU keeps the staged stores. */
 __device__ __forceinline__ void epilogue_ts01(const TmaParams &tp, const float (&acc)[128], const Tile &ti, int wrow, int lane,
                                               int cols_valid, unsigned char *buf) {
     const int g = lane >> 2, c = lane & 3;
