@@ -6005,9 +6005,33 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
    The cp.async kernel uses 4 KB buffers (RB = 256: 128 bf16 or 64 fp32 columns a pass), the TMA
    kernel 2 KB ones (RB = 128).  The warp's rows start at tile row wrow.  Returns the sum of the
    squares of what it stored (mode 2), in a fixed order. */
-template <int MODE, int RB>
+#ifndef GG_TS01
+#define GG_TS01 1 /* modes 0/1: a warp's whole 16-row slabs leave as TMA tensor stores (0: staged st.global) */
+#endif
+/* TS (GG_TS01; modes 0/1, RB 128, called for a warp whose 16 rows all lie in the tile's expert, not
+   for the wide tiles or GLU): each pass of 64 columns is written to the warp's 2 KB buffer as above
+   (row r's 16-byte chunks XOR-swizzled by r mod 8, which is the TMA's 128-byte swizzle), then leaves as
+   one TMA tensor store of 64 columns x 16 rows (tmap; columns past the tensor clipped), the warp going on while
+   the copy engine drains it; the buffer is rewritten once the store before it has read it.  The same
+   bytes as the staged stores (a slab holding an expert's last row goes that way: the rows past it are
+   the next expert's).  What the epilogue costs these modes: a timing-only build without it ran dX
+   701-705 against 648-654 TFLOP/s and the forward 698-700 against 637-645 (H200, bench GG_CASE=big,
+   alternating); these stores took the bench's dX from 651.9 / 651.2 to 655.8 / 652.3 and the forward
+   from 632.5 / 632.5 to 639.7 / 635.6 (big-down within 1%), and mid's profiled step (builds
+   alternating on one start, three runs each) GMM_DX from 596.2 / 570.0 / 576.9 to 598.4 / 614.5 /
+   627.7, GMM_DX2 from 630.3 / 607.0 / 612.5 to 642.4 / 643.9 / 656.4, GMM from 563.5 / 637.3 / 633.3
+   to 576.9 / 641.1 / 637.4; the step (10 steps, alternating on another start) 124.86 / 124.06 /
+   123.83 ms against 125.91 / 123.77 / 124.03.  The GLU epilogue through the same stores (g, u and h
+   each from its own map) read shared memory out of bounds under compute-sanitizer on mid's layouts
+   (a store's source at 0x3f040, not the warp's buffer; the small layouts passed) and faulted without it,
+   also with the maps as separate fields, with each buffer reused only after its store had completed
+   (wait_group 0), and with only g stored this way (u and h staged): so neither the number of maps nor
+   stores in flight; cause not found, and GLU keeps the staged stores. */
+template <int MODE, int RB, bool TS = false>
 __device__ __forceinline__ float epilogue_staged(const Params &p, const float (&acc)[128], const Tile &ti, int wrow, int lane,
-                                                 int rows_valid, int cols_valid, unsigned char *buf) {
+                                                 int rows_valid, int cols_valid, unsigned char *buf,
+                                                 const CUtensorMap *tmap = nullptr) {
+    static_assert(!TS || (MODE != 2 && RB == 128), "TMA stores: modes 0/1 through 2 KB buffers");
     constexpr int ESZ = (MODE == 2) ? 4 : 2;                /* output element bytes                        */
     constexpr int JB = RB / (8 * ESZ);                      /* n8 column blocks per pass                   */
     constexpr int NP = 32 / JB;                             /* passes                                      */
@@ -6031,6 +6055,10 @@ __device__ __forceinline__ float epilogue_staged(const Params &p, const float (&
 #pragma unroll
     for (int pass = 0; pass < NP; ++pass) {
         if (pass * JB * 8 >= cols_valid) break; /* tile-uniform */
+        if (TS) { /* the buffer's last store has read it */
+            if (lane == 0) bulk_wait_read0();
+            __syncwarp();
+        }
 #pragma unroll
         for (int jj = 0; jj < JB; ++jj) {
             const int j = pass * JB + jj;
@@ -6047,6 +6075,15 @@ __device__ __forceinline__ float epilogue_staged(const Params &p, const float (&
                     if (wrow + r < rows_valid && pass * JB * 8 + 8 * jj + 2 * c < cols_valid) ss += v0 * v0 + v1 * v1;
                 }
             }
+        }
+        if (TS) {
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) {
+                tma_store_2d(tmap, smem_u32(buf), ti.c0 + pass * JB * 8, ti.r0 + wrow);
+                bulk_commit();
+            }
+            continue;
         }
         __syncwarp();
 #pragma unroll
@@ -6511,7 +6548,7 @@ struct TmaParams {
     CUtensorMap tbh;       /* mode 0: W with boxes of 128 rows (the wide tiles' B)              */
     CUtensorMap tc;        /* gg_pp_kernel's TMA stores: dW [E][M][K] fp32, boxes 32 k x 8 m    */
     CUtensorMap to;        /* modes 0/1 (GG_TS01, not GLU): the bf16 output [Rmax][ncols], boxes 64 x 16 rows */
-    int ts01;              /* to made: a warp's whole 16-row slabs leave as TMA stores (epilogue_ts01) */
+    int ts01;              /* to made: a warp's whole 16-row slabs leave as TMA stores (epilogue_staged's TS) */
     int perm;              /* tc is the 5-D view with the 8 rows of a box in the order 0 4 1 5 2 6 3 7 (see pp_store_tma) */
     Params p;
 };
@@ -6579,56 +6616,6 @@ __device__ __forceinline__ void init_ring(uint32_t full0, uint32_t empty0, int n
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
-#ifndef GG_TS01
-#define GG_TS01 1 /* modes 0/1: a warp's whole 16-row slabs leave as TMA tensor stores (0: staged st.global) */
-#endif
-/* Modes 0/1, a warp whose 16 rows all lie in the tile's expert (not the wide tiles, not GLU): each pass
-   of 64 columns is written to the warp's 2 KB buffer in epilogue_staged's layout (row r's 16-byte
-   chunks XOR-swizzled by r mod 8, which is the TMA's 128-byte swizzle), then leaves as one TMA tensor
-   store of 64 columns x 16 rows (tp.to; columns past the tensor are clipped), the warp going on while
-   the copy engine drains it; the buffer is rewritten once the store before it has read it.  The same
-   bytes as the staged stores (a slab holding an expert's last row goes that way: the rows past it are
-   the next expert's).  What the epilogue costs these modes: a timing-only build without it ran dX
-   701-705 against 648-654 TFLOP/s and the forward 698-700 against 637-645 (H200, bench GG_CASE=big,
-   alternating); these stores took the bench's dX from 651.9 / 651.2 to 655.8 / 652.3 and the forward
-   from 632.5 / 632.5 to 639.7 / 635.6 (big-down within 1%), and mid's profiled step (builds
-   alternating on one start, three runs each) GMM_DX from 596.2 / 570.0 / 576.9 to 598.4 / 614.5 /
-   627.7, GMM_DX2 from 630.3 / 607.0 / 612.5 to 642.4 / 643.9 / 656.4, GMM from 563.5 / 637.3 / 633.3
-   to 576.9 / 641.1 / 637.4; the step (10 steps, alternating on another start) 124.86 / 124.06 /
-   123.83 ms against 125.91 / 123.77 / 124.03.  The GLU epilogue through the same stores (g, u and h
-   each from its own map) read shared memory out of bounds under compute-sanitizer on mid's layouts
-   (a store's source at 0x3f040, not the warp's buffer; the small layouts passed) and faulted without it,
-   also with the maps as separate fields, with each buffer reused only after its store had completed
-   (wait_group 0), and with only g stored this way (u and h staged): so neither the number of maps nor
-   stores in flight; cause not found, and GLU keeps the staged stores. */
-__device__ __forceinline__ void epilogue_ts01(const TmaParams &tp, const float (&acc)[128], const Tile &ti, int wrow, int lane,
-                                              int cols_valid, unsigned char *buf) {
-    const int g = lane >> 2, c = lane & 3;
-    const uint32_t sbuf = smem_u32(buf);
-#pragma unroll
-    for (int pass = 0; pass < 4; ++pass) {
-        if (64 * pass >= cols_valid) break; /* tile-uniform */
-        if (lane == 0) bulk_wait_read0();
-        __syncwarp();
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-            const int j = 8 * pass + jj;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = g + 8 * h, byte = (8 * jj + 2 * c) * 2;
-                *reinterpret_cast<__nv_bfloat162 *>(buf + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15)) =
-                    __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            }
-        }
-        fence_proxy_async();
-        __syncwarp();
-        if (lane == 0) {
-            tma_store_2d(&tp.to, sbuf, ti.c0 + 64 * pass, ti.r0 + wrow);
-            bulk_commit();
-        }
-    }
-}
-
 /* GG_T_CLOCK (a diagnostic build: make train NVFLAGS="... -DGG_T_CLOCK"): after each launch of
    gg_tma_kernel or gg_pp_kernel a one-thread kernel prints the launch's span on the GPU (first CTA
    start to last warp end, %globaltimer), CTA 0's SM clock over its life, the rate, and the share of
@@ -6656,6 +6643,7 @@ __global__ void k_clk_print(int tag, int E, int M, int K, const int *offs, doubl
 template <int MODE, int DWV = 0, bool GLU = false>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
     constexpr bool SHORT = MODE == 2 && DWV >= 1;
+    constexpr bool TS = MODE != 2 && !GLU && GG_TS01; /* whole 16-row slabs leave as TMA stores (epilogue_staged) */
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     CLK_BEGIN
     const Params &p = tp.p;
@@ -6744,10 +6732,10 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
             fence_acc_all(acc);
             if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + ST - 1) % ST));
             /* consumer warp w: tile rows 64 (w / 4) + 16 (w % 4) + [0, 16); in a wide tile columns 16 w + [0, 16) */
-            if (MODE != 2 && !GLU && GG_TS01 && tp.ts01) {
+            if (TS && tp.ts01) {
                 const int wrow = 64 * wg + 16 * (warp & 3);
                 if (!ti.wide && wrow + 16 <= rows_valid) {
-                    epilogue_ts01(tp, acc, ti, wrow, lane, cols_valid, buf);
+                    epilogue_staged<MODE, 128, TS>(p, acc, ti, wrow, lane, rows_valid, cols_valid, buf, &tp.to);
                     continue;
                 }
                 if (lane == 0) bulk_wait_read0(); /* the buffer's last TMA store has read it */
@@ -6761,7 +6749,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
                                      : epilogue_staged<MODE, 128>(p, acc, ti, 64 * wg + 16 * (warp & 3), lane, rows_valid, cols_valid, buf);
             if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
         }
-        if (MODE != 2 && !GLU && GG_TS01 && tp.ts01 && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
+        if (TS && tp.ts01 && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
     }
     CLK_END
 }
