@@ -5900,7 +5900,14 @@ __device__ __forceinline__ void step_wgmma(float (&acc)[128], uint32_t sA, int w
         wgmma_commit();
     } else {
         /* all rows of this warpgroup are outside the tile: a token m64n8k16 whose result is never
-           stored (issuing no wgmma at all on this path makes ptxas serialize every wgmma) */
+           stored (issuing no wgmma at all on this path makes ptxas serialize every wgmma).  Its
+           scale-d is 0, so ptxas takes acc[0..3] for dead before it and may build the descriptors
+           in their registers while the previous step's token (left in flight by the caller's
+           wait<1>) still writes them: seen as a descriptor of garbage and an out-of-bounds shared
+           read under compute-sanitizer, illegal addresses without it.  So the token waits for
+           the one before it first (this warpgroup has nothing else in flight). */
+        wgmma_wait<0>();
+        fence_acc_all(acc);
         wgmma_fence();
         wgmma_n8<0, 0>(acc, da, db, 0);
         wgmma_commit();
@@ -6009,7 +6016,7 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
 #define GG_TS01 1 /* modes 0/1: a warp's whole 16-row slabs leave as TMA tensor stores (0: staged st.global) */
 #endif
 /* TS (GG_TS01; modes 0/1, RB 128, called for a warp whose 16 rows all lie in the tile's expert, not
-   for the wide tiles or GLU): each pass of 64 columns is written to the warp's 2 KB buffer as above
+   for the wide tiles; GLU has its own, epilogue_glu): each pass of 64 columns is written to the warp's 2 KB buffer as above
    (row r's 16-byte chunks XOR-swizzled by r mod 8, which is the TMA's 128-byte swizzle), then leaves as
    one TMA tensor store of 64 columns x 16 rows (tmap; columns past the tensor clipped), the warp going on while
    the copy engine drains it; the buffer is rewritten once the store before it has read it.  The same
@@ -6021,12 +6028,7 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
    alternating on one start, three runs each) GMM_DX from 596.2 / 570.0 / 576.9 to 598.4 / 614.5 /
    627.7, GMM_DX2 from 630.3 / 607.0 / 612.5 to 642.4 / 643.9 / 656.4, GMM from 563.5 / 637.3 / 633.3
    to 576.9 / 641.1 / 637.4; the step (10 steps, alternating on another start) 124.86 / 124.06 /
-   123.83 ms against 125.91 / 123.77 / 124.03.  The GLU epilogue through the same stores (g, u and h
-   each from its own map) read shared memory out of bounds under compute-sanitizer on mid's layouts
-   (a store's source at 0x3f040, not the warp's buffer; the small layouts passed) and faulted without it,
-   also with the maps as separate fields, with each buffer reused only after its store had completed
-   (wait_group 0), and with only g stored this way (u and h staged): so neither the number of maps nor
-   stores in flight; cause not found, and GLU keeps the staged stores. */
+   123.83 ms against 125.91 / 123.77 / 124.03.  epilogue_glu has the same TS path (GG_TSG). */
 template <int MODE, int RB, bool TS = false>
 __device__ __forceinline__ float epilogue_staged(const Params &p, const float (&acc)[128], const Tile &ti, int wrow, int lane,
                                                  int rows_valid, int cols_valid, unsigned char *buf,
@@ -6173,8 +6175,19 @@ __device__ __forceinline__ float epilogue_wide(const Params &p, const float (&ac
    and without h at all 657-658; an exp on the FMA pipe would halve the MUFU work for ~10 more
    instructions a value, so at most ~2% to gain, and other bits than k_swiglu's: not done. */
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+#ifndef GG_TSG
+#define GG_TSG 1 /* GLU: a warp's whole 16-row slabs leave as TMA tensor stores (tp.to, to2, to3) */
+#endif
+/* TS (GG_TSG): as epilogue_staged's TS, each pass's 64 x 16 box leaves as a TMA store through the map
+   of its output (g, u or h; [Rmax][M], columns past M clipped); slabs holding an expert's last row stay
+   staged.  The same bytes.  H200, bench GG_GLU=1 GG_CASE=big, first rounds: 635.2 / 625.7 TFLOP/s
+   against 630.6 / 620.1 staged; mid's profiled step (alternating on one start, three runs each)
+   GMM_GLU 598.0 / 587.5 / 596.4 against 590.3 / 591.0 / 595.3: within the noise, kept for one store
+   path across the three bf16 epilogues. */
+template <bool TS = false>
 __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)[128], const Tile &ti, int wrow, int lane,
-                                             int rows_valid, unsigned char *buf) {
+                                             int rows_valid, unsigned char *buf, const CUtensorMap *tm0 = nullptr,
+                                             const CUtensorMap *tm1 = nullptr, const CUtensorMap *tm2 = nullptr) {
     const int g = lane >> 2, c = lane & 3, c0h = ti.c0 >> 1, hv = min(128, p.M - c0h);
     const size_t ld = (size_t)p.M * 2, o0 = ((size_t)ti.r0 * p.M + c0h) * 2;
     char *base[3] = {reinterpret_cast<char *>(p.out) + o0, reinterpret_cast<char *>(p.out2) + o0,
@@ -6184,6 +6197,10 @@ __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)
         const int half = pass & 1, which = pass >> 1;
         if (which == 2 && !p.out3) break;
         if (64 * half >= hv) continue; /* tile-uniform */
+        if (TS) {
+            if (lane == 0) bulk_wait_read0();
+            __syncwarp();
+        }
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
             const int j = 8 * half + jj;
@@ -6198,6 +6215,15 @@ __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)
                 const int byte = (8 * jj + 2 * c) * 2;
                 *reinterpret_cast<__nv_bfloat162 *>(buf + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15)) = v;
             }
+        }
+        if (TS) {
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) {
+                tma_store_2d(which == 0 ? tm0 : which == 1 ? tm1 : tm2, smem_u32(buf), c0h + 64 * half, ti.r0 + wrow);
+                bulk_commit();
+            }
+            continue;
         }
         __syncwarp();
 #pragma unroll
@@ -6548,6 +6574,7 @@ struct TmaParams {
     CUtensorMap tbh;       /* mode 0: W with boxes of 128 rows (the wide tiles' B)              */
     CUtensorMap tc;        /* gg_pp_kernel's TMA stores: dW [E][M][K] fp32, boxes 32 k x 8 m    */
     CUtensorMap to;        /* modes 0/1 (GG_TS01, not GLU): the bf16 output [Rmax][ncols], boxes 64 x 16 rows */
+    CUtensorMap to2, to3;  /* GLU (GG_TSG): to = g, to2 = u, to3 = h, each [Rmax][M], boxes 64 x 16 rows */
     int ts01;              /* to made: a warp's whole 16-row slabs leave as TMA stores (epilogue_staged's TS) */
     int perm;              /* tc is the 5-D view with the 8 rows of a box in the order 0 4 1 5 2 6 3 7 (see pp_store_tma) */
     Params p;
@@ -6643,7 +6670,7 @@ __global__ void k_clk_print(int tag, int E, int M, int K, const int *offs, doubl
 template <int MODE, int DWV = 0, bool GLU = false>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
     constexpr bool SHORT = MODE == 2 && DWV >= 1;
-    constexpr bool TS = MODE != 2 && !GLU && GG_TS01; /* whole 16-row slabs leave as TMA stores (epilogue_staged) */
+    constexpr bool TS = MODE != 2 && (GLU ? GG_TSG : GG_TS01); /* whole 16-row slabs leave as TMA stores (epilogue_staged, epilogue_glu) */
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     CLK_BEGIN
     const Params &p = tp.p;
@@ -6735,7 +6762,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
             if (TS && tp.ts01) {
                 const int wrow = 64 * wg + 16 * (warp & 3);
                 if (!ti.wide && wrow + 16 <= rows_valid) {
-                    epilogue_staged<MODE, 128, TS>(p, acc, ti, wrow, lane, rows_valid, cols_valid, buf, &tp.to);
+                    if (GLU) epilogue_glu<TS>(p, acc, ti, wrow, lane, rows_valid, buf, &tp.to, &tp.to2, &tp.to3);
+                    else epilogue_staged<MODE, 128, TS && !GLU>(p, acc, ti, wrow, lane, rows_valid, cols_valid, buf, &tp.to);
                     continue;
                 }
                 if (lane == 0) bulk_wait_read0(); /* the buffer's last TMA store has read it */
@@ -7519,6 +7547,9 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
     if (rc) return -1;
     if (MODE != 2 && !GLU && GG_TS01 && p.Rmax > 0) /* the output's map (without it: staged stores) */
         tp.ts01 = tma_row_map(enc, &tp.to, p.out, p.ncols, p.Rmax, 16) == 0;
+    if (GLU && GG_TSG && p.Rmax > 0)
+        tp.ts01 = (tma_row_map(enc, &tp.to, p.out, p.M, p.Rmax, 16) | tma_row_map(enc, &tp.to2, p.out2, p.M, p.Rmax, 16) |
+                   (p.out3 ? tma_row_map(enc, &tp.to3, p.out3, p.M, p.Rmax, 16) : 0)) == 0;
     void (*kern)(const TmaParams) = gg_tma_kernel<MODE, DWV, GLU>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_TMA) != cudaSuccess) return -1;
     kern<<<grid, NT_TMA, SMEM_TMA, stream>>>(tp);
