@@ -6029,6 +6029,36 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
    627.7, GMM_DX2 from 630.3 / 607.0 / 612.5 to 642.4 / 643.9 / 656.4, GMM from 563.5 / 637.3 / 633.3
    to 576.9 / 641.1 / 637.4; the step (10 steps, alternating on another start) 124.86 / 124.06 /
    123.83 ms against 125.91 / 123.77 / 124.03.  epilogue_glu has the same TS path (GG_TSG). */
+#ifndef GG_TS_HALF
+#define GG_TS_HALF 1 /* GLU's TS: each pass leaves as two 64 x 8 boxes, one per 1 KB half of the buffer (0: one 64 x 16 box) */
+#endif
+#ifndef GG_TS_NOWAIT
+#define GG_TS_NOWAIT 0 /* timing only (wrong results): TS never waits for its stores to read the buffer */
+#endif
+/* GLU's TS with GG_TS_HALF: rows 8h..8h+7 of a warp's slab are the buffer's h-th KB (row r at r * 128),
+   so a pass leaves as two boxes of 64 columns x 8 rows, and the warp writes one half while the store of
+   the other still reads it: before writing half h it waits only until the one store after half h's
+   last (the other half's) may still be reading (wait_group.read 1).  H200, bench GG_CASE=big, first
+   rounds, two rounds alternating: GLU 628.5 / 627.4 TFLOP/s against 621.6 / 618.7 with one 64 x 16 box
+   a pass (a timing-only build that never waits: 630.1 / 632.1).  The same for modes 0/1 measured
+   mixed (the forward of big-down 646.2-654.6 against 644.6-652.3, its dX 638.4-643.5 against
+   641.6-646.1, big's dX the same), so those keep one box a pass. */
+/* the TS steps of epilogue_staged and epilogue_glu: wait before writing the buffer, then store from it */
+__device__ __forceinline__ void ts_wait(int lane, bool half) {
+    if (!GG_TS_NOWAIT && lane == 0) {
+        if (half) bulk_wait_read1();
+        else bulk_wait_read0();
+    }
+    __syncwarp();
+}
+__device__ __forceinline__ void ts_issue(int lane, const CUtensorMap *map, const unsigned char *src, int c0, int r0) {
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) {
+        tma_store_2d(map, smem_u32(src), c0, r0);
+        bulk_commit();
+    }
+}
 template <int MODE, int RB, bool TS = false>
 __device__ __forceinline__ float epilogue_staged(const Params &p, const float (&acc)[128], const Tile &ti, int wrow, int lane,
                                                  int rows_valid, int cols_valid, unsigned char *buf,
@@ -6057,10 +6087,7 @@ __device__ __forceinline__ float epilogue_staged(const Params &p, const float (&
 #pragma unroll
     for (int pass = 0; pass < NP; ++pass) {
         if (pass * JB * 8 >= cols_valid) break; /* tile-uniform */
-        if (TS) { /* the buffer's last store has read it */
-            if (lane == 0) bulk_wait_read0();
-            __syncwarp();
-        }
+        if (TS) ts_wait(lane, false); /* the buffer's last store has read it */
 #pragma unroll
         for (int jj = 0; jj < JB; ++jj) {
             const int j = pass * JB + jj;
@@ -6079,12 +6106,7 @@ __device__ __forceinline__ float epilogue_staged(const Params &p, const float (&
             }
         }
         if (TS) {
-            fence_proxy_async();
-            __syncwarp();
-            if (lane == 0) {
-                tma_store_2d(tmap, smem_u32(buf), ti.c0 + pass * JB * 8, ti.r0 + wrow);
-                bulk_commit();
-            }
+            ts_issue(lane, tmap, buf, ti.c0 + pass * JB * 8, ti.r0 + wrow);
             continue;
         }
         __syncwarp();
@@ -6197,10 +6219,25 @@ __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)
         const int half = pass & 1, which = pass >> 1;
         if (which == 2 && !p.out3) break;
         if (64 * half >= hv) continue; /* tile-uniform */
-        if (TS) {
-            if (lane == 0) bulk_wait_read0();
-            __syncwarp();
+        if (TS && GG_TS_HALF) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                ts_wait(lane, true);
+#pragma unroll
+                for (int jj = 0; jj < 8; ++jj) {
+                    const int j = 8 * half + jj, r = g + 8 * h, i = 4 * j + 2 * h, byte = (8 * jj + 2 * c) * 2;
+                    __nv_bfloat162 v;
+                    if (which == 0) v = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+                    else if (which == 1) v = __floats2bfloat162_rn(acc[i + 64], acc[i + 65]);
+                    else v = __floats2bfloat162_rn(swiglu1(bf16_round(acc[i]), bf16_round(acc[i + 64])),
+                                                   swiglu1(bf16_round(acc[i + 1]), bf16_round(acc[i + 65])));
+                    *reinterpret_cast<__nv_bfloat162 *>(buf + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15)) = v;
+                }
+                ts_issue(lane, which == 0 ? tm0 : which == 1 ? tm1 : tm2, buf + 1024 * h, c0h + 64 * half, ti.r0 + wrow + 8 * h);
+            }
+            continue;
         }
+        if (TS) ts_wait(lane, false);
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
             const int j = 8 * half + jj;
@@ -6217,12 +6254,7 @@ __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)
             }
         }
         if (TS) {
-            fence_proxy_async();
-            __syncwarp();
-            if (lane == 0) {
-                tma_store_2d(which == 0 ? tm0 : which == 1 ? tm1 : tm2, smem_u32(buf), c0h + 64 * half, ti.r0 + wrow);
-                bulk_commit();
-            }
+            ts_issue(lane, which == 0 ? tm0 : which == 1 ? tm1 : tm2, buf, c0h + 64 * half, ti.r0 + wrow);
             continue;
         }
         __syncwarp();
@@ -7526,6 +7558,7 @@ static int tma_w_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int E,
     return tma_map(enc, m, base, 3, dims, strides, box);
 }
 
+constexpr int TSG_BOX = GG_TS_HALF ? 8 : 16; /* the rows of GLU's TMA store boxes (epilogue_glu's TS) */
 template <int MODE, int DWV = 0, bool GLU = false>
 static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream) {
     TmaParams tp;
@@ -7548,8 +7581,8 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
     if (MODE != 2 && !GLU && GG_TS01 && p.Rmax > 0) /* the output's map (without it: staged stores) */
         tp.ts01 = tma_row_map(enc, &tp.to, p.out, p.ncols, p.Rmax, 16) == 0;
     if (GLU && GG_TSG && p.Rmax > 0)
-        tp.ts01 = (tma_row_map(enc, &tp.to, p.out, p.M, p.Rmax, 16) | tma_row_map(enc, &tp.to2, p.out2, p.M, p.Rmax, 16) |
-                   (p.out3 ? tma_row_map(enc, &tp.to3, p.out3, p.M, p.Rmax, 16) : 0)) == 0;
+        tp.ts01 = (tma_row_map(enc, &tp.to, p.out, p.M, p.Rmax, TSG_BOX) | tma_row_map(enc, &tp.to2, p.out2, p.M, p.Rmax, TSG_BOX) |
+                   (p.out3 ? tma_row_map(enc, &tp.to3, p.out3, p.M, p.Rmax, TSG_BOX) : 0)) == 0;
     void (*kern)(const TmaParams) = gg_tma_kernel<MODE, DWV, GLU>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_TMA) != cudaSuccess) return -1;
     kern<<<grid, NT_TMA, SMEM_TMA, stream>>>(tp);
