@@ -6219,44 +6219,25 @@ __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)
         const int half = pass & 1, which = pass >> 1;
         if (which == 2 && !p.out3) break;
         if (64 * half >= hv) continue; /* tile-uniform */
-        if (TS && GG_TS_HALF) {
+        /* TS: with GG_TS_HALF each half (rows 8h..8h+7, the buffer's h-th KB) is a box of its own */
+        const CUtensorMap *map = which == 0 ? tm0 : which == 1 ? tm1 : tm2;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                ts_wait(lane, true);
+        for (int h = 0; h < 2; ++h) {
+            if (TS && (GG_TS_HALF || h == 0)) ts_wait(lane, GG_TS_HALF);
 #pragma unroll
-                for (int jj = 0; jj < 8; ++jj) {
-                    const int j = 8 * half + jj, r = g + 8 * h, i = 4 * j + 2 * h, byte = (8 * jj + 2 * c) * 2;
-                    __nv_bfloat162 v;
-                    if (which == 0) v = __floats2bfloat162_rn(acc[i], acc[i + 1]);
-                    else if (which == 1) v = __floats2bfloat162_rn(acc[i + 64], acc[i + 65]);
-                    else v = __floats2bfloat162_rn(swiglu1(bf16_round(acc[i]), bf16_round(acc[i + 64])),
-                                                   swiglu1(bf16_round(acc[i + 1]), bf16_round(acc[i + 65])));
-                    *reinterpret_cast<__nv_bfloat162 *>(buf + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15)) = v;
-                }
-                ts_issue(lane, which == 0 ? tm0 : which == 1 ? tm1 : tm2, buf + 1024 * h, c0h + 64 * half, ti.r0 + wrow + 8 * h);
-            }
-            continue;
-        }
-        if (TS) ts_wait(lane, false);
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-            const int j = 8 * half + jj;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = g + 8 * h, i = 4 * j + 2 * h;
+            for (int jj = 0; jj < 8; ++jj) {
+                const int j = 8 * half + jj, r = g + 8 * h, i = 4 * j + 2 * h, byte = (8 * jj + 2 * c) * 2;
                 __nv_bfloat162 v;
                 if (which == 0) v = __floats2bfloat162_rn(acc[i], acc[i + 1]);
                 else if (which == 1) v = __floats2bfloat162_rn(acc[i + 64], acc[i + 65]);
                 else v = __floats2bfloat162_rn(swiglu1(bf16_round(acc[i]), bf16_round(acc[i + 64])),
                                                swiglu1(bf16_round(acc[i + 1]), bf16_round(acc[i + 65])));
-                const int byte = (8 * jj + 2 * c) * 2;
                 *reinterpret_cast<__nv_bfloat162 *>(buf + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15)) = v;
             }
+            if (TS && GG_TS_HALF) ts_issue(lane, map, buf + 1024 * h, c0h + 64 * half, ti.r0 + wrow + 8 * h);
+            else if (TS && h == 1) ts_issue(lane, map, buf, c0h + 64 * half, ti.r0 + wrow);
         }
-        if (TS) {
-            ts_issue(lane, which == 0 ? tm0 : which == 1 ? tm1 : tm2, buf, c0h + 64 * half, ti.r0 + wrow);
-            continue;
-        }
+        if (TS) continue;
         __syncwarp();
 #pragma unroll
         for (int it = 0; it < 4; ++it) {
@@ -6606,8 +6587,8 @@ struct TmaParams {
     CUtensorMap tbh;       /* mode 0: W with boxes of 128 rows (the wide tiles' B)              */
     CUtensorMap tc;        /* gg_pp_kernel's TMA stores: dW [E][M][K] fp32, boxes 32 k x 8 m    */
     CUtensorMap to;        /* modes 0/1 (GG_TS01, not GLU): the bf16 output [Rmax][ncols], boxes 64 x 16 rows */
-    CUtensorMap to2, to3;  /* GLU (GG_TSG): to = g, to2 = u, to3 = h, each [Rmax][M], boxes 64 x 16 rows */
-    int ts01;              /* to made: a warp's whole 16-row slabs leave as TMA stores (epilogue_staged's TS) */
+    CUtensorMap to2, to3;  /* GLU (GG_TSG): to = g, to2 = u, to3 = h, each [Rmax][M], boxes 64 x TSG_BOX rows */
+    int tso;               /* the output maps made: a warp's whole 16-row slabs leave as TMA stores (TS) */
     int perm;              /* tc is the 5-D view with the 8 rows of a box in the order 0 4 1 5 2 6 3 7 (see pp_store_tma) */
     Params p;
 };
@@ -6791,11 +6772,11 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
             fence_acc_all(acc);
             if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + ST - 1) % ST));
             /* consumer warp w: tile rows 64 (w / 4) + 16 (w % 4) + [0, 16); in a wide tile columns 16 w + [0, 16) */
-            if (TS && tp.ts01) {
+            if (TS && tp.tso) {
                 const int wrow = 64 * wg + 16 * (warp & 3);
                 if (!ti.wide && wrow + 16 <= rows_valid) {
-                    if (GLU) epilogue_glu<TS>(p, acc, ti, wrow, lane, rows_valid, buf, &tp.to, &tp.to2, &tp.to3);
-                    else epilogue_staged<MODE, 128, TS && !GLU>(p, acc, ti, wrow, lane, rows_valid, cols_valid, buf, &tp.to);
+                    if constexpr (GLU) epilogue_glu<TS>(p, acc, ti, wrow, lane, rows_valid, buf, &tp.to, &tp.to2, &tp.to3);
+                    else epilogue_staged<MODE, 128, TS>(p, acc, ti, wrow, lane, rows_valid, cols_valid, buf, &tp.to);
                     continue;
                 }
                 if (lane == 0) bulk_wait_read0(); /* the buffer's last TMA store has read it */
@@ -6809,7 +6790,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
                                      : epilogue_staged<MODE, 128>(p, acc, ti, 64 * wg + 16 * (warp & 3), lane, rows_valid, cols_valid, buf);
             if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
         }
-        if (TS && tp.ts01 && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
+        if (TS && tp.tso && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
     }
     CLK_END
 }
@@ -7579,9 +7560,9 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
     }
     if (rc) return -1;
     if (MODE != 2 && !GLU && GG_TS01 && p.Rmax > 0) /* the output's map (without it: staged stores) */
-        tp.ts01 = tma_row_map(enc, &tp.to, p.out, p.ncols, p.Rmax, 16) == 0;
+        tp.tso = tma_row_map(enc, &tp.to, p.out, p.ncols, p.Rmax, 16) == 0;
     if (GLU && GG_TSG && p.Rmax > 0)
-        tp.ts01 = (tma_row_map(enc, &tp.to, p.out, p.M, p.Rmax, TSG_BOX) | tma_row_map(enc, &tp.to2, p.out2, p.M, p.Rmax, TSG_BOX) |
+        tp.tso = (tma_row_map(enc, &tp.to, p.out, p.M, p.Rmax, TSG_BOX) | tma_row_map(enc, &tp.to2, p.out2, p.M, p.Rmax, TSG_BOX) |
                    (p.out3 ? tma_row_map(enc, &tp.to3, p.out3, p.M, p.Rmax, TSG_BOX) : 0)) == 0;
     void (*kern)(const TmaParams) = gg_tma_kernel<MODE, DWV, GLU>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_TMA) != cudaSuccess) return -1;
