@@ -6573,8 +6573,14 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* layout, not row-major) ran 551-558 against 521-529 TFLOP/s: the drain then competes with   */
 /* the operand loads for L2. A build loading only half of X's columns (as a 2-CTA multicast   */
 /* of X would; results wrong, timing only) ran 500-568, and with the native stores 582-599.   */
-/* So even a native dW layout plus multicast would reach ~600 in the bench, ~540 in mid's     */
-/* step, at the cost of a non-row-major gradient in every consumer; not done.                 */
+/* That was the 128 x 256 kernel.  Against gg_pp_kernel's TMA stores (below) the native      */
+/* layout loses: a timing-only build storing each warp's m64n192 accumulators as 16-byte      */
+/* lanes into [E][M/16][K/8][32][4] (every store 512 contiguous bytes, 12 KB a warp in a row, */
+/* no staging) ran dW at 551.8 / 557.2 (big) and 543.5 / 543.3 (big-down) TFLOP/s against    */
+/* 581.2 / 577.0 and 567.1 / 566.9 for the TMA stores (bench, first timing of each process,   */
+/* two rounds alternating on one H200 start), GMM_DW_SQ 488.7 / 490.2 against 502.4 / 502.9   */
+/* in mid's step; without any stores 698.3 / 691.9, 666.6 / 664.9 and 606.4 / 647.8.          */
+/* So a non-row-major gradient would buy nothing; not done.                                   */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int NT_TMA = 384;
 constexpr int EPI_BYTES = 2048;                /* per consumer warp: 16 rows x 128 bytes     */
