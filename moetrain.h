@@ -698,6 +698,8 @@ typedef struct {
     int nan_check;     /* stop at the first node that writes a NaN or Inf (scans every output: slow) */
     int attn_recompute_dq; /* CUDA: the attention backward recomputes S and dP for dQ instead of reading the dS
                               its dK/dV kernel stored (B*H*T^2 bytes less workspace: 0.5 GB for 2 x 4096, 16 heads; slower) */
+    int one_launch_per_node; /* CUDA: no multi-tensor launches (runs of SUMSQ and of ADAMW nodes otherwise launch
+                                together, bitwise the same; for comparisons) */
 } mt_binding;
 void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
 
@@ -720,6 +722,7 @@ int mt_runtime_sync_shadows(mt_runtime *rt, mt_err *err);      /* bf16 compute c
 int mt_runtime_copy_params(mt_runtime *dst, mt_runtime *src, mt_err *err); /* by name */
 int mt_runtime_expert_counts(mt_runtime *rt, int moe_index, int32_t *counts); /* E counts */
 int mt_runtime_n_moe_layers(const mt_runtime *rt);
+int64_t mt_runtime_multi_tensor_nodes(const mt_runtime *rt);   /* CUDA: nodes issued in multi-tensor launches so far */
 int mt_runtime_backend(const mt_runtime *rt);                  /* MT_BACKEND_CPU or MT_BACKEND_CUDA */
 /* With binding.profile: milliseconds and calls per op, summed over profiled steps. */
 void mt_runtime_profile(const mt_runtime *rt, double ms[MT_NOPS], int64_t calls[MT_NOPS]);
@@ -859,6 +862,14 @@ int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const voi
 int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int V);
 size_t mt_cuda_sumsq_workspace(void);
 int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, int squares, void *ws);
+/* a run of SUMSQ nodes chained on one accumulator (item i's input is item i-1's acc_out; item 0's is acc_in)
+   and a run of ADAMW nodes sharing lr, clip coefficient, hyperparameters and step, each as a few
+   multi-tensor launches: bitwise the nodes one by one */
+typedef struct { float *acc_out; const float *g; int64_t n; int squares; } mt_cuda_sumsq_item;
+int mt_cuda_sumsq_multi(mt_cuda *c, const float *acc_in, const mt_cuda_sumsq_item *it, int count, void *ws);
+typedef struct { float *p, *m, *v; void *p_bf16; const float *g; int64_t n; int decay; } mt_cuda_adamw_item;
+int mt_cuda_adamw_multi(mt_cuda *c, const mt_cuda_adamw_item *it, int count, const float *lr, const float *coef, const float *hp,
+                        const int32_t *step);
 int mt_cuda_lr_schedule(mt_cuda *c, float *lr, const float *hp, const int32_t *step);
 int mt_cuda_clip(mt_cuda *c, float *coef, float *norm, const float *sumsq, const float *hp);
 int mt_cuda_adamw(mt_cuda *c, float *p, float *m, float *v, void *p_bf16, const float *g, int64_t n, const float *lr,
@@ -6165,6 +6176,7 @@ struct mt_runtime {
     void *scratch;           /* CUDA: op workspace, sized for the hungriest node */
     size_t scratch_bytes;
     void **graphs;           /* CUDA: one captured graph per region, by its first node */
+    int64_t multi_nodes;      /* CUDA: nodes issued within multi-tensor launches (mt__exec_cuda_multi), all steps */
     double prof_ms[MT_NOPS];  /* binding.profile: time per op */
     int64_t prof_calls[MT_NOPS];
     mt__group *groups; int n_groups;
@@ -6782,6 +6794,7 @@ void mt_runtime_profile(const mt_runtime *rt, double ms[MT_NOPS], int64_t calls[
 }
 void *mt_runtime_value(mt_runtime *rt, int v) { return (v >= 0 && v < rt->g.n_values) ? rt->ptr[v] : NULL; }
 int mt_runtime_n_moe_layers(const mt_runtime *rt) { return rt->n_moe; }
+int64_t mt_runtime_multi_tensor_nodes(const mt_runtime *rt) { return rt->multi_nodes; }
 int mt_runtime_backend(const mt_runtime *rt) { return rt->backend; }
 size_t mt_runtime_peak_bytes(const mt_runtime *rt) {
 #ifdef MT_CUDA
@@ -7388,6 +7401,58 @@ static int mt__nan_check(mt_runtime *rt, int node, int step, mt_err *err) {
 }
 
 #ifdef MT_CUDA
+/* Runs that launch together (mt_cuda_sumsq_multi, mt_cuda_adamw_multi): SUMSQ nodes chained on one
+ * accumulator, ADAMW nodes of the same lr, clip coefficient, hyperparameters and step. Runs nodes
+ * [i, j), 2 <= j - i, j <= lim, as one batch and returns j; returns 0 (nothing run) where node i
+ * starts no such run. The launches do what the nodes' own would, so the bits are the same. */
+static int mt__exec_cuda_multi(mt_runtime *rt, int i, int lim, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    const mt_node *a = &G->nodes[i];
+    if (rt->bind.one_launch_per_node || (a->op != MT_OP_SUMSQ && a->op != MT_OP_ADAMW)) return 0;
+    int j = i + 1;
+    for (; j < lim; j++) {
+        const mt_node *b = &G->nodes[j];
+        if (b->op != a->op) break;
+        if (a->op == MT_OP_SUMSQ && b->in[1] != G->nodes[j - 1].out[0]) break;
+        if (a->op == MT_OP_ADAMW && (b->in[4] != a->in[4] || b->in[5] != a->in[5] || b->in[6] != a->in[6] || b->in[7] != a->in[7])) break;
+    }
+    if (j - i < 2) return 0;
+    void **P = rt->ptr;
+    int rc, cnt = j - i;
+    if (a->op == MT_OP_SUMSQ) {
+        mt_cuda_sumsq_item *it = (mt_cuda_sumsq_item *)mt__calloc(sizeof *it * (size_t)cnt);
+        if (!it) return mt_errf(err, "out of memory");
+        for (int k = 0; k < cnt; k++) {
+            const mt_node *n = &G->nodes[i + k];
+            it[k].acc_out = (float *)P[n->out[0]];
+            it[k].g = (const float *)P[n->in[0]];
+            it[k].n = mt_value_numel_max(G, &G->values[n->in[0]]);
+            it[k].squares = !n->iattr[0];
+        }
+        rc = mt_cuda_sumsq_multi(MT__CU(rt), a->in[1] >= 0 ? (const float *)P[a->in[1]] : NULL, it, cnt, rt->scratch);
+        MT_FREE(it);
+    } else {
+        mt_cuda_adamw_item *it = (mt_cuda_adamw_item *)mt__calloc(sizeof *it * (size_t)cnt);
+        if (!it) return mt_errf(err, "out of memory");
+        for (int k = 0; k < cnt; k++) {
+            const mt_node *n = &G->nodes[i + k];
+            it[k].p = (float *)P[n->in[0]];
+            it[k].g = (const float *)P[n->in[1]];
+            it[k].m = (float *)P[n->in[2]];
+            it[k].v = (float *)P[n->in[3]];
+            it[k].p_bf16 = n->out[3] >= 0 ? P[n->out[3]] : NULL;
+            it[k].n = mt_value_numel_max(G, &G->values[n->in[0]]);
+            it[k].decay = n->iattr[0];
+        }
+        rc = mt_cuda_adamw_multi(MT__CU(rt), it, cnt, (const float *)P[a->in[4]], (const float *)P[a->in[5]],
+                                 (const float *)P[a->in[6]], (const int32_t *)P[a->in[7]]);
+        MT_FREE(it);
+    }
+    if (rc) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
+    rt->multi_nodes += cnt;
+    return j;
+}
+
 /* The step on CUDA. Without g.overlap every node goes to the compute stream in
  * list order. With it, each node goes to its queue's stream (mt_schedule) after
  * waiting for the events of the nodes it depends on; the side streams wait for
@@ -7433,11 +7498,14 @@ static int mt__cuda_run(mt_runtime *rt, int step, mt_err *err) {
             }
             if (!rt->graphs[i]) {
                 CU_(mt_cuda_capture_begin(cu));
-                for (int k = i; k < end; k++)
-                    if (mt__exec_cuda(rt, &G->nodes[k], &e)) {
+                for (int k = i; k < end;) {
+                    int to = mt__exec_cuda_multi(rt, k, end, &e);
+                    if (to < 0 || (!to && mt__exec_cuda(rt, &G->nodes[k], &e))) {
                         mt_cuda_capture_end(cu, NULL);
                         return mt_errf(err, "capturing node %d (%s): %s", k, mt_ops[G->nodes[k].op].name, e.msg);
                     }
+                    k = to ? to : k + 1;
+                }
                 CU_(mt_cuda_capture_end(cu, &rt->graphs[i]));
             }   /* a replay skips the nodes' host side; symbolic row counts keep their captured values */
             CU_(mt_cuda_graph_launch(cu, rt->graphs[i]));
@@ -7454,8 +7522,14 @@ static int mt__cuda_run(mt_runtime *rt, int step, mt_err *err) {
             for (int w = S->wait_at[i]; w < S->wait_at[i + 1]; w++) CU_(mt_cuda_queue_wait(cu, rt->ev_of[S->wait[w]]));
             if (prof && q == MT_Q_COMPUTE) CU_(mt_cuda_event_record(cu, 3 * i + 2));   /* after them */
         }
-        if (mt__exec_cuda(rt, &G->nodes[i], &e))
+        int to = multi || rt->bind.nan_check ? 0 : mt__exec_cuda_multi(rt, i, n, &e);   /* a run launched together */
+        if (to < 0 || (!to && mt__exec_cuda(rt, &G->nodes[i], &e)))
             return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
+        if (to) {   /* profiled: the run's time is its first node's */
+            for (int k = i; prof && k < to; k++) CU_(mt_cuda_event_record(cu, k + 1));
+            i = to;
+            continue;
+        }
         if (multi) {
             if (prof && q == MT_Q_COMPUTE) CU_(mt_cuda_event_record(cu, 3 * i + 3));
             if (rt->ev_used[i]) CU_(mt_cuda_queue_record(cu, i));

@@ -597,18 +597,37 @@ int mt_cuda_matmul(mt_cuda *c, void *C, int ct, const void *A, int at, const voi
  * 3. elementwise
  * ====================================================================== */
 
+/* casts: 8 elements a thread (one 16-byte bf16 chunk, two float4) where n and the pointers allow, else one */
 __global__ void k_f32_to_bf16(bf16 *y, const float *x, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) y[i] = tobf(x[i]);
 }
 __global__ void k_bf16_to_f32(float *y, const bf16 *x, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) y[i] = bf(x[i]);
 }
+__global__ void k_f32_to_bf16_8(uint4 *y, const float4 *x, int64_t n8) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
+        float4 a = x[2 * i], b = x[2 * i + 1];
+        float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        y[i] = pack8(f);
+    }
+}
+__global__ void k_bf16_to_f32_8(float4 *y, const uint4 *x, int64_t n8) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
+        float f[8];
+        unpack8(f, x[i]);
+        y[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
+        y[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
+    }
+}
 int mt_cuda_cast(mt_cuda *c, void *dst, int dst_dtype, const void *src, int src_dtype, int64_t n) {
     if (n <= 0) return 0;
-    unsigned g = mt__blocks(n, 256);
-    if (g > 65536) g = 65536;
     if (dst_dtype == src_dtype) { CK(cudaMemcpyAsync(dst, src, (size_t)n * (dst_dtype == MT_BF16 ? 2 : 4), cudaMemcpyDeviceToDevice, c->stream)); return 0; }
-    if (dst_dtype == MT_BF16) k_f32_to_bf16<<<g, 256, 0, c->stream>>>((bf16 *)dst, (const float *)src, n);
+    bool v = n % 8 == 0 && !(((uintptr_t)dst | (uintptr_t)src) & 15);
+    unsigned g = mt__blocks(v ? n / 8 : n, 256);
+    if (g > 65536) g = 65536;
+    if (v && dst_dtype == MT_BF16) k_f32_to_bf16_8<<<g, 256, 0, c->stream>>>((uint4 *)dst, (const float4 *)src, n / 8);
+    else if (v) k_bf16_to_f32_8<<<g, 256, 0, c->stream>>>((float4 *)dst, (const uint4 *)src, n / 8);
+    else if (dst_dtype == MT_BF16) k_f32_to_bf16<<<g, 256, 0, c->stream>>>((bf16 *)dst, (const float *)src, n);
     else k_bf16_to_f32<<<g, 256, 0, c->stream>>>((float *)dst, (const bf16 *)src, n);
     LAUNCHED();
     return 0;
@@ -933,7 +952,9 @@ int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_
 #define MT_RMS_CHUNK 32        /* rows per dw partial (rows of up to 1024: MT_RMS_CHUNK_NARROW, more blocks in flight) */
 #define MT_RMS_CHUNK_NARROW 8
 #define MT_RMS_CACHE 8         /* 8-element chunks per lane held in registers between a row's two passes
-                                  (rows up to 2048 wide; longer rows read the rest again) */
+                                  (rows up to 2048 wide; longer rows read the rest again); the forward and
+                                  the fused backward hold 1 for rows up to 256 and 2 up to 512 (fewer
+                                  registers, more rows in flight; the same operations) */
 }  /* extern "C": the RMSNorm kernels are templates */
 /* one chunk of the norm's input; ADD: the residual sum h = a + b, rounded to bf16 and stored, is the input */
 template <bool V, bool ADD>
@@ -966,16 +987,16 @@ __device__ __forceinline__ void mt__rms_out(bf16 *y, int d, int D, uint4 u, floa
 }
 /* one warp per row, 8-element chunks. ADD: the fused residual add + RMSNorm; both instantiations perform the
  * same operations on the same values, so the fused node equals the unfused pair (add, then norm) bit for bit */
-template <bool V, bool ADD>
+template <bool V, bool ADD, int C>
 __global__ void __launch_bounds__(256, 2) k_rms_fwd(bf16 *h, bf16 *y, float *rstd, const bf16 *a, const bf16 *b, const float *w, int N,
                                                  int D, float eps) {
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     int64_t o = (int64_t)row * D;
-    uint4 c[MT_RMS_CACHE], cb[ADD ? MT_RMS_CACHE : 1];
+    uint4 c[C], cb[ADD ? C : 1];
     float ss = 0;
 #pragma unroll
-    for (int i = 0; i < MT_RMS_CACHE; i++) {   /* every load of the cached chunks first: none waits for a store */
+    for (int i = 0; i < C; i++) {   /* every load of the cached chunks first: none waits for a store */
         int d = (lane + 32 * i) * 8;
         if (d < D) {
             c[i] = ld8<V>(a + o, d, D);
@@ -983,7 +1004,7 @@ __global__ void __launch_bounds__(256, 2) k_rms_fwd(bf16 *h, bf16 *y, float *rst
         }
     }
 #pragma unroll
-    for (int i = 0; i < MT_RMS_CACHE; i++) {
+    for (int i = 0; i < C; i++) {
         int d = (lane + 32 * i) * 8;
         if (d < D) {
             if (ADD) {
@@ -998,16 +1019,16 @@ __global__ void __launch_bounds__(256, 2) k_rms_fwd(bf16 *h, bf16 *y, float *rst
             ss = mt__ss8(ss, c[i]);
         }
     }
-    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) ss = mt__ss8(ss, mt__rms_in<V, ADD>(h, a, b, o, d, D));
+    for (int d = (lane + 32 * C) * 8; d < D; d += 256) ss = mt__ss8(ss, mt__rms_in<V, ADD>(h, a, b, o, d, D));
     ss = warp_sum(ss);
     float r = rsqrtf(ss / D + eps);
     if (lane == 0) rstd[row] = r;
 #pragma unroll
-    for (int i = 0; i < MT_RMS_CACHE; i++) {
+    for (int i = 0; i < C; i++) {
         int d = (lane + 32 * i) * 8;
         if (d < D) mt__rms_out<V>(y + o, d, D, c[i], r, w);
     }
-    for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) mt__rms_out<V>(y + o, d, D, ld8<V>((ADD ? h : a) + o, d, D), r, w);
+    for (int d = (lane + 32 * C) * 8; d < D; d += 256) mt__rms_out<V>(y + o, d, D, ld8<V>((ADD ? h : a) + o, d, D), r, w);
 }
 __device__ __forceinline__ float mt__dot8(float dot, uint4 ug, uint4 ux, const float (&wv)[8]) {
     float g[8], x[8];
@@ -1091,7 +1112,7 @@ __device__ __forceinline__ void mt__dw8(float *my, int d, int D, uint4 ug, uint4
  * rows are). w is staged in shared memory too: (1 + MT_RMS_WARPS) D floats. */
 #define MT_RMS_WARPS 4
 #define MT_RMS_FUSED_MAXD 2456   /* (1 + MT_RMS_WARPS) * D * 4 bytes within the default 48 KB */
-template <bool V, bool ADD>
+template <bool V, bool ADD, int C>
 __global__ void __launch_bounds__(32 * MT_RMS_WARPS) k_rms_bwd_fused(bf16 *dx, float *part, const bf16 *dy, const bf16 *x, const float *w,
                                                                      const float *rstd, const bf16 *acc, int N, int D, int rows) {
     extern __shared__ float mt_rms_sh[];
@@ -1105,9 +1126,9 @@ __global__ void __launch_bounds__(32 * MT_RMS_WARPS) k_rms_bwd_fused(bf16 *dx, f
         if (row >= N) break;
         int64_t o = (int64_t)row * D;
         float r = rstd[row], dot = 0, wv[8];
-        uint4 cg[MT_RMS_CACHE], cx[MT_RMS_CACHE], ca[ADD ? MT_RMS_CACHE : 1];
+        uint4 cg[C], cx[C], ca[ADD ? C : 1];
 #pragma unroll
-        for (int i = 0; i < MT_RMS_CACHE; i++) {   /* every load of the cached chunks first */
+        for (int i = 0; i < C; i++) {   /* every load of the cached chunks first */
             int d = (lane + 32 * i) * 8;
             if (d < D) {
                 cg[i] = ld8<V>(dy + o, d, D);
@@ -1116,7 +1137,7 @@ __global__ void __launch_bounds__(32 * MT_RMS_WARPS) k_rms_bwd_fused(bf16 *dx, f
             }
         }
 #pragma unroll
-        for (int i = 0; i < MT_RMS_CACHE; i++) {
+        for (int i = 0; i < C; i++) {
             int d = (lane + 32 * i) * 8;
             if (d < D) {
                 ld8f<V>(wv, sw, d, D);
@@ -1124,7 +1145,7 @@ __global__ void __launch_bounds__(32 * MT_RMS_WARPS) k_rms_bwd_fused(bf16 *dx, f
                 mt__dw8<V>(my, d, D, cg[i], cx[i], r);
             }
         }
-        for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256) {
+        for (int d = (lane + 32 * C) * 8; d < D; d += 256) {
             uint4 g = ld8<V>(dy + o, d, D), xx = ld8<V>(x + o, d, D);
             ld8f<V>(wv, sw, d, D);
             dot = mt__dot8(dot, g, xx, wv);
@@ -1133,7 +1154,7 @@ __global__ void __launch_bounds__(32 * MT_RMS_WARPS) k_rms_bwd_fused(bf16 *dx, f
         dot = warp_sum(dot);
         float cc = r * r * r * dot / D;
 #pragma unroll
-        for (int i = 0; i < MT_RMS_CACHE; i++) {
+        for (int i = 0; i < C; i++) {
             int d = (lane + 32 * i) * 8;
             if (d < D) {
                 float g[8], xv[8];
@@ -1152,7 +1173,7 @@ __global__ void __launch_bounds__(32 * MT_RMS_WARPS) k_rms_bwd_fused(bf16 *dx, f
                 st8<V>(dx + o, d, D, g);
             }
         }
-        for (int d = (lane + 32 * MT_RMS_CACHE) * 8; d < D; d += 256)
+        for (int d = (lane + 32 * C) * 8; d < D; d += 256)
             mt__rms_dx<V, ADD>(dx + o, acc + o, d, D, ld8<V>(dy + o, d, D), ld8<V>(x + o, d, D), r, cc, sw);
     }
     __syncthreads();
@@ -1196,8 +1217,8 @@ __global__ void __launch_bounds__(1024) k_colsum(float *out, const float *part, 
     int tx = threadIdx.x & 31, ty = threadIdx.x >> 5, d = blockIdx.x * 32 + tx;
     float acc = 0;
     if (d < D)
-#pragma unroll 4
-        for (int ch = ty; ch < chunks; ch += 32) acc += part[(int64_t)ch * D + d];
+#pragma unroll 16
+        for (int ch = ty; ch < chunks; ch += 32) acc += part[(int64_t)ch * D + d];   /* 16 loads in flight, then their adds in order */
     sh[ty][tx] = acc;
     __syncthreads();
     if (ty == 0 && d < D) {
@@ -1209,11 +1230,13 @@ __global__ void __launch_bounds__(1024) k_colsum(float *out, const float *part, 
 static int mt__rms_fwd(mt_cuda *c, void *h, void *y, float *rstd, const void *a, const void *b, const float *w, int N, int D, float eps) {
     if (N <= 0) return 0;
     bool v = mt__rows16(D, 2, h, y, a, b, w);
-#define MT__RMS(V, ADD) k_rms_fwd<V, ADD><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)h, (bf16 *)y, rstd, (const bf16 *)a, \
-                                                                                    (const bf16 *)b, w, N, D, eps)
+#define MT__RMS_C(V, ADD, C) k_rms_fwd<V, ADD, C><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)h, (bf16 *)y, rstd, (const bf16 *)a, \
+                                                                                          (const bf16 *)b, w, N, D, eps)
+#define MT__RMS(V, ADD) do { if (D <= 256) MT__RMS_C(V, ADD, 1); else if (D <= 512) MT__RMS_C(V, ADD, 2); else MT__RMS_C(V, ADD, MT_RMS_CACHE); } while (0)
     if (h) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
     else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
 #undef MT__RMS
+#undef MT__RMS_C
     LAUNCHED();
     return 0;
 }
@@ -1236,11 +1259,13 @@ static int mt__rms_bwd(mt_cuda *c, void *dx, float *dw, const void *dy, const vo
         int rows = mt__rms_rows(D);
         chunks = (N + rows - 1) / rows;
         size_t sm = (size_t)(1 + MT_RMS_WARPS) * D * 4;
-#define MT__RMS(V, ADD) k_rms_bwd_fused<V, ADD><<<chunks, 32 * MT_RMS_WARPS, sm, c->stream>>>((bf16 *)dx, (float *)ws, (const bf16 *)dy, \
-                                                                                         (const bf16 *)x, w, rstd, (const bf16 *)acc, N, D, rows)
+#define MT__RMS_C(V, ADD, C) k_rms_bwd_fused<V, ADD, C><<<chunks, 32 * MT_RMS_WARPS, sm, c->stream>>>((bf16 *)dx, (float *)ws, \
+                                                         (const bf16 *)dy, (const bf16 *)x, w, rstd, (const bf16 *)acc, N, D, rows)
+#define MT__RMS(V, ADD) do { if (D <= 256) MT__RMS_C(V, ADD, 1); else if (D <= 512) MT__RMS_C(V, ADD, 2); else MT__RMS_C(V, ADD, MT_RMS_CACHE); } while (0)
         if (acc) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
         else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
 #undef MT__RMS
+#undef MT__RMS_C
         LAUNCHED();
         k_colsum<<<mt__blocks(D, 32), 1024, 0, c->stream>>>(dw, (const float *)ws, chunks, D);
         LAUNCHED();
@@ -5156,86 +5181,97 @@ __device__ __forceinline__ void warp_argmax(float &v, int &i) {
     }
 }
 }  /* extern "C": templates need C++ linkage */
-/* R = experts per lane (compile time, so the arrays stay in registers) */
+/* R = experts per lane (compile time, so the arrays stay in registers). One warp per token, a block's
+ * warps striding over the tokens; the expert counts add up in shared memory (integers: any order), one
+ * global add per expert a block. Round k's choice stays with lane k % 32 (slot k / 32) until the sum of
+ * the chosen scores is known, and the lanes write idx and w together. */
 template <int R>
-__global__ void k_router_fwd(int32_t *idx, float *w, float *scores, int32_t *counts, const float *logits, const float *bias,
-                             int N, int E, int K, int score_func, int route_norm, float route_scale, int G, int Gl) {
-    int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (n >= N) return;
-    float s[R], sel[R];
-    const float *l = logits + (int64_t)n * E;
-    if (score_func == MT_SCORE_SIGMOID) {
+__global__ void __launch_bounds__(256) k_router_fwd(int32_t *idx, float *w, float *scores, int32_t *counts, const float *logits,
+                                                    const float *bias, int N, int E, int K, int score_func, int route_norm,
+                                                    float route_scale, int G, int Gl) {
+    __shared__ int cnt[MT_ROUTER_MAXE];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int n = blockIdx.x * nw + (threadIdx.x >> 5); n < N; n += gridDim.x * nw) {
+        float s[R], sel[R];
+        const float *l = logits + (int64_t)n * E;
+        if (score_func == MT_SCORE_SIGMOID) {
 #pragma unroll
-        for (int r = 0; r < R; r++) { int e = lane + 32 * r; s[r] = e < E ? 1.0f / (1.0f + expf(-l[e])) : 0.0f; }
-    } else {
-        float mx = -INFINITY;
+            for (int r = 0; r < R; r++) { int e = lane + 32 * r; s[r] = e < E ? 1.0f / (1.0f + expf(-l[e])) : 0.0f; }
+        } else {
+            float mx = -INFINITY;
 #pragma unroll
-        for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E) mx = fmaxf(mx, l[e]); }
-        mx = warp_max(mx);
-        float z = 0;
+            for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E) mx = fmaxf(mx, l[e]); }
+            mx = warp_max(mx);
+            float z = 0;
 #pragma unroll
-        for (int r = 0; r < R; r++) { int e = lane + 32 * r; s[r] = e < E ? expf(l[e] - mx) : 0.0f; z += s[r]; }
-        z = warp_sum(z);
+            for (int r = 0; r < R; r++) { int e = lane + 32 * r; s[r] = e < E ? expf(l[e] - mx) : 0.0f; z += s[r]; }
+            z = warp_sum(z);
 #pragma unroll
-        for (int r = 0; r < R; r++) s[r] /= z;
-    }
+            for (int r = 0; r < R; r++) s[r] /= z;
+        }
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        int e = lane + 32 * r;
-        sel[r] = e < E ? s[r] + bias[e] : -INFINITY;
-        if (e < E) scores[(int64_t)n * E + e] = s[r];
-    }
-    if (G > 1) {                              /* group-limited: keep the best Gl groups */
-        int per = E / G;
-        unsigned long long keep = 0;
-        float gs[MT_ROUTER_MAXG];
-        for (int g = 0; g < G; g++) {
-            float b1 = -INFINITY, b2 = -INFINITY;
+        for (int r = 0; r < R; r++) {
+            int e = lane + 32 * r;
+            sel[r] = e < E ? s[r] + bias[e] : -INFINITY;
+            if (e < E) scores[(int64_t)n * E + e] = s[r];
+        }
+        if (G > 1) {                              /* group-limited: keep the best Gl groups */
+            int per = E / G;
+            unsigned long long keep = 0;
+            float gs[MT_ROUTER_MAXG];
+            for (int g = 0; g < G; g++) {
+                float b1 = -INFINITY, b2 = -INFINITY;
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                int e = lane + 32 * r;
-                if (e < E && e / per == g) { float v = sel[r]; if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) b2 = v; }
+                for (int r = 0; r < R; r++) {
+                    int e = lane + 32 * r;
+                    if (e < E && e / per == g) { float v = sel[r]; if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) b2 = v; }
+                }
+                for (int o = 16; o > 0; o >>= 1) {  /* merge top-2 pairs across lanes */
+                    float o1 = __shfl_xor_sync(0xffffffffu, b1, o), o2 = __shfl_xor_sync(0xffffffffu, b2, o);
+                    float n1 = fmaxf(b1, o1), n2 = fmaxf(fminf(b1, o1), fmaxf(b2, o2));
+                    b1 = n1; b2 = n2;
+                }
+                gs[g] = per >= 2 ? b1 + b2 : b1;
             }
-            for (int o = 16; o > 0; o >>= 1) {  /* merge top-2 pairs across lanes */
-                float o1 = __shfl_xor_sync(0xffffffffu, b1, o), o2 = __shfl_xor_sync(0xffffffffu, b2, o);
-                float n1 = fmaxf(b1, o1), n2 = fmaxf(fminf(b1, o1), fmaxf(b2, o2));
-                b1 = n1; b2 = n2;
+            for (int r = 0; r < Gl; r++) {
+                int best = -1;
+                for (int g = 0; g < G; g++) if (!(keep >> g & 1ull) && (best < 0 || gs[g] > gs[best])) best = g;
+                keep |= 1ull << best;
             }
-            gs[g] = per >= 2 ? b1 + b2 : b1;
-        }
-        for (int r = 0; r < Gl; r++) {
-            int best = -1;
-            for (int g = 0; g < G; g++) if (!(keep >> g & 1ull) && (best < 0 || gs[g] > gs[best])) best = g;
-            keep |= 1ull << best;
-        }
 #pragma unroll
-        for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E && !(keep >> (e / per) & 1ull)) sel[r] = -INFINITY; }
-    }
-    float sum = 0;
-    for (int k = 0; k < K; k++) {
-        float bv = -INFINITY;
-        int bi = -1;
-#pragma unroll
-        for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E && sel[r] != -INFINITY && (bi < 0 || sel[r] > bv)) { bv = sel[r]; bi = e; } }
-        warp_argmax(bv, bi);
-        if (bi < 0) bi = 0;
-        float raw = 0;
-#pragma unroll
-        for (int r = 0; r < R; r++) if (lane + 32 * r == bi) { raw = s[r]; sel[r] = -INFINITY; }
-        raw = warp_sum(raw);               /* exactly one lane holds it */
-        sum += raw;
-        if (lane == 0) {
-            idx[(int64_t)n * K + k] = bi;
-            w[(int64_t)n * K + k] = raw;
-            atomicAdd(&counts[bi], 1);     /* integer: order-independent */
+            for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E && !(keep >> (e / per) & 1ull)) sel[r] = -INFINITY; }
         }
-    }
-    if (lane == 0)
+        float sum = 0, myraw[2] = {0, 0};
+        int myidx[2] = {0, 0};
         for (int k = 0; k < K; k++) {
-            float x = w[(int64_t)n * K + k];
+            float bv = -INFINITY;
+            int bi = -1;
+#pragma unroll
+            for (int r = 0; r < R; r++) { int e = lane + 32 * r; if (e < E && sel[r] != -INFINITY && (bi < 0 || sel[r] > bv)) { bv = sel[r]; bi = e; } }
+            warp_argmax(bv, bi);
+            if (bi < 0) bi = 0;
+            float raw = 0;
+#pragma unroll
+            for (int r = 0; r < R; r++) if (lane + 32 * r == bi) { raw = s[r]; sel[r] = -INFINITY; }
+            raw = warp_sum(raw);               /* exactly one lane holds it */
+            sum += raw;
+            if (lane == (k & 31)) { myraw[k >> 5] = raw; myidx[k >> 5] = bi; atomicAdd(&cnt[bi], 1); }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int k = lane + 32 * h;
+            if (k >= K) break;
+            float x = myraw[h];
             if (route_norm) x = x / (sum + 1e-20f);
+            idx[(int64_t)n * K + k] = myidx[h];
             w[(int64_t)n * K + k] = x * route_scale;
         }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        if (cnt[e]) atomicAdd(&counts[e], cnt[e]);
 }
 template <int R>
 __global__ void k_router_bwd(float *dlogits, const float *scores, const int32_t *idx, const float *dw, int N, int E, int K,
@@ -5274,8 +5310,9 @@ int mt_cuda_router_forward(mt_cuda *c, int32_t *idx, float *w, float *scores, in
         return mt__fail(c, "router", "the CUDA router supports up to 1024 experts, 64 groups and top-64");
     CK(cudaMemsetAsync(counts, 0, (size_t)E * 4, c->stream));
     if (N <= 0) return 0;
-    unsigned g = mt__blocks(N, 4);
-#define MT__ROUTE(R) k_router_fwd<R><<<g, 128, 0, c->stream>>>(idx, w, scores, counts, logits, bias, N, E, K, score_func, route_norm, \
+    unsigned g = mt__blocks(N, 8);
+    if (g > 512) g = 512;   /* a few tokens a warp: fewer global adds to the counts */
+#define MT__ROUTE(R) k_router_fwd<R><<<g, 256, 0, c->stream>>>(idx, w, scores, counts, logits, bias, N, E, K, score_func, route_norm, \
                                                              route_scale, n_groups, n_limited)
     if (E <= 32) MT__ROUTE(1);
     else if (E <= 64) MT__ROUTE(2);
@@ -5307,12 +5344,24 @@ int mt_cuda_router_backward(mt_cuda *c, float *dlogits, const float *scores, con
 /* permutation: a stable radix sort of (expert, assignment) gives the
  * expert-major order with tokens in order inside each expert; offsets come
  * from an integer histogram. Deterministic. */
+#define MT_HIST_SMEM 8192   /* experts counted in shared memory first (one global add per expert a block) */
 __global__ void k_hist(int32_t *cnt, int32_t *iota, const int32_t *idx, int64_t NK, int E, int *flag) {
+    extern __shared__ int hs[];   /* E counts, when E <= MT_HIST_SMEM */
+    const bool sm = E <= MT_HIST_SMEM;
+    if (sm) {
+        for (int e = threadIdx.x; e < E; e += blockDim.x) hs[e] = 0;
+        __syncthreads();
+    }
     for (int64_t a = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; a < NK; a += (int64_t)gridDim.x * blockDim.x) {
         iota[a] = (int32_t)a;   /* the sort's values */
         int e = idx[a];
         if (e < 0 || e >= E) { atomicExch(flag, 1); continue; }
-        atomicAdd(&cnt[e], 1);
+        atomicAdd(sm ? &hs[e] : &cnt[e], 1);
+    }
+    if (sm) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < E; e += blockDim.x)
+            if (hs[e]) atomicAdd(&cnt[e], hs[e]);
     }
 }
 __global__ void k_offsets(int32_t *offs, const int32_t *cnt, int E) {
@@ -5321,10 +5370,17 @@ __global__ void k_offsets(int32_t *offs, const int32_t *cnt, int E) {
     for (int e = 0; e < E; e++) offs[e + 1] = offs[e] + cnt[e];   /* cnt aliases offs + 1: read before write */
 }
 }  /* extern "C": the row kernels are templates */
-/* chunks of 8 elements per lane per group: a group's loads are independent, and are all issued before its stores */
+/* chunks of 8 elements per lane per group: a group's loads are independent, and are all issued before its stores.
+   The row kernels take the group's chunks U as a template argument: 1 for rows up to 256 wide, 2 up to 512, else
+   MT_ROWS_UNROLL (fewer registers for narrow rows, so more rows in flight; the same operations in the same order) */
 #define MT_ROWS_UNROLL 8
+#define MT__ROWS_DISPATCH(L, v) do {                                                                  \
+        if (D <= 256) { if (v) L(true, 1); else L(false, 1); }                                      \
+        else if (D <= 512) { if (v) L(true, 2); else L(false, 2); }                                 \
+        else { if (v) L(true, MT_ROWS_UNROLL); else L(false, MT_ROWS_UNROLL); }                     \
+    } while (0)
 /* row i of xs is assignment perm[i]: its token's row of x; slot is the inverse. One warp per row, 16-byte chunks. */
-template <bool V>
+template <bool V, int U>
 __global__ void __launch_bounds__(256) k_gather_rows(bf16 *xs, int32_t *slot, const bf16 *x, const int32_t *perm, int64_t NK, int K, int D) {
     int64_t i = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
@@ -5333,15 +5389,15 @@ __global__ void __launch_bounds__(256) k_gather_rows(bf16 *xs, int32_t *slot, co
     if (lane == 0) slot[a] = (int32_t)i;
     const bf16 *src = x + (a / K) * D;
     bf16 *dst = xs + i * D;
-    for (int base = 0; base < D; base += 256 * MT_ROWS_UNROLL) {   /* all loads of a group, then its stores */
-        uint4 u[MT_ROWS_UNROLL];
+    for (int base = 0; base < D; base += 256 * U) {   /* all loads of a group, then its stores */
+        uint4 u[U];
 #pragma unroll
-        for (int k = 0; k < MT_ROWS_UNROLL; k++) {
+        for (int k = 0; k < U; k++) {
             int d = base + (lane + 32 * k) * 8;
             if (d < D) u[k] = ld8<V>(src, d, D);
         }
 #pragma unroll
-        for (int k = 0; k < MT_ROWS_UNROLL; k++) {
+        for (int k = 0; k < U; k++) {
             int d = base + (lane + 32 * k) * 8;
             if (d < D) st8raw<V>(dst, d, D, u[k]);
         }
@@ -5350,22 +5406,22 @@ __global__ void __launch_bounds__(256) k_gather_rows(bf16 *xs, int32_t *slot, co
 /* y[n] = sum over k, in order, of w[n, k] * ys[slot[n, k]]; one warp per token.  w NULL: weights of 1
    (the permutation's backward, dx[n] = sum over k of dxs[slot[n, k]]; 1 * f is exact, so the sums are
    those of plain adds) */
-template <bool V>
+template <bool V, int U>
 __global__ void __launch_bounds__(256) k_combine(bf16 *y, const bf16 *ys, const int32_t *slot, const float *w, int N, int D, int K) {
     int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (n >= N) return;
-    for (int base = 0; base < D; base += 256 * MT_ROWS_UNROLL) {
-        float acc[MT_ROWS_UNROLL][8];
+    for (int base = 0; base < D; base += 256 * U) {
+        float acc[U][8];
 #pragma unroll
-        for (int i = 0; i < MT_ROWS_UNROLL; i++)
+        for (int i = 0; i < U; i++)
 #pragma unroll
             for (int j = 0; j < 8; j++) acc[i][j] = 0;
         for (int k = 0; k < K; k++) {
             const bf16 *src = ys + (int64_t)slot[n * K + k] * D;
             const float wk = w ? w[n * K + k] : 1.f;
 #pragma unroll
-            for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+            for (int i = 0; i < U; i++) {
                 int d = base + (lane + 32 * i) * 8;
                 if (d < D) {
                     float f[8];
@@ -5376,7 +5432,7 @@ __global__ void __launch_bounds__(256) k_combine(bf16 *y, const bf16 *ys, const 
             }
         }
 #pragma unroll
-        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+        for (int i = 0; i < U; i++) {
             int d = base + (lane + 32 * i) * 8;
             if (d < D) st8<V>(y + n * D, d, D, acc[i]);
         }
@@ -5384,16 +5440,16 @@ __global__ void __launch_bounds__(256) k_combine(bf16 *y, const bf16 *ys, const 
 }
 /* dys[slot[n, k]] = w[n, k] dy[n]; dw[n, k] = <dy[n], ys[slot[n, k]]> (each lane sums its chunks in order, then a
  * fixed butterfly across the warp). One warp per token; dy's first chunks stay in registers across k. */
-template <bool V>
+template <bool V, int U>
 __global__ void __launch_bounds__(128) k_combine_bwd(bf16 *dys, float *dw, const bf16 *dy, const bf16 *ys, const int32_t *slot, const float *w,
                                                      int N, int D, int K) {
     int64_t n = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (n >= N) return;
     const bf16 *g = dy + n * D;
-    uint4 cg[MT_ROWS_UNROLL];
+    uint4 cg[U];
 #pragma unroll
-    for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+    for (int i = 0; i < U; i++) {
         int d = (lane + 32 * i) * 8;
         if (d < D) cg[i] = ld8<V>(g, d, D);
     }
@@ -5402,14 +5458,14 @@ __global__ void __launch_bounds__(128) k_combine_bwd(bf16 *dys, float *dw, const
         float wk = w[n * K + k], part = 0;
         const bf16 *src = ys + s * D;
         bf16 *dst = dys + s * D;
-        uint4 cy[MT_ROWS_UNROLL];
+        uint4 cy[U];
 #pragma unroll
-        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+        for (int i = 0; i < U; i++) {
             int d = (lane + 32 * i) * 8;
             if (d < D) cy[i] = ld8<V>(src, d, D);
         }
 #pragma unroll
-        for (int i = 0; i < MT_ROWS_UNROLL; i++) {
+        for (int i = 0; i < U; i++) {
             int d = (lane + 32 * i) * 8;
             if (d < D) {
                 float gf[8], yf[8];
@@ -5420,7 +5476,7 @@ __global__ void __launch_bounds__(128) k_combine_bwd(bf16 *dys, float *dw, const
                 st8<V>(dst, d, D, gf);
             }
         }
-        for (int d = (lane + 32 * MT_ROWS_UNROLL) * 8; d < D; d += 256) {
+        for (int d = (lane + 32 * U) * 8; d < D; d += 256) {
             float gf[8], yf[8];
             unpack8(gf, ld8<V>(g, d, D));
             unpack8(yf, ld8<V>(src, d, D));
@@ -5450,38 +5506,42 @@ int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, cons
     int32_t *iota = (int32_t *)(w + mt__al(tmp)), *keys = iota + mt__al((size_t)NK * 4) / 4, *perm = keys + mt__al((size_t)NK * 4) / 4;
     unsigned g = mt__blocks(NK, 256);
     if (g > 4096) g = 4096;
-    k_hist<<<g, 256, 0, c->stream>>>(cnt, iota, idx, NK, E, c->flag);
+    if (g > 512) g = 512;
+    k_hist<<<g, 256, E <= MT_HIST_SMEM ? (size_t)E * 4 : 0, c->stream>>>(cnt, iota, idx, NK, E, c->flag);
     LAUNCHED();
     k_offsets<<<1, 1, 0, c->stream>>>(offs, cnt, E);
     LAUNCHED();
     int bits = 1;
     while ((1 << bits) < E && bits < 31) bits++;
     CK(cub::DeviceRadixSort::SortPairs(w, tmp, idx, keys, iota, perm, (int)NK, 0, bits, c->stream));
-    if (mt__rows16(D, 2, xs, x)) k_gather_rows<true><<<mt__blocks(NK, 8), 256, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, NK, K, D);
-    else k_gather_rows<false><<<mt__blocks(NK, 8), 256, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, NK, K, D);
+#define MT__GATHER(V, U) k_gather_rows<V, U><<<mt__blocks(NK, 8), 256, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, NK, K, D)
+    MT__ROWS_DISPATCH(MT__GATHER, mt__rows16(D, 2, xs, x));
+#undef MT__GATHER
     LAUNCHED();
     return 0;
 }
 int mt_cuda_moe_permute_backward(mt_cuda *c, void *dx, const void *dxs, const int32_t *slot, int N, int D, int K) {
     if (N <= 0) return 0;
-    if (mt__rows16(D, 2, dx, dxs)) k_combine<true><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, nullptr, N, D, K);
-    else k_combine<false><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, nullptr, N, D, K);
+#define MT__COMB(V, U) k_combine<V, U><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)dx, (const bf16 *)dxs, slot, nullptr, N, D, K)
+    MT__ROWS_DISPATCH(MT__COMB, mt__rows16(D, 2, dx, dxs));
+#undef MT__COMB
     LAUNCHED();
     return 0;
 }
 int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32_t *slot, const float *w, int N, int D, int K) {
     if (N <= 0) return 0;
-    if (mt__rows16(D, 2, y, ys)) k_combine<true><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)y, (const bf16 *)ys, slot, w, N, D, K);
-    else k_combine<false><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)y, (const bf16 *)ys, slot, w, N, D, K);
+#define MT__COMB(V, U) k_combine<V, U><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)y, (const bf16 *)ys, slot, w, N, D, K)
+    MT__ROWS_DISPATCH(MT__COMB, mt__rows16(D, 2, y, ys));
+#undef MT__COMB
     LAUNCHED();
     return 0;
 }
 int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
                                  const float *w, int N, int D, int K) {
     if (N <= 0) return 0;
-    if (mt__rows16(D, 2, dys, dy, ys))
-        k_combine_bwd<true><<<mt__blocks(N, 4), 128, 0, c->stream>>>((bf16 *)dys, dw, (const bf16 *)dy, (const bf16 *)ys, slot, w, N, D, K);
-    else k_combine_bwd<false><<<mt__blocks(N, 4), 128, 0, c->stream>>>((bf16 *)dys, dw, (const bf16 *)dy, (const bf16 *)ys, slot, w, N, D, K);
+#define MT__COMB(V, U) k_combine_bwd<V, U><<<mt__blocks(N, 4), 128, 0, c->stream>>>((bf16 *)dys, dw, (const bf16 *)dy, (const bf16 *)ys, slot, w, N, D, K)
+    MT__ROWS_DISPATCH(MT__COMB, mt__rows16(D, 2, dys, dy, ys));
+#undef MT__COMB
     LAUNCHED();
     return 0;
 }
@@ -7995,13 +8055,17 @@ int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits
 #define MT_SUMSQ_BLOCKS 1024   /* at most; the count depends on n only, never on the GPU: a fixed summation order */
 #define MT_SUMSQ_PER 16384     /* elements per block before another block is added */
 #define MT_SUMSQ_ONE 65536     /* up to this many elements one block sums them and adds acc_in itself (one launch) */
+#define MT_MULTI_PARTS 16384   /* partials of one multi-tensor launch (its workspace, then one sum a tensor) */
+#define MT_MULTI_SUMSQ 96      /* tensors of one multi-tensor launch (its table: under 4 KB of parameters) */
+#define MT_MULTI_ADAMW 64
 /* squares = 0: g already holds squares (a GEMM epilogue's partials): a plain sum.
  * Each thread folds four float4 per step (64 bytes in flight), in index order within the step.
  * One block (out set): out[0] = in[0] + the sum; otherwise part[block] = the block's sum. */
-__global__ void __launch_bounds__(256) k_sumsq_part(float *part, float *out, const float *in, const float *g, int64_t n, int squares) {
-    __shared__ float sh[32];
+/* one block's share of a sum of n floats (squares: of their squares) as block lb of nb: the thread's
+   partial, before the block's reduction (the single- and multi-tensor kernels share it: the same bits) */
+__device__ __forceinline__ float sumsq_fold(const float *g, int64_t n, int squares, int64_t lb, int64_t nb) {
     float acc = 0;
-    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    int64_t t = lb * (int64_t)blockDim.x + threadIdx.x, stride = nb * blockDim.x;
     if (n % 4 == 0 && !((uintptr_t)g & 15)) {
         const float4 *g4 = (const float4 *)g;
         int64_t n4 = n / 4, i = t;
@@ -8022,7 +8086,11 @@ __global__ void __launch_bounds__(256) k_sumsq_part(float *part, float *out, con
     } else {
         for (int64_t i = t; i < n; i += stride) acc += g[i] * g[i];
     }
-    acc = block_sum(acc, sh);
+    return acc;
+}
+__global__ void __launch_bounds__(256) k_sumsq_part(float *part, float *out, const float *in, const float *g, int64_t n, int squares) {
+    __shared__ float sh[32];
+    float acc = block_sum(sumsq_fold(g, n, squares, blockIdx.x, gridDim.x), sh);
     if (threadIdx.x) return;
     if (out) out[0] = (in ? in[0] : 0.0f) + acc;
     else part[blockIdx.x] = acc;
@@ -8032,19 +8100,104 @@ __global__ void k_sumsq_final(float *out, const float *in, const float *part, in
     float acc = block_sum(threadIdx.x < (unsigned)nb ? part[threadIdx.x] : 0.0f, sh);
     if (threadIdx.x == 0) out[0] = (in ? in[0] : 0.0f) + acc;
 }
-size_t mt_cuda_sumsq_workspace(void) { return mt__al(MT_SUMSQ_BLOCKS * 4); }
+/* the blocks a tensor of n floats is summed in: one up to MT_SUMSQ_ONE (it adds acc_in itself), else
+   one per MT_SUMSQ_PER, at most MT_SUMSQ_BLOCKS, whose partials one block of MT_SUMSQ_BLOCKS sums */
+static int64_t mt__sumsq_blocks(int64_t n) {
+    if (n <= MT_SUMSQ_ONE) return 1;
+    int64_t nb = (n + MT_SUMSQ_PER - 1) / MT_SUMSQ_PER;
+    return nb > MT_SUMSQ_BLOCKS ? MT_SUMSQ_BLOCKS : nb;
+}
+size_t mt_cuda_sumsq_workspace(void) { return mt__al((MT_MULTI_PARTS + MT_MULTI_SUMSQ) * 4); }
 int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, int squares, void *ws) {
-    if (n <= MT_SUMSQ_ONE) {
+    int64_t nb = mt__sumsq_blocks(n);
+    if (nb == 1) {
         k_sumsq_part<<<1, 256, 0, c->stream>>>(NULL, acc_out, acc_in, g, n, squares);
         LAUNCHED();
         return 0;
     }
-    int64_t nb = (n + MT_SUMSQ_PER - 1) / MT_SUMSQ_PER;
-    if (nb > MT_SUMSQ_BLOCKS) nb = MT_SUMSQ_BLOCKS;
     k_sumsq_part<<<(unsigned)nb, 256, 0, c->stream>>>((float *)ws, NULL, NULL, g, n, squares);
     LAUNCHED();
     k_sumsq_final<<<1, MT_SUMSQ_BLOCKS, 0, c->stream>>>(acc_out, acc_in, (const float *)ws, (int)nb);   /* one thread per partial */
     LAUNCHED();
+    return 0;
+}
+/* Multi-tensor launches: a run of nodes as one launch, each tensor's blocks a contiguous range of
+ * the grid (boff), the table passed by value (under 4 KB). A block does what block lb of the
+ * tensor's own launch of nb blocks would (the same fold, the same reduction), so the results are
+ * bitwise those of the launches one by one. */
+struct SumsqTab {
+    int count;
+    const float *acc_in;                      /* the chain's input (NULL: 0) */
+    int boff[MT_MULTI_SUMSQ + 1];             /* tensor e's blocks: [boff[e], boff[e + 1]) */
+    const float *g[MT_MULTI_SUMSQ];
+    float *out[MT_MULTI_SUMSQ];               /* acc_out of tensor e = acc_out of e - 1 + its sum */
+    int64_t n[MT_MULTI_SUMSQ];
+    int sq[MT_MULTI_SUMSQ];
+};
+struct AdamwTab {
+    int count;
+    int boff[MT_MULTI_ADAMW + 1];
+    float *p[MT_MULTI_ADAMW], *m[MT_MULTI_ADAMW], *v[MT_MULTI_ADAMW];
+    bf16 *p16[MT_MULTI_ADAMW];
+    const float *g[MT_MULTI_ADAMW];
+    int64_t n[MT_MULTI_ADAMW];
+    int decay[MT_MULTI_ADAMW];
+};
+__device__ __forceinline__ int multi_entry(const int *boff, int count) {   /* the tensor block blockIdx.x belongs to */
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (boff[mid] <= (int)blockIdx.x) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+__global__ void __launch_bounds__(256) k_sumsq_multi_part(float *part, const __grid_constant__ SumsqTab t) {
+    __shared__ float sh[32];
+    int e = multi_entry(t.boff, t.count), b0 = t.boff[e];
+    float acc = block_sum(sumsq_fold(t.g[e], t.n[e], t.sq[e], (int64_t)blockIdx.x - b0, t.boff[e + 1] - b0), sh);
+    if (threadIdx.x == 0) part[blockIdx.x] = acc;
+}
+/* each tensor's sum, one block a tensor: a one-block tensor's partial is its sum (k_sumsq_part added it
+   to acc_in), a larger one's partials sum as k_sumsq_final sums them (one block of MT_SUMSQ_BLOCKS) */
+__global__ void k_sumsq_multi_sums(float *sums, const __grid_constant__ SumsqTab t, const float *part) {
+    __shared__ float sh[32];
+    int e = blockIdx.x, b0 = t.boff[e], nb = t.boff[e + 1] - b0;
+    float s = nb == 1 ? part[b0] : block_sum(threadIdx.x < (unsigned)nb ? part[b0 + threadIdx.x] : 0.0f, sh);
+    if (threadIdx.x == 0) sums[e] = s;
+}
+/* the chain, in order: acc_out of tensor e = acc_out of e - 1 + its sum */
+__global__ void k_sumsq_multi_chain(const __grid_constant__ SumsqTab t, const float *sums) {
+    __shared__ float sh[MT_MULTI_SUMSQ];
+    for (int e = threadIdx.x; e < t.count; e += blockDim.x) sh[e] = sums[e];
+    __syncthreads();
+    if (threadIdx.x) return;
+    float acc = t.acc_in ? t.acc_in[0] : 0.0f;
+    for (int e = 0; e < t.count; e++) {
+        acc = acc + sh[e];
+        t.out[e][0] = acc;
+    }
+}
+int mt_cuda_sumsq_multi(mt_cuda *c, const float *acc_in, const mt_cuda_sumsq_item *it, int count, void *ws) {
+    for (int i = 0; i < count;) {   /* chunks of at most MT_MULTI_SUMSQ tensors and MT_MULTI_PARTS partials */
+        SumsqTab t;
+        memset(&t, 0, sizeof t);
+        t.acc_in = i ? it[i - 1].acc_out : acc_in;
+        int nb = 0;
+        while (i < count && t.count < MT_MULTI_SUMSQ && nb + mt__sumsq_blocks(it[i].n) <= MT_MULTI_PARTS) {
+            int e = t.count++;
+            t.boff[e] = nb;
+            t.g[e] = it[i].g; t.out[e] = it[i].acc_out; t.n[e] = it[i].n; t.sq[e] = it[i].squares;
+            nb += (int)mt__sumsq_blocks(it[i].n);
+            i++;
+        }
+        t.boff[t.count] = nb;
+        k_sumsq_multi_part<<<(unsigned)nb, 256, 0, c->stream>>>((float *)ws, t);
+        LAUNCHED();
+        k_sumsq_multi_sums<<<(unsigned)t.count, MT_SUMSQ_BLOCKS, 0, c->stream>>>((float *)ws + MT_MULTI_PARTS, t, (const float *)ws);
+        LAUNCHED();
+        k_sumsq_multi_chain<<<1, 128, 0, c->stream>>>(t, (const float *)ws + MT_MULTI_PARTS);
+        LAUNCHED();
+    }
     return 0;
 }
 
@@ -8072,13 +8225,14 @@ int mt_cuda_clip(mt_cuda *c, float *coef, float *norm, const float *sumsq, const
     LAUNCHED();
     return 0;
 }
-__global__ void k_adamw(float *p, float *m, float *v, bf16 *p16, const float *g, int64_t n, const float *lrp, const float *coefp,
-                        const float *hp, const int32_t *step, int decay) {
+/* AdamW on the elements block lb of nb covers (grid-stride over float4 when aligned) */
+__device__ __forceinline__ void adamw_elems(float *p, float *m, float *v, bf16 *p16, const float *g, int64_t n, const float *lrp,
+                                            const float *coefp, const float *hp, const int32_t *step, int decay, int64_t lb, int64_t nb) {
     float b1 = hp[MT_HP_BETA1], b2 = hp[MT_HP_BETA2], eps = hp[MT_HP_EPS], wd = decay ? hp[MT_HP_WD] : 0.0f;
     float lr = lrp[0], coef = coefp[0];
     int ts = step[0] + 1;
     float bc1 = 1.0f - powf(b1, (float)ts), bc2s = sqrtf(1.0f - powf(b2, (float)ts)), step_size = lr / bc1;
-    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    int64_t t = lb * (int64_t)blockDim.x + threadIdx.x, stride = nb * blockDim.x;
     if (n % 4 == 0 && !(((uintptr_t)p | (uintptr_t)m | (uintptr_t)v | (uintptr_t)g) & 15) && !((uintptr_t)p16 & 7)) {
         for (int64_t i = t; i < n / 4; i += stride) {
             float4 P = ((float4 *)p)[i], G = ((const float4 *)g)[i], Mv = ((float4 *)m)[i], Vv = ((float4 *)v)[i];
@@ -8110,13 +8264,44 @@ __global__ void k_adamw(float *p, float *m, float *v, bf16 *p16, const float *g,
         if (p16) p16[i] = tobf(pi);
     }
 }
+__global__ void k_adamw(float *p, float *m, float *v, bf16 *p16, const float *g, int64_t n, const float *lrp, const float *coefp,
+                        const float *hp, const int32_t *step, int decay) {
+    adamw_elems(p, m, v, p16, g, n, lrp, coefp, hp, step, decay, blockIdx.x, gridDim.x);
+}
+__global__ void k_adamw_multi(const __grid_constant__ AdamwTab t, const float *lrp, const float *coefp, const float *hp, const int32_t *step) {
+    int e = multi_entry(t.boff, t.count), b0 = t.boff[e];
+    adamw_elems(t.p[e], t.m[e], t.v[e], t.p16[e], t.g[e], t.n[e], lrp, coefp, hp, step, t.decay[e], (int64_t)blockIdx.x - b0, t.boff[e + 1] - b0);
+}
+static unsigned mt__adamw_blocks(int64_t n) {
+    unsigned gr = mt__blocks(n / 4 + 1, 256);
+    return gr > 65536 ? 65536 : gr;
+}
 int mt_cuda_adamw(mt_cuda *c, float *p, float *m, float *v, void *p_bf16, const float *g, int64_t n, const float *lr,
                   const float *coef, const float *hp, const int32_t *step, int decay) {
     if (n <= 0) return 0;
-    unsigned gr = mt__blocks(n / 4 + 1, 256);
-    if (gr > 65536) gr = 65536;
-    k_adamw<<<gr, 256, 0, c->stream>>>(p, m, v, (bf16 *)p_bf16, g, n, lr, coef, hp, step, decay);
+    k_adamw<<<mt__adamw_blocks(n), 256, 0, c->stream>>>(p, m, v, (bf16 *)p_bf16, g, n, lr, coef, hp, step, decay);
     LAUNCHED();
+    return 0;
+}
+int mt_cuda_adamw_multi(mt_cuda *c, const mt_cuda_adamw_item *it, int count, const float *lr, const float *coef, const float *hp,
+                        const int32_t *step) {
+    for (int i = 0; i < count;) {   /* chunks of at most MT_MULTI_ADAMW tensors; empty ones launch nothing, as alone */
+        AdamwTab t;
+        memset(&t, 0, sizeof t);
+        int64_t nb = 0;
+        for (; i < count && t.count < MT_MULTI_ADAMW && nb + mt__adamw_blocks(it[i].n) < INT32_MAX; i++) {
+            if (it[i].n <= 0) continue;
+            int e = t.count++;
+            t.boff[e] = (int)nb;
+            t.p[e] = it[i].p; t.m[e] = it[i].m; t.v[e] = it[i].v; t.p16[e] = (bf16 *)it[i].p_bf16; t.g[e] = it[i].g;
+            t.n[e] = it[i].n; t.decay[e] = it[i].decay;
+            nb += mt__adamw_blocks(it[i].n);
+        }
+        if (!t.count) continue;
+        t.boff[t.count] = (int)nb;
+        k_adamw_multi<<<(unsigned)nb, 256, 0, c->stream>>>(t, lr, coef, hp, step);
+        LAUNCHED();
+    }
     return 0;
 }
 __global__ void k_bias_update(float *bias, const int32_t *counts, int E, float coeff) {

@@ -1322,6 +1322,79 @@ static void gpu_test_loss_and_optimizer(void) {
     dfree(Db); dfree(Dc);
 }
 
+static int gpu_same_params(const mt_graph *ga, mt_runtime *ra, const mt_graph *gb, mt_runtime *rb);
+
+/* The gradient norm's and AdamW's multi-tensor launches against one launch per tensor, bitwise:
+ * more tensors than one launch's table holds, sums past one launch's partials (one 17M-float
+ * gradient read by 18 entries), empty, one-block, unaligned and odd lengths, both flags. */
+static void gpu_test_multi_tensor(void) {
+    enum { NS = 160, NA = 70 };
+    static const int64_t sizes[] = {0, 1, 3, 17, 1000, 4096, 65536, 65537, 70001, 200003, 1100000, 3};
+    const int64_t big = 17000000;
+    float *hb = randn(big, 0.05), *hs = randn(1200000, 0.1);
+    void *Dbig = up(hb, 4 * (size_t)big), *Dsmall = up(hs, 4 * 1200000), *ws = dalloc(mt_cuda_sumsq_workspace());
+    void *Dacc1 = dalloc(4 * NS), *Dacc2 = dalloc(4 * NS), *Din = up(&(float){0.25f}, 4);
+    mt_cuda_sumsq_item it[NS];
+    int ok = Dbig && Dsmall && ws && Dacc1 && Dacc2 && Din;
+    for (int k = 0; k < NS; k++) {
+        int64_t n = k < 18 ? big : sizes[k % 12];
+        const float *g = k < 18 ? (const float *)Dbig : (const float *)Dsmall + (k % 5 == 4 ? 1 : 0);   /* some unaligned */
+        it[k].g = g; it[k].n = n; it[k].squares = k % 3 != 1; it[k].acc_out = (float *)Dacc2 + k;
+        ok = ok && !mt_cuda_sumsq(CU, (float *)Dacc1 + k, k ? (float *)Dacc1 + k - 1 : (const float *)Din, g, n, it[k].squares, ws);
+    }
+    ok = ok && !mt_cuda_sumsq_multi(CU, (const float *)Din, it, NS, ws);
+    float *a1 = (float *)down(Dacc1, 4 * NS), *a2 = (float *)down(Dacc2, 4 * NS);
+    report("gpu grad norm: multi-tensor launches = one per tensor, bitwise", ok && !memcmp(a1, a2, 4 * NS) && isfinite(a1[NS - 1]),
+           "%d tensors, sum %.6g", NS, (double)a1[NS - 1]);
+    free(a1); free(a2); free(hb); free(hs);
+    dfree(Dbig); dfree(Dsmall); dfree(ws); dfree(Dacc1); dfree(Dacc2); dfree(Din);
+
+    mt_hparams h;
+    mt_hparams_default(&h);
+    float hp[MT_HP_COUNT], lr = 3e-4f, coef = 0.7f;
+    mt_hparams_pack(&h, hp);
+    int32_t step = 4;
+    void *Dhp = up(hp, sizeof hp), *Dst = up(&step, 4), *Dlr = up(&lr, 4), *Dcoef = up(&coef, 4);
+    mt_cuda_adamw_item A[2][NA];
+    int64_t tot = 0, n_of[NA];
+    for (int k = 0; k < NA; k++) { n_of[k] = sizes[k % 12] + (k == 5 ? 2500000 : 0); tot += n_of[k] + 1; }
+    float *p = randn(tot, 1), *g = randn(tot, 0.1), *m = randn(tot, 0.01), *v = (float *)malloc(4 * (size_t)tot);
+    for (int64_t i = 0; i < tot; i++) v[i] = (float)fabs(mt_rng_normal(&R)) * 1e-3f;
+    void *D[2][5];
+    for (int s = 0; s < 2; s++) {
+        D[s][0] = up(p, 4 * (size_t)tot); D[s][1] = up(g, 4 * (size_t)tot); D[s][2] = up(m, 4 * (size_t)tot); D[s][3] = up(v, 4 * (size_t)tot);
+        D[s][4] = dalloc(2 * (size_t)tot);
+        int64_t o = 0;
+        for (int k = 0; k < NA; k++) {
+            int64_t at = o + (k % 7 == 6 ? 1 : 0);   /* some unaligned */
+            A[s][k].p = (float *)D[s][0] + at; A[s][k].g = (const float *)D[s][1] + at;
+            A[s][k].m = (float *)D[s][2] + at; A[s][k].v = (float *)D[s][3] + at;
+            A[s][k].p_bf16 = k % 4 == 3 ? NULL : (void *)((uint16_t *)D[s][4] + at);
+            A[s][k].n = k % 7 == 6 && n_of[k] ? n_of[k] - 1 : n_of[k];
+            A[s][k].decay = k % 2;
+            o += n_of[k] + 1;
+        }
+    }
+    int oka = 1;
+    for (int k = 0; k < NA; k++)
+        oka = oka && !mt_cuda_adamw(CU, A[0][k].p, A[0][k].m, A[0][k].v, A[0][k].p_bf16, A[0][k].g, A[0][k].n, (float *)Dlr,
+                                    (float *)Dcoef, (float *)Dhp, (int32_t *)Dst, A[0][k].decay);
+    oka = oka && !mt_cuda_adamw_multi(CU, A[1], NA, (float *)Dlr, (float *)Dcoef, (float *)Dhp, (int32_t *)Dst);
+    int same = oka, changed = 0;
+    for (int b = 0; b < 5 && same; b++) {
+        if (b == 1) continue;
+        size_t bytes = (b == 4 ? 2 : 4) * (size_t)tot;
+        void *x = down(D[0][b], bytes), *y = down(D[1][b], bytes);
+        same = !memcmp(x, y, bytes);
+        if (b == 0) changed = memcmp(x, p, bytes) != 0;
+        free(x); free(y);
+    }
+    report("gpu AdamW: multi-tensor launches = one per tensor, bitwise", same && changed, "%d tensors, %lld elements", NA, (long long)tot);
+    for (int s = 0; s < 2; s++) for (int b = 0; b < 5; b++) dfree(D[s][b]);
+    free(p); free(g); free(m); free(v);
+    dfree(Dhp); dfree(Dst); dfree(Dlr); dfree(Dcoef);
+}
+
 /* whole steps: CPU (f32) vs CUDA (bf16), bitwise determinism, artifact vs in-process */
 static int gpu_compile(mt_graph *g, const mt_config *c, int cuda, int planned, mt_err *e) {
     mt_mesh m;
@@ -1466,6 +1539,19 @@ static void gpu_test_whole_steps(void) {
                "%d fused (%d without the pass); worst rel loss %.1e", glu, left, oku ? max_rel(lg, lu, S) : 1.0);
         mt_runtime_destroy(ru);
         if (made) mt_graph_free(&gu);
+    }
+    {   /* the gradient norm's and AdamW's runs as multi-tensor launches (r2) against one launch per node: bitwise */
+        mt_binding b;
+        mt_binding_single(&b);
+        b.one_launch_per_node = 1;
+        mt_runtime *rl = NULL;
+        double ll[S] = {0};
+        int okl = ok && !mt_runtime_create(&rl, &gg, &b, &e) && !mt_runtime_init_params(rl, 5, &e) && !gpu_steps(rl, &c, S, ll, NULL);
+        int64_t batched = r2 ? mt_runtime_multi_tensor_nodes(r2) : 0;
+        report("gpu multi-tensor grad norm + AdamW = one launch per node, bitwise (losses, weights)",
+               okl && batched > 0 && rl && !mt_runtime_multi_tensor_nodes(rl) && bitwise_equal(lg2, ll, S) && gpu_same_params(&gg, r2, &gg, rl),
+               "%lld nodes in multi-tensor launches", (long long)batched);
+        mt_runtime_destroy(rl);
     }
     for (int eager = 0; eager < 2; eager++) {   /* profiled steps (node by node, an event after each): the same bits, every node timed */
         const mt_graph *gp = eager ? &ge : &gg;
@@ -1864,6 +1950,7 @@ int main(void) {
         GPU_RUN(gpu_test_gmm_shapes(6, 72, 264, c6));      /* one m tile, a second k tile 8 columns wide */
     }
     GPU_RUN(gpu_test_loss_and_optimizer());
+    GPU_RUN(gpu_test_multi_tensor());
     GPU_RUN(gpu_test_whole_steps());
     GPU_RUN(gpu_test_fold_rope_steps(0));
     GPU_RUN(gpu_test_fold_rope_steps(1));

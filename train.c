@@ -26,7 +26,7 @@
 typedef struct {
     const char *preset, *graph, *data, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
     int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_fold_rope, no_fuse_glu,
-        attn_recompute_dq;
+        attn_recompute_dq, one_launch_per_node;
     int nproc, dp_replicate, dp_shard, ep;   /* ranks; 0 = derive */
     float timeout;                           /* seconds without progress before a rank gives up */
     float roof_tflops, roof_gbps;
@@ -88,6 +88,7 @@ static const opt_spec specs[] = {
     {"no-fold-rope", OPT_FLAG, O_(no_fold_rope), 0, 0, 0, 0, "off", "CUDA: form MLA's Q, K, V apart instead of folding RoPE into attention (same results; for comparison)", NULL},
     {"no-fuse-glu", OPT_FLAG, O_(no_fuse_glu), 0, 0, 0, 0, "off", "run the experts' gate and up GEMMs and their SwiGLU as three ops (same results; for comparison)", NULL},
     {"attn-recompute-dq", OPT_FLAG, O_(attn_recompute_dq), 0, 0, 0, 0, "off", "CUDA: the attention backward recomputes S and dP for dQ instead of storing dS (B*H*T^2 bytes less workspace; slower)", NULL},
+    {"one-launch-per-node", OPT_FLAG, O_(one_launch_per_node), 0, 0, 0, 0, "off", "CUDA: launch the gradient norm's and AdamW's nodes one by one instead of as multi-tensor launches (same results; for comparison)", NULL},
     {"memory-budget", OPT_FLOAT, O_(memory_budget), 0, 1 << 20, 0, 0, "0: off", "recompute the fewest blocks' activations so the planned peak (persistent + arena) fits (compiling here; an artifact has its own)", "GiB"},
     {"nan-check", OPT_FLAG, O_(nan_check), 0, 0, 0, 0, "off", "check every op's output for NaN/Inf and name the first (slower)", NULL},
     {"threads", OPT_INT, O_(threads), 1, 64, 0, 0, "all cores", "CPU threads (results do not depend on it)", NULL},
@@ -617,6 +618,7 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
     bind.n_threads = o->threads;
     bind.nan_check = o->nan_check;
     bind.attn_recompute_dq = o->attn_recompute_dq;
+    bind.one_launch_per_node = o->one_launch_per_node;
     if (w && !o->threads) {   /* thread-ranks share the cores */
         int cores = (int)sysconf(_SC_NPROCESSORS_ONLN);
         bind.n_threads = cores / world > 1 ? cores / world : 1;
