@@ -955,6 +955,8 @@ int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_
                                   (rows up to 2048 wide; longer rows read the rest again); the forward and
                                   the fused backward hold 1 for rows up to 256 and 2 up to 512 (fewer
                                   registers, more rows in flight; the same operations) */
+/* the cached chunks a lane for rows D wide (see MT_RMS_CACHE): launch L(V, ADD, C) */
+#define MT__RMS_WIDTH(L, V, ADD) do { if (D <= 256) L(V, ADD, 1); else if (D <= 512) L(V, ADD, 2); else L(V, ADD, MT_RMS_CACHE); } while (0)
 }  /* extern "C": the RMSNorm kernels are templates */
 /* one chunk of the norm's input; ADD: the residual sum h = a + b, rounded to bf16 and stored, is the input */
 template <bool V, bool ADD>
@@ -1232,7 +1234,7 @@ static int mt__rms_fwd(mt_cuda *c, void *h, void *y, float *rstd, const void *a,
     bool v = mt__rows16(D, 2, h, y, a, b, w);
 #define MT__RMS_C(V, ADD, C) k_rms_fwd<V, ADD, C><<<mt__blocks(N, 8), 256, 0, c->stream>>>((bf16 *)h, (bf16 *)y, rstd, (const bf16 *)a, \
                                                                                           (const bf16 *)b, w, N, D, eps)
-#define MT__RMS(V, ADD) do { if (D <= 256) MT__RMS_C(V, ADD, 1); else if (D <= 512) MT__RMS_C(V, ADD, 2); else MT__RMS_C(V, ADD, MT_RMS_CACHE); } while (0)
+#define MT__RMS(V, ADD) MT__RMS_WIDTH(MT__RMS_C, V, ADD)
     if (h) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
     else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
 #undef MT__RMS
@@ -1261,7 +1263,7 @@ static int mt__rms_bwd(mt_cuda *c, void *dx, float *dw, const void *dy, const vo
         size_t sm = (size_t)(1 + MT_RMS_WARPS) * D * 4;
 #define MT__RMS_C(V, ADD, C) k_rms_bwd_fused<V, ADD, C><<<chunks, 32 * MT_RMS_WARPS, sm, c->stream>>>((bf16 *)dx, (float *)ws, \
                                                          (const bf16 *)dy, (const bf16 *)x, w, rstd, (const bf16 *)acc, N, D, rows)
-#define MT__RMS(V, ADD) do { if (D <= 256) MT__RMS_C(V, ADD, 1); else if (D <= 512) MT__RMS_C(V, ADD, 2); else MT__RMS_C(V, ADD, MT_RMS_CACHE); } while (0)
+#define MT__RMS(V, ADD) MT__RMS_WIDTH(MT__RMS_C, V, ADD)
         if (acc) { if (v) MT__RMS(true, true); else MT__RMS(false, true); }
         else { if (v) MT__RMS(true, false); else MT__RMS(false, false); }
 #undef MT__RMS
