@@ -60,9 +60,11 @@ typedef MT_REAL mt_real;
 
 #define MT_VERSION_STRING "moetrain 0.1"
 #define MT_KERNELS_VERSION "moetrain-kernels 3"   /* bump when any kernel's numerics change (2: RoPE rotations with pinned roundings; 3: the SwiGLU's logistic with the approximate reciprocal) */
-#define MT_FORMAT_VERSION 6u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
+#define MT_FORMAT_VERSION 7u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
                                                       4: activation recompute: the recompute phase, the choice and budget in the plan; 5: tuning by GPU model;
-                                                      6: RoPE folded into attention: ROPE_PE, MLA_ATTENTION(_BWD), ROPE_PE_BWD, 10 inputs a node) */
+                                                      6: RoPE folded into attention: ROPE_PE, MLA_ATTENTION(_BWD), ROPE_PE_BWD, 10 inputs a node;
+                                                      7: tensor parallelism: SP_GATHER/SP_SCATTER, CE_STATS/CE_COMBINE/CE_SHARD_BWD, EMBED's
+                                                         token slice, the TP_ROWS/TP_COLS value flags) */
 
 /* ========================================================================
  * 1. Basics
@@ -270,7 +272,10 @@ enum {
     MT_VF_EXPERTS = 1u << 2,    /* param stacked over local experts: dims[0] = E_local; name has '*' */
     MT_VF_COUNTS = 1u << 3,     /* output: tokens per expert of one MoE layer */
     MT_VF_GATHERED = 1u << 4,   /* a whole weight all-gathered from shards (or its gradient): storage padded */
+    MT_VF_TP_ROWS = 1u << 5,    /* param split over tp along dim 0 (column-parallel): dims are this rank's rows */
+    MT_VF_TP_COLS = 1u << 6,    /* param split over tp along dim 1 (row-parallel): dims are this rank's columns */
 };
+#define MT_VF_TP (MT_VF_TP_ROWS | MT_VF_TP_COLS)
 enum { MT_INIT_NONE = 0, MT_INIT_ZERO, MT_INIT_ONE, MT_INIT_NORMAL };
 
 /* Symbols: what a rank learns only at bind or run time. */
@@ -365,7 +370,12 @@ typedef struct {
     X(MLA_ATTENTION, 5, 2, 0)    /* fold_rope: q, kv, qr, kr, dstart (optional) -> O, lse: ATTENTION of MLA_ROPE's Q, K, V; i0 H i1 dq i2 dv i3 T i4 dn */ \
     X(MLA_ATTENTION_BWD, 10, 3, 0) /* fold_rope: q, kv, qr, kr, O, lse, dO, dstart (optional), cos, sin -> dq, dkv, dkr[N,H*dr] */ \
     X(ROPE_PE_BWD, 3, 1, 0)      /* fold_rope: dkr, cos, sin -> dkpe[N,dr] (the heads' kr gradients rotated back and summed) */ \
-    X(GMM_GLU, 4, 3, 0)          /* fused: X, Wg, offs, Wu -> g = X_e Wg_e^T, u = X_e Wu_e^T, h = silu(g) u (one launch) */
+    X(GMM_GLU, 4, 3, 0)          /* fused: X, Wg, offs, Wu -> g = X_e Wg_e^T, u = X_e Wu_e^T, h = silu(g) u (one launch) */ \
+    X(SP_GATHER, 1, 1, 1)        /* x[n,D] -> y[n*S,D]: the group's rows in group order; i0 mesh-dim mask, i1 group */ \
+    X(SP_SCATTER, 1, 1, 1)       /* x[n*S,D] -> y[n,D]: my rows of the group's sum; i0 mask, i1 group */ \
+    X(CE_STATS, 2, 1, 0)         /* logits[N,Vl] (a vocab shard), targets[N] -> st[N,3] f32: max, sum exp(x - max), target logit; i0 coord (symbol) */ \
+    X(CE_COMBINE, 3, 2, 1)       /* st[S*N,3] (every shard's), logits (for the backward), targets -> loss[1] f32, lse[N] f32 */ \
+    X(CE_SHARD_BWD, 3, 1, 0)     /* logits[N,Vl], lse[N], targets -> dlogits[N,Vl]; i0 coord (symbol) */
 
 enum {
 #define MT_OP_ENUM(name, ni, no, d) MT_OP_##name,
@@ -647,6 +657,13 @@ void mt_cpu_cross_entropy_forward(mt_pool *pool, mt_real *loss, mt_real *lse,
                                   const mt_real *logits, const int32_t *tgt, int N, int V);
 void mt_cpu_cross_entropy_backward(mt_pool *pool, mt_real *dlogits, const mt_real *logits,
                                    const mt_real *lse, const int32_t *tgt, int N, int V);
+/* The cross-entropy on vocab shards (tensor parallelism): logits [N,Vl] hold vocab entries
+ * [v0, v0+Vl). Stats: st[n] = {max, sum exp(x - max), the target's logit or 0 when another shard
+ * holds it}. Combine: S shards' stats [S,N,3] in shard order -> the mean loss and lse [N]. */
+void mt_cpu_ce_stats(mt_real *st, const mt_real *logits, const int32_t *tgt, int N, int Vl, int v0);
+void mt_cpu_ce_combine(mt_real *loss, mt_real *lse, const mt_real *st, int S, int N);
+void mt_cpu_ce_shard_backward(mt_real *dlogits, const mt_real *logits, const mt_real *lse, const int32_t *tgt,
+                              int N, int Vl, int v0);
 void mt_cpu_adamw(mt_real *p, mt_real *m, mt_real *v, const mt_real *g, int64_t n, double lr,
                   double coef, const float hp[MT_HP_COUNT], int step, int decay);
 void mt_cpu_expert_bias_update(mt_real *bias, const int32_t *counts, int E, float coeff);
@@ -1549,8 +1566,20 @@ int mt_mesh_validate(const mt_mesh *m, const mt_config *c, mt_err *err) {
                        chk.size[MT_DIM_EDP]);
     if (c->n_dense_layers < c->n_layers && c->n_routed_experts % m->size[MT_DIM_EP])
         return mt_errf(err, "ep=%d must divide n_routed_experts=%d", m->size[MT_DIM_EP], c->n_routed_experts);
-    if (m->size[MT_DIM_TP] != 1)
-        return mt_errf(err, "tensor parallelism (tp=%d) is not supported yet; use tp=1", m->size[MT_DIM_TP]);
+    int tp = m->size[MT_DIM_TP];
+    if (tp > 1) {   /* what tensor parallelism splits must split evenly */
+        int moe = c->n_dense_layers < c->n_layers;
+        struct { const char *what; int64_t n; int used; } need[] = {
+            {"n_heads", c->n_heads, 1},
+            {"vocab_size", c->vocab_size, 1},
+            {"batch * seq_len (tokens a rank holds)", (int64_t)c->batch * c->seq_len, 1},
+            {"inter_dim (the dense FFN)", c->inter_dim, c->n_dense_layers > 0},
+            {"n_shared_experts * moe_inter_dim", (int64_t)c->n_shared_experts * c->moe_inter_dim, moe && c->n_shared_experts > 0},
+        };
+        for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
+            if (need[i].used && need[i].n % tp)
+                return mt_errf(err, "tp=%d must divide %s = %lld", tp, need[i].what, (long long)need[i].n);
+    }
     return 0;
 }
 void mt_mesh_coords(const mt_mesh *m, int rank, int coord[MT_NDIMS]) {
@@ -1804,7 +1833,10 @@ static int mt__index_operands(int op, uint32_t *in, uint32_t *out) {
     case MT_OP_MLA_ATTENTION: *in = 16u; break;
     case MT_OP_MLA_ATTENTION_BWD: *in = 128u; break;
     case MT_OP_DOC_STARTS: *in = 1u; *out = 1u; break;
-    case MT_OP_ALLREDUCE: return 1;
+    case MT_OP_CE_STATS: *in = 2u; break;
+    case MT_OP_CE_COMBINE: *in = 4u; break;
+    case MT_OP_CE_SHARD_BWD: *in = 4u; break;
+    case MT_OP_ALLREDUCE: case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER: return 1;
     }
     return 0;
 }
@@ -1844,17 +1876,57 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         if (n->out[i] < 0 && !optional) return mt_errf(err, "%s: output %d missing", oi->name, i);
     }
     switch (n->op) {
-    case MT_OP_EMBED:
-        MT__T(mt__is_index(&c, a, "tokens", 1));
-        MT__T(mt__shape(&c, a, "tokens", 1, MT__ANY, 0, 0));
-        MT__T(mt__shape(&c, b, "wte", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, o, "x", 2, a->dims[0], b->dims[1], 0));
+    case MT_OP_EMBED: case MT_OP_EMBED_BWD: {   /* i0 parts (0, 1: all tokens), i1 which part (a symbol): rows [i1*n, (i1+1)*n) */
+        MT__T(mt__int_attr(&c, 0, 0, 4096));
+        int64_t parts = n->iattr[0] > 1 ? n->iattr[0] : 1;
+        if (parts > 1 && !(n->sym_mask & 2u)) return mt_errf(err, "%s: a token slice needs its part as a symbol", oi->name);
+        const mt_value *tk = n->op == MT_OP_EMBED ? a : b;
+        MT__T(mt__is_index(&c, tk, "tokens", 1));
+        MT__T(mt__shape(&c, tk, "tokens", 1, MT__ANY, 0, 0));
+        if (tk->dims[0] % parts) return mt_errf(err, "%s: %lld tokens do not split in %lld parts", oi->name, (long long)tk->dims[0], (long long)parts);
+        if (n->op == MT_OP_EMBED) {
+            MT__T(mt__shape(&c, b, "wte", 2, MT__ANY, MT__ANY, 0));
+            MT__T(mt__shape(&c, o, "x", 2, a->dims[0] / parts, b->dims[1], 0));
+        } else {
+            MT__T(mt__shape(&c, a, "dx", 2, tk->dims[0] / parts, MT__ANY, 0));
+            MT__T(mt__shape(&c, o, "dwte", 2, MT__ANY, a->dims[1], 0));
+        }
         break;
-    case MT_OP_EMBED_BWD:
-        MT__T(mt__is_index(&c, b, "tokens", 1));
-        MT__T(mt__shape(&c, a, "dx", 2, b->dims[0], MT__ANY, 0));
-        MT__T(mt__shape(&c, o, "dwte", 2, MT__ANY, a->dims[1], 0));
+    }
+    case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER: {   /* rows split over the group: y = [x_0; x_1; ...] or my rows of the sum */
+        MT__T(mt__int_attr(&c, 0, 1, (1 << MT_NDIMS) - 1)); MT__T(mt__int_attr(&c, 1, 0, 7));
+        uint32_t mask = (uint32_t)n->iattr[0];
+        if (!mt_mesh_mask_valid(mask)) return mt_errf(err, "%s: mesh mask 0x%x mixes bases", oi->name, n->iattr[0]);
+        int64_t S = mt_mesh_group_size(&g->mesh, mask);
+        const mt_value *part = n->op == MT_OP_SP_GATHER ? a : o, *whole = n->op == MT_OP_SP_GATHER ? o : a;
+        MT__T(mt__shape(&c, part, "part", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, whole, "whole", 2, part->dims[0] * S, part->dims[1], 0));
+        if (part->dtype != whole->dtype) return mt_errf(err, "%s: '%s' and '%s' differ in dtype", oi->name, part->name, whole->name);
+        if (part->dims[0] < 0 || part->shard || whole->shard) return mt_errf(err, "%s: '%s' must be a plain, fixed-size activation", oi->name, part->name);
         break;
+    }
+    case MT_OP_CE_STATS: case MT_OP_CE_COMBINE: case MT_OP_CE_SHARD_BWD: {   /* the vocab-parallel cross-entropy */
+        const mt_value *lg = n->op == MT_OP_CE_COMBINE ? b : a;
+        const mt_value *tg = n->op == MT_OP_CE_STATS ? b : mt__in(&c, 2);
+        MT__T(mt__shape(&c, lg, "logits", 2, MT__ANY, MT__ANY, 0));
+        int64_t N = lg->dims[0];
+        MT__T(mt__is_index(&c, tg, "targets", 1)); MT__T(mt__shape(&c, tg, "targets", 1, N, 0, 0));
+        if (n->op != MT_OP_CE_COMBINE && !(n->sym_mask & 1u)) return mt_errf(err, "%s: the shard's coordinate must be a symbol", oi->name);
+        if (n->op == MT_OP_CE_STATS) {
+            MT__T(mt__shape(&c, o, "stats", 2, N, 3, 0));
+            if (o->dtype != MT_F32) return mt_errf(err, "CE_STATS: stats must be f32");
+        } else if (n->op == MT_OP_CE_COMBINE) {
+            MT__T(mt__shape(&c, a, "stats", 2, MT__ANY, 3, 0));
+            if (a->dims[0] < N || a->dims[0] % N) return mt_errf(err, "CE_COMBINE: stats of %lld rows for %lld tokens", (long long)a->dims[0], (long long)N);
+            MT__T(mt__shape(&c, o, "loss", 1, 1, 0, 0));
+            MT__T(mt__shape(&c, mt__out(&c, 1), "lse", 1, N, 0, 0));
+            if (a->dtype != MT_F32 || o->dtype != MT_F32 || mt__out(&c, 1)->dtype != MT_F32) return mt_errf(err, "CE_COMBINE: stats, loss and lse must be f32");
+        } else {
+            MT__T(mt__shape(&c, b, "lse", 1, N, 0, 0));
+            MT__T(mt__shape(&c, o, "dlogits", 2, N, lg->dims[1], 0));
+        }
+        break;
+    }
     case MT_OP_RMSNORM:
         MT__T(mt__shape(&c, a, "x", 2, MT__ANY, MT__ANY, 0));
         MT__T(mt__shape(&c, b, "w", 1, a->dims[1], 0, 0));
@@ -2434,6 +2506,37 @@ static int mt__param(mt__builder *b, const char *name, int init, float std, uint
 static int mt__weight(mt__builder *b, const char *name, float std, int64_t rows, int64_t cols) {
     return mt__param(b, name, MT_INIT_NORMAL, std, MT_VF_TRAINABLE | MT_VF_DECAY, b->act, 2, rows, cols, 0);
 }
+
+/* --- tensor parallelism (Megatron-style, with sequence parallelism) ---
+ * With tp > 1 the residual stream, the RMSNorms and the router hold this rank's
+ * n = N / tp tokens: rows [coord.tp * n, (coord.tp + 1) * n) of the batch. A
+ * column-parallel GEMM (this rank's output columns: heads, hidden units, vocab
+ * entries) reads the whole batch, gathered over tp (SP_GATHER); a row-parallel
+ * GEMM's output is this rank's partial sum over its columns, summed over tp and
+ * cut back to this rank's rows (SP_SCATTER). Each is the other's backward.
+ * Replicated weights (norms, the latent projections, the router, the
+ * embedding) get partial gradients on every tp rank, summed over tp. With
+ * tp = 1 every helper here is an identity and the graph is unchanged. */
+static int mt__tp(const mt__builder *b) { return b->g->mesh.size[MT_DIM_TP]; }
+/* A weight split over tp: split = MT_VF_TP_ROWS (column-parallel: rows/tp of its rows) or
+ * MT_VF_TP_COLS (row-parallel: cols/tp of its columns). */
+static int mt__weight_tp(mt__builder *b, const char *name, float std, int64_t rows, int64_t cols, uint32_t split) {
+    int tp = mt__tp(b);
+    if (tp == 1) return mt__weight(b, name, std, rows, cols);
+    if (split == MT_VF_TP_ROWS) rows /= tp; else cols /= tp;
+    return mt__param(b, name, MT_INIT_NORMAL, std, MT_VF_TRAINABLE | MT_VF_DECAY | split, b->act, 2, rows, cols, 0);
+}
+static int mt__sp(mt__builder *b, int op, int x, const char *name) {   /* SP_GATHER: [n,D] -> [N,D]; SP_SCATTER: back */
+    int tp = mt__tp(b);
+    if (tp == 1 || b->failed) return x;
+    const mt_value *xv = &b->g->values[x];
+    int64_t rows = op == MT_OP_SP_GATHER ? xv->dims[0] * tp : xv->dims[0] / tp;
+    int y = mt__act(b, name, xv->dtype, 2, rows, xv->dims[1], 0);
+    mt_node n = mt__node(b, op);
+    n.in[0] = x; n.out[0] = y; n.iattr[0] = (int)MT_DIMBIT(MT_DIM_TP);
+    mt__push(b, &n);
+    return y;
+}
 static int mt__norm_weight(mt__builder *b, const char *name, int64_t n) {
     return mt__param(b, name, MT_INIT_ONE, 0, MT_VF_TRAINABLE, MT_F32, 1, n, 0, 0);
 }
@@ -2478,43 +2581,49 @@ static int mt__binary(mt__builder *b, int op, int x, int y, const char *name) { 
     return o;
 }
 
-/* SwiGLU FFN: down(silu(gate(x)) * up(x)). prefix = "model.layers.L.mlp." */
+/* SwiGLU FFN: down(silu(gate(x)) * up(x)). prefix = "model.layers.L.mlp."; x [n,D] -> [n,D]. */
 static int mt__ffn(mt__builder *b, int x, const char *prefix, int hidden, const char *tag) {
     const mt_config *c = &b->g->cfg;
     char nm[MT_NAME_LEN], an[64];
     float std = 0.02f, out_std = 0.02f / sqrtf(2.0f * (float)(b->layer + 1));
-    snprintf(nm, sizeof nm, "%sgate_proj.weight", prefix);
-    int wg = mt__weight(b, nm, std, hidden, c->dim);
+    snprintf(nm, sizeof nm, "%sgate_proj.weight", prefix);   /* gate and up column-parallel, down row-parallel */
+    int wg = mt__weight_tp(b, nm, std, hidden, c->dim, MT_VF_TP_ROWS);
     snprintf(nm, sizeof nm, "%sup_proj.weight", prefix);
-    int wu = mt__weight(b, nm, std, hidden, c->dim);
+    int wu = mt__weight_tp(b, nm, std, hidden, c->dim, MT_VF_TP_ROWS);
     snprintf(nm, sizeof nm, "%sdown_proj.weight", prefix);
-    int wd = mt__weight(b, nm, out_std, c->dim, hidden);
+    int wd = mt__weight_tp(b, nm, out_std, c->dim, hidden, MT_VF_TP_COLS);
+    snprintf(an, sizeof an, "%s.x", tag); x = mt__sp(b, MT_OP_SP_GATHER, x, an);   /* [N,D] */
     snprintf(an, sizeof an, "%s.gate", tag); int g = mt__linear(b, x, wg, an);
     snprintf(an, sizeof an, "%s.up", tag); int u = mt__linear(b, x, wu, an);
     snprintf(an, sizeof an, "%s.h", tag); int h = mt__binary(b, MT_OP_SWIGLU, g, u, an);
     snprintf(an, sizeof an, "%s.out", tag);
-    return mt__linear(b, h, wd, an);
+    int y = mt__linear(b, h, wd, an);                      /* [N,D]: this rank's partial sum under tp */
+    snprintf(an, sizeof an, "%s.out_sp", tag);
+    return mt__sp(b, MT_OP_SP_SCATTER, y, an);
 }
 
-/* Multi-head latent attention. x: normed input [N,D] -> [N,D]. */
+/* Multi-head latent attention. x: normed input [n,D] -> [n,D]. Under tp this
+ * rank computes H / tp heads: q_b (or q) and kv_b column-parallel, o row-parallel,
+ * the latent projections and norms replicated over the gathered batch. */
 static int mt__mla(mt__builder *b, int x) {
     const mt_config *c = &b->g->cfg;
-    int64_t N = (int64_t)c->batch * c->seq_len, D = c->dim, H = c->n_heads;
+    int64_t N = (int64_t)c->batch * c->seq_len, D = c->dim, H = c->n_heads / mt__tp(b);
     int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim, dq = dn + dr;
     int64_t kvl = c->kv_lora_rank;
     char p[MT_NAME_LEN], nm[MT_NAME_LEN];
     snprintf(p, sizeof p, "model.layers.%d.self_attn.", b->layer);
 #define MT__PN(s) (snprintf(nm, sizeof nm, "%s" s, p), nm)
+    x = mt__sp(b, MT_OP_SP_GATHER, x, "attn.x");          /* [N,D] */
     int q;
     if (c->q_lora_rank > 0) {                             /* q = norm(x Wqa) Wqb */
         int wqa = mt__weight(b, MT__PN("q_a_proj.weight"), 0.02f, c->q_lora_rank, D);
         int qa = mt__linear(b, x, wqa, "attn.q_a");
         int wqn = mt__norm_weight(b, MT__PN("q_a_layernorm.weight"), c->q_lora_rank);
         int qan = mt__rmsnorm_eps(b, qa, wqn, "attn.q_a_norm", MT_LATENT_NORM_EPS);
-        int wqb = mt__weight(b, MT__PN("q_b_proj.weight"), 0.02f, H * dq, c->q_lora_rank);
+        int wqb = mt__weight_tp(b, MT__PN("q_b_proj.weight"), 0.02f, H * dq * mt__tp(b), c->q_lora_rank, MT_VF_TP_ROWS);
         q = mt__linear(b, qan, wqb, "attn.q");            /* [N, H*dq] */
     } else {
-        int wq = mt__weight(b, MT__PN("q_proj.weight"), 0.02f, H * dq, D);
+        int wq = mt__weight_tp(b, MT__PN("q_proj.weight"), 0.02f, H * dq * mt__tp(b), D, MT_VF_TP_ROWS);
         q = mt__linear(b, x, wq, "attn.q");               /* [N, H*dq] */
     }
     int wkva = mt__weight(b, MT__PN("kv_a_proj_with_mqa.weight"), 0.02f, kvl + dr, D);
@@ -2526,7 +2635,7 @@ static int mt__mla(mt__builder *b, int x) {
     mt__push(b, &n);
     int wkvn = mt__norm_weight(b, MT__PN("kv_a_layernorm.weight"), kvl);
     int ckvn = mt__rmsnorm_eps(b, ckv, wkvn, "attn.ckv_norm", MT_LATENT_NORM_EPS);
-    int wkvb = mt__weight(b, MT__PN("kv_b_proj.weight"), 0.02f, H * (dn + dv), kvl);
+    int wkvb = mt__weight_tp(b, MT__PN("kv_b_proj.weight"), 0.02f, H * (dn + dv) * mt__tp(b), kvl, MT_VF_TP_ROWS);
     int kv = mt__linear(b, ckvn, wkvb, "attn.kv");        /* [N, H*(dn+dv)] */
     int Q = mt__act(b, "attn.Q", b->act, 2, N, H * dq, 0);
     int K = mt__act(b, "attn.K", b->act, 2, N, H * dq, 0);
@@ -2543,18 +2652,20 @@ static int mt__mla(mt__builder *b, int x) {
     n.iattr[0] = (int)H; n.iattr[1] = (int)dq; n.iattr[2] = (int)dv; n.iattr[3] = c->seq_len;
     n.fattr[0] = (float)mt_attention_scale(c);
     mt__push(b, &n);
-    int wo = mt__weight(b, MT__PN("o_proj.weight"), 0.02f / sqrtf(2.0f * (float)(b->layer + 1)), D, H * dv);
+    int wo = mt__weight_tp(b, MT__PN("o_proj.weight"), 0.02f / sqrtf(2.0f * (float)(b->layer + 1)), D, H * dv * mt__tp(b), MT_VF_TP_COLS);
 #undef MT__PN
-    return mt__linear(b, O, wo, "attn.out");
+    int y = mt__linear(b, O, wo, "attn.out");             /* [N,D]: this rank's partial sum under tp */
+    return mt__sp(b, MT_OP_SP_SCATTER, y, "attn.out_sp");
 }
 
-/* Mixture of experts. x: normed input [N,D] -> [N,D].
+/* Mixture of experts. x: normed input [N,D] -> [N,D] (under tp, this rank's
+ * N / tp tokens: each token is routed once, by the rank that holds it).
  * route -> permute by expert -> EP exchange -> grouped SwiGLU -> EP exchange
  * back -> weighted combine, plus shared experts. */
 static int mt__moe(mt__builder *b, int x) {
     const mt_config *c = &b->g->cfg;
     const mt_mesh *m = &b->g->mesh;
-    int64_t N = (int64_t)c->batch * c->seq_len, D = c->dim, E = c->n_routed_experts, K = c->top_k;
+    int64_t N = b->g->values[x].dims[0], D = c->dim, E = c->n_routed_experts, K = c->top_k;
     int64_t ep = m->size[MT_DIM_EP], El = E / ep, F = c->moe_inter_dim;
     float out_std = 0.02f / sqrtf(2.0f * (float)(b->layer + 1));
     char p[MT_NAME_LEN], nm[MT_NAME_LEN];
@@ -2690,9 +2801,11 @@ static int mt__forward(mt__builder *b) {
     }
     int wte = mt__param(b, "model.embed_tokens.weight", MT_INIT_NORMAL, 1.0f,
                         MT_VF_TRAINABLE | MT_VF_DECAY, b->act, 2, V, D, 0);
-    int x = mt__act(b, "embed", b->act, 2, N, D, 0);
+    int tp = mt__tp(b);
+    int x = mt__act(b, "embed", b->act, 2, N / tp, D, 0);   /* under tp: this rank's slice of the tokens */
     mt_node n = mt__node(b, MT_OP_EMBED);
     n.in[0] = g->io[MT_IO_TOKENS]; n.in[1] = wte; n.out[0] = x;
+    if (tp > 1) { n.iattr[0] = tp; n.iattr[1] = b->sym_coord[MT_DIM_TP]; n.sym_mask = 2u; }
     mt__push(b, &n);
     b->doc = -1;
     if (c->doc_mask) {   /* where each token's document starts: every attention reads it */
@@ -2707,14 +2820,30 @@ static int mt__forward(mt__builder *b) {
     }
     b->layer = -1;
     int xn = mt__rmsnorm(b, x, mt__norm_weight(b, "model.norm.weight", D), "final_norm");
-    int wout = mt__weight(b, "lm_head.weight", 1.0f / sqrtf((float)D), V, D);
-    int logits = mt__linear(b, xn, wout, "logits");      /* [N,V] */
+    xn = mt__sp(b, MT_OP_SP_GATHER, xn, "final_norm.x");  /* [N,D] */
+    int wout = mt__weight_tp(b, "lm_head.weight", 1.0f / sqrtf((float)D), V, D, MT_VF_TP_ROWS);  /* vocab-parallel */
+    int logits = mt__linear(b, xn, wout, "logits");      /* [N,V], under tp [N,V/tp]: this rank's vocab entries */
     if (g->kind == MT_GRAPH_FORWARD && logits >= 0) g->values[logits].role = MT_ROLE_OUTPUT;
     g->io[MT_IO_LOGITS] = g->kind == MT_GRAPH_FORWARD ? logits : -1;
     g->io[MT_IO_LOSS] = mt__value(b, "loss", MT_F32, MT_ROLE_OUTPUT, 1, 1, 0, 0);
     int lse = mt__act(b, "loss.lse", MT_F32, 1, N, 0, 0);
-    n = mt__node(b, MT_OP_CROSS_ENTROPY);
-    n.in[0] = logits; n.in[1] = g->io[MT_IO_TARGETS]; n.out[0] = g->io[MT_IO_LOSS]; n.out[1] = lse;
+    if (tp == 1) {
+        n = mt__node(b, MT_OP_CROSS_ENTROPY);
+        n.in[0] = logits; n.in[1] = g->io[MT_IO_TARGETS]; n.out[0] = g->io[MT_IO_LOSS]; n.out[1] = lse;
+        mt__push(b, &n);
+        return b->failed ? -1 : 0;
+    }
+    /* The cross-entropy on vocab shards: each rank's row statistics (max, sum of exp, the target's
+     * logit where it holds it), gathered over tp and combined in rank order (every rank the same
+     * bits), so the whole [N,V] logits never exist on one rank. */
+    int st = mt__act(b, "loss.stats", MT_F32, 2, N, 3, 0);
+    n = mt__node(b, MT_OP_CE_STATS);
+    n.in[0] = logits; n.in[1] = g->io[MT_IO_TARGETS]; n.out[0] = st;
+    n.iattr[0] = b->sym_coord[MT_DIM_TP]; n.sym_mask = 1u;
+    mt__push(b, &n);
+    st = mt__sp(b, MT_OP_SP_GATHER, st, "loss.stats_all");   /* [tp*N,3] */
+    n = mt__node(b, MT_OP_CE_COMBINE);
+    n.in[0] = st; n.in[1] = logits; n.in[2] = g->io[MT_IO_TARGETS]; n.out[0] = g->io[MT_IO_LOSS]; n.out[1] = lse;
     mt__push(b, &n);
     return b->failed ? -1 : 0;
 }
@@ -2777,6 +2906,7 @@ static void mt__backward_rule(mt__builder *b, const mt_node *f) {
         if (dw < 0 || dy < 0) return;
         n = mt__node(b, MT_OP_EMBED_BWD);
         n.in[0] = dy; n.in[1] = in[0]; n.out[0] = dw;
+        memcpy(n.iattr, f->iattr, sizeof n.iattr); n.sym_mask = f->sym_mask;
         mt__push(b, &n); mt__acc(b, in[1], dw);
         return;
     }
@@ -2911,6 +3041,28 @@ static void mt__backward_rule(mt__builder *b, const mt_node *f) {
         mt__push(b, &n); mt__acc(b, in[0], ds);
         return;
     }
+    case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER: {   /* each is the other's adjoint */
+        int dx = mt__gout(b, in[0]);
+        if (dy < 0 || dx < 0) return;
+        n = mt__node(b, f->op == MT_OP_SP_GATHER ? MT_OP_SP_SCATTER : MT_OP_SP_GATHER);
+        n.queue = f->queue; n.in[0] = dy; n.out[0] = dx;
+        n.iattr[0] = f->iattr[0]; n.iattr[1] = f->iattr[1];
+        mt__push(b, &n); mt__acc(b, in[0], dx);
+        return;
+    }
+    case MT_OP_CE_COMBINE: {      /* the loss on vocab shards: each rank's logits' gradient from the combined lse */
+        int dl = mt__gout(b, in[1]);
+        if (dl < 0) return;
+        int st = -1;              /* the coordinate symbol: from the CE_STATS that made the statistics */
+        for (int i = 0; i < b->g->n_nodes && st < 0; i++)
+            if (b->g->nodes[i].op == MT_OP_CE_STATS && b->g->nodes[i].in[0] == in[1]) st = i;
+        if (st < 0) { mt__fail(b, "internal error: %s without its CE_STATS", "CE_COMBINE"); return; }
+        n = mt__node(b, MT_OP_CE_SHARD_BWD);
+        n.in[0] = in[1]; n.in[1] = out[1]; n.in[2] = in[2]; n.out[0] = dl;
+        n.iattr[0] = b->g->nodes[st].iattr[0]; n.sym_mask = 1u;
+        mt__push(b, &n); mt__acc(b, in[1], dl);
+        return;
+    }
     case MT_OP_CROSS_ENTROPY: {   /* the loss: dLoss/dloss = 1 */
         int dl = mt__gout(b, in[0]);
         if (dl < 0) return;
@@ -2947,7 +3099,7 @@ static int mt__backward(mt__builder *b) {
     for (int i = n_fwd - 1; i >= 0 && !b->failed; i--) {
         mt_node f = g->nodes[i];   /* copy: pushing may move the array */
         if (!mt_ops[f.op].differentiable) continue;
-        int any = f.op == MT_OP_CROSS_ENTROPY;
+        int any = f.op == MT_OP_CROSS_ENTROPY || f.op == MT_OP_CE_COMBINE;
         for (int k = 0; k < f.n_out; k++) if (f.out[k] >= 0 && b->vi[f.out[k]].grad >= 0) any = 1;
         if (!any) continue;
         b->layer = f.layer;
@@ -2967,6 +3119,8 @@ static int mt__optimizer(mt__builder *b) {
     int hp = g->io[MT_IO_HPARAMS], step = g->io[MT_IO_STEP];
     uint32_t dense_dims = MT_DIMBIT(MT_DIM_DP_REPLICATE) | MT_DIMBIT(MT_DIM_DP_SHARD);
     uint32_t expert_dims = MT_DIMBIT(MT_DIM_DP_REPLICATE) | MT_DIMBIT(MT_DIM_EDP);
+    int tp = mt__tp(b);
+    uint32_t tp_dim = tp > 1 ? MT_DIMBIT(MT_DIM_TP) : 0;   /* replicated weights' partial gradients, and counts, add over tp */
     /* The loss is the mean over the data-parallel ranks, so every gradient is
      * the sum of the ranks' gradients over DP. A sharded gradient was summed
      * over its shard dims by the reduce-scatter; an expert's gradient already
@@ -2984,24 +3138,40 @@ static int mt__optimizer(mt__builder *b) {
         if (gv < 0) return mt__fail(b, "internal error: parameter '%s' received no gradient", g->values[p].name);
         n = mt__node(b, MT_OP_ALLREDUCE);         /* sum over the ranks that hold the same part of p, / DP */
         n.queue = MT_Q_DP; n.in[0] = n.out[0] = gv;
-        n.iattr[0] = (int)(((g->values[p].flags & MT_VF_EXPERTS) ? expert_dims : dense_dims) & ~g->values[p].shard);
+        uint32_t fl = g->values[p].flags;
+        n.iattr[0] = (int)(((fl & MT_VF_EXPERTS) ? expert_dims : dense_dims | ((fl & MT_VF_TP) ? 0 : tp_dim)) & ~g->values[p].shard);
         n.fattr[0] = inv_dp;
         mt__push(b, &n);
     }
-    int acc = -1;                                  /* global gradient norm, fixed order */
+    /* The global gradient norm, fixed order. dp_shard ranks hold disjoint parts of the gradients
+     * (FSDP shards, and experts split over ep x edp): the squares add up across them. Under tp the
+     * split weights and the experts are disjoint over dp_shard x tp too (chain 0), while the
+     * replicated weights' reduced gradients are the same on every tp rank (chain 1, counted once). */
+    int acc = -1, chain[2] = {-1, -1};
     for (int i = 0; i < b->n_params && !b->failed; i++) {
+        uint32_t fl = g->values[b->params[i]].flags;
+        int k = tp > 1 && !(fl & (MT_VF_TP | MT_VF_EXPERTS));
         int o = mt__value(b, "gnorm.sumsq", MT_F32, MT_ROLE_SCRATCH, 1, 1, 0, 0);
         n = mt__node(b, MT_OP_SUMSQ);
-        n.in[0] = b->vi[b->params[i]].grad; n.in[1] = acc; n.out[0] = o;
+        n.in[0] = b->vi[b->params[i]].grad; n.in[1] = chain[k]; n.out[0] = o;
+        mt__push(b, &n);
+        chain[k] = o;
+    }
+    for (int k = 0; k < 2; k++) {
+        uint32_t over = MT_DIMBIT(MT_DIM_DP_SHARD) | (k ? 0 : tp_dim);
+        if (mt_mesh_group_size(&g->mesh, over) > 1 && chain[k] >= 0) {
+            n = mt__node(b, MT_OP_ALLREDUCE);
+            n.queue = MT_Q_DP; n.in[0] = n.out[0] = chain[k]; n.iattr[0] = (int)over;
+            mt__push(b, &n);
+        }
+    }
+    acc = chain[0];
+    if (chain[1] >= 0) {   /* the two partial sums, as one SUMSQ of squares (chain 0 first) */
+        int o = mt__value(b, "gnorm.sumsq", MT_F32, MT_ROLE_SCRATCH, 1, 1, 0, 0);
+        n = mt__node(b, MT_OP_SUMSQ);
+        n.in[0] = chain[1]; n.in[1] = chain[0]; n.out[0] = o; n.iattr[0] = 1;
         mt__push(b, &n);
         acc = o;
-    }
-    /* dp_shard ranks hold disjoint parts of the gradients (FSDP shards, and
-     * experts split over ep x edp): the squares add up across them */
-    if (mt_mesh_group_size(&g->mesh, MT_DIMBIT(MT_DIM_DP_SHARD)) > 1 && acc >= 0) {
-        n = mt__node(b, MT_OP_ALLREDUCE);
-        n.queue = MT_Q_DP; n.in[0] = n.out[0] = acc; n.iattr[0] = (int)MT_DIMBIT(MT_DIM_DP_SHARD);
-        mt__push(b, &n);
     }
     g->io[MT_IO_LR] = mt__value(b, "lr", MT_F32, MT_ROLE_OUTPUT, 1, 1, 0, 0);
     n = mt__node(b, MT_OP_LR_SCHEDULE);
@@ -3040,7 +3210,7 @@ static int mt__optimizer(mt__builder *b) {
         if (g->cfg.load_balance_coeff <= 0) break;
         b->layer = (int)(g->cfg.n_dense_layers + i);
         n = mt__node(b, MT_OP_ALLREDUCE);
-        n.queue = MT_Q_DP; n.in[0] = n.out[0] = b->counts[i]; n.iattr[0] = (int)dense_dims;
+        n.queue = MT_Q_DP; n.in[0] = n.out[0] = b->counts[i]; n.iattr[0] = (int)(dense_dims | tp_dim);
         mt__push(b, &n);
         n = mt__node(b, MT_OP_EXPERT_BIAS_UPDATE);
         n.in[0] = n.out[0] = b->biases[i]; n.in[1] = b->counts[i]; n.fattr[0] = g->cfg.load_balance_coeff;
@@ -3055,6 +3225,8 @@ int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target 
     memset(g, 0, sizeof *g);
     if (mt_config_validate(c, err) || mt_mesh_validate(m, c, err)) return -1;
     if (kind != MT_GRAPH_TRAIN && kind != MT_GRAPH_FORWARD) return mt_errf(err, "unknown graph kind %d", kind);
+    if (kind == MT_GRAPH_FORWARD && m->size[MT_DIM_TP] > 1)
+        return mt_errf(err, "a forward graph's logits are whole on every rank: build it with tp = 1 (tp = %d splits them)", m->size[MT_DIM_TP]);
     g->cfg = *c; g->mesh = *m; g->target = *t; g->kind = kind;
     for (int i = 0; i < MT_NIO; i++) g->io[i] = -1;
     mt__builder bb;
@@ -3078,7 +3250,7 @@ int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target 
         mt_symbol *s = &g->syms[g->n_syms];
         snprintf(s->name, sizeof s->name, "ep_recv_tokens");
         s->kind = MT_SYM_SIZE; s->mesh_dim = MT_DIM_EP;
-        s->max = (int64_t)c->batch * c->seq_len * c->top_k * m->size[MT_DIM_EP];
+        s->max = (int64_t)c->batch * c->seq_len / m->size[MT_DIM_TP] * c->top_k * m->size[MT_DIM_EP];
         b->sym_recv = g->n_syms++;
     }
     if (kind == MT_GRAPH_TRAIN) {
@@ -3280,7 +3452,7 @@ int mt_node_syncs_host(const mt_node *n) {
 }
 static int mt__is_collective(int op) {
     return op == MT_OP_ALLREDUCE || op == MT_OP_ALLGATHER || op == MT_OP_REDUCE_SCATTER || op == MT_OP_EP_COUNTS ||
-           op == MT_OP_EP_DISPATCH || op == MT_OP_EP_COMBINE;
+           op == MT_OP_EP_DISPATCH || op == MT_OP_EP_COMBINE || op == MT_OP_SP_GATHER || op == MT_OP_SP_SCATTER;
 }
 /* A node can be recorded into a CUDA graph and replayed when what it does
  * does not depend on this step's data on the host: not the expert exchange
@@ -4729,7 +4901,7 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         if (v->ndim < 1 || v->ndim > MT_MAX_DIMS) return mt_errf(err, "value '%s': bad rank %d", v->name, v->ndim);
         if (v->init < MT_INIT_NONE || v->init > MT_INIT_NORMAL || !isfinite(v->init_std) || v->init_std < 0 || v->init_std > 100)
             return mt_errf(err, "value '%s': bad initializer", v->name);
-        if (v->flags & ~(uint32_t)(MT_VF_TRAINABLE | MT_VF_DECAY | MT_VF_EXPERTS | MT_VF_COUNTS | MT_VF_GATHERED))
+        if (v->flags & ~(uint32_t)(MT_VF_TRAINABLE | MT_VF_DECAY | MT_VF_EXPERTS | MT_VF_COUNTS | MT_VF_GATHERED | MT_VF_TP))
             return mt_errf(err, "value '%s': unknown flags 0x%x", v->name, v->flags);
         if (!mt_mesh_mask_valid(v->shard) || ((v->flags & MT_VF_GATHERED) && !v->shard))
             return mt_errf(err, "value '%s': bad shard mask 0x%x", v->name, v->shard);
@@ -6018,6 +6190,45 @@ void mt_cpu_cross_entropy_backward(mt_pool *pool, mt_real *dlogits, const mt_rea
     mt_pool_for(pool, N, mt__ce_bwd_rows, &c);
 }
 
+void mt_cpu_ce_stats(mt_real *st, const mt_real *logits, const int32_t *tgt, int N, int Vl, int v0) {
+    for (int n = 0; n < N; n++) {
+        const mt_real *l = logits + (int64_t)n * Vl;
+        mt_real mx = l[0];
+        for (int v = 1; v < Vl; v++) if (l[v] > mx) mx = l[v];
+        double z = 0;
+        for (int v = 0; v < Vl; v++) z += exp((double)(l[v] - mx));
+        int t = tgt[n] - v0;
+        st[3 * n] = mx; st[3 * n + 1] = (mt_real)z; st[3 * n + 2] = t >= 0 && t < Vl ? l[t] : 0;
+    }
+}
+void mt_cpu_ce_combine(mt_real *loss, mt_real *lse, const mt_real *st, int S, int N) {
+    double s = 0;
+    for (int n = 0; n < N; n++) {
+        mt_real mx = st[3 * n];
+        for (int k = 1; k < S; k++) if (st[3 * ((int64_t)k * N + n)] > mx) mx = st[3 * ((int64_t)k * N + n)];
+        double z = 0, t = 0;
+        for (int k = 0; k < S; k++) {
+            const mt_real *x = st + 3 * ((int64_t)k * N + n);
+            z += (double)x[1] * exp((double)(x[0] - mx));
+            t += (double)x[2];
+        }
+        lse[n] = (mt_real)(mx + log(z));
+        s += mx + log(z) - t;
+    }
+    loss[0] = (mt_real)(s / N);
+}
+void mt_cpu_ce_shard_backward(mt_real *dlogits, const mt_real *logits, const mt_real *lse, const int32_t *tgt,
+                              int N, int Vl, int v0) {
+    double inv = 1.0 / N;
+    for (int n = 0; n < N; n++) {
+        const mt_real *l = logits + (int64_t)n * Vl;
+        mt_real *d = dlogits + (int64_t)n * Vl;
+        for (int v = 0; v < Vl; v++) d[v] = (mt_real)(exp((double)(l[v] - lse[n])) * inv);
+        int t = tgt[n] - v0;
+        if (t >= 0 && t < Vl) d[t] -= (mt_real)inv;
+    }
+}
+
 /* --- AdamW, as torch.optim.AdamW: decoupled decay, bias-corrected moments.
  * coef scales the gradient (global-norm clipping); step is 0-based. --- */
 void mt_cpu_adamw(mt_real *p, mt_real *m, mt_real *v, const mt_real *g, int64_t n, double lr, double coef,
@@ -6406,6 +6617,11 @@ static int mt__cpu_collective(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_REDUCE_SCATTER:
         return mt__cpu_reduce_scatter(rt, gr, (const mt_real *)rt->ptr[n->in[0]], (mt_real *)rt->ptr[n->out[0]],
                                       mt_value_numel_logical(G, a), mt_value_numel_max(G, &G->values[n->out[0]]), n->fattr[0], err);
+    case MT_OP_SP_GATHER:
+        return mt__cpu_allgather(rt, gr, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), err);
+    case MT_OP_SP_SCATTER:
+        return mt__cpu_reduce_scatter(rt, gr, (const mt_real *)rt->ptr[n->in[0]], (mt_real *)rt->ptr[n->out[0]],
+                                      mt_value_numel_max(G, a), mt_value_numel_max(G, &G->values[n->out[0]]), 0.0f, err);
     default:
         return mt__cpu_ep(rt, n, gr, err);
     }
@@ -6873,7 +7089,16 @@ static void mt__expert_name(char *out, size_t n, const char *name, int e) {
 typedef struct {
     mt_real *p; const float *table; const uint64_t *keys; int init; double std;
     int64_t per, lo, n, c0;   /* elements per stream, first logical element stored, logical size, first stream */
+    uint32_t tp;              /* a weight split over tp (MT_VF_TP_ROWS | MT_VF_TP_COLS): element l of this rank's part */
+    int64_t tp_at, tp_cols, tp_parts;   /* is element mt__tp_element(l) of the whole weight */
 } mt__init_job;
+/* The whole weight's flat index of element l of tp part `at` (of `parts`): rows split, the parts
+ * follow each other; columns split, each row holds the parts' `cols` columns side by side. */
+static int64_t mt__tp_element(uint32_t split, int64_t l, int64_t at, int64_t len, int64_t cols, int64_t parts) {
+    if (split & MT_VF_TP_ROWS) return at * len + l;
+    if (split & MT_VF_TP_COLS) return (l / cols) * cols * parts + at * cols + l % cols;
+    return l;
+}
 static void mt__init_range(void *ctx, int64_t k0, int64_t k1) {
     const mt__init_job *j = (const mt__init_job *)ctx;
     for (int64_t k = k0; k < k1; k++) {
@@ -6882,8 +7107,8 @@ static void mt__init_range(void *ctx, int64_t k0, int64_t k1) {
         if (l < j->n) {
             if (j->init == MT_INIT_ONE) x = 1;
             else if (j->init == MT_INIT_NORMAL) {
-                int64_t c = l / j->per;
-                x = mt_init_draw(j->table, mt_init_bits(j->keys[c - j->c0], (uint64_t)(l - c * j->per))) * j->std;
+                int64_t c = l / j->per, e = mt__tp_element(j->tp, l - c * j->per, j->tp_at, j->per, j->tp_cols, j->tp_parts);
+                x = mt_init_draw(j->table, mt_init_bits(j->keys[c - j->c0], (uint64_t)e)) * j->std;
             }
         }
         j->p[k] = (mt_real)x;
@@ -6924,7 +7149,8 @@ int mt_runtime_init_params(mt_runtime *rt, uint64_t seed, mt_err *err) {
         if (cuda && v->dtype != MT_F32) { rc = mt_errf(err, "initializing '%s': state on the device is f32, not %s", v->name, mt__dtype_names[v->dtype]); break; }
         int64_t n = mt_value_numel_logical(G, v), stored = mt_value_numel_max(G, v);
         int chunks = (v->flags & MT_VF_EXPERTS) ? (int)v->dims[0] : 1;
-        mt__init_job job = {(mt_real *)rt->ptr[i], table, keys, v->init, (double)v->init_std, n / chunks, 0, n, 0};
+        mt__init_job job = {(mt_real *)rt->ptr[i], table, keys, v->init, (double)v->init_std, n / chunks, 0, n, 0,
+                            v->flags & MT_VF_TP, rt->bind.coord[MT_DIM_TP], v->ndim > 1 ? v->dims[1] : 1, G->mesh.size[MT_DIM_TP]};
         if (job.per < 1) job.per = 1;
         if (v->shard) job.lo = (int64_t)mt_mesh_group(&G->mesh, v->shard, rt->bind.rank, NULL) * stored;
         int64_t hi = job.lo + stored < n ? job.lo + stored : n, nk = 0;
@@ -6940,7 +7166,7 @@ int mt_runtime_init_params(mt_runtime *rt, uint64_t seed, mt_err *err) {
         if (!cuda) { mt_pool_for(pool, stored, mt__init_range, &job); continue; }
 #ifdef MT_CUDA
         mt_cuda *cu = MT__CU(rt);
-        if (on_device) {
+        if (on_device && !job.tp) {   /* (a tp part's elements are not contiguous in the whole: filled on the host) */
             uint64_t *dkeys = (uint64_t *)((char *)dev + tbytes);
             if ((nk && mt_cuda_copy(cu, dkeys, keys, sizeof(uint64_t) * (size_t)nk, 0)) ||
                 mt_cuda_init_fill(cu, (float *)rt->ptr[i], stored, job.lo, n, job.per, v->init, dkeys, job.c0, (const float *)dev,
@@ -6996,6 +7222,12 @@ static int64_t mt__cols(const mt_runtime *rt, int v) {
     return c;
 }
 
+/* EMBED / EMBED_BWD under tp: the first of this rank's tokens (i0 parts, i1 which part) */
+static int64_t mt__token_slice(const mt_runtime *rt, const mt_node *n) {
+    if (n->iattr[0] <= 1) return 0;
+    const mt_value *x = &rt->g.values[n->op == MT_OP_EMBED ? n->out[0] : n->in[0]];
+    return rt->sym[n->iattr[1]] * x->dims[0];
+}
 static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
     mt_graph *G = &rt->g;
     void **P = rt->ptr;
@@ -7006,8 +7238,8 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
 #define DIM(v, d) ((int)G->values[v].dims[d])
     const int *a = n->iattr;
     switch (n->op) {
-    case MT_OP_EMBED: mt_cpu_embed_forward(RO(0), I_(0), R_(1), DIM(n->in[0], 0), DIM(n->in[1], 1)); break;
-    case MT_OP_EMBED_BWD: mt_cpu_embed_backward(RO(0), R_(0), I_(1), DIM(n->in[1], 0), DIM(n->out[0], 0), DIM(n->out[0], 1)); break;
+    case MT_OP_EMBED: mt_cpu_embed_forward(RO(0), I_(0) + mt__token_slice(rt, n), R_(1), DIM(n->out[0], 0), DIM(n->in[1], 1)); break;
+    case MT_OP_EMBED_BWD: mt_cpu_embed_backward(RO(0), R_(0), I_(1) + mt__token_slice(rt, n), DIM(n->in[0], 0), DIM(n->out[0], 0), DIM(n->out[0], 1)); break;
     case MT_OP_RMSNORM: mt_cpu_rmsnorm_forward(RO(0), RO(1), R_(0), R_(1), (int)mt__nrows(rt, n->in[0]), DIM(n->in[0], 1), n->fattr[0]); break;
     case MT_OP_RMSNORM_BWD: mt_cpu_rmsnorm_backward(RO(0), RO(1), R_(0), R_(1), R_(2), R_(3), (int)mt__nrows(rt, n->in[1]), DIM(n->in[1], 1)); break;
     case MT_OP_MATMUL: case MT_OP_MATMUL_ACC: {
@@ -7071,7 +7303,12 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         mt_cpu_moe_permute_backward(RO(0), R_(0), I_(1), DIM(n->out[0], 0), DIM(n->out[0], 1), a[0]);
         break;
     case MT_OP_EP_COUNTS: case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE:
-    case MT_OP_ALLGATHER: case MT_OP_REDUCE_SCATTER: return mt__cpu_collective(rt, n, err);
+    case MT_OP_ALLGATHER: case MT_OP_REDUCE_SCATTER: case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER: return mt__cpu_collective(rt, n, err);
+    case MT_OP_CE_STATS: mt_cpu_ce_stats(RO(0), R_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), (int)rt->sym[a[0]] * DIM(n->in[0], 1)); break;
+    case MT_OP_CE_COMBINE: mt_cpu_ce_combine(RO(0), RO(1), R_(0), DIM(n->in[0], 0) / DIM(n->in[1], 0), DIM(n->in[1], 0)); break;
+    case MT_OP_CE_SHARD_BWD:
+        mt_cpu_ce_shard_backward(RO(0), R_(0), R_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1), (int)rt->sym[a[0]] * DIM(n->in[0], 1));
+        break;
     case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: case MT_OP_GMM_GLU: {
         int dw = n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ;
         int wi = dw ? n->out[0] : n->in[1];
@@ -7640,8 +7877,14 @@ typedef struct { char name[MT_NAME_LEN + 16]; int ndim; int64_t shape[3]; const 
  * staged; CPU values too, for one code path). */
 typedef struct {
     int value; mt_real *buf;   /* the value's stored bytes */
-    mt_real *whole; int64_t lo; /* an FSDP-sharded value being loaded: the whole (EP-local) tensor, and this rank's first element */
+    mt_real *whole; int64_t lo; /* an FSDP-sharded or tp-split value being loaded: the whole (EP-local) tensor, and this rank's
+                                   first element of its (tp) part */
 } mt__staged;
+/* A value's tp split (MT_VF_TP_ROWS / MT_VF_TP_COLS of its parameter; 0: whole on every tp rank). */
+static uint32_t mt__tp_split(const mt_graph *G, const mt_value *v) {
+    const mt_value *owner = v->role == MT_ROLE_OPT && v->param >= 0 ? &G->values[v->param] : v;
+    return G->mesh.size[MT_DIM_TP] > 1 ? owner->flags & MT_VF_TP : 0;
+}
 /* A sharded run's checkpoint is written from every rank's part (see mt__checkpoint_save_parts). */
 typedef struct { int64_t at, lo; int rank; } mt__part_slot;   /* a part's place in the whole tensor */
 static int mt__part_slot_cmp(const void *a, const void *b) {
@@ -7677,13 +7920,15 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
         const mt_value *owner = role == MT_ROLE_OPT ? &G->values[v->param] : v;
         int experts = (owner->flags & MT_VF_EXPERTS) != 0, chunks = experts ? (int)v->dims[0] : 1, first = 0;
         int64_t len = mt_value_numel_logical(G, v), stored = mt_value_numel_max(G, v), per = len / chunks;
+        uint32_t split = mt__tp_split(G, v);   /* a tp part: the checkpoint holds the whole weight */
+        int64_t tp = split ? G->mesh.size[MT_DIM_TP] : 1, cols = v->ndim > 1 ? v->dims[1] : 1;
         if (mt__grow((void **)&st, &scap, ns + 1, sizeof *st)) goto oom;
         mt__staged *x = &st[ns];
         memset(x, 0, sizeof *x);
         x->value = i;
         mt_real *base;
         if (parts) {   /* whole, from every rank's part */
-            int64_t count = experts ? len * ep : len;
+            int64_t count = experts ? len * ep : len * tp;
             if (!(x->buf = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(count + 1)))) goto oom;
             ns++;
             mt__part_slot *sl = parts->slot;   /* where each rank's part goes; replicas' parts once */
@@ -7691,7 +7936,7 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
                 int co[MT_NDIMS];
                 mt_mesh_coords(&G->mesh, r, co);
                 sl[r].lo = v->shard ? (int64_t)mt_mesh_group(&G->mesh, v->shard, r, NULL) * stored : 0;
-                sl[r].at = sl[r].lo < len ? (experts ? co[MT_DIM_EP] * len : 0) + sl[r].lo : -1;   /* -1: padding only */
+                sl[r].at = sl[r].lo < len ? (experts ? co[MT_DIM_EP] * len : 0) + (split ? co[MT_DIM_TP] * len : 0) + sl[r].lo : -1;   /* -1: padding only */
                 sl[r].rank = r;
             }
             qsort(sl, (size_t)parts->world, sizeof *sl, mt__part_slot_cmp);
@@ -7700,11 +7945,19 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
                 int r = sl[k].rank;
                 int64_t cnt = len - sl[k].lo < stored ? len - sl[k].lo : stored;
                 size_t nb = sizeof(mt_real) * (size_t)(cnt > 0 ? cnt : 0);
-                char *dst = (char *)(x->buf + sl[k].at);
+                mt_real *tmp = NULL;   /* a row-parallel part's elements are spread over the whole tensor's rows */
+                if ((split & MT_VF_TP_COLS) && !(tmp = (mt_real *)MT_MALLOC(nb + sizeof(mt_real)))) goto oom;
+                char *dst = tmp ? (char *)tmp : (char *)(x->buf + sl[k].at);
                 for (size_t got = 0; got < nb;) {
                     ssize_t k = pread(parts->fd[r], dst + got, nb - got, (off_t)(parts->off[i] + (int64_t)got));
-                    if (k <= 0) { mt_errf(err, "reading rank %d's part of the checkpoint: %s", r, k ? strerror(errno) : "it is short"); goto fail; }
+                    if (k <= 0) { MT_FREE(tmp); mt_errf(err, "reading rank %d's part of the checkpoint: %s", r, k ? strerror(errno) : "it is short"); goto fail; }
                     got += (size_t)k;
+                }
+                if (tmp) {
+                    int co[MT_NDIMS];
+                    mt_mesh_coords(&G->mesh, r, co);
+                    for (int64_t j = 0; j < cnt; j++) x->buf[mt__tp_element(split, sl[k].lo + j, co[MT_DIM_TP], len, cols, tp)] = tmp[j];
+                    MT_FREE(tmp);
                 }
             }
             if (experts) chunks *= ep;
@@ -7714,9 +7967,9 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
             ns++;
             if (mt_runtime_read(rt, i, x->buf, err)) goto fail;
             base = x->buf;
-            if (v->shard && mt_mesh_group_size(&G->mesh, v->shard) > 1) {
-                if (!(x->whole = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(len + 1)))) goto oom;
-                x->lo = (int64_t)mt_mesh_group(&G->mesh, v->shard, rt->bind.rank, NULL) * stored;
+            if ((v->shard && mt_mesh_group_size(&G->mesh, v->shard) > 1) || split) {
+                if (!(x->whole = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(len * tp + 1)))) goto oom;
+                x->lo = v->shard ? (int64_t)mt_mesh_group(&G->mesh, v->shard, rt->bind.rank, NULL) * stored : 0;
                 base = x->whole;
             }
             if (experts) first = mt__global_expert(rt, owner, 0);
@@ -7727,9 +7980,10 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
             mt__expert_name(y->name, sizeof y->name, role == MT_ROLE_OPT ? v->name + strlen(prefix) : v->name, first + c);
             y->ndim = experts ? v->ndim - 1 : v->ndim;
             for (int d = 0; d < y->ndim; d++) y->shape[d] = v->dims[d + experts];
+            if (split) y->shape[(split & MT_VF_TP_ROWS) ? 0 : 1] *= tp;   /* the whole weight */
             y->src = base + c * per;
             y->dst = base + c * per;
-            y->numel = per;
+            y->numel = per * tp;
         }
     }
     *out = t; *n_out = n; *st_out = st; *n_st = ns;
@@ -7743,10 +7997,13 @@ fail:
 }
 static int mt__staged_commit(mt_runtime *rt, const mt__staged *st, int n, mt_err *err) {
     for (int i = 0; i < n; i++) {
-        if (st[i].whole) {   /* this rank's flat range of the whole tensor; 0 past its end */
+        if (st[i].whole) {   /* this rank's flat range of (its tp part of) the whole tensor; 0 past its end */
             const mt_value *v = &rt->g.values[st[i].value];
             int64_t len = mt_value_numel_logical(&rt->g, v), stored = mt_value_numel_max(&rt->g, v);
-            for (int64_t k = 0; k < stored; k++) st[i].buf[k] = st[i].lo + k < len ? st[i].whole[st[i].lo + k] : 0;
+            uint32_t split = mt__tp_split(&rt->g, v);
+            int64_t tp = rt->g.mesh.size[MT_DIM_TP], at = rt->bind.coord[MT_DIM_TP], cols = v->ndim > 1 ? v->dims[1] : 1;
+            for (int64_t k = 0; k < stored; k++)
+                st[i].buf[k] = st[i].lo + k < len ? st[i].whole[mt__tp_element(split, st[i].lo + k, at, len, cols, tp)] : 0;
         }
         if (mt_runtime_write(rt, st[i].value, st[i].buf, err)) return -1;
     }

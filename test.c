@@ -129,14 +129,14 @@ static int mr_rank(void *ctx, int rank, mt_world *w, mt_err *err) {
                 for (int e = 0; e < c->n_routed_experts; e++) fb[e] = (float)(bias[e] = e < c->top_k ? 100 : 0);
                 mt_runtime_write(rt, v, g->target.backend == MT_BACKEND_CPU ? (void *)bias : (void *)fb, err);
             }
-    int dp = b.world, B = c->batch, T = c->seq_len;
+    int tp = g->mesh.size[MT_DIM_TP], dp = b.world / tp, B = c->batch, T = c->seq_len;   /* tp ranks share their batch */
     int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * dp * T), *tgt = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * dp * T);
     mt_hparams hp;
     mt_hparams_default(&hp);
     hp.warmup_steps = 2;
     for (int s = 0; s < j->steps && !rc; s++) {
         mr_batch(c, s, B * dp, tok, tgt);
-        int32_t *mine = tok + (size_t)rank * B * T, *mt = tgt + (size_t)rank * B * T;
+        int32_t *mine = tok + (size_t)(rank / tp) * B * T, *mt = tgt + (size_t)(rank / tp) * B * T;
         if (rank == j->fail_rank && s == j->fail_step) mine[3] = c->vocab_size;   /* bad input on one rank */
         mt_step_stats st;
         rc = mt_runtime_step(rt, mine, mt, s, &hp, &st, err);
@@ -176,19 +176,24 @@ static int mr_run(mr_job *j, const mt_graph *g, int steps, mt_err *err) {
 #endif
     return mt_run_thread_ranks(mt_mesh_world(&g->mesh), mr_rank, j, err);
 }
-/* The step graph of the small model for a mesh (per-rank batch b); overlap 0: that pass off. */
-static int mr_compile_opts(mt_graph *g, int rep, int shard, int ep, int b, int eager, int cuda, int overlap, mt_err *err) {
+/* The step graph of the small model for a mesh (per-data-parallel-rank batch b); overlap 0: that pass off.
+ * mr_q_lora: the low-rank query path (q_a_proj, q_a_layernorm, q_b_proj) of that rank; 0: tiny's plain q_proj. */
+static int mr_q_lora = 0;
+static int mr_compile_mesh(mt_graph *g, int rep, int shard, int tp, int ep, int b, int eager, int cuda, int overlap, mt_err *err) {
     mt_config c;
     mt_config_preset(&c, "tiny", err);
-    c.seq_len = 32; c.original_seq_len = 32; c.batch = b;
+    c.seq_len = 32; c.original_seq_len = 32; c.batch = b; c.q_lora_rank = mr_q_lora;
     mt_mesh m;
     mt_target t;
     mt_passes p;
     if (cuda) mt_target_cuda(&t, "sm_90a"); else mt_target_cpu(&t);
     if (eager) mt_passes_none(&p); else mt_passes_all(&p);
     if (!overlap) p.overlap = 0;
-    if (mt_mesh_init(&m, rep, shard, 1, ep, err)) return -1;
+    if (mt_mesh_init(&m, rep, shard, tp, ep, err)) return -1;
     return mt_compile(g, &c, &m, &t, MT_GRAPH_TRAIN, &p, err);
+}
+static int mr_compile_opts(mt_graph *g, int rep, int shard, int ep, int b, int eager, int cuda, int overlap, mt_err *err) {
+    return mr_compile_mesh(g, rep, shard, 1, ep, b, eager, cuda, overlap, err);
 }
 static int mr_compile_for(mt_graph *g, int rep, int shard, int ep, int b, int eager, int cuda, mt_err *err) {
     return mr_compile_opts(g, rep, shard, ep, b, eager, cuda, 1, err);
@@ -220,6 +225,26 @@ static void mr_equivalence(int rep, int shard, int ep, int steps, double tol1, d
     double rg = ok ? max_rel(b.gnorm, a.gnorm, steps) : 1;
     report(name, ok && r1 <= tol1 && rn <= tol && rg <= 100 * tol, "step 1 %.1e, %d steps %.1e, grad norm %.1e %s", r1, steps, rn, rg,
            ok ? "" : e.msg);
+    mr_free(&a); mr_free(&b);
+    mt_graph_free(&g1); mt_graph_free(&gm);
+}
+
+/* Tensor parallelism: ranks dp_shard x tp (experts over ep of them) train as one rank does on the
+ * same global batch: every step's loss and gradient norm within tol (relative). */
+static void mr_equivalence_tp(int shard, int tp, int ep, int steps, double tol) {
+    mt_err e;
+    mt_graph g1, gm;
+    char name[160];
+    snprintf(name, sizeof name, "tp: %d ranks (dp_shard %d x tp %d, ep %d) = one rank on the global batch, %d steps", shard * tp, shard, tp, ep, steps);
+    if (mr_compile_mesh(&g1, 1, 1, 1, 1, 2 * shard, 0, 0, 1, &e)) { report(name, 0, "%s", e.msg); return; }
+    if (mr_compile_mesh(&gm, 1, shard, tp, ep, 2, 0, 0, 1, &e)) { report(name, 0, "%s", e.msg); mt_graph_free(&g1); return; }
+    mr_job a, b;
+    memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
+    a.fail_rank = b.fail_rank = -1;
+    int ok = mr_run(&a, &g1, steps, &e) == 0 && mr_run(&b, &gm, steps, &e) == 0;
+    double rl = ok ? max_rel(b.loss, a.loss, steps) : 1, rg = ok ? max_rel(b.gnorm, a.gnorm, steps) : 1;
+    report(name, ok && rl <= tol && rg <= tol, "worst relative: loss %.2e, grad norm %.2e (tolerance %.0e); losses %.6f .. %.6f %s", rl, rg,
+           tol, b.loss[0], b.loss[steps - 1], ok ? "" : e.msg);
     mr_free(&a); mr_free(&b);
     mt_graph_free(&g1); mt_graph_free(&gm);
 }
@@ -2035,6 +2060,20 @@ static double L_permute(void *p) {
 static double L_gmm(void *p) { gc *c = (gc *)p; mt_cpu_gmm(NULL, c->o0, c->a, c->b, c->i0, c->E, c->M, c->K); return dot(c->o0, c->r0, (int64_t)c->N * c->M); }
 static double L_combine(void *p) { gc *c = (gc *)p; mt_cpu_moe_combine_forward(c->o0, c->a, c->i0, c->b, c->N, c->D, c->topk); return dot(c->o0, c->r0, (int64_t)c->N * c->D); }
 static double L_ce(void *p) { gc *c = (gc *)p; mt_real loss; mt_cpu_cross_entropy_forward(NULL, &loss, c->o1, c->a, c->i0, c->N, c->V); return (double)loss; }
+/* The cross-entropy on c->E vocab shards: logits c->a [N,V] cut into column blocks, each shard's stats,
+ * then the combine; the lse lands in c->o1. */
+static double L_ce_shards(void *p) {
+    gc *c = (gc *)p;
+    int S = c->E, Vl = c->V / S;
+    mt_real *blk = alloc_real((int64_t)c->N * Vl), *st = alloc_real((int64_t)S * c->N * 3), loss;
+    for (int k = 0; k < S; k++) {
+        for (int n = 0; n < c->N; n++) memcpy(blk + n * Vl, c->a + n * c->V + k * Vl, sizeof(mt_real) * (size_t)Vl);
+        mt_cpu_ce_stats(st + (int64_t)k * c->N * 3, blk, c->i0, c->N, Vl, k * Vl);
+    }
+    mt_cpu_ce_combine(&loss, c->o1, st, S, c->N);
+    free(blk); free(st);
+    return (double)loss;
+}
 
 static void test_gradcheck_ops(void) {
     gc c;
@@ -2214,6 +2253,26 @@ static void test_gradcheck_ops(void) {
     mt_cpu_cross_entropy_backward(NULL, dl, c.a, c.o1, c.i0, c.N, c.V);
     e1 = fd_error(L_ce, &c, c.a, 28, dl, 28);
     report("gradcheck cross-entropy", e1 < GC_TOL, "rel err %.2e", e1);
+    /* the same loss on 3 vocab shards (tensor parallelism): each shard's backward from the combined lse */
+    {
+        mt_real loss1, *lse1 = alloc_real(4), *blk = alloc_real(4 * 4), *dblk = alloc_real(4 * 4), *dv = alloc_real(4 * 12);
+        gc v;
+        memset(&v, 0, sizeof v); v.N = 4; v.V = 12; v.E = 3;
+        v.a = alloc_real(48); v.o1 = alloc_real(4); v.i0 = c.i0;
+        fill_normal(v.a, 48, 2);
+        c.i0[2] = 11; c.i0[3] = 4;   /* targets on the last shard and on a middle one */
+        double lv = L_ce_shards(&v);
+        mt_cpu_cross_entropy_forward(NULL, &loss1, lse1, v.a, v.i0, v.N, v.V);
+        for (int k = 0; k < 3; k++) {
+            for (int n = 0; n < 4; n++) memcpy(blk + n * 4, v.a + n * 12 + k * 4, sizeof(mt_real) * 4);
+            mt_cpu_ce_shard_backward(dblk, blk, v.o1, v.i0, 4, 4, k * 4);
+            for (int n = 0; n < 4; n++) memcpy(dv + n * 12 + k * 4, dblk + n * 4, sizeof(mt_real) * 4);
+        }
+        e2 = fd_error(L_ce_shards, &v, v.a, 48, dv, 48);
+        e3 = fabs(lv - (double)loss1) / fabs((double)loss1);
+        report("gradcheck cross-entropy on 3 vocab shards", e2 < GC_TOL && e3 < 1e-14, "rel err %.2e; loss vs unsharded %.1e", e2, e3);
+        free(lse1); free(blk); free(dblk); free(dv); free(v.a); free(v.o1);
+    }
     free(c.a); free(c.o1); free(c.i0); free(dl);
 }
 
@@ -2371,6 +2430,13 @@ static void test_doc_packing(void) {
 static void test_multirank_f64(void) {
     mr_equivalence(1, 2, 2, 3, 1e-12, 1e-10);
     mr_equivalence(2, 2, 2, 3, 1e-12, 1e-10);
+    mr_equivalence_tp(1, 2, 1, 20, 1e-12);   /* tp 2 */
+    mr_equivalence_tp(2, 2, 1, 20, 1e-12);   /* tp 2 x dp_shard 2 */
+    mr_equivalence_tp(1, 2, 2, 20, 1e-12);   /* tp 2 x ep 2: experts across tp */
+    mr_equivalence_tp(4, 2, 4, 20, 1e-12);   /* the seeds' mesh: dp_shard 4 x tp 2 x ep 4 */
+    mr_q_lora = 24;                          /* the low-rank query (q_a replicated, q_b column-parallel) */
+    mr_equivalence_tp(2, 2, 2, 20, 1e-12);
+    mr_q_lora = 0;
 }
 int main(void) {
     mt_rng_seed(&R, 42);
@@ -4474,6 +4540,99 @@ static void test_multirank(void) {
     mt_graph_free(&g);
 }
 
+/* Tensor parallelism. (a) tp meshes train as one rank on the same global batch (float32: 2e-7).
+ * (b) The seeds' check on the seeds' mesh: dp_shard 4 x tp 2 x ep 4 on 8 thread-ranks, a
+ * debug-shaped model (torchtitan's debugmodel layout: 16 heads, MLA without q_lora, 8 experts top-3,
+ * 2 shared, one dense layer, softmax routing; widths cut for CI), precompiled to an artifact and
+ * loaded by every rank vs compiled in-process: losses, grad norms and every rank's weights bitwise
+ * over 10 steps. (c) The graph: tp collectives over the tp mask, coordinates as symbols, split
+ * weights stored as their part, the expert exchange isolated from tp collectives over the same
+ * ranks. (d) What tp cannot split is refused with the reason. */
+static void test_tensor_parallel(void) {
+    mt_err e;
+    mr_equivalence_tp(1, 2, 1, 20, 2e-7);
+    mr_equivalence_tp(2, 2, 1, 20, 2e-7);
+    mr_equivalence_tp(1, 2, 2, 20, 2e-7);
+    mr_equivalence_tp(4, 2, 4, 20, 2e-7);
+    {   /* (b) */
+        mt_config c;
+        mt_mesh m;
+        mt_target t;
+        mt_passes p;
+        mt_graph g, gl;
+        mt_config_preset(&c, "debug", &e);
+        c.dim = 64; c.n_layers = 3; c.kv_lora_rank = 32; c.qk_nope_head_dim = 8; c.qk_rope_head_dim = 4; c.v_head_dim = 8;
+        c.inter_dim = 128; c.moe_inter_dim = 32; c.vocab_size = 256; c.seq_len = 32; c.original_seq_len = 64; c.batch = 1;
+        mt_target_cpu(&t);
+        mt_passes_all(&p);
+        uint8_t *bytes = NULL, *bytes2 = NULL;
+        size_t len = 0, len2 = 0;
+        int built = mt_mesh_init(&m, 1, 4, 2, 4, &e) == 0 && mt_compile(&g, &c, &m, &t, MT_GRAPH_TRAIN, &p, &e) == 0;
+        int loaded = built && mt_artifact_write(&g, &bytes, &len, &e) == 0 && mt_artifact_read(&gl, bytes, len, &e) == 0;
+        int same_bytes = loaded && mt_artifact_write(&gl, &bytes2, &len2, &e) == 0 && len == len2 && !memcmp(bytes, bytes2, len);
+        free(bytes); free(bytes2);
+        mr_job a, b;
+        memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
+        a.fail_rank = b.fail_rank = -1;
+        int ok = loaded && mr_run(&a, &g, 10, &e) == 0 && mr_run(&b, &gl, 10, &e) == 0;
+        int same = ok && bitwise_equal(a.loss, b.loss, 10) && bitwise_equal(a.gnorm, b.gnorm, 10);
+        for (int r = 0; same && r < 8; r++) same = a.param_bytes[r] == b.param_bytes[r] && !memcmp(a.params[r], b.params[r], a.param_bytes[r]);
+        report("the seeds' check: dp_shard 4 x tp 2 x ep 4 on 8 ranks, precompiled = in-process, bitwise over 10 steps",
+               same && same_bytes && a.loss[9] < a.loss[0], "losses, grad norms, every rank's weights %s; artifact %zu bytes, rewritten %s %s",
+               same ? "bitwise" : "DIFFER", len, same_bytes ? "identical" : "DIFFERS", ok ? "" : e.msg);
+        if (ok) {   /* the two columns, for the record */
+            printf("  step  loss (in-process)    loss (precompiled)   grad norm (in-process)  grad norm (precompiled)\n");
+            for (int s = 0; s < 10; s++) printf("  %4d  %.17g  %.17g  %.17g  %.17g\n", s + 1, a.loss[s], b.loss[s], a.gnorm[s], b.gnorm[s]);
+        }
+        mr_free(&a); mr_free(&b);
+        if (loaded) mt_graph_free(&gl);
+        if (built) mt_graph_free(&g);
+    }
+    {   /* (c) */
+        mt_graph g;
+        if (mr_compile_mesh(&g, 1, 1, 2, 2, 2, 0, 0, 1, &e)) { report("tp graph", 0, "%s", e.msg); return; }
+        int gathers = 0, scatters = 0, on_tp = 1, sym = 1, split = 0, local = 1, moved = 0, tp_sym = -1;
+        for (int s = 0; s < g.n_syms; s++) if (g.syms[s].kind == MT_SYM_COORD && g.syms[s].mesh_dim == MT_DIM_TP) tp_sym = s;
+        for (int i = 0; i < g.n_nodes; i++) {
+            const mt_node *n = &g.nodes[i];
+            if (n->op == MT_OP_SP_GATHER || n->op == MT_OP_SP_SCATTER) {
+                gathers += n->op == MT_OP_SP_GATHER; scatters += n->op == MT_OP_SP_SCATTER;
+                on_tp &= n->iattr[0] == (int)MT_DIMBIT(MT_DIM_TP);
+            }
+            if (n->op == MT_OP_EMBED || n->op == MT_OP_EMBED_BWD) sym &= n->sym_mask == 2u && n->iattr[1] == tp_sym;
+            if (n->op == MT_OP_CE_STATS || n->op == MT_OP_CE_SHARD_BWD) sym &= n->sym_mask == 1u && n->iattr[0] == tp_sym;
+            if (mt_op_is_ep_exchange(n->op)) moved += n->iattr[1] == MT_CHANNEL_EP;
+        }
+        for (int v = 0; v < g.n_values; v++) {
+            const mt_value *x = &g.values[v];
+            if (x->role != MT_ROLE_PARAM || x->param >= 0 || !(x->flags & MT_VF_TP)) continue;
+            split++;
+            if (strstr(x->name, "o_proj")) local &= x->dims[1] == (int64_t)g.cfg.n_heads / 2 * g.cfg.v_head_dim && x->dims[0] == g.cfg.dim;
+            if (strstr(x->name, "lm_head")) local &= x->dims[0] == g.cfg.vocab_size / 2;
+        }
+        report("tp graph: gathers and reduce-scatters over tp, symbolic coordinates, split weights, EP isolated",
+               gathers > 2 * g.cfg.n_layers && scatters > 2 * g.cfg.n_layers && on_tp && sym && tp_sym >= 0 && split >= 4 * g.cfg.n_layers && local && moved > 0,
+               "%d gathers, %d reduce-scatters, %d split weights, %d exchange nodes on their own channel", gathers, scatters, split, moved);
+        mt_graph_free(&g);
+    }
+    {   /* (d) */
+        mt_config c;
+        mt_mesh m;
+        mt_target t;
+        mt_graph g;
+        mt_err e1, e2;
+        mt_config_preset(&c, "tiny", &e);
+        mt_target_cpu(&t);
+        mt_mesh_init(&m, 1, 1, 3, 1, &e);
+        int r1 = mt_build(&g, &c, &m, &t, MT_GRAPH_TRAIN, &e1);
+        if (!r1) mt_graph_free(&g);
+        mt_mesh_init(&m, 1, 1, 2, 1, &e);
+        int r2 = mt_build(&g, &c, &m, &t, MT_GRAPH_FORWARD, &e2);
+        if (!r2) mt_graph_free(&g);
+        report("tp refuses what it cannot split", r1 && strstr(e1.msg, "tp=3 must divide") && r2 && strstr(e2.msg, "tp = 1"), "%s | %s", e1.msg, e2.msg);
+    }
+}
+
 static int run_cmd(const char *cmd, char *out, size_t cap) {
     FILE *p = popen(cmd, "r");
     if (!p) return -1;
@@ -5053,6 +5212,7 @@ int main(void) {
     RUN(test_training_falls);
     RUN(test_overlap);
     RUN(test_multirank);
+    RUN(test_tensor_parallel);
     RUN(test_recompute_multirank);
     RUN(test_isolate_ep);
     RUN(test_devices);

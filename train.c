@@ -27,7 +27,7 @@ typedef struct {
     const char *preset, *graph, *data, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
     int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_fold_rope, no_fuse_glu,
         attn_recompute_dq, one_launch_per_node;
-    int nproc, dp_replicate, dp_shard, ep;   /* ranks; 0 = derive */
+    int nproc, dp_replicate, dp_shard, tp, ep;   /* ranks; 0 = derive */
     float timeout;                           /* seconds without progress before a rank gives up */
     float roof_tflops, roof_gbps;
     float memory_budget;                     /* GiB; 0: no activation recompute */
@@ -60,8 +60,9 @@ static const opt_spec specs[] = {
     {"gpu", OPT_INT, O_(gpu), 0, 1023, 0, 0, "0", "CUDA device ordinal of a one-rank run (ranks use LOCAL_RANK)", NULL},
     {"nproc", OPT_INT, O_(nproc), 1, 4096, 0, 0, "one per visible GPU; 1 on the CPU", "ranks to start (CPU ranks are threads)", NULL},
     {"dp-replicate", OPT_INT, O_(dp_replicate), 1, 4096, 0, 0, "1", "mesh: data-parallel replicas (HSDP)", NULL},
-    {"dp-shard", OPT_INT, O_(dp_shard), 1, 4096, 0, 0, "ranks / dp-replicate", "mesh: FSDP shards", NULL},
-    {"ep", OPT_INT, O_(ep), 1, 4096, 0, 0, "1", "mesh: expert-parallel ranks (divides dp-shard)", NULL},
+    {"dp-shard", OPT_INT, O_(dp_shard), 1, 4096, 0, 0, "ranks / (dp-replicate x tp)", "mesh: FSDP shards", NULL},
+    {"tp", OPT_INT, O_(tp), 1, 4096, 0, 0, "1", "mesh: tensor-parallel ranks (heads, FFN hidden, vocab split; sequence-parallel norms)", NULL},
+    {"ep", OPT_INT, O_(ep), 1, 4096, 0, 0, "1", "mesh: expert-parallel ranks (divides dp-shard x tp)", NULL},
     {"timeout", OPT_FLOAT, O_(timeout), 0, 1e6, 1, 0, "600", "a rank without progress for this many seconds stops every rank", NULL},
     {"data", OPT_STR, O_(data), 0, 0, 0, 0, "the embedded corpus", "raw bytes, or an llm.c/nanoGPT .bin token shard", "FILE"},
     {"steps", OPT_INT, O_(steps), 0, 1 << 30, 0, 0, "300", "total optimizer steps of the run (a resumed run counts the checkpoint's)", NULL},
@@ -975,7 +976,7 @@ int main(int argc, char **argv) {
             mt_graph_free(&g);
             return 2;
         }
-        if (o.dp_shard || o.dp_replicate || o.ep) {
+        if (o.dp_shard || o.dp_replicate || o.tp || o.ep) {
             fprintf(stderr, "train: --graph fixes the mesh; re-run precompile to change it\n");
             mt_graph_free(&g);
             return 2;
@@ -1048,12 +1049,14 @@ int main(int argc, char **argv) {
         mt_target tgt;
         mt_passes passes;
         int rep = o.dp_replicate ? o.dp_replicate : 1;
-        int shard = o.dp_shard ? o.dp_shard : world / rep;
-        if (rep * shard != world) {
-            fprintf(stderr, "train: the mesh dp-replicate %d x dp-shard %d = %d does not match %d ranks\n", rep, shard, rep * shard, world);
+        int tp = o.tp ? o.tp : 1;
+        int shard = o.dp_shard ? o.dp_shard : world / (rep * tp);
+        if (rep * shard * tp != world) {
+            fprintf(stderr, "train: the mesh dp-replicate %d x dp-shard %d x tp %d = %d does not match %d ranks\n", rep, shard, tp,
+                    rep * shard * tp, world);
             return 2;
         }
-        if (mt_mesh_init(&mesh, rep, shard, 1, o.ep ? o.ep : 1, &err) || mt_mesh_validate(&mesh, &cfg, &err)) {
+        if (mt_mesh_init(&mesh, rep, shard, tp, o.ep ? o.ep : 1, &err) || mt_mesh_validate(&mesh, &cfg, &err)) {
             fprintf(stderr, "train: %s\n", err.msg);
             return 2;
         }
