@@ -877,6 +877,10 @@ int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *d
 size_t mt_cuda_cross_entropy_workspace(int N);
 int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const void *logits, const int32_t *tgt, int N, int V, void *ws);
 int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int V);
+/* The cross-entropy on vocab shards (tensor parallelism; see mt_cpu_ce_stats): logits [N,Vl] bf16 hold entries [v0, v0+Vl). */
+int mt_cuda_ce_stats(mt_cuda *c, float *st, const void *logits, const int32_t *tgt, int N, int Vl, int v0);
+int mt_cuda_ce_combine(mt_cuda *c, float *loss, float *lse, const float *st, int S, int N, void *ws);   /* ws: mt_cuda_cross_entropy_workspace(N) */
+int mt_cuda_ce_shard_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int Vl, int v0);
 size_t mt_cuda_sumsq_workspace(void);
 int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, int squares, void *ws);
 /* a run of SUMSQ nodes chained on one accumulator (item i's input is item i-1's acc_out; item 0's is acc_in)
@@ -6704,8 +6708,11 @@ static int mt__cuda_collective(mt_runtime *rt, const mt_node *n, mt_err *err) {
         if (!rc && a->dtype == MT_F32 && s != 1.0f) rc = mt_cuda_scale(c, (float *)rt->ptr[n->in[0]], cnt, s);
         break;
     }
-    case MT_OP_ALLGATHER:
+    case MT_OP_ALLGATHER: case MT_OP_SP_GATHER:
         rc = mt_nccl_allgather(c, comm, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), a->dtype);
+        break;
+    case MT_OP_SP_SCATTER:   /* a sum in the activations' dtype (bf16 on the GPU) */
+        rc = mt_nccl_reduce_scatter(c, comm, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, &G->values[n->out[0]]), a->dtype);
         break;
     case MT_OP_REDUCE_SCATTER: {   /* zero the padding, sum-scatter, scale */
         int64_t nl = mt_value_numel_logical(G, a), np = mt_value_numel_max(G, a), L = mt_value_numel_max(G, &G->values[n->out[0]]);
@@ -6794,6 +6801,7 @@ static size_t mt__cuda_scratch(const mt_graph *G, mt_cuda *cu) {
             w = mt_cuda_attention_backward_workspace(cu, (int)(a->dims[0] / n->iattr[3]), n->iattr[3], n->iattr[0], n->iattr[1], n->iattr[2]);
             break;
         case MT_OP_CROSS_ENTROPY: w = mt_cuda_cross_entropy_workspace((int)a->dims[0]); break;
+        case MT_OP_CE_COMBINE: w = mt_cuda_cross_entropy_workspace((int)G->values[n->in[1]].dims[0]); break;
         case MT_OP_MOE_PERMUTE: w = mt_cuda_moe_permute_workspace(a->dims[0] * b->dims[1]); break;
         case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {
             const mt_value *W = &G->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
@@ -7420,8 +7428,15 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
     const int *a = n->iattr;
     int rc = 0;
     switch (n->op) {
-    case MT_OP_EMBED: rc = mt_cuda_embed_forward(c, VO(0), I_(0), V_(1), DIM(n->in[0], 0), DIM(n->in[1], 1)); break;
-    case MT_OP_EMBED_BWD: rc = mt_cuda_embed_backward(c, FO(0), V_(0), I_(1), DIM(n->in[1], 0), DIM(n->out[0], 0), DIM(n->out[0], 1), rt->scratch); break;
+    case MT_OP_EMBED: rc = mt_cuda_embed_forward(c, VO(0), I_(0) + mt__token_slice(rt, n), V_(1), DIM(n->out[0], 0), DIM(n->in[1], 1)); break;
+    case MT_OP_EMBED_BWD:
+        rc = mt_cuda_embed_backward(c, FO(0), V_(0), I_(1) + mt__token_slice(rt, n), DIM(n->in[0], 0), DIM(n->out[0], 0), DIM(n->out[0], 1), rt->scratch);
+        break;
+    case MT_OP_CE_STATS: rc = mt_cuda_ce_stats(c, FO(0), V_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), (int)rt->sym[a[0]] * DIM(n->in[0], 1)); break;
+    case MT_OP_CE_COMBINE: rc = mt_cuda_ce_combine(c, FO(0), FO(1), F_(0), DIM(n->in[0], 0) / DIM(n->in[1], 0), DIM(n->in[1], 0), rt->scratch); break;
+    case MT_OP_CE_SHARD_BWD:
+        rc = mt_cuda_ce_shard_backward(c, VO(0), V_(0), F_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1), (int)rt->sym[a[0]] * DIM(n->in[0], 1));
+        break;
     case MT_OP_RMSNORM: rc = mt_cuda_rmsnorm_forward(c, VO(0), FO(1), V_(0), F_(1), (int)mt__nrows(rt, n->in[0]), DIM(n->in[0], 1), n->fattr[0]); break;
     case MT_OP_RMSNORM_BWD:
         rc = mt_cuda_rmsnorm_backward(c, VO(0), FO(1), V_(0), V_(1), F_(2), F_(3), (int)mt__nrows(rt, n->in[1]), DIM(n->in[1], 1), rt->scratch);
@@ -7524,7 +7539,8 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         rc = mt_cuda_sumsq(c, FO(0), n->in[1] >= 0 ? F_(1) : NULL, F_(0), mt_value_numel_max(G, &G->values[n->in[0]]), !a[0],
                            rt->scratch);
         break;
-    case MT_OP_ALLREDUCE: case MT_OP_ALLGATHER: case MT_OP_REDUCE_SCATTER: return mt__cuda_collective(rt, n, err);
+    case MT_OP_ALLREDUCE: case MT_OP_ALLGATHER: case MT_OP_REDUCE_SCATTER: case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER:
+        return mt__cuda_collective(rt, n, err);
     case MT_OP_LR_SCHEDULE: rc = mt_cuda_lr_schedule(c, FO(0), F_(0), I_(1)); break;
     case MT_OP_CLIP: rc = mt_cuda_clip(c, FO(0), FO(1), F_(0), F_(1)); break;
     case MT_OP_ADAMW:

@@ -7948,13 +7948,12 @@ __device__ __forceinline__ void mt__ce_ld(float (&f)[8], const bf16 *l, int d, i
         for (int j = 0; j < 8; j++) f[j] = d + j < V_ ? bf(l[d + j]) : -INFINITY;
     }
 }
-/* one block per row, one pass: each thread folds MT_CE_UNROLL chunks at a time into its running (max, sum of
- * exp) with one rescale, then the threads' pairs merge in a fixed order */
+/* One row's (max, sum of exp), one block per row, one pass: each thread folds MT_CE_UNROLL chunks at a
+ * time into its running pair with one rescale, then the threads' pairs merge in a fixed order. Thread 0
+ * returns the row's pair. */
 template <bool V>
-__global__ void __launch_bounds__(256) k_ce_fwd(float *per, float *lse, const bf16 *logits, const int32_t *tgt, int V_) {
+__device__ __forceinline__ void mt__ce_row(float &m_out, float &z_out, const bf16 *l, int V_) {
     __shared__ float shm[32], shs[32];
-    int64_t n = blockIdx.x;
-    const bf16 *l = logits + n * V_;
     float m = -INFINITY, z = 0;
     for (int d0 = threadIdx.x * 8; d0 < V_; d0 += MT_CE_UNROLL * 8 * blockDim.x) {
         float f[MT_CE_UNROLL][8];
@@ -7989,18 +7988,28 @@ __global__ void __launch_bounds__(256) k_ce_fwd(float *per, float *lse, const bf
         z = lane < (int)(blockDim.x >> 5) ? shs[lane] : 0.0f;
         for (int o = 16; o > 0; o >>= 1) ms_merge(m, z, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, z, o));
     }
+    m_out = m; z_out = z;
+}
+template <bool V>
+__global__ void __launch_bounds__(256) k_ce_fwd(float *per, float *lse, const bf16 *logits, const int32_t *tgt, int V_) {
+    int64_t n = blockIdx.x;
+    const bf16 *l = logits + n * V_;
+    float m, z;
+    mt__ce_row<V>(m, z, l, V_);
     if (threadIdx.x == 0) {
         float L = m + logf(z);
         lse[n] = L;
         per[n] = L - bf(l[tgt[n]]);
     }
 }
-/* dlogits = (softmax - onehot) * inv, element by element as before; 16-byte chunks, MT_CE_UNROLL in flight */
+/* dlogits = (softmax - onehot) * inv, element by element as before; 16-byte chunks, MT_CE_UNROLL in flight.
+ * t0: the row's first vocab entry (a vocab shard under tensor parallelism; 0 for the whole vocabulary) */
 template <bool V>
-__global__ void __launch_bounds__(256) k_ce_bwd(bf16 *dl, const bf16 *logits, const float *lse, const int32_t *tgt, int V_, float inv) {
+__global__ void __launch_bounds__(256) k_ce_bwd(bf16 *dl, const bf16 *logits, const float *lse, const int32_t *tgt, int V_, float inv,
+                                                int t0) {
     int64_t n = blockIdx.x;
     float L = lse[n];
-    int t = tgt[n];
+    int t = tgt[n] - t0;
     const bf16 *l = logits + n * V_;
     bf16 *o = dl + n * V_;
     for (int d0 = threadIdx.x * 8; d0 < V_; d0 += MT_CE_UNROLL * 8 * blockDim.x) {
@@ -8042,10 +8051,60 @@ int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const voi
     return 0;
 }
 int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int V) {
+    return mt_cuda_ce_shard_backward(c, dlogits, logits, lse, tgt, N, V, 0);
+}
+int mt_cuda_ce_shard_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int Vl, int v0) {
     if (N <= 0) return 0;
-    if (mt__rows16(V, 2, dlogits, logits))
-        k_ce_bwd<true><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, V, 1.0f / N);
-    else k_ce_bwd<false><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, V, 1.0f / N);
+    if (mt__rows16(Vl, 2, dlogits, logits))
+        k_ce_bwd<true><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, Vl, 1.0f / N, v0);
+    else k_ce_bwd<false><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, Vl, 1.0f / N, v0);
+    LAUNCHED();
+    return 0;
+}
+}  /* extern "C": the shard statistics kernel is a template */
+
+/* The cross-entropy on a vocab shard (tensor parallelism), one block per row: the shard's (max, sum of exp)
+ * as the whole-vocabulary kernel forms them, and the target's logit where this shard holds it (else 0).
+ * The shards' rows are then gathered and combined in shard order, the same bits on every rank. */
+template <bool V>
+__global__ void __launch_bounds__(256) k_ce_stats(float *st, const bf16 *logits, const int32_t *tgt, int V_, int v0) {
+    int64_t n = blockIdx.x;
+    const bf16 *l = logits + n * V_;
+    float m, z;
+    mt__ce_row<V>(m, z, l, V_);
+    if (threadIdx.x == 0) {
+        int t = tgt[n] - v0;
+        st[3 * n] = m; st[3 * n + 1] = z; st[3 * n + 2] = t >= 0 && t < V_ ? bf(l[t]) : 0.0f;
+    }
+}
+extern "C" {
+/* lse[n] = M + log(sum_k z_k exp(m_k - M)) over the S shards in order; per[n] = lse - the target's logit */
+__global__ void k_ce_combine(float *per, float *lse, const float *st, int S, int N) {
+    int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    float m = st[3 * n], z = 0, t = 0;
+    for (int k = 1; k < S; k++) m = fmaxf(m, st[3 * ((int64_t)k * N + n)]);
+    for (int k = 0; k < S; k++) {
+        const float *x = st + 3 * ((int64_t)k * N + n);
+        z += x[1] * __expf(x[0] - m);
+        t += x[2];
+    }
+    float L = m + logf(z);
+    lse[n] = L;
+    per[n] = L - t;
+}
+int mt_cuda_ce_stats(mt_cuda *c, float *st, const void *logits, const int32_t *tgt, int N, int Vl, int v0) {
+    if (N <= 0) return 0;
+    if (mt__rows16(Vl, 2, logits)) k_ce_stats<true><<<N, 256, 0, c->stream>>>(st, (const bf16 *)logits, tgt, Vl, v0);
+    else k_ce_stats<false><<<N, 256, 0, c->stream>>>(st, (const bf16 *)logits, tgt, Vl, v0);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_ce_combine(mt_cuda *c, float *loss, float *lse, const float *st, int S, int N, void *ws) {
+    if (N <= 0) return 0;
+    k_ce_combine<<<(N + 255) / 256, 256, 0, c->stream>>>((float *)ws, lse, st, S, N);
+    LAUNCHED();
+    k_mean<<<1, 1024, 0, c->stream>>>(loss, (const float *)ws, N);
     LAUNCHED();
     return 0;
 }

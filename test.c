@@ -1303,6 +1303,47 @@ static void gpu_test_loss_and_optimizer(void) {
     mt_cuda_copy(CU, &gl, Dloss, 4, 1);
     double e1 = fabs(gl - loss) / loss, e2 = rel(glse, lse, N), e3 = rel(gdl, dl, (int64_t)N * V);
     report("gpu cross-entropy fwd/bwd", ok && e1 < F32_TOL && e2 < F32_TOL && e3 < BF_TOL, "loss %.1e lse %.1e dlogits %.1e", e1, e2, e3);
+    /* the first 3000 entries of the same rows on 3 vocab shards of 1000 (tensor parallelism's equal widths),
+     * the targets folded into them: each shard's statistics, the combine, two shards' backward */
+    {
+        int S = 3, Vl = 1000, Vs = S * Vl;
+        float *blk = (float *)malloc(4 * (size_t)N * Vl), *st = (float *)malloc(4 * (size_t)S * N * 3), *ref = (float *)malloc(4 * (size_t)N * Vs);
+        float *gst = NULL, sl, *slse = (float *)malloc(4 * (size_t)N), *sdl = (float *)malloc(4 * (size_t)N * Vl);
+        for (int i = 0; i < N; i++) t[i] %= Vs;
+        float *whole = (float *)malloc(4 * (size_t)N * Vs);
+        for (int i = 0; i < N; i++) memcpy(whole + (size_t)i * Vs, lg + (size_t)i * V, 4 * (size_t)Vs);
+        void *Dst = dalloc(4 * (size_t)S * N * 3), *Db = dalloc(2 * (size_t)N * Vl), *Ddb = dalloc(2 * (size_t)N * Vl), *Dt2 = up(t, 4 * (size_t)N);
+        void *Dsl = dalloc(4), *Dslse = dalloc(4 * (size_t)N), *ws2 = dalloc(mt_cuda_cross_entropy_workspace(N));
+        int ok2 = 1;
+        for (int k = 0; k < S; k++) {
+            for (int i = 0; i < N; i++) memcpy(blk + (size_t)i * Vl, whole + (size_t)i * Vs + (size_t)k * Vl, 4 * (size_t)Vl);
+            mt_cpu_ce_stats(st + (size_t)k * N * 3, blk, t, N, Vl, k * Vl);
+            void *Dk = up_bf(blk, (int64_t)N * Vl);
+            ok2 &= !mt_cuda_ce_stats(CU, (float *)Dst + (size_t)k * N * 3, Dk, (int32_t *)Dt2, N, Vl, k * Vl);
+            dfree(Dk);
+        }
+        ok2 &= !mt_cuda_ce_combine(CU, (float *)Dsl, (float *)Dslse, (float *)Dst, S, N, ws2);
+        float sloss, *lse2 = (float *)malloc(4 * (size_t)N);
+        mt_cpu_ce_combine(&sloss, lse2, st, S, N);
+        gst = (float *)down(Dst, 4 * (size_t)S * N * 3);
+        mt_cuda_copy(CU, &sl, Dsl, 4, 1);
+        float *gslse = (float *)down(Dslse, 4 * (size_t)N);
+        double f1 = rel(gst, st, (int64_t)S * N * 3), f2 = fabs(sl - sloss) / sloss, f3 = rel(gslse, lse2, N), f4 = 0;
+        for (int k = 1; k < S; k++) {   /* the middle and last shards' backward against the CPU's */
+            for (int i = 0; i < N; i++) memcpy(blk + (size_t)i * Vl, whole + (size_t)i * Vs + (size_t)k * Vl, 4 * (size_t)Vl);
+            mt_cpu_ce_shard_backward(sdl, blk, lse2, t, N, Vl, k * Vl);
+            void *Dk = up_bf(blk, (int64_t)N * Vl);
+            ok2 &= !mt_cuda_ce_shard_backward(CU, Ddb, Dk, (float *)Dslse, (int32_t *)Dt2, N, Vl, k * Vl);
+            float *g = down_bf(Ddb, (int64_t)N * Vl);
+            double r = rel(g, sdl, (int64_t)N * Vl);
+            if (r > f4) f4 = r;
+            free(g); dfree(Dk);
+        }
+        report("gpu cross-entropy on 3 vocab shards: stats, combine, backward", ok2 && f1 < F32_TOL && f2 < F32_TOL && f3 < F32_TOL && f4 < BF_TOL,
+               "stats %.1e loss %.1e lse %.1e dlogits %.1e", f1, f2, f3, f4);
+        free(blk); free(st); free(ref); free(gst); free(slse); free(sdl); free(whole); free(lse2); free(gslse);
+        dfree(Dst); dfree(Db); dfree(Ddb); dfree(Dt2); dfree(Dsl); dfree(Dslse); dfree(ws2);
+    }
     free(lg); free(t); free(lse); free(dl); free(glse); free(gdl);
     dfree(Dl); dfree(Dt); dfree(Dloss); dfree(Dlse); dfree(Ddl); dfree(ws);
 

@@ -12,8 +12,9 @@ if [ "$n" -lt 2 ]; then echo "SKIP multi-GPU command-line checks: $n GPU visible
 export NCCL_NVLS_ENABLE=0
 T=${TMPDIR:-/tmp}/moetrain_mgpu; rm -rf "$T"; mkdir -p "$T"
 losses() { grep '^step' "$1" | sed 's/ | grad_norm.*//'; }
+core() { sed 's/,"tokens_per_s".*//' "$1"; }   # a metrics line's loss, grad norm and lr
 steps=6
-only=${ONLY:-1 2 3 4 5 6}   # which checks to run
+only=${ONLY:-1 2 3 4 5 6 7}   # which checks to run
 want() { case " $only " in *" $1 "*) return 0 ;; esac; return 1; }
 
 # 1. ./train alone: one rank per GPU, and the same losses as one GPU on the global batch (bf16: 2%)
@@ -62,7 +63,6 @@ check "precompile --gpu 0 and --gpu 1: byte-identical artifacts" $? "($(grep -m1
 ./train --graph "$T/g1.mtg" --steps 10 --seed 1 --metrics "$T/m1.jsonl" > "$T/t1.log" 2>&1; ra=$?
 ./train --graph "$T/g0.mtg" --steps 10 --seed 1 --metrics "$T/m0.jsonl" > "$T/t0.log" 2>&1; rb=$?
 ./train --preset debug --dp-shard "$n" --ep "$n" --steps 10 --seed 1 --metrics "$T/mi.jsonl" > "$T/ti.log" 2>&1; rc=$?
-core() { sed 's/,"tokens_per_s".*//' "$1"; }
 core "$T/m1.jsonl" > "$T/c1"; core "$T/m0.jsonl" > "$T/c0"; core "$T/mi.jsonl" > "$T/ci"
 echo "  step | precompiled (GPU 1): loss, grad_norm | in-process: loss, grad_norm"
 paste -d'|' "$T/c1" "$T/ci" | sed 's/{"step":\([0-9]*\),"loss":\([^,]*\),"grad_norm":\([^,]*\),"lr":[^|]*|{"step":[0-9]*,"loss":\([^,]*\),"grad_norm":\([^,]*\),.*/  \1 | \2 \3 | \4 \5/'
@@ -102,6 +102,29 @@ wait $sup; rh=$?; t1=$(date +%s.%N)
 dt=$(awk "BEGIN{printf \"%.2f\", $t1 - $t0}")
 [ $rh -ne 0 ] && awk "BEGIN{exit !($dt < 15)}" && grep -q "no progress" "$T/h.log"
 check "a hung rank (SIGSTOP, --timeout 5) stops every rank" $? "(${dt} s, exit $rh)"
+fi
+
+# 7. tensor parallelism: debug with tp = n (and with ep = n too) precompiled on one process = in-process, 10 steps,
+#    losses and grad norms bitwise; the losses within bf16 tolerance (2%) of one GPU on the same global batch
+#    (dp = 1: the same batch). With 8 GPUs also the seeds' mesh, dp_shard 4 x tp 2 x ep 4.
+if want 7; then
+tpcheck() {   # tpcheck NAME MESH-FLAGS...
+    name=$1; shift
+    ./precompile --preset debug --device cuda "$@" -o "$T/tp_$name.mtg" > "$T/tp_p_$name.log" 2>&1 &&
+        ./train --graph "$T/tp_$name.mtg" --steps 10 --seed 1 --metrics "$T/tp_g_$name.jsonl" > "$T/tp_g_$name.log" 2>&1; rg=$?
+    ./train --preset debug "$@" --steps 10 --seed 1 --metrics "$T/tp_i_$name.jsonl" > "$T/tp_i_$name.log" 2>&1; ri=$?
+    core "$T/tp_g_$name.jsonl" > "$T/tp_cg"; core "$T/tp_i_$name.jsonl" > "$T/tp_ci"
+    [ $rg -eq 0 ] && [ $ri -eq 0 ] && [ "$(wc -l < "$T/tp_cg")" -eq 10 ] && cmp -s "$T/tp_cg" "$T/tp_ci"
+    check "debug $*, 10 steps: precompiled = in-process, losses and grad norms bitwise" $? "(exit $rg $ri)"
+}
+tpcheck tp --tp "$n"
+tpcheck tpep --tp "$n" --ep "$n"
+./train --preset debug --nproc 1 --steps 10 --seed 1 > "$T/tp_one.log" 2>&1; r1=$?
+losses "$T/tp_i_tp.log" | awk '{print $5}' > "$T/la"; losses "$T/tp_one.log" | awk '{print $5}' > "$T/lb"
+worst=$(paste "$T/la" "$T/lb" | awk 'BEGIN{w=0;n=0} {r=($1-$2)/$2; if(r<0)r=-r; if(r>w)w=r; n++} END{if(n==10) printf "%.2e", w; else print "missing"}')
+[ $r1 -eq 0 ] && [ "$worst" != missing ] && awk "BEGIN{exit !($worst < 0.02)}"
+check "debug --tp $n: losses = one GPU on the same batch (bf16: 2%)" $? "(worst relative $worst)"
+if [ "$n" -ge 8 ]; then tpcheck seeds --dp-shard 4 --tp 2 --ep 4; fi
 fi
 
 cp "$T"/*.log "${OUT:-$T}/" 2>/dev/null
