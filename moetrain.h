@@ -5344,6 +5344,8 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
             mt_mesh_mask_name(v->shard, mn, sizeof mn);
             fprintf(f, "  %s over %s", (v->flags & MT_VF_GATHERED) ? "gathered" : "shard", mn);
         }
+        if ((v->flags & MT_VF_TP) && g->mesh.size[MT_DIM_TP] > 1)
+            fprintf(f, "  tp part: 1/%d of its %s", g->mesh.size[MT_DIM_TP], (v->flags & MT_VF_TP_ROWS) ? "rows" : "columns");
         fprintf(f, "\n");
     }
     MT_FREE(first); MT_FREE(last);

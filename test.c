@@ -4921,6 +4921,45 @@ static int same_tensors(const char *p, const char *q, int *n) {
     return same;
 }
 
+/* Tensor parallelism on the command line. (a) Checkpoints across meshes with tp: a state trained at
+ * dp_shard 4 x tp 2 x ep 4 (it differs from the initial one) loads at 1 rank, at tp 2 alone and at ep 2
+ * alone, each saving it again tensor for tensor (weights and AdamW moments), and the ep 2 copy loads
+ * back at the seeds' mesh, the same again. (b) precompile --tp 2 --ep 2, then train --graph: the
+ * weights after 4 steps bitwise those of the in-process run. */
+static void test_cli_tensor_parallel(void) {
+    static char a[1 << 16];
+    char d[256], p[600], q[600];
+    scratch_dir(d, sizeof d, "clitp");
+    const char *run = "--preset tiny --seed 3 --warmup 2 --decay-steps 12", *seeds = "--nproc 8 --dp-shard 4 --tp 2 --ep 4";
+    int r0 = sh(a, sizeof a, "%strain %s %s --steps 3 --save %s/seeds 2>&1", BIN, run, seeds, d);
+    int r1 = sh(a, sizeof a, "%strain %s --steps 0 --save %s/init 2>&1", BIN, run, d);
+    static const char *const at[3][2] = {{"one", "--nproc 1"}, {"tp2", "--nproc 2 --tp 2"}, {"ep2", "--nproc 2 --ep 2"}};
+    int ok = !r0 && !r1, n = 0, m = 0, k;
+    snprintf(p, sizeof p, "%s/seeds/model.safetensors", d); snprintf(q, sizeof q, "%s/init/model.safetensors", d);
+    int trained = ok && !same_tensors(p, q, &n);
+    char got[256] = "";
+    for (k = 0; k < 4 && ok; k++) {   /* from the seeds' mesh to each; then from ep 2 back to the seeds' mesh */
+        const char *name = k < 3 ? at[k][0] : "back", *flags = k < 3 ? at[k][1] : seeds, *from = k < 3 ? "seeds" : "ep2";
+        ok = !sh(a, sizeof a, "%strain %s %s --steps 3 --load %s/%s --save %s/%s 2>&1", BIN, run, flags, d, from, d, name);
+        snprintf(p, sizeof p, "%s/seeds/model.safetensors", d); snprintf(q, sizeof q, "%s/%s/model.safetensors", d, name);
+        ok = ok && same_tensors(p, q, &n);
+        snprintf(p, sizeof p, "%s/seeds/optimizer-step3.safetensors", d); snprintf(q, sizeof q, "%s/%s/optimizer-step3.safetensors", d, name);
+        ok = ok && same_tensors(p, q, &m);
+        snprintf(got + strlen(got), sizeof got - strlen(got), "%s%s", k ? ", " : "", name);
+    }
+    report("CLI: a dp_shard 4 x tp 2 x ep 4 checkpoint loads at 1 rank, tp 2, ep 2 and back, tensor for tensor", ok && trained,
+           "%d weights and %d moments equal through %s; trained state %s the initial one %.200s", n, m, got, trained ? "differs from" : "EQUALS",
+           ok ? "" : a);
+    int r2 = sh(a, sizeof a, "%sprecompile --preset tiny --tp 2 --ep 2 -o %s/tp.mtg 2>&1", BIN, d);
+    int r3 = r2 ? -1 : sh(a, sizeof a, "%strain --graph %s/tp.mtg --seed 3 --steps 4 --save %s/pre 2>&1", BIN, d, d);
+    int r4 = sh(a, sizeof a, "%strain --preset tiny --nproc 2 --tp 2 --ep 2 --seed 3 --steps 4 --save %s/inproc 2>&1", BIN, d);
+    snprintf(p, sizeof p, "%s/pre/model.safetensors", d); snprintf(q, sizeof q, "%s/inproc/model.safetensors", d);
+    int same = !r2 && !r3 && !r4 && same_tensors(p, q, &n);
+    report("CLI: precompile --tp 2 --ep 2, train --graph = in-process, weights bitwise after 4 steps", same, "%d tensors (exit %d %d %d) %.200s", n, r2, r3,
+           r4, same ? "" : a);
+    remove_tree(d);
+}
+
 /* Checkpoints of sharded runs: every rank's shards assembled whole by rank 0 (the files one rank
  * writes), any mesh loads them. (a) 4 ranks (dp_shard 4, ep 2), 12 = 6 + save + load + 6: metrics
  * and checkpoint bytes bitwise; (b) a 4-rank checkpoint of the initial state holds the bytes one
@@ -5262,6 +5301,7 @@ int main(void) {
     RUN(test_cli_options);
     RUN(test_cli_resume);
     RUN(test_cli_sharded_checkpoint);
+    RUN(test_cli_tensor_parallel);
     RUN(test_cli_recompute);
 #undef RUN
     printf("%d passed, %d failed\n", n_pass, n_fail);
