@@ -4754,6 +4754,85 @@ static void test_launch_env(void) {
            "%d of %d malformed refused", refused, (int)(sizeof bad / sizeof bad[0]));
 }
 
+/* ./train as launched ranks on the CPU. CPU ranks are threads of one process,
+ * so two launched processes cannot train together: with --launch-check they
+ * meet at the rendezvous (the address from the host list, the port from the
+ * job id, or MASTER_PORT) and end, each naming its rank; without it they are
+ * refused. A world of one from srun or mpirun, and a batch script's variables,
+ * start their own ranks: the same losses as without any launcher, bitwise. */
+#define LAUNCH_CLEAN "env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u MASTER_ADDR -u MASTER_PORT -u MOETRAIN_PORT -u TORCHELASTIC_USE_AGENT_STORE " \
+    "-u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u OMPI_COMM_WORLD_LOCAL_RANK -u OMPI_COMM_WORLD_LOCAL_SIZE -u SLURM_STEP_ID " \
+    "-u SLURM_PROCID -u SLURM_NTASKS -u SLURM_LOCALID -u SLURM_STEP_NODELIST -u SLURM_JOB_NODELIST -u SLURM_NODELIST -u SLURM_JOB_ID " \
+    "-u MOETRAIN_SUPERVISED "
+static int port_bindable(int port) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0), ok;
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET; a.sin_addr.s_addr = htonl(INADDR_ANY); a.sin_port = htons((uint16_t)port);
+    ok = fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof a);
+    if (fd >= 0) close(fd);
+    return ok;
+}
+static void metrics_core(const char *path, int from, char *out, size_t cap);
+static void test_cli_launch(void) {
+    static char a[1 << 16], b[1 << 16], c[1 << 16], ma[1 << 14], mb[1 << 14];
+    const char *f0 = TP("launch0.log"), *f1 = TP("launch1.log");
+    /* srun's variables only: 2 tasks; the port derived from a job id whose port is free now */
+    int job = (int)(getpid() % 1250), port = 0;
+    for (int k = 0; k < 1250 && !port; k++)
+        if (port_bindable(10000 + 16 * job)) port = 10000 + 16 * job;
+        else job = (job + 1) % 1250;
+    const char *slurm = "SLURM_STEP_ID=0 SLURM_JOB_ID=%d SLURM_JOB_NODELIST='127.0.0.[1-2]' SLURM_NTASKS=2";
+    char v0[256], v1[256];
+    snprintf(v0, sizeof v0, slurm, job);
+    int rc = sh(a, sizeof a, LAUNCH_CLEAN "%s SLURM_PROCID=0 SLURM_LOCALID=0 %strain --device cpu --launch-check --timeout 30 > %s 2>&1 & p0=$!; "
+                LAUNCH_CLEAN "%s SLURM_PROCID=1 SLURM_LOCALID=1 %strain --device cpu --launch-check --timeout 30 > %s 2>&1 & p1=$!; "
+                "wait $p0; r0=$?; wait $p1; echo \"exit $r0 $?\"; cat %s %s", v0, BIN, f0, v0, BIN, f1, f0, f1);
+    snprintf(v0, sizeof v0, "launch: slurm (SLURM_PROCID=0 of 2, SLURM_LOCALID=0) | rendezvous 127.0.0.1:%d (SLURM_JOB_NODELIST; SLURM_JOB_ID)", port);
+    snprintf(v1, sizeof v1, "launch: slurm (SLURM_PROCID=1 of 2, SLURM_LOCALID=1) | rendezvous 127.0.0.1:%d", port);
+    char *met = strstr(a, "met rank 0 ("), *met2 = met ? strstr(met + 1, "met rank 0 (") : NULL;
+    int same = met && met2 && !strncmp(met, met2, (size_t)(strchr(met, ')') - met));
+    report("CLI: 2 processes from srun's variables meet at rank 0", rc == 0 && port && strstr(a, "exit 0 0") && strstr(a, v0) && strstr(a, v1) &&
+           strstr(a, "launch check: rank 0 of 2 (local 0)") && strstr(a, "launch check: rank 1 of 2 (local 1)") && same,
+           "job %d -> port %d: %.300s", job, port, a);
+    /* mpirun's variables only: one host, MASTER_PORT given */
+    mt_err e;
+    port = mt_free_port(&e);
+    snprintf(v0, sizeof v0, "OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_LOCAL_SIZE=2 MASTER_PORT=%d", port);
+    rc = sh(b, sizeof b, LAUNCH_CLEAN "%s OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_LOCAL_RANK=1 %strain --device cpu --launch-check --timeout 30 > %s 2>&1 & p1=$!; "
+            LAUNCH_CLEAN "%s OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_LOCAL_RANK=0 %strain --device cpu --launch-check --timeout 30 > %s 2>&1 & p0=$!; "
+            "wait $p0; r0=$?; wait $p1; echo \"exit $r0 $?\"; cat %s %s", v0, BIN, f1, v0, BIN, f0, f0, f1);
+    snprintf(v1, sizeof v1, "launch: open mpi (OMPI_COMM_WORLD_RANK=1 of 2, OMPI_COMM_WORLD_LOCAL_RANK=1) | rendezvous 127.0.0.1:%d "
+             "(default (every rank on this host); MASTER_PORT)", port);
+    report("CLI: 2 processes from mpirun's variables meet at rank 0", rc == 0 && strstr(b, "exit 0 0") && strstr(b, v1) &&
+           strstr(b, "launch check: rank 0 of 2") && strstr(b, "launch check: rank 1 of 2 (local 1)"), "%.300s", b);
+    /* training on launched CPU processes: refused, naming the launcher; inconsistent variables: refused */
+    int r1 = sh(a, sizeof a, LAUNCH_CLEAN "%s OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_LOCAL_RANK=1 %strain --device cpu --steps 1 2>&1", v0, BIN);
+    int r2 = sh(b, sizeof b, LAUNCH_CLEAN "SLURM_STEP_ID=0 SLURM_PROCID=2 SLURM_NTASKS=2 SLURM_LOCALID=0 %strain --device cpu --steps 1 2>&1", BIN);
+    report("CLI: launched CPU processes and inconsistent variables refused", r1 == 2 && strstr(a, "CPU ranks are threads of one process") &&
+           strstr(a, "open mpi (OMPI_COMM_WORLD_RANK=1 of 2") && !strstr(a, "step ") && r2 == 2 && strstr(b, "SLURM_PROCID=2 but SLURM_NTASKS=2"),
+           "%d %d: %.120s | %.120s", r1, r2, a, b);
+    /* a world of one from srun or mpirun, a batch script's variables: the ranks started here, bitwise */
+    const char *mself = TP("launch_self.jsonl"), *mslurm = TP("launch_slurm.jsonl");
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "%strain --device cpu --nproc 2 --ep 2 --steps 4 --seed 1", BIN);
+    int ra = sh(a, sizeof a, LAUNCH_CLEAN "%s --metrics %s 2>&1", cmd, mself);
+    int rb = sh(b, sizeof b, LAUNCH_CLEAN "SLURM_STEP_ID=3 SLURM_PROCID=0 SLURM_NTASKS=1 SLURM_LOCALID=0 SLURM_JOB_NODELIST=n1 %s --metrics %s 2>&1",
+                cmd, mslurm);
+    metrics_core(mself, 1, ma, sizeof ma); metrics_core(mslurm, 1, mb, sizeof mb);
+    int rs = strstr(b, "launch: self (a world of one from slurm (SLURM_PROCID=0 of 1") != NULL;
+    int rc2 = sh(c, sizeof c, LAUNCH_CLEAN "OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=1 OMPI_COMM_WORLD_LOCAL_RANK=0 %s 2>&1", cmd);
+    int rm = strstr(c, "launch: self (a world of one from open mpi") != NULL;
+    keep_loss_lines(a); keep_loss_lines(b); keep_loss_lines(c);
+    int same3 = !ra && !rb && !rc2 && strlen(a) > 50 && !strcmp(a, b) && !strcmp(a, c) && strstr(ma, "{\"step\":4,") && !strcmp(ma, mb);
+    int rd = sh(b, sizeof b, LAUNCH_CLEAN "SLURM_PROCID=0 SLURM_NTASKS=8 SLURM_LOCALID=0 SLURM_JOB_ID=9 %s 2>&1", cmd);
+    int quiet = !strstr(b, "launch:") && strstr(b, "ranks: 2 (CPU threads)");
+    keep_loss_lines(b);
+    report("CLI: a world of one from srun or mpirun, a batch script: = self-launched", same3 && rs && rm && !rd && quiet && !strcmp(a, b),
+           "%d %d %d %d%s", ra, rb, rc2, rd, same3 ? ", 4 steps' losses and grad norms bitwise" : "");
+    remove(f0); remove(f1); remove(mself); remove(mslurm);
+}
+
 /* The JSON-lines metrics from step `from` on: step, loss, grad_norm, lr (what must match bitwise). */
 static void metrics_core(const char *path, int from, char *out, size_t cap) {
     FILE *f = fopen(path, "r");
@@ -5182,6 +5261,7 @@ int main(void) {
     RUN(test_launch_env);
     RUN(test_cli);
     RUN(test_cli_options);
+    RUN(test_cli_launch);
     RUN(test_cli_resume);
     RUN(test_cli_sharded_checkpoint);
     RUN(test_cli_recompute);
