@@ -1018,6 +1018,45 @@ void mt_rdv_done(mt_rdv *r);                             /* this rank finished i
 void mt_rdv_close(mt_rdv *r);
 int mt_free_port(mt_err *err);                           /* a free TCP port on this host (for self-launch) */
 
+/* Where this process's rank comes from: the variables of the launcher that
+ * started it, read through get (getenv-like; ctx is passed through) so that any
+ * set of variables can be tested. The innermost launcher wins:
+ *  1. torchrun, and scripts on its conventions: RANK, WORLD_SIZE, LOCAL_RANK
+ *     [RANK]; MASTER_ADDR [127.0.0.1]; MASTER_PORT [29500], the next port when
+ *     TORCHELASTIC_USE_AGENT_STORE says torchrun's own store holds it;
+ *  2. mpirun (Open MPI): OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK; MASTER_ADDR
+ *     [127.0.0.1 when every rank is on this host (_LOCAL_SIZE = _SIZE), else
+ *     required]; MASTER_PORT [29500];
+ *  3. srun (Slurm), in a job step (SLURM_STEP_ID set): SLURM_PROCID,
+ *     SLURM_NTASKS, SLURM_LOCALID; MASTER_ADDR [the first host of
+ *     SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST, else SLURM_NODELIST];
+ *     MASTER_PORT [10000 + (16 * SLURM_JOB_ID + SLURM_STEP_ID) mod 20000];
+ *  4. none of them: self (the program starts its own ranks).
+ * Open MPI before Slurm: mpirun in a Slurm allocation starts ranks under
+ * daemons that srun started, and they inherit those daemons' Slurm variables.
+ * A batch script has SLURM_PROCID but no SLURM_STEP_ID: not a launch. A world
+ * of one from mpirun or srun (srun -n 1, or a shell from srun --pty) is self
+ * too: that one task owns the GPUs it sees. MOETRAIN_PORT, when set, is the
+ * port in every case. Missing, malformed or inconsistent values are an error
+ * naming the variables (a rank or local rank not below the world size, a local
+ * rank missing, no host for the rendezvous). */
+typedef enum { MT_LAUNCH_SELF, MT_LAUNCH_TORCHRUN, MT_LAUNCH_OPENMPI, MT_LAUNCH_SLURM } mt_launcher;
+typedef struct {
+    mt_launcher by;                      /* who set the rank and the world */
+    int rank, world, local_rank;         /* self: 0, 1, 0 */
+    char addr[256];                      /* the rendezvous: rank 0's host ... */
+    int port;                            /* ... and port */
+    const char *addr_from, *port_from;   /* the variable each came from, or "default" */
+    char what[224];                      /* for the start-up line: "slurm (SLURM_PROCID=3 of 8, SLURM_LOCALID=3)" */
+} mt_launch;
+typedef const char *(*mt_getenv_fn)(void *ctx, const char *name);
+const char *mt_env_get(void *env, const char *name);   /* an mt_getenv_fn over env, a NULL-ended array of "NAME=value" */
+int mt_launch_from_env(mt_launch *l, mt_getenv_fn get, void *ctx, mt_err *err);
+/* Slurm's compressed host list ("node1,node2", "node[01-04,07]", "gpu-a[1-2],gpu-b3",
+ * "r[1-2]-n[1-2]"): the number of hosts, or -1 when malformed (err says why);
+ * host i (from 0, zero padding kept) into host[n] when 0 <= i < that number. */
+int64_t mt_hostlist_host(const char *list, int64_t i, char *host, size_t n, mt_err *err);
+
 #ifdef __cplusplus
 }
 #endif
@@ -9521,6 +9560,216 @@ int mt_rdv_poll(mt_rdv *r, int ms, int *who, char *why, size_t n) {
         }
         if (rc == 2) return 2;
     }
+    return 0;
+}
+
+/* --- which launcher started this process: its variables, read through a callback --- */
+
+const char *mt_env_get(void *env, const char *name) {
+    size_t n = strlen(name);
+    for (char **e = (char **)env; e && *e; e++)
+        if (!strncmp(*e, name, n) && (*e)[n] == '=') return *e + n + 1;
+    return NULL;
+}
+
+/* Slurm host lists. A number of 1..18 digits in [p, e). */
+static int mt__hl_num(const char *p, const char *e, uint64_t *v) {
+    if (p >= e || e - p > 18) return -1;
+    uint64_t x = 0;
+    for (; p < e; p++) {
+        if (*p < '0' || *p > '9') return -1;
+        x = x * 10 + (uint64_t)(*p - '0');
+    }
+    *v = x;
+    return 0;
+}
+/* A bracket's body [b, e), "01-04,07": how many numbers, or -1; number k (0 <=
+ * k < that) and its width (its range's low end as written: "01-04" pads to 2). */
+static int64_t mt__hl_group(const char *b, const char *e, int64_t k, uint64_t *val, int *width) {
+    int64_t count = 0;
+    for (const char *p = b;;) {
+        const char *q = p, *dash;
+        while (q < e && *q != ',') q++;
+        for (dash = p; dash < q && *dash != '-'; dash++) {}
+        uint64_t lo, hi;
+        if (mt__hl_num(p, dash, &lo)) return -1;
+        if (dash < q) { if (mt__hl_num(dash + 1, q, &hi) || hi < lo) return -1; } else hi = lo;
+        if (hi - lo >= (1ull << 40)) return -1;
+        int64_t n = (int64_t)(hi - lo) + 1;
+        if (k >= count && k < count + n) { *val = lo + (uint64_t)(k - count); *width = (int)(dash - p); }
+        if ((count += n) > (1ll << 40)) return -1;
+        if (q == e) return count;
+        p = q + 1;
+    }
+}
+/* One entry [b, e) of a list, "gpu-a[1-2]" or "rack[1-2]-n[01-02]": how many
+ * hosts, or -1 (-2: host k does not fit in out[n]); host k into out when 0 <= k
+ * < that. Several brackets expand as nested loops, the last one innermost. */
+static int64_t mt__hl_entry(const char *b, const char *e, int64_t k, char *out, size_t n) {
+    enum { G = 16 };
+    const char *gb[G], *ge[G];
+    int64_t gc[G], total = 1;
+    int ng = 0;
+    if (b == e) return -1;
+    for (const char *p = b; p < e; p++) {
+        if (*p == ']') return -1;
+        if (*p != '[') continue;
+        const char *c = p + 1;
+        while (c < e && *c != ']' && *c != '[') c++;
+        uint64_t v;
+        int w;
+        if (c == e || *c != ']' || ng == G) return -1;
+        int64_t m = mt__hl_group(p + 1, c, -1, &v, &w);
+        if (m < 0 || total > (1ll << 40) / m) return -1;
+        gb[ng] = p + 1; ge[ng] = c; gc[ng++] = m;
+        total *= m;
+        p = c;
+    }
+    if (k < 0 || k >= total) return total;
+    uint64_t val[G];
+    int width[G];
+    for (int g = ng - 1; g >= 0; g--) { mt__hl_group(gb[g], ge[g], k % gc[g], &val[g], &width[g]); k /= gc[g]; }
+    size_t at = 0;
+    int g = 0;
+    for (const char *p = b; p < e; p++) {
+        int w = 1;
+        if (*p == '[') {
+            w = snprintf(at < n ? out + at : NULL, at < n ? n - at : 0, "%0*llu", width[g], (unsigned long long)val[g]);
+            p = ge[g++];
+        } else if (at + 1 < n) {
+            out[at] = *p;
+        }
+        at += (size_t)w;
+    }
+    if (at >= n) return -2;
+    out[at] = 0;
+    return total;
+}
+int64_t mt_hostlist_host(const char *list, int64_t i, char *host, size_t n, mt_err *err) {
+    if (host && n) host[0] = 0;
+    if (!list || !*list) return mt_errf(err, "an empty host list");
+    int64_t total = 0;
+    for (const char *p = list;;) {
+        const char *q = p;
+        for (int depth = 0; *q && (*q != ',' || depth); q++) depth += *q == '[' ? 1 : *q == ']' ? -1 : 0;
+        int64_t k = i >= total && host ? i - total : -1;
+        int64_t m = mt__hl_entry(p, q, k, host, n);
+        if (m == -2) return mt_errf(err, "host list '%s': host %lld is longer than %zu bytes", list, (long long)i, n ? n - 1 : 0);
+        if (m < 0)
+            return mt_errf(err, "host list '%s': cannot read '%.*s' (Slurm's forms: host1,host2 or prefix[01-04,07])", list,
+                           (int)(q - p), p);
+        if ((total += m) > (1ll << 40)) return mt_errf(err, "host list '%s': more than 2^40 hosts", list);
+        if (!*q) return total;
+        p = q + 1;
+    }
+}
+
+/* A variable as an integer in lo..hi: 1 when set, 0 when unset or empty, -1 when not such an integer. */
+static int mt__env_int(mt_getenv_fn get, void *ctx, const char *name, long long lo, long long hi, long long *out, mt_err *err) {
+    const char *v = get(ctx, name);
+    if (!v || !*v) return 0;
+    char *end;
+    errno = 0;
+    long long x = strtoll(v, &end, 10);
+    if (*end || errno || x < lo || x > hi) { mt_errf(err, "%s=%s is not an integer in %lld..%lld", name, v, lo, hi); return -1; }
+    *out = x;
+    return 1;
+}
+
+int mt_launch_from_env(mt_launch *l, mt_getenv_fn get, void *ctx, mt_err *err) {
+    static const struct { mt_launcher by; const char *name, *rank, *world, *local; } L[3] = {
+        {MT_LAUNCH_TORCHRUN, "torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"},
+        {MT_LAUNCH_OPENMPI, "open mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
+        {MT_LAUNCH_SLURM, "slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
+    };
+    const long long WMAX = 1 << 20;
+    memset(l, 0, sizeof *l);
+    l->by = MT_LAUNCH_SELF; l->world = 1; l->port = 29500;
+    snprintf(l->addr, sizeof l->addr, "127.0.0.1");
+    l->addr_from = l->port_from = "default";
+    snprintf(l->what, sizeof l->what, "self");
+    int which = -1;
+    for (int i = 0; i < 3 && which < 0; i++) {
+        const char *r = get(ctx, L[i].rank), *w = get(ctx, L[i].world);
+        int set = (r && *r) || (w && *w);
+        if (L[i].by == MT_LAUNCH_SLURM) {   /* srun's tasks: a job step's; a batch script's SLURM_PROCID is no launch */
+            const char *step = get(ctx, "SLURM_STEP_ID");
+            set = r && *r && step && *step;
+        }
+        if (set) which = i;
+    }
+    if (which < 0) return 0;
+    const char *name = L[which].name, *rv = L[which].rank, *wv = L[which].world, *lv = L[which].local;
+    long long rank = 0, world = 1, local = 0;
+    int hr = mt__env_int(get, ctx, rv, 0, WMAX, &rank, err), hw = hr < 0 ? -1 : mt__env_int(get, ctx, wv, 1, WMAX, &world, err);
+    if (hr < 0 || hw < 0) return -1;
+    if (!hr || !hw) return mt_errf(err, "%s: %s is set but %s is not (a launcher sets both)", name, hr ? rv : wv, hr ? wv : rv);
+    if (rank >= world) return mt_errf(err, "%s: %s=%lld but %s=%lld: a rank must be below the world size", name, rv, rank, wv, world);
+    int hl = mt__env_int(get, ctx, lv, 0, WMAX, &local, err);
+    if (hl < 0) return -1;
+    if (!hl && L[which].by != MT_LAUNCH_TORCHRUN)   /* torchrun's conventions: LOCAL_RANK defaults to RANK (one host) */
+        return mt_errf(err, "%s: %s=%lld of %s=%lld but %s is not set: which GPU of this host is the rank's?", name, rv, rank, wv,
+                       world, lv);
+    if (!hl) local = rank;
+    if (local >= world) return mt_errf(err, "%s: %s=%lld but %s=%lld: a local rank must be below the world size", name, lv, local, wv, world);
+    int n = snprintf(l->what, sizeof l->what, "%s (%s=%lld of %lld, ", name, rv, rank, world);
+    if (hl) snprintf(l->what + n, sizeof l->what - (size_t)n, "%s=%lld)", lv, local);
+    else snprintf(l->what + n, sizeof l->what - (size_t)n, "%s unset: %lld)", lv, local);
+    if (world == 1 && L[which].by != MT_LAUNCH_TORCHRUN) {   /* one task: it starts its own ranks */
+        char was[sizeof l->what];
+        memcpy(was, l->what, sizeof was);
+        snprintf(l->what, sizeof l->what, "self (a world of one from %.200s)", was);
+        return 0;
+    }
+    l->by = L[which].by; l->rank = (int)rank; l->world = (int)world; l->local_rank = (int)local;
+
+    /* the rendezvous host: MASTER_ADDR, else the launcher's default */
+    const char *ma = get(ctx, "MASTER_ADDR");
+    if (ma && *ma) {
+        if (strlen(ma) >= sizeof l->addr) return mt_errf(err, "MASTER_ADDR is longer than %zu bytes", sizeof l->addr - 1);
+        snprintf(l->addr, sizeof l->addr, "%s", ma);
+        l->addr_from = "MASTER_ADDR";
+    } else if (l->by == MT_LAUNCH_OPENMPI) {
+        long long ls = 0;
+        int h = mt__env_int(get, ctx, "OMPI_COMM_WORLD_LOCAL_SIZE", 1, WMAX, &ls, err);
+        if (h < 0) return -1;
+        if (!h || ls != world)
+            return mt_errf(err, "open mpi: %lld ranks over more than this host (OMPI_COMM_WORLD_LOCAL_SIZE=%s): set MASTER_ADDR to rank 0's "
+                           "host (mpirun -x MASTER_ADDR=HOST -x MASTER_PORT=PORT ...)", world, h ? get(ctx, "OMPI_COMM_WORLD_LOCAL_SIZE") : "unset");
+        l->addr_from = "default (every rank on this host)";
+    } else if (l->by == MT_LAUNCH_SLURM) {
+        static const char *lists[3] = {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"};
+        const char *list = NULL;
+        for (int i = 0; i < 3 && !list; i++) {
+            const char *v = get(ctx, lists[i]);
+            if (v && *v) { list = v; l->addr_from = lists[i]; }
+        }
+        if (!list) return mt_errf(err, "slurm: no SLURM_STEP_NODELIST, SLURM_JOB_NODELIST or MASTER_ADDR: which host is rank 0's?");
+        mt_err e;
+        if (mt_hostlist_host(list, 0, l->addr, sizeof l->addr, &e) < 0) return mt_errf(err, "slurm: %s: %s", l->addr_from, e.msg);
+    }
+
+    /* the port: MOETRAIN_PORT, else MASTER_PORT, else the launcher's default */
+    long long port = 29500, job = 0, step = 0;
+    int h = mt__env_int(get, ctx, "MASTER_PORT", 1, 65535, &port, err);
+    if (h < 0) return -1;
+    if (h) {
+        l->port_from = "MASTER_PORT";
+    } else if (l->by == MT_LAUNCH_SLURM) {   /* the same on every task of the step; another on the job's other steps */
+        int hj = mt__env_int(get, ctx, "SLURM_JOB_ID", 0, LLONG_MAX / 32, &job, err);
+        if (hj < 0 || mt__env_int(get, ctx, "SLURM_STEP_ID", 0, LLONG_MAX / 32, &step, err) < 0) return -1;
+        if (hj) { port = 10000 + (16 * job + step) % 20000; l->port_from = "SLURM_JOB_ID"; }
+    }
+    if (l->by == MT_LAUNCH_TORCHRUN) {   /* torchrun's agent keeps its own store on MASTER_PORT: ours takes the next port */
+        const char *agent = get(ctx, "TORCHELASTIC_USE_AGENT_STORE");
+        if (agent && (!strcmp(agent, "True") || !strcmp(agent, "true") || !strcmp(agent, "1")) && port < 65535) {
+            port++;
+            l->port_from = h ? "MASTER_PORT + 1 (torchrun's store is on MASTER_PORT)" : "default + 1 (torchrun's store)";
+        }
+    }
+    if ((h = mt__env_int(get, ctx, "MOETRAIN_PORT", 1, 65535, &port, err)) < 0) return -1;
+    if (h) l->port_from = "MOETRAIN_PORT";
+    l->port = (int)port;
     return 0;
 }
 

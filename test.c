@@ -4832,6 +4832,207 @@ static void test_cli_options(void) {
     report("CLI: unwritable --save refused before training", rs == 1 && strstr(a, "/dev/full") && !strstr(a, "step "), "exit %d: %.100s", rs, a);
 }
 
+/* Launchers: the variables of torchrun, mpirun (Open MPI) and srun (Slurm) as
+ * rank, world, local rank and rendezvous; which wins; Slurm's host lists; the
+ * errors. The environment is an array here: nothing of this process's own. */
+static int launch_of(const char **env, mt_launch *l, mt_err *e) { return mt_launch_from_env(l, mt_env_get, (void *)env, e); }
+static int launch_is(const char **env, mt_launcher by, int rank, int world, int local, const char *addr, int port, const char *what) {
+    mt_launch l;
+    mt_err e;
+    if (launch_of(env, &l, &e)) { printf("  %s: unexpected error: %s\n", env[0], e.msg); return 0; }
+    int ok = l.by == by && l.rank == rank && l.world == world && l.local_rank == local && (!addr || !strcmp(l.addr, addr)) &&
+             (!port || l.port == port) && (!what || !strcmp(l.what, what));
+    if (!ok) printf("  %s: by %d rank %d of %d local %d at %s:%d (%s, %s): %s\n", env[0], (int)l.by, l.rank, l.world, l.local_rank, l.addr, l.port,
+                    l.addr_from, l.port_from, l.what);
+    return ok;
+}
+static int launch_fails(const char **env, const char *says1, const char *says2) {
+    mt_launch l;
+    mt_err e;
+    e.msg[0] = 0;
+    int ok = launch_of(env, &l, &e) != 0 && strstr(e.msg, says1) && (!says2 || strstr(e.msg, says2));
+    if (!ok) printf("  %s ...: expected an error saying '%s': got '%s'\n", env[0], says1, e.msg);
+    return ok;
+}
+static int host_is(const char *list, int64_t count, int64_t i, const char *want) {
+    char h[64];
+    mt_err e;
+    int64_t n = mt_hostlist_host(list, i, h, sizeof h, &e);
+    int ok = n == count && !strcmp(h, want);
+    if (!ok) printf("  host list '%s': %lld hosts, host %lld '%s' (want %lld, '%s')%s%s\n", list, (long long)n, (long long)i, h, (long long)count,
+                    want, n < 0 ? ": " : "", n < 0 ? e.msg : "");
+    return ok;
+}
+static void test_launch_env(void) {
+    /* each launcher alone */
+    const char *tr[] = {"RANK=3", "WORLD_SIZE=8", "LOCAL_RANK=3", "MASTER_ADDR=10.0.0.1", "MASTER_PORT=1234", NULL};
+    const char *tr_min[] = {"RANK=5", "WORLD_SIZE=8", NULL};
+    const char *tr_agent[] = {"RANK=0", "WORLD_SIZE=2", "LOCAL_RANK=0", "MASTER_PORT=29400", "TORCHELASTIC_USE_AGENT_STORE=True", NULL};
+    const char *sl[] = {"SLURM_STEP_ID=0", "SLURM_PROCID=3", "SLURM_NTASKS=8", "SLURM_LOCALID=3", "SLURM_JOB_NODELIST=gpu-a[07-08],gpu-b3",
+                        "SLURM_JOB_ID=123456", NULL};
+    const char *sl_step[] = {"SLURM_STEP_ID=1", "SLURM_PROCID=9", "SLURM_NTASKS=16", "SLURM_LOCALID=1", "SLURM_JOB_NODELIST=node[01-04]",
+                             "SLURM_STEP_NODELIST=node[03-04]", "SLURM_JOB_ID=123456", NULL};
+    const char *sl_master[] = {"SLURM_STEP_ID=0", "SLURM_PROCID=1", "SLURM_NTASKS=2", "SLURM_LOCALID=0", "SLURM_JOB_NODELIST=n[1-2]",
+                               "SLURM_JOB_ID=7", "MASTER_ADDR=head", "MASTER_PORT=4444", NULL};
+    const char *sl_ours[] = {"SLURM_STEP_ID=0", "SLURM_PROCID=1", "SLURM_NTASKS=2", "SLURM_LOCALID=0", "SLURM_JOB_NODELIST=n[1-2]",
+                             "SLURM_JOB_ID=7", "MASTER_PORT=4444", "MOETRAIN_PORT=5555", NULL};
+    const char *mpi[] = {"OMPI_COMM_WORLD_RANK=1", "OMPI_COMM_WORLD_SIZE=4", "OMPI_COMM_WORLD_LOCAL_RANK=1", "OMPI_COMM_WORLD_LOCAL_SIZE=4", NULL};
+    const char *mpi2[] = {"OMPI_COMM_WORLD_RANK=6", "OMPI_COMM_WORLD_SIZE=8", "OMPI_COMM_WORLD_LOCAL_RANK=2", "OMPI_COMM_WORLD_LOCAL_SIZE=4",
+                          "MASTER_ADDR=h0", "MASTER_PORT=4000", NULL};
+    int ok = launch_is(tr, MT_LAUNCH_TORCHRUN, 3, 8, 3, "10.0.0.1", 1234, "torchrun (RANK=3 of 8, LOCAL_RANK=3)") &&
+             launch_is(tr_min, MT_LAUNCH_TORCHRUN, 5, 8, 5, "127.0.0.1", 29500, NULL) &&
+             launch_is(tr_agent, MT_LAUNCH_TORCHRUN, 0, 2, 0, NULL, 29401, NULL);
+    report("launch: torchrun's variables (defaults, its store's port)", ok, NULL);
+    ok = launch_is(sl, MT_LAUNCH_SLURM, 3, 8, 3, "gpu-a07", 10000 + (16 * 123456) % 20000, "slurm (SLURM_PROCID=3 of 8, SLURM_LOCALID=3)") &&
+         launch_is(sl_step, MT_LAUNCH_SLURM, 9, 16, 1, "node03", 10000 + (16 * 123456 + 1) % 20000, NULL) &&
+         launch_is(sl_master, MT_LAUNCH_SLURM, 1, 2, 0, "head", 4444, NULL) && launch_is(sl_ours, MT_LAUNCH_SLURM, 1, 2, 0, "n1", 5555, NULL);
+    report("launch: srun's variables, rank 0's host from the node list", ok, "port from SLURM_JOB_ID 123456: %d", 10000 + (16 * 123456) % 20000);
+    ok = launch_is(mpi, MT_LAUNCH_OPENMPI, 1, 4, 1, "127.0.0.1", 29500, "open mpi (OMPI_COMM_WORLD_RANK=1 of 4, OMPI_COMM_WORLD_LOCAL_RANK=1)") &&
+         launch_is(mpi2, MT_LAUNCH_OPENMPI, 6, 8, 2, "h0", 4000, NULL);
+    report("launch: mpirun's variables, one host and several", ok, NULL);
+
+    /* precedence: the innermost launcher; no step, no launch; a world of one starts its own ranks */
+    const char *all[] = {"RANK=1", "WORLD_SIZE=4", "LOCAL_RANK=1", "SLURM_STEP_ID=0", "SLURM_PROCID=0", "SLURM_NTASKS=2", "SLURM_LOCALID=0",
+                         "SLURM_JOB_NODELIST=n1", "OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=2", "OMPI_COMM_WORLD_LOCAL_RANK=0",
+                         "OMPI_COMM_WORLD_LOCAL_SIZE=2", NULL};
+    const char **mpi_slurm = all + 3;   /* without torchrun's: mpirun's, whatever Slurm's say */
+    const char *mpi_in_slurm[] = {"SLURM_STEP_ID=0", "SLURM_PROCID=1", "SLURM_NTASKS=1", "SLURM_LOCALID=0", "SLURM_JOB_NODELIST=n[1-2]",
+                                  "OMPI_COMM_WORLD_RANK=3", "OMPI_COMM_WORLD_SIZE=4", "OMPI_COMM_WORLD_LOCAL_RANK=1",
+                                  "OMPI_COMM_WORLD_LOCAL_SIZE=2", "MASTER_ADDR=n1", NULL};
+    const char *batch[] = {"SLURM_PROCID=0", "SLURM_NTASKS=8", "SLURM_LOCALID=0", "SLURM_JOB_NODELIST=n[1-2]", "SLURM_JOB_ID=5", NULL};
+    const char *one[] = {"SLURM_STEP_ID=0", "SLURM_PROCID=0", "SLURM_NTASKS=1", "SLURM_LOCALID=0", "SLURM_JOB_NODELIST=n1", NULL};
+    const char *mpi_one[] = {"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", "OMPI_COMM_WORLD_LOCAL_RANK=0", NULL};
+    const char *tr_one[] = {"RANK=0", "WORLD_SIZE=1", NULL};
+    const char *none[] = {"PATH=/bin", "SLURM_JOB_ID=5", NULL};
+    ok = launch_is(all, MT_LAUNCH_TORCHRUN, 1, 4, 1, NULL, 0, NULL) && launch_is(mpi_slurm, MT_LAUNCH_OPENMPI, 0, 2, 0, NULL, 0, NULL) &&
+         launch_is(mpi_in_slurm, MT_LAUNCH_OPENMPI, 3, 4, 1, "n1", 29500, NULL) && launch_is(batch, MT_LAUNCH_SELF, 0, 1, 0, NULL, 0, "self") &&
+         launch_is(one, MT_LAUNCH_SELF, 0, 1, 0, NULL, 0, "self (a world of one from slurm (SLURM_PROCID=0 of 1, SLURM_LOCALID=0))") &&
+         launch_is(mpi_one, MT_LAUNCH_SELF, 0, 1, 0, NULL, 0, NULL) && launch_is(tr_one, MT_LAUNCH_TORCHRUN, 0, 1, 0, NULL, 0, NULL) &&
+         launch_is(none, MT_LAUNCH_SELF, 0, 1, 0, NULL, 0, "self");
+    report("launch: torchrun, then mpirun, then srun (a step), then self", ok, NULL);
+
+    /* errors: each names the variables */
+    const char *e1[] = {"SLURM_STEP_ID=0", "SLURM_PROCID=8", "SLURM_NTASKS=8", "SLURM_LOCALID=0", "SLURM_JOB_NODELIST=n1", NULL};
+    const char *e2[] = {"SLURM_STEP_ID=0", "SLURM_PROCID=1", "SLURM_NTASKS=8", "SLURM_JOB_NODELIST=n1", NULL};
+    const char *e3[] = {"OMPI_COMM_WORLD_RANK=1", "OMPI_COMM_WORLD_SIZE=2", "OMPI_COMM_WORLD_LOCAL_SIZE=2", NULL};
+    const char *e4[] = {"RANK=0", "MASTER_PORT=1", NULL};
+    const char *e5[] = {"SLURM_STEP_ID=0", "SLURM_PROCID=1", "SLURM_NTASKS=x", "SLURM_LOCALID=0", NULL};
+    const char *e6[] = {"SLURM_STEP_ID=0", "SLURM_PROCID=1", "SLURM_NTASKS=2", "SLURM_LOCALID=1", NULL};
+    const char *e7[] = {"SLURM_STEP_ID=0", "SLURM_PROCID=1", "SLURM_NTASKS=2", "SLURM_LOCALID=1", "SLURM_JOB_NODELIST=node[1-", NULL};
+    const char *e8[] = {"SLURM_STEP_ID=0", "SLURM_PROCID=1", "SLURM_NTASKS=8", "SLURM_LOCALID=8", "SLURM_JOB_NODELIST=n1", NULL};
+    const char *e9[] = {"OMPI_COMM_WORLD_RANK=4", "OMPI_COMM_WORLD_SIZE=4", "OMPI_COMM_WORLD_LOCAL_RANK=0", NULL};
+    const char *e10[] = {"OMPI_COMM_WORLD_RANK=1", "OMPI_COMM_WORLD_SIZE=4", "OMPI_COMM_WORLD_LOCAL_RANK=1", "OMPI_COMM_WORLD_LOCAL_SIZE=2", NULL};
+    const char *e11[] = {"RANK=1", "WORLD_SIZE=2", "MASTER_PORT=70000", NULL};
+    const char *e12[] = {"RANK=-1", "WORLD_SIZE=2", NULL};
+    ok = launch_fails(e1, "SLURM_PROCID=8 but SLURM_NTASKS=8", "below") && launch_fails(e2, "SLURM_LOCALID is not set", NULL) &&
+         launch_fails(e3, "OMPI_COMM_WORLD_LOCAL_RANK is not set", NULL) && launch_fails(e4, "RANK is set but WORLD_SIZE is not", NULL) &&
+         launch_fails(e5, "SLURM_NTASKS=x is not an integer", NULL) && launch_fails(e6, "SLURM_JOB_NODELIST", "MASTER_ADDR") &&
+         launch_fails(e7, "SLURM_JOB_NODELIST", "node[1-") && launch_fails(e8, "SLURM_LOCALID=8 but SLURM_NTASKS=8", NULL) &&
+         launch_fails(e9, "OMPI_COMM_WORLD_RANK=4 but OMPI_COMM_WORLD_SIZE=4", NULL) && launch_fails(e10, "set MASTER_ADDR", NULL) &&
+         launch_fails(e11, "MASTER_PORT=70000", NULL) && launch_fails(e12, "RANK=-1", NULL);
+    report("launch: missing, malformed, inconsistent values named", ok, NULL);
+
+    /* Slurm's host lists */
+    ok = host_is("node1,node2", 2, 0, "node1") && host_is("node1,node2", 2, 1, "node2") && host_is("node[01-04,07]", 5, 0, "node01") &&
+         host_is("node[01-04,07]", 5, 3, "node04") && host_is("node[01-04,07]", 5, 4, "node07") && host_is("gpu-a[1-2],gpu-b3", 3, 0, "gpu-a1") &&
+         host_is("gpu-a[1-2],gpu-b3", 3, 2, "gpu-b3") && host_is("r[1-2]-n[01-02]", 4, 1, "r1-n02") && host_is("r[1-2]-n[01-02]", 4, 2, "r2-n01") &&
+         host_is("n[8-11]", 4, 3, "n11") && host_is("n[098-100]", 3, 2, "n100") && host_is("n[098-100]", 3, 0, "n098") &&
+         host_is("solo", 1, 0, "solo") && host_is("a,b[1-3]x,c", 5, 3, "b3x") && host_is("a,b", 2, 2, "");
+    const char *bad[] = {"", "n[1-", "n[]", "n[2-1]", "n1,,n2", "n[a-b]", "n]1[", "n[1[2]]", "a,", "n[1-2", "n[1,]", "n[-3]"};
+    int refused = 0;
+    for (int i = 0; i < (int)(sizeof bad / sizeof bad[0]); i++) {
+        char h[64];
+        mt_err e;
+        e.msg[0] = 0;
+        if (mt_hostlist_host(bad[i], 0, h, sizeof h, &e) < 0 && e.msg[0]) refused++;
+        else printf("  host list '%s' was read\n", bad[i]);
+    }
+    char tiny[5];
+    mt_err e;
+    int small = mt_hostlist_host("longhostname", 0, tiny, sizeof tiny, &e) < 0 && strstr(e.msg, "longer than 4");
+    report("launch: Slurm host lists: ranges, padding, products; malformed refused", ok && small && refused == (int)(sizeof bad / sizeof bad[0]),
+           "%d of %d malformed refused", refused, (int)(sizeof bad / sizeof bad[0]));
+}
+
+/* ./train as launched ranks on the CPU. CPU ranks are threads of one process,
+ * so two launched processes cannot train together: with --launch-check they
+ * meet at the rendezvous (the address from the host list, the port from the
+ * job id, or MASTER_PORT) and end, each naming its rank; without it they are
+ * refused. A world of one from srun or mpirun, and a batch script's variables,
+ * start their own ranks: the same losses as without any launcher, bitwise. */
+#define LAUNCH_CLEAN "env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u MASTER_ADDR -u MASTER_PORT -u MOETRAIN_PORT -u TORCHELASTIC_USE_AGENT_STORE " \
+    "-u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u OMPI_COMM_WORLD_LOCAL_RANK -u OMPI_COMM_WORLD_LOCAL_SIZE -u SLURM_STEP_ID " \
+    "-u SLURM_PROCID -u SLURM_NTASKS -u SLURM_LOCALID -u SLURM_STEP_NODELIST -u SLURM_JOB_NODELIST -u SLURM_NODELIST -u SLURM_JOB_ID " \
+    "-u MOETRAIN_SUPERVISED "
+static int port_bindable(int port) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0), ok;
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET; a.sin_addr.s_addr = htonl(INADDR_ANY); a.sin_port = htons((uint16_t)port);
+    ok = fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof a);
+    if (fd >= 0) close(fd);
+    return ok;
+}
+static void metrics_core(const char *path, int from, char *out, size_t cap);
+static void test_cli_launch(void) {
+    static char a[1 << 16], b[1 << 16], c[1 << 16], ma[1 << 14], mb[1 << 14];
+    const char *f0 = TP("launch0.log"), *f1 = TP("launch1.log");
+    /* srun's variables only: 2 tasks; the port derived from a job id whose port is free now */
+    int job = (int)(getpid() % 1250), port = 0;
+    for (int k = 0; k < 1250 && !port; k++)
+        if (port_bindable(10000 + 16 * job)) port = 10000 + 16 * job;
+        else job = (job + 1) % 1250;
+    const char *slurm = "SLURM_STEP_ID=0 SLURM_JOB_ID=%d SLURM_JOB_NODELIST='127.0.0.[1-2]' SLURM_NTASKS=2";
+    char v0[256], v1[256];
+    snprintf(v0, sizeof v0, slurm, job);
+    int rc = sh(a, sizeof a, LAUNCH_CLEAN "%s SLURM_PROCID=0 SLURM_LOCALID=0 %strain --device cpu --launch-check --timeout 30 > %s 2>&1 & p0=$!; "
+                LAUNCH_CLEAN "%s SLURM_PROCID=1 SLURM_LOCALID=1 %strain --device cpu --launch-check --timeout 30 > %s 2>&1 & p1=$!; "
+                "wait $p0; r0=$?; wait $p1; echo \"exit $r0 $?\"; cat %s %s", v0, BIN, f0, v0, BIN, f1, f0, f1);
+    snprintf(v0, sizeof v0, "launch: slurm (SLURM_PROCID=0 of 2, SLURM_LOCALID=0) | rendezvous 127.0.0.1:%d (SLURM_JOB_NODELIST; SLURM_JOB_ID)", port);
+    snprintf(v1, sizeof v1, "launch: slurm (SLURM_PROCID=1 of 2, SLURM_LOCALID=1) | rendezvous 127.0.0.1:%d", port);
+    char *met = strstr(a, "met rank 0 ("), *met2 = met ? strstr(met + 1, "met rank 0 (") : NULL;
+    int same = met && met2 && !strncmp(met, met2, (size_t)(strchr(met, ')') - met));
+    report("CLI: 2 processes from srun's variables meet at rank 0", rc == 0 && port && strstr(a, "exit 0 0") && strstr(a, v0) && strstr(a, v1) &&
+           strstr(a, "launch check: rank 0 of 2 (local 0)") && strstr(a, "launch check: rank 1 of 2 (local 1)") && same,
+           "job %d -> port %d: %.300s", job, port, a);
+    /* mpirun's variables only: one host, MASTER_PORT given */
+    mt_err e;
+    port = mt_free_port(&e);
+    snprintf(v0, sizeof v0, "OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_LOCAL_SIZE=2 MASTER_PORT=%d", port);
+    rc = sh(b, sizeof b, LAUNCH_CLEAN "%s OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_LOCAL_RANK=1 %strain --device cpu --launch-check --timeout 30 > %s 2>&1 & p1=$!; "
+            LAUNCH_CLEAN "%s OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_LOCAL_RANK=0 %strain --device cpu --launch-check --timeout 30 > %s 2>&1 & p0=$!; "
+            "wait $p0; r0=$?; wait $p1; echo \"exit $r0 $?\"; cat %s %s", v0, BIN, f1, v0, BIN, f0, f0, f1);
+    snprintf(v1, sizeof v1, "launch: open mpi (OMPI_COMM_WORLD_RANK=1 of 2, OMPI_COMM_WORLD_LOCAL_RANK=1) | rendezvous 127.0.0.1:%d "
+             "(default (every rank on this host); MASTER_PORT)", port);
+    report("CLI: 2 processes from mpirun's variables meet at rank 0", rc == 0 && strstr(b, "exit 0 0") && strstr(b, v1) &&
+           strstr(b, "launch check: rank 0 of 2") && strstr(b, "launch check: rank 1 of 2 (local 1)"), "%.300s", b);
+    /* training on launched CPU processes: refused, naming the launcher; inconsistent variables: refused */
+    int r1 = sh(a, sizeof a, LAUNCH_CLEAN "%s OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_LOCAL_RANK=1 %strain --device cpu --steps 1 2>&1", v0, BIN);
+    int r2 = sh(b, sizeof b, LAUNCH_CLEAN "SLURM_STEP_ID=0 SLURM_PROCID=2 SLURM_NTASKS=2 SLURM_LOCALID=0 %strain --device cpu --steps 1 2>&1", BIN);
+    report("CLI: launched CPU processes and inconsistent variables refused", r1 == 2 && strstr(a, "CPU ranks are threads of one process") &&
+           strstr(a, "open mpi (OMPI_COMM_WORLD_RANK=1 of 2") && !strstr(a, "step ") && r2 == 2 && strstr(b, "SLURM_PROCID=2 but SLURM_NTASKS=2"),
+           "%d %d: %.120s | %.120s", r1, r2, a, b);
+    /* a world of one from srun or mpirun, a batch script's variables: the ranks started here, bitwise */
+    const char *mself = TP("launch_self.jsonl"), *mslurm = TP("launch_slurm.jsonl");
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "%strain --device cpu --nproc 2 --ep 2 --steps 4 --seed 1", BIN);
+    int ra = sh(a, sizeof a, LAUNCH_CLEAN "%s --metrics %s 2>&1", cmd, mself);
+    int rb = sh(b, sizeof b, LAUNCH_CLEAN "SLURM_STEP_ID=3 SLURM_PROCID=0 SLURM_NTASKS=1 SLURM_LOCALID=0 SLURM_JOB_NODELIST=n1 %s --metrics %s 2>&1",
+                cmd, mslurm);
+    metrics_core(mself, 1, ma, sizeof ma); metrics_core(mslurm, 1, mb, sizeof mb);
+    int rs = strstr(b, "launch: self (a world of one from slurm (SLURM_PROCID=0 of 1") != NULL;
+    int rc2 = sh(c, sizeof c, LAUNCH_CLEAN "OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=1 OMPI_COMM_WORLD_LOCAL_RANK=0 %s 2>&1", cmd);
+    int rm = strstr(c, "launch: self (a world of one from open mpi") != NULL;
+    keep_loss_lines(a); keep_loss_lines(b); keep_loss_lines(c);
+    int same3 = !ra && !rb && !rc2 && strlen(a) > 50 && !strcmp(a, b) && !strcmp(a, c) && strstr(ma, "{\"step\":4,") && !strcmp(ma, mb);
+    int rd = sh(b, sizeof b, LAUNCH_CLEAN "SLURM_PROCID=0 SLURM_NTASKS=8 SLURM_LOCALID=0 SLURM_JOB_ID=9 %s 2>&1", cmd);
+    int quiet = !strstr(b, "launch:") && strstr(b, "ranks: 2 (CPU threads)");
+    keep_loss_lines(b);
+    report("CLI: a world of one from srun or mpirun, a batch script: = self-launched", same3 && rs && rm && !rd && quiet && !strcmp(a, b),
+           "%d %d %d %d%s", ra, rb, rc2, rd, same3 ? ", 4 steps' losses and grad norms bitwise" : "");
+    remove(f0); remove(f1); remove(mself); remove(mslurm);
+}
+
 /* The JSON-lines metrics from step `from` on: step, loss, grad_norm, lr (what must match bitwise). */
 static void metrics_core(const char *path, int from, char *out, size_t cap) {
     FILE *f = fopen(path, "r");
@@ -5297,8 +5498,10 @@ int main(void) {
     RUN(test_isolate_ep);
     RUN(test_devices);
     RUN(test_launch_rendezvous);
+    RUN(test_launch_env);
     RUN(test_cli);
     RUN(test_cli_options);
+    RUN(test_cli_launch);
     RUN(test_cli_resume);
     RUN(test_cli_sharded_checkpoint);
     RUN(test_cli_tensor_parallel);

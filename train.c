@@ -8,9 +8,11 @@
  *   ./train --steps 200 --save ck             ... then resume: ./train --steps 400 --load ck --save ck
  *   ./train --load ckpt --forward tok.i32 --logits-out out.f32   forward only
  *
- * Launchers: with RANK, WORLD_SIZE (and LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
- * set, as torchrun, Slurm wrappers and mpirun scripts do, this process is one
- * rank of that world; rank 0 hands out NCCL's id over TCP.
+ * Launchers: started by torchrun (RANK, WORLD_SIZE, ...), by mpirun (Open MPI's
+ * OMPI_COMM_WORLD_*) or by srun (Slurm's SLURM_PROCID, ...), this process is one
+ * rank of that world (mt_launch_from_env says which variables win); rank 0
+ * hands out NCCL's id over TCP. --launch-check tries a launch line: every rank
+ * meets the others and says where its rank came from, and nothing trains.
  * Run ./train --help for every option. Exit status: 0 done, 1 runtime error
  * (files, data, a diverged run, a failed rank), 2 usage error (options, config mismatch).
  */
@@ -28,6 +30,7 @@ typedef struct {
     int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_fold_rope, no_fuse_glu,
         attn_recompute_dq, one_launch_per_node;
     int nproc, dp_replicate, dp_shard, tp, ep;   /* ranks; 0 = derive */
+    int launch_check;                            /* meet at the rendezvous, say where the rank came from, stop */
     float timeout;                           /* seconds without progress before a rank gives up */
     float roof_tflops, roof_gbps;
     float memory_budget;                     /* GiB; 0: no activation recompute */
@@ -64,6 +67,7 @@ static const opt_spec specs[] = {
     {"tp", OPT_INT, O_(tp), 1, 4096, 0, 0, "1", "mesh: tensor-parallel ranks (heads, FFN hidden, vocab split; sequence-parallel norms)", NULL},
     {"ep", OPT_INT, O_(ep), 1, 4096, 0, 0, "1", "mesh: expert-parallel ranks (divides dp-shard x tp)", NULL},
     {"timeout", OPT_FLOAT, O_(timeout), 0, 1e6, 1, 0, "600", "a rank without progress for this many seconds stops every rank", NULL},
+    {"launch-check", OPT_FLAG, O_(launch_check), 0, 0, 0, 0, "off", "a launcher's ranks meet at the rendezvous, each prints where its rank came from, and stop (no training)", NULL},
     {"data", OPT_STR, O_(data), 0, 0, 0, 0, "the embedded corpus", "raw bytes, or an llm.c/nanoGPT .bin token shard", "FILE"},
     {"steps", OPT_INT, O_(steps), 0, 1 << 30, 0, 0, "300", "total optimizer steps of the run (a resumed run counts the checkpoint's)", NULL},
     {"seed", OPT_INT, O_(seed), 0, 2147483647, 0, 0, "1", "initialization and data-order seed", NULL},
@@ -903,6 +907,7 @@ static int supervise(int argc, char **argv, int n) {
             snprintf(v, sizeof v, "%d", n); setenv("WORLD_SIZE", v, 1); setenv("LOCAL_WORLD_SIZE", v, 1);
             snprintf(v, sizeof v, "%d", port); setenv("MASTER_PORT", v, 1);
             setenv("MASTER_ADDR", "127.0.0.1", 1);
+            setenv("MOETRAIN_SUPERVISED", "1", 1);   /* our own ranks: no launch line of their own */
             execv("/proc/self/exe", argv);
             fprintf(stderr, "train: rank %d: exec: %s\n", r, strerror(errno));
             _exit(127);
@@ -940,13 +945,37 @@ static int supervise(int argc, char **argv, int n) {
     return failed ? 1 : 0;
 }
 
-static int env_int(const char *name, int dflt, int lo, int hi, int *out) {
-    const char *v = getenv(name);
-    if (!v || !*v) { *out = dflt; return 0; }
-    char *end;
-    long x = strtol(v, &end, 10);
-    if (*end || x < lo || x > hi) { fprintf(stderr, "train: %s=%s is not an integer in %d..%d\n", name, v, lo, hi); return -1; }
-    *out = (int)x;
+static const char *env_get(void *ctx, const char *name) { (void)ctx; return getenv(name); }
+
+/* --launch-check: the launcher's ranks meet as for training; rank 0 hands out
+ * where it runs, each rank prints it next to its own place, and all end in order. */
+static int launch_check(const mt_launch *L, double timeout) {
+    char host[128] = "?", blob[256];
+    gethostname(host, sizeof host - 1);
+    if (L->world == 1) {
+        printf("launch check: %s on %s: nothing to meet\n", L->by == MT_LAUNCH_SELF ? "no launcher, ./train starts its own ranks" : "one rank", host);
+        return 0;
+    }
+    memset(blob, 0, sizeof blob);
+    if (L->rank == 0) snprintf(blob, sizeof blob, "%s, pid %d", host, (int)getpid());
+    mt_err err;
+    mt_rdv *r;
+    if (mt_rdv_open(&r, L->addr, L->port, L->rank, L->world, (uint8_t *)blob, sizeof blob, timeout, &err)) {
+        fprintf(stderr, "train: rank %d: %s\n", L->rank, err.msg);
+        return 1;
+    }
+    blob[sizeof blob - 1] = 0;
+    mt_rdv_done(r);
+    int k = 0, who = -1;
+    char why[256] = "";
+    for (double t0 = mt_now(); k == 0 && mt_now() - t0 < timeout;) k = mt_rdv_poll(r, 100, &who, why, sizeof why);
+    mt_rdv_close(r);
+    if (k != 2) {
+        fprintf(stderr, "train: rank %d: %s\n", L->rank, k == 1 ? why : "the ranks did not all finish the check");
+        return 1;
+    }
+    printf("launch check: rank %d of %d (local %d) on %s met rank 0 (%s) at %s:%d\n", L->rank, L->world, L->local_rank, host, blob,
+           L->addr, L->port);
     return 0;
 }
 
@@ -957,6 +986,14 @@ int main(int argc, char **argv) {
     opts o;
     if (parse_args(argc, argv, &o)) return 2;
     mt_err err;
+    mt_launch L;   /* who started this process: its rank, world and rendezvous */
+    if (mt_launch_from_env(&L, env_get, NULL, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 2; }
+    if (!getenv("MOETRAIN_SUPERVISED") && (L.by != MT_LAUNCH_SELF || o.launch_check || strcmp(L.what, "self"))) {
+        printf("launch: %s", L.what);
+        if (L.world > 1) printf(" | rendezvous %s:%d (%s; %s)", L.addr, L.port, L.addr_from, L.port_from);
+        printf("\n");
+    }
+    if (o.launch_check) return launch_check(&L, o.timeout);
     mt_config cfg;
     mt_graph g;
     memset(&g, 0, sizeof g);
@@ -996,32 +1033,28 @@ int main(int argc, char **argv) {
         o.hp.lr = d.lr;
     }
     if (o.forward) {
-        if (o.nproc > 1 || getenv("WORLD_SIZE")) { fprintf(stderr, "train: --forward runs on one rank\n"); return 2; }
+        if (o.nproc > 1 || L.world > 1) { fprintf(stderr, "train: --forward runs on one rank\n"); return 2; }
         if (preflight(&o)) return 1;
         return run_forward(&o, cfg);
     }
 
     /* 2. the ranks: a launcher's world, or ours */
-    int launched = getenv("RANK") && getenv("WORLD_SIZE");
-    int world = 1, rank = 0, local_rank = 0, port = 29500, gpus = 0, on_cuda = !strcmp(o.device, "cuda");
+    int launched = L.by != MT_LAUNCH_SELF;
+    int world = L.world, rank = L.rank, local_rank = L.local_rank, gpus = 0, on_cuda = !strcmp(o.device, "cuda");
 #ifdef MT_CUDA
     if (on_cuda) gpus = mt_cuda_device_count();
 #endif
     if (launched) {
-        if (env_int("WORLD_SIZE", 1, 1, 1 << 20, &world) || env_int("RANK", 0, 0, world - 1, &rank) ||
-            env_int("LOCAL_RANK", rank, 0, 1 << 20, &local_rank) || env_int("MASTER_PORT", 29500, 1, 65535, &port))
-            return 2;
-        /* torchrun's agent keeps its own store on MASTER_PORT: ours takes the next port (MOETRAIN_PORT overrides) */
-        const char *agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
-        if (agent && (!strcmp(agent, "True") || !strcmp(agent, "true") || !strcmp(agent, "1")) && port < 65535) port++;
-        if (env_int("MOETRAIN_PORT", port, 1, 65535, &port)) return 2;
-        if (o.nproc && o.nproc != world) { fprintf(stderr, "train: --nproc %d but the launcher set WORLD_SIZE=%d\n", o.nproc, world); return 2; }
+        if (o.nproc && o.nproc != world) { fprintf(stderr, "train: --nproc %d but the launcher set a world of %d: %s\n", o.nproc, world, L.what); return 2; }
         if (world > 1 && !on_cuda) {
-            fprintf(stderr, "train: CPU ranks are threads of one process: run './train --device cpu --nproc %d' without RANK/WORLD_SIZE\n", world);
+            fprintf(stderr, "train: CPU ranks are threads of one process, not %d processes (%s): start one and run "
+                    "'./train --device cpu --nproc %d' in it\n", world, L.what, world);
             return 2;
         }
+        /* srun and mpirun may bind each task to its own GPU (--gpus-per-task 1): the one it sees is its own */
+        if (on_cuda && gpus == 1 && L.by != MT_LAUNCH_TORCHRUN) local_rank = 0;
         if (on_cuda && local_rank >= gpus) {
-            fprintf(stderr, "train: rank %d: LOCAL_RANK=%d but this host has %d visible GPU%s\n", rank, local_rank, gpus, gpus == 1 ? "" : "s");
+            fprintf(stderr, "train: rank %d: %s but this host has %d visible GPU%s\n", rank, L.what, gpus, gpus == 1 ? "" : "s");
             return 2;
         }
     } else {
@@ -1102,8 +1135,7 @@ int main(int argc, char **argv) {
     j->rts = (mt_runtime **)calloc((size_t)world, sizeof(mt_runtime *));
     int rc;
     if (launched && world > 1) {
-        const char *addr = getenv("MASTER_ADDR");
-        rc = process_rank(j, rank, addr && *addr ? addr : "127.0.0.1", port);
+        rc = process_rank(j, rank, L.addr, L.port);
     } else {
         rc = (world > 1 ? mt_run_thread_ranks(world, thread_rank, j, &err) : train_rank(j, 0, NULL, &err)) ? 1 : 0;
         if (rc && !j->reported) {

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Multi-GPU checks of the command line, on every visible GPU (2 or more):
-# the torchrun-free launcher, torchrun, a precompiled artifact, and failure
-# (kill -9 of one rank, a rank that hangs). Prints "N passed, N failed" last.
+# the torchrun-free launcher, torchrun, a precompiled artifact, failure (kill -9
+# of one rank, a rank that hangs), and ranks from srun's and mpirun's variables
+# on two one-GPU "nodes" over sockets. Prints "N passed, N failed" last.
 set -u
 n=$(nvidia-smi -L 2>/dev/null | wc -l)
 pass=0; fail=0
@@ -14,7 +15,7 @@ T=${TMPDIR:-/tmp}/moetrain_mgpu; rm -rf "$T"; mkdir -p "$T"
 losses() { grep '^step' "$1" | sed 's/ | grad_norm.*//'; }
 core() { sed 's/,"tokens_per_s".*//' "$1"; }   # a metrics line's loss, grad norm and lr
 steps=6
-only=${ONLY:-1 2 3 4 5 6 7}   # which checks to run
+only=${ONLY:-1 2 3 4 5 6 7 8}   # which checks to run
 want() { case " $only " in *" $1 "*) return 0 ;; esac; return 1; }
 
 # 1. ./train alone: one rank per GPU, and the same losses as one GPU on the global batch (bf16: 2%)
@@ -72,6 +73,31 @@ f1=$(grep -m1 'first step done' "$T/t1.log" | awk '{print $4}'); fi_=$(grep -m1 
 echo "  time to first step: artifact $f1 s, in-process compile + tune $fi_ s | $(grep -m1 'GEMM kernels' "$T/t1.log" | sed 's/.*| //')"
 fi
 
+# 7. launchers beyond torchrun: two one-GPU "nodes" talking over sockets (no P2P, no shared memory), each
+#    process finding its rank from srun's variables alone, then from mpirun's: bitwise the self-launched run
+#    on the same two GPUs and transport (losses and grad norms)
+if want 7; then
+sock="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
+clean="env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT -u MOETRAIN_PORT -u SLURM_STEP_NODELIST"
+$clean $sock CUDA_VISIBLE_DEVICES=0,1 ./train --preset debug --nproc 2 --steps $steps --seed 1 --metrics "$T/n0.jsonl" > "$T/n0.log" 2>&1; rn=$?
+core "$T/n0.jsonl" > "$T/c_n0"
+two_nodes() {   # two_nodes NAME VARIABLES-OF-RANK-0 VARIABLES-OF-RANK-1
+    $clean $sock CUDA_VISIBLE_DEVICES=0 $2 ./train --preset debug --steps $steps --seed 1 --metrics "$T/$1.jsonl" > "$T/$1_0.log" 2>&1 &
+    p0=$!
+    $clean $sock CUDA_VISIBLE_DEVICES=1 $3 ./train --preset debug --steps $steps --seed 1 > "$T/$1_1.log" 2>&1 &
+    p1=$!
+    wait $p0; x0=$?; wait $p1; x1=$?
+    core "$T/$1.jsonl" > "$T/c_$1"
+    [ $rn -eq 0 ] && [ $x0 -eq 0 ] && [ $x1 -eq 0 ] && [ "$(wc -l < "$T/c_n0")" -eq $steps ] && cmp -s "$T/c_n0" "$T/c_$1"
+}
+slurm="SLURM_STEP_ID=0 SLURM_JOB_ID=$$ SLURM_JOB_NODELIST=127.0.0.1 SLURM_NTASKS=2 SLURM_LOCALID=0"
+two_nodes slurm "$slurm SLURM_PROCID=0" "$slurm SLURM_PROCID=1"
+check "srun's variables: 2 one-GPU nodes over sockets = ./train --nproc 2, bitwise" $? "(exit $rn $x0 $x1; $(grep -m1 '^launch:' "$T/slurm_1.log"))"
+mpi="OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_LOCAL_RANK=0 OMPI_COMM_WORLD_LOCAL_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$((20000 + $$ % 10000))"
+two_nodes mpi "$mpi OMPI_COMM_WORLD_RANK=0" "$mpi OMPI_COMM_WORLD_RANK=1"
+check "mpirun's variables: 2 one-GPU nodes over sockets = ./train --nproc 2, bitwise" $? "(exit $rn $x0 $x1; $(grep -m1 '^launch:' "$T/mpi_1.log"))"
+fi
+
 # 4. kill -9 of one rank: every rank stops within 10 s, non-zero exit, the rank named
 wait_steps() { i=0; while [ $i -lt 600 ] && ! grep -q '^step' "$1"; do sleep 0.2; i=$((i + 1)); done; }
 if want 4; then
@@ -104,10 +130,10 @@ dt=$(awk "BEGIN{printf \"%.2f\", $t1 - $t0}")
 check "a hung rank (SIGSTOP, --timeout 5) stops every rank" $? "(${dt} s, exit $rh)"
 fi
 
-# 7. tensor parallelism: debug with tp = n (and with ep = n too) precompiled on one process = in-process, 10 steps,
+# 8. tensor parallelism: debug with tp = n (and with ep = n too) precompiled on one process = in-process, 10 steps,
 #    losses and grad norms bitwise; the losses within bf16 tolerance (2%) of one GPU on the same global batch
 #    (dp = 1: the same batch). With 8 GPUs also the seeds' mesh, dp_shard 4 x tp 2 x ep 4.
-if want 7; then
+if want 8; then
 tpcheck() {   # tpcheck NAME MESH-FLAGS...
     name=$1; shift
     ./precompile --preset debug --device cuda "$@" -o "$T/tp_$name.mtg" > "$T/tp_p_$name.log" 2>&1 &&
