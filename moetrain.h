@@ -3096,13 +3096,9 @@ static void mt__backward_rule(mt__builder *b, const mt_node *f) {
     case MT_OP_CE_COMBINE: {      /* the loss on vocab shards: each rank's logits' gradient from the combined lse */
         int dl = mt__gout(b, in[1]);
         if (dl < 0) return;
-        int st = -1;              /* the coordinate symbol: from the CE_STATS that made the statistics */
-        for (int i = 0; i < b->g->n_nodes && st < 0; i++)
-            if (b->g->nodes[i].op == MT_OP_CE_STATS && b->g->nodes[i].in[0] == in[1]) st = i;
-        if (st < 0) { mt__fail(b, "internal error: %s without its CE_STATS", "CE_COMBINE"); return; }
         n = mt__node(b, MT_OP_CE_SHARD_BWD);
         n.in[0] = in[1]; n.in[1] = out[1]; n.in[2] = in[2]; n.out[0] = dl;
-        n.iattr[0] = b->g->nodes[st].iattr[0]; n.sym_mask = 1u;
+        n.iattr[0] = b->sym_coord[MT_DIM_TP]; n.sym_mask = 1u;
         mt__push(b, &n); mt__acc(b, in[1], dl);
         return;
     }
