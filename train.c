@@ -660,7 +660,9 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
             printf("ranks: %d (%s) | mesh", world, w ? "CPU threads" : on_gpu ? "one process per GPU, NCCL" : "processes");
             for (int d = 0; d < MT_NDIMS; d++) printf(" %s=%d", mt_dim_names[d], G->mesh.size[d]);
             mt_mesh_mask_name(MT_DIMBIT(MT_DIM_DP_SHARD), mn, sizeof mn);
-            printf(" | global batch %d x %d (%d per rank)\n", B * dp, T, B);
+            int tp = G->mesh.size[MT_DIM_TP];
+            if (tp > 1) printf(" | global batch %d x %d (%d per data-parallel rank, %d tokens per tp rank)\n", B * dp, T, B, B * T / tp);
+            else printf(" | global batch %d x %d (%d per rank)\n", B * dp, T, B);
         }
     }
     FILE *mf = NULL;
