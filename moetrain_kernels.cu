@@ -6074,9 +6074,6 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
    The cp.async kernel uses 4 KB buffers (RB = 256: 128 bf16 or 64 fp32 columns a pass), the TMA
    kernel 2 KB ones (RB = 128).  The warp's rows start at tile row wrow.  Returns the sum of the
    squares of what it stored (mode 2), in a fixed order. */
-#ifndef GG_TS01
-#define GG_TS01 1 /* modes 0/1: a warp's whole 16-row slabs leave as TMA tensor stores (0: staged st.global) */
-#endif
 /* TS (GG_TS01; modes 0/1, RB 128, called for a warp whose 16 rows all lie in the tile's expert, not
    for the wide tiles; GLU has its own, epilogue_glu): each pass of 64 columns is written to the warp's 2 KB buffer as above
    (row r's 16-byte chunks XOR-swizzled by r mod 8, which is the TMA's 128-byte swizzle), then leaves as
@@ -6091,12 +6088,6 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
    627.7, GMM_DX2 from 630.3 / 607.0 / 612.5 to 642.4 / 643.9 / 656.4, GMM from 563.5 / 637.3 / 633.3
    to 576.9 / 641.1 / 637.4; the step (10 steps, alternating on another start) 124.86 / 124.06 /
    123.83 ms against 125.91 / 123.77 / 124.03.  epilogue_glu has the same TS path (GG_TSG). */
-#ifndef GG_TS_HALF
-#define GG_TS_HALF 1 /* GLU's TS: each pass leaves as two 64 x 8 boxes, one per 1 KB half of the buffer (0: one 64 x 16 box) */
-#endif
-#ifndef GG_TS_NOWAIT
-#define GG_TS_NOWAIT 0 /* timing only (wrong results): TS never waits for its stores to read the buffer */
-#endif
 /* GLU's TS with GG_TS_HALF: rows 8h..8h+7 of a warp's slab are the buffer's h-th KB (row r at r * 128),
    so a pass leaves as two boxes of 64 columns x 8 rows, and the warp writes one half while the store of
    the other still reads it: before writing half h it waits only until the one store after half h's
@@ -6107,7 +6098,7 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
    641.6-646.1, big's dX the same), so those keep one box a pass. */
 /* the TS steps of epilogue_staged and epilogue_glu: wait before writing the buffer, then store from it */
 __device__ __forceinline__ void ts_wait(int lane, bool half) {
-    if (!GG_TS_NOWAIT && lane == 0) {
+    if (lane == 0) {
         if (half) bulk_wait_read1();
         else bulk_wait_read0();
     }
@@ -6259,9 +6250,6 @@ __device__ __forceinline__ float epilogue_wide(const Params &p, const float (&ac
    and without h at all 657-658; an exp on the FMA pipe would halve the MUFU work for ~10 more
    instructions a value, so at most ~2% to gain, and other bits than k_swiglu's: not done. */
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-#ifndef GG_TSG
-#define GG_TSG 1 /* GLU: a warp's whole 16-row slabs leave as TMA tensor stores (tp.to, to2, to3) */
-#endif
 /* TS (GG_TSG): as epilogue_staged's TS, each pass's 64 x 16 box leaves as a TMA store through the map
    of its output (g, u or h; [Rmax][M], columns past M clipped); slabs holding an expert's last row stay
    staged.  The same bytes.  H200, bench GG_GLU=1 GG_CASE=big, first rounds: 635.2 / 625.7 TFLOP/s
@@ -6285,7 +6273,7 @@ __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)
         const CUtensorMap *map = which == 0 ? tm0 : which == 1 ? tm1 : tm2;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            if (TS && (GG_TS_HALF || h == 0)) ts_wait(lane, GG_TS_HALF);
+            if (TS) ts_wait(lane, true);
 #pragma unroll
             for (int jj = 0; jj < 8; ++jj) {
                 const int j = 8 * half + jj, r = g + 8 * h, i = 4 * j + 2 * h, byte = (8 * jj + 2 * c) * 2;
@@ -6296,8 +6284,7 @@ __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)
                                                swiglu1(bf16_round(acc[i + 1]), bf16_round(acc[i + 65])));
                 *reinterpret_cast<__nv_bfloat162 *>(buf + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15)) = v;
             }
-            if (TS && GG_TS_HALF) ts_issue(lane, map, buf + 1024 * h, c0h + 64 * half, ti.r0 + wrow + 8 * h);
-            else if (TS && h == 1) ts_issue(lane, map, buf, c0h + 64 * half, ti.r0 + wrow);
+            if (TS) ts_issue(lane, map, buf + 1024 * h, c0h + 64 * half, ti.r0 + wrow + 8 * h);
         }
         if (TS) continue;
         __syncwarp();
@@ -6724,36 +6711,13 @@ __device__ __forceinline__ void init_ring(uint32_t full0, uint32_t empty0, int n
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
-/* GG_T_CLOCK (a diagnostic build: make train NVFLAGS="... -DGG_T_CLOCK"): after each launch of
-   gg_tma_kernel or gg_pp_kernel a one-thread kernel prints the launch's span on the GPU (first CTA
-   start to last warp end, %globaltimer), CTA 0's SM clock over its life, the rate, and the share of
-   the tensor cores' rate at that clock (4096 flops a clock an SM on the launch's CTAs); the print
-   kernel adds ~30-40 us a call to the step, the spans are the kernels' own.  mid's step on H200: the
-   grouped GEMMs at 1359-1518 MHz, 72-84% of the tensor rate a clock (README) */
-#ifdef GG_T_CLOCK
-__device__ unsigned long long g_clk[6] = {~0ull, 0, 0, 0, 0, 0}; /* min start, max end; CTA 0's clock start / end, time start / end */
-__device__ __forceinline__ unsigned long long gtimer() { unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
-#define CLK_BEGIN if (threadIdx.x == 0) { const unsigned long long t = gtimer(); atomicMin(&g_clk[0], t); if (blockIdx.x == 0) { g_clk[2] = clock64(); g_clk[4] = t; } }
-#define CLK_END if ((threadIdx.x & 31) == 0) { const unsigned long long t = gtimer(); atomicMax(&g_clk[1], t); if (blockIdx.x == 0) { atomicMax(&g_clk[3], (unsigned long long)clock64()); atomicMax(&g_clk[5], t); } }
-__global__ void k_clk_print(int tag, int E, int M, int K, const int *offs, double mult, int ctas) {
-    const double rows = (double)offs[E], fl = mult * 2.0 * rows * M * K;
-    const double span = (double)(g_clk[1] - g_clk[0]), mhz = (double)(g_clk[3] - g_clk[2]) * 1e3 / (double)(g_clk[5] - g_clk[4]);
-    const char *nm = tag == 0 ? "fwd" : tag == 1 ? "dx" : tag == 2 ? "dW" : tag == 3 ? "glu" : tag == 4 ? "dx2" : "dw-split";
-    printf("CLK %s M=%d K=%d us=%.1f MHz=%.0f TFLOPs=%.1f eff=%.3f\n", nm, M, K, span * 1e-3, mhz, fl / span * 1e-3, fl / (span * 1e-9 * mhz * 1e6 * 4096.0 * ctas));
-    g_clk[0] = ~0ull; g_clk[1] = 0; g_clk[3] = 0; g_clk[5] = 0;
-}
-#else
-#define CLK_BEGIN
-#define CLK_END
-#endif
 /* DWV (mode 2): 0 = as modes 0/1; 1 = short last steps (only the k16 slices that hold rows);
    GLU (mode 0): gate and up in one launch, the SwiGLU in the epilogue (see gg_run_glu) */
 template <int MODE, int DWV = 0, bool GLU = false>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
     constexpr bool SHORT = MODE == 2 && DWV >= 1;
-    constexpr bool TS = MODE != 2 && (GLU ? GG_TSG : GG_TS01); /* whole 16-row slabs leave as TMA stores (epilogue_staged, epilogue_glu) */
+    constexpr bool TS = MODE != 2; /* whole 16-row slabs leave as TMA stores (epilogue_staged, epilogue_glu) */
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    CLK_BEGIN
     const Params &p = tp.p;
     const int tid = threadIdx.x;
     const uint32_t raw = smem_u32(smem_raw);
@@ -6860,7 +6824,6 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
         }
         if (TS && tp.tso && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
     }
-    CLK_END
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -7071,16 +7034,7 @@ constexpr int PP_ST = 6;
    blocks of 64 x 64); 6 stages of 32 KB or 5 of 40 KB */
 constexpr int PP_BLK = 128 * BK;               /* one 64-column block of a step: BK rows of 128 bytes (8 KB) */
 __host__ __device__ constexpr int pp_stage(int bnp) { return (2 + bnp / 64) * PP_BLK; }
-#ifndef PP_ST2K
-#define PP_ST2K 1
-#endif
-#ifndef PP_SQ_IN_STORES
-#define PP_SQ_IN_STORES 1
-#endif
-#ifndef PP_NST192
-#define PP_NST192 5
-#endif
-__host__ __device__ constexpr int pp_nst(int bnp) { return bnp == 128 ? PP_ST : PP_NST192; }
+__host__ __device__ constexpr int pp_nst(int bnp) { return bnp == 128 ? PP_ST : 5; }
 __host__ __device__ constexpr size_t pp_smem(int bnp) {
     return 1024 + (size_t)pp_nst(bnp) * pp_stage(bnp) + 2 * pp_nst(bnp) * 8 + 8 * EPI_BYTES + (size_t)(2 * (MAX_E + 1) + NT) * sizeof(int);
 }
@@ -7283,7 +7237,6 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
     const int g = lane >> 2, c = lane & 3;
     const int sr = perm ? 2 * (g & 3) + (g >> 2) : g; /* the buffer row of this lane's row g */
     const uint32_t sbuf = smem_u32(buf);
-#if PP_ST2K
     if (perm) { /* 2 KB boxes: both row groups of a pass in one store (rows past M are clipped) */
         float q[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -7312,7 +7265,6 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
         if (sq) ss += (q[0] + q[1]) + (q[2] + q[3]);
         return;
     }
-#endif
 #pragma unroll
     for (int pass = 0; pass < N / 16; ++pass) {
         if (32 * pass >= cols_valid) break; /* tile-uniform */
@@ -7334,19 +7286,10 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
     }
 }
 
-#ifdef GG_T_PROF /* instrumented build (bench only): cycles per phase of gg_pp_kernel, summed over warpgroups */
-__device__ unsigned long long gg_prof[8];
-#define PROF_T(x) const long long x = (ctid & 127) == 0 ? clock64() : 0
-#define PROF_ADD(i, v) do { if ((ctid & 127) == 0) pr[i] += (v); } while (0)
-#else
-#define PROF_T(x)
-#define PROF_ADD(i, v)
-#endif
 template <bool TS, bool MC, int BNP>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant__ TmaParams tp) {
     static_assert(BNP == 128 || (BNP == 192 && TS && !MC), "gg_pp_kernel: 192 columns with TMA stores, no clusters");
     constexpr int NST = pp_nst(BNP), STB = pp_stage(BNP), NBB = BNP / 64;
-    CLK_BEGIN
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const Params &p = tp.p;
     const int tid = threadIdx.x;
@@ -7417,10 +7360,6 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
 #pragma unroll
         for (int i = 0; i < BNP / 2; ++i) { a0[i] = 0.f; a1[i] = 0.f; }
         if (wg == 1) named_bar_arrive(1, 256); /* warpgroup 1 (the first) may begin */
-#ifdef GG_T_PROF
-        long long pr[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#endif
-        PROF_T(tk0);
         /* warpgroup wg takes the CTA's tiles q = wg, wg + 2, ...; the other's tile q + 1 (its steps in
            the ring) and this one's next, q + 2, are decoded under the drain of tile q */
         int step = 0, q = wg, ov = 1; /* ov: the tile before q (the other warpgroup's) exists */
@@ -7429,24 +7368,13 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
 #pragma unroll 1
         for (;; q += 2) {
             if (!ti.valid) break;
-            PROF_T(tb0);
             named_bar_sync(1 + wg, 256); /* begin: the other warpgroup has issued its products */
-            PROF_ADD(5, 1);
-#ifdef GG_T_PROF
-            long long tfirst = tb0; /* the first step's data in: the clock read stays below its wait loop */
-#endif
             const int cw = min(BNP, p.K - ti.c0); /* the tile's valid columns (mainloop and epilogue) */
 #pragma unroll 1
             for (int kt = 0; kt < ti.nk; ++kt, ++step) {
                 const int s = step % NST;
                 const uint32_t sA = sbase + (uint32_t)(s * STB);
-                PROF_T(tf0);
                 mbar_wait(full0 + 8u * s, (step / NST) & 1);
-                PROF_T(tf1);
-#ifdef GG_T_PROF
-                if (kt == 0) tfirst = tf1;
-                else PROF_ADD(1, tf1 - tf0);
-#endif
                 int nkk = BK / 16;
                 if (kt == ti.nk - 1) {
                     const int nv = ti.r1 - (ti.r0 + kt * BK);
@@ -7468,11 +7396,9 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                 fence_acc_all(a0);
                 fence_acc_all(a1);
                 /* 192 columns: a last tile with <= 64 or <= 128 columns in K multiplies only those */
-#ifndef GG_T_NOMMA /* timing-only: no products */
                 if (BNP == 192 && cw <= 64) pp_step<32>(a0, a1, da0, da1, db, sd0, nkk);
                 else if (BNP == 128 || cw <= 128) pp_step<64>(a0, a1, da0, da1, db, sd0, nkk);
                 else pp_step<BNP / 2>(a0, a1, da0, da1, db, sd0, nkk);
-#endif
                 fence_acc_all(a0);
                 fence_acc_all(a1);
                 wgmma_wait<1>();
@@ -7483,17 +7409,12 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                     if (MC) mbar_arrive_cta(empty0 + 8u * ((step + NST - 1) % NST), (uint32_t)(rank ^ 1));
                 }
             }
-            PROF_T(te0);
-            PROF_ADD(0, tfirst - tb0);
-            PROF_ADD(2, te0 - tfirst);
             named_bar_arrive(2 - wg, 256); /* end: the other warpgroup may issue */
             const PpTile to = tile(q + 1), tn = tile(q + 2);
             ov = to.valid;
             wgmma_wait<0>();
             fence_acc_all(a0);
             fence_acc_all(a1);
-            PROF_T(te1);
-            PROF_ADD(3, te1 - te0);
             if (ti.nk > 0 && lane == 0) {
                 mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
                 if (MC) mbar_arrive_cta(empty0 + 8u * ((step + NST - 1) % NST), (uint32_t)(rank ^ 1));
@@ -7507,16 +7428,11 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
 #pragma unroll
                     for (int i = 0; i < BNP / 2; ++i) a0[i] = a1[i] = 0.f;
                 /* the norm partial: a whole accumulator's squares summed in the 2 KB stores, else here */
-                const bool f = p.ssq && PP_ST2K && PP_SQ_IN_STORES && tp.perm && cw >= BNP, f0 = f && rv >= 16, f1 = f && rv - 64 >= 16;
-                PROF_T(ts0);
+                const bool f = p.ssq && tp.perm && cw >= BNP, f0 = f && rv >= 16, f1 = f && rv - 64 >= 16;
                 if (p.ssq && !f0) ss += pp_ssq(a0, rv, cw, lane);
                 if (p.ssq && !f1) ss += pp_ssq(a1, rv - 64, cw, lane);
-                PROF_T(ts1);
-                PROF_ADD(7, ts1 - ts0);
-#ifndef GG_T_NOST /* timing-only: nothing stored */
                 pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cw, lane, buf, tp.perm != 0, f0, ss);
                 pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cw, lane, buf, tp.perm != 0, f1, ss);
-#endif
             } else if constexpr (BNP == 128) {
                 float *o = reinterpret_cast<float *>(p.out) + ((size_t)ti.e * p.M + ti.m0 + 16 * v) * p.K + ti.c0;
                 ss = pp_store_staged(a0, o, (size_t)p.K, rv, cw, lane, ti.nk > 0, buf);
@@ -7527,8 +7443,6 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                 for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
                 if (lane == 0) p.ssq[ti.sq + v] = ss;
             }
-            PROF_T(te2);
-            PROF_ADD(4, te2 - te1);
             step += to.nk;
             ti = tn;
         }
@@ -7540,15 +7454,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
         }
         if (wg == 0) named_bar_sync(1, 256);
         if (TS && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
-#ifdef GG_T_PROF
-        PROF_T(tk1);
-        PROF_ADD(6, tk1 - tk0);
-        if ((ctid & 127) == 0)
-            for (int i = 0; i < 8; ++i) atomicAdd(&gg_prof[i], (unsigned long long)pr[i]);
-#endif
     }
     if (MC) cluster_sync_all(); /* no CTA leaves while its peer may still arrive on its barriers */
-    CLK_END
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -7607,7 +7514,7 @@ static int tma_w_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int E,
     return tma_map(enc, m, base, 3, dims, strides, box);
 }
 
-constexpr int TSG_BOX = GG_TS_HALF ? 8 : 16; /* the rows of GLU's TMA store boxes (epilogue_glu's TS) */
+constexpr int TSG_BOX = 8; /* the rows of GLU's TMA store boxes (epilogue_glu's TS: a box per 1 KB half of a warp's buffer) */
 template <int MODE, int DWV = 0, bool GLU = false>
 static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream) {
     TmaParams tp;
@@ -7627,23 +7534,17 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
         rc = tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK);
     }
     if (rc) return -1;
-    if (MODE != 2 && !GLU && GG_TS01 && p.Rmax > 0) /* the output's map (without it: staged stores) */
+    if (MODE != 2 && !GLU && p.Rmax > 0) /* the output's map (without it: staged stores) */
         tp.tso = tma_row_map(enc, &tp.to, p.out, p.ncols, p.Rmax, 16) == 0;
-    if (GLU && GG_TSG && p.Rmax > 0)
+    if (GLU && p.Rmax > 0)
         tp.tso = (tma_row_map(enc, &tp.to, p.out, p.M, p.Rmax, TSG_BOX) | tma_row_map(enc, &tp.to2, p.out2, p.M, p.Rmax, TSG_BOX) |
                    (p.out3 ? tma_row_map(enc, &tp.to3, p.out3, p.M, p.Rmax, TSG_BOX) : 0)) == 0;
     void (*kern)(const TmaParams) = gg_tma_kernel<MODE, DWV, GLU>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_TMA) != cudaSuccess) return -1;
     kern<<<grid, NT_TMA, SMEM_TMA, stream>>>(tp);
-#ifdef GG_T_CLOCK
-    k_clk_print<<<1, 1, 0, stream>>>(GLU ? 3 : (MODE == 1 && p.a2) ? 4 : MODE == 2 ? 5 : MODE, p.E, p.M, p.K, p.offs, (GLU || (MODE == 1 && p.a2)) ? 2.0 : 1.0, grid);
-#endif
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
-#ifndef GG_PP_PERM
-#define GG_PP_PERM 1              /* gg_pp_kernel's stores through the 5-D view without bank conflicts (0: rows in order) */
-#endif
 /* ts: the epilogue as TMA tensor stores (pp_store_tma) when dW's map can be made, else staged stores */
 /* mc: in clusters of 2 (p.pair set, grid even; needs the TMA stores) */
 /* bnp: the tiles' columns, 128 or 192 (192: TMA stores, no clusters) */
@@ -7652,11 +7553,11 @@ static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t 
     memset(&tp, 0, sizeof tp);
     tp.p = p;
     if (tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK)) return -1;
-    if (ts && GG_PP_PERM) { /* the 5-D view (pp_store_tma): dims K, 2 rows 4 apart, 4 rows 1 apart, M / 8, E */
+    if (ts) { /* the 5-D view (pp_store_tma): dims K, 2 rows 4 apart, 4 rows 1 apart, M / 8, E */
         const cuuint64_t r = (cuuint64_t)p.K * 4;
         const cuuint64_t dims[5] = {(cuuint64_t)p.K, 2, 4, (cuuint64_t)(p.M / 8), (cuuint64_t)p.E};
         const cuuint64_t strides[4] = {4 * r, r, 8 * r, (cuuint64_t)p.M * r};
-        const cuuint32_t box[5] = {32, 2, 4, PP_ST2K ? 2u : 1u, 1};
+        const cuuint32_t box[5] = {32, 2, 4, 2, 1};
         tp.perm = tma_map(enc, &tp.tc, p.out, 5, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) == 0;
     }
     if (ts && !tp.perm) {
@@ -7684,9 +7585,6 @@ static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t 
     cfg.attrs = mc ? attr : nullptr;
     cfg.numAttrs = mc ? 1 : 0;
     if (cudaLaunchKernelEx(&cfg, kern, tp) != cudaSuccess) return -1;
-#ifdef GG_T_CLOCK
-    k_clk_print<<<1, 1, 0, stream>>>(2, p.E, p.M, p.K, p.offs, 1.0, grid);
-#endif
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
@@ -7702,29 +7600,7 @@ static long long ssq_need(int E, int M, int K) {
    dW variants; 5: the TMA kernel without wide tiles; 6: mode 2 in turns (gg_pp_kernel; benches);
    7, 8, 9: in turns with staged st.global, with TMA stores, with TMA stores in clusters of 2; 10: in
    turns with 128 x 192 tiles (benches) */
-#ifndef GG_DW_DV
-#define GG_DW_DV 1
-#endif
-#ifndef GG_WIDE
-#define GG_WIDE 1                 /* the TMA kernel's wide tiles (-DGG_WIDE=0: 128 x 128, to compare in place) */
-#endif
-#ifndef GG_PP
-#define GG_PP 1                   /* mode 2 in turns (gg_pp_kernel) where no row split is needed (-DGG_PP=0: the 128 x 256 kernel) */
-#endif
-#ifndef GG_PP_TS
-#define GG_PP_TS 1                /* gg_pp_kernel's epilogue as TMA stores (0: staged st.global) */
-#endif
-#ifndef GG_PP_BN
-#define GG_PP_BN 192              /* gg_pp_kernel's tile columns: 128, 192, or 0: 192 where the last tile keeps >= 128 */
-/* (GG_PP_BN=0 gives mid's down projection, K = 1408, eleven 128-column tiles in place of seven of 192
-   and one of 64: in mid's step, GG_T_CLOCK build, H200, alternating, 524.4-529.3 TFLOP/s at 67.7-67.8%
-   of the tensor rate a clock against 545.2-553.4 at 70.6-70.8%) */
-#endif
-#ifndef GG_PP_MC
-#define GG_PP_MC 0                /* 1: gg_pp_kernel in clusters of 2 sharing a block by multicast, where tiles pair (needs GG_PP_TS) */
-#endif
-constexpr int DW_DV = GG_DW_DV;   /* the TMA kernel's dW variant (-DGG_DW_DV=... to compare in place) */
-static_assert(DW_DV >= 0 && DW_DV <= 1, "dW variant");
+constexpr int DW_DV = 1;          /* the TMA kernel's dW variant: short last steps */
 static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
                   int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
                   float *ssq = nullptr, long long ssq_len = 0, int nsm = 0) {
@@ -7732,10 +7608,10 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     if (variant < 0 || variant > 10) return -1;
     if ((variant == 3 || variant == 4 || variant >= 6) && mode != 2) return -1;
     int dv = DW_DV;
-    bool wide = GG_WIDE != 0;
-    bool pp = mode == 2 && (variant >= 6 || (variant == 2 && GG_PP));
-    bool ts = GG_PP_TS != 0, mc = GG_PP_MC != 0;
-    int bnp = GG_PP_BN != 0 ? GG_PP_BN : (K % 192 == 0 || K % 192 >= 128) ? 192 : 128;
+    bool wide = true;
+    bool pp = mode == 2 && (variant >= 6 || variant == 2);
+    bool ts = true, mc = false;
+    int bnp = 192;
     if (variant >= 7) { ts = variant != 7; mc = variant == 9; bnp = variant == 10 ? 192 : 128; }
     mc = mc && ts && bnp == 128;
     if (!ts) bnp = 128;

@@ -17,9 +17,7 @@
  * persistent kernels on N CTAs (scaling runs; the split choice sees N SMs too);
  * GG_SMALL=1 runs only the small untimed layouts (for compute-sanitizer); GG_NOTIME=1 runs the checks only, GG_CASE=name one layout (e.g. even),
  * GG_MODE=m the timings of one mode (0 forward, 1 dX, 2 dW); GG_LTB=1 (equal layouts) our kernel once, then only cuBLASLt's batched
- * GEMM, each algorithm launched once (for ncu -k regex:nvjet).  Built with -DGG_T_PROF, mode 2 also prints the dW kernel's cycles
- * a tile per phase (gg_pp_kernel's clock64 instrumentation; -DGG_T_NOST / -DGG_T_NOMMA: timing-only builds without its stores /
- * products; -DPP_NST192=N: its ring's stages).
+ * GEMM, each algorithm launched once (for ncu -k regex:nvjet).
  * Every layout also checks the gate/up launch with the SwiGLU (gg_run_glu, GMM_GLU) bitwise against two
  * launches and k_swiglu; GG_GLU=1 runs only the layout's own checks and that one, timed on the timed
  * layouts (with GG_ONLY_TIME=1: only the gate/up checks and timing).
@@ -694,26 +692,6 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                 printf("  timing %s\n", line);
                 g_table.push_back(line);
             }
-#ifdef GG_T_PROF
-            if (mode == 2) {   /* the instrumented build: cycles per phase, per tile of a warpgroup (without, then with the norm partials) */
-                const long long L = mt_ggk::ssq_need(E, M, K);
-                float *ssq;
-                CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
-                for (int w = 0; w < 2; ++w) {
-                    unsigned long long z[8] = {0, 0, 0, 0, 0, 0, 0, 0}, h[8];
-                    CK(cudaMemcpyToSymbol(mt_ggk::gg_prof, z, sizeof z));
-                    const int pv = getenv("GG_PROF_VARIANT") ? atoi(getenv("GG_PROF_VARIANT")) : 2; /* GG_PROF_VARIANT=v: that dW variant */
-                    if (run_variant(pv, b, mode, b.ws, st, false, w ? ssq : nullptr, w ? L : 0) != 0) fatal("launch failed");
-                    CK(cudaStreamSynchronize(st));
-                    CK(cudaMemcpyFromSymbol(h, mt_ggk::gg_prof, sizeof h));
-                    const double nt = (double)std::max(h[5], 1ull);
-                    printf("  prof %s%s: %llu tiles; cycles a tile: begin + first data %.0f, mainloop after it %.0f (of it full waits %.0f), drain %.0f, epilogue %.0f "
-                           "(norm %.0f); warpgroup life %.0f a tile\n", c.name.c_str(), w ? " +norm" : "", h[5], h[0] / nt, h[2] / nt, h[1] / nt,
-                           h[3] / nt, h[4] / nt, h[7] / nt, h[6] / nt);
-                }
-                CK(cudaFree(ssq));
-            }
-#endif
             if (mode == 2 && getenv("GG_SOAK")) {
                 /* GG_SOAK=S: dW with the norm partials back to back for about S seconds, the rate of each
                    100 launches: the steady (power-limited) rate, against the median of 10 above */
