@@ -9,6 +9,7 @@
  */
 #define MOETRAIN_IMPLEMENTATION   /* mt_errf and friends, for the kernels file */
 #include "../moetrain_kernels.cu"
+#include "kernel_variants.cuh"   /* fa_bwd_dkdv_wg_kernel: the dK/dV kernel the split one replaced */
 #undef CK
 
 /* ========================================================================================== */
@@ -578,7 +579,7 @@ static void bench_breakdown(const Shape &s) {
     {   /* the wgmma backward kernels (the default) one by one, against the mma.sync ones */
         BwdParams pr = p; /* dQ recomputing S and dP */
         pr.ds = nullptr;
-        const float t_kv_ds = time_launcher(MT_FA_SPLIT ? launch_dkdv_split_kernel<192, 128> : launch_dkdv_wg_kernel<192, 128>, p, BH);
+        const float t_kv_ds = time_launcher(launch_dkdv_split_kernel<192, 128>, p, BH);
         const float t_q_ds = time_launcher(launch_dq_ds_kernel<192>, p, BH);
         const float t_pair_ds = time_launcher(launch_bwd<192, 128, true>, p, BH);
         const float t_pair_rec = time_launcher(launch_bwd<192, 128, true>, pr, BH);
@@ -822,7 +823,7 @@ static void bench_fold(int B, int T, int H, int dn, int dr, int dv) {
     pf.fold.q = q; pf.fold.kv = kv; pf.fold.qr = qr; pf.fold.kr = kr; pf.fold.dn = dn;
     pf.dk2 = gkr; pf.rcos = cs; pf.rsin = sn;
     const int BH = B * H;
-    int (*const kv_rt)(const BwdParams &, int, cudaStream_t) = MT_FA_SPLIT ? launch_dkdv_split_kernel<192, 128> : launch_dkdv_wg_kernel<192, 128>;
+    int (*const kv_rt)(const BwdParams &, int, cudaStream_t) = launch_dkdv_split_kernel<192, 128>;
     const float kf = time_launcher(kv_rt, pf, BH), ku = time_launcher(kv_rt, pu, BH);
     {   /* the runtime's dK/dV kernel, folded and not, without the dS^T stores */
         BwdParams pn = pf;
