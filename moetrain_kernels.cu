@@ -1802,13 +1802,8 @@ __device__ __forceinline__ void named_bar_arrive(int id, int n) {
    of 8, and within a group block 0 of each head, then block 1, ...  Head after head instead, the last
    heads' heaviest CTAs start in the last wave and run on alone: 0.471 against 0.434 ms (H200, B=8
    T=2048 H=16, 192/128).  A group's K, V, Q and dO stay in L2. */
-__device__ __forceinline__ void heavy_first(int &blk, int &bh, bool grouped) {
+__device__ __forceinline__ void heavy_first(int &blk, int &bh) {
     const int nb = (int)gridDim.x, nbh = (int)gridDim.y;
-    if (!grouped) {
-        blk = (int)blockIdx.x;
-        bh = (int)blockIdx.y;
-        return;
-    }
     constexpr int G = 8;
     const int L = (int)blockIdx.y * nb + (int)blockIdx.x;
     const int grp = L / (G * nb), r = L - grp * G * nb, gs = min(G, nbh - grp * G);
@@ -2638,19 +2633,15 @@ __device__ __forceinline__ void tma_qkv_tile(uint32_t s, const CUtensorMap *map,
     }
 }
 /* use u of a ring of NS such tiles (stage u % NS at s0, full / empty barriers 8 bytes apart): wait for
-   the stage's previous use to be released, then load (or, for the bench's ablations, only arrive) */
+   the stage's previous use to be released, then load */
 template <int NS, int R, int D, bool FOLD, int KIND, int C0 = 0>
 __device__ __forceinline__ void ring_fill(uint32_t s0, uint32_t full, uint32_t empty, const CUtensorMap *map, const CUtensorMap *map2,
-                                          int u, int h, int row, int b, bool load) {
+                                          int u, int h, int row, int b) {
     constexpr uint32_t BYTES = R * D * 2;
     const int st = NS == 2 ? (u & 1) : u % NS;
     if (u >= NS) mbar_wait(empty + 8 * st, (NS == 2 ? ((u - 2) >> 1) : (u / NS) - 1) & 1);
-    if (load) {
-        mbar_expect_tx(full + 8 * st, BYTES);
-        tma_qkv_tile<R, D, FOLD, KIND, C0>(s0 + (uint32_t)st * BYTES, map, map2, full + 8 * st, h, row, b);
-    } else {
-        mbar_arrive(full + 8 * st);
-    }
+    mbar_expect_tx(full + 8 * st, BYTES);
+    tma_qkv_tile<R, D, FOLD, KIND, C0>(s0 + (uint32_t)st * BYTES, map, map2, full + 8 * st, h, row, b);
 }
 
 template <int DQ, int DV, int BN>
@@ -2663,13 +2654,7 @@ struct FwdMaps {
     CUtensorMap q, k, v, q2, k2;
 };
 
-/* VAR: 0 in the runtime; bench/attention.cu times ablations that leave a stage out (wrong results,
-   timing only): bit 0 no loads after the ring's first two K/V fills, bit 1 no softmax arithmetic; and
-   (results right) bit 2 without the ping-pong between the warpgroups, bit 5 Q released after the item's
-   last P V instead of its last S, bit 6 no turns at an item's first S and last P V, bit 7 4-byte
-   stores of O in the accumulator's layout.  Measured (H200, B=8 T=2048 H=16, 192/128): the runtime's
-   choice 0.310 ms; bit 6 0.317, bits 5 + 6 0.337, bit 7 0.359. */
-template <int DQ, int DV, int BN, int VAR, bool FOLD>
+template <int DQ, int DV, int BN, bool FOLD>
 __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, const __grid_constant__ FwdMaps tm) {
     constexpr int BM = 128;
     static_assert(DQ % 64 == 0 && DQ <= 256 && (BN == 64 || BN == 128) && (DV == 64 || DV == 128 || DV == 256), "wgmma tiles");
@@ -2732,9 +2717,8 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
                 mbar_expect_tx(barQ, Q_BYTES);
                 tma_qkv_tile<BM, DQ, FOLD, 0>(sQ, &tm.q, &tm.q2, barQ, h, m0, b);
                 for (int j = j0; j < n_blocks; ++j, ++u) {
-                    const bool load = !(VAR & 1) || u < 2;
-                    ring_fill<2, BN, DQ, FOLD, 1>(sK, barKf, barKe, &tm.k, &tm.k2, u, h, j * BN, b, load);
-                    ring_fill<2, BN, DV, FOLD, 2, DQ - 64>(sV, barVf, barVe, &tm.v, &tm.v, u, h, j * BN, b, load);
+                    ring_fill<2, BN, DQ, FOLD, 1>(sK, barKf, barKe, &tm.k, &tm.k2, u, h, j * BN, b);
+                    ring_fill<2, BN, DV, FOLD, 2, DQ - 64>(sV, barVf, barVe, &tm.v, &tm.v, u, h, j * BN, b);
                 }
             }
         }
@@ -2749,9 +2733,8 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
 
     /* ping-pong: the warpgroups take turns issuing their matrix work, so that one's softmax runs
        while the other's wgmmas keep the tensor cores busy */
-    constexpr bool PP = !(VAR & 4);
     const Turns turns{wg};
-    if (PP) turns.start();
+    turns.start();
 
     /* the current work item: its query block m0, sequence b, head h, key tiles [j0, n_blocks); the
        rows of this thread, r0w + 8hh for hh = 0, 1 (block-local rows 64wg + 16(warp%4) + g + 8hh),
@@ -2786,12 +2769,6 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
     /* mask + scale S_j (log2 domain), new running max; exponentiate in place; returns the
        rescale factors of the old state and the row sums of the new P */
     auto softmax = [&](int j, float (&alpha)[2], float (&ls)[2]) {
-        if (VAR & 2) {
-            alpha[0] = alpha[1] = 1.f;
-            ls[0] = s[0];
-            ls[1] = s[2];
-            return;
-        }
         /* the maximum is taken on the unscaled scores (the scale is positive: the launcher sends
            other scales to the mma.sync kernel), the scale rides in the exponent's FMA */
         const int n0 = j * BN;
@@ -2849,7 +2826,7 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
     auto epilogue = [&]() {
         bf16 *obase = p.o + (size_t)b * T * ldv + (size_t)h * p.dimv;
         const bool pair = p.pair_o != 0;
-        const bool wide = !(VAR & 128) && rows16(p.o, p.dimv, pair);
+        const bool wide = rows16(p.o, p.dimv, pair);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             float l = lrow[hh];
@@ -2877,10 +2854,9 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
 
     /* Item after item: the first S, then per further key tile the product of tile u issued with the
        P V of tile u - 1, then the last P V and the epilogue.  The first S and the last P V take turns
-       too (VAR bit 6 leaves them out), so the warpgroups stay out of step from one item to the next;
-       Q is released as soon as the item's last S has completed (VAR bit 5: after its last P V), so
-       the next item's Q loads while this one's last softmax, P V and epilogue run. */
-    constexpr bool EDGE = PP && !(VAR & 64);
+       too, so the warpgroups stay out of step from one item to the next; Q is released as soon as the
+       item's last S has completed, so the next item's Q loads while this one's last softmax, P V and
+       epilogue run. */
     int u = 0; /* ring use of the next K / V tile */
 #pragma unroll 1
     for (int k = 0; item(k, m0, b, h); ++k) {
@@ -2888,14 +2864,14 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
         mrow[0] = mrow[1] = neg_inf();
         mbar_wait(barQ, k & 1);
         wait_k(u);
-        if (EDGE) turns.begin();
+        turns.begin();
         wgmma_fence();
         issue_s(u);
-        if (EDGE) turns.end();
+        turns.end();
         wgmma_wait<0>();
         fence_regs(s);
         free_k(u);
-        if (!(VAR & 32) && n_blocks == j0 + 1) free_q();
+        if (n_blocks == j0 + 1) free_q();
         {
             float alpha[2], ls[2];
             softmax(j0, alpha, ls);
@@ -2910,15 +2886,15 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
             wait_v(u);
             fence_regs(o);
             fence_regs(pa);
-            if (PP) turns.begin();
+            turns.begin();
             wgmma_fence();
             issue_s(u + 1);
             issue_pv(u, j - 1 == j0);
-            if (PP) turns.end();
+            turns.end();
             wgmma_wait<1>(); /* S_j done, P_{j-1} V_{j-1} may still run */
             fence_regs(s);
             free_k(u + 1);
-            if (!(VAR & 32) && j == n_blocks - 1) free_q();
+            if (j == n_blocks - 1) free_q();
             float alpha[2], ls[2];
             softmax(j, alpha, ls);
             wgmma_wait<0>();
@@ -2928,22 +2904,21 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
             rescale(alpha, ls);
             pack_p();
         }
-        if (VAR & 32) free_q();
         /* the last P V */
         wait_v(u);
         fence_regs(o);
         fence_regs(pa);
-        if (EDGE) turns.begin();
+        turns.begin();
         wgmma_fence();
         issue_pv(u, n_blocks - 1 == j0);
-        if (EDGE) turns.end();
+        turns.end();
         wgmma_wait<0>();
         fence_regs(o);
         free_v(u);
         ++u;
         epilogue();
     }
-    if (PP) turns.finish();
+    turns.finish();
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -3394,9 +3369,7 @@ struct DqMaps {
     int fold_dn;
 };
 
-/* VAR: 0 in the runtime; bench/attention.cu: 1 no loads after the first key tiles (timing only),
-   2 without the warpgroups' turns, 32 CTAs head after head (see heavy_first) */
-template <int DQ, int DV, int VAR, bool FOLD>
+template <int DQ, int DV, bool FOLD>
 __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, const __grid_constant__ DqMaps tm) {
     constexpr int BM = 128, BN = 64;
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
@@ -3417,7 +3390,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
     const int g = lane >> 2, c = lane & 3;
     const int T = p.T, H = p.H;
     int qb, bh;
-    heavy_first(qb, bh, !(VAR & 32));
+    heavy_first(qb, bh);
     const int b = bh / H, h = bh - b * H;
     const int m0 = ((int)gridDim.x - 1 - qb) * BM; /* the last query block has the most work */
     const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
@@ -3467,9 +3440,8 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
             tma_head_tile<BM, DV>(sdO, &tm.dout, barQ, h, m0, b);
             for (int j = j0; j < n_blocks; ++j) {
                 const int u = j - j0;
-                const bool load = !(VAR & 1) || u < 3;
-                ring_fill<3, BN, DQ, FOLD, 1>(sK, barKf, barKe, &tm.k, &tm.k2, u, h, j * BN, b, load);
-                ring_fill<2, BN, DV, FOLD, 2, DQ - 64>(sV, barVf, barVe, &tm.v, &tm.v, u, h, j * BN, b, load);
+                ring_fill<3, BN, DQ, FOLD, 1>(sK, barKf, barKe, &tm.k, &tm.k2, u, h, j * BN, b);
+                ring_fill<2, BN, DV, FOLD, 2, DQ - 64>(sV, barVf, barVe, &tm.v, &tm.v, u, h, j * BN, b);
             }
         }
         return;
@@ -3517,9 +3489,8 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
     mbar_wait(barQ, 0);
     /* the warpgroups take turns issuing their products, as in the forward (named barriers 1 and 2;
        H100: 0.498 -> 0.479 ms for B=8 T=2048 H=16, 192/128) */
-    constexpr bool TURNS = !(VAR & 2);
     const Turns turns{wg};
-    if (TURNS) turns.start();
+    turns.start();
 
 #pragma unroll 1
     for (int j = j0; j < n_blocks; ++j) {
@@ -3528,7 +3499,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
         float s[32], dp[32];
         fence_regs(dq);
         fence_regs(da4);
-        if (TURNS) turns.begin();
+        turns.begin();
         wgmma_fence();
         wgmma_abt<64, DQ, BM, BN>(s, sQ, kst, wg);
         wgmma_commit();
@@ -3537,7 +3508,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
         /* dS_{j-1} K_{j-1}: for j == j0, da4 is zero and K_{j0 - 1}'s stage holds whatever it holds
            (finite or not, 0 x it would still poison dq with NaN), so it reads the current stage */
         issue_dq(j > j0 ? j - 1 : j);
-        if (TURNS) turns.end();
+        turns.end();
 
         const int n0 = j * BN;
         const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
@@ -3572,7 +3543,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
 #pragma unroll
             for (int e = 0; e < 4; ++e) da4[kk][e] = pack_bf16(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
     }
-    if (TURNS) turns.finish();
+    turns.finish();
     if (j0 < n_blocks) {
         fence_regs(dq);
         fence_regs(da4);
@@ -4401,11 +4372,11 @@ static int qkv_maps(EncodeTiledFn enc, M &m, const P &p, int B, int qrows, int k
            fa_map(enc, &m.v, p.fold.kv, fd + p.dimv, p.H, p.T, B, krows);
 }
 /* -2: no tensor-map encoder, a map it refuses or a scale <= 0 (the caller takes the mma.sync kernel) */
-template <int DQ, int DV, int BN, int VAR = 0>
+template <int DQ, int DV, int BN>
 static int launch_fwd_wg_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const FwdCore, const FwdMaps) = fa_fwd_wg_kernel<DQ, DV, BN, VAR, false>;
-    if constexpr (VAR == 0 && DV == 128) if (p.fold.dn) kern = fa_fwd_wg_kernel<DQ, DV, BN, 0, true>;
-    if ((VAR != 0 || DV != 128) && p.fold.dn) return -1;
+    void (*kern)(const FwdCore, const FwdMaps) = fa_fwd_wg_kernel<DQ, DV, BN, false>;
+    if constexpr (DV == 128) if (p.fold.dn) kern = fa_fwd_wg_kernel<DQ, DV, BN, true>;
+    if (DV != 128 && p.fold.dn) return -1;
     const size_t smem = fwd_wg_smem_bytes<DQ, DV, BN>();
     const int mblocks = (p.T + 127) / 128;
     if (BH > 65535 || p.H <= 0) return -1;
@@ -4508,11 +4479,11 @@ static int launch_dkdv_split_kernel(const BwdParams &p, int BH, cudaStream_t str
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 /* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
-template <int DQ, int DV, int VAR = 0, bool EARLY = false>
+template <int DQ, int DV, bool EARLY = false>
 static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdCore, const DqMaps) = fa_bwd_dq_wg_kernel<DQ, DV, VAR, false>;
-    if constexpr (VAR == 0 && DV == 128) if (p.fold.dn) kern = fa_bwd_dq_wg_kernel<DQ, DV, 0, true>;
-    if ((VAR != 0 || DV != 128) && p.fold.dn) return -1;
+    void (*kern)(const BwdCore, const DqMaps) = fa_bwd_dq_wg_kernel<DQ, DV, false>;
+    if constexpr (DV == 128) if (p.fold.dn) kern = fa_bwd_dq_wg_kernel<DQ, DV, true>;
+    if (DV != 128 && p.fold.dn) return -1;
     const size_t smem = dq_wg_smem_bytes<DQ, DV>() + (p.fold.dn ? (size_t)128 * (p.dimq - p.fold.dn) * 4 : 0);
     if (BH > 65535 || p.H <= 0) return -1;
     const int B = BH / p.H;
@@ -4576,7 +4547,7 @@ static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
             if (r == 0 && p.ds) return launch_dq_ds_kernel<DQ, EARLY>(p, BH, stream) ? -1 : 0; /* dS written: dQ from it */
             if (r == -2) r = launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream);
             if (r) return -1;
-            r = launch_dq_wg_kernel<DQ, DV, 0, EARLY>(p, BH, stream);
+            r = launch_dq_wg_kernel<DQ, DV, EARLY>(p, BH, stream);
             if (r != -2) return r;
             if (p.fold.dn) return -1;
             return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
