@@ -5305,14 +5305,6 @@ static_assert(PD <= ST - 2, "a stage may still be read by the wgmma batch in fli
 /* PTX helpers                                                                                */
 /* ------------------------------------------------------------------------------------------ */
 /* (cp.async, ldmatrix and shared-address helpers: namespace mt_ptx) */
-/* D = A(16x16 row) * B(16x8 col) + D, bf16 inputs, f32 accumulate */
-__device__ __forceinline__ void mma_bf16(float &d0, float &d1, float &d2, float &d3, const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 /* named barrier over nthreads threads (multiple of 32) */
 __device__ __forceinline__ void bar_sync_named(int id, int nthreads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
@@ -5390,7 +5382,8 @@ struct Params {
     int nk01;            /* modes 0/1: reduction steps ceil(K / BK) or ceil(M / BK)            */
     int S, ntm;          /* mode 2: row splits, m tiles ceil(M / BM)                           */
     int T2;              /* mode 2: number of tiles E * S * (ntm * ctf + half * ceil(ntm / 2))   */
-    int pair;            /* gg_pp_kernel in clusters of 2: 1 tiles paired along columns, 2 along m */
+    int pair;            /* gg_pp_kernel's tile pairs: always 0 (pairs served clusters of 2, measured and not
+                            kept: docs/KERNELS.md; the decode still reads it, as the measured kernel did) */
     int half, ctf;       /* half = 1: the last column tile has <= 128 columns and pairs its rows   */
                          /* into 256 x 128 tiles (TMA kernel); ctf = ct - half full-width tiles    */
 };
@@ -5624,95 +5617,11 @@ __device__ __forceinline__ void step_wgmma(float (&acc)[128], uint32_t sA, int w
     fence_acc_all(acc);
 }
 
-/* One reduction step with mma.sync: warp (wm, wn) = (warp / 4, warp % 4) computes the 64 x 64 block
-   at rows 64wm, columns 64wn; acc[((mi * 8 + ni) * 4) + e] = m16 tile mi, n8 tile ni, element e. */
-template <int MODE>
-__device__ __forceinline__ void step_mma(float (&acc)[128], uint32_t sA, int warp, int lane, int rows_valid,
-                                         int cols_valid) {
-    const int wm = warp >> 2, wn = warp & 3;
-    if (64 * wm >= rows_valid || 64 * wn >= cols_valid) return;
-    const uint32_t sB = sA + A_BYTES;
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-        uint32_t a[4][4], b[4][4];
-#pragma unroll
-        for (int mi = 0; mi < 4; ++mi) {
-            if (MODE != 2) { /* [row][k]: row = lane % 16, k chunk = 2kk + lane / 16 */
-                const int row = 64 * wm + 16 * mi + (lane & 15), ch = 2 * kk + (lane >> 4);
-                ldsm_x4(a[mi], sA + (uint32_t)(row * 128 + ((ch ^ (row & 7)) << 4)));
-            } else { /* [k][m], .trans: k = 8 * (lane / 16) + lane % 8, m = 8 * ((lane / 8) % 2) */
-                const int kr = 16 * kk + ((lane >> 4) << 3) + (lane & 7);
-                const int mc = 64 * wm + 16 * mi + (((lane >> 3) & 1) << 3);
-                ldsm_x4_t(a[mi], sA + (uint32_t)((mc >> 6) * 8192 + kr * 128 + ((((mc >> 3) & 7) ^ (kr & 7)) << 4)));
-            }
-        }
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-            if (MODE == 0) { /* [n][k]: n = 8 * (lane / 16) + lane % 8, k chunk = 2kk + (lane / 8) % 2 */
-                const int n = 64 * wn + 16 * np + ((lane >> 4) << 3) + (lane & 7), ch = 2 * kk + ((lane >> 3) & 1);
-                ldsm_x4(b[np], sB + (uint32_t)(n * 128 + ((ch ^ (n & 7)) << 4)));
-            } else { /* [k][n], .trans: k = 8 * ((lane / 8) % 2) + lane % 8, n = 8 * (lane / 16) */
-                const int kr = 16 * kk + (((lane >> 3) & 1) << 3) + (lane & 7);
-                const int nc = 64 * wn + 16 * np + ((lane >> 4) << 3);
-                ldsm_x4_t(b[np], sB + (uint32_t)((nc >> 6) * 8192 + kr * 128 + ((((nc >> 3) & 7) ^ (kr & 7)) << 4)));
-            }
-        }
-#pragma unroll
-        for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < 8; ++ni) {
-                float *d = &acc[(mi * 8 + ni) * 4];
-                mma_bf16(d[0], d[1], d[2], d[3], a[mi], b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
-            }
-    }
-}
-
 /* The gradient-norm partial of one warp's part of a dW tile: a fixed-order warp sum. */
 __device__ __forceinline__ void store_ssq(const Params &p, const Tile &ti, int warp, int lane, float ss) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) p.ssq[(size_t)ti.t * 8 + warp] = ss;
-}
-
-/* Write the accumulators of tile ti (rows < rows_valid, columns < cols_valid). */
-template <int MODE, bool WG>
-__device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128], const Tile &ti, int warp, int lane,
-                                         int rows_valid, int cols_valid) {
-    const int g = lane >> 2, c = lane & 3;
-    bf16 *obase = nullptr;
-    float *pbase = nullptr;
-    float ss = 0.f;
-    int ld;
-    if (MODE == 2) {
-        pbase = p.part + ((size_t)(ti.s * p.E + ti.e) * p.M + ti.m0) * p.K + ti.c0;
-        ld = p.K;
-    } else {
-        obase = reinterpret_cast<bf16 *>(p.out) + (size_t)ti.r0 * p.ncols + ti.c0;
-        ld = p.ncols;
-    }
-#pragma unroll
-    for (int q = 0; q < 64; ++q) {
-        int row, col;
-        if (WG) {
-            row = 64 * (warp >> 2) + 16 * (warp & 3) + g + 8 * (q & 1);
-            col = 8 * (q >> 1) + 2 * c;
-        } else {
-            row = 64 * (warp >> 2) + 16 * (q >> 4) + g + 8 * (q & 1);
-            col = 64 * (warp & 3) + 8 * ((q >> 1) & 7) + 2 * c;
-        }
-        if (row < rows_valid && col < cols_valid) {
-            /* wgmma: the first step of a tile overwrites the accumulators (scale-d = 0), so a tile
-               without reduction steps (mode 2, expert without rows) must not read them */
-            const float v0 = ti.nk > 0 ? acc[2 * q] : 0.f, v1 = ti.nk > 0 ? acc[2 * q + 1] : 0.f;
-            if (MODE == 2) {
-                *reinterpret_cast<float2 *>(pbase + row * ld + col) = make_float2(v0, v1);
-                ss += v0 * v0 + v1 * v1;
-            } else {
-                *reinterpret_cast<__nv_bfloat162 *>(obase + row * ld + col) = __floats2bfloat162_rn(v0, v1);
-            }
-        }
-    }
-    if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
 }
 
 /* wgmma kernels: the accumulators of each warp (16 rows x 256 columns) leave through a private
@@ -6034,7 +5943,7 @@ __device__ __forceinline__ int build_work_list(const Params &p, int *s_offs, int
     }
 }
 
-template <int MODE, bool WG>
+template <int MODE>
 __global__ void __launch_bounds__(NT, 1) gg_kernel(const Params p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -6091,28 +6000,20 @@ __global__ void __launch_bounds__(NT, 1) gg_kernel(const Params p) {
 #pragma unroll 1
     while (ct.valid) {
         cp_async_wait<PD - 1>();
-        if (WG) fence_proxy_async();
+        fence_proxy_async();
         __syncthreads();
         const uint32_t stA = sbase + (uint32_t)((cstep % ST) * STAGE_BYTES);
         const int rows_valid = (MODE == 2) ? min(BM, p.M - ct.m0) : (ct.r1 - ct.r0);
         const int cols_valid = min(BN, p.ncols - ct.c0);
-        if (WG) {
-            step_wgmma<MODE>(acc, stA, wg, 64 * wg < rows_valid, cols_valid > 128, ckt == 0);
-        } else {
-            if (ct.nk > 0) step_mma<MODE>(acc, stA, warp, lane, rows_valid, cols_valid);
-        }
+        step_wgmma<MODE>(acc, stA, wg, 64 * wg < rows_valid, cols_valid > 128, ckt == 0);
         produce();
-        if (WG) {
-            wgmma_wait<1>();
-            fence_acc_all(acc);
-        }
+        wgmma_wait<1>();
+        fence_acc_all(acc);
         ++cstep;
         if (++ckt >= max(ct.nk, 1)) {
-            if (WG) {
-                wgmma_wait<0>();
-                fence_acc_all(acc);
-            }
-            if (WG) {
+            wgmma_wait<0>();
+            fence_acc_all(acc);
+            {
                 /* staging: this warpgroup's A half (8 KB) of the stages of the last two steps.  Only this
                    warpgroup's wgmma read them; a warp past wgmma.wait_group 0 only knows that ITS slice of
                    the warpgroup MMA is done, hence the warpgroup barrier.  The producer refills these
@@ -6122,12 +6023,6 @@ __global__ void __launch_bounds__(NT, 1) gg_kernel(const Params p) {
                 unsigned char *buf = smem_raw + pad + (size_t)sst * STAGE_BYTES + (size_t)wg * 8192 + (size_t)(warp & 1) * 4096;
                 const float ss = epilogue_staged<MODE, 256>(p, acc, ct, 64 * (warp >> 2) + 16 * (warp & 3), lane, rows_valid, cols_valid, buf);
                 if (MODE == 2 && p.ssq) store_ssq(p, ct, warp, lane, ss);
-            } else {
-                epilogue<MODE, WG>(p, acc, ct, warp, lane, rows_valid, cols_valid);
-            }
-            if (!WG) {
-#pragma unroll
-                for (int i = 0; i < 128; ++i) acc[i] = 0.f;
             }
             ++cq;
             ct = decode_tile<MODE>(p, s_offs, s_aux, T, s_ring[cq & (RING - 1)]);
@@ -6360,9 +6255,9 @@ __device__ __forceinline__ void init_ring(uint32_t full0, uint32_t empty0, int n
 
 /* DWV (mode 2): 0 = as modes 0/1; 1 = short last steps (only the k16 slices that hold rows);
    GLU (mode 0): gate and up in one launch, the SwiGLU in the epilogue (see gg_run_glu) */
-template <int MODE, int DWV = 0, bool GLU = false>
+template <int MODE, bool GLU = false>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
-    constexpr bool SHORT = MODE == 2 && DWV >= 1;
+    constexpr bool SHORT = MODE == 2;
     constexpr bool TS = MODE != 2; /* whole 16-row slabs leave as TMA stores (epilogue_staged, epilogue_glu) */
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const Params &p = tp.p;
@@ -6676,16 +6571,13 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 /*   against 637-638, the next tile's first 1 or 2 steps as a tile begins 636-640 / 587-600       */
 /*   against 649 (its first data wait 1609 cycles against 950).                                  */
 /* ------------------------------------------------------------------------------------------ */
-constexpr int PP_ST = 6;
-/* BNP: the tiles' columns, 128 or 192 (dY's 128 m as 2 blocks, then X's BNP columns as BNP / 64
-   blocks of 64 x 64); 6 stages of 32 KB or 5 of 40 KB */
+/* a step's stage: dY's 128 m as 2 blocks of 64 x 64, then X's PP_BN columns as PP_BN / 64 blocks; 5 stages of 40 KB */
+constexpr int PP_BN = 192;                     /* the tiles' columns */
 constexpr int PP_BLK = 128 * BK;               /* one 64-column block of a step: BK rows of 128 bytes (8 KB) */
-__host__ __device__ constexpr int pp_stage(int bnp) { return (2 + bnp / 64) * PP_BLK; }
-__host__ __device__ constexpr int pp_nst(int bnp) { return bnp == 128 ? PP_ST : 5; }
-__host__ __device__ constexpr size_t pp_smem(int bnp) {
-    return 1024 + (size_t)pp_nst(bnp) * pp_stage(bnp) + 2 * pp_nst(bnp) * 8 + 8 * EPI_BYTES + (size_t)(2 * (MAX_E + 1) + NT) * sizeof(int);
-}
-static_assert(pp_smem(192) <= 232448, "gg_pp_kernel's shared memory");
+constexpr int PP_STAGE = (2 + PP_BN / 64) * PP_BLK;
+constexpr int PP_NST = 5;
+constexpr size_t PP_SMEM = 1024 + (size_t)PP_NST * PP_STAGE + 2 * PP_NST * 8 + 8 * EPI_BYTES + (size_t)(2 * (MAX_E + 1) + NT) * sizeof(int);
+static_assert(PP_SMEM <= 232448, "gg_pp_kernel's shared memory");
 
 struct PpTile {
     int valid, e, m0, c0, r0, r1, nk, sq;
@@ -6770,48 +6662,10 @@ __device__ __forceinline__ void pp_step(float (&a0)[M], float (&a1)[M], uint64_t
     else pp_batch<1, N>(b0, b1, da0, da1, db, sd0);
 }
 
-/* One warp's 16 rows x 128 columns of an m64n128 accumulator (a[4j + 2h + b] = row g + 8h, column
-   8j + 2c + b) through its 2 KB buffer, as epilogue_staged does for m64n256 (kept apart: a build
-   sharing one epilogue_staged for both accumulator sizes made illegal accesses in the grouped GEMM
-   bench and ./train, cause not found).  4 passes of 32 columns, each written to the buffer with
-   the 16-byte chunks XOR-swizzled by row, then stored as 16-byte lanes (8 lanes a row: 512 bytes,
-   four whole lines, a store).  o: the warp's first row and the tile's first column;
-   returns the sum of the squares of what it stored, in a fixed order. */
-__device__ __forceinline__ float pp_store_staged(const float (&a)[64], float *o, size_t ld, int rows_valid, int cols_valid,
-                                                 int lane, bool has, unsigned char *buf) {
-    const int g = lane >> 2, c = lane & 3;
-    float ss = 0.f;
-#pragma unroll
-    for (int pass = 0; pass < 4; ++pass) {
-        if (32 * pass >= cols_valid) break; /* tile-uniform */
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-            const int j = 4 * pass + jj;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = g + 8 * h;
-                const float v0 = has ? a[4 * j + 2 * h] : 0.f, v1 = has ? a[4 * j + 2 * h + 1] : 0.f;
-                const int byte = (8 * jj + 2 * c) * 4;
-                *reinterpret_cast<float2 *>(buf + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15)) = make_float2(v0, v1);
-                if (r < rows_valid && 32 * pass + 8 * jj + 2 * c < cols_valid) ss += v0 * v0 + v1 * v1;
-            }
-        }
-        __syncwarp();
-#pragma unroll
-        for (int it = 0; it < 4; ++it) {
-            const int r = 4 * it + (lane >> 3), ch = lane & 7;
-            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * 128 + ((ch ^ (r & 7)) << 4));
-            const int col = 32 * pass + 4 * ch;
-            if (r < rows_valid && col < cols_valid) *reinterpret_cast<uint4 *>(o + (size_t)r * ld + col) = v;
-        }
-        __syncwarp();
-    }
-    return ss;
-}
-
-/* The sum of the squares of what pp_store_staged stores from a, in its order (the TMA stores'
-   norm partials: bitwise the same as the staged stores'); whole rows and columns without the
-   bounds tests (the same sums in the same order) */
+/* The sum of the squares of a warp's 16 rows of a (rows < rows_valid, columns < cols_valid), pass by pass
+   (32 columns), row pair by row pair: the order of the staged stores' sums, so the TMA stores' norm
+   partials are bitwise theirs; whole rows and columns without the bounds tests (the same sums in the
+   same order) */
 template <int N>
 __device__ __forceinline__ float pp_ssq(const float (&a)[N], int rows_valid, int cols_valid, int lane) {
     const int g = lane >> 2, c = lane & 3;
@@ -6933,10 +6787,8 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
     }
 }
 
-template <bool TS, bool MC, int BNP>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant__ TmaParams tp) {
-    static_assert(BNP == 128 || (BNP == 192 && TS && !MC), "gg_pp_kernel: 192 columns with TMA stores, no clusters");
-    constexpr int NST = pp_nst(BNP), STB = pp_stage(BNP), NBB = BNP / 64;
+    constexpr int BNP = PP_BN, NST = PP_NST, STB = PP_STAGE, NBB = BNP / 64;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const Params &p = tp.p;
     const int tid = threadIdx.x;
@@ -6949,23 +6801,15 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
     int *s_offs = reinterpret_cast<int *>(stages + (size_t)NST * STB + 8 * EPI_BYTES + 2 * NST * 8);
     int *s_aux = s_offs + (MAX_E + 1);
     int *s_scan = s_aux + (MAX_E + 1);
-    if (tid == NT) init_ring(full0, empty0, NST, MC ? 8 : 4); /* MC: both CTAs' consumer warps release a stage */
+    if (tid == NT) init_ring(full0, empty0, NST, 4); /* a stage is read by one warpgroup's 4 warps */
     /* the norm partials no tile writes read as zero (in place of a memset launch before the kernel;
        mid's GMM_DW_SQ within the step's noise: 529.1 / 516.9 / 541.6 against 534.4 / 544.5 / 534.9) */
     for (int i = p.ssq_z0 + (int)blockIdx.x * NT_TMA + tid; i < p.ssq_z1; i += (int)gridDim.x * NT_TMA) p.ssq[i] = 0.f;
     build_work_list<2>(p, s_offs, s_aux, s_scan, tid); /* ends with a CTA barrier */
-    /* MC: the CTAs of a cluster of 2 take the two tiles of a pair, in the same order; each loads its
-       own operand block and half of the shared one, the latter written to both CTAs */
-    const int rank = MC ? (int)cluster_ctarank() : 0;
-    const int cid = MC ? (int)(blockIdx.x >> 1) : 0, G2 = MC ? (int)(gridDim.x >> 1) : 0;
     int per_e, ncp;
     pp_divisors<BNP>(p, per_e, ncp);
     const FastDiv dpe((uint32_t)max(per_e, 1)), dnc((uint32_t)max(ncp, 1));
-    auto tile = [&](int q) -> PpTile {
-        if (!MC) return pp_decode<BNP>(p, s_offs, s_aux, next_ticket(p, q), 0, dpe, dnc);
-        return pp_decode<BNP>(p, s_offs, s_aux, q * G2 + ((q & 1) ? G2 - 1 - cid : cid), rank, dpe, dnc);
-    };
-    if (MC) cluster_sync_all(); /* the peer's barriers are initialized */
+    auto tile = [&](int q) -> PpTile { return pp_decode<BNP>(p, s_offs, s_aux, next_ticket(p, q), 0, dpe, dnc); };
 
     if (tid < 128) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -6975,7 +6819,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             for (int q = 0;; ++q) {
                 const PpTile ti = tile(q);
                 if (!ti.valid) break;
-                const int na = MC ? 2 : min(2, (p.M - ti.m0 + 63) / 64), nb = MC ? 2 : min(NBB, (p.K - ti.c0 + 63) / 64);
+                const int na = min(2, (p.M - ti.m0 + 63) / 64), nb = min(NBB, (p.K - ti.c0 + 63) / 64);
 #pragma unroll 1
                 for (int kt = 0; kt < ti.nk; ++kt, ++step) {
                     const int s = step % NST;
@@ -6983,18 +6827,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                     const int r = ti.r0 + kt * BK;
                     mbar_wait(empty0 + 8u * s, ((step / NST) & 1) ^ 1);
                     mbar_expect_tx(bar, (uint32_t)((na + nb) * PP_BLK));
-                    if (MC) { /* all four blocks (past the tensor: zeros), the shared one's half rank from here to both */
-                        const bool sha = p.pair == 1;
-                        for (int j = 0; j < 2; ++j) {
-                            if (sha && j == rank) tma_load_2d_mc(sA + (uint32_t)(j * PP_BLK), &tp.ta, bar, ti.m0 + 64 * j, r, 3);
-                            else if (!sha) tma_load_2d(sA + (uint32_t)(j * PP_BLK), &tp.ta, bar, ti.m0 + 64 * j, r);
-                            if (!sha && j == rank) tma_load_2d_mc(sA + (uint32_t)(2 * PP_BLK) + (uint32_t)(j * PP_BLK), &tp.tb, bar, ti.c0 + 64 * j, r, 3);
-                            else if (sha) tma_load_2d(sA + (uint32_t)(2 * PP_BLK) + (uint32_t)(j * PP_BLK), &tp.tb, bar, ti.c0 + 64 * j, r);
-                        }
-                    } else {
-                        for (int j = 0; j < na; ++j) tma_load_2d(sA + (uint32_t)(j * PP_BLK), &tp.ta, bar, ti.m0 + 64 * j, r);
-                        for (int j = 0; j < nb; ++j) tma_load_2d(sA + (uint32_t)(2 * PP_BLK) + (uint32_t)(j * PP_BLK), &tp.tb, bar, ti.c0 + 64 * j, r);
-                    }
+                    for (int j = 0; j < na; ++j) tma_load_2d(sA + (uint32_t)(j * PP_BLK), &tp.ta, bar, ti.m0 + 64 * j, r);
+                    for (int j = 0; j < nb; ++j) tma_load_2d(sA + (uint32_t)(2 * PP_BLK) + (uint32_t)(j * PP_BLK), &tp.tb, bar, ti.c0 + 64 * j, r);
                 }
             }
         }
@@ -7043,18 +6877,15 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                 fence_acc_all(a0);
                 fence_acc_all(a1);
                 /* 192 columns: a last tile with <= 64 or <= 128 columns in K multiplies only those */
-                if (BNP == 192 && cw <= 64) pp_step<32>(a0, a1, da0, da1, db, sd0, nkk);
-                else if (BNP == 128 || cw <= 128) pp_step<64>(a0, a1, da0, da1, db, sd0, nkk);
+                if (cw <= 64) pp_step<32>(a0, a1, da0, da1, db, sd0, nkk);
+                else if (cw <= 128) pp_step<64>(a0, a1, da0, da1, db, sd0, nkk);
                 else pp_step<BNP / 2>(a0, a1, da0, da1, db, sd0, nkk);
                 fence_acc_all(a0);
                 fence_acc_all(a1);
                 wgmma_wait<1>();
                 fence_acc_all(a0);
                 fence_acc_all(a1);
-                if (kt > 0 && lane == 0) {
-                    mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
-                    if (MC) mbar_arrive_cta(empty0 + 8u * ((step + NST - 1) % NST), (uint32_t)(rank ^ 1));
-                }
+                if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
             }
             named_bar_arrive(2 - wg, 256); /* end: the other warpgroup may issue */
             const PpTile to = tile(q + 1), tn = tile(q + 2);
@@ -7062,29 +6893,20 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             wgmma_wait<0>();
             fence_acc_all(a0);
             fence_acc_all(a1);
-            if (ti.nk > 0 && lane == 0) {
-                mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
-                if (MC) mbar_arrive_cta(empty0 + 8u * ((step + NST - 1) % NST), (uint32_t)(rank ^ 1));
-            }
+            if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
             /* warp v: tile rows 16 v + [0, 16) from a0 and 64 + 16 v + [0, 16) from a1 (an expert
                without rows: zeros) */
             const int rv = p.M - ti.m0 - 16 * v;
             float ss = 0.f;
-            if (TS) {
-                if (ti.nk == 0) /* tile-uniform: an expert without rows */
+            if (ti.nk == 0) /* tile-uniform: an expert without rows */
 #pragma unroll
-                    for (int i = 0; i < BNP / 2; ++i) a0[i] = a1[i] = 0.f;
-                /* the norm partial: a whole accumulator's squares summed in the 2 KB stores, else here */
-                const bool f = p.ssq && tp.perm && cw >= BNP, f0 = f && rv >= 16, f1 = f && rv - 64 >= 16;
-                if (p.ssq && !f0) ss += pp_ssq(a0, rv, cw, lane);
-                if (p.ssq && !f1) ss += pp_ssq(a1, rv - 64, cw, lane);
-                pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cw, lane, buf, tp.perm != 0, f0, ss);
-                pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cw, lane, buf, tp.perm != 0, f1, ss);
-            } else if constexpr (BNP == 128) {
-                float *o = reinterpret_cast<float *>(p.out) + ((size_t)ti.e * p.M + ti.m0 + 16 * v) * p.K + ti.c0;
-                ss = pp_store_staged(a0, o, (size_t)p.K, rv, cw, lane, ti.nk > 0, buf);
-                ss += pp_store_staged(a1, o + (size_t)64 * p.K, (size_t)p.K, rv - 64, cw, lane, ti.nk > 0, buf);
-            }
+                for (int i = 0; i < BNP / 2; ++i) a0[i] = a1[i] = 0.f;
+            /* the norm partial: a whole accumulator's squares summed in the 2 KB stores, else here */
+            const bool f = p.ssq && tp.perm && cw >= BNP, f0 = f && rv >= 16, f1 = f && rv - 64 >= 16;
+            if (p.ssq && !f0) ss += pp_ssq(a0, rv, cw, lane);
+            if (p.ssq && !f1) ss += pp_ssq(a1, rv - 64, cw, lane);
+            pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cw, lane, buf, tp.perm != 0, f0, ss);
+            pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cw, lane, buf, tp.perm != 0, f1, ss);
             if (p.ssq) {
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -7100,9 +6922,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             named_bar_arrive(1, 256);
         }
         if (wg == 0) named_bar_sync(1, 256);
-        if (TS && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
+        if (lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
     }
-    if (MC) cluster_sync_all(); /* no CTA leaves while its peer may still arrive on its barriers */
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -7137,9 +6958,9 @@ static int split_count(int mode, int E, int M, int K, int Rmax, int nsm) {
     return (int)(s < 1 ? 1 : s);
 }
 
-template <int MODE, bool WG>
+template <int MODE>
 static int launch_main(const Params &p, int grid, cudaStream_t stream) {
-    void (*kern)(const Params) = gg_kernel<MODE, WG>;
+    void (*kern)(const Params) = gg_kernel<MODE>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES) != cudaSuccess) return -1;
     kern<<<grid, NT, SMEM_BYTES, stream>>>(p);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
@@ -7162,7 +6983,7 @@ static int tma_w_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int E,
 }
 
 constexpr int TSG_BOX = 8; /* the rows of GLU's TMA store boxes (epilogue_glu's TS: a box per 1 KB half of a warp's buffer) */
-template <int MODE, int DWV = 0, bool GLU = false>
+template <int MODE, bool GLU = false>
 static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream) {
     TmaParams tp;
     memset(&tp, 0, sizeof tp);
@@ -7186,52 +7007,34 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
     if (GLU && p.Rmax > 0)
         tp.tso = (tma_row_map(enc, &tp.to, p.out, p.M, p.Rmax, TSG_BOX) | tma_row_map(enc, &tp.to2, p.out2, p.M, p.Rmax, TSG_BOX) |
                    (p.out3 ? tma_row_map(enc, &tp.to3, p.out3, p.M, p.Rmax, TSG_BOX) : 0)) == 0;
-    void (*kern)(const TmaParams) = gg_tma_kernel<MODE, DWV, GLU>;
+    void (*kern)(const TmaParams) = gg_tma_kernel<MODE, GLU>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_TMA) != cudaSuccess) return -1;
     kern<<<grid, NT_TMA, SMEM_TMA, stream>>>(tp);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
-/* ts: the epilogue as TMA tensor stores (pp_store_tma) when dW's map can be made, else staged stores */
-/* mc: in clusters of 2 (p.pair set, grid even; needs the TMA stores) */
-/* bnp: the tiles' columns, 128 or 192 (192: TMA stores, no clusters) */
-static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream, bool ts, bool mc, int bnp) {
+/* dW's map for the TMA stores: the 5-D view (pp_store_tma's perm) where the driver takes it, else the
+   3-D one; -1 when neither can be made */
+static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream) {
     TmaParams tp;
     memset(&tp, 0, sizeof tp);
     tp.p = p;
     if (tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK)) return -1;
-    if (ts) { /* the 5-D view (pp_store_tma): dims K, 2 rows 4 apart, 4 rows 1 apart, M / 8, E */
+    { /* the 5-D view (pp_store_tma): dims K, 2 rows 4 apart, 4 rows 1 apart, M / 8, E */
         const cuuint64_t r = (cuuint64_t)p.K * 4;
         const cuuint64_t dims[5] = {(cuuint64_t)p.K, 2, 4, (cuuint64_t)(p.M / 8), (cuuint64_t)p.E};
         const cuuint64_t strides[4] = {4 * r, r, 8 * r, (cuuint64_t)p.M * r};
         const cuuint32_t box[5] = {32, 2, 4, 2, 1};
         tp.perm = tma_map(enc, &tp.tc, p.out, 5, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) == 0;
     }
-    if (ts && !tp.perm) {
+    if (!tp.perm) {
         const cuuint64_t dims[3] = {(cuuint64_t)p.K, (cuuint64_t)p.M, (cuuint64_t)p.E};
         const cuuint64_t strides[2] = {(cuuint64_t)p.K * 4, (cuuint64_t)p.M * p.K * 4};
         const cuuint32_t box[3] = {32, 8, 1};
-        ts = tma_map(enc, &tp.tc, p.out, 3, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) == 0;
+        if (tma_map(enc, &tp.tc, p.out, 3, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) != 0) return -1;
     }
-    if ((mc || bnp == 192) && !ts) return -1;
-    if (bnp != 128 && (bnp != 192 || mc)) return -1;
-    void (*kern)(const TmaParams) = bnp == 192 ? gg_pp_kernel<true, false, 192> : mc ? gg_pp_kernel<true, true, 128>
-                                  : ts ? gg_pp_kernel<true, false, 128> : gg_pp_kernel<false, false, 128>;
-    const size_t smem = pp_smem(bnp);
-    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)grid);
-    cfg.blockDim = dim3((unsigned)NT_TMA);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = mc ? attr : nullptr;
-    cfg.numAttrs = mc ? 1 : 0;
-    if (cudaLaunchKernelEx(&cfg, kern, tp) != cudaSuccess) return -1;
+    if (cudaFuncSetAttribute(gg_pp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PP_SMEM) != cudaSuccess) return -1;
+    gg_pp_kernel<<<grid, NT_TMA, PP_SMEM, stream>>>(tp);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
@@ -7242,29 +7045,15 @@ static long long ssq_need(int E, int M, int K) {
     return t8 > SSQ_BLOCKS ? t8 : SSQ_BLOCKS;
 }
 
-/* variant: 2 = TMA + wgmma (warp-specialized; mode 2 without row splits: gg_pp_kernel), 1 = cp.async
-   + wgmma, 0 = cp.async + mma.sync; mode 2 also 3 + DWV (0, 1, see gg_tma_kernel): the TMA kernel's
-   dW variants; 5: the TMA kernel without wide tiles; 6: mode 2 in turns (gg_pp_kernel; benches);
-   7, 8, 9: in turns with staged st.global, with TMA stores, with TMA stores in clusters of 2; 10: in
-   turns with 128 x 192 tiles (benches) */
-constexpr int DW_DV = 1;          /* the TMA kernel's dW variant: short last steps */
+/* variant: 2 = TMA + wgmma (warp-specialized; mode 2 without row splits: gg_pp_kernel), the runtime's;
+   1 = cp.async + wgmma (gg_kernel), what variant 2 falls back to on a driver without tensor maps (the
+   benches also ask for it, to check it) */
 static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
                   int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
                   float *ssq = nullptr, long long ssq_len = 0, int nsm = 0) {
     if (!args_ok(mode, E, M, K, Rmax)) return -1;
-    if (variant < 0 || variant > 10) return -1;
-    if ((variant == 3 || variant == 4 || variant >= 6) && mode != 2) return -1;
-    int dv = DW_DV;
-    bool wide = true;
-    bool pp = mode == 2 && (variant >= 6 || variant == 2);
-    bool ts = true, mc = false;
-    int bnp = 192;
-    if (variant >= 7) { ts = variant != 7; mc = variant == 9; bnp = variant == 10 ? 192 : 128; }
-    mc = mc && ts && bnp == 128;
-    if (!ts) bnp = 128;
-    if (variant >= 6) variant = 2;
-    else if (variant == 5) { wide = false; variant = 2; }
-    else if (variant >= 3) { dv = variant - 3; variant = 2; }
+    if (variant < 1 || variant > 2) return -1;
+    bool pp = mode == 2 && variant == 2;
     if (ssq && (mode != 2 || ssq_len < ssq_need(E, M, K))) return -1;
     if (!out || !a || !b || !d_offs || (!a2 != !b2) || (a2 && mode != 1)) return -1;
     if ((((uintptr_t)out) | ((uintptr_t)a) | ((uintptr_t)b) | ((uintptr_t)ws) | ((uintptr_t)a2) | ((uintptr_t)b2)) & 15u) return -1;
@@ -7291,7 +7080,7 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     p.ncols = (mode == 0) ? M : K;
     p.ct = (p.ncols + BN - 1) / BN;
     /* the TMA kernel pairs the rows of a last column tile of <= 128 columns into 256 x 128 tiles */
-    p.half = (variant == 2 && wide && p.ncols % BN != 0 && p.ncols % BN <= BN / 2) ? 1 : 0;
+    p.half = (variant == 2 && p.ncols % BN != 0 && p.ncols % BN <= BN / 2) ? 1 : 0;
     p.ctf = p.ct - p.half;
     p.nk01 = (mode == 0) ? (K + BK - 1) / BK : (M + BK - 1) / BK;
     p.nkh = p.nk01;
@@ -7301,13 +7090,9 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     long long tiles;
     p.pair = 0;
     if (pp) {
-        const int nct = (K + bnp - 1) / bnp;
-        tiles = (long long)E * p.ntm * nct;
+        tiles = (long long)E * p.ntm * ((K + PP_BN - 1) / PP_BN);
         if (tiles > INT_MAX / 8) return -1;
         p.T2 = (int)tiles;
-        if (mc) p.pair = nct % 2 == 0 ? 1 : p.ntm % 2 == 0 ? 2 : 0; /* tiles pair along columns, else along m, else no clusters */
-        if (nsm < 2) p.pair = 0;
-        if (p.pair) p.T2 = (int)(tiles / 2);
     } else if (mode == 2) {
         tiles = (long long)E * S * ((long long)p.ntm * p.ctf + p.half * ((p.ntm + 1) / 2));
         if (tiles > INT_MAX / 2) return -1;
@@ -7318,28 +7103,24 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
         p.T2 = 0;
         if (Rmax == 0) return 0; /* nothing to write */
     }
-    const int grid = p.pair ? 2 * (int)(tiles / 2 < nsm / 2 ? tiles / 2 : nsm / 2) : (int)(tiles < nsm ? tiles : nsm);
-    /* entries no tile or block writes read as zero (in turns: 4 a tile of 128 columns); gg_pp_kernel
-       at 192 columns without clusters writes entries [0, 4 tiles) and zeroes the rest itself */
+    const int grid = (int)(tiles < nsm ? tiles : nsm);
+    /* entries no tile or block writes read as zero; gg_pp_kernel writes entries [0, 4 tiles) and zeroes
+       the rest itself */
     p.ssq_z0 = p.ssq_z1 = 0;
-    if (ssq && pp && bnp == 192 && !p.pair && ssq_len <= INT_MAX) {
+    if (ssq && pp && ssq_len <= INT_MAX) {
         p.ssq_z0 = (int)(4 * tiles);
         p.ssq_z1 = (int)ssq_len;
     } else if (ssq && (S > 1 || tiles * (pp ? 4 : 8) < ssq_len))
         if (cudaMemsetAsync(ssq, 0, (size_t)ssq_len * sizeof(float), stream) != cudaSuccess) return -1;
     int rc;
     if (pp) {
-        rc = launch_pp(enc, p, grid, stream, ts, p.pair != 0, bnp);
+        rc = launch_pp(enc, p, grid, stream);
     } else if (variant == 2) {
         rc = mode == 0 ? launch_tma<0>(enc, p, grid, stream)
-           : mode == 1 ? launch_tma<1>(enc, p, grid, stream)
-           : dv == 0 ? launch_tma<2, 0>(enc, p, grid, stream) : launch_tma<2, 1>(enc, p, grid, stream);
-    } else if (variant) {
-        rc = mode == 0 ? launch_main<0, true>(p, grid, stream)
-           : mode == 1 ? launch_main<1, true>(p, grid, stream) : launch_main<2, true>(p, grid, stream);
+           : mode == 1 ? launch_tma<1>(enc, p, grid, stream) : launch_tma<2>(enc, p, grid, stream);
     } else {
-        rc = mode == 0 ? launch_main<0, false>(p, grid, stream)
-           : mode == 1 ? launch_main<1, false>(p, grid, stream) : launch_main<2, false>(p, grid, stream);
+        rc = mode == 0 ? launch_main<0>(p, grid, stream)
+           : mode == 1 ? launch_main<1>(p, grid, stream) : launch_main<2>(p, grid, stream);
     }
     if (rc != 0) return -1;
     if (S > 1) {
@@ -7375,12 +7156,12 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
  * for its 128 KB of loads and 128 KB of stores a tile than k_swiglu_bwd over the whole GPU. */
 static int gg_run_glu(int variant, void *g, void *u, void *h, const void *x, const void *wg, const void *wu, const int *d_offs,
                       int E, int M, int K, int Rmax, cudaStream_t stream, int nsm = 0) {
-    if (!args_ok(0, E, M, K, Rmax) || !g || !u || !x || !wg || !wu || !d_offs) return -1;
+    if (!args_ok(0, E, M, K, Rmax) || !g || !u || !x || !wg || !wu || !d_offs || variant < 1 || variant > 2) return -1;
     if ((((uintptr_t)g) | ((uintptr_t)u) | ((uintptr_t)h) | ((uintptr_t)x) | ((uintptr_t)wg) | ((uintptr_t)wu)) & 15u) return -1;
     if (nsm <= 0 && num_sms(&nsm) != 0) return -1;
     EncodeTiledFn enc = variant == 2 ? tma_encoder() : nullptr;
-    if (variant != 2 || !enc) {
-        const int v = variant == 2 ? 1 : variant;
+    if (variant != 2 || !enc) { /* two launches of the cp.async kernel and k_swiglu */
+        const int v = 1;
         if (gg_run(v, 0, g, x, wg, d_offs, E, M, K, Rmax, nullptr, stream, nullptr, nullptr, nullptr, 0, nsm) ||
             gg_run(v, 0, u, x, wu, d_offs, E, M, K, Rmax, nullptr, stream, nullptr, nullptr, nullptr, 0, nsm))
             return -1;
@@ -7413,7 +7194,7 @@ static int gg_run_glu(int variant, void *g, void *u, void *h, const void *x, con
     if (tiles > INT_MAX / 2) return -1;
     if (Rmax == 0) return 0;
     const int grid = (int)(tiles < nsm ? tiles : nsm);
-    return launch_tma<0, 0, true>(enc, p, grid, stream);
+    return launch_tma<0, true>(enc, p, grid, stream);
 }
 
 static size_t gg_workspace(int mode, int E, int M, int K, int Rmax, int nsm) {
