@@ -1694,8 +1694,6 @@ int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const floa
  *                          64-query tiles (Q, dO, lse / D / document starts from a TMA producer warpgroup,
  *                          a ring of stages); with DS it also writes dS^T tiles (stmatrix, then a TMA
  *                          tensor store).
- *   fa_bwd_dkdv_wg_kernel  (-DMT_FA_SPLIT=0) the same results with two warpgroups x 64 keys, each
- *                          forming both dK and dV of its keys, 128-key blocks.
  *   fa_bwd_dq_ds_kernel    (the default after DS) persistent, work items by ticket: dQ += dS K over the
  *                          stored tiles, K and dS by a TMA producer warp.
  *   fa_bwd_dq_wg_kernel    (without DS) one CTA per (128-query block, b*h), two warpgroups x 64 rows,
@@ -1704,11 +1702,8 @@ int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const floa
  * The launchers take them for the configurations (64,64), (128,128), (192,128) and (256,256) on the
  * 16-byte load path (at (256,256) dQ from dS, or the mma.sync dQ kernel without DS); every other case
  * takes the mma.sync kernels above.
- * Why dQ has its own kernel (it recomputes S and dP): commit 35ee81b fused dQ into the dK/dV kernel,
- * adding each key block's dQ part to an fp32 accumulator with bulk reductions in a fixed order. On an
- * H200 (B=8 T=2048 H=16, 192/128) that took 1.98 ms (1.73 ms with unordered adds, so determinism cost
- * 15% there; 0.96 ms with no adds at all) against 0.90 + 0.57 ms for the two kernels: the 1.7 GB of
- * dQ reductions through L2 cost more than the recomputation they save.
+ * Why dQ has its own kernel: fused into the dK/dV kernel, dQ's fixed-order fp32 adds through L2 cost
+ * more than the recomputation (or the stored dS) they save (docs/KERNELS.md).
  * No atomics anywhere: every output element is produced by exactly one thread with a fixed
  * reduction order, so results are bitwise reproducible run to run.
  *
@@ -2595,9 +2590,6 @@ __device__ __forceinline__ void wgmma_pb(float (&acc)[N / 2], const uint32_t (&a
 /* barrier, so the next item's Q and first tiles load while this one's last products and its   */
 /* epilogue run.                                                                               */
 /* Masking as in fa_fwd_kernel (causal + document starts), applied only to tiles that need it. */
-/* Measured (H200, B=8 T=2048 H=16, 192/128) with cp.async loads by all 256 threads instead:    */
-/* 0.527 ms; the same loop without the copies 0.450 ms, without the softmax arithmetic 0.442   */
-/* ms, without both 0.305 ms.                                                                  */
 /* ------------------------------------------------------------------------------------------ */
 /* The wgmma kernels run their causal / document masks on separate code for the tiles that need them
    (BoolC below): folded into one loop under a run-time flag, the mask becomes selects executed on every
@@ -2922,35 +2914,16 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Backward, Hopper: fa_bwd_dkdv_wg_kernel and fa_bwd_dq_wg_kernel                            */
-/* (the runtime's dK/dV is fa_bwd_dkdv_split_kernel below: the same products, split otherwise) */
+/* Backward, Hopper: fa_bwd_dkdv_split_kernel (dK/dV), fa_bwd_dq_ds_kernel and fa_bwd_dq_wg_kernel */
 /*                                                                                            */
 /* Same split as the mma.sync backward (no atomics: dK/dV per key block, dQ per query block,   */
 /* each output element written once by one thread after a fixed-order reduction), on wgmma.    */
 /* With the dS tiles (DS, see fa_bwd_dq_ds_kernel) dQ is formed from what dK/dV stored instead. */
 /* lse is used in the log2 domain (lse * log2 e), so P = exp2(S * scale * log2 e - lse2).      */
-/*                                                                                            */
-/* dK/dV: one CTA per (128-key block, b*h), two warpgroups, warpgroup wg owns keys             */
-/* [64wg, 64wg + 64) of the block; K and V stay in shared memory; the query tiles (64 rows of  */
-/* Q and dO, plus lse, D and document starts) stream through a ring of stages.  Per tile i, each */
-/* warpgroup computes with 64 keys as the M dimension:                                         */
-/*   S^T  = K Q_i^T        m64n64, K (K-major) x Q (K-major)                                   */
-/*   dP^T = V dO_i^T       m64n64, V x dO                                                      */
-/*   P^T = exp2(S^T sl2 - lse2[q]),  dS^T = P^T (dP^T - D[q])   (registers; masked entries 0)   */
-/*   dV  += P^T dO_i       m64nDV, P^T from registers, dO read MN-major                        */
-/*   dK  += dS^T Q_i       m64nDQ, dS^T from registers, Q read MN-major                        */
-/* The accumulators (dK 64 x DQ and dV 64 x DV per warpgroup) leave no registers for a second  */
-/* S^T / dP^T set, so the steps of one warpgroup run in order (dP^T overlaps the P^T math);   */
-/* the two warpgroups interleave on the SM.                                                    */
-/* Loads: Q_i and dO_i stream through a ring of NS stages (3 where shared memory allows), each   */
-/* with a "full" mbarrier (the TMA bytes, plus one arrival per lane of warp 0 made by           */
-/* cp.async.mbarrier.arrive once that lane's 4-byte cp.async of lse, D and document starts have */
-/* landed: those rows are strided by H, no TMA box) and an "empty" one that the eight warps     */
-/* arrive on once their wgmmas reading the stage have completed.  Warp 0 refills: at the end of */
-/* tile u it waits for every warp to release tile u - 1's stage and loads tile u + NS - 1 there. */
-/* There is no room for a producer warpgroup (at 384 threads setmaxnreg can give the consumers  */
-/* 240 registers, and they need more), and no CTA barrier in the loop; the warpgroups take      */
-/* turns issuing S^T / dP^T (see "turns" below).  K and V arrive once, by TMA.                  */
+/* The dK/dV kernel's query tiles (Q_i and dO_i by TMA; lse, D and document starts, strided by  */
+/* H, by 4-byte cp.async: fill_aux) stream through a ring of stages, each with a "full"        */
+/* mbarrier (the TMA bytes plus one cp.async.mbarrier.arrive per lane of the filling warp) and  */
+/* an "empty" one the readers arrive on once their wgmmas reading the stage have completed.     */
 /* ------------------------------------------------------------------------------------------ */
 /* 4-byte cp.async (lse, D and document starts of a query tile), zero-filled when !ok */
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void *src, bool ok) {
@@ -2996,11 +2969,9 @@ struct DkdvMaps {
     int ntri;    /* DS: tiles per (b, h) */
 };
 
-/* DS 3: the warpgroup's dS^T tile through shared memory: stmatrix writes the A fragments into an SW128
-   tile (fragment kk, e is the 8 x 8 matrix at rows 16(warp & 3) + 8(e & 1), columns 16kk + 8(e >> 1)),
-   and one thread stores it with a TMA tensor store (the copy engine does the global writes).  Each warp
-   storing its own 16 rows instead (a 64 x 16 box, no warpgroup barriers) measured slower on an H200:
-   dK/dV 0.858 against 0.849 ms, the backward 1.085-1.088 against 1.074-1.080 ms (8 x 2048). */
+/* dS^T tiles through shared memory: stmatrix writes the A fragments into an SW128 tile (fragment kk, e
+   is the 8 x 8 matrix at rows 16(warp & 3) + 8(e & 1), columns 16kk + 8(e >> 1)), and one thread
+   stores it with a TMA tensor store (the copy engine does the global writes). */
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]),
                  "r"(r[3])
@@ -3040,14 +3011,12 @@ __device__ __forceinline__ void split_pt(float (&x)[32], const float *sL, const 
    P^T passes through one 16 KB buffer: named barrier 5 says it is full, 6 that it has been read.  The
    third warpgroup loads: K and V once, Q_i and dO_i with lse, D and document starts into NS stages
    (warp 8, fill_aux).  Deterministic as the 192/128 kernel (each element of dK and dV summed in
-   query-tile order by one thread): dK, dV and the dS tiles are bitwise those of fa_bwd_dkdv_wg_kernel, the
-   same products in the same order.  It is faster because each warpgroup's two products and its
-   exponentials or dS make one chain the other warpgroup's chain overlaps, with 64 + 96 accumulator
-   registers at 192/128 instead of 160 in each warpgroup.  H200, B=8 T=2048 H=16, 192/128, its first
-   version: 0.729 ms with the dS stores (0.667 without) against 0.846 (0.760), the backward 0.953 against
-   1.075 ms; folded RoPE 0.970 against 1.140 ms; 4 x 2048 x 16 at 256/256: 0.538 ms, the backward 0.657
-   against 2.615 ms on the mma.sync kernels.  With PIPE and the masks' separate code (MT_FA_MASK_BRANCH):
-   0.693-0.709 ms, the backward 0.923-0.939 ms; at 256/256 0.511-0.525 and 0.629-0.646 ms. */
+   query-tile order by one thread): dK, dV and the dS tiles are bitwise those of the two-warpgroup kernel
+   it replaced (fa_bwd_dkdv_wg_kernel, bench/kernel_variants.cuh): the same products in the same order.
+   It is faster because each warpgroup's two products and its exponentials or dS make one chain the
+   other warpgroup's chain overlaps, with 64 + 96 accumulator registers at 192/128 instead of 160 in
+   each warpgroup (H200, 8 x 2048 x 16, 192/128: 0.69-0.71 ms against 0.85 for the two-warpgroup
+   kernel; docs/KERNELS.md). */
 template <int DQ, int DV>
 __host__ __device__ constexpr int dkdv_split_stages() {
     return 1024 + 64 * (DQ + DV) * 2 * 4 + 16384 + 8192 + 4 * 3 * 256 + 128 <= 227 * 1024 ? 3 : 2;
@@ -3579,10 +3548,8 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
    Folded, each consumer warp stages the rotation tables of its 16 rows by cp.async when it starts an
    item (its own 4 KB of shared memory; waited for before the epilogue).
    Launched right after the dK/dV kernel with programmatic stream serialization: its setup overlaps that
-   kernel's last wave; the producer waits for it (griddepcontrol.wait) before its first load.
-   Measured and not kept (H200, 8 x 2048): two query tiles per warpgroup (items of 256 rows, each K_j
-   serving four dS tiles: half the K reads from L2, 4 stages) 0.226 against 0.212 ms; folded, with the
-   tables of one tile at a time (3 stages), 0.254 / 0.217 against 0.225 / 0.200 ms (8 x 2048 / 2 x 4096). */
+   kernel's last wave; the producer waits for it (griddepcontrol.wait) before its first load.  (What
+   was measured and not kept: docs/KERNELS.md.) */
 /* as many stages (K_j and two dS tiles) as shared memory holds, at most 6; folded, the rotation tables
    (8 warps x 16 rows x 64 floats) take 32 KB of it */
 template <int DQ, bool FOLD>
@@ -3786,8 +3753,7 @@ __global__ void __launch_bounds__(256) fa_bwd_dot_kernel(const bf16 *__restrict_
    then a shuffle tree over the row's lanes; each thread takes RPT rows (RPT x 2 loads in flight).  A
    fixed order: bitwise the same run to run.  At 8 x 2048 x 16 heads x 128 on an H200
    (bench/attention.cu): 0.0384 ms (3.5 TB/s) against 0.0465 ms for the one-lane-per-element kernel
-   above (still used for other dv or alignments); the whole backward measured 1.068 ms (402 TFLOP/s) in
-   that run, 1.079-1.083 ms on earlier H200s with the kernel above. */
+   above (still used for other dv or alignments). */
 template <int LPR>
 __global__ void __launch_bounds__(256) fa_bwd_dot16_kernel(const uint4 *__restrict__ o, const uint4 *__restrict__ dout,
                                                             float *__restrict__ D, long long rows, int ch, int *tick) {
@@ -4499,7 +4465,7 @@ static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
     return launch_pss(kern, dim3((unsigned)((p.T + 127) / 128), (unsigned)BH), 384, smem, stream, EARLY, p, tm);
 }
 
-/* dQ from the stored dS (p.ds, after launch_dkdv_wg_kernel wrote it); -2 as above */
+/* dQ from the stored dS (p.ds, after launch_dkdv_split_kernel wrote it); -2 as above */
 template <int DQ, bool EARLY = true>
 static int launch_dq_ds_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
     void (*kern)(const BwdCore, const DqdsMaps) = fa_bwd_dq_ds_kernel<DQ, false>;
@@ -5232,7 +5198,7 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
  *     gg_tma_kernel (the default for modes 0/1): a producer warp loads the stages with the copy
  *       engine (TMA, mbarriers) while two consumer warpgroups only multiply and store (see its own
  *       comment); on H200, on mid's expert shapes, 600-700 TFLOP/s forward and dX;
- *     gg_kernel (drivers without tensor maps; the mma.sync fallback): described here.
+ *     gg_kernel (drivers without tensor maps: the same tiles through cp.async): described here.
  *   Mode 2 without row splits (the default dW) runs gg_pp_kernel: the same TMA producer, but each
  *   consumer warpgroup owns whole 128 x 192 tiles and the two take turns at the tensor cores, so one
  *   stores while the other multiplies; bitwise the same dW (see its comment).
@@ -5249,8 +5215,7 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
  *                        mode 2: A = dY MN-major, B = X   MN-major  (reduction over the rows)
  *   Math (default): wgmma.mma_async m64n256k16 (m64n128k16 for tiles with <= 128 valid columns),
  *   warpgroup g owns tile rows [64g, 64g+64); one wgmma batch (4 x k16) stays in flight across the
- *   barrier of the next step.  Fallback (template WG=false, -DGG_MMA_SYNC): mma.sync m16n8k16 with
- *   ldmatrix from the same swizzled stages, 8 warps as 2 x 4 of 64 x 64.
+ *   barrier of the next step.
  *   Scheduling: work items ("tiles") form a linear list derived on the device from offs:
  *     modes 0/1: (expert, 128-row tile, 256-col tile), experts in order, per-expert row-tile counts
  *                prefix-summed in smem at kernel start, tile -> expert by binary search;
@@ -5264,9 +5229,7 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
    256), its rows go in pairs of row tiles (modes 0/1: 256 token rows; mode 2: 256 m) as one 256 x 128
    tile in the same 48 KB stages, computed as D^T = B^T A^T with the same m64n256k16 products (bitwise
    the results of 128 x 128 tiles): a 128 x 128 tile reads as many bytes per step for half the work.
-   H200, mid's shapes: forward with 1408 outputs 589 -> 621, dX with 1408 outputs 606 -> 623, dW
-   with 1408 columns 457 -> 465-486 TFLOP/s (bench/grouped_gemm.cu, same run; 1536 columns, no half
-   tiles: 676, 672, 511-531).
+   (Figures: docs/KERNELS.md.)
    Every mode: CTA b takes one tile of each round of gridDim tiles, in serpentine order (b in even
  *   rounds, gridDim - 1 - b in odd ones; mode 2's list is sorted largest expert first, and the
  *   serpentine balances the unequal tiles: on mid's shapes with the largest expert at 5 to 7
@@ -5630,28 +5593,18 @@ __device__ __forceinline__ void store_ssq(const Params &p, const Tile &ti, int w
    The cp.async kernel uses 4 KB buffers (RB = 256: 128 bf16 or 64 fp32 columns a pass), the TMA
    kernel 2 KB ones (RB = 128).  The warp's rows start at tile row wrow.  Returns the sum of the
    squares of what it stored (mode 2), in a fixed order. */
-/* TS (GG_TS01; modes 0/1, RB 128, called for a warp whose 16 rows all lie in the tile's expert, not
+/* TS (modes 0/1, RB 128, called for a warp whose 16 rows all lie in the tile's expert, not
    for the wide tiles; GLU has its own, epilogue_glu): each pass of 64 columns is written to the warp's 2 KB buffer as above
    (row r's 16-byte chunks XOR-swizzled by r mod 8, which is the TMA's 128-byte swizzle), then leaves as
    one TMA tensor store of 64 columns x 16 rows (tmap; columns past the tensor clipped), the warp going on while
    the copy engine drains it; the buffer is rewritten once the store before it has read it.  The same
    bytes as the staged stores (a slab holding an expert's last row goes that way: the rows past it are
-   the next expert's).  What the epilogue costs these modes: a timing-only build without it ran dX
-   701-705 against 648-654 TFLOP/s and the forward 698-700 against 637-645 (H200, bench GG_CASE=big,
-   alternating); these stores took the bench's dX from 651.9 / 651.2 to 655.8 / 652.3 and the forward
-   from 632.5 / 632.5 to 639.7 / 635.6 (big-down within 1%), and mid's profiled step (builds
-   alternating on one start, three runs each) GMM_DX from 596.2 / 570.0 / 576.9 to 598.4 / 614.5 /
-   627.7, GMM_DX2 from 630.3 / 607.0 / 612.5 to 642.4 / 643.9 / 656.4, GMM from 563.5 / 637.3 / 633.3
-   to 576.9 / 641.1 / 637.4; the step (10 steps, alternating on another start) 124.86 / 124.06 /
-   123.83 ms against 125.91 / 123.77 / 124.03.  epilogue_glu has the same TS path (GG_TSG). */
-/* GLU's TS with GG_TS_HALF: rows 8h..8h+7 of a warp's slab are the buffer's h-th KB (row r at r * 128),
-   so a pass leaves as two boxes of 64 columns x 8 rows, and the warp writes one half while the store of
-   the other still reads it: before writing half h it waits only until the one store after half h's
-   last (the other half's) may still be reading (wait_group.read 1).  H200, bench GG_CASE=big, first
-   rounds, two rounds alternating: GLU 628.5 / 627.4 TFLOP/s against 621.6 / 618.7 with one 64 x 16 box
-   a pass (a timing-only build that never waits: 630.1 / 632.1).  The same for modes 0/1 measured
-   mixed (the forward of big-down 646.2-654.6 against 644.6-652.3, its dX 638.4-643.5 against
-   641.6-646.1, big's dX the same), so those keep one box a pass. */
+   the next expert's).  epilogue_glu has the same TS path. */
+/* GLU's TS: rows 8h..8h+7 of a warp's slab are the buffer's h-th KB (row r at r * 128), so a pass
+   leaves as two boxes of 64 columns x 8 rows, and the warp writes one half while the store of the
+   other still reads it: before writing half h it waits only until the one store after half h's last
+   (the other half's) may still be reading (wait_group.read 1).  Modes 0/1 keep one 64 x 16 box a pass
+   (the halves measured mixed there). */
 /* the TS steps of epilogue_staged and epilogue_glu: wait before writing the buffer, then store from it */
 __device__ __forceinline__ void ts_wait(int lane, bool half) {
     if (lane == 0) {
@@ -5800,18 +5753,12 @@ __device__ __forceinline__ float epilogue_wide(const Params &p, const float (&ac
    acc[4 (j + 16) + 2h + b]).  Six passes of 64 columns through the warp's 2 KB buffer, as
    epilogue_staged<0, 128> stores: g's two, u's two, then h = silu(g) u's two (out3, when given),
    each from the bf16-rounded g and u as k_swiglu computes it: the same bits as the two GEMMs and
-   the SwiGLU apart.  What h's sigmoid costs (two MUFU operations a value, ex2 and rcp: ~2K cycles of
-   a ~34K-cycle tile, with the tensor cores idle): a timing-only build with h = g u (H200, bench
-   GG_GLU=1 GG_CASE=big, alternating, first rounds) ran 639.0 / 636.8 TFLOP/s against 615.2 / 613.8,
-   and without h at all 657-658; an exp on the FMA pipe would halve the MUFU work for ~10 more
-   instructions a value, so at most ~2% to gain, and other bits than k_swiglu's: not done. */
+   the SwiGLU apart.  h's sigmoid (ex2 and rcp on the MUFU pipe) costs ~2K cycles of a ~34K-cycle
+   tile with the tensor cores idle (docs/KERNELS.md). */
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-/* TS (GG_TSG): as epilogue_staged's TS, each pass's 64 x 16 box leaves as a TMA store through the map
-   of its output (g, u or h; [Rmax][M], columns past M clipped); slabs holding an expert's last row stay
-   staged.  The same bytes.  H200, bench GG_GLU=1 GG_CASE=big, first rounds: 635.2 / 625.7 TFLOP/s
-   against 630.6 / 620.1 staged; mid's profiled step (alternating on one start, three runs each)
-   GMM_GLU 598.0 / 587.5 / 596.4 against 590.3 / 591.0 / 595.3: within the noise, kept for one store
-   path across the three bf16 epilogues. */
+/* TS: as epilogue_staged's TS, each pass's boxes leave as TMA stores through the map of their output
+   (g, u or h; [Rmax][M], columns past M clipped); slabs holding an expert's last row stay staged.  The
+   same bytes, and one store path across the three bf16 epilogues. */
 template <bool TS = false>
 __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)[128], const Tile &ti, int wrow, int lane,
                                              int rows_valid, unsigned char *buf, const CUtensorMap *tm0 = nullptr,
@@ -5825,7 +5772,7 @@ __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)
         const int half = pass & 1, which = pass >> 1;
         if (which == 2 && !p.out3) break;
         if (64 * half >= hv) continue; /* tile-uniform */
-        /* TS: with GG_TS_HALF each half (rows 8h..8h+7, the buffer's h-th KB) is a box of its own */
+        /* TS: each half (rows 8h..8h+7, the buffer's h-th KB) is a box of its own */
         const CUtensorMap *map = which == 0 ? tm0 : which == 1 ? tm1 : tm2;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -6080,98 +6027,12 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* tensor is 3-D [E][M][K], so W rows beyond M are zeros, never the next expert's.  Mode 2     */
 /* reduces over the rows, so the consumers zero the rows past the tile's end in both operands  */
 /* of the last step before multiplying; that step issues only the k16 slices that hold rows    */
-/* (DWV 1, the default; the skipped slices would add exact zeros: the same sums, up to the      */
-/* sign of a zero).  H200, mid's shapes: dW 541 -> 543 (gate/up) and 490 -> 495 TFLOP/s (down) */
-/* in the bench, GMM_DW_SQ in ./train --preset mid 12.60 -> 12.18 ms a step (21 calls).        */
-/* Measured slower on H200 (mid's shapes) and not kept: dW stored straight from the            */
-/* accumulators (whole 32-byte sectors, no staging: 497 against 530 TFLOP/s), and 3 stages with */
-/* the whole tile staged in smem and stored by bulk copies while the next tile runs (dW 415     */
-/* against 498, dX 621 against 647).  Also for dW: a ping-pong kernel (each consumer           */
-/* warpgroup on its own 128 x 128 tiles, their reduction loops taking turns so one warpgroup   */
-/* stores while the other multiplies: 440 against 516 gate/up, 425 against 463 down, 15.2      */
-/* against 12.6 ms in the step; 128-column tiles read a third more per flop from L2; the later */
-/* gg_pp_kernel, which stores through the warps' buffers, is the default dW now); stores       */
-/* from the registers after a lane-pair shuffle (16 bytes a lane, 64 contiguous bytes a row:   */
-/* within 1-3% of the staged stores); bulk tensor stores of 16 x 16 boxes from two 1 KB halves */
-/* of each warp's buffer (4-15% slower); CTA pairs in clusters of 2 that multicast the operand */
-/* their tiles share (one L2 read for both; correct, but 340 against 540).  The estimated L2   */
-/* reads of every grouped GEMM mode (7.5-8.7 TB/s at the rates above) suggested L2 bandwidth as */
-/* the common limit, but dW's loop alone (no epilogue, a bench build) runs at 880-910 TFLOP/s on */
-/* mid's shapes, 540-575 with the epilogue staged through shared memory but no global stores,   */
-/* and 477-515 with them (same run): its ~12 steps a tile pay for a 128 KB epilogue, during    */
-/* which the tensor cores wait.                                                                */
-/* Also measured and not kept: mid's down projection as dW^T = X^T dY (11 x 8 full tiles instead */
-/* of 16 x 6 whose last column is half empty, the tile transposed on its way out; bitwise the   */
-/* same dW): 455-496 against 470-472 TFLOP/s in one run, within its noise (the wide tiles, above, */
-/* later did what this aimed at).  The second consumer warpgroup held 1-3 steps behind the     */
-/* first, so that their epilogues do not coincide: within 1% in the bench, within the step's */
-/* run-to-run noise (4%).                                                                      */
-/* dW stored with evict-first (__stcs): the same in the bench, mid's step 1-2% slower (AdamW    */
-/* then finds less of dW in L2).  192 x 256 dW tiles on three consumer warpgroups do not        */
-/* compile: at 512 threads ptxas allocates 128 registers a thread whatever setmaxnreg grants,   */
-/* and an m64n256 accumulator needs 154.                                                       */
-/* Per-phase cycle counts (clock64 around each phase, a bench build; H200, mid's gate/up dW,    */
-/* ~21000 cycles a tile): the wgmma steps ~12000 with their full-barrier waits ~2100, the        */
-/* epilogue ~6300, decoding the next tile ~1200 (now done under the first wgmma batch: 549 ->   */
-/* 557 TFLOP/s gate/up, 534 -> 548 down).  Of the epilogue, the global stores are ~2700 (a      */
-/* build without them: ~3500); staggering the CTAs' start by half a tile leaves it at ~6000, so */
-/* it is each SM's own store path, not all SMs storing at once.  Not kept: the whole tile staged */
-/* in shared memory and written by TMA tensor stores while the next tile multiplies (bitwise the */
-/* same dW; the staging needs 32-row stages, 6 x 24 KB): 390-400 against 525 TFLOP/s, the copy  */
-/* engine reading the staging at ~8 bytes a cycle and the loads waiting behind the stores (full- */
-/* barrier waits 8200 cycles a tile); 4 KB epilogue buffers per warp (8 passes -> 4): 540-545   */
-/* against 555-557; the per-element selects and bounds of the epilogue hoisted: 543-549; dW    */
-/* stored straight from the accumulators (above), again in mid's step: 435-445 against 443-473.*/
-/* Also not kept: the tile leaving in two 128-column halves through a 64 KB staging area in     */
-/* place of the fourth stage, written to memory by the producer warpgroup's three spare warps   */
-/* while the consumers go on (bitwise the same dW): 425-438 against 516-527 gate/up, 397-403   */
-/* against 509-511 down; per tile ~7200 cycles of full-barrier waits with 3 stages (4 stages:   */
-/* ~2100) and ~5900 waiting for the storers (their shared loads, 40 registers a thread, wait    */
-/* behind the wgmma's operand reads).                                                          */
-/* Also not kept (modes 0/1): the epilogue deferred under the next tile's first wgmma batches  */
-/* (each warp writes the first passes of its tile at once and keeps the last 1-3 as bf16 pairs */
-/* in registers, writing one after each of the next tile's first steps; the same bits).  Three */
-/* passes deferred spill 60 bytes and make intermittent illegal addresses (none under          */
-/* memcheck; cause not found), two do so more rarely.  One deferred pass passed the checks and */
-/* ran no faster: bench dX 625-632 against 629-642 TFLOP/s and forward 624-633 against 629-643 */
-/* (big and big-down, alternating); in mid's step GMM_DX 594 / 570 against 582 / 576 (H200).   */
-/* Also not kept (modes 0/1): CTAs in clusters of 2 sharing an operand block by multicast. The */
-/* serpentine round robin hands a cluster tickets 2k and 2k + 1 in every round; with each      */
-/* expert's count padded to even and its full tiles listed by pairs of row tiles, then column, */
-/* 87-93% of the pairs on mid's layouts were two row tiles of one column tile (each CTA        */
-/* loading half of W's block into both), 3-4% two column tiles of one row tile (half of the    */
-/* rows' block each), the rest loading their own stages; every stage released in both CTAs; a  */
-/* CTA whose ticket was the pad computed its peer's tile without storing it. Bitwise the same  */
-/* outputs (bench 939 + 403 passed; ./test_gpu 119 with a first form, column-major order       */
-/* without the pad or the shared rows). What sharing W could give, from a timing-only build    */
-/* loading half of W's bytes (results wrong; H200): dX 646 -> 677 (big-down) and 657 -> 700    */
-/* (big), the GLU forward 628 -> 677 TFLOP/s. The clusters got a third of that (bench,         */
-/* alternating; the first form on one start, the last on another): dX 637.7-645.7 ->           */
-/* 647.2-653.3 and 621.7-632.7 -> 632.7-640.0, forward (big) 626.9-635.3 -> 645.4-652.5 and    */
-/* 618.0-619.8 -> 633.4-634.3, GLU 615.4-620.0 -> 629.2 and 605.4-606.3 -> 606.1-612.3. In     */
-/* mid's step (alternating, three pairs a start) the median step went 126.07 -> 124.66 ms      */
-/* (first form), 125.21 -> 124.03 and 122.03 -> 122.29 (last form; W shared in the forward     */
-/* alone 122.10), while the profiled step's GMM_DX went 595.5 / 599.1 / 594.7 -> 578.9 / 586.7 */
-/* / 591.0 and GMM_DX2 631-632 -> 617-625: a mixed gain of at most ~1% for the coupled rings'  */
-/* complexity, so the kernel keeps one CTA a tile.                                             */
-/* Bounds measured on H200 (bench/store_rate.cu, and bench builds on mid's dW shapes, same    */
-/* run): one CTA per SM writing 128 KB tiles of fp32 with 16-byte stores drains ~31 bytes a   */
-/* cycle per SM when half the SMs write (4200 cycles a tile) and ~18 when all do (7100        */
-/* cycles; 4.2 TB/s in all), but the same stores followed by 8000 cycles of independent work  */
-/* cost the CTA only ~1100 cycles: stores issued straight from registers would leave the      */
-/* epilogue's 128 KB draining under the next tile. A build storing each warp's accumulators   */
-/* unpermuted (lane-contiguous 512-byte stores, no staging; dW in an accumulator-native       */
-/* layout, not row-major) ran 551-558 against 521-529 TFLOP/s: the drain then competes with   */
-/* the operand loads for L2. A build loading only half of X's columns (as a 2-CTA multicast   */
-/* of X would; results wrong, timing only) ran 500-568, and with the native stores 582-599.   */
-/* That was the 128 x 256 kernel.  Against gg_pp_kernel's TMA stores (below) the native      */
-/* layout loses: a timing-only build storing each warp's m64n192 accumulators as 16-byte      */
-/* lanes into [E][M/16][K/8][32][4] (every store 512 contiguous bytes, 12 KB a warp in a row, */
-/* no staging) ran dW at 551.8 / 557.2 (big) and 543.5 / 543.3 (big-down) TFLOP/s against    */
-/* 581.2 / 577.0 and 567.1 / 566.9 for the TMA stores (bench, first timing of each process,   */
-/* two rounds alternating on one H200 start), GMM_DW_SQ 488.7 / 490.2 against 502.4 / 502.9   */
-/* in mid's step; without any stores 698.3 / 691.9, 666.6 / 664.9 and 606.4 / 647.8.          */
-/* So a non-row-major gradient would buy nothing; not done.                                   */
+/* (the skipped slices would add exact zeros: the same sums, up to the sign of a zero).        */
+/* What bounds it: dW's ~12 steps a tile pay for a 128 KB fp32 epilogue while the tensor cores */
+/* wait (H200, mid's shapes: 880-910 TFLOP/s without the epilogue, 477-515 with it), and an SM */
+/* drains stores at ~18-31 bytes a cycle (bench/store_rate.cu); hence dW in turns            */
+/* (gg_pp_kernel).  Modes 0/1 run at 600-700 TFLOP/s, their epilogue ~8% of a launch.  What   */
+/* else was tried, with its figures: docs/KERNELS.md.                                         */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int NT_TMA = 384;
 constexpr int EPI_BYTES = 2048;                /* per consumer warp: 16 rows x 128 bytes     */
@@ -6183,8 +6044,8 @@ struct TmaParams {
     CUtensorMap ta2, tb2;  /* mode 1, second pair                                             */
     CUtensorMap tbh;       /* mode 0: W with boxes of 128 rows (the wide tiles' B)              */
     CUtensorMap tc;        /* gg_pp_kernel's TMA stores: dW [E][M][K] fp32, boxes 32 k x 8 m    */
-    CUtensorMap to;        /* modes 0/1 (GG_TS01, not GLU): the bf16 output [Rmax][ncols], boxes 64 x 16 rows */
-    CUtensorMap to2, to3;  /* GLU (GG_TSG): to = g, to2 = u, to3 = h, each [Rmax][M], boxes 64 x TSG_BOX rows */
+    CUtensorMap to;        /* modes 0/1 (not GLU): the bf16 output [Rmax][ncols], boxes 64 x 16 rows */
+    CUtensorMap to2, to3;  /* GLU: to = g, to2 = u, to3 = h, each [Rmax][M], boxes 64 x TSG_BOX rows */
     int tso;               /* the output maps made: a warp's whole 16-row slabs leave as TMA stores (TS) */
     int perm;              /* tc is the 5-D view with the 8 rows of a box in the order 0 4 1 5 2 6 3 7 (see pp_store_tma) */
     Params p;
@@ -6253,8 +6114,8 @@ __device__ __forceinline__ void init_ring(uint32_t full0, uint32_t empty0, int n
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
-/* DWV (mode 2): 0 = as modes 0/1; 1 = short last steps (only the k16 slices that hold rows);
-   GLU (mode 0): gate and up in one launch, the SwiGLU in the epilogue (see gg_run_glu) */
+/* mode 2: short last steps (only the k16 slices that hold rows); GLU (mode 0): gate and up in one
+   launch, the SwiGLU in the epilogue (see gg_run_glu) */
 template <int MODE, bool GLU = false>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
     constexpr bool SHORT = MODE == 2;
@@ -6370,206 +6231,31 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
 
 /* ------------------------------------------------------------------------------------------ */
 /* dW in turns (mode 2, the default when no row split is needed): each consumer warpgroup owns   */
-/* whole 128 x BNP tiles (BNP = 192 by default, 128 in the bench's variants), and the two take  */
-/* turns at the tensor cores, so one warpgroup's epilogue (96 KB of fp32) drains while the     */
-/* other multiplies.  384 threads: warpgroup 0 is the producer (one thread issues the TMA       */
-/* loads), 1 and 2 the consumers; the CTA's tiles alternate between them (j even: 1, odd: 2).   */
+/* whole 128 x 192 tiles, and the two take turns at the tensor cores, so one warpgroup's        */
+/* epilogue (96 KB of fp32) drains while the other multiplies.  384 threads: warpgroup 0 is the  */
+/* producer (one thread issues the TMA loads), 1 and 2 the consumers; the CTA's tiles alternate   */
+/* between them (j even: 1, odd: 2).                                                            */
 /*   - a stage is one 64-row step of one tile: dY's 128 m columns as two MN-major 64 x 64       */
-/*     blocks, then X's BNP columns as BNP / 64 (40 KB at 192: 5 stages; 32 KB at 128: 6) in    */
-/*     one ring, filled in the order the tiles are taken, each released by the 4 warps of the   */
-/*     warpgroup that read it;                                                                   */
+/*     blocks, then X's 192 columns as 3 (40 KB, 5 stages) in one ring, filled in the order the */
+/*     tiles are taken, each released by the 4 warps of the warpgroup that read it;            */
 /*   - turns on named barriers 1 and 2 (as in attention's Turns): a warpgroup issues its tile's */
 /*     products only between begin (the other finished issuing) and end;                        */
-/*   - each k16 slice is two m64nBNPk16 products (tile rows [0, 64) and [64, 128)) over the    */
+/*   - each k16 slice is two m64n192k16 products (tile rows [0, 64) and [64, 128)) over the    */
 /*     same slices in the same order as the gg_tma_kernel's m64n256k16: dW is bitwise the same; */
 /*     a last column tile with <= 64 or <= 128 columns in K multiplies only those (m64n64 /     */
 /*     m64n128 on the accumulators' first registers, which hold the same columns);             */
-/*   - mode 2's short last step and tail-row zeroing as in gg_tma_kernel (DWV 1);              */
-/*   - TS (the default): each warp's accumulators leave as TMA tensor stores of 2 KB, its whole  */
-/*     buffer (16 rows x 32 columns; PP_ST2K=0 or the 3-D map: 1 KB from each half in turn;    */
-/*     pp_store_tma); TS 0: staged st.global (pp_store_staged, BNP 128 only);                   */
-/*   - MC (GG_PP_MC, off by default, BNP 128): CTAs in clusters of 2 take the two tiles of a    */
-/*     pair (along the columns, or along m when the column tiles are odd), each loading its own */
-/*     block and half of the shared one by multicast to both; a stage is released in both CTAs; */
-/*   - the norm partial of warp w of a tile goes to entry 4 ((e ntm + mt) nct + ct) + w at 192 */
-/*     columns, and at 128 to ((e ntm + mt) ct256 + ct / 2) 8 + 4 (ct % 2) + w, the entries of  */
-/*     the 128 x 256 tiles (all within ssq_need; those no tile writes are zeroed first).        */
-/* Measured on H200 (mid's shapes; bench/grouped_gemm.cu, the kernels alternating in one run):  */
-/*   128 x 192 tiles read 17% fewer operand bytes per product than 128 x 128 (40 KB a step for  */
-/*   1.5 times the work).  In mid's step (GMM_DW_SQ, ./train --preset mid --profile, builds     */
-/*   alternating on one start) 526-538 against 502-514 TFLOP/s for 128 columns, 531-534 for     */
-/*   192 on gate/up with 128 on down; on another start 537-551 against 491-511; steps 121.2-    */
-/*   123.4 against 123.0-125.2 ms.  In the bench, first round of each layout (cooler) 518-597   */
-/*   against 545-599, second round 500-551 against 482-523: the wider tiles gain at the clocks  */
-/*   the step runs at.  Not kept: 32-row steps (10 stages of 20 KB at 192, a deeper ring for    */
-/*   the same bytes): 390-418 against 509-514 in mid's step.  Nor 128 x 192 tiles in clusters */
-/*   of 2 (any tile counts: pairs along the columns sharing dY's block, the odd last column's */
-/*   tiles along m sharing X's, an odd expert's last tile computed by both CTAs; each CTA     */
-/*   multicasting every other 64-column block of the shared operand; bitwise the same dW,     */
-/*   bench 1021 passed): 443-449 against 501-506 TFLOP/s in mid's step, bench even 546 / 467  */
-/*   against 594 / 541; pairs along m first: bench 522 / 420, 435-478 against 516-561 in the  */
-/*   step (another start).  The clusters at 128 columns ran 484-505 against 478-479 for 128   */
-/*   without them in mid's step (a third start; 192 without them: 503-510).  Cause not        */
-/*   measured; one difference is the ring: 5 stages at 192 against 6, each released in both   */
-/*   CTAs.  Balance: with nct = 11 column tiles (gate/up at 192) dividing the 132 CTAs, each  */
-/*   CTA meets the same column tile in every other round, and two CTAs in eleven take the     */
-/*   narrow last tile in half of their rounds (ncu, equal experts: tensor pipe 64.8% busy on  */
-/*   the least busy SM against 76.3% on average and 79.2% at most).  Starting m tile mt's     */
-/*   column tiles at column tile mt evened it out (74.1 / 75.2 / 75.8%) but not the time      */
-/*   (529.6-552.1 against 530.2-542.5 us; in mid's step GMM_DW_SQ 514-550 against 527-542,    */
-/*   alternating): the SMs with less to do were not what limits, so not kept.  ncu on equal   */
-/*   experts (base clocks) read 7.03 TB/s from L2 into the SMs                                */
-/*   (l1tex__m_xbar2l1tex_read_bytes) for this kernel at 192 columns, 6.87 for                */
-/*   gg_tma_kernel's dX and 7.02 for its forward, with the tensor pipe busy 75.2%, 83.0% and  */
-/*   84.7%: in inverse proportion to the operand bytes each reads per product (40 KB a 128 x  */
-/*   192 x 64 step, 48 KB a 128 x 256 x 64 one: 12.7 against 11.4 KB a MFLOP; L2 itself at    */
-/*   46-64% of its sector rate).  That is not the hardware's limit: cuBLASLt's                */
-/*   strided-batched kernels on the same work (the algorithms the bench tries) took in up to  */
-/*   10.8 TB/s with the tensor pipe 97.1% busy (nvjet 128 x 128 tiles, 6 stages, clusters of  */
-/*   2: 409.5 us), 9.7 TB/s and 96.9% (128 x 160, 5 stages; also in clusters of 2, its name   */
-/*   says: nvjet_sm90_tss_128x160_64x5_2x1_v_bz_NTT), and 7.6 TB/s                             */
-/*   and 90.7% cooperative (128 x 256, 4 stages, the nearest to gg_tma_kernel).  So ours stop */
-/*   at ~7 TB/s for a reason in their pipelines, not found; that their rates follow their     */
-/*   bytes per product suggests the loads' latency, with too few bytes in flight.             */
-/*   With 128 columns: staged stores 524-558 TFLOP/s against 483-535 for gg_tma_kernel's       */
-/*   128 x 256 tiles.  With equal experts (768 rows each, a probe timing the variants in turn): */
-/*   staged 545-559, TMA stores 579-581, clusters 589-592, cuBLASLt's strided-batched GEMM on   */
-/*   the same work 658-696 (its best: nvjet 128 x 128 tiles, 6 stages, clusters of 2).  In     */
-/*   mid's step the clusters (with an earlier, slower epilogue) gave nothing measurable         */
-/*   (GMM_DW_SQ 480 / 483 against 477 / 495 for staged stores, alternating), so they stay off:  */
-/*   the step runs at the power limit (~1560 MHz).  The TMA stores' epilogue skips the norm     */
-/*   partials without p.ssq, sums whole tiles without bounds tests and zeroes an empty expert's */
-/*   accumulators once (a select per value before: 556-573).                                   */
-/*   Where the time goes (ncu, equal experts, 128 columns): the tensor pipe 72-74% busy in      */
-/*   every epilogue variant (67% with --set full), against 91% for cuBLAS's kernel; L2 read     */
-/*   sectors 114M (clusters 96M: the multicast halves one block, yet the time moved by 2%);    */
-/*   a quarter to a third of the consumers' mainloop samples wait for a stage.  Timing-only     */
-/*   builds: without loads 641-689, without loads or stores 741 (clusters) / 773, so loads cost */
-/*   12-17% and stores ~11% even in turns.  Also measured, not kept: the 1 KB stores replaced   */
-/*   by 2 KB ones from rings of 3-8 slots that the two warpgroups share (a token on two named   */
-/*   barriers, 4-6 stages; bitwise the same dW): 471-578 against 537-583 (first rounds), the    */
-/*   store latency is not what limits; stores straight from the registers (8-byte lanes)      */
-/*   453-466; stores of 2 KB (one fence per 2 KB, no double buffering) 572-584, no better; an   */
-/*   L2 prefetch of the next tile's first 16 steps 300-322; a cluster-scope release of the     */
-/*   peer's stage (mbarrier.arrive.release.cluster) with staged stores 240-265 (it waits for   */
-/*   the warp's stores).                                                                        */
-/*   Also measured and not kept (H200, builds alternating on one start): each operand of a step */
-/*   as one TMA box (3-D maps with the 64-column blocks outermost, so a box of 64 x 64 x 2 or 3  */
-/*   lands as the stage's blocks; mode 1's W as a 4-D box of its 4 blocks): 2 load instructions */
-/*   a step instead of 5, bitwise the same results; bench dW 565-570 / 535-548 (gate/up / down) */
-/*   against 565 / 539, dX 634 / 614 against 629 / 623; in mid's step GMM_DW_SQ 497-509 against */
-/*   496-501, GMM_DX 568-581 against 572-576: the copy engine's instruction rate is not what    */
-/*   limits.  The norm partials summed after the stores (under their drain) in four chains: in  */
-/*   mid's step 506-507 against 507-518.  What the partials cost, timed alternating with and    */
-/*   without them in the bench (its "dW (+norm)" line): 3-4% where the clock holds between the  */
-/*   two (575.6 / 558.4, 574.8 / 559.6), up to 12% where it drops between them.  The clock      */
-/*   does drop within one bench process: dW without partials 575.6 -> 548.2 -> 505.4 TFLOP/s    */
-/*   over its three rounds, so mid's step, at the power limit, runs near the bench's warm rate  */
-/*   (GMM_DW_SQ 496-518 on the two starts of these runs).  On two H200s (ep 2: 32 experts a    */
-/*   rank, 1536 rows each on average, so 24 steps a tile) mid's GMM_DW (there without the       */
-/*   partials: a separate SUMSQ sums the sharded gradients) runs at 611 and GMM_DX at 639 in    */
-/*   the step: one GPU's short reductions (12 steps a tile) are what the per-tile costs weigh on. */
-/*   32-row steps again, now with two wgmma groups left in flight (wait_group 2, so a stage goes  */
-/*   back two steps later; 10 stages of 20 KB, 160 KB loading against 120 KB): bench dW 487-491 */
-/*   / 449-464 against 582-584 / 548-557 (gate/up / down), mid's GMM_DW_SQ 395-401 against      */
-/*   516-543: more bytes in flight do not help, so the loads' latency is not what limits either. */
-/*   L2 cache policies on the copies (createpolicy, .L2::cache_hint): the operand loads evict-last  */
-/*   or the TMA stores evict-first, bench dW (big, without / with the partials, two processes     */
-/*   each, alternating) 559-505 / 543-475 and 553 / 538 (loads), 551-547 / 532-473 and 567-566 /  */
-/*   549-547 (stores) against 570-506 / 535-486 and 566-525 / 545-505: within the clock's drift;   */
-/*   the stores' policy in mid's step GMM_DW_SQ 476.0, 479.3, 478.7 against 491.6, 478.8, 485.7.  */
-/*   The copy engine relieved of half the stores (each warp's rows 8-15 of a round read back    */
-/*   from its buffer and written by st.global, rows 0-7 by the TMA store; bitwise the same dW,    */
-/*   bench 403 passed): dW (big, without / with the partials, alternating, two processes) 563.7-  */
-/*   567.3 / 549.9-553.5 and 574.1 / 557.4 against 571.7-575.3 / 551.3-558.5 and 571.1 / 553.5;   */
-/*   big-down 547.7 / 531.4 against 553.9 / 536.8; every round by st.global 545.8-556.3 / 539.1-  */
-/*   542.3 (big): the stores sharing the copy engine with the loads is not what limits.           */
-/*   Bank conflicts of the staging writes (ncu, equal experts): 31.96M shared-store wavefronts,   */
-/*   8.58M of them conflicts, for 2.89M 8-byte store instructions; with the rows permuted through  */
-/*   the 5-D map (perm, see pp_store_tma; bitwise the same dW, bench 403 + 939 passed) 19.23M and  */
-/*   2.55M, 462.4 -> 453.8 us.  Bench (two rounds, alternating with GG_PP_PERM=0): even 605.3 /   */
-/*   605.7 -> 616.3 / 617.1, big 574.6 / 575.3 -> 575.9 / 577.5, big-down 546.9 / 554.1 ->        */
-/*   553.6 / 546.2; in mid's step (three profiles each, alternating) GMM_DW_SQ 494.9, 485.9,       */
-/*   460.5 against 477.9, 432.8, 437.3, the same losses: kept.                                     */
-/*   Where the rest goes (timing-only builds, results wrong, alternating; even / big): without    */
-/*   the staging writes 631-634 / 582-588 against 610-614 / 574-578; without the TMA stores (no   */
-/*   dW written) 689-694 / 630-641, against cuBLASLt's strided-batched 671-674 on even with its     */
-/*   dW written: writing dW's fp32 costs ours 10-13%.  The same work in 8 experts of 6144 rows    */
-/*   (GG_LONG=1: an eighth of the epilogues per product): 672.9-684.5 against cuBLASLt's 744.7-    */
-/*   755.8, so the gap to cuBLAS (0.89-0.91) is not the per-tile cost.  CTAs (GG_NSM, even): 132,  */
-/*   99, 66 -> 613.8, 519.7, 375.9: 4.65, 5.25, 5.70 TFLOP/s a CTA, so the SMs share a limit (L2 */
-/*   or its links) and one CTA alone still stops at ~80% of an SM's tensor rate.                 */
-/*   Rows an expert (bench/grouped_gemm.cu GG_CASE=even against GG_EXTRA=1 GG_CASE=even1536, the */
-/*   same work as 32 experts of 1536 rows; one start, two rounds): ours 618-619 -> 692-694        */
-/*   (gate/up) and 592-595 -> 665-666 (down), cuBLASLt's strided-batched 677-679 -> 745-747 and  */
-/*   678-679 -> 745-748: both gain ~11% (half the fp32 dW written per flop), ours stays at       */
-/*   0.87-0.93 of cuBLAS's rate.                                                                 */
-/*   Unequal against equal experts in one process (GG_CASE=big and even alternating, H200):      */
-/*   forward 620-632 / 706-707 (gate/up), 648 / 687 (down); dX 642-645 / 677-683, 622-635 /      */
-/*   709-711; dW 565-570 / 605-607, 543-553 / 587-588: each expert's partial last row tile (and  */
-/*   at 1408 outputs its last wide tile) loads a whole tile's weights for part of its rows: the  */
-/*   layout has 2293 tiles against 2112 at 1408 outputs, 3312 against 3072 at 2048.             */
-/*   The list's order, largest expert first, measured against two mixes (so that short tiles,    */
-/*   whose fp32 stores dominate, run beside long ones): experts alternating from both ends of   */
-/*   the sorted list, 362-377 against 583-592 TFLOP/s in the bench (big) and 364-376 against     */
-/*   517-529 in mid's step (the serpentine no longer balances the CTAs); tiles alternating from  */
-/*   both ends, 519-522 against 575-579 (big) and 461-499 against 511-532 in mid's step.         */
-/*   Cycles a tile, the build before the 2 KB stores (GG_T_PROF, the instrumented bench build:   */
-/*   clock64 on each consumer warpgroup's first warp, summed into gg_prof and printed by         */
-/*   bench/grouped_gemm.cu; H200, equal experts, 12 steps a tile, ideal 9216 at the tensor       */
-/*   rate): begin + the first step's data 919-1065, the rest of the mainloop 9393-9536 (of it    */
-/*   waiting for stages 1288-1467), drain 539, epilogue 9766-10095 without the norm partials and */
-/*   11112-11312 with them (the partials 1445), so a warpgroup's life is 22.2-22.6K cycles a     */
-/*   tile without and 23.4-23.7K with: two tiles a life, the epilogue longer than the other      */
-/*   warpgroup's mainloop (82-83% of the tensor rate).  In the same build without the stores     */
-/*   (GG_T_NOST, results wrong): epilogue 1114, life 19.8K (93%), 735 TFLOP/s against 625;       */
-/*   without products or stores (GG_T_NOMMA too) 815-828 (the loads alone need ~9.7K cycles a    */
-/*   tile of data waits and bookkeeping).  A sub-timer build (removed: it cost 20%) put the TMA  */
-/*   store's issue at 130-170 cycles a 1 KB store, the largest part of the epilogue (24 a warp a */
-/*   tile), the fences ~57 and the staging writes ~43 a round: hence the 2 KB stores (see        */
-/*   pp_store_tma), kept.  The norm's 192 values a thread took 651 cycles with no products       */
-/*   running and 1445 beside the other warpgroup's (three instructions a pair: the issue, not    */
-/*   the chain, is what costs: four chains of them took the same 1449); one fma a value in four  */
-/*   chains (kept) takes 920-925, and the epilogue 10925 against 11312 (bench dW with the        */
-/*   partials, first pairs of two processes: even 595.5 / 603.2 against 587.2 / 567.7, big 569.1 */
-/*   / 573.8 against 566.9 / 561.3). Summed round by round in the stores instead: epilogue 12093 */
-/*   against 11312 (and with the 2 KB stores 9931 against 9523), so not kept.  A shorter         */
-/*   epilogue needs buffer space the ring holds: 4 stages (PP_NST192=4; bench even 616-623       */
-/*   against 601-612, big 567-577 against 561-580) with each warp's 2 KB grown to 6 KB of 1 KB   */
-/*   slots, two rounds a fence: epilogue 7632-7655 against 9768, but the stages' waits grow from */
-/*   1475 to 3411-3725 and the life stays 22.0-22.5K (bench even 627-636 against 625-631, big    */
-/*   584-593 against 581-595), as with 6 slots of one round a fence or three (8693 / 7409, 22.0K */
-/*   / 22.3K), so not kept either.  Stores that stay in L2 (each CTA rewriting its own 96 KB,    */
-/*   results wrong): even 622-626 against 601-602, big 574-578 against 561-570: dW's DRAM writes */
-/*   cost 1-4%.  ncu (equal experts, clocks not fixed): ours 464.6 us at 1.45 GHz reading 108.6M */
-/*   L2 sectors; cuBLASLt's strided-batched best, nvjet 128 x 160 tiles in clusters of 2 (5      */
-/*   stages, not cooperative), 414.2 us at 1.41 GHz reading 84.8M (its 128 x 128 in clusters of  */
-/*   2: 417.7 us, 90.3M); its cooperative 256 x 128 and 128 x 256: 469-494 us.                   */
-/*   The tile decode (kept): two integer divisions and three shared loads, ~600 cycles a tile on  */
-/*   the epilogue's side of the turns (each warpgroup decodes its own tiles and the other's, for  */
-/*   the ring's step count); now both are decoded under the drain and the divisions are         */
-/*   multiply-highs by the kernel's fixed divisors (FastDiv): life 20530 / 20877 cycles a tile    */
-/*   without / with the partials, against 21124 / 21600 with only the decode moved (the drain    */
-/*   then 1178 cycles, not 539) and 21190 / 21515 before (the previous start); bench, first       */
-/*   values, alternating: even 643.8 / 633.0 and 645.6 / 613.2 against 634.3 / 626.1 and 631.1 /  */
-/*   609.1; mid's GMM_DW_SQ 547.6, 535.4, 546.6 against 537.4, 548.8, 527.1 (one start,           */
-/*   alternating, the same losses).  Where the rest goes (GG_T_PROF, with / without the stores,   */
-/*   GG_T_NOST; life a tile): equal experts 20630 / 19605, big 23312 / 20587, big-down 22771 /   */
-/*   20163: dW's stores still cost 5% on equal experts and 12-13% on the unequal layouts, whose   */
-/*   short tiles wait on their epilogues; the rest is the mainloop's supply (1.3-1.5K cycles a    */
-/*   tile of stage waits; a tile's first stages reuse the slots of the other warpgroup's last     */
-/*   steps, so begin + first data holds the turn's wait: 0.9-1.2K on equal                       */
-/*   experts, 3.9-4.2K on the unequal ones).  Measured and not kept                               */
-/*   (H200, bitwise the same dW, bench 403 passed each): rows 0-63 and 64-127 as two commit      */
-/*   groups, so a0's epilogue starts while a1's products drain (even 638.2 / 606.7 against 642.0 */
-/*   / 633.7); 128 x 192 tiles in clusters of 2 along m, X's 3 blocks multicast (the down        */
-/*   projection: 30% fewer L2 reads) ran as fast as without (even-down 615.7 / 558.0 and 542.9 /  */
-/*   541.7 against 617.5 / 554.4 and 539.2 / 542.3, big-down the same) with the stage waits up    */
-/*   from 1599 to 2192 cycles a tile; L2 prefetches by the producer (cp.async.bulk.prefetch.tensor) */
-/*   cost in every form: each step's blocks 4 or 8 steps ahead 350 against 646 (even), each block */
-/*   8 or 10 steps ahead by one CTA only (X's by the m tile 0, dY's by the column tile 0) 551-564  */
-/*   against 637-638, the next tile's first 1 or 2 steps as a tile begins 636-640 / 587-600       */
-/*   against 649 (its first data wait 1609 cycles against 950).                                  */
+/*   - mode 2's short last step and tail-row zeroing as in gg_tma_kernel;                      */
+/*   - each warp's accumulators leave as TMA tensor stores of 2 KB, its whole buffer (16 rows x */
+/*     32 columns; with the 3-D map, where the driver refuses the 5-D one: 1 KB from each half  */
+/*     in turn; pp_store_tma);                                                                 */
+/*   - the norm partial of warp w of a tile goes to entry 4 ((e ntm + mt) nct + ct) + w (all    */
+/*     within ssq_need; those no tile writes are zeroed by the kernel).                        */
+/* Why 128 x 192: 17% fewer operand bytes per product than 128 x 128 (40 KB a step for 1.5     */
+/* times the work), a gain at the power-capped clocks the training step runs at.  What bounds it */
+/* (H200, cycle counts of an instrumented build, equal experts): a warpgroup's life is ~20.5K   */
+/* cycles a tile against 9216 at the tensor rate; dW's fp32 stores cost 5% there and 12-13% on  */
+/* unequal layouts, the rest is the mainloop's operand supply (~7 TB/s from L2 against cuBLASLt's */
+/* up to 10.8).  Everything measured on it, kept or not: docs/KERNELS.md.                       */
 /* ------------------------------------------------------------------------------------------ */
 /* a step's stage: dY's 128 m as 2 blocks of 64 x 64, then X's PP_BN columns as PP_BN / 64 blocks; 5 stages of 40 KB */
 constexpr int PP_BN = 192;                     /* the tiles' columns */
@@ -6609,10 +6295,9 @@ __device__ __forceinline__ void pp_divisors(const Params &p, int &per_e, int &nc
     ncp = p.pair == 1 ? nct / 2 : nct;
     per_e = nmp * ncp;
 }
-/* tile t of the list: experts most rows first (s_aux), then m tiles, then 128-wide column tiles.
-   In clusters (p.pair, MC) t counts pairs of an expert's tiles: along the column tiles, sharing
-   dY's block, when there is an even number of them (p.pair 1), else along the m tiles, sharing
-   X's block (p.pair 2); rank: which tile of the pair; dpe, dnc: per_e and ncp as FastDivs */
+/* tile t of the list: experts most rows first (s_aux), then m tiles, then BNP-wide column tiles; dpe,
+   dnc: per_e and ncp as FastDivs.  (With p.pair, always 0 now, t counted pairs of tiles for CTA
+   clusters, rank the tile of the pair: docs/KERNELS.md.) */
 template <int BNP>
 __device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, const int *s_aux, int t, int rank, const FastDiv &dpe,
                                             const FastDiv &dnc) {
@@ -6632,7 +6317,7 @@ __device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, 
     ti.r0 = s_offs[e];
     ti.r1 = max(ti.r0, s_offs[e + 1]);
     ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
-    ti.sq = BNP == 128 ? ((e * p.ntm + mt) * p.ct + (ct >> 1)) * 8 + 4 * (ct & 1) : ((e * p.ntm + mt) * nct + ct) * 4;
+    ti.sq = ((e * p.ntm + mt) * nct + ct) * 4; /* the norm partials: 4 entries a tile */
     return ti;
 }
 
@@ -6706,20 +6391,11 @@ __device__ __forceinline__ float pp_ssq(const float (&a)[N], int rows_valid, int
    pairs of chunks: no conflicts, and no selects (earlier, a per-lane order of the column blocks
    avoided them at the cost of a select per value, and dropping it with the other per-value selects
    took equal experts from 556-573 to 579-581 TFLOP/s).
-   PP_ST2K (the default, with perm): the map's box is both groups (dims' box {32, 2, 4, 2, 1}), and a
-   pass writes its 16 rows x 32 columns into the whole 2 KB buffer once the previous store has read
-   it (wait_group.read 0) and leaves as one 2 KB store: half the stores and fences of the 1 KB halves
-   in turn, without their overlap, and shorter (H200, GG_T_PROF cycles a tile on equal experts: the
-   epilogue 8644 against 10075, a warpgroup's life 21190 against 22571; bench dW, even and big,
-   alternating: 638-641 against 616-622 and 594-595 against 577-586; with the norm partials 614-620
-   against 595-603 and 553-580 against 557-563; in mid's step GMM_DW_SQ 525.6 / 519.4 against
-   516.6 / 495.6 TFLOP/s, two profiles each, alternating, the same losses).  sq (a whole tile's
-   accumulator with the norm partials, PP_SQ_IN_STORES): its squares, one fma a value in four chains,
-   are summed into ss pass by pass while the pass's store reads the buffer: with the partials the
-   epilogue 9285 cycles against 9523 and the life 21515 against 21930 (without them 8844 / 21347
-   against 8644 / 21190); bench with the partials, first pairs of two processes, even 620.0 / 622.3
-   against 615.4 / 616.3, big 577.5 / 571.2 against 568.7 / 579.9; mid's GMM_DW_SQ 525.4 / 499.8
-   against 459.7 / 497.1 (a slower start; the same losses and norms).
+   With perm the map's box is both groups (dims' box {32, 2, 4, 2, 1}), and a pass writes its 16 rows x
+   32 columns into the whole 2 KB buffer once the previous store has read it (wait_group.read 0) and
+   leaves as one 2 KB store: half the stores and fences of the 1 KB halves, and a shorter epilogue.  sq
+   (a whole tile's accumulator with the norm partials): its squares, one fma a value in four chains, are
+   summed into ss pass by pass while the pass's store reads the buffer.  Figures: docs/KERNELS.md.
    c0: the tile's first column, m0: the warp's first row. */
 /* a lane's 8 values of rows g + 8 h, columns 32 pass + [0, 32) into a 1 KB half at hb (buffer row sr, the
    16-byte chunks XOR-swizzled by row) */
@@ -7142,18 +6818,9 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
  * two launches take 5 full and a half-wide one each) and the SwiGLU in the epilogue from the
  * bf16-rounded g and u, as k_swiglu computes it.  Each element of g and u sees the same k16 slices
  * in the same order as in its own launch: the same bits as two launches and k_swiglu, which is what
- * the other variants run (and the tests compare against).
- * H200, mid's shapes (bench/grouped_gemm.cu GG_GLU=1, layout big, three rounds): 600, 610, 510 TFLOP/s
- * against 565, 570, 494 for two launches and k_swiglu; without h 652, 584, 570 against 626, 539, 540.
- * With sigm's IEEE division (64 of them unrolled in the epilogue) the fused launch ran at 510 against
- * 555: see sigm.
- * Measured and not kept: the backward's counterpart, the down projection's dX (mode 1) with the
- * SwiGLU's backward in the epilogue (each stored 16-byte chunk of dh, with g's and u's chunks at the
- * same place, leaving as dg and du; g's and u's tile rows put into L2 by the producer at the tile's
- * first step; bitwise dX and k_swiglu_bwd, 413 bench checks and memcheck clean).  H200, bench layout
- * big-down (mid's GMM_DX), three rounds: 0.627, 0.627, 0.691 ms against 0.616, 0.618, 0.642 for dX
- * and k_swiglu_bwd apart (dX alone 0.449-0.504): the epilogue, which no multiply overlaps, took longer
- * for its 128 KB of loads and 128 KB of stores a tile than k_swiglu_bwd over the whole GPU. */
+ * the cp.async variant runs (and the tests compare against).
+ * On H200, mid's shapes, 600-610 TFLOP/s against 565-570 for two launches and k_swiglu (figures, and the
+ * backward's counterpart that was measured and not kept: docs/KERNELS.md). */
 static int gg_run_glu(int variant, void *g, void *u, void *h, const void *x, const void *wg, const void *wu, const int *d_offs,
                       int E, int M, int K, int Rmax, cudaStream_t stream, int nsm = 0) {
     if (!args_ok(0, E, M, K, Rmax) || !g || !u || !x || !wg || !wu || !d_offs || variant < 1 || variant > 2) return -1;

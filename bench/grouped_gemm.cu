@@ -37,8 +37,7 @@ static int mt_gg(int mode, void *out, const void *a, const void *b, const int *d
 static const char *variant_name[3] = {"-", "wgmma", "tma"};
 
 /* ========================================================================================== */
-/* Test harness: nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DGG_MAIN           */
-/*               -o /tmp/gg bench/grouped_gemm_dev.cu -lcublasLt && /tmp/gg                    */
+/* Test harness: make bench_gg && ./bench_gg                                                  */
 /* ========================================================================================== */
 #include <cublasLt.h>
 #include <stdio.h>
