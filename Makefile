@@ -13,6 +13,7 @@
 #                   with 2+ GPUs also NCCL ranks, the launcher, torchrun and failure handling)
 #   make bench      the benchmark table (bench/run.sh)
 #   make bench-attention  attention kernels: tests, then timing next to torch SDPA on cuDNN (bench/attention.sh)
+#   make bench_gg   the grouped expert GEMM's checks and timings (bench/grouped_gemm.cu), as ./bench_gg
 
 CC       ?= cc
 CXX      ?= c++
@@ -112,13 +113,18 @@ test-gpu: test_gpu train precompile
 bench: train precompile
 	sh bench/run.sh
 
-bench_attention: bench/attention.cu moetrain_kernels.cu $(HEADERS)
+bench_attention: bench/attention.cu bench/kernel_variants.cuh moetrain_kernels.cu $(HEADERS)
 	$(NVCC) $(NVFLAGS) -Xcompiler -Wno-format-truncation,-Wno-alloc-size-larger-than,-Wno-array-bounds $(if $(NCCL_INC),-I$(NCCL_INC)) -I. -c -o bench_attention.o bench/attention.cu
 	$(CXX) -o $@ bench_attention.o $(CUDA_LDLIBS)
 
 bench-attention: bench_attention
 	BIN=./bench_attention sh bench/attention.sh
 
+# the grouped expert GEMM on its own (bench/grouped_gemm.cu: checks, then timing next to cuBLASLt)
+bench_gg: bench/grouped_gemm.cu bench/kernel_variants.cuh moetrain_kernels.cu $(HEADERS)
+	$(NVCC) $(NVFLAGS) -Xcompiler -Wno-format-truncation,-Wno-alloc-size-larger-than,-Wno-array-bounds $(if $(NCCL_INC),-I$(NCCL_INC)) -I. -c -o bench_gg.o bench/grouped_gemm.cu
+	$(CXX) -o $@ bench_gg.o $(CUDA_LDLIBS)
+
 clean:
-	rm -f train precompile test_f32 test_f64 test_gpu bench_attention *.o .cxx_check* .cuda_link*
+	rm -f train precompile test_f32 test_f64 test_gpu bench_attention bench_gg *.o .cxx_check* .cuda_link*
 	rm -rf .san

@@ -1694,8 +1694,6 @@ int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const floa
  *                          64-query tiles (Q, dO, lse / D / document starts from a TMA producer warpgroup,
  *                          a ring of stages); with DS it also writes dS^T tiles (stmatrix, then a TMA
  *                          tensor store).
- *   fa_bwd_dkdv_wg_kernel  (-DMT_FA_SPLIT=0) the same results with two warpgroups x 64 keys, each
- *                          forming both dK and dV of its keys, 128-key blocks.
  *   fa_bwd_dq_ds_kernel    (the default after DS) persistent, work items by ticket: dQ += dS K over the
  *                          stored tiles, K and dS by a TMA producer warp.
  *   fa_bwd_dq_wg_kernel    (without DS) one CTA per (128-query block, b*h), two warpgroups x 64 rows,
@@ -1704,11 +1702,8 @@ int mt_cuda_rope_pe_backward(mt_cuda *c, void *dkpe, const void *dkr, const floa
  * The launchers take them for the configurations (64,64), (128,128), (192,128) and (256,256) on the
  * 16-byte load path (at (256,256) dQ from dS, or the mma.sync dQ kernel without DS); every other case
  * takes the mma.sync kernels above.
- * Why dQ has its own kernel (it recomputes S and dP): commit 35ee81b fused dQ into the dK/dV kernel,
- * adding each key block's dQ part to an fp32 accumulator with bulk reductions in a fixed order. On an
- * H200 (B=8 T=2048 H=16, 192/128) that took 1.98 ms (1.73 ms with unordered adds, so determinism cost
- * 15% there; 0.96 ms with no adds at all) against 0.90 + 0.57 ms for the two kernels: the 1.7 GB of
- * dQ reductions through L2 cost more than the recomputation they save.
+ * Why dQ has its own kernel: fused into the dK/dV kernel, dQ's fixed-order fp32 adds through L2 cost
+ * more than the recomputation (or the stored dS) they save (docs/KERNELS.md).
  * No atomics anywhere: every output element is produced by exactly one thread with a fixed
  * reduction order, so results are bitwise reproducible run to run.
  *
@@ -1802,13 +1797,8 @@ __device__ __forceinline__ void named_bar_arrive(int id, int n) {
    of 8, and within a group block 0 of each head, then block 1, ...  Head after head instead, the last
    heads' heaviest CTAs start in the last wave and run on alone: 0.471 against 0.434 ms (H200, B=8
    T=2048 H=16, 192/128).  A group's K, V, Q and dO stay in L2. */
-__device__ __forceinline__ void heavy_first(int &blk, int &bh, bool grouped) {
+__device__ __forceinline__ void heavy_first(int &blk, int &bh) {
     const int nb = (int)gridDim.x, nbh = (int)gridDim.y;
-    if (!grouped) {
-        blk = (int)blockIdx.x;
-        bh = (int)blockIdx.y;
-        return;
-    }
     constexpr int G = 8;
     const int L = (int)blockIdx.y * nb + (int)blockIdx.x;
     const int grp = L / (G * nb), r = L - grp * G * nb, gs = min(G, nbh - grp * G);
@@ -1862,28 +1852,6 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-/* clusters: the CTA's rank, a barrier over all threads of the cluster, an arrive on the mbarrier at
-   the same offset in CTA cta's shared memory, and a TMA load written to (and counted on the
-   mbarriers of) every CTA in mask */
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync_all() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_arrive_cta(uint32_t bar, uint32_t cta) {
-    asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\nmbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
-                 "r"(cta)
-                 : "memory");
-}
-__device__ __forceinline__ void tma_load_2d_mc(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, uint16_t mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(mask)
-        : "memory");
-}
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1, int c2) {
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
@@ -2600,21 +2568,10 @@ __device__ __forceinline__ void wgmma_pb(float (&acc)[N / 2], const uint32_t (&a
 /* barrier, so the next item's Q and first tiles load while this one's last products and its   */
 /* epilogue run.                                                                               */
 /* Masking as in fa_fwd_kernel (causal + document starts), applied only to tiles that need it. */
-/* Measured (H200, B=8 T=2048 H=16, 192/128) with cp.async loads by all 256 threads instead:    */
-/* 0.527 ms; the same loop without the copies 0.450 ms, without the softmax arithmetic 0.442   */
-/* ms, without both 0.305 ms.                                                                  */
 /* ------------------------------------------------------------------------------------------ */
-/* MT_FA_MASK_BRANCH 1: the wgmma kernels run their causal / document masks on separate code for the tiles
-   that need them; 0: under a flag inside the one loop, which the compiler turns into selects executed on
-   every tile (the forward's main loop held 99 ISETP, 65 PLOP3, 66 FSEL and 32 LOP3 of its ~830
-   instructions a tile, tiles that need no mask included; the softmax is what limits the forward: its
-   ablation without the softmax arithmetic ran 0.253 against 0.319 ms).  H200, B=8 T=2048 H=16, 192/128:
-   the forward 0.313-0.314 -> 0.282-0.284 ms (549 -> 605-609 TFLOP/s), at 2 x 4096 0.290-0.291 ->
-   0.256-0.259 ms; the backward (dK/dV's P^T, the recomputing dQ's P) 0.932-0.943 -> 0.923-0.925 ms in
-   runs on other starts; at 4 x 2048 x 16, 256/256, 0.656-0.659 -> 0.629 ms. */
-#ifndef MT_FA_MASK_BRANCH
-#define MT_FA_MASK_BRANCH 1
-#endif
+/* The wgmma kernels run their causal / document masks on separate code for the tiles that need them
+   (BoolC below): folded into one loop under a run-time flag, the mask becomes selects executed on every
+   tile (docs/KERNELS.md). */
 template <bool B>
 struct BoolC { static constexpr bool value = B; };
 /* TMA producer side (fa_fwd_wg_kernel, fa_bwd_dq_wg_kernel): the R x D tile of head h at rows
@@ -2646,19 +2603,15 @@ __device__ __forceinline__ void tma_qkv_tile(uint32_t s, const CUtensorMap *map,
     }
 }
 /* use u of a ring of NS such tiles (stage u % NS at s0, full / empty barriers 8 bytes apart): wait for
-   the stage's previous use to be released, then load (or, for the bench's ablations, only arrive) */
+   the stage's previous use to be released, then load */
 template <int NS, int R, int D, bool FOLD, int KIND, int C0 = 0>
 __device__ __forceinline__ void ring_fill(uint32_t s0, uint32_t full, uint32_t empty, const CUtensorMap *map, const CUtensorMap *map2,
-                                          int u, int h, int row, int b, bool load) {
+                                          int u, int h, int row, int b) {
     constexpr uint32_t BYTES = R * D * 2;
     const int st = NS == 2 ? (u & 1) : u % NS;
     if (u >= NS) mbar_wait(empty + 8 * st, (NS == 2 ? ((u - 2) >> 1) : (u / NS) - 1) & 1);
-    if (load) {
-        mbar_expect_tx(full + 8 * st, BYTES);
-        tma_qkv_tile<R, D, FOLD, KIND, C0>(s0 + (uint32_t)st * BYTES, map, map2, full + 8 * st, h, row, b);
-    } else {
-        mbar_arrive(full + 8 * st);
-    }
+    mbar_expect_tx(full + 8 * st, BYTES);
+    tma_qkv_tile<R, D, FOLD, KIND, C0>(s0 + (uint32_t)st * BYTES, map, map2, full + 8 * st, h, row, b);
 }
 
 template <int DQ, int DV, int BN>
@@ -2671,13 +2624,7 @@ struct FwdMaps {
     CUtensorMap q, k, v, q2, k2;
 };
 
-/* VAR: 0 in the runtime; bench/attention.cu times ablations that leave a stage out (wrong results,
-   timing only): bit 0 no loads after the ring's first two K/V fills, bit 1 no softmax arithmetic; and
-   (results right) bit 2 without the ping-pong between the warpgroups, bit 5 Q released after the item's
-   last P V instead of its last S, bit 6 no turns at an item's first S and last P V, bit 7 4-byte
-   stores of O in the accumulator's layout.  Measured (H200, B=8 T=2048 H=16, 192/128): the runtime's
-   choice 0.310 ms; bit 6 0.317, bits 5 + 6 0.337, bit 7 0.359. */
-template <int DQ, int DV, int BN, int VAR, bool FOLD>
+template <int DQ, int DV, int BN, bool FOLD>
 __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, const __grid_constant__ FwdMaps tm) {
     constexpr int BM = 128;
     static_assert(DQ % 64 == 0 && DQ <= 256 && (BN == 64 || BN == 128) && (DV == 64 || DV == 128 || DV == 256), "wgmma tiles");
@@ -2740,9 +2687,8 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
                 mbar_expect_tx(barQ, Q_BYTES);
                 tma_qkv_tile<BM, DQ, FOLD, 0>(sQ, &tm.q, &tm.q2, barQ, h, m0, b);
                 for (int j = j0; j < n_blocks; ++j, ++u) {
-                    const bool load = !(VAR & 1) || u < 2;
-                    ring_fill<2, BN, DQ, FOLD, 1>(sK, barKf, barKe, &tm.k, &tm.k2, u, h, j * BN, b, load);
-                    ring_fill<2, BN, DV, FOLD, 2, DQ - 64>(sV, barVf, barVe, &tm.v, &tm.v, u, h, j * BN, b, load);
+                    ring_fill<2, BN, DQ, FOLD, 1>(sK, barKf, barKe, &tm.k, &tm.k2, u, h, j * BN, b);
+                    ring_fill<2, BN, DV, FOLD, 2, DQ - 64>(sV, barVf, barVe, &tm.v, &tm.v, u, h, j * BN, b);
                 }
             }
         }
@@ -2757,9 +2703,8 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
 
     /* ping-pong: the warpgroups take turns issuing their matrix work, so that one's softmax runs
        while the other's wgmmas keep the tensor cores busy */
-    constexpr bool PP = !(VAR & 4);
     const Turns turns{wg};
-    if (PP) turns.start();
+    turns.start();
 
     /* the current work item: its query block m0, sequence b, head h, key tiles [j0, n_blocks); the
        rows of this thread, r0w + 8hh for hh = 0, 1 (block-local rows 64wg + 16(warp%4) + g + 8hh),
@@ -2794,23 +2739,18 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
     /* mask + scale S_j (log2 domain), new running max; exponentiate in place; returns the
        rescale factors of the old state and the row sums of the new P */
     auto softmax = [&](int j, float (&alpha)[2], float (&ls)[2]) {
-        if (VAR & 2) {
-            alpha[0] = alpha[1] = 1.f;
-            ls[0] = s[0];
-            ls[1] = s[2];
-            return;
-        }
         /* the maximum is taken on the unscaled scores (the scale is positive: the launcher sends
            other scales to the mma.sync kernel), the scale rides in the exponent's FMA */
         const int n0 = j * BN;
         const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
-        /* MT_FA_MASK_BRANCH: masked and unmasked tiles run separate copies of the whole softmax (folded into
-           one loop under the tile's flag, the mask is if-converted and its selects run on every tile) */
+        /* masked and unmasked tiles run separate copies of the whole softmax (folded into one loop under
+           the tile's flag, the mask is if-converted and its selects run on every tile) */
         auto body = [&](auto masked) {
+            (void)need_mask; /* captured as before the masks' flag went: ptxas schedules this kernel by the closure */
             float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) {
-                if (decltype(masked)::value || (!MT_FA_MASK_BRANCH && need_mask)) {
+                if (decltype(masked)::value) {
                     const int hh = (i >> 1) & 1;
                     const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
                     if (key > r0w + 8 * hh || key < dlo[hh]) s[i] = neg_inf();
@@ -2840,7 +2780,7 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
                 ls[hh] += s[i];
             }
         };
-        if (MT_FA_MASK_BRANCH && need_mask) body(BoolC<true>{});
+        if (need_mask) body(BoolC<true>{});
         else body(BoolC<false>{});
     };
     auto pack_p = [&]() {
@@ -2856,7 +2796,7 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
     auto epilogue = [&]() {
         bf16 *obase = p.o + (size_t)b * T * ldv + (size_t)h * p.dimv;
         const bool pair = p.pair_o != 0;
-        const bool wide = !(VAR & 128) && rows16(p.o, p.dimv, pair);
+        const bool wide = rows16(p.o, p.dimv, pair);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             float l = lrow[hh];
@@ -2884,10 +2824,9 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
 
     /* Item after item: the first S, then per further key tile the product of tile u issued with the
        P V of tile u - 1, then the last P V and the epilogue.  The first S and the last P V take turns
-       too (VAR bit 6 leaves them out), so the warpgroups stay out of step from one item to the next;
-       Q is released as soon as the item's last S has completed (VAR bit 5: after its last P V), so
-       the next item's Q loads while this one's last softmax, P V and epilogue run. */
-    constexpr bool EDGE = PP && !(VAR & 64);
+       too, so the warpgroups stay out of step from one item to the next; Q is released as soon as the
+       item's last S has completed, so the next item's Q loads while this one's last softmax, P V and
+       epilogue run. */
     int u = 0; /* ring use of the next K / V tile */
 #pragma unroll 1
     for (int k = 0; item(k, m0, b, h); ++k) {
@@ -2895,14 +2834,14 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
         mrow[0] = mrow[1] = neg_inf();
         mbar_wait(barQ, k & 1);
         wait_k(u);
-        if (EDGE) turns.begin();
+        turns.begin();
         wgmma_fence();
         issue_s(u);
-        if (EDGE) turns.end();
+        turns.end();
         wgmma_wait<0>();
         fence_regs(s);
         free_k(u);
-        if (!(VAR & 32) && n_blocks == j0 + 1) free_q();
+        if (n_blocks == j0 + 1) free_q();
         {
             float alpha[2], ls[2];
             softmax(j0, alpha, ls);
@@ -2917,15 +2856,15 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
             wait_v(u);
             fence_regs(o);
             fence_regs(pa);
-            if (PP) turns.begin();
+            turns.begin();
             wgmma_fence();
             issue_s(u + 1);
             issue_pv(u, j - 1 == j0);
-            if (PP) turns.end();
+            turns.end();
             wgmma_wait<1>(); /* S_j done, P_{j-1} V_{j-1} may still run */
             fence_regs(s);
             free_k(u + 1);
-            if (!(VAR & 32) && j == n_blocks - 1) free_q();
+            if (j == n_blocks - 1) free_q();
             float alpha[2], ls[2];
             softmax(j, alpha, ls);
             wgmma_wait<0>();
@@ -2935,54 +2874,34 @@ __global__ void __launch_bounds__(384, 1) fa_fwd_wg_kernel(const FwdCore p, cons
             rescale(alpha, ls);
             pack_p();
         }
-        if (VAR & 32) free_q();
         /* the last P V */
         wait_v(u);
         fence_regs(o);
         fence_regs(pa);
-        if (EDGE) turns.begin();
+        turns.begin();
         wgmma_fence();
         issue_pv(u, n_blocks - 1 == j0);
-        if (EDGE) turns.end();
+        turns.end();
         wgmma_wait<0>();
         fence_regs(o);
         free_v(u);
         ++u;
         epilogue();
     }
-    if (PP) turns.finish();
+    turns.finish();
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Backward, Hopper: fa_bwd_dkdv_wg_kernel and fa_bwd_dq_wg_kernel                            */
-/* (the runtime's dK/dV is fa_bwd_dkdv_split_kernel below: the same products, split otherwise) */
+/* Backward, Hopper: fa_bwd_dkdv_split_kernel (dK/dV), fa_bwd_dq_ds_kernel and fa_bwd_dq_wg_kernel */
 /*                                                                                            */
 /* Same split as the mma.sync backward (no atomics: dK/dV per key block, dQ per query block,   */
 /* each output element written once by one thread after a fixed-order reduction), on wgmma.    */
 /* With the dS tiles (DS, see fa_bwd_dq_ds_kernel) dQ is formed from what dK/dV stored instead. */
 /* lse is used in the log2 domain (lse * log2 e), so P = exp2(S * scale * log2 e - lse2).      */
-/*                                                                                            */
-/* dK/dV: one CTA per (128-key block, b*h), two warpgroups, warpgroup wg owns keys             */
-/* [64wg, 64wg + 64) of the block; K and V stay in shared memory; the query tiles (64 rows of  */
-/* Q and dO, plus lse, D and document starts) stream through a ring of stages.  Per tile i, each */
-/* warpgroup computes with 64 keys as the M dimension:                                         */
-/*   S^T  = K Q_i^T        m64n64, K (K-major) x Q (K-major)                                   */
-/*   dP^T = V dO_i^T       m64n64, V x dO                                                      */
-/*   P^T = exp2(S^T sl2 - lse2[q]),  dS^T = P^T (dP^T - D[q])   (registers; masked entries 0)   */
-/*   dV  += P^T dO_i       m64nDV, P^T from registers, dO read MN-major                        */
-/*   dK  += dS^T Q_i       m64nDQ, dS^T from registers, Q read MN-major                        */
-/* The accumulators (dK 64 x DQ and dV 64 x DV per warpgroup) leave no registers for a second  */
-/* S^T / dP^T set, so the steps of one warpgroup run in order (dP^T overlaps the P^T math);   */
-/* the two warpgroups interleave on the SM.                                                    */
-/* Loads: Q_i and dO_i stream through a ring of NS stages (3 where shared memory allows), each   */
-/* with a "full" mbarrier (the TMA bytes, plus one arrival per lane of warp 0 made by           */
-/* cp.async.mbarrier.arrive once that lane's 4-byte cp.async of lse, D and document starts have */
-/* landed: those rows are strided by H, no TMA box) and an "empty" one that the eight warps     */
-/* arrive on once their wgmmas reading the stage have completed.  Warp 0 refills: at the end of */
-/* tile u it waits for every warp to release tile u - 1's stage and loads tile u + NS - 1 there. */
-/* There is no room for a producer warpgroup (at 384 threads setmaxnreg can give the consumers  */
-/* 240 registers, and they need more), and no CTA barrier in the loop; the warpgroups take      */
-/* turns issuing S^T / dP^T (see "turns" below).  K and V arrive once, by TMA.                  */
+/* The dK/dV kernel's query tiles (Q_i and dO_i by TMA; lse, D and document starts, strided by  */
+/* H, by 4-byte cp.async: fill_aux) stream through a ring of stages, each with a "full"        */
+/* mbarrier (the TMA bytes plus one cp.async.mbarrier.arrive per lane of the filling warp) and  */
+/* an "empty" one the readers arrive on once their wgmmas reading the stage have completed.     */
 /* ------------------------------------------------------------------------------------------ */
 /* 4-byte cp.async (lse, D and document starts of a query tile), zero-filled when !ok */
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void *src, bool ok) {
@@ -3011,54 +2930,11 @@ __device__ __forceinline__ void fill_aux(uint32_t a, uint32_t full, const float 
     }
     cp_async_mbar_arrive(full);
 }
-template <int DQ, int DV>
-__host__ __device__ constexpr int dkdv_wg_stages() { return (128 * (DQ + DV) + 3 * 64 * (DQ + DV)) * 2 + 4096 <= 227 * 1024 ? 3 : 2; }
-template <int DQ, int DV>
-constexpr size_t dkdv_wg_smem_bytes(bool ds_stage = false) {   /* ds_stage: DS 3's two 8 KB tiles */
-    return 1024 + (size_t)(128 * DQ + 128 * DV + dkdv_wg_stages<DQ, DV>() * 64 * (DQ + DV)) * sizeof(bf16) +
-           (size_t)dkdv_wg_stages<DQ, DV>() * 3 * 64 * sizeof(float) + 16 * 8 + (ds_stage ? 1024 + 2 * 8192 : 0);
-}
 /* dS^T tiles (DS): the dK/dV kernel writes, for each (b, h), query tile i and key tile kt <= i (64 rows
    each), the 64 x 64 tile dS^T[key][query] (row-major bf16, 8 KB) at tile index i (i + 1) / 2 + kt of the
    (b, h)'s ntri = n (n + 1) / 2 (n = ceil(T / 64)); the dQ kernel reads them back by TMA */
 __host__ __device__ __forceinline__ size_t ds_tile(int bh, int ntri, int i, int kt) {
     return ((size_t)bh * (size_t)ntri + (size_t)i * (size_t)(i + 1) / 2 + (size_t)kt) * 4096;
-}
-/* A warp's 16 rows of a dS^T tile from the A fragments of dK += dS^T Q: da4[kk][e] holds the pair at row
-   16(warp & 3) + g + 8(e & 1), columns 16kk + 8(e >> 1) + 2c.  V 1: as they are, 4-byte stores (8 rows
-   a store); V 2: 4 x 4 transposes over the quad (xor shuffles, as store_acc_row) give thread c the
-   8-column chunks c and 4 + c of its two rows, 16-byte stores.  H200, B=8 T=2048 H=16, 192/128, dK/dV
-   without the stores 0.760 ms, V 1 0.945-0.954, V 2 0.876-0.882; V 2 before dK and dV are issued
-   instead of after they complete, or as streaming stores (st.global.cs), within 0.003 ms. */
-template <int V>
-__device__ __forceinline__ void store_ds(bf16 *tile, const uint32_t (&da4)[4][4], int warp, int g, int c) {
-    if constexpr (V == 1) {
-        uint32_t *t = reinterpret_cast<uint32_t *>(tile) + (16 * (warp & 3) + g) * 32 + c;
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) t[(e & 1) * 256 + 8 * kk + 4 * (e >> 1)] = da4[kk][e];
-    } else {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            bf16 *row = tile + (16 * (warp & 3) + g + 8 * hh) * 64;
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                uint32_t w[4];
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int i = c ^ r; /* send my pair of chunk 4q + i, receive thread i's of chunk 4q + c */
-                    /* pair j = 4q + i of row hh: da4[j >> 1][hh + 2 (j & 1)] */
-                    const uint32_t y = (i & 2) ? ((i & 1) ? da4[2 * q + 1][hh + 2] : da4[2 * q + 1][hh])
-                                               : ((i & 1) ? da4[2 * q][hh + 2] : da4[2 * q][hh]);
-                    const uint32_t x = r ? __shfl_xor_sync(0xffffffffu, y, r) : y;
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) w[e] = i == e ? x : (r ? w[e] : 0u);
-                }
-                *reinterpret_cast<uint4 *>(row + 8 * (4 * q + c)) = make_uint4(w[0], w[1], w[2], w[3]);
-            }
-        }
-    }
 }
 /* the TMA maps of the dK/dV kernel: K and V in boxes of 128 rows, Q and dO in boxes of 64 (second maps as
    in FwdMaps) */
@@ -3071,16 +2947,9 @@ struct DkdvMaps {
     int ntri;    /* DS: tiles per (b, h) */
 };
 
-/* VAR: 0 in the runtime; bench/attention.cu's variants (results right unless said): bit 0 no loads in
-   the loop (timing only), bit 2 no turns at S^T / dP^T, bit 3 turns at dV / dK too, bit 4 refills at
-   the start of a tile instead of its end.  Measured (H200, B=8 T=2048 H=16, 192/128): the runtime's
-   choice 0.810 ms; no turns 0.923, turns at dV / dK instead 0.878, at both 0.831; refilling at the
-   start 0.839 (no turns 0.857, turns at both 0.876). */
-/* DS 3: the warpgroup's dS^T tile through shared memory: stmatrix writes the A fragments into an SW128
-   tile (fragment kk, e is the 8 x 8 matrix at rows 16(warp & 3) + 8(e & 1), columns 16kk + 8(e >> 1)),
-   and one thread stores it with a TMA tensor store (the copy engine does the global writes).  Each warp
-   storing its own 16 rows instead (a 64 x 16 box, no warpgroup barriers) measured slower on an H200:
-   dK/dV 0.858 against 0.849 ms, the backward 1.085-1.088 against 1.074-1.080 ms (8 x 2048). */
+/* dS^T tiles through shared memory: stmatrix writes the A fragments into an SW128 tile (fragment kk, e
+   is the 8 x 8 matrix at rows 16(warp & 3) + 8(e & 1), columns 16kk + 8(e >> 1)), and one thread
+   stores it with a TMA tensor store (the copy engine does the global writes). */
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]),
                  "r"(r[3])
@@ -3088,11 +2957,10 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4
 }
 
 /* P^T of a dK/dV tile in place (x: S^T on entry, element 4j + 2hh + bb = key kr + 8hh, query q0 + 8j + 2c
-   + bb): exp2(S^T sl2 - lse2[q]); M 1 with the causal / document / sequence-end mask, 0 without, 2 with it
-   under the run-time flag need (MT_FA_MASK_BRANCH 0) */
+   + bb): exp2(S^T sl2 - lse2[q]); M 1 with the causal / document / sequence-end mask, 0 without */
 template <int M>
 __device__ __forceinline__ void split_pt(float (&x)[32], const float *sL, const int *sS, const int *dsb, int q0, int kr, int c, int T,
-                                         float sl2, bool need = false) {
+                                         float sl2) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const float2 l2 = *reinterpret_cast<const float2 *>(sL + 8 * j + 2 * c);
@@ -3100,232 +2968,11 @@ __device__ __forceinline__ void split_pt(float (&x)[32], const float *sL, const 
         for (int e = 0; e < 4; ++e) {
             const int bb = e & 1, hh = e >> 1;
             float y = fast_exp2(x[4 * j + e] * sl2 - (bb ? l2.y : l2.x) * MT_FA_LOG2E);
-            if (M == 1 || (M == 2 && need)) {
+            if (M == 1) {
                 const int q = q0 + 8 * j + 2 * c + bb, key = kr + 8 * hh;
                 if (key > q || q >= T || (dsb && key < sS[8 * j + 2 * c + bb])) y = 0.f;
             }
             x[4 * j + e] = y;
-        }
-    }
-}
-/* DS: 0 no dS^T stores; 1, 2 store_ds<DS> once dK and dV have been formed (bench variants); 3 (the
-   runtime's) through shared memory and a TMA store: 0.848-0.868 ms against 0.875-0.887 for 2 (H200, B=8
-   T=2048 H=16, 192/128) */
-template <int DQ, int DV, int VAR, bool FOLD, int DS>
-__global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p, const __grid_constant__ DkdvMaps tm) {
-    constexpr int BNK = 128, BMQ = 64, NS = dkdv_wg_stages<DQ, DV>();
-    static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
-    constexpr uint32_t K_BYTES = BNK * DQ * 2, V_BYTES = BNK * DV * 2, Q_BYTES = BMQ * DQ * 2, O_BYTES = BMQ * DV * 2;
-    extern __shared__ __align__(16) unsigned char smem_raw[]; /* aligned to 1024 below */
-    const uint32_t raw = smem_u32(smem_raw);
-    const uint32_t pad = (1024u - (raw & 1023u)) & 1023u;
-    const uint32_t sK = raw + pad, sV = sK + K_BYTES, sQ = sV + V_BYTES, sdO = sQ + NS * Q_BYTES;
-    /* per stage: lse [64] f32, D [64] f32, document start [64] i32; then the mbarriers:
-       K+V full; stage full [NS]; stage empty [NS] */
-    const uint32_t sAux = sdO + NS * O_BYTES;
-    const float *aux = reinterpret_cast<const float *>(smem_raw + pad + (sAux - sK));
-    const uint32_t sBar = sAux + NS * 3 * BMQ * 4;
-    const uint32_t barKV = sBar, barF = sBar + 8, barE = sBar + 8 + 8 * NS;
-    const uint32_t sDs = (sBar + 128 + 1023u) & ~1023u; /* DS 3: two 8 KB tiles */
-
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-    const int g = lane >> 2, c = lane & 3;
-    const int T = p.T, H = p.H;
-    const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
-    const int n0 = (int)blockIdx.x * BNK; /* key block 0 (most work) first; heads in order (heavy_first
-                                              measured 0.865 against 0.818 ms: it costs registers here) */
-    const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
-    const size_t qoff = (size_t)b * T * ldqk + (size_t)h * p.dimq;
-    const size_t voff = (size_t)b * T * ldv + (size_t)h * p.dimv;
-    const int *dsb = p.dstart ? p.dstart + (size_t)b * T : nullptr;
-
-    /* query tiles: from the one holding the block's first key to the last query that sees a key */
-    const int i_first = n0 / BMQ;
-    int q_end = T;
-    if (dsb) { /* queries from the first one whose document starts after this block's last key see none of it */
-        const int kmax = min(n0 + BNK, T) - 1;
-        int lo = kmax + 1, hi = T;
-        while (lo < hi) {
-            const int mid = (lo + hi) >> 1;
-            if (dsb[mid] > kmax) hi = mid; else lo = mid + 1;
-        }
-        q_end = lo;
-    }
-    const int i_end = (q_end + BMQ - 1) / BMQ;
-    const int n_tiles = i_end - i_first;
-
-    if (tid == 0) {
-        mbar_init(barKV, 1);
-        for (int i = 0; i < NS; ++i) {
-            mbar_init(barF + 8 * i, 33);
-            mbar_init(barE + 8 * i, 256);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads(); /* the only CTA-wide barrier */
-    /* the dQ kernel that follows (launched with programmatic stream serialization) may start on the
-       SMs this grid leaves idle once all of its CTAs have started: it needs none of its outputs */
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-
-    /* warp 0: fill use u of the ring (tile i_first + u) into stage u % NS once its previous use is released */
-    const float *lseb = p.lse + (size_t)b * T * H + h, *dsumb = p.dsum + (size_t)b * T * H + h;
-    auto fill = [&](int u) {
-        const int st = u % NS, q0 = (i_first + u) * BMQ;
-        if (u >= NS) mbar_wait(barE + 8 * st, ((u / NS) - 1) & 1);
-        const uint32_t full = barF + 8 * st, a = sAux + (uint32_t)(st * 3 * BMQ) * 4;
-        fill_aux(a, full, lseb, dsumb, dsb, q0, T, H, lane);
-        if (lane == 0) {
-            if (!(VAR & 1) || u < NS) {
-                mbar_expect_tx(full, Q_BYTES + O_BYTES);
-                tma_qkv_tile<BMQ, DQ, FOLD, 0>(sQ + (uint32_t)st * Q_BYTES, &tm.q, &tm.q2, full, h, q0, b);
-                tma_head_tile<BMQ, DV>(sdO + (uint32_t)st * O_BYTES, &tm.dout, full, h, q0, b);
-            } else {
-                mbar_arrive(full);
-            }
-        }
-    };
-    if (warp == 0) {
-        if (lane == 0) {
-            mbar_expect_tx(barKV, K_BYTES + V_BYTES);
-            tma_qkv_tile<BNK, DQ, FOLD, 1>(sK, &tm.k, &tm.k2, barKV, h, n0, b);
-            tma_qkv_tile<BNK, DV, FOLD, 2, DQ - 64>(sV, &tm.v, &tm.v, barKV, h, n0, b);
-        }
-        for (int u = 0; u < min(NS, n_tiles); ++u) fill(u);
-    }
-
-    float dk[DQ / 2], dv[DV / 2];
-#pragma unroll
-    for (int i = 0; i < DQ / 2; ++i) dk[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < DV / 2; ++i) dv[i] = 0.f;
-
-    /* this thread's keys: kr + 8hh, hh = 0, 1 */
-    const int kw0 = n0 + 64 * wg;
-    const int kr = kw0 + 16 * (warp & 3) + g;
-    const float sl2 = p.scale_log2;
-
-    /* turns: the warpgroups take turns issuing S^T / dP^T (and, a bench variant, dV / dK) as in the
-       forward's ping-pong, so that one's exponentials run while the other's products keep the tensor
-       cores busy */
-    constexpr bool TA = !(VAR & 4), TB = (VAR & 8) != 0;
-    const Turns turns{wg};
-    if (TA || TB) turns.start();
-
-    mbar_wait(barKV, 0);
-#pragma unroll 1
-    for (int i = i_first; i < i_end; ++i) {
-        const int u = i - i_first, st = u % NS, q0 = i * BMQ;
-        if ((VAR & 16) && warp == 0 && u >= 1 && u + NS - 1 < n_tiles) fill(u + NS - 1);
-        mbar_wait(barF + 8 * st, (u / NS) & 1);
-        const uint32_t qst = sQ + (uint32_t)st * Q_BYTES, ost = sdO + (uint32_t)st * O_BYTES;
-        const float *sL = aux + st * 3 * BMQ;
-        const float *sD = sL + BMQ;
-        const int *sS = reinterpret_cast<const int *>(sD + BMQ);
-
-        float s[32], dp[32];
-        fence_regs(dk);
-        fence_regs(dv);
-        if (TA) turns.begin();
-        wgmma_fence();
-        wgmma_abt<64, DQ, BNK, BMQ>(s, sK, qst, wg);
-        wgmma_commit();
-        wgmma_abt<64, DV, BNK, BMQ>(dp, sV, ost, wg);
-        wgmma_commit();
-        if (TA) turns.end();
-
-        /* P^T: element s[4j + 2hh + bb] is (key kr + 8hh, query q0 + 8j + 2c + bb) */
-        const int dlast = dsb ? sS[min(BMQ, T - q0) - 1] : 0;
-        const bool need_mask = (kw0 + 63 > q0) || (q0 + BMQ > T) || (dlast > kw0);
-        wgmma_wait<1>();
-        fence_regs(s);
-        split_pt<2>(s, sL, sS, dsb, q0, kr, c, T, sl2, need_mask);
-        wgmma_wait<0>();
-        fence_regs(dp);
-        uint32_t pa[4][4], da4[4][4]; /* P^T and dS^T as A fragments (reduction over the 64 queries) */
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float2 d2 = *reinterpret_cast<const float2 *>(sD + 8 * j + 2 * c);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? d2.y : d2.x));
-        }
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                pa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-                da4[kk][e] = pack_bf16(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
-            }
-        }
-        if (TB) turns.begin();
-        wgmma_fence();
-        wgmma_pb<DV, 4, BMQ>(dv, pa, ost);
-        wgmma_pb<DQ, 4, BMQ>(dk, da4, qst);
-        wgmma_commit();
-        if (TB) turns.end();
-        wgmma_wait<0>();
-        fence_regs(dk);
-        fence_regs(dv);
-        fence_regs(pa);
-        fence_regs(da4);
-        mbar_arrive(barE + 8 * st); /* this thread is done with the stage (every thread: see the split kernel's done) */
-        /* dS^T for the dQ kernel: this warpgroup's 64 keys x the tile's 64 queries, when any key is at or
-           before a query */
-        if constexpr (DS == 1 || DS == 2)
-            if (kw0 <= q0 + BMQ - 1) store_ds<DS>(tm.ds + ds_tile(bh, tm.ntri, i, kw0 / 64), da4, warp, g, c);
-        if constexpr (DS == 3)
-            if (kw0 <= q0 + BMQ - 1) { /* warpgroup-uniform */
-                const bool issuer = (tid & 127) == 0;
-                if (issuer) bulk_wait_read0();  /* the previous tile's store has read the buffer */
-                named_bar_sync(3 + wg, 128);
-                const uint32_t sb = sDs + (uint32_t)wg * 8192u;
-                const int m = lane >> 3, rr = lane & 7, row = 16 * (warp & 3) + 8 * (m & 1) + rr;
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-                    stmatrix_x4(sb + (uint32_t)(row * 128 + (((2 * kk + (m >> 1)) ^ rr) << 4)), da4[kk]);
-                fence_proxy_async();
-                named_bar_sync(3 + wg, 128);
-                if (issuer) {
-                    tma_store_2d(&tm.dsm, sb, 0, (int)(ds_tile(bh, tm.ntri, i, kw0 / 64) / 64));
-                    bulk_commit();
-                }
-            }
-        /* warp 0 refills tile u - 1's stage with tile u + NS - 1 (waiting, at worst, for the other
-           warpgroup to finish tile u - 1: the warpgroups may drift a whole tile apart) */
-        if (!(VAR & 16) && warp == 0 && u >= 1 && u + NS - 1 < n_tiles) fill(u + NS - 1);
-    }
-    if (TA || TB) turns.finish();
-    if constexpr (DS == 3)
-        if ((tid & 127) == 0) bulk_wait0(); /* the dS^T stores have completed */
-
-    /* epilogue: dK * scale, dV; accumulator d[4j + 2hh + bb] = (key kr + 8hh, column 8j + 2c + bb) */
-    const bool pq = p.pair_qk != 0, pv = p.pair_v != 0;
-    if constexpr (!FOLD) {
-        bf16 *dkbase = p.dk + qoff, *dvbase = p.dv + voff;
-        const bool wq = rows16(p.dk, p.dimq, pq), wv = rows16(p.dv, p.dimv, pv);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int key = kr + 8 * hh;
-            store_acc_row<DQ>(dkbase + (size_t)key * ldqk, key < T, p.dimq, wq, pq, dk, hh, p.scale, c);
-            store_acc_row<DV>(dvbase + (size_t)key * ldv, key < T, p.dimv, wv, pv, dv, hh, 1.f, c);
-        }
-    } else { /* folded RoPE: dK's first dn columns and dV go to kv's gradient rows, dK's rope columns to dk2 */
-        const int fd = tm.fold_dn;
-        const size_t khs = (size_t)(fd + p.dimv), k2hs = (size_t)(p.dimq - fd);
-        (void)qoff; (void)voff; (void)ldqk; (void)ldv;
-        /* the row indices read afresh, not kept live through the loop */
-        uint32_t cx, cy, tx;
-        asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cx));
-        asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(cy));
-        asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tx));
-        const int b2 = (int)cy / p.H, h2 = (int)cy - b2 * p.H, c2 = (int)(tx & 3);
-        const int kr2 = (int)cx * BNK + 64 * (int)(tx >> 7) + 16 * (int)((tx >> 5) & 3) + (int)((tx & 31) >> 2);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) { /* wide rows: mt__fa_mla_backward takes 16-byte aligned tensors only */
-            const int key = kr2 + 8 * hh;
-            const size_t tk = ((size_t)b2 * p.T + key) * p.H + h2;
-            store_acc_row<DQ, DQ - 64>(p.dk + tk * khs, key < p.T, p.dimq, true, pq, dk, hh, p.scale, c2, tm.dk2 + tk * k2hs);
-            store_acc_row<DV>(p.dv + tk * khs, key < p.T, p.dimv, true, pv, dv, hh, 1.f, c2);
         }
     }
 }
@@ -3342,25 +2989,12 @@ __global__ void __launch_bounds__(256, 1) fa_bwd_dkdv_wg_kernel(const BwdCore p,
    P^T passes through one 16 KB buffer: named barrier 5 says it is full, 6 that it has been read.  The
    third warpgroup loads: K and V once, Q_i and dO_i with lse, D and document starts into NS stages
    (warp 8, fill_aux).  Deterministic as the 192/128 kernel (each element of dK and dV summed in
-   query-tile order by one thread): dK, dV and the dS tiles are bitwise those of fa_bwd_dkdv_wg_kernel, the
-   same products in the same order.  It is faster because each warpgroup's two products and its
-   exponentials or dS make one chain the other warpgroup's chain overlaps, with 64 + 96 accumulator
-   registers at 192/128 instead of 160 in each warpgroup.  H200, B=8 T=2048 H=16, 192/128, its first
-   version: 0.729 ms with the dS stores (0.667 without) against 0.846 (0.760), the backward 0.953 against
-   1.075 ms; folded RoPE 0.970 against 1.140 ms; 4 x 2048 x 16 at 256/256: 0.538 ms, the backward 0.657
-   against 2.615 ms on the mma.sync kernels.  With PIPE and the masks' separate code (MT_FA_MASK_BRANCH):
-   0.693-0.709 ms, the backward 0.923-0.939 ms; at 256/256 0.511-0.525 and 0.629-0.646 ms. */
-/* MT_FA_PMBAR 1: P^T handed over on two mbarriers instead of named barriers 5 and 6.  Both are correct (a
-   bar.arrive synchronizes with the bar.sync that completes the barrier, and orders the arriving thread's
-   earlier accesses before it: the PTX ISA on bar, barrier); compute-sanitizer's racecheck does not model
-   bar.arrive and reports the named barriers' hand-over as a race, while the mbarrier build runs clean
-   under it at 256/256, 192/128 and 128/128 (ONLY_SHAPE=1,130,2,256,256, 2,300,3,256,256, 1,300,2,192,128
-   and 1,300,2,128,128 in bench/attention.cu: 0 hazards; every thread releases a stage, see done).  The
-   named barriers are the default: on an H200 the mbarriers measured 1% slower (8 x 2048 x 16, 192/128: the
-   backward 0.952-0.953 against 0.943-0.944 ms). */
-#ifndef MT_FA_PMBAR
-#define MT_FA_PMBAR 0
-#endif
+   query-tile order by one thread): dK, dV and the dS tiles are bitwise those of the two-warpgroup kernel
+   it replaced (fa_bwd_dkdv_wg_kernel, bench/kernel_variants.cuh): the same products in the same order.
+   It is faster because each warpgroup's two products and its exponentials or dS make one chain the
+   other warpgroup's chain overlaps, with 64 + 96 accumulator registers at 192/128 instead of 160 in
+   each warpgroup (H200, 8 x 2048 x 16, 192/128: 0.69-0.71 ms against 0.85 for the two-warpgroup
+   kernel; docs/KERNELS.md). */
 template <int DQ, int DV>
 __host__ __device__ constexpr int dkdv_split_stages() {
     return 1024 + 64 * (DQ + DV) * 2 * 4 + 16384 + 8192 + 4 * 3 * 256 + 128 <= 227 * 1024 ? 3 : 2;
@@ -3417,13 +3051,13 @@ __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps
     for (int i = 0; i < NA / 2; ++i) acc[i] = 0.f;
     const int kr = n0 + 16 * (warp & 3) + g; /* this thread's keys: kr + 8hh */
     const float sl2 = p.scale_log2;
-    /* P^T's hand-over (named barriers 5 full, 6 empty; MT_FA_PMBAR: two mbarriers after the stages') */
-    const uint32_t barPF = barE + 8 * NS, barPE = barPF + 8;
-    (void)barPF; (void)barPE;
-    auto p_wait_empty = [&](int u) { if (MT_FA_PMBAR) mbar_wait(barPE, (u - 1) & 1); else named_bar_sync(6, 256); };
-    auto p_arrive_full = [&]() { if (MT_FA_PMBAR) mbar_arrive(barPF); else named_bar_arrive(5, 256); };
-    auto p_wait_full = [&](int u) { if (MT_FA_PMBAR) mbar_wait(barPF, u & 1); else named_bar_sync(5, 256); };
-    auto p_arrive_empty = [&]() { if (MT_FA_PMBAR) mbar_arrive(barPE); else named_bar_arrive(6, 256); };
+    /* P^T's hand-over: named barriers 5 (full) and 6 (empty); compute-sanitizer's racecheck does not model
+       bar.arrive and reports this hand-over as a race (an mbarrier build that runs clean under it:
+       docs/KERNELS.md) */
+    auto p_wait_empty = [&](int) { named_bar_sync(6, 256); };
+    auto p_arrive_full = [&]() { named_bar_arrive(5, 256); };
+    auto p_wait_full = [&](int) { named_bar_sync(5, 256); };
+    auto p_arrive_empty = [&]() { named_bar_arrive(6, 256); };
     auto qst = [&](int u) { return sQ + (uint32_t)(u % NS) * Q_BYTES; };
     auto ost = [&](int u) { return sdO + (uint32_t)(u % NS) * O_BYTES; };
     /* the first product of tile u: S^T (warpgroup 0) or dP^T (1) */
@@ -3440,8 +3074,7 @@ __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps
         if constexpr (W == 0) {
             const int dlast = dsb ? sS[min(BMQ, T - q0) - 1] : 0;
             const bool need_mask = (n0 + BN - 1 > q0) || (q0 + BMQ > T) || (dlast > n0);
-            if (!MT_FA_MASK_BRANCH) split_pt<2>(x, sL, sS, dsb, q0, kr, c, T, sl2, need_mask);
-            else if (need_mask) split_pt<1>(x, sL, sS, dsb, q0, kr, c, T, sl2); /* separate code: see MT_FA_MASK_BRANCH */
+            if (need_mask) split_pt<1>(x, sL, sS, dsb, q0, kr, c, T, sl2); /* separate code for masked tiles (see BoolC) */
             else split_pt<0>(x, sL, sS, dsb, q0, kr, c, T, sl2);
             if (u > 0) p_wait_empty(u); /* warpgroup 1 has read the previous tile's P^T */
 #pragma unroll
@@ -3558,7 +3191,7 @@ __device__ __forceinline__ void dkdv_split_role(const BwdCore &p, const DkdvMaps
             done(n_tiles - 1);
         }
     }
-    if (!MT_FA_PMBAR && W == 0 && n_tiles > 0) named_bar_sync(6, 256); /* warpgroup 1's last "read" */
+    if (W == 0 && n_tiles > 0) named_bar_sync(6, 256); /* warpgroup 1's last "read" */
     if constexpr (DS == 3)
         if (W == 1 && t == 0) bulk_wait0();
     dkdv_split_epilogue<DQ, DV, FOLD, W>(p, tm, acc, kr, b, h, c);
@@ -3607,10 +3240,6 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dkdv_split_kernel(const BwdCore
         for (int i = 0; i < NS; ++i) {
             mbar_init(barF + 8 * i, 33);
             mbar_init(barE + 8 * i, 256);
-        }
-        if (MT_FA_PMBAR) {
-            mbar_init(barE + 8 * NS, 128);     /* P^T full: warpgroup 0's threads */
-            mbar_init(barE + 8 * NS + 8, 128); /* P^T empty: warpgroup 1's */
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -3687,9 +3316,7 @@ struct DqMaps {
     int fold_dn;
 };
 
-/* VAR: 0 in the runtime; bench/attention.cu: 1 no loads after the first key tiles (timing only),
-   2 without the warpgroups' turns, 32 CTAs head after head (see heavy_first) */
-template <int DQ, int DV, int VAR, bool FOLD>
+template <int DQ, int DV, bool FOLD>
 __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, const __grid_constant__ DqMaps tm) {
     constexpr int BM = 128, BN = 64;
     static_assert(DQ % 64 == 0 && DV % 64 == 0 && DQ <= 192 && DV <= 128, "wgmma tiles");
@@ -3710,7 +3337,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
     const int g = lane >> 2, c = lane & 3;
     const int T = p.T, H = p.H;
     int qb, bh;
-    heavy_first(qb, bh, !(VAR & 32));
+    heavy_first(qb, bh);
     const int b = bh / H, h = bh - b * H;
     const int m0 = ((int)gridDim.x - 1 - qb) * BM; /* the last query block has the most work */
     const size_t ldqk = (size_t)H * p.dimq, ldv = (size_t)H * p.dimv;
@@ -3760,9 +3387,8 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
             tma_head_tile<BM, DV>(sdO, &tm.dout, barQ, h, m0, b);
             for (int j = j0; j < n_blocks; ++j) {
                 const int u = j - j0;
-                const bool load = !(VAR & 1) || u < 3;
-                ring_fill<3, BN, DQ, FOLD, 1>(sK, barKf, barKe, &tm.k, &tm.k2, u, h, j * BN, b, load);
-                ring_fill<2, BN, DV, FOLD, 2, DQ - 64>(sV, barVf, barVe, &tm.v, &tm.v, u, h, j * BN, b, load);
+                ring_fill<3, BN, DQ, FOLD, 1>(sK, barKf, barKe, &tm.k, &tm.k2, u, h, j * BN, b);
+                ring_fill<2, BN, DV, FOLD, 2, DQ - 64>(sV, barVf, barVe, &tm.v, &tm.v, u, h, j * BN, b);
             }
         }
         return;
@@ -3810,9 +3436,8 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
     mbar_wait(barQ, 0);
     /* the warpgroups take turns issuing their products, as in the forward (named barriers 1 and 2;
        H100: 0.498 -> 0.479 ms for B=8 T=2048 H=16, 192/128) */
-    constexpr bool TURNS = !(VAR & 2);
     const Turns turns{wg};
-    if (TURNS) turns.start();
+    turns.start();
 
 #pragma unroll 1
     for (int j = j0; j < n_blocks; ++j) {
@@ -3821,7 +3446,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
         float s[32], dp[32];
         fence_regs(dq);
         fence_regs(da4);
-        if (TURNS) turns.begin();
+        turns.begin();
         wgmma_fence();
         wgmma_abt<64, DQ, BM, BN>(s, sQ, kst, wg);
         wgmma_commit();
@@ -3830,25 +3455,26 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
         /* dS_{j-1} K_{j-1}: for j == j0, da4 is zero and K_{j0 - 1}'s stage holds whatever it holds
            (finite or not, 0 x it would still poison dq with NaN), so it reads the current stage */
         issue_dq(j > j0 ? j - 1 : j);
-        if (TURNS) turns.end();
+        turns.end();
 
         const int n0 = j * BN;
         const bool need_mask = (n0 + BN - 1 > wg_first) || (n0 < dmax);
         wgmma_wait<2>();
         fence_regs(s);
-        auto form_p = [&](auto masked) { /* separate code for masked tiles: see MT_FA_MASK_BRANCH */
+        auto form_p = [&](auto masked) { /* separate code for masked tiles (see BoolC) */
+            (void)need_mask; /* captured as before the masks' flag went: ptxas schedules this kernel by the closure */
 #pragma unroll
             for (int i = 0; i < 32; ++i) {
                 const int hh = (i >> 1) & 1;
                 float x = fast_exp2(s[i] * sl2 - lse2[hh]);
-                if (decltype(masked)::value || (!MT_FA_MASK_BRANCH && need_mask)) {
+                if (decltype(masked)::value) {
                     const int key = n0 + 8 * (i >> 2) + 2 * c + (i & 1);
                     if (key > r0w + 8 * hh || key < dlo[hh]) x = 0.f;
                 }
                 s[i] = x;
             }
         };
-        if (MT_FA_MASK_BRANCH && need_mask) form_p(BoolC<true>{});
+        if (need_mask) form_p(BoolC<true>{});
         else form_p(BoolC<false>{});
         wgmma_wait<1>();
         fence_regs(dp);
@@ -3864,7 +3490,7 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
 #pragma unroll
             for (int e = 0; e < 4; ++e) da4[kk][e] = pack_bf16(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
     }
-    if (TURNS) turns.finish();
+    turns.finish();
     if (j0 < n_blocks) {
         fence_regs(dq);
         fence_regs(da4);
@@ -3900,10 +3526,8 @@ __global__ void __launch_bounds__(384, 1) fa_bwd_dq_wg_kernel(const BwdCore p, c
    Folded, each consumer warp stages the rotation tables of its 16 rows by cp.async when it starts an
    item (its own 4 KB of shared memory; waited for before the epilogue).
    Launched right after the dK/dV kernel with programmatic stream serialization: its setup overlaps that
-   kernel's last wave; the producer waits for it (griddepcontrol.wait) before its first load.
-   Measured and not kept (H200, 8 x 2048): two query tiles per warpgroup (items of 256 rows, each K_j
-   serving four dS tiles: half the K reads from L2, 4 stages) 0.226 against 0.212 ms; folded, with the
-   tables of one tile at a time (3 stages), 0.254 / 0.217 against 0.225 / 0.200 ms (8 x 2048 / 2 x 4096). */
+   kernel's last wave; the producer waits for it (griddepcontrol.wait) before its first load.  (What
+   was measured and not kept: docs/KERNELS.md.) */
 /* as many stages (K_j and two dS tiles) as shared memory holds, at most 6; folded, the rotation tables
    (8 warps x 16 rows x 64 floats) take 32 KB of it */
 template <int DQ, bool FOLD>
@@ -4107,8 +3731,7 @@ __global__ void __launch_bounds__(256) fa_bwd_dot_kernel(const bf16 *__restrict_
    then a shuffle tree over the row's lanes; each thread takes RPT rows (RPT x 2 loads in flight).  A
    fixed order: bitwise the same run to run.  At 8 x 2048 x 16 heads x 128 on an H200
    (bench/attention.cu): 0.0384 ms (3.5 TB/s) against 0.0465 ms for the one-lane-per-element kernel
-   above (still used for other dv or alignments); the whole backward measured 1.068 ms (402 TFLOP/s) in
-   that run, 1.079-1.083 ms on earlier H200s with the kernel above. */
+   above (still used for other dv or alignments). */
 template <int LPR>
 __global__ void __launch_bounds__(256) fa_bwd_dot16_kernel(const uint4 *__restrict__ o, const uint4 *__restrict__ dout,
                                                             float *__restrict__ D, long long rows, int ch, int *tick) {
@@ -4693,11 +4316,11 @@ static int qkv_maps(EncodeTiledFn enc, M &m, const P &p, int B, int qrows, int k
            fa_map(enc, &m.v, p.fold.kv, fd + p.dimv, p.H, p.T, B, krows);
 }
 /* -2: no tensor-map encoder, a map it refuses or a scale <= 0 (the caller takes the mma.sync kernel) */
-template <int DQ, int DV, int BN, int VAR = 0>
+template <int DQ, int DV, int BN>
 static int launch_fwd_wg_kernel(const FwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const FwdCore, const FwdMaps) = fa_fwd_wg_kernel<DQ, DV, BN, VAR, false>;
-    if constexpr (VAR == 0 && DV == 128) if (p.fold.dn) kern = fa_fwd_wg_kernel<DQ, DV, BN, 0, true>;
-    if ((VAR != 0 || DV != 128) && p.fold.dn) return -1;
+    void (*kern)(const FwdCore, const FwdMaps) = fa_fwd_wg_kernel<DQ, DV, BN, false>;
+    if constexpr (DV == 128) if (p.fold.dn) kern = fa_fwd_wg_kernel<DQ, DV, BN, true>;
+    if (DV != 128 && p.fold.dn) return -1;
     const size_t smem = fwd_wg_smem_bytes<DQ, DV, BN>();
     const int mblocks = (p.T + 127) / 128;
     if (BH > 65535 || p.H <= 0) return -1;
@@ -4773,34 +4396,6 @@ static int ds_map(EncodeTiledFn enc, CUtensorMap *m, const void *ds, int BH, int
     const cuuint32_t box[2] = {64, 64};
     return tma_map(enc, m, ds, 2, dims, strides, box);
 }
-#ifndef MT_FA_DSV   /* the dK/dV kernel's way of storing dS^T when p.ds is set (DS above; -DMT_FA_DSV=... to compare) */
-#define MT_FA_DSV 3
-#endif
-template <int DQ, int DV, int VAR = 0, int DSV = MT_FA_DSV>
-static int launch_dkdv_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdCore, const DkdvMaps) = fa_bwd_dkdv_wg_kernel<DQ, DV, VAR, false, 0>;
-    if constexpr (VAR == 0) if (p.ds) kern = fa_bwd_dkdv_wg_kernel<DQ, DV, 0, false, DSV>;
-    if constexpr (VAR == 0 && DV == 128) if (p.fold.dn) kern = p.ds ? fa_bwd_dkdv_wg_kernel<DQ, DV, 0, true, DSV>
-                                                                      : fa_bwd_dkdv_wg_kernel<DQ, DV, 0, true, 0>;
-    if ((VAR != 0 || DV != 128) && p.fold.dn) return -1;
-    const size_t smem = dkdv_wg_smem_bytes<DQ, DV>(VAR == 0 && DSV == 3 && p.ds);
-    if (BH > 65535 || p.H <= 0) return -1;
-    const int B = BH / p.H;
-    EncodeTiledFn enc = tma_encoder();
-    DkdvMaps tm;
-    memset(&tm.dsm, 0, sizeof tm.dsm);
-    if (VAR == 0 && DSV == 3 && p.ds && enc && ds_map(enc, &tm.dsm, p.ds, BH, p.ntri)) return -2;
-    if (p.fold.dn && (p.dimq != DQ || p.dimv != DV)) return -1;
-    tm.dk2 = p.dk2;
-    tm.fold_dn = p.fold.dn;
-    tm.ds = p.ds;
-    tm.ntri = p.ntri;
-    if (!enc || qkv_maps(enc, tm, p, B, 64, 128) || fa_map(enc, &tm.dout, p.dout, p.dimv, p.H, p.T, B, 64)) return -2;
-    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
-    dim3 grid((unsigned)((p.T + 127) / 128), (unsigned)BH);
-    kern<<<grid, 256, smem, stream>>>(p, tm);
-    return cudaGetLastError() == cudaSuccess ? 0 : -1;
-}
 /* heads above 192/128: dK and dV on separate warpgroups (fa_bwd_dkdv_split_kernel), dS^T stored when p.ds
    is set; -2 as above */
 template <int DQ, int DV, bool PIPE = (dkdv_split_stages<DQ, DV>() >= 3)>
@@ -4828,11 +4423,11 @@ static int launch_dkdv_split_kernel(const BwdParams &p, int BH, cudaStream_t str
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 /* -2: no tensor-map encoder or a map it refuses (the caller takes the mma.sync kernel) */
-template <int DQ, int DV, int VAR = 0, bool EARLY = false>
+template <int DQ, int DV, bool EARLY = false>
 static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
-    void (*kern)(const BwdCore, const DqMaps) = fa_bwd_dq_wg_kernel<DQ, DV, VAR, false>;
-    if constexpr (VAR == 0 && DV == 128) if (p.fold.dn) kern = fa_bwd_dq_wg_kernel<DQ, DV, 0, true>;
-    if ((VAR != 0 || DV != 128) && p.fold.dn) return -1;
+    void (*kern)(const BwdCore, const DqMaps) = fa_bwd_dq_wg_kernel<DQ, DV, false>;
+    if constexpr (DV == 128) if (p.fold.dn) kern = fa_bwd_dq_wg_kernel<DQ, DV, true>;
+    if (DV != 128 && p.fold.dn) return -1;
     const size_t smem = dq_wg_smem_bytes<DQ, DV>() + (p.fold.dn ? (size_t)128 * (p.dimq - p.fold.dn) * 4 : 0);
     if (BH > 65535 || p.H <= 0) return -1;
     const int B = BH / p.H;
@@ -4848,7 +4443,7 @@ static int launch_dq_wg_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
     return launch_pss(kern, dim3((unsigned)((p.T + 127) / 128), (unsigned)BH), 384, smem, stream, EARLY, p, tm);
 }
 
-/* dQ from the stored dS (p.ds, after launch_dkdv_wg_kernel wrote it); -2 as above */
+/* dQ from the stored dS (p.ds, after launch_dkdv_split_kernel wrote it); -2 as above */
 template <int DQ, bool EARLY = true>
 static int launch_dq_ds_kernel(const BwdParams &p, int BH, cudaStream_t stream) {
     void (*kern)(const BwdCore, const DqdsMaps) = fa_bwd_dq_ds_kernel<DQ, false>;
@@ -4885,22 +4480,18 @@ static int launch_dq_ds_kernel(const BwdParams &p, int BH, cudaStream_t stream) 
     return launch_pss(kern, dim3((unsigned)(items < sms ? items : sms)), 384, smem, stream, EARLY, p, tm);
 }
 
-#ifndef MT_FA_SPLIT   /* the dK/dV kernel: 1 fa_bwd_dkdv_split_kernel (the runtime's), 0 fa_bwd_dkdv_wg_kernel (-DMT_FA_SPLIT=0
-                         to compare: the same dK, dV and dS bitwise) */
-#define MT_FA_SPLIT 1
-#endif
 /* EARLY: the dQ kernel may start while the dK/dV kernel finishes (bench/attention.cu times both) */
 template <int DQ, int DV, bool EARLY = true>
 static int launch_bwd(const BwdParams &p, int BH, cudaStream_t stream) {
     typedef Cfg<DQ, DV> C;
     if constexpr (wg_config<DQ, DV>())
         if (p.vec_qk && p.vec_v) {
-            int r = MT_FA_SPLIT ? launch_dkdv_split_kernel<DQ, DV>(p, BH, stream) : launch_dkdv_wg_kernel<DQ, DV>(p, BH, stream);
+            int r = launch_dkdv_split_kernel<DQ, DV>(p, BH, stream);
             if (r == -2 && p.fold.dn) return -1; /* folded RoPE: the wgmma kernels only */
             if (r == 0 && p.ds) return launch_dq_ds_kernel<DQ, EARLY>(p, BH, stream) ? -1 : 0; /* dS written: dQ from it */
             if (r == -2) r = launch_dkdv_kernel<DQ, DV, C::K_BMQ, C::K_ST, C::K_MINB, C::K_QC, C::K_KVREG, C::K_MT>(p, BH, stream);
             if (r) return -1;
-            r = launch_dq_wg_kernel<DQ, DV, 0, EARLY>(p, BH, stream);
+            r = launch_dq_wg_kernel<DQ, DV, EARLY>(p, BH, stream);
             if (r != -2) return r;
             if (p.fold.dn) return -1;
             return launch_dq_kernel<DQ, DV, C::Q_NW, C::Q_BN, C::Q_ST>(p, BH, stream);
@@ -5585,7 +5176,7 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
  *     gg_tma_kernel (the default for modes 0/1): a producer warp loads the stages with the copy
  *       engine (TMA, mbarriers) while two consumer warpgroups only multiply and store (see its own
  *       comment); on H200, on mid's expert shapes, 600-700 TFLOP/s forward and dX;
- *     gg_kernel (drivers without tensor maps; the mma.sync fallback): described here.
+ *     gg_kernel (drivers without tensor maps: the same tiles through cp.async): described here.
  *   Mode 2 without row splits (the default dW) runs gg_pp_kernel: the same TMA producer, but each
  *   consumer warpgroup owns whole 128 x 192 tiles and the two take turns at the tensor cores, so one
  *   stores while the other multiplies; bitwise the same dW (see its comment).
@@ -5602,8 +5193,7 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
  *                        mode 2: A = dY MN-major, B = X   MN-major  (reduction over the rows)
  *   Math (default): wgmma.mma_async m64n256k16 (m64n128k16 for tiles with <= 128 valid columns),
  *   warpgroup g owns tile rows [64g, 64g+64); one wgmma batch (4 x k16) stays in flight across the
- *   barrier of the next step.  Fallback (template WG=false, -DGG_MMA_SYNC): mma.sync m16n8k16 with
- *   ldmatrix from the same swizzled stages, 8 warps as 2 x 4 of 64 x 64.
+ *   barrier of the next step.
  *   Scheduling: work items ("tiles") form a linear list derived on the device from offs:
  *     modes 0/1: (expert, 128-row tile, 256-col tile), experts in order, per-expert row-tile counts
  *                prefix-summed in smem at kernel start, tile -> expert by binary search;
@@ -5617,9 +5207,7 @@ int mt_cuda_ep_offsets(mt_cuda *c, int32_t *roffs, const int32_t *recv, int E_lo
    256), its rows go in pairs of row tiles (modes 0/1: 256 token rows; mode 2: 256 m) as one 256 x 128
    tile in the same 48 KB stages, computed as D^T = B^T A^T with the same m64n256k16 products (bitwise
    the results of 128 x 128 tiles): a 128 x 128 tile reads as many bytes per step for half the work.
-   H200, mid's shapes: forward with 1408 outputs 589 -> 621, dX with 1408 outputs 606 -> 623, dW
-   with 1408 columns 457 -> 465-486 TFLOP/s (bench/grouped_gemm.cu, same run; 1536 columns, no half
-   tiles: 676, 672, 511-531).
+   (Figures: docs/KERNELS.md.)
    Every mode: CTA b takes one tile of each round of gridDim tiles, in serpentine order (b in even
  *   rounds, gridDim - 1 - b in odd ones; mode 2's list is sorted largest expert first, and the
  *   serpentine balances the unequal tiles: on mid's shapes with the largest expert at 5 to 7
@@ -5658,14 +5246,6 @@ static_assert(PD <= ST - 2, "a stage may still be read by the wgmma batch in fli
 /* PTX helpers                                                                                */
 /* ------------------------------------------------------------------------------------------ */
 /* (cp.async, ldmatrix and shared-address helpers: namespace mt_ptx) */
-/* D = A(16x16 row) * B(16x8 col) + D, bf16 inputs, f32 accumulate */
-__device__ __forceinline__ void mma_bf16(float &d0, float &d1, float &d2, float &d3, const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 /* named barrier over nthreads threads (multiple of 32) */
 __device__ __forceinline__ void bar_sync_named(int id, int nthreads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
@@ -5743,7 +5323,8 @@ struct Params {
     int nk01;            /* modes 0/1: reduction steps ceil(K / BK) or ceil(M / BK)            */
     int S, ntm;          /* mode 2: row splits, m tiles ceil(M / BM)                           */
     int T2;              /* mode 2: number of tiles E * S * (ntm * ctf + half * ceil(ntm / 2))   */
-    int pair;            /* gg_pp_kernel in clusters of 2: 1 tiles paired along columns, 2 along m */
+    int pair;            /* gg_pp_kernel's tile pairs: always 0 (pairs served clusters of 2, measured and not
+                            kept: docs/KERNELS.md; the decode still reads it, as the measured kernel did) */
     int half, ctf;       /* half = 1: the last column tile has <= 128 columns and pairs its rows   */
                          /* into 256 x 128 tiles (TMA kernel); ctf = ct - half full-width tiles    */
 };
@@ -5977,95 +5558,11 @@ __device__ __forceinline__ void step_wgmma(float (&acc)[128], uint32_t sA, int w
     fence_acc_all(acc);
 }
 
-/* One reduction step with mma.sync: warp (wm, wn) = (warp / 4, warp % 4) computes the 64 x 64 block
-   at rows 64wm, columns 64wn; acc[((mi * 8 + ni) * 4) + e] = m16 tile mi, n8 tile ni, element e. */
-template <int MODE>
-__device__ __forceinline__ void step_mma(float (&acc)[128], uint32_t sA, int warp, int lane, int rows_valid,
-                                         int cols_valid) {
-    const int wm = warp >> 2, wn = warp & 3;
-    if (64 * wm >= rows_valid || 64 * wn >= cols_valid) return;
-    const uint32_t sB = sA + A_BYTES;
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-        uint32_t a[4][4], b[4][4];
-#pragma unroll
-        for (int mi = 0; mi < 4; ++mi) {
-            if (MODE != 2) { /* [row][k]: row = lane % 16, k chunk = 2kk + lane / 16 */
-                const int row = 64 * wm + 16 * mi + (lane & 15), ch = 2 * kk + (lane >> 4);
-                ldsm_x4(a[mi], sA + (uint32_t)(row * 128 + ((ch ^ (row & 7)) << 4)));
-            } else { /* [k][m], .trans: k = 8 * (lane / 16) + lane % 8, m = 8 * ((lane / 8) % 2) */
-                const int kr = 16 * kk + ((lane >> 4) << 3) + (lane & 7);
-                const int mc = 64 * wm + 16 * mi + (((lane >> 3) & 1) << 3);
-                ldsm_x4_t(a[mi], sA + (uint32_t)((mc >> 6) * 8192 + kr * 128 + ((((mc >> 3) & 7) ^ (kr & 7)) << 4)));
-            }
-        }
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-            if (MODE == 0) { /* [n][k]: n = 8 * (lane / 16) + lane % 8, k chunk = 2kk + (lane / 8) % 2 */
-                const int n = 64 * wn + 16 * np + ((lane >> 4) << 3) + (lane & 7), ch = 2 * kk + ((lane >> 3) & 1);
-                ldsm_x4(b[np], sB + (uint32_t)(n * 128 + ((ch ^ (n & 7)) << 4)));
-            } else { /* [k][n], .trans: k = 8 * ((lane / 8) % 2) + lane % 8, n = 8 * (lane / 16) */
-                const int kr = 16 * kk + (((lane >> 3) & 1) << 3) + (lane & 7);
-                const int nc = 64 * wn + 16 * np + ((lane >> 4) << 3);
-                ldsm_x4_t(b[np], sB + (uint32_t)((nc >> 6) * 8192 + kr * 128 + ((((nc >> 3) & 7) ^ (kr & 7)) << 4)));
-            }
-        }
-#pragma unroll
-        for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < 8; ++ni) {
-                float *d = &acc[(mi * 8 + ni) * 4];
-                mma_bf16(d[0], d[1], d[2], d[3], a[mi], b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
-            }
-    }
-}
-
 /* The gradient-norm partial of one warp's part of a dW tile: a fixed-order warp sum. */
 __device__ __forceinline__ void store_ssq(const Params &p, const Tile &ti, int warp, int lane, float ss) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) p.ssq[(size_t)ti.t * 8 + warp] = ss;
-}
-
-/* Write the accumulators of tile ti (rows < rows_valid, columns < cols_valid). */
-template <int MODE, bool WG>
-__device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128], const Tile &ti, int warp, int lane,
-                                         int rows_valid, int cols_valid) {
-    const int g = lane >> 2, c = lane & 3;
-    bf16 *obase = nullptr;
-    float *pbase = nullptr;
-    float ss = 0.f;
-    int ld;
-    if (MODE == 2) {
-        pbase = p.part + ((size_t)(ti.s * p.E + ti.e) * p.M + ti.m0) * p.K + ti.c0;
-        ld = p.K;
-    } else {
-        obase = reinterpret_cast<bf16 *>(p.out) + (size_t)ti.r0 * p.ncols + ti.c0;
-        ld = p.ncols;
-    }
-#pragma unroll
-    for (int q = 0; q < 64; ++q) {
-        int row, col;
-        if (WG) {
-            row = 64 * (warp >> 2) + 16 * (warp & 3) + g + 8 * (q & 1);
-            col = 8 * (q >> 1) + 2 * c;
-        } else {
-            row = 64 * (warp >> 2) + 16 * (q >> 4) + g + 8 * (q & 1);
-            col = 64 * (warp & 3) + 8 * ((q >> 1) & 7) + 2 * c;
-        }
-        if (row < rows_valid && col < cols_valid) {
-            /* wgmma: the first step of a tile overwrites the accumulators (scale-d = 0), so a tile
-               without reduction steps (mode 2, expert without rows) must not read them */
-            const float v0 = ti.nk > 0 ? acc[2 * q] : 0.f, v1 = ti.nk > 0 ? acc[2 * q + 1] : 0.f;
-            if (MODE == 2) {
-                *reinterpret_cast<float2 *>(pbase + row * ld + col) = make_float2(v0, v1);
-                ss += v0 * v0 + v1 * v1;
-            } else {
-                *reinterpret_cast<__nv_bfloat162 *>(obase + row * ld + col) = __floats2bfloat162_rn(v0, v1);
-            }
-        }
-    }
-    if (MODE == 2 && p.ssq) store_ssq(p, ti, warp, lane, ss);
 }
 
 /* wgmma kernels: the accumulators of each warp (16 rows x 256 columns) leave through a private
@@ -6074,40 +5571,21 @@ __device__ __forceinline__ void epilogue(const Params &p, const float (&acc)[128
    The cp.async kernel uses 4 KB buffers (RB = 256: 128 bf16 or 64 fp32 columns a pass), the TMA
    kernel 2 KB ones (RB = 128).  The warp's rows start at tile row wrow.  Returns the sum of the
    squares of what it stored (mode 2), in a fixed order. */
-#ifndef GG_TS01
-#define GG_TS01 1 /* modes 0/1: a warp's whole 16-row slabs leave as TMA tensor stores (0: staged st.global) */
-#endif
-/* TS (GG_TS01; modes 0/1, RB 128, called for a warp whose 16 rows all lie in the tile's expert, not
+/* TS (modes 0/1, RB 128, called for a warp whose 16 rows all lie in the tile's expert, not
    for the wide tiles; GLU has its own, epilogue_glu): each pass of 64 columns is written to the warp's 2 KB buffer as above
    (row r's 16-byte chunks XOR-swizzled by r mod 8, which is the TMA's 128-byte swizzle), then leaves as
    one TMA tensor store of 64 columns x 16 rows (tmap; columns past the tensor clipped), the warp going on while
    the copy engine drains it; the buffer is rewritten once the store before it has read it.  The same
    bytes as the staged stores (a slab holding an expert's last row goes that way: the rows past it are
-   the next expert's).  What the epilogue costs these modes: a timing-only build without it ran dX
-   701-705 against 648-654 TFLOP/s and the forward 698-700 against 637-645 (H200, bench GG_CASE=big,
-   alternating); these stores took the bench's dX from 651.9 / 651.2 to 655.8 / 652.3 and the forward
-   from 632.5 / 632.5 to 639.7 / 635.6 (big-down within 1%), and mid's profiled step (builds
-   alternating on one start, three runs each) GMM_DX from 596.2 / 570.0 / 576.9 to 598.4 / 614.5 /
-   627.7, GMM_DX2 from 630.3 / 607.0 / 612.5 to 642.4 / 643.9 / 656.4, GMM from 563.5 / 637.3 / 633.3
-   to 576.9 / 641.1 / 637.4; the step (10 steps, alternating on another start) 124.86 / 124.06 /
-   123.83 ms against 125.91 / 123.77 / 124.03.  epilogue_glu has the same TS path (GG_TSG). */
-#ifndef GG_TS_HALF
-#define GG_TS_HALF 1 /* GLU's TS: each pass leaves as two 64 x 8 boxes, one per 1 KB half of the buffer (0: one 64 x 16 box) */
-#endif
-#ifndef GG_TS_NOWAIT
-#define GG_TS_NOWAIT 0 /* timing only (wrong results): TS never waits for its stores to read the buffer */
-#endif
-/* GLU's TS with GG_TS_HALF: rows 8h..8h+7 of a warp's slab are the buffer's h-th KB (row r at r * 128),
-   so a pass leaves as two boxes of 64 columns x 8 rows, and the warp writes one half while the store of
-   the other still reads it: before writing half h it waits only until the one store after half h's
-   last (the other half's) may still be reading (wait_group.read 1).  H200, bench GG_CASE=big, first
-   rounds, two rounds alternating: GLU 628.5 / 627.4 TFLOP/s against 621.6 / 618.7 with one 64 x 16 box
-   a pass (a timing-only build that never waits: 630.1 / 632.1).  The same for modes 0/1 measured
-   mixed (the forward of big-down 646.2-654.6 against 644.6-652.3, its dX 638.4-643.5 against
-   641.6-646.1, big's dX the same), so those keep one box a pass. */
+   the next expert's).  epilogue_glu has the same TS path. */
+/* GLU's TS: rows 8h..8h+7 of a warp's slab are the buffer's h-th KB (row r at r * 128), so a pass
+   leaves as two boxes of 64 columns x 8 rows, and the warp writes one half while the store of the
+   other still reads it: before writing half h it waits only until the one store after half h's last
+   (the other half's) may still be reading (wait_group.read 1).  Modes 0/1 keep one 64 x 16 box a pass
+   (the halves measured mixed there). */
 /* the TS steps of epilogue_staged and epilogue_glu: wait before writing the buffer, then store from it */
 __device__ __forceinline__ void ts_wait(int lane, bool half) {
-    if (!GG_TS_NOWAIT && lane == 0) {
+    if (lane == 0) {
         if (half) bulk_wait_read1();
         else bulk_wait_read0();
     }
@@ -6253,21 +5731,12 @@ __device__ __forceinline__ float epilogue_wide(const Params &p, const float (&ac
    acc[4 (j + 16) + 2h + b]).  Six passes of 64 columns through the warp's 2 KB buffer, as
    epilogue_staged<0, 128> stores: g's two, u's two, then h = silu(g) u's two (out3, when given),
    each from the bf16-rounded g and u as k_swiglu computes it: the same bits as the two GEMMs and
-   the SwiGLU apart.  What h's sigmoid costs (two MUFU operations a value, ex2 and rcp: ~2K cycles of
-   a ~34K-cycle tile, with the tensor cores idle): a timing-only build with h = g u (H200, bench
-   GG_GLU=1 GG_CASE=big, alternating, first rounds) ran 639.0 / 636.8 TFLOP/s against 615.2 / 613.8,
-   and without h at all 657-658; an exp on the FMA pipe would halve the MUFU work for ~10 more
-   instructions a value, so at most ~2% to gain, and other bits than k_swiglu's: not done. */
+   the SwiGLU apart.  h's sigmoid (ex2 and rcp on the MUFU pipe) costs ~2K cycles of a ~34K-cycle
+   tile with the tensor cores idle (docs/KERNELS.md). */
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-#ifndef GG_TSG
-#define GG_TSG 1 /* GLU: a warp's whole 16-row slabs leave as TMA tensor stores (tp.to, to2, to3) */
-#endif
-/* TS (GG_TSG): as epilogue_staged's TS, each pass's 64 x 16 box leaves as a TMA store through the map
-   of its output (g, u or h; [Rmax][M], columns past M clipped); slabs holding an expert's last row stay
-   staged.  The same bytes.  H200, bench GG_GLU=1 GG_CASE=big, first rounds: 635.2 / 625.7 TFLOP/s
-   against 630.6 / 620.1 staged; mid's profiled step (alternating on one start, three runs each)
-   GMM_GLU 598.0 / 587.5 / 596.4 against 590.3 / 591.0 / 595.3: within the noise, kept for one store
-   path across the three bf16 epilogues. */
+/* TS: as epilogue_staged's TS, each pass's boxes leave as TMA stores through the map of their output
+   (g, u or h; [Rmax][M], columns past M clipped); slabs holding an expert's last row stay staged.  The
+   same bytes, and one store path across the three bf16 epilogues. */
 template <bool TS = false>
 __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)[128], const Tile &ti, int wrow, int lane,
                                              int rows_valid, unsigned char *buf, const CUtensorMap *tm0 = nullptr,
@@ -6281,11 +5750,11 @@ __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)
         const int half = pass & 1, which = pass >> 1;
         if (which == 2 && !p.out3) break;
         if (64 * half >= hv) continue; /* tile-uniform */
-        /* TS: with GG_TS_HALF each half (rows 8h..8h+7, the buffer's h-th KB) is a box of its own */
+        /* TS: each half (rows 8h..8h+7, the buffer's h-th KB) is a box of its own */
         const CUtensorMap *map = which == 0 ? tm0 : which == 1 ? tm1 : tm2;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            if (TS && (GG_TS_HALF || h == 0)) ts_wait(lane, GG_TS_HALF);
+            if (TS) ts_wait(lane, true);
 #pragma unroll
             for (int jj = 0; jj < 8; ++jj) {
                 const int j = 8 * half + jj, r = g + 8 * h, i = 4 * j + 2 * h, byte = (8 * jj + 2 * c) * 2;
@@ -6296,8 +5765,7 @@ __device__ __forceinline__ void epilogue_glu(const Params &p, const float (&acc)
                                                swiglu1(bf16_round(acc[i + 1]), bf16_round(acc[i + 65])));
                 *reinterpret_cast<__nv_bfloat162 *>(buf + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15)) = v;
             }
-            if (TS && GG_TS_HALF) ts_issue(lane, map, buf + 1024 * h, c0h + 64 * half, ti.r0 + wrow + 8 * h);
-            else if (TS && h == 1) ts_issue(lane, map, buf, c0h + 64 * half, ti.r0 + wrow);
+            if (TS) ts_issue(lane, map, buf + 1024 * h, c0h + 64 * half, ti.r0 + wrow + 8 * h);
         }
         if (TS) continue;
         __syncwarp();
@@ -6400,7 +5868,7 @@ __device__ __forceinline__ int build_work_list(const Params &p, int *s_offs, int
     }
 }
 
-template <int MODE, bool WG>
+template <int MODE>
 __global__ void __launch_bounds__(NT, 1) gg_kernel(const Params p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -6457,28 +5925,20 @@ __global__ void __launch_bounds__(NT, 1) gg_kernel(const Params p) {
 #pragma unroll 1
     while (ct.valid) {
         cp_async_wait<PD - 1>();
-        if (WG) fence_proxy_async();
+        fence_proxy_async();
         __syncthreads();
         const uint32_t stA = sbase + (uint32_t)((cstep % ST) * STAGE_BYTES);
         const int rows_valid = (MODE == 2) ? min(BM, p.M - ct.m0) : (ct.r1 - ct.r0);
         const int cols_valid = min(BN, p.ncols - ct.c0);
-        if (WG) {
-            step_wgmma<MODE>(acc, stA, wg, 64 * wg < rows_valid, cols_valid > 128, ckt == 0);
-        } else {
-            if (ct.nk > 0) step_mma<MODE>(acc, stA, warp, lane, rows_valid, cols_valid);
-        }
+        step_wgmma<MODE>(acc, stA, wg, 64 * wg < rows_valid, cols_valid > 128, ckt == 0);
         produce();
-        if (WG) {
-            wgmma_wait<1>();
-            fence_acc_all(acc);
-        }
+        wgmma_wait<1>();
+        fence_acc_all(acc);
         ++cstep;
         if (++ckt >= max(ct.nk, 1)) {
-            if (WG) {
-                wgmma_wait<0>();
-                fence_acc_all(acc);
-            }
-            if (WG) {
+            wgmma_wait<0>();
+            fence_acc_all(acc);
+            {
                 /* staging: this warpgroup's A half (8 KB) of the stages of the last two steps.  Only this
                    warpgroup's wgmma read them; a warp past wgmma.wait_group 0 only knows that ITS slice of
                    the warpgroup MMA is done, hence the warpgroup barrier.  The producer refills these
@@ -6488,12 +5948,6 @@ __global__ void __launch_bounds__(NT, 1) gg_kernel(const Params p) {
                 unsigned char *buf = smem_raw + pad + (size_t)sst * STAGE_BYTES + (size_t)wg * 8192 + (size_t)(warp & 1) * 4096;
                 const float ss = epilogue_staged<MODE, 256>(p, acc, ct, 64 * (warp >> 2) + 16 * (warp & 3), lane, rows_valid, cols_valid, buf);
                 if (MODE == 2 && p.ssq) store_ssq(p, ct, warp, lane, ss);
-            } else {
-                epilogue<MODE, WG>(p, acc, ct, warp, lane, rows_valid, cols_valid);
-            }
-            if (!WG) {
-#pragma unroll
-                for (int i = 0; i < 128; ++i) acc[i] = 0.f;
             }
             ++cq;
             ct = decode_tile<MODE>(p, s_offs, s_aux, T, s_ring[cq & (RING - 1)]);
@@ -6551,98 +6005,12 @@ __global__ void __launch_bounds__(256) gg_reduce_kernel(float4 *out, const float
 /* tensor is 3-D [E][M][K], so W rows beyond M are zeros, never the next expert's.  Mode 2     */
 /* reduces over the rows, so the consumers zero the rows past the tile's end in both operands  */
 /* of the last step before multiplying; that step issues only the k16 slices that hold rows    */
-/* (DWV 1, the default; the skipped slices would add exact zeros: the same sums, up to the      */
-/* sign of a zero).  H200, mid's shapes: dW 541 -> 543 (gate/up) and 490 -> 495 TFLOP/s (down) */
-/* in the bench, GMM_DW_SQ in ./train --preset mid 12.60 -> 12.18 ms a step (21 calls).        */
-/* Measured slower on H200 (mid's shapes) and not kept: dW stored straight from the            */
-/* accumulators (whole 32-byte sectors, no staging: 497 against 530 TFLOP/s), and 3 stages with */
-/* the whole tile staged in smem and stored by bulk copies while the next tile runs (dW 415     */
-/* against 498, dX 621 against 647).  Also for dW: a ping-pong kernel (each consumer           */
-/* warpgroup on its own 128 x 128 tiles, their reduction loops taking turns so one warpgroup   */
-/* stores while the other multiplies: 440 against 516 gate/up, 425 against 463 down, 15.2      */
-/* against 12.6 ms in the step; 128-column tiles read a third more per flop from L2; the later */
-/* gg_pp_kernel, which stores through the warps' buffers, is the default dW now); stores       */
-/* from the registers after a lane-pair shuffle (16 bytes a lane, 64 contiguous bytes a row:   */
-/* within 1-3% of the staged stores); bulk tensor stores of 16 x 16 boxes from two 1 KB halves */
-/* of each warp's buffer (4-15% slower); CTA pairs in clusters of 2 that multicast the operand */
-/* their tiles share (one L2 read for both; correct, but 340 against 540).  The estimated L2   */
-/* reads of every grouped GEMM mode (7.5-8.7 TB/s at the rates above) suggested L2 bandwidth as */
-/* the common limit, but dW's loop alone (no epilogue, a bench build) runs at 880-910 TFLOP/s on */
-/* mid's shapes, 540-575 with the epilogue staged through shared memory but no global stores,   */
-/* and 477-515 with them (same run): its ~12 steps a tile pay for a 128 KB epilogue, during    */
-/* which the tensor cores wait.                                                                */
-/* Also measured and not kept: mid's down projection as dW^T = X^T dY (11 x 8 full tiles instead */
-/* of 16 x 6 whose last column is half empty, the tile transposed on its way out; bitwise the   */
-/* same dW): 455-496 against 470-472 TFLOP/s in one run, within its noise (the wide tiles, above, */
-/* later did what this aimed at).  The second consumer warpgroup held 1-3 steps behind the     */
-/* first, so that their epilogues do not coincide: within 1% in the bench, within the step's */
-/* run-to-run noise (4%).                                                                      */
-/* dW stored with evict-first (__stcs): the same in the bench, mid's step 1-2% slower (AdamW    */
-/* then finds less of dW in L2).  192 x 256 dW tiles on three consumer warpgroups do not        */
-/* compile: at 512 threads ptxas allocates 128 registers a thread whatever setmaxnreg grants,   */
-/* and an m64n256 accumulator needs 154.                                                       */
-/* Per-phase cycle counts (clock64 around each phase, a bench build; H200, mid's gate/up dW,    */
-/* ~21000 cycles a tile): the wgmma steps ~12000 with their full-barrier waits ~2100, the        */
-/* epilogue ~6300, decoding the next tile ~1200 (now done under the first wgmma batch: 549 ->   */
-/* 557 TFLOP/s gate/up, 534 -> 548 down).  Of the epilogue, the global stores are ~2700 (a      */
-/* build without them: ~3500); staggering the CTAs' start by half a tile leaves it at ~6000, so */
-/* it is each SM's own store path, not all SMs storing at once.  Not kept: the whole tile staged */
-/* in shared memory and written by TMA tensor stores while the next tile multiplies (bitwise the */
-/* same dW; the staging needs 32-row stages, 6 x 24 KB): 390-400 against 525 TFLOP/s, the copy  */
-/* engine reading the staging at ~8 bytes a cycle and the loads waiting behind the stores (full- */
-/* barrier waits 8200 cycles a tile); 4 KB epilogue buffers per warp (8 passes -> 4): 540-545   */
-/* against 555-557; the per-element selects and bounds of the epilogue hoisted: 543-549; dW    */
-/* stored straight from the accumulators (above), again in mid's step: 435-445 against 443-473.*/
-/* Also not kept: the tile leaving in two 128-column halves through a 64 KB staging area in     */
-/* place of the fourth stage, written to memory by the producer warpgroup's three spare warps   */
-/* while the consumers go on (bitwise the same dW): 425-438 against 516-527 gate/up, 397-403   */
-/* against 509-511 down; per tile ~7200 cycles of full-barrier waits with 3 stages (4 stages:   */
-/* ~2100) and ~5900 waiting for the storers (their shared loads, 40 registers a thread, wait    */
-/* behind the wgmma's operand reads).                                                          */
-/* Also not kept (modes 0/1): the epilogue deferred under the next tile's first wgmma batches  */
-/* (each warp writes the first passes of its tile at once and keeps the last 1-3 as bf16 pairs */
-/* in registers, writing one after each of the next tile's first steps; the same bits).  Three */
-/* passes deferred spill 60 bytes and make intermittent illegal addresses (none under          */
-/* memcheck; cause not found), two do so more rarely.  One deferred pass passed the checks and */
-/* ran no faster: bench dX 625-632 against 629-642 TFLOP/s and forward 624-633 against 629-643 */
-/* (big and big-down, alternating); in mid's step GMM_DX 594 / 570 against 582 / 576 (H200).   */
-/* Also not kept (modes 0/1): CTAs in clusters of 2 sharing an operand block by multicast. The */
-/* serpentine round robin hands a cluster tickets 2k and 2k + 1 in every round; with each      */
-/* expert's count padded to even and its full tiles listed by pairs of row tiles, then column, */
-/* 87-93% of the pairs on mid's layouts were two row tiles of one column tile (each CTA        */
-/* loading half of W's block into both), 3-4% two column tiles of one row tile (half of the    */
-/* rows' block each), the rest loading their own stages; every stage released in both CTAs; a  */
-/* CTA whose ticket was the pad computed its peer's tile without storing it. Bitwise the same  */
-/* outputs (bench 939 + 403 passed; ./test_gpu 119 with a first form, column-major order       */
-/* without the pad or the shared rows). What sharing W could give, from a timing-only build    */
-/* loading half of W's bytes (results wrong; H200): dX 646 -> 677 (big-down) and 657 -> 700    */
-/* (big), the GLU forward 628 -> 677 TFLOP/s. The clusters got a third of that (bench,         */
-/* alternating; the first form on one start, the last on another): dX 637.7-645.7 ->           */
-/* 647.2-653.3 and 621.7-632.7 -> 632.7-640.0, forward (big) 626.9-635.3 -> 645.4-652.5 and    */
-/* 618.0-619.8 -> 633.4-634.3, GLU 615.4-620.0 -> 629.2 and 605.4-606.3 -> 606.1-612.3. In     */
-/* mid's step (alternating, three pairs a start) the median step went 126.07 -> 124.66 ms      */
-/* (first form), 125.21 -> 124.03 and 122.03 -> 122.29 (last form; W shared in the forward     */
-/* alone 122.10), while the profiled step's GMM_DX went 595.5 / 599.1 / 594.7 -> 578.9 / 586.7 */
-/* / 591.0 and GMM_DX2 631-632 -> 617-625: a mixed gain of at most ~1% for the coupled rings'  */
-/* complexity, so the kernel keeps one CTA a tile.                                             */
-/* Bounds measured on H200 (bench/store_rate.cu, and bench builds on mid's dW shapes, same    */
-/* run): one CTA per SM writing 128 KB tiles of fp32 with 16-byte stores drains ~31 bytes a   */
-/* cycle per SM when half the SMs write (4200 cycles a tile) and ~18 when all do (7100        */
-/* cycles; 4.2 TB/s in all), but the same stores followed by 8000 cycles of independent work  */
-/* cost the CTA only ~1100 cycles: stores issued straight from registers would leave the      */
-/* epilogue's 128 KB draining under the next tile. A build storing each warp's accumulators   */
-/* unpermuted (lane-contiguous 512-byte stores, no staging; dW in an accumulator-native       */
-/* layout, not row-major) ran 551-558 against 521-529 TFLOP/s: the drain then competes with   */
-/* the operand loads for L2. A build loading only half of X's columns (as a 2-CTA multicast   */
-/* of X would; results wrong, timing only) ran 500-568, and with the native stores 582-599.   */
-/* That was the 128 x 256 kernel.  Against gg_pp_kernel's TMA stores (below) the native      */
-/* layout loses: a timing-only build storing each warp's m64n192 accumulators as 16-byte      */
-/* lanes into [E][M/16][K/8][32][4] (every store 512 contiguous bytes, 12 KB a warp in a row, */
-/* no staging) ran dW at 551.8 / 557.2 (big) and 543.5 / 543.3 (big-down) TFLOP/s against    */
-/* 581.2 / 577.0 and 567.1 / 566.9 for the TMA stores (bench, first timing of each process,   */
-/* two rounds alternating on one H200 start), GMM_DW_SQ 488.7 / 490.2 against 502.4 / 502.9   */
-/* in mid's step; without any stores 698.3 / 691.9, 666.6 / 664.9 and 606.4 / 647.8.          */
-/* So a non-row-major gradient would buy nothing; not done.                                   */
+/* (the skipped slices would add exact zeros: the same sums, up to the sign of a zero).        */
+/* What bounds it: dW's ~12 steps a tile pay for a 128 KB fp32 epilogue while the tensor cores */
+/* wait (H200, mid's shapes: 880-910 TFLOP/s without the epilogue, 477-515 with it), and an SM */
+/* drains stores at ~18-31 bytes a cycle (bench/store_rate.cu); hence dW in turns            */
+/* (gg_pp_kernel).  Modes 0/1 run at 600-700 TFLOP/s, their epilogue ~8% of a launch.  What   */
+/* else was tried, with its figures: docs/KERNELS.md.                                         */
 /* ------------------------------------------------------------------------------------------ */
 constexpr int NT_TMA = 384;
 constexpr int EPI_BYTES = 2048;                /* per consumer warp: 16 rows x 128 bytes     */
@@ -6654,8 +6022,8 @@ struct TmaParams {
     CUtensorMap ta2, tb2;  /* mode 1, second pair                                             */
     CUtensorMap tbh;       /* mode 0: W with boxes of 128 rows (the wide tiles' B)              */
     CUtensorMap tc;        /* gg_pp_kernel's TMA stores: dW [E][M][K] fp32, boxes 32 k x 8 m    */
-    CUtensorMap to;        /* modes 0/1 (GG_TS01, not GLU): the bf16 output [Rmax][ncols], boxes 64 x 16 rows */
-    CUtensorMap to2, to3;  /* GLU (GG_TSG): to = g, to2 = u, to3 = h, each [Rmax][M], boxes 64 x TSG_BOX rows */
+    CUtensorMap to;        /* modes 0/1 (not GLU): the bf16 output [Rmax][ncols], boxes 64 x 16 rows */
+    CUtensorMap to2, to3;  /* GLU: to = g, to2 = u, to3 = h, each [Rmax][M], boxes 64 x TSG_BOX rows */
     int tso;               /* the output maps made: a warp's whole 16-row slabs leave as TMA stores (TS) */
     int perm;              /* tc is the 5-D view with the 8 rows of a box in the order 0 4 1 5 2 6 3 7 (see pp_store_tma) */
     Params p;
@@ -6724,36 +6092,13 @@ __device__ __forceinline__ void init_ring(uint32_t full0, uint32_t empty0, int n
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
-/* GG_T_CLOCK (a diagnostic build: make train NVFLAGS="... -DGG_T_CLOCK"): after each launch of
-   gg_tma_kernel or gg_pp_kernel a one-thread kernel prints the launch's span on the GPU (first CTA
-   start to last warp end, %globaltimer), CTA 0's SM clock over its life, the rate, and the share of
-   the tensor cores' rate at that clock (4096 flops a clock an SM on the launch's CTAs); the print
-   kernel adds ~30-40 us a call to the step, the spans are the kernels' own.  mid's step on H200: the
-   grouped GEMMs at 1359-1518 MHz, 72-84% of the tensor rate a clock (README) */
-#ifdef GG_T_CLOCK
-__device__ unsigned long long g_clk[6] = {~0ull, 0, 0, 0, 0, 0}; /* min start, max end; CTA 0's clock start / end, time start / end */
-__device__ __forceinline__ unsigned long long gtimer() { unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
-#define CLK_BEGIN if (threadIdx.x == 0) { const unsigned long long t = gtimer(); atomicMin(&g_clk[0], t); if (blockIdx.x == 0) { g_clk[2] = clock64(); g_clk[4] = t; } }
-#define CLK_END if ((threadIdx.x & 31) == 0) { const unsigned long long t = gtimer(); atomicMax(&g_clk[1], t); if (blockIdx.x == 0) { atomicMax(&g_clk[3], (unsigned long long)clock64()); atomicMax(&g_clk[5], t); } }
-__global__ void k_clk_print(int tag, int E, int M, int K, const int *offs, double mult, int ctas) {
-    const double rows = (double)offs[E], fl = mult * 2.0 * rows * M * K;
-    const double span = (double)(g_clk[1] - g_clk[0]), mhz = (double)(g_clk[3] - g_clk[2]) * 1e3 / (double)(g_clk[5] - g_clk[4]);
-    const char *nm = tag == 0 ? "fwd" : tag == 1 ? "dx" : tag == 2 ? "dW" : tag == 3 ? "glu" : tag == 4 ? "dx2" : "dw-split";
-    printf("CLK %s M=%d K=%d us=%.1f MHz=%.0f TFLOPs=%.1f eff=%.3f\n", nm, M, K, span * 1e-3, mhz, fl / span * 1e-3, fl / (span * 1e-9 * mhz * 1e6 * 4096.0 * ctas));
-    g_clk[0] = ~0ull; g_clk[1] = 0; g_clk[3] = 0; g_clk[5] = 0;
-}
-#else
-#define CLK_BEGIN
-#define CLK_END
-#endif
-/* DWV (mode 2): 0 = as modes 0/1; 1 = short last steps (only the k16 slices that hold rows);
-   GLU (mode 0): gate and up in one launch, the SwiGLU in the epilogue (see gg_run_glu) */
-template <int MODE, int DWV = 0, bool GLU = false>
+/* mode 2: short last steps (only the k16 slices that hold rows); GLU (mode 0): gate and up in one
+   launch, the SwiGLU in the epilogue (see gg_run_glu) */
+template <int MODE, bool GLU = false>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant__ TmaParams tp) {
-    constexpr bool SHORT = MODE == 2 && DWV >= 1;
-    constexpr bool TS = MODE != 2 && (GLU ? GG_TSG : GG_TS01); /* whole 16-row slabs leave as TMA stores (epilogue_staged, epilogue_glu) */
+    constexpr bool SHORT = MODE == 2;
+    constexpr bool TS = MODE != 2; /* whole 16-row slabs leave as TMA stores (epilogue_staged, epilogue_glu) */
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    CLK_BEGIN
     const Params &p = tp.p;
     const int tid = threadIdx.x;
     const uint32_t raw = smem_u32(smem_raw);
@@ -6860,231 +6205,43 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_tma_kernel(const __grid_constant
         }
         if (TS && tp.tso && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
     }
-    CLK_END
 }
 
 /* ------------------------------------------------------------------------------------------ */
 /* dW in turns (mode 2, the default when no row split is needed): each consumer warpgroup owns   */
-/* whole 128 x BNP tiles (BNP = 192 by default, 128 in the bench's variants), and the two take  */
-/* turns at the tensor cores, so one warpgroup's epilogue (96 KB of fp32) drains while the     */
-/* other multiplies.  384 threads: warpgroup 0 is the producer (one thread issues the TMA       */
-/* loads), 1 and 2 the consumers; the CTA's tiles alternate between them (j even: 1, odd: 2).   */
+/* whole 128 x 192 tiles, and the two take turns at the tensor cores, so one warpgroup's        */
+/* epilogue (96 KB of fp32) drains while the other multiplies.  384 threads: warpgroup 0 is the  */
+/* producer (one thread issues the TMA loads), 1 and 2 the consumers; the CTA's tiles alternate   */
+/* between them (j even: 1, odd: 2).                                                            */
 /*   - a stage is one 64-row step of one tile: dY's 128 m columns as two MN-major 64 x 64       */
-/*     blocks, then X's BNP columns as BNP / 64 (40 KB at 192: 5 stages; 32 KB at 128: 6) in    */
-/*     one ring, filled in the order the tiles are taken, each released by the 4 warps of the   */
-/*     warpgroup that read it;                                                                   */
+/*     blocks, then X's 192 columns as 3 (40 KB, 5 stages) in one ring, filled in the order the */
+/*     tiles are taken, each released by the 4 warps of the warpgroup that read it;            */
 /*   - turns on named barriers 1 and 2 (as in attention's Turns): a warpgroup issues its tile's */
 /*     products only between begin (the other finished issuing) and end;                        */
-/*   - each k16 slice is two m64nBNPk16 products (tile rows [0, 64) and [64, 128)) over the    */
+/*   - each k16 slice is two m64n192k16 products (tile rows [0, 64) and [64, 128)) over the    */
 /*     same slices in the same order as the gg_tma_kernel's m64n256k16: dW is bitwise the same; */
 /*     a last column tile with <= 64 or <= 128 columns in K multiplies only those (m64n64 /     */
 /*     m64n128 on the accumulators' first registers, which hold the same columns);             */
-/*   - mode 2's short last step and tail-row zeroing as in gg_tma_kernel (DWV 1);              */
-/*   - TS (the default): each warp's accumulators leave as TMA tensor stores of 2 KB, its whole  */
-/*     buffer (16 rows x 32 columns; PP_ST2K=0 or the 3-D map: 1 KB from each half in turn;    */
-/*     pp_store_tma); TS 0: staged st.global (pp_store_staged, BNP 128 only);                   */
-/*   - MC (GG_PP_MC, off by default, BNP 128): CTAs in clusters of 2 take the two tiles of a    */
-/*     pair (along the columns, or along m when the column tiles are odd), each loading its own */
-/*     block and half of the shared one by multicast to both; a stage is released in both CTAs; */
-/*   - the norm partial of warp w of a tile goes to entry 4 ((e ntm + mt) nct + ct) + w at 192 */
-/*     columns, and at 128 to ((e ntm + mt) ct256 + ct / 2) 8 + 4 (ct % 2) + w, the entries of  */
-/*     the 128 x 256 tiles (all within ssq_need; those no tile writes are zeroed first).        */
-/* Measured on H200 (mid's shapes; bench/grouped_gemm.cu, the kernels alternating in one run):  */
-/*   128 x 192 tiles read 17% fewer operand bytes per product than 128 x 128 (40 KB a step for  */
-/*   1.5 times the work).  In mid's step (GMM_DW_SQ, ./train --preset mid --profile, builds     */
-/*   alternating on one start) 526-538 against 502-514 TFLOP/s for 128 columns, 531-534 for     */
-/*   192 on gate/up with 128 on down; on another start 537-551 against 491-511; steps 121.2-    */
-/*   123.4 against 123.0-125.2 ms.  In the bench, first round of each layout (cooler) 518-597   */
-/*   against 545-599, second round 500-551 against 482-523: the wider tiles gain at the clocks  */
-/*   the step runs at.  Not kept: 32-row steps (10 stages of 20 KB at 192, a deeper ring for    */
-/*   the same bytes): 390-418 against 509-514 in mid's step.  Nor 128 x 192 tiles in clusters */
-/*   of 2 (any tile counts: pairs along the columns sharing dY's block, the odd last column's */
-/*   tiles along m sharing X's, an odd expert's last tile computed by both CTAs; each CTA     */
-/*   multicasting every other 64-column block of the shared operand; bitwise the same dW,     */
-/*   bench 1021 passed): 443-449 against 501-506 TFLOP/s in mid's step, bench even 546 / 467  */
-/*   against 594 / 541; pairs along m first: bench 522 / 420, 435-478 against 516-561 in the  */
-/*   step (another start).  The clusters at 128 columns ran 484-505 against 478-479 for 128   */
-/*   without them in mid's step (a third start; 192 without them: 503-510).  Cause not        */
-/*   measured; one difference is the ring: 5 stages at 192 against 6, each released in both   */
-/*   CTAs.  Balance: with nct = 11 column tiles (gate/up at 192) dividing the 132 CTAs, each  */
-/*   CTA meets the same column tile in every other round, and two CTAs in eleven take the     */
-/*   narrow last tile in half of their rounds (ncu, equal experts: tensor pipe 64.8% busy on  */
-/*   the least busy SM against 76.3% on average and 79.2% at most).  Starting m tile mt's     */
-/*   column tiles at column tile mt evened it out (74.1 / 75.2 / 75.8%) but not the time      */
-/*   (529.6-552.1 against 530.2-542.5 us; in mid's step GMM_DW_SQ 514-550 against 527-542,    */
-/*   alternating): the SMs with less to do were not what limits, so not kept.  ncu on equal   */
-/*   experts (base clocks) read 7.03 TB/s from L2 into the SMs                                */
-/*   (l1tex__m_xbar2l1tex_read_bytes) for this kernel at 192 columns, 6.87 for                */
-/*   gg_tma_kernel's dX and 7.02 for its forward, with the tensor pipe busy 75.2%, 83.0% and  */
-/*   84.7%: in inverse proportion to the operand bytes each reads per product (40 KB a 128 x  */
-/*   192 x 64 step, 48 KB a 128 x 256 x 64 one: 12.7 against 11.4 KB a MFLOP; L2 itself at    */
-/*   46-64% of its sector rate).  That is not the hardware's limit: cuBLASLt's                */
-/*   strided-batched kernels on the same work (the algorithms the bench tries) took in up to  */
-/*   10.8 TB/s with the tensor pipe 97.1% busy (nvjet 128 x 128 tiles, 6 stages, clusters of  */
-/*   2: 409.5 us), 9.7 TB/s and 96.9% (128 x 160, 5 stages; also in clusters of 2, its name   */
-/*   says: nvjet_sm90_tss_128x160_64x5_2x1_v_bz_NTT), and 7.6 TB/s                             */
-/*   and 90.7% cooperative (128 x 256, 4 stages, the nearest to gg_tma_kernel).  So ours stop */
-/*   at ~7 TB/s for a reason in their pipelines, not found; that their rates follow their     */
-/*   bytes per product suggests the loads' latency, with too few bytes in flight.             */
-/*   With 128 columns: staged stores 524-558 TFLOP/s against 483-535 for gg_tma_kernel's       */
-/*   128 x 256 tiles.  With equal experts (768 rows each, a probe timing the variants in turn): */
-/*   staged 545-559, TMA stores 579-581, clusters 589-592, cuBLASLt's strided-batched GEMM on   */
-/*   the same work 658-696 (its best: nvjet 128 x 128 tiles, 6 stages, clusters of 2).  In     */
-/*   mid's step the clusters (with an earlier, slower epilogue) gave nothing measurable         */
-/*   (GMM_DW_SQ 480 / 483 against 477 / 495 for staged stores, alternating), so they stay off:  */
-/*   the step runs at the power limit (~1560 MHz).  The TMA stores' epilogue skips the norm     */
-/*   partials without p.ssq, sums whole tiles without bounds tests and zeroes an empty expert's */
-/*   accumulators once (a select per value before: 556-573).                                   */
-/*   Where the time goes (ncu, equal experts, 128 columns): the tensor pipe 72-74% busy in      */
-/*   every epilogue variant (67% with --set full), against 91% for cuBLAS's kernel; L2 read     */
-/*   sectors 114M (clusters 96M: the multicast halves one block, yet the time moved by 2%);    */
-/*   a quarter to a third of the consumers' mainloop samples wait for a stage.  Timing-only     */
-/*   builds: without loads 641-689, without loads or stores 741 (clusters) / 773, so loads cost */
-/*   12-17% and stores ~11% even in turns.  Also measured, not kept: the 1 KB stores replaced   */
-/*   by 2 KB ones from rings of 3-8 slots that the two warpgroups share (a token on two named   */
-/*   barriers, 4-6 stages; bitwise the same dW): 471-578 against 537-583 (first rounds), the    */
-/*   store latency is not what limits; stores straight from the registers (8-byte lanes)      */
-/*   453-466; stores of 2 KB (one fence per 2 KB, no double buffering) 572-584, no better; an   */
-/*   L2 prefetch of the next tile's first 16 steps 300-322; a cluster-scope release of the     */
-/*   peer's stage (mbarrier.arrive.release.cluster) with staged stores 240-265 (it waits for   */
-/*   the warp's stores).                                                                        */
-/*   Also measured and not kept (H200, builds alternating on one start): each operand of a step */
-/*   as one TMA box (3-D maps with the 64-column blocks outermost, so a box of 64 x 64 x 2 or 3  */
-/*   lands as the stage's blocks; mode 1's W as a 4-D box of its 4 blocks): 2 load instructions */
-/*   a step instead of 5, bitwise the same results; bench dW 565-570 / 535-548 (gate/up / down) */
-/*   against 565 / 539, dX 634 / 614 against 629 / 623; in mid's step GMM_DW_SQ 497-509 against */
-/*   496-501, GMM_DX 568-581 against 572-576: the copy engine's instruction rate is not what    */
-/*   limits.  The norm partials summed after the stores (under their drain) in four chains: in  */
-/*   mid's step 506-507 against 507-518.  What the partials cost, timed alternating with and    */
-/*   without them in the bench (its "dW (+norm)" line): 3-4% where the clock holds between the  */
-/*   two (575.6 / 558.4, 574.8 / 559.6), up to 12% where it drops between them.  The clock      */
-/*   does drop within one bench process: dW without partials 575.6 -> 548.2 -> 505.4 TFLOP/s    */
-/*   over its three rounds, so mid's step, at the power limit, runs near the bench's warm rate  */
-/*   (GMM_DW_SQ 496-518 on the two starts of these runs).  On two H200s (ep 2: 32 experts a    */
-/*   rank, 1536 rows each on average, so 24 steps a tile) mid's GMM_DW (there without the       */
-/*   partials: a separate SUMSQ sums the sharded gradients) runs at 611 and GMM_DX at 639 in    */
-/*   the step: one GPU's short reductions (12 steps a tile) are what the per-tile costs weigh on. */
-/*   32-row steps again, now with two wgmma groups left in flight (wait_group 2, so a stage goes  */
-/*   back two steps later; 10 stages of 20 KB, 160 KB loading against 120 KB): bench dW 487-491 */
-/*   / 449-464 against 582-584 / 548-557 (gate/up / down), mid's GMM_DW_SQ 395-401 against      */
-/*   516-543: more bytes in flight do not help, so the loads' latency is not what limits either. */
-/*   L2 cache policies on the copies (createpolicy, .L2::cache_hint): the operand loads evict-last  */
-/*   or the TMA stores evict-first, bench dW (big, without / with the partials, two processes     */
-/*   each, alternating) 559-505 / 543-475 and 553 / 538 (loads), 551-547 / 532-473 and 567-566 /  */
-/*   549-547 (stores) against 570-506 / 535-486 and 566-525 / 545-505: within the clock's drift;   */
-/*   the stores' policy in mid's step GMM_DW_SQ 476.0, 479.3, 478.7 against 491.6, 478.8, 485.7.  */
-/*   The copy engine relieved of half the stores (each warp's rows 8-15 of a round read back    */
-/*   from its buffer and written by st.global, rows 0-7 by the TMA store; bitwise the same dW,    */
-/*   bench 403 passed): dW (big, without / with the partials, alternating, two processes) 563.7-  */
-/*   567.3 / 549.9-553.5 and 574.1 / 557.4 against 571.7-575.3 / 551.3-558.5 and 571.1 / 553.5;   */
-/*   big-down 547.7 / 531.4 against 553.9 / 536.8; every round by st.global 545.8-556.3 / 539.1-  */
-/*   542.3 (big): the stores sharing the copy engine with the loads is not what limits.           */
-/*   Bank conflicts of the staging writes (ncu, equal experts): 31.96M shared-store wavefronts,   */
-/*   8.58M of them conflicts, for 2.89M 8-byte store instructions; with the rows permuted through  */
-/*   the 5-D map (perm, see pp_store_tma; bitwise the same dW, bench 403 + 939 passed) 19.23M and  */
-/*   2.55M, 462.4 -> 453.8 us.  Bench (two rounds, alternating with GG_PP_PERM=0): even 605.3 /   */
-/*   605.7 -> 616.3 / 617.1, big 574.6 / 575.3 -> 575.9 / 577.5, big-down 546.9 / 554.1 ->        */
-/*   553.6 / 546.2; in mid's step (three profiles each, alternating) GMM_DW_SQ 494.9, 485.9,       */
-/*   460.5 against 477.9, 432.8, 437.3, the same losses: kept.                                     */
-/*   Where the rest goes (timing-only builds, results wrong, alternating; even / big): without    */
-/*   the staging writes 631-634 / 582-588 against 610-614 / 574-578; without the TMA stores (no   */
-/*   dW written) 689-694 / 630-641, against cuBLASLt's strided-batched 671-674 on even with its     */
-/*   dW written: writing dW's fp32 costs ours 10-13%.  The same work in 8 experts of 6144 rows    */
-/*   (GG_LONG=1: an eighth of the epilogues per product): 672.9-684.5 against cuBLASLt's 744.7-    */
-/*   755.8, so the gap to cuBLAS (0.89-0.91) is not the per-tile cost.  CTAs (GG_NSM, even): 132,  */
-/*   99, 66 -> 613.8, 519.7, 375.9: 4.65, 5.25, 5.70 TFLOP/s a CTA, so the SMs share a limit (L2 */
-/*   or its links) and one CTA alone still stops at ~80% of an SM's tensor rate.                 */
-/*   Rows an expert (bench/grouped_gemm.cu GG_CASE=even against GG_EXTRA=1 GG_CASE=even1536, the */
-/*   same work as 32 experts of 1536 rows; one start, two rounds): ours 618-619 -> 692-694        */
-/*   (gate/up) and 592-595 -> 665-666 (down), cuBLASLt's strided-batched 677-679 -> 745-747 and  */
-/*   678-679 -> 745-748: both gain ~11% (half the fp32 dW written per flop), ours stays at       */
-/*   0.87-0.93 of cuBLAS's rate.                                                                 */
-/*   Unequal against equal experts in one process (GG_CASE=big and even alternating, H200):      */
-/*   forward 620-632 / 706-707 (gate/up), 648 / 687 (down); dX 642-645 / 677-683, 622-635 /      */
-/*   709-711; dW 565-570 / 605-607, 543-553 / 587-588: each expert's partial last row tile (and  */
-/*   at 1408 outputs its last wide tile) loads a whole tile's weights for part of its rows: the  */
-/*   layout has 2293 tiles against 2112 at 1408 outputs, 3312 against 3072 at 2048.             */
-/*   The list's order, largest expert first, measured against two mixes (so that short tiles,    */
-/*   whose fp32 stores dominate, run beside long ones): experts alternating from both ends of   */
-/*   the sorted list, 362-377 against 583-592 TFLOP/s in the bench (big) and 364-376 against     */
-/*   517-529 in mid's step (the serpentine no longer balances the CTAs); tiles alternating from  */
-/*   both ends, 519-522 against 575-579 (big) and 461-499 against 511-532 in mid's step.         */
-/*   Cycles a tile, the build before the 2 KB stores (GG_T_PROF, the instrumented bench build:   */
-/*   clock64 on each consumer warpgroup's first warp, summed into gg_prof and printed by         */
-/*   bench/grouped_gemm.cu; H200, equal experts, 12 steps a tile, ideal 9216 at the tensor       */
-/*   rate): begin + the first step's data 919-1065, the rest of the mainloop 9393-9536 (of it    */
-/*   waiting for stages 1288-1467), drain 539, epilogue 9766-10095 without the norm partials and */
-/*   11112-11312 with them (the partials 1445), so a warpgroup's life is 22.2-22.6K cycles a     */
-/*   tile without and 23.4-23.7K with: two tiles a life, the epilogue longer than the other      */
-/*   warpgroup's mainloop (82-83% of the tensor rate).  In the same build without the stores     */
-/*   (GG_T_NOST, results wrong): epilogue 1114, life 19.8K (93%), 735 TFLOP/s against 625;       */
-/*   without products or stores (GG_T_NOMMA too) 815-828 (the loads alone need ~9.7K cycles a    */
-/*   tile of data waits and bookkeeping).  A sub-timer build (removed: it cost 20%) put the TMA  */
-/*   store's issue at 130-170 cycles a 1 KB store, the largest part of the epilogue (24 a warp a */
-/*   tile), the fences ~57 and the staging writes ~43 a round: hence the 2 KB stores (see        */
-/*   pp_store_tma), kept.  The norm's 192 values a thread took 651 cycles with no products       */
-/*   running and 1445 beside the other warpgroup's (three instructions a pair: the issue, not    */
-/*   the chain, is what costs: four chains of them took the same 1449); one fma a value in four  */
-/*   chains (kept) takes 920-925, and the epilogue 10925 against 11312 (bench dW with the        */
-/*   partials, first pairs of two processes: even 595.5 / 603.2 against 587.2 / 567.7, big 569.1 */
-/*   / 573.8 against 566.9 / 561.3). Summed round by round in the stores instead: epilogue 12093 */
-/*   against 11312 (and with the 2 KB stores 9931 against 9523), so not kept.  A shorter         */
-/*   epilogue needs buffer space the ring holds: 4 stages (PP_NST192=4; bench even 616-623       */
-/*   against 601-612, big 567-577 against 561-580) with each warp's 2 KB grown to 6 KB of 1 KB   */
-/*   slots, two rounds a fence: epilogue 7632-7655 against 9768, but the stages' waits grow from */
-/*   1475 to 3411-3725 and the life stays 22.0-22.5K (bench even 627-636 against 625-631, big    */
-/*   584-593 against 581-595), as with 6 slots of one round a fence or three (8693 / 7409, 22.0K */
-/*   / 22.3K), so not kept either.  Stores that stay in L2 (each CTA rewriting its own 96 KB,    */
-/*   results wrong): even 622-626 against 601-602, big 574-578 against 561-570: dW's DRAM writes */
-/*   cost 1-4%.  ncu (equal experts, clocks not fixed): ours 464.6 us at 1.45 GHz reading 108.6M */
-/*   L2 sectors; cuBLASLt's strided-batched best, nvjet 128 x 160 tiles in clusters of 2 (5      */
-/*   stages, not cooperative), 414.2 us at 1.41 GHz reading 84.8M (its 128 x 128 in clusters of  */
-/*   2: 417.7 us, 90.3M); its cooperative 256 x 128 and 128 x 256: 469-494 us.                   */
-/*   The tile decode (kept): two integer divisions and three shared loads, ~600 cycles a tile on  */
-/*   the epilogue's side of the turns (each warpgroup decodes its own tiles and the other's, for  */
-/*   the ring's step count); now both are decoded under the drain and the divisions are         */
-/*   multiply-highs by the kernel's fixed divisors (FastDiv): life 20530 / 20877 cycles a tile    */
-/*   without / with the partials, against 21124 / 21600 with only the decode moved (the drain    */
-/*   then 1178 cycles, not 539) and 21190 / 21515 before (the previous start); bench, first       */
-/*   values, alternating: even 643.8 / 633.0 and 645.6 / 613.2 against 634.3 / 626.1 and 631.1 /  */
-/*   609.1; mid's GMM_DW_SQ 547.6, 535.4, 546.6 against 537.4, 548.8, 527.1 (one start,           */
-/*   alternating, the same losses).  Where the rest goes (GG_T_PROF, with / without the stores,   */
-/*   GG_T_NOST; life a tile): equal experts 20630 / 19605, big 23312 / 20587, big-down 22771 /   */
-/*   20163: dW's stores still cost 5% on equal experts and 12-13% on the unequal layouts, whose   */
-/*   short tiles wait on their epilogues; the rest is the mainloop's supply (1.3-1.5K cycles a    */
-/*   tile of stage waits; a tile's first stages reuse the slots of the other warpgroup's last     */
-/*   steps, so begin + first data holds the turn's wait: 0.9-1.2K on equal                       */
-/*   experts, 3.9-4.2K on the unequal ones).  Measured and not kept                               */
-/*   (H200, bitwise the same dW, bench 403 passed each): rows 0-63 and 64-127 as two commit      */
-/*   groups, so a0's epilogue starts while a1's products drain (even 638.2 / 606.7 against 642.0 */
-/*   / 633.7); 128 x 192 tiles in clusters of 2 along m, X's 3 blocks multicast (the down        */
-/*   projection: 30% fewer L2 reads) ran as fast as without (even-down 615.7 / 558.0 and 542.9 /  */
-/*   541.7 against 617.5 / 554.4 and 539.2 / 542.3, big-down the same) with the stage waits up    */
-/*   from 1599 to 2192 cycles a tile; L2 prefetches by the producer (cp.async.bulk.prefetch.tensor) */
-/*   cost in every form: each step's blocks 4 or 8 steps ahead 350 against 646 (even), each block */
-/*   8 or 10 steps ahead by one CTA only (X's by the m tile 0, dY's by the column tile 0) 551-564  */
-/*   against 637-638, the next tile's first 1 or 2 steps as a tile begins 636-640 / 587-600       */
-/*   against 649 (its first data wait 1609 cycles against 950).                                  */
+/*   - mode 2's short last step and tail-row zeroing as in gg_tma_kernel;                      */
+/*   - each warp's accumulators leave as TMA tensor stores of 2 KB, its whole buffer (16 rows x */
+/*     32 columns; with the 3-D map, where the driver refuses the 5-D one: 1 KB from each half  */
+/*     in turn; pp_store_tma);                                                                 */
+/*   - the norm partial of warp w of a tile goes to entry 4 ((e ntm + mt) nct + ct) + w (all    */
+/*     within ssq_need; those no tile writes are zeroed by the kernel).                        */
+/* Why 128 x 192: 17% fewer operand bytes per product than 128 x 128 (40 KB a step for 1.5     */
+/* times the work), a gain at the power-capped clocks the training step runs at.  What bounds it */
+/* (H200, cycle counts of an instrumented build, equal experts): a warpgroup's life is ~20.5K   */
+/* cycles a tile against 9216 at the tensor rate; dW's fp32 stores cost 5% there and 12-13% on  */
+/* unequal layouts, the rest is the mainloop's operand supply (~7 TB/s from L2 against cuBLASLt's */
+/* up to 10.8).  Everything measured on it, kept or not: docs/KERNELS.md.                       */
 /* ------------------------------------------------------------------------------------------ */
-constexpr int PP_ST = 6;
-/* BNP: the tiles' columns, 128 or 192 (dY's 128 m as 2 blocks, then X's BNP columns as BNP / 64
-   blocks of 64 x 64); 6 stages of 32 KB or 5 of 40 KB */
+/* a step's stage: dY's 128 m as 2 blocks of 64 x 64, then X's PP_BN columns as PP_BN / 64 blocks; 5 stages of 40 KB */
+constexpr int PP_BN = 192;                     /* the tiles' columns */
 constexpr int PP_BLK = 128 * BK;               /* one 64-column block of a step: BK rows of 128 bytes (8 KB) */
-__host__ __device__ constexpr int pp_stage(int bnp) { return (2 + bnp / 64) * PP_BLK; }
-#ifndef PP_ST2K
-#define PP_ST2K 1
-#endif
-#ifndef PP_SQ_IN_STORES
-#define PP_SQ_IN_STORES 1
-#endif
-#ifndef PP_NST192
-#define PP_NST192 5
-#endif
-__host__ __device__ constexpr int pp_nst(int bnp) { return bnp == 128 ? PP_ST : PP_NST192; }
-__host__ __device__ constexpr size_t pp_smem(int bnp) {
-    return 1024 + (size_t)pp_nst(bnp) * pp_stage(bnp) + 2 * pp_nst(bnp) * 8 + 8 * EPI_BYTES + (size_t)(2 * (MAX_E + 1) + NT) * sizeof(int);
-}
-static_assert(pp_smem(192) <= 232448, "gg_pp_kernel's shared memory");
+constexpr int PP_STAGE = (2 + PP_BN / 64) * PP_BLK;
+constexpr int PP_NST = 5;
+constexpr size_t PP_SMEM = 1024 + (size_t)PP_NST * PP_STAGE + 2 * PP_NST * 8 + 8 * EPI_BYTES + (size_t)(2 * (MAX_E + 1) + NT) * sizeof(int);
+static_assert(PP_SMEM <= 232448, "gg_pp_kernel's shared memory");
 
 struct PpTile {
     int valid, e, m0, c0, r0, r1, nk, sq;
@@ -7116,10 +6273,9 @@ __device__ __forceinline__ void pp_divisors(const Params &p, int &per_e, int &nc
     ncp = p.pair == 1 ? nct / 2 : nct;
     per_e = nmp * ncp;
 }
-/* tile t of the list: experts most rows first (s_aux), then m tiles, then 128-wide column tiles.
-   In clusters (p.pair, MC) t counts pairs of an expert's tiles: along the column tiles, sharing
-   dY's block, when there is an even number of them (p.pair 1), else along the m tiles, sharing
-   X's block (p.pair 2); rank: which tile of the pair; dpe, dnc: per_e and ncp as FastDivs */
+/* tile t of the list: experts most rows first (s_aux), then m tiles, then BNP-wide column tiles; dpe,
+   dnc: per_e and ncp as FastDivs.  (With p.pair, always 0 now, t counted pairs of tiles for CTA
+   clusters, rank the tile of the pair: docs/KERNELS.md.) */
 template <int BNP>
 __device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, const int *s_aux, int t, int rank, const FastDiv &dpe,
                                             const FastDiv &dnc) {
@@ -7139,7 +6295,7 @@ __device__ __forceinline__ PpTile pp_decode(const Params &p, const int *s_offs, 
     ti.r0 = s_offs[e];
     ti.r1 = max(ti.r0, s_offs[e + 1]);
     ti.nk = (ti.r1 - ti.r0 + BK - 1) / BK;
-    ti.sq = BNP == 128 ? ((e * p.ntm + mt) * p.ct + (ct >> 1)) * 8 + 4 * (ct & 1) : ((e * p.ntm + mt) * nct + ct) * 4;
+    ti.sq = ((e * p.ntm + mt) * nct + ct) * 4; /* the norm partials: 4 entries a tile */
     return ti;
 }
 
@@ -7169,48 +6325,10 @@ __device__ __forceinline__ void pp_step(float (&a0)[M], float (&a1)[M], uint64_t
     else pp_batch<1, N>(b0, b1, da0, da1, db, sd0);
 }
 
-/* One warp's 16 rows x 128 columns of an m64n128 accumulator (a[4j + 2h + b] = row g + 8h, column
-   8j + 2c + b) through its 2 KB buffer, as epilogue_staged does for m64n256 (kept apart: a build
-   sharing one epilogue_staged for both accumulator sizes made illegal accesses in the grouped GEMM
-   bench and ./train, cause not found).  4 passes of 32 columns, each written to the buffer with
-   the 16-byte chunks XOR-swizzled by row, then stored as 16-byte lanes (8 lanes a row: 512 bytes,
-   four whole lines, a store).  o: the warp's first row and the tile's first column;
-   returns the sum of the squares of what it stored, in a fixed order. */
-__device__ __forceinline__ float pp_store_staged(const float (&a)[64], float *o, size_t ld, int rows_valid, int cols_valid,
-                                                 int lane, bool has, unsigned char *buf) {
-    const int g = lane >> 2, c = lane & 3;
-    float ss = 0.f;
-#pragma unroll
-    for (int pass = 0; pass < 4; ++pass) {
-        if (32 * pass >= cols_valid) break; /* tile-uniform */
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-            const int j = 4 * pass + jj;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = g + 8 * h;
-                const float v0 = has ? a[4 * j + 2 * h] : 0.f, v1 = has ? a[4 * j + 2 * h + 1] : 0.f;
-                const int byte = (8 * jj + 2 * c) * 4;
-                *reinterpret_cast<float2 *>(buf + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15)) = make_float2(v0, v1);
-                if (r < rows_valid && 32 * pass + 8 * jj + 2 * c < cols_valid) ss += v0 * v0 + v1 * v1;
-            }
-        }
-        __syncwarp();
-#pragma unroll
-        for (int it = 0; it < 4; ++it) {
-            const int r = 4 * it + (lane >> 3), ch = lane & 7;
-            const uint4 v = *reinterpret_cast<const uint4 *>(buf + r * 128 + ((ch ^ (r & 7)) << 4));
-            const int col = 32 * pass + 4 * ch;
-            if (r < rows_valid && col < cols_valid) *reinterpret_cast<uint4 *>(o + (size_t)r * ld + col) = v;
-        }
-        __syncwarp();
-    }
-    return ss;
-}
-
-/* The sum of the squares of what pp_store_staged stores from a, in its order (the TMA stores'
-   norm partials: bitwise the same as the staged stores'); whole rows and columns without the
-   bounds tests (the same sums in the same order) */
+/* The sum of the squares of a warp's 16 rows of a (rows < rows_valid, columns < cols_valid), pass by pass
+   (32 columns), row pair by row pair: the order of the staged stores' sums, so the TMA stores' norm
+   partials are bitwise theirs; whole rows and columns without the bounds tests (the same sums in the
+   same order) */
 template <int N>
 __device__ __forceinline__ float pp_ssq(const float (&a)[N], int rows_valid, int cols_valid, int lane) {
     const int g = lane >> 2, c = lane & 3;
@@ -7251,20 +6369,11 @@ __device__ __forceinline__ float pp_ssq(const float (&a)[N], int rows_valid, int
    pairs of chunks: no conflicts, and no selects (earlier, a per-lane order of the column blocks
    avoided them at the cost of a select per value, and dropping it with the other per-value selects
    took equal experts from 556-573 to 579-581 TFLOP/s).
-   PP_ST2K (the default, with perm): the map's box is both groups (dims' box {32, 2, 4, 2, 1}), and a
-   pass writes its 16 rows x 32 columns into the whole 2 KB buffer once the previous store has read
-   it (wait_group.read 0) and leaves as one 2 KB store: half the stores and fences of the 1 KB halves
-   in turn, without their overlap, and shorter (H200, GG_T_PROF cycles a tile on equal experts: the
-   epilogue 8644 against 10075, a warpgroup's life 21190 against 22571; bench dW, even and big,
-   alternating: 638-641 against 616-622 and 594-595 against 577-586; with the norm partials 614-620
-   against 595-603 and 553-580 against 557-563; in mid's step GMM_DW_SQ 525.6 / 519.4 against
-   516.6 / 495.6 TFLOP/s, two profiles each, alternating, the same losses).  sq (a whole tile's
-   accumulator with the norm partials, PP_SQ_IN_STORES): its squares, one fma a value in four chains,
-   are summed into ss pass by pass while the pass's store reads the buffer: with the partials the
-   epilogue 9285 cycles against 9523 and the life 21515 against 21930 (without them 8844 / 21347
-   against 8644 / 21190); bench with the partials, first pairs of two processes, even 620.0 / 622.3
-   against 615.4 / 616.3, big 577.5 / 571.2 against 568.7 / 579.9; mid's GMM_DW_SQ 525.4 / 499.8
-   against 459.7 / 497.1 (a slower start; the same losses and norms).
+   With perm the map's box is both groups (dims' box {32, 2, 4, 2, 1}), and a pass writes its 16 rows x
+   32 columns into the whole 2 KB buffer once the previous store has read it (wait_group.read 0) and
+   leaves as one 2 KB store: half the stores and fences of the 1 KB halves, and a shorter epilogue.  sq
+   (a whole tile's accumulator with the norm partials): its squares, one fma a value in four chains, are
+   summed into ss pass by pass while the pass's store reads the buffer.  Figures: docs/KERNELS.md.
    c0: the tile's first column, m0: the warp's first row. */
 /* a lane's 8 values of rows g + 8 h, columns 32 pass + [0, 32) into a 1 KB half at hb (buffer row sr, the
    16-byte chunks XOR-swizzled by row) */
@@ -7283,7 +6392,6 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
     const int g = lane >> 2, c = lane & 3;
     const int sr = perm ? 2 * (g & 3) + (g >> 2) : g; /* the buffer row of this lane's row g */
     const uint32_t sbuf = smem_u32(buf);
-#if PP_ST2K
     if (perm) { /* 2 KB boxes: both row groups of a pass in one store (rows past M are clipped) */
         float q[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -7312,7 +6420,6 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
         if (sq) ss += (q[0] + q[1]) + (q[2] + q[3]);
         return;
     }
-#endif
 #pragma unroll
     for (int pass = 0; pass < N / 16; ++pass) {
         if (32 * pass >= cols_valid) break; /* tile-uniform */
@@ -7334,19 +6441,8 @@ __device__ __forceinline__ void pp_store_tma(const float (&a)[N], const CUtensor
     }
 }
 
-#ifdef GG_T_PROF /* instrumented build (bench only): cycles per phase of gg_pp_kernel, summed over warpgroups */
-__device__ unsigned long long gg_prof[8];
-#define PROF_T(x) const long long x = (ctid & 127) == 0 ? clock64() : 0
-#define PROF_ADD(i, v) do { if ((ctid & 127) == 0) pr[i] += (v); } while (0)
-#else
-#define PROF_T(x)
-#define PROF_ADD(i, v)
-#endif
-template <bool TS, bool MC, int BNP>
 __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant__ TmaParams tp) {
-    static_assert(BNP == 128 || (BNP == 192 && TS && !MC), "gg_pp_kernel: 192 columns with TMA stores, no clusters");
-    constexpr int NST = pp_nst(BNP), STB = pp_stage(BNP), NBB = BNP / 64;
-    CLK_BEGIN
+    constexpr int BNP = PP_BN, NST = PP_NST, STB = PP_STAGE, NBB = BNP / 64;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const Params &p = tp.p;
     const int tid = threadIdx.x;
@@ -7359,23 +6455,15 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
     int *s_offs = reinterpret_cast<int *>(stages + (size_t)NST * STB + 8 * EPI_BYTES + 2 * NST * 8);
     int *s_aux = s_offs + (MAX_E + 1);
     int *s_scan = s_aux + (MAX_E + 1);
-    if (tid == NT) init_ring(full0, empty0, NST, MC ? 8 : 4); /* MC: both CTAs' consumer warps release a stage */
+    if (tid == NT) init_ring(full0, empty0, NST, 4); /* a stage is read by one warpgroup's 4 warps */
     /* the norm partials no tile writes read as zero (in place of a memset launch before the kernel;
        mid's GMM_DW_SQ within the step's noise: 529.1 / 516.9 / 541.6 against 534.4 / 544.5 / 534.9) */
     for (int i = p.ssq_z0 + (int)blockIdx.x * NT_TMA + tid; i < p.ssq_z1; i += (int)gridDim.x * NT_TMA) p.ssq[i] = 0.f;
     build_work_list<2>(p, s_offs, s_aux, s_scan, tid); /* ends with a CTA barrier */
-    /* MC: the CTAs of a cluster of 2 take the two tiles of a pair, in the same order; each loads its
-       own operand block and half of the shared one, the latter written to both CTAs */
-    const int rank = MC ? (int)cluster_ctarank() : 0;
-    const int cid = MC ? (int)(blockIdx.x >> 1) : 0, G2 = MC ? (int)(gridDim.x >> 1) : 0;
     int per_e, ncp;
     pp_divisors<BNP>(p, per_e, ncp);
     const FastDiv dpe((uint32_t)max(per_e, 1)), dnc((uint32_t)max(ncp, 1));
-    auto tile = [&](int q) -> PpTile {
-        if (!MC) return pp_decode<BNP>(p, s_offs, s_aux, next_ticket(p, q), 0, dpe, dnc);
-        return pp_decode<BNP>(p, s_offs, s_aux, q * G2 + ((q & 1) ? G2 - 1 - cid : cid), rank, dpe, dnc);
-    };
-    if (MC) cluster_sync_all(); /* the peer's barriers are initialized */
+    auto tile = [&](int q) -> PpTile { return pp_decode<BNP>(p, s_offs, s_aux, next_ticket(p, q), 0, dpe, dnc); };
 
     if (tid < 128) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -7385,7 +6473,7 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             for (int q = 0;; ++q) {
                 const PpTile ti = tile(q);
                 if (!ti.valid) break;
-                const int na = MC ? 2 : min(2, (p.M - ti.m0 + 63) / 64), nb = MC ? 2 : min(NBB, (p.K - ti.c0 + 63) / 64);
+                const int na = min(2, (p.M - ti.m0 + 63) / 64), nb = min(NBB, (p.K - ti.c0 + 63) / 64);
 #pragma unroll 1
                 for (int kt = 0; kt < ti.nk; ++kt, ++step) {
                     const int s = step % NST;
@@ -7393,18 +6481,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                     const int r = ti.r0 + kt * BK;
                     mbar_wait(empty0 + 8u * s, ((step / NST) & 1) ^ 1);
                     mbar_expect_tx(bar, (uint32_t)((na + nb) * PP_BLK));
-                    if (MC) { /* all four blocks (past the tensor: zeros), the shared one's half rank from here to both */
-                        const bool sha = p.pair == 1;
-                        for (int j = 0; j < 2; ++j) {
-                            if (sha && j == rank) tma_load_2d_mc(sA + (uint32_t)(j * PP_BLK), &tp.ta, bar, ti.m0 + 64 * j, r, 3);
-                            else if (!sha) tma_load_2d(sA + (uint32_t)(j * PP_BLK), &tp.ta, bar, ti.m0 + 64 * j, r);
-                            if (!sha && j == rank) tma_load_2d_mc(sA + (uint32_t)(2 * PP_BLK) + (uint32_t)(j * PP_BLK), &tp.tb, bar, ti.c0 + 64 * j, r, 3);
-                            else if (sha) tma_load_2d(sA + (uint32_t)(2 * PP_BLK) + (uint32_t)(j * PP_BLK), &tp.tb, bar, ti.c0 + 64 * j, r);
-                        }
-                    } else {
-                        for (int j = 0; j < na; ++j) tma_load_2d(sA + (uint32_t)(j * PP_BLK), &tp.ta, bar, ti.m0 + 64 * j, r);
-                        for (int j = 0; j < nb; ++j) tma_load_2d(sA + (uint32_t)(2 * PP_BLK) + (uint32_t)(j * PP_BLK), &tp.tb, bar, ti.c0 + 64 * j, r);
-                    }
+                    for (int j = 0; j < na; ++j) tma_load_2d(sA + (uint32_t)(j * PP_BLK), &tp.ta, bar, ti.m0 + 64 * j, r);
+                    for (int j = 0; j < nb; ++j) tma_load_2d(sA + (uint32_t)(2 * PP_BLK) + (uint32_t)(j * PP_BLK), &tp.tb, bar, ti.c0 + 64 * j, r);
                 }
             }
         }
@@ -7417,10 +6495,6 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
 #pragma unroll
         for (int i = 0; i < BNP / 2; ++i) { a0[i] = 0.f; a1[i] = 0.f; }
         if (wg == 1) named_bar_arrive(1, 256); /* warpgroup 1 (the first) may begin */
-#ifdef GG_T_PROF
-        long long pr[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#endif
-        PROF_T(tk0);
         /* warpgroup wg takes the CTA's tiles q = wg, wg + 2, ...; the other's tile q + 1 (its steps in
            the ring) and this one's next, q + 2, are decoded under the drain of tile q */
         int step = 0, q = wg, ov = 1; /* ov: the tile before q (the other warpgroup's) exists */
@@ -7429,24 +6503,13 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
 #pragma unroll 1
         for (;; q += 2) {
             if (!ti.valid) break;
-            PROF_T(tb0);
             named_bar_sync(1 + wg, 256); /* begin: the other warpgroup has issued its products */
-            PROF_ADD(5, 1);
-#ifdef GG_T_PROF
-            long long tfirst = tb0; /* the first step's data in: the clock read stays below its wait loop */
-#endif
             const int cw = min(BNP, p.K - ti.c0); /* the tile's valid columns (mainloop and epilogue) */
 #pragma unroll 1
             for (int kt = 0; kt < ti.nk; ++kt, ++step) {
                 const int s = step % NST;
                 const uint32_t sA = sbase + (uint32_t)(s * STB);
-                PROF_T(tf0);
                 mbar_wait(full0 + 8u * s, (step / NST) & 1);
-                PROF_T(tf1);
-#ifdef GG_T_PROF
-                if (kt == 0) tfirst = tf1;
-                else PROF_ADD(1, tf1 - tf0);
-#endif
                 int nkk = BK / 16;
                 if (kt == ti.nk - 1) {
                     const int nv = ti.r1 - (ti.r0 + kt * BK);
@@ -7468,67 +6531,41 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
                 fence_acc_all(a0);
                 fence_acc_all(a1);
                 /* 192 columns: a last tile with <= 64 or <= 128 columns in K multiplies only those */
-#ifndef GG_T_NOMMA /* timing-only: no products */
-                if (BNP == 192 && cw <= 64) pp_step<32>(a0, a1, da0, da1, db, sd0, nkk);
-                else if (BNP == 128 || cw <= 128) pp_step<64>(a0, a1, da0, da1, db, sd0, nkk);
+                if (cw <= 64) pp_step<32>(a0, a1, da0, da1, db, sd0, nkk);
+                else if (cw <= 128) pp_step<64>(a0, a1, da0, da1, db, sd0, nkk);
                 else pp_step<BNP / 2>(a0, a1, da0, da1, db, sd0, nkk);
-#endif
                 fence_acc_all(a0);
                 fence_acc_all(a1);
                 wgmma_wait<1>();
                 fence_acc_all(a0);
                 fence_acc_all(a1);
-                if (kt > 0 && lane == 0) {
-                    mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
-                    if (MC) mbar_arrive_cta(empty0 + 8u * ((step + NST - 1) % NST), (uint32_t)(rank ^ 1));
-                }
+                if (kt > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
             }
-            PROF_T(te0);
-            PROF_ADD(0, tfirst - tb0);
-            PROF_ADD(2, te0 - tfirst);
             named_bar_arrive(2 - wg, 256); /* end: the other warpgroup may issue */
             const PpTile to = tile(q + 1), tn = tile(q + 2);
             ov = to.valid;
             wgmma_wait<0>();
             fence_acc_all(a0);
             fence_acc_all(a1);
-            PROF_T(te1);
-            PROF_ADD(3, te1 - te0);
-            if (ti.nk > 0 && lane == 0) {
-                mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
-                if (MC) mbar_arrive_cta(empty0 + 8u * ((step + NST - 1) % NST), (uint32_t)(rank ^ 1));
-            }
+            if (ti.nk > 0 && lane == 0) mbar_arrive(empty0 + 8u * ((step + NST - 1) % NST));
             /* warp v: tile rows 16 v + [0, 16) from a0 and 64 + 16 v + [0, 16) from a1 (an expert
                without rows: zeros) */
             const int rv = p.M - ti.m0 - 16 * v;
             float ss = 0.f;
-            if (TS) {
-                if (ti.nk == 0) /* tile-uniform: an expert without rows */
+            if (ti.nk == 0) /* tile-uniform: an expert without rows */
 #pragma unroll
-                    for (int i = 0; i < BNP / 2; ++i) a0[i] = a1[i] = 0.f;
-                /* the norm partial: a whole accumulator's squares summed in the 2 KB stores, else here */
-                const bool f = p.ssq && PP_ST2K && PP_SQ_IN_STORES && tp.perm && cw >= BNP, f0 = f && rv >= 16, f1 = f && rv - 64 >= 16;
-                PROF_T(ts0);
-                if (p.ssq && !f0) ss += pp_ssq(a0, rv, cw, lane);
-                if (p.ssq && !f1) ss += pp_ssq(a1, rv - 64, cw, lane);
-                PROF_T(ts1);
-                PROF_ADD(7, ts1 - ts0);
-#ifndef GG_T_NOST /* timing-only: nothing stored */
-                pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cw, lane, buf, tp.perm != 0, f0, ss);
-                pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cw, lane, buf, tp.perm != 0, f1, ss);
-#endif
-            } else if constexpr (BNP == 128) {
-                float *o = reinterpret_cast<float *>(p.out) + ((size_t)ti.e * p.M + ti.m0 + 16 * v) * p.K + ti.c0;
-                ss = pp_store_staged(a0, o, (size_t)p.K, rv, cw, lane, ti.nk > 0, buf);
-                ss += pp_store_staged(a1, o + (size_t)64 * p.K, (size_t)p.K, rv - 64, cw, lane, ti.nk > 0, buf);
-            }
+                for (int i = 0; i < BNP / 2; ++i) a0[i] = a1[i] = 0.f;
+            /* the norm partial: a whole accumulator's squares summed in the 2 KB stores, else here */
+            const bool f = p.ssq && tp.perm && cw >= BNP, f0 = f && rv >= 16, f1 = f && rv - 64 >= 16;
+            if (p.ssq && !f0) ss += pp_ssq(a0, rv, cw, lane);
+            if (p.ssq && !f1) ss += pp_ssq(a1, rv - 64, cw, lane);
+            pp_store_tma(a0, &tp.tc, ti.c0, ti.m0 + 16 * v, ti.e, rv, cw, lane, buf, tp.perm != 0, f0, ss);
+            pp_store_tma(a1, &tp.tc, ti.c0, ti.m0 + 64 + 16 * v, ti.e, rv - 64, cw, lane, buf, tp.perm != 0, f1, ss);
             if (p.ssq) {
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
                 if (lane == 0) p.ssq[ti.sq + v] = ss;
             }
-            PROF_T(te2);
-            PROF_ADD(4, te2 - te1);
             step += to.nk;
             ti = tn;
         }
@@ -7539,16 +6576,8 @@ __global__ void __launch_bounds__(NT_TMA, 1) gg_pp_kernel(const __grid_constant_
             named_bar_arrive(1, 256);
         }
         if (wg == 0) named_bar_sync(1, 256);
-        if (TS && lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
-#ifdef GG_T_PROF
-        PROF_T(tk1);
-        PROF_ADD(6, tk1 - tk0);
-        if ((ctid & 127) == 0)
-            for (int i = 0; i < 8; ++i) atomicAdd(&gg_prof[i], (unsigned long long)pr[i]);
-#endif
+        if (lane == 0) bulk_wait0(); /* the warp's stores done before the CTA ends */
     }
-    if (MC) cluster_sync_all(); /* no CTA leaves while its peer may still arrive on its barriers */
-    CLK_END
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -7583,9 +6612,9 @@ static int split_count(int mode, int E, int M, int K, int Rmax, int nsm) {
     return (int)(s < 1 ? 1 : s);
 }
 
-template <int MODE, bool WG>
+template <int MODE>
 static int launch_main(const Params &p, int grid, cudaStream_t stream) {
-    void (*kern)(const Params) = gg_kernel<MODE, WG>;
+    void (*kern)(const Params) = gg_kernel<MODE>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES) != cudaSuccess) return -1;
     kern<<<grid, NT, SMEM_BYTES, stream>>>(p);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
@@ -7607,8 +6636,8 @@ static int tma_w_map(EncodeTiledFn enc, CUtensorMap *m, const void *base, int E,
     return tma_map(enc, m, base, 3, dims, strides, box);
 }
 
-constexpr int TSG_BOX = GG_TS_HALF ? 8 : 16; /* the rows of GLU's TMA store boxes (epilogue_glu's TS) */
-template <int MODE, int DWV = 0, bool GLU = false>
+constexpr int TSG_BOX = 8; /* the rows of GLU's TMA store boxes (epilogue_glu's TS: a box per 1 KB half of a warp's buffer) */
+template <int MODE, bool GLU = false>
 static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream) {
     TmaParams tp;
     memset(&tp, 0, sizeof tp);
@@ -7627,66 +6656,39 @@ static int launch_tma(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t
         rc = tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK);
     }
     if (rc) return -1;
-    if (MODE != 2 && !GLU && GG_TS01 && p.Rmax > 0) /* the output's map (without it: staged stores) */
+    if (MODE != 2 && !GLU && p.Rmax > 0) /* the output's map (without it: staged stores) */
         tp.tso = tma_row_map(enc, &tp.to, p.out, p.ncols, p.Rmax, 16) == 0;
-    if (GLU && GG_TSG && p.Rmax > 0)
+    if (GLU && p.Rmax > 0)
         tp.tso = (tma_row_map(enc, &tp.to, p.out, p.M, p.Rmax, TSG_BOX) | tma_row_map(enc, &tp.to2, p.out2, p.M, p.Rmax, TSG_BOX) |
                    (p.out3 ? tma_row_map(enc, &tp.to3, p.out3, p.M, p.Rmax, TSG_BOX) : 0)) == 0;
-    void (*kern)(const TmaParams) = gg_tma_kernel<MODE, DWV, GLU>;
+    void (*kern)(const TmaParams) = gg_tma_kernel<MODE, GLU>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_TMA) != cudaSuccess) return -1;
     kern<<<grid, NT_TMA, SMEM_TMA, stream>>>(tp);
-#ifdef GG_T_CLOCK
-    k_clk_print<<<1, 1, 0, stream>>>(GLU ? 3 : (MODE == 1 && p.a2) ? 4 : MODE == 2 ? 5 : MODE, p.E, p.M, p.K, p.offs, (GLU || (MODE == 1 && p.a2)) ? 2.0 : 1.0, grid);
-#endif
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
-#ifndef GG_PP_PERM
-#define GG_PP_PERM 1              /* gg_pp_kernel's stores through the 5-D view without bank conflicts (0: rows in order) */
-#endif
-/* ts: the epilogue as TMA tensor stores (pp_store_tma) when dW's map can be made, else staged stores */
-/* mc: in clusters of 2 (p.pair set, grid even; needs the TMA stores) */
-/* bnp: the tiles' columns, 128 or 192 (192: TMA stores, no clusters) */
-static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream, bool ts, bool mc, int bnp) {
+/* dW's map for the TMA stores: the 5-D view (pp_store_tma's perm) where the driver takes it, else the
+   3-D one; -1 when neither can be made */
+static int launch_pp(EncodeTiledFn enc, const Params &p, int grid, cudaStream_t stream) {
     TmaParams tp;
     memset(&tp, 0, sizeof tp);
     tp.p = p;
     if (tma_row_map(enc, &tp.ta, p.a, p.M, p.Rmax, BK) | tma_row_map(enc, &tp.tb, p.b, p.K, p.Rmax, BK)) return -1;
-    if (ts && GG_PP_PERM) { /* the 5-D view (pp_store_tma): dims K, 2 rows 4 apart, 4 rows 1 apart, M / 8, E */
+    { /* the 5-D view (pp_store_tma): dims K, 2 rows 4 apart, 4 rows 1 apart, M / 8, E */
         const cuuint64_t r = (cuuint64_t)p.K * 4;
         const cuuint64_t dims[5] = {(cuuint64_t)p.K, 2, 4, (cuuint64_t)(p.M / 8), (cuuint64_t)p.E};
         const cuuint64_t strides[4] = {4 * r, r, 8 * r, (cuuint64_t)p.M * r};
-        const cuuint32_t box[5] = {32, 2, 4, PP_ST2K ? 2u : 1u, 1};
+        const cuuint32_t box[5] = {32, 2, 4, 2, 1};
         tp.perm = tma_map(enc, &tp.tc, p.out, 5, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) == 0;
     }
-    if (ts && !tp.perm) {
+    if (!tp.perm) {
         const cuuint64_t dims[3] = {(cuuint64_t)p.K, (cuuint64_t)p.M, (cuuint64_t)p.E};
         const cuuint64_t strides[2] = {(cuuint64_t)p.K * 4, (cuuint64_t)p.M * p.K * 4};
         const cuuint32_t box[3] = {32, 8, 1};
-        ts = tma_map(enc, &tp.tc, p.out, 3, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) == 0;
+        if (tma_map(enc, &tp.tc, p.out, 3, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) != 0) return -1;
     }
-    if ((mc || bnp == 192) && !ts) return -1;
-    if (bnp != 128 && (bnp != 192 || mc)) return -1;
-    void (*kern)(const TmaParams) = bnp == 192 ? gg_pp_kernel<true, false, 192> : mc ? gg_pp_kernel<true, true, 128>
-                                  : ts ? gg_pp_kernel<true, false, 128> : gg_pp_kernel<false, false, 128>;
-    const size_t smem = pp_smem(bnp);
-    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)grid);
-    cfg.blockDim = dim3((unsigned)NT_TMA);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = mc ? attr : nullptr;
-    cfg.numAttrs = mc ? 1 : 0;
-    if (cudaLaunchKernelEx(&cfg, kern, tp) != cudaSuccess) return -1;
-#ifdef GG_T_CLOCK
-    k_clk_print<<<1, 1, 0, stream>>>(2, p.E, p.M, p.K, p.offs, 1.0, grid);
-#endif
+    if (cudaFuncSetAttribute(gg_pp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PP_SMEM) != cudaSuccess) return -1;
+    gg_pp_kernel<<<grid, NT_TMA, PP_SMEM, stream>>>(tp);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
@@ -7697,51 +6699,15 @@ static long long ssq_need(int E, int M, int K) {
     return t8 > SSQ_BLOCKS ? t8 : SSQ_BLOCKS;
 }
 
-/* variant: 2 = TMA + wgmma (warp-specialized; mode 2 without row splits: gg_pp_kernel), 1 = cp.async
-   + wgmma, 0 = cp.async + mma.sync; mode 2 also 3 + DWV (0, 1, see gg_tma_kernel): the TMA kernel's
-   dW variants; 5: the TMA kernel without wide tiles; 6: mode 2 in turns (gg_pp_kernel; benches);
-   7, 8, 9: in turns with staged st.global, with TMA stores, with TMA stores in clusters of 2; 10: in
-   turns with 128 x 192 tiles (benches) */
-#ifndef GG_DW_DV
-#define GG_DW_DV 1
-#endif
-#ifndef GG_WIDE
-#define GG_WIDE 1                 /* the TMA kernel's wide tiles (-DGG_WIDE=0: 128 x 128, to compare in place) */
-#endif
-#ifndef GG_PP
-#define GG_PP 1                   /* mode 2 in turns (gg_pp_kernel) where no row split is needed (-DGG_PP=0: the 128 x 256 kernel) */
-#endif
-#ifndef GG_PP_TS
-#define GG_PP_TS 1                /* gg_pp_kernel's epilogue as TMA stores (0: staged st.global) */
-#endif
-#ifndef GG_PP_BN
-#define GG_PP_BN 192              /* gg_pp_kernel's tile columns: 128, 192, or 0: 192 where the last tile keeps >= 128 */
-/* (GG_PP_BN=0 gives mid's down projection, K = 1408, eleven 128-column tiles in place of seven of 192
-   and one of 64: in mid's step, GG_T_CLOCK build, H200, alternating, 524.4-529.3 TFLOP/s at 67.7-67.8%
-   of the tensor rate a clock against 545.2-553.4 at 70.6-70.8%) */
-#endif
-#ifndef GG_PP_MC
-#define GG_PP_MC 0                /* 1: gg_pp_kernel in clusters of 2 sharing a block by multicast, where tiles pair (needs GG_PP_TS) */
-#endif
-constexpr int DW_DV = GG_DW_DV;   /* the TMA kernel's dW variant (-DGG_DW_DV=... to compare in place) */
-static_assert(DW_DV >= 0 && DW_DV <= 1, "dW variant");
+/* variant: 2 = TMA + wgmma (warp-specialized; mode 2 without row splits: gg_pp_kernel), the runtime's;
+   1 = cp.async + wgmma (gg_kernel), what variant 2 falls back to on a driver without tensor maps (the
+   benches also ask for it, to check it) */
 static int gg_run(int variant, int mode, void *out, const void *a, const void *b, const int *d_offs, int E, int M, int K,
                   int Rmax, void *ws, cudaStream_t stream, const void *a2 = nullptr, const void *b2 = nullptr,
                   float *ssq = nullptr, long long ssq_len = 0, int nsm = 0) {
     if (!args_ok(mode, E, M, K, Rmax)) return -1;
-    if (variant < 0 || variant > 10) return -1;
-    if ((variant == 3 || variant == 4 || variant >= 6) && mode != 2) return -1;
-    int dv = DW_DV;
-    bool wide = GG_WIDE != 0;
-    bool pp = mode == 2 && (variant >= 6 || (variant == 2 && GG_PP));
-    bool ts = GG_PP_TS != 0, mc = GG_PP_MC != 0;
-    int bnp = GG_PP_BN != 0 ? GG_PP_BN : (K % 192 == 0 || K % 192 >= 128) ? 192 : 128;
-    if (variant >= 7) { ts = variant != 7; mc = variant == 9; bnp = variant == 10 ? 192 : 128; }
-    mc = mc && ts && bnp == 128;
-    if (!ts) bnp = 128;
-    if (variant >= 6) variant = 2;
-    else if (variant == 5) { wide = false; variant = 2; }
-    else if (variant >= 3) { dv = variant - 3; variant = 2; }
+    if (variant < 1 || variant > 2) return -1;
+    bool pp = mode == 2 && variant == 2;
     if (ssq && (mode != 2 || ssq_len < ssq_need(E, M, K))) return -1;
     if (!out || !a || !b || !d_offs || (!a2 != !b2) || (a2 && mode != 1)) return -1;
     if ((((uintptr_t)out) | ((uintptr_t)a) | ((uintptr_t)b) | ((uintptr_t)ws) | ((uintptr_t)a2) | ((uintptr_t)b2)) & 15u) return -1;
@@ -7768,7 +6734,7 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     p.ncols = (mode == 0) ? M : K;
     p.ct = (p.ncols + BN - 1) / BN;
     /* the TMA kernel pairs the rows of a last column tile of <= 128 columns into 256 x 128 tiles */
-    p.half = (variant == 2 && wide && p.ncols % BN != 0 && p.ncols % BN <= BN / 2) ? 1 : 0;
+    p.half = (variant == 2 && p.ncols % BN != 0 && p.ncols % BN <= BN / 2) ? 1 : 0;
     p.ctf = p.ct - p.half;
     p.nk01 = (mode == 0) ? (K + BK - 1) / BK : (M + BK - 1) / BK;
     p.nkh = p.nk01;
@@ -7778,13 +6744,9 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
     long long tiles;
     p.pair = 0;
     if (pp) {
-        const int nct = (K + bnp - 1) / bnp;
-        tiles = (long long)E * p.ntm * nct;
+        tiles = (long long)E * p.ntm * ((K + PP_BN - 1) / PP_BN);
         if (tiles > INT_MAX / 8) return -1;
         p.T2 = (int)tiles;
-        if (mc) p.pair = nct % 2 == 0 ? 1 : p.ntm % 2 == 0 ? 2 : 0; /* tiles pair along columns, else along m, else no clusters */
-        if (nsm < 2) p.pair = 0;
-        if (p.pair) p.T2 = (int)(tiles / 2);
     } else if (mode == 2) {
         tiles = (long long)E * S * ((long long)p.ntm * p.ctf + p.half * ((p.ntm + 1) / 2));
         if (tiles > INT_MAX / 2) return -1;
@@ -7795,28 +6757,24 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
         p.T2 = 0;
         if (Rmax == 0) return 0; /* nothing to write */
     }
-    const int grid = p.pair ? 2 * (int)(tiles / 2 < nsm / 2 ? tiles / 2 : nsm / 2) : (int)(tiles < nsm ? tiles : nsm);
-    /* entries no tile or block writes read as zero (in turns: 4 a tile of 128 columns); gg_pp_kernel
-       at 192 columns without clusters writes entries [0, 4 tiles) and zeroes the rest itself */
+    const int grid = (int)(tiles < nsm ? tiles : nsm);
+    /* entries no tile or block writes read as zero; gg_pp_kernel writes entries [0, 4 tiles) and zeroes
+       the rest itself */
     p.ssq_z0 = p.ssq_z1 = 0;
-    if (ssq && pp && bnp == 192 && !p.pair && ssq_len <= INT_MAX) {
+    if (ssq && pp && ssq_len <= INT_MAX) {
         p.ssq_z0 = (int)(4 * tiles);
         p.ssq_z1 = (int)ssq_len;
     } else if (ssq && (S > 1 || tiles * (pp ? 4 : 8) < ssq_len))
         if (cudaMemsetAsync(ssq, 0, (size_t)ssq_len * sizeof(float), stream) != cudaSuccess) return -1;
     int rc;
     if (pp) {
-        rc = launch_pp(enc, p, grid, stream, ts, p.pair != 0, bnp);
+        rc = launch_pp(enc, p, grid, stream);
     } else if (variant == 2) {
         rc = mode == 0 ? launch_tma<0>(enc, p, grid, stream)
-           : mode == 1 ? launch_tma<1>(enc, p, grid, stream)
-           : dv == 0 ? launch_tma<2, 0>(enc, p, grid, stream) : launch_tma<2, 1>(enc, p, grid, stream);
-    } else if (variant) {
-        rc = mode == 0 ? launch_main<0, true>(p, grid, stream)
-           : mode == 1 ? launch_main<1, true>(p, grid, stream) : launch_main<2, true>(p, grid, stream);
+           : mode == 1 ? launch_tma<1>(enc, p, grid, stream) : launch_tma<2>(enc, p, grid, stream);
     } else {
-        rc = mode == 0 ? launch_main<0, false>(p, grid, stream)
-           : mode == 1 ? launch_main<1, false>(p, grid, stream) : launch_main<2, false>(p, grid, stream);
+        rc = mode == 0 ? launch_main<0>(p, grid, stream)
+           : mode == 1 ? launch_main<1>(p, grid, stream) : launch_main<2>(p, grid, stream);
     }
     if (rc != 0) return -1;
     if (S > 1) {
@@ -7838,26 +6796,17 @@ static int gg_run(int variant, int mode, void *out, const void *a, const void *b
  * two launches take 5 full and a half-wide one each) and the SwiGLU in the epilogue from the
  * bf16-rounded g and u, as k_swiglu computes it.  Each element of g and u sees the same k16 slices
  * in the same order as in its own launch: the same bits as two launches and k_swiglu, which is what
- * the other variants run (and the tests compare against).
- * H200, mid's shapes (bench/grouped_gemm.cu GG_GLU=1, layout big, three rounds): 600, 610, 510 TFLOP/s
- * against 565, 570, 494 for two launches and k_swiglu; without h 652, 584, 570 against 626, 539, 540.
- * With sigm's IEEE division (64 of them unrolled in the epilogue) the fused launch ran at 510 against
- * 555: see sigm.
- * Measured and not kept: the backward's counterpart, the down projection's dX (mode 1) with the
- * SwiGLU's backward in the epilogue (each stored 16-byte chunk of dh, with g's and u's chunks at the
- * same place, leaving as dg and du; g's and u's tile rows put into L2 by the producer at the tile's
- * first step; bitwise dX and k_swiglu_bwd, 413 bench checks and memcheck clean).  H200, bench layout
- * big-down (mid's GMM_DX), three rounds: 0.627, 0.627, 0.691 ms against 0.616, 0.618, 0.642 for dX
- * and k_swiglu_bwd apart (dX alone 0.449-0.504): the epilogue, which no multiply overlaps, took longer
- * for its 128 KB of loads and 128 KB of stores a tile than k_swiglu_bwd over the whole GPU. */
+ * the cp.async variant runs (and the tests compare against).
+ * On H200, mid's shapes, 600-610 TFLOP/s against 565-570 for two launches and k_swiglu (figures, and the
+ * backward's counterpart that was measured and not kept: docs/KERNELS.md). */
 static int gg_run_glu(int variant, void *g, void *u, void *h, const void *x, const void *wg, const void *wu, const int *d_offs,
                       int E, int M, int K, int Rmax, cudaStream_t stream, int nsm = 0) {
-    if (!args_ok(0, E, M, K, Rmax) || !g || !u || !x || !wg || !wu || !d_offs) return -1;
+    if (!args_ok(0, E, M, K, Rmax) || !g || !u || !x || !wg || !wu || !d_offs || variant < 1 || variant > 2) return -1;
     if ((((uintptr_t)g) | ((uintptr_t)u) | ((uintptr_t)h) | ((uintptr_t)x) | ((uintptr_t)wg) | ((uintptr_t)wu)) & 15u) return -1;
     if (nsm <= 0 && num_sms(&nsm) != 0) return -1;
     EncodeTiledFn enc = variant == 2 ? tma_encoder() : nullptr;
-    if (variant != 2 || !enc) {
-        const int v = variant == 2 ? 1 : variant;
+    if (variant != 2 || !enc) { /* two launches of the cp.async kernel and k_swiglu */
+        const int v = 1;
         if (gg_run(v, 0, g, x, wg, d_offs, E, M, K, Rmax, nullptr, stream, nullptr, nullptr, nullptr, 0, nsm) ||
             gg_run(v, 0, u, x, wu, d_offs, E, M, K, Rmax, nullptr, stream, nullptr, nullptr, nullptr, 0, nsm))
             return -1;
@@ -7890,7 +6839,7 @@ static int gg_run_glu(int variant, void *g, void *u, void *h, const void *x, con
     if (tiles > INT_MAX / 2) return -1;
     if (Rmax == 0) return 0;
     const int grid = (int)(tiles < nsm ? tiles : nsm);
-    return launch_tma<0, 0, true>(enc, p, grid, stream);
+    return launch_tma<0, true>(enc, p, grid, stream);
 }
 
 static size_t gg_workspace(int mode, int E, int M, int K, int Rmax, int nsm) {

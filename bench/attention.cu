@@ -9,6 +9,7 @@
  */
 #define MOETRAIN_IMPLEMENTATION   /* mt_errf and friends, for the kernels file */
 #include "../moetrain_kernels.cu"
+#include "kernel_variants.cuh"   /* fa_bwd_dkdv_wg_kernel: the dK/dV kernel the split one replaced */
 #undef CK
 
 /* ========================================================================================== */
@@ -578,7 +579,7 @@ static void bench_breakdown(const Shape &s) {
     {   /* the wgmma backward kernels (the default) one by one, against the mma.sync ones */
         BwdParams pr = p; /* dQ recomputing S and dP */
         pr.ds = nullptr;
-        const float t_kv_ds = time_launcher(MT_FA_SPLIT ? launch_dkdv_split_kernel<192, 128> : launch_dkdv_wg_kernel<192, 128>, p, BH);
+        const float t_kv_ds = time_launcher(launch_dkdv_split_kernel<192, 128>, p, BH);
         const float t_q_ds = time_launcher(launch_dq_ds_kernel<192>, p, BH);
         const float t_pair_ds = time_launcher(launch_bwd<192, 128, true>, p, BH);
         const float t_pair_rec = time_launcher(launch_bwd<192, 128, true>, pr, BH);
@@ -742,44 +743,25 @@ static void bench_breakdown(const Shape &s) {
            "TFLOP/s), O bitwise %s\n",
            t_f, fl * (192 + 128) / (t_f * 1e-3) / 1e12, t_f_alt, fl * (192 + 128) / (t_f_alt * 1e-3) / 1e12,
            o1 == o2 ? "identical" : "DIFFERENT (info only)");
-    {   /* wgmma kernels: ablations that leave a stage out (their outputs are wrong: timing only, so they
-           run last; the backward ones first, as the forward ones spoil O and lse) */
+    {   /* wgmma kernels: the launch order of the backward pair, then ablations that leave a stage out (their
+           outputs are wrong: timing only, so they run last) */
         BwdParams pn = p; /* the ablations below: the kernels without the dS path */
         pn.ds = nullptr;
         const float b1 = time_launcher(launch_bwd<192, 128, true>, p, BH);
         const float b0 = time_launcher(launch_bwd<192, 128, false>, p, BH);
         printf("backward kernels (dK/dV, then dQ; wgmma): %.3f ms with dQ launched early, %.3f ms after dK/dV\n", b1, b0);
-        const float q0 = time_launcher(launch_dq_wg_kernel<192, 128, 0>, pn, BH);
-        const float q1 = time_launcher(launch_dq_wg_kernel<192, 128, 1>, pn, BH);
+        /* the dQ and forward kernels' ablations (VAR bits) left the product: docs/KERNELS.md has what they
+           measured; the two-warpgroup dK/dV kernel (bench/kernel_variants.cuh) keeps its own */
         const float k0 = time_launcher(launch_dkdv_wg_kernel<192, 128, 0>, pn, BH);
         const float k1 = time_launcher(launch_dkdv_wg_kernel<192, 128, 1>, pn, BH);
-        const float q2 = time_launcher(launch_dq_wg_kernel<192, 128, 2>, pn, BH);
-        const float q32 = time_launcher(launch_dq_wg_kernel<192, 128, 32>, pn, BH);
-        printf("ablations dQ (wgmma): %.3f ms, without the copies in the loop %.3f ms; without the warpgroups' turns %.3f ms; CTAs "
-               "head after head instead of heaviest first in groups of 8 heads %.3f ms\n", q0, q1, q2, q32);
         const float k4 = time_launcher(launch_dkdv_wg_kernel<192, 128, 4>, pn, BH);
         const float k8 = time_launcher(launch_dkdv_wg_kernel<192, 128, 8>, pn, BH);
         const float k12 = time_launcher(launch_dkdv_wg_kernel<192, 128, 12>, pn, BH);
         const float k16 = time_launcher(launch_dkdv_wg_kernel<192, 128, 16>, pn, BH);
         const float k20 = time_launcher(launch_dkdv_wg_kernel<192, 128, 20>, pn, BH);
-        printf("ablations dK/dV (wgmma): %.3f ms, without the copies in the loop %.3f ms; without the warpgroups' turns at "
-               "S/dP %.3f ms, turns at dV/dK too %.3f ms, at dV/dK only %.3f ms; refilling at a tile's start %.3f ms (and no "
-               "turns %.3f ms)\n", k0, k1, k4, k8, k12, k16, k20);
-        const float f0 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 0>, fp, BH);
-        const float f1 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 1>, fp, BH);
-        const float f2 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 2>, fp, BH);
-        const float f3 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 3>, fp, BH);
-        const float f4 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 4>, fp, BH);
-        const float f6 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 6>, fp, BH);
-        printf("ablations forward (wgmma): %.3f ms, without the copies in the loop %.3f ms, without the softmax %.3f ms, "
-               "without either %.3f ms; without the warpgroup ping-pong %.3f ms (and without the softmax %.3f ms)\n", f0, f1, f2,
-               f3, f4, f6);
-        const float f64 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 64>, fp, BH);
-        const float f96 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 96>, fp, BH);
-        const float f128 = time_launcher(launch_fwd_wg_kernel<192, 128, 128, 128>, fp, BH);
-        printf("ablations forward items (wgmma): %.3f ms; without turns at an item's first S and last P V %.3f ms (and Q "
-               "released after the last P V instead of the last S %.3f ms); O by 4-byte stores in the accumulator's layout "
-               "%.3f ms\n", f0, f64, f96, f128);
+        printf("ablations dK/dV (two-warpgroup kernel, wgmma): %.3f ms, without the copies in the loop %.3f ms; without the "
+               "warpgroups' turns at S/dP %.3f ms, turns at dV/dK too %.3f ms, at dV/dK only %.3f ms; refilling at a tile's "
+               "start %.3f ms (and no turns %.3f ms)\n", k0, k1, k4, k8, k12, k16, k20);
     }
     d.release();
 }
@@ -822,7 +804,7 @@ static void bench_fold(int B, int T, int H, int dn, int dr, int dv) {
     pf.fold.q = q; pf.fold.kv = kv; pf.fold.qr = qr; pf.fold.kr = kr; pf.fold.dn = dn;
     pf.dk2 = gkr; pf.rcos = cs; pf.rsin = sn;
     const int BH = B * H;
-    int (*const kv_rt)(const BwdParams &, int, cudaStream_t) = MT_FA_SPLIT ? launch_dkdv_split_kernel<192, 128> : launch_dkdv_wg_kernel<192, 128>;
+    int (*const kv_rt)(const BwdParams &, int, cudaStream_t) = launch_dkdv_split_kernel<192, 128>;
     const float kf = time_launcher(kv_rt, pf, BH), ku = time_launcher(kv_rt, pu, BH);
     {   /* the runtime's dK/dV kernel, folded and not, without the dS^T stores */
         BwdParams pn = pf;

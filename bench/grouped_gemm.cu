@@ -4,12 +4,11 @@
  * capture, bad arguments, dW with the squared-norm partials (GMM_DW_SQ), and timing against one
  * cuBLASLt call per expert.  Timed layouts: mid's experts with the largest at 5 and at 6.1 times
  * the mean (the loads of mid's training steps run from 3.5 to 7.3), and all at the mean (also
- * against cuBLASLt's strided-batched GEMM, the same work in one call); for dW also the TMA
- * kernel's variants (full or short last steps) and the default with the norm partials (also timed
- * alternating with the default without them: the "dW (+norm)" line, what GMM_DW_SQ adds).
+ * against cuBLASLt's strided-batched GEMM, the same work in one call); for dW also with the norm
+ * partials (also timed alternating with the default without them: the "dW (+norm)" line, what
+ * GMM_DW_SQ adds).  Also the cp.async kernel (gg_run's variant 1, the fallback without tensor maps).
  *
- *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I. -o /tmp/gg bench/grouped_gemm.cu \
- *        -lcublasLt -lnccl && /tmp/gg
+ *   make bench_gg && ./bench_gg
  * Environment: GG_ONLY_TIME=1 skips the checks (timing-only builds); GG_SOAK=S also runs dW back to
  * back for S seconds per layout (the power-limited rate; it slows the timings after it: alone only);
  * GG_EXTRA=1 adds layouts with 1536 in place of 1408, and "even1536": 32 experts of 1536 rows;
@@ -17,9 +16,7 @@
  * persistent kernels on N CTAs (scaling runs; the split choice sees N SMs too);
  * GG_SMALL=1 runs only the small untimed layouts (for compute-sanitizer); GG_NOTIME=1 runs the checks only, GG_CASE=name one layout (e.g. even),
  * GG_MODE=m the timings of one mode (0 forward, 1 dX, 2 dW); GG_LTB=1 (equal layouts) our kernel once, then only cuBLASLt's batched
- * GEMM, each algorithm launched once (for ncu -k regex:nvjet).  Built with -DGG_T_PROF, mode 2 also prints the dW kernel's cycles
- * a tile per phase (gg_pp_kernel's clock64 instrumentation; -DGG_T_NOST / -DGG_T_NOMMA: timing-only builds without its stores /
- * products; -DPP_NST192=N: its ring's stages).
+ * GEMM, each algorithm launched once (for ncu -k regex:nvjet).
  * Every layout also checks the gate/up launch with the SwiGLU (gg_run_glu, GMM_GLU) bitwise against two
  * launches and k_swiglu; GG_GLU=1 runs only the layout's own checks and that one, timed on the timed
  * layouts (with GG_ONLY_TIME=1: only the gate/up checks and timing).
@@ -35,17 +32,12 @@ static int mt_gg(int mode, void *out, const void *a, const void *b, const int *d
                  cudaStream_t stream) {
     return mt_ggk::gg_run(2, mode, out, a, b, d_offs, E, M, K, Rmax, ws, stream, nullptr, nullptr, nullptr, 0, g_nsm);
 }
-/* 3 + DWV: mode 2 only, the TMA kernel's dW variant DWV (0: as modes 0/1, 1: short last steps);
-   5: the TMA kernel without wide tiles (a last column tile of <= 128 columns in 128 x 128 tiles) */
-/* 6: dW in turns (gg_pp_kernel, the default for mode 2 unless built with -DGG_PP=0) as built (GG_PP_TS
-   and GG_PP_MC: TMA stores, no clusters); 7: in turns with staged st.global stores; 8: with TMA stores;
-   9: with TMA stores in clusters of 2; 10: with TMA stores and 128 x 192 tiles */
-static const char *variant_name[11] = {"mma.sync", "wgmma", "tma", "tma-dw0", "tma-dw1", "tma-nowide", "tma-pp", "pp-staged", "pp-tmast", "pp-cluster",
-                                       "pp-192"};
+/* gg_run's variants: 2 the runtime's (TMA; dW in turns, gg_pp_kernel), 1 the cp.async kernel it falls back to
+   without tensor maps.  (The other kernels and tilings these benches once timed: docs/KERNELS.md.) */
+static const char *variant_name[3] = {"-", "wgmma", "tma"};
 
 /* ========================================================================================== */
-/* Test harness: nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DGG_MAIN           */
-/*               -o /tmp/gg bench/grouped_gemm_dev.cu -lcublasLt && /tmp/gg                    */
+/* Test harness: make bench_gg && ./bench_gg                                                  */
 /* ========================================================================================== */
 #include <cublasLt.h>
 #include <stdio.h>
@@ -570,11 +562,11 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
     const bool full = (long long)b.R * M * K <= (1ll << 28);
 
     std::vector<unsigned char> first[3]; /* each mode's output of the first variant, for the cross-variant comparison */
-    const int variants[11] = {2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 0};
+    const int variants[2] = {2, 1};
     for (int variant : variants) {
         if (getenv("GG_ONLY_TIME")) break;   /* timings only (bench builds that give wrong results) */
         const char *vname = variant_name[variant];
-        for (int mode = (variant == 3 || variant == 4 || variant >= 6) ? 2 : 0; mode < 3; ++mode) {
+        for (int mode = 0; mode < 3; ++mode) {
             void *out; const void *a, *bb; size_t bytes;
             mode_io(b, mode, &out, &a, &bb, &bytes);
             std::vector<unsigned char> h1(bytes), h2(bytes);
@@ -597,7 +589,7 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
             report(ok, "%s %-8s mode %d %-11s %s", c.name.c_str(), vname, mode, mode_name[mode], msg);
             report(rc1 == 0 && memcmp(h1.data(), h2.data(), bytes) == 0, "%s %-8s mode %d bitwise identical rerun", c.name.c_str(),
                    vname, mode);
-            if (mode == 2 && variant >= 2) {
+            if (mode == 2 && variant == 2) {
                 /* with the norm partials (GMM_DW_SQ): dW bitwise the same, the partials sum to sum(dW^2) */
                 const long long L = mt_ggk::ssq_need(E, M, K);
                 float *ssq;
@@ -619,11 +611,9 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                        "%s %-8s mode 2 with norm partials: dW bitwise as without, sum rel %.1e", c.name.c_str(), vname, rel);
             }
             if (variant == 2) first[mode] = h1;
-            else if (variant >= 3)   /* the TMA kernel's variants and tilings: the same products in the same order */
-                report(memcmp(h1.data(), first[mode].data(), bytes) == 0, "%s %-8s mode %d bitwise equal to tma", c.name.c_str(), vname, mode);
             else printf("  (info) %s %-8s mode %d bitwise equal to tma: %s\n", c.name.c_str(), vname, mode,
                         memcmp(h1.data(), first[mode].data(), bytes) == 0 ? "yes" : "no");
-            if (variant >= 1 && mt_gg_workspace(mode, E, M, K, Rmax) <= 256) {
+            if (mt_gg_workspace(mode, E, M, K, Rmax) <= 256) {
                 /* without a workspace (possible when mode 2 needs no row split) mode 2 assigns its tiles
                    ws=NULL where allowed: must give the same bits */
                 CK(memset_dev(out, 0xFF, bytes));
@@ -685,35 +675,13 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
             }
             const float t_tma = time_median([&]() { if (run_variant(2, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
             {
-                /* the wide tiles (256 x 128 for a last column tile of <= 128 columns) against 128 x 128 ones */
-                const float t_nw = time_median([&]() { if (run_variant(5, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
                 const float t_w = time_median([&]() { if (run_variant(2, b, mode, b.ws, st) != 0) fatal("launch failed"); }, st);
                 char line[400];
-                snprintf(line, sizeof line, "%-9s %-11s wide tiles %5.1f, %5.1f | 128 x 128 tiles %5.1f TFLOP/s", c.name.c_str(),
-                         mode_name[mode], flops / t_tma * 1e-9, flops / t_w * 1e-9, flops / t_nw * 1e-9);
+                snprintf(line, sizeof line, "%-9s %-11s %5.1f, %5.1f TFLOP/s", c.name.c_str(), mode_name[mode], flops / t_tma * 1e-9,
+                         flops / t_w * 1e-9);
                 printf("  timing %s\n", line);
                 g_table.push_back(line);
             }
-#ifdef GG_T_PROF
-            if (mode == 2) {   /* the instrumented build: cycles per phase, per tile of a warpgroup (without, then with the norm partials) */
-                const long long L = mt_ggk::ssq_need(E, M, K);
-                float *ssq;
-                CK(cudaMalloc(&ssq, (size_t)L * sizeof(float)));
-                for (int w = 0; w < 2; ++w) {
-                    unsigned long long z[8] = {0, 0, 0, 0, 0, 0, 0, 0}, h[8];
-                    CK(cudaMemcpyToSymbol(mt_ggk::gg_prof, z, sizeof z));
-                    const int pv = getenv("GG_PROF_VARIANT") ? atoi(getenv("GG_PROF_VARIANT")) : 2; /* GG_PROF_VARIANT=v: that dW variant */
-                    if (run_variant(pv, b, mode, b.ws, st, false, w ? ssq : nullptr, w ? L : 0) != 0) fatal("launch failed");
-                    CK(cudaStreamSynchronize(st));
-                    CK(cudaMemcpyFromSymbol(h, mt_ggk::gg_prof, sizeof h));
-                    const double nt = (double)std::max(h[5], 1ull);
-                    printf("  prof %s%s: %llu tiles; cycles a tile: begin + first data %.0f, mainloop after it %.0f (of it full waits %.0f), drain %.0f, epilogue %.0f "
-                           "(norm %.0f); warpgroup life %.0f a tile\n", c.name.c_str(), w ? " +norm" : "", h[5], h[0] / nt, h[2] / nt, h[1] / nt,
-                           h[3] / nt, h[4] / nt, h[7] / nt, h[6] / nt);
-                }
-                CK(cudaFree(ssq));
-            }
-#endif
             if (mode == 2 && getenv("GG_SOAK")) {
                 /* GG_SOAK=S: dW with the norm partials back to back for about S seconds, the rate of each
                    100 launches: the steady (power-limited) rate, against the median of 10 above */
@@ -765,23 +733,11 @@ static void run_case(const Case &c, uint64_t seed, std::mt19937 &rng, cudaStream
                          flops / t_ab[1][1] * 1e-9, flops / t_ab[2][0] * 1e-9, flops / t_ab[2][1] * 1e-9);
                 printf("  timing %s\n", ab);
                 g_table.push_back(ab);
-                /* in turns (staged stores 7, TMA stores 8, in clusters 9) and the 128 x 256 kernel (4, 3)
-                   alternately, so that clocks drift alike */
-                float t_pp[4][2], t_dv[2][2];
-                for (int r = 0; r < 2; ++r) {
-                    for (int v = 0; v < 4; ++v)
-                        t_pp[v][r] = time_median([&]() { if (run_variant(7 + v, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
-                    for (int dv = 1; dv >= 0; --dv)
-                        t_dv[r][dv] = time_median([&]() { if (run_variant(3 + dv, b, 2, b.ws, st) != 0) fatal("launch failed"); }, st);
-                }
                 const float t_sq = time_median([&]() { if (run_variant(2, b, 2, b.ws, st, false, ssq, L) != 0) fatal("launch failed"); }, st);
                 CK(cudaFree(ssq));
                 char line[400];
-                snprintf(line, sizeof line, "%-9s %-11s max/mean %.1f: in turns: staged %5.1f %5.1f, TMA stores %5.1f %5.1f, clusters %5.1f %5.1f, 128x192 %5.1f %5.1f; default with the norm partials %5.1f | 128x256 tiles: short last steps %5.1f %5.1f, full %5.1f %5.1f TFLOP/s",
-                         c.name.c_str(), "dW kernels", (double)cmax * E / std::max(b.R, 1), flops / t_pp[0][0] * 1e-9, flops / t_pp[0][1] * 1e-9,
-                         flops / t_pp[1][0] * 1e-9, flops / t_pp[1][1] * 1e-9, flops / t_pp[2][0] * 1e-9, flops / t_pp[2][1] * 1e-9,
-                         flops / t_pp[3][0] * 1e-9, flops / t_pp[3][1] * 1e-9,
-                         flops / t_sq * 1e-9, flops / t_dv[0][1] * 1e-9, flops / t_dv[1][1] * 1e-9, flops / t_dv[0][0] * 1e-9, flops / t_dv[1][0] * 1e-9);
+                snprintf(line, sizeof line, "%-9s %-11s max/mean %.1f: with the norm partials %5.1f TFLOP/s", c.name.c_str(), "dW",
+                         (double)cmax * E / std::max(b.R, 1), flops / t_sq * 1e-9);
                 printf("  timing %s\n", line);
                 g_table.push_back(line);
             }
@@ -954,7 +910,6 @@ int main() {
     }
     g_nsm = prop.multiProcessorCount;
     if (getenv("GG_NSM")) g_nsm = atoi(getenv("GG_NSM"));   /* CTAs of the persistent kernels (scaling runs) */
-    printf("dW variant of the TMA kernel (GG_DW_DV): %d\n", mt_ggk::DW_DV);
     std::mt19937 rng(20240611);
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
