@@ -1884,8 +1884,12 @@ static int mt__index_operands(int op, uint32_t *in, uint32_t *out) {
     return 0;
 }
 
+/* mt_check_node: what every op must satisfy (mt__check_refs), then the shape rules of its family
+ * (one of the mt__check_* below, which take the mt__ck by value so that their cases read as they
+ * would in one function), then which operands are indices (mt__index_operands). */
 #define MT__T(x) do { if (x) return -1; } while (0)
-int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
+/* Arity, value and symbol references, attributes, required operands: what every op must satisfy. */
+static int mt__check_refs(const mt_graph *g, const mt_node *n, mt_err *err) {
     if (n->op < 0 || n->op >= MT_NOPS) return mt_errf(err, "unknown op %d", n->op);
     const mt_op_info *oi = &mt_ops[n->op];
     if (n->n_in != oi->n_in || n->n_out != oi->n_out)
@@ -1905,8 +1909,6 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
     if (n->sym_mask >> MT_MAX_ATTR) return mt_errf(err, "%s: bad symbol mask", oi->name);
     for (int i = 0; i < 4; i++)
         if (!isfinite(n->fattr[i])) return mt_errf(err, "%s: attribute f%d is not finite", oi->name, i);
-    mt__ck c = {g, n, err};
-    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
     /* required inputs/outputs (optional ones handled per op below) */
     for (int i = 0; i < n->n_in; i++) {
         int optional = (n->op == MT_OP_SUMSQ && i == 1) || (n->op == MT_OP_CONCAT) ||
@@ -1918,6 +1920,14 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         int optional = (n->op == MT_OP_ADAMW && i == 3);
         if (n->out[i] < 0 && !optional) return mt_errf(err, "%s: output %d missing", oi->name, i);
     }
+    return 0;
+}
+/* The residual stream and the dense layers: embedding, norms, GEMMs, splits, SwiGLU, adds. */
+static int mt__check_dense(mt__ck c) {
+    const mt_node *n = c.n;
+    const mt_op_info *oi = &mt_ops[n->op];
+    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
+    mt_err *err = c.err;
     switch (n->op) {
     case MT_OP_EMBED: case MT_OP_EMBED_BWD: {   /* i0 parts (0, 1: all tokens), i1 which part (a symbol): rows [i1*n, (i1+1)*n) */
         MT__T(mt__int_attr(&c, 0, 0, 4096));
@@ -1933,40 +1943,6 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         } else {
             MT__T(mt__shape(&c, a, "dx", 2, tk->dims[0] / parts, MT__ANY, 0));
             MT__T(mt__shape(&c, o, "dwte", 2, MT__ANY, a->dims[1], 0));
-        }
-        break;
-    }
-    case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER: {   /* rows split over the group: y = [x_0; x_1; ...] or my rows of the sum */
-        MT__T(mt__int_attr(&c, 0, 1, (1 << MT_NDIMS) - 1)); MT__T(mt__int_attr(&c, 1, 0, 7));
-        uint32_t mask = (uint32_t)n->iattr[0];
-        if (!mt_mesh_mask_valid(mask)) return mt_errf(err, "%s: mesh mask 0x%x mixes bases", oi->name, n->iattr[0]);
-        int64_t S = mt_mesh_group_size(&g->mesh, mask);
-        const mt_value *part = n->op == MT_OP_SP_GATHER ? a : o, *whole = n->op == MT_OP_SP_GATHER ? o : a;
-        MT__T(mt__shape(&c, part, "part", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, whole, "whole", 2, part->dims[0] * S, part->dims[1], 0));
-        if (part->dtype != whole->dtype) return mt_errf(err, "%s: '%s' and '%s' differ in dtype", oi->name, part->name, whole->name);
-        if (part->dims[0] < 0 || part->shard || whole->shard) return mt_errf(err, "%s: '%s' must be a plain, fixed-size activation", oi->name, part->name);
-        break;
-    }
-    case MT_OP_CE_STATS: case MT_OP_CE_COMBINE: case MT_OP_CE_SHARD_BWD: {   /* the vocab-parallel cross-entropy */
-        const mt_value *lg = n->op == MT_OP_CE_COMBINE ? b : a;
-        const mt_value *tg = n->op == MT_OP_CE_STATS ? b : mt__in(&c, 2);
-        MT__T(mt__shape(&c, lg, "logits", 2, MT__ANY, MT__ANY, 0));
-        int64_t N = lg->dims[0];
-        MT__T(mt__is_index(&c, tg, "targets", 1)); MT__T(mt__shape(&c, tg, "targets", 1, N, 0, 0));
-        if (n->op != MT_OP_CE_COMBINE && !(n->sym_mask & 1u)) return mt_errf(err, "%s: the shard's coordinate must be a symbol", oi->name);
-        if (n->op == MT_OP_CE_STATS) {
-            MT__T(mt__shape(&c, o, "stats", 2, N, 3, 0));
-            if (o->dtype != MT_F32) return mt_errf(err, "CE_STATS: stats must be f32");
-        } else if (n->op == MT_OP_CE_COMBINE) {
-            MT__T(mt__shape(&c, a, "stats", 2, MT__ANY, 3, 0));
-            if (a->dims[0] < N || a->dims[0] % N) return mt_errf(err, "CE_COMBINE: stats of %lld rows for %lld tokens", (long long)a->dims[0], (long long)N);
-            MT__T(mt__shape(&c, o, "loss", 1, 1, 0, 0));
-            MT__T(mt__shape(&c, mt__out(&c, 1), "lse", 1, N, 0, 0));
-            if (a->dtype != MT_F32 || o->dtype != MT_F32 || mt__out(&c, 1)->dtype != MT_F32) return mt_errf(err, "CE_COMBINE: stats, loss and lse must be f32");
-        } else {
-            MT__T(mt__shape(&c, b, "lse", 1, N, 0, 0));
-            MT__T(mt__shape(&c, o, "dlogits", 2, N, lg->dims[1], 0));
         }
         break;
     }
@@ -2014,6 +1990,52 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         if (b) MT__T(mt__shape(&c, b, "x2", 2, o->dims[0], o->dims[1] - wa, 0));
         break;
     }
+    case MT_OP_DOC_STARTS:
+        MT__T(mt__int_attr(&c, 0, 1, 1 << 20)); MT__T(mt__int_attr(&c, 1, 0, INT_MAX));
+        MT__T(mt__shape(&c, a, "tokens", 1, MT__ANY, 0, 0));
+        if (a->dims[0] % n->iattr[0]) return mt_errf(err, "DOC_STARTS: %lld tokens is not a multiple of seq_len %d", (long long)a->dims[0], n->iattr[0]);
+        MT__T(mt__shape(&c, o, "dstart", 1, a->dims[0], 0, 0));
+        break;
+    case MT_OP_SWIGLU: case MT_OP_ADD:
+        MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, b, "b", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, o, "out", 2, a->dims[0], a->dims[1], 0));
+        break;
+    case MT_OP_SWIGLU_BWD:
+        MT__T(mt__shape(&c, a, "g", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, b, "u", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "dh", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, o, "dg", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "du", 2, a->dims[0], a->dims[1], 0));
+        break;
+    case MT_OP_ADD_RMSNORM:
+        MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, b, "b", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "w", 1, a->dims[1], 0, 0));
+        MT__T(mt__shape(&c, o, "h", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "y", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 2), "rstd", 1, a->dims[0], 0, 0));
+        if (!(n->fattr[0] > 0)) return mt_errf(err, "ADD_RMSNORM: eps must be > 0");
+        break;
+    case MT_OP_RMSNORM_BWD_ADD:
+        MT__T(mt__shape(&c, b, "x", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, a, "dy", 2, b->dims[0], b->dims[1], 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "w", 1, b->dims[1], 0, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 3), "rstd", 1, b->dims[0], 0, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 4), "acc", 2, b->dims[0], b->dims[1], 0));
+        MT__T(mt__shape(&c, o, "dx", 2, b->dims[0], b->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "dw", 1, b->dims[1], 0, 0));
+        break;
+    }
+    return 0;
+}
+/* Attention: MLA's RoPE assembly and the attention ops, unfolded and folded (mt_pass_fold_rope). */
+static int mt__check_attention(mt__ck c) {
+    const mt_node *n = c.n;
+    const mt_op_info *oi = &mt_ops[n->op];
+    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
+    mt_err *err = c.err;
+    switch (n->op) {
     case MT_OP_MLA_ROPE: case MT_OP_MLA_ROPE_BWD: {
         MT__T(mt__int_attr(&c, 0, 1, 1024)); MT__T(mt__int_attr(&c, 1, 1, 1024));
         MT__T(mt__int_attr(&c, 2, 2, 1024)); MT__T(mt__int_attr(&c, 3, 1, 1024));
@@ -2115,24 +2137,15 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         if (!(n->fattr[0] > 0)) return mt_errf(err, "%s: scale must be > 0", oi->name);
         break;
     }
-    case MT_OP_DOC_STARTS:
-        MT__T(mt__int_attr(&c, 0, 1, 1 << 20)); MT__T(mt__int_attr(&c, 1, 0, INT_MAX));
-        MT__T(mt__shape(&c, a, "tokens", 1, MT__ANY, 0, 0));
-        if (a->dims[0] % n->iattr[0]) return mt_errf(err, "DOC_STARTS: %lld tokens is not a multiple of seq_len %d", (long long)a->dims[0], n->iattr[0]);
-        MT__T(mt__shape(&c, o, "dstart", 1, a->dims[0], 0, 0));
-        break;
-    case MT_OP_SWIGLU: case MT_OP_ADD:
-        MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, b, "b", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, o, "out", 2, a->dims[0], a->dims[1], 0));
-        break;
-    case MT_OP_SWIGLU_BWD:
-        MT__T(mt__shape(&c, a, "g", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, b, "u", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, mt__in(&c, 2), "dh", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, o, "dg", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, mt__out(&c, 1), "du", 2, a->dims[0], a->dims[1], 0));
-        break;
+    }
+    return 0;
+}
+/* Mixture of experts: router, permutation, the expert exchange, grouped GEMMs, combine. */
+static int mt__check_moe(mt__ck c) {
+    const mt_node *n = c.n;
+    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
+    mt_err *err = c.err;
+    switch (n->op) {
     case MT_OP_ROUTER: case MT_OP_ROUTER_BWD: {
         MT__T(mt__int_attr(&c, 0, 1, 64)); MT__T(mt__int_attr(&c, 1, 0, 1)); MT__T(mt__int_attr(&c, 2, 0, 1));
         MT__T(mt__int_attr(&c, 3, 1, 4096)); MT__T(mt__int_attr(&c, 4, 1, 4096));
@@ -2256,6 +2269,38 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         MT__T(mt__shape(&c, mt__out(&c, 1), "dw", 2, w->dims[0], w->dims[1], 0));
         break;
     }
+    }
+    return 0;
+}
+/* The loss: cross-entropy, whole or on vocab shards (tensor parallelism). */
+static int mt__check_loss(mt__ck c) {
+    const mt_node *n = c.n;
+    const mt_op_info *oi = &mt_ops[n->op];
+    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
+    mt_err *err = c.err;
+    switch (n->op) {
+    case MT_OP_CE_STATS: case MT_OP_CE_COMBINE: case MT_OP_CE_SHARD_BWD: {   /* the vocab-parallel cross-entropy */
+        const mt_value *lg = n->op == MT_OP_CE_COMBINE ? b : a;
+        const mt_value *tg = n->op == MT_OP_CE_STATS ? b : mt__in(&c, 2);
+        MT__T(mt__shape(&c, lg, "logits", 2, MT__ANY, MT__ANY, 0));
+        int64_t N = lg->dims[0];
+        MT__T(mt__is_index(&c, tg, "targets", 1)); MT__T(mt__shape(&c, tg, "targets", 1, N, 0, 0));
+        if (n->op != MT_OP_CE_COMBINE && !(n->sym_mask & 1u)) return mt_errf(err, "%s: the shard's coordinate must be a symbol", oi->name);
+        if (n->op == MT_OP_CE_STATS) {
+            MT__T(mt__shape(&c, o, "stats", 2, N, 3, 0));
+            if (o->dtype != MT_F32) return mt_errf(err, "CE_STATS: stats must be f32");
+        } else if (n->op == MT_OP_CE_COMBINE) {
+            MT__T(mt__shape(&c, a, "stats", 2, MT__ANY, 3, 0));
+            if (a->dims[0] < N || a->dims[0] % N) return mt_errf(err, "CE_COMBINE: stats of %lld rows for %lld tokens", (long long)a->dims[0], (long long)N);
+            MT__T(mt__shape(&c, o, "loss", 1, 1, 0, 0));
+            MT__T(mt__shape(&c, mt__out(&c, 1), "lse", 1, N, 0, 0));
+            if (a->dtype != MT_F32 || o->dtype != MT_F32 || mt__out(&c, 1)->dtype != MT_F32) return mt_errf(err, "CE_COMBINE: stats, loss and lse must be f32");
+        } else {
+            MT__T(mt__shape(&c, b, "lse", 1, N, 0, 0));
+            MT__T(mt__shape(&c, o, "dlogits", 2, N, lg->dims[1], 0));
+        }
+        break;
+    }
     case MT_OP_CROSS_ENTROPY: case MT_OP_CROSS_ENTROPY_BWD: {
         MT__T(mt__shape(&c, a, "logits", 2, MT__ANY, MT__ANY, 0));
         const mt_value *tg = n->op == MT_OP_CROSS_ENTROPY ? b : mt__in(&c, 2);
@@ -2269,12 +2314,29 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         }
         break;
     }
-    case MT_OP_SUMSQ:
-        MT__T(mt__int_attr(&c, 0, 0, 1));
-        MT__T(mt__is_index(&c, a, "g", 0));
-        if (b) MT__T(mt__shape(&c, b, "acc_in", 1, 1, 0, 0));
-        MT__T(mt__shape(&c, o, "acc_out", 1, 1, 0, 0));
+    }
+    return 0;
+}
+/* Collectives over mesh groups: all-reduce, FSDP's all-gather and reduce-scatter, sequence parallelism. */
+static int mt__check_collective(mt__ck c) {
+    const mt_graph *g = c.g;
+    const mt_node *n = c.n;
+    const mt_op_info *oi = &mt_ops[n->op];
+    const mt_value *a = mt__in(&c, 0), *o = mt__out(&c, 0);
+    mt_err *err = c.err;
+    switch (n->op) {
+    case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER: {   /* rows split over the group: y = [x_0; x_1; ...] or my rows of the sum */
+        MT__T(mt__int_attr(&c, 0, 1, (1 << MT_NDIMS) - 1)); MT__T(mt__int_attr(&c, 1, 0, 7));
+        uint32_t mask = (uint32_t)n->iattr[0];
+        if (!mt_mesh_mask_valid(mask)) return mt_errf(err, "%s: mesh mask 0x%x mixes bases", oi->name, n->iattr[0]);
+        int64_t S = mt_mesh_group_size(&g->mesh, mask);
+        const mt_value *part = n->op == MT_OP_SP_GATHER ? a : o, *whole = n->op == MT_OP_SP_GATHER ? o : a;
+        MT__T(mt__shape(&c, part, "part", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, whole, "whole", 2, part->dims[0] * S, part->dims[1], 0));
+        if (part->dtype != whole->dtype) return mt_errf(err, "%s: '%s' and '%s' differ in dtype", oi->name, part->name, whole->name);
+        if (part->dims[0] < 0 || part->shard || whole->shard) return mt_errf(err, "%s: '%s' must be a plain, fixed-size activation", oi->name, part->name);
         break;
+    }
     case MT_OP_ALLREDUCE:
         MT__T(mt__int_attr(&c, 0, 0, (1 << MT_NDIMS) - 1)); MT__T(mt__int_attr(&c, 1, 0, 7));
         MT__T(mt__int_attr(&c, 2, 0, 1));
@@ -2297,6 +2359,21 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
             if (part->dims[d] < 0) return mt_errf(err, "%s: '%s' has a symbolic size", oi->name, part->name);
         break;
     }
+    }
+    return 0;
+}
+/* The optimizer: gradient norm, learning rate, clipping, AdamW, the expert-bias update. */
+static int mt__check_optimizer(mt__ck c) {
+    const mt_node *n = c.n;
+    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
+    mt_err *err = c.err;
+    switch (n->op) {
+    case MT_OP_SUMSQ:
+        MT__T(mt__int_attr(&c, 0, 0, 1));
+        MT__T(mt__is_index(&c, a, "g", 0));
+        if (b) MT__T(mt__shape(&c, b, "acc_in", 1, 1, 0, 0));
+        MT__T(mt__shape(&c, o, "acc_out", 1, 1, 0, 0));
+        break;
     case MT_OP_LR_SCHEDULE:
         MT__T(mt__shape(&c, a, "hparams", 1, MT_HP_COUNT, 0, 0));
         MT__T(mt__is_index(&c, b, "step", 1)); MT__T(mt__shape(&c, b, "step", 1, 1, 0, 0));
@@ -2324,29 +2401,44 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         if (n->out[3] >= 0) { MT__T(mt__same_numel(&c, p, mt__out(&c, 3))); MT__T(mt__persistent(&c, mt__out(&c, 3))); }
         break;
     }
-    case MT_OP_ADD_RMSNORM:
-        MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, b, "b", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, mt__in(&c, 2), "w", 1, a->dims[1], 0, 0));
-        MT__T(mt__shape(&c, o, "h", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, mt__out(&c, 1), "y", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, mt__out(&c, 2), "rstd", 1, a->dims[0], 0, 0));
-        if (!(n->fattr[0] > 0)) return mt_errf(err, "ADD_RMSNORM: eps must be > 0");
-        break;
-    case MT_OP_RMSNORM_BWD_ADD:
-        MT__T(mt__shape(&c, b, "x", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, a, "dy", 2, b->dims[0], b->dims[1], 0));
-        MT__T(mt__shape(&c, mt__in(&c, 2), "w", 1, b->dims[1], 0, 0));
-        MT__T(mt__shape(&c, mt__in(&c, 3), "rstd", 1, b->dims[0], 0, 0));
-        MT__T(mt__shape(&c, mt__in(&c, 4), "acc", 2, b->dims[0], b->dims[1], 0));
-        MT__T(mt__shape(&c, o, "dx", 2, b->dims[0], b->dims[1], 0));
-        MT__T(mt__shape(&c, mt__out(&c, 1), "dw", 1, b->dims[1], 0, 0));
-        break;
     case MT_OP_EXPERT_BIAS_UPDATE:
         MT__T(mt__shape(&c, a, "bias", 1, MT__ANY, 0, 0));
         MT__T(mt__is_index(&c, b, "counts", 1)); MT__T(mt__shape(&c, b, "counts", 1, a->dims[0], 0, 0));
         if (n->out[0] != n->in[0]) return mt_errf(err, "EXPERT_BIAS_UPDATE must be in place");
         MT__T(mt__persistent(&c, a));
+        break;
+    }
+    return 0;
+}
+int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
+    MT__T(mt__check_refs(g, n, err));
+    mt__ck c = {g, n, err};
+    switch (n->op) {   /* the op's own shape rules, by family */
+    case MT_OP_EMBED: case MT_OP_EMBED_BWD: case MT_OP_RMSNORM: case MT_OP_RMSNORM_BWD: case MT_OP_MATMUL:
+    case MT_OP_MATMUL_ACC: case MT_OP_SPLIT: case MT_OP_CONCAT: case MT_OP_DOC_STARTS: case MT_OP_SWIGLU:
+    case MT_OP_ADD: case MT_OP_SWIGLU_BWD: case MT_OP_ADD_RMSNORM: case MT_OP_RMSNORM_BWD_ADD:
+        MT__T(mt__check_dense(c));
+        break;
+    case MT_OP_MLA_ROPE: case MT_OP_MLA_ROPE_BWD: case MT_OP_ATTENTION: case MT_OP_ATTENTION_BWD: case MT_OP_ROPE_PE:
+    case MT_OP_ROPE_PE_BWD: case MT_OP_MLA_ATTENTION: case MT_OP_MLA_ATTENTION_BWD:
+        MT__T(mt__check_attention(c));
+        break;
+    case MT_OP_ROUTER: case MT_OP_ROUTER_BWD: case MT_OP_MOE_PERMUTE: case MT_OP_MOE_PERMUTE_BWD:
+    case MT_OP_EP_COUNTS: case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE: case MT_OP_GMM_GLU: case MT_OP_GMM:
+    case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: case MT_OP_MOE_COMBINE:
+    case MT_OP_MOE_COMBINE_BWD:
+        MT__T(mt__check_moe(c));
+        break;
+    case MT_OP_CE_STATS: case MT_OP_CE_COMBINE: case MT_OP_CE_SHARD_BWD: case MT_OP_CROSS_ENTROPY:
+    case MT_OP_CROSS_ENTROPY_BWD:
+        MT__T(mt__check_loss(c));
+        break;
+    case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER: case MT_OP_ALLREDUCE: case MT_OP_ALLGATHER:
+    case MT_OP_REDUCE_SCATTER:
+        MT__T(mt__check_collective(c));
+        break;
+    case MT_OP_SUMSQ: case MT_OP_LR_SCHEDULE: case MT_OP_CLIP: case MT_OP_ADAMW: case MT_OP_EXPERT_BIAS_UPDATE:
+        MT__T(mt__check_optimizer(c));
         break;
     }
     /* every operand is an index (i32) or floating point, as the op says */
