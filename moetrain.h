@@ -5004,7 +5004,8 @@ int mt_read_file(const char *path, uint8_t **bytes, size_t *len, mt_err *err) {
 }
 
 /* --- validation of a loaded graph: everything an interpreter will trust --- */
-static int mt__validate_graph(const mt_graph *g, mt_err *err) {
+/* The target, config, mesh and symbols. */
+static int mt__validate_header(const mt_graph *g, mt_err *err) {
     mt_err e;
     if (g->target.backend != MT_BACKEND_CPU && g->target.backend != MT_BACKEND_CUDA)
         return mt_errf(err, "config: unknown backend %d", g->target.backend);
@@ -5023,6 +5024,10 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         if (s->kind == MT_SYM_COORD && s->max != g->mesh.size[s->mesh_dim] - 1)
             return mt_errf(err, "symbol '%s': bound disagrees with the mesh", s->name);
     }
+    return 0;
+}
+/* Every value: name, dtype, role, shape, size, owner, constant bytes. */
+static int mt__validate_values(const mt_graph *g, mt_err *err) {
     for (int i = 0; i < g->n_values; i++) {
         const mt_value *v = &g->values[i];
         if (!mt__fixstr_ok(v->name, MT_NAME_LEN)) return mt_errf(err, "value %d: bad name", i);
@@ -5065,6 +5070,10 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
             if (v->dims[d] < 0 && (v->role == MT_ROLE_CONST || !MT_ROLE_IN_ARENA(v->role)))
                 return mt_errf(err, "value '%s': symbolic size outside the arena", v->name);
     }
+    return 0;
+}
+/* The plan's regions and flags, and the recompute choice. */
+static int mt__validate_plan(const mt_graph *g, mt_err *err) {
     if (g->persist_bytes < 0 || g->arena_bytes < 0 || g->naive_arena_bytes < g->arena_bytes ||
         g->persist_bytes > ((int64_t)1 << 46) || g->naive_arena_bytes > ((int64_t)1 << 46))
         return mt_errf(err, "plan: region sizes out of range");
@@ -5104,7 +5113,11 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
             runs = g->nodes[k].phase == MT_PHASE_RECOMPUTE && g->nodes[k].layer == x->layer;
         if (!runs) return mt_errf(err, "plan: block %d is listed as recomputed but no node re-runs it", x->layer);
     }
-    /* nodes: shapes, then every value is written before it is read, and arena values once */
+    return 0;
+}
+/* Nodes: shapes, then every value is written before it is read, and arena values once. */
+static int mt__validate_nodes(const mt_graph *g, mt_err *err) {
+    mt_err e;
     uint8_t *state = (uint8_t *)mt__calloc((size_t)g->n_values + 1);  /* 0 unwritten, 1 written */
     if (!state) return mt_errf(err, "out of memory validating");
     for (int i = 0; i < g->n_values; i++) {
@@ -5151,7 +5164,10 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         }
     }
     MT_FREE(state);
-    /* well-known values */
+    return 0;
+}
+/* The well-known values: present as the graph kind needs, of their role, dtype and size. */
+static int mt__validate_io(const mt_graph *g, mt_err *err) {
     static const struct { int slot, role, dtype, train, fwd; } io[MT_NIO] = {
         {MT_IO_TOKENS, MT_ROLE_INPUT, MT_I32, 1, 1}, {MT_IO_TARGETS, MT_ROLE_INPUT, MT_I32, 1, 1},
         {MT_IO_STEP, MT_ROLE_INPUT, MT_I32, 1, 0}, {MT_IO_HPARAMS, MT_ROLE_INPUT, MT_F32, 1, 0},
@@ -5171,6 +5187,13 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         else if (i == MT_IO_LOGITS) want_n = N * g->cfg.vocab_size;
         if (mt_value_numel_max(g, x) != want_n) return mt_errf(err, "plan: well-known value '%s' has the wrong size", x->name);
     }
+    return 0;
+}
+static int mt__validate_graph(const mt_graph *g, mt_err *err) {
+    mt_err e;
+    if (mt__validate_header(g, err) || mt__validate_values(g, err) || mt__validate_plan(g, err) ||
+        mt__validate_nodes(g, err) || mt__validate_io(g, err))
+        return -1;
     if (mt_plan_check(g, &e)) return mt_errf(err, "plan: %s", e.msg);
     if (g->overlap) {   /* the streams' schedule is derived again here: it must be hazard-free with this plan */
         mt_schedule sc;
