@@ -5460,25 +5460,9 @@ int mt_graph_dot(const mt_graph *g, const char *path, mt_err *err) {
     return 0;
 }
 
-void mt_graph_dump(const mt_graph *g, FILE *f) {
-    char b1[32], b2[32], b3[32], dims[160];
-    fprintf(f, "moetrain step graph (format %u, %s)\n", MT_FORMAT_VERSION, g->kind == MT_GRAPH_TRAIN ? "train" : "forward");
-    fprintf(f, "fingerprint %016llx  target %s %s (real %d bytes)\n", (unsigned long long)mt_fingerprint(g),
-            g->target.backend == MT_BACKEND_CUDA ? "cuda" : "cpu", g->target.arch, (int)g->target.real_bytes);
-    fprintf(f, "\n== config\n");
-    for (int i = 0; i < mt_n_config_fields; i++) {
-        const mt_field *fl = &mt_config_fields[i];
-        const void *p = (const char *)&g->cfg + fl->offset;
-        if (!strcmp(fl->name, "score_func")) fprintf(f, "  %-20s %s\n", fl->name, *(const int *)p ? "sigmoid" : "softmax");
-        else if (fl->type == MT_FIELD_INT) fprintf(f, "  %-20s %d\n", fl->name, *(const int *)p);
-        else fprintf(f, "  %-20s %g\n", fl->name, (double)*(const float *)p);
-    }
-    fprintf(f, "\n== mesh\n  ");
-    for (int d = 0; d < MT_NDIMS; d++) fprintf(f, "%s=%d%s", mt_dim_names[d], g->mesh.size[d], d + 1 < MT_NDIMS ? "  " : "\n");
-    fprintf(f, "\n== symbols (bound at load/run time)\n");
-    for (int i = 0; i < g->n_syms; i++)
-        fprintf(f, "  s%-3d %-20s %-6s %s max=%lld\n", i, g->syms[i].name, g->syms[i].kind == MT_SYM_COORD ? "coord" : "size",
-                mt_dim_names[g->syms[i].mesh_dim], (long long)g->syms[i].max);
+/* --dump: every value with its role, dtype, shape, place in its region and live range. */
+static void mt__dump_values(const mt_graph *g, FILE *f) {
+    char dims[160];
     int32_t *first = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(g->n_values + 1));
     int32_t *last = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(g->n_values + 1));
     if (first && last) mt__live_ranges(g, first, last);
@@ -5499,6 +5483,9 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
         fprintf(f, "\n");
     }
     MT_FREE(first); MT_FREE(last);
+}
+/* --dump: the nodes in order, and with g->overlap the schedule of the streams. */
+static void mt__dump_nodes(const mt_graph *g, FILE *f) {
     static const char *const phase[] = {"fwd", "bwd", "opt", "rc"};
     mt_schedule sc;
     mt_err se;
@@ -5555,6 +5542,9 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
     } else {
         fprintf(f, "\n== overlap schedule: off (every node runs on the compute stream, in list order)\n");
     }
+}
+/* --dump: the collectives, and the communicator groups they resolve to at bind. */
+static void mt__dump_groups(const mt_graph *g, FILE *f) {
     fprintf(f, "\n== collectives (communicators are resolved per rank at bind time)\n");
     for (int i = 0; i < g->n_nodes; i++) {
         const mt_node *n = &g->nodes[i];
@@ -5608,6 +5598,10 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
     }
     if (world > 1) fprintf(f, "  communicators per rank: %d (the world's included)\n", n_own);
     MT_FREE(mem); MT_FREE(seen);
+}
+/* --dump: the memory plan, the tuning, the recompute choice and how the step executes. */
+static void mt__dump_plan(const mt_graph *g, FILE *f) {
+    char b1[32], b2[32], b3[32];
     fprintf(f, "\n== memory plan (%s)\n", g->planned ? "liveness-planned arena" : "naive: every value its own bytes");
     fprintf(f, "  persistent %s, arena %s (naive %s, %.1f%% saved)\n", mt__human((double)g->persist_bytes, b1),
             mt__human((double)g->arena_bytes, b2), mt__human((double)g->naive_arena_bytes, b3),
@@ -5652,6 +5646,29 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
     fprintf(f, "\n== execution\n  %d host synchronizations per step (expert counts); %d nodes run eagerly (collectives over "
                "several ranks, data-dependent sizes); %d regions between them%s\n", syncs, eager, regions,
             g->capture ? ", each replayed as a CUDA graph" : "; no graph capture");
+}
+void mt_graph_dump(const mt_graph *g, FILE *f) {
+    fprintf(f, "moetrain step graph (format %u, %s)\n", MT_FORMAT_VERSION, g->kind == MT_GRAPH_TRAIN ? "train" : "forward");
+    fprintf(f, "fingerprint %016llx  target %s %s (real %d bytes)\n", (unsigned long long)mt_fingerprint(g),
+            g->target.backend == MT_BACKEND_CUDA ? "cuda" : "cpu", g->target.arch, (int)g->target.real_bytes);
+    fprintf(f, "\n== config\n");
+    for (int i = 0; i < mt_n_config_fields; i++) {
+        const mt_field *fl = &mt_config_fields[i];
+        const void *p = (const char *)&g->cfg + fl->offset;
+        if (!strcmp(fl->name, "score_func")) fprintf(f, "  %-20s %s\n", fl->name, *(const int *)p ? "sigmoid" : "softmax");
+        else if (fl->type == MT_FIELD_INT) fprintf(f, "  %-20s %d\n", fl->name, *(const int *)p);
+        else fprintf(f, "  %-20s %g\n", fl->name, (double)*(const float *)p);
+    }
+    fprintf(f, "\n== mesh\n  ");
+    for (int d = 0; d < MT_NDIMS; d++) fprintf(f, "%s=%d%s", mt_dim_names[d], g->mesh.size[d], d + 1 < MT_NDIMS ? "  " : "\n");
+    fprintf(f, "\n== symbols (bound at load/run time)\n");
+    for (int i = 0; i < g->n_syms; i++)
+        fprintf(f, "  s%-3d %-20s %-6s %s max=%lld\n", i, g->syms[i].name, g->syms[i].kind == MT_SYM_COORD ? "coord" : "size",
+                mt_dim_names[g->syms[i].mesh_dim], (long long)g->syms[i].max);
+    mt__dump_values(g, f);
+    mt__dump_nodes(g, f);
+    mt__dump_groups(g, f);
+    mt__dump_plan(g, f);
 }
 
 /* ========================================================================
