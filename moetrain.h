@@ -24,6 +24,7 @@
  *   7.  Artifact: write, validate + load, fingerprint, dump
  *   8.  CPU reference ops (forward/backward pairs, plain C)
  *   9.  Collectives
+ *       9a.  THE EXPERT EXCHANGE: dispatch and combine, end to end (implementation part)
  *   10. Runtime: bind, init, step
  *   11. Checkpoints: safetensors with Hugging Face DeepSeek-V3 names
  *   12. Data: token shards, raw bytes, the embedded default corpus
@@ -6704,13 +6705,156 @@ static int mt__cpu_reduce_scatter(mt_runtime *rt, const mt__group *gr, const mt_
     return mt__cpu_done(rt, gr, err);
 }
 
-/* The expert exchange. Rank i of the ep group holds experts [i*El, (i+1)*El).
- * My routed rows xs are expert-major over all E experts (offs[E+1]); the rows
- * for peer p's experts are one block [offs[p*El], offs[(p+1)*El]).
- * EP_COUNTS: recv[s, e] = rows rank s sends to my local expert e.
- * EP_DISPATCH: xr holds my experts' rows expert-major, and inside an expert
- *   in sender order; roffs[e] is where expert e starts.
- * EP_COMBINE: the reverse, each row back to where its sender had it. */
+/* The expert exchange's engines (EP_COUNTS, EP_DISPATCH, EP_COMBINE) are in section 9a below. */
+static int mt__cpu_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *err);
+
+/* One collective node on the CPU. */
+static int mt__cpu_collective(mt_runtime *rt, const mt_node *n, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    mt__group *gr = mt__find_group(rt, (uint32_t)n->iattr[0], n->iattr[1]);
+    if (!gr) return mt_errf(err, "%s: no communicator for mesh mask 0x%x", mt_ops[n->op].name, n->iattr[0]);
+    if (gr->size > 1 && !rt->bind.cpu_world) return mt_errf(err, "%s over %d ranks without a world", mt_ops[n->op].name, gr->size);
+    const mt_value *a = &G->values[n->in[0]];
+    switch (n->op) {
+    case MT_OP_ALLREDUCE:
+        return mt__cpu_allreduce(rt, gr, rt->ptr[n->in[0]], mt_value_numel_max(G, a), a->dtype, n->iattr[2], n->fattr[0], err);
+    case MT_OP_ALLGATHER:
+        return mt__cpu_allgather(rt, gr, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), err);
+    case MT_OP_REDUCE_SCATTER:
+        return mt__cpu_reduce_scatter(rt, gr, (const mt_real *)rt->ptr[n->in[0]], (mt_real *)rt->ptr[n->out[0]],
+                                      mt_value_numel_logical(G, a), mt_value_numel_max(G, &G->values[n->out[0]]), n->fattr[0], err);
+    case MT_OP_SP_GATHER:
+        return mt__cpu_allgather(rt, gr, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), err);
+    case MT_OP_SP_SCATTER:
+        return mt__cpu_reduce_scatter(rt, gr, (const mt_real *)rt->ptr[n->in[0]], (mt_real *)rt->ptr[n->out[0]],
+                                      mt_value_numel_max(G, a), mt_value_numel_max(G, &G->values[n->out[0]]), 0.0f, err);
+    default:
+        return mt__cpu_ep(rt, n, gr, err);
+    }
+}
+
+#ifdef MT_CUDA
+/* --- CUDA engine: NCCL on the compute stream --- */
+
+static int mt__cuda_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *err);
+
+static int mt__cuda_collective(mt_runtime *rt, const mt_node *n, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    mt_cuda *c = (mt_cuda *)rt->cu;
+    mt__group *gr = mt__find_group(rt, (uint32_t)n->iattr[0], n->iattr[1]);
+    if (!gr) return mt_errf(err, "%s: no communicator for mesh mask 0x%x", mt_ops[n->op].name, n->iattr[0]);
+    void *comm = gr->comm ? gr->comm : rt->world_comm;
+    const mt_value *a = &G->values[n->in[0]];
+    int rc = 0;
+    switch (n->op) {
+    case MT_OP_ALLREDUCE: {
+        int64_t cnt = mt_value_numel_max(G, a);
+        float s = n->iattr[2] && gr->size > 1 ? 1.0f / (float)gr->size : 1.0f;
+        if (n->fattr[0] != 0.0f) s *= n->fattr[0];
+        if (gr->size > 1) rc = mt_nccl_allreduce(c, comm, rt->ptr[n->in[0]], cnt, a->dtype, 0);
+        if (!rc && a->dtype == MT_F32 && s != 1.0f) rc = mt_cuda_scale(c, (float *)rt->ptr[n->in[0]], cnt, s);
+        break;
+    }
+    case MT_OP_ALLGATHER: case MT_OP_SP_GATHER:
+        rc = mt_nccl_allgather(c, comm, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), a->dtype);
+        break;
+    case MT_OP_SP_SCATTER:   /* a sum in the activations' dtype (bf16 on the GPU) */
+        rc = mt_nccl_reduce_scatter(c, comm, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, &G->values[n->out[0]]), a->dtype);
+        break;
+    case MT_OP_REDUCE_SCATTER: {   /* zero the padding, sum-scatter, scale */
+        int64_t nl = mt_value_numel_logical(G, a), np = mt_value_numel_max(G, a), L = mt_value_numel_max(G, &G->values[n->out[0]]);
+        rc = mt_cuda_memset(c, (float *)rt->ptr[n->in[0]] + nl, 0, sizeof(float) * (size_t)(np - nl)) ||
+             mt_nccl_reduce_scatter(c, comm, rt->ptr[n->in[0]], rt->ptr[n->out[0]], L, MT_F32);
+        if (!rc && n->fattr[0] != 0.0f && n->fattr[0] != 1.0f) rc = mt_cuda_scale(c, (float *)rt->ptr[n->out[0]], L, n->fattr[0]);
+        break;
+    }
+    default:
+        return mt__cuda_ep(rt, n, gr, err);
+    }
+    return rc ? mt_errf(err, "%s: %s", mt_ops[n->op].name, mt_cuda_error(c)) : 0;
+}
+#endif
+
+int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *err) {
+    mt__group *gr = mt__find_group(rt, MT__WORLD_MASK, 0);
+    if (!gr || gr->size == 1 || n <= 0) return 0;
+    if (n > 64) return mt_errf(err, "host reductions take at most 64 numbers");
+#ifdef MT_CUDA
+    if (rt->backend == MT_BACKEND_CUDA) {
+        mt_cuda *c = (mt_cuda *)rt->cu;
+        double *d = (double *)rt->scratch;   /* f64 through NCCL */
+        if (mt_cuda_copy(c, d, x, sizeof(double) * (size_t)n, 0) || mt_nccl_allreduce(c, rt->world_comm, d, n, -1, op) ||
+            mt_cuda_copy(c, x, d, sizeof(double) * (size_t)n, 1))
+            return mt_errf(err, "%s", mt_cuda_error(c));
+        return 0;
+    }
+#endif
+    double acc[64];
+    if (mt__cpu_post(rt, gr, x, NULL, err)) return -1;
+    for (int i = 0; i < n; i++) acc[i] = ((const double *)mt__peer(rt, gr, 0, 0, x))[i];
+    for (int k = 1; k < gr->size; k++) {
+        const double *y = (const double *)mt__peer(rt, gr, k, 0, x);
+        for (int i = 0; i < n; i++) acc[i] = op ? (y[i] > acc[i] ? y[i] : acc[i]) : acc[i] + y[i];
+    }
+    if (mt__cpu_done(rt, gr, err)) return -1;
+    memcpy(x, acc, sizeof(double) * (size_t)n);
+    return 0;
+}
+
+/* ========================================================================
+ * 9a. THE EXPERT EXCHANGE: dispatch and combine, end to end
+ * Expert parallelism splits the E routed experts over the ep ranks of a
+ * group (mesh dimension MT_DIM_EP): rank i of the group holds experts
+ * [i*El, (i+1)*El), El = E / ep. Every rank routes its own tokens; the
+ * exchange carries each routed row to the rank that holds its expert, and
+ * the experts' output back. One MoE layer, as mt__moe (section 5) builds it:
+ *   ROUTER       logits -> idx, w (and the per-expert counts)
+ *   MOE_PERMUTE  x, idx -> xs [N*K, D] expert-major over all E experts,
+ *                offs [E+1]: the rows for rank p's experts are one block,
+ *                xs[offs[p*El] .. offs[(p+1)*El])
+ *   EP_COUNTS    offs -> recv [ep, El]: recv[s, e] = rows rank s sends to my
+ *                local expert e (an all-to-all of counts)
+ *   EP_DISPATCH  xs, offs, recv -> xr [R, D], roffs [El+1]: my experts' rows,
+ *                expert-major and, inside an expert, in sender order. R is
+ *                the symbol "ep_recv_tokens": the plan sizes xr at its bound
+ *                (N/tp * K * ep), the data sets it each step (rt->rows)
+ *   GMM x 3      the grouped SwiGLU over my El experts, offsets roffs
+ *   EP_COMBINE   yr, offs, recv -> ys [N*K, D]: the reverse, each row back
+ *                to where its sender had it
+ *   MOE_COMBINE  ys, slot, w -> y: each token's K rows weighed and summed
+ * The three exchange nodes run on queue MT_Q_EP; iattr: i0 the mesh mask
+ * (MT_DIM_EP), i1 the channel, i2 ep, i3 El, i4 the ep coordinate (a symbol).
+ *  - Checked: mt__check_moe (the EP_* cases); mt_op_is_ep_exchange names them.
+ *  - Differentiated: EP_DISPATCH and EP_COMBINE are each other's adjoint over
+ *    the same offs and recv (mt__backward_rule); EP_COUNTS has no gradient.
+ *  - Rewritten: on ep = 1 mt_pass_elide_collectives removes all three and
+ *    pins R to N*K; mt_pass_isolate_ep moves them to a communicator of their
+ *    own (MT_CHANNEL_EP) when FSDP uses the same ranks; mt_pass_overlap
+ *    (mt__ep_ahead) moves the work that does not depend on them ahead of
+ *    the host synchronization; mt_pass_recompute re-runs them in a
+ *    recomputed block (not counted as received rows). Over several ranks
+ *    they need host counts (mt_node_syncs_host), so they run eagerly between
+ *    captured CUDA graphs (mt_node_capturable).
+ *  - Run: mt__exec_cpu and mt__exec_cuda hand them to mt__cpu_collective and
+ *    mt__cuda_collective, which find the node's group (mt__find_group), then
+ *    to the two engines below, one semantics:
+ *      CPU (mt__cpu_ep): ranks are threads sharing an mt_world; each posts
+ *      pointers to its rows and offsets and copies its peers' blocks itself.
+ *      CUDA (mt__cuda_ep): EP_COUNTS forms the counts on the device
+ *      (mt_cuda_ep_counts), exchanges them (mt_nccl_exchange: ncclSend and
+ *      ncclRecv per peer in one NCCL group) and copies offs and recv to the
+ *      host (rt->host): the step's only host synchronization
+ *      (mt_runtime_host_syncs). The rows then travel as an all-to-all-v with
+ *      byte ranges from those counts, through a buffer in peer order
+ *      (rt->ep_stage, sized by mt__cuda_ep_stage_bytes, allocated by
+ *      mt_runtime_create) that mt_cuda_ep_regroup turns expert-major (dispatch)
+ *      or back (combine); mt_cuda_ep_offsets_table writes roffs. On one rank
+ *      without elision (eager graphs) mt__exec_cuda copies the rows itself
+ *      (mt_cuda_ep_counts, mt_cuda_ep_offsets).
+ *    The rows a rank's experts receive in the forward are counted in
+ *    rt->recv_rows (mt_runtime_received_rows).
+ * ====================================================================== */
+
 static int mt__check_offs(const int32_t *offs, int E, int64_t cap, const char *what, mt_err *err) {
     if (offs[0] != 0 || offs[E] > cap) return mt_errf(err, "%s: bad expert offsets", what);
     for (int e = 0; e < E; e++) if (offs[e + 1] < offs[e]) return mt_errf(err, "%s: bad expert offsets", what);
@@ -6775,33 +6919,22 @@ static int mt__cpu_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *e
     return mt__cpu_done(rt, gr, err);
 }
 
-/* One collective node on the CPU. */
-static int mt__cpu_collective(mt_runtime *rt, const mt_node *n, mt_err *err) {
-    const mt_graph *G = &rt->g;
-    mt__group *gr = mt__find_group(rt, (uint32_t)n->iattr[0], n->iattr[1]);
-    if (!gr) return mt_errf(err, "%s: no communicator for mesh mask 0x%x", mt_ops[n->op].name, n->iattr[0]);
-    if (gr->size > 1 && !rt->bind.cpu_world) return mt_errf(err, "%s over %d ranks without a world", mt_ops[n->op].name, gr->size);
-    const mt_value *a = &G->values[n->in[0]];
-    switch (n->op) {
-    case MT_OP_ALLREDUCE:
-        return mt__cpu_allreduce(rt, gr, rt->ptr[n->in[0]], mt_value_numel_max(G, a), a->dtype, n->iattr[2], n->fattr[0], err);
-    case MT_OP_ALLGATHER:
-        return mt__cpu_allgather(rt, gr, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), err);
-    case MT_OP_REDUCE_SCATTER:
-        return mt__cpu_reduce_scatter(rt, gr, (const mt_real *)rt->ptr[n->in[0]], (mt_real *)rt->ptr[n->out[0]],
-                                      mt_value_numel_logical(G, a), mt_value_numel_max(G, &G->values[n->out[0]]), n->fattr[0], err);
-    case MT_OP_SP_GATHER:
-        return mt__cpu_allgather(rt, gr, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), err);
-    case MT_OP_SP_SCATTER:
-        return mt__cpu_reduce_scatter(rt, gr, (const mt_real *)rt->ptr[n->in[0]], (mt_real *)rt->ptr[n->out[0]],
-                                      mt_value_numel_max(G, a), mt_value_numel_max(G, &G->values[n->out[0]]), 0.0f, err);
-    default:
-        return mt__cpu_ep(rt, n, gr, err);
-    }
-}
-
 #ifdef MT_CUDA
-/* --- CUDA engine: NCCL on the compute stream --- */
+/* CUDA: the staging buffer, rows in peer order (dispatch: as received; combine: as sent), and the counts EP_COUNTS sends. */
+static size_t mt__cuda_ep_stage_bytes(const mt_graph *G) {
+    size_t bytes = 0;
+    for (int i = 0; i < G->n_nodes; i++) {
+        const mt_node *n = &G->nodes[i];
+        if ((n->op == MT_OP_EP_DISPATCH || n->op == MT_OP_EP_COMBINE) && n->iattr[2] > 1) {
+            const mt_value *x = &G->values[n->op == MT_OP_EP_DISPATCH ? n->out[0] : n->in[0]];
+            size_t need = (size_t)x->nbytes;
+            if (need > bytes) bytes = need;
+        }
+        if (n->op == MT_OP_EP_COUNTS && n->iattr[2] > 1 && (size_t)n->iattr[2] * (size_t)n->iattr[3] * 4 > bytes)
+            bytes = (size_t)n->iattr[2] * (size_t)n->iattr[3] * 4;   /* the counts it sends */
+    }
+    return bytes;
+}
 
 static int mt__cuda_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *err) {
     const mt_graph *G = &rt->g;
@@ -6859,69 +6992,7 @@ static int mt__cuda_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *
     }
     return rc ? mt_errf(err, "%s", mt_cuda_error(c)) : 0;
 }
-
-static int mt__cuda_collective(mt_runtime *rt, const mt_node *n, mt_err *err) {
-    const mt_graph *G = &rt->g;
-    mt_cuda *c = (mt_cuda *)rt->cu;
-    mt__group *gr = mt__find_group(rt, (uint32_t)n->iattr[0], n->iattr[1]);
-    if (!gr) return mt_errf(err, "%s: no communicator for mesh mask 0x%x", mt_ops[n->op].name, n->iattr[0]);
-    void *comm = gr->comm ? gr->comm : rt->world_comm;
-    const mt_value *a = &G->values[n->in[0]];
-    int rc = 0;
-    switch (n->op) {
-    case MT_OP_ALLREDUCE: {
-        int64_t cnt = mt_value_numel_max(G, a);
-        float s = n->iattr[2] && gr->size > 1 ? 1.0f / (float)gr->size : 1.0f;
-        if (n->fattr[0] != 0.0f) s *= n->fattr[0];
-        if (gr->size > 1) rc = mt_nccl_allreduce(c, comm, rt->ptr[n->in[0]], cnt, a->dtype, 0);
-        if (!rc && a->dtype == MT_F32 && s != 1.0f) rc = mt_cuda_scale(c, (float *)rt->ptr[n->in[0]], cnt, s);
-        break;
-    }
-    case MT_OP_ALLGATHER: case MT_OP_SP_GATHER:
-        rc = mt_nccl_allgather(c, comm, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), a->dtype);
-        break;
-    case MT_OP_SP_SCATTER:   /* a sum in the activations' dtype (bf16 on the GPU) */
-        rc = mt_nccl_reduce_scatter(c, comm, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, &G->values[n->out[0]]), a->dtype);
-        break;
-    case MT_OP_REDUCE_SCATTER: {   /* zero the padding, sum-scatter, scale */
-        int64_t nl = mt_value_numel_logical(G, a), np = mt_value_numel_max(G, a), L = mt_value_numel_max(G, &G->values[n->out[0]]);
-        rc = mt_cuda_memset(c, (float *)rt->ptr[n->in[0]] + nl, 0, sizeof(float) * (size_t)(np - nl)) ||
-             mt_nccl_reduce_scatter(c, comm, rt->ptr[n->in[0]], rt->ptr[n->out[0]], L, MT_F32);
-        if (!rc && n->fattr[0] != 0.0f && n->fattr[0] != 1.0f) rc = mt_cuda_scale(c, (float *)rt->ptr[n->out[0]], L, n->fattr[0]);
-        break;
-    }
-    default:
-        return mt__cuda_ep(rt, n, gr, err);
-    }
-    return rc ? mt_errf(err, "%s: %s", mt_ops[n->op].name, mt_cuda_error(c)) : 0;
-}
 #endif
-
-int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *err) {
-    mt__group *gr = mt__find_group(rt, MT__WORLD_MASK, 0);
-    if (!gr || gr->size == 1 || n <= 0) return 0;
-    if (n > 64) return mt_errf(err, "host reductions take at most 64 numbers");
-#ifdef MT_CUDA
-    if (rt->backend == MT_BACKEND_CUDA) {
-        mt_cuda *c = (mt_cuda *)rt->cu;
-        double *d = (double *)rt->scratch;   /* f64 through NCCL */
-        if (mt_cuda_copy(c, d, x, sizeof(double) * (size_t)n, 0) || mt_nccl_allreduce(c, rt->world_comm, d, n, -1, op) ||
-            mt_cuda_copy(c, x, d, sizeof(double) * (size_t)n, 1))
-            return mt_errf(err, "%s", mt_cuda_error(c));
-        return 0;
-    }
-#endif
-    double acc[64];
-    if (mt__cpu_post(rt, gr, x, NULL, err)) return -1;
-    for (int i = 0; i < n; i++) acc[i] = ((const double *)mt__peer(rt, gr, 0, 0, x))[i];
-    for (int k = 1; k < gr->size; k++) {
-        const double *y = (const double *)mt__peer(rt, gr, k, 0, x);
-        for (int i = 0; i < n; i++) acc[i] = op ? (y[i] > acc[i] ? y[i] : acc[i]) : acc[i] + y[i];
-    }
-    if (mt__cpu_done(rt, gr, err)) return -1;
-    memcpy(x, acc, sizeof(double) * (size_t)n);
-    return 0;
-}
 
 /* ========================================================================
  * 10. Runtime
@@ -7064,16 +7135,7 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
         }
         mt_cuda_set_attn_recompute_dq(cu, b->attn_recompute_dq);
         rt->scratch_bytes = mt__cuda_scratch(G, cu);
-        for (int i = 0; i < G->n_nodes; i++) {   /* the expert exchange stages rows in peer order */
-            const mt_node *n = &G->nodes[i];
-            if ((n->op == MT_OP_EP_DISPATCH || n->op == MT_OP_EP_COMBINE) && n->iattr[2] > 1) {
-                const mt_value *x = &G->values[n->op == MT_OP_EP_DISPATCH ? n->out[0] : n->in[0]];
-                size_t need = (size_t)x->nbytes;
-                if (need > rt->ep_stage_bytes) rt->ep_stage_bytes = need;
-            }
-            if (n->op == MT_OP_EP_COUNTS && n->iattr[2] > 1 && (size_t)n->iattr[2] * (size_t)n->iattr[3] * 4 > rt->ep_stage_bytes)
-                rt->ep_stage_bytes = (size_t)n->iattr[2] * (size_t)n->iattr[3] * 4;   /* the counts it sends */
-        }
+        rt->ep_stage_bytes = mt__cuda_ep_stage_bytes(G);   /* the expert exchange stages rows in peer order */
         if (G->overlap) {   /* streams per queue: the schedule, and which nodes' events someone waits for */
             if (mt_schedule_build(G, &rt->sched, err)) { mt_runtime_destroy(rt); return -1; }
             rt->ev_of = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(G->n_nodes + 1));
