@@ -26,6 +26,7 @@
  *   9.  Collectives
  *       9a.  THE EXPERT EXCHANGE: dispatch and combine, end to end (implementation part)
  *   10. Runtime: bind, init, step
+ *       10a. DEVICE HOISTING: one rank, one device, named by its binding (implementation part)
  *   11. Checkpoints: safetensors with Hugging Face DeepSeek-V3 names
  *   12. Data: token shards, raw bytes, the embedded default corpus
  *   13. Metrics: FLOPs per token, MFU, SVG loss curve
@@ -6847,7 +6848,7 @@ int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *
  *      (mt_runtime_host_syncs). The rows then travel as an all-to-all-v with
  *      byte ranges from those counts, through a buffer in peer order
  *      (rt->ep_stage, sized by mt__cuda_ep_stage_bytes, allocated by
- *      mt_runtime_create) that mt_cuda_ep_regroup turns expert-major (dispatch)
+ *      mt__bind_cuda) that mt_cuda_ep_regroup turns expert-major (dispatch)
  *      or back (combine); mt_cuda_ep_offsets_table writes roffs. On one rank
  *      without elision (eager graphs) mt__exec_cuda copies the rows itself
  *      (mt_cuda_ep_counts, mt_cuda_ep_offsets).
@@ -7019,6 +7020,89 @@ static void mt__aligned_free(void *p) {
     MT_FREE(raw);
 }
 
+/* ========================================================================
+ * 10a. DEVICE HOISTING: one rank, one device, named by its binding
+ * The artifact names an architecture, never a device ordinal (section 7).
+ * Which device a rank computes on is decided once, when it binds, and
+ * nothing after that relies on "the current device":
+ *  - mt_binding.device says which: the launcher sets it to the rank's local
+ *    rank (LOCAL_RANK or its peers, mt_launch_from_env) or, for one rank, to
+ *    train's --gpu; every GPU stays visible (no CUDA_VISIBLE_DEVICES). On the
+ *    CPU it is a virtual device id, used in checks and messages.
+ *  - mt_runtime_create refuses what cannot bind (mt__bind_check), then makes
+ *    everything device-bound on that device: mt__bind_cpu (host regions,
+ *    worker threads) or mt__bind_cuda: the context (mt_cuda_create in
+ *    moetrain_kernels.cu: cudaSetDevice, the streams, cuBLASLt's handle and
+ *    workspaces, the error flag), the tuning checked against this GPU's model
+ *    (mt_cuda_device_info, mt_tuning_mismatch, mt_cuda_gemm_preset), the op
+ *    workspace (mt__cuda_scratch), the expert exchange's staging buffer
+ *    (mt__cuda_ep_stage_bytes), the streams' ordering events, the persistent
+ *    region and the arena (mt_cuda_malloc) and NCCL's world communicator
+ *    (mt_nccl_init); the groups' communicators are split from it
+ *    (mt__bind_groups, mt_nccl_split). Then every value gets its pointer into
+ *    this rank's regions and the constants (MT_ROLE_CONST values: the RoPE
+ *    tables) are uploaded into them (mt_runtime_write).
+ *  - Every later entry point first makes the binding's device current on the
+ *    calling thread (mt_cuda_use in mt_runtime_step, mt_runtime_read,
+ *    mt_runtime_write, mt_runtime_init_params), so a runtime may be driven
+ *    from any thread; mt_cuda_destroy and mt_nccl_init set it too.
+ *  - mt_runtime_check_devices proves it at bind and before every step: each
+ *    value's bytes lie in this rank's regions and, on CUDA, those regions are
+ *    on the binding's GPU (mt_cuda_device_of).
+ * test_devices binds two CPU runtimes to virtual devices 0 and 1 and plants a
+ * pointer into the other's memory; the multi-rank GPU tests run ranks as
+ * threads of one process, each bound to its own GPU.
+ * ====================================================================== */
+/* What cannot bind: another build's reals, CUDA without CUDA, the GEMMs' dims, a binding that
+ * disagrees with the mesh, CPU ranks without their world, CUDA ranks without NCCL's id. */
+static int mt__bind_check(const mt_graph *g, const mt_binding *b, mt_err *err) {
+    if (g->target.backend == MT_BACKEND_CPU && g->target.real_bytes != (int)sizeof(mt_real))
+        return mt_errf(err, "this graph was compiled for %d-byte reals, this build computes in %d-byte reals",
+                       g->target.real_bytes, (int)sizeof(mt_real));
+#ifndef MT_CUDA
+    if (g->target.backend == MT_BACKEND_CUDA)
+        return mt_errf(err, "this graph was compiled for CUDA (%s) but this build has no CUDA support: "
+                            "build on a machine with the CUDA toolkit, or precompile with --device cpu", g->target.arch);
+#else
+    if (g->target.backend == MT_BACKEND_CUDA && sizeof(mt_real) != 4)
+        return mt_errf(err, "CUDA graphs need a float32 build (MT_REAL=float)");
+    for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX2 && n->op != MT_OP_GMM_DW_SQ &&
+            n->op != MT_OP_GMM_GLU) continue;
+        const mt_value *W = &g->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
+        if (W->dims[1] % 8 || W->dims[2] % 8)
+            return mt_errf(err, "on CUDA the expert GEMMs need dim and moe_inter_dim to be multiples of 8 (got %lld and %lld)",
+                           (long long)W->dims[2], (long long)W->dims[1]);
+    }
+#endif
+    if (b->world != mt_mesh_world(&g->mesh))
+        return mt_errf(err, "the graph's mesh has %d ranks, the launch has %d", mt_mesh_world(&g->mesh), b->world);
+    if (b->rank < 0 || b->rank >= b->world) return mt_errf(err, "rank %d outside world %d", b->rank, b->world);
+    if (b->world > 1 && g->target.backend == MT_BACKEND_CPU && (!b->cpu_world || b->cpu_world->n != b->world))
+        return mt_errf(err, "CPU ranks are threads of one process: a world of %d needs the shared mt_world of its threads "
+                            "(mt_run_thread_ranks)", b->world);
+    if (b->world > 1 && g->target.backend == MT_BACKEND_CUDA) {
+        int any = 0;
+        for (int i = 0; i < MT_NCCL_ID_BYTES; i++) any |= b->nccl_id[i];
+        if (!any) return mt_errf(err, "CUDA ranks need NCCL's unique id in the binding (from rank 0's rendezvous)");
+    }
+    return 0;
+}
+/* CPU: the regions in host memory and the worker threads; bind.device is a virtual device id. */
+static int mt__bind_cpu(mt_runtime *rt, const mt_binding *b, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    rt->persist = (uint8_t *)mt__aligned((size_t)G->persist_bytes);
+    rt->arena = (uint8_t *)mt__aligned((size_t)G->arena_bytes);
+    if (!rt->persist || !rt->arena) {
+        char h1[32], h2[32];
+        return mt_errf(err, "out of memory: the plan needs %s persistent + %s arena", mt__human((double)G->persist_bytes, h1),
+                       mt__human((double)G->arena_bytes, h2));
+    }
+    int nt = b->n_threads > 0 ? b->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (nt > 64) nt = 64;
+    return mt_pool_create(&rt->pool, nt, err);
+}
 #ifdef MT_CUDA
 #define MT__CU(rt) ((mt_cuda *)(rt)->cu)
 /* Workspace the hungriest node needs (cuBLASLt has its own). */
@@ -7054,41 +7138,51 @@ static size_t mt__cuda_scratch(const mt_graph *G, mt_cuda *cu) {
     }
     return need;
 }
+
+/* CUDA: everything device-bound, made on the binding's device (see DEVICE HOISTING above). */
+static int mt__bind_cuda(mt_runtime *rt, const mt_binding *b, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    mt_cuda *cu;
+    if (mt_cuda_create(&cu, b->device, err)) return -1;
+    rt->cu = cu;
+    mt_tuning_info here;
+    char why[320];
+    if (mt_cuda_device_info(cu, &here)) return mt_errf(err, "%s", mt_cuda_error(cu));
+    if (!G->tuned_for.device[0]) {
+        snprintf(rt->tuning_note, sizeof rt->tuning_note, "the graph carries no tuning: rank %d chose its GEMM algorithms on %s", b->rank, here.device);
+    } else if (mt_tuning_mismatch(&G->tuned_for, &here, why, sizeof why)) {
+        if (b->strict_tuning) return mt_errf(err, "rank %d: the graph's tuning does not fit this GPU: %s", b->rank, why);
+        snprintf(rt->tuning_note, sizeof rt->tuning_note, "rank %d re-derived the tuning: %s", b->rank, why);
+    } else if (mt_cuda_gemm_preset(cu, G->tuning, G->n_tuning)) {
+        return mt_errf(err, "%s", mt_cuda_error(cu));
+    } else {
+        mt_cuda_set_split_sms(cu, G->tuned_for.n_sms);
+    }
+    mt_cuda_set_attn_recompute_dq(cu, b->attn_recompute_dq);
+    rt->scratch_bytes = mt__cuda_scratch(G, cu);
+    rt->ep_stage_bytes = mt__cuda_ep_stage_bytes(G);   /* the expert exchange stages rows in peer order */
+    if (G->overlap) {   /* streams per queue: the schedule, and which nodes' events someone waits for */
+        if (mt_schedule_build(G, &rt->sched, err)) return -1;
+        rt->ev_of = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(G->n_nodes + 1));
+        rt->ev_used = (uint8_t *)mt__calloc((size_t)G->n_nodes + 1);
+        if (!rt->ev_of || !rt->ev_used) return mt_errf(err, "out of memory");
+        for (int k = 0; k < rt->sched.n_wait; k++) rt->ev_used[rt->sched.wait[k]] = 1;
+        if (mt_cuda_queue_events(cu, G->n_nodes + 1)) return mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
+    }
+    if (mt_cuda_malloc(cu, (void **)&rt->persist, (size_t)G->persist_bytes) ||
+        mt_cuda_malloc(cu, (void **)&rt->arena, (size_t)G->arena_bytes) ||
+        mt_cuda_malloc(cu, &rt->scratch, rt->scratch_bytes) || mt_cuda_memset(cu, rt->persist, 0, (size_t)G->persist_bytes) ||
+        (rt->ep_stage_bytes && mt_cuda_malloc(cu, &rt->ep_stage, rt->ep_stage_bytes)))
+        return mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
+    if (b->world > 1 && mt_nccl_init(cu, &rt->world_comm, b->nccl_id, b->world, b->rank))
+        return mt_errf(err, "rank %d (device %d): joining the NCCL world of %d: %s", b->rank, b->device, b->world, mt_cuda_error(cu));
+    return 0;
+}
 #endif
 
 int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, mt_err *err) {
     *out = NULL;
-    if (g->target.backend == MT_BACKEND_CPU && g->target.real_bytes != (int)sizeof(mt_real))
-        return mt_errf(err, "this graph was compiled for %d-byte reals, this build computes in %d-byte reals",
-                       g->target.real_bytes, (int)sizeof(mt_real));
-#ifndef MT_CUDA
-    if (g->target.backend == MT_BACKEND_CUDA)
-        return mt_errf(err, "this graph was compiled for CUDA (%s) but this build has no CUDA support: "
-                            "build on a machine with the CUDA toolkit, or precompile with --device cpu", g->target.arch);
-#else
-    if (g->target.backend == MT_BACKEND_CUDA && sizeof(mt_real) != 4)
-        return mt_errf(err, "CUDA graphs need a float32 build (MT_REAL=float)");
-    for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
-        const mt_node *n = &g->nodes[i];
-        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX2 && n->op != MT_OP_GMM_DW_SQ &&
-            n->op != MT_OP_GMM_GLU) continue;
-        const mt_value *W = &g->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
-        if (W->dims[1] % 8 || W->dims[2] % 8)
-            return mt_errf(err, "on CUDA the expert GEMMs need dim and moe_inter_dim to be multiples of 8 (got %lld and %lld)",
-                           (long long)W->dims[2], (long long)W->dims[1]);
-    }
-#endif
-    if (b->world != mt_mesh_world(&g->mesh))
-        return mt_errf(err, "the graph's mesh has %d ranks, the launch has %d", mt_mesh_world(&g->mesh), b->world);
-    if (b->rank < 0 || b->rank >= b->world) return mt_errf(err, "rank %d outside world %d", b->rank, b->world);
-    if (b->world > 1 && g->target.backend == MT_BACKEND_CPU && (!b->cpu_world || b->cpu_world->n != b->world))
-        return mt_errf(err, "CPU ranks are threads of one process: a world of %d needs the shared mt_world of its threads "
-                            "(mt_run_thread_ranks)", b->world);
-    if (b->world > 1 && g->target.backend == MT_BACKEND_CUDA) {
-        int any = 0;
-        for (int i = 0; i < MT_NCCL_ID_BYTES; i++) any |= b->nccl_id[i];
-        if (!any) return mt_errf(err, "CUDA ranks need NCCL's unique id in the binding (from rank 0's rendezvous)");
-    }
+    if (mt__bind_check(g, b, err)) return -1;
     mt_runtime *rt = (mt_runtime *)mt__calloc(sizeof *rt);
     if (!rt) return mt_errf(err, "out of memory");
     rt->bind = *b;
@@ -7103,66 +7197,11 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
     rt->host = (int32_t **)mt__calloc(sizeof(int32_t *) * (size_t)(G->n_values + 1));
     if (!rt->ptr || !rt->rows || !rt->sym || !rt->counts || !rt->host) { mt_runtime_destroy(rt); return mt_errf(err, "out of memory"); }
     if (rt->backend == MT_BACKEND_CPU) {
-        rt->persist = (uint8_t *)mt__aligned((size_t)G->persist_bytes);
-        rt->arena = (uint8_t *)mt__aligned((size_t)G->arena_bytes);
-        if (!rt->persist || !rt->arena) {
-            char h1[32], h2[32];
-            mt_errf(err, "out of memory: the plan needs %s persistent + %s arena", mt__human((double)G->persist_bytes, h1),
-                    mt__human((double)G->arena_bytes, h2));
-            mt_runtime_destroy(rt);
-            return -1;
-        }
-        int nt = b->n_threads > 0 ? b->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
-        if (nt > 64) nt = 64;
-        if (mt_pool_create(&rt->pool, nt, err)) { mt_runtime_destroy(rt); return -1; }
-    } else {
-#ifdef MT_CUDA
-        mt_cuda *cu;
-        if (mt_cuda_create(&cu, b->device, err)) { mt_runtime_destroy(rt); return -1; }
-        rt->cu = cu;
-        mt_tuning_info here;
-        char why[320];
-        if (mt_cuda_device_info(cu, &here)) { mt_errf(err, "%s", mt_cuda_error(cu)); mt_runtime_destroy(rt); return -1; }
-        if (!G->tuned_for.device[0]) {
-            snprintf(rt->tuning_note, sizeof rt->tuning_note, "the graph carries no tuning: rank %d chose its GEMM algorithms on %s", b->rank, here.device);
-        } else if (mt_tuning_mismatch(&G->tuned_for, &here, why, sizeof why)) {
-            if (b->strict_tuning) { mt_errf(err, "rank %d: the graph's tuning does not fit this GPU: %s", b->rank, why); mt_runtime_destroy(rt); return -1; }
-            snprintf(rt->tuning_note, sizeof rt->tuning_note, "rank %d re-derived the tuning: %s", b->rank, why);
-        } else if (mt_cuda_gemm_preset(cu, G->tuning, G->n_tuning)) {
-            mt_errf(err, "%s", mt_cuda_error(cu)); mt_runtime_destroy(rt); return -1;
-        } else {
-            mt_cuda_set_split_sms(cu, G->tuned_for.n_sms);
-        }
-        mt_cuda_set_attn_recompute_dq(cu, b->attn_recompute_dq);
-        rt->scratch_bytes = mt__cuda_scratch(G, cu);
-        rt->ep_stage_bytes = mt__cuda_ep_stage_bytes(G);   /* the expert exchange stages rows in peer order */
-        if (G->overlap) {   /* streams per queue: the schedule, and which nodes' events someone waits for */
-            if (mt_schedule_build(G, &rt->sched, err)) { mt_runtime_destroy(rt); return -1; }
-            rt->ev_of = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(G->n_nodes + 1));
-            rt->ev_used = (uint8_t *)mt__calloc((size_t)G->n_nodes + 1);
-            if (!rt->ev_of || !rt->ev_used) { mt_runtime_destroy(rt); return mt_errf(err, "out of memory"); }
-            for (int k = 0; k < rt->sched.n_wait; k++) rt->ev_used[rt->sched.wait[k]] = 1;
-            if (mt_cuda_queue_events(cu, G->n_nodes + 1)) {
-                mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
-                mt_runtime_destroy(rt);
-                return -1;
-            }
-        }
-        if (mt_cuda_malloc(cu, (void **)&rt->persist, (size_t)G->persist_bytes) ||
-            mt_cuda_malloc(cu, (void **)&rt->arena, (size_t)G->arena_bytes) ||
-            mt_cuda_malloc(cu, &rt->scratch, rt->scratch_bytes) || mt_cuda_memset(cu, rt->persist, 0, (size_t)G->persist_bytes) ||
-            (rt->ep_stage_bytes && mt_cuda_malloc(cu, &rt->ep_stage, rt->ep_stage_bytes))) {
-            mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
-            mt_runtime_destroy(rt);
-            return -1;
-        }
-        if (b->world > 1 && mt_nccl_init(cu, &rt->world_comm, b->nccl_id, b->world, b->rank)) {
-            mt_errf(err, "rank %d (device %d): joining the NCCL world of %d: %s", b->rank, b->device, b->world, mt_cuda_error(cu));
-            mt_runtime_destroy(rt);
-            return -1;
-        }
-#endif
+        if (mt__bind_cpu(rt, b, err)) { mt_runtime_destroy(rt); return -1; }
     }
+#ifdef MT_CUDA
+    else if (mt__bind_cuda(rt, b, err)) { mt_runtime_destroy(rt); return -1; }
+#endif
     if (mt__bind_groups(rt, err)) { mt_runtime_destroy(rt); return -1; }
     /* bind symbols: coordinates from the binding, sizes at their bounds until data says otherwise */
     for (int s = 0; s < G->n_syms; s++)
