@@ -31,6 +31,8 @@
  *   12. Data: token shards, raw bytes, the embedded default corpus
  *   13. Metrics: FLOPs per token, MFU, SVG loss curve
  *   14. Launch: the rendezvous that hands out NCCL's id and relays failures
+ *   Op index: right below; for each op, where it is checked, built, differentiated, rewritten by
+ *   passes, and run on the CPU and on CUDA
  *
  * Shapes are written in comments as [rows, cols]; N = batch*seq_len tokens,
  * D = dim, H = heads, E = routed experts, K = top_k, V = vocab.
@@ -38,6 +40,135 @@
  * Precision: the CPU reference computes in mt_real, float by default. Build
  * with -DMT_REAL=double to run everything in float64 (gradient checks do).
  */
+
+/* OP INDEX: for each op of MT_OPS (section 4), where it is
+ *   checked in   the mt__check_* function mt_check_node hands it to (every op also passes
+ *                mt__check_refs, and mt__index_operands says which operands are indices);
+ *   built by     the builder function that emits it (section 5); "<- X": emitted by X's backward
+ *                rule; "fuse: A + B" and the like: made by that pass from those ops;
+ *   backward     what its case in mt__backward_rule emits ("-": none: not differentiable, or made
+ *                after autodiff);
+ *   passes       the passes that rewrite it or treat it apart (section 6): elide
+ *                (mt_pass_elide_collectives), fuse (mt_pass_fuse), fuse_glu (mt_pass_fuse_glu),
+ *                fold_rope (mt_pass_fold_rope), recompute (mt_pass_recompute: it re-runs every
+ *                forward op of a block; named only where it treats an op apart), isolate_ep
+ *                (mt_pass_isolate_ep), overlap (mt_pass_overlap, mt_node_queue: a stream of its
+ *                own), capture (mt_node_capturable: runs eagerly between captured CUDA graphs),
+ *                tune (mt_tune); mt_pass_plan_memory and mt__validate_graph see every op;
+ *   CPU, CUDA    what its case in mt__exec_cpu and mt__exec_cuda calls: an mt_cpu_* reference op
+ *                (section 8), an mt_cuda_* launcher (moetrain_kernels.cu); collectives go through
+ *                mt__cpu_collective and mt__cuda_collective to the engines of section 9, the
+ *                expert exchange to section 9a.
+ * Names, not line numbers: test_op_index (test.c) checks that every op of MT_OPS has its two lines
+ * here, in MT_OPS order, and that every function named here exists.
+ *
+ * op                 checked in           built by                     backward           passes
+ *                                         CPU (mt__exec_cpu)                       CUDA (mt__exec_cuda)
+ * EMBED              mt__check_dense      mt__forward                  EMBED_BWD          -
+ *                                         mt_cpu_embed_forward                     mt_cuda_embed_forward
+ * EMBED_BWD          mt__check_dense      <- EMBED                     -                  -
+ *                                         mt_cpu_embed_backward                    mt_cuda_embed_backward
+ * RMSNORM            mt__check_dense      mt__rmsnorm_eps              RMSNORM_BWD        fuse
+ *                                         mt_cpu_rmsnorm_forward                   mt_cuda_rmsnorm_forward
+ * RMSNORM_BWD        mt__check_dense      <- RMSNORM                   -                  fuse
+ *                                         mt_cpu_rmsnorm_backward                  mt_cuda_rmsnorm_backward
+ * MATMUL             mt__check_dense      mt__linear, <- MATMUL        MATMUL x 2         fuse, tune
+ *                                         mt_cpu_matmul                            mt_cuda_matmul
+ * SPLIT              mt__check_dense      mt__mla                      CONCAT             -
+ *                                         mt_cpu_split                             mt_cuda_split
+ * CONCAT             mt__check_dense      <- SPLIT                     -                  -
+ *                                         mt_cpu_concat                            mt_cuda_concat
+ * MLA_ROPE           mt__check_attention  mt__mla                      MLA_ROPE_BWD       fold_rope
+ *                                         mt_cpu_mla_rope_forward                  mt_cuda_mla_rope_forward
+ * MLA_ROPE_BWD       mt__check_attention  <- MLA_ROPE                  -                  fold_rope
+ *                                         mt_cpu_mla_rope_backward                 mt_cuda_mla_rope_backward
+ * ATTENTION          mt__check_attention  mt__mla                      ATTENTION_BWD      fold_rope
+ *                                         mt_cpu_attention_forward                 mt_cuda_attention_forward
+ * ATTENTION_BWD      mt__check_attention  <- ATTENTION                 -                  fold_rope
+ *                                         mt_cpu_attention_backward                mt_cuda_attention_backward
+ * SWIGLU             mt__check_dense      mt__ffn, mt__moe             SWIGLU_BWD         fuse_glu
+ *                                         mt_cpu_swiglu_forward                    mt_cuda_swiglu_forward
+ * SWIGLU_BWD         mt__check_dense      <- SWIGLU                    -                  -
+ *                                         mt_cpu_swiglu_backward                   mt_cuda_swiglu_backward
+ * ADD                mt__check_dense      mt__block, mt__moe, mt__acc  (dy to both)       fuse
+ *                                         mt_cpu_add                               mt_cuda_add
+ * ROUTER             mt__check_moe        mt__moe                      ROUTER_BWD         recompute
+ *                                         mt_cpu_router_forward                    mt_cuda_router_forward
+ * ROUTER_BWD         mt__check_moe        <- ROUTER                    -                  -
+ *                                         mt_cpu_router_backward                   mt_cuda_router_backward
+ * MOE_PERMUTE        mt__check_moe        mt__moe                      MOE_PERMUTE_BWD    -
+ *                                         mt_cpu_moe_permute                       mt_cuda_moe_permute
+ * MOE_PERMUTE_BWD    mt__check_moe        <- MOE_PERMUTE               -                  -
+ *                                         mt_cpu_moe_permute_backward              mt_cuda_moe_permute_backward
+ * EP_COUNTS          mt__check_moe        mt__moe                      -                  elide, isolate_ep, overlap, capture
+ *                                         mt__cpu_ep                               mt__cuda_ep; ep = 1: mt_cuda_ep_counts
+ * EP_DISPATCH        mt__check_moe        mt__moe, <- EP_COMBINE       EP_COMBINE         elide, isolate_ep, overlap, capture
+ *                                         mt__cpu_ep                               mt__cuda_ep; ep = 1: mt_cuda_ep_offsets
+ * EP_COMBINE         mt__check_moe        mt__moe, <- EP_DISPATCH      EP_DISPATCH        elide, isolate_ep, overlap, capture
+ *                                         mt__cpu_ep                               mt__cuda_ep; ep = 1: mt_cuda_copy
+ * GMM                mt__check_moe        mt__moe                      GMM_DX, GMM_DW     fuse_glu
+ *                                         mt_cpu_gmm                               mt_cuda_gmm (mode 0)
+ * GMM_DX             mt__check_moe        <- GMM                       -                  fuse
+ *                                         mt_cpu_gmm_dx                            mt_cuda_gmm (mode 1)
+ * GMM_DW             mt__check_moe        <- GMM                       -                  fuse
+ *                                         mt_cpu_gmm_dw                            mt_cuda_gmm (mode 2)
+ * MOE_COMBINE        mt__check_moe        mt__moe                      MOE_COMBINE_BWD    -
+ *                                         mt_cpu_moe_combine_forward               mt_cuda_moe_combine_forward
+ * MOE_COMBINE_BWD    mt__check_moe        <- MOE_COMBINE               -                  -
+ *                                         mt_cpu_moe_combine_backward              mt_cuda_moe_combine_backward
+ * CROSS_ENTROPY      mt__check_loss       mt__forward (tp = 1)         CROSS_ENTROPY_BWD  -
+ *                                         mt_cpu_cross_entropy_forward             mt_cuda_cross_entropy_forward
+ * CROSS_ENTROPY_BWD  mt__check_loss       <- CROSS_ENTROPY             -                  -
+ *                                         mt_cpu_cross_entropy_backward            mt_cuda_cross_entropy_backward
+ * SUMSQ              mt__check_optimizer  mt__optimizer                -                  fuse
+ *                                         mt__exec_cpu (in double)                 mt_cuda_sumsq, mt_cuda_sumsq_multi
+ * ALLREDUCE          mt__check_collective mt__optimizer                -                  overlap, capture
+ *                                         mt__cpu_allreduce                        mt_nccl_allreduce + mt_cuda_scale
+ * LR_SCHEDULE        mt__check_optimizer  mt__optimizer                -                  -
+ *                                         mt_lr_at                                 mt_cuda_lr_schedule
+ * CLIP               mt__check_optimizer  mt__optimizer                -                  -
+ *                                         mt__exec_cpu                             mt_cuda_clip
+ * ADAMW              mt__check_optimizer  mt__optimizer                -                  -
+ *                                         mt_cpu_adamw                             mt_cuda_adamw, mt_cuda_adamw_multi
+ * EXPERT_BIAS_UPDATE mt__check_optimizer  mt__optimizer                -                  -
+ *                                         mt_cpu_expert_bias_update                mt_cuda_expert_bias_update
+ * ADD_RMSNORM        mt__check_dense      fuse: ADD + RMSNORM          -                  -
+ *                                         mt_cpu_add_rmsnorm_forward               mt_cuda_add_rmsnorm_forward
+ * RMSNORM_BWD_ADD    mt__check_dense      fuse: RMSNORM_BWD + ADD      -                  -
+ *                                         mt_cpu_rmsnorm_backward_add              mt_cuda_rmsnorm_backward_add
+ * MATMUL_ACC         mt__check_dense      fuse: MATMUL + ADD           -                  tune
+ *                                         mt_cpu_matmul + mt_cpu_add               mt_cuda_matmul (acc)
+ * GMM_DX2            mt__check_moe        fuse: GMM_DX x 2 + ADD       -                  -
+ *                                         mt_cpu_gmm_dx + mt_cpu_gmm_dx_add        mt_cuda_gmm (mode 1, a2 b2)
+ * GMM_DW_SQ          mt__check_moe        fuse: GMM_DW + SUMSQ         -                  -
+ *                                         mt_cpu_gmm_dw + mt__exec_cpu             mt_cuda_gmm (mode 2, ssq)
+ * DOC_STARTS         mt__check_dense      mt__forward                  -                  -
+ *                                         mt_cpu_doc_starts                        mt_cuda_doc_starts
+ * ALLGATHER          mt__check_collective mt__param, mt__regather      REDUCE_SCATTER     overlap, recompute, capture
+ *                                         mt__cpu_allgather                        mt_nccl_allgather
+ * REDUCE_SCATTER     mt__check_collective <- ALLGATHER                 -                  overlap, capture
+ *                                         mt__cpu_reduce_scatter                   mt_nccl_reduce_scatter + mt_cuda_scale
+ * ROPE_PE            mt__check_attention  fold_rope: MLA_ROPE          -                  -
+ *                                         mt_cpu_rope_pe_forward                   mt_cuda_rope_pe_forward
+ * MLA_ATTENTION      mt__check_attention  fold_rope: ATTENTION         -                  -
+ *                                         mt_cpu_mla_attention_forward             mt_cuda_mla_attention_forward
+ * MLA_ATTENTION_BWD  mt__check_attention  fold_rope: ATTENTION_BWD     -                  -
+ *                                         mt_cpu_mla_attention_backward            mt_cuda_mla_attention_backward
+ * ROPE_PE_BWD        mt__check_attention  fold_rope: MLA_ROPE_BWD      -                  -
+ *                                         mt_cpu_rope_pe_backward                  mt_cuda_rope_pe_backward
+ * GMM_GLU            mt__check_moe        fuse_glu: GMM x 2 + SWIGLU   -                  -
+ *                                         mt_cpu_gmm x 2 + mt_cpu_swiglu_forward   mt_cuda_gmm_glu
+ * SP_GATHER          mt__check_collective mt__sp, <- SP_SCATTER        SP_SCATTER         overlap, capture
+ *                                         mt__cpu_allgather                        mt_nccl_allgather
+ * SP_SCATTER         mt__check_collective mt__sp, <- SP_GATHER         SP_GATHER          overlap, capture
+ *                                         mt__cpu_reduce_scatter                   mt_nccl_reduce_scatter
+ * CE_STATS           mt__check_loss       mt__forward (tp > 1)         (via CE_COMBINE)   -
+ *                                         mt_cpu_ce_stats                          mt_cuda_ce_stats
+ * CE_COMBINE         mt__check_loss       mt__forward (tp > 1)         CE_SHARD_BWD       -
+ *                                         mt_cpu_ce_combine                        mt_cuda_ce_combine
+ * CE_SHARD_BWD       mt__check_loss       <- CE_COMBINE                -                  -
+ *                                         mt_cpu_ce_shard_backward                 mt_cuda_ce_shard_backward
+ * (end of the op index) */
 #ifndef MOETRAIN_H
 #define MOETRAIN_H
 
@@ -323,7 +454,9 @@ typedef struct {
 } mt_node;
 
 /* The op table. Each op has a CPU reference in section 8, a shape check,
- * and (for forward ops) a backward rule in section 5.
+ * and (for forward ops) a backward rule in section 5; the OP INDEX after the
+ * table of contents names, for each, the functions that check, build,
+ * differentiate, rewrite and run it.
  *   X(name, n_in, n_out, differentiable) */
 #define MT_OPS(X)                                                                 \
     X(EMBED, 2, 1, 1)            /* tokens[N] i32, wte[V,D] -> x[N,D] */          \
