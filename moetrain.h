@@ -24,11 +24,15 @@
  *   7.  Artifact: write, validate + load, fingerprint, dump
  *   8.  CPU reference ops (forward/backward pairs, plain C)
  *   9.  Collectives
+ *       9a.  THE EXPERT EXCHANGE: dispatch and combine, end to end (implementation part)
  *   10. Runtime: bind, init, step
+ *       10a. DEVICE HOISTING: one rank, one device, named by its binding (implementation part)
  *   11. Checkpoints: safetensors with Hugging Face DeepSeek-V3 names
  *   12. Data: token shards, raw bytes, the embedded default corpus
  *   13. Metrics: FLOPs per token, MFU, SVG loss curve
  *   14. Launch: the rendezvous that hands out NCCL's id and relays failures
+ *   Op index: right below; for each op, where it is checked, built, differentiated, rewritten by
+ *   passes, and run on the CPU and on CUDA
  *
  * Shapes are written in comments as [rows, cols]; N = batch*seq_len tokens,
  * D = dim, H = heads, E = routed experts, K = top_k, V = vocab.
@@ -36,6 +40,135 @@
  * Precision: the CPU reference computes in mt_real, float by default. Build
  * with -DMT_REAL=double to run everything in float64 (gradient checks do).
  */
+
+/* OP INDEX: for each op of MT_OPS (section 4), where it is
+ *   checked in   the mt__check_* function mt_check_node hands it to (every op also passes
+ *                mt__check_refs, and mt__index_operands says which operands are indices);
+ *   built by     the builder function that emits it (section 5); "<- X": emitted by X's backward
+ *                rule; "fuse: A + B" and the like: made by that pass from those ops;
+ *   backward     what its case in mt__backward_rule emits ("-": none: not differentiable, or made
+ *                after autodiff);
+ *   passes       the passes that rewrite it or treat it apart (section 6): elide
+ *                (mt_pass_elide_collectives), fuse (mt_pass_fuse), fuse_glu (mt_pass_fuse_glu),
+ *                fold_rope (mt_pass_fold_rope), recompute (mt_pass_recompute: it re-runs every
+ *                forward op of a block; named only where it treats an op apart), isolate_ep
+ *                (mt_pass_isolate_ep), overlap (mt_pass_overlap, mt_node_queue: a stream of its
+ *                own), capture (mt_node_capturable: runs eagerly between captured CUDA graphs),
+ *                tune (mt_tune); mt_pass_plan_memory and mt__validate_graph see every op;
+ *   CPU, CUDA    what its case in mt__exec_cpu and mt__exec_cuda calls: an mt_cpu_* reference op
+ *                (section 8), an mt_cuda_* launcher (moetrain_kernels.cu); collectives go through
+ *                mt__cpu_collective and mt__cuda_collective to the engines of section 9, the
+ *                expert exchange to section 9a.
+ * Names, not line numbers: test_op_index (test.c) checks that every op of MT_OPS has its two lines
+ * here, in MT_OPS order, and that every function named here exists.
+ *
+ * op                 checked in           built by                     backward           passes
+ *                                         CPU (mt__exec_cpu)                       CUDA (mt__exec_cuda)
+ * EMBED              mt__check_dense      mt__forward                  EMBED_BWD          -
+ *                                         mt_cpu_embed_forward                     mt_cuda_embed_forward
+ * EMBED_BWD          mt__check_dense      <- EMBED                     -                  -
+ *                                         mt_cpu_embed_backward                    mt_cuda_embed_backward
+ * RMSNORM            mt__check_dense      mt__rmsnorm_eps              RMSNORM_BWD        fuse
+ *                                         mt_cpu_rmsnorm_forward                   mt_cuda_rmsnorm_forward
+ * RMSNORM_BWD        mt__check_dense      <- RMSNORM                   -                  fuse
+ *                                         mt_cpu_rmsnorm_backward                  mt_cuda_rmsnorm_backward
+ * MATMUL             mt__check_dense      mt__linear, <- MATMUL        MATMUL x 2         fuse, tune
+ *                                         mt_cpu_matmul                            mt_cuda_matmul
+ * SPLIT              mt__check_dense      mt__mla                      CONCAT             -
+ *                                         mt_cpu_split                             mt_cuda_split
+ * CONCAT             mt__check_dense      <- SPLIT                     -                  -
+ *                                         mt_cpu_concat                            mt_cuda_concat
+ * MLA_ROPE           mt__check_attention  mt__mla                      MLA_ROPE_BWD       fold_rope
+ *                                         mt_cpu_mla_rope_forward                  mt_cuda_mla_rope_forward
+ * MLA_ROPE_BWD       mt__check_attention  <- MLA_ROPE                  -                  fold_rope
+ *                                         mt_cpu_mla_rope_backward                 mt_cuda_mla_rope_backward
+ * ATTENTION          mt__check_attention  mt__mla                      ATTENTION_BWD      fold_rope
+ *                                         mt_cpu_attention_forward                 mt_cuda_attention_forward
+ * ATTENTION_BWD      mt__check_attention  <- ATTENTION                 -                  fold_rope
+ *                                         mt_cpu_attention_backward                mt_cuda_attention_backward
+ * SWIGLU             mt__check_dense      mt__ffn, mt__moe             SWIGLU_BWD         fuse_glu
+ *                                         mt_cpu_swiglu_forward                    mt_cuda_swiglu_forward
+ * SWIGLU_BWD         mt__check_dense      <- SWIGLU                    -                  -
+ *                                         mt_cpu_swiglu_backward                   mt_cuda_swiglu_backward
+ * ADD                mt__check_dense      mt__block, mt__moe, mt__acc  (dy to both)       fuse
+ *                                         mt_cpu_add                               mt_cuda_add
+ * ROUTER             mt__check_moe        mt__moe                      ROUTER_BWD         recompute
+ *                                         mt_cpu_router_forward                    mt_cuda_router_forward
+ * ROUTER_BWD         mt__check_moe        <- ROUTER                    -                  -
+ *                                         mt_cpu_router_backward                   mt_cuda_router_backward
+ * MOE_PERMUTE        mt__check_moe        mt__moe                      MOE_PERMUTE_BWD    -
+ *                                         mt_cpu_moe_permute                       mt_cuda_moe_permute
+ * MOE_PERMUTE_BWD    mt__check_moe        <- MOE_PERMUTE               -                  -
+ *                                         mt_cpu_moe_permute_backward              mt_cuda_moe_permute_backward
+ * EP_COUNTS          mt__check_moe        mt__moe                      -                  elide, isolate_ep, overlap, capture
+ *                                         mt__cpu_ep                               mt__cuda_ep; ep = 1: mt_cuda_ep_counts
+ * EP_DISPATCH        mt__check_moe        mt__moe, <- EP_COMBINE       EP_COMBINE         elide, isolate_ep, overlap, capture
+ *                                         mt__cpu_ep                               mt__cuda_ep; ep = 1: mt_cuda_ep_offsets
+ * EP_COMBINE         mt__check_moe        mt__moe, <- EP_DISPATCH      EP_DISPATCH        elide, isolate_ep, overlap, capture
+ *                                         mt__cpu_ep                               mt__cuda_ep; ep = 1: mt_cuda_copy
+ * GMM                mt__check_moe        mt__moe                      GMM_DX, GMM_DW     fuse_glu
+ *                                         mt_cpu_gmm                               mt_cuda_gmm (mode 0)
+ * GMM_DX             mt__check_moe        <- GMM                       -                  fuse
+ *                                         mt_cpu_gmm_dx                            mt_cuda_gmm (mode 1)
+ * GMM_DW             mt__check_moe        <- GMM                       -                  fuse
+ *                                         mt_cpu_gmm_dw                            mt_cuda_gmm (mode 2)
+ * MOE_COMBINE        mt__check_moe        mt__moe                      MOE_COMBINE_BWD    -
+ *                                         mt_cpu_moe_combine_forward               mt_cuda_moe_combine_forward
+ * MOE_COMBINE_BWD    mt__check_moe        <- MOE_COMBINE               -                  -
+ *                                         mt_cpu_moe_combine_backward              mt_cuda_moe_combine_backward
+ * CROSS_ENTROPY      mt__check_loss       mt__forward (tp = 1)         CROSS_ENTROPY_BWD  -
+ *                                         mt_cpu_cross_entropy_forward             mt_cuda_cross_entropy_forward
+ * CROSS_ENTROPY_BWD  mt__check_loss       <- CROSS_ENTROPY             -                  -
+ *                                         mt_cpu_cross_entropy_backward            mt_cuda_cross_entropy_backward
+ * SUMSQ              mt__check_optimizer  mt__optimizer                -                  fuse
+ *                                         mt__exec_cpu (in double)                 mt_cuda_sumsq, mt_cuda_sumsq_multi
+ * ALLREDUCE          mt__check_collective mt__optimizer                -                  overlap, capture
+ *                                         mt__cpu_allreduce                        mt_nccl_allreduce + mt_cuda_scale
+ * LR_SCHEDULE        mt__check_optimizer  mt__optimizer                -                  -
+ *                                         mt_lr_at                                 mt_cuda_lr_schedule
+ * CLIP               mt__check_optimizer  mt__optimizer                -                  -
+ *                                         mt__exec_cpu                             mt_cuda_clip
+ * ADAMW              mt__check_optimizer  mt__optimizer                -                  -
+ *                                         mt_cpu_adamw                             mt_cuda_adamw, mt_cuda_adamw_multi
+ * EXPERT_BIAS_UPDATE mt__check_optimizer  mt__optimizer                -                  -
+ *                                         mt_cpu_expert_bias_update                mt_cuda_expert_bias_update
+ * ADD_RMSNORM        mt__check_dense      fuse: ADD + RMSNORM          -                  -
+ *                                         mt_cpu_add_rmsnorm_forward               mt_cuda_add_rmsnorm_forward
+ * RMSNORM_BWD_ADD    mt__check_dense      fuse: RMSNORM_BWD + ADD      -                  -
+ *                                         mt_cpu_rmsnorm_backward_add              mt_cuda_rmsnorm_backward_add
+ * MATMUL_ACC         mt__check_dense      fuse: MATMUL + ADD           -                  tune
+ *                                         mt_cpu_matmul + mt_cpu_add               mt_cuda_matmul (acc)
+ * GMM_DX2            mt__check_moe        fuse: GMM_DX x 2 + ADD       -                  -
+ *                                         mt_cpu_gmm_dx + mt_cpu_gmm_dx_add        mt_cuda_gmm (mode 1, a2 b2)
+ * GMM_DW_SQ          mt__check_moe        fuse: GMM_DW + SUMSQ         -                  -
+ *                                         mt_cpu_gmm_dw + mt__exec_cpu             mt_cuda_gmm (mode 2, ssq)
+ * DOC_STARTS         mt__check_dense      mt__forward                  -                  -
+ *                                         mt_cpu_doc_starts                        mt_cuda_doc_starts
+ * ALLGATHER          mt__check_collective mt__param, mt__regather      REDUCE_SCATTER     overlap, recompute, capture
+ *                                         mt__cpu_allgather                        mt_nccl_allgather
+ * REDUCE_SCATTER     mt__check_collective <- ALLGATHER                 -                  overlap, capture
+ *                                         mt__cpu_reduce_scatter                   mt_nccl_reduce_scatter + mt_cuda_scale
+ * ROPE_PE            mt__check_attention  fold_rope: MLA_ROPE          -                  -
+ *                                         mt_cpu_rope_pe_forward                   mt_cuda_rope_pe_forward
+ * MLA_ATTENTION      mt__check_attention  fold_rope: ATTENTION         -                  -
+ *                                         mt_cpu_mla_attention_forward             mt_cuda_mla_attention_forward
+ * MLA_ATTENTION_BWD  mt__check_attention  fold_rope: ATTENTION_BWD     -                  -
+ *                                         mt_cpu_mla_attention_backward            mt_cuda_mla_attention_backward
+ * ROPE_PE_BWD        mt__check_attention  fold_rope: MLA_ROPE_BWD      -                  -
+ *                                         mt_cpu_rope_pe_backward                  mt_cuda_rope_pe_backward
+ * GMM_GLU            mt__check_moe        fuse_glu: GMM x 2 + SWIGLU   -                  -
+ *                                         mt_cpu_gmm x 2 + mt_cpu_swiglu_forward   mt_cuda_gmm_glu
+ * SP_GATHER          mt__check_collective mt__sp, <- SP_SCATTER        SP_SCATTER         overlap, capture
+ *                                         mt__cpu_allgather                        mt_nccl_allgather
+ * SP_SCATTER         mt__check_collective mt__sp, <- SP_GATHER         SP_GATHER          overlap, capture
+ *                                         mt__cpu_reduce_scatter                   mt_nccl_reduce_scatter
+ * CE_STATS           mt__check_loss       mt__forward (tp > 1)         (via CE_COMBINE)   -
+ *                                         mt_cpu_ce_stats                          mt_cuda_ce_stats
+ * CE_COMBINE         mt__check_loss       mt__forward (tp > 1)         CE_SHARD_BWD       -
+ *                                         mt_cpu_ce_combine                        mt_cuda_ce_combine
+ * CE_SHARD_BWD       mt__check_loss       <- CE_COMBINE                -                  -
+ *                                         mt_cpu_ce_shard_backward                 mt_cuda_ce_shard_backward
+ * (end of the op index) */
 #ifndef MOETRAIN_H
 #define MOETRAIN_H
 
@@ -321,7 +454,9 @@ typedef struct {
 } mt_node;
 
 /* The op table. Each op has a CPU reference in section 8, a shape check,
- * and (for forward ops) a backward rule in section 5.
+ * and (for forward ops) a backward rule in section 5; the OP INDEX after the
+ * table of contents names, for each, the functions that check, build,
+ * differentiate, rewrite and run it.
  *   X(name, n_in, n_out, differentiable) */
 #define MT_OPS(X)                                                                 \
     X(EMBED, 2, 1, 1)            /* tokens[N] i32, wte[V,D] -> x[N,D] */          \
@@ -1884,8 +2019,12 @@ static int mt__index_operands(int op, uint32_t *in, uint32_t *out) {
     return 0;
 }
 
+/* mt_check_node: what every op must satisfy (mt__check_refs), then the shape rules of its family
+ * (one of the mt__check_* below, which take the mt__ck by value so that their cases read as they
+ * would in one function), then which operands are indices (mt__index_operands). */
 #define MT__T(x) do { if (x) return -1; } while (0)
-int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
+/* Arity, value and symbol references, attributes, required operands: what every op must satisfy. */
+static int mt__check_refs(const mt_graph *g, const mt_node *n, mt_err *err) {
     if (n->op < 0 || n->op >= MT_NOPS) return mt_errf(err, "unknown op %d", n->op);
     const mt_op_info *oi = &mt_ops[n->op];
     if (n->n_in != oi->n_in || n->n_out != oi->n_out)
@@ -1905,8 +2044,6 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
     if (n->sym_mask >> MT_MAX_ATTR) return mt_errf(err, "%s: bad symbol mask", oi->name);
     for (int i = 0; i < 4; i++)
         if (!isfinite(n->fattr[i])) return mt_errf(err, "%s: attribute f%d is not finite", oi->name, i);
-    mt__ck c = {g, n, err};
-    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
     /* required inputs/outputs (optional ones handled per op below) */
     for (int i = 0; i < n->n_in; i++) {
         int optional = (n->op == MT_OP_SUMSQ && i == 1) || (n->op == MT_OP_CONCAT) ||
@@ -1918,6 +2055,14 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         int optional = (n->op == MT_OP_ADAMW && i == 3);
         if (n->out[i] < 0 && !optional) return mt_errf(err, "%s: output %d missing", oi->name, i);
     }
+    return 0;
+}
+/* The residual stream and the dense layers: embedding, norms, GEMMs, splits, SwiGLU, adds. */
+static int mt__check_dense(mt__ck c) {
+    const mt_node *n = c.n;
+    const mt_op_info *oi = &mt_ops[n->op];
+    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
+    mt_err *err = c.err;
     switch (n->op) {
     case MT_OP_EMBED: case MT_OP_EMBED_BWD: {   /* i0 parts (0, 1: all tokens), i1 which part (a symbol): rows [i1*n, (i1+1)*n) */
         MT__T(mt__int_attr(&c, 0, 0, 4096));
@@ -1935,40 +2080,6 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         } else {
             MT__T(mt__shape(&c, a, "dx", 2, tk->dims[0] / parts, MT__ANY, 0));
             MT__T(mt__shape(&c, o, "dwte", 2, MT__ANY, a->dims[1], 0));
-        }
-        break;
-    }
-    case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER: {   /* rows split over the group: y = [x_0; x_1; ...] or my rows of the sum */
-        MT__T(mt__int_attr(&c, 0, 1, (1 << MT_NDIMS) - 1)); MT__T(mt__int_attr(&c, 1, 0, 7));
-        uint32_t mask = (uint32_t)n->iattr[0];
-        if (!mt_mesh_mask_valid(mask)) return mt_errf(err, "%s: mesh mask 0x%x mixes bases", oi->name, n->iattr[0]);
-        int64_t S = mt_mesh_group_size(&g->mesh, mask);
-        const mt_value *part = n->op == MT_OP_SP_GATHER ? a : o, *whole = n->op == MT_OP_SP_GATHER ? o : a;
-        MT__T(mt__shape(&c, part, "part", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, whole, "whole", 2, part->dims[0] * S, part->dims[1], 0));
-        if (part->dtype != whole->dtype) return mt_errf(err, "%s: '%s' and '%s' differ in dtype", oi->name, part->name, whole->name);
-        if (part->dims[0] < 0 || part->shard || whole->shard) return mt_errf(err, "%s: '%s' must be a plain, fixed-size activation", oi->name, part->name);
-        break;
-    }
-    case MT_OP_CE_STATS: case MT_OP_CE_COMBINE: case MT_OP_CE_SHARD_BWD: {   /* the vocab-parallel cross-entropy */
-        const mt_value *lg = n->op == MT_OP_CE_COMBINE ? b : a;
-        const mt_value *tg = n->op == MT_OP_CE_STATS ? b : mt__in(&c, 2);
-        MT__T(mt__shape(&c, lg, "logits", 2, MT__ANY, MT__ANY, 0));
-        int64_t N = lg->dims[0];
-        MT__T(mt__is_index(&c, tg, "targets", 1)); MT__T(mt__shape(&c, tg, "targets", 1, N, 0, 0));
-        if (n->op != MT_OP_CE_COMBINE && !(n->sym_mask & 1u)) return mt_errf(err, "%s: the shard's coordinate must be a symbol", oi->name);
-        if (n->op == MT_OP_CE_STATS) {
-            MT__T(mt__shape(&c, o, "stats", 2, N, 3, 0));
-            if (o->dtype != MT_F32) return mt_errf(err, "CE_STATS: stats must be f32");
-        } else if (n->op == MT_OP_CE_COMBINE) {
-            MT__T(mt__shape(&c, a, "stats", 2, MT__ANY, 3, 0));
-            if (a->dims[0] < N || a->dims[0] % N) return mt_errf(err, "CE_COMBINE: stats of %lld rows for %lld tokens", (long long)a->dims[0], (long long)N);
-            MT__T(mt__shape(&c, o, "loss", 1, 1, 0, 0));
-            MT__T(mt__shape(&c, mt__out(&c, 1), "lse", 1, N, 0, 0));
-            if (a->dtype != MT_F32 || o->dtype != MT_F32 || mt__out(&c, 1)->dtype != MT_F32) return mt_errf(err, "CE_COMBINE: stats, loss and lse must be f32");
-        } else {
-            MT__T(mt__shape(&c, b, "lse", 1, N, 0, 0));
-            MT__T(mt__shape(&c, o, "dlogits", 2, N, lg->dims[1], 0));
         }
         break;
     }
@@ -2016,6 +2127,52 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         if (b) MT__T(mt__shape(&c, b, "x2", 2, o->dims[0], o->dims[1] - wa, 0));
         break;
     }
+    case MT_OP_DOC_STARTS:
+        MT__T(mt__int_attr(&c, 0, 1, 1 << 20)); MT__T(mt__int_attr(&c, 1, 0, INT_MAX));
+        MT__T(mt__shape(&c, a, "tokens", 1, MT__ANY, 0, 0));
+        if (a->dims[0] % n->iattr[0]) return mt_errf(err, "DOC_STARTS: %lld tokens is not a multiple of seq_len %d", (long long)a->dims[0], n->iattr[0]);
+        MT__T(mt__shape(&c, o, "dstart", 1, a->dims[0], 0, 0));
+        break;
+    case MT_OP_SWIGLU: case MT_OP_ADD:
+        MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, b, "b", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, o, "out", 2, a->dims[0], a->dims[1], 0));
+        break;
+    case MT_OP_SWIGLU_BWD:
+        MT__T(mt__shape(&c, a, "g", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, b, "u", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "dh", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, o, "dg", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "du", 2, a->dims[0], a->dims[1], 0));
+        break;
+    case MT_OP_ADD_RMSNORM:
+        MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, b, "b", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "w", 1, a->dims[1], 0, 0));
+        MT__T(mt__shape(&c, o, "h", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "y", 2, a->dims[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 2), "rstd", 1, a->dims[0], 0, 0));
+        if (!(n->fattr[0] > 0)) return mt_errf(err, "ADD_RMSNORM: eps must be > 0");
+        break;
+    case MT_OP_RMSNORM_BWD_ADD:
+        MT__T(mt__shape(&c, b, "x", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, a, "dy", 2, b->dims[0], b->dims[1], 0));
+        MT__T(mt__shape(&c, mt__in(&c, 2), "w", 1, b->dims[1], 0, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 3), "rstd", 1, b->dims[0], 0, 0));
+        MT__T(mt__shape(&c, mt__in(&c, 4), "acc", 2, b->dims[0], b->dims[1], 0));
+        MT__T(mt__shape(&c, o, "dx", 2, b->dims[0], b->dims[1], 0));
+        MT__T(mt__shape(&c, mt__out(&c, 1), "dw", 1, b->dims[1], 0, 0));
+        break;
+    }
+    return 0;
+}
+/* Attention: MLA's RoPE assembly and the attention ops, unfolded and folded (mt_pass_fold_rope). */
+static int mt__check_attention(mt__ck c) {
+    const mt_node *n = c.n;
+    const mt_op_info *oi = &mt_ops[n->op];
+    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
+    mt_err *err = c.err;
+    switch (n->op) {
     case MT_OP_MLA_ROPE: case MT_OP_MLA_ROPE_BWD: {
         MT__T(mt__int_attr(&c, 0, 1, 1024)); MT__T(mt__int_attr(&c, 1, 1, 1024));
         MT__T(mt__int_attr(&c, 2, 2, 1024)); MT__T(mt__int_attr(&c, 3, 1, 1024));
@@ -2117,24 +2274,15 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         if (!(n->fattr[0] > 0)) return mt_errf(err, "%s: scale must be > 0", oi->name);
         break;
     }
-    case MT_OP_DOC_STARTS:
-        MT__T(mt__int_attr(&c, 0, 1, 1 << 20)); MT__T(mt__int_attr(&c, 1, 0, INT_MAX));
-        MT__T(mt__shape(&c, a, "tokens", 1, MT__ANY, 0, 0));
-        if (a->dims[0] % n->iattr[0]) return mt_errf(err, "DOC_STARTS: %lld tokens is not a multiple of seq_len %d", (long long)a->dims[0], n->iattr[0]);
-        MT__T(mt__shape(&c, o, "dstart", 1, a->dims[0], 0, 0));
-        break;
-    case MT_OP_SWIGLU: case MT_OP_ADD:
-        MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, b, "b", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, o, "out", 2, a->dims[0], a->dims[1], 0));
-        break;
-    case MT_OP_SWIGLU_BWD:
-        MT__T(mt__shape(&c, a, "g", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, b, "u", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, mt__in(&c, 2), "dh", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, o, "dg", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, mt__out(&c, 1), "du", 2, a->dims[0], a->dims[1], 0));
-        break;
+    }
+    return 0;
+}
+/* Mixture of experts: router, permutation, the expert exchange, grouped GEMMs, combine. */
+static int mt__check_moe(mt__ck c) {
+    const mt_node *n = c.n;
+    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
+    mt_err *err = c.err;
+    switch (n->op) {
     case MT_OP_ROUTER: case MT_OP_ROUTER_BWD: {
         MT__T(mt__int_attr(&c, 0, 1, 64)); MT__T(mt__int_attr(&c, 1, 0, 1)); MT__T(mt__int_attr(&c, 2, 0, 1));
         MT__T(mt__int_attr(&c, 3, 1, 4096)); MT__T(mt__int_attr(&c, 4, 1, 4096));
@@ -2258,6 +2406,38 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         MT__T(mt__shape(&c, mt__out(&c, 1), "dw", 2, w->dims[0], w->dims[1], 0));
         break;
     }
+    }
+    return 0;
+}
+/* The loss: cross-entropy, whole or on vocab shards (tensor parallelism). */
+static int mt__check_loss(mt__ck c) {
+    const mt_node *n = c.n;
+    const mt_op_info *oi = &mt_ops[n->op];
+    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
+    mt_err *err = c.err;
+    switch (n->op) {
+    case MT_OP_CE_STATS: case MT_OP_CE_COMBINE: case MT_OP_CE_SHARD_BWD: {   /* the vocab-parallel cross-entropy */
+        const mt_value *lg = n->op == MT_OP_CE_COMBINE ? b : a;
+        const mt_value *tg = n->op == MT_OP_CE_STATS ? b : mt__in(&c, 2);
+        MT__T(mt__shape(&c, lg, "logits", 2, MT__ANY, MT__ANY, 0));
+        int64_t N = lg->dims[0];
+        MT__T(mt__is_index(&c, tg, "targets", 1)); MT__T(mt__shape(&c, tg, "targets", 1, N, 0, 0));
+        if (n->op != MT_OP_CE_COMBINE && !(n->sym_mask & 1u)) return mt_errf(err, "%s: the shard's coordinate must be a symbol", oi->name);
+        if (n->op == MT_OP_CE_STATS) {
+            MT__T(mt__shape(&c, o, "stats", 2, N, 3, 0));
+            if (o->dtype != MT_F32) return mt_errf(err, "CE_STATS: stats must be f32");
+        } else if (n->op == MT_OP_CE_COMBINE) {
+            MT__T(mt__shape(&c, a, "stats", 2, MT__ANY, 3, 0));
+            if (a->dims[0] < N || a->dims[0] % N) return mt_errf(err, "CE_COMBINE: stats of %lld rows for %lld tokens", (long long)a->dims[0], (long long)N);
+            MT__T(mt__shape(&c, o, "loss", 1, 1, 0, 0));
+            MT__T(mt__shape(&c, mt__out(&c, 1), "lse", 1, N, 0, 0));
+            if (a->dtype != MT_F32 || o->dtype != MT_F32 || mt__out(&c, 1)->dtype != MT_F32) return mt_errf(err, "CE_COMBINE: stats, loss and lse must be f32");
+        } else {
+            MT__T(mt__shape(&c, b, "lse", 1, N, 0, 0));
+            MT__T(mt__shape(&c, o, "dlogits", 2, N, lg->dims[1], 0));
+        }
+        break;
+    }
     case MT_OP_CROSS_ENTROPY: case MT_OP_CROSS_ENTROPY_BWD: {
         MT__T(mt__shape(&c, a, "logits", 2, MT__ANY, MT__ANY, 0));
         const mt_value *tg = n->op == MT_OP_CROSS_ENTROPY ? b : mt__in(&c, 2);
@@ -2271,12 +2451,29 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         }
         break;
     }
-    case MT_OP_SUMSQ:
-        MT__T(mt__int_attr(&c, 0, 0, 1));
-        MT__T(mt__is_index(&c, a, "g", 0));
-        if (b) MT__T(mt__shape(&c, b, "acc_in", 1, 1, 0, 0));
-        MT__T(mt__shape(&c, o, "acc_out", 1, 1, 0, 0));
+    }
+    return 0;
+}
+/* Collectives over mesh groups: all-reduce, FSDP's all-gather and reduce-scatter, sequence parallelism. */
+static int mt__check_collective(mt__ck c) {
+    const mt_graph *g = c.g;
+    const mt_node *n = c.n;
+    const mt_op_info *oi = &mt_ops[n->op];
+    const mt_value *a = mt__in(&c, 0), *o = mt__out(&c, 0);
+    mt_err *err = c.err;
+    switch (n->op) {
+    case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER: {   /* rows split over the group: y = [x_0; x_1; ...] or my rows of the sum */
+        MT__T(mt__int_attr(&c, 0, 1, (1 << MT_NDIMS) - 1)); MT__T(mt__int_attr(&c, 1, 0, 7));
+        uint32_t mask = (uint32_t)n->iattr[0];
+        if (!mt_mesh_mask_valid(mask)) return mt_errf(err, "%s: mesh mask 0x%x mixes bases", oi->name, n->iattr[0]);
+        int64_t S = mt_mesh_group_size(&g->mesh, mask);
+        const mt_value *part = n->op == MT_OP_SP_GATHER ? a : o, *whole = n->op == MT_OP_SP_GATHER ? o : a;
+        MT__T(mt__shape(&c, part, "part", 2, MT__ANY, MT__ANY, 0));
+        MT__T(mt__shape(&c, whole, "whole", 2, part->dims[0] * S, part->dims[1], 0));
+        if (part->dtype != whole->dtype) return mt_errf(err, "%s: '%s' and '%s' differ in dtype", oi->name, part->name, whole->name);
+        if (part->dims[0] < 0 || part->shard || whole->shard) return mt_errf(err, "%s: '%s' must be a plain, fixed-size activation", oi->name, part->name);
         break;
+    }
     case MT_OP_ALLREDUCE:
         MT__T(mt__int_attr(&c, 0, 0, (1 << MT_NDIMS) - 1)); MT__T(mt__int_attr(&c, 1, 0, 7));
         MT__T(mt__int_attr(&c, 2, 0, 1));
@@ -2299,6 +2496,21 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
             if (part->dims[d] < 0) return mt_errf(err, "%s: '%s' has a symbolic size", oi->name, part->name);
         break;
     }
+    }
+    return 0;
+}
+/* The optimizer: gradient norm, learning rate, clipping, AdamW, the expert-bias update. */
+static int mt__check_optimizer(mt__ck c) {
+    const mt_node *n = c.n;
+    const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
+    mt_err *err = c.err;
+    switch (n->op) {
+    case MT_OP_SUMSQ:
+        MT__T(mt__int_attr(&c, 0, 0, 1));
+        MT__T(mt__is_index(&c, a, "g", 0));
+        if (b) MT__T(mt__shape(&c, b, "acc_in", 1, 1, 0, 0));
+        MT__T(mt__shape(&c, o, "acc_out", 1, 1, 0, 0));
+        break;
     case MT_OP_LR_SCHEDULE:
         MT__T(mt__shape(&c, a, "hparams", 1, MT_HP_COUNT, 0, 0));
         MT__T(mt__is_index(&c, b, "step", 1)); MT__T(mt__shape(&c, b, "step", 1, 1, 0, 0));
@@ -2326,29 +2538,44 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         if (n->out[3] >= 0) { MT__T(mt__same_numel(&c, p, mt__out(&c, 3))); MT__T(mt__persistent(&c, mt__out(&c, 3))); }
         break;
     }
-    case MT_OP_ADD_RMSNORM:
-        MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, b, "b", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, mt__in(&c, 2), "w", 1, a->dims[1], 0, 0));
-        MT__T(mt__shape(&c, o, "h", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, mt__out(&c, 1), "y", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, mt__out(&c, 2), "rstd", 1, a->dims[0], 0, 0));
-        if (!(n->fattr[0] > 0)) return mt_errf(err, "ADD_RMSNORM: eps must be > 0");
-        break;
-    case MT_OP_RMSNORM_BWD_ADD:
-        MT__T(mt__shape(&c, b, "x", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, a, "dy", 2, b->dims[0], b->dims[1], 0));
-        MT__T(mt__shape(&c, mt__in(&c, 2), "w", 1, b->dims[1], 0, 0));
-        MT__T(mt__shape(&c, mt__in(&c, 3), "rstd", 1, b->dims[0], 0, 0));
-        MT__T(mt__shape(&c, mt__in(&c, 4), "acc", 2, b->dims[0], b->dims[1], 0));
-        MT__T(mt__shape(&c, o, "dx", 2, b->dims[0], b->dims[1], 0));
-        MT__T(mt__shape(&c, mt__out(&c, 1), "dw", 1, b->dims[1], 0, 0));
-        break;
     case MT_OP_EXPERT_BIAS_UPDATE:
         MT__T(mt__shape(&c, a, "bias", 1, MT__ANY, 0, 0));
         MT__T(mt__is_index(&c, b, "counts", 1)); MT__T(mt__shape(&c, b, "counts", 1, a->dims[0], 0, 0));
         if (n->out[0] != n->in[0]) return mt_errf(err, "EXPERT_BIAS_UPDATE must be in place");
         MT__T(mt__persistent(&c, a));
+        break;
+    }
+    return 0;
+}
+int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
+    MT__T(mt__check_refs(g, n, err));
+    mt__ck c = {g, n, err};
+    switch (n->op) {   /* the op's own shape rules, by family */
+    case MT_OP_EMBED: case MT_OP_EMBED_BWD: case MT_OP_RMSNORM: case MT_OP_RMSNORM_BWD: case MT_OP_MATMUL:
+    case MT_OP_MATMUL_ACC: case MT_OP_SPLIT: case MT_OP_CONCAT: case MT_OP_DOC_STARTS: case MT_OP_SWIGLU:
+    case MT_OP_ADD: case MT_OP_SWIGLU_BWD: case MT_OP_ADD_RMSNORM: case MT_OP_RMSNORM_BWD_ADD:
+        MT__T(mt__check_dense(c));
+        break;
+    case MT_OP_MLA_ROPE: case MT_OP_MLA_ROPE_BWD: case MT_OP_ATTENTION: case MT_OP_ATTENTION_BWD: case MT_OP_ROPE_PE:
+    case MT_OP_ROPE_PE_BWD: case MT_OP_MLA_ATTENTION: case MT_OP_MLA_ATTENTION_BWD:
+        MT__T(mt__check_attention(c));
+        break;
+    case MT_OP_ROUTER: case MT_OP_ROUTER_BWD: case MT_OP_MOE_PERMUTE: case MT_OP_MOE_PERMUTE_BWD:
+    case MT_OP_EP_COUNTS: case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE: case MT_OP_GMM_GLU: case MT_OP_GMM:
+    case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: case MT_OP_MOE_COMBINE:
+    case MT_OP_MOE_COMBINE_BWD:
+        MT__T(mt__check_moe(c));
+        break;
+    case MT_OP_CE_STATS: case MT_OP_CE_COMBINE: case MT_OP_CE_SHARD_BWD: case MT_OP_CROSS_ENTROPY:
+    case MT_OP_CROSS_ENTROPY_BWD:
+        MT__T(mt__check_loss(c));
+        break;
+    case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER: case MT_OP_ALLREDUCE: case MT_OP_ALLGATHER:
+    case MT_OP_REDUCE_SCATTER:
+        MT__T(mt__check_collective(c));
+        break;
+    case MT_OP_SUMSQ: case MT_OP_LR_SCHEDULE: case MT_OP_CLIP: case MT_OP_ADAMW: case MT_OP_EXPERT_BIAS_UPDATE:
+        MT__T(mt__check_optimizer(c));
         break;
     }
     /* every operand is an index (i32) or floating point, as the op says */
@@ -4914,7 +5141,8 @@ int mt_read_file(const char *path, uint8_t **bytes, size_t *len, mt_err *err) {
 }
 
 /* --- validation of a loaded graph: everything an interpreter will trust --- */
-static int mt__validate_graph(const mt_graph *g, mt_err *err) {
+/* The target, config, mesh and symbols. */
+static int mt__validate_header(const mt_graph *g, mt_err *err) {
     mt_err e;
     if (g->target.backend != MT_BACKEND_CPU && g->target.backend != MT_BACKEND_CUDA)
         return mt_errf(err, "config: unknown backend %d", g->target.backend);
@@ -4933,6 +5161,10 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         if (s->kind == MT_SYM_COORD && s->max != g->mesh.size[s->mesh_dim] - 1)
             return mt_errf(err, "symbol '%s': bound disagrees with the mesh", s->name);
     }
+    return 0;
+}
+/* Every value: name, dtype, role, shape, size, owner, constant bytes. */
+static int mt__validate_values(const mt_graph *g, mt_err *err) {
     for (int i = 0; i < g->n_values; i++) {
         const mt_value *v = &g->values[i];
         if (!mt__fixstr_ok(v->name, MT_NAME_LEN)) return mt_errf(err, "value %d: bad name", i);
@@ -4975,6 +5207,10 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
             if (v->dims[d] < 0 && (v->role == MT_ROLE_CONST || !MT_ROLE_IN_ARENA(v->role)))
                 return mt_errf(err, "value '%s': symbolic size outside the arena", v->name);
     }
+    return 0;
+}
+/* The plan's regions and flags, and the recompute choice. */
+static int mt__validate_plan(const mt_graph *g, mt_err *err) {
     if (g->persist_bytes < 0 || g->arena_bytes < 0 || g->naive_arena_bytes < g->arena_bytes ||
         g->persist_bytes > ((int64_t)1 << 46) || g->naive_arena_bytes > ((int64_t)1 << 46))
         return mt_errf(err, "plan: region sizes out of range");
@@ -5014,7 +5250,11 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
             runs = g->nodes[k].phase == MT_PHASE_RECOMPUTE && g->nodes[k].layer == x->layer;
         if (!runs) return mt_errf(err, "plan: block %d is listed as recomputed but no node re-runs it", x->layer);
     }
-    /* nodes: shapes, then every value is written before it is read, and arena values once */
+    return 0;
+}
+/* Nodes: shapes, then every value is written before it is read, and arena values once. */
+static int mt__validate_nodes(const mt_graph *g, mt_err *err) {
+    mt_err e;
     uint8_t *state = (uint8_t *)mt__calloc((size_t)g->n_values + 1);  /* 0 unwritten, 1 written */
     if (!state) return mt_errf(err, "out of memory validating");
     for (int i = 0; i < g->n_values; i++) {
@@ -5061,7 +5301,10 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         }
     }
     MT_FREE(state);
-    /* well-known values */
+    return 0;
+}
+/* The well-known values: present as the graph kind needs, of their role, dtype and size. */
+static int mt__validate_io(const mt_graph *g, mt_err *err) {
     static const struct { int slot, role, dtype, train, fwd; } io[MT_NIO] = {
         {MT_IO_TOKENS, MT_ROLE_INPUT, MT_I32, 1, 1}, {MT_IO_TARGETS, MT_ROLE_INPUT, MT_I32, 1, 1},
         {MT_IO_STEP, MT_ROLE_INPUT, MT_I32, 1, 0}, {MT_IO_HPARAMS, MT_ROLE_INPUT, MT_F32, 1, 0},
@@ -5081,6 +5324,13 @@ static int mt__validate_graph(const mt_graph *g, mt_err *err) {
         else if (i == MT_IO_LOGITS) want_n = N * g->cfg.vocab_size;
         if (mt_value_numel_max(g, x) != want_n) return mt_errf(err, "plan: well-known value '%s' has the wrong size", x->name);
     }
+    return 0;
+}
+static int mt__validate_graph(const mt_graph *g, mt_err *err) {
+    mt_err e;
+    if (mt__validate_header(g, err) || mt__validate_values(g, err) || mt__validate_plan(g, err) ||
+        mt__validate_nodes(g, err) || mt__validate_io(g, err))
+        return -1;
     if (mt_plan_check(g, &e)) return mt_errf(err, "plan: %s", e.msg);
     if (g->overlap) {   /* the streams' schedule is derived again here: it must be hazard-free with this plan */
         mt_schedule sc;
@@ -5347,25 +5597,9 @@ int mt_graph_dot(const mt_graph *g, const char *path, mt_err *err) {
     return 0;
 }
 
-void mt_graph_dump(const mt_graph *g, FILE *f) {
-    char b1[32], b2[32], b3[32], dims[160];
-    fprintf(f, "moetrain step graph (format %u, %s)\n", MT_FORMAT_VERSION, g->kind == MT_GRAPH_TRAIN ? "train" : "forward");
-    fprintf(f, "fingerprint %016llx  target %s %s (real %d bytes)\n", (unsigned long long)mt_fingerprint(g),
-            g->target.backend == MT_BACKEND_CUDA ? "cuda" : "cpu", g->target.arch, (int)g->target.real_bytes);
-    fprintf(f, "\n== config\n");
-    for (int i = 0; i < mt_n_config_fields; i++) {
-        const mt_field *fl = &mt_config_fields[i];
-        const void *p = (const char *)&g->cfg + fl->offset;
-        if (!strcmp(fl->name, "score_func")) fprintf(f, "  %-20s %s\n", fl->name, *(const int *)p ? "sigmoid" : "softmax");
-        else if (fl->type == MT_FIELD_INT) fprintf(f, "  %-20s %d\n", fl->name, *(const int *)p);
-        else fprintf(f, "  %-20s %g\n", fl->name, (double)*(const float *)p);
-    }
-    fprintf(f, "\n== mesh\n  ");
-    for (int d = 0; d < MT_NDIMS; d++) fprintf(f, "%s=%d%s", mt_dim_names[d], g->mesh.size[d], d + 1 < MT_NDIMS ? "  " : "\n");
-    fprintf(f, "\n== symbols (bound at load/run time)\n");
-    for (int i = 0; i < g->n_syms; i++)
-        fprintf(f, "  s%-3d %-20s %-6s %s max=%lld\n", i, g->syms[i].name, g->syms[i].kind == MT_SYM_COORD ? "coord" : "size",
-                mt_dim_names[g->syms[i].mesh_dim], (long long)g->syms[i].max);
+/* --dump: every value with its role, dtype, shape, place in its region and live range. */
+static void mt__dump_values(const mt_graph *g, FILE *f) {
+    char dims[160];
     int32_t *first = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(g->n_values + 1));
     int32_t *last = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(g->n_values + 1));
     if (first && last) mt__live_ranges(g, first, last);
@@ -5386,6 +5620,9 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
         fprintf(f, "\n");
     }
     MT_FREE(first); MT_FREE(last);
+}
+/* --dump: the nodes in order, and with g->overlap the schedule of the streams. */
+static void mt__dump_nodes(const mt_graph *g, FILE *f) {
     static const char *const phase[] = {"fwd", "bwd", "opt", "rc"};
     mt_schedule sc;
     mt_err se;
@@ -5442,6 +5679,9 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
     } else {
         fprintf(f, "\n== overlap schedule: off (every node runs on the compute stream, in list order)\n");
     }
+}
+/* --dump: the collectives, and the communicator groups they resolve to at bind. */
+static void mt__dump_groups(const mt_graph *g, FILE *f) {
     fprintf(f, "\n== collectives (communicators are resolved per rank at bind time)\n");
     for (int i = 0; i < g->n_nodes; i++) {
         const mt_node *n = &g->nodes[i];
@@ -5495,6 +5735,10 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
     }
     if (world > 1) fprintf(f, "  communicators per rank: %d (the world's included)\n", n_own);
     MT_FREE(mem); MT_FREE(seen);
+}
+/* --dump: the memory plan, the tuning, the recompute choice and how the step executes. */
+static void mt__dump_plan(const mt_graph *g, FILE *f) {
+    char b1[32], b2[32], b3[32];
     fprintf(f, "\n== memory plan (%s)\n", g->planned ? "liveness-planned arena" : "naive: every value its own bytes");
     fprintf(f, "  persistent %s, arena %s (naive %s, %.1f%% saved)\n", mt__human((double)g->persist_bytes, b1),
             mt__human((double)g->arena_bytes, b2), mt__human((double)g->naive_arena_bytes, b3),
@@ -5539,6 +5783,29 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
     fprintf(f, "\n== execution\n  %d host synchronizations per step (expert counts); %d nodes run eagerly (collectives over "
                "several ranks, data-dependent sizes); %d regions between them%s\n", syncs, eager, regions,
             g->capture ? ", each replayed as a CUDA graph" : "; no graph capture");
+}
+void mt_graph_dump(const mt_graph *g, FILE *f) {
+    fprintf(f, "moetrain step graph (format %u, %s)\n", MT_FORMAT_VERSION, g->kind == MT_GRAPH_TRAIN ? "train" : "forward");
+    fprintf(f, "fingerprint %016llx  target %s %s (real %d bytes)\n", (unsigned long long)mt_fingerprint(g),
+            g->target.backend == MT_BACKEND_CUDA ? "cuda" : "cpu", g->target.arch, (int)g->target.real_bytes);
+    fprintf(f, "\n== config\n");
+    for (int i = 0; i < mt_n_config_fields; i++) {
+        const mt_field *fl = &mt_config_fields[i];
+        const void *p = (const char *)&g->cfg + fl->offset;
+        if (!strcmp(fl->name, "score_func")) fprintf(f, "  %-20s %s\n", fl->name, *(const int *)p ? "sigmoid" : "softmax");
+        else if (fl->type == MT_FIELD_INT) fprintf(f, "  %-20s %d\n", fl->name, *(const int *)p);
+        else fprintf(f, "  %-20s %g\n", fl->name, (double)*(const float *)p);
+    }
+    fprintf(f, "\n== mesh\n  ");
+    for (int d = 0; d < MT_NDIMS; d++) fprintf(f, "%s=%d%s", mt_dim_names[d], g->mesh.size[d], d + 1 < MT_NDIMS ? "  " : "\n");
+    fprintf(f, "\n== symbols (bound at load/run time)\n");
+    for (int i = 0; i < g->n_syms; i++)
+        fprintf(f, "  s%-3d %-20s %-6s %s max=%lld\n", i, g->syms[i].name, g->syms[i].kind == MT_SYM_COORD ? "coord" : "size",
+                mt_dim_names[g->syms[i].mesh_dim], (long long)g->syms[i].max);
+    mt__dump_values(g, f);
+    mt__dump_nodes(g, f);
+    mt__dump_groups(g, f);
+    mt__dump_plan(g, f);
 }
 
 /* ========================================================================
@@ -6574,76 +6841,8 @@ static int mt__cpu_reduce_scatter(mt_runtime *rt, const mt__group *gr, const mt_
     return mt__cpu_done(rt, gr, err);
 }
 
-/* The expert exchange. Rank i of the ep group holds experts [i*El, (i+1)*El).
- * My routed rows xs are expert-major over all E experts (offs[E+1]); the rows
- * for peer p's experts are one block [offs[p*El], offs[(p+1)*El]).
- * EP_COUNTS: recv[s, e] = rows rank s sends to my local expert e.
- * EP_DISPATCH: xr holds my experts' rows expert-major, and inside an expert
- *   in sender order; roffs[e] is where expert e starts.
- * EP_COMBINE: the reverse, each row back to where its sender had it. */
-static int mt__check_offs(const int32_t *offs, int E, int64_t cap, const char *what, mt_err *err) {
-    if (offs[0] != 0 || offs[E] > cap) return mt_errf(err, "%s: bad expert offsets", what);
-    for (int e = 0; e < E; e++) if (offs[e + 1] < offs[e]) return mt_errf(err, "%s: bad expert offsets", what);
-    return 0;
-}
-static int mt__cpu_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *err) {
-    const mt_graph *G = &rt->g;
-    int P = n->iattr[2], El = n->iattr[3], me = gr->index;
-    if (gr->size != P) return mt_errf(err, "%s: the ep group has %d ranks, the graph says %d", mt_ops[n->op].name, gr->size, P);
-    if (n->op == MT_OP_EP_COUNTS) {
-        const int32_t *offs = (const int32_t *)rt->ptr[n->in[0]];
-        int32_t *recv = (int32_t *)rt->ptr[n->out[0]];
-        if (mt__check_offs(offs, P * El, (int64_t)1 << 40, "EP_COUNTS", err) || mt__cpu_post(rt, gr, offs, NULL, err)) return -1;
-        for (int s = 0; s < P; s++) {
-            const int32_t *o = (const int32_t *)mt__peer(rt, gr, s, 0, offs);
-            for (int e = 0; e < El; e++) recv[s * El + e] = o[me * El + e + 1] - o[me * El + e];
-        }
-        return mt__cpu_done(rt, gr, err);
-    }
-    const mt_value *src = &G->values[n->in[0]], *dst = &G->values[n->out[0]];
-    int64_t D = src->dims[1], cap_dst = mt_value_numel_max(G, dst) / D;
-    size_t row = sizeof(mt_real) * (size_t)D;
-    const int32_t *offs = (const int32_t *)rt->ptr[n->in[1]], *recv = (const int32_t *)rt->ptr[n->in[2]];
-    const uint8_t *x = (const uint8_t *)rt->ptr[n->in[0]];
-    uint8_t *y = (uint8_t *)rt->ptr[n->out[0]];
-    int64_t total = 0;
-    for (int i = 0; i < P * El; i++) {
-        if (recv[i] < 0) return mt_errf(err, "%s: negative token count", mt_ops[n->op].name);
-        total += recv[i];
-    }
-    if (n->op == MT_OP_EP_DISPATCH) {
-        if (total > cap_dst) return mt_errf(err, "EP_DISPATCH: %lld tokens exceed the planned bound %lld", (long long)total, (long long)cap_dst);
-        if (mt__cpu_post(rt, gr, x, offs, err)) return -1;
-        int32_t *roffs = (int32_t *)rt->ptr[n->out[1]];
-        int64_t at = 0;
-        roffs[0] = 0;
-        for (int e = 0; e < El; e++) {
-            for (int s = 0; s < P; s++) {
-                const uint8_t *xs = (const uint8_t *)mt__peer(rt, gr, s, 0, x);
-                const int32_t *o = (const int32_t *)mt__peer(rt, gr, s, 1, offs);
-                memcpy(y + at * row, xs + (size_t)o[me * El + e] * row, (size_t)recv[s * El + e] * row);
-                at += recv[s * El + e];
-            }
-            roffs[e + 1] = (int32_t)at;
-        }
-        rt->rows[n->out[0]] = total;
-        if (n->phase == MT_PHASE_FORWARD) rt->recv_rows += total;
-    } else {
-        if (mt__check_offs(offs, P * El, cap_dst, "EP_COMBINE", err) || mt__cpu_post(rt, gr, x, recv, err)) return -1;
-        for (int p = 0; p < P; p++) {    /* rank p owns experts [p*El, (p+1)*El) and holds my rows for them */
-            const uint8_t *yr = (const uint8_t *)mt__peer(rt, gr, p, 0, x);
-            const int32_t *rp = (const int32_t *)mt__peer(rt, gr, p, 1, recv);
-            int64_t base = 0;
-            for (int e = 0; e < El; e++) {
-                int64_t start = base;
-                for (int s = 0; s < me; s++) start += rp[s * El + e];
-                memcpy(y + (size_t)offs[p * El + e] * row, yr + start * row, (size_t)rp[me * El + e] * row);
-                for (int s = 0; s < P; s++) base += rp[s * El + e];
-            }
-        }
-    }
-    return mt__cpu_done(rt, gr, err);
-}
+/* The expert exchange's engines (EP_COUNTS, EP_DISPATCH, EP_COMBINE) are in section 9a below. */
+static int mt__cpu_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *err);
 
 /* One collective node on the CPU. */
 static int mt__cpu_collective(mt_runtime *rt, const mt_node *n, mt_err *err) {
@@ -6673,62 +6872,7 @@ static int mt__cpu_collective(mt_runtime *rt, const mt_node *n, mt_err *err) {
 #ifdef MT_CUDA
 /* --- CUDA engine: NCCL on the compute stream --- */
 
-static int mt__cuda_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *err) {
-    const mt_graph *G = &rt->g;
-    mt_cuda *c = (mt_cuda *)rt->cu;
-    int P = n->iattr[2], El = n->iattr[3];
-    if (gr->size != P) return mt_errf(err, "%s: the ep group has %d ranks, the graph says %d", mt_ops[n->op].name, gr->size, P);
-    int64_t so[4096], sb[4096], ro[4096], rb[4096];
-    if (P > 4096) return mt_errf(err, "ep > 4096");
-    if (n->op == MT_OP_EP_COUNTS) {   /* counts per peer and expert, exchanged, then to the host (a sync) */
-        int ins = n->in[0], outs = n->out[0];
-        int32_t *send = (int32_t *)rt->ep_stage;   /* not the scratch: this may run on the EP stream */
-        if (mt_cuda_ep_counts(c, send, (const int32_t *)rt->ptr[ins], P * El, 0)) return mt_errf(err, "%s", mt_cuda_error(c));
-        for (int p = 0; p < P; p++) { so[p] = ro[p] = (int64_t)p * El * 4; sb[p] = rb[p] = (int64_t)El * 4; }
-        if (mt_nccl_exchange(c, gr->comm, P, send, so, sb, rt->ptr[outs], ro, rb)) return mt_errf(err, "%s", mt_cuda_error(c));
-        for (int k = 0; k < 2; k++) {
-            int v = k ? outs : ins;
-            if (!rt->host[v] && !(rt->host[v] = (int32_t *)MT_MALLOC((size_t)G->values[v].nbytes))) return mt_errf(err, "out of memory");
-            if (mt_cuda_copy(c, rt->host[v], rt->ptr[v], (size_t)G->values[v].nbytes, 1)) return mt_errf(err, "%s", mt_cuda_error(c));
-        }
-        rt->host_syncs++;
-        return mt__check_offs(rt->host[ins], P * El, (int64_t)1 << 40, "EP_COUNTS", err);
-    }
-    const int32_t *offs = rt->host[n->in[1]], *recv = rt->host[n->in[2]];
-    if (!offs || !recv) return mt_errf(err, "%s: the expert counts are not on the host (no EP_COUNTS before it)", mt_ops[n->op].name);
-    const mt_value *src = &G->values[n->in[0]], *dst = &G->values[n->out[0]];
-    int64_t D = src->dims[1], row = D * mt_dtype_bytes(G, src->dtype), total = 0, at = 0;
-    for (int i = 0; i < P * El; i++) {
-        if (recv[i] < 0) return mt_errf(err, "%s: negative token count", mt_ops[n->op].name);
-        total += recv[i];
-    }
-    int dispatch = n->op == MT_OP_EP_DISPATCH;
-    int64_t cap = mt_value_numel_max(G, dispatch ? dst : src) / D;
-    if (total > cap || total * row > (int64_t)rt->ep_stage_bytes)
-        return mt_errf(err, "%s: %lld tokens exceed the planned bound %lld", mt_ops[n->op].name, (long long)total, (long long)cap);
-    /* my rows for peer p: one block of xs; peer s's rows for me: one block of the stage, in sender order */
-    for (int p = 0; p < P; p++) {
-        int64_t mine = offs[(p + 1) * El] - offs[p * El], theirs = 0;
-        for (int e = 0; e < El; e++) theirs += recv[p * El + e];
-        int64_t *xo = dispatch ? so : ro, *xb = dispatch ? sb : rb, *yo = dispatch ? ro : so, *yb = dispatch ? rb : sb;
-        xo[p] = offs[p * El] * row; xb[p] = mine * row;
-        yo[p] = at * row; yb[p] = theirs * row;
-        at += theirs;
-    }
-    const int32_t *drecv = (const int32_t *)rt->ptr[n->in[2]];
-    int rc;
-    if (dispatch) {
-        rc = mt_nccl_exchange(c, gr->comm, P, rt->ptr[n->in[0]], so, sb, rt->ep_stage, ro, rb) ||
-             mt_cuda_ep_regroup(c, rt->ptr[n->out[0]], rt->ep_stage, drecv, P, El, row, total, 1) ||
-             mt_cuda_ep_offsets_table(c, (int32_t *)rt->ptr[n->out[1]], drecv, P, El);
-        rt->rows[n->out[0]] = total;
-        if (n->phase == MT_PHASE_FORWARD) rt->recv_rows += total;
-    } else {
-        rc = mt_cuda_ep_regroup(c, rt->ep_stage, rt->ptr[n->in[0]], drecv, P, El, row, total, 0) ||
-             mt_nccl_exchange(c, gr->comm, P, rt->ep_stage, so, sb, rt->ptr[n->out[0]], ro, rb);
-    }
-    return rc ? mt_errf(err, "%s", mt_cuda_error(c)) : 0;
-}
+static int mt__cuda_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *err);
 
 static int mt__cuda_collective(mt_runtime *rt, const mt_node *n, mt_err *err) {
     const mt_graph *G = &rt->g;
@@ -6794,6 +6938,199 @@ int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *
 }
 
 /* ========================================================================
+ * 9a. THE EXPERT EXCHANGE: dispatch and combine, end to end
+ * Expert parallelism splits the E routed experts over the ep ranks of a
+ * group (mesh dimension MT_DIM_EP): rank i of the group holds experts
+ * [i*El, (i+1)*El), El = E / ep. Every rank routes its own tokens; the
+ * exchange carries each routed row to the rank that holds its expert, and
+ * the experts' output back. One MoE layer, as mt__moe (section 5) builds it:
+ *   ROUTER       logits -> idx, w (and the per-expert counts)
+ *   MOE_PERMUTE  x, idx -> xs [N*K, D] expert-major over all E experts,
+ *                offs [E+1]: the rows for rank p's experts are one block,
+ *                xs[offs[p*El] .. offs[(p+1)*El])
+ *   EP_COUNTS    offs -> recv [ep, El]: recv[s, e] = rows rank s sends to my
+ *                local expert e (an all-to-all of counts)
+ *   EP_DISPATCH  xs, offs, recv -> xr [R, D], roffs [El+1]: my experts' rows,
+ *                expert-major and, inside an expert, in sender order. R is
+ *                the symbol "ep_recv_tokens": the plan sizes xr at its bound
+ *                (N/tp * K * ep), the data sets it each step (rt->rows)
+ *   GMM x 3      the grouped SwiGLU over my El experts, offsets roffs
+ *   EP_COMBINE   yr, offs, recv -> ys [N*K, D]: the reverse, each row back
+ *                to where its sender had it
+ *   MOE_COMBINE  ys, slot, w -> y: each token's K rows weighed and summed
+ * The three exchange nodes run on queue MT_Q_EP; iattr: i0 the mesh mask
+ * (MT_DIM_EP), i1 the channel, i2 ep, i3 El, i4 the ep coordinate (a symbol).
+ *  - Checked: mt__check_moe (the EP_* cases); mt_op_is_ep_exchange names them.
+ *  - Differentiated: EP_DISPATCH and EP_COMBINE are each other's adjoint over
+ *    the same offs and recv (mt__backward_rule); EP_COUNTS has no gradient.
+ *  - Rewritten: on ep = 1 mt_pass_elide_collectives removes all three and
+ *    pins R to N*K; mt_pass_isolate_ep moves them to a communicator of their
+ *    own (MT_CHANNEL_EP) when FSDP uses the same ranks; mt_pass_overlap
+ *    (mt__ep_ahead) moves the work that does not depend on them ahead of
+ *    the host synchronization; mt_pass_recompute re-runs them in a
+ *    recomputed block (not counted as received rows). Over several ranks
+ *    they need host counts (mt_node_syncs_host), so they run eagerly between
+ *    captured CUDA graphs (mt_node_capturable).
+ *  - Run: mt__exec_cpu and mt__exec_cuda hand them to mt__cpu_collective and
+ *    mt__cuda_collective, which find the node's group (mt__find_group), then
+ *    to the two engines below, one semantics:
+ *      CPU (mt__cpu_ep): ranks are threads sharing an mt_world; each posts
+ *      pointers to its rows and offsets and copies its peers' blocks itself.
+ *      CUDA (mt__cuda_ep): EP_COUNTS forms the counts on the device
+ *      (mt_cuda_ep_counts), exchanges them (mt_nccl_exchange: ncclSend and
+ *      ncclRecv per peer in one NCCL group) and copies offs and recv to the
+ *      host (rt->host): the step's only host synchronization
+ *      (mt_runtime_host_syncs). The rows then travel as an all-to-all-v with
+ *      byte ranges from those counts, through a buffer in peer order
+ *      (rt->ep_stage, sized by mt__cuda_ep_stage_bytes, allocated by
+ *      mt__bind_cuda) that mt_cuda_ep_regroup turns expert-major (dispatch)
+ *      or back (combine); mt_cuda_ep_offsets_table writes roffs. On one rank
+ *      without elision (eager graphs) mt__exec_cuda copies the rows itself
+ *      (mt_cuda_ep_counts, mt_cuda_ep_offsets).
+ *    The rows a rank's experts receive in the forward are counted in
+ *    rt->recv_rows (mt_runtime_received_rows).
+ * ====================================================================== */
+
+static int mt__check_offs(const int32_t *offs, int E, int64_t cap, const char *what, mt_err *err) {
+    if (offs[0] != 0 || offs[E] > cap) return mt_errf(err, "%s: bad expert offsets", what);
+    for (int e = 0; e < E; e++) if (offs[e + 1] < offs[e]) return mt_errf(err, "%s: bad expert offsets", what);
+    return 0;
+}
+static int mt__cpu_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    int P = n->iattr[2], El = n->iattr[3], me = gr->index;
+    if (gr->size != P) return mt_errf(err, "%s: the ep group has %d ranks, the graph says %d", mt_ops[n->op].name, gr->size, P);
+    if (n->op == MT_OP_EP_COUNTS) {
+        const int32_t *offs = (const int32_t *)rt->ptr[n->in[0]];
+        int32_t *recv = (int32_t *)rt->ptr[n->out[0]];
+        if (mt__check_offs(offs, P * El, (int64_t)1 << 40, "EP_COUNTS", err) || mt__cpu_post(rt, gr, offs, NULL, err)) return -1;
+        for (int s = 0; s < P; s++) {
+            const int32_t *o = (const int32_t *)mt__peer(rt, gr, s, 0, offs);
+            for (int e = 0; e < El; e++) recv[s * El + e] = o[me * El + e + 1] - o[me * El + e];
+        }
+        return mt__cpu_done(rt, gr, err);
+    }
+    const mt_value *src = &G->values[n->in[0]], *dst = &G->values[n->out[0]];
+    int64_t D = src->dims[1], cap_dst = mt_value_numel_max(G, dst) / D;
+    size_t row = sizeof(mt_real) * (size_t)D;
+    const int32_t *offs = (const int32_t *)rt->ptr[n->in[1]], *recv = (const int32_t *)rt->ptr[n->in[2]];
+    const uint8_t *x = (const uint8_t *)rt->ptr[n->in[0]];
+    uint8_t *y = (uint8_t *)rt->ptr[n->out[0]];
+    int64_t total = 0;
+    for (int i = 0; i < P * El; i++) {
+        if (recv[i] < 0) return mt_errf(err, "%s: negative token count", mt_ops[n->op].name);
+        total += recv[i];
+    }
+    if (n->op == MT_OP_EP_DISPATCH) {
+        if (total > cap_dst) return mt_errf(err, "EP_DISPATCH: %lld tokens exceed the planned bound %lld", (long long)total, (long long)cap_dst);
+        if (mt__cpu_post(rt, gr, x, offs, err)) return -1;
+        int32_t *roffs = (int32_t *)rt->ptr[n->out[1]];
+        int64_t at = 0;
+        roffs[0] = 0;
+        for (int e = 0; e < El; e++) {
+            for (int s = 0; s < P; s++) {
+                const uint8_t *xs = (const uint8_t *)mt__peer(rt, gr, s, 0, x);
+                const int32_t *o = (const int32_t *)mt__peer(rt, gr, s, 1, offs);
+                memcpy(y + at * row, xs + (size_t)o[me * El + e] * row, (size_t)recv[s * El + e] * row);
+                at += recv[s * El + e];
+            }
+            roffs[e + 1] = (int32_t)at;
+        }
+        rt->rows[n->out[0]] = total;
+        if (n->phase == MT_PHASE_FORWARD) rt->recv_rows += total;
+    } else {
+        if (mt__check_offs(offs, P * El, cap_dst, "EP_COMBINE", err) || mt__cpu_post(rt, gr, x, recv, err)) return -1;
+        for (int p = 0; p < P; p++) {    /* rank p owns experts [p*El, (p+1)*El) and holds my rows for them */
+            const uint8_t *yr = (const uint8_t *)mt__peer(rt, gr, p, 0, x);
+            const int32_t *rp = (const int32_t *)mt__peer(rt, gr, p, 1, recv);
+            int64_t base = 0;
+            for (int e = 0; e < El; e++) {
+                int64_t start = base;
+                for (int s = 0; s < me; s++) start += rp[s * El + e];
+                memcpy(y + (size_t)offs[p * El + e] * row, yr + start * row, (size_t)rp[me * El + e] * row);
+                for (int s = 0; s < P; s++) base += rp[s * El + e];
+            }
+        }
+    }
+    return mt__cpu_done(rt, gr, err);
+}
+
+#ifdef MT_CUDA
+/* CUDA: the staging buffer, rows in peer order (dispatch: as received; combine: as sent), and the counts EP_COUNTS sends. */
+static size_t mt__cuda_ep_stage_bytes(const mt_graph *G) {
+    size_t bytes = 0;
+    for (int i = 0; i < G->n_nodes; i++) {
+        const mt_node *n = &G->nodes[i];
+        if ((n->op == MT_OP_EP_DISPATCH || n->op == MT_OP_EP_COMBINE) && n->iattr[2] > 1) {
+            const mt_value *x = &G->values[n->op == MT_OP_EP_DISPATCH ? n->out[0] : n->in[0]];
+            size_t need = (size_t)x->nbytes;
+            if (need > bytes) bytes = need;
+        }
+        if (n->op == MT_OP_EP_COUNTS && n->iattr[2] > 1 && (size_t)n->iattr[2] * (size_t)n->iattr[3] * 4 > bytes)
+            bytes = (size_t)n->iattr[2] * (size_t)n->iattr[3] * 4;   /* the counts it sends */
+    }
+    return bytes;
+}
+
+static int mt__cuda_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    mt_cuda *c = (mt_cuda *)rt->cu;
+    int P = n->iattr[2], El = n->iattr[3];
+    if (gr->size != P) return mt_errf(err, "%s: the ep group has %d ranks, the graph says %d", mt_ops[n->op].name, gr->size, P);
+    int64_t so[4096], sb[4096], ro[4096], rb[4096];
+    if (P > 4096) return mt_errf(err, "ep > 4096");
+    if (n->op == MT_OP_EP_COUNTS) {   /* counts per peer and expert, exchanged, then to the host (a sync) */
+        int ins = n->in[0], outs = n->out[0];
+        int32_t *send = (int32_t *)rt->ep_stage;   /* not the scratch: this may run on the EP stream */
+        if (mt_cuda_ep_counts(c, send, (const int32_t *)rt->ptr[ins], P * El, 0)) return mt_errf(err, "%s", mt_cuda_error(c));
+        for (int p = 0; p < P; p++) { so[p] = ro[p] = (int64_t)p * El * 4; sb[p] = rb[p] = (int64_t)El * 4; }
+        if (mt_nccl_exchange(c, gr->comm, P, send, so, sb, rt->ptr[outs], ro, rb)) return mt_errf(err, "%s", mt_cuda_error(c));
+        for (int k = 0; k < 2; k++) {
+            int v = k ? outs : ins;
+            if (!rt->host[v] && !(rt->host[v] = (int32_t *)MT_MALLOC((size_t)G->values[v].nbytes))) return mt_errf(err, "out of memory");
+            if (mt_cuda_copy(c, rt->host[v], rt->ptr[v], (size_t)G->values[v].nbytes, 1)) return mt_errf(err, "%s", mt_cuda_error(c));
+        }
+        rt->host_syncs++;
+        return mt__check_offs(rt->host[ins], P * El, (int64_t)1 << 40, "EP_COUNTS", err);
+    }
+    const int32_t *offs = rt->host[n->in[1]], *recv = rt->host[n->in[2]];
+    if (!offs || !recv) return mt_errf(err, "%s: the expert counts are not on the host (no EP_COUNTS before it)", mt_ops[n->op].name);
+    const mt_value *src = &G->values[n->in[0]], *dst = &G->values[n->out[0]];
+    int64_t D = src->dims[1], row = D * mt_dtype_bytes(G, src->dtype), total = 0, at = 0;
+    for (int i = 0; i < P * El; i++) {
+        if (recv[i] < 0) return mt_errf(err, "%s: negative token count", mt_ops[n->op].name);
+        total += recv[i];
+    }
+    int dispatch = n->op == MT_OP_EP_DISPATCH;
+    int64_t cap = mt_value_numel_max(G, dispatch ? dst : src) / D;
+    if (total > cap || total * row > (int64_t)rt->ep_stage_bytes)
+        return mt_errf(err, "%s: %lld tokens exceed the planned bound %lld", mt_ops[n->op].name, (long long)total, (long long)cap);
+    /* my rows for peer p: one block of xs; peer s's rows for me: one block of the stage, in sender order */
+    for (int p = 0; p < P; p++) {
+        int64_t mine = offs[(p + 1) * El] - offs[p * El], theirs = 0;
+        for (int e = 0; e < El; e++) theirs += recv[p * El + e];
+        int64_t *xo = dispatch ? so : ro, *xb = dispatch ? sb : rb, *yo = dispatch ? ro : so, *yb = dispatch ? rb : sb;
+        xo[p] = offs[p * El] * row; xb[p] = mine * row;
+        yo[p] = at * row; yb[p] = theirs * row;
+        at += theirs;
+    }
+    const int32_t *drecv = (const int32_t *)rt->ptr[n->in[2]];
+    int rc;
+    if (dispatch) {
+        rc = mt_nccl_exchange(c, gr->comm, P, rt->ptr[n->in[0]], so, sb, rt->ep_stage, ro, rb) ||
+             mt_cuda_ep_regroup(c, rt->ptr[n->out[0]], rt->ep_stage, drecv, P, El, row, total, 1) ||
+             mt_cuda_ep_offsets_table(c, (int32_t *)rt->ptr[n->out[1]], drecv, P, El);
+        rt->rows[n->out[0]] = total;
+        if (n->phase == MT_PHASE_FORWARD) rt->recv_rows += total;
+    } else {
+        rc = mt_cuda_ep_regroup(c, rt->ep_stage, rt->ptr[n->in[0]], drecv, P, El, row, total, 0) ||
+             mt_nccl_exchange(c, gr->comm, P, rt->ep_stage, so, sb, rt->ptr[n->out[0]], ro, rb);
+    }
+    return rc ? mt_errf(err, "%s", mt_cuda_error(c)) : 0;
+}
+#endif
+
+/* ========================================================================
  * 10. Runtime
  * ====================================================================== */
 
@@ -6818,6 +7155,89 @@ static void mt__aligned_free(void *p) {
     MT_FREE(raw);
 }
 
+/* ========================================================================
+ * 10a. DEVICE HOISTING: one rank, one device, named by its binding
+ * The artifact names an architecture, never a device ordinal (section 7).
+ * Which device a rank computes on is decided once, when it binds, and
+ * nothing after that relies on "the current device":
+ *  - mt_binding.device says which: the launcher sets it to the rank's local
+ *    rank (LOCAL_RANK or its peers, mt_launch_from_env) or, for one rank, to
+ *    train's --gpu; every GPU stays visible (no CUDA_VISIBLE_DEVICES). On the
+ *    CPU it is a virtual device id, used in checks and messages.
+ *  - mt_runtime_create refuses what cannot bind (mt__bind_check), then makes
+ *    everything device-bound on that device: mt__bind_cpu (host regions,
+ *    worker threads) or mt__bind_cuda: the context (mt_cuda_create in
+ *    moetrain_kernels.cu: cudaSetDevice, the streams, cuBLASLt's handle and
+ *    workspaces, the error flag), the tuning checked against this GPU's model
+ *    (mt_cuda_device_info, mt_tuning_mismatch, mt_cuda_gemm_preset), the op
+ *    workspace (mt__cuda_scratch), the expert exchange's staging buffer
+ *    (mt__cuda_ep_stage_bytes), the streams' ordering events, the persistent
+ *    region and the arena (mt_cuda_malloc) and NCCL's world communicator
+ *    (mt_nccl_init); the groups' communicators are split from it
+ *    (mt__bind_groups, mt_nccl_split). Then every value gets its pointer into
+ *    this rank's regions and the constants (MT_ROLE_CONST values: the RoPE
+ *    tables) are uploaded into them (mt_runtime_write).
+ *  - Every later entry point first makes the binding's device current on the
+ *    calling thread (mt_cuda_use in mt_runtime_step, mt_runtime_read,
+ *    mt_runtime_write, mt_runtime_init_params), so a runtime may be driven
+ *    from any thread; mt_cuda_destroy and mt_nccl_init set it too.
+ *  - mt_runtime_check_devices proves it at bind and before every step: each
+ *    value's bytes lie in this rank's regions and, on CUDA, those regions are
+ *    on the binding's GPU (mt_cuda_device_of).
+ * test_devices binds two CPU runtimes to virtual devices 0 and 1 and plants a
+ * pointer into the other's memory; the multi-rank GPU tests run ranks as
+ * threads of one process, each bound to its own GPU.
+ * ====================================================================== */
+/* What cannot bind: another build's reals, CUDA without CUDA, the GEMMs' dims, a binding that
+ * disagrees with the mesh, CPU ranks without their world, CUDA ranks without NCCL's id. */
+static int mt__bind_check(const mt_graph *g, const mt_binding *b, mt_err *err) {
+    if (g->target.backend == MT_BACKEND_CPU && g->target.real_bytes != (int)sizeof(mt_real))
+        return mt_errf(err, "this graph was compiled for %d-byte reals, this build computes in %d-byte reals",
+                       g->target.real_bytes, (int)sizeof(mt_real));
+#ifndef MT_CUDA
+    if (g->target.backend == MT_BACKEND_CUDA)
+        return mt_errf(err, "this graph was compiled for CUDA (%s) but this build has no CUDA support: "
+                            "build on a machine with the CUDA toolkit, or precompile with --device cpu", g->target.arch);
+#else
+    if (g->target.backend == MT_BACKEND_CUDA && sizeof(mt_real) != 4)
+        return mt_errf(err, "CUDA graphs need a float32 build (MT_REAL=float)");
+    for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
+        const mt_node *n = &g->nodes[i];
+        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX2 && n->op != MT_OP_GMM_DW_SQ &&
+            n->op != MT_OP_GMM_GLU) continue;
+        const mt_value *W = &g->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
+        if (W->dims[1] % 8 || W->dims[2] % 8)
+            return mt_errf(err, "on CUDA the expert GEMMs need dim and moe_inter_dim to be multiples of 8 (got %lld and %lld)",
+                           (long long)W->dims[2], (long long)W->dims[1]);
+    }
+#endif
+    if (b->world != mt_mesh_world(&g->mesh))
+        return mt_errf(err, "the graph's mesh has %d ranks, the launch has %d", mt_mesh_world(&g->mesh), b->world);
+    if (b->rank < 0 || b->rank >= b->world) return mt_errf(err, "rank %d outside world %d", b->rank, b->world);
+    if (b->world > 1 && g->target.backend == MT_BACKEND_CPU && (!b->cpu_world || b->cpu_world->n != b->world))
+        return mt_errf(err, "CPU ranks are threads of one process: a world of %d needs the shared mt_world of its threads "
+                            "(mt_run_thread_ranks)", b->world);
+    if (b->world > 1 && g->target.backend == MT_BACKEND_CUDA) {
+        int any = 0;
+        for (int i = 0; i < MT_NCCL_ID_BYTES; i++) any |= b->nccl_id[i];
+        if (!any) return mt_errf(err, "CUDA ranks need NCCL's unique id in the binding (from rank 0's rendezvous)");
+    }
+    return 0;
+}
+/* CPU: the regions in host memory and the worker threads; bind.device is a virtual device id. */
+static int mt__bind_cpu(mt_runtime *rt, const mt_binding *b, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    rt->persist = (uint8_t *)mt__aligned((size_t)G->persist_bytes);
+    rt->arena = (uint8_t *)mt__aligned((size_t)G->arena_bytes);
+    if (!rt->persist || !rt->arena) {
+        char h1[32], h2[32];
+        return mt_errf(err, "out of memory: the plan needs %s persistent + %s arena", mt__human((double)G->persist_bytes, h1),
+                       mt__human((double)G->arena_bytes, h2));
+    }
+    int nt = b->n_threads > 0 ? b->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (nt > 64) nt = 64;
+    return mt_pool_create(&rt->pool, nt, err);
+}
 #ifdef MT_CUDA
 #define MT__CU(rt) ((mt_cuda *)(rt)->cu)
 /* Workspace the hungriest node needs (cuBLASLt has its own). */
@@ -6853,41 +7273,51 @@ static size_t mt__cuda_scratch(const mt_graph *G, mt_cuda *cu) {
     }
     return need;
 }
+
+/* CUDA: everything device-bound, made on the binding's device (see DEVICE HOISTING above). */
+static int mt__bind_cuda(mt_runtime *rt, const mt_binding *b, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    mt_cuda *cu;
+    if (mt_cuda_create(&cu, b->device, err)) return -1;
+    rt->cu = cu;
+    mt_tuning_info here;
+    char why[320];
+    if (mt_cuda_device_info(cu, &here)) return mt_errf(err, "%s", mt_cuda_error(cu));
+    if (!G->tuned_for.device[0]) {
+        snprintf(rt->tuning_note, sizeof rt->tuning_note, "the graph carries no tuning: rank %d chose its GEMM algorithms on %s", b->rank, here.device);
+    } else if (mt_tuning_mismatch(&G->tuned_for, &here, why, sizeof why)) {
+        if (b->strict_tuning) return mt_errf(err, "rank %d: the graph's tuning does not fit this GPU: %s", b->rank, why);
+        snprintf(rt->tuning_note, sizeof rt->tuning_note, "rank %d re-derived the tuning: %s", b->rank, why);
+    } else if (mt_cuda_gemm_preset(cu, G->tuning, G->n_tuning)) {
+        return mt_errf(err, "%s", mt_cuda_error(cu));
+    } else {
+        mt_cuda_set_split_sms(cu, G->tuned_for.n_sms);
+    }
+    mt_cuda_set_attn_recompute_dq(cu, b->attn_recompute_dq);
+    rt->scratch_bytes = mt__cuda_scratch(G, cu);
+    rt->ep_stage_bytes = mt__cuda_ep_stage_bytes(G);   /* the expert exchange stages rows in peer order */
+    if (G->overlap) {   /* streams per queue: the schedule, and which nodes' events someone waits for */
+        if (mt_schedule_build(G, &rt->sched, err)) return -1;
+        rt->ev_of = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(G->n_nodes + 1));
+        rt->ev_used = (uint8_t *)mt__calloc((size_t)G->n_nodes + 1);
+        if (!rt->ev_of || !rt->ev_used) return mt_errf(err, "out of memory");
+        for (int k = 0; k < rt->sched.n_wait; k++) rt->ev_used[rt->sched.wait[k]] = 1;
+        if (mt_cuda_queue_events(cu, G->n_nodes + 1)) return mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
+    }
+    if (mt_cuda_malloc(cu, (void **)&rt->persist, (size_t)G->persist_bytes) ||
+        mt_cuda_malloc(cu, (void **)&rt->arena, (size_t)G->arena_bytes) ||
+        mt_cuda_malloc(cu, &rt->scratch, rt->scratch_bytes) || mt_cuda_memset(cu, rt->persist, 0, (size_t)G->persist_bytes) ||
+        (rt->ep_stage_bytes && mt_cuda_malloc(cu, &rt->ep_stage, rt->ep_stage_bytes)))
+        return mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
+    if (b->world > 1 && mt_nccl_init(cu, &rt->world_comm, b->nccl_id, b->world, b->rank))
+        return mt_errf(err, "rank %d (device %d): joining the NCCL world of %d: %s", b->rank, b->device, b->world, mt_cuda_error(cu));
+    return 0;
+}
 #endif
 
 int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, mt_err *err) {
     *out = NULL;
-    if (g->target.backend == MT_BACKEND_CPU && g->target.real_bytes != (int)sizeof(mt_real))
-        return mt_errf(err, "this graph was compiled for %d-byte reals, this build computes in %d-byte reals",
-                       g->target.real_bytes, (int)sizeof(mt_real));
-#ifndef MT_CUDA
-    if (g->target.backend == MT_BACKEND_CUDA)
-        return mt_errf(err, "this graph was compiled for CUDA (%s) but this build has no CUDA support: "
-                            "build on a machine with the CUDA toolkit, or precompile with --device cpu", g->target.arch);
-#else
-    if (g->target.backend == MT_BACKEND_CUDA && sizeof(mt_real) != 4)
-        return mt_errf(err, "CUDA graphs need a float32 build (MT_REAL=float)");
-    for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
-        const mt_node *n = &g->nodes[i];
-        if (n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX2 && n->op != MT_OP_GMM_DW_SQ &&
-            n->op != MT_OP_GMM_GLU) continue;
-        const mt_value *W = &g->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
-        if (W->dims[1] % 8 || W->dims[2] % 8)
-            return mt_errf(err, "on CUDA the expert GEMMs need dim and moe_inter_dim to be multiples of 8 (got %lld and %lld)",
-                           (long long)W->dims[2], (long long)W->dims[1]);
-    }
-#endif
-    if (b->world != mt_mesh_world(&g->mesh))
-        return mt_errf(err, "the graph's mesh has %d ranks, the launch has %d", mt_mesh_world(&g->mesh), b->world);
-    if (b->rank < 0 || b->rank >= b->world) return mt_errf(err, "rank %d outside world %d", b->rank, b->world);
-    if (b->world > 1 && g->target.backend == MT_BACKEND_CPU && (!b->cpu_world || b->cpu_world->n != b->world))
-        return mt_errf(err, "CPU ranks are threads of one process: a world of %d needs the shared mt_world of its threads "
-                            "(mt_run_thread_ranks)", b->world);
-    if (b->world > 1 && g->target.backend == MT_BACKEND_CUDA) {
-        int any = 0;
-        for (int i = 0; i < MT_NCCL_ID_BYTES; i++) any |= b->nccl_id[i];
-        if (!any) return mt_errf(err, "CUDA ranks need NCCL's unique id in the binding (from rank 0's rendezvous)");
-    }
+    if (mt__bind_check(g, b, err)) return -1;
     mt_runtime *rt = (mt_runtime *)mt__calloc(sizeof *rt);
     if (!rt) return mt_errf(err, "out of memory");
     rt->bind = *b;
@@ -6902,75 +7332,11 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
     rt->host = (int32_t **)mt__calloc(sizeof(int32_t *) * (size_t)(G->n_values + 1));
     if (!rt->ptr || !rt->rows || !rt->sym || !rt->counts || !rt->host) { mt_runtime_destroy(rt); return mt_errf(err, "out of memory"); }
     if (rt->backend == MT_BACKEND_CPU) {
-        rt->persist = (uint8_t *)mt__aligned((size_t)G->persist_bytes);
-        rt->arena = (uint8_t *)mt__aligned((size_t)G->arena_bytes);
-        if (!rt->persist || !rt->arena) {
-            char h1[32], h2[32];
-            mt_errf(err, "out of memory: the plan needs %s persistent + %s arena", mt__human((double)G->persist_bytes, h1),
-                    mt__human((double)G->arena_bytes, h2));
-            mt_runtime_destroy(rt);
-            return -1;
-        }
-        int nt = b->n_threads > 0 ? b->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
-        if (nt > 64) nt = 64;
-        if (mt_pool_create(&rt->pool, nt, err)) { mt_runtime_destroy(rt); return -1; }
-    } else {
-#ifdef MT_CUDA
-        mt_cuda *cu;
-        if (mt_cuda_create(&cu, b->device, err)) { mt_runtime_destroy(rt); return -1; }
-        rt->cu = cu;
-        mt_tuning_info here;
-        char why[320];
-        if (mt_cuda_device_info(cu, &here)) { mt_errf(err, "%s", mt_cuda_error(cu)); mt_runtime_destroy(rt); return -1; }
-        if (!G->tuned_for.device[0]) {
-            snprintf(rt->tuning_note, sizeof rt->tuning_note, "the graph carries no tuning: rank %d chose its GEMM algorithms on %s", b->rank, here.device);
-        } else if (mt_tuning_mismatch(&G->tuned_for, &here, why, sizeof why)) {
-            if (b->strict_tuning) { mt_errf(err, "rank %d: the graph's tuning does not fit this GPU: %s", b->rank, why); mt_runtime_destroy(rt); return -1; }
-            snprintf(rt->tuning_note, sizeof rt->tuning_note, "rank %d re-derived the tuning: %s", b->rank, why);
-        } else if (mt_cuda_gemm_preset(cu, G->tuning, G->n_tuning)) {
-            mt_errf(err, "%s", mt_cuda_error(cu)); mt_runtime_destroy(rt); return -1;
-        } else {
-            mt_cuda_set_split_sms(cu, G->tuned_for.n_sms);
-        }
-        mt_cuda_set_attn_recompute_dq(cu, b->attn_recompute_dq);
-        rt->scratch_bytes = mt__cuda_scratch(G, cu);
-        for (int i = 0; i < G->n_nodes; i++) {   /* the expert exchange stages rows in peer order */
-            const mt_node *n = &G->nodes[i];
-            if ((n->op == MT_OP_EP_DISPATCH || n->op == MT_OP_EP_COMBINE) && n->iattr[2] > 1) {
-                const mt_value *x = &G->values[n->op == MT_OP_EP_DISPATCH ? n->out[0] : n->in[0]];
-                size_t need = (size_t)x->nbytes;
-                if (need > rt->ep_stage_bytes) rt->ep_stage_bytes = need;
-            }
-            if (n->op == MT_OP_EP_COUNTS && n->iattr[2] > 1 && (size_t)n->iattr[2] * (size_t)n->iattr[3] * 4 > rt->ep_stage_bytes)
-                rt->ep_stage_bytes = (size_t)n->iattr[2] * (size_t)n->iattr[3] * 4;   /* the counts it sends */
-        }
-        if (G->overlap) {   /* streams per queue: the schedule, and which nodes' events someone waits for */
-            if (mt_schedule_build(G, &rt->sched, err)) { mt_runtime_destroy(rt); return -1; }
-            rt->ev_of = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(G->n_nodes + 1));
-            rt->ev_used = (uint8_t *)mt__calloc((size_t)G->n_nodes + 1);
-            if (!rt->ev_of || !rt->ev_used) { mt_runtime_destroy(rt); return mt_errf(err, "out of memory"); }
-            for (int k = 0; k < rt->sched.n_wait; k++) rt->ev_used[rt->sched.wait[k]] = 1;
-            if (mt_cuda_queue_events(cu, G->n_nodes + 1)) {
-                mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
-                mt_runtime_destroy(rt);
-                return -1;
-            }
-        }
-        if (mt_cuda_malloc(cu, (void **)&rt->persist, (size_t)G->persist_bytes) ||
-            mt_cuda_malloc(cu, (void **)&rt->arena, (size_t)G->arena_bytes) ||
-            mt_cuda_malloc(cu, &rt->scratch, rt->scratch_bytes) || mt_cuda_memset(cu, rt->persist, 0, (size_t)G->persist_bytes) ||
-            (rt->ep_stage_bytes && mt_cuda_malloc(cu, &rt->ep_stage, rt->ep_stage_bytes))) {
-            mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
-            mt_runtime_destroy(rt);
-            return -1;
-        }
-        if (b->world > 1 && mt_nccl_init(cu, &rt->world_comm, b->nccl_id, b->world, b->rank)) {
-            mt_errf(err, "rank %d (device %d): joining the NCCL world of %d: %s", b->rank, b->device, b->world, mt_cuda_error(cu));
-            mt_runtime_destroy(rt);
-            return -1;
-        }
-#endif
+        if (mt__bind_cpu(rt, b, err)) { mt_runtime_destroy(rt); return -1; }
     }
+#ifdef MT_CUDA
+    else if (mt__bind_cuda(rt, b, err)) { mt_runtime_destroy(rt); return -1; }
+#endif
     if (mt__bind_groups(rt, err)) { mt_runtime_destroy(rt); return -1; }
     /* bind symbols: coordinates from the binding, sizes at their bounds until data says otherwise */
     for (int s = 0; s < G->n_syms; s++)

@@ -2528,6 +2528,102 @@ static int run_steps_(mt_runtime *rt, const mt_config *c, int step0, int n, doub
 
 
 /* ======================================================================
+ * the header's op index
+ * ==================================================================== */
+
+static int oi_word(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_'; }
+/* name, as a whole word followed by '(' (a definition, declaration or call), in text outside [skip0, skip1) */
+static int oi_called(const char *text, size_t skip0, size_t skip1, const char *name) {
+    size_t n = strlen(name);
+    for (const char *p = strstr(text, name); p; p = strstr(p + 1, name)) {
+        size_t at = (size_t)(p - text);
+        if ((at >= skip0 && at < skip1) || (at > 0 && oi_word(p[-1]))) continue;
+        if (p[n] == '(') return 1;
+    }
+    return 0;
+}
+static char *oi_read(const char *path) {   /* the file, NUL-terminated; NULL if unreadable */
+    uint8_t *b = NULL;
+    size_t n = 0;
+    mt_err e;
+    if (mt_read_file(path, &b, &n, &e)) return NULL;
+    char *s = (char *)malloc(n + 1);
+    if (s) { memcpy(s, b, n); s[n] = 0; }
+    free(b);
+    return s;
+}
+static int oi_op(const char *w) {   /* the op named w, or -1 */
+    for (int i = 0; i < MT_NOPS; i++) if (!strcmp(mt_ops[i].name, w)) return i;
+    return -1;
+}
+
+/* moetrain.h's op index (the comment after the table of contents) cannot rot: every op of MT_OPS has
+ * its two lines there, in MT_OPS order; every op it names is an op; every function it names (mt_...)
+ * is defined, declared or called in moetrain.h outside the index or in moetrain_kernels.cu. */
+static void test_op_index(void) {
+    char *H = oi_read("moetrain.h"), *K = oi_read("moetrain_kernels.cu");
+    const char *b = H ? strstr(H, "/* OP INDEX") : NULL, *end = b ? strstr(b, "*/") : NULL;
+    const char *table = b && end ? strstr(b, "\n * op ") : NULL;
+    if (!H || !K || !table || table > end) {
+        report("op index: every op listed, every name exists", 0, "%s", !H || !K ? "run from the repository root: moetrain.h or "
+               "moetrain_kernels.cu unreadable" : "no OP INDEX block with its ' * op ' header in moetrain.h");
+        free(H); free(K);
+        return;
+    }
+    size_t skip0 = (size_t)(b - H), skip1 = (size_t)(end - H);
+    char bad[400] = "";
+    int rows = 0, names = 0, missing = 0, line = 0;
+#define OI_BAD(...) do { size_t l_ = strlen(bad); if (l_ < sizeof bad - 1) snprintf(bad + l_, sizeof bad - l_, __VA_ARGS__); } while (0)
+    /* the table: after its two header lines, an op's line (the op first) and its CPU/CUDA line */
+    const char *p = strchr(table + 1, '\n');
+    p = p ? strchr(p + 1, '\n') : NULL;
+    for (; p && p < end; p = strchr(p + 1, '\n'), line++) {
+        const char *q = p + 1;
+        if (strncmp(q, " * ", 3)) { OI_BAD(" line %d is not ' * ...';", line); break; }
+        q += 3;
+        char w[64];
+        int n = 0;
+        while (oi_word(q[n]) && n < 63) { w[n] = q[n]; n++; }
+        w[n] = 0;
+        if (line % 2 == 0) {
+            if (!strcmp(w, "") && strstr(q, "(end of the op index)") == q) break;
+            if (rows >= MT_NOPS || strcmp(w, mt_ops[rows].name)) OI_BAD(" row %d is '%s', MT_OPS has %s there;", rows, w, rows < MT_NOPS ? mt_ops[rows].name : "nothing");
+            rows++;
+        } else if (n) {
+            OI_BAD(" the line after %s starts with '%s';", rows ? mt_ops[rows - 1].name : "?", w);
+        }
+        /* upper-case words on table lines are ops */
+        for (const char *r = q; *r && *r != '\n'; r++) {
+            if (!(*r >= 'A' && *r <= 'Z') || (r > q && oi_word(r[-1]))) continue;
+            int m = 0;
+            while (oi_word(r[m]) && m < 63) { w[m] = r[m]; m++; }
+            w[m] = 0;
+            if (oi_op(w) < 0) OI_BAD(" '%s' is not an op;", w);
+            r += m - 1;
+        }
+    }
+    if (rows != MT_NOPS) OI_BAD(" %d rows for %d ops;", rows, MT_NOPS);
+    /* every mt_... name in the whole block */
+    for (const char *r = b; r < end; r++) {
+        if (strncmp(r, "mt_", 3) || (r > H && oi_word(r[-1]))) continue;
+        char w[64];
+        int m = 0;
+        while (oi_word(r[m]) && m < 63) { w[m] = r[m]; m++; }
+        w[m] = 0;
+        r += m - 1;
+        if (w[m - 1] == '_') continue;   /* a family: mt_cpu_*, mt__check_* */
+        names++;
+        if (oi_called(H, skip0, skip1, w) || oi_called(K, 0, 0, w)) continue;
+        missing++;
+        if (!strstr(bad, w)) OI_BAD(" %s not found;", w);
+    }
+#undef OI_BAD
+    report("op index: every op listed, every name exists", !bad[0] && names > 100,
+           "%d ops, %d names cited, %d not found%s", rows, names, missing, bad);
+    free(H); free(K);
+}
+
+/* ======================================================================
  * config, counts, graph
  * ==================================================================== */
 
@@ -5472,6 +5568,7 @@ int main(void) {
         return n_fail ? 1 : 0;
     }
     RUN(test_presets);
+    RUN(test_op_index);
     RUN(test_init_draws);
     RUN(test_graph_structure);
     RUN(test_doc_mask_graph);
