@@ -2067,8 +2067,8 @@ static int mt__check_dense(mt__ck c) {
     case MT_OP_EMBED: case MT_OP_EMBED_BWD: {   /* i0 parts (0, 1: all tokens), i1 which part (a symbol): rows [i1*n, (i1+1)*n) */
         MT__T(mt__int_attr(&c, 0, 0, 4096));
         int64_t parts = n->iattr[0] > 1 ? n->iattr[0] : 1;
-        if (parts > 1 && (!(n->sym_mask & 2u) || n->iattr[1] < 0 || n->iattr[1] >= g->n_syms || g->syms[n->iattr[1]].kind != MT_SYM_COORD ||
-                          g->syms[n->iattr[1]].max != parts - 1))
+        if (parts > 1 && (!(n->sym_mask & 2u) || n->iattr[1] < 0 || n->iattr[1] >= c.g->n_syms || c.g->syms[n->iattr[1]].kind != MT_SYM_COORD ||
+                          c.g->syms[n->iattr[1]].max != parts - 1))
             return mt_errf(err, "%s: a token slice of %lld parts needs a coordinate symbol over %lld ranks", oi->name, (long long)parts, (long long)parts);
         const mt_value *tk = n->op == MT_OP_EMBED ? a : b;
         MT__T(mt__is_index(&c, tk, "tokens", 1));
