@@ -943,9 +943,23 @@ typedef struct {
     int32_t *tokens;
     int64_t n;
     int max_token;      /* largest token id present */
+    int format;         /* what was read: MT_DATA_BIN, MT_DATA_RAW or MT_DATA_EMBEDDED */
+    int token_bytes;    /* bytes a token took in the file: 2 or 4 (shards), 1 (bytes) */
 } mt_dataset;
-int mt_data_load(mt_dataset *d, const char *path, mt_err *err); /* llm.c .bin shard or raw bytes */
+/* How a data file is read. MT_DATA_BIN: an llm.c / nanoGPT token shard, its
+ * header exactly right. MT_DATA_RAW: every byte a token. MT_DATA_AUTO: a shard
+ * when its magic and version are exactly a shard's, raw bytes when nothing
+ * about it looks like one; a near miss (a .bin name, a magic a few digits
+ * off, a wrong version, a shard's header layout) is refused, never read as
+ * bytes by accident. */
+enum { MT_DATA_AUTO = 0, MT_DATA_BIN = 1, MT_DATA_RAW = 2, MT_DATA_EMBEDDED = 3 };
+int mt_data_load(mt_dataset *d, const char *path, mt_err *err); /* MT_DATA_AUTO */
+int mt_data_load_as(mt_dataset *d, const char *path, int format, mt_err *err);
+int mt_data_format_parse(const char *name, int *format);        /* "auto", "bin", "raw"; -1 for anything else */
 int mt_data_default(mt_dataset *d, mt_err *err);                /* the embedded corpus */
+/* What was read, for a start-up line: "f.bin (llm.c token shard, uint16, 1,234 tokens)",
+ * "f.txt (raw bytes, 5,000 tokens)", "embedded default corpus (600,034 tokens)". */
+const char *mt_data_describe(const mt_dataset *d, const char *path, char *buf, size_t cap);
 void mt_data_free(mt_dataset *d);
 uint64_t mt_data_hash(const mt_dataset *d);                     /* identifies the token stream (checkpoints record it) */
 /* The data order is a pure function of (seed, step): the token stream is cut
@@ -8722,29 +8736,80 @@ uint64_t mt_data_hash(const mt_dataset *d) {
 
 /* llm.c / nanoGPT shards: 256 int32 header (magic 20240520, version 1,
  * count) then uint16 tokens; llm.c's Llama-3 shards use magic 20240801,
- * version 7, uint32 tokens. Anything else is read as raw bytes. */
-int mt_data_load(mt_dataset *d, const char *path, mt_err *err) {
+ * version 7, uint32 tokens. */
+#define MT__SHARD_HEADER 1024
+int mt_data_format_parse(const char *name, int *format) {
+    static const char *const names[] = {"auto", "bin", "raw"};
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(name, names[i])) { *format = i; return 0; }
+    return -1;
+}
+
+/* Why a file that is not exactly a shard still looks like one (NULL: it does
+ * not), for MT_DATA_AUTO: read as bytes it would train on the header's and
+ * the tokens' bytes without a word. */
+static const char *mt__data_near_miss(const char *path, const uint8_t *b, size_t n, char *why, size_t cap) {
+    static const int32_t magic[2] = {20240520, 20240801}, version[2] = {1, 7};
+    int32_t h[3] = {0, 0, 0};
+    memcpy(h, b, n < sizeof h ? n : sizeof h);
+    size_t len = strlen(path);
+    for (int k = 0; k < 2; k++) {
+        if (n >= 4 && h[0] == magic[k] && n < MT__SHARD_HEADER)
+            return snprintf(why, cap, "it starts with a token shard's magic %d but is %zu bytes, shorter than the %d-byte header", magic[k], n,
+                            MT__SHARD_HEADER), why;
+        if (n >= 8 && h[0] == magic[k] && h[1] != version[k])
+            return snprintf(why, cap, "magic %d with version %d (a shard of that magic is version %d)", magic[k], h[1], version[k]), why;
+        int bytes_off = 0;
+        for (int i = 0; i < 4; i++) bytes_off += ((h[0] ^ magic[k]) >> (8 * i) & 0xff) != 0;
+        if (n >= 4 && h[0] != magic[k] && ((h[0] > magic[k] - 100000 && h[0] < magic[k] + 100000) || bytes_off == 1))
+            return snprintf(why, cap, "its first number %d is close to a token shard's magic %d", h[0], magic[k]), why;
+    }
+    if (n > MT__SHARD_HEADER && h[2] > 0 && (n - MT__SHARD_HEADER == 2 * (size_t)h[2] || n - MT__SHARD_HEADER == 4 * (size_t)h[2]))
+        return snprintf(why, cap, "a shard's header layout: its third number %d counts the %zu bytes after a %d-byte header as tokens", h[2],
+                        n - MT__SHARD_HEADER, MT__SHARD_HEADER), why;
+    if (len >= 4 && (!strcmp(path + len - 4, ".bin") || !strcmp(path + len - 4, ".BIN")))
+        return snprintf(why, cap, "its name ends in .bin but it starts with %d, not a token shard's magic 20240520 or 20240801", h[0]), why;
+    return NULL;
+}
+
+int mt_data_load_as(mt_dataset *d, const char *path, int format, mt_err *err) {
     memset(d, 0, sizeof *d);
+    if (format != MT_DATA_AUTO && format != MT_DATA_BIN && format != MT_DATA_RAW) return mt_errf(err, "unknown data format %d", format);
     uint8_t *b; size_t n;
     if (mt_read_file(path, &b, &n, err)) return -1;
     int32_t hdr[3] = {0, 0, 0};
-    if (n >= 1024) memcpy(hdr, b, sizeof hdr);
+    if (n >= MT__SHARD_HEADER) memcpy(hdr, b, sizeof hdr);
     int width = 0;
-    if (n >= 1024 && hdr[0] == 20240520) width = 2;
-    else if (n >= 1024 && hdr[0] == 20240801) width = 4;
-    if (width) {
-        if ((width == 2 && hdr[1] != 1) || (width == 4 && hdr[1] != 7)) {
+    if (format != MT_DATA_RAW) {   /* a shard only when its magic and version are exactly right */
+        if (n >= MT__SHARD_HEADER && hdr[0] == 20240520 && hdr[1] == 1) width = 2;
+        else if (n >= MT__SHARD_HEADER && hdr[0] == 20240801 && hdr[1] == 7) width = 4;
+        char why[300];
+        if (!width && format == MT_DATA_BIN) {
+            int32_t h0 = 0, h1 = 0;
+            if (n >= 4) memcpy(&h0, b, 4);
+            if (n >= 8) memcpy(&h1, b + 4, 4);
             MT_FREE(b);
-            return mt_errf(err, "'%s': token shard version %d is not supported", path, hdr[1]);
+            return mt_errf(err, "'%s' is not an llm.c/nanoGPT token shard: it starts with %d, %d (a shard: 20240520, 1 or 20240801, 7, "
+                                "then a %d-byte header)%s", path, h0, h1, MT__SHARD_HEADER, n < MT__SHARD_HEADER ? " and is shorter than the header" : "");
         }
-        if (hdr[2] < 0 || (size_t)hdr[2] != (n - 1024) / (size_t)width || (n - 1024) % (size_t)width) {
+        if (!width && mt__data_near_miss(path, b, n, why, sizeof why)) {
             MT_FREE(b);
-            return mt_errf(err, "'%s': header says %d tokens but the file holds %zu bytes of tokens", path, hdr[2], n - 1024);
+            return mt_errf(err, "'%s' looks like an llm.c/nanoGPT token shard but is not one (%s): refusing to read it as raw bytes; "
+                                "if it is raw bytes, say so (train: --data-format raw)", path, why);
+        }
+    }
+    if (width) {
+        size_t body = n - MT__SHARD_HEADER;
+        if (hdr[2] < 0 || body != (size_t)hdr[2] * (size_t)width) {
+            MT_FREE(b);
+            return mt_errf(err, "'%s': header says %d tokens but the file holds %zu bytes of tokens", path, hdr[2], body);
         }
         d->n = hdr[2];
     } else {
         d->n = (int64_t)n;
     }
+    d->format = width ? MT_DATA_BIN : MT_DATA_RAW;
+    d->token_bytes = width ? width : 1;
     d->tokens = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(d->n + 1));
     if (!d->tokens) { MT_FREE(b); return mt_errf(err, "out of memory loading '%s'", path); }
     for (int64_t i = 0; i < d->n; i++) {
@@ -8759,6 +8824,21 @@ int mt_data_load(mt_dataset *d, const char *path, mt_err *err) {
     MT_FREE(b);
     if (d->n < 2) { mt_data_free(d); return mt_errf(err, "'%s' holds fewer than 2 tokens", path); }
     return 0;
+}
+int mt_data_load(mt_dataset *d, const char *path, mt_err *err) { return mt_data_load_as(d, path, MT_DATA_AUTO, err); }
+
+const char *mt_data_describe(const mt_dataset *d, const char *path, char *buf, size_t cap) {
+    char num[32], *q = num + sizeof num - 1;   /* the token count with thousands separators */
+    uint64_t v = d->n > 0 ? (uint64_t)d->n : 0;
+    *q = 0;
+    for (int k = 0; k == 0 || v; k++, v /= 10) {
+        if (k && k % 3 == 0) *--q = ',';
+        *--q = (char)('0' + v % 10);
+    }
+    if (d->format == MT_DATA_EMBEDDED) snprintf(buf, cap, "embedded default corpus (%s tokens)", q);
+    else if (d->format == MT_DATA_BIN) snprintf(buf, cap, "%s (llm.c token shard, uint%d, %s tokens)", path, 8 * d->token_bytes, q);
+    else snprintf(buf, cap, "%s (raw bytes, %s tokens)", path, q);
+    return buf;
 }
 
 /* The embedded default corpus: short stories from a small grammar, as bytes.
@@ -8806,6 +8886,7 @@ int mt_data_default(mt_dataset *d, mt_err *err) {
     memset(d, 0, sizeof *d);
     if (b.oom) { MT_FREE(b.p); return mt_errf(err, "out of memory building the default corpus"); }
     d->n = (int64_t)b.n;
+    d->format = MT_DATA_EMBEDDED; d->token_bytes = 1;
     d->tokens = (int32_t *)MT_MALLOC(sizeof(int32_t) * b.n);
     if (!d->tokens) { MT_FREE(b.p); return mt_errf(err, "out of memory building the default corpus"); }
     for (size_t i = 0; i < b.n; i++) {

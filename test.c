@@ -3004,6 +3004,8 @@ static void test_data(void) {
     fwrite(toks, 2, 5, f);
     fclose(f);
     int bad = mt_data_load(&d, p, &e) != 0 && strstr(e.msg, "header says");
+    remove(p);
+    p = TP("test.txt");
     f = fopen(p, "wb");
     fputs("hello", f);
     fclose(f);
@@ -3054,6 +3056,72 @@ static void test_data(void) {
     double l0 = mt_lr_at(hp, 0), l9 = mt_lr_at(hp, 9), l60 = mt_lr_at(hp, 60), l110 = mt_lr_at(hp, 110);
     report("lr schedule: warmup, cosine, floor", fabs(l0 - 0.1) < 1e-9 && l9 == 1 && fabs(l60 - 0.55) < 1e-9 && fabs(l110 - 0.1) < 1e-7,
            "%.3f %.3f %.3f %.3f", l0, l9, l60, l110);
+}
+
+/* An llm.c-style shard: a 256-int32 header (magic, version, count as given) and n tokens of width bytes. */
+static void write_shard(const char *path, int32_t magic, int32_t version, int32_t count, int n, int width) {
+    int32_t hdr[256];
+    memset(hdr, 0, sizeof hdr);
+    hdr[0] = magic; hdr[1] = version; hdr[2] = count;
+    FILE *f = fopen(path, "wb");
+    fwrite(hdr, 4, 256, f);
+    for (int i = 0; i < n; i++) { uint32_t t = (uint32_t)(i * 7 % 97); fwrite(&t, (size_t)width, 1, f); }
+    fclose(f);
+}
+
+/* The data format: a token shard only by its exact header, a near miss refused (never trained on as
+ * bytes by accident) unless raw bytes are asked for, and what was read named. */
+static void test_data_format(void) {
+    mt_err e;
+    mt_dataset d;
+    char desc[600], why[600] = "";
+    const char *shard = TP("fmt_ok.bin"), *near = TP("fmt_near.bin"), *ver = TP("fmt_ver.bin"), *lay = TP("fmt_layout.dat");
+    const char *rawbin = TP("fmt_raw.bin"), *txt = TP("fmt_text.txt");
+    write_shard(shard, 20240520, 1, 300, 300, 2);
+    write_shard(near, 20240521, 1, 300, 300, 2);   /* the magic one off */
+    write_shard(ver, 20240801, 1, 300, 300, 4);    /* a Llama-3 shard's magic with another version */
+    write_shard(lay, 12345, 1, 300, 300, 2);       /* a shard's layout under an unknown magic */
+    FILE *f = fopen(rawbin, "wb");
+    for (int i = 0; i < 3000; i++) fputc(i % 200, f);
+    fclose(f);
+    f = fopen(txt, "wb");
+    for (int i = 0; i < 100; i++) fputs("Once upon a time. ", f);
+    fclose(f);
+    /* exact: a shard, named so */
+    int ok = !mt_data_load(&d, shard, &e) && d.format == MT_DATA_BIN && d.token_bytes == 2 && d.n == 300 && d.tokens[2] == 14 &&
+             strstr(mt_data_describe(&d, shard, desc, sizeof desc), "(llm.c token shard, uint16, 300 tokens)");
+    mt_data_free(&d);
+    ok = ok && !mt_data_load_as(&d, shard, MT_DATA_BIN, &e) && d.format == MT_DATA_BIN;
+    mt_data_free(&d);
+    /* near misses: refused in auto, with the way out in the message; read as bytes when asked */
+    const char *nm[4] = {near, ver, lay, rawbin};
+    int refused = 0, as_raw = 0, not_bin = 0;
+    for (int i = 0; i < 4; i++) {
+        if (mt_data_load(&d, nm[i], &e) && strstr(e.msg, "--data-format raw") && strstr(e.msg, "looks like")) refused++;
+        else { snprintf(why, sizeof why, "'%s' %s", nm[i], e.msg); mt_data_free(&d); }
+        struct stat st;
+        stat(nm[i], &st);
+        if (!mt_data_load_as(&d, nm[i], MT_DATA_RAW, &e) && d.format == MT_DATA_RAW && d.n == (int64_t)st.st_size &&
+            strstr(mt_data_describe(&d, nm[i], desc, sizeof desc), "(raw bytes,"))
+            as_raw++;
+        mt_data_free(&d);
+        if (mt_data_load_as(&d, nm[i], MT_DATA_BIN, &e) && strstr(e.msg, "not an llm.c")) not_bin++;
+        else mt_data_free(&d);
+    }
+    /* nothing like a shard: raw bytes without a word */
+    int text = !mt_data_load(&d, txt, &e) && d.format == MT_DATA_RAW && d.n == 1800 &&
+               !strcmp(mt_data_describe(&d, txt, desc, sizeof desc), TP("fmt_text.txt (raw bytes, 1,800 tokens)"));
+    mt_data_free(&d);
+    int emb = !mt_data_default(&d, &e) && d.format == MT_DATA_EMBEDDED &&
+              !strncmp(mt_data_describe(&d, NULL, desc, sizeof desc), "embedded default corpus (", 25);
+    mt_data_free(&d);
+    int k = -1;
+    int fmt = !mt_data_format_parse("auto", &k) && k == MT_DATA_AUTO && !mt_data_format_parse("bin", &k) && k == MT_DATA_BIN &&
+          !mt_data_format_parse("raw", &k) && k == MT_DATA_RAW && mt_data_format_parse("text", &k);
+    report("data: near-miss shards refused, raw when asked", ok && refused == 4 && as_raw == 4 && not_bin == 4 && text && fmt,
+           "%d of 4 refused, %d read raw, %d refused as bin%s%s", refused, as_raw, not_bin, why[0] ? ": " : "", why);
+    report("data: what was read is named", ok && text && emb, NULL);
+    remove(shard); remove(near); remove(ver); remove(lay); remove(rawbin); remove(txt);
 }
 
 static void test_training_falls(void) {
@@ -4542,7 +4610,7 @@ static void test_cli(void) {
     f = fopen(data, "wb");
     for (int i = 0; i < 300; i++) fputc(i & 255, f);
     fclose(f);
-    rc = sh(a, sizeof a, "%strain --data %s --vocab-size 200 --steps 1 2>&1", BIN, data);
+    rc = sh(a, sizeof a, "%strain --data %s --data-format raw --vocab-size 200 --steps 1 2>&1", BIN, data);
     report("CLI: token beyond vocabulary refused", rc == 1 && strstr(a, "vocabulary"), "%.100s", a);
 
     /* many ranks from the command line: CPU thread-ranks */
@@ -4700,6 +4768,31 @@ static void test_cli_resume(void) {
            strstr(a, "train:") ? strstr(a, "train:") : a, strstr(b, "train:") ? strstr(b, "train:") : b);
     remove_tree(d1); remove_tree(d2);
 }
+
+/* ./train: the data format on the start-up line, a near-miss shard refused unless --data-format raw. */
+static void test_cli_data_format(void) {
+    static char a[1 << 16], b[1 << 16], c[1 << 16];
+    char d[256], p[600], q[600], want[700];
+    scratch_dir(d, sizeof d, "clidf");
+    snprintf(p, sizeof p, "%s/shard.bin", d);
+    write_shard(p, 20240520, 1, 600, 600, 2);
+    snprintf(q, sizeof q, "%s/near.bin", d);
+    write_shard(q, 20240502, 1, 600, 600, 2);   /* two digits swapped */
+    int r1 = sh(a, sizeof a, "%strain --data %s --vocab-size 256 --steps 1 2>&1", BIN, p);
+    snprintf(want, sizeof want, "data: %s (llm.c token shard, uint16, 600 tokens)", p);
+    int named_bin = r1 == 0 && strstr(a, want);
+    int r2 = sh(b, sizeof b, "%strain --data %s --vocab-size 256 --steps 1 2>&1", BIN, q);
+    int refused = r2 == 1 && strstr(b, "looks like an llm.c/nanoGPT token shard") && strstr(b, "--data-format raw") && !strstr(b, "| loss");
+    int r3 = sh(c, sizeof c, "%strain --data %s --data-format raw --vocab-size 256 --steps 1 2>&1", BIN, q);
+    snprintf(want, sizeof want, "data: %s (raw bytes, 2,224 tokens)", q);
+    int named_raw = r3 == 0 && strstr(c, want) && strstr(c, "step     1");
+    int r4 = sh(a + strlen(a), sizeof a - strlen(a), "%strain --steps 1 2>&1", BIN);
+    int named_emb = r4 == 0 && strstr(a, "data: embedded default corpus (");
+    report("CLI: data format named; a near-miss shard refused", named_bin && refused && named_raw && named_emb,
+           "%d %d %d %d: %.240s", r1, r2, r3, r4, strstr(b, "train:") ? strstr(b, "train:") : b);
+    remove_tree(d);
+}
+
 
 
 /* Two safetensors files hold the same tensors, byte for byte (their metadata may differ). */
@@ -5049,6 +5142,7 @@ int main(void) {
     RUN(test_checkpoint_refusals);
     RUN(test_nan_check);
     RUN(test_data);
+    RUN(test_data_format);
     RUN(test_fuzz);
     RUN(test_training_falls);
     RUN(test_overlap);
@@ -5060,6 +5154,7 @@ int main(void) {
     RUN(test_cli);
     RUN(test_cli_options);
     RUN(test_cli_resume);
+    RUN(test_cli_data_format);
     RUN(test_cli_sharded_checkpoint);
     RUN(test_cli_recompute);
 #undef RUN

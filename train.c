@@ -24,9 +24,10 @@
 #include <sys/wait.h>
 
 typedef struct {
-    const char *preset, *graph, *data, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
+    const char *preset, *graph, *data, *data_format, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
     int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_fold_rope, no_fuse_glu,
         attn_recompute_dq, one_launch_per_node;
+    int data_fmt;                            /* --data-format as MT_DATA_AUTO, _BIN or _RAW */
     int nproc, dp_replicate, dp_shard, ep;   /* ranks; 0 = derive */
     float timeout;                           /* seconds without progress before a rank gives up */
     float roof_tflops, roof_gbps;
@@ -64,6 +65,9 @@ static const opt_spec specs[] = {
     {"ep", OPT_INT, O_(ep), 1, 4096, 0, 0, "1", "mesh: expert-parallel ranks (divides dp-shard)", NULL},
     {"timeout", OPT_FLOAT, O_(timeout), 0, 1e6, 1, 0, "600", "a rank without progress for this many seconds stops every rank", NULL},
     {"data", OPT_STR, O_(data), 0, 0, 0, 0, "the embedded corpus", "raw bytes, or an llm.c/nanoGPT .bin token shard", "FILE"},
+    {"data-format", OPT_STR, O_(data_format), 0, 0, 0, 0, "auto",
+     "how --data is read: bin (a token shard), raw (bytes), auto (a shard by its exact header, else bytes; a near miss of a shard is refused)",
+     "FORMAT"},
     {"steps", OPT_INT, O_(steps), 0, 1 << 30, 0, 0, "300", "total optimizer steps of the run (a resumed run counts the checkpoint's)", NULL},
     {"seed", OPT_INT, O_(seed), 0, 2147483647, 0, 0, "1", "initialization and data-order seed", NULL},
     {"lr", OPT_FLOAT, O_(hp.lr), 0, 10, 1, 0, "3e-3 up to dim 128, 8e-4 up to 512, 4.2e-4 beyond", "peak learning rate", NULL},
@@ -223,6 +227,11 @@ static int parse_args(int argc, char **argv, opts *o) {
     if (o->logits_out && !o->forward) { fprintf(stderr, "train: --logits-out needs --forward\n"); return -1; }
     if (o->save_every && !o->save) { fprintf(stderr, "train: --save-every needs --save DIR\n"); return -1; }
     if (o->adopt_config && !o->load) { fprintf(stderr, "train: --adopt-config needs --load DIR\n"); return -1; }
+    if (o->data_format && mt_data_format_parse(o->data_format, &o->data_fmt)) {
+        fprintf(stderr, "train: --data-format takes auto, bin or raw, not '%s'\n", o->data_format);
+        return -1;
+    }
+    if (o->data_format && !o->data && !o->load) { fprintf(stderr, "train: --data-format needs --data FILE\n"); return -1; }
     o->config_from = o->graph ? o->graph : o->preset;
     return 0;
 }
@@ -643,10 +652,10 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
     if (lead) {
         mt_param_count pc;
         mt_count_params(cfg, &pc);
-        char h1[32], h2[32], h3[32], mn[64];
-        printf("model: %lld parameters (%lld active per token), %d layers, %d experts top-%d | data: %s, %lld tokens\n",
+        char h1[32], h2[32], h3[32], mn[64], dd[1200];
+        printf("model: %lld parameters (%lld active per token), %d layers, %d experts top-%d | data: %s\n",
                (long long)pc.total, (long long)(pc.dense + pc.sparse_active), cfg->n_layers, cfg->n_routed_experts, cfg->top_k,
-               o->data ? o->data : "embedded corpus", (long long)j->ds->n);
+               mt_data_describe(j->ds, o->data ? o->data : "", dd, sizeof dd));
         printf("memory per rank: %s persistent + %s arena (naive %s) | %s | %s | uniform loss ln(%d) = %.4f\n",
                mt__human((double)G->persist_bytes, h1), mt__human((double)G->arena_bytes, h2),
                mt__human((double)G->naive_arena_bytes, h3), G->planned ? "planned" : "eager",
@@ -1076,7 +1085,7 @@ int main(int argc, char **argv) {
 
     /* 4. data */
     mt_dataset ds;
-    if (o.data ? mt_data_load(&ds, o.data, &err) : mt_data_default(&ds, &err)) {
+    if (o.data ? mt_data_load_as(&ds, o.data, o.data_fmt, &err) : mt_data_default(&ds, &err)) {
         fprintf(stderr, "train: %s\n", err.msg);
         mt_graph_free(&g);
         return 1;
