@@ -3443,6 +3443,13 @@ static void test_checkpoint_refusals(void) {
     mt_graph_free(&g);
 }
 
+static int exists(const char *dir, const char *name) {
+    char p[700];
+    struct stat st;
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    return !stat(p, &st);
+}
+
 /* binding.nan_check: silent on healthy steps, names the first op on a sick one. */
 static void test_nan_check(void) {
     mt_config c;
@@ -4793,6 +4800,28 @@ static void test_cli_data_format(void) {
     remove_tree(d);
 }
 
+/* ./train --save refuses to replace another run's checkpoint unless it is --load's directory or --overwrite. */
+static void test_cli_save_refuses(void) {
+    static char a[1 << 16], b[1 << 16], c[1 << 16];
+    char d[256], ck[400], model[500], saved[600];
+    scratch_dir(d, sizeof d, "clisv");
+    snprintf(ck, sizeof ck, "%s/ck", d);
+    snprintf(model, sizeof model, "%s/model.safetensors", ck);
+    snprintf(saved, sizeof saved, "%s/before.safetensors", d);
+    int s1 = sh(a, sizeof a, "%strain --steps 3 --seed 1 --save %s 2>&1 && cp %s %s", BIN, ck, model, saved);
+    int s2 = sh(b, sizeof b, "%strain --steps 2 --seed 2 --save %s/ 2>&1", BIN, ck);
+    int kept = s1 == 0 && s2 == 1 && strstr(b, "holds the checkpoint of another run (step 3)") && strstr(b, "--overwrite") &&
+               !strstr(b, "| loss") && same_file(model, saved) && exists(ck, "optimizer-step3.safetensors");
+    int s3 = sh(c, sizeof c, "%strain --steps 4 --load %s --save %s 2>&1", BIN, model, ck);   /* continuing it: its own */
+    mt_run_state rs;
+    mt_err e;
+    int cont = s3 == 0 && !mt_checkpoint_read_run(ck, &rs, &e) && rs.step == 4;
+    int s4 = sh(c, sizeof c, "%strain --steps 2 --seed 2 --save %s --overwrite 2>&1", BIN, ck);
+    int over = s4 == 0 && !mt_checkpoint_read_run(ck, &rs, &e) && rs.step == 2 && rs.seed == 2 && !exists(ck, "optimizer-step4.safetensors");
+    report("CLI: --save keeps another run's checkpoint", kept && cont && over, "%d %d %d %d: %.240s", s1, s2, s3, s4,
+           strstr(b, "train:") ? strstr(b, "train:") : b);
+    remove_tree(d);
+}
 
 
 /* Two safetensors files hold the same tensors, byte for byte (their metadata may differ). */
@@ -5155,6 +5184,7 @@ int main(void) {
     RUN(test_cli_options);
     RUN(test_cli_resume);
     RUN(test_cli_data_format);
+    RUN(test_cli_save_refuses);
     RUN(test_cli_sharded_checkpoint);
     RUN(test_cli_recompute);
 #undef RUN

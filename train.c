@@ -26,7 +26,7 @@
 typedef struct {
     const char *preset, *graph, *data, *data_format, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
     int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_fold_rope, no_fuse_glu,
-        attn_recompute_dq, one_launch_per_node;
+        attn_recompute_dq, one_launch_per_node, overwrite;
     int data_fmt;                            /* --data-format as MT_DATA_AUTO, _BIN or _RAW */
     int nproc, dp_replicate, dp_shard, ep;   /* ranks; 0 = derive */
     float timeout;                           /* seconds without progress before a rank gives up */
@@ -82,6 +82,7 @@ static const opt_spec specs[] = {
     {"metrics", OPT_STR, O_(metrics), 0, 0, 0, 0, "none", "JSON lines: step, loss, grad_norm, lr, tokens_per_s, step_ms, expert_load", "FILE"},
     {"svg", OPT_STR, O_(svg), 0, 0, 0, 0, "none", "write the loss curve at the end", "FILE"},
     {"save", OPT_STR, O_(save), 0, 0, 0, 0, "none", "checkpoint directory: model.safetensors (Hugging Face names), config.json, optimizer", "DIR"},
+    {"overwrite", OPT_FLAG, O_(overwrite), 0, 0, 0, 0, "off", "let --save replace a checkpoint of another run (without it only --load's own DIR is replaced)", NULL},
     {"save-every", OPT_INT, O_(save_every), 0, 1 << 30, 0, 0, "0 (only at the end)", "also checkpoint every N steps", NULL},
     {"load", OPT_STR, O_(load), 0, 0, 0, 0, "none", "resume from a checkpoint: weights, AdamW state, step, data position, settings", "DIR"},
     {"adopt-config", OPT_FLAG, O_(adopt_config), 0, 0, 0, 0, "off", "with --load: take the checkpoint's model config where it differs", NULL},
@@ -227,6 +228,7 @@ static int parse_args(int argc, char **argv, opts *o) {
     if (o->logits_out && !o->forward) { fprintf(stderr, "train: --logits-out needs --forward\n"); return -1; }
     if (o->save_every && !o->save) { fprintf(stderr, "train: --save-every needs --save DIR\n"); return -1; }
     if (o->adopt_config && !o->load) { fprintf(stderr, "train: --adopt-config needs --load DIR\n"); return -1; }
+    if (o->overwrite && !o->save) { fprintf(stderr, "train: --overwrite needs --save DIR\n"); return -1; }
     if (o->data_format && mt_data_format_parse(o->data_format, &o->data_fmt)) {
         fprintf(stderr, "train: --data-format takes auto, bin or raw, not '%s'\n", o->data_format);
         return -1;
@@ -261,8 +263,40 @@ static int probe_output(const char *flag, const char *path) {
     if (!existed) remove(path);
     return 0;
 }
+/* Are a and b one directory? A path naming a checkpoint's model file stands for its directory. */
+static int same_dir(const char *a, const char *b) {
+    struct stat x, y;
+    char p[4096];
+    const char *q[2] = {a, b};
+    struct stat *st[2] = {&x, &y};
+    for (int i = 0; i < 2; i++) {
+        if (stat(q[i], st[i])) return 0;
+        if (S_ISREG(st[i]->st_mode)) {   /* DIR/model.safetensors: DIR */
+            snprintf(p, sizeof p, "%s", q[i]);
+            char *slash = strrchr(p, '/');
+            if (slash) *slash = 0; else snprintf(p, sizeof p, ".");
+            if (stat(p, st[i])) return 0;
+        }
+    }
+    return x.st_dev == y.st_dev && x.st_ino == y.st_ino;
+}
+/* --save DIR replaces the checkpoint in DIR only when it is this run's own: DIR is the --load directory, or --overwrite. */
+static int check_save_dir(const opts *o) {
+    char model[4200];
+    struct stat st;
+    snprintf(model, sizeof model, "%s/model.safetensors", o->save);
+    if (o->overwrite || stat(model, &st) || (o->load && same_dir(o->save, o->load))) return 0;
+    mt_run_state r;
+    mt_err e;
+    char what[64] = "";
+    if (!mt_checkpoint_read_run(o->save, &r, &e)) snprintf(what, sizeof what, " (step %d)", r.step);
+    fprintf(stderr, "train: --save '%s' holds the checkpoint of another run%s: not replacing it; pass --load %s to continue it, "
+                    "--overwrite to replace it, or another --save directory\n", o->save, what, o->save);
+    return -1;
+}
 static int preflight(const opts *o) {
     mt_err e;
+    if (o->save && check_save_dir(o)) return -1;
     if (o->save && mt_checkpoint_prepare_dir(o->save, &e)) { fprintf(stderr, "train: --save: %s\n", e.msg); return -1; }
     if (o->metrics && probe_output("--metrics", o->metrics)) return -1;
     if (o->svg && probe_output("--svg", o->svg)) return -1;
