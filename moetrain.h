@@ -930,7 +930,8 @@ void mt_run_state_init(mt_run_state *r);                              /* zeros, 
  * the checkpoint; loading takes each rank's own shard of every tensor. */
 int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err);  /* tensors + step */
 int mt_checkpoint_save_run(mt_runtime *rt, const char *dir, const mt_run_state *run, mt_err *err); /* + run state */
-int mt_checkpoint_prepare_dir(const char *dir, mt_err *err);          /* create DIR (and parents), prove it writable */
+int mt_checkpoint_prepare_dir(const char *dir, mt_err *err);          /* create DIR (and parents), prove it writable, remove what
+                                                                         interrupted saves left (.tmp files, sharded saves' parts) */
 int mt_checkpoint_read_config(const char *dir, mt_config *c, mt_err *err);
 int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err); /* step, and settings if saved */
 int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err); /* step may be NULL */
@@ -8369,6 +8370,7 @@ static int mt__mkdirs(const char *dir, mt_err *err) {
     return 0;
 }
 
+static void mt__ckpt_tidy(const char *dir, const char *keep, int at_start);
 int mt_checkpoint_prepare_dir(const char *dir, mt_err *err) {
     if (mt__mkdirs(dir, err)) return -1;
     char probe[4200];
@@ -8380,6 +8382,7 @@ int mt_checkpoint_prepare_dir(const char *dir, mt_err *err) {
     bad |= close(fd) != 0;
     remove(probe);
     if (bad) return mt_errf(err, "cannot write into '%s': %s", dir, strerror(e));
+    mt__ckpt_tidy(dir, NULL, 1);
     return 0;
 }
 
@@ -8399,8 +8402,11 @@ static void mt__ckpt_paths(const char *dir, char *model, char *base, size_t n) {
 }
 
 /* Remove what a checkpoint directory holds that the committed checkpoint does
- * not use: older optimizer files and the .tmp files of interrupted saves. */
-static void mt__ckpt_tidy(const char *dir, const char *keep) {
+ * not use: older optimizer files and the .tmp files of interrupted saves (and
+ * their write probes). at_start: before this run saves anything, only what
+ * interrupted saves left, sharded saves' per-rank parts included (every
+ * optimizer file stays: the directory may be the one being loaded). */
+static void mt__ckpt_tidy(const char *dir, const char *keep, int at_start) {
     DIR *d = opendir(dir);
     if (!d) return;
     char (*names)[256] = NULL;
@@ -8409,10 +8415,12 @@ static void mt__ckpt_tidy(const char *dir, const char *keep) {
     while ((e = readdir(d))) {
         const char *nm = e->d_name;
         size_t len = strlen(nm);
-        int opt = !strncmp(nm, "optimizer", 9) && len > 12 && !strcmp(nm + len - 12, ".safetensors") && (!keep || strcmp(nm, keep));
+        int opt = !at_start && !strncmp(nm, "optimizer", 9) && len > 12 && !strcmp(nm + len - 12, ".safetensors") && (!keep || strcmp(nm, keep));
         int tmp = len > 4 && !strcmp(nm + len - 4, ".tmp") &&
-                  (!strncmp(nm, "optimizer", 9) || !strncmp(nm, "model.safetensors", 17) || !strncmp(nm, "config.json", 11));
-        if ((opt || tmp) && len < 256 && !mt__grow((void **)&names, &cap, n + 1, sizeof *names)) snprintf(names[n++], 256, "%s", nm);
+                  (!strncmp(nm, "optimizer", 9) || !strncmp(nm, "model.safetensors", 17) || !strncmp(nm, "config.json", 11) ||
+                   !strncmp(nm, ".mt-probe-", 10));
+        int part = at_start && !strncmp(nm, ".mt-part-", 9);
+        if ((opt || tmp || part) && len < 256 && !mt__grow((void **)&names, &cap, n + 1, sizeof *names)) snprintf(names[n++], 256, "%s", nm);
     }
     closedir(d);
     for (int i = 0; i < n; i++) {
@@ -8490,7 +8498,7 @@ static int mt__checkpoint_save(mt_runtime *rt, const mt__parts *parts, const cha
     int rc = meta.oom ? mt_errf(err, "out of memory") : mt__save_file(rt, parts, mpath, MT_ROLE_PARAM, &meta, &msum, err);
     MT_FREE(meta.p);
     if (rc) return -1;
-    mt__ckpt_tidy(base, train ? oname : NULL);
+    mt__ckpt_tidy(base, train ? oname : NULL, 0);
     return 0;
 }
 

@@ -3443,11 +3443,55 @@ static void test_checkpoint_refusals(void) {
     mt_graph_free(&g);
 }
 
+static int write_bytes(const char *path, const uint8_t *b, size_t n) {
+    FILE *f = fopen(path, "wb");
+    int ok = f && fwrite(b, 1, n, f) == n;
+    if (f) ok &= !fclose(f);
+    return ok ? 0 : -1;
+}
 static int exists(const char *dir, const char *name) {
     char p[700];
     struct stat st;
     snprintf(p, sizeof p, "%s/%s", dir, name);
     return !stat(p, &st);
+}
+
+/* What interrupted saves leave is removed: when the save directory is prepared, and by the next save. */
+static void test_checkpoint_stale_tmp(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    small_tiny(&c);
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("stale .tmp files", 0, "%s", e.msg); return; }
+    char dir[256], p[600];
+    scratch_dir(dir, sizeof dir, "stale");
+    mt_runtime *a = make_runtime(&g, 1, 0, 1), *b = make_runtime(&g, 1, 0, 2);
+    double l[2];
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    int ok = a && b && !run_steps(a, &c, 0, 1, l, &hp) && !mt_checkpoint_save(a, dir, 1, &e);
+    /* stale files of interrupted saves: a killed atomic write's .tmp, a write probe, a sharded save's part */
+    static const char *const stale[] = {"model.safetensors.tmp", "optimizer-step9.safetensors.tmp", "config.json.tmp", ".mt-probe-4242.tmp",
+                                        ".mt-part-1-of-2"};
+    static const char *const kept[] = {"model.safetensors", "optimizer-step1.safetensors", "config.json", "notes.tmp"};
+    const uint8_t junk[5] = "junk";
+    for (int i = 0; i < 5; i++) { snprintf(p, sizeof p, "%s/%s", dir, stale[i]); ok = ok && !write_bytes(p, junk, 4); }
+    snprintf(p, sizeof p, "%s/notes.tmp", dir);
+    ok = ok && !write_bytes(p, junk, 4);
+    int gone = 0, stay = 0, gone2 = 0;
+    if (ok && !mt_checkpoint_prepare_dir(dir, &e)) {
+        for (int i = 0; i < 5; i++) gone += !exists(dir, stale[i]);
+        for (int i = 0; i < 4; i++) stay += exists(dir, kept[i]);
+    }
+    int loads = ok && !mt_checkpoint_load(b, dir, NULL, &e) && same_state(a, b);
+    for (int i = 0; i < 4; i++) { snprintf(p, sizeof p, "%s/%s", dir, stale[i]); ok = ok && !write_bytes(p, junk, 4); }
+    if (ok && !run_steps(a, &c, 1, 1, l, &hp) && !mt_checkpoint_save(a, dir, 2, &e))   /* the next save tidies too */
+        for (int i = 0; i < 4; i++) gone2 += !exists(dir, stale[i]);
+    report("stale .tmp files and parts of killed saves removed", ok && gone == 5 && stay == 4 && loads && gone2 == 4,
+           "%d of 5 removed at start, %d of 4 kept (the checkpoint, notes.tmp), %d of 4 by the next save", gone, stay, gone2);
+    remove_tree(dir);
+    mt_runtime_destroy(a); mt_runtime_destroy(b);
+    mt_graph_free(&g);
 }
 
 /* binding.nan_check: silent on healthy steps, names the first op on a sick one. */
@@ -5169,6 +5213,7 @@ int main(void) {
     RUN(test_resume_exact);
     RUN(test_checkpoint_atomic);
     RUN(test_checkpoint_refusals);
+    RUN(test_checkpoint_stale_tmp);
     RUN(test_nan_check);
     RUN(test_data);
     RUN(test_data_format);
