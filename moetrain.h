@@ -8044,7 +8044,7 @@ static int mt__st_parse(mt__st *s, const char *path, mt_err *err) {
             numel *= t->shape[d];
         }
         if (t->dtype < 0) { MT_FREE(r); return mt_errf(err, "'%s': tensor '%s' has an unsupported dtype (F32, F64, BF16, F16 are read)", path, t->name); }
-        if (numel < 0 || t->end < t->begin || (uint64_t)t->end > s->data_len || t->end - t->begin != numel * mt__st_esz(t->dtype)) {
+        if (numel < 0 || t->end < t->begin || t->end - t->begin != numel * mt__st_esz(t->dtype)) {   /* past the data: truncated, below */
             MT_FREE(r);
             return mt_errf(err, "'%s': tensor '%s': its shape needs %lld bytes, its data_offsets [%lld, %lld) of a %zu-byte data section disagree",
                            path, t->name, numel < 0 ? -1LL : (long long)(numel * mt__st_esz(t->dtype)), (long long)t->begin, (long long)t->end, s->data_len);
@@ -8064,8 +8064,11 @@ static int mt__st_parse(mt__st *s, const char *path, mt_err *err) {
         at = r[i].end;
     }
     MT_FREE(r);
+    if ((uint64_t)at > s->data_len)   /* the header is whole and consistent, the data short of it */
+        return mt_errf(err, "'%s' is truncated: %llu bytes, its header says %llu (%llu of tensor data, the file holds %zu)", path,
+                       (unsigned long long)(8 + s->hl + s->data_len), (unsigned long long)(8 + s->hl + (uint64_t)at), (unsigned long long)at, s->data_len);
     if ((uint64_t)at != s->data_len)
-        return mt_errf(err, "'%s': the tensors cover %lld bytes but the data section has %zu (truncated or padded file)", path, (long long)at, s->data_len);
+        return mt_errf(err, "'%s': the tensors cover %lld bytes but the data section has %zu (padded file)", path, (long long)at, s->data_len);
     qsort(s->by_name, (size_t)s->n, sizeof *s->by_name, mt__st_cmp_name);
     for (int i = 1; i < s->n; i++)
         if (!strcmp(s->by_name[i].name, s->by_name[i - 1].name)) return mt_errf(err, "'%s': tensor '%s' appears twice", path, s->by_name[i].name);
@@ -8095,12 +8098,13 @@ static int mt__st_check_sums(const mt__st *s, const char *path, mt_err *err) {
  * section's length comes from the file size). Checksums are verified. */
 static int mt__st_open(mt__st *s, const char *path, int full, mt_err *err) {
     memset(s, 0, sizeof *s);
-    uint8_t head[8];
+    uint8_t head[8], first = 0;   /* first: the header's first byte, '{' in any safetensors file */
     size_t fsize;
     if (full) {
         if (mt_read_file(path, &s->file, &s->len, err)) return -1;
         fsize = s->len;
         if (fsize >= 8) memcpy(head, s->file, 8);
+        if (fsize > 8) first = s->file[8];
     } else {
         int fd = open(path, O_RDONLY);
         if (fd < 0) return mt_errf(err, "cannot open '%s': %s", path, strerror(errno));
@@ -8108,6 +8112,7 @@ static int mt__st_open(mt__st *s, const char *path, int full, mt_err *err) {
         if (fstat(fd, &st) || !S_ISREG(st.st_mode)) { close(fd); return mt_errf(err, "'%s' is not a regular file", path); }
         fsize = (size_t)st.st_size;
         if (fsize >= 8 && mt__read_fd(fd, head, 8)) { close(fd); return mt_errf(err, "short read on '%s'", path); }
+        if (fsize > 8 && pread(fd, &first, 1, 8) != 1) first = 0;
         uint64_t hl = 0;
         for (int i = 0; fsize >= 8 && i < 8; i++) hl |= (uint64_t)head[i] << (8 * i);
         if (fsize >= 8 && hl <= fsize - 8 && hl <= 100000000) {
@@ -8121,6 +8126,11 @@ static int mt__st_open(mt__st *s, const char *path, int full, mt_err *err) {
     }
     if (fsize < 8) { mt__st_free(s); return mt_errf(err, "'%s' is not a safetensors file (%zu bytes)", path, fsize); }
     for (int i = 0; i < 8; i++) s->hl |= (uint64_t)head[i] << (8 * i);
+    if (s->hl >= 2 && s->hl > fsize - 8 && s->hl <= 100000000 && first == '{') {   /* a header cut short */
+        unsigned long long need = 8 + s->hl;
+        mt__st_free(s);
+        return mt_errf(err, "'%s' is truncated: %zu bytes, its header says at least %llu (the header alone)", path, fsize, need);
+    }
     if (s->hl < 2 || s->hl > fsize - 8 || s->hl > 100000000) {
         mt__st_free(s);
         return mt_errf(err, "'%s': header length %llu does not fit a %zu-byte file (not safetensors, or truncated)", path, (unsigned long long)s->hl, fsize);
@@ -8808,6 +8818,11 @@ int mt_data_load_as(mt_dataset *d, const char *path, int format, mt_err *err) {
     }
     if (width) {
         size_t body = n - MT__SHARD_HEADER;
+        if (hdr[2] >= 0 && body < (size_t)hdr[2] * (size_t)width) {
+            MT_FREE(b);
+            return mt_errf(err, "'%s' is truncated: %zu bytes, its header says %lld (%d tokens of %d bytes after the %d-byte header)", path, n,
+                           (long long)MT__SHARD_HEADER + (long long)hdr[2] * width, hdr[2], width, MT__SHARD_HEADER);
+        }
         if (hdr[2] < 0 || body != (size_t)hdr[2] * (size_t)width) {
             MT_FREE(b);
             return mt_errf(err, "'%s': header says %d tokens but the file holds %zu bytes of tokens", path, hdr[2], body);

@@ -3076,11 +3076,12 @@ static void test_data_format(void) {
     mt_dataset d;
     char desc[600], why[600] = "";
     const char *shard = TP("fmt_ok.bin"), *near = TP("fmt_near.bin"), *ver = TP("fmt_ver.bin"), *lay = TP("fmt_layout.dat");
-    const char *rawbin = TP("fmt_raw.bin"), *txt = TP("fmt_text.txt");
+    const char *rawbin = TP("fmt_raw.bin"), *txt = TP("fmt_text.txt"), *cut = TP("fmt_cut.bin");
     write_shard(shard, 20240520, 1, 300, 300, 2);
     write_shard(near, 20240521, 1, 300, 300, 2);   /* the magic one off */
     write_shard(ver, 20240801, 1, 300, 300, 4);    /* a Llama-3 shard's magic with another version */
     write_shard(lay, 12345, 1, 300, 300, 2);       /* a shard's layout under an unknown magic */
+    write_shard(cut, 20240520, 1, 400, 300, 2);    /* a shard cut short */
     FILE *f = fopen(rawbin, "wb");
     for (int i = 0; i < 3000; i++) fputc(i % 200, f);
     fclose(f);
@@ -3112,6 +3113,9 @@ static void test_data_format(void) {
     int text = !mt_data_load(&d, txt, &e) && d.format == MT_DATA_RAW && d.n == 1800 &&
                !strcmp(mt_data_describe(&d, txt, desc, sizeof desc), TP("fmt_text.txt (raw bytes, 1,800 tokens)"));
     mt_data_free(&d);
+    int trunc = mt_data_load(&d, cut, &e) && strstr(e.msg, "is truncated: 1624 bytes, its header says 1824");
+    char tmsg[300];
+    snprintf(tmsg, sizeof tmsg, "%s", e.msg);
     int emb = !mt_data_default(&d, &e) && d.format == MT_DATA_EMBEDDED &&
               !strncmp(mt_data_describe(&d, NULL, desc, sizeof desc), "embedded default corpus (", 25);
     mt_data_free(&d);
@@ -3121,7 +3125,8 @@ static void test_data_format(void) {
     report("data: near-miss shards refused, raw when asked", ok && refused == 4 && as_raw == 4 && not_bin == 4 && text && fmt,
            "%d of 4 refused, %d read raw, %d refused as bin%s%s", refused, as_raw, not_bin, why[0] ? ": " : "", why);
     report("data: what was read is named", ok && text && emb, NULL);
-    remove(shard); remove(near); remove(ver); remove(lay); remove(rawbin); remove(txt);
+    report("data: a shard cut short is called truncated", trunc, "\"%s\"", tmsg);
+    remove(shard); remove(near); remove(ver); remove(lay); remove(rawbin); remove(txt); remove(cut);
 }
 
 static void test_training_falls(void) {
@@ -3489,6 +3494,57 @@ static void test_checkpoint_stale_tmp(void) {
         for (int i = 0; i < 4; i++) gone2 += !exists(dir, stale[i]);
     report("stale .tmp files and parts of killed saves removed", ok && gone == 5 && stay == 4 && loads && gone2 == 4,
            "%d of 5 removed at start, %d of 4 kept (the checkpoint, notes.tmp), %d of 4 by the next save", gone, stay, gone2);
+    remove_tree(dir);
+    mt_runtime_destroy(a); mt_runtime_destroy(b);
+    mt_graph_free(&g);
+}
+
+/* A checkpoint file cut short is called truncated, with its size and the size its header says:
+ * cut in the data, in the header, the optimizer file; restored, it loads. */
+static void test_checkpoint_truncated(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    small_tiny(&c);
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("truncated checkpoint files", 0, "%s", e.msg); return; }
+    char dir[256], p[600], q[600];
+    scratch_dir(dir, sizeof dir, "trunc");
+    mt_runtime *a = make_runtime(&g, 1, 0, 1), *b = make_runtime(&g, 1, 0, 2);
+    double l[2];
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    int ok = a && b && !run_steps(a, &c, 0, 2, l, &hp) && !mt_checkpoint_save(a, dir, 2, &e);
+    uint8_t *m = NULL, *o = NULL;
+    size_t nm = 0, no = 0;
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    snprintf(q, sizeof q, "%s/optimizer-step2.safetensors", dir);
+    ok = ok && !mt_read_file(p, &m, &nm, &e) && !mt_read_file(q, &o, &no, &e) && nm > 1000 && no > 1000;
+    uint64_t hl = 0;
+    for (int i = 0; ok && i < 8; i++) hl |= (uint64_t)m[i] << (8 * i);
+    char want[200], m1[400] = "", m2[400] = "", m3[400] = "", m4[400] = "";
+    int cut_data = 0, cut_head = 0, cut_cfg = 0, cut_opt = 0, whole = 0;
+    if (ok && !write_bytes(p, m, nm - 100)) {
+        snprintf(want, sizeof want, "model.safetensors' is truncated: %zu bytes, its header says %zu", nm - 100, nm);
+        cut_data = mt_checkpoint_load(b, dir, NULL, &e) && strstr(e.msg, want);
+        snprintf(m1, sizeof m1, "%s", e.msg);
+        mt_config rc;
+        cut_cfg = mt_checkpoint_read_config(dir, &rc, &e) && strstr(e.msg, want);   /* the header alone is read */
+        snprintf(m2, sizeof m2, "%s", e.msg);
+    }
+    if (ok && !write_bytes(p, m, 8 + (size_t)hl / 2)) {
+        snprintf(want, sizeof want, "is truncated: %zu bytes, its header says at least %zu", 8 + (size_t)hl / 2, 8 + (size_t)hl);
+        cut_head = mt_checkpoint_load(b, dir, NULL, &e) && strstr(e.msg, want);
+        snprintf(m3, sizeof m3, "%s", e.msg);
+    }
+    if (ok && !write_bytes(p, m, nm) && !write_bytes(q, o, no - 4)) {
+        snprintf(want, sizeof want, "optimizer-step2.safetensors' is truncated: %zu bytes, its header says %zu", no - 4, no);
+        cut_opt = mt_checkpoint_load(b, dir, NULL, &e) && strstr(e.msg, want);
+        snprintf(m4, sizeof m4, "%s", e.msg);
+    }
+    whole = ok && !write_bytes(q, o, no) && !mt_checkpoint_load(b, dir, NULL, &e) && same_state(a, b);
+    report("truncated checkpoint files called truncated", cut_data && cut_head && cut_cfg && cut_opt && whole, "\"%s\"%s%s%s%s%s%s",
+           m1, cut_cfg ? "" : " | ", cut_cfg ? "" : m2, cut_head ? "" : " | ", cut_head ? "" : m3, cut_opt ? "" : " | ", cut_opt ? "" : m4);
+    free(m); free(o);
     remove_tree(dir);
     mt_runtime_destroy(a); mt_runtime_destroy(b);
     mt_graph_free(&g);
@@ -5214,6 +5270,7 @@ int main(void) {
     RUN(test_checkpoint_atomic);
     RUN(test_checkpoint_refusals);
     RUN(test_checkpoint_stale_tmp);
+    RUN(test_checkpoint_truncated);
     RUN(test_nan_check);
     RUN(test_data);
     RUN(test_data_format);
