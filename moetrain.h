@@ -1086,7 +1086,8 @@ void mt_run_state_init(mt_run_state *r);                              /* zeros, 
  * the checkpoint; loading takes each rank's own shard of every tensor. */
 int mt_checkpoint_save(mt_runtime *rt, const char *dir, int step, mt_err *err);  /* tensors + step */
 int mt_checkpoint_save_run(mt_runtime *rt, const char *dir, const mt_run_state *run, mt_err *err); /* + run state */
-int mt_checkpoint_prepare_dir(const char *dir, mt_err *err);          /* create DIR (and parents), prove it writable */
+int mt_checkpoint_prepare_dir(const char *dir, mt_err *err);          /* create DIR (and parents), prove it writable, remove what
+                                                                         interrupted saves left (.tmp files, sharded saves' parts) */
 int mt_checkpoint_read_config(const char *dir, mt_config *c, mt_err *err);
 int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err); /* step, and settings if saved */
 int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err); /* step may be NULL */
@@ -1099,9 +1100,23 @@ typedef struct {
     int32_t *tokens;
     int64_t n;
     int max_token;      /* largest token id present */
+    int format;         /* what was read: MT_DATA_BIN, MT_DATA_RAW or MT_DATA_EMBEDDED */
+    int token_bytes;    /* bytes a token took in the file: 2 or 4 (shards), 1 (bytes) */
 } mt_dataset;
-int mt_data_load(mt_dataset *d, const char *path, mt_err *err); /* llm.c .bin shard or raw bytes */
+/* How a data file is read. MT_DATA_BIN: an llm.c / nanoGPT token shard, its
+ * header exactly right. MT_DATA_RAW: every byte a token. MT_DATA_AUTO: a shard
+ * when its magic and version are exactly a shard's, raw bytes when nothing
+ * about it looks like one; a near miss (a .bin name, a magic a few digits
+ * off, a wrong version, a shard's header layout) is refused, never read as
+ * bytes by accident. */
+enum { MT_DATA_AUTO = 0, MT_DATA_BIN = 1, MT_DATA_RAW = 2, MT_DATA_EMBEDDED = 3 };
+int mt_data_load(mt_dataset *d, const char *path, mt_err *err); /* MT_DATA_AUTO */
+int mt_data_load_as(mt_dataset *d, const char *path, int format, mt_err *err);
+int mt_data_format_parse(const char *name, int *format);        /* "auto", "bin", "raw"; -1 for anything else */
 int mt_data_default(mt_dataset *d, mt_err *err);                /* the embedded corpus */
+/* What was read, for a start-up line: "f.bin (llm.c token shard, uint16, 1,234 tokens)",
+ * "f.txt (raw bytes, 5,000 tokens)", "embedded default corpus (600,034 tokens)". */
+const char *mt_data_describe(const mt_dataset *d, const char *path, char *buf, size_t cap);
 void mt_data_free(mt_dataset *d);
 uint64_t mt_data_hash(const mt_dataset *d);                     /* identifies the token stream (checkpoints record it) */
 /* The data order is a pure function of (seed, step): the token stream is cut
@@ -8707,7 +8722,7 @@ static int mt__st_parse(mt__st *s, const char *path, mt_err *err) {
             numel *= t->shape[d];
         }
         if (t->dtype < 0) { MT_FREE(r); return mt_errf(err, "'%s': tensor '%s' has an unsupported dtype (F32, F64, BF16, F16 are read)", path, t->name); }
-        if (numel < 0 || t->end < t->begin || (uint64_t)t->end > s->data_len || t->end - t->begin != numel * mt__st_esz(t->dtype)) {
+        if (numel < 0 || t->end < t->begin || t->end - t->begin != numel * mt__st_esz(t->dtype)) {   /* past the data: truncated, below */
             MT_FREE(r);
             return mt_errf(err, "'%s': tensor '%s': its shape needs %lld bytes, its data_offsets [%lld, %lld) of a %zu-byte data section disagree",
                            path, t->name, numel < 0 ? -1LL : (long long)(numel * mt__st_esz(t->dtype)), (long long)t->begin, (long long)t->end, s->data_len);
@@ -8727,8 +8742,11 @@ static int mt__st_parse(mt__st *s, const char *path, mt_err *err) {
         at = r[i].end;
     }
     MT_FREE(r);
+    if ((uint64_t)at > s->data_len)   /* the header is whole and consistent, the data short of it */
+        return mt_errf(err, "'%s' is truncated: %llu bytes, its header says %llu (%llu of tensor data, the file holds %zu)", path,
+                       (unsigned long long)(8 + s->hl + s->data_len), (unsigned long long)(8 + s->hl + (uint64_t)at), (unsigned long long)at, s->data_len);
     if ((uint64_t)at != s->data_len)
-        return mt_errf(err, "'%s': the tensors cover %lld bytes but the data section has %zu (truncated or padded file)", path, (long long)at, s->data_len);
+        return mt_errf(err, "'%s': the tensors cover %lld bytes but the data section has %zu (padded file)", path, (long long)at, s->data_len);
     qsort(s->by_name, (size_t)s->n, sizeof *s->by_name, mt__st_cmp_name);
     for (int i = 1; i < s->n; i++)
         if (!strcmp(s->by_name[i].name, s->by_name[i - 1].name)) return mt_errf(err, "'%s': tensor '%s' appears twice", path, s->by_name[i].name);
@@ -8758,12 +8776,13 @@ static int mt__st_check_sums(const mt__st *s, const char *path, mt_err *err) {
  * section's length comes from the file size). Checksums are verified. */
 static int mt__st_open(mt__st *s, const char *path, int full, mt_err *err) {
     memset(s, 0, sizeof *s);
-    uint8_t head[8];
+    uint8_t head[8], first = 0;   /* first: the header's first byte, '{' in any safetensors file */
     size_t fsize;
     if (full) {
         if (mt_read_file(path, &s->file, &s->len, err)) return -1;
         fsize = s->len;
         if (fsize >= 8) memcpy(head, s->file, 8);
+        if (fsize > 8) first = s->file[8];
     } else {
         int fd = open(path, O_RDONLY);
         if (fd < 0) return mt_errf(err, "cannot open '%s': %s", path, strerror(errno));
@@ -8771,6 +8790,7 @@ static int mt__st_open(mt__st *s, const char *path, int full, mt_err *err) {
         if (fstat(fd, &st) || !S_ISREG(st.st_mode)) { close(fd); return mt_errf(err, "'%s' is not a regular file", path); }
         fsize = (size_t)st.st_size;
         if (fsize >= 8 && mt__read_fd(fd, head, 8)) { close(fd); return mt_errf(err, "short read on '%s'", path); }
+        if (fsize > 8 && pread(fd, &first, 1, 8) != 1) first = 0;
         uint64_t hl = 0;
         for (int i = 0; fsize >= 8 && i < 8; i++) hl |= (uint64_t)head[i] << (8 * i);
         if (fsize >= 8 && hl <= fsize - 8 && hl <= 100000000) {
@@ -8784,6 +8804,11 @@ static int mt__st_open(mt__st *s, const char *path, int full, mt_err *err) {
     }
     if (fsize < 8) { mt__st_free(s); return mt_errf(err, "'%s' is not a safetensors file (%zu bytes)", path, fsize); }
     for (int i = 0; i < 8; i++) s->hl |= (uint64_t)head[i] << (8 * i);
+    if (s->hl >= 2 && s->hl > fsize - 8 && s->hl <= 100000000 && first == '{') {   /* a header cut short */
+        unsigned long long need = 8 + s->hl;
+        mt__st_free(s);
+        return mt_errf(err, "'%s' is truncated: %zu bytes, its header says at least %llu (the header alone)", path, fsize, need);
+    }
     if (s->hl < 2 || s->hl > fsize - 8 || s->hl > 100000000) {
         mt__st_free(s);
         return mt_errf(err, "'%s': header length %llu does not fit a %zu-byte file (not safetensors, or truncated)", path, (unsigned long long)s->hl, fsize);
@@ -9033,6 +9058,7 @@ static int mt__mkdirs(const char *dir, mt_err *err) {
     return 0;
 }
 
+static void mt__ckpt_tidy(const char *dir, const char *keep, int at_start);
 int mt_checkpoint_prepare_dir(const char *dir, mt_err *err) {
     if (mt__mkdirs(dir, err)) return -1;
     char probe[4200];
@@ -9044,6 +9070,7 @@ int mt_checkpoint_prepare_dir(const char *dir, mt_err *err) {
     bad |= close(fd) != 0;
     remove(probe);
     if (bad) return mt_errf(err, "cannot write into '%s': %s", dir, strerror(e));
+    mt__ckpt_tidy(dir, NULL, 1);
     return 0;
 }
 
@@ -9063,8 +9090,11 @@ static void mt__ckpt_paths(const char *dir, char *model, char *base, size_t n) {
 }
 
 /* Remove what a checkpoint directory holds that the committed checkpoint does
- * not use: older optimizer files and the .tmp files of interrupted saves. */
-static void mt__ckpt_tidy(const char *dir, const char *keep) {
+ * not use: older optimizer files and the .tmp files of interrupted saves (and
+ * their write probes). at_start: before this run saves anything, only what
+ * interrupted saves left, sharded saves' per-rank parts included (every
+ * optimizer file stays: the directory may be the one being loaded). */
+static void mt__ckpt_tidy(const char *dir, const char *keep, int at_start) {
     DIR *d = opendir(dir);
     if (!d) return;
     char (*names)[256] = NULL;
@@ -9073,10 +9103,12 @@ static void mt__ckpt_tidy(const char *dir, const char *keep) {
     while ((e = readdir(d))) {
         const char *nm = e->d_name;
         size_t len = strlen(nm);
-        int opt = !strncmp(nm, "optimizer", 9) && len > 12 && !strcmp(nm + len - 12, ".safetensors") && (!keep || strcmp(nm, keep));
+        int opt = !at_start && !strncmp(nm, "optimizer", 9) && len > 12 && !strcmp(nm + len - 12, ".safetensors") && (!keep || strcmp(nm, keep));
         int tmp = len > 4 && !strcmp(nm + len - 4, ".tmp") &&
-                  (!strncmp(nm, "optimizer", 9) || !strncmp(nm, "model.safetensors", 17) || !strncmp(nm, "config.json", 11));
-        if ((opt || tmp) && len < 256 && !mt__grow((void **)&names, &cap, n + 1, sizeof *names)) snprintf(names[n++], 256, "%s", nm);
+                  (!strncmp(nm, "optimizer", 9) || !strncmp(nm, "model.safetensors", 17) || !strncmp(nm, "config.json", 11) ||
+                   !strncmp(nm, ".mt-probe-", 10));
+        int part = at_start && !strncmp(nm, ".mt-part-", 9);
+        if ((opt || tmp || part) && len < 256 && !mt__grow((void **)&names, &cap, n + 1, sizeof *names)) snprintf(names[n++], 256, "%s", nm);
     }
     closedir(d);
     for (int i = 0; i < n; i++) {
@@ -9154,7 +9186,7 @@ static int mt__checkpoint_save(mt_runtime *rt, const mt__parts *parts, const cha
     int rc = meta.oom ? mt_errf(err, "out of memory") : mt__save_file(rt, parts, mpath, MT_ROLE_PARAM, &meta, &msum, err);
     MT_FREE(meta.p);
     if (rc) return -1;
-    mt__ckpt_tidy(base, train ? oname : NULL);
+    mt__ckpt_tidy(base, train ? oname : NULL, 0);
     return 0;
 }
 
@@ -9400,29 +9432,85 @@ uint64_t mt_data_hash(const mt_dataset *d) {
 
 /* llm.c / nanoGPT shards: 256 int32 header (magic 20240520, version 1,
  * count) then uint16 tokens; llm.c's Llama-3 shards use magic 20240801,
- * version 7, uint32 tokens. Anything else is read as raw bytes. */
-int mt_data_load(mt_dataset *d, const char *path, mt_err *err) {
+ * version 7, uint32 tokens. */
+#define MT__SHARD_HEADER 1024
+int mt_data_format_parse(const char *name, int *format) {
+    static const char *const names[] = {"auto", "bin", "raw"};
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(name, names[i])) { *format = i; return 0; }
+    return -1;
+}
+
+/* Why a file that is not exactly a shard still looks like one (NULL: it does
+ * not), for MT_DATA_AUTO: read as bytes it would train on the header's and
+ * the tokens' bytes without a word. */
+static const char *mt__data_near_miss(const char *path, const uint8_t *b, size_t n, char *why, size_t cap) {
+    static const int32_t magic[2] = {20240520, 20240801}, version[2] = {1, 7};
+    int32_t h[3] = {0, 0, 0};
+    memcpy(h, b, n < sizeof h ? n : sizeof h);
+    size_t len = strlen(path);
+    for (int k = 0; k < 2; k++) {
+        if (n >= 4 && h[0] == magic[k] && n < MT__SHARD_HEADER)
+            return snprintf(why, cap, "it starts with a token shard's magic %d but is %zu bytes, shorter than the %d-byte header", magic[k], n,
+                            MT__SHARD_HEADER), why;
+        if (n >= 8 && h[0] == magic[k] && h[1] != version[k])
+            return snprintf(why, cap, "magic %d with version %d (a shard of that magic is version %d)", magic[k], h[1], version[k]), why;
+        int bytes_off = 0;
+        for (int i = 0; i < 4; i++) bytes_off += ((h[0] ^ magic[k]) >> (8 * i) & 0xff) != 0;
+        if (n >= 4 && h[0] != magic[k] && ((h[0] > magic[k] - 100000 && h[0] < magic[k] + 100000) || bytes_off == 1))
+            return snprintf(why, cap, "its first number %d is close to a token shard's magic %d", h[0], magic[k]), why;
+    }
+    if (n > MT__SHARD_HEADER && h[2] > 0 && (n - MT__SHARD_HEADER == 2 * (size_t)h[2] || n - MT__SHARD_HEADER == 4 * (size_t)h[2]))
+        return snprintf(why, cap, "a shard's header layout: its third number %d counts the %zu bytes after a %d-byte header as tokens", h[2],
+                        n - MT__SHARD_HEADER, MT__SHARD_HEADER), why;
+    if (len >= 4 && (!strcmp(path + len - 4, ".bin") || !strcmp(path + len - 4, ".BIN")))
+        return snprintf(why, cap, "its name ends in .bin but it starts with %d, not a token shard's magic 20240520 or 20240801", h[0]), why;
+    return NULL;
+}
+
+int mt_data_load_as(mt_dataset *d, const char *path, int format, mt_err *err) {
     memset(d, 0, sizeof *d);
+    if (format != MT_DATA_AUTO && format != MT_DATA_BIN && format != MT_DATA_RAW) return mt_errf(err, "unknown data format %d", format);
     uint8_t *b; size_t n;
     if (mt_read_file(path, &b, &n, err)) return -1;
     int32_t hdr[3] = {0, 0, 0};
-    if (n >= 1024) memcpy(hdr, b, sizeof hdr);
+    if (n >= MT__SHARD_HEADER) memcpy(hdr, b, sizeof hdr);
     int width = 0;
-    if (n >= 1024 && hdr[0] == 20240520) width = 2;
-    else if (n >= 1024 && hdr[0] == 20240801) width = 4;
-    if (width) {
-        if ((width == 2 && hdr[1] != 1) || (width == 4 && hdr[1] != 7)) {
+    if (format != MT_DATA_RAW) {   /* a shard only when its magic and version are exactly right */
+        if (n >= MT__SHARD_HEADER && hdr[0] == 20240520 && hdr[1] == 1) width = 2;
+        else if (n >= MT__SHARD_HEADER && hdr[0] == 20240801 && hdr[1] == 7) width = 4;
+        char why[300];
+        if (!width && format == MT_DATA_BIN) {
+            int32_t h0 = 0, h1 = 0;
+            if (n >= 4) memcpy(&h0, b, 4);
+            if (n >= 8) memcpy(&h1, b + 4, 4);
             MT_FREE(b);
-            return mt_errf(err, "'%s': token shard version %d is not supported", path, hdr[1]);
+            return mt_errf(err, "'%s' is not an llm.c/nanoGPT token shard: it starts with %d, %d (a shard: 20240520, 1 or 20240801, 7, "
+                                "then a %d-byte header)%s", path, h0, h1, MT__SHARD_HEADER, n < MT__SHARD_HEADER ? " and is shorter than the header" : "");
         }
-        if (hdr[2] < 0 || (size_t)hdr[2] != (n - 1024) / (size_t)width || (n - 1024) % (size_t)width) {
+        if (!width && mt__data_near_miss(path, b, n, why, sizeof why)) {
             MT_FREE(b);
-            return mt_errf(err, "'%s': header says %d tokens but the file holds %zu bytes of tokens", path, hdr[2], n - 1024);
+            return mt_errf(err, "'%s' looks like an llm.c/nanoGPT token shard but is not one (%s): refusing to read it as raw bytes; "
+                                "if it is raw bytes, say so (train: --data-format raw)", path, why);
+        }
+    }
+    if (width) {
+        size_t body = n - MT__SHARD_HEADER;
+        if (hdr[2] >= 0 && body < (size_t)hdr[2] * (size_t)width) {
+            MT_FREE(b);
+            return mt_errf(err, "'%s' is truncated: %zu bytes, its header says %lld (%d tokens of %d bytes after the %d-byte header)", path, n,
+                           (long long)MT__SHARD_HEADER + (long long)hdr[2] * width, hdr[2], width, MT__SHARD_HEADER);
+        }
+        if (hdr[2] < 0 || body != (size_t)hdr[2] * (size_t)width) {
+            MT_FREE(b);
+            return mt_errf(err, "'%s': header says %d tokens but the file holds %zu bytes of tokens", path, hdr[2], body);
         }
         d->n = hdr[2];
     } else {
         d->n = (int64_t)n;
     }
+    d->format = width ? MT_DATA_BIN : MT_DATA_RAW;
+    d->token_bytes = width ? width : 1;
     d->tokens = (int32_t *)MT_MALLOC(sizeof(int32_t) * (size_t)(d->n + 1));
     if (!d->tokens) { MT_FREE(b); return mt_errf(err, "out of memory loading '%s'", path); }
     for (int64_t i = 0; i < d->n; i++) {
@@ -9437,6 +9525,21 @@ int mt_data_load(mt_dataset *d, const char *path, mt_err *err) {
     MT_FREE(b);
     if (d->n < 2) { mt_data_free(d); return mt_errf(err, "'%s' holds fewer than 2 tokens", path); }
     return 0;
+}
+int mt_data_load(mt_dataset *d, const char *path, mt_err *err) { return mt_data_load_as(d, path, MT_DATA_AUTO, err); }
+
+const char *mt_data_describe(const mt_dataset *d, const char *path, char *buf, size_t cap) {
+    char num[32], *q = num + sizeof num - 1;   /* the token count with thousands separators */
+    uint64_t v = d->n > 0 ? (uint64_t)d->n : 0;
+    *q = 0;
+    for (int k = 0; k == 0 || v; k++, v /= 10) {
+        if (k && k % 3 == 0) *--q = ',';
+        *--q = (char)('0' + v % 10);
+    }
+    if (d->format == MT_DATA_EMBEDDED) snprintf(buf, cap, "embedded default corpus (%s tokens)", q);
+    else if (d->format == MT_DATA_BIN) snprintf(buf, cap, "%s (llm.c token shard, uint%d, %s tokens)", path, 8 * d->token_bytes, q);
+    else snprintf(buf, cap, "%s (raw bytes, %s tokens)", path, q);
+    return buf;
 }
 
 /* The embedded default corpus: short stories from a small grammar, as bytes.
@@ -9484,6 +9587,7 @@ int mt_data_default(mt_dataset *d, mt_err *err) {
     memset(d, 0, sizeof *d);
     if (b.oom) { MT_FREE(b.p); return mt_errf(err, "out of memory building the default corpus"); }
     d->n = (int64_t)b.n;
+    d->format = MT_DATA_EMBEDDED; d->token_bytes = 1;
     d->tokens = (int32_t *)MT_MALLOC(sizeof(int32_t) * b.n);
     if (!d->tokens) { MT_FREE(b.p); return mt_errf(err, "out of memory building the default corpus"); }
     for (size_t i = 0; i < b.n; i++) {

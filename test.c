@@ -3207,6 +3207,8 @@ static void test_data(void) {
     fwrite(toks, 2, 5, f);
     fclose(f);
     int bad = mt_data_load(&d, p, &e) != 0 && strstr(e.msg, "header says");
+    remove(p);
+    p = TP("test.txt");
     f = fopen(p, "wb");
     fputs("hello", f);
     fclose(f);
@@ -3257,6 +3259,77 @@ static void test_data(void) {
     double l0 = mt_lr_at(hp, 0), l9 = mt_lr_at(hp, 9), l60 = mt_lr_at(hp, 60), l110 = mt_lr_at(hp, 110);
     report("lr schedule: warmup, cosine, floor", fabs(l0 - 0.1) < 1e-9 && l9 == 1 && fabs(l60 - 0.55) < 1e-9 && fabs(l110 - 0.1) < 1e-7,
            "%.3f %.3f %.3f %.3f", l0, l9, l60, l110);
+}
+
+/* An llm.c-style shard: a 256-int32 header (magic, version, count as given) and n tokens of width bytes. */
+static void write_shard(const char *path, int32_t magic, int32_t version, int32_t count, int n, int width) {
+    int32_t hdr[256];
+    memset(hdr, 0, sizeof hdr);
+    hdr[0] = magic; hdr[1] = version; hdr[2] = count;
+    FILE *f = fopen(path, "wb");
+    fwrite(hdr, 4, 256, f);
+    for (int i = 0; i < n; i++) { uint32_t t = (uint32_t)(i * 7 % 97); fwrite(&t, (size_t)width, 1, f); }
+    fclose(f);
+}
+
+/* The data format: a token shard only by its exact header, a near miss refused (never trained on as
+ * bytes by accident) unless raw bytes are asked for, and what was read named. */
+static void test_data_format(void) {
+    mt_err e;
+    mt_dataset d;
+    char desc[600], why[600] = "";
+    const char *shard = TP("fmt_ok.bin"), *near = TP("fmt_near.bin"), *ver = TP("fmt_ver.bin"), *lay = TP("fmt_layout.dat");
+    const char *rawbin = TP("fmt_raw.bin"), *txt = TP("fmt_text.txt"), *cut = TP("fmt_cut.bin");
+    write_shard(shard, 20240520, 1, 300, 300, 2);
+    write_shard(near, 20240521, 1, 300, 300, 2);   /* the magic one off */
+    write_shard(ver, 20240801, 1, 300, 300, 4);    /* a Llama-3 shard's magic with another version */
+    write_shard(lay, 12345, 1, 300, 300, 2);       /* a shard's layout under an unknown magic */
+    write_shard(cut, 20240520, 1, 400, 300, 2);    /* a shard cut short */
+    FILE *f = fopen(rawbin, "wb");
+    for (int i = 0; i < 3000; i++) fputc(i % 200, f);
+    fclose(f);
+    f = fopen(txt, "wb");
+    for (int i = 0; i < 100; i++) fputs("Once upon a time. ", f);
+    fclose(f);
+    /* exact: a shard, named so */
+    int ok = !mt_data_load(&d, shard, &e) && d.format == MT_DATA_BIN && d.token_bytes == 2 && d.n == 300 && d.tokens[2] == 14 &&
+             strstr(mt_data_describe(&d, shard, desc, sizeof desc), "(llm.c token shard, uint16, 300 tokens)");
+    mt_data_free(&d);
+    ok = ok && !mt_data_load_as(&d, shard, MT_DATA_BIN, &e) && d.format == MT_DATA_BIN;
+    mt_data_free(&d);
+    /* near misses: refused in auto, with the way out in the message; read as bytes when asked */
+    const char *nm[4] = {near, ver, lay, rawbin};
+    int refused = 0, as_raw = 0, not_bin = 0;
+    for (int i = 0; i < 4; i++) {
+        if (mt_data_load(&d, nm[i], &e) && strstr(e.msg, "--data-format raw") && strstr(e.msg, "looks like")) refused++;
+        else { snprintf(why, sizeof why, "'%s' %s", nm[i], e.msg); mt_data_free(&d); }
+        struct stat st;
+        stat(nm[i], &st);
+        if (!mt_data_load_as(&d, nm[i], MT_DATA_RAW, &e) && d.format == MT_DATA_RAW && d.n == (int64_t)st.st_size &&
+            strstr(mt_data_describe(&d, nm[i], desc, sizeof desc), "(raw bytes,"))
+            as_raw++;
+        mt_data_free(&d);
+        if (mt_data_load_as(&d, nm[i], MT_DATA_BIN, &e) && strstr(e.msg, "not an llm.c")) not_bin++;
+        else mt_data_free(&d);
+    }
+    /* nothing like a shard: raw bytes without a word */
+    int text = !mt_data_load(&d, txt, &e) && d.format == MT_DATA_RAW && d.n == 1800 &&
+               !strcmp(mt_data_describe(&d, txt, desc, sizeof desc), TP("fmt_text.txt (raw bytes, 1,800 tokens)"));
+    mt_data_free(&d);
+    int trunc = mt_data_load(&d, cut, &e) && strstr(e.msg, "is truncated: 1624 bytes, its header says 1824");
+    char tmsg[300];
+    snprintf(tmsg, sizeof tmsg, "%s", e.msg);
+    int emb = !mt_data_default(&d, &e) && d.format == MT_DATA_EMBEDDED &&
+              !strncmp(mt_data_describe(&d, NULL, desc, sizeof desc), "embedded default corpus (", 25);
+    mt_data_free(&d);
+    int k = -1;
+    int fmt = !mt_data_format_parse("auto", &k) && k == MT_DATA_AUTO && !mt_data_format_parse("bin", &k) && k == MT_DATA_BIN &&
+          !mt_data_format_parse("raw", &k) && k == MT_DATA_RAW && mt_data_format_parse("text", &k);
+    report("data: near-miss shards refused, raw when asked", ok && refused == 4 && as_raw == 4 && not_bin == 4 && text && fmt,
+           "%d of 4 refused, %d read raw, %d refused as bin%s%s", refused, as_raw, not_bin, why[0] ? ": " : "", why);
+    report("data: what was read is named", ok && text && emb, NULL);
+    report("data: a shard cut short is called truncated", trunc, "\"%s\"", tmsg);
+    remove(shard); remove(near); remove(ver); remove(lay); remove(rawbin); remove(txt); remove(cut);
 }
 
 static void test_training_falls(void) {
@@ -3574,6 +3647,108 @@ static void test_checkpoint_refusals(void) {
     report("a checkpoint of the previous format (no checksums) still loads", legacy, NULL);
     remove_tree(d3);
     remove_tree(d1); remove_tree(d2);
+    mt_runtime_destroy(a); mt_runtime_destroy(b);
+    mt_graph_free(&g);
+}
+
+static int write_bytes(const char *path, const uint8_t *b, size_t n) {
+    FILE *f = fopen(path, "wb");
+    int ok = f && fwrite(b, 1, n, f) == n;
+    if (f) ok &= !fclose(f);
+    return ok ? 0 : -1;
+}
+static int exists(const char *dir, const char *name) {
+    char p[700];
+    struct stat st;
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    return !stat(p, &st);
+}
+
+/* What interrupted saves leave is removed: when the save directory is prepared, and by the next save. */
+static void test_checkpoint_stale_tmp(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    small_tiny(&c);
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("stale .tmp files", 0, "%s", e.msg); return; }
+    char dir[256], p[600];
+    scratch_dir(dir, sizeof dir, "stale");
+    mt_runtime *a = make_runtime(&g, 1, 0, 1), *b = make_runtime(&g, 1, 0, 2);
+    double l[2];
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    int ok = a && b && !run_steps(a, &c, 0, 1, l, &hp) && !mt_checkpoint_save(a, dir, 1, &e);
+    /* stale files of interrupted saves: a killed atomic write's .tmp, a write probe, a sharded save's part */
+    static const char *const stale[] = {"model.safetensors.tmp", "optimizer-step9.safetensors.tmp", "config.json.tmp", ".mt-probe-4242.tmp",
+                                        ".mt-part-1-of-2"};
+    static const char *const kept[] = {"model.safetensors", "optimizer-step1.safetensors", "config.json", "notes.tmp"};
+    const uint8_t junk[5] = "junk";
+    for (int i = 0; i < 5; i++) { snprintf(p, sizeof p, "%s/%s", dir, stale[i]); ok = ok && !write_bytes(p, junk, 4); }
+    snprintf(p, sizeof p, "%s/notes.tmp", dir);
+    ok = ok && !write_bytes(p, junk, 4);
+    int gone = 0, stay = 0, gone2 = 0;
+    if (ok && !mt_checkpoint_prepare_dir(dir, &e)) {
+        for (int i = 0; i < 5; i++) gone += !exists(dir, stale[i]);
+        for (int i = 0; i < 4; i++) stay += exists(dir, kept[i]);
+    }
+    int loads = ok && !mt_checkpoint_load(b, dir, NULL, &e) && same_state(a, b);
+    for (int i = 0; i < 4; i++) { snprintf(p, sizeof p, "%s/%s", dir, stale[i]); ok = ok && !write_bytes(p, junk, 4); }
+    if (ok && !run_steps(a, &c, 1, 1, l, &hp) && !mt_checkpoint_save(a, dir, 2, &e))   /* the next save tidies too */
+        for (int i = 0; i < 4; i++) gone2 += !exists(dir, stale[i]);
+    report("stale .tmp files and parts of killed saves removed", ok && gone == 5 && stay == 4 && loads && gone2 == 4,
+           "%d of 5 removed at start, %d of 4 kept (the checkpoint, notes.tmp), %d of 4 by the next save", gone, stay, gone2);
+    remove_tree(dir);
+    mt_runtime_destroy(a); mt_runtime_destroy(b);
+    mt_graph_free(&g);
+}
+
+/* A checkpoint file cut short is called truncated, with its size and the size its header says:
+ * cut in the data, in the header, the optimizer file; restored, it loads. */
+static void test_checkpoint_truncated(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    small_tiny(&c);
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("truncated checkpoint files", 0, "%s", e.msg); return; }
+    char dir[256], p[600], q[600];
+    scratch_dir(dir, sizeof dir, "trunc");
+    mt_runtime *a = make_runtime(&g, 1, 0, 1), *b = make_runtime(&g, 1, 0, 2);
+    double l[2];
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    int ok = a && b && !run_steps(a, &c, 0, 2, l, &hp) && !mt_checkpoint_save(a, dir, 2, &e);
+    uint8_t *m = NULL, *o = NULL;
+    size_t nm = 0, no = 0;
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    snprintf(q, sizeof q, "%s/optimizer-step2.safetensors", dir);
+    ok = ok && !mt_read_file(p, &m, &nm, &e) && !mt_read_file(q, &o, &no, &e) && nm > 1000 && no > 1000;
+    uint64_t hl = 0;
+    for (int i = 0; ok && i < 8; i++) hl |= (uint64_t)m[i] << (8 * i);
+    char want[200], m1[400] = "", m2[400] = "", m3[400] = "", m4[400] = "";
+    int cut_data = 0, cut_head = 0, cut_cfg = 0, cut_opt = 0, whole = 0;
+    if (ok && !write_bytes(p, m, nm - 100)) {
+        snprintf(want, sizeof want, "model.safetensors' is truncated: %zu bytes, its header says %zu", nm - 100, nm);
+        cut_data = mt_checkpoint_load(b, dir, NULL, &e) && strstr(e.msg, want);
+        snprintf(m1, sizeof m1, "%s", e.msg);
+        mt_config rc;
+        cut_cfg = mt_checkpoint_read_config(dir, &rc, &e) && strstr(e.msg, want);   /* the header alone is read */
+        snprintf(m2, sizeof m2, "%s", e.msg);
+    }
+    if (ok && !write_bytes(p, m, 8 + (size_t)hl / 2)) {
+        snprintf(want, sizeof want, "is truncated: %zu bytes, its header says at least %zu", 8 + (size_t)hl / 2, 8 + (size_t)hl);
+        cut_head = mt_checkpoint_load(b, dir, NULL, &e) && strstr(e.msg, want);
+        snprintf(m3, sizeof m3, "%s", e.msg);
+    }
+    if (ok && !write_bytes(p, m, nm) && !write_bytes(q, o, no - 4)) {
+        snprintf(want, sizeof want, "optimizer-step2.safetensors' is truncated: %zu bytes, its header says %zu", no - 4, no);
+        cut_opt = mt_checkpoint_load(b, dir, NULL, &e) && strstr(e.msg, want);
+        snprintf(m4, sizeof m4, "%s", e.msg);
+    }
+    whole = ok && !write_bytes(q, o, no) && !mt_checkpoint_load(b, dir, NULL, &e) && same_state(a, b);
+    report("truncated checkpoint files called truncated", cut_data && cut_head && cut_cfg && cut_opt && whole, "\"%s\"%s%s%s%s%s%s",
+           m1, cut_cfg ? "" : " | ", cut_cfg ? "" : m2, cut_head ? "" : " | ", cut_head ? "" : m3, cut_opt ? "" : " | ", cut_opt ? "" : m4);
+    free(m); free(o);
+    remove_tree(dir);
     mt_runtime_destroy(a); mt_runtime_destroy(b);
     mt_graph_free(&g);
 }
@@ -4838,7 +5013,7 @@ static void test_cli(void) {
     f = fopen(data, "wb");
     for (int i = 0; i < 300; i++) fputc(i & 255, f);
     fclose(f);
-    rc = sh(a, sizeof a, "%strain --data %s --vocab-size 200 --steps 1 2>&1", BIN, data);
+    rc = sh(a, sizeof a, "%strain --data %s --data-format raw --vocab-size 200 --steps 1 2>&1", BIN, data);
     report("CLI: token beyond vocabulary refused", rc == 1 && strstr(a, "vocabulary"), "%.100s", a);
 
     /* many ranks from the command line: CPU thread-ranks */
@@ -5196,6 +5371,53 @@ static void test_cli_resume(void) {
     report("CLI: NaN/Inf stops the run, names the first op; the last checkpoint intact", stopped && located, "%.300s | %.160s",
            strstr(a, "train:") ? strstr(a, "train:") : a, strstr(b, "train:") ? strstr(b, "train:") : b);
     remove_tree(d1); remove_tree(d2);
+}
+
+/* ./train: the data format on the start-up line, a near-miss shard refused unless --data-format raw. */
+static void test_cli_data_format(void) {
+    static char a[1 << 16], b[1 << 16], c[1 << 16];
+    char d[256], p[600], q[600], want[700];
+    scratch_dir(d, sizeof d, "clidf");
+    snprintf(p, sizeof p, "%s/shard.bin", d);
+    write_shard(p, 20240520, 1, 600, 600, 2);
+    snprintf(q, sizeof q, "%s/near.bin", d);
+    write_shard(q, 20240502, 1, 600, 600, 2);   /* two digits swapped */
+    int r1 = sh(a, sizeof a, "%strain --data %s --vocab-size 256 --steps 1 2>&1", BIN, p);
+    snprintf(want, sizeof want, "data: %s (llm.c token shard, uint16, 600 tokens)", p);
+    int named_bin = r1 == 0 && strstr(a, want);
+    int r2 = sh(b, sizeof b, "%strain --data %s --vocab-size 256 --steps 1 2>&1", BIN, q);
+    int refused = r2 == 1 && strstr(b, "looks like an llm.c/nanoGPT token shard") && strstr(b, "--data-format raw") && !strstr(b, "| loss");
+    int r3 = sh(c, sizeof c, "%strain --data %s --data-format raw --vocab-size 256 --steps 1 2>&1", BIN, q);
+    snprintf(want, sizeof want, "data: %s (raw bytes, 2,224 tokens)", q);
+    int named_raw = r3 == 0 && strstr(c, want) && strstr(c, "step     1");
+    int r4 = sh(a + strlen(a), sizeof a - strlen(a), "%strain --steps 1 2>&1", BIN);
+    int named_emb = r4 == 0 && strstr(a, "data: embedded default corpus (");
+    report("CLI: data format named; a near-miss shard refused", named_bin && refused && named_raw && named_emb,
+           "%d %d %d %d: %.240s", r1, r2, r3, r4, strstr(b, "train:") ? strstr(b, "train:") : b);
+    remove_tree(d);
+}
+
+/* ./train --save refuses to replace another run's checkpoint unless it is --load's directory or --overwrite. */
+static void test_cli_save_refuses(void) {
+    static char a[1 << 16], b[1 << 16], c[1 << 16];
+    char d[256], ck[400], model[500], saved[600];
+    scratch_dir(d, sizeof d, "clisv");
+    snprintf(ck, sizeof ck, "%s/ck", d);
+    snprintf(model, sizeof model, "%s/model.safetensors", ck);
+    snprintf(saved, sizeof saved, "%s/before.safetensors", d);
+    int s1 = sh(a, sizeof a, "%strain --steps 3 --seed 1 --save %s 2>&1 && cp %s %s", BIN, ck, model, saved);
+    int s2 = sh(b, sizeof b, "%strain --steps 2 --seed 2 --save %s/ 2>&1", BIN, ck);
+    int kept = s1 == 0 && s2 == 1 && strstr(b, "holds the checkpoint of another run (step 3)") && strstr(b, "--overwrite") &&
+               !strstr(b, "| loss") && same_file(model, saved) && exists(ck, "optimizer-step3.safetensors");
+    int s3 = sh(c, sizeof c, "%strain --steps 4 --load %s --save %s 2>&1", BIN, model, ck);   /* continuing it: its own */
+    mt_run_state rs;
+    mt_err e;
+    int cont = s3 == 0 && !mt_checkpoint_read_run(ck, &rs, &e) && rs.step == 4;
+    int s4 = sh(c, sizeof c, "%strain --steps 2 --seed 2 --save %s --overwrite 2>&1", BIN, ck);
+    int over = s4 == 0 && !mt_checkpoint_read_run(ck, &rs, &e) && rs.step == 2 && rs.seed == 2 && !exists(ck, "optimizer-step4.safetensors");
+    report("CLI: --save keeps another run's checkpoint", kept && cont && over, "%d %d %d %d: %.240s", s1, s2, s3, s4,
+           strstr(b, "train:") ? strstr(b, "train:") : b);
+    remove_tree(d);
 }
 
 
@@ -5584,8 +5806,11 @@ int main(void) {
     RUN(test_resume_exact);
     RUN(test_checkpoint_atomic);
     RUN(test_checkpoint_refusals);
+    RUN(test_checkpoint_stale_tmp);
+    RUN(test_checkpoint_truncated);
     RUN(test_nan_check);
     RUN(test_data);
+    RUN(test_data_format);
     RUN(test_fuzz);
     RUN(test_training_falls);
     RUN(test_overlap);
@@ -5600,6 +5825,8 @@ int main(void) {
     RUN(test_cli_options);
     RUN(test_cli_launch);
     RUN(test_cli_resume);
+    RUN(test_cli_data_format);
+    RUN(test_cli_save_refuses);
     RUN(test_cli_sharded_checkpoint);
     RUN(test_cli_tensor_parallel);
     RUN(test_cli_recompute);

@@ -26,9 +26,10 @@
 #include <sys/wait.h>
 
 typedef struct {
-    const char *preset, *graph, *data, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
+    const char *preset, *graph, *data, *data_format, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
     int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_fold_rope, no_fuse_glu,
-        attn_recompute_dq, one_launch_per_node;
+        attn_recompute_dq, one_launch_per_node, overwrite;
+    int data_fmt;                                /* --data-format as MT_DATA_AUTO, _BIN or _RAW */
     int nproc, dp_replicate, dp_shard, tp, ep;   /* ranks; 0 = derive */
     int launch_check;                            /* meet at the rendezvous, say where the rank came from, stop */
     float timeout;                           /* seconds without progress before a rank gives up */
@@ -69,6 +70,9 @@ static const opt_spec specs[] = {
     {"timeout", OPT_FLOAT, O_(timeout), 0, 1e6, 1, 0, "600", "a rank without progress for this many seconds stops every rank", NULL},
     {"launch-check", OPT_FLAG, O_(launch_check), 0, 0, 0, 0, "off", "a launcher's ranks meet at the rendezvous, each prints where its rank came from, and stop (no training)", NULL},
     {"data", OPT_STR, O_(data), 0, 0, 0, 0, "the embedded corpus", "raw bytes, or an llm.c/nanoGPT .bin token shard", "FILE"},
+    {"data-format", OPT_STR, O_(data_format), 0, 0, 0, 0, "auto",
+     "how --data is read: bin (a token shard), raw (bytes), auto (a shard by its exact header, else bytes; a near miss of a shard is refused)",
+     "FORMAT"},
     {"steps", OPT_INT, O_(steps), 0, 1 << 30, 0, 0, "300", "total optimizer steps of the run (a resumed run counts the checkpoint's)", NULL},
     {"seed", OPT_INT, O_(seed), 0, 2147483647, 0, 0, "1", "initialization and data-order seed", NULL},
     {"lr", OPT_FLOAT, O_(hp.lr), 0, 10, 1, 0, "3e-3 up to dim 128, 8e-4 up to 512, 4.2e-4 beyond", "peak learning rate", NULL},
@@ -83,6 +87,7 @@ static const opt_spec specs[] = {
     {"metrics", OPT_STR, O_(metrics), 0, 0, 0, 0, "none", "JSON lines: step, loss, grad_norm, lr, tokens_per_s, step_ms, expert_load", "FILE"},
     {"svg", OPT_STR, O_(svg), 0, 0, 0, 0, "none", "write the loss curve at the end", "FILE"},
     {"save", OPT_STR, O_(save), 0, 0, 0, 0, "none", "checkpoint directory: model.safetensors (Hugging Face names), config.json, optimizer", "DIR"},
+    {"overwrite", OPT_FLAG, O_(overwrite), 0, 0, 0, 0, "off", "let --save replace a checkpoint of another run (without it only --load's own DIR is replaced)", NULL},
     {"save-every", OPT_INT, O_(save_every), 0, 1 << 30, 0, 0, "0 (only at the end)", "also checkpoint every N steps", NULL},
     {"load", OPT_STR, O_(load), 0, 0, 0, 0, "none", "resume from a checkpoint: weights, AdamW state, step, data position, settings", "DIR"},
     {"adopt-config", OPT_FLAG, O_(adopt_config), 0, 0, 0, 0, "off", "with --load: take the checkpoint's model config where it differs", NULL},
@@ -228,6 +233,12 @@ static int parse_args(int argc, char **argv, opts *o) {
     if (o->logits_out && !o->forward) { fprintf(stderr, "train: --logits-out needs --forward\n"); return -1; }
     if (o->save_every && !o->save) { fprintf(stderr, "train: --save-every needs --save DIR\n"); return -1; }
     if (o->adopt_config && !o->load) { fprintf(stderr, "train: --adopt-config needs --load DIR\n"); return -1; }
+    if (o->overwrite && !o->save) { fprintf(stderr, "train: --overwrite needs --save DIR\n"); return -1; }
+    if (o->data_format && mt_data_format_parse(o->data_format, &o->data_fmt)) {
+        fprintf(stderr, "train: --data-format takes auto, bin or raw, not '%s'\n", o->data_format);
+        return -1;
+    }
+    if (o->data_format && !o->data && !o->load) { fprintf(stderr, "train: --data-format needs --data FILE\n"); return -1; }
     o->config_from = o->graph ? o->graph : o->preset;
     return 0;
 }
@@ -257,8 +268,40 @@ static int probe_output(const char *flag, const char *path) {
     if (!existed) remove(path);
     return 0;
 }
+/* Are a and b one directory? A path naming a checkpoint's model file stands for its directory. */
+static int same_dir(const char *a, const char *b) {
+    struct stat x, y;
+    char p[4096];
+    const char *q[2] = {a, b};
+    struct stat *st[2] = {&x, &y};
+    for (int i = 0; i < 2; i++) {
+        if (stat(q[i], st[i])) return 0;
+        if (S_ISREG(st[i]->st_mode)) {   /* DIR/model.safetensors: DIR */
+            snprintf(p, sizeof p, "%s", q[i]);
+            char *slash = strrchr(p, '/');
+            if (slash) *slash = 0; else snprintf(p, sizeof p, ".");
+            if (stat(p, st[i])) return 0;
+        }
+    }
+    return x.st_dev == y.st_dev && x.st_ino == y.st_ino;
+}
+/* --save DIR replaces the checkpoint in DIR only when it is this run's own: DIR is the --load directory, or --overwrite. */
+static int check_save_dir(const opts *o) {
+    char model[4200];
+    struct stat st;
+    snprintf(model, sizeof model, "%s/model.safetensors", o->save);
+    if (o->overwrite || stat(model, &st) || (o->load && same_dir(o->save, o->load))) return 0;
+    mt_run_state r;
+    mt_err e;
+    char what[64] = "";
+    if (!mt_checkpoint_read_run(o->save, &r, &e)) snprintf(what, sizeof what, " (step %d)", r.step);
+    fprintf(stderr, "train: --save '%s' holds the checkpoint of another run%s: not replacing it; pass --load %s to continue it, "
+                    "--overwrite to replace it, or another --save directory\n", o->save, what, o->save);
+    return -1;
+}
 static int preflight(const opts *o) {
     mt_err e;
+    if (o->save && check_save_dir(o)) return -1;
     if (o->save && mt_checkpoint_prepare_dir(o->save, &e)) { fprintf(stderr, "train: --save: %s\n", e.msg); return -1; }
     if (o->metrics && probe_output("--metrics", o->metrics)) return -1;
     if (o->svg && probe_output("--svg", o->svg)) return -1;
@@ -648,10 +691,10 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
     if (lead) {
         mt_param_count pc;
         mt_count_params(cfg, &pc);
-        char h1[32], h2[32], h3[32], mn[64];
-        printf("model: %lld parameters (%lld active per token), %d layers, %d experts top-%d | data: %s, %lld tokens\n",
+        char h1[32], h2[32], h3[32], mn[64], dd[1200];
+        printf("model: %lld parameters (%lld active per token), %d layers, %d experts top-%d | data: %s\n",
                (long long)pc.total, (long long)(pc.dense + pc.sparse_active), cfg->n_layers, cfg->n_routed_experts, cfg->top_k,
-               o->data ? o->data : "embedded corpus", (long long)j->ds->n);
+               mt_data_describe(j->ds, o->data ? o->data : "", dd, sizeof dd));
         printf("memory per rank: %s persistent + %s arena (naive %s) | %s | %s | uniform loss ln(%d) = %.4f\n",
                mt__human((double)G->persist_bytes, h1), mt__human((double)G->arena_bytes, h2),
                mt__human((double)G->naive_arena_bytes, h3), G->planned ? "planned" : "eager",
@@ -1114,7 +1157,7 @@ int main(int argc, char **argv) {
 
     /* 4. data */
     mt_dataset ds;
-    if (o.data ? mt_data_load(&ds, o.data, &err) : mt_data_default(&ds, &err)) {
+    if (o.data ? mt_data_load_as(&ds, o.data, o.data_fmt, &err) : mt_data_default(&ds, &err)) {
         fprintf(stderr, "train: %s\n", err.msg);
         mt_graph_free(&g);
         return 1;
