@@ -33,7 +33,8 @@ static const opt_spec specs[] = {
     {"gpu", "N", OPT_INT, 0, 1023, "0", "with --device cuda: the GPU that tunes (any of one model gives the same bytes)"},
     {"no-tune", NULL, OPT_FLAG, 0, 0, "off", "with --device cuda: record no tuning (each rank then chooses at bind)"},
     {"dot", "FILE", OPT_STR, 0, 0, "", "also write the graph for Graphviz (dot -Tsvg FILE); with --dump FILE too"},
-    {"overlap", NULL, OPT_FLAG, 0, 0, "off", "collectives on their own streams: FSDP prefetch, EP ahead of its host sync"},
+    {"overlap", NULL, OPT_FLAG, 0, 0, "on with several ranks", "collectives on their own streams: FSDP prefetch, EP ahead of its host sync"},
+    {"no-overlap", NULL, OPT_FLAG, 0, 0, "off", "every node on the compute stream, in list order (bitwise the same steps)"},
     {"no-fold-rope", NULL, OPT_FLAG, 0, 0, "off", "CUDA: form MLA's Q, K, V apart instead of folding RoPE into attention"},
     {"no-fuse-glu", NULL, OPT_FLAG, 0, 0, "off", "the experts' gate and up GEMMs and their SwiGLU as three ops"},
     {"memory-budget", "GiB", OPT_FLOAT, 0, 1 << 20, "0: off", "recompute the fewest blocks' activations so the planned peak (persistent + arena) fits"},
@@ -160,7 +161,8 @@ int main(int argc, char **argv) {
     if (mt_mesh_init(&mesh, mesh_in[0], mesh_in[1], mesh_in[2], mesh_in[3], &err)) { fprintf(stderr, "precompile: %s\n", err.msg); return 2; }
     mt_passes passes;
     if (eager) mt_passes_none(&passes); else mt_passes_all(&passes);
-    passes.overlap = flag[at("overlap")];
+    if (flag[at("overlap")] && flag[at("no-overlap")]) { fprintf(stderr, "precompile: --overlap and --no-overlap contradict each other\n"); return 2; }
+    passes.overlap = !eager && !flag[at("no-overlap")] && (flag[at("overlap")] || mt_mesh_world(&mesh) > 1);
     if (flag[at("no-fold-rope")]) passes.fold_rope = 0;
     if (flag[at("no-fuse-glu")]) passes.fuse_glu = 0;
     passes.memory_budget = (int64_t)(fnum[at("memory-budget")] * 1073741824.0);
