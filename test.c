@@ -11,6 +11,7 @@
 #include "moetrain.h"
 
 #include <stdlib.h>
+#include <float.h>
 #include <string.h>
 #include <dirent.h>
 #include <signal.h>
@@ -67,6 +68,115 @@ static void make_batch(const mt_config *c, int step, int32_t *tok, int32_t *tgt)
         tok[i] = (int32_t)(mt_rng_u64(&r) % (uint64_t)c->vocab_size);
         tgt[i] = (int32_t)((tok[i] * 7 + 3) % c->vocab_size);   /* learnable */
     }
+}
+
+/* ======================================================================
+ * AdamW against the textbook update, written out here in float64 (both
+ * builds): the step's own gradients go in, every parameter and both moments
+ * come out. Nothing of the optimizer's code is reused: the learning-rate
+ * schedule, global-norm clipping, bias corrections and decoupled weight
+ * decay (matrices only) are spelled out below.
+ * ==================================================================== */
+/* linear warmup to lr (step 0 at lr / warmup), cosine to lr * min_lr_ratio at decay_steps, flat after */
+static double aw_lr(const mt_hparams *h, int step) {
+    double lr = h->lr, lo = (double)h->lr * h->min_lr_ratio;
+    if (step < h->warmup_steps) return lr * (step + 1) / h->warmup_steps;
+    if (step >= h->decay_steps) return lo;
+    double t = (double)(step - h->warmup_steps) / (h->decay_steps - h->warmup_steps);
+    return lo + (lr - lo) * 0.5 * (1 + cos(acos(-1.0) * t));
+}
+static double aw_rel(double x, double ref, double scale) { double d = fabs(x - ref); return d == 0 ? 0 : d / (scale > 0 ? scale : 1e-300); }
+static void test_adamw_reference(void) {
+    enum { STEPS = 9, MAXP = 64 };
+    mt_config c;
+    mt_err e;
+    mt_graph g;
+    e.msg[0] = 0;
+    mt_config_preset(&c, "tiny", &e);
+    c.dim = 16; c.n_layers = 2; c.n_dense_layers = 1; c.n_heads = 2;
+    c.kv_lora_rank = 8; c.qk_nope_head_dim = 4; c.qk_rope_head_dim = 2; c.v_head_dim = 4;
+    c.inter_dim = 24; c.moe_inter_dim = 8; c.n_routed_experts = 4; c.top_k = 2; c.n_shared_experts = 1;
+    c.vocab_size = 32; c.seq_len = 8; c.batch = 2; c.original_seq_len = 8;
+    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("AdamW = textbook float64 reference", 0, "%s", e.msg); return; }
+    mt_runtime *rt = make_runtime(&g, 1, 1, 11);
+    /* every trainable master has exactly one ADAMW node: (param, grad, exp_avg, exp_avg_sq) */
+    int np = 0, cover = rt != NULL, n_train = 0;
+    struct { int p, g, m, v, decay; int64_t n; mt_real *p0, *m0, *v0, *p1, *m1, *v1, *g1; } P[MAXP];
+    memset(P, 0, sizeof P);
+    for (int i = 0; i < g.n_values; i++) {
+        const mt_value *x = &g.values[i];
+        if (x->role != MT_ROLE_PARAM || x->param >= 0 || !(x->flags & MT_VF_TRAINABLE)) continue;
+        n_train++;
+        int found = 0;
+        for (int k = 0; k < g.n_nodes; k++) {
+            const mt_node *nd = &g.nodes[k];
+            if (nd->op != MT_OP_ADAMW || nd->in[0] != i) continue;
+            if (found++ || np == MAXP) { cover = 0; break; }
+            P[np].p = i; P[np].g = nd->in[1]; P[np].m = nd->in[2]; P[np].v = nd->in[3];
+            P[np].decay = x->ndim >= 2;   /* decay on matrices (and expert stacks), never on norms */
+            P[np].n = mt_value_numel_max(&g, x);
+            np++;
+        }
+        cover &= found == 1;
+    }
+    for (int i = 0; i < np; i++) {
+        size_t b = sizeof(mt_real) * (size_t)P[i].n;
+        P[i].p0 = (mt_real *)malloc(b); P[i].m0 = (mt_real *)malloc(b); P[i].v0 = (mt_real *)malloc(b);
+        P[i].p1 = (mt_real *)malloc(b); P[i].m1 = (mt_real *)malloc(b); P[i].v1 = (mt_real *)malloc(b); P[i].g1 = (mt_real *)malloc(b);
+    }
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    hp.lr = 2e-2f; hp.min_lr_ratio = 0.25f; hp.warmup_steps = 3; hp.decay_steps = 7;   /* warmup, cosine, then flat */
+    hp.beta1 = 0.8f; hp.beta2 = 0.97f; hp.eps = 1e-5f; hp.weight_decay = 0.3f; hp.grad_clip = 1.25f;
+    const double tol = 8 * (sizeof(mt_real) == 4 ? (double)FLT_EPSILON : DBL_EPSILON);
+    double wp = 0, wm = 0, wv = 0, wn = 0, wl = 0;
+    int ok = cover && np > 0, clipped = 0, decayed = 0;
+    int32_t tok[16], tgt[16];
+    for (int s = 0; s < STEPS && ok; s++) {
+        for (int i = 0; i < np && ok; i++)
+            ok = !mt_runtime_read(rt, P[i].p, P[i].p0, &e) && !mt_runtime_read(rt, P[i].m, P[i].m0, &e) && !mt_runtime_read(rt, P[i].v, P[i].v0, &e);
+        mt_step_stats st;
+        make_batch(&c, s, tok, tgt);
+        ok = ok && !mt_runtime_step(rt, tok, tgt, s, &hp, &st, &e);
+        for (int i = 0; i < np && ok; i++)
+            ok = !mt_runtime_read(rt, P[i].p, P[i].p1, &e) && !mt_runtime_read(rt, P[i].m, P[i].m1, &e) &&
+                 !mt_runtime_read(rt, P[i].v, P[i].v1, &e) && !mt_runtime_read(rt, P[i].g, P[i].g1, &e);
+        if (!ok) break;
+        /* the global gradient norm, clipped to grad_clip: torch's clip_grad_norm_ */
+        double ss = 0;
+        for (int i = 0; i < np; i++) for (int64_t k = 0; k < P[i].n; k++) ss += (double)P[i].g1[k] * (double)P[i].g1[k];
+        double norm = sqrt(ss), clip = hp.grad_clip, coef = norm > clip ? clip / (norm + 1e-6) : 1.0;
+        clipped += norm > clip;
+        double lr = aw_lr(&hp, s), b1 = hp.beta1, b2 = hp.beta2, eps = hp.eps, t = s + 1;
+        double bc1 = 1 - pow(b1, t), bc2 = 1 - pow(b2, t);
+        wn = fmax(wn, aw_rel(st.grad_norm, norm, norm));
+        wl = fmax(wl, aw_rel(st.lr, lr, lr));
+        for (int i = 0; i < np; i++) {
+            double wd = P[i].decay ? hp.weight_decay : 0;
+            decayed += P[i].decay && s == 0;
+            for (int64_t k = 0; k < P[i].n; k++) {
+                double gk = coef * (double)P[i].g1[k], m0 = P[i].m0[k], v0 = P[i].v0[k], p0 = P[i].p0[k];
+                double m = b1 * m0 + (1 - b1) * gk, v = b2 * v0 + (1 - b2) * gk * gk;
+                /* the moments are stored in mt_real (as torch keeps them in the parameter's dtype); the update reads them back */
+                double mhat = (double)(mt_real)m / bc1, vhat = (double)(mt_real)v / bc2, upd = lr * mhat / (sqrt(vhat) + eps);
+                double p = p0 - lr * wd * p0 - upd;
+                /* errors relative to the terms' magnitudes (rounding of the stored scalars is amplified where m cancels) */
+                double mterms = fabs(b1 * m0) + fabs((1 - b1) * gk), uterms = lr * mterms / bc1 / (sqrt(vhat) + eps);
+                wm = fmax(wm, aw_rel(P[i].m1[k], m, mterms));
+                wv = fmax(wv, aw_rel(P[i].v1[k], v, v));
+                wp = fmax(wp, aw_rel(P[i].p1[k], p, fabs(p0) + uterms));
+                if (P[i].p1[k] != P[i].p1[k] || P[i].m1[k] != P[i].m1[k] || P[i].v1[k] != P[i].v1[k]) wp = 1e30;
+            }
+        }
+    }
+    ok = ok && wp <= tol && wm <= tol && wv <= tol && wl <= tol && wn <= tol && clipped > 0 && clipped < STEPS && decayed > 0 && decayed < np;
+    report("AdamW = textbook float64 reference", ok,
+           "%d of %d trainable tensors, %d steps (%d clipped; warmup, cosine, flat lr); worst relative error: weights %.1e, exp_avg %.1e, "
+           "exp_avg_sq %.1e, lr %.1e, grad norm %.1e (bound %.1e)%s%s", np, n_train, STEPS, clipped, wp, wm, wv, wl, wn, tol,
+           cover ? "" : "; NOT every trainable tensor has one ADAMW node", ok || !e.msg[0] ? "" : e.msg);
+    for (int i = 0; i < np; i++) { free(P[i].p0); free(P[i].m0); free(P[i].v0); free(P[i].p1); free(P[i].m1); free(P[i].v1); free(P[i].g1); }
+    mt_runtime_destroy(rt);
+    mt_graph_free(&g);
 }
 
 #endif
@@ -2376,6 +2486,7 @@ int main(void) {
     mt_rng_seed(&R, 42);
     test_gradcheck_ops();
     test_gradcheck_model();
+    test_adamw_reference();
     test_doc_packing();
     test_multirank_f64();
     test_recompute_bitwise();
@@ -5037,6 +5148,7 @@ int main(void) {
     RUN(test_doc_mask_graph);
     RUN(test_memory_plan);
     RUN(test_bitwise);
+    RUN(test_adamw_reference);
     RUN(test_recompute_bitwise);
     RUN(test_fold_rope);
     RUN(test_recompute_budget);
