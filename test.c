@@ -2744,6 +2744,81 @@ static void test_memory_plan(void) {
  * bitwise reproducibility
  * ==================================================================== */
 
+/* The attention backward in float32 against the same backward written out in float64 (the float64
+ * build checks it against finite differences; this checks the arithmetic the float32 build runs):
+ * causal and document-masked, forward outputs and the three gradients. */
+static mt_real *attn_real(int64_t n) { return (mt_real *)calloc((size_t)n, sizeof(mt_real)); }
+static double attn_err(const mt_real *x, const double *ref, int64_t n) {
+    double d = 0, m = 1e-300;
+    for (int64_t i = 0; i < n; i++) { d = fmax(d, fabs((double)x[i] - ref[i])); m = fmax(m, fabs(ref[i])); if (x[i] != x[i]) d = 1e30; }
+    return d / m;
+}
+static void test_attention_backward_f32(void) {
+    enum { B = 2, T = 40, H = 3, DQ = 12, DV = 8 };
+    const int64_t N = (int64_t)B * T, nq = N * H * DQ, nv = N * H * DV, nl = N * H;
+    const float scale = 1.0f / sqrtf((float)DQ);
+    mt_real *Q = attn_real(nq), *K = attn_real(nq), *V = attn_real(nv), *dO = attn_real(nv), *O = attn_real(nv), *L = attn_real(nl);
+    mt_real *dQ = attn_real(nq), *dK = attn_real(nq), *dV = attn_real(nv);
+    double *rO = (double *)calloc((size_t)nv, 8), *rL = (double *)calloc((size_t)nl, 8), *rdQ = (double *)calloc((size_t)nq, 8),
+           *rdK = (double *)calloc((size_t)nq, 8), *rdV = (double *)calloc((size_t)nv, 8), *p = (double *)calloc(T, 8);
+    int32_t ds[2 * T];
+    mt_rng keep = R;   /* fixed inputs, whatever ran before; the other tests' draws unchanged */
+    mt_rng_seed(&R, 2024);
+    for (int masked = 0; masked < 2; masked++) {
+        fill_normal(Q, nq, 1.5); fill_normal(K, nq, 1.5); fill_normal(V, nv, 1.0); fill_normal(dO, nv, 1.0);
+        for (int b = 0; b < B; b++)   /* documents of lengths 1, 7, 13, ... (masked), or none */
+            for (int i = 0, start = 0, len = 1; i < T; i++) {
+                if (masked && i - start == len) { start = i; len += 6; }
+                ds[b * T + i] = masked ? start : 0;
+            }
+        mt_cpu_attention_forward(NULL, O, L, Q, K, V, masked ? ds : NULL, B, T, H, DQ, DV, scale);
+        mt_cpu_attention_backward(NULL, dQ, dK, dV, Q, K, V, O, L, dO, masked ? ds : NULL, B, T, H, DQ, DV, scale);
+        memset(rdK, 0, sizeof(double) * (size_t)nq); memset(rdV, 0, sizeof(double) * (size_t)nv);
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < H; h++)
+                for (int i = 0; i < T; i++) {
+                    int64_t ri = ((int64_t)b * T + i) * H + h;
+                    const mt_real *q = Q + ri * DQ, *g = dO + ri * DV;
+                    int lo = ds[b * T + i];
+                    double mx = -1e300, z = 0, dsum = 0;
+                    for (int j = lo; j <= i; j++) {   /* s_ij = scale q_i.k_j over the keys it may see */
+                        const mt_real *k = K + (((int64_t)b * T + j) * H + h) * DQ;
+                        double s = 0;
+                        for (int d = 0; d < DQ; d++) s += (double)q[d] * (double)k[d];
+                        p[j] = s * (double)scale;
+                        mx = fmax(mx, p[j]);
+                    }
+                    for (int j = lo; j <= i; j++) z += exp(p[j] - mx);
+                    rL[ri] = mx + log(z);
+                    for (int j = lo; j <= i; j++) p[j] = exp(p[j] - rL[ri]);   /* P_ij */
+                    for (int d = 0; d < DV; d++) {
+                        double o = 0;
+                        for (int j = lo; j <= i; j++) o += p[j] * (double)V[(((int64_t)b * T + j) * H + h) * DV + d];
+                        rO[ri * DV + d] = o;
+                        dsum += o * (double)g[d];   /* D_i = dO_i . O_i */
+                    }
+                    for (int d = 0; d < DQ; d++) rdQ[ri * DQ + d] = 0;
+                    for (int j = lo; j <= i; j++) {
+                        int64_t rj = ((int64_t)b * T + j) * H + h;
+                        double dp = 0;
+                        for (int d = 0; d < DV; d++) dp += (double)g[d] * (double)V[rj * DV + d];
+                        double dsij = p[j] * (dp - dsum) * (double)scale;   /* dS_ij, with the scale of s_ij */
+                        for (int d = 0; d < DQ; d++) { rdQ[ri * DQ + d] += dsij * (double)K[rj * DQ + d]; rdK[rj * DQ + d] += dsij * (double)q[d]; }
+                        for (int d = 0; d < DV; d++) rdV[rj * DV + d] += p[j] * (double)g[d];
+                    }
+                }
+        double eo = attn_err(O, rO, nv), el = attn_err(L, rL, nl), eq = attn_err(dQ, rdQ, nq), ek = attn_err(dK, rdK, nq), ev = attn_err(dV, rdV, nv);
+        const double tol = 2e-6;
+        report(masked ? "float32 document-masked attention = float64 reference" : "float32 causal attention = float64 reference",
+               eo <= tol && el <= tol && eq <= tol && ek <= tol && ev <= tol,
+               "B%d T%d H%d %d/%d; max error / max value: O %.1e, lse %.1e, dQ %.1e, dK %.1e, dV %.1e (bound %.0e)", B, T, H, DQ, DV, eo, el, eq,
+               ek, ev, tol);
+    }
+    free(Q); free(K); free(V); free(dO); free(O); free(L); free(dQ); free(dK); free(dV);
+    free(rO); free(rL); free(rdQ); free(rdK); free(rdV); free(p);
+    R = keep;
+}
+
 static void test_bitwise(void) {
     mt_config c;
     mt_err e;
@@ -5149,6 +5224,7 @@ int main(void) {
     RUN(test_memory_plan);
     RUN(test_bitwise);
     RUN(test_adamw_reference);
+    RUN(test_attention_backward_f32);
     RUN(test_recompute_bitwise);
     RUN(test_fold_rope);
     RUN(test_recompute_budget);
