@@ -3682,7 +3682,16 @@ typedef struct { int32_t kind, target; int64_t index; char msg[112]; } fuzz_rec;
 enum { FZ_PROGRESS, FZ_FAIL, FZ_DONE };
 enum { FZ_ARTIFACT, FZ_SAFETENSORS, FZ_DATA, FZ_NTARGETS };
 static const char *const fz_names[FZ_NTARGETS] = {"artifact loader", "safetensors loader", "data loaders"};
-typedef struct { int fd, target, scale; int64_t index, n[FZ_NTARGETS], accepted[FZ_NTARGETS], stepped, fails; mt_rng r; } fuzzer;
+/* Each input ends one way: refused (with a message); accepted as the pristine input (the change carried no
+ * meaning); or accepted as a different input, which only a mutant made consistent again (checksums
+ * recomputed) may be, and which must then run safely (a step runs, or is refused with a message) or be
+ * read back exactly as written. Anything else is a failure: a crash, a hang, a refusal without a message,
+ * a corrupt input accepted, a loaded artifact that is neither its file nor the pristine one. */
+typedef struct {
+    int fd, target, scale;
+    int64_t index, n[FZ_NTARGETS], refused[FZ_NTARGETS], same[FZ_NTARGETS], differ[FZ_NTARGETS], ran, step_refused, fails;
+    mt_rng r;
+} fuzzer;
 
 static void fz_send(fuzzer *z, int kind, const char *msg) {
     fuzz_rec rec;
@@ -3732,6 +3741,20 @@ static void fix_checksums_safe(uint8_t *b, size_t len) {
     wr64(b + hdr - 8, mt_hash(b, hdr - 8, MT_HASH_INIT));
 }
 
+/* Bytes of an artifact its reader does not interpret, which a mutant made consistent again may change
+ * without changing the graph: a config field name's padding after its NUL (the names are compared with
+ * strncmp) and the fingerprint's text (its hash is what is checked). */
+static void fz_dont_care(const uint8_t *good, size_t len, uint8_t *mask) {
+    memset(mask, 0, len);
+    size_t cfg = (size_t)rd64(good + 24 + 8), fp = (size_t)rd64(good + 24 + 32 * 8 + 8);   /* sections 1 and 9 */
+    uint32_t nf = (uint32_t)good[cfg + 28] | (uint32_t)good[cfg + 29] << 8 | (uint32_t)good[cfg + 30] << 16 | (uint32_t)good[cfg + 31] << 24;
+    for (uint32_t i = 0; i < nf && cfg + 32 + 40 * (size_t)(i + 1) <= len; i++) {
+        size_t at = cfg + 32 + 40 * (size_t)i, l = strnlen((const char *)good + at, 32);
+        for (size_t k = at + l + 1; k < at + 32; k++) mask[k] = 1;
+    }
+    for (size_t k = fp + 12; k < len; k++) mask[k] = 1;
+}
+
 /* base 0: a compiled training step (every kind of input); 1: eager; 2: forward only; 3: a 2-rank mesh
  * with expert parallelism (the exchange nodes and coordinate symbols; loads, cannot run on one rank); 4: every
  * block recomputed (the recompute phase and the choice in the plan) */
@@ -3755,14 +3778,16 @@ static void fuzz_artifact(fuzzer *z, int base) {
     uint8_t *good;
     size_t len;
     if (mt_artifact_write(&g, &good, &len, &e)) { fz_fail(z, "write: %s", e.msg); mt_graph_free(&g); return; }
-    uint8_t *b = (uint8_t *)malloc(2 * len + 64);
+    uint8_t *b = (uint8_t *)malloc(2 * len + 64), *canon = (uint8_t *)malloc(len), *dont_care = (uint8_t *)malloc(len);
+    fz_dont_care(good, len, dont_care);
     const uint32_t ns = 9;
     const size_t hdr = 24 + 32 * ns + 8;
     int runs = 0;
     /* the oracle: refused with a message; or (checksums fixed) accepted, and then a step runs or is refused */
 #define FZ_REFUSED(bytes, n) do { e.msg[0] = 0; \
         if (mt_artifact_read(&out, (bytes), (n), &e) == 0) { mt_graph_free(&out); fz_fail(z, "accepted a corrupt artifact"); } \
-        else if (!e.msg[0]) fz_fail(z, "refused without a message"); } while (0)
+        else if (!e.msg[0]) fz_fail(z, "refused without a message"); \
+        else z->refused[FZ_ARTIFACT]++; } while (0)
     /* 1. truncated at every section boundary (and a byte either side), through the header, and at random */
     for (uint32_t i = 0; base == 0 && i <= ns; i++) {
         size_t at = i < ns ? (size_t)rd64(good + 24 + 32 * i + 8) : len;
@@ -3806,7 +3831,7 @@ static void fuzz_artifact(fuzzer *z, int base) {
                 if (mt_artifact_read(&out, b, len, &e) == 0) {
                     mt_graph_free(&out);
                     fz_fail(z, "accepted %llu at byte %zu of the header", (unsigned long long)huge[h], fields[f]);
-                }
+                } else z->refused[FZ_ARTIFACT]++;
             }
         /* the section count (u32) and the counts inside sections (u32): config fields, mesh dimensions,
          * symbols, values, nodes, tuning entries, well-known values, fingerprint text length */
@@ -3822,6 +3847,7 @@ static void fuzz_artifact(fuzzer *z, int base) {
             fix_checksums_safe(b, len);
             fz_next(z);
             if (mt_artifact_read(&out, b, len, &e) == 0) { mt_graph_free(&out); fz_fail(z, "accepted a count of %u in section %u", v, s); }
+            else z->refused[FZ_ARTIFACT]++;
         }
     }
     /* 5. semantic fuzzing: integer fields of the sections set to boundary values, checksums consistent */
@@ -3839,28 +3865,53 @@ static void fuzz_artifact(fuzzer *z, int base) {
         fz_next(z);
         e.msg[0] = 0;
         if (mt_artifact_read(&out, b, len, &e) == 0) {
-            z->accepted[FZ_ARTIFACT]++;   /* a consistent graph that differs: it must run, or refuse to, without a crash */
-            if (base != 3 && runs++ < 40 * z->scale) {
-                z->stepped++;
-                mt_binding bd;
-                mt_runtime *rt;
-                mt_binding_single(&bd);
-                bd.n_threads = 1; bd.poison = 1;
-                if (!mt_runtime_create(&rt, &out, &bd, &e)) {
-                    mt_hparams hp;
-                    mt_hparams_default(&hp);
-                    double l;
-                    if (!mt_runtime_init_params(rt, 1, &e)) run_steps_quiet(rt, &out.cfg, 0, 1, &l, &hp);
+            /* what was loaded must be what the file says: it writes back to the file's bytes (those the reader does not
+             * interpret as the writer writes them); the pristine graph if only those changed */
+            uint8_t *back = NULL;
+            size_t blen = 0;
+            int wrote = !mt_artifact_write(&out, &back, &blen, &e);
+            memcpy(canon, b, len);
+            for (size_t k = 0; k < len; k++) if (dont_care[k]) canon[k] = good[k];
+            fix_checksums_safe(canon, len);
+            if (!wrote || blen != len || memcmp(back, canon, len)) {
+                size_t at = 24 + 32 * ns + 8;
+                while (wrote && at < len && at < blen && back[at] == canon[at]) at++;
+                if (!wrote) fz_fail(z, "a loaded graph does not write: %.60s", e.msg);
+                else fz_fail(z, "read other than its file says: byte %zu is %d in the file, %d as read", at, at < len ? canon[at] : -1, at < blen ? back[at] : -1);
+            } else if (!memcmp(canon, good, len)) {
+                z->same[FZ_ARTIFACT]++;
+            } else {   /* a consistent graph that differs: it must run, or refuse to with a message, without a crash */
+                z->differ[FZ_ARTIFACT]++;
+                if (base != 3 && runs++ < 40 * z->scale) {
+                    mt_binding bd;
+                    mt_runtime *rt = NULL;
+                    mt_binding_single(&bd);
+                    bd.n_threads = 1; bd.poison = 1;
+                    e.msg[0] = 0;
+                    int rc = mt_runtime_create(&rt, &out, &bd, &e) || mt_runtime_init_params(rt, 1, &e);
+                    if (!rc) {
+                        mt_hparams hp;
+                        mt_hparams_default(&hp);
+                        int64_t N = (int64_t)out.cfg.batch * out.cfg.seq_len;
+                        int32_t *tok = (int32_t *)calloc((size_t)(N > 0 ? N : 1), 4), *tgt = (int32_t *)calloc((size_t)(N > 0 ? N : 1), 4);
+                        make_batch(&out.cfg, 0, tok, tgt);
+                        rc = mt_runtime_step(rt, tok, tgt, 0, &hp, NULL, &e);
+                        free(tok); free(tgt);
+                    }
+                    if (!rc) z->ran++;
+                    else if (e.msg[0]) z->step_refused++;
+                    else fz_fail(z, "a loaded mutant was refused without a message");
                     mt_runtime_destroy(rt);
                 }
             }
+            free(back);
             mt_graph_free(&out);
         } else if (!e.msg[0]) {
             fz_fail(z, "refused without a message");
-        }
+        } else z->refused[FZ_ARTIFACT]++;
     }
 #undef FZ_REFUSED
-    free(b); free(good);
+    free(b); free(good); free(canon); free(dont_care);
     mt_graph_free(&g);
 }
 
@@ -3924,7 +3975,6 @@ static void fuzz_safetensors(fuzzer *z) {
     int roundtrip = !strcmp(back.data, rs.data);
     if (!roundtrip) fz_fail(z, "run state did not round-trip: '%s'", back.data);
     /* one input: the model file (which = 0) or the optimizer file (1) replaced by bytes[0, n) */
-    int64_t accepted = 0;
 #define FZ_INPUT(which, bytes, n) do { \
         fz_next(z); \
         if (fz_write(mpath, (which) ? gm : (bytes), (which) ? lm : (n)) || fz_write(opath, (which) ? (bytes) : go, (which) ? (n) : lo)) { \
@@ -3939,9 +3989,10 @@ static void fuzz_safetensors(fuzzer *z) {
         if (!ok_r && !e.msg[0]) fz_fail(z, "run state refused without a message"); \
         e.msg[0] = 0; \
         if (!mt_checkpoint_load(x, work, NULL, &e)) { \
-            accepted++; \
             if (!same_state(x, ref)) fz_fail(z, "loaded different weights from a corrupt file"); \
+            else z->same[FZ_SAFETENSORS]++; \
         } else if (!e.msg[0]) fz_fail(z, "load refused without a message"); \
+        else z->refused[FZ_SAFETENSORS]++; \
     } while (0)
     for (int which = 0; which < 2; which++) {
         const uint8_t *base = which ? go : gm;
@@ -4015,8 +4066,9 @@ static void fuzz_safetensors(fuzzer *z) {
             e.msg[0] = 0;
             if (mt_checkpoint_read_config(work, &c2, &e) && !e.msg[0]) fz_fail(z, "config refused without a message");
             e.msg[0] = 0;
-            if (!mt_checkpoint_load(x, work, NULL, &e)) z->accepted[FZ_SAFETENSORS]++;
+            if (!mt_checkpoint_load(x, work, NULL, &e)) z->same[FZ_SAFETENSORS] += same_state(x, ref), z->differ[FZ_SAFETENSORS] += !same_state(x, ref);
             else if (!e.msg[0]) fz_fail(z, "refused without a message");
+            else z->refused[FZ_SAFETENSORS]++;
         }
     }
     /* 6. a foreign file (no moetrain metadata, so no checksums): anything may load, nothing may crash */
@@ -4036,9 +4088,12 @@ static void fuzz_safetensors(fuzzer *z) {
             wr64(base, hl);
             memcpy(base + 8, hdrs[h], hl);
             len = 8 + hl + (h == 1 ? 1056 : 64);
-            fz_next(z);   /* the file as it is: the overlap must be refused */
-            if (h == 2 && (fz_write(fpath, base, len) || !mt_checkpoint_load(f, fpath, NULL, &e) || !strstr(e.msg, "overlapping")))
-                fz_fail(z, "overlapping tensors not refused: %s", e.msg);
+            if (h == 2) {   /* the file as it is: the overlap must be refused */
+                fz_next(z);
+                if (fz_write(fpath, base, len) || !mt_checkpoint_load(f, fpath, NULL, &e) || !strstr(e.msg, "overlapping"))
+                    fz_fail(z, "overlapping tensors not refused: %s", e.msg);
+                else z->refused[FZ_SAFETENSORS]++;
+            }
             for (int i = 0; i < 200 * z->scale; i++) {
                 memcpy(b, base, len);
                 size_t n = len;
@@ -4047,14 +4102,15 @@ static void fuzz_safetensors(fuzzer *z) {
                 fz_next(z);
                 if (fz_write(fpath, b, n)) { fz_fail(z, "cannot write"); break; }
                 e.msg[0] = 0;
-                if (mt_checkpoint_load(f, fpath, NULL, &e) && !e.msg[0]) fz_fail(z, "foreign file refused without a message");
+                if (!mt_checkpoint_load(f, fpath, NULL, &e)) z->differ[FZ_SAFETENSORS]++;   /* no checksums: it may load */
+                else if (!e.msg[0]) fz_fail(z, "foreign file refused without a message");
+                else z->refused[FZ_SAFETENSORS]++;
             }
             free(base);
         }
         if (f) { mt_runtime_destroy(f); mt_graph_free(&gf); }
     }
 #undef FZ_INPUT
-    z->accepted[FZ_SAFETENSORS] += accepted;
     free(gm); free(go); free(b);
     remove_tree(dir); remove_tree(work);
     mt_runtime_destroy(a); mt_runtime_destroy(ref); mt_runtime_destroy(x);
@@ -4066,8 +4122,8 @@ static void fz_check_data(fuzzer *z, const char *path) {
     mt_dataset d;
     mt_err e;
     e.msg[0] = 0;
-    if (mt_data_load(&d, path, &e)) { if (!e.msg[0]) fz_fail(z, "data refused without a message"); return; }
-    z->accepted[FZ_DATA]++;
+    if (mt_data_load(&d, path, &e)) { if (!e.msg[0]) fz_fail(z, "data refused without a message"); else z->refused[FZ_DATA]++; return; }
+    z->differ[FZ_DATA]++;   /* no checksums: any file is read, and must be read safely */
     int mx = 0, bad = d.n < 2;
     for (int64_t i = 0; i < d.n && !bad; i++) { bad = d.tokens[i] < 0; if (d.tokens[i] > mx) mx = d.tokens[i]; }
     if (bad || mx != d.max_token) fz_fail(z, "data accepted with inconsistent tokens (n %lld)", (long long)d.n);
@@ -4144,15 +4200,17 @@ static void test_fuzz(void) {
         fuzz_rec rec;
         memset(&rec, 0, sizeof rec);
         rec.kind = FZ_DONE;
-        snprintf(rec.msg, sizeof rec.msg, "%lld %lld %lld %lld %lld %lld %lld", (long long)z.n[0], (long long)z.n[1], (long long)z.n[2],
-                 (long long)z.accepted[0], (long long)z.accepted[1], (long long)z.accepted[2], (long long)z.stepped);
+        int64_t counts[14];   /* per target: inputs, refused, same, differ; then steps run and refused */
+        for (int t = 0; t < FZ_NTARGETS; t++) { counts[t] = z.n[t]; counts[3 + t] = z.refused[t]; counts[6 + t] = z.same[t]; counts[9 + t] = z.differ[t]; }
+        counts[12] = z.ran; counts[13] = z.step_refused;
+        memcpy(rec.msg, counts, sizeof counts);
         if (write(fds[1], &rec, sizeof rec) != (ssize_t)sizeof rec) _exit(4);
         _exit(0);
     }
     close(fds[1]);
     fuzz_rec rec, last;
     memset(&last, 0, sizeof last);
-    long long n[3] = {0, 0, 0}, acc[3] = {0, 0, 0}, stepped = 0;
+    int64_t c[14] = {0}, *n = c, *refused = c + 3, *same = c + 6, *differ = c + 9;
     int fails[FZ_NTARGETS] = {0, 0, 0}, done = 0;
     char first[FZ_NTARGETS][200];
     memset(first, 0, sizeof first);
@@ -4162,7 +4220,8 @@ static void test_fuzz(void) {
         else if (rec.kind == FZ_FAIL && rec.target >= 0 && rec.target < FZ_NTARGETS) {
             if (!fails[rec.target]++) snprintf(first[rec.target], sizeof first[0], "input #%lld: %s", (long long)rec.index, rec.msg);
         } else if (rec.kind == FZ_DONE) {
-            done = sscanf(rec.msg, "%lld %lld %lld %lld %lld %lld %lld", &n[0], &n[1], &n[2], &acc[0], &acc[1], &acc[2], &stepped) == 7;
+            memcpy(c, rec.msg, sizeof c);
+            done = 1;
         }
     }
     close(fds[0]);
@@ -4176,14 +4235,22 @@ static void test_fuzz(void) {
         report("fuzz: the fuzzer finished", 0, "%s at input #%lld (%s)", why, (long long)last.index, fz_names[last.target]);
         return;
     }
-    report("fuzz: artifact loader", !fails[0] && n[0] > 5000, "%lld inputs: every corrupt one refused with a message; %lld checksum-consistent mutants loaded (%lld of them stepped)%s%s",
-           n[0], acc[0], stepped, fails[0] ? "; FIRST FAILURE " : "", first[0]);
-    report("fuzz: safetensors loader", !fails[1] && n[1] > 2000, "%lld inputs: refused with a message, or loaded as the pristine file (%lld checksum-consistent edits loaded)%s%s",
-           n[1], acc[1], fails[1] ? "; FIRST FAILURE " : "", first[1]);
-    report("fuzz: data loaders", !fails[2] && n[2] > 800, "%lld inputs: refused with a message, or read safely (%lld)%s%s", n[2], acc[2],
+    int all[FZ_NTARGETS];   /* every input ended one of the three ways */
+    for (int t = 0; t < FZ_NTARGETS; t++) all[t] = n[t] == refused[t] + same[t] + differ[t];
+    report("fuzz: artifact loader", !fails[0] && all[0] && n[0] > 5000,
+           "%lld inputs: %lld refused with a message; of the mutants made consistent again, %lld read as the pristine graph, %lld as the "
+           "graph they write (%lld stepped: %lld ran, %lld refused with a message)%s%s%s", (long long)n[0], (long long)refused[0], (long long)same[0],
+           (long long)differ[0], (long long)(c[12] + c[13]), (long long)c[12], (long long)c[13], all[0] || fails[0] ? "" : "; NOT EVERY INPUT ENDED ONE WAY",
+           fails[0] ? "; FIRST FAILURE " : "", first[0]);
+    report("fuzz: safetensors loader", !fails[1] && all[1] && n[1] > 2000,
+           "%lld inputs: %lld refused with a message, %lld loaded as the pristine checkpoint, %lld header edits made consistent again or "
+           "foreign files loaded as other tensors%s%s%s", (long long)n[1], (long long)refused[1], (long long)same[1], (long long)differ[1],
+           all[1] || fails[1] ? "" : "; NOT EVERY INPUT ENDED ONE WAY", fails[1] ? "; FIRST FAILURE " : "", first[1]);
+    report("fuzz: data loaders", !fails[2] && all[2] && n[2] > 800, "%lld inputs: %lld refused with a message, %lld read safely%s%s%s",
+           (long long)n[2], (long long)refused[2], (long long)differ[2], all[2] || fails[2] ? "" : "; NOT EVERY INPUT ENDED ONE WAY",
            fails[2] ? "; FIRST FAILURE " : "", first[2]);
-    printf("fuzz: %lld inputs in %.1f s (artifact %lld, safetensors %lld, data %lld), no signal, hang or silent acceptance\n",
-           n[0] + n[1] + n[2], secs, n[0], n[1], n[2]);
+    printf("fuzz: %lld inputs in %.1f s (artifact %lld, safetensors %lld, data %lld)%s\n", (long long)(n[0] + n[1] + n[2]), secs,
+           (long long)n[0], (long long)n[1], (long long)n[2], fails[0] || fails[1] || fails[2] ? "" : ", no signal, hang or silent acceptance");
 }
 
 /* ======================================================================
