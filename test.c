@@ -4817,6 +4817,21 @@ static int sh(char *out, size_t cap, const char *fmt, ...) {
     return run_cmd(cmd, out, cap);
 }
 
+/* The GPU scripts fail loudly where they cannot do their work: the benchmark on a failed run, the
+ * multi-GPU checks when asked for more GPUs than are visible (REQUIRE_GPUS). */
+static void test_scripts(void) {
+    static char a[1 << 16], b[1 << 12];
+    char d[256];
+    scratch_dir(d, sizeof d, "bench");
+    int rb = sh(a, sizeof a, "OUT=%s STEPS=1 MODES=eager MULTI=0 sh bench/run.sh no-such-preset 2>&1", d);
+    int rg = sh(b, sizeof b, "REQUIRE_GPUS=4097 sh tools/test_multi_gpu.sh 2>&1");
+    int rz = sh(b + 2048, sizeof b - 2048, "REQUIRE_GPUS=x sh tools/test_multi_gpu.sh 2>&1");
+    report("scripts: bench/run.sh and test_multi_gpu.sh fail when they cannot run", rb != 0 && strstr(a, "no-such-preset_eager FAILED") &&
+           rg != 0 && strstr(b, "FAIL ") && strstr(b, "0 passed, 1 failed") && rz != 0 && strstr(b + 2048, "0 passed, 1 failed"),
+           "bench exit %d; REQUIRE_GPUS=4097: exit %d, %.80s", rb, rg, b);
+    remove_tree(d);
+}
+
 /* The JSON-lines metrics from step `from` on: step, loss, grad_norm, lr (what must match bitwise). */
 static void metrics_core(const char *path, int from, char *out, size_t cap) {
     FILE *f = fopen(path, "r");
@@ -5437,6 +5452,7 @@ int main(void) {
     RUN(test_launch_rendezvous);
     RUN(test_cli);
     RUN(test_cli_options);
+    RUN(test_scripts);
     RUN(test_cli_resume);
     RUN(test_cli_sharded_checkpoint);
     RUN(test_cli_recompute);
