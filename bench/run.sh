@@ -6,6 +6,7 @@
 # Usage: sh bench/run.sh [preset ...]   (default: debug)
 # Environment: STEPS (timed steps, default 12), OUT (log folder, default .),
 #              MODES (default "eager compiled"), MULTI (GPUs for the multi-GPU row; default all, 0 = none).
+# Exits non-zero when a run fails (or prints no summary line); the table still shows every row.
 set -u
 presets=${*:-debug}
 steps=${STEPS:-12}
@@ -21,6 +22,7 @@ esac
 export NCCL_NVLS_ENABLE=0
 echo "bench: ${gpu:-no GPU} x $gpus, presets: $presets, $steps steps"
 summary=""
+failed=0
 run() {   # run NAME ARGS...: one training run, its log, its summary line
     name=$1; shift
     log="$out/bench_${name}.log"
@@ -28,7 +30,7 @@ run() {   # run NAME ARGS...: one training run, its log, its summary line
     rc=$?
     tail -n 45 "$log"
     line=$(grep '^summary:' "$log" | tail -n 1)
-    [ $rc -ne 0 ] && line="summary: $name FAILED (exit $rc)"
+    if [ $rc -ne 0 ] || [ -z "$line" ]; then line="summary: $name FAILED (exit $rc)"; failed=$((failed + 1)); fi
     summary="$summary
 $line"
 }
@@ -46,3 +48,4 @@ done
 echo
 echo "== bench table (${gpu:-no GPU} x $gpus) =="
 printf '%s\n' "$summary" | sed '/^$/d' | sed 's/^summary: //'
+if [ "$failed" -ne 0 ]; then echo "bench: $failed run(s) FAILED"; exit 1; fi

@@ -1,10 +1,14 @@
 #!/bin/sh
 # Multi-GPU checks of the command line, on every visible GPU (2 or more):
 # the torchrun-free launcher, torchrun, a precompiled artifact, failure (kill -9
-# of one rank, a rank that hangs), and ranks from srun's and mpirun's variables
-# on two one-GPU "nodes" over sockets. Prints "N passed, N failed" last.
+# of one rank, a rank that hangs), ranks from srun's and mpirun's variables on
+# two one-GPU "nodes" over sockets, and tensor parallelism. Prints "N passed,
+# N failed" last. REQUIRE_GPUS=N: fewer than N visible GPUs is a failure, not a skip.
 set -u
 n=$(nvidia-smi -L 2>/dev/null | wc -l)
+need=${REQUIRE_GPUS:-0}
+case "$need" in ''|*[!0-9]*) echo "FAIL REQUIRE_GPUS='$need' is not a number"; echo "0 passed, 1 failed"; exit 1 ;; esac
+if [ "$n" -lt "$need" ]; then echo "FAIL multi-GPU command-line checks: REQUIRE_GPUS=$need, $n GPU visible"; echo "0 passed, 1 failed"; exit 1; fi
 pass=0; fail=0
 check() {   # check NAME CONDITION-EXIT-STATUS DETAIL
     if [ "$2" -eq 0 ]; then echo "PASS $1 $3"; pass=$((pass + 1)); else echo "FAIL $1 $3"; fail=$((fail + 1)); fi
