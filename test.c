@@ -5452,19 +5452,19 @@ static void test_cli(void) {
     rc = sh(a, sizeof a, "%strain --device cpu --graph %s --nproc 3 --steps 1 2>&1", BIN, mesh);
     report("CLI: an artifact for another world size is refused, naming both", rc == 2 && strstr(a, "world of 2") && strstr(a, "3 ranks"),
            "exit %d: %.160s", rc, a);
-    rd = sh(c, sizeof c, "%sprecompile --preset tiny --dp-shard 2 --ep 2 --overlap -o %s 2>&1 && %sprecompile --dump %s 2>&1", BIN,
-            mesh, BIN, mesh);
+    rd = sh(c, sizeof c, "%sprecompile --preset tiny --dp-shard 2 --ep 2 -o %s 2>&1 && %sprecompile --dump %s 2>&1", BIN,
+            mesh, BIN, mesh);   /* overlap: the default with several ranks */
     report("CLI: --dump shows the communicator groups", rd == 0 && strstr(c, "== communicator groups") && strstr(c, "{0,1}") &&
            strstr(c, "ALLGATHER") && strstr(c, "shard over dp_shard"), NULL);
     report("CLI: --dump shows each node's queue and the overlap schedule", rd == 0 && strstr(c, "== overlap schedule (streams") &&
            strstr(c, " dp      L") && strstr(c, " ep      L") && strstr(c, "  wait n") && strstr(c, "prefetch: issued during L") &&
            strstr(c, "compute joins at n") && strstr(c, "EP_DISPATCH"), NULL);
-    ra = sh(c, sizeof c, "%sprecompile --preset tiny --dp-shard 2 --ep 2 -o %s 2>&1 && %sprecompile --dump %s 2>&1", BIN, mesh, BIN, mesh);
-    report("CLI: precompile without --overlap: one stream, said in --dump", ra == 0 && strstr(c, "== overlap schedule: off") &&
+    ra = sh(c, sizeof c, "%sprecompile --preset tiny --dp-shard 2 --ep 2 --no-overlap -o %s 2>&1 && %sprecompile --dump %s 2>&1", BIN, mesh, BIN, mesh);
+    report("CLI: precompile --no-overlap: one stream, said in --dump", ra == 0 && strstr(c, "== overlap schedule: off") &&
            !strstr(c, "  wait n"), NULL);
-    ra = sh(a, sizeof a, "%strain --device cpu --nproc 2 --ep 2 --steps 4 --seed 1 --overlap --metrics %s 2>&1", BIN, f2o);
-    metrics_core(f2o, 1, ma, sizeof ma);
-    report("CLI: train --overlap on 2 thread-ranks: bitwise the same steps", !ra && n_lines(ma) == 4 && !strcmp(ma, mb),
+    ra = sh(a, sizeof a, "%strain --device cpu --nproc 2 --ep 2 --steps 4 --seed 1 --no-overlap --metrics %s 2>&1", BIN, f2o);
+    metrics_core(f2o, 1, ma, sizeof ma);   /* mb: the default run, overlap on with 2 ranks */
+    report("CLI: train --no-overlap on 2 thread-ranks: bitwise the default (overlap) steps", !ra && n_lines(ma) == 4 && !strcmp(ma, mb),
            "%d steps: loss, grad norm, lr %s", n_lines(ma), ra ? "(the command failed)" : strcmp(ma, mb) ? "DIFFER" : "identical");
     remove(f2); remove(f2g); remove(f2o); remove(fa); remove(fb);
     rc = sh(a, sizeof a, "%strain --device cpu --nproc 2 --ep 3 --steps 1 2>&1", BIN);
