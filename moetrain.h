@@ -818,6 +818,55 @@ void mt_cpu_expert_bias_update(mt_real *bias, const int32_t *counts, int E, floa
  * A group of one rank is an identity (a scaled sum scales).
  * ====================================================================== */
 
+/* The expert exchange's layout (section 9a), one function for the CUDA
+ * device-side exchange and the tests (test_ep_layout holds it to the CPU
+ * engine's order). M[s*E + j], E = P*El: the rows rank s routes to global
+ * expert j, which lives on rank j / El. Rank me's source rows, in the order
+ * it holds them, form chunks c = 0..C-1; chunk c is source rows
+ * [src[c], src[c+1]) and lands at rows dst[c].. of peer mt_ep_chunk_peer(c):
+ *  - dispatch (xs -> the owners' xr): C = E, chunk c is global expert c,
+ *    peer c / El; an owner holds its rows expert-major and, inside an
+ *    expert, in sender order.
+ *  - combine (my yr -> the senders' ys): C = El*P, chunk c = e*P + s (my
+ *    local expert e, sender s), peer s; rows go back where the sender's
+ *    MOE_PERMUTE put them, from offs_s[me*El + e] = sum of M[s][j < me*El+e].
+ * src has C+1 entries, dst C; O(P*E) work, no scratch. */
+#if defined(__CUDACC__)
+#define MT_HD __host__ __device__
+#else
+#define MT_HD
+#endif
+MT_HD static inline int mt_ep_chunk_peer(int dispatch, int c, int P, int El) { return dispatch ? c / El : c % P; }
+MT_HD static inline void mt_ep_layout(const int32_t *M, int P, int El, int me, int dispatch, int32_t *src, int32_t *dst) {
+    int E = P * El;
+    int32_t at = 0;
+    if (dispatch) {
+        int32_t base = 0;                       /* on the owner: rows of its experts before this one */
+        for (int j = 0; j < E; j++) {
+            if (j % El == 0) base = 0;
+            int32_t before = 0, all = 0;        /* senders before me for expert j; every sender */
+            for (int s = 0; s < P; s++) { if (s == me) before = all; all += M[s * E + j]; }
+            src[j] = at; at += M[me * E + j];
+            dst[j] = base + before;
+            base += all;
+        }
+        src[E] = at;
+        return;
+    }
+    for (int s = 0; s < P; s++) {               /* e = 0: sender s's rows for my experts start after its rows for lower ranks' */
+        int32_t off = 0;
+        for (int j = 0; j < me * El; j++) off += M[s * E + j];
+        dst[s] = off;
+    }
+    for (int e = 0; e < El; e++)
+        for (int s = 0; s < P; s++) {
+            int c = e * P + s;
+            if (e) dst[c] = dst[c - P] + M[s * E + me * El + e - 1];
+            src[c] = at; at += M[s * E + me * El + e];
+        }
+    src[El * P] = at;
+}
+
 typedef struct mt_world mt_world;   /* the shared state of CPU thread-ranks */
 int mt_world_create(mt_world **w, int n_ranks, mt_err *err);
 void mt_world_destroy(mt_world *w);
@@ -852,7 +901,11 @@ typedef struct {
                               its dK/dV kernel stored (B*H*T^2 bytes less workspace: 0.5 GB for 2 x 4096, 16 heads; slower) */
     int one_launch_per_node; /* CUDA: no multi-tensor launches (runs of SUMSQ and of ADAMW nodes otherwise launch
                                 together, bitwise the same; for comparisons) */
+    int ep_exchange;   /* CUDA, ep > 1: MT_EXCHANGE_AUTO (device-side where the ep ranks are load/store accessible),
+                          MT_EXCHANGE_HOST (host-synchronized NCCL), MT_EXCHANGE_DEVICE (device-side or refuse to bind) */
+    double timeout_s;  /* CUDA: the longest a device-side wait for a peer lasts before the step fails (0: 600 s) */
 } mt_binding;
+enum { MT_EXCHANGE_AUTO = 0, MT_EXCHANGE_HOST = 1, MT_EXCHANGE_DEVICE = 2 };
 void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
 
 typedef struct mt_runtime mt_runtime;
@@ -878,6 +931,10 @@ int64_t mt_runtime_multi_tensor_nodes(const mt_runtime *rt);   /* CUDA: nodes is
 int mt_runtime_backend(const mt_runtime *rt);                  /* MT_BACKEND_CPU or MT_BACKEND_CUDA */
 /* With binding.profile: milliseconds and calls per op, summed over profiled steps. */
 void mt_runtime_profile(const mt_runtime *rt, double ms[MT_NOPS], int64_t calls[MT_NOPS]);
+/* CUDA, after profiled steps (timestamped by events on every stream, no synchronization between nodes): per
+ * step, ms of the step, of compute, of communication (collectives and the expert exchange, each timed on
+ * its own stream), and of communication the compute stream waited for (exposed). 0 without profiled steps. */
+int mt_runtime_profile_comm(const mt_runtime *rt, double out[4]);
 void mt_runtime_set_profile(mt_runtime *rt, int on);
 void mt_runtime_set_nan_check(mt_runtime *rt, int on);         /* see mt_binding.nan_check */
 size_t mt_runtime_peak_bytes(const mt_runtime *rt);            /* device (or host) memory of the plan at peak */
@@ -887,6 +944,10 @@ int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *
  * the rows this rank's experts received in its forward (over all MoE layers). */
 int mt_runtime_host_syncs(const mt_runtime *rt);
 int64_t mt_runtime_received_rows(const mt_runtime *rt);
+/* The expert exchange this rank runs: "device-side ..." or "host-synchronized NCCL ..." with the reason;
+ * "" without an exchange over several ranks. And whether the step replays as one captured CUDA graph. */
+const char *mt_runtime_exchange(const mt_runtime *rt);
+int mt_runtime_whole_step_graph(const mt_runtime *rt);
 int mt_runtime_n_communicators(const mt_runtime *rt);   /* made at bind: one per distinct rank group and channel */
 /* Devices. Everything device-bound (constants, initial state, buffers, streams, handles, tuning) is
  * materialized at bind on the binding's device (CPU: a virtual device id), never on "the current
@@ -918,6 +979,8 @@ int mt_cuda_copy(mt_cuda *c, void *dst, const void *src, size_t n, int kind); /*
 int mt_cuda_memset(mt_cuda *c, void *p, int byte, size_t n);
 int mt_cuda_sync(mt_cuda *c);
 int mt_cuda_check_flag(mt_cuda *c);     /* data errors kernels flagged (bad expert index...), then clears */
+#define MT_CUDA_FLAG_BOUND 2                 /* flag values: 1 an expert index out of range, 2 more rows than planned, */
+#define MT_CUDA_FLAG_PEER 0x10000            /* MT_CUDA_FLAG_PEER + i: ep peer i did not answer within the timeout */
 int mt_cuda_events(mt_cuda *c, int n);  /* make n timing events */
 int mt_cuda_set_queue(mt_cuda *c, int q);   /* later launches go to queue q's stream (MT_Q_*; DP, EP: high priority) */
 int mt_cuda_queue_events(mt_cuda *c, int n);/* make n ordering events (one per graph node) */
@@ -975,8 +1038,10 @@ int mt_cuda_attention_forward(mt_cuda *c, const void *Q, const void *K, const vo
 int mt_cuda_attention_backward(mt_cuda *c, const void *Q, const void *K, const void *V, const void *O, const float *lse,
                                const void *dO, const int32_t *dstart, void *dQ, void *dK, void *dV, void *ws, int B, int T,
                                int H, int dq, int dv, float scale);
-int mt_cuda_swiglu_forward(mt_cuda *c, void *h, const void *g, const void *u, int64_t n);
-int mt_cuda_swiglu_backward(mt_cuda *c, void *dg, void *du, const void *g, const void *u, const void *dh, int64_t n);
+/* rows (may be NULL): a device count; only its first *rows rows of cols elements are computed (n: the bound) */
+int mt_cuda_swiglu_forward(mt_cuda *c, void *h, const void *g, const void *u, int64_t n, const int32_t *rows, int64_t cols);
+int mt_cuda_swiglu_backward(mt_cuda *c, void *dg, void *du, const void *g, const void *u, const void *dh, int64_t n,
+                            const int32_t *rows, int64_t cols);
 int mt_cuda_add(mt_cuda *c, void *out, const void *a, const void *b, int64_t n, int dtype);
 int mt_cuda_router_forward(mt_cuda *c, int32_t *idx, float *w, float *scores, int32_t *counts, const float *logits,
                            const float *bias, int N, int E, int K, int score_func, int route_norm, float route_scale,
@@ -1048,6 +1113,20 @@ int mt_nccl_reduce_scatter(mt_cuda *c, void *comm, const void *in, void *out, in
 /* per-peer byte ranges in one group: send[p] = (offset, bytes) to peer p, recv likewise */
 int mt_nccl_exchange(mt_cuda *c, void *comm, int P, const void *send, const int64_t *soff, const int64_t *sbytes,
                      void *recv, const int64_t *roff, const int64_t *rbytes);
+/* The device-side expert exchange over NCCL symmetric windows (section 9a): one per ep group whose ranks
+   are all load/store accessible. The arena must come from mt_cuda_malloc_symmetric (ncclMemAlloc), the
+   same size on every rank. create: 0 made, 1 not possible here (why says), -1 error. plan: per EP_COUNTS,
+   mt_cuda_lsa_plan_ints(P, El) ints on the device (the count matrix and both directions' layouts). */
+typedef struct mt_cuda_lsa mt_cuda_lsa;
+int mt_cuda_malloc_symmetric(mt_cuda *c, void **p, size_t n);
+void mt_cuda_free_symmetric(mt_cuda *c, void *p);
+int mt_cuda_lsa_create(mt_cuda *c, void *comm, int P, int E, void *arena, size_t arena_bytes, double timeout_s,
+                       mt_cuda_lsa **out, char *why, size_t nwhy);
+void mt_cuda_lsa_destroy(mt_cuda *c, mt_cuda_lsa *l, int abort);
+size_t mt_cuda_lsa_plan_ints(int P, int El);
+int mt_cuda_lsa_counts(mt_cuda *c, mt_cuda_lsa *l, const int32_t *offs, int32_t *plan, int32_t *recv, int El);
+int mt_cuda_lsa_rows(mt_cuda *c, mt_cuda_lsa *l, int dispatch, const void *src, size_t dst_offset, int64_t row_bytes,
+                     const int32_t *plan, int El, int64_t cap_rows, int32_t *roffs, long long *rows_acc);
 void *mt_cuda_stream_handle(mt_cuda *c);
 #endif
 
@@ -4032,10 +4111,12 @@ static int mt__is_ep_sync(const mt_graph *g, const mt_node *n) {
 }
 /* EP: in each (phase, layer) run, the nodes after its first expert exchange
  * that depend on no exchange (the shared experts; in the backward the router's
- * gradient) move ahead of it, so they are on the GPU before the host waits
- * for the expert counts, and run while the tokens travel. A stable partition:
- * "depends" is the transitive closure of conflicts, so every conflict keeps
- * its order and results do not change. */
+ * gradient) move up to just after the exchange nodes that lead the run (the
+ * counts and the dispatch), so they run on the compute stream while the
+ * tokens travel on the EP stream. A stable partition: "depends" is the
+ * transitive closure of conflicts, so every conflict keeps its order and
+ * results do not change. (The host-synchronized exchange blocks the host at
+ * the counts; these nodes then still overlap the rows' all-to-all.) */
 static void mt__ep_ahead(mt_graph *g, mt_node *tmp, uint8_t *taint) {
     int n = g->n_nodes;
     for (int i = 0; i < n;) {
@@ -4048,12 +4129,42 @@ static void mt__ep_ahead(mt_graph *g, mt_node *tmp, uint8_t *taint) {
                 taint[j] = j == f || g->nodes[j].queue == MT_Q_EP;
                 for (int k = f; k < j && !taint[j]; k++) taint[j] = taint[k] && mt__conflict(&g->nodes[k], &g->nodes[j]);
             }
-            int w = 0;
-            for (int j = f; j < e; j++) if (!taint[j]) tmp[w++] = g->nodes[j];
-            for (int j = f; j < e; j++) if (taint[j]) tmp[w++] = g->nodes[j];
+            int w = 0, lead = f;
+            while (lead < e && g->nodes[lead].queue == MT_Q_EP && taint[lead]) lead++;   /* the exchange nodes that lead */
+            for (int j = f; j < lead; j++) tmp[w++] = g->nodes[j];
+            for (int j = lead; j < e; j++) if (!taint[j]) tmp[w++] = g->nodes[j];
+            for (int j = lead; j < e; j++) if (taint[j]) tmp[w++] = g->nodes[j];
             memcpy(&g->nodes[f], tmp, sizeof(mt_node) * (size_t)(e - f));
         }
         i = e;
+    }
+}
+/* EP, backward: the experts' weight gradients (GMM_DW) that come before an
+ * exchange of their run and that nothing up to it depends on move to just after
+ * it, so the gradient's exchange leaves as soon as its input is ready and
+ * travels while they compute. Only moves past nodes they do not conflict with. */
+static void mt__dw_behind(mt_graph *g, mt_node *tmp) {
+    int n = g->n_nodes;
+    for (int p = 0; p < n; p++) {
+        const mt_node *x = &g->nodes[p];
+        if (x->phase != MT_PHASE_BACKWARD || !mt__is_ep_sync(g, x)) continue;
+        int lo = p;   /* back to the run's start or its previous exchange */
+        while (lo > 0 && g->nodes[lo - 1].phase == x->phase && g->nodes[lo - 1].layer == x->layer && !mt__is_ep_sync(g, &g->nodes[lo - 1])) lo--;
+        int w = 0, m = 0;
+        uint8_t late[64] = {0};
+        for (int i = lo; i < p && i - lo < 64; i++) {
+            const mt_node *d = &g->nodes[i];
+            if (d->op != MT_OP_GMM_DW && d->op != MT_OP_GMM_DW_SQ) continue;
+            int ok = 1;
+            for (int k = i + 1; k <= p && ok; k++) ok = (k - lo < 64 && late[k - lo]) || !mt__conflict(d, &g->nodes[k]);
+            late[i - lo] = (uint8_t)ok;
+            m += ok;
+        }
+        if (!m) continue;
+        for (int i = lo; i <= p; i++) if (i == p || i - lo >= 64 || !late[i - lo]) tmp[w++] = g->nodes[i];
+        for (int i = lo; i < p; i++) if (i - lo < 64 && late[i - lo]) tmp[w++] = g->nodes[i];
+        memcpy(&g->nodes[lo], tmp, sizeof(mt_node) * (size_t)w);
+        p = lo + w - 1;   /* past the moved nodes */
     }
 }
 static int mt__is_fsdp_gather(const mt_graph *g, const mt_node *n) {
@@ -4099,6 +4210,7 @@ int mt_pass_overlap(mt_graph *g, mt_err *err) {
     uint8_t *taint = (uint8_t *)mt__calloc((size_t)n + 1);
     if (!tmp || !a || !taint) { MT_FREE(tmp); MT_FREE(a); MT_FREE(taint); return mt_errf(err, "out of memory"); }
     mt__ep_ahead(g, tmp, taint);
+    mt__dw_behind(g, tmp);
     mt__prefetch(g, tmp, a, a + n + 1, a + 2 * (n + 1));
     MT_FREE(tmp); MT_FREE(a); MT_FREE(taint);
     g->overlap = 1;
@@ -6695,6 +6807,7 @@ typedef struct {
     int *members;            /* their world ranks, in group order */
     int owner;               /* index of the group whose communicator this one uses (itself: it made one) */
     void *comm;              /* NCCL communicator (CUDA, size > 1); only the owner frees it */
+    void *lsa;               /* CUDA: the device-side expert exchange over comm (mt_cuda_lsa), or NULL; the owner's */
 } mt__group;
 
 struct mt_runtime {
@@ -6714,6 +6827,7 @@ struct mt_runtime {
     void **graphs;           /* CUDA: one captured graph per region, by its first node */
     int64_t multi_nodes;      /* CUDA: nodes issued within multi-tensor launches (mt__exec_cuda_multi), all steps */
     double prof_ms[MT_NOPS];  /* binding.profile: time per op */
+    double prof_step[5];      /* binding.profile, CUDA: step, compute, communication, exposed communication (ms), steps */
     int64_t prof_calls[MT_NOPS];
     mt__group *groups; int n_groups;
     void *world_comm;        /* NCCL: every rank, in rank order */
@@ -6726,8 +6840,21 @@ struct mt_runtime {
     int host_syncs;          /* in the last step */
     char tuning_note[400];   /* how the graph's tuning applied at bind ("" = as recorded) */
     int64_t recv_rows;       /* rows my experts received in the last step's forward (summed over MoE layers) */
+    int arena_symmetric;     /* CUDA: the arena came from ncclMemAlloc (a window can map it) */
+    int ep_device;           /* CUDA: every ep group exchanges on the device (no host counts) */
+    char exchange[240];      /* mt_runtime_exchange */
+    int32_t **ep_plan;       /* CUDA device-side exchange: per EP_COUNTS output, the count matrix and layouts */
+    int32_t **rows_dev;      /* CUDA device-side exchange: per value with symbolic rows, where the device holds them */
+    long long *recv_rows_dev;/* CUDA device-side exchange: received rows, all steps (device counter) */
+    long long recv_rows_read;
+    int whole;               /* CUDA: the step replays as one captured graph (every node capturable) */
+    int warm;                /* CUDA, whole: a step ran eagerly (the next one is captured) */
+    void *step_graph;
 };
 
+#ifdef MT_CUDA
+static int mt__capturable(const mt_runtime *rt, const mt_node *n);
+#endif
 static mt__group *mt__find_group(mt_runtime *rt, uint32_t mask, int id) {
     for (int i = 0; i < rt->n_groups; i++)
         if (rt->groups[i].mask == mask && rt->groups[i].id == id) return &rt->groups[i];
@@ -7092,6 +7219,24 @@ static int mt__cuda_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *
     mt_cuda *c = (mt_cuda *)rt->cu;
     int P = n->iattr[2], El = n->iattr[3];
     if (gr->size != P) return mt_errf(err, "%s: the ep group has %d ranks, the graph says %d", mt_ops[n->op].name, gr->size, P);
+    if (gr->lsa) {   /* device-side: the counts never leave the device (mt__bind_exchange) */
+        mt_cuda_lsa *l = (mt_cuda_lsa *)gr->lsa;
+        int rc;
+        if (n->op == MT_OP_EP_COUNTS) {
+            rc = mt_cuda_lsa_counts(c, l, (const int32_t *)rt->ptr[n->in[0]], rt->ep_plan[n->out[0]], (int32_t *)rt->ptr[n->out[0]], El);
+        } else {
+            const int32_t *plan = rt->ep_plan[n->in[2]];
+            if (!plan) return mt_errf(err, "%s: its counts come from no EP_COUNTS of this exchange", mt_ops[n->op].name);
+            const mt_value *src = &G->values[n->in[0]], *dst = &G->values[n->out[0]];
+            int64_t D = src->dims[1];
+            int dispatch = n->op == MT_OP_EP_DISPATCH;
+            rc = mt_cuda_lsa_rows(c, l, dispatch, rt->ptr[n->in[0]], (size_t)((uint8_t *)rt->ptr[n->out[0]] - rt->arena),
+                                  D * mt_dtype_bytes(G, src->dtype), plan, El, mt_value_numel_max(G, dst) / D,
+                                  dispatch ? (int32_t *)rt->ptr[n->out[1]] : NULL,
+                                  dispatch && n->phase == MT_PHASE_FORWARD ? rt->recv_rows_dev : NULL);
+        }
+        return rc ? mt_errf(err, "%s: %s", mt_ops[n->op].name, mt_cuda_error(c)) : 0;
+    }
     int64_t so[4096], sb[4096], ro[4096], rb[4096];
     if (P > 4096) return mt_errf(err, "ep > 4096");
     if (n->op == MT_OP_EP_COUNTS) {   /* counts per peer and expert, exchanged, then to the host (a sync) */
@@ -7142,6 +7287,71 @@ static int mt__cuda_ep(mt_runtime *rt, const mt_node *n, mt__group *gr, mt_err *
              mt_nccl_exchange(c, gr->comm, P, rt->ep_stage, so, sb, rt->ptr[n->out[0]], ro, rb);
     }
     return rc ? mt_errf(err, "%s", mt_cuda_error(c)) : 0;
+}
+
+/* The engine, chosen at bind for each ep group (every member decides alike: the
+ * window registrations are collective): device-side when the binding allows it,
+ * the arena is symmetric memory and NCCL says every rank of the group is load/store
+ * accessible; else the host-synchronized NCCL exchange. Device-side, each EP_COUNTS
+ * output gets its plan buffer, and each value with symbolic rows learns where the
+ * device holds its actual count (rt->rows_dev: the dispatch's roffs[El]). */
+static int mt__bind_exchange(mt_runtime *rt, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    mt_cuda *c = (mt_cuda *)rt->cu;
+    int P = 0, El = 0, n_dev = 0, n_groups = 0;
+    char why[200] = "";
+    for (int i = 0; i < G->n_nodes; i++)
+        if (mt_op_is_ep_exchange(G->nodes[i].op) && G->nodes[i].iattr[2] > 1) { P = G->nodes[i].iattr[2]; El = G->nodes[i].iattr[3]; }
+    if (!P) return 0;
+    if (rt->bind.ep_exchange == MT_EXCHANGE_HOST) snprintf(why, sizeof why, "as asked");
+    else if (!rt->arena_symmetric) snprintf(why, sizeof why, "the arena is not NCCL symmetric memory");
+    for (int i = 0; i < rt->n_groups; i++) {
+        mt__group *gr = &rt->groups[i];
+        int used = 0;
+        for (int k = 0; k < G->n_nodes && !used; k++)
+            used = mt_op_is_ep_exchange(G->nodes[k].op) && G->nodes[k].iattr[2] > 1 && mt__find_group(rt, (uint32_t)G->nodes[k].iattr[0], G->nodes[k].iattr[1]) == gr;
+        if (!used) continue;
+        n_groups++;
+        if (gr->owner != i) { gr->lsa = rt->groups[gr->owner].lsa; n_dev += gr->lsa != NULL; continue; }
+        if (why[0]) continue;
+        mt_cuda_lsa *l = NULL;
+        int r = mt_cuda_lsa_create(c, gr->comm, gr->size, P * El, rt->arena, (size_t)G->arena_bytes, rt->bind.timeout_s, &l, why, sizeof why);
+        if (r < 0) {
+            mt_cuda_lsa_destroy(c, l, 1);
+            return mt_errf(err, "rank %d: the device-side expert exchange: %s", rt->bind.rank, mt_cuda_error(c));
+        }
+        if (r == 0) { gr->lsa = l; n_dev++; }
+    }
+    rt->ep_device = n_dev == n_groups;
+    if (!rt->ep_device && rt->bind.ep_exchange == MT_EXCHANGE_DEVICE)
+        return mt_errf(err, "rank %d: the device-side expert exchange is not possible here: %s", rt->bind.rank, why);
+    if (n_dev < n_groups) {
+        snprintf(rt->exchange, sizeof rt->exchange, "host-synchronized NCCL all-to-all (%s)", why);
+        return 0;
+    }
+    snprintf(rt->exchange, sizeof rt->exchange, "device-side over NCCL symmetric memory (load/store to %d peers, no host sync)", P);
+    rt->ep_plan = (int32_t **)mt__calloc(sizeof(int32_t *) * (size_t)(G->n_values + 1));
+    rt->rows_dev = (int32_t **)mt__calloc(sizeof(int32_t *) * (size_t)(G->n_values + 1));
+    if (!rt->ep_plan || !rt->rows_dev) return mt_errf(err, "out of memory");
+    if (mt_cuda_malloc(c, (void **)&rt->recv_rows_dev, 64) || mt_cuda_memset(c, rt->recv_rows_dev, 0, 64))
+        return mt_errf(err, "%s", mt_cuda_error(c));
+    for (int i = 0; i < G->n_nodes; i++) {
+        const mt_node *n = &G->nodes[i];
+        if (n->op == MT_OP_EP_COUNTS && n->iattr[2] > 1 && !rt->ep_plan[n->out[0]] &&
+            mt_cuda_malloc(c, (void **)&rt->ep_plan[n->out[0]], sizeof(int32_t) * mt_cuda_lsa_plan_ints(n->iattr[2], n->iattr[3])))
+            return mt_errf(err, "%s", mt_cuda_error(c));
+        if ((n->op == MT_OP_EP_DISPATCH || n->op == MT_OP_EP_COMBINE) && n->iattr[2] > 1 && !MT_ROLE_IN_ARENA(G->values[n->out[0]].role))
+            return mt_errf(err, "%s writes '%s' outside the arena: the device-side exchange cannot reach it", mt_ops[n->op].name,
+                           G->values[n->out[0]].name);
+        for (int k = 0; k < n->n_out; k++) {
+            int v = n->out[k];
+            if (v < 0 || G->values[v].dims[0] >= 0) continue;
+            if (n->op == MT_OP_EP_DISPATCH && n->iattr[2] > 1 && k == 0) rt->rows_dev[v] = (int32_t *)rt->ptr[n->out[1]] + n->iattr[3];
+            else if (n->in[0] >= 0) rt->rows_dev[v] = rt->rows_dev[n->in[0]];
+        }
+    }
+    if (rt->ep_stage) { mt_cuda_free(c, rt->ep_stage); rt->ep_stage = NULL; rt->ep_stage_bytes = 0; }
+    return 0;
 }
 #endif
 
@@ -7319,8 +7529,12 @@ static int mt__bind_cuda(mt_runtime *rt, const mt_binding *b, mt_err *err) {
         for (int k = 0; k < rt->sched.n_wait; k++) rt->ev_used[rt->sched.wait[k]] = 1;
         if (mt_cuda_queue_events(cu, G->n_nodes + 1)) return mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
     }
+    int ep_over_ranks = 0;   /* the device-side exchange maps the arena into the peers: NCCL symmetric memory */
+    for (int i = 0; i < G->n_nodes; i++) ep_over_ranks |= mt_op_is_ep_exchange(G->nodes[i].op) && G->nodes[i].iattr[2] > 1;
+    rt->arena_symmetric = b->world > 1 && ep_over_ranks && b->ep_exchange != MT_EXCHANGE_HOST;
     if (mt_cuda_malloc(cu, (void **)&rt->persist, (size_t)G->persist_bytes) ||
-        mt_cuda_malloc(cu, (void **)&rt->arena, (size_t)G->arena_bytes) ||
+        (rt->arena_symmetric ? mt_cuda_malloc_symmetric(cu, (void **)&rt->arena, (size_t)G->arena_bytes)
+                             : mt_cuda_malloc(cu, (void **)&rt->arena, (size_t)G->arena_bytes)) ||
         mt_cuda_malloc(cu, &rt->scratch, rt->scratch_bytes) || mt_cuda_memset(cu, rt->persist, 0, (size_t)G->persist_bytes) ||
         (rt->ep_stage_bytes && mt_cuda_malloc(cu, &rt->ep_stage, rt->ep_stage_bytes)))
         return mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
@@ -7364,6 +7578,13 @@ int mt_runtime_create(mt_runtime **out, const mt_graph *g, const mt_binding *b, 
         if (x->role == MT_ROLE_CONST && mt_runtime_write(rt, v, G->consts + x->data_offset, err)) { mt_runtime_destroy(rt); return -1; }
     }
     rt->n_tokens = (int64_t)G->cfg.batch * G->cfg.seq_len;
+#ifdef MT_CUDA
+    if (rt->backend == MT_BACKEND_CUDA) {
+        if (mt__bind_exchange(rt, err)) { mt_runtime_destroy(rt); return -1; }
+        rt->whole = b->world > 1 && G->capture;   /* every node capturable: the step is one graph */
+        for (int i = 0; rt->whole && i < G->n_nodes; i++) rt->whole = mt__capturable(rt, &G->nodes[i]);
+    }
+#endif
     if (mt_runtime_check_devices(rt, err)) { mt_runtime_destroy(rt); return -1; }
     *out = rt;
     return 0;
@@ -7408,6 +7629,19 @@ uint64_t mt_runtime_kernel_digest(mt_runtime *rt, int *preset, int *derived) {
 
 void mt_runtime_destroy(mt_runtime *rt) {
     if (!rt) return;
+#ifdef MT_CUDA
+    /* captured graphs first (NCCL holds a communicator until the graphs that captured its work are gone),
+       then the exchange's windows, then the communicators */
+    for (int i = 0; rt->cu && rt->graphs && i < rt->g.n_nodes; i++) mt_cuda_graph_destroy(rt->graphs[i]);
+    MT_FREE(rt->graphs);
+    mt_cuda_graph_destroy(rt->step_graph);
+    rt->step_graph = NULL;
+    for (int i = 0; rt->cu && rt->groups && i < rt->n_groups; i++)
+        if (rt->groups[i].owner == i) mt_cuda_lsa_destroy(MT__CU(rt), (mt_cuda_lsa *)rt->groups[i].lsa, 0);
+    for (int v = 0; rt->cu && rt->ep_plan && v < rt->g.n_values; v++) mt_cuda_free(MT__CU(rt), rt->ep_plan[v]);
+    MT_FREE(rt->ep_plan); MT_FREE(rt->rows_dev);
+    if (rt->cu) mt_cuda_free(MT__CU(rt), rt->recv_rows_dev);
+#endif
     mt__free_groups(rt, 0);
     for (int v = 0; rt->host && v < rt->g.n_values; v++) MT_FREE(rt->host[v]);
     MT_FREE(rt->host);
@@ -7417,9 +7651,8 @@ void mt_runtime_destroy(mt_runtime *rt) {
     }
 #ifdef MT_CUDA
     else if (rt->cu) {
-        for (int i = 0; rt->graphs && i < rt->g.n_nodes; i++) mt_cuda_graph_destroy(rt->graphs[i]);
-        MT_FREE(rt->graphs);
-        mt_cuda_free(MT__CU(rt), rt->persist); mt_cuda_free(MT__CU(rt), rt->arena); mt_cuda_free(MT__CU(rt), rt->scratch);
+        mt_cuda_free(MT__CU(rt), rt->persist); mt_cuda_free(MT__CU(rt), rt->scratch);
+        if (rt->arena_symmetric) mt_cuda_free_symmetric(MT__CU(rt), rt->arena); else mt_cuda_free(MT__CU(rt), rt->arena);
         mt_cuda_free(MT__CU(rt), rt->ep_stage);
         mt_cuda_destroy(MT__CU(rt));
     }
@@ -7435,6 +7668,11 @@ void mt_runtime_set_profile(mt_runtime *rt, int on) { rt->bind.profile = on; }
 void mt_runtime_set_nan_check(mt_runtime *rt, int on) { rt->bind.nan_check = on; }
 void mt_runtime_profile(const mt_runtime *rt, double ms[MT_NOPS], int64_t calls[MT_NOPS]) {
     for (int i = 0; i < MT_NOPS; i++) { ms[i] = rt->prof_ms[i]; calls[i] = rt->prof_calls[i]; }
+}
+int mt_runtime_profile_comm(const mt_runtime *rt, double out[4]) {
+    double k = rt->prof_step[4];
+    for (int i = 0; i < 4; i++) out[i] = k > 0 ? rt->prof_step[i] / k : 0;
+    return k > 0;
 }
 void *mt_runtime_value(mt_runtime *rt, int v) { return (v >= 0 && v < rt->g.n_values) ? rt->ptr[v] : NULL; }
 int mt_runtime_n_moe_layers(const mt_runtime *rt) { return rt->n_moe; }
@@ -7643,6 +7881,14 @@ static int64_t mt__nrows(const mt_runtime *rt, int v) {
     const mt_value *x = &rt->g.values[v];
     return x->dims[0] < 0 ? rt->rows[v] : x->dims[0];
 }
+/* The grouped GEMMs' row bound: the planned one over several ranks, so both exchange engines launch
+ * the same kernels (the split of dW depends on it) and give the same bits; their offsets say the rest. */
+#ifdef MT_CUDA
+static int64_t mt__gmm_bound(const mt_runtime *rt, int v) {
+    const mt_value *x = &rt->g.values[v];
+    return x->dims[0] < 0 && rt->bind.world > 1 ? mt__dim_max(&rt->g, x->dims[0]) : mt__nrows(rt, v);
+}
+#endif
 static int64_t mt__cols(const mt_runtime *rt, int v) {
     const mt_value *x = &rt->g.values[v];
     int64_t c = 1;
@@ -7845,6 +8091,7 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
 #define IO(i) ((int32_t *)P[n->out[i]])
 #define DIM(v, d) ((int)G->values[v].dims[d])
 #define DT(v) (G->values[v].dtype)
+#define RD(v) (rt->rows_dev ? rt->rows_dev[v] : NULL)
     const int *a = n->iattr;
     int rc = 0;
     switch (n->op) {
@@ -7902,8 +8149,13 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
                                             n->fattr[0]);
         break;
     case MT_OP_DOC_STARTS: rc = mt_cuda_doc_starts(c, IO(0), I_(0), DIM(n->in[0], 0), a[0], a[1]); break;
-    case MT_OP_SWIGLU: rc = mt_cuda_swiglu_forward(c, VO(0), V_(0), V_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
-    case MT_OP_SWIGLU_BWD: rc = mt_cuda_swiglu_backward(c, VO(0), VO(1), V_(0), V_(1), V_(2), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0])); break;
+    case MT_OP_SWIGLU:   /* rows: the bound, or (device-side exchange) what the device says */
+        rc = mt_cuda_swiglu_forward(c, VO(0), V_(0), V_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0]), RD(n->in[0]), mt__cols(rt, n->in[0]));
+        break;
+    case MT_OP_SWIGLU_BWD:
+        rc = mt_cuda_swiglu_backward(c, VO(0), VO(1), V_(0), V_(1), V_(2), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0]), RD(n->in[0]),
+                                     mt__cols(rt, n->in[0]));
+        break;
     case MT_OP_ADD: rc = mt_cuda_add(c, VO(0), V_(0), V_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0]), DT(n->in[0])); break;
     case MT_OP_ROUTER:
         rc = mt_cuda_router_forward(c, IO(0), FO(1), FO(2), IO(3), F_(0), F_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), a[0], a[1], a[2],
@@ -7932,7 +8184,7 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
     }
     case MT_OP_GMM_GLU:
         rc = mt_cuda_gmm_glu(c, VO(0), VO(1), VO(2), V_(0), V_(1), V_(3), I_(2), DIM(n->in[1], 0), DIM(n->in[1], 1), DIM(n->in[1], 2),
-                             (int)mt__nrows(rt, n->in[0]));
+                             (int)mt__gmm_bound(rt, n->in[0]));
         break;
     case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {   /* the offsets come from our own permutation */
         int dw = n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ, sq = n->op == MT_OP_GMM_DW_SQ;
@@ -7940,7 +8192,7 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         int E = DIM(wi, 0), M = DIM(wi, 1), K = DIM(wi, 2);
         int mode = n->op == MT_OP_GMM ? 0 : dw ? 2 : 1;
         int two = n->op == MT_OP_GMM_DX2;
-        rc = mt_cuda_gmm(c, mode, VO(0), V_(0), V_(1), I_(2), E, M, K, (int)mt__nrows(rt, n->in[0]), rt->scratch,
+        rc = mt_cuda_gmm(c, mode, VO(0), V_(0), V_(1), I_(2), E, M, K, (int)mt__gmm_bound(rt, n->in[0]), rt->scratch,
                          two ? V_(3) : NULL, two ? V_(4) : NULL, sq ? FO(1) : NULL,
                          sq ? mt_value_numel_max(G, &G->values[n->out[1]]) : 0);
         break;
@@ -7981,6 +8233,7 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
 #undef I_
 #undef VO
 #undef FO
+#undef RD
 #undef IO
 #undef DIM
 #undef DT
@@ -7995,6 +8248,8 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
 
 int mt_runtime_host_syncs(const mt_runtime *rt) { return rt->host_syncs; }
 int64_t mt_runtime_received_rows(const mt_runtime *rt) { return rt->recv_rows; }
+const char *mt_runtime_exchange(const mt_runtime *rt) { return rt->exchange; }
+int mt_runtime_whole_step_graph(const mt_runtime *rt) { return rt->whole; }
 void mt_runtime_abort(mt_runtime *rt) {
     if (!rt) return;
     if (rt->bind.cpu_world) mt_world_fail(rt->bind.cpu_world, rt->bind.rank, "aborted");
@@ -8126,6 +8381,16 @@ static int mt__exec_cuda_multi(mt_runtime *rt, int i, int lim, mt_err *err) {
     return j;
 }
 
+/* This runtime's capture rule: the graph's (mt_node_capturable), except that
+ * when no exchange asks the host for counts (none over several ranks, or every
+ * one device-side) nothing does: NCCL records its collectives into graphs, and
+ * the symbolic-row nodes launch for their bound and read the actual rows on
+ * the device (rt->rows_dev, the grouped GEMMs' offsets). */
+static int mt__capturable(const mt_runtime *rt, const mt_node *n) {
+    if (rt->ep_device || !rt->exchange[0]) return 1;
+    return mt_node_capturable(&rt->g, n);
+}
+
 /* The step on CUDA. Without g.overlap every node goes to the compute stream in
  * list order. With it, each node goes to its queue's stream (mt_schedule) after
  * waiting for the events of the nodes it depends on; the side streams wait for
@@ -8138,29 +8403,30 @@ static int mt__exec_cuda_multi(mt_runtime *rt, int i, int lim, mt_err *err) {
  * the memory plan stays safe.
  * Profiling times the compute stream; time it spends waiting for another
  * stream is charged to the op it waited for (the exposed communication). */
-static int mt__cuda_run(mt_runtime *rt, int step, mt_err *err) {
+static int mt__cuda_issue(mt_runtime *rt, int step, int use_graphs, mt_err *err) {
     mt_graph *G = &rt->g;
     mt_cuda *cu = MT__CU(rt);
     int n = G->n_nodes, multi = G->overlap && rt->ev_of && !rt->bind.nan_check, prof = rt->bind.profile;
     const mt_schedule *S = &rt->sched;
     int last[MT_NQUEUES] = {-1, -1, -1};
 #define CU_(x) do { if (x) return mt_errf(err, "step %d: %s", step, mt_cuda_error(cu)); } while (0)
-    if (prof) { CU_(mt_cuda_events(cu, 3 * n + 1)); CU_(mt_cuda_event_record(cu, 0)); }
-    int use_graphs = G->capture && !prof && !rt->bind.nan_check;
+    if (prof) { CU_(mt_cuda_events(cu, 3 * n + 2)); CU_(mt_cuda_event_record(cu, 0)); }
     if (use_graphs && !rt->graphs && !(rt->graphs = (void **)mt__calloc(sizeof(void *) * (size_t)(n + 1))))
         return mt_errf(err, "out of memory");
-    if (multi) {   /* fence: the side streams start after everything before this step */
+    if (multi) {   /* fence: the side streams start after everything before this step (those that run anything) */
+        int used[MT_NQUEUES] = {0};
+        for (int i = 0; i < n; i++) used[S->queue[i]] = 1;
         CU_(mt_cuda_queue_record(cu, n));
-        for (int q = 1; q < MT_NQUEUES; q++) { CU_(mt_cuda_set_queue(cu, q)); CU_(mt_cuda_queue_wait(cu, n)); }
+        for (int q = 1; q < MT_NQUEUES; q++) if (used[q]) { CU_(mt_cuda_set_queue(cu, q)); CU_(mt_cuda_queue_wait(cu, n)); }
         CU_(mt_cuda_set_queue(cu, MT_Q_COMPUTE));
         for (int i = 0; i < n; i++) rt->ev_of[i] = i;
     }
     for (int i = 0; i < n;) {
         mt_err e;
         int q = multi ? S->queue[i] : MT_Q_COMPUTE;
-        if (use_graphs && q == MT_Q_COMPUTE && mt_node_capturable(G, &G->nodes[i])) {   /* a region: replay, or capture it once */
+        if (use_graphs && q == MT_Q_COMPUTE && mt__capturable(rt, &G->nodes[i])) {   /* a region: replay, or capture it once */
             int end = i, used = 0;
-            while (end < n && mt_node_capturable(G, &G->nodes[end]) && (!multi || S->queue[end] == MT_Q_COMPUTE)) {
+            while (end < n && mt__capturable(rt, &G->nodes[end]) && (!multi || S->queue[end] == MT_Q_COMPUTE)) {
                 int waited_on = multi && rt->ev_used[end];   /* another stream waits for this node: the region ends with it */
                 end++;
                 if (waited_on) break;
@@ -8193,7 +8459,7 @@ static int mt__cuda_run(mt_runtime *rt, int step, mt_err *err) {
             CU_(mt_cuda_set_queue(cu, q));
             if (prof && q == MT_Q_COMPUTE) CU_(mt_cuda_event_record(cu, 3 * i + 1));   /* before its waits */
             for (int w = S->wait_at[i]; w < S->wait_at[i + 1]; w++) CU_(mt_cuda_queue_wait(cu, rt->ev_of[S->wait[w]]));
-            if (prof && q == MT_Q_COMPUTE) CU_(mt_cuda_event_record(cu, 3 * i + 2));   /* after them */
+            if (prof) CU_(mt_cuda_event_record(cu, 3 * i + 2));   /* after them (on a side stream: its start) */
         }
         int to = multi || rt->bind.nan_check ? 0 : mt__exec_cuda_multi(rt, i, n, &e);   /* a run launched together */
         if (to < 0 || (!to && mt__exec_cuda(rt, &G->nodes[i], &e)))
@@ -8204,7 +8470,7 @@ static int mt__cuda_run(mt_runtime *rt, int step, mt_err *err) {
             continue;
         }
         if (multi) {
-            if (prof && q == MT_Q_COMPUTE) CU_(mt_cuda_event_record(cu, 3 * i + 3));
+            if (prof) CU_(mt_cuda_event_record(cu, 3 * i + 3));
             if (rt->ev_used[i]) CU_(mt_cuda_queue_record(cu, i));
             last[q] = i;
             CU_(mt_cuda_set_queue(cu, MT_Q_COMPUTE));
@@ -8221,19 +8487,57 @@ static int mt__cuda_run(mt_runtime *rt, int step, mt_err *err) {
                 }
                 CU_(mt_cuda_queue_wait(cu, last[q]));
             }
-    if (prof) {
+    if (prof) {   /* per op; and the step's compute, communication, and communication the compute stream waited for */
+        CU_(mt_cuda_event_record(cu, 3 * n + 1));
         CU_(mt_cuda_sync(cu));
+        double *ps = rt->prof_step;
+        ps[0] += mt_cuda_event_ms(cu, 0, 3 * n + 1);
         for (int i = 0; i < n; i++) {
+            int coll = mt__is_collective(G->nodes[i].op);
             rt->prof_calls[G->nodes[i].op]++;
-            if (!multi) { rt->prof_ms[G->nodes[i].op] += mt_cuda_event_ms(cu, i, i + 1); continue; }
-            if (S->queue[i] != MT_Q_COMPUTE) continue;   /* timed on its own stream: only its stall shows, below */
-            rt->prof_ms[G->nodes[i].op] += mt_cuda_event_ms(cu, 3 * i + 2, 3 * i + 3);
+            if (!multi) {
+                double t = mt_cuda_event_ms(cu, i, i + 1);
+                rt->prof_ms[G->nodes[i].op] += t;
+                ps[coll ? 2 : 1] += t;
+                if (coll) ps[3] += t;   /* on the one stream: all of it in the way */
+                continue;
+            }
+            double t = mt_cuda_event_ms(cu, 3 * i + 2, 3 * i + 3);
+            if (S->queue[i] != MT_Q_COMPUTE) { ps[2] += t; continue; }   /* timed on its own stream: only its stall shows, below */
+            rt->prof_ms[G->nodes[i].op] += t;
+            ps[coll ? 2 : 1] += t;
+            if (coll) ps[3] += t;
             int waited = -1;
             for (int w = S->wait_at[i]; w < S->wait_at[i + 1]; w++) if (S->wait[w] > waited) waited = S->wait[w];
-            if (waited >= 0) rt->prof_ms[G->nodes[waited].op] += mt_cuda_event_ms(cu, 3 * i + 1, 3 * i + 2);
+            if (waited >= 0) {
+                double stall = mt_cuda_event_ms(cu, 3 * i + 1, 3 * i + 2);
+                rt->prof_ms[G->nodes[waited].op] += stall;
+                if (S->queue[waited] != MT_Q_COMPUTE && mt__is_collective(G->nodes[waited].op)) ps[3] += stall;
+            }
         }
+        ps[4] += 1;
     }
 #undef CU_
+    return 0;
+}
+/* The step: with rt->whole one graph, captured on the second step (the host
+ * issues every node once, streams and events included; the first runs
+ * eagerly) and replayed after; else issued node by node, with the capturable
+ * regions replayed. */
+static int mt__cuda_run(mt_runtime *rt, int step, mt_err *err) {
+    mt_cuda *cu = MT__CU(rt);
+    int plain = !rt->bind.profile && !rt->bind.nan_check;
+    if (!rt->whole || !plain) return mt__cuda_issue(rt, step, rt->g.capture && plain, err);
+    if (!rt->warm) {   /* the first step eagerly: NCCL connects its peers lazily, which a capture may not do */
+        rt->warm = 1;
+        return mt__cuda_issue(rt, step, 0, err);
+    }
+    if (!rt->step_graph) {
+        if (mt_cuda_capture_begin(cu)) return mt_errf(err, "step %d: %s", step, mt_cuda_error(cu));
+        if (mt__cuda_issue(rt, step, 0, err)) { mt_cuda_capture_end(cu, NULL); return -1; }
+        if (mt_cuda_capture_end(cu, &rt->step_graph)) return mt_errf(err, "step %d: capturing the step: %s", step, mt_cuda_error(cu));
+    }
+    if (mt_cuda_graph_launch(cu, rt->step_graph)) return mt_errf(err, "step %d: %s", step, mt_cuda_error(cu));
     return 0;
 }
 #endif
@@ -8285,6 +8589,12 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
             return -1;
         }
         if (mt_cuda_check_flag(cu)) return mt_errf(err, "step %d: %s", step, mt_cuda_error(cu));
+        if (rt->recv_rows_dev) {   /* the device-side exchange counts received rows on the device */
+            long long now = 0;
+            if (mt_cuda_copy(cu, &now, rt->recv_rows_dev, sizeof now, 1)) return mt_errf(err, "%s", mt_cuda_error(cu));
+            rt->recv_rows = now - rt->recv_rows_read;
+            rt->recv_rows_read = now;
+        }
 #endif
     }
     if (st) {

@@ -29,6 +29,12 @@
 #include <cuda_bf16.h>
 #include <cublasLt.h>
 #include <nccl.h>
+#if __has_include(<nccl_device.h>) && (NCCL_MAJOR > 2 || (NCCL_MAJOR == 2 && NCCL_MINOR >= 28))
+#include <nccl_device.h>       /* symmetric windows: the device-side expert exchange */
+#define MT_HAVE_LSA 1
+#else
+#define MT_HAVE_LSA 0
+#endif
 #include <cub/cub.cuh>
 #include <math.h>
 #include <stdio.h>
@@ -392,7 +398,14 @@ int mt_cuda_check_flag(mt_cuda *c) {
     CK(cudaStreamSynchronize(c->stream));
     if (!f) return 0;
     CK(cudaMemsetAsync(c->flag, 0, sizeof(int), c->stream));
-    return mt__fail(c, "step", f == 1 ? "an expert index was out of range" : "a kernel reported invalid data");
+    if (f >= MT_CUDA_FLAG_PEER) {
+        char why[160];
+        snprintf(why, sizeof why, "ep peer %d did not answer the expert exchange within the timeout (a rank died or hangs)",
+                 f - MT_CUDA_FLAG_PEER);
+        return mt__fail(c, "step", why);
+    }
+    return mt__fail(c, "step", f == 1 ? "an expert index was out of range" : f == MT_CUDA_FLAG_BOUND ?
+                    "the expert exchange received more rows than planned" : "a kernel reported invalid data");
 }
 
 /* ========================================================================
@@ -697,8 +710,16 @@ int mt_cuda_add(mt_cuda *c, void *out, const void *a, const void *b, int64_t n, 
    sequence, unrolled 64 times in the grouped GEMM's SwiGLU epilogue, cost that kernel a fifth of its rate) */
 __device__ __forceinline__ float sigm(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 __device__ __forceinline__ float swiglu1(float x, float y) { return x * sigm(x) * y; }
-__global__ void k_swiglu(bf16 *h, const bf16 *g, const bf16 *u, int64_t n) {
+/* rows (optional, on the device): only the first *rows rows of cols elements are live (the expert exchange's
+   actual count under a planned bound); n stays the bound the launch was sized for */
+__device__ __forceinline__ int64_t live_elems(int64_t n, const int32_t *rows, int64_t cols) {
+    if (!rows) return n;
+    int64_t m = (int64_t)*rows * cols;
+    return m < n ? m : n;
+}
+__global__ void k_swiglu(bf16 *h, const bf16 *g, const bf16 *u, int64_t n, const int32_t *rows, int64_t cols) {
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    n = live_elems(n, rows, cols);
     if (mt__vec8(h, g, u, u, n)) {
         for (int64_t i = t; i < n / 8; i += stride) {
             bf8 x = ((const bf8 *)g)[i], y = ((const bf8 *)u)[i], z;
@@ -716,8 +737,10 @@ __device__ __forceinline__ void swiglu1_bwd(float x, float y, float d, float &dg
     dg = d * y * s * (1.0f + x * (1.0f - s));
     du = d * x * s;
 }
-__global__ void k_swiglu_bwd(bf16 *dg, bf16 *du, const bf16 *g, const bf16 *u, const bf16 *dh, int64_t n) {
+__global__ void k_swiglu_bwd(bf16 *dg, bf16 *du, const bf16 *g, const bf16 *u, const bf16 *dh, int64_t n, const int32_t *rows,
+                             int64_t cols) {
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    n = live_elems(n, rows, cols);
     if (mt__vec8(dg, du, g, u, n) && mt__vec8(dh, dh, dh, dh, n)) {
         for (int64_t i = t; i < n / 8; i += stride) {
             bf8 x = ((const bf8 *)g)[i], y = ((const bf8 *)u)[i], d = ((const bf8 *)dh)[i], a, b;
@@ -741,19 +764,20 @@ __global__ void k_swiglu_bwd(bf16 *dg, bf16 *du, const bf16 *g, const bf16 *u, c
         du[i] = tobf(b);
     }
 }
-int mt_cuda_swiglu_forward(mt_cuda *c, void *h, const void *g, const void *u, int64_t n) {
+int mt_cuda_swiglu_forward(mt_cuda *c, void *h, const void *g, const void *u, int64_t n, const int32_t *rows, int64_t cols) {
     if (n <= 0) return 0;
     unsigned gr = mt__blocks(n / 8 + 1, 256);
     if (gr > 65536) gr = 65536;
-    k_swiglu<<<gr, 256, 0, c->stream>>>((bf16 *)h, (const bf16 *)g, (const bf16 *)u, n);
+    k_swiglu<<<gr, 256, 0, c->stream>>>((bf16 *)h, (const bf16 *)g, (const bf16 *)u, n, rows, cols);
     LAUNCHED();
     return 0;
 }
-int mt_cuda_swiglu_backward(mt_cuda *c, void *dg, void *du, const void *g, const void *u, const void *dh, int64_t n) {
+int mt_cuda_swiglu_backward(mt_cuda *c, void *dg, void *du, const void *g, const void *u, const void *dh, int64_t n,
+                            const int32_t *rows, int64_t cols) {
     if (n <= 0) return 0;
     unsigned gr = mt__blocks(n / 8 + 1, 256);
     if (gr > 65536) gr = 65536;
-    k_swiglu_bwd<<<gr, 256, 0, c->stream>>>((bf16 *)dg, (bf16 *)du, (const bf16 *)g, (const bf16 *)u, (const bf16 *)dh, n);
+    k_swiglu_bwd<<<gr, 256, 0, c->stream>>>((bf16 *)dg, (bf16 *)du, (const bf16 *)g, (const bf16 *)u, (const bf16 *)dh, n, rows, cols);
     LAUNCHED();
     return 0;
 }
@@ -6814,7 +6838,7 @@ static int gg_run_glu(int variant, void *g, void *u, void *h, const void *x, con
         if (h && n > 0) {
             long long blocks = (n / 8 + 1 + 255) / 256;
             if (blocks > 65536) blocks = 65536;
-            k_swiglu<<<(unsigned)blocks, 256, 0, stream>>>((bf16 *)h, (const bf16 *)g, (const bf16 *)u, n);
+            k_swiglu<<<(unsigned)blocks, 256, 0, stream>>>((bf16 *)h, (const bf16 *)g, (const bf16 *)u, n, NULL, 0);
             if (cudaGetLastError() != cudaSuccess) return -1;
         }
         return 0;
@@ -7412,9 +7436,286 @@ int mt_cuda_ep_regroup(mt_cuda *c, void *dst, const void *src, const int32_t *re
     return 0;
 }
 
+#define NK(x) do { ncclResult_t r_ = (x); if (r_ != ncclSuccess) return mt__fail(c, #x, ncclGetErrorString(r_)); } while (0)
+
+/* --- the device-side expert exchange -------------------------------------
+ * (moetrain.h section 9a tells the whole exchange.) One per ep group whose
+ * ranks are all load/store accessible (NCCL's LSA team: one node, NVLink or
+ * PCIe peer access). Two NCCL symmetric windows over the group's
+ * communicator: the arena (so a value has the same offset on every rank and
+ * a sender writes rows straight into the receiver's xr or ys) and a small
+ * control window:
+ *   ctl: ready[P] u64 | data[P] u64 | counts int32 [P][E]
+ * Slot ready[s] / data[s] on rank r is written by rank s only. Each exchange
+ * op of the group is one round k (a device counter, the same sequence on
+ * every rank):
+ *   counts  one block: tell every peer "ready k" (my counts area is free),
+ *           wait for theirs, write my counts row into every peer's area,
+ *           "data k", wait, read the [P][E] matrix into the layer's plan and
+ *           lay out both directions (mt_ep_layout).
+ *   rows    k_lsa_ready (one block: "ready k": the destination value is free
+ *           here, this node's waits are met), k_lsa_rows (every block waits
+ *           for every peer's ready, then warps copy whole rows into the peers'
+ *           destination values; the last block to finish tells every peer
+ *           "data k"), k_lsa_finish (wait for every peer's data; dispatch
+ *           writes roffs; round k done).
+ * Signals are release stores and acquire loads at system scope after a
+ * system fence. Every wait is bounded (the binding's timeout): a peer that
+ * died or hangs sets the error flag (MT_CUDA_FLAG_PEER + its index) and the
+ * waiting kernels return; every later wait returns at once; the step
+ * reports it. NCCL's own LSA barrier would wait without bound. */
+#define MT_LSA_THREADS 512
+struct mt_cuda_lsa {
+    ncclComm_t comm;
+    int P, me, E, grid;
+    void *ctl;
+    size_t ctl_bytes;
+    ncclWindow_t ctl_win, arena_win;
+    uint8_t **peer_ctl, **peer_arena;   /* device [P]: each peer's window base as mapped here */
+    unsigned long long *epoch;          /* device: rounds done */
+    unsigned int *arrive;               /* device: blocks of k_lsa_rows done */
+    long long timeout_ns;
+};
+struct LsaArgs {
+    uint8_t *const *peer_ctl, *const *peer_arena;
+    unsigned long long *epoch;
+    unsigned int *arrive;
+    int *flag;
+    int P, me, E;
+    long long timeout_ns;
+};
+static LsaArgs lsa_args(mt_cuda *c, const mt_cuda_lsa *l) {
+    LsaArgs a = {l->peer_ctl, l->peer_arena, l->epoch, l->arrive, c->flag, l->P, l->me, l->E, l->timeout_ns};
+    return a;
+}
+__device__ __forceinline__ unsigned long long lsa_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void lsa_put(unsigned long long *p, unsigned long long v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long lsa_get(const unsigned long long *p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+/* after every thread's writes so far: thread t < P sets slot `which` (0 ready, 1 data) of mine on peer t to k */
+__device__ void lsa_signal(const LsaArgs &a, int which, unsigned long long k) {
+    __threadfence_system();
+    __syncthreads();
+    for (int t = threadIdx.x; t < a.P; t += blockDim.x) lsa_put((unsigned long long *)a.peer_ctl[t] + which * a.P + a.me, k);
+}
+/* until every peer has set its slot `which` here to k or more; false (flagged) when one did not in time */
+__device__ bool lsa_wait(const LsaArgs &a, int which, unsigned long long k) {
+    __shared__ int bad;
+    if (threadIdx.x == 0) bad = 0;
+    __syncthreads();
+    const unsigned long long *mine = (const unsigned long long *)a.peer_ctl[a.me] + which * a.P;
+    for (int t = threadIdx.x; t < a.P; t += blockDim.x) {
+        unsigned long long t0 = lsa_now();
+        while (lsa_get(mine + t) < k) {
+            if (*(volatile int *)a.flag) { bad = 1; break; }
+            if ((long long)(lsa_now() - t0) > a.timeout_ns) { atomicCAS(a.flag, 0, MT_CUDA_FLAG_PEER + t); bad = 1; break; }
+            __nanosleep(128);
+        }
+    }
+    __syncthreads();
+    return !bad;
+}
+__global__ void k_lsa_peers(ncclWindow_t ctl, ncclWindow_t arena, uint8_t **pc, uint8_t **pa, int P) {
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        pc[p] = (uint8_t *)ncclGetPeerPointer(ctl, 0, p);
+        pa[p] = (uint8_t *)ncclGetPeerPointer(arena, 0, p);
+    }
+}
+/* plan: M [P][E] | dispatch src [E+1], dst [E] | combine src [E+1], dst [E] (El*P = E chunks each way) */
+__global__ void __launch_bounds__(MT_LSA_THREADS) k_lsa_counts(LsaArgs a, const int32_t *offs, int32_t *plan, int32_t *recv, int El) {
+    const int P = a.P, E = a.E;
+    const unsigned long long k = *a.epoch + 1;
+    lsa_signal(a, 0, k);
+    if (!lsa_wait(a, 0, k)) return;
+    for (int i = threadIdx.x; i < P * E; i += blockDim.x) {
+        int p = i / E, j = i % E;
+        ((int32_t *)(a.peer_ctl[p] + 16 * P))[a.me * E + j] = offs[j + 1] - offs[j];
+    }
+    lsa_signal(a, 1, k);
+    if (!lsa_wait(a, 1, k)) return;
+    const volatile int32_t *cnt = (const volatile int32_t *)(a.peer_ctl[a.me] + 16 * P);
+    for (int i = threadIdx.x; i < P * E; i += blockDim.x) plan[i] = cnt[i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < P * El; i += blockDim.x) recv[i] = plan[(i / El) * E + a.me * El + i % El];
+    if (threadIdx.x == 0) mt_ep_layout(plan, P, El, a.me, 1, plan + P * E, plan + P * E + E + 1);
+    if (threadIdx.x == 32) mt_ep_layout(plan, P, El, a.me, 0, plan + P * E + 2 * E + 1, plan + P * E + 3 * E + 2);
+    if (threadIdx.x == 0) *a.epoch = k;
+}
+__global__ void k_lsa_ready(LsaArgs a) { lsa_signal(a, 0, *a.epoch + 1); }
+__global__ void __launch_bounds__(MT_LSA_THREADS) k_lsa_rows(LsaArgs a, int dispatch, const uint8_t *src, size_t dst_off,
+                                                             int64_t row_bytes, const int32_t *plan, int El, int64_t cap) {
+    extern __shared__ int32_t tab[];    /* chunk starts [E+1], destinations [E] */
+    __shared__ int last;
+    const int P = a.P, C = a.E;
+    const unsigned long long k = *a.epoch + 1;
+    if (!lsa_wait(a, 0, k)) return;
+    const int32_t *ps = plan + P * C + (dispatch ? 0 : 2 * C + 1);
+    for (int i = threadIdx.x; i < 2 * C + 1; i += blockDim.x) tab[i] = ps[i];
+    __syncthreads();
+    const int32_t *cs = tab, *cd = tab + C + 1;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (int64_t r = (int64_t)blockIdx.x * warps + (threadIdx.x >> 5); r < cs[C]; r += (int64_t)gridDim.x * warps) {
+        int lo = 0, hi = C - 1;          /* the last chunk starting at or before r: it holds r */
+        while (lo < hi) {
+            int m = (lo + hi + 1) >> 1;
+            if (cs[m] <= r) lo = m; else hi = m - 1;
+        }
+        int64_t d = cd[lo] + (r - cs[lo]);
+        if (d >= cap) { if (lane == 0) atomicCAS(a.flag, 0, MT_CUDA_FLAG_BOUND); continue; }
+        const uint8_t *from = src + r * row_bytes;
+        uint8_t *to = a.peer_arena[dispatch ? lo / El : lo % P] + dst_off + d * row_bytes;
+        if (row_bytes % 16 == 0) {
+            const int64_t nv = row_bytes / 16;
+            int64_t i = lane;
+            for (; i + 96 < nv; i += 128) {   /* four 16-byte loads in flight per lane */
+                int4 x0 = ((const int4 *)from)[i], x1 = ((const int4 *)from)[i + 32], x2 = ((const int4 *)from)[i + 64],
+                     x3 = ((const int4 *)from)[i + 96];
+                ((int4 *)to)[i] = x0; ((int4 *)to)[i + 32] = x1; ((int4 *)to)[i + 64] = x2; ((int4 *)to)[i + 96] = x3;
+            }
+            for (; i < nv; i += 32) ((int4 *)to)[i] = ((const int4 *)from)[i];
+        } else {
+            for (int64_t i = lane; i < row_bytes; i += 32) to[i] = from[i];
+        }
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(a.arrive, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) *a.arrive = 0;
+    lsa_signal(a, 1, k);
+}
+__global__ void k_lsa_finish(LsaArgs a, int dispatch, const int32_t *plan, int El, int32_t *roffs, long long *rows_acc) {
+    const unsigned long long k = *a.epoch + 1;
+    if (!lsa_wait(a, 1, k)) return;
+    if (threadIdx.x) return;
+    if (dispatch) {   /* my experts' row offsets, summed over the senders */
+        int32_t at = 0;
+        roffs[0] = 0;
+        for (int e = 0; e < El; e++) {
+            for (int s = 0; s < a.P; s++) at += plan[s * a.E + a.me * El + e];
+            roffs[e + 1] = at;
+        }
+        if (rows_acc) *rows_acc += at;
+    }
+    *a.epoch = k;
+}
+
+size_t mt_cuda_lsa_plan_ints(int P, int El) { return (size_t)P * P * El + 4 * (size_t)P * El + 2; }
+
+#define MT_SYM_ROUND(n) (((n) + ((size_t)2 << 20) - 1) / ((size_t)2 << 20) * ((size_t)2 << 20))   /* whole 2 MiB pages */
+int mt_cuda_malloc_symmetric(mt_cuda *c, void **p, size_t n) {
+    *p = NULL;
+    n = MT_SYM_ROUND(n ? n : 1);
+    CK(cudaSetDevice(c->device));
+    ncclResult_t r = ncclMemAlloc(p, n);
+    if (r != ncclSuccess) {
+        char why[256];
+        snprintf(why, sizeof why, "%s (asked %.2f GiB, %.2f GiB already in use)", ncclGetErrorString(r), n / 1073741824.0,
+                 c->in_use / 1073741824.0);
+        cudaGetLastError();
+        return mt__fail(c, "ncclMemAlloc", why);
+    }
+    c->in_use += n;
+    if (c->in_use > c->peak) c->peak = c->in_use;
+    return 0;
+}
+void mt_cuda_free_symmetric(mt_cuda *c, void *p) { (void)c; if (p) ncclMemFree(p); }
+
+int mt_cuda_lsa_create(mt_cuda *c, void *comm, int P, int E, void *arena, size_t arena_bytes, double timeout_s, mt_cuda_lsa **out,
+                       char *why, size_t nwhy) {
+    *out = NULL;
+#if !MT_HAVE_LSA
+    (void)comm; (void)P; (void)E; (void)arena; (void)arena_bytes; (void)timeout_s;
+    snprintf(why, nwhy, "this NCCL has no device API (2.28 or later)");
+    return 1;
+#else
+    CK(cudaSetDevice(c->device));
+    ncclComm_t cm = (ncclComm_t)comm;
+    int n = 0, me = 0;
+    NK(ncclCommCount(cm, &n));
+    NK(ncclCommUserRank(cm, &me));
+    ncclTeam_t t = ncclTeamLsa(cm);
+    if (n != P) return mt__fail(c, "mt_cuda_lsa_create", "the communicator's size is not the group's");
+    if (t.nRanks != P) {
+        snprintf(why, nwhy, "only %d of the %d ranks are load/store accessible", t.nRanks, P);
+        return 1;
+    }
+    mt_cuda_lsa *l = (mt_cuda_lsa *)calloc(1, sizeof *l);
+    if (!l) return mt__fail(c, "mt_cuda_lsa_create", "out of memory");
+    l->comm = cm; l->P = P; l->me = me; l->E = E;
+    l->grid = c->n_sms;   /* one block per SM: faster than 66 or 32 (debug dp2 x ep2 on H200s: 18.45, 18.64, 19.32 ms) */
+    l->timeout_ns = (long long)((timeout_s > 0 ? timeout_s : 600.0) * 1e9);
+    l->ctl_bytes = ((size_t)16 * P + (size_t)4 * P * E + 4095) / 4096 * 4096;
+    *out = l;   /* mt_cuda_lsa_destroy frees what follows, made or not */
+    NK(ncclMemAlloc(&l->ctl, l->ctl_bytes));
+    CK(cudaMalloc((void **)&l->peer_ctl, sizeof(void *) * 2 * (size_t)P));
+    CK(cudaMalloc((void **)&l->epoch, 64));
+    CK(cudaMemsetAsync(l->ctl, 0, l->ctl_bytes, c->stream));
+    CK(cudaMemsetAsync(l->epoch, 0, 64, c->stream));
+    l->peer_arena = l->peer_ctl + P;
+    l->arrive = (unsigned int *)(l->epoch + 1);
+    CK(cudaStreamSynchronize(c->stream));   /* zeroed before any peer can write (the registration is collective) */
+    NK(ncclCommWindowRegister(cm, l->ctl, l->ctl_bytes, &l->ctl_win, NCCL_WIN_COLL_SYMMETRIC));
+    NK(ncclCommWindowRegister(cm, arena, MT_SYM_ROUND(arena_bytes ? arena_bytes : 1), &l->arena_win, NCCL_WIN_COLL_SYMMETRIC));
+    k_lsa_peers<<<1, 256, 0, c->stream>>>(l->ctl_win, l->arena_win, l->peer_ctl, l->peer_arena, P);
+    LAUNCHED();
+    CK(cudaStreamSynchronize(c->stream));
+    return 0;
+#endif
+}
+void mt_cuda_lsa_destroy(mt_cuda *c, mt_cuda_lsa *l, int abort) {
+    if (!l) return;
+#if MT_HAVE_LSA
+    cudaSetDevice(c->device);
+    if (!abort) {   /* a deregistration is collective: not with a dead peer */
+        if (l->arena_win) ncclCommWindowDeregister(l->comm, l->arena_win);
+        if (l->ctl_win) ncclCommWindowDeregister(l->comm, l->ctl_win);
+    }
+    if (l->ctl) ncclMemFree(l->ctl);
+    if (l->peer_ctl) cudaFree(l->peer_ctl);
+    if (l->epoch) cudaFree(l->epoch);
+#endif
+    (void)c; (void)abort;
+    free(l);
+}
+int mt_cuda_lsa_counts(mt_cuda *c, mt_cuda_lsa *l, const int32_t *offs, int32_t *plan, int32_t *recv, int El) {
+#if MT_HAVE_LSA
+    if (l->P * El != l->E) return mt__fail(c, "mt_cuda_lsa_counts", "experts per rank do not match the window's");
+    k_lsa_counts<<<1, MT_LSA_THREADS, 0, c->stream>>>(lsa_args(c, l), offs, plan, recv, El);
+    LAUNCHED();
+#endif
+    (void)c; (void)l; (void)offs; (void)plan; (void)recv; (void)El;
+    return 0;
+}
+int mt_cuda_lsa_rows(mt_cuda *c, mt_cuda_lsa *l, int dispatch, const void *src, size_t dst_offset, int64_t row_bytes,
+                     const int32_t *plan, int El, int64_t cap_rows, int32_t *roffs, long long *rows_acc) {
+#if MT_HAVE_LSA
+    if (l->P * El != l->E) return mt__fail(c, "mt_cuda_lsa_rows", "experts per rank do not match the window's");
+    LsaArgs a = lsa_args(c, l);
+    size_t smem = sizeof(int32_t) * (2 * (size_t)l->E + 1);
+    if (smem > 48 * 1024) return mt__fail(c, "mt_cuda_lsa_rows", "more than 6144 experts");
+    k_lsa_ready<<<1, 32, 0, c->stream>>>(a);
+    k_lsa_rows<<<l->grid, MT_LSA_THREADS, smem, c->stream>>>(a, dispatch, (const uint8_t *)src, dst_offset, row_bytes, plan, El, cap_rows);
+    k_lsa_finish<<<1, 32, 0, c->stream>>>(a, dispatch, plan, El, roffs, rows_acc);
+    LAUNCHED();
+#endif
+    (void)c; (void)l; (void)dispatch; (void)src; (void)dst_offset; (void)row_bytes; (void)plan; (void)El; (void)cap_rows;
+    (void)roffs; (void)rows_acc;
+    return 0;
+}
+
 void *mt_cuda_stream_handle(mt_cuda *c) { return (void *)c->stream; }
 
-#define NK(x) do { ncclResult_t r_ = (x); if (r_ != ncclSuccess) return mt__fail(c, #x, ncclGetErrorString(r_)); } while (0)
 static int mt__nccl_type(int dtype, ncclDataType_t *t) {
     switch (dtype) {
     case MT_F32: *t = ncclFloat32; return 0;

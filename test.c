@@ -800,7 +800,7 @@ static void gpu_test_basic_ops(void) {
     float *h = (float *)malloc(4 * n), *dg = (float *)malloc(4 * n), *du = (float *)malloc(4 * n), *ad = (float *)malloc(4 * n);
     mt_cpu_swiglu_forward(h, g, u, n); mt_cpu_swiglu_backward(dg, du, g, u, dh, n); mt_cpu_add(ad, g, u, n);
     void *Dg = up_bf(g, n), *Du = up_bf(u, n), *Ddh = up_bf(dh, n), *Dh = dalloc(2 * n), *Ddg = dalloc(2 * n), *Ddu = dalloc(2 * n), *Dad = dalloc(2 * n);
-    ok = !mt_cuda_swiglu_forward(CU, Dh, Dg, Du, n) && !mt_cuda_swiglu_backward(CU, Ddg, Ddu, Dg, Du, Ddh, n) && !mt_cuda_add(CU, Dad, Dg, Du, n, MT_BF16);
+    ok = !mt_cuda_swiglu_forward(CU, Dh, Dg, Du, n, NULL, 0) && !mt_cuda_swiglu_backward(CU, Ddg, Ddu, Dg, Du, Ddh, n, NULL, 0) && !mt_cuda_add(CU, Dad, Dg, Du, n, MT_BF16);
     float *gh = down_bf(Dh, n), *gdg = down_bf(Ddg, n), *gdu = down_bf(Ddu, n), *gad = down_bf(Dad, n);
     r1 = rel(gh, h, n); r2 = rel(gdg, dg, n); r3 = rel(gdu, du, n); r4 = rel(gad, ad, n);
     char nm[64];
@@ -1342,7 +1342,7 @@ static void gpu_test_gmm_shapes(int E, int M, int K, const int *counts) {
         void *g = dalloc(by), *u = dalloc(by), *h = dalloc(by), *u2 = dalloc(by), *h2 = dalloc(by);
         int okg = !mt_cuda_gmm_glu(CU, g, u, h, DX, DW, DW2, (int32_t *)Doffs, E, M, K, Rmax) &&
                   !mt_cuda_gmm(CU, 0, u2, DX, DW2, (int32_t *)Doffs, E, M, K, Rmax, ws, NULL, NULL, NULL, 0) &&
-                  !mt_cuda_swiglu_forward(CU, h2, out[0][0], u2, (int64_t)R * M);
+                  !mt_cuda_swiglu_forward(CU, h2, out[0][0], u2, (int64_t)R * M, NULL, 0);
         unsigned char *hg = (unsigned char *)down(g, by), *hu = (unsigned char *)down(u, by), *hh = (unsigned char *)down(h, by);
         unsigned char *ry = (unsigned char *)down(out[0][0], by), *ru = (unsigned char *)down(u2, by), *rh = (unsigned char *)down(h2, by);
         size_t nr = 2 * (size_t)R * M;
@@ -2739,6 +2739,69 @@ static int oi_op(const char *w) {   /* the op named w, or -1 */
 /* moetrain.h's op index (the comment after the table of contents) cannot rot: every op of MT_OPS has
  * its two lines there, in MT_OPS order; every op it names is an op; every function it names (mt_...)
  * is defined, declared or called in moetrain.h outside the index or in moetrain_kernels.cu. */
+/* The expert exchange's layout (mt_ep_layout), which the device-side exchange
+ * runs on the GPU: on random count matrices (empty experts and ranks
+ * included), every sender's dispatch chunks must land each row exactly where
+ * the CPU engine (mt__cpu_ep) puts it (an owner's rows expert-major, inside an
+ * expert in sender order), cover the owner's rows once, and stay inside the
+ * planned bound; and combine must send every row back to the slot it came from. */
+static void test_ep_layout(void) {
+    static const int Ps[] = {1, 2, 3, 4, 8}, Els[] = {1, 2, 5};
+    int cases = 0, bad = 0;
+    char why[200] = "";
+    for (int pi = 0; pi < 5; pi++)
+        for (int ei = 0; ei < 3; ei++)
+            for (int rep = 0; rep < 4; rep++) {
+                int P = Ps[pi], El = Els[ei], E = P * El;
+                int32_t *M = (int32_t *)calloc((size_t)P * E, sizeof(int32_t));
+                int32_t *src = (int32_t *)calloc((size_t)E + 1, sizeof(int32_t)), *dst = (int32_t *)calloc((size_t)E, sizeof(int32_t));
+                int64_t cap = 0;   /* the plan's bound on an owner's rows: every sender's rows */
+                for (int i = 0; i < P * E; i++) M[i] = rep == 3 && i % 3 ? 0 : (int32_t)(mt_rng_u64(&R) % 7);
+                for (int s = 0; s < P; s++) { int64_t t = 0; for (int j = 0; j < E; j++) t += M[s * E + j]; if (t > cap) cap = t; }
+                cap *= P;
+                /* the CPU engine's order: owner p's row list of (sender, sender's row) */
+                int64_t *ref = (int64_t *)malloc(sizeof(int64_t) * (size_t)(cap + 1) * P), *got = (int64_t *)malloc(sizeof(int64_t) * (size_t)(cap + 1) * P);
+                int64_t *nref = (int64_t *)calloc((size_t)P, sizeof(int64_t));
+                for (int p = 0; p < P; p++)
+                    for (int e = 0; e < El; e++)
+                        for (int s = 0; s < P; s++) {
+                            int64_t off = 0;
+                            for (int j = 0; j < p * El + e; j++) off += M[s * E + j];
+                            for (int k = 0; k < M[s * E + p * El + e]; k++) ref[p * (cap + 1) + nref[p]++] = (int64_t)s << 32 | (off + k);
+                        }
+                for (int64_t i = 0; i < (cap + 1) * P; i++) got[i] = -1;
+                for (int s = 0; s < P && !bad; s++) {   /* dispatch: sender s's chunks */
+                    mt_ep_layout(M, P, El, s, 1, src, dst);
+                    for (int c = 0; c < E && !bad; c++) {
+                        int p = mt_ep_chunk_peer(1, c, P, El);
+                        for (int64_t r = src[c]; r < src[c + 1]; r++) {
+                            int64_t d = dst[c] + (r - src[c]);
+                            if (d < 0 || d >= cap || got[p * (cap + 1) + d] != -1) { bad = 1; snprintf(why, sizeof why, "P %d El %d: sender %d row %lld lands outside or twice", P, El, s, (long long)r); break; }
+                            got[p * (cap + 1) + d] = (int64_t)s << 32 | r;
+                        }
+                    }
+                }
+                for (int p = 0; p < P && !bad; p++)
+                    for (int64_t i = 0; i < nref[p] && !bad; i++)
+                        if (got[p * (cap + 1) + i] != ref[p * (cap + 1) + i]) { bad = 1; snprintf(why, sizeof why, "P %d El %d: owner %d row %lld differs from the CPU engine's", P, El, p, (long long)i); }
+                for (int p = 0; p < P && !bad; p++) {   /* combine: owner p's rows go back where they came from */
+                    mt_ep_layout(M, P, El, p, 0, src, dst);
+                    if (src[E] != nref[p]) { bad = 1; snprintf(why, sizeof why, "P %d El %d: owner %d combines %d rows, holds %lld", P, El, p, src[E], (long long)nref[p]); }
+                    for (int c = 0; c < E && !bad; c++)
+                        for (int64_t r = src[c]; r < src[c + 1]; r++) {
+                            int64_t from = ref[p * (cap + 1) + r];
+                            if ((int)(from >> 32) != mt_ep_chunk_peer(0, c, P, El) || (from & 0xffffffff) != dst[c] + (r - src[c])) {
+                                bad = 1; snprintf(why, sizeof why, "P %d El %d: owner %d row %lld goes back to the wrong place", P, El, p, (long long)r); break;
+                            }
+                        }
+                }
+                cases++;
+                free(M); free(src); free(dst); free(ref); free(got); free(nref);
+            }
+    report("expert exchange layout (mt_ep_layout) = the CPU engine's order, each row once, combine its inverse", !bad, "%d cases%s%s", cases,
+           bad ? ": " : "", why);
+}
+
 static void test_op_index(void) {
     char *H = oi_read("moetrain.h"), *K = oi_read("moetrain_kernels.cu");
     const char *b = H ? strstr(H, "/* OP INDEX") : NULL, *end = b ? strstr(b, "*/") : NULL;
@@ -4999,13 +5062,13 @@ static void test_overlap(void) {
         int nx = i + 1;
         while (nx < on.n_nodes && on.nodes[nx].op == MT_OP_ALLGATHER) nx++;
         if (x->op == MT_OP_ALLGATHER && nx < on.n_nodes && on.nodes[nx].layer != x->layer) prefetched++;
-        if (x->op == MT_OP_EP_COUNTS && x->phase == MT_PHASE_FORWARD)   /* the shared experts' GEMMs are ahead of the host sync */
-            for (int k = i - 1; k >= 0 && on.nodes[k].layer == x->layer; k--)
+        if (x->op == MT_OP_EP_DISPATCH && x->phase == MT_PHASE_FORWARD)   /* the shared experts' GEMMs follow the dispatch, before the experts' */
+            for (int k = i + 1; k < on.n_nodes && on.nodes[k].layer == x->layer && on.nodes[k].op != MT_OP_GMM_GLU && on.nodes[k].op != MT_OP_GMM; k++)
                 if (on.nodes[k].op == MT_OP_MATMUL && strstr(on.values[on.nodes[k].out[0]].name, "shared")) { shared_ahead++; break; }
     }
-    report("overlap pass: FSDP gathers a stage early, shared experts ahead of the EP sync", on.n_nodes == off.n_nodes && moved > 0 &&
+    report("overlap pass: FSDP gathers a stage early, shared experts between the dispatch and the experts' GEMMs", on.n_nodes == off.n_nodes && moved > 0 &&
            prefetched > 20 && shared_ahead == on.cfg.n_layers - on.cfg.n_dense_layers, "%d nodes moved, %d gathers prefetched, "
-           "%d of %d MoE layers' shared experts ahead", moved, prefetched, shared_ahead, on.cfg.n_layers - on.cfg.n_dense_layers);
+           "%d of %d MoE layers' shared experts under the dispatch", moved, prefetched, shared_ahead, on.cfg.n_layers - on.cfg.n_dense_layers);
     mt_graph_free(&on); mt_graph_free(&off);
 
     /* one rank (no elision, so the exchange nodes stay): overlap on vs off, bitwise over several steps */
@@ -6184,6 +6247,7 @@ int main(void) {
     }
     RUN(test_presets);
     RUN(test_op_index);
+    RUN(test_ep_layout);
     RUN(test_init_draws);
     RUN(test_graph_structure);
     RUN(test_doc_mask_graph);

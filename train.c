@@ -26,10 +26,11 @@
 #include <sys/wait.h>
 
 typedef struct {
-    const char *preset, *graph, *data, *data_format, *metrics, *svg, *save, *load, *forward, *logits_out, *device;
+    const char *preset, *graph, *data, *data_format, *metrics, *svg, *save, *load, *forward, *logits_out, *device, *ep_exchange;
     int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_overlap, no_fold_rope, no_fuse_glu,
         attn_recompute_dq, one_launch_per_node, overwrite;
     int data_fmt;                                /* --data-format as MT_DATA_AUTO, _BIN or _RAW */
+    int exchange;                                /* --ep-exchange as MT_EXCHANGE_AUTO, _HOST or _DEVICE */
     int nproc, dp_replicate, dp_shard, tp, ep;   /* ranks; 0 = derive */
     int launch_check;                            /* meet at the rendezvous, say where the rank came from, stop */
     float timeout;                           /* seconds without progress before a rank gives up */
@@ -95,6 +96,8 @@ static const opt_spec specs[] = {
     {"logits-out", OPT_STR, O_(logits_out), 0, 0, 0, 0, "none", "with --forward: write float32 logits [batch*seq_len, vocab]", "FILE"},
     {"eager", OPT_FLAG, O_(eager), 0, 0, 0, 0, "off", "no optimizing passes (the baseline)", NULL},
     {"overlap", OPT_FLAG, O_(overlap), 0, 0, 0, 0, "on with several ranks", "collectives on their own CUDA streams: FSDP prefetch, EP ahead of its host sync", NULL},
+    {"ep-exchange", OPT_STR, O_(ep_exchange), 0, 0, 0, 0, "auto", "CUDA, ep > 1: auto (device-side where every ep peer is load/store accessible, "
+     "else host-synchronized NCCL), device (or refuse), host (bitwise the same steps)", "MODE"},
     {"no-overlap", OPT_FLAG, O_(no_overlap), 0, 0, 0, 0, "off", "every node on the compute stream, in list order (bitwise the same steps)", NULL},
     {"no-fold-rope", OPT_FLAG, O_(no_fold_rope), 0, 0, 0, 0, "off", "CUDA: form MLA's Q, K, V apart instead of folding RoPE into attention (same results; for comparison)", NULL},
     {"no-fuse-glu", OPT_FLAG, O_(no_fuse_glu), 0, 0, 0, 0, "off", "run the experts' gate and up GEMMs and their SwiGLU as three ops (same results; for comparison)", NULL},
@@ -235,6 +238,12 @@ static int parse_args(int argc, char **argv, opts *o) {
     if (o->save_every && !o->save) { fprintf(stderr, "train: --save-every needs --save DIR\n"); return -1; }
     if (o->adopt_config && !o->load) { fprintf(stderr, "train: --adopt-config needs --load DIR\n"); return -1; }
     if (o->overwrite && !o->save) { fprintf(stderr, "train: --overwrite needs --save DIR\n"); return -1; }
+    if (o->ep_exchange) {
+        if (!strcmp(o->ep_exchange, "auto")) o->exchange = MT_EXCHANGE_AUTO;
+        else if (!strcmp(o->ep_exchange, "host")) o->exchange = MT_EXCHANGE_HOST;
+        else if (!strcmp(o->ep_exchange, "device")) o->exchange = MT_EXCHANGE_DEVICE;
+        else { fprintf(stderr, "train: --ep-exchange takes auto, device or host, not '%s'\n", o->ep_exchange); return -1; }
+    }
     if (o->data_format && mt_data_format_parse(o->data_format, &o->data_fmt)) {
         fprintf(stderr, "train: --data-format takes auto, bin or raw, not '%s'\n", o->data_format);
         return -1;
@@ -546,6 +555,10 @@ static void print_profile(mt_runtime *rt, const opts *o, double step_ms) {
                100 * ms[i] / total, fl[i] / 1e9, ms[i] > 0 ? fl[i] / (ms[i] * 1e9) : 0, ms[i] > 0 ? by[i] / (ms[i] * 1e6) : 0,
                floor_ms[i], floor_ms[i] > 0 ? ms[i] / floor_ms[i] : 0);
     }
+    double cm[4];
+    if (mt_runtime_profile_comm(rt, cm) && cm[0] > 0)
+        printf("communication: %.3f ms a step on its streams, %.3f ms exposed (the compute stream waited: %.1f%% of the %.3f ms "
+               "profiled step); compute %.3f ms\n", cm[2], cm[3], 100 * cm[3] / cm[0], cm[0], cm[1]);
 }
 
 static int run_forward(const opts *o, mt_config cfg) {
@@ -668,6 +681,8 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
     bind.nan_check = o->nan_check;
     bind.attn_recompute_dq = o->attn_recompute_dq;
     bind.one_launch_per_node = o->one_launch_per_node;
+    bind.ep_exchange = o->exchange;
+    bind.timeout_s = o->timeout;
     if (w && !o->threads) {   /* thread-ranks share the cores */
         int cores = (int)sysconf(_SC_NPROCESSORS_ONLN);
         bind.n_threads = cores / world > 1 ? cores / world : 1;
@@ -707,6 +722,14 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
             int tp = G->mesh.size[MT_DIM_TP];
             if (tp > 1) printf(" | global batch %d x %d (%d per data-parallel rank, %d tokens per tp rank)\n", B * dp, T, B, B * T / tp);
             else printf(" | global batch %d x %d (%d per rank)\n", B * dp, T, B);
+            if (on_gpu) {
+                int syncs = 0;
+                for (int i = 0; i < G->n_nodes; i++) syncs += G->nodes[i].op == MT_OP_EP_COUNTS && mt_node_syncs_host(&G->nodes[i]);
+                const char *ex = mt_runtime_exchange(rt);
+                if (ex[0]) printf("expert exchange: %s | ", ex);
+                if (mt_runtime_whole_step_graph(rt)) printf("graph: the step is one CUDA graph (captured at step 2), 0 host syncs\n");
+                else printf("graph: %d host syncs a step, eager between captured regions\n", ex[0] && strncmp(ex, "device", 6) ? syncs : 0);
+            }
         }
     }
     FILE *mf = NULL;

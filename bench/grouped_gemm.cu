@@ -461,7 +461,7 @@ static void glu_case(const Case &c, const Bufs &b, uint64_t seed, cudaStream_t s
             fatal("launch failed");
         if (h) {
             const size_t nr = (size_t)b.R * M;   /* the rows the GEMMs write */
-            k_swiglu<<<(unsigned)std::min<size_t>((nr / 8 + 1 + 255) / 256, 65536), 256, 0, st>>>(o[5], o[3], o[4], (int64_t)nr);
+            k_swiglu<<<(unsigned)std::min<size_t>((nr / 8 + 1 + 255) / 256, 65536), 256, 0, st>>>(o[5], o[3], o[4], (int64_t)nr, NULL, 0);
             CK(cudaGetLastError());
         }
     };

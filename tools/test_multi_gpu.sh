@@ -2,7 +2,9 @@
 # Multi-GPU checks of the command line, on every visible GPU (2 or more):
 # the torchrun-free launcher, torchrun, a precompiled artifact, failure (kill -9
 # of one rank, a rank that hangs), ranks from srun's and mpirun's variables on
-# two one-GPU "nodes" over sockets, and tensor parallelism. Prints "N passed,
+# two one-GPU "nodes" over sockets, tensor parallelism, and the device-side
+# expert exchange (bitwise the host-synchronized one; the fallback over
+# sockets; a dead or hung peer in the middle of it). Prints "N passed,
 # N failed" last. REQUIRE_GPUS=N: fewer than N visible GPUs is a failure, not a skip.
 set -u
 n=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -19,7 +21,7 @@ T=${TMPDIR:-/tmp}/moetrain_mgpu; rm -rf "$T"; mkdir -p "$T"
 losses() { grep '^step' "$1" | sed 's/ | grad_norm.*//'; }
 core() { sed 's/,"tokens_per_s".*//' "$1"; }   # a metrics line's loss, grad norm and lr
 steps=6
-only=${ONLY:-1 2 3 4 5 6 7 8}   # which checks to run
+only=${ONLY:-1 2 3 4 5 6 7 8 9 10 11}   # which checks to run
 want() { case " $only " in *" $1 "*) return 0 ;; esac; return 1; }
 
 # 1. ./train alone: one rank per GPU, and the same losses as one GPU on the global batch (bf16: 2%)
@@ -155,6 +157,73 @@ worst=$(paste "$T/la" "$T/lb" | awk 'BEGIN{w=0;n=0} {r=($1-$2)/$2; if(r<0)r=-r; 
 [ $r1 -eq 0 ] && [ "$worst" != missing ] && awk "BEGIN{exit !($worst < 0.02)}"
 check "debug --tp $n: losses = one GPU on the same batch (bf16: 2%)" $? "(worst relative $worst)"
 if [ "$n" -ge 8 ]; then tpcheck seeds --dp-shard 4 --tp 2 --ep 4; fi
+fi
+
+# 9. the device-side expert exchange (NCCL symmetric memory, one CUDA graph a step, no host sync) against the
+#    host-synchronized one: debug with dp_shard n x ep n and tp n x ep n, 10 steps: losses, grad norms and every
+#    weight and moment (the saved checkpoints) bitwise; and precompiled = in-process with it
+if want 9; then
+excheck() {   # excheck NAME MESH-FLAGS...
+    name=$1; shift
+    ./train --preset debug "$@" --steps 10 --seed 1 --metrics "$T/x_d_$name.jsonl" --save "$T/x_d_$name" > "$T/x_d_$name.log" 2>&1; rd=$?
+    ./train --preset debug "$@" --ep-exchange host --steps 10 --seed 1 --metrics "$T/x_h_$name.jsonl" --save "$T/x_h_$name" > "$T/x_h_$name.log" 2>&1; rh=$?
+    core "$T/x_d_$name.jsonl" > "$T/x_cd"; core "$T/x_h_$name.jsonl" > "$T/x_ch"
+    same=0; for f in "$T/x_d_$name"/*.safetensors; do cmp -s "$f" "$T/x_h_$name/$(basename "$f")" || same=1; done
+    grep -q "^expert exchange: device-side" "$T/x_d_$name.log" && grep -q "graph: the step is one CUDA graph (captured at step 2), 0 host syncs" "$T/x_d_$name.log" &&
+        grep -q "host_syncs=0" "$T/x_d_$name.log" && grep -q "^expert exchange: host-synchronized" "$T/x_h_$name.log"; banner=$?
+    [ $rd -eq 0 ] && [ $rh -eq 0 ] && [ $banner -eq 0 ] && [ $same -eq 0 ] && [ "$(wc -l < "$T/x_cd")" -eq 10 ] && cmp -s "$T/x_cd" "$T/x_ch"
+    check "debug $*, 10 steps: device-side exchange (one graph, 0 host syncs) = host-synchronized, losses, grad norms, weights bitwise" $? \
+        "(exit $rd $rh; $(grep -o 'median_step_ms=[^ ]*' "$T/x_d_$name.log") vs $(grep -o 'median_step_ms=[^ ]*' "$T/x_h_$name.log"))"
+}
+excheck dpep --dp-shard "$n" --ep "$n"
+excheck tpep --tp "$n" --ep "$n"
+./precompile --preset debug --device cuda --dp-shard "$n" --ep "$n" -o "$T/x.mtg" > "$T/x_p.log" 2>&1 &&
+    ./train --graph "$T/x.mtg" --steps 10 --seed 1 --metrics "$T/x_g.jsonl" > "$T/x_g.log" 2>&1; rg=$?
+core "$T/x_g.jsonl" > "$T/x_cg"; core "$T/x_d_dpep.jsonl" > "$T/x_cd"
+[ $rg -eq 0 ] && grep -q "^expert exchange: device-side" "$T/x_g.log" && [ "$(wc -l < "$T/x_cg")" -eq 10 ] && cmp -s "$T/x_cg" "$T/x_cd"
+check "the device-side exchange from an artifact = in-process, bitwise" $? "(exit $rg)"
+fi
+
+# 10. two one-GPU "nodes" over sockets: no load/store access, so the host-synchronized exchange is chosen (and
+#    named), and the losses and grad norms are bitwise those of the device-side exchange over NVLink
+if want 10; then
+sock="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
+clean="env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT -u MOETRAIN_PORT -u SLURM_STEP_NODELIST"
+port=$((21000 + $$ % 10000))
+$clean $sock CUDA_VISIBLE_DEVICES=0 RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    ./train --preset debug --ep 2 --steps $steps --seed 1 --metrics "$T/f_s.jsonl" > "$T/f_s0.log" 2>&1 &
+p0=$!
+$clean $sock CUDA_VISIBLE_DEVICES=1 RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    ./train --preset debug --ep 2 --steps $steps --seed 1 > "$T/f_s1.log" 2>&1 &
+p1=$!
+wait $p0; x0=$?; wait $p1; x1=$?
+$clean CUDA_VISIBLE_DEVICES=0,1 ./train --preset debug --nproc 2 --ep 2 --steps $steps --seed 1 --metrics "$T/f_n.jsonl" > "$T/f_n.log" 2>&1; rn=$?
+core "$T/f_s.jsonl" > "$T/f_cs"; core "$T/f_n.jsonl" > "$T/f_cn"
+[ $x0 -eq 0 ] && [ $x1 -eq 0 ] && [ $rn -eq 0 ] && grep -q "^expert exchange: host-synchronized" "$T/f_s0.log" &&
+    grep -q "^expert exchange: device-side" "$T/f_n.log" && [ "$(wc -l < "$T/f_cs")" -eq $steps ] && cmp -s "$T/f_cs" "$T/f_cn"
+check "over sockets the host-synchronized exchange is chosen; losses = the device-side exchange over NVLink, bitwise" $? \
+    "(exit $x0 $x1 $rn; $(grep -m1 '^expert exchange' "$T/f_s0.log" | cut -c1-120))"
+fi
+
+# 11. a peer lost in the middle of the device-side exchange: kill -9 stops every rank within 10 s; a peer that
+#    hangs (SIGSTOP) with --timeout 5 stops every rank within 15 s (the device-side waits are bounded too)
+if want 11; then
+for sig in KILL STOP; do
+    ./train --preset debug --ep "$n" --steps 1000000 --log-every 50 --seed 1 --timeout 5 > "$T/xk_$sig.log" 2>&1 &
+    sup=$!
+    wait_steps "$T/xk_$sig.log"
+    grep -q "^expert exchange: device-side" "$T/xk_$sig.log"; dev=$?
+    victim=$(pgrep -P $sup | sort -n | tail -n 1)
+    t0=$(date +%s.%N); kill -$sig "$victim"
+    i=0; while kill -0 $sup 2>/dev/null && [ $i -lt 300 ]; do sleep 0.1; i=$((i + 1)); done
+    kill -0 $sup 2>/dev/null && { pkill -KILL -P $sup; kill -KILL $sup; }
+    wait $sup; rk=$?; t1=$(date +%s.%N)
+    dt=$(awk "BEGIN{printf \"%.2f\", $t1 - $t0}")
+    left=$(pgrep -P $sup | wc -l)
+    lim=10; [ $sig = STOP ] && lim=15
+    [ $dev -eq 0 ] && [ $rk -ne 0 ] && [ "$left" -eq 0 ] && awk "BEGIN{exit !($dt < $lim)}"
+    check "kill -$sig of a rank during device-side exchanges stops every rank" $? "(${dt} s, exit $rk, $(grep -m1 'stopping\|no progress\|did not answer' "$T/xk_$sig.log" | cut -c1-110))"
+done
 fi
 
 cp "$T"/*.log "${OUT:-$T}/" 2>/dev/null
