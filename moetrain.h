@@ -193,11 +193,13 @@ typedef MT_REAL mt_real;
 
 #define MT_VERSION_STRING "moetrain 0.1"
 #define MT_KERNELS_VERSION "moetrain-kernels 3"   /* bump when any kernel's numerics change (2: RoPE rotations with pinned roundings; 3: the SwiGLU's logistic with the approximate reciprocal) */
-#define MT_FORMAT_VERSION 7u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
+#define MT_FORMAT_VERSION 8u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
                                                       4: activation recompute: the recompute phase, the choice and budget in the plan; 5: tuning by GPU model;
                                                       6: RoPE folded into attention: ROPE_PE, MLA_ATTENTION(_BWD), ROPE_PE_BWD, 10 inputs a node;
                                                       7: tensor parallelism: SP_GATHER/SP_SCATTER, CE_STATS/CE_COMBINE/CE_SHARD_BWD, EMBED's
-                                                         token slice, the TP_ROWS/TP_COLS value flags) */
+                                                         token slice, the TP_ROWS/TP_COLS value flags;
+                                                      8: multi-token prediction: SHIFT_TOKENS, the loss ops' counted rows and weight,
+                                                         the config fields mtp_layers and mtp_weight) */
 
 /* ========================================================================
  * 1. Basics
