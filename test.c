@@ -194,6 +194,7 @@ typedef struct {
     int route_to_first;          /* expert biases make every token pick experts 0..K-1 (rank 0's) */
     int fail_rank, fail_step;    /* this rank gets a token outside the vocabulary at that step (-1: none) */
     double loss[32], gnorm[32];  /* rank 0's view: the global loss and norm */
+    double mtp[32];              /* and the mean MTP loss (mr_mtp > 0) */
     char err[MR_MAX][300];
     int64_t recv_rows[MR_MAX];   /* most rows a rank's experts received in one step */
     uint8_t *params[MR_MAX];     /* every master parameter (this rank's part), concatenated */
@@ -251,7 +252,7 @@ static int mr_rank(void *ctx, int rank, mt_world *w, mt_err *err) {
         mt_step_stats st;
         rc = mt_runtime_step(rt, mine, mt, s, &hp, &st, err);
         if (rc) { snprintf(j->err[rank], sizeof j->err[rank], "%s", err->msg); break; }
-        if (rank == 0) { j->loss[s] = st.loss; j->gnorm[s] = st.grad_norm; }
+        if (rank == 0) { j->loss[s] = st.loss; j->gnorm[s] = st.grad_norm; j->mtp[s] = st.mtp_loss; }
         if (mt_runtime_received_rows(rt) > j->recv_rows[rank]) j->recv_rows[rank] = mt_runtime_received_rows(rt);
     }
     free(tok); free(tgt);
@@ -289,10 +290,12 @@ static int mr_run(mr_job *j, const mt_graph *g, int steps, mt_err *err) {
 /* The step graph of the small model for a mesh (per-data-parallel-rank batch b); overlap 0: that pass off.
  * mr_q_lora: the low-rank query path (q_a_proj, q_a_layernorm, q_b_proj) of that rank; 0: tiny's plain q_proj. */
 static int mr_q_lora = 0;
+static int mr_mtp = 0;   /* multi-token prediction depths, with document masking (eot_id 3) */
 static int mr_compile_mesh(mt_graph *g, int rep, int shard, int tp, int ep, int b, int eager, int cuda, int overlap, mt_err *err) {
     mt_config c;
     mt_config_preset(&c, "tiny", err);
     c.seq_len = 32; c.original_seq_len = 32; c.batch = b; c.q_lora_rank = mr_q_lora;
+    if (mr_mtp) { c.mtp_layers = mr_mtp; c.doc_mask = 1; c.eot_id = 3; }
     mt_mesh m;
     mt_target t;
     mt_passes p;
@@ -380,13 +383,15 @@ static void mr_equivalence(int rep, int shard, int ep, int steps, double tol1, d
     mt_graph g1, gm;
     int dp = rep * shard;
     char name[128];
-    snprintf(name, sizeof name, "%d ranks (dp_replicate %d, dp_shard %d, ep %d) = one rank on the global batch", dp, rep, shard, ep);
+    snprintf(name, sizeof name, "%d ranks (dp_replicate %d, dp_shard %d, ep %d) = one rank on the global batch%s", dp, rep, shard, ep,
+             mr_mtp ? " (MTP, doc mask)" : "");
     if (mr_compile(&g1, 1, 1, 1, 2 * dp, 0, &e) || mr_compile(&gm, rep, shard, ep, 2, 0, &e)) { report(name, 0, "%s", e.msg); return; }
     mr_job a, b;
     memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
     a.fail_rank = b.fail_rank = -1;
     int ok = mr_run(&a, &g1, steps, &e) == 0 && mr_run(&b, &gm, steps, &e) == 0;
     double r1 = ok ? fabs(a.loss[0] - b.loss[0]) / a.loss[0] : 1, rn = ok ? max_rel(b.loss, a.loss, steps) : 1;
+    if (ok && mr_mtp) rn = fmax(rn, max_rel(b.mtp, a.mtp, steps));   /* the MTP losses as the main one */
     double rg = ok ? max_rel(b.gnorm, a.gnorm, steps) : 1, rw = 1;
     int agree = 0, agree1 = 0;
     if (ok) {
@@ -410,7 +415,8 @@ static void mr_equivalence_tp(int shard, int tp, int ep, int steps, double tol) 
     mt_err e;
     mt_graph g1, gm;
     char name[160];
-    snprintf(name, sizeof name, "tp: %d ranks (dp_shard %d x tp %d, ep %d) = one rank on the global batch, %d steps", shard * tp, shard, tp, ep, steps);
+    snprintf(name, sizeof name, "tp: %d ranks (dp_shard %d x tp %d, ep %d) = one rank on the global batch, %d steps%s", shard * tp, shard, tp, ep, steps,
+             mr_mtp ? " (MTP, doc mask)" : "");
     if (mr_compile_mesh(&g1, 1, 1, 1, 1, 2 * shard, 0, 0, 1, &e)) { report(name, 0, "%s", e.msg); return; }
     if (mr_compile_mesh(&gm, 1, shard, tp, ep, 2, 0, 0, 1, &e)) { report(name, 0, "%s", e.msg); mt_graph_free(&g1); return; }
     mr_job a, b;
@@ -418,6 +424,7 @@ static void mr_equivalence_tp(int shard, int tp, int ep, int steps, double tol) 
     a.fail_rank = b.fail_rank = -1;
     int ok = mr_run(&a, &g1, steps, &e) == 0 && mr_run(&b, &gm, steps, &e) == 0;
     double rl = ok ? max_rel(b.loss, a.loss, steps) : 1, rg = ok ? max_rel(b.gnorm, a.gnorm, steps) : 1;
+    if (ok && mr_mtp) rl = fmax(rl, max_rel(b.mtp, a.mtp, steps));
     report(name, ok && rl <= tol && rg <= tol, "worst relative: loss %.2e, grad norm %.2e (tolerance %.0e); losses %.6f .. %.6f %s", rl, rg,
            tol, b.loss[0], b.loss[steps - 1], ok ? "" : e.msg);
     mr_free(&a); mr_free(&b);
@@ -582,6 +589,9 @@ static void test_recompute_bitwise(void) {
     c.n_dense_layers = 0; c.score_func = MT_SCORE_SOFTMAX; c.route_norm = 0; c.n_expert_groups = 4; c.n_limited_groups = 2;
     c.q_lora_rank = 24; c.doc_mask = 1; c.eot_id = 10; c.top_k = 3;
     test_recompute_bitwise_for("all-MoE", &c);
+    rc_tiny(&c);   /* the main blocks recomputed beside two MTP depths (which keep their activations) */
+    c.mtp_layers = 2;
+    test_recompute_bitwise_for("tiny + 2 MTP depths", &c);
 }
 
 /* ======================================================================
@@ -916,15 +926,15 @@ static void gpu_test_rows(void) {
         int32_t *tg = (int32_t *)malloc(4 * (size_t)N);
         for (int i = 0; i < N; i++) tg[i] = (int32_t)(mt_rng_u64(&R) % (uint64_t)V);
         float loss, *lse = (float *)malloc(4 * (size_t)N), *dl = (float *)malloc(4 * (size_t)NV);
-        mt_cpu_cross_entropy_forward(NULL, &loss, lse, lg, tg, N, V);
-        mt_cpu_cross_entropy_backward(NULL, dl, lg, lse, tg, N, V);
+        mt_cpu_cross_entropy_forward(NULL, &loss, lse, lg, tg, N, V, N);
+        mt_cpu_cross_entropy_backward(NULL, dl, lg, lse, tg, N, V, 1.0 / N);
         void *L = up_bf(lg, NV), *T = up(tg, 4 * (size_t)N), *ws = dalloc(mt_cuda_cross_entropy_workspace(N));
         void *LOSS[2], *LSE[2], *DL[2];
         int ok = 1;
         for (int r = 0; r < 2; r++) {
             LOSS[r] = dalloc(4); LSE[r] = dalloc(4 * (size_t)N); DL[r] = dalloc(2 * (size_t)NV);
-            ok &= !mt_cuda_cross_entropy_forward(CU, (float *)LOSS[r], (float *)LSE[r], L, (int32_t *)T, N, V, ws) &&
-                  !mt_cuda_cross_entropy_backward(CU, DL[r], L, (float *)LSE[r], (int32_t *)T, N, V);
+            ok &= !mt_cuda_cross_entropy_forward(CU, (float *)LOSS[r], (float *)LSE[r], L, (int32_t *)T, N, V, N, ws) &&
+                  !mt_cuda_cross_entropy_backward(CU, DL[r], L, (float *)LSE[r], (int32_t *)T, N, V, 1.0f / N);
         }
         float gl, *glse = (float *)down(LSE[0], 4 * (size_t)N), *gdl = down_bf(DL[0], NV);
         mt_cuda_copy(CU, &gl, LOSS[0], 4, 1);
@@ -1469,11 +1479,11 @@ static void gpu_test_loss_and_optimizer(void) {
     int32_t *t = (int32_t *)malloc(4 * (size_t)N);
     for (int i = 0; i < N; i++) t[i] = (int32_t)(mt_rng_u64(&R) % (uint64_t)V);
     float loss, *lse = (float *)malloc(4 * (size_t)N), *dl = (float *)malloc(4 * (size_t)N * V);
-    mt_cpu_cross_entropy_forward(NULL, &loss, lse, lg, t, N, V);
-    mt_cpu_cross_entropy_backward(NULL, dl, lg, lse, t, N, V);
+    mt_cpu_cross_entropy_forward(NULL, &loss, lse, lg, t, N, V, N);
+    mt_cpu_cross_entropy_backward(NULL, dl, lg, lse, t, N, V, 1.0 / N);
     void *Dl = up_bf(lg, (int64_t)N * V), *Dt = up(t, 4 * (size_t)N), *Dloss = dalloc(4), *Dlse = dalloc(4 * (size_t)N), *Ddl = dalloc(2 * (size_t)N * V), *ws = dalloc(mt_cuda_cross_entropy_workspace(N));
-    int ok = !mt_cuda_cross_entropy_forward(CU, (float *)Dloss, (float *)Dlse, Dl, (int32_t *)Dt, N, V, ws) &&
-             !mt_cuda_cross_entropy_backward(CU, Ddl, Dl, (float *)Dlse, (int32_t *)Dt, N, V);
+    int ok = !mt_cuda_cross_entropy_forward(CU, (float *)Dloss, (float *)Dlse, Dl, (int32_t *)Dt, N, V, N, ws) &&
+             !mt_cuda_cross_entropy_backward(CU, Ddl, Dl, (float *)Dlse, (int32_t *)Dt, N, V, 1.0f / N);
     float gl, *glse = (float *)down(Dlse, 4 * (size_t)N), *gdl = down_bf(Ddl, (int64_t)N * V);
     mt_cuda_copy(CU, &gl, Dloss, 4, 1);
     double e1 = fabs(gl - loss) / loss, e2 = rel(glse, lse, N), e3 = rel(gdl, dl, (int64_t)N * V);
@@ -1497,18 +1507,18 @@ static void gpu_test_loss_and_optimizer(void) {
             ok2 &= !mt_cuda_ce_stats(CU, (float *)Dst + (size_t)k * N * 3, Dk, (int32_t *)Dt2, N, Vl, k * Vl);
             dfree(Dk);
         }
-        ok2 &= !mt_cuda_ce_combine(CU, (float *)Dsl, (float *)Dslse, (float *)Dst, S, N, ws2);
+        ok2 &= !mt_cuda_ce_combine(CU, (float *)Dsl, (float *)Dslse, (float *)Dst, (int32_t *)Dt2, S, N, N, ws2);
         float sloss, *lse2 = (float *)malloc(4 * (size_t)N);
-        mt_cpu_ce_combine(&sloss, lse2, st, S, N);
+        mt_cpu_ce_combine(&sloss, lse2, st, t, S, N, N);
         gst = (float *)down(Dst, 4 * (size_t)S * N * 3);
         mt_cuda_copy(CU, &sl, Dsl, 4, 1);
         float *gslse = (float *)down(Dslse, 4 * (size_t)N);
         double f1 = rel(gst, st, (int64_t)S * N * 3), f2 = fabs(sl - sloss) / sloss, f3 = rel(gslse, lse2, N), f4 = 0;
         for (int k = 1; k < S; k++) {   /* the middle and last shards' backward against the CPU's */
             for (int i = 0; i < N; i++) memcpy(blk + (size_t)i * Vl, whole + (size_t)i * Vs + (size_t)k * Vl, 4 * (size_t)Vl);
-            mt_cpu_ce_shard_backward(sdl, blk, lse2, t, N, Vl, k * Vl);
+            mt_cpu_ce_shard_backward(sdl, blk, lse2, t, N, Vl, k * Vl, 1.0 / N);
             void *Dk = up_bf(blk, (int64_t)N * Vl);
-            ok2 &= !mt_cuda_ce_shard_backward(CU, Ddb, Dk, (float *)Dslse, (int32_t *)Dt2, N, Vl, k * Vl);
+            ok2 &= !mt_cuda_ce_shard_backward(CU, Ddb, Dk, (float *)Dslse, (int32_t *)Dt2, N, Vl, k * Vl, 1.0f / N);
             float *g = down_bf(Ddb, (int64_t)N * Vl);
             double r = rel(g, sdl, (int64_t)N * Vl);
             if (r > f4) f4 = r;
@@ -1518,6 +1528,28 @@ static void gpu_test_loss_and_optimizer(void) {
                "stats %.1e loss %.1e lse %.1e dlogits %.1e", f1, f2, f3, f4);
         free(blk); free(st); free(ref); free(gst); free(slse); free(sdl); free(whole); free(lse2); free(gslse);
         dfree(Dst); dfree(Db); dfree(Ddb); dfree(Dt2); dfree(Dsl); dfree(Dslse); dfree(ws2);
+    }
+    {   /* multi-token prediction: targets shifted k = 2 ahead in sequences of 11 (-1 past their ends), the loss's mean over
+         * the rows counted and its weighted backward, zero on the rows left out; and the shifted tokens themselves */
+        int T = 11, k = 2, cnt = N / T * (T - k), Nm = N / T * T;
+        int32_t *sh = (int32_t *)malloc(4 * (size_t)Nm), *gsh;
+        mt_cpu_shift_tokens(sh, t, Nm, T, k, -1);
+        void *Dsh = dalloc(4 * (size_t)Nm), *Dtm = up(t, 4 * (size_t)Nm);
+        int ok3 = !mt_cuda_shift_tokens(CU, (int32_t *)Dsh, (int32_t *)Dtm, Nm, T, k, -1);
+        gsh = (int32_t *)down(Dsh, 4 * (size_t)Nm);
+        int same = !memcmp(gsh, sh, 4 * (size_t)Nm);
+        mt_cpu_cross_entropy_forward(NULL, &loss, lse, lg, sh, Nm, V, cnt);
+        mt_cpu_cross_entropy_backward(NULL, dl, lg, lse, sh, Nm, V, 0.3 / cnt);
+        ok3 &= !mt_cuda_cross_entropy_forward(CU, (float *)Dloss, (float *)Dlse, Dl, (int32_t *)Dsh, Nm, V, cnt, ws) &&
+               !mt_cuda_cross_entropy_backward(CU, Ddl, Dl, (float *)Dlse, (int32_t *)Dsh, Nm, V, 0.3f / cnt);
+        float *gd = down_bf(Ddl, (int64_t)Nm * V);
+        mt_cuda_copy(CU, &gl, Dloss, 4, 1);
+        double zero = 0;
+        for (int i = 0; i < Nm; i++) if (sh[i] < 0) for (int v = 0; v < V; v++) zero += fabs(gd[(size_t)i * V + v]);
+        double m1 = fabs(gl - loss) / loss, m2 = rel(gd, dl, (int64_t)Nm * V);
+        report("gpu shifted tokens; cross-entropy with rows left out, weighted", ok3 && same && m1 < F32_TOL && m2 < BF_TOL && zero == 0,
+               "shift %s, loss %.1e dlogits %.1e, |dlogits| of rows left out %.1e", same ? "bitwise" : "DIFFERS", m1, m2, zero);
+        free(sh); free(gsh); free(gd); dfree(Dsh); dfree(Dtm);
     }
     free(lg); free(t); free(lse); free(dl); free(glse); free(gdl);
     dfree(Dl); dfree(Dt); dfree(Dloss); dfree(Dlse); dfree(Ddl); dfree(ws);
@@ -2275,7 +2307,7 @@ static double L_permute(void *p) {
 }
 static double L_gmm(void *p) { gc *c = (gc *)p; mt_cpu_gmm(NULL, c->o0, c->a, c->b, c->i0, c->E, c->M, c->K); return dot(c->o0, c->r0, (int64_t)c->N * c->M); }
 static double L_combine(void *p) { gc *c = (gc *)p; mt_cpu_moe_combine_forward(c->o0, c->a, c->i0, c->b, c->N, c->D, c->topk); return dot(c->o0, c->r0, (int64_t)c->N * c->D); }
-static double L_ce(void *p) { gc *c = (gc *)p; mt_real loss; mt_cpu_cross_entropy_forward(NULL, &loss, c->o1, c->a, c->i0, c->N, c->V); return (double)loss; }
+static double L_ce(void *p) { gc *c = (gc *)p; mt_real loss; mt_cpu_cross_entropy_forward(NULL, &loss, c->o1, c->a, c->i0, c->N, c->V, c->T); return (double)loss; }
 /* The cross-entropy on c->E vocab shards: logits c->a [N,V] cut into column blocks, each shard's stats,
  * then the combine; the lse lands in c->o1. */
 static double L_ce_shards(void *p) {
@@ -2286,7 +2318,7 @@ static double L_ce_shards(void *p) {
         for (int n = 0; n < c->N; n++) memcpy(blk + n * Vl, c->a + n * c->V + k * Vl, sizeof(mt_real) * (size_t)Vl);
         mt_cpu_ce_stats(st + (int64_t)k * c->N * 3, blk, c->i0, c->N, Vl, k * Vl);
     }
-    mt_cpu_ce_combine(&loss, c->o1, st, S, c->N);
+    mt_cpu_ce_combine(&loss, c->o1, st, c->i0, S, c->N, c->N);
     free(blk); free(st);
     return (double)loss;
 }
@@ -2466,9 +2498,20 @@ static void test_gradcheck_ops(void) {
     fill_normal(c.a, 28, 2);
     for (int i = 0; i < 4; i++) c.i0[i] = (int32_t)(mt_rng_u64(&R) % 7);
     L_ce(&c);
-    mt_cpu_cross_entropy_backward(NULL, dl, c.a, c.o1, c.i0, c.N, c.V);
+    mt_cpu_cross_entropy_backward(NULL, dl, c.a, c.o1, c.i0, c.N, c.V, 1.0 / c.N);
     e1 = fd_error(L_ce, &c, c.a, 28, dl, 28);
     report("gradcheck cross-entropy", e1 < GC_TOL, "rel err %.2e", e1);
+    {   /* rows whose target is -1 are left out (multi-token prediction past a sequence's end): the mean over the
+         * counted rows, the backward scaled by a weight over that count, zero on the rows left out */
+        int32_t keep = c.i0[1];
+        c.i0[1] = -1; c.T = 3;
+        L_ce(&c);
+        mt_cpu_cross_entropy_backward(NULL, dl, c.a, c.o1, c.i0, c.N, c.V, 1.0 / 3);
+        double em = fd_error(L_ce, &c, c.a, 28, dl, 28), z = 0;
+        for (int v = 0; v < 7; v++) z += fabs((double)dl[7 + v]);
+        report("gradcheck cross-entropy with a row left out", em < GC_TOL && z == 0, "rel err %.2e; |dlogits| of the row %.1e", em, z);
+        c.i0[1] = keep; c.T = 0;
+    }
     /* the same loss on 3 vocab shards (tensor parallelism): each shard's backward from the combined lse */
     {
         mt_real loss1, *lse1 = alloc_real(4), *blk = alloc_real(4 * 4), *dblk = alloc_real(4 * 4), *dv = alloc_real(4 * 12);
@@ -2478,10 +2521,10 @@ static void test_gradcheck_ops(void) {
         fill_normal(v.a, 48, 2);
         c.i0[2] = 11; c.i0[3] = 4;   /* targets on the last shard and on a middle one */
         double lv = L_ce_shards(&v);
-        mt_cpu_cross_entropy_forward(NULL, &loss1, lse1, v.a, v.i0, v.N, v.V);
+        mt_cpu_cross_entropy_forward(NULL, &loss1, lse1, v.a, v.i0, v.N, v.V, v.N);
         for (int k = 0; k < 3; k++) {
             for (int n = 0; n < 4; n++) memcpy(blk + n * 4, v.a + n * 12 + k * 4, sizeof(mt_real) * 4);
-            mt_cpu_ce_shard_backward(dblk, blk, v.o1, v.i0, 4, 4, k * 4);
+            mt_cpu_ce_shard_backward(dblk, blk, v.o1, v.i0, 4, 4, k * 4, 1.0 / 4);
             for (int n = 0; n < 4; n++) memcpy(dv + n * 12 + k * 4, dblk + n * 4, sizeof(mt_real) * 4);
         }
         e2 = fd_error(L_ce_shards, &v, v.a, 48, dv, 48);
@@ -2500,7 +2543,7 @@ static double L_model(void *p) {
     mt_step_stats st;
     mt_err e;
     if (mt_runtime_step(m->fwd, m->tok, m->tgt, 0, NULL, &st, &e)) return NAN;
-    return st.loss;
+    return st.loss + mt_runtime_graph(m->fwd)->cfg.mtp_weight * st.mtp_loss;   /* what the train graph differentiates */
 }
 /* A well-conditioned point: matrices with std 1/sqrt(fan_in) (so attention
  * and routing are far from uniform and every gradient is O(1)), norm
@@ -2538,10 +2581,11 @@ static void gradcheck_model(const char *name, const mt_config *cf) {
     double worst = 0;
     char worst_name[MT_NAME_LEN] = "";
     int checked = 0;
-    for (int i = 0; i < gt.n_values; i++) {
-        const mt_value *gv = &gt.values[i];
-        if (gv->role != MT_ROLE_GRAD) continue;
-        const mt_value *pv = &gt.values[gv->param];
+    for (int k = 0; k < gt.n_nodes; k++) {   /* each parameter's whole gradient: the one its AdamW reads (a weight used twice,
+                                               * as MTP uses the embedding and lm_head, sums partial ones first) */
+        if (gt.nodes[k].op != MT_OP_ADAMW) continue;
+        int i = gt.nodes[k].in[1];
+        const mt_value *pv = &gt.values[gt.nodes[k].in[0]];
         int fi = mt_graph_find(&gf, pv->name);
         mt_real *x = (mt_real *)mt_runtime_value(fw, fi);
         double err = fd_error(L_model, &m, x, mt_value_numel_max(&gt, pv), (const mt_real *)mt_runtime_value(rt, i), 6);
@@ -2574,6 +2618,20 @@ static void test_gradcheck_model(void) {
         c.eot_id = tok[2];
     }
     gradcheck_model("gradcheck whole model (document mask)", &c);
+    /* multi-token prediction: eh_proj, enorm, hnorm, shared_head.norm and the MTP blocks, and what the MTP
+     * losses add to the main model's gradients (its last hidden state, the embedding, lm_head) */
+    small_config(&c);
+    c.load_balance_coeff = 0;
+    c.mtp_layers = 2; c.mtp_weight = 0.7f;
+    gradcheck_model("gradcheck whole model (2 MTP depths)", &c);
+    c.doc_mask = 1;
+    {
+        int32_t tok[16], tgt[16];
+        make_batch(&c, 0, tok, tgt);
+        c.eot_id = tok[2];
+    }
+    c.mtp_layers = 1; c.n_dense_layers = c.n_layers;   /* a dense main model: its MTP block is still MoE */
+    gradcheck_model("gradcheck whole model (MTP, document mask, dense main blocks)", &c);
 }
 
 /* Packed documents: with doc_mask, a sequence holding several documents gives
@@ -2656,6 +2714,10 @@ static void test_multirank_f64(void) {
     mr_q_lora = 24;                          /* the low-rank query (q_a replicated, q_b column-parallel) */
     mr_equivalence_tp(2, 2, 2, 20, 1e-12);
     mr_q_lora = 0;
+    mr_mtp = 2;                              /* multi-token prediction (and document masks): FSDP + EP, then tp; the */
+    mr_equivalence(1, 4, 4, 3, 2e-15, 2e-15, 1e-13, 5e-12);   /* norm's and weights' bounds allow for the sums' orders */
+    mr_equivalence_tp(2, 2, 2, 20, 1e-12);
+    mr_mtp = 0;
 }
 int main(void) {
     mt_rng_seed(&R, 42);
@@ -3603,7 +3665,7 @@ static void test_training_falls(void) {
     double first = 0, last = 0;
     int ok = rt != NULL;
     for (int s = 0; s < 60 && ok; s++) {
-        mt_step_stats st = {0, 0, 0, 0};
+        mt_step_stats st = {0};
         ok = mt_data_batch_at(&d, 5, s, 0, 1, c.batch, c.seq_len, tok, tgt, &e) == 0 && mt_runtime_step(rt, tok, tgt, s, &hp, &st, &e) == 0;
         if (s == 0) first = st.loss;
         last = st.loss;

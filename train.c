@@ -84,7 +84,7 @@ static const opt_spec specs[] = {
     {"eps", OPT_FLOAT, O_(hp.eps), 0, 1, 1, 0, "1e-8", "AdamW epsilon", NULL},
     {"weight-decay", OPT_FLOAT, O_(hp.weight_decay), 0, 10, 0, 0, "0.1", "AdamW weight decay", NULL},
     {"grad-clip", OPT_FLOAT, O_(hp.grad_clip), 0, 1e6, 0, 0, "1.0", "clip the global gradient norm to this (0: off)", NULL},
-    {"metrics", OPT_STR, O_(metrics), 0, 0, 0, 0, "none", "JSON lines: step, loss, grad_norm, lr, tokens_per_s, step_ms, expert_load", "FILE"},
+    {"metrics", OPT_STR, O_(metrics), 0, 0, 0, 0, "none", "JSON lines: step, loss (the next-token loss), mtp_loss (with --mtp-layers), grad_norm, lr, tokens_per_s, step_ms, expert_load", "FILE"},
     {"svg", OPT_STR, O_(svg), 0, 0, 0, 0, "none", "write the loss curve at the end", "FILE"},
     {"save", OPT_STR, O_(save), 0, 0, 0, 0, "none", "checkpoint directory: model.safetensors (Hugging Face names), config.json, optimizer", "DIR"},
     {"overwrite", OPT_FLAG, O_(overwrite), 0, 0, 0, 0, "off", "let --save replace a checkpoint of another run (without it only --load's own DIR is replaced)", NULL},
@@ -772,7 +772,9 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
         double tps = tokens_global / secs;
         double lb = load_imbalance(rt, counts, E);
         if (lead && ((s + 1) % o->log_every == 0 || s == 0 || s + 1 == todo)) {
-            printf("step %5d | loss %.6f | grad_norm %8.4f | lr %.3e | %8.0f tok/s", step + 1, st.loss, st.grad_norm, st.lr, tps);
+            printf("step %5d | loss %.6f", step + 1, st.loss);
+            if (cfg->mtp_layers > 0) printf(" | mtp %.6f", st.mtp_loss);
+            printf(" | grad_norm %8.4f | lr %.3e | %8.0f tok/s", st.grad_norm, st.lr, tps);
             if (world > 1) printf(" (%.0f/rank)", tps / world);
             printf(" | %7.1f ms | load max/mean %.2f", 1e3 * secs, lb);
             if (on_gpu)
@@ -784,6 +786,7 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
             fprintf(mf, "{\"step\":%d,\"loss\":%.9g,\"grad_norm\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"step_ms\":%.3f,"
                         "\"ranks\":%d,\"host_syncs\":%d,\"peak_bytes_max\":%.0f",
                     step + 1, st.loss, st.grad_norm, st.lr, tps, 1e3 * secs, world, mt_runtime_host_syncs(rt), peak_max);
+            if (cfg->mtp_layers > 0) fprintf(mf, ",\"mtp_loss\":%.9g", st.mtp_loss);
             if (world > 1 && per_rank) {
                 fprintf(mf, ",\"rank_step_ms\":[");
                 for (int r = 0; r < world; r++) fprintf(mf, "%s%.3f", r ? "," : "", 1e3 * x[2 + r]);
