@@ -9532,12 +9532,13 @@ int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err) 
     memset(&so, 0, sizeof so);
     if (mt__st_open(&s, path, 1, err)) return -1;
     int rc = 0, with_opt = 0;
-    if (mt__st_meta(&s, "mt.dim")) {   /* the config it was saved for must be this model's (any batch and seq_len: they shape the step, not the weights) */
+    if (mt__st_meta(&s, "mt.dim")) {   /* the config it was saved for must be this model's (any batch, seq_len and mtp_weight: they shape
+                                        * the step or weigh its loss, not the weights) */
         mt_config c;
         char diff[900];
         if (mt__st_config(&s, path, &c, err)) rc = -1;
         else {
-            c.batch = rt->g.cfg.batch; c.seq_len = rt->g.cfg.seq_len;
+            c.batch = rt->g.cfg.batch; c.seq_len = rt->g.cfg.seq_len; c.mtp_weight = rt->g.cfg.mtp_weight;
             if (mt_config_diff(&c, &rt->g.cfg, diff, sizeof diff))
                 rc = mt_errf(err, "'%s' was saved for another model config (checkpoint vs this model): %s", path, diff);
         }

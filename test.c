@@ -6229,6 +6229,158 @@ static void test_cli_recompute(void) {
     remove(mtg);
 }
 
+/* ======================================================================
+ * Multi-token prediction: the graph, the checkpoint's names, the artifact
+ * ==================================================================== */
+
+static void test_mtp(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g0, g2;
+    mt_config_preset(&c, "tiny", &e);
+    c.batch = 2; c.seq_len = 16;
+    /* (a) D = 0 builds none of it (no SHIFT_TOKENS, the loss ops' count and weight 0); D = 2: the depths' layers under
+     * DeepSeek-V3's names, MoE blocks, the shared head not duplicated, each depth's loss over B*(T-k) rows with weight lambda/D */
+    int ok = !compile_cpu(&g0, &c, MT_GRAPH_TRAIN, 1, &e);
+    c.mtp_layers = 2;
+    ok = ok && !compile_cpu(&g2, &c, MT_GRAPH_TRAIN, 1, &e);
+    int shifts0 = 0, attrs0 = 0, shifts = 0, losses = 0, counts_ok = 1, moe = 0;
+    for (int i = 0; ok && i < g0.n_nodes; i++) {
+        const mt_node *n = &g0.nodes[i];
+        shifts0 += n->op == MT_OP_SHIFT_TOKENS;
+        if (n->op == MT_OP_CROSS_ENTROPY || n->op == MT_OP_CROSS_ENTROPY_BWD) attrs0 += n->iattr[1] != 0 || n->fattr[0] != 0;
+    }
+    for (int i = 0; ok && i < g2.n_nodes; i++) {
+        const mt_node *n = &g2.nodes[i];
+        shifts += n->op == MT_OP_SHIFT_TOKENS;
+        moe += n->op == MT_OP_ROUTER && n->layer >= c.n_layers;
+        if (n->op == MT_OP_CROSS_ENTROPY && n->layer >= c.n_layers) {
+            int k = n->layer - c.n_layers + 1;
+            losses++;
+            counts_ok &= n->iattr[1] == c.batch * (c.seq_len - k) && n->fattr[0] == c.mtp_weight / 2;
+        }
+    }
+    int names = ok;
+    static const char *const want[] = {"model.layers.3.enorm.weight", "model.layers.3.hnorm.weight", "model.layers.3.eh_proj.weight",
+                                       "model.layers.3.shared_head.norm.weight", "model.layers.4.self_attn.kv_a_proj_with_mqa.weight",
+                                       "model.layers.4.mlp.experts.*.gate_proj.weight", "model.layers.4.post_attention_layernorm.weight",
+                                       "mtp_loss.1", "mtp_loss.2"};
+    for (size_t i = 0; names && i < sizeof want / sizeof want[0]; i++) names &= mt_graph_find(&g2, want[i]) >= 0;
+    names = names && mt_graph_find(&g2, "model.layers.3.shared_head.head.weight") < 0 && mt_graph_find(&g2, "model.layers.5.enorm.weight") < 0;
+    int eh = ok ? mt_graph_find(&g2, "model.layers.3.eh_proj.weight") : -1;
+    names = names && eh >= 0 && g2.values[eh].dims[0] == c.dim && g2.values[eh].dims[1] == 2 * c.dim;
+    report("MTP graph: none at D = 0; at D = 2 the layers 3, 4 by DeepSeek-V3's names, MoE, losses over B*(T-k)",
+           ok && shifts0 == 0 && attrs0 == 0 && shifts == 4 && losses == 2 && counts_ok && moe == 2 && names,
+           "D=0: %d shifts, %d loss attributes; D=2: %d shifts, %d MTP losses (counts/weights %s), %d MTP routers, names %s %s", shifts0, attrs0,
+           shifts, losses, counts_ok ? "ok" : "WRONG", moe, names ? "ok" : "MISSING", ok ? "" : e.msg);
+    if (ok) mt_graph_free(&g0);
+
+    /* (b) checkpoint: the MTP layers on disk under their names, no copy of the shared head or embedding; config.json's
+     * num_nextn_predict_layers; the round trip bitwise, and the resumed run the uninterrupted one (MTP loss included) */
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    mt_runtime *a = ok ? make_runtime(&g2, 2, 0, 11) : NULL, *b = ok ? make_runtime(&g2, 2, 0, 999) : NULL;
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s", TP("mtp_ckpt"));
+    double la[6], lb[6], ma[6] = {0}, mb[6] = {0};
+    int64_t N = (int64_t)c.batch * c.seq_len;
+    int32_t *tok = (int32_t *)malloc(4 * (size_t)N), *tgt = (int32_t *)malloc(4 * (size_t)N);
+    int rt_ok = a && b;
+    for (int s = 0; rt_ok && s < 3; s++) {
+        mt_step_stats st;
+        make_batch(&c, s, tok, tgt);
+        rt_ok = !mt_runtime_step(a, tok, tgt, s, &hp, &st, &e);
+        la[s] = st.loss; ma[s] = st.mtp_loss;
+    }
+    int step = -1;
+    mt_config c2;
+    rt_ok = rt_ok && !mt_checkpoint_save(a, dir, 3, &e) && !mt_checkpoint_read_config(dir, &c2, &e) && mt_config_equal(&c, &c2) &&
+            !mt_checkpoint_load(b, dir, &step, &e) && step == 3;
+    int same = rt_ok;
+    for (int i = 0; same && i < g2.n_values; i++)
+        if (g2.values[i].role == MT_ROLE_PARAM || g2.values[i].role == MT_ROLE_OPT)
+            same &= !memcmp(mt_runtime_value(a, i), mt_runtime_value(b, i), (size_t)g2.values[i].nbytes);
+    for (int s = 3; same && s < 6; s++) {
+        mt_step_stats sa, sb;
+        memset(&sb, 0, sizeof sb);
+        make_batch(&c, s, tok, tgt);
+        same = !mt_runtime_step(a, tok, tgt, s, &hp, &sa, &e) && !mt_runtime_step(b, tok, tgt, s, &hp, &sb, &e);
+        la[s] = sa.loss; lb[s] = sb.loss; ma[s] = sa.mtp_loss; mb[s] = sb.mtp_loss;
+    }
+    same = same && bitwise_equal(la + 3, lb + 3, 3) && bitwise_equal(ma + 3, mb + 3, 3) && ma[5] > 0 && ma[5] < ma[0];
+    mt__st st;
+    int disk = rt_ok && mt__st_open(&st, TP("mtp_ckpt/model.safetensors"), 1, &e) == 0;
+    if (disk) {
+        const mt__st_t *t = mt__st_find(&st, "model.layers.3.eh_proj.weight");
+        disk = t && t->ndim == 2 && t->shape[0] == c.dim && t->shape[1] == 2 * c.dim && mt__st_find(&st, "model.layers.3.enorm.weight") &&
+               mt__st_find(&st, "model.layers.4.hnorm.weight") && mt__st_find(&st, "model.layers.4.shared_head.norm.weight") &&
+               mt__st_find(&st, "model.layers.4.mlp.experts.7.down_proj.weight") && mt__st_find(&st, "model.layers.4.self_attn.o_proj.weight") &&
+               mt__st_find(&st, "model.layers.3.mlp.gate.e_score_correction_bias") && !mt__st_find(&st, "model.layers.3.shared_head.head.weight") &&
+               !mt__st_find(&st, "model.layers.3.embed_tokens.weight");
+        mt__st_free(&st);
+    }
+    uint8_t *json = NULL;
+    size_t jl = 0;
+    int cfg = rt_ok && !mt_read_file(TP("mtp_ckpt/config.json"), &json, &jl, &e) && strstr((const char *)json, "\"num_nextn_predict_layers\": 2,") &&
+              strstr((const char *)json, "\"num_hidden_layers\": 3,");
+    free(json);
+    report("MTP checkpoint: DeepSeek-V3's names on disk, config.json, round trip and resume bitwise", rt_ok && same && disk && cfg,
+           "loss %.4f -> %.4f, MTP loss %.4f -> %.4f; names %s, config.json %s %s", la[0], la[5], ma[0], ma[5], disk ? "ok" : "WRONG",
+           cfg ? "ok" : "WRONG", rt_ok ? "" : e.msg);
+    /* a model without MTP does not take this checkpoint (nor the reverse): the config names the difference */
+    int refused = 0;
+    c2 = c; c2.mtp_layers = 0;
+    if (ok && !compile_cpu(&g0, &c2, MT_GRAPH_TRAIN, 1, &e)) {
+        mt_runtime *d = make_runtime(&g0, 1, 0, 1);
+        refused = d && mt_checkpoint_load(d, dir, NULL, &e) != 0 && strstr(e.msg, "mtp_layers 2 vs 0") != NULL;
+        mt_runtime_destroy(d);
+        mt_graph_free(&g0);
+    }
+    char why[300];
+    snprintf(why, sizeof why, "%s", e.msg);
+    c2 = c; c2.mtp_weight = 0.1f;   /* the report's second phase: the same weights under another lambda */
+    int taken = 0;
+    if (ok && !compile_cpu(&g0, &c2, MT_GRAPH_TRAIN, 1, &e)) {
+        mt_runtime *d = make_runtime(&g0, 1, 0, 1);
+        taken = d && mt_checkpoint_load(d, dir, NULL, &e) == 0;
+        mt_runtime_destroy(d);
+        mt_graph_free(&g0);
+    }
+    report("MTP checkpoint: refused by a model without MTP (naming mtp_layers), taken under another mtp_weight", refused && taken, "%s%s", why,
+           taken ? "" : e.msg);
+    free(tok); free(tgt);
+    mt_runtime_destroy(a); mt_runtime_destroy(b);
+    if (ok) mt_graph_free(&g2);
+    remove_tree(dir);
+
+    /* (c) the artifact carries it: precompile + train --graph = in-process, bitwise (losses, MTP losses, grad norms, lr),
+     * under tp 2 x ep 2 with document masks; and the tp run's checkpoint loads at one rank tensor for tensor */
+    static char o[1 << 16], mta[1 << 14], mtb[1 << 14];
+    char d2[256], p[600], q[600];
+    scratch_dir(d2, sizeof d2, "climtp");
+    const char *run = "--preset tiny --mtp-layers 2 --mtp-weight 0.5 --doc-mask 1 --eot-id 3";
+    int r1 = sh(o, sizeof o, "%sprecompile %s --tp 2 --ep 2 -o %s/mtp.mtg 2>&1", BIN, run, d2);
+    int r2 = r1 ? -1 : sh(o, sizeof o, "%strain --graph %s/mtp.mtg --seed 3 --steps 4 --metrics %s/a.jsonl --save %s/pre 2>&1", BIN, d2, d2, d2);
+    int r3 = sh(o, sizeof o, "%strain %s --seed 3 --nproc 2 --tp 2 --ep 2 --steps 4 --metrics %s/b.jsonl --save %s/inproc 2>&1", BIN, run, d2, d2);
+    int logged = strstr(o, "| mtp ") != NULL;
+    snprintf(p, sizeof p, "%s/a.jsonl", d2); snprintf(q, sizeof q, "%s/b.jsonl", d2);
+    metrics_core(p, 1, mta, sizeof mta); metrics_core(q, 1, mtb, sizeof mtb);
+    int n = 0, m = 0;
+    snprintf(p, sizeof p, "%s/pre/model.safetensors", d2); snprintf(q, sizeof q, "%s/inproc/model.safetensors", d2);
+    int same_w = !r1 && !r2 && !r3 && same_tensors(p, q, &n);
+    report("CLI: precompile --mtp-layers 2 --tp 2 --ep 2, train --graph = in-process, bitwise", same_w && n_lines(mta) == 4 && !strcmp(mta, mtb) &&
+           strstr(mta, "\"mtp_loss\":") && logged, "%d steps (mtp_loss in the metrics: %s, in the log: %s), %d tensors; exit %d %d %d %.200s", n_lines(mta),
+           strstr(mta, "\"mtp_loss\":") ? "yes" : "NO", logged ? "yes" : "NO", n, r1, r2, r3, same_w ? "" : o);
+    int r4 = sh(o, sizeof o, "%strain %s --steps 0 --load %s/inproc --save %s/one 2>&1", BIN, run, d2, d2);
+    char p2[600], q2[600];
+    snprintf(p, sizeof p, "%s/inproc/model.safetensors", d2); snprintf(q, sizeof q, "%s/one/model.safetensors", d2);
+    snprintf(p2, sizeof p2, "%s/inproc/optimizer-step4.safetensors", d2); snprintf(q2, sizeof q2, "%s/one/optimizer-step4.safetensors", d2);
+    int moved = !r4 && same_tensors(p, q, &n) && same_tensors(p2, q2, &m);
+    report("CLI: a tp 2 x ep 2 checkpoint with MTP layers loads at one rank, tensor for tensor", moved, "%d weights, %d moments %.200s", n, m,
+           moved ? "" : o);
+    remove_tree(d2);
+}
+
 int main(void) {
     mt_rng_seed(&R, 42);
     if (getenv("MT_BIN")) BIN = getenv("MT_BIN");
@@ -6288,6 +6440,7 @@ int main(void) {
     RUN(test_cli_sharded_checkpoint);
     RUN(test_cli_tensor_parallel);
     RUN(test_cli_recompute);
+    RUN(test_mtp);
 #undef RUN
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;

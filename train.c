@@ -338,7 +338,7 @@ static int checkpoint_config(opts *o, mt_config *cfg, int fixed_by_graph) {
     }
     if (mt_config_validate(cfg, &e)) { fprintf(stderr, "train: %s\n", e.msg); return 2; }
     mt_config model = ck;
-    model.batch = cfg->batch; model.seq_len = cfg->seq_len;
+    model.batch = cfg->batch; model.seq_len = cfg->seq_len; model.mtp_weight = cfg->mtp_weight;   /* the MTP loss's weight may change (0.3 -> 0.1) */
     char diff[900];
     if (mt_config_diff(&model, cfg, diff, sizeof diff)) {
         if (fixed_by_graph) {
@@ -353,14 +353,18 @@ static int checkpoint_config(opts *o, mt_config *cfg, int fixed_by_graph) {
         }
         printf("adopted the checkpoint's model config (--adopt-config); it differs from the one asked for in (checkpoint vs asked): %s\n", diff);
         int B = cfg->batch, T = cfg->seq_len;
+        float W = cfg->mtp_weight;
         *cfg = ck;
         if (override_given(o, "batch")) cfg->batch = B;
         if (override_given(o, "seq_len")) cfg->seq_len = T;
+        if (override_given(o, "mtp_weight")) cfg->mtp_weight = W;
         o->config_from = "checkpoint";
     }
     if (!o->forward && (cfg->batch != ck.batch || cfg->seq_len != ck.seq_len))
         printf("note: batch x seq_len %d x %d, the checkpoint's run used %d x %d: this is not its exact continuation\n", cfg->batch,
                cfg->seq_len, ck.batch, ck.seq_len);
+    if (!o->forward && cfg->mtp_weight != ck.mtp_weight && cfg->mtp_layers > 0)
+        printf("note: mtp_weight %g, the checkpoint's run used %g\n", (double)cfg->mtp_weight, (double)ck.mtp_weight);
     return 0;
 }
 
@@ -783,10 +787,10 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
             printf("\n");
         }
         if (mf) {
-            fprintf(mf, "{\"step\":%d,\"loss\":%.9g,\"grad_norm\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"step_ms\":%.3f,"
-                        "\"ranks\":%d,\"host_syncs\":%d,\"peak_bytes_max\":%.0f",
-                    step + 1, st.loss, st.grad_norm, st.lr, tps, 1e3 * secs, world, mt_runtime_host_syncs(rt), peak_max);
-            if (cfg->mtp_layers > 0) fprintf(mf, ",\"mtp_loss\":%.9g", st.mtp_loss);
+            fprintf(mf, "{\"step\":%d,\"loss\":%.9g,", step + 1, st.loss);
+            if (cfg->mtp_layers > 0) fprintf(mf, "\"mtp_loss\":%.9g,", st.mtp_loss);
+            fprintf(mf, "\"grad_norm\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"step_ms\":%.3f,\"ranks\":%d,\"host_syncs\":%d,\"peak_bytes_max\":%.0f",
+                    st.grad_norm, st.lr, tps, 1e3 * secs, world, mt_runtime_host_syncs(rt), peak_max);
             if (world > 1 && per_rank) {
                 fprintf(mf, ",\"rank_step_ms\":[");
                 for (int r = 0; r < world; r++) fprintf(mf, "%s%.3f", r ? "," : "", 1e3 * x[2 + r]);
