@@ -1466,8 +1466,8 @@ const mt_field mt_config_fields[] = {
     MT__F(eot_id, MT_FIELD_INT, "end-of-text token id; a document starts after it (-1 = none)"),
     MT__F(norm_eps, MT_FIELD_FLOAT, "RMSNorm epsilon"),
     MT__F(load_balance_coeff, MT_FIELD_FLOAT, "expert-bias step (0 = off)"),
-    MT__F(mtp_layers, MT_FIELD_INT, "multi-token prediction depths (0 = none)"),
-    MT__F(mtp_weight, MT_FIELD_FLOAT, "weight of the mean MTP loss"),
+    MT__F(mtp_layers, MT_FIELD_INT, "multi-token prediction depths, HF num_nextn_predict_layers (0 = none)"),
+    MT__F(mtp_weight, MT_FIELD_FLOAT, "lambda: the mean MTP loss's weight (DeepSeek-V3: 0.3, later 0.1)"),
 };
 #undef MT__F
 const int mt_n_config_fields = (int)(sizeof mt_config_fields / sizeof mt_config_fields[0]);

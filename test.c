@@ -1714,6 +1714,52 @@ static int gpu_steps(mt_runtime *rt, const mt_config *c, int n, double *loss, do
     free(tok); free(tgt);
     return rc;
 }
+/* Multi-token prediction on the GPU (2 depths, document masks): the main and MTP losses and grad norms follow the CPU's
+ * float32 steps, and two GPU runs are bitwise the same. */
+static void gpu_test_mtp(void) {
+    mt_config c;
+    mt_err e;
+    mt_config_preset(&c, "tiny", &e);
+    c.mtp_layers = 2; c.doc_mask = 1; c.eot_id = 3;
+    mt_graph gc, gg;
+    if (gpu_compile(&gc, &c, 0, 1, &e) || gpu_compile(&gg, &c, 1, 1, &e)) { report("gpu MTP steps", 0, "%s", e.msg); return; }
+    enum { S = 5 };
+    double l[3][S], m[3][S], g[3][S];
+    mt_runtime *rt[3] = {gpu_runtime(&gc, 0), gpu_runtime(&gg, 1), gpu_runtime(&gg, 0)};
+    int64_t N = (int64_t)c.batch * c.seq_len;
+    int32_t *tok = (int32_t *)malloc(4 * (size_t)N), *tgt = (int32_t *)malloc(4 * (size_t)N);
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    int ok = rt[0] && rt[1] && rt[2];
+    for (int k = 0; ok && k < 3; k++)
+        for (int s = 0; ok && s < S; s++) {
+            mt_rng r;
+            mt_rng_seed(&r, 77 + (uint64_t)s);
+            for (int64_t i = 0; i < N; i++) {
+                tok[i] = (int32_t)(mt_rng_u64(&r) % (uint64_t)c.vocab_size);
+                if (mt_rng_u64(&r) % 12 == 0) tok[i] = c.eot_id;
+                tgt[i] = (tok[i] * 5 + 1) % c.vocab_size;
+            }
+            mt_step_stats st;
+            ok = !mt_runtime_step(rt[k], tok, tgt, s, &hp, &st, &e);
+            l[k][s] = st.loss; m[k][s] = st.mtp_loss; g[k][s] = st.grad_norm;
+        }
+    double wl = 0, wm = 0, wg = 0;
+    for (int s = 0; ok && s < S; s++) {
+        wl = fmax(wl, fabs(l[1][s] - l[0][s]) / l[0][s]);
+        wm = fmax(wm, fabs(m[1][s] - m[0][s]) / m[0][s]);
+        wg = fmax(wg, fabs(g[1][s] - g[0][s]) / g[0][s]);
+    }
+    report("gpu MTP (2 depths, document masks) steps vs CPU", ok && wl < 2e-2 && wm < 2e-2 && wg < 1e-1 && m[1][S - 1] < m[1][0],
+           "MTP loss %.5f -> %.5f (CPU %.5f -> %.5f); worst rel loss %.1e, MTP loss %.1e, grad norm %.1e %s", ok ? m[1][0] : 0,
+           ok ? m[1][S - 1] : 0, ok ? m[0][0] : 0, ok ? m[0][S - 1] : 0, wl, wm, wg, ok ? "" : e.msg);
+    report("gpu MTP steps bitwise run to run (poisoned arena too)", ok && bitwise_equal(l[1], l[2], S) && bitwise_equal(m[1], m[2], S) &&
+           bitwise_equal(g[1], g[2], S), NULL);
+    free(tok); free(tgt);
+    for (int k = 0; k < 3; k++) mt_runtime_destroy(rt[k]);
+    mt_graph_free(&gc); mt_graph_free(&gg);
+}
+
 static void gpu_test_whole_steps(void) {
     mt_config c;
     mt_err e;
@@ -2225,6 +2271,7 @@ int main(void) {
     GPU_RUN(gpu_test_loss_and_optimizer());
     GPU_RUN(gpu_test_multi_tensor());
     GPU_RUN(gpu_test_whole_steps());
+    GPU_RUN(gpu_test_mtp());
     GPU_RUN(gpu_test_fold_rope_steps(0));
     GPU_RUN(gpu_test_fold_rope_steps(1));
     GPU_RUN(gpu_test_recompute());
