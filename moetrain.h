@@ -64,7 +64,7 @@
  *
  * op                 checked in           built by                     backward           passes
  *                                         CPU (mt__exec_cpu)                       CUDA (mt__exec_cuda)
- * EMBED              mt__check_dense      mt__forward                  EMBED_BWD          -
+ * EMBED              mt__check_dense      mt__forward, mt__mtp         EMBED_BWD          -
  *                                         mt_cpu_embed_forward                     mt_cuda_embed_forward
  * EMBED_BWD          mt__check_dense      <- EMBED                     -                  -
  *                                         mt_cpu_embed_backward                    mt_cuda_embed_backward
@@ -74,9 +74,9 @@
  *                                         mt_cpu_rmsnorm_backward                  mt_cuda_rmsnorm_backward
  * MATMUL             mt__check_dense      mt__linear, <- MATMUL        MATMUL x 2         fuse, tune
  *                                         mt_cpu_matmul                            mt_cuda_matmul
- * SPLIT              mt__check_dense      mt__mla                      CONCAT             -
+ * SPLIT              mt__check_dense      mt__mla, <- CONCAT           CONCAT             -
  *                                         mt_cpu_split                             mt_cuda_split
- * CONCAT             mt__check_dense      <- SPLIT                     -                  -
+ * CONCAT             mt__check_dense      mt__mtp, <- SPLIT            SPLIT              -
  *                                         mt_cpu_concat                            mt_cuda_concat
  * MLA_ROPE           mt__check_attention  mt__mla                      MLA_ROPE_BWD       fold_rope
  *                                         mt_cpu_mla_rope_forward                  mt_cuda_mla_rope_forward
@@ -116,7 +116,7 @@
  *                                         mt_cpu_moe_combine_forward               mt_cuda_moe_combine_forward
  * MOE_COMBINE_BWD    mt__check_moe        <- MOE_COMBINE               -                  -
  *                                         mt_cpu_moe_combine_backward              mt_cuda_moe_combine_backward
- * CROSS_ENTROPY      mt__check_loss       mt__forward (tp = 1)         CROSS_ENTROPY_BWD  -
+ * CROSS_ENTROPY      mt__check_loss       mt__cross_entropy (tp = 1)   CROSS_ENTROPY_BWD  -
  *                                         mt_cpu_cross_entropy_forward             mt_cuda_cross_entropy_forward
  * CROSS_ENTROPY_BWD  mt__check_loss       <- CROSS_ENTROPY             -                  -
  *                                         mt_cpu_cross_entropy_backward            mt_cuda_cross_entropy_backward
@@ -162,12 +162,14 @@
  *                                         mt__cpu_allgather                        mt_nccl_allgather
  * SP_SCATTER         mt__check_collective mt__sp, <- SP_GATHER         SP_GATHER          overlap, capture
  *                                         mt__cpu_reduce_scatter                   mt_nccl_reduce_scatter
- * CE_STATS           mt__check_loss       mt__forward (tp > 1)         (via CE_COMBINE)   -
+ * CE_STATS           mt__check_loss       mt__cross_entropy (tp > 1)   (via CE_COMBINE)   -
  *                                         mt_cpu_ce_stats                          mt_cuda_ce_stats
- * CE_COMBINE         mt__check_loss       mt__forward (tp > 1)         CE_SHARD_BWD       -
+ * CE_COMBINE         mt__check_loss       mt__cross_entropy (tp > 1)   CE_SHARD_BWD       -
  *                                         mt_cpu_ce_combine                        mt_cuda_ce_combine
  * CE_SHARD_BWD       mt__check_loss       <- CE_COMBINE                -                  -
  *                                         mt_cpu_ce_shard_backward                 mt_cuda_ce_shard_backward
+ * SHIFT_TOKENS       mt__check_dense      mt__mtp                      -                  -
+ *                                         mt_cpu_shift_tokens                      mt_cuda_shift_tokens
  * (end of the op index) */
 #ifndef MOETRAIN_H
 #define MOETRAIN_H
@@ -193,11 +195,13 @@ typedef MT_REAL mt_real;
 
 #define MT_VERSION_STRING "moetrain 0.1"
 #define MT_KERNELS_VERSION "moetrain-kernels 3"   /* bump when any kernel's numerics change (2: RoPE rotations with pinned roundings; 3: the SwiGLU's logistic with the approximate reciprocal) */
-#define MT_FORMAT_VERSION 7u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
+#define MT_FORMAT_VERSION 8u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
                                                       4: activation recompute: the recompute phase, the choice and budget in the plan; 5: tuning by GPU model;
                                                       6: RoPE folded into attention: ROPE_PE, MLA_ATTENTION(_BWD), ROPE_PE_BWD, 10 inputs a node;
                                                       7: tensor parallelism: SP_GATHER/SP_SCATTER, CE_STATS/CE_COMBINE/CE_SHARD_BWD, EMBED's
-                                                         token slice, the TP_ROWS/TP_COLS value flags) */
+                                                         token slice, the TP_ROWS/TP_COLS value flags;
+                                                      8: multi-token prediction: SHIFT_TOKENS, the loss ops' counted rows and weight,
+                                                         the config fields mtp_layers and mtp_weight) */
 
 /* ========================================================================
  * 1. Basics
@@ -295,6 +299,8 @@ typedef struct {
     int eot_id;              /* end-of-text token: a document starts after it; -1 = none */
     float norm_eps;
     float load_balance_coeff;/* auxiliary-loss-free bias step; 0 disables the update */
+    int mtp_layers;          /* multi-token prediction depths D (HF num_nextn_predict_layers); 0: none */
+    float mtp_weight;        /* lambda: loss = main + lambda * mean over the D depths of their losses */
 } mt_config;
 
 /* One table describes every config field: the CLI (--name value), the artifact,
@@ -465,7 +471,7 @@ typedef struct {
     X(RMSNORM_BWD, 4, 2, 0)      /* dy, x, w, rstd -> dx, dw */                   \
     X(MATMUL, 2, 1, 1)           /* A, B -> C = op(A) op(B); i0 transA i1 transB */\
     X(SPLIT, 1, 2, 1)            /* x[N,a+b] -> x1[N,a], x2[N,b] */               \
-    X(CONCAT, 2, 1, 0)           /* x1[N,a], x2[N,b] -> x[N,a+b] */               \
+    X(CONCAT, 2, 1, 1)           /* x1[N,a], x2[N,b] -> x[N,a+b]; i0 a */         \
     X(MLA_ROPE, 5, 3, 1)         /* q, kv, kpe, cos, sin -> Q, K, V */            \
     X(MLA_ROPE_BWD, 5, 3, 0)     /* dQ, dK, dV, cos, sin -> dq, dkv, dkpe */      \
     X(ATTENTION, 4, 2, 1)        /* Q, K, V, dstart (optional) -> O[N,H*dv], lse[N,H] f32 */ \
@@ -485,8 +491,8 @@ typedef struct {
     X(GMM_DW, 3, 1, 0)           /* dY[R,M], X[R,K], offs -> dW[E,M,K] = dY_e^T X_e */ \
     X(MOE_COMBINE, 3, 1, 1)      /* ys[NK,D], slot[NK], w[N,K] -> y[N,D] */       \
     X(MOE_COMBINE_BWD, 4, 2, 0)  /* dy, ys, slot, w -> dys, dw */                 \
-    X(CROSS_ENTROPY, 2, 2, 1)    /* logits[N,V], targets[N] -> loss[1] f32, lse[N] f32 */ \
-    X(CROSS_ENTROPY_BWD, 3, 1, 0)/* logits, lse, targets -> dlogits */            \
+    X(CROSS_ENTROPY, 2, 2, 1)    /* logits[N,V], targets[N] -> loss[1] f32, lse[N] f32; i1 rows counted (0: N), f0 weight (0: 1) */ \
+    X(CROSS_ENTROPY_BWD, 3, 1, 0)/* logits, lse, targets -> dlogits; i1, f0 as CROSS_ENTROPY's */ \
     X(SUMSQ, 2, 1, 0)            /* g, acc_in (optional) -> acc_out[1] f32; i0 1: g holds squares */ \
     X(ALLREDUCE, 1, 1, 0)        /* x -> x (in place); i0 mesh-dim mask, i1 group, i2 mean; f0 scale (0: none) */ \
     X(LR_SCHEDULE, 2, 1, 0)      /* hparams[16] f32, step[1] i32 -> lr[1] f32 */  \
@@ -509,8 +515,9 @@ typedef struct {
     X(SP_GATHER, 1, 1, 1)        /* x[n,D] -> y[n*S,D]: the group's rows in group order; i0 mesh-dim mask, i1 group */ \
     X(SP_SCATTER, 1, 1, 1)       /* x[n*S,D] -> y[n,D]: my rows of the group's sum; i0 mask, i1 group */ \
     X(CE_STATS, 2, 1, 0)         /* logits[N,Vl] (a vocab shard), targets[N] -> st[N,3] f32: max, sum exp(x - max), target logit; i0 coord (symbol) */ \
-    X(CE_COMBINE, 3, 2, 1)       /* st[S*N,3] (every shard's), logits (for the backward), targets -> loss[1] f32, lse[N] f32 */ \
-    X(CE_SHARD_BWD, 3, 1, 0)     /* logits[N,Vl], lse[N], targets -> dlogits[N,Vl]; i0 coord (symbol) */
+    X(CE_COMBINE, 3, 2, 1)       /* st[S*N,3] (every shard's), logits (for the backward), targets -> loss[1] f32, lse[N] f32; i1, f0 as CROSS_ENTROPY's */ \
+    X(CE_SHARD_BWD, 3, 1, 0)     /* logits[N,Vl], lse[N], targets -> dlogits[N,Vl]; i0 coord (symbol); i1, f0 as CROSS_ENTROPY's */ \
+    X(SHIFT_TOKENS, 1, 1, 0)     /* x[N] i32 -> y[N]: y[b*T+t] = x[b*T+t+k] where t+k < T, else fill; i0 T, i1 k, i2 fill */
 
 enum {
 #define MT_OP_ENUM(name, ni, no, d) MT_OP_##name,
@@ -788,17 +795,21 @@ void mt_cpu_moe_combine_forward(mt_real *y, const mt_real *ys, const int32_t *sl
                                 const mt_real *w, int N, int D, int K);
 void mt_cpu_moe_combine_backward(mt_real *dys, mt_real *dw, const mt_real *dy, const mt_real *ys,
                                  const int32_t *slot, const mt_real *w, int N, int D, int K);
+/* The loss: rows whose target is < 0 count nothing (their dlogits are 0); the mean divides by
+ * count (<= 0: N), and the backward scales by `scale` (1/N for the plain mean; weight/count). */
 void mt_cpu_cross_entropy_forward(mt_pool *pool, mt_real *loss, mt_real *lse,
-                                  const mt_real *logits, const int32_t *tgt, int N, int V);
+                                  const mt_real *logits, const int32_t *tgt, int N, int V, int count);
 void mt_cpu_cross_entropy_backward(mt_pool *pool, mt_real *dlogits, const mt_real *logits,
-                                   const mt_real *lse, const int32_t *tgt, int N, int V);
+                                   const mt_real *lse, const int32_t *tgt, int N, int V, double scale);
 /* The cross-entropy on vocab shards (tensor parallelism): logits [N,Vl] hold vocab entries
  * [v0, v0+Vl). Stats: st[n] = {max, sum exp(x - max), the target's logit or 0 when another shard
  * holds it}. Combine: S shards' stats [S,N,3] in shard order -> the mean loss and lse [N]. */
 void mt_cpu_ce_stats(mt_real *st, const mt_real *logits, const int32_t *tgt, int N, int Vl, int v0);
-void mt_cpu_ce_combine(mt_real *loss, mt_real *lse, const mt_real *st, int S, int N);
+void mt_cpu_ce_combine(mt_real *loss, mt_real *lse, const mt_real *st, const int32_t *tgt, int S, int N, int count);
 void mt_cpu_ce_shard_backward(mt_real *dlogits, const mt_real *logits, const mt_real *lse, const int32_t *tgt,
-                              int N, int Vl, int v0);
+                              int N, int Vl, int v0, double scale);
+/* Multi-token prediction's inputs: y[b*T+t] = x[b*T+t+k] while t+k < T (the same sequence), else fill. */
+void mt_cpu_shift_tokens(int32_t *y, const int32_t *x, int N, int T, int k, int fill);
 void mt_cpu_adamw(mt_real *p, mt_real *m, mt_real *v, const mt_real *g, int64_t n, double lr,
                   double coef, const float hp[MT_HP_COUNT], int step, int decay);
 void mt_cpu_expert_bias_update(mt_real *bias, const int32_t *counts, int E, float coeff);
@@ -910,7 +921,8 @@ void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
 
 typedef struct mt_runtime mt_runtime;
 typedef struct {
-    double loss, grad_norm, lr;
+    double loss, grad_norm, lr;   /* loss: the main (next-token) loss, without the MTP term */
+    double mtp_loss;              /* mtp_layers > 0: the mean over the depths of their losses (mtp_loss.<k>); else 0 */
     double seconds;
 } mt_step_stats;
 
@@ -1075,12 +1087,16 @@ int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32
 int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
                                  const float *w, int N, int D, int K);
 size_t mt_cuda_cross_entropy_workspace(int N);
-int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const void *logits, const int32_t *tgt, int N, int V, void *ws);
-int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int V);
+/* targets < 0 count nothing; count: the rows the mean divides by; inv: the backward's scale (1.0f / N for the plain mean) */
+int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const void *logits, const int32_t *tgt, int N, int V, int count, void *ws);
+int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int V, float inv);
 /* The cross-entropy on vocab shards (tensor parallelism; see mt_cpu_ce_stats): logits [N,Vl] bf16 hold entries [v0, v0+Vl). */
 int mt_cuda_ce_stats(mt_cuda *c, float *st, const void *logits, const int32_t *tgt, int N, int Vl, int v0);
-int mt_cuda_ce_combine(mt_cuda *c, float *loss, float *lse, const float *st, int S, int N, void *ws);   /* ws: mt_cuda_cross_entropy_workspace(N) */
-int mt_cuda_ce_shard_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int Vl, int v0);
+int mt_cuda_ce_combine(mt_cuda *c, float *loss, float *lse, const float *st, const int32_t *tgt, int S, int N, int count,
+                       void *ws);   /* ws: mt_cuda_cross_entropy_workspace(N) */
+int mt_cuda_ce_shard_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int Vl, int v0,
+                              float inv);
+int mt_cuda_shift_tokens(mt_cuda *c, int32_t *y, const int32_t *x, int N, int T, int k, int fill);   /* see mt_cpu_shift_tokens */
 size_t mt_cuda_sumsq_workspace(void);
 int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *g, int64_t n, int squares, void *ws);
 /* a run of SUMSQ nodes chained on one accumulator (item i's input is item i-1's acc_out; item 0's is acc_in)
@@ -1529,6 +1545,8 @@ const mt_field mt_config_fields[] = {
     MT__F(eot_id, MT_FIELD_INT, "end-of-text token id; a document starts after it (-1 = none)"),
     MT__F(norm_eps, MT_FIELD_FLOAT, "RMSNorm epsilon"),
     MT__F(load_balance_coeff, MT_FIELD_FLOAT, "expert-bias step (0 = off)"),
+    MT__F(mtp_layers, MT_FIELD_INT, "multi-token prediction depths, HF num_nextn_predict_layers (0 = none)"),
+    MT__F(mtp_weight, MT_FIELD_FLOAT, "lambda: the mean MTP loss's weight (DeepSeek-V3: 0.3, later 0.1)"),
 };
 #undef MT__F
 const int mt_n_config_fields = (int)(sizeof mt_config_fields / sizeof mt_config_fields[0]);
@@ -1549,6 +1567,8 @@ static void mt__config_common(mt_config *c) {
     c->load_balance_coeff = 1e-3f;
     c->doc_mask = 0;
     c->eot_id = -1;
+    c->mtp_layers = 0;
+    c->mtp_weight = 0.3f;   /* DeepSeek-V3's lambda for its first 10T tokens (then 0.1) */
 }
 
 const char *mt_config_preset_names(void) { return "tiny, debug, mid, 16b"; }
@@ -1669,6 +1689,11 @@ int mt_config_yarn(const mt_config *c) { return c->rope_factor > 1.0f && c->seq_
 int mt_config_is_moe_layer(const mt_config *c, int layer) {
     return layer >= c->n_dense_layers && c->n_routed_experts > 0;
 }
+/* Blocks with a MoE FFN exist: a main block past the dense ones, or an MTP block (layer >= n_layers,
+ * MoE as DeepSeek-V3's is, unless the model has no experts at all). */
+static int mt__config_has_moe(const mt_config *c) {
+    return c->n_dense_layers < c->n_layers || (c->mtp_layers > 0 && c->n_routed_experts > 0);
+}
 
 int mt_config_validate(const mt_config *c, mt_err *err) {
 #define MT__REQ(cond, ...) do { if (!(cond)) return mt_errf(err, "invalid config: " __VA_ARGS__); } while (0)
@@ -1684,7 +1709,7 @@ int mt_config_validate(const mt_config *c, mt_err *err) {
             "qk_rope_head_dim %d must be even, 2..1024", c->qk_rope_head_dim);
     MT__REQ(c->v_head_dim >= 1 && c->v_head_dim <= 1024, "v_head_dim %d out of range", c->v_head_dim);
     MT__REQ(c->n_dense_layers == 0 || (c->inter_dim >= 1 && c->inter_dim <= 1 << 20), "inter_dim %d out of range", c->inter_dim);
-    int has_moe = c->n_dense_layers < c->n_layers;
+    int has_moe = mt__config_has_moe(c);
     if (has_moe) {
         MT__REQ(c->n_routed_experts >= 1 && c->n_routed_experts <= 4096, "n_routed_experts %d must be in 1..4096", c->n_routed_experts);
         MT__REQ(c->top_k >= 1 && c->top_k <= c->n_routed_experts && c->top_k <= 64,
@@ -1716,6 +1741,10 @@ int mt_config_validate(const mt_config *c, mt_err *err) {
     MT__REQ(!c->doc_mask || c->eot_id >= 0, "doc_mask needs eot_id (the end-of-text token)");
     MT__REQ(isfinite(c->norm_eps) && c->norm_eps > 0, "norm_eps must be > 0");
     MT__REQ(isfinite(c->load_balance_coeff) && c->load_balance_coeff >= 0, "load_balance_coeff must be >= 0");
+    MT__REQ(c->mtp_layers >= 0 && c->mtp_layers <= 16 && c->mtp_layers < c->seq_len,
+            "mtp_layers %d must be in 0..16 and below seq_len", c->mtp_layers);
+    MT__REQ(isfinite(c->mtp_weight) && (c->mtp_weight > 0 || (c->mtp_layers == 0 && c->mtp_weight == 0)),
+            "mtp_weight must be > 0 (mtp_layers 0 turns multi-token prediction off)");
 #undef MT__REQ
     return 0;
 }
@@ -1836,11 +1865,11 @@ int mt_mesh_validate(const mt_mesh *m, const mt_config *c, mt_err *err) {
     if (chk.size[MT_DIM_EDP] != m->size[MT_DIM_EDP])
         return mt_errf(err, "mesh edp size %d should be dp_shard*tp/ep = %d", m->size[MT_DIM_EDP],
                        chk.size[MT_DIM_EDP]);
-    if (c->n_dense_layers < c->n_layers && c->n_routed_experts % m->size[MT_DIM_EP])
+    if (mt__config_has_moe(c) && c->n_routed_experts % m->size[MT_DIM_EP])
         return mt_errf(err, "ep=%d must divide n_routed_experts=%d", m->size[MT_DIM_EP], c->n_routed_experts);
     int tp = m->size[MT_DIM_TP];
     if (tp > 1) {   /* what tensor parallelism splits must split evenly */
-        int moe = c->n_dense_layers < c->n_layers;
+        int moe = mt__config_has_moe(c);
         struct { const char *what; int64_t n; int used; } need[] = {
             {"n_heads", c->n_heads, 1},
             {"vocab_size", c->vocab_size, 1},
@@ -2104,7 +2133,7 @@ static int mt__index_operands(int op, uint32_t *in, uint32_t *out) {
     case MT_OP_ATTENTION_BWD: *in = 64u; break;
     case MT_OP_MLA_ATTENTION: *in = 16u; break;
     case MT_OP_MLA_ATTENTION_BWD: *in = 128u; break;
-    case MT_OP_DOC_STARTS: *in = 1u; *out = 1u; break;
+    case MT_OP_DOC_STARTS: case MT_OP_SHIFT_TOKENS: *in = 1u; *out = 1u; break;
     case MT_OP_CE_STATS: *in = 2u; break;
     case MT_OP_CE_COMBINE: *in = 4u; break;
     case MT_OP_CE_SHARD_BWD: *in = 4u; break;
@@ -2226,6 +2255,12 @@ static int mt__check_dense(mt__ck c) {
         MT__T(mt__shape(&c, a, "tokens", 1, MT__ANY, 0, 0));
         if (a->dims[0] % n->iattr[0]) return mt_errf(err, "DOC_STARTS: %lld tokens is not a multiple of seq_len %d", (long long)a->dims[0], n->iattr[0]);
         MT__T(mt__shape(&c, o, "dstart", 1, a->dims[0], 0, 0));
+        break;
+    case MT_OP_SHIFT_TOKENS:
+        MT__T(mt__int_attr(&c, 0, 1, 1 << 20)); MT__T(mt__int_attr(&c, 1, 0, 1 << 20)); MT__T(mt__int_attr(&c, 2, -1, INT_MAX));
+        MT__T(mt__shape(&c, a, "x", 1, MT__ANY, 0, 0));
+        if (a->dims[0] % n->iattr[0]) return mt_errf(err, "SHIFT_TOKENS: %lld tokens is not a multiple of seq_len %d", (long long)a->dims[0], n->iattr[0]);
+        MT__T(mt__shape(&c, o, "y", 1, a->dims[0], 0, 0));
         break;
     case MT_OP_SWIGLU: case MT_OP_ADD:
         MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
@@ -2509,6 +2544,12 @@ static int mt__check_loss(mt__ck c) {
     const mt_op_info *oi = &mt_ops[n->op];
     const mt_value *a = mt__in(&c, 0), *b = mt__in(&c, 1), *o = mt__out(&c, 0);
     mt_err *err = c.err;
+    /* i1: the rows the mean counts (0: all; targets < 0 are left out), f0: the loss's weight in the backward (0: 1) */
+    if (n->op != MT_OP_CE_STATS) {
+        const mt_value *tg = mt__in(&c, n->op == MT_OP_CROSS_ENTROPY ? 1 : 2);
+        MT__T(mt__int_attr(&c, 1, 0, tg ? (int)tg->dims[0] : 0));
+        if (n->fattr[0] < 0) return mt_errf(err, "%s: the loss weight %g is negative", oi->name, (double)n->fattr[0]);
+    }
     switch (n->op) {
     case MT_OP_CE_STATS: case MT_OP_CE_COMBINE: case MT_OP_CE_SHARD_BWD: {   /* the vocab-parallel cross-entropy */
         const mt_value *lg = n->op == MT_OP_CE_COMBINE ? b : a;
@@ -2647,7 +2688,7 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
     switch (n->op) {   /* the op's own shape rules, by family */
     case MT_OP_EMBED: case MT_OP_EMBED_BWD: case MT_OP_RMSNORM: case MT_OP_RMSNORM_BWD: case MT_OP_MATMUL:
     case MT_OP_MATMUL_ACC: case MT_OP_SPLIT: case MT_OP_CONCAT: case MT_OP_DOC_STARTS: case MT_OP_SWIGLU:
-    case MT_OP_ADD: case MT_OP_SWIGLU_BWD: case MT_OP_ADD_RMSNORM: case MT_OP_RMSNORM_BWD_ADD:
+    case MT_OP_ADD: case MT_OP_SWIGLU_BWD: case MT_OP_ADD_RMSNORM: case MT_OP_RMSNORM_BWD_ADD: case MT_OP_SHIFT_TOKENS:
         MT__T(mt__check_dense(c));
         break;
     case MT_OP_MLA_ROPE: case MT_OP_MLA_ROPE_BWD: case MT_OP_ATTENTION: case MT_OP_ATTENTION_BWD: case MT_OP_ROPE_PE:
@@ -3149,6 +3190,99 @@ static int mt__const(mt__builder *b, const char *name, const mt_real *data, int6
     return v;
 }
 
+/* The cross-entropy of logits [N,V] (under tp [N,V/tp], this rank's vocab entries) against targets
+ * into loss[1]: the mean over `count` rows (0: all N; targets < 0 are left out), its gradient
+ * scaled by `weight` (0: 1). Under tp each rank's row statistics (max, sum of exp, the target's
+ * logit where it holds it) are gathered over tp and combined in rank order (every rank the same
+ * bits), so the whole [N,V] logits never exist on one rank. */
+static int mt__cross_entropy(mt__builder *b, int logits, int targets, int loss, int count, float weight) {
+    mt_graph *g = b->g;
+    int64_t N = (int64_t)g->cfg.batch * g->cfg.seq_len;
+    int lse = mt__act(b, "loss.lse", MT_F32, 1, N, 0, 0);
+    mt_node n;
+    if (mt__tp(b) == 1) {
+        n = mt__node(b, MT_OP_CROSS_ENTROPY);
+        n.in[0] = logits; n.in[1] = targets; n.out[0] = loss; n.out[1] = lse;
+        n.iattr[1] = count; n.fattr[0] = weight;
+        mt__push(b, &n);
+        return b->failed ? -1 : 0;
+    }
+    int st = mt__act(b, "loss.stats", MT_F32, 2, N, 3, 0);
+    n = mt__node(b, MT_OP_CE_STATS);
+    n.in[0] = logits; n.in[1] = targets; n.out[0] = st;
+    n.iattr[0] = b->sym_coord[MT_DIM_TP]; n.sym_mask = 1u;
+    mt__push(b, &n);
+    st = mt__sp(b, MT_OP_SP_GATHER, st, "loss.stats_all");   /* [tp*N,3] */
+    n = mt__node(b, MT_OP_CE_COMBINE);
+    n.in[0] = st; n.in[1] = logits; n.in[2] = targets; n.out[0] = loss; n.out[1] = lse;
+    n.iattr[1] = count; n.fattr[0] = weight;
+    mt__push(b, &n);
+    return b->failed ? -1 : 0;
+}
+
+/* x[N] i32 shifted k positions ahead within each sequence, `fill` past its end (SHIFT_TOKENS). */
+static int mt__shift_tokens(mt__builder *b, int x, int k, int fill, const char *name) {
+    const mt_config *c = &b->g->cfg;
+    int y = mt__act(b, name, MT_I32, 1, (int64_t)c->batch * c->seq_len, 0, 0);
+    mt_node n = mt__node(b, MT_OP_SHIFT_TOKENS);
+    n.in[0] = x; n.out[0] = y; n.iattr[0] = c->seq_len; n.iattr[1] = k; n.iattr[2] = fill;
+    mt__push(b, &n);
+    return y;
+}
+
+/* Embedding rows of tokens[N] (under tp: this rank's slice of them, as its residual rows). */
+static int mt__embed(mt__builder *b, int tokens, int wte, const char *name) {
+    const mt_config *c = &b->g->cfg;
+    int tp = mt__tp(b);
+    int x = mt__act(b, name, b->act, 2, (int64_t)c->batch * c->seq_len / tp, c->dim, 0);
+    mt_node n = mt__node(b, MT_OP_EMBED);
+    n.in[0] = tokens; n.in[1] = wte; n.out[0] = x;
+    if (tp > 1) { n.iattr[0] = tp; n.iattr[1] = b->sym_coord[MT_DIM_TP]; n.sym_mask = 2u; }
+    mt__push(b, &n);
+    return x;
+}
+
+/* Multi-token prediction (DeepSeek-V3 section 2.2), depths k = 1..D in layers L+k-1 (Hugging Face
+ * names model.layers.{L+k-1}.*). Depth k at position i: h_k = block(eh_proj([enorm(emb(token i+k)),
+ * hnorm(h_{k-1})])), h_0 the main model's last hidden state (before its final norm); its logits
+ * lm_head(shared_head.norm(h_k)) are scored against token i+k+1. The embedding and lm_head are the
+ * main model's. Positions i >= T-k of a sequence have no token i+k+1 in the window: their target is
+ * -1 and the mean counts B*(T-k) rows. The loss added is mtp_weight * mean over k (the weight of
+ * each depth's cross-entropy in the backward); each depth's own mean is the output mtp_loss.<k>.
+ * Under tp h and the embedding rows are this rank's (sequence parallel), eh_proj is replicated. */
+static int mt__mtp(mt__builder *b, int h, int wte, int wout) {
+    mt_graph *g = b->g;
+    const mt_config *c = &g->cfg;
+    int64_t D = c->dim;
+    char p[MT_NAME_LEN], nm[MT_NAME_LEN];
+#define MT__PN(s) (snprintf(nm, sizeof nm, "%s" s, p), nm)
+    for (int k = 1; k <= c->mtp_layers && !b->failed; k++) {
+        b->layer = c->n_layers + k - 1;
+        snprintf(p, sizeof p, "model.layers.%d.", b->layer);
+        int tok = mt__shift_tokens(b, g->io[MT_IO_TOKENS], k, 0, "mtp.tokens");       /* token i+k */
+        int tgt = mt__shift_tokens(b, g->io[MT_IO_TARGETS], k, -1, "mtp.targets");    /* token i+k+1 */
+        int e = mt__embed(b, tok, wte, "mtp.embed");
+        e = mt__rmsnorm(b, e, mt__norm_weight(b, MT__PN("enorm.weight"), D), "mtp.enorm");
+        int hn = mt__rmsnorm(b, h, mt__norm_weight(b, MT__PN("hnorm.weight"), D), "mtp.hnorm");
+        if (b->failed) break;
+        int cat = mt__act(b, "mtp.cat", b->act, 2, g->values[e].dims[0], 2 * D, 0);
+        mt_node n = mt__node(b, MT_OP_CONCAT);
+        n.in[0] = e; n.in[1] = hn; n.out[0] = cat; n.iattr[0] = (int)D;
+        mt__push(b, &n);
+        int x = mt__linear(b, cat, mt__weight(b, MT__PN("eh_proj.weight"), 0.02f, D, 2 * D), "mtp.proj");
+        h = mt__block(b, x);
+        int xn = mt__rmsnorm(b, h, mt__norm_weight(b, MT__PN("shared_head.norm.weight"), D), "mtp.norm");
+        xn = mt__sp(b, MT_OP_SP_GATHER, xn, "mtp.norm.x");  /* [N,D] */
+        int logits = mt__linear(b, xn, wout, "mtp.logits");
+        snprintf(nm, sizeof nm, "mtp_loss.%d", k);
+        int loss = mt__value(b, nm, MT_F32, MT_ROLE_OUTPUT, 1, 1, 0, 0);
+        mt__cross_entropy(b, logits, tgt, loss, c->batch * (c->seq_len - k), c->mtp_weight / (float)c->mtp_layers);
+    }
+#undef MT__PN
+    b->layer = -1;
+    return b->failed ? -1 : 0;
+}
+
 static int mt__forward(mt__builder *b) {
     mt_graph *g = b->g;
     const mt_config *c = &g->cfg;
@@ -3167,12 +3301,8 @@ static int mt__forward(mt__builder *b) {
     }
     int wte = mt__param(b, "model.embed_tokens.weight", MT_INIT_NORMAL, 1.0f,
                         MT_VF_TRAINABLE | MT_VF_DECAY, b->act, 2, V, D, 0);
-    int tp = mt__tp(b);
-    int x = mt__act(b, "embed", b->act, 2, N / tp, D, 0);   /* under tp: this rank's slice of the tokens */
-    mt_node n = mt__node(b, MT_OP_EMBED);
-    n.in[0] = g->io[MT_IO_TOKENS]; n.in[1] = wte; n.out[0] = x;
-    if (tp > 1) { n.iattr[0] = tp; n.iattr[1] = b->sym_coord[MT_DIM_TP]; n.sym_mask = 2u; }
-    mt__push(b, &n);
+    int x = mt__embed(b, g->io[MT_IO_TOKENS], wte, "embed");   /* under tp: this rank's slice of the tokens */
+    mt_node n;
     b->doc = -1;
     if (c->doc_mask) {   /* where each token's document starts: every attention reads it */
         b->doc = mt__act(b, "doc_start", MT_I32, 1, N, 0, 0);
@@ -3192,26 +3322,8 @@ static int mt__forward(mt__builder *b) {
     if (g->kind == MT_GRAPH_FORWARD && logits >= 0) g->values[logits].role = MT_ROLE_OUTPUT;
     g->io[MT_IO_LOGITS] = g->kind == MT_GRAPH_FORWARD ? logits : -1;
     g->io[MT_IO_LOSS] = mt__value(b, "loss", MT_F32, MT_ROLE_OUTPUT, 1, 1, 0, 0);
-    int lse = mt__act(b, "loss.lse", MT_F32, 1, N, 0, 0);
-    if (tp == 1) {
-        n = mt__node(b, MT_OP_CROSS_ENTROPY);
-        n.in[0] = logits; n.in[1] = g->io[MT_IO_TARGETS]; n.out[0] = g->io[MT_IO_LOSS]; n.out[1] = lse;
-        mt__push(b, &n);
-        return b->failed ? -1 : 0;
-    }
-    /* The cross-entropy on vocab shards: each rank's row statistics (max, sum of exp, the target's
-     * logit where it holds it), gathered over tp and combined in rank order (every rank the same
-     * bits), so the whole [N,V] logits never exist on one rank. */
-    int st = mt__act(b, "loss.stats", MT_F32, 2, N, 3, 0);
-    n = mt__node(b, MT_OP_CE_STATS);
-    n.in[0] = logits; n.in[1] = g->io[MT_IO_TARGETS]; n.out[0] = st;
-    n.iattr[0] = b->sym_coord[MT_DIM_TP]; n.sym_mask = 1u;
-    mt__push(b, &n);
-    st = mt__sp(b, MT_OP_SP_GATHER, st, "loss.stats_all");   /* [tp*N,3] */
-    n = mt__node(b, MT_OP_CE_COMBINE);
-    n.in[0] = st; n.in[1] = logits; n.in[2] = g->io[MT_IO_TARGETS]; n.out[0] = g->io[MT_IO_LOSS]; n.out[1] = lse;
-    mt__push(b, &n);
-    return b->failed ? -1 : 0;
+    if (mt__cross_entropy(b, logits, g->io[MT_IO_TARGETS], g->io[MT_IO_LOSS], 0, 0.0f)) return -1;
+    return c->mtp_layers > 0 ? mt__mtp(b, x, wte, wout) : 0;
 }
 
 /* --- reverse mode --- */
@@ -3310,6 +3422,18 @@ static void mt__backward_rule(mt__builder *b, const mt_node *f) {
         n.in[0] = b->vi[out[0]].grad; n.in[1] = b->vi[out[1]].grad; n.out[0] = dx;
         n.iattr[0] = (int)b->g->values[out[0]].dims[1];
         mt__push(b, &n); mt__acc(b, in[0], dx);
+        return;
+    }
+    case MT_OP_CONCAT: {     /* the gradient splits back into its two parts */
+        if (dy < 0) return;
+        n = mt__node(b, MT_OP_SPLIT);
+        n.in[0] = dy;
+        for (int i = 0; i < 2; i++) {
+            n.out[i] = mt__gout(b, in[i]);
+            if (n.out[i] < 0) n.out[i] = mt__act(b, "concat.dx_unused", b->g->values[in[i]].dtype, 2, b->g->values[in[i]].dims[0],
+                                                 b->g->values[in[i]].dims[1], 0);
+        }
+        mt__push(b, &n); mt__acc(b, in[0], n.out[0]); mt__acc(b, in[1], n.out[1]);
         return;
     }
     case MT_OP_MLA_ROPE: {
@@ -3422,6 +3546,7 @@ static void mt__backward_rule(mt__builder *b, const mt_node *f) {
         n = mt__node(b, MT_OP_CE_SHARD_BWD);
         n.in[0] = in[1]; n.in[1] = out[1]; n.in[2] = in[2]; n.out[0] = dl;
         n.iattr[0] = b->sym_coord[MT_DIM_TP]; n.sym_mask = 1u;
+        n.iattr[1] = f->iattr[1]; n.fattr[0] = f->fattr[0];
         mt__push(b, &n); mt__acc(b, in[1], dl);
         return;
     }
@@ -3430,6 +3555,7 @@ static void mt__backward_rule(mt__builder *b, const mt_node *f) {
         if (dl < 0) return;
         n = mt__node(b, MT_OP_CROSS_ENTROPY_BWD);
         n.in[0] = in[0]; n.in[1] = out[1]; n.in[2] = in[1]; n.out[0] = dl;
+        n.iattr[1] = f->iattr[1]; n.fattr[0] = f->fattr[0];
         mt__push(b, &n); mt__acc(b, in[0], dl);
         return;
     }
@@ -3495,6 +3621,12 @@ static int mt__optimizer(mt__builder *b) {
     n = mt__node(b, MT_OP_ALLREDUCE);
     n.queue = MT_Q_DP; n.in[0] = n.out[0] = g->io[MT_IO_LOSS]; n.iattr[0] = (int)dense_dims; n.iattr[2] = 1;
     mt__push(b, &n);
+    for (int k = 1; k <= g->cfg.mtp_layers && !b->failed; k++) {   /* and so are the MTP depths' */
+        char nm[32];
+        snprintf(nm, sizeof nm, "mtp_loss.%d", k);
+        n.in[0] = n.out[0] = mt_graph_find(g, nm);
+        mt__push(b, &n);
+    }
     for (int i = 0; i < b->n_params && !b->failed; i++) {
         int p = b->params[i], gv = b->vi[p].grad;
         if (gv < 0) return mt__fail(b, "internal error: parameter '%s' received no gradient", g->values[p].name);
@@ -3596,8 +3728,8 @@ int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target 
     mt__builder *b = &bb;
     b->g = g; b->err = err; b->layer = -1;
     b->act = t->backend == MT_BACKEND_CUDA ? MT_BF16 : MT_F32;
-    b->counts = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(c->n_layers + 1));
-    b->biases = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(c->n_layers + 1));
+    b->counts = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(c->n_layers + c->mtp_layers + 1));
+    b->biases = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(c->n_layers + c->mtp_layers + 1));
     /* symbols: one coordinate per mesh dimension, and the data-dependent
      * number of tokens this rank's experts receive */
     g->syms = (mt_symbol *)mt__calloc(sizeof(mt_symbol) * (MT_NDIMS + 1));
@@ -6215,6 +6347,12 @@ int mt_cpu_mla_attention_backward(mt_pool *pool, mt_real *dq, mt_real *dkv, mt_r
     return 0;
 }
 
+/* --- token shift for multi-token prediction: within each sequence of T, k ahead; fill past its end --- */
+void mt_cpu_shift_tokens(int32_t *y, const int32_t *x, int N, int T, int k, int fill) {
+    for (int s0 = 0; s0 < N; s0 += T)
+        for (int t = 0; t < T; t++) y[s0 + t] = t + k < T ? x[s0 + t + k] : fill;
+}
+
 /* --- document starts: tokens [N] -> dstart [N], per sequence of T tokens --- */
 void mt_cpu_doc_starts(int32_t *dstart, const int32_t *tok, int N, int T, int eot) {
     for (int s0 = 0; s0 < N; s0 += T) {
@@ -6587,7 +6725,7 @@ void mt_cpu_moe_combine_backward(mt_real *dys, mt_real *dw, const mt_real *dy, c
 }
 
 /* --- cross-entropy, mean over tokens; lse saved for the backward --- */
-typedef struct { mt_real *out, *lse; const mt_real *logits, *lsec; const int32_t *tgt; int N, V; } mt__ce;
+typedef struct { mt_real *out, *lse; const mt_real *logits, *lsec; const int32_t *tgt; int N, V; double scale; } mt__ce;
 static void mt__ce_fwd_rows(void *ctx, int64_t n0, int64_t n1) {
     const mt__ce *c = (const mt__ce *)ctx;
     for (int64_t n = n0; n < n1; n++) {
@@ -6597,33 +6735,34 @@ static void mt__ce_fwd_rows(void *ctx, int64_t n0, int64_t n1) {
         double z = 0;
         for (int v = 0; v < c->V; v++) z += exp((double)(l[v] - mx));
         c->lse[n] = (mt_real)(mx + log(z));
-        c->out[n] = (mt_real)(mx + log(z) - l[c->tgt[n]]);   /* per-token loss, summed by the caller */
+        c->out[n] = c->tgt[n] < 0 ? 0 : (mt_real)(mx + log(z) - l[c->tgt[n]]);   /* per-token loss, summed by the caller */
     }
 }
 void mt_cpu_cross_entropy_forward(mt_pool *pool, mt_real *loss, mt_real *lse, const mt_real *logits,
-                                  const int32_t *tgt, int N, int V) {
+                                  const int32_t *tgt, int N, int V, int count) {
     mt_real *per = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)N);
     if (!per) { loss[0] = (mt_real)NAN; return; }
-    mt__ce c = {per, lse, logits, NULL, tgt, N, V};
+    mt__ce c = {per, lse, logits, NULL, tgt, N, V, 0};
     mt_pool_for(pool, N, mt__ce_fwd_rows, &c);
     double s = 0;
     for (int n = 0; n < N; n++) s += per[n];
-    loss[0] = (mt_real)(s / N);
+    loss[0] = (mt_real)(s / (count > 0 ? count : N));
     MT_FREE(per);
 }
 static void mt__ce_bwd_rows(void *ctx, int64_t n0, int64_t n1) {
     const mt__ce *c = (const mt__ce *)ctx;
-    double inv = 1.0 / c->N;
+    double inv = c->scale;
     for (int64_t n = n0; n < n1; n++) {
         const mt_real *l = c->logits + n * c->V;
         mt_real *d = c->out + n * c->V;
+        if (c->tgt[n] < 0) { for (int v = 0; v < c->V; v++) d[v] = 0; continue; }
         for (int v = 0; v < c->V; v++) d[v] = (mt_real)(exp((double)(l[v] - c->lsec[n])) * inv);
         d[c->tgt[n]] -= (mt_real)inv;
     }
 }
 void mt_cpu_cross_entropy_backward(mt_pool *pool, mt_real *dlogits, const mt_real *logits, const mt_real *lse,
-                                   const int32_t *tgt, int N, int V) {
-    mt__ce c = {dlogits, NULL, logits, lse, tgt, N, V};
+                                   const int32_t *tgt, int N, int V, double scale) {
+    mt__ce c = {dlogits, NULL, logits, lse, tgt, N, V, scale};
     mt_pool_for(pool, N, mt__ce_bwd_rows, &c);
 }
 
@@ -6638,7 +6777,7 @@ void mt_cpu_ce_stats(mt_real *st, const mt_real *logits, const int32_t *tgt, int
         st[3 * n] = mx; st[3 * n + 1] = (mt_real)z; st[3 * n + 2] = t >= 0 && t < Vl ? l[t] : 0;
     }
 }
-void mt_cpu_ce_combine(mt_real *loss, mt_real *lse, const mt_real *st, int S, int N) {
+void mt_cpu_ce_combine(mt_real *loss, mt_real *lse, const mt_real *st, const int32_t *tgt, int S, int N, int count) {
     double s = 0;
     for (int n = 0; n < N; n++) {
         mt_real mx = st[3 * n];
@@ -6650,16 +6789,17 @@ void mt_cpu_ce_combine(mt_real *loss, mt_real *lse, const mt_real *st, int S, in
             t += (double)x[2];
         }
         lse[n] = (mt_real)(mx + log(z));
-        s += mx + log(z) - t;
+        if (tgt[n] >= 0) s += mx + log(z) - t;
     }
-    loss[0] = (mt_real)(s / N);
+    loss[0] = (mt_real)(s / (count > 0 ? count : N));
 }
 void mt_cpu_ce_shard_backward(mt_real *dlogits, const mt_real *logits, const mt_real *lse, const int32_t *tgt,
-                              int N, int Vl, int v0) {
-    double inv = 1.0 / N;
+                              int N, int Vl, int v0, double scale) {
+    double inv = scale;
     for (int n = 0; n < N; n++) {
         const mt_real *l = logits + (int64_t)n * Vl;
         mt_real *d = dlogits + (int64_t)n * Vl;
+        if (tgt[n] < 0) { for (int v = 0; v < Vl; v++) d[v] = 0; continue; }
         for (int v = 0; v < Vl; v++) d[v] = (mt_real)(exp((double)(l[v] - lse[n])) * inv);
         int t = tgt[n] - v0;
         if (t >= 0 && t < Vl) d[t] -= (mt_real)inv;
@@ -7896,6 +8036,9 @@ static int64_t mt__cols(const mt_runtime *rt, int v) {
     return c;
 }
 
+/* The loss ops' mean (i1: rows counted, 0: all N) and backward scale (f0: weight, 0: 1). */
+static int mt__ce_count(const mt_node *n, int N) { return n->iattr[1] > 0 ? n->iattr[1] : N; }
+static double mt__ce_scale(const mt_node *n, int N) { return (n->fattr[0] > 0 ? (double)n->fattr[0] : 1.0) / mt__ce_count(n, N); }
 /* EMBED / EMBED_BWD under tp: the first of this rank's tokens (i0 parts, i1 which part) */
 static int64_t mt__token_slice(const mt_runtime *rt, const mt_node *n) {
     if (n->iattr[0] <= 1) return 0;
@@ -7979,10 +8122,14 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_EP_COUNTS: case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE:
     case MT_OP_ALLGATHER: case MT_OP_REDUCE_SCATTER: case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER: return mt__cpu_collective(rt, n, err);
     case MT_OP_CE_STATS: mt_cpu_ce_stats(RO(0), R_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), (int)rt->sym[a[0]] * DIM(n->in[0], 1)); break;
-    case MT_OP_CE_COMBINE: mt_cpu_ce_combine(RO(0), RO(1), R_(0), DIM(n->in[0], 0) / DIM(n->in[1], 0), DIM(n->in[1], 0)); break;
-    case MT_OP_CE_SHARD_BWD:
-        mt_cpu_ce_shard_backward(RO(0), R_(0), R_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1), (int)rt->sym[a[0]] * DIM(n->in[0], 1));
+    case MT_OP_CE_COMBINE:
+        mt_cpu_ce_combine(RO(0), RO(1), R_(0), I_(2), DIM(n->in[0], 0) / DIM(n->in[1], 0), DIM(n->in[1], 0), mt__ce_count(n, DIM(n->in[1], 0)));
         break;
+    case MT_OP_CE_SHARD_BWD:
+        mt_cpu_ce_shard_backward(RO(0), R_(0), R_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1), (int)rt->sym[a[0]] * DIM(n->in[0], 1),
+                                 mt__ce_scale(n, DIM(n->in[0], 0)));
+        break;
+    case MT_OP_SHIFT_TOKENS: mt_cpu_shift_tokens(IO(0), I_(0), DIM(n->in[0], 0), a[0], a[1], a[2]); break;
     case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: case MT_OP_GMM_GLU: {
         int dw = n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ;
         int wi = dw ? n->out[0] : n->in[1];
@@ -8018,10 +8165,10 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         mt_cpu_moe_combine_backward(RO(0), RO(1), R_(0), R_(1), I_(2), R_(3), DIM(n->in[3], 0), DIM(n->in[1], 1), DIM(n->in[3], 1));
         break;
     case MT_OP_CROSS_ENTROPY:
-        mt_cpu_cross_entropy_forward(rt->pool, RO(0), RO(1), R_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1));
+        mt_cpu_cross_entropy_forward(rt->pool, RO(0), RO(1), R_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), mt__ce_count(n, DIM(n->in[0], 0)));
         break;
     case MT_OP_CROSS_ENTROPY_BWD:
-        mt_cpu_cross_entropy_backward(rt->pool, RO(0), R_(0), R_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1));
+        mt_cpu_cross_entropy_backward(rt->pool, RO(0), R_(0), R_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1), mt__ce_scale(n, DIM(n->in[0], 0)));
         break;
     case MT_OP_SUMSQ: {
         const mt_real *g = R_(0);
@@ -8079,6 +8226,8 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
 }
 
 #ifdef MT_CUDA
+/* The loss ops' backward scale in float as the kernels take it: 1.0f / N for the plain mean. */
+static float mt__cuda_ce_scale(const mt_node *n, int N) { return (n->fattr[0] > 0 ? n->fattr[0] : 1.0f) / (float)mt__ce_count(n, N); }
 static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
     mt_graph *G = &rt->g;
     mt_cuda *c = MT__CU(rt);
@@ -8100,10 +8249,15 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         rc = mt_cuda_embed_backward(c, FO(0), V_(0), I_(1) + mt__token_slice(rt, n), DIM(n->in[0], 0), DIM(n->out[0], 0), DIM(n->out[0], 1), rt->scratch);
         break;
     case MT_OP_CE_STATS: rc = mt_cuda_ce_stats(c, FO(0), V_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), (int)rt->sym[a[0]] * DIM(n->in[0], 1)); break;
-    case MT_OP_CE_COMBINE: rc = mt_cuda_ce_combine(c, FO(0), FO(1), F_(0), DIM(n->in[0], 0) / DIM(n->in[1], 0), DIM(n->in[1], 0), rt->scratch); break;
-    case MT_OP_CE_SHARD_BWD:
-        rc = mt_cuda_ce_shard_backward(c, VO(0), V_(0), F_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1), (int)rt->sym[a[0]] * DIM(n->in[0], 1));
+    case MT_OP_CE_COMBINE:
+        rc = mt_cuda_ce_combine(c, FO(0), FO(1), F_(0), I_(2), DIM(n->in[0], 0) / DIM(n->in[1], 0), DIM(n->in[1], 0),
+                                mt__ce_count(n, DIM(n->in[1], 0)), rt->scratch);
         break;
+    case MT_OP_CE_SHARD_BWD:
+        rc = mt_cuda_ce_shard_backward(c, VO(0), V_(0), F_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1), (int)rt->sym[a[0]] * DIM(n->in[0], 1),
+                                       mt__cuda_ce_scale(n, DIM(n->in[0], 0)));
+        break;
+    case MT_OP_SHIFT_TOKENS: rc = mt_cuda_shift_tokens(c, IO(0), I_(0), DIM(n->in[0], 0), a[0], a[1], a[2]); break;
     case MT_OP_RMSNORM: rc = mt_cuda_rmsnorm_forward(c, VO(0), FO(1), V_(0), F_(1), (int)mt__nrows(rt, n->in[0]), DIM(n->in[0], 1), n->fattr[0]); break;
     case MT_OP_RMSNORM_BWD:
         rc = mt_cuda_rmsnorm_backward(c, VO(0), FO(1), V_(0), V_(1), F_(2), F_(3), (int)mt__nrows(rt, n->in[1]), DIM(n->in[1], 1), rt->scratch);
@@ -8204,9 +8358,12 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         rc = mt_cuda_moe_combine_backward(c, VO(0), FO(1), V_(0), V_(1), I_(2), F_(3), DIM(n->in[3], 0), DIM(n->in[1], 1), DIM(n->in[3], 1));
         break;
     case MT_OP_CROSS_ENTROPY:
-        rc = mt_cuda_cross_entropy_forward(c, FO(0), FO(1), V_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), rt->scratch);
+        rc = mt_cuda_cross_entropy_forward(c, FO(0), FO(1), V_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), mt__ce_count(n, DIM(n->in[0], 0)),
+                                           rt->scratch);
         break;
-    case MT_OP_CROSS_ENTROPY_BWD: rc = mt_cuda_cross_entropy_backward(c, VO(0), V_(0), F_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1)); break;
+    case MT_OP_CROSS_ENTROPY_BWD:
+        rc = mt_cuda_cross_entropy_backward(c, VO(0), V_(0), F_(1), I_(2), DIM(n->in[0], 0), DIM(n->in[0], 1), mt__cuda_ce_scale(n, DIM(n->in[0], 0)));
+        break;
     case MT_OP_SUMSQ:
         rc = mt_cuda_sumsq(c, FO(0), n->in[1] >= 0 ? F_(1) : NULL, F_(0), mt_value_numel_max(G, &G->values[n->in[0]]), !a[0],
                            rt->scratch);
@@ -8604,6 +8761,14 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
         if (G->kind == MT_GRAPH_TRAIN &&
             (mt_runtime_read(rt, G->io[MT_IO_GRAD_NORM], &x[1], err) || mt_runtime_read(rt, G->io[MT_IO_LR], &x[2], err))) return -1;
         st->loss = (double)x[0]; st->grad_norm = (double)x[1]; st->lr = (double)x[2];
+        for (int k = 1; k <= G->cfg.mtp_layers; k++) {
+            char nm[32];
+            snprintf(nm, sizeof nm, "mtp_loss.%d", k);
+            int v = mt_graph_find(G, nm);
+            if (v < 0) return mt_errf(err, "the graph has no output '%s'", nm);
+            if (mt_runtime_read(rt, v, &x[0], err)) return -1;
+            st->mtp_loss += (double)x[0] / G->cfg.mtp_layers;
+        }
         st->seconds = mt_now() - t0;
     }
 #ifdef MT_CUDA
@@ -9273,7 +9438,7 @@ static int mt__write_hf_config(const char *path, const mt_config *c, mt_err *err
              max_pos, mt__jf(c->rope_theta, f2));
     mt__jfmt(&b, "  \"rope_parameters\": %s,\n", rope);
     mt__jfmt(&b, "  \"rope_interleave\": true,\n  \"attention_bias\": false,\n  \"attention_dropout\": 0.0,\n");
-    mt__jfmt(&b, "  \"tie_word_embeddings\": false,\n  \"num_nextn_predict_layers\": 0,\n  \"initializer_range\": 0.02,\n");
+    mt__jfmt(&b, "  \"tie_word_embeddings\": false,\n  \"num_nextn_predict_layers\": %d,\n  \"initializer_range\": 0.02,\n", c->mtp_layers);
     mt__jfmt(&b, "  \"use_cache\": false,\n  \"bos_token_id\": null,\n  \"eos_token_id\": null,\n  \"pad_token_id\": null,\n");
     mt__jfmt(&b, "  \"dtype\": \"float32\"\n}\n");
     if (b.oom) { MT_FREE(b.p); return mt_errf(err, "out of memory"); }
@@ -9600,7 +9765,8 @@ static int mt__st_config(const mt__st *s, const char *path, mt_config *c, mt_err
         char key[64];
         snprintf(key, sizeof key, "mt.%s", f->name);
         const char *val = mt__st_meta(s, key);
-        if (!val && (!strcmp(f->name, "doc_mask") || !strcmp(f->name, "eot_id"))) continue;  /* newer fields: defaults */
+        if (!val && (!strcmp(f->name, "doc_mask") || !strcmp(f->name, "eot_id") || !strcmp(f->name, "mtp_layers") ||
+                     !strcmp(f->name, "mtp_weight"))) continue;  /* newer fields: defaults */
         if (!val) return mt_errf(err, "'%s' has no '%s' metadata: not written by moetrain, so the model's config is unknown", path, key);
         mt_err e;
         if (!strcmp(f->name, "score_func")) {
@@ -9676,12 +9842,13 @@ int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err) 
     memset(&so, 0, sizeof so);
     if (mt__st_open(&s, path, 1, err)) return -1;
     int rc = 0, with_opt = 0;
-    if (mt__st_meta(&s, "mt.dim")) {   /* the config it was saved for must be this model's (any batch and seq_len: they shape the step, not the weights) */
+    if (mt__st_meta(&s, "mt.dim")) {   /* the config it was saved for must be this model's (any batch, seq_len and mtp_weight: they shape
+                                        * the step or weigh its loss, not the weights) */
         mt_config c;
         char diff[900];
         if (mt__st_config(&s, path, &c, err)) rc = -1;
         else {
-            c.batch = rt->g.cfg.batch; c.seq_len = rt->g.cfg.seq_len;
+            c.batch = rt->g.cfg.batch; c.seq_len = rt->g.cfg.seq_len; c.mtp_weight = rt->g.cfg.mtp_weight;
             if (mt_config_diff(&c, &rt->g.cfg, diff, sizeof diff))
                 rc = mt_errf(err, "'%s' was saved for another model config (checkpoint vs this model): %s", path, diff);
         }
@@ -9967,23 +10134,24 @@ void mt_count_params(const mt_config *c, mt_param_count *pc) {
     int64_t norms = 2 * D, dense_ffn = 3 * D * c->inter_dim;
     int64_t router = (int64_t)c->n_routed_experts * D, experts = (int64_t)c->n_routed_experts * 3 * D * c->moe_inter_dim;
     int64_t shared = 3 * D * (int64_t)c->n_shared_experts * c->moe_inter_dim;
-    int n_moe = 0;
-    for (int l = 0; l < c->n_layers; l++) n_moe += mt_config_is_moe_layer(c, l);
-    int n_dense = c->n_layers - n_moe;
+    int n_moe = 0, L = c->n_layers + c->mtp_layers;   /* the MTP blocks too, with their eh_proj and three norms */
+    for (int l = 0; l < L; l++) n_moe += mt_config_is_moe_layer(c, l);
+    int n_dense = L - n_moe;
     memset(pc, 0, sizeof *pc);
     pc->embedding = (int64_t)c->vocab_size * D;
     pc->sparse_total = n_moe * (router + experts + shared);
     pc->sparse_active = n_moe * (router + shared + experts * c->top_k / (c->n_routed_experts ? c->n_routed_experts : 1));
-    pc->total = 2 * pc->embedding + D + c->n_layers * (attn + norms) + n_dense * dense_ffn + pc->sparse_total;
+    pc->total = 2 * pc->embedding + D + L * (attn + norms) + n_dense * dense_ffn + pc->sparse_total + c->mtp_layers * (2 * D * D + 3 * D);
     pc->dense = pc->total - pc->sparse_total;
 }
 /* torchtitan's DeepSeek-V3 formula: 6 * (dense - embedding + active sparse)
- * + 6 * layers * heads * (qk_nope + qk_rope + v_head) * seq_len */
+ * + 6 * layers * heads * (qk_nope + qk_rope + v_head) * seq_len; the MTP depths count as
+ * layers, and each runs the shared output head once more. */
 double mt_flops_per_token(const mt_config *c) {
     mt_param_count pc;
     mt_count_params(c, &pc);
-    return 6.0 * (double)(pc.dense - pc.embedding + pc.sparse_active) +
-           6.0 * c->n_layers * c->n_heads * (double)(c->qk_nope_head_dim + c->qk_rope_head_dim + c->v_head_dim) * c->seq_len;
+    return 6.0 * (double)(pc.dense - pc.embedding + pc.sparse_active) + 6.0 * c->mtp_layers * (double)pc.embedding +
+           6.0 * (c->n_layers + c->mtp_layers) * c->n_heads * (double)(c->qk_nope_head_dim + c->qk_rope_head_dim + c->v_head_dim) * c->seq_len;
 }
 
 /* A value's bytes as a step moves them: a data-dependent row count (tokens my

@@ -6972,17 +6972,19 @@ __global__ void __launch_bounds__(256) k_ce_fwd(float *per, float *lse, const bf
     if (threadIdx.x == 0) {
         float L = m + logf(z);
         lse[n] = L;
-        per[n] = L - bf(l[tgt[n]]);
+        per[n] = tgt[n] < 0 ? 0.0f : L - bf(l[tgt[n]]);   /* a target < 0 (multi-token prediction past the sequence) counts nothing */
     }
 }
 /* dlogits = (softmax - onehot) * inv, element by element as before; 16-byte chunks, MT_CE_UNROLL in flight.
- * t0: the row's first vocab entry (a vocab shard under tensor parallelism; 0 for the whole vocabulary) */
+ * t0: the row's first vocab entry (a vocab shard under tensor parallelism; 0 for the whole vocabulary).
+ * A row whose target is < 0 is not in the loss: its dlogits are 0 (inv 0 there gives exact zeros). */
 template <bool V>
 __global__ void __launch_bounds__(256) k_ce_bwd(bf16 *dl, const bf16 *logits, const float *lse, const int32_t *tgt, int V_, float inv,
                                                 int t0) {
     int64_t n = blockIdx.x;
     float L = lse[n];
     int t = tgt[n] - t0;
+    if (tgt[n] < 0) { inv = 0.0f; t = -1; }
     const bf16 *l = logits + n * V_;
     bf16 *o = dl + n * V_;
     for (int d0 = threadIdx.x * 8; d0 < V_; d0 += MT_CE_UNROLL * 8 * blockDim.x) {
@@ -7006,31 +7008,46 @@ __global__ void __launch_bounds__(256) k_ce_bwd(bf16 *dl, const bf16 *logits, co
     }
 }
 extern "C" {
-__global__ void k_mean(float *out, const float *x, int N) {
+__global__ void k_mean(float *out, const float *x, int N, int count) {   /* the sum of x over count rows */
     __shared__ float sh[32];
     float acc = 0;
     for (int i = threadIdx.x; i < N; i += blockDim.x) acc += x[i];
     acc = block_sum(acc, sh);
-    if (threadIdx.x == 0) out[0] = acc / N;
+    if (threadIdx.x == 0) out[0] = acc / count;
 }
 size_t mt_cuda_cross_entropy_workspace(int N) { return mt__al((size_t)N * 4); }
-int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const void *logits, const int32_t *tgt, int N, int V, void *ws) {
+int mt_cuda_cross_entropy_forward(mt_cuda *c, float *loss, float *lse, const void *logits, const int32_t *tgt, int N, int V, int count,
+                                  void *ws) {
     if (N <= 0) return 0;
     if (mt__rows16(V, 2, logits)) k_ce_fwd<true><<<N, 256, 0, c->stream>>>((float *)ws, lse, (const bf16 *)logits, tgt, V);
     else k_ce_fwd<false><<<N, 256, 0, c->stream>>>((float *)ws, lse, (const bf16 *)logits, tgt, V);
     LAUNCHED();
-    k_mean<<<1, 1024, 0, c->stream>>>(loss, (const float *)ws, N);
+    k_mean<<<1, 1024, 0, c->stream>>>(loss, (const float *)ws, N, count > 0 ? count : N);
     LAUNCHED();
     return 0;
 }
-int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int V) {
-    return mt_cuda_ce_shard_backward(c, dlogits, logits, lse, tgt, N, V, 0);
+int mt_cuda_cross_entropy_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int V,
+                                   float inv) {
+    return mt_cuda_ce_shard_backward(c, dlogits, logits, lse, tgt, N, V, 0, inv);
 }
-int mt_cuda_ce_shard_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int Vl, int v0) {
+int mt_cuda_ce_shard_backward(mt_cuda *c, void *dlogits, const void *logits, const float *lse, const int32_t *tgt, int N, int Vl, int v0,
+                              float inv) {
     if (N <= 0) return 0;
     if (mt__rows16(Vl, 2, dlogits, logits))
-        k_ce_bwd<true><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, Vl, 1.0f / N, v0);
-    else k_ce_bwd<false><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, Vl, 1.0f / N, v0);
+        k_ce_bwd<true><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, Vl, inv, v0);
+    else k_ce_bwd<false><<<N, 256, 0, c->stream>>>((bf16 *)dlogits, (const bf16 *)logits, lse, tgt, Vl, inv, v0);
+    LAUNCHED();
+    return 0;
+}
+/* Multi-token prediction's shifted tokens and targets (see mt_cpu_shift_tokens): one thread per position. */
+__global__ void k_shift_tokens(int32_t *y, const int32_t *x, int N, int T, int k, int fill) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N) return;
+    y[i] = i % T + k < T ? x[i + k] : fill;
+}
+int mt_cuda_shift_tokens(mt_cuda *c, int32_t *y, const int32_t *x, int N, int T, int k, int fill) {
+    if (N <= 0) return 0;
+    k_shift_tokens<<<(N + 255) / 256, 256, 0, c->stream>>>(y, x, N, T, k, fill);
     LAUNCHED();
     return 0;
 }
@@ -7052,7 +7069,7 @@ __global__ void __launch_bounds__(256) k_ce_stats(float *st, const bf16 *logits,
 }
 extern "C" {
 /* lse[n] = M + log(sum_k z_k exp(m_k - M)) over the S shards in order; per[n] = lse - the target's logit */
-__global__ void k_ce_combine(float *per, float *lse, const float *st, int S, int N) {
+__global__ void k_ce_combine(float *per, float *lse, const float *st, const int32_t *tgt, int S, int N) {
     int n = blockIdx.x * blockDim.x + threadIdx.x;
     if (n >= N) return;
     float m = st[3 * n], z = 0, t = 0;
@@ -7064,7 +7081,7 @@ __global__ void k_ce_combine(float *per, float *lse, const float *st, int S, int
     }
     float L = m + logf(z);
     lse[n] = L;
-    per[n] = L - t;
+    per[n] = tgt[n] < 0 ? 0.0f : L - t;
 }
 int mt_cuda_ce_stats(mt_cuda *c, float *st, const void *logits, const int32_t *tgt, int N, int Vl, int v0) {
     if (N <= 0) return 0;
@@ -7073,11 +7090,11 @@ int mt_cuda_ce_stats(mt_cuda *c, float *st, const void *logits, const int32_t *t
     LAUNCHED();
     return 0;
 }
-int mt_cuda_ce_combine(mt_cuda *c, float *loss, float *lse, const float *st, int S, int N, void *ws) {
+int mt_cuda_ce_combine(mt_cuda *c, float *loss, float *lse, const float *st, const int32_t *tgt, int S, int N, int count, void *ws) {
     if (N <= 0) return 0;
-    k_ce_combine<<<(N + 255) / 256, 256, 0, c->stream>>>((float *)ws, lse, st, S, N);
+    k_ce_combine<<<(N + 255) / 256, 256, 0, c->stream>>>((float *)ws, lse, st, tgt, S, N);
     LAUNCHED();
-    k_mean<<<1, 1024, 0, c->stream>>>(loss, (const float *)ws, N);
+    k_mean<<<1, 1024, 0, c->stream>>>(loss, (const float *)ws, N, count > 0 ? count : N);
     LAUNCHED();
     return 0;
 }

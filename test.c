@@ -194,6 +194,7 @@ typedef struct {
     int route_to_first;          /* expert biases make every token pick experts 0..K-1 (rank 0's) */
     int fail_rank, fail_step;    /* this rank gets a token outside the vocabulary at that step (-1: none) */
     double loss[32], gnorm[32];  /* rank 0's view: the global loss and norm */
+    double mtp[32];              /* and the mean MTP loss (mr_mtp > 0) */
     char err[MR_MAX][300];
     int64_t recv_rows[MR_MAX];   /* most rows a rank's experts received in one step */
     uint8_t *params[MR_MAX];     /* every master parameter (this rank's part), concatenated */
@@ -251,7 +252,7 @@ static int mr_rank(void *ctx, int rank, mt_world *w, mt_err *err) {
         mt_step_stats st;
         rc = mt_runtime_step(rt, mine, mt, s, &hp, &st, err);
         if (rc) { snprintf(j->err[rank], sizeof j->err[rank], "%s", err->msg); break; }
-        if (rank == 0) { j->loss[s] = st.loss; j->gnorm[s] = st.grad_norm; }
+        if (rank == 0) { j->loss[s] = st.loss; j->gnorm[s] = st.grad_norm; j->mtp[s] = st.mtp_loss; }
         if (mt_runtime_received_rows(rt) > j->recv_rows[rank]) j->recv_rows[rank] = mt_runtime_received_rows(rt);
     }
     free(tok); free(tgt);
@@ -289,10 +290,12 @@ static int mr_run(mr_job *j, const mt_graph *g, int steps, mt_err *err) {
 /* The step graph of the small model for a mesh (per-data-parallel-rank batch b); overlap 0: that pass off.
  * mr_q_lora: the low-rank query path (q_a_proj, q_a_layernorm, q_b_proj) of that rank; 0: tiny's plain q_proj. */
 static int mr_q_lora = 0;
+static int mr_mtp = 0;   /* multi-token prediction depths, with document masking (eot_id 3) */
 static int mr_compile_mesh(mt_graph *g, int rep, int shard, int tp, int ep, int b, int eager, int cuda, int overlap, mt_err *err) {
     mt_config c;
     mt_config_preset(&c, "tiny", err);
     c.seq_len = 32; c.original_seq_len = 32; c.batch = b; c.q_lora_rank = mr_q_lora;
+    if (mr_mtp) { c.mtp_layers = mr_mtp; c.doc_mask = 1; c.eot_id = 3; }
     mt_mesh m;
     mt_target t;
     mt_passes p;
@@ -380,13 +383,15 @@ static void mr_equivalence(int rep, int shard, int ep, int steps, double tol1, d
     mt_graph g1, gm;
     int dp = rep * shard;
     char name[128];
-    snprintf(name, sizeof name, "%d ranks (dp_replicate %d, dp_shard %d, ep %d) = one rank on the global batch", dp, rep, shard, ep);
+    snprintf(name, sizeof name, "%d ranks (dp_replicate %d, dp_shard %d, ep %d) = one rank on the global batch%s", dp, rep, shard, ep,
+             mr_mtp ? " (MTP, doc mask)" : "");
     if (mr_compile(&g1, 1, 1, 1, 2 * dp, 0, &e) || mr_compile(&gm, rep, shard, ep, 2, 0, &e)) { report(name, 0, "%s", e.msg); return; }
     mr_job a, b;
     memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
     a.fail_rank = b.fail_rank = -1;
     int ok = mr_run(&a, &g1, steps, &e) == 0 && mr_run(&b, &gm, steps, &e) == 0;
     double r1 = ok ? fabs(a.loss[0] - b.loss[0]) / a.loss[0] : 1, rn = ok ? max_rel(b.loss, a.loss, steps) : 1;
+    if (ok && mr_mtp) rn = fmax(rn, max_rel(b.mtp, a.mtp, steps));   /* the MTP losses as the main one */
     double rg = ok ? max_rel(b.gnorm, a.gnorm, steps) : 1, rw = 1;
     int agree = 0, agree1 = 0;
     if (ok) {
@@ -410,7 +415,8 @@ static void mr_equivalence_tp(int shard, int tp, int ep, int steps, double tol) 
     mt_err e;
     mt_graph g1, gm;
     char name[160];
-    snprintf(name, sizeof name, "tp: %d ranks (dp_shard %d x tp %d, ep %d) = one rank on the global batch, %d steps", shard * tp, shard, tp, ep, steps);
+    snprintf(name, sizeof name, "tp: %d ranks (dp_shard %d x tp %d, ep %d) = one rank on the global batch, %d steps%s", shard * tp, shard, tp, ep, steps,
+             mr_mtp ? " (MTP, doc mask)" : "");
     if (mr_compile_mesh(&g1, 1, 1, 1, 1, 2 * shard, 0, 0, 1, &e)) { report(name, 0, "%s", e.msg); return; }
     if (mr_compile_mesh(&gm, 1, shard, tp, ep, 2, 0, 0, 1, &e)) { report(name, 0, "%s", e.msg); mt_graph_free(&g1); return; }
     mr_job a, b;
@@ -418,6 +424,7 @@ static void mr_equivalence_tp(int shard, int tp, int ep, int steps, double tol) 
     a.fail_rank = b.fail_rank = -1;
     int ok = mr_run(&a, &g1, steps, &e) == 0 && mr_run(&b, &gm, steps, &e) == 0;
     double rl = ok ? max_rel(b.loss, a.loss, steps) : 1, rg = ok ? max_rel(b.gnorm, a.gnorm, steps) : 1;
+    if (ok && mr_mtp) rl = fmax(rl, max_rel(b.mtp, a.mtp, steps));
     report(name, ok && rl <= tol && rg <= tol, "worst relative: loss %.2e, grad norm %.2e (tolerance %.0e); losses %.6f .. %.6f %s", rl, rg,
            tol, b.loss[0], b.loss[steps - 1], ok ? "" : e.msg);
     mr_free(&a); mr_free(&b);
@@ -582,6 +589,9 @@ static void test_recompute_bitwise(void) {
     c.n_dense_layers = 0; c.score_func = MT_SCORE_SOFTMAX; c.route_norm = 0; c.n_expert_groups = 4; c.n_limited_groups = 2;
     c.q_lora_rank = 24; c.doc_mask = 1; c.eot_id = 10; c.top_k = 3;
     test_recompute_bitwise_for("all-MoE", &c);
+    rc_tiny(&c);   /* the main blocks recomputed beside two MTP depths (which keep their activations) */
+    c.mtp_layers = 2;
+    test_recompute_bitwise_for("tiny + 2 MTP depths", &c);
 }
 
 /* ======================================================================
@@ -916,15 +926,15 @@ static void gpu_test_rows(void) {
         int32_t *tg = (int32_t *)malloc(4 * (size_t)N);
         for (int i = 0; i < N; i++) tg[i] = (int32_t)(mt_rng_u64(&R) % (uint64_t)V);
         float loss, *lse = (float *)malloc(4 * (size_t)N), *dl = (float *)malloc(4 * (size_t)NV);
-        mt_cpu_cross_entropy_forward(NULL, &loss, lse, lg, tg, N, V);
-        mt_cpu_cross_entropy_backward(NULL, dl, lg, lse, tg, N, V);
+        mt_cpu_cross_entropy_forward(NULL, &loss, lse, lg, tg, N, V, N);
+        mt_cpu_cross_entropy_backward(NULL, dl, lg, lse, tg, N, V, 1.0 / N);
         void *L = up_bf(lg, NV), *T = up(tg, 4 * (size_t)N), *ws = dalloc(mt_cuda_cross_entropy_workspace(N));
         void *LOSS[2], *LSE[2], *DL[2];
         int ok = 1;
         for (int r = 0; r < 2; r++) {
             LOSS[r] = dalloc(4); LSE[r] = dalloc(4 * (size_t)N); DL[r] = dalloc(2 * (size_t)NV);
-            ok &= !mt_cuda_cross_entropy_forward(CU, (float *)LOSS[r], (float *)LSE[r], L, (int32_t *)T, N, V, ws) &&
-                  !mt_cuda_cross_entropy_backward(CU, DL[r], L, (float *)LSE[r], (int32_t *)T, N, V);
+            ok &= !mt_cuda_cross_entropy_forward(CU, (float *)LOSS[r], (float *)LSE[r], L, (int32_t *)T, N, V, N, ws) &&
+                  !mt_cuda_cross_entropy_backward(CU, DL[r], L, (float *)LSE[r], (int32_t *)T, N, V, 1.0f / N);
         }
         float gl, *glse = (float *)down(LSE[0], 4 * (size_t)N), *gdl = down_bf(DL[0], NV);
         mt_cuda_copy(CU, &gl, LOSS[0], 4, 1);
@@ -1469,11 +1479,11 @@ static void gpu_test_loss_and_optimizer(void) {
     int32_t *t = (int32_t *)malloc(4 * (size_t)N);
     for (int i = 0; i < N; i++) t[i] = (int32_t)(mt_rng_u64(&R) % (uint64_t)V);
     float loss, *lse = (float *)malloc(4 * (size_t)N), *dl = (float *)malloc(4 * (size_t)N * V);
-    mt_cpu_cross_entropy_forward(NULL, &loss, lse, lg, t, N, V);
-    mt_cpu_cross_entropy_backward(NULL, dl, lg, lse, t, N, V);
+    mt_cpu_cross_entropy_forward(NULL, &loss, lse, lg, t, N, V, N);
+    mt_cpu_cross_entropy_backward(NULL, dl, lg, lse, t, N, V, 1.0 / N);
     void *Dl = up_bf(lg, (int64_t)N * V), *Dt = up(t, 4 * (size_t)N), *Dloss = dalloc(4), *Dlse = dalloc(4 * (size_t)N), *Ddl = dalloc(2 * (size_t)N * V), *ws = dalloc(mt_cuda_cross_entropy_workspace(N));
-    int ok = !mt_cuda_cross_entropy_forward(CU, (float *)Dloss, (float *)Dlse, Dl, (int32_t *)Dt, N, V, ws) &&
-             !mt_cuda_cross_entropy_backward(CU, Ddl, Dl, (float *)Dlse, (int32_t *)Dt, N, V);
+    int ok = !mt_cuda_cross_entropy_forward(CU, (float *)Dloss, (float *)Dlse, Dl, (int32_t *)Dt, N, V, N, ws) &&
+             !mt_cuda_cross_entropy_backward(CU, Ddl, Dl, (float *)Dlse, (int32_t *)Dt, N, V, 1.0f / N);
     float gl, *glse = (float *)down(Dlse, 4 * (size_t)N), *gdl = down_bf(Ddl, (int64_t)N * V);
     mt_cuda_copy(CU, &gl, Dloss, 4, 1);
     double e1 = fabs(gl - loss) / loss, e2 = rel(glse, lse, N), e3 = rel(gdl, dl, (int64_t)N * V);
@@ -1497,18 +1507,18 @@ static void gpu_test_loss_and_optimizer(void) {
             ok2 &= !mt_cuda_ce_stats(CU, (float *)Dst + (size_t)k * N * 3, Dk, (int32_t *)Dt2, N, Vl, k * Vl);
             dfree(Dk);
         }
-        ok2 &= !mt_cuda_ce_combine(CU, (float *)Dsl, (float *)Dslse, (float *)Dst, S, N, ws2);
+        ok2 &= !mt_cuda_ce_combine(CU, (float *)Dsl, (float *)Dslse, (float *)Dst, (int32_t *)Dt2, S, N, N, ws2);
         float sloss, *lse2 = (float *)malloc(4 * (size_t)N);
-        mt_cpu_ce_combine(&sloss, lse2, st, S, N);
+        mt_cpu_ce_combine(&sloss, lse2, st, t, S, N, N);
         gst = (float *)down(Dst, 4 * (size_t)S * N * 3);
         mt_cuda_copy(CU, &sl, Dsl, 4, 1);
         float *gslse = (float *)down(Dslse, 4 * (size_t)N);
         double f1 = rel(gst, st, (int64_t)S * N * 3), f2 = fabs(sl - sloss) / sloss, f3 = rel(gslse, lse2, N), f4 = 0;
         for (int k = 1; k < S; k++) {   /* the middle and last shards' backward against the CPU's */
             for (int i = 0; i < N; i++) memcpy(blk + (size_t)i * Vl, whole + (size_t)i * Vs + (size_t)k * Vl, 4 * (size_t)Vl);
-            mt_cpu_ce_shard_backward(sdl, blk, lse2, t, N, Vl, k * Vl);
+            mt_cpu_ce_shard_backward(sdl, blk, lse2, t, N, Vl, k * Vl, 1.0 / N);
             void *Dk = up_bf(blk, (int64_t)N * Vl);
-            ok2 &= !mt_cuda_ce_shard_backward(CU, Ddb, Dk, (float *)Dslse, (int32_t *)Dt2, N, Vl, k * Vl);
+            ok2 &= !mt_cuda_ce_shard_backward(CU, Ddb, Dk, (float *)Dslse, (int32_t *)Dt2, N, Vl, k * Vl, 1.0f / N);
             float *g = down_bf(Ddb, (int64_t)N * Vl);
             double r = rel(g, sdl, (int64_t)N * Vl);
             if (r > f4) f4 = r;
@@ -1518,6 +1528,28 @@ static void gpu_test_loss_and_optimizer(void) {
                "stats %.1e loss %.1e lse %.1e dlogits %.1e", f1, f2, f3, f4);
         free(blk); free(st); free(ref); free(gst); free(slse); free(sdl); free(whole); free(lse2); free(gslse);
         dfree(Dst); dfree(Db); dfree(Ddb); dfree(Dt2); dfree(Dsl); dfree(Dslse); dfree(ws2);
+    }
+    {   /* multi-token prediction: targets shifted k = 2 ahead in sequences of 11 (-1 past their ends), the loss's mean over
+         * the rows counted and its weighted backward, zero on the rows left out; and the shifted tokens themselves */
+        int T = 11, k = 2, cnt = N / T * (T - k), Nm = N / T * T;
+        int32_t *sh = (int32_t *)malloc(4 * (size_t)Nm), *gsh;
+        mt_cpu_shift_tokens(sh, t, Nm, T, k, -1);
+        void *Dsh = dalloc(4 * (size_t)Nm), *Dtm = up(t, 4 * (size_t)Nm);
+        int ok3 = !mt_cuda_shift_tokens(CU, (int32_t *)Dsh, (int32_t *)Dtm, Nm, T, k, -1);
+        gsh = (int32_t *)down(Dsh, 4 * (size_t)Nm);
+        int same = !memcmp(gsh, sh, 4 * (size_t)Nm);
+        mt_cpu_cross_entropy_forward(NULL, &loss, lse, lg, sh, Nm, V, cnt);
+        mt_cpu_cross_entropy_backward(NULL, dl, lg, lse, sh, Nm, V, 0.3 / cnt);
+        ok3 &= !mt_cuda_cross_entropy_forward(CU, (float *)Dloss, (float *)Dlse, Dl, (int32_t *)Dsh, Nm, V, cnt, ws) &&
+               !mt_cuda_cross_entropy_backward(CU, Ddl, Dl, (float *)Dlse, (int32_t *)Dsh, Nm, V, 0.3f / cnt);
+        float *gd = down_bf(Ddl, (int64_t)Nm * V);
+        mt_cuda_copy(CU, &gl, Dloss, 4, 1);
+        double zero = 0;
+        for (int i = 0; i < Nm; i++) if (sh[i] < 0) for (int v = 0; v < V; v++) zero += fabs(gd[(size_t)i * V + v]);
+        double m1 = fabs(gl - loss) / loss, m2 = rel(gd, dl, (int64_t)Nm * V);
+        report("gpu shifted tokens; cross-entropy with rows left out, weighted", ok3 && same && m1 < F32_TOL && m2 < BF_TOL && zero == 0,
+               "shift %s, loss %.1e dlogits %.1e, |dlogits| of rows left out %.1e", same ? "bitwise" : "DIFFERS", m1, m2, zero);
+        free(sh); free(gsh); free(gd); dfree(Dsh); dfree(Dtm);
     }
     free(lg); free(t); free(lse); free(dl); free(glse); free(gdl);
     dfree(Dl); dfree(Dt); dfree(Dloss); dfree(Dlse); dfree(Ddl); dfree(ws);
@@ -1682,6 +1714,52 @@ static int gpu_steps(mt_runtime *rt, const mt_config *c, int n, double *loss, do
     free(tok); free(tgt);
     return rc;
 }
+/* Multi-token prediction on the GPU (2 depths, document masks): the main and MTP losses and grad norms follow the CPU's
+ * float32 steps, and two GPU runs are bitwise the same. */
+static void gpu_test_mtp(void) {
+    mt_config c;
+    mt_err e;
+    mt_config_preset(&c, "tiny", &e);
+    c.mtp_layers = 2; c.doc_mask = 1; c.eot_id = 3;
+    mt_graph gc, gg;
+    if (gpu_compile(&gc, &c, 0, 1, &e) || gpu_compile(&gg, &c, 1, 1, &e)) { report("gpu MTP steps", 0, "%s", e.msg); return; }
+    enum { S = 5 };
+    double l[3][S], m[3][S], g[3][S];
+    mt_runtime *rt[3] = {gpu_runtime(&gc, 0), gpu_runtime(&gg, 1), gpu_runtime(&gg, 0)};
+    int64_t N = (int64_t)c.batch * c.seq_len;
+    int32_t *tok = (int32_t *)malloc(4 * (size_t)N), *tgt = (int32_t *)malloc(4 * (size_t)N);
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    int ok = rt[0] && rt[1] && rt[2];
+    for (int k = 0; ok && k < 3; k++)
+        for (int s = 0; ok && s < S; s++) {
+            mt_rng r;
+            mt_rng_seed(&r, 77 + (uint64_t)s);
+            for (int64_t i = 0; i < N; i++) {
+                tok[i] = (int32_t)(mt_rng_u64(&r) % (uint64_t)c.vocab_size);
+                if (mt_rng_u64(&r) % 12 == 0) tok[i] = c.eot_id;
+                tgt[i] = (tok[i] * 5 + 1) % c.vocab_size;
+            }
+            mt_step_stats st;
+            ok = !mt_runtime_step(rt[k], tok, tgt, s, &hp, &st, &e);
+            l[k][s] = st.loss; m[k][s] = st.mtp_loss; g[k][s] = st.grad_norm;
+        }
+    double wl = 0, wm = 0, wg = 0;
+    for (int s = 0; ok && s < S; s++) {
+        wl = fmax(wl, fabs(l[1][s] - l[0][s]) / l[0][s]);
+        wm = fmax(wm, fabs(m[1][s] - m[0][s]) / m[0][s]);
+        wg = fmax(wg, fabs(g[1][s] - g[0][s]) / g[0][s]);
+    }
+    report("gpu MTP (2 depths, document masks) steps vs CPU", ok && wl < 2e-2 && wm < 2e-2 && wg < 1e-1 && m[1][S - 1] < m[1][0],
+           "MTP loss %.5f -> %.5f (CPU %.5f -> %.5f); worst rel loss %.1e, MTP loss %.1e, grad norm %.1e %s", ok ? m[1][0] : 0,
+           ok ? m[1][S - 1] : 0, ok ? m[0][0] : 0, ok ? m[0][S - 1] : 0, wl, wm, wg, ok ? "" : e.msg);
+    report("gpu MTP steps bitwise run to run (poisoned arena too)", ok && bitwise_equal(l[1], l[2], S) && bitwise_equal(m[1], m[2], S) &&
+           bitwise_equal(g[1], g[2], S), NULL);
+    free(tok); free(tgt);
+    for (int k = 0; k < 3; k++) mt_runtime_destroy(rt[k]);
+    mt_graph_free(&gc); mt_graph_free(&gg);
+}
+
 static void gpu_test_whole_steps(void) {
     mt_config c;
     mt_err e;
@@ -2193,6 +2271,7 @@ int main(void) {
     GPU_RUN(gpu_test_loss_and_optimizer());
     GPU_RUN(gpu_test_multi_tensor());
     GPU_RUN(gpu_test_whole_steps());
+    GPU_RUN(gpu_test_mtp());
     GPU_RUN(gpu_test_fold_rope_steps(0));
     GPU_RUN(gpu_test_fold_rope_steps(1));
     GPU_RUN(gpu_test_recompute());
@@ -2275,7 +2354,7 @@ static double L_permute(void *p) {
 }
 static double L_gmm(void *p) { gc *c = (gc *)p; mt_cpu_gmm(NULL, c->o0, c->a, c->b, c->i0, c->E, c->M, c->K); return dot(c->o0, c->r0, (int64_t)c->N * c->M); }
 static double L_combine(void *p) { gc *c = (gc *)p; mt_cpu_moe_combine_forward(c->o0, c->a, c->i0, c->b, c->N, c->D, c->topk); return dot(c->o0, c->r0, (int64_t)c->N * c->D); }
-static double L_ce(void *p) { gc *c = (gc *)p; mt_real loss; mt_cpu_cross_entropy_forward(NULL, &loss, c->o1, c->a, c->i0, c->N, c->V); return (double)loss; }
+static double L_ce(void *p) { gc *c = (gc *)p; mt_real loss; mt_cpu_cross_entropy_forward(NULL, &loss, c->o1, c->a, c->i0, c->N, c->V, c->T); return (double)loss; }
 /* The cross-entropy on c->E vocab shards: logits c->a [N,V] cut into column blocks, each shard's stats,
  * then the combine; the lse lands in c->o1. */
 static double L_ce_shards(void *p) {
@@ -2286,7 +2365,7 @@ static double L_ce_shards(void *p) {
         for (int n = 0; n < c->N; n++) memcpy(blk + n * Vl, c->a + n * c->V + k * Vl, sizeof(mt_real) * (size_t)Vl);
         mt_cpu_ce_stats(st + (int64_t)k * c->N * 3, blk, c->i0, c->N, Vl, k * Vl);
     }
-    mt_cpu_ce_combine(&loss, c->o1, st, S, c->N);
+    mt_cpu_ce_combine(&loss, c->o1, st, c->i0, S, c->N, c->N);
     free(blk); free(st);
     return (double)loss;
 }
@@ -2466,9 +2545,20 @@ static void test_gradcheck_ops(void) {
     fill_normal(c.a, 28, 2);
     for (int i = 0; i < 4; i++) c.i0[i] = (int32_t)(mt_rng_u64(&R) % 7);
     L_ce(&c);
-    mt_cpu_cross_entropy_backward(NULL, dl, c.a, c.o1, c.i0, c.N, c.V);
+    mt_cpu_cross_entropy_backward(NULL, dl, c.a, c.o1, c.i0, c.N, c.V, 1.0 / c.N);
     e1 = fd_error(L_ce, &c, c.a, 28, dl, 28);
     report("gradcheck cross-entropy", e1 < GC_TOL, "rel err %.2e", e1);
+    {   /* rows whose target is -1 are left out (multi-token prediction past a sequence's end): the mean over the
+         * counted rows, the backward scaled by a weight over that count, zero on the rows left out */
+        int32_t keep = c.i0[1];
+        c.i0[1] = -1; c.T = 3;
+        L_ce(&c);
+        mt_cpu_cross_entropy_backward(NULL, dl, c.a, c.o1, c.i0, c.N, c.V, 1.0 / 3);
+        double em = fd_error(L_ce, &c, c.a, 28, dl, 28), z = 0;
+        for (int v = 0; v < 7; v++) z += fabs((double)dl[7 + v]);
+        report("gradcheck cross-entropy with a row left out", em < GC_TOL && z == 0, "rel err %.2e; |dlogits| of the row %.1e", em, z);
+        c.i0[1] = keep; c.T = 0;
+    }
     /* the same loss on 3 vocab shards (tensor parallelism): each shard's backward from the combined lse */
     {
         mt_real loss1, *lse1 = alloc_real(4), *blk = alloc_real(4 * 4), *dblk = alloc_real(4 * 4), *dv = alloc_real(4 * 12);
@@ -2478,10 +2568,10 @@ static void test_gradcheck_ops(void) {
         fill_normal(v.a, 48, 2);
         c.i0[2] = 11; c.i0[3] = 4;   /* targets on the last shard and on a middle one */
         double lv = L_ce_shards(&v);
-        mt_cpu_cross_entropy_forward(NULL, &loss1, lse1, v.a, v.i0, v.N, v.V);
+        mt_cpu_cross_entropy_forward(NULL, &loss1, lse1, v.a, v.i0, v.N, v.V, v.N);
         for (int k = 0; k < 3; k++) {
             for (int n = 0; n < 4; n++) memcpy(blk + n * 4, v.a + n * 12 + k * 4, sizeof(mt_real) * 4);
-            mt_cpu_ce_shard_backward(dblk, blk, v.o1, v.i0, 4, 4, k * 4);
+            mt_cpu_ce_shard_backward(dblk, blk, v.o1, v.i0, 4, 4, k * 4, 1.0 / 4);
             for (int n = 0; n < 4; n++) memcpy(dv + n * 12 + k * 4, dblk + n * 4, sizeof(mt_real) * 4);
         }
         e2 = fd_error(L_ce_shards, &v, v.a, 48, dv, 48);
@@ -2500,7 +2590,7 @@ static double L_model(void *p) {
     mt_step_stats st;
     mt_err e;
     if (mt_runtime_step(m->fwd, m->tok, m->tgt, 0, NULL, &st, &e)) return NAN;
-    return st.loss;
+    return st.loss + mt_runtime_graph(m->fwd)->cfg.mtp_weight * st.mtp_loss;   /* what the train graph differentiates */
 }
 /* A well-conditioned point: matrices with std 1/sqrt(fan_in) (so attention
  * and routing are far from uniform and every gradient is O(1)), norm
@@ -2538,10 +2628,11 @@ static void gradcheck_model(const char *name, const mt_config *cf) {
     double worst = 0;
     char worst_name[MT_NAME_LEN] = "";
     int checked = 0;
-    for (int i = 0; i < gt.n_values; i++) {
-        const mt_value *gv = &gt.values[i];
-        if (gv->role != MT_ROLE_GRAD) continue;
-        const mt_value *pv = &gt.values[gv->param];
+    for (int k = 0; k < gt.n_nodes; k++) {   /* each parameter's whole gradient: the one its AdamW reads (a weight used twice,
+                                               * as MTP uses the embedding and lm_head, sums partial ones first) */
+        if (gt.nodes[k].op != MT_OP_ADAMW) continue;
+        int i = gt.nodes[k].in[1];
+        const mt_value *pv = &gt.values[gt.nodes[k].in[0]];
         int fi = mt_graph_find(&gf, pv->name);
         mt_real *x = (mt_real *)mt_runtime_value(fw, fi);
         double err = fd_error(L_model, &m, x, mt_value_numel_max(&gt, pv), (const mt_real *)mt_runtime_value(rt, i), 6);
@@ -2574,6 +2665,20 @@ static void test_gradcheck_model(void) {
         c.eot_id = tok[2];
     }
     gradcheck_model("gradcheck whole model (document mask)", &c);
+    /* multi-token prediction: eh_proj, enorm, hnorm, shared_head.norm and the MTP blocks, and what the MTP
+     * losses add to the main model's gradients (its last hidden state, the embedding, lm_head) */
+    small_config(&c);
+    c.load_balance_coeff = 0;
+    c.mtp_layers = 2; c.mtp_weight = 0.7f;
+    gradcheck_model("gradcheck whole model (2 MTP depths)", &c);
+    c.doc_mask = 1;
+    {
+        int32_t tok[16], tgt[16];
+        make_batch(&c, 0, tok, tgt);
+        c.eot_id = tok[2];
+    }
+    c.mtp_layers = 1; c.n_dense_layers = c.n_layers;   /* a dense main model: its MTP block is still MoE */
+    gradcheck_model("gradcheck whole model (MTP, document mask, dense main blocks)", &c);
 }
 
 /* Packed documents: with doc_mask, a sequence holding several documents gives
@@ -2656,6 +2761,10 @@ static void test_multirank_f64(void) {
     mr_q_lora = 24;                          /* the low-rank query (q_a replicated, q_b column-parallel) */
     mr_equivalence_tp(2, 2, 2, 20, 1e-12);
     mr_q_lora = 0;
+    mr_mtp = 2;                              /* multi-token prediction (and document masks): FSDP + EP, then tp; the */
+    mr_equivalence(1, 4, 4, 3, 2e-15, 2e-15, 1e-13, 5e-12);   /* norm's and weights' bounds allow for the sums' orders */
+    mr_equivalence_tp(2, 2, 2, 20, 1e-12);
+    mr_mtp = 0;
 }
 int main(void) {
     mt_rng_seed(&R, 42);
@@ -3666,7 +3775,7 @@ static void test_training_falls(void) {
     double first = 0, last = 0;
     int ok = rt != NULL;
     for (int s = 0; s < 60 && ok; s++) {
-        mt_step_stats st = {0, 0, 0, 0};
+        mt_step_stats st = {0};
         ok = mt_data_batch_at(&d, 5, s, 0, 1, c.batch, c.seq_len, tok, tgt, &e) == 0 && mt_runtime_step(rt, tok, tgt, s, &hp, &st, &e) == 0;
         if (s == 0) first = st.loss;
         last = st.loss;
@@ -6230,6 +6339,158 @@ static void test_cli_recompute(void) {
     remove(mtg);
 }
 
+/* ======================================================================
+ * Multi-token prediction: the graph, the checkpoint's names, the artifact
+ * ==================================================================== */
+
+static void test_mtp(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph g0, g2;
+    mt_config_preset(&c, "tiny", &e);
+    c.batch = 2; c.seq_len = 16;
+    /* (a) D = 0 builds none of it (no SHIFT_TOKENS, the loss ops' count and weight 0); D = 2: the depths' layers under
+     * DeepSeek-V3's names, MoE blocks, the shared head not duplicated, each depth's loss over B*(T-k) rows with weight lambda/D */
+    int ok = !compile_cpu(&g0, &c, MT_GRAPH_TRAIN, 1, &e);
+    c.mtp_layers = 2;
+    ok = ok && !compile_cpu(&g2, &c, MT_GRAPH_TRAIN, 1, &e);
+    int shifts0 = 0, attrs0 = 0, shifts = 0, losses = 0, counts_ok = 1, moe = 0;
+    for (int i = 0; ok && i < g0.n_nodes; i++) {
+        const mt_node *n = &g0.nodes[i];
+        shifts0 += n->op == MT_OP_SHIFT_TOKENS;
+        if (n->op == MT_OP_CROSS_ENTROPY || n->op == MT_OP_CROSS_ENTROPY_BWD) attrs0 += n->iattr[1] != 0 || n->fattr[0] != 0;
+    }
+    for (int i = 0; ok && i < g2.n_nodes; i++) {
+        const mt_node *n = &g2.nodes[i];
+        shifts += n->op == MT_OP_SHIFT_TOKENS;
+        moe += n->op == MT_OP_ROUTER && n->layer >= c.n_layers;
+        if (n->op == MT_OP_CROSS_ENTROPY && n->layer >= c.n_layers) {
+            int k = n->layer - c.n_layers + 1;
+            losses++;
+            counts_ok &= n->iattr[1] == c.batch * (c.seq_len - k) && n->fattr[0] == c.mtp_weight / 2;
+        }
+    }
+    int names = ok;
+    static const char *const want[] = {"model.layers.3.enorm.weight", "model.layers.3.hnorm.weight", "model.layers.3.eh_proj.weight",
+                                       "model.layers.3.shared_head.norm.weight", "model.layers.4.self_attn.kv_a_proj_with_mqa.weight",
+                                       "model.layers.4.mlp.experts.*.gate_proj.weight", "model.layers.4.post_attention_layernorm.weight",
+                                       "mtp_loss.1", "mtp_loss.2"};
+    for (size_t i = 0; names && i < sizeof want / sizeof want[0]; i++) names &= mt_graph_find(&g2, want[i]) >= 0;
+    names = names && mt_graph_find(&g2, "model.layers.3.shared_head.head.weight") < 0 && mt_graph_find(&g2, "model.layers.5.enorm.weight") < 0;
+    int eh = ok ? mt_graph_find(&g2, "model.layers.3.eh_proj.weight") : -1;
+    names = names && eh >= 0 && g2.values[eh].dims[0] == c.dim && g2.values[eh].dims[1] == 2 * c.dim;
+    report("MTP graph: none at D = 0; at D = 2 the layers 3, 4 by DeepSeek-V3's names, MoE, losses over B*(T-k)",
+           ok && shifts0 == 0 && attrs0 == 0 && shifts == 4 && losses == 2 && counts_ok && moe == 2 && names,
+           "D=0: %d shifts, %d loss attributes; D=2: %d shifts, %d MTP losses (counts/weights %s), %d MTP routers, names %s %s", shifts0, attrs0,
+           shifts, losses, counts_ok ? "ok" : "WRONG", moe, names ? "ok" : "MISSING", ok ? "" : e.msg);
+    if (ok) mt_graph_free(&g0);
+
+    /* (b) checkpoint: the MTP layers on disk under their names, no copy of the shared head or embedding; config.json's
+     * num_nextn_predict_layers; the round trip bitwise, and the resumed run the uninterrupted one (MTP loss included) */
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    mt_runtime *a = ok ? make_runtime(&g2, 2, 0, 11) : NULL, *b = ok ? make_runtime(&g2, 2, 0, 999) : NULL;
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s", TP("mtp_ckpt"));
+    double la[6], lb[6], ma[6] = {0}, mb[6] = {0};
+    int64_t N = (int64_t)c.batch * c.seq_len;
+    int32_t *tok = (int32_t *)malloc(4 * (size_t)N), *tgt = (int32_t *)malloc(4 * (size_t)N);
+    int rt_ok = a && b;
+    for (int s = 0; rt_ok && s < 3; s++) {
+        mt_step_stats st;
+        make_batch(&c, s, tok, tgt);
+        rt_ok = !mt_runtime_step(a, tok, tgt, s, &hp, &st, &e);
+        la[s] = st.loss; ma[s] = st.mtp_loss;
+    }
+    int step = -1;
+    mt_config c2;
+    rt_ok = rt_ok && !mt_checkpoint_save(a, dir, 3, &e) && !mt_checkpoint_read_config(dir, &c2, &e) && mt_config_equal(&c, &c2) &&
+            !mt_checkpoint_load(b, dir, &step, &e) && step == 3;
+    int same = rt_ok;
+    for (int i = 0; same && i < g2.n_values; i++)
+        if (g2.values[i].role == MT_ROLE_PARAM || g2.values[i].role == MT_ROLE_OPT)
+            same &= !memcmp(mt_runtime_value(a, i), mt_runtime_value(b, i), (size_t)g2.values[i].nbytes);
+    for (int s = 3; same && s < 6; s++) {
+        mt_step_stats sa, sb;
+        memset(&sb, 0, sizeof sb);
+        make_batch(&c, s, tok, tgt);
+        same = !mt_runtime_step(a, tok, tgt, s, &hp, &sa, &e) && !mt_runtime_step(b, tok, tgt, s, &hp, &sb, &e);
+        la[s] = sa.loss; lb[s] = sb.loss; ma[s] = sa.mtp_loss; mb[s] = sb.mtp_loss;
+    }
+    same = same && bitwise_equal(la + 3, lb + 3, 3) && bitwise_equal(ma + 3, mb + 3, 3) && ma[5] > 0 && ma[5] < ma[0];
+    mt__st st;
+    int disk = rt_ok && mt__st_open(&st, TP("mtp_ckpt/model.safetensors"), 1, &e) == 0;
+    if (disk) {
+        const mt__st_t *t = mt__st_find(&st, "model.layers.3.eh_proj.weight");
+        disk = t && t->ndim == 2 && t->shape[0] == c.dim && t->shape[1] == 2 * c.dim && mt__st_find(&st, "model.layers.3.enorm.weight") &&
+               mt__st_find(&st, "model.layers.4.hnorm.weight") && mt__st_find(&st, "model.layers.4.shared_head.norm.weight") &&
+               mt__st_find(&st, "model.layers.4.mlp.experts.7.down_proj.weight") && mt__st_find(&st, "model.layers.4.self_attn.o_proj.weight") &&
+               mt__st_find(&st, "model.layers.3.mlp.gate.e_score_correction_bias") && !mt__st_find(&st, "model.layers.3.shared_head.head.weight") &&
+               !mt__st_find(&st, "model.layers.3.embed_tokens.weight");
+        mt__st_free(&st);
+    }
+    uint8_t *json = NULL;
+    size_t jl = 0;
+    int cfg = rt_ok && !mt_read_file(TP("mtp_ckpt/config.json"), &json, &jl, &e) && strstr((const char *)json, "\"num_nextn_predict_layers\": 2,") &&
+              strstr((const char *)json, "\"num_hidden_layers\": 3,");
+    free(json);
+    report("MTP checkpoint: DeepSeek-V3's names on disk, config.json, round trip and resume bitwise", rt_ok && same && disk && cfg,
+           "loss %.4f -> %.4f, MTP loss %.4f -> %.4f; names %s, config.json %s %s", la[0], la[5], ma[0], ma[5], disk ? "ok" : "WRONG",
+           cfg ? "ok" : "WRONG", rt_ok ? "" : e.msg);
+    /* a model without MTP does not take this checkpoint (nor the reverse): the config names the difference */
+    int refused = 0;
+    c2 = c; c2.mtp_layers = 0;
+    if (ok && !compile_cpu(&g0, &c2, MT_GRAPH_TRAIN, 1, &e)) {
+        mt_runtime *d = make_runtime(&g0, 1, 0, 1);
+        refused = d && mt_checkpoint_load(d, dir, NULL, &e) != 0 && strstr(e.msg, "mtp_layers 2 vs 0") != NULL;
+        mt_runtime_destroy(d);
+        mt_graph_free(&g0);
+    }
+    char why[300];
+    snprintf(why, sizeof why, "%s", e.msg);
+    c2 = c; c2.mtp_weight = 0.1f;   /* the report's second phase: the same weights under another lambda */
+    int taken = 0;
+    if (ok && !compile_cpu(&g0, &c2, MT_GRAPH_TRAIN, 1, &e)) {
+        mt_runtime *d = make_runtime(&g0, 1, 0, 1);
+        taken = d && mt_checkpoint_load(d, dir, NULL, &e) == 0;
+        mt_runtime_destroy(d);
+        mt_graph_free(&g0);
+    }
+    report("MTP checkpoint: refused by a model without MTP (naming mtp_layers), taken under another mtp_weight", refused && taken, "%s%s", why,
+           taken ? "" : e.msg);
+    free(tok); free(tgt);
+    mt_runtime_destroy(a); mt_runtime_destroy(b);
+    if (ok) mt_graph_free(&g2);
+    remove_tree(dir);
+
+    /* (c) the artifact carries it: precompile + train --graph = in-process, bitwise (losses, MTP losses, grad norms, lr),
+     * under tp 2 x ep 2 with document masks; and the tp run's checkpoint loads at one rank tensor for tensor */
+    static char o[1 << 16], mta[1 << 14], mtb[1 << 14];
+    char d2[256], p[600], q[600];
+    scratch_dir(d2, sizeof d2, "climtp");
+    const char *run = "--preset tiny --mtp-layers 2 --mtp-weight 0.5 --doc-mask 1 --eot-id 3";
+    int r1 = sh(o, sizeof o, "%sprecompile %s --tp 2 --ep 2 -o %s/mtp.mtg 2>&1", BIN, run, d2);
+    int r2 = r1 ? -1 : sh(o, sizeof o, "%strain --graph %s/mtp.mtg --seed 3 --steps 4 --metrics %s/a.jsonl --save %s/pre 2>&1", BIN, d2, d2, d2);
+    int r3 = sh(o, sizeof o, "%strain %s --seed 3 --nproc 2 --tp 2 --ep 2 --steps 4 --metrics %s/b.jsonl --save %s/inproc 2>&1", BIN, run, d2, d2);
+    int logged = strstr(o, "| mtp ") != NULL;
+    snprintf(p, sizeof p, "%s/a.jsonl", d2); snprintf(q, sizeof q, "%s/b.jsonl", d2);
+    metrics_core(p, 1, mta, sizeof mta); metrics_core(q, 1, mtb, sizeof mtb);
+    int n = 0, m = 0;
+    snprintf(p, sizeof p, "%s/pre/model.safetensors", d2); snprintf(q, sizeof q, "%s/inproc/model.safetensors", d2);
+    int same_w = !r1 && !r2 && !r3 && same_tensors(p, q, &n);
+    report("CLI: precompile --mtp-layers 2 --tp 2 --ep 2, train --graph = in-process, bitwise", same_w && n_lines(mta) == 4 && !strcmp(mta, mtb) &&
+           strstr(mta, "\"mtp_loss\":") && logged, "%d steps (mtp_loss in the metrics: %s, in the log: %s), %d tensors; exit %d %d %d %.200s", n_lines(mta),
+           strstr(mta, "\"mtp_loss\":") ? "yes" : "NO", logged ? "yes" : "NO", n, r1, r2, r3, same_w ? "" : o);
+    int r4 = sh(o, sizeof o, "%strain %s --steps 0 --load %s/inproc --save %s/one 2>&1", BIN, run, d2, d2);
+    char p2[600], q2[600];
+    snprintf(p, sizeof p, "%s/inproc/model.safetensors", d2); snprintf(q, sizeof q, "%s/one/model.safetensors", d2);
+    snprintf(p2, sizeof p2, "%s/inproc/optimizer-step4.safetensors", d2); snprintf(q2, sizeof q2, "%s/one/optimizer-step4.safetensors", d2);
+    int moved = !r4 && same_tensors(p, q, &n) && same_tensors(p2, q2, &m);
+    report("CLI: a tp 2 x ep 2 checkpoint with MTP layers loads at one rank, tensor for tensor", moved, "%d weights, %d moments %.200s", n, m,
+           moved ? "" : o);
+    remove_tree(d2);
+}
+
 int main(void) {
     mt_rng_seed(&R, 42);
     if (getenv("MT_BIN")) BIN = getenv("MT_BIN");
@@ -6290,6 +6551,7 @@ int main(void) {
     RUN(test_cli_sharded_checkpoint);
     RUN(test_cli_tensor_parallel);
     RUN(test_cli_recompute);
+    RUN(test_mtp);
 #undef RUN
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;

@@ -85,7 +85,7 @@ static const opt_spec specs[] = {
     {"eps", OPT_FLOAT, O_(hp.eps), 0, 1, 1, 0, "1e-8", "AdamW epsilon", NULL},
     {"weight-decay", OPT_FLOAT, O_(hp.weight_decay), 0, 10, 0, 0, "0.1", "AdamW weight decay", NULL},
     {"grad-clip", OPT_FLOAT, O_(hp.grad_clip), 0, 1e6, 0, 0, "1.0", "clip the global gradient norm to this (0: off)", NULL},
-    {"metrics", OPT_STR, O_(metrics), 0, 0, 0, 0, "none", "JSON lines: step, loss, grad_norm, lr, tokens_per_s, step_ms, expert_load", "FILE"},
+    {"metrics", OPT_STR, O_(metrics), 0, 0, 0, 0, "none", "JSON lines: step, loss (the next-token loss), mtp_loss (with --mtp-layers), grad_norm, lr, tokens_per_s, step_ms, expert_load", "FILE"},
     {"svg", OPT_STR, O_(svg), 0, 0, 0, 0, "none", "write the loss curve at the end", "FILE"},
     {"save", OPT_STR, O_(save), 0, 0, 0, 0, "none", "checkpoint directory: model.safetensors (Hugging Face names), config.json, optimizer", "DIR"},
     {"overwrite", OPT_FLAG, O_(overwrite), 0, 0, 0, 0, "off", "let --save replace a checkpoint of another run (without it only --load's own DIR is replaced)", NULL},
@@ -347,7 +347,7 @@ static int checkpoint_config(opts *o, mt_config *cfg, int fixed_by_graph) {
     }
     if (mt_config_validate(cfg, &e)) { fprintf(stderr, "train: %s\n", e.msg); return 2; }
     mt_config model = ck;
-    model.batch = cfg->batch; model.seq_len = cfg->seq_len;
+    model.batch = cfg->batch; model.seq_len = cfg->seq_len; model.mtp_weight = cfg->mtp_weight;   /* the MTP loss's weight may change (0.3 -> 0.1) */
     char diff[900];
     if (mt_config_diff(&model, cfg, diff, sizeof diff)) {
         if (fixed_by_graph) {
@@ -362,14 +362,18 @@ static int checkpoint_config(opts *o, mt_config *cfg, int fixed_by_graph) {
         }
         printf("adopted the checkpoint's model config (--adopt-config); it differs from the one asked for in (checkpoint vs asked): %s\n", diff);
         int B = cfg->batch, T = cfg->seq_len;
+        float W = cfg->mtp_weight;
         *cfg = ck;
         if (override_given(o, "batch")) cfg->batch = B;
         if (override_given(o, "seq_len")) cfg->seq_len = T;
+        if (override_given(o, "mtp_weight")) cfg->mtp_weight = W;
         o->config_from = "checkpoint";
     }
     if (!o->forward && (cfg->batch != ck.batch || cfg->seq_len != ck.seq_len))
         printf("note: batch x seq_len %d x %d, the checkpoint's run used %d x %d: this is not its exact continuation\n", cfg->batch,
                cfg->seq_len, ck.batch, ck.seq_len);
+    if (!o->forward && cfg->mtp_weight != ck.mtp_weight && cfg->mtp_layers > 0)
+        printf("note: mtp_weight %g, the checkpoint's run used %g\n", (double)cfg->mtp_weight, (double)ck.mtp_weight);
     return 0;
 }
 
@@ -795,7 +799,9 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
         double tps = tokens_global / secs;
         double lb = load_imbalance(rt, counts, E);
         if (lead && ((s + 1) % o->log_every == 0 || s == 0 || s + 1 == todo)) {
-            printf("step %5d | loss %.6f | grad_norm %8.4f | lr %.3e | %8.0f tok/s", step + 1, st.loss, st.grad_norm, st.lr, tps);
+            printf("step %5d | loss %.6f", step + 1, st.loss);
+            if (cfg->mtp_layers > 0) printf(" | mtp %.6f", st.mtp_loss);
+            printf(" | grad_norm %8.4f | lr %.3e | %8.0f tok/s", st.grad_norm, st.lr, tps);
             if (world > 1) printf(" (%.0f/rank)", tps / world);
             printf(" | %7.1f ms | load max/mean %.2f", 1e3 * secs, lb);
             if (on_gpu)
@@ -804,9 +810,10 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
             printf("\n");
         }
         if (mf) {
-            fprintf(mf, "{\"step\":%d,\"loss\":%.9g,\"grad_norm\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"step_ms\":%.3f,"
-                        "\"ranks\":%d,\"host_syncs\":%d,\"peak_bytes_max\":%.0f",
-                    step + 1, st.loss, st.grad_norm, st.lr, tps, 1e3 * secs, world, mt_runtime_host_syncs(rt), peak_max);
+            fprintf(mf, "{\"step\":%d,\"loss\":%.9g,", step + 1, st.loss);
+            if (cfg->mtp_layers > 0) fprintf(mf, "\"mtp_loss\":%.9g,", st.mtp_loss);
+            fprintf(mf, "\"grad_norm\":%.9g,\"lr\":%.9g,\"tokens_per_s\":%.1f,\"step_ms\":%.3f,\"ranks\":%d,\"host_syncs\":%d,\"peak_bytes_max\":%.0f",
+                    st.grad_norm, st.lr, tps, 1e3 * secs, world, mt_runtime_host_syncs(rt), peak_max);
             if (world > 1 && per_rank) {
                 fprintf(mf, ",\"rank_step_ms\":[");
                 for (int r = 0; r < world; r++) fprintf(mf, "%s%.3f", r ? "," : "", 1e3 * x[2 + r]);

@@ -95,7 +95,15 @@ def parse_mt(meta):
         mt[k] = int(v)
     for k in MT_FLOAT_FIELDS:
         mt[k] = float(meta["mt." + k])
+    mt["mtp_layers"] = int(float(meta.get("mt.mtp_layers", "0")))  # newer field: MTP depths (layers after n_layers)
     return mt
+
+
+def is_mtp_key(name, mt):
+    """An MTP layer's tensor (model.layers.{l}.* with l >= n_layers): transformers runs no MTP and, its ignore
+    list naming only layer 61, reports these as unexpected keys."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return bool(m) and int(m.group(1)) >= mt["n_layers"]
 
 
 def mt_to_metadata(mt):
@@ -200,7 +208,7 @@ def hf_config_from_mt(mt):
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": mt.get("mtp_layers", 0),
         "initializer_range": 0.02,
         "use_cache": False,
         "bos_token_id": None,
@@ -312,9 +320,14 @@ def expected_tensor_shapes(mt):
     D, V, H = mt["dim"], mt["vocab_size"], mt["n_heads"]
     dq = mt["qk_nope_head_dim"] + mt["qk_rope_head_dim"]
     s = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
-    for l in range(mt["n_layers"]):
+    for l in range(mt["n_layers"] + mt.get("mtp_layers", 0)):
         p = f"model.layers.{l}."
         a = p + "self_attn."
+        if l >= mt["n_layers"]:  # an MTP depth: its own norms and projection, then a block
+            s[p + "enorm.weight"] = (D,)
+            s[p + "hnorm.weight"] = (D,)
+            s[p + "eh_proj.weight"] = (D, 2 * D)
+            s[p + "shared_head.norm.weight"] = (D,)
         s[p + "input_layernorm.weight"] = (D,)
         s[p + "post_attention_layernorm.weight"] = (D,)
         if mt["q_lora_rank"] > 0:
@@ -570,7 +583,7 @@ def verify_loaded_weights(model, file_tensors, mt):
         if ref.shape != t.shape or not torch.equal(ref.to(t.dtype), t):
             errs.append(f"{name}: loaded value differs from the file ({tuple(ref.shape)} vs {tuple(t.shape)})")
         n_checked += 1
-    unused = sorted(set(file_tensors) - used)
+    unused = sorted(k for k in set(file_tensors) - used if not is_mtp_key(k, mt))
     if unused:
         errs.append(f"{len(unused)} file tensors not used by HF, e.g. {unused[:5]}")
     return errs, n_checked
@@ -596,6 +609,8 @@ def load_hf(d, mt, dtype, device, experts_impl="eager"):
     bad = []
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs", "conversion_errors"):
         v = info.get(key)
+        if key == "unexpected_keys" and v:
+            v = [k for k in v if not is_mtp_key(k, mt)]
         if v:
             bad.append(f"{key}: {sorted(v)[:10] if not isinstance(v, dict) else dict(list(v.items())[:10])}")
     if bad:
@@ -648,7 +663,7 @@ def run_parity(args):
         if not d:
             d = os.path.join(tmp, "ckpt")
             run_train([args.train, "--preset", "tiny", "--score-func", "sigmoid", "--steps", "30", "--save", d,
-                       "--device", args.device])
+                       "--device", args.device] + (["--mtp-layers", str(args.mtp_layers)] if args.mtp_layers else []))
         st = os.path.join(d, "model.safetensors")
         for f in (st, os.path.join(d, "config.json")):
             if not os.path.isfile(f):
@@ -921,6 +936,9 @@ def main(argv):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="HF compute dtype")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mtp-layers", type=int, default=0,
+                   help="train the checkpoint with this many MTP depths (saved as layers after num_hidden_layers; "
+                        "transformers loads the model and leaves them unused)")
     p.add_argument("--tol", type=float, default=None, help="max_rel_diff tolerance (default 1e-4 f32, 2e-2 bf16)")
     p.add_argument("--experts-impl", default="eager", choices=["eager", "grouped_mm", "batched_mm"],
                    help="HF experts implementation (default eager = reference loop)")
