@@ -23,6 +23,7 @@
  *   8. router, permutation, expert exchange, grouped GEMM, combine
  *   9. cross-entropy
  *   10. optimizer: gradient norm, schedule, clip, AdamW, expert bias
+ *   11. FP8 (e4m3): quantizers, dense GEMM (cuBLASLt block-scaled), grouped GEMM
  */
 #include <cuda.h>            /* CUtensorMap (the encoder is reached through the runtime) */
 #include <cuda_runtime.h>
@@ -7490,4 +7491,470 @@ int mt_nccl_exchange(mt_cuda *c, void *comm, int P, const void *send, const int6
     return 0;
 }
 
+}  /* extern "C" */
+
+/* ========================================================================
+ * 11. FP8 (e4m3) GEMMs with DeepSeek-V3's fine-grained scaling
+ *
+ * What is here: the quantizers (bf16 -> e4m3 + fp32 scales), the dense FP8 GEMM through cuBLASLt's
+ * block-scaled FP8 (CUDA 12.9+, Hopper), and a grouped FP8 GEMM for the experts (offsets on the
+ * device).  No graph pass uses them yet; bench/fp8.cu measures them, test_gpu checks them.
+ *
+ * Format: e4m3 (1 sign, 4 exponent bits, bias 7, 3 mantissa bits, max 448, no infinities).  A
+ * block's scale is s = amax / 448 (fp32, IEEE division), an element's code q = e4m3(x / s): the
+ * fp32 quotient rounded to nearest even, saturated at +-448; a block with amax = 0 has s = 0 and all
+ * codes 0 (so it dequantizes to exact zeros and no 0/0 is ever formed).  Dequantized: q * s.
+ *
+ * Layouts (docs/FP8.md has the picture; they are the ones cuBLASLt reads for VEC128_32F and
+ * BLK128x128_32F):
+ *   rows   ("1 x 128", activations and gradients along their feature axis): x [R][C] -> q [R][C],
+ *          s[kb * R + r] for the 128 columns [128 kb, 128 kb + 128) of row r.
+ *   cols   ("128 x 1", along the token axis, for dW = dY^T X): x [R][C] with its rows grouped by
+ *          offs into E segments -> qt [C][Lp] (transposed), segment e's rows at columns [P_e, P_e +
+ *          n_e), P_e = sum_{j<e} roundup(n_j, 128), zero up to P_e + roundup(n_e, 128), so no
+ *          128-block straddles two experts; st[(p / 128) * C + c] for the 128 columns [p, p + 128)
+ *          of row c.  Lp = mt_cuda_fp8_tpad(Rmax, E) bounds every layout of R <= Rmax rows.
+ *   weight ("128 x 128"): w [E][N][K] -> q [E][N][K], s[e][nb][ldk] at (e * nbN + nb) * ldk + kb,
+ *          ldk = roundup(ceil(K / 128), 4) (cuBLASLt wants 16-byte aligned scale rows; the padding
+ *          entries are written 0).  transpose = 1 gives W^T for dX = dY W: q [E][K][N] and
+ *          s[e][kb][ldn] -- the same blocks with the same scales, transposed.
+ * GEMMs (both operands K-major, the only FP8 layout of Hopper's tensor cores):
+ *   dense  out[Mr][Nc] = sum_k A[Mr][k] B[Nc][k], A "rows"-quantized, B "weight" (forward: X, W;
+ *          dX: dY, W^T) or "rows" of the transposed tensors (dW: dY^T, X^T from the "cols" quantizer).
+ *   grouped (experts, W [E][M][K], offsets on the device as mt_cuda_gmm):
+ *          mode 0  Y[r][m]   = X[r][:] . W[e][m][:]       a = X rows,  b = W weight
+ *          mode 1  dX[r][k]  = dY[r][:] . W[e][:][k]      a = dY rows, b = W^T weight (transpose 1)
+ *          mode 2  dW[e][m][k] = sum_{r in e} dY[r][m] X[r][k]   a = dY cols, b = X cols;  fp32 out
+ * Accumulation: each 128-long slice of the reduction is summed in fp32 by the tensor cores, then
+ * promoted: acc += slice * (sa * sb) in fp32 (DeepSeek-V3's promotion every 128 products).
+ * ====================================================================== */
+#include <cuda_fp8.h>
+
+namespace mt_fp8 {
+typedef __nv_bfloat16 bf16;
+
+__host__ __device__ inline int kblocks(int n) { return (n + 127) / 128; }
+__host__ __device__ inline int ld_blk(int n) { return (kblocks(n) + 3) & ~3; }
+static inline long long tpad(int Rmax, int E) { return ((long long)Rmax + 127LL * E + 127) / 128 * 128; }
+
+__device__ __forceinline__ float scale_of(float amax) { return __fdiv_rn(amax, 448.f); }
+__device__ __forceinline__ uint32_t code(float x, float s) {
+    return s > 0.f ? (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(x, s), __NV_SATFINITE, __NV_E4M3) : 0u;
+}
+
+/* rows: one warp per (row, 128-column block), 4 columns a lane (C % 16 == 0: all 4 in or out) */
+__global__ void k_quant_rows(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__restrict__ x, int R, int C) {
+    const int nkb = kblocks(C);
+    const long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (w >= (long long)R * nkb) return;
+    const int lane = threadIdx.x & 31;
+    const int r = (int)(w / nkb), kb = (int)(w - (long long)r * nkb);
+    const int c = kb * 128 + lane * 4;
+    const bool in = c < C;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (in) {
+        const uint2 u = *reinterpret_cast<const uint2 *>(x + (size_t)r * C + c);
+        const __nv_bfloat162 p0 = *reinterpret_cast<const __nv_bfloat162 *>(&u.x), p1 = *reinterpret_cast<const __nv_bfloat162 *>(&u.y);
+        v[0] = __low2float(p0); v[1] = __high2float(p0); v[2] = __low2float(p1); v[3] = __high2float(p1);
+    }
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    amax = warp_max(amax);
+    const float sc = scale_of(amax);
+    if (in) {
+        const uint32_t b = code(v[0], sc) | (code(v[1], sc) << 8) | (code(v[2], sc) << 16) | (code(v[3], sc) << 24);
+        *reinterpret_cast<uint32_t *>(q + (size_t)r * C + c) = b;
+    }
+    if (lane == 0) s[(size_t)kb * R + r] = sc;
+}
+
+/* the segment and 128-row chunk of chunk slot `slot` (segments in order, chunks in order within each):
+   rows [r0, r0 + n) of x, columns [p, p + 128) of qt; n = -1 when the slot is past the last chunk */
+__device__ __forceinline__ void chunk_of(const int *offs, int E, int R, int slot, int &r0, int &n, long long &p) {
+    n = -1; r0 = 0; p = 0;
+    if (!offs) {
+        if (slot * 128LL < R) { r0 = slot * 128; n = min(128, R - r0); p = r0; }
+        return;
+    }
+    long long acc = 0, pe = 0;
+    for (int e = 0; e < E; ++e) {
+        const int b = offs[e], ne = max(0, offs[e + 1] - b), nc = (ne + 127) / 128;
+        if (slot < acc + nc) {
+            const int j = (int)(slot - acc);
+            r0 = b + 128 * j; n = min(128, ne - 128 * j); p = pe + 128LL * j;
+            return;
+        }
+        acc += nc; pe += 128LL * nc;
+    }
+}
+
+/* cols: CTA = one 128-row chunk x 64 columns, 256 threads; the tile goes through shared memory
+   (coalesced 128-byte reads of x's rows, 128-byte writes of qt's rows) */
+__global__ void __launch_bounds__(256) k_quant_cols(uint8_t *__restrict__ qt, float *__restrict__ st, const bf16 *__restrict__ x,
+                                                    const int *__restrict__ offs, int E, int R, int C, long long Lp) {
+    __shared__ float tile[128][65];
+    __shared__ float part[4][64];
+    __shared__ float sc[64];
+    __shared__ int s_r0, s_n;
+    __shared__ long long s_p;
+    const int tid = threadIdx.x;
+    if (tid == 0) { int r0, n; long long p; chunk_of(offs, E, R, blockIdx.x, r0, n, p); s_r0 = r0; s_n = n; s_p = p; }
+    __syncthreads();
+    const int r0 = s_r0, n = s_n;
+    const long long p = s_p;
+    if (n < 0) return;
+    const int c0 = blockIdx.y * 64, col = tid & 63, quarter = tid >> 6;
+    const bool cok = c0 + col < C;
+    float m = 0.f;
+    for (int i = quarter; i < 128; i += 4) {
+        const float v = (cok && i < n) ? bf(x[(size_t)(r0 + i) * C + c0 + col]) : 0.f;
+        tile[i][col] = v;
+        m = fmaxf(m, fabsf(v));
+    }
+    part[quarter][col] = m;
+    __syncthreads();
+    if (tid < 64) {
+        const float s = scale_of(fmaxf(fmaxf(part[0][tid], part[1][tid]), fmaxf(part[2][tid], part[3][tid])));
+        sc[tid] = s;
+        if (c0 + tid < C) st[(size_t)(p / 128) * C + c0 + tid] = s;
+    }
+    __syncthreads();
+    const int wd = tid & 31; /* rows 4 wd .. 4 wd + 3 of a column: one 32-bit word */
+    for (int cc = tid >> 5; cc < 64; cc += 8) {
+        if (c0 + cc >= C) break;
+        const float s = sc[cc];
+        const uint32_t b = code(tile[4 * wd][cc], s) | (code(tile[4 * wd + 1][cc], s) << 8) | (code(tile[4 * wd + 2][cc], s) << 16) |
+                           (code(tile[4 * wd + 3][cc], s) << 24);
+        *reinterpret_cast<uint32_t *>(qt + (size_t)(c0 + cc) * Lp + p + 4 * wd) = b;
+    }
+}
+
+/* weight: CTA = one 128 x 128 block (grid kb, nb, e), 256 threads; two passes over the block (amax,
+   then codes); the transposed form goes through shared memory */
+__global__ void __launch_bounds__(256) k_quant_weight(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__restrict__ w,
+                                                      int N, int K, int transpose) {
+    __shared__ float red[32];
+    __shared__ uint8_t tq[128][132];
+    const int kb = blockIdx.x, nb = blockIdx.y, e = blockIdx.z, tid = threadIdx.x;
+    const bf16 *we = w + (size_t)e * N * K;
+    float m = 0.f;
+    for (int i = tid; i < 128 * 128; i += 256) {
+        const int n = nb * 128 + (i >> 7), k = kb * 128 + (i & 127);
+        if (n < N && k < K) m = fmaxf(m, fabsf(bf(we[(size_t)n * K + k])));
+    }
+    const float sc = scale_of(block_max(m, red));
+    for (int i = tid; i < 128 * 128; i += 256) {
+        const int nl = i >> 7, kl = i & 127, n = nb * 128 + nl, k = kb * 128 + kl;
+        const bool ok = n < N && k < K;
+        const uint32_t b = ok ? code(bf(we[(size_t)n * K + k]), sc) : 0u;
+        if (!transpose) {
+            if (ok) q[((size_t)e * N + n) * K + k] = (uint8_t)b;
+        } else {
+            tq[kl][nl] = (uint8_t)b;
+        }
+    }
+    if (transpose) {
+        __syncthreads();
+        for (int i = tid; i < 128 * 128; i += 256) {
+            const int kl = i >> 7, nl = i & 127, n = nb * 128 + nl, k = kb * 128 + kl;
+            if (n < N && k < K) q[((size_t)e * K + k) * N + n] = tq[kl][nl];
+        }
+    }
+    if (tid == 0) {
+        if (!transpose) {
+            const int ld = ld_blk(K);
+            float *row = s + ((size_t)e * kblocks(N) + nb) * ld;
+            row[kb] = sc;
+            if (kb == kblocks(K) - 1) for (int j = kb + 1; j < ld; ++j) row[j] = 0.f;
+        } else {
+            const int ld = ld_blk(N);
+            float *row = s + ((size_t)e * kblocks(K) + kb) * ld;
+            row[nb] = sc;
+            if (nb == kblocks(N) - 1) for (int j = nb + 1; j < ld; ++j) row[j] = 0.f;
+        }
+    }
+}
+
+/* ---- dense: cuBLASLt block-scaled FP8 (VEC128_32F / BLK128x128_32F, Hopper, CUDA 12.9+) ----------
+   Row-major out[Mr][Nc] = A[Mr][:] . B[Nc][:] is, column-major, D (Nc x Mr) = B^T(T) A(N): cuBLASLt's
+   A is our B (TRANSA = T: the "TN" layout FP8 needs), its B is our A.  The scale pointers are set in
+   plan() (the heuristic sees the real ones) and again in run(). */
+struct Dense {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+    cublasLtMatmulAlgo_t algo;
+    size_t ws = 0;
+    char why[160] = "";
+    ~Dense() {
+        if (desc) cublasLtMatmulDescDestroy(desc);
+        if (la) cublasLtMatrixLayoutDestroy(la);
+        if (lb) cublasLtMatrixLayoutDestroy(lb);
+        if (lc) cublasLtMatrixLayoutDestroy(lc);
+    }
+    /* out_f32: fp32 output (dW), else bf16; b_blk: B has 128 x 128 block scales, else 1 x 128 */
+    bool set_scales(const float *sa, const float *sb) {
+        return cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof sb) == CUBLAS_STATUS_SUCCESS &&
+               cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof sa) == CUBLAS_STATUS_SUCCESS;
+    }
+    int plan(cublasLtHandle_t lt, int out_f32, int b_blk, int Mr, int Nc, int K, int lda, int ldb, const float *sa, const float *sb,
+             size_t ws_bytes) {
+        if (Mr < 1 || Nc < 1 || K < 1 || K % 16 || Nc % 16 || lda % 16 || ldb % 16 || lda < K || ldb < K) {
+            snprintf(why, sizeof why, "FP8 GEMM: K, Nc, lda, ldb must be multiples of 16 (Mr %d Nc %d K %d lda %d ldb %d)", Mr, Nc, K, lda, ldb);
+            return -1;
+        }
+        const cublasOperation_t tA = CUBLAS_OP_T, tB = CUBLAS_OP_N;
+        const int32_t ma = b_blk ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+        const int32_t mb = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+        const cudaDataType_t ot = out_f32 ? CUDA_R_32F : CUDA_R_16BF;
+        cublasLtMatmulPreference_t pref = nullptr;
+        cublasLtMatmulHeuristicResult_t hr;
+        int n = 0;
+        memset(&hr, 0, sizeof hr);
+        bool ok = cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &tA, sizeof tA) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tB, sizeof tB) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &ma, sizeof ma) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mb, sizeof mb) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, (uint64_t)K, (uint64_t)Nc, ldb) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, (uint64_t)K, (uint64_t)Mr, lda) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatrixLayoutCreate(&lc, ot, (uint64_t)Nc, (uint64_t)Mr, Nc) == CUBLAS_STATUS_SUCCESS;
+        if (!ok) { snprintf(why, sizeof why, "FP8 GEMM: cuBLASLt descriptors (this cuBLASLt has no block-scaled FP8?)"); return -1; }
+        ok = set_scales(sa, sb) &&
+             cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
+             cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes) == CUBLAS_STATUS_SUCCESS &&
+             cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &hr, &n) == CUBLAS_STATUS_SUCCESS && n > 0;
+        if (pref) cublasLtMatmulPreferenceDestroy(pref);
+        if (!ok) {
+            snprintf(why, sizeof why, "FP8 GEMM: cuBLASLt has no block-scaled FP8 algorithm for %d x %d x %d (%s B, %s out) on this device",
+                     Mr, Nc, K, b_blk ? "128x128" : "1x128", out_f32 ? "fp32" : "bf16");
+            return -1;
+        }
+        algo = hr.algo;
+        ws = hr.workspaceSize;
+        return 0;
+    }
+    int run(cublasLtHandle_t lt, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb, void *wsp,
+            size_t ws_bytes, cudaStream_t st) {
+        const float alpha = 1.f, beta = 0.f;
+        if (ws > ws_bytes) { snprintf(why, sizeof why, "FP8 GEMM: workspace %zu > %zu", ws, ws_bytes); return -1; }
+        if (!set_scales(sa, sb)) {
+            snprintf(why, sizeof why, "FP8 GEMM: setting the scale pointers");
+            return -1;
+        }
+        const cublasStatus_t r = cublasLtMatmul(lt, desc, &alpha, b, la, a, lb, &beta, out, lc, out, lc, &algo, wsp, ws, st);
+        if (r != CUBLAS_STATUS_SUCCESS) { snprintf(why, sizeof why, "FP8 GEMM: cublasLtMatmul status %d", (int)r); return -1; }
+        return 0;
+    }
+};
+
+/* ---- grouped: the simple kernel ----------------------------------------------------------------
+   "simple" because it is the correct baseline, not the fast one: no shared-memory staging, no TMA,
+   no wgmma.  mma.sync m16n8k32 (e4m3 x e4m3 -> fp32) with fragments read straight from global
+   memory (L1/L2 serve the reuse).  CTA: 4 warps, a 64 x 64 output tile, warp w rows 16 w + [0, 16),
+   8 n8 column slices.  Each 128-long reduction block: 4 k32 products into a fresh fp32 slice, then
+   promoted into the accumulator with the two scales.  Work: modes 0/1 (expert, 64-row tile) slots
+   in grid.x (a CTA finds its tile by walking offs; slots past the last tile exit), 64-column tiles
+   in grid.y; mode 2 (m tile, k tile) in grid.x, expert in grid.y; the reduction walks the expert's
+   padded 128-blocks in order.  Every output element is written by one thread with a fixed order:
+   bitwise reproducible.  Bounds: K, M multiples of 16 (whole 4-byte fragments); E <= 65535. */
+struct Gmm {
+    void *out;
+    const uint8_t *a, *b;
+    const float *sa, *sb;
+    const int *offs;
+    int E, M, K, Rmax;
+    long long Lp;
+};
+
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t ld4(const uint8_t *base, long long ld, int row, int nrows, long long k, long long kend) {
+    return (row < nrows && k < kend) ? __ldg(reinterpret_cast<const uint32_t *>(base + (size_t)row * ld + k)) : 0u;
+}
+
+template <int MODE>
+__global__ void __launch_bounds__(128) k_gmm_simple(const Gmm p) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, cq = lane & 3;
+    /* output tile: rows [r0, r1) (modes 0/1: tokens; mode 2: m of expert e), columns [c0, c0 + 64) */
+    int e = 0, r0 = 0, r1 = 0, c0 = 0, ncols;
+    long long k0 = 0, kend; /* the reduction range, in the operands' own column coordinates */
+    __shared__ int s_e, s_r0, s_r1;
+    __shared__ long long s_k0;
+    if (MODE != 2) {
+        if (tid == 0) {
+            int acc = 0, found = -1, b = 0, n = 0;
+            for (int i = 0; i < p.E && found < 0; ++i) {
+                b = p.offs[i]; n = max(0, p.offs[i + 1] - b);
+                const int nt = (n + 63) / 64;
+                if ((int)blockIdx.x < acc + nt) found = i; else acc += nt;
+            }
+            s_e = found;
+            s_r0 = found < 0 ? 0 : b + 64 * ((int)blockIdx.x - acc);
+            s_r1 = found < 0 ? 0 : min(b + 64 * ((int)blockIdx.x - acc) + 64, b + n);
+        }
+        __syncthreads();
+        if (s_e < 0) return;
+        e = s_e; r0 = s_r0; r1 = s_r1;
+        c0 = blockIdx.y * 64;
+        ncols = MODE == 0 ? p.M : p.K;
+        kend = MODE == 0 ? p.K : p.M;
+    } else {
+        e = blockIdx.y;
+        const int ntk = (p.K + 63) / 64;
+        r0 = (blockIdx.x / ntk) * 64; r1 = p.M;
+        c0 = (blockIdx.x % ntk) * 64;
+        ncols = p.K;
+        if (tid == 0) {
+            long long pe = 0;
+            for (int i = 0; i < e; ++i) pe += 128LL * ((max(0, p.offs[i + 1] - p.offs[i]) + 127) / 128);
+            s_k0 = pe;
+            s_r0 = max(0, p.offs[e + 1] - p.offs[e]);
+        }
+        __syncthreads();
+        k0 = s_k0;
+        kend = k0 + 128LL * ((s_r0 + 127) / 128);
+    }
+    /* operand rows: A row ra / rb (tile rows), B row = output column; ld: bytes per row */
+    const long long lda = MODE == 2 ? p.Lp : (MODE == 0 ? p.K : p.M);
+    const long long ldb = MODE == 2 ? p.Lp : (MODE == 0 ? p.K : p.M);
+    const uint8_t *A = p.a, *B = p.b;
+    if (MODE != 2) B += (size_t)e * p.M * p.K;
+    const int nbrows = MODE == 2 ? p.K : ncols; /* rows of B */
+    const int ra = r0 + 16 * warp + g, rb = ra + 8;
+    float acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    const int nkb = (int)((kend - k0 + 127) / 128);
+    const int ldsb = MODE == 0 ? ld_blk(p.K) : ld_blk(p.M); /* weight scales: per-row stride */
+#pragma unroll 1
+    for (int kb = 0; kb < nkb; ++kb) {
+        float t[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) t[j][0] = t[j][1] = t[j][2] = t[j][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            const long long k = k0 + 128LL * kb + 32 * ks + 4 * cq;
+            uint32_t a[4];
+            a[0] = ld4(A, lda, ra, r1, k, kend);
+            a[1] = ld4(A, lda, rb, r1, k, kend);
+            a[2] = ld4(A, lda, ra, r1, k + 16, kend);
+            a[3] = ld4(A, lda, rb, r1, k + 16, kend);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int col = c0 + 8 * j + g;
+                mma_e4m3(t[j], a, ld4(B, ldb, col, nbrows, k, kend), ld4(B, ldb, col, nbrows, k + 16, kend));
+            }
+        }
+        /* promotion: the slice times its scales into the fp32 accumulator */
+        if (MODE != 2) {
+            const float *sa = p.sa + (size_t)kb * p.Rmax;
+            const float xa = ra < r1 ? sa[ra] : 0.f, xb = rb < r1 ? sa[rb] : 0.f;
+            const float w = p.sb[((size_t)e * kblocks(ncols) + c0 / 128) * ldsb + kb];
+            const float fa = xa * w, fb = xb * w;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                acc[j][0] += t[j][0] * fa; acc[j][1] += t[j][1] * fa;
+                acc[j][2] += t[j][2] * fb; acc[j][3] += t[j][3] * fb;
+            }
+        } else {
+            const long long pb = k0 / 128 + kb;
+            const float *sa = p.sa + (size_t)pb * p.M, *sb = p.sb + (size_t)pb * p.K;
+            const float xa = ra < r1 ? sa[ra] : 0.f, xb = rb < r1 ? sa[rb] : 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int col = c0 + 8 * j + 2 * cq;
+                const float w0 = col < ncols ? sb[col] : 0.f, w1 = col + 1 < ncols ? sb[col + 1] : 0.f;
+                acc[j][0] += t[j][0] * (xa * w0); acc[j][1] += t[j][1] * (xa * w1);
+                acc[j][2] += t[j][2] * (xb * w0); acc[j][3] += t[j][3] * (xb * w1);
+            }
+        }
+    }
+    /* store: thread holds rows ra, rb, columns c0 + 8 j + 2 cq + {0, 1} (ncols % 16 == 0: both or neither) */
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int col = c0 + 8 * j + 2 * cq;
+        if (col >= ncols) continue;
+        if (MODE != 2) {
+            bf16 *y = (bf16 *)p.out;
+            if (ra < r1) *reinterpret_cast<__nv_bfloat162 *>(y + (size_t)ra * ncols + col) = __floats2bfloat162_rn(acc[j][0], acc[j][1]);
+            if (rb < r1) *reinterpret_cast<__nv_bfloat162 *>(y + (size_t)rb * ncols + col) = __floats2bfloat162_rn(acc[j][2], acc[j][3]);
+        } else {
+            float *dw = (float *)p.out + (size_t)e * p.M * p.K;
+            if (ra < r1) *reinterpret_cast<float2 *>(dw + (size_t)ra * p.K + col) = make_float2(acc[j][0], acc[j][1]);
+            if (rb < r1) *reinterpret_cast<float2 *>(dw + (size_t)rb * p.K + col) = make_float2(acc[j][2], acc[j][3]);
+        }
+    }
+}
+
+static int gmm_simple(int mode, const Gmm &p, cudaStream_t st) {
+    if (mode < 0 || mode > 2 || p.E < 1 || p.E > 65535 || p.M < 16 || p.K < 16 || p.M % 16 || p.K % 16 || p.Rmax < 0) return -1;
+    if (!p.out || !p.a || !p.b || !p.sa || !p.sb || !p.offs) return -1;
+    if ((((uintptr_t)p.out) | ((uintptr_t)p.a) | ((uintptr_t)p.b)) & 15u) return -1;
+    if (mode == 2) {
+        if (p.Lp < tpad(p.Rmax, p.E) || p.Lp % 16) return -1;
+        const dim3 grid((unsigned)(((p.M + 63) / 64) * ((p.K + 63) / 64)), (unsigned)p.E);
+        k_gmm_simple<2><<<grid, 128, 0, st>>>(p);
+    } else {
+        const int ncols = mode == 0 ? p.M : p.K;
+        const long long slots = (long long)(p.Rmax + 63) / 64 + p.E;
+        if (slots > INT_MAX || slots < 1) return -1;
+        const dim3 grid((unsigned)slots, (unsigned)((ncols + 63) / 64));
+        if (mode == 0) k_gmm_simple<0><<<grid, 128, 0, st>>>(p);
+        else k_gmm_simple<1><<<grid, 128, 0, st>>>(p);
+    }
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+} /* namespace mt_fp8 */
+
+extern "C" {
+long long mt_cuda_fp8_tpad(int Rmax, int E) { return mt_fp8::tpad(Rmax, E); }
+
+int mt_cuda_fp8_quant_rows(mt_cuda *c, uint8_t *q, float *s, const void *x, int R, int C) {
+    if (R < 0 || C < 16 || C % 16 || (((uintptr_t)x | (uintptr_t)q) & 15u)) return mt__fail(c, "fp8 quant rows", "C must be a multiple of 16, pointers 16-byte aligned");
+    if (R == 0) return 0;
+    const long long warps = (long long)R * mt_fp8::kblocks(C);
+    mt_fp8::k_quant_rows<<<mt__blocks(warps, 8), 256, 0, c->stream>>>(q, s, (const bf16 *)x, R, C);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_fp8_quant_cols(mt_cuda *c, uint8_t *qt, float *st, const void *x, const int32_t *d_offs, int E, int R, int C, long long Lp) {
+    if (R < 0 || C < 1 || E < 1 || Lp < mt_fp8::tpad(R, d_offs ? E : 1) || Lp % 16 || ((uintptr_t)qt & 15u))
+        return mt__fail(c, "fp8 quant cols", "bad sizes (Lp below mt_cuda_fp8_tpad(R, E), or not a multiple of 16)");
+    const long long slots = Lp / 128;
+    if (R == 0 || slots < 1) return 0;
+    const dim3 grid((unsigned)slots, (unsigned)((C + 63) / 64));
+    mt_fp8::k_quant_cols<<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)x, d_offs, E, R, C, Lp);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, int E, int N, int K, int transpose) {
+    if (E < 1 || E > 65535 || N < 1 || K < 1) return mt__fail(c, "fp8 quant weight", "bad sizes");
+    const dim3 grid((unsigned)mt_fp8::kblocks(K), (unsigned)mt_fp8::kblocks(N), (unsigned)E);
+    mt_fp8::k_quant_weight<<<grid, 256, 0, c->stream>>>(q, s, (const bf16 *)w, N, K, transpose);
+    LAUNCHED();
+    return 0;
+}
+/* out[Mr][Nc] (bf16, or fp32 when out_f32) = A[Mr][:K] . B[Nc][:K]; A rows-quantized (scales kb * Mr + r), B weight-
+   quantized (b_blk = 1) or rows-quantized (b_blk = 0, scales kb * Nc + n); lda, ldb: bytes per row */
+int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const float *sa, int lda, const uint8_t *b,
+                     const float *sb, int b_blk, int ldb, int Mr, int Nc, int K) {
+    mt_fp8::Dense d;
+    if (d.plan(c->lt, out_f32, b_blk, Mr, Nc, K, lda, ldb, sa, sb, c->lt_ws_bytes) ||
+        d.run(c->lt, out, a, sa, b, sb, c->lt_ws, c->lt_ws_bytes, c->stream))
+        return mt__fail(c, "mt_cuda_fp8_gemm", d.why);
+    return 0;
+}
+/* the experts' FP8 GEMM (simple kernel, see mt_fp8::k_gmm_simple); W [E][M][K]; mode 0: out Y [Rmax][M] bf16,
+   a = X rows (scales over Rmax rows), b = W weight; mode 1: out dX [Rmax][K] bf16, a = dY rows, b = W^T weight;
+   mode 2: out dW [E][M][K] fp32, a = dY cols [M][Lp], b = X cols [K][Lp] */
+int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
+                    const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp) {
+    mt_fp8::Gmm p;
+    p.out = out; p.a = a; p.b = b; p.sa = sa; p.sb = sb; p.offs = d_offs;
+    p.E = E; p.M = M; p.K = K; p.Rmax = Rmax; p.Lp = Lp;
+    if (mt_fp8::gmm_simple(mode, p, c->stream)) return mt__fail(c, "mt_cuda_fp8_gmm", "bad arguments or launch failure");
+    return 0;
+}
 }  /* extern "C" */
