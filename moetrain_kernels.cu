@@ -7888,12 +7888,15 @@ __global__ void __launch_bounds__(128) k_gmm_simple(const Gmm p) {
     }
 }
 
+static bool gmm_check(int mode, const Gmm &p) {
+    if (mode < 0 || mode > 2 || p.E < 1 || p.E > 65535 || p.M < 16 || p.K < 16 || p.M % 16 || p.K % 16 || p.Rmax < 0) return false;
+    if (!p.out || !p.a || !p.b || !p.sa || !p.sb || !p.offs) return false;
+    if ((((uintptr_t)p.out) | ((uintptr_t)p.a) | ((uintptr_t)p.b)) & 15u) return false;
+    return mode != 2 || (p.Lp >= tpad(p.Rmax, p.E) && p.Lp % 16 == 0);
+}
 static int gmm_simple(int mode, const Gmm &p, cudaStream_t st) {
-    if (mode < 0 || mode > 2 || p.E < 1 || p.E > 65535 || p.M < 16 || p.K < 16 || p.M % 16 || p.K % 16 || p.Rmax < 0) return -1;
-    if (!p.out || !p.a || !p.b || !p.sa || !p.sb || !p.offs) return -1;
-    if ((((uintptr_t)p.out) | ((uintptr_t)p.a) | ((uintptr_t)p.b)) & 15u) return -1;
+    if (!gmm_check(mode, p)) return -1;
     if (mode == 2) {
-        if (p.Lp < tpad(p.Rmax, p.E) || p.Lp % 16) return -1;
         const dim3 grid((unsigned)(((p.M + 63) / 64) * ((p.K + 63) / 64)), (unsigned)p.E);
         k_gmm_simple<2><<<grid, 128, 0, st>>>(p);
     } else {
@@ -7904,6 +7907,246 @@ static int gmm_simple(int mode, const Gmm &p, cudaStream_t st) {
         if (mode == 0) k_gmm_simple<0><<<grid, 128, 0, st>>>(p);
         else k_gmm_simple<1><<<grid, 128, 0, st>>>(p);
     }
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+/* ---- grouped: the wgmma kernel -----------------------------------------------------------------
+   Warp-specialized and persistent, after gg_tma_kernel: 384 threads, warpgroup 0's thread 0 issues
+   the TMA loads, warpgroups 1 and 2 multiply; one CTA per SM, CTA b takes tiles b, b + grid, ...
+   A tile is 128 x 128 outputs (consumer c: rows 64 c + [0, 64)); a stage is one 128-long reduction
+   block, i.e. one scale block: A 128 rows x 128 bytes and B 128 rows x 128 bytes, both K-major with
+   the 128-byte swizzle (an e4m3 row of a block is exactly one 128-byte line); 6 stages (192 KB).
+   Per stage: 4 x wgmma m64n128k32 e4m3 into a fresh fp32 slice, wait, release the stage, then the
+   promotion acc += slice * (sa * sb) with the scales read (L1) while the products run.  The slice
+   and the accumulator are 64 + 64 registers: why 128 columns (n = 256 would need 256).
+   Tiles: modes 0/1 (expert, 128-row tile, 128-column tile), experts in order (per-expert tile
+   counts prefix-summed in shared memory, tile -> expert by binary search); mode 2 (expert, m tile,
+   k tile), the reduction over the expert's padded 128-blocks [P_e, P_e + roundup(n_e, 128)).  Rows
+   of a box past the expert's rows (or past the tensor: zeros) are loaded and multiplied but never
+   stored.  Each output element is produced by one thread in a fixed order: bitwise reproducible.
+   What bounds it is not measured yet (bench/fp8.cu); the notes in docs/FP8.md. */
+constexpr int WG_ST = 6;                          /* stages                                   */
+constexpr int WG_STAGE = 2 * 128 * 128;           /* A + B bytes of one stage (32 KB)         */
+constexpr int WG_MAXE = 1024;
+constexpr size_t WG_SMEM = 1024 + (size_t)WG_ST * WG_STAGE + 2 * WG_ST * 8 + 2 * (WG_MAXE + 1) * sizeof(int);
+
+struct WgParams {
+    CUtensorMap ta, tb;
+    Gmm p;
+    int mode, ncols, nct, ntm, nsm;
+};
+
+/* D[64 x 128] (+)= A(desc) B(desc), e4m3 x e4m3 -> f32, both K-major (the only FP8 form) */
+__device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+struct WgTile { int valid, e, r0, r1, c0, nk; long long k0; };
+
+/* tile t: modes 0/1 rows [r0, r1) of expert e, reduction blocks from k0 = 0; mode 2 rows (m) [r0, r0 + 128),
+   the reduction from column k0 (= P_e) of the transposed operands, nk blocks */
+__device__ __forceinline__ WgTile wg_tile(const WgParams &w, const int *s_offs, const int *s_pref, int T, int t) {
+    WgTile ti;
+    ti.valid = t < T; ti.e = 0; ti.r0 = 0; ti.r1 = 0; ti.c0 = 0; ti.nk = 0; ti.k0 = 0;
+    if (!ti.valid) return ti;
+    if (w.mode != 2) {
+        int lo = 0, hi = w.p.E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_pref[mid] <= t) lo = mid; else hi = mid - 1;
+        }
+        const int local = t - s_pref[lo], rt = local / w.nct, ct = local - rt * w.nct;
+        ti.e = lo;
+        ti.r0 = s_offs[lo] + 128 * rt;
+        ti.r1 = min(ti.r0 + 128, s_offs[lo + 1]);
+        ti.c0 = 128 * ct;
+        ti.nk = kblocks(w.mode == 0 ? w.p.K : w.p.M);
+    } else {
+        const int per = w.ntm * w.nct, e = t / per, rem = t - e * per, mt = rem / w.nct;
+        ti.e = e;
+        ti.r0 = 128 * mt;
+        ti.r1 = w.p.M;
+        ti.c0 = 128 * (rem - mt * w.nct);
+        ti.k0 = 128LL * s_pref[e];
+        ti.nk = (s_offs[e + 1] - s_offs[e] + 127) / 128;
+    }
+    return ti;
+}
+
+__global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ WgParams w) {
+    using namespace mt_ptx;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const int tid = threadIdx.x;
+    const uint32_t raw = smem_u32(smem_raw), pad = (1024u - (raw & 1023u)) & 1023u, sbase = raw + pad;
+    const uint32_t full0 = sbase + (uint32_t)(WG_ST * WG_STAGE), empty0 = full0 + 8u * WG_ST;
+    int *s_offs = reinterpret_cast<int *>(smem_raw + pad + WG_ST * WG_STAGE + 2 * WG_ST * 8);
+    int *s_pref = s_offs + (WG_MAXE + 1);
+    const Gmm &p = w.p;
+    for (int i = tid; i <= p.E; i += blockDim.x) s_offs[i] = p.offs[i];
+    __syncthreads();
+    if (tid == 0) {
+        /* modes 0/1: s_pref[e] = tiles before expert e (s_pref[E] = all); mode 2: 128-blocks before expert e */
+        int acc = 0;
+        for (int e = 0; e < p.E; ++e) {
+            s_pref[e] = acc;
+            const int n = max(0, s_offs[e + 1] - s_offs[e]);
+            acc += w.mode != 2 ? ((n + 127) / 128) * w.nct : (n + 127) / 128;
+        }
+        s_pref[p.E] = acc;
+        for (int s = 0; s < WG_ST; ++s) { mbar_init(full0 + 8u * s, 1); mbar_init(empty0 + 8u * s, 8); }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int T = w.mode != 2 ? s_pref[p.E] : p.E * w.ntm * w.nct;
+    if (tid < 128) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid == 0) {   /* producer */
+            int step = 0;
+#pragma unroll 1
+            for (int t = blockIdx.x; t < T; t += gridDim.x) {
+                const WgTile ti = wg_tile(w, s_offs, s_pref, T, t);
+#pragma unroll 1
+                for (int kb = 0; kb < ti.nk; ++kb, ++step) {
+                    const int s = step % WG_ST;
+                    const uint32_t sa = sbase + (uint32_t)(s * WG_STAGE), bar = full0 + 8u * s;
+                    mbar_wait(empty0 + 8u * s, ((step / WG_ST) & 1) ^ 1);
+                    mbar_expect_tx(bar, (uint32_t)WG_STAGE);
+                    if (w.mode != 2) {
+                        tma_load_2d(sa, &w.ta, bar, kb * 128, ti.r0);                       /* X / dY [Rmax][red]  */
+                        tma_load_3d(sa + 16384u, &w.tb, bar, kb * 128, ti.c0, ti.e);        /* W / W^T [E][cols][red] */
+                    } else {
+                        const int k = (int)(ti.k0 + 128LL * kb);
+                        tma_load_2d(sa, &w.ta, bar, k, ti.r0);                              /* dY^T [M][Lp] */
+                        tma_load_2d(sa + 16384u, &w.tb, bar, k, ti.c0);                     /* X^T [K][Lp]  */
+                    }
+                }
+            }
+        }
+        return;
+    }
+    /* consumers: warpgroup c = 0, 1; warp w of it holds rows 64 c + 16 w + g (+ 8), columns 8 j + 2 q + {0, 1} */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int ctid = tid - 128, c = __shfl_sync(0xffffffffu, ctid >> 7, 0), warp = ctid >> 5, lane = ctid & 31;
+    const int g = lane >> 2, q = lane & 3;
+    const int ldsb = w.mode == 0 ? ld_blk(p.K) : ld_blk(p.M);
+    int step = 0;
+#pragma unroll 1
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        const WgTile ti = wg_tile(w, s_offs, s_pref, T, t);
+        const int ra = ti.r0 + 64 * c + 16 * (warp & 3) + g, rb = ra + 8;
+        float acc[64], tmp[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] = tmp[i] = 0.f;
+#pragma unroll 1
+        for (int kb = 0; kb < ti.nk; ++kb, ++step) {
+            const int s = step % WG_ST;
+            const uint32_t sa = sbase + (uint32_t)(s * WG_STAGE);
+            mbar_wait(full0 + 8u * s, (step / WG_ST) & 1);
+            const uint64_t da = sw128_desc(sa + (uint32_t)c * 8192u, 16u, 1024u), db = sw128_desc(sa + 16384u, 16u, 1024u);
+#pragma unroll
+            for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
+            wgmma_fence();
+            wgmma_e4m3_n128(tmp, da, db, 0);
+            wgmma_e4m3_n128(tmp, da + 2, db + 2, 1);
+            wgmma_e4m3_n128(tmp, da + 4, db + 4, 1);
+            wgmma_e4m3_n128(tmp, da + 6, db + 6, 1);
+            wgmma_commit();
+            /* the scales, while the products run */
+            float fa, fb, sb[32];
+            if (w.mode != 2) {
+                const float *sar = p.sa + (size_t)kb * p.Rmax;
+                const float wsc = __ldg(p.sb + ((size_t)ti.e * kblocks(w.ncols) + ti.c0 / 128) * ldsb + kb);
+                fa = (ra < ti.r1 ? __ldg(sar + ra) : 0.f) * wsc;
+                fb = (rb < ti.r1 ? __ldg(sar + rb) : 0.f) * wsc;
+            } else {
+                const long long pb = ti.k0 / 128 + kb;
+                const float *sar = p.sa + (size_t)pb * p.M, *sbr = p.sb + (size_t)pb * p.K;
+                fa = ra < p.M ? __ldg(sar + ra) : 0.f;
+                fb = rb < p.M ? __ldg(sar + rb) : 0.f;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    const int col = ti.c0 + 8 * j + 2 * q;
+                    sb[2 * j] = col < p.K ? __ldg(sbr + col) : 0.f;
+                    sb[2 * j + 1] = col + 1 < p.K ? __ldg(sbr + col + 1) : 0.f;
+                }
+            }
+            wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty0 + 8u * s);
+            /* promotion: tmp[4 j + 2 h + b] is (row 8 h + g of the warp's 16, column 8 j + 2 q + b) */
+            if (w.mode != 2) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    acc[4 * j] += tmp[4 * j] * fa; acc[4 * j + 1] += tmp[4 * j + 1] * fa;
+                    acc[4 * j + 2] += tmp[4 * j + 2] * fb; acc[4 * j + 3] += tmp[4 * j + 3] * fb;
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    acc[4 * j] += tmp[4 * j] * (fa * sb[2 * j]); acc[4 * j + 1] += tmp[4 * j + 1] * (fa * sb[2 * j + 1]);
+                    acc[4 * j + 2] += tmp[4 * j + 2] * (fb * sb[2 * j]); acc[4 * j + 3] += tmp[4 * j + 3] * (fb * sb[2 * j + 1]);
+                }
+            }
+        }
+        /* store (ncols % 16 == 0: a column pair is in or out together) */
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int col = ti.c0 + 8 * j + 2 * q;
+            if (col >= w.ncols) continue;
+            if (w.mode != 2) {
+                bf16 *y = (bf16 *)p.out;
+                if (ra < ti.r1) *reinterpret_cast<__nv_bfloat162 *>(y + (size_t)ra * w.ncols + col) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+                if (rb < ti.r1) *reinterpret_cast<__nv_bfloat162 *>(y + (size_t)rb * w.ncols + col) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+            } else {
+                float *dw = (float *)p.out + (size_t)ti.e * p.M * p.K;
+                if (ra < p.M) *reinterpret_cast<float2 *>(dw + (size_t)ra * p.K + col) = make_float2(acc[4 * j], acc[4 * j + 1]);
+                if (rb < p.M) *reinterpret_cast<float2 *>(dw + (size_t)rb * p.K + col) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+            }
+        }
+    }
+}
+
+/* the operand maps: e4m3 bytes, boxes of 128 bytes x 128 rows (3-D for the weights: x 1 expert) */
+static int gmm_wgmma(int mode, const Gmm &p, cudaStream_t st, int nsm) {
+    mt_ptx::EncodeTiledFn enc = mt_ptx::tma_encoder();
+    if (!enc || p.E > WG_MAXE) return 1; /* no tensor maps: the caller takes the simple kernel */
+    WgParams w;
+    memset(&w, 0, sizeof w);
+    w.p = p;
+    w.mode = mode;
+    w.ncols = mode == 0 ? p.M : p.K;
+    w.nct = (w.ncols + 127) / 128;
+    w.ntm = (p.M + 127) / 128;
+    const cuuint32_t box2[2] = {128, 128}, box3[3] = {128, 128, 1};
+    int rc;
+    if (mode != 2) {
+        const int red = mode == 0 ? p.K : p.M;
+        const cuuint64_t da[2] = {(cuuint64_t)red, (cuuint64_t)(p.Rmax > 0 ? p.Rmax : 1)}, sa[1] = {(cuuint64_t)red};
+        const cuuint64_t db[3] = {(cuuint64_t)red, (cuuint64_t)w.ncols, (cuuint64_t)p.E}, sb[2] = {(cuuint64_t)red, (cuuint64_t)red * w.ncols};
+        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, sa, box2, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
+             mt_ptx::tma_map(enc, &w.tb, p.b, 3, db, sb, box3, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+    } else {
+        const cuuint64_t da[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.M}, db[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.K}, s1[1] = {(cuuint64_t)p.Lp};
+        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, s1, box2, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
+             mt_ptx::tma_map(enc, &w.tb, p.b, 2, db, s1, box2, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+    }
+    if (rc) return 1;
+    if (cudaFuncSetAttribute(k_gmm_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)WG_SMEM) != cudaSuccess) return -1;
+    k_gmm_wgmma<<<nsm, 384, WG_SMEM, st>>>(w);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 } /* namespace mt_fp8 */
@@ -7946,15 +8189,18 @@ int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const
         return mt__fail(c, "mt_cuda_fp8_gemm", d.why);
     return 0;
 }
-/* the experts' FP8 GEMM (simple kernel, see mt_fp8::k_gmm_simple); W [E][M][K]; mode 0: out Y [Rmax][M] bf16,
+/* the experts' FP8 GEMM (mt_fp8::k_gmm_wgmma; simple = 1, or no tensor maps: k_gmm_simple); W [E][M][K]; mode 0: out Y [Rmax][M] bf16,
    a = X rows (scales over Rmax rows), b = W weight; mode 1: out dX [Rmax][K] bf16, a = dY rows, b = W^T weight;
    mode 2: out dW [E][M][K] fp32, a = dY cols [M][Lp], b = X cols [K][Lp] */
 int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
-                    const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp) {
+                    const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int simple) {
     mt_fp8::Gmm p;
     p.out = out; p.a = a; p.b = b; p.sa = sa; p.sb = sb; p.offs = d_offs;
     p.E = E; p.M = M; p.K = K; p.Rmax = Rmax; p.Lp = Lp;
-    if (mt_fp8::gmm_simple(mode, p, c->stream)) return mt__fail(c, "mt_cuda_fp8_gmm", "bad arguments or launch failure");
+    int rc = 1;
+    if (!simple && mt_fp8::gmm_check(mode, p)) rc = mt_fp8::gmm_wgmma(mode, p, c->stream, c->n_sms);
+    if (rc > 0) rc = mt_fp8::gmm_simple(mode, p, c->stream);   /* asked for, or no tensor maps */
+    if (rc) return mt__fail(c, "mt_cuda_fp8_gmm", "bad arguments or launch failure");
     return 0;
 }
 }  /* extern "C" */

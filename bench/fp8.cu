@@ -25,7 +25,8 @@
  * Timing: the GEMM alone (operands quantized beforehand), median of 3 rounds of 10 launches after 3 warm-up
  * launches; TFLOP/s = 2 M N K / t; the bf16 kernel on the same bf16 data and shapes.  The quantizers are
  * timed on their own (GB/s of bf16 read + fp8 written).
- * Environment: FP8_QUICK=1 one timing round of 3 launches; FP8_ONLY=dense|grouped one family.
+ * Environment: FP8_QUICK=1 one timing round of 3 launches; FP8_ONLY=dense|grouped one family; FP8_NO_SIMPLE=1
+ * skips the simple grouped kernel's rows.
  */
 #define MOETRAIN_IMPLEMENTATION /* mt_errf and friends, for the kernels file */
 #include "../moetrain_kernels.cu"
@@ -205,7 +206,7 @@ static unsigned long long ndiff(const void *a, const void *b, size_t bytes) {
     CK(cudaFree(d));
     return h;
 }
-static bool g_quick = false;
+static bool g_quick = false, g_skip_simple = false;
 template <class F>
 static double time_ms(F f) {   /* median of rounds of launches, per launch */
     cudaEvent_t a, b;
@@ -386,10 +387,11 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
     size_t wsn = 0;
     for (int m = 0; m < 3; ++m) wsn = std::max(wsn, mt_ggk::gg_workspace(m, E, M, K, Rmax, g_cu->n_sms));
     void *ws = dmal(wsn + 256);
+    int simple = 0;
     auto g8 = [&](int mode, void *o) {
-        const int rc = mode == 0 ? mt_cuda_fp8_gmm(g_cu, 0, o, qx, sx, qw, sw, doffs, E, M, K, Rmax, Lp)
-                     : mode == 1 ? mt_cuda_fp8_gmm(g_cu, 1, o, qy, sy, qwt, swt, doffs, E, M, K, Rmax, Lp)
-                                 : mt_cuda_fp8_gmm(g_cu, 2, o, qyt, syt, qxt, sxt, doffs, E, M, K, Rmax, Lp);
+        const int rc = mode == 0 ? mt_cuda_fp8_gmm(g_cu, 0, o, qx, sx, qw, sw, doffs, E, M, K, Rmax, Lp, simple)
+                     : mode == 1 ? mt_cuda_fp8_gmm(g_cu, 1, o, qy, sy, qwt, swt, doffs, E, M, K, Rmax, Lp, simple)
+                                 : mt_cuda_fp8_gmm(g_cu, 2, o, qyt, syt, qxt, sxt, doffs, E, M, K, Rmax, Lp, simple);
         if (rc) fatal("%s", mt_cuda_error(g_cu));
     };
     auto g16 = [&](int mode, void *o) {
@@ -403,7 +405,10 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
     const double fl = 2.0 * R * M * K;
     char shape[64];
     snprintf(shape, sizeof shape, "E%d %dx%d R%d", E, M, K, R);
-    for (int mode = 0; mode < 3; ++mode) {
+    for (int mm = 0; mm < 6; ++mm) {
+        const int mode = mm % 3;
+        simple = mm / 3;
+        if (simple && g_skip_simple) break;
         void *o0 = mode == 0 ? Y[0] : mode == 1 ? GX[0] : GW[0], *o1 = mode == 0 ? Y[1] : mode == 1 ? GX[1] : GW[1];
         void *ob = mode == 0 ? Yb : mode == 1 ? GXb : GWb;
         g8(mode, o0); g8(mode, o1); g16(mode, ob);
@@ -435,8 +440,8 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
         const Err e = reference(j, ncols, o0, mode == 2);
         const double n16 = reference(j, ncols, ob, mode == 2).nrm;
         const size_t bytes = mode == 0 ? 2 * (size_t)Rmax * M : mode == 1 ? 2 * (size_t)Rmax * K : 4 * (size_t)E * M * K;
-        static const char *mn[3] = {"fwd", "dX", "dW"};
-        row((std::string(name) + " " + mn[mode]).c_str(), shape, fl, time_ms([&] { g8(mode, o0); }), time_ms([&] { g16(mode, ob); }), e, n16,
+        static const char *mn[6] = {"fwd", "dX", "dW", "fwd simple", "dX simple", "dW simple"};
+        row((std::string(name) + " " + mn[mm]).c_str(), shape, fl, time_ms([&] { g8(mode, o0); }), time_ms([&] { g16(mode, ob); }), e, n16,
             ndiff(o0, o1, bytes));
     }
     void *fr[] = {doffs, X, dY, W, qx, qy, qw, qwt, qyt, qxt, sx, sy, sw, swt, syt, sxt, Xd, dYd, Wd, Wtd, dYtd, Xtd, Y[0], Y[1], GX[0], GX[1], GW[0], GW[1], Yb, GXb, GWb, ws};
@@ -450,6 +455,7 @@ int main() {
     printf("%s\n", info);
     if (mt_cuda_create(&g_cu, 0, &err)) fatal("no GPU: %s", err.msg);
     g_quick = getenv("FP8_QUICK") != nullptr;
+    g_skip_simple = getenv("FP8_NO_SIMPLE") != nullptr;
     const char *only = getenv("FP8_ONLY");
     printf("columns: kind, shape (out rows x out cols x reduction), FP8 TFLOP/s, bf16 TFLOP/s, speedup | normwise error vs the\n"
            "bf16 operands' float64 product (bf16 GEMM's beside it), max error / rms | arith, bound <= 1, apri <= %.3f | determinism\n",
@@ -466,7 +472,7 @@ int main() {
         dense_case("head", T, 102400, 2048);
     }
     if (!only || !strcmp(only, "grouped")) {
-        printf("-- grouped (experts: the simple mma.sync kernel, k_gmm_simple) --\n");
+        printf("-- grouped (experts: k_gmm_wgmma, then the simple mma.sync kernel k_gmm_simple) --\n");
         const std::vector<int> even(64, 768), skew = counts_skew(64, 49152, 7, 5.0);
         grouped_case("experts even", 64, 1408, 2048, even);
         grouped_case("experts even dn", 64, 2048, 1408, even);
