@@ -7955,6 +7955,20 @@ __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], uint64_t da, uin
 
 struct WgTile { int valid, e, r0, r1, c0, nk; long long k0; };
 
+/* mbar_wait that traps after ~10 s (2e10 cycles): a pipeline that lost a stage fails its launch (an error
+   the caller sees) instead of hanging the process */
+__device__ __forceinline__ void wait_or_trap(uint32_t bar, uint32_t parity) {
+    const long long t0 = clock64();
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+        if (!done && clock64() - t0 > 20000000000LL) __trap();
+    } while (!done);
+}
+
 /* tile t: modes 0/1 rows [r0, r1) of expert e, reduction blocks from k0 = 0; mode 2 rows (m) [r0, r0 + 128),
    the reduction from column k0 (= P_e) of the transposed operands, nk blocks */
 __device__ __forceinline__ WgTile wg_tile(const WgParams &w, const int *s_offs, const int *s_pref, int T, int t) {
@@ -8021,7 +8035,7 @@ __global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ Wg
                 for (int kb = 0; kb < ti.nk; ++kb, ++step) {
                     const int s = step % WG_ST;
                     const uint32_t sa = sbase + (uint32_t)(s * WG_STAGE), bar = full0 + 8u * s;
-                    mbar_wait(empty0 + 8u * s, ((step / WG_ST) & 1) ^ 1);
+                    wait_or_trap(empty0 + 8u * s, ((step / WG_ST) & 1) ^ 1);
                     mbar_expect_tx(bar, (uint32_t)WG_STAGE);
                     if (w.mode != 2) {
                         tma_load_2d(sa, &w.ta, bar, kb * 128, ti.r0);                       /* X / dY [Rmax][red]  */
@@ -8053,7 +8067,7 @@ __global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ Wg
         for (int kb = 0; kb < ti.nk; ++kb, ++step) {
             const int s = step % WG_ST;
             const uint32_t sa = sbase + (uint32_t)(s * WG_STAGE);
-            mbar_wait(full0 + 8u * s, (step / WG_ST) & 1);
+            wait_or_trap(full0 + 8u * s, (step / WG_ST) & 1);
             const uint64_t da = sw128_desc(sa + (uint32_t)c * 8192u, 16u, 1024u), db = sw128_desc(sa + 16384u, 16u, 1024u);
 #pragma unroll
             for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");

@@ -2355,7 +2355,8 @@ static void gpu_test_fp8_quant(void) {
 }
 
 /* the GEMMs: the kernels' outputs against the float64 product of the CPU-dequantized operands (arithmetic:
-   <= 2^-8 |ref| + tol sum |a||b|), and against the bf16 operands' exact product (quantization: normwise) */
+   <= 2^-8 |ref| + tol sum |a||b|, tol 2^-10: one bf16 rounding, and inside a 128-block Hopper's FP8 accumulation
+   keeps ~14 bits), and against the bf16 operands' exact product (quantization: normwise) */
 static void fp8_check(const char *name, const void *dout, int is_bf, const double *ref, const double *sabs, const double *exact,
                       int64_t n, int launched, double tol) {
     float *g = down_f(dout, n, is_bf);
@@ -2430,13 +2431,13 @@ static void gpu_test_fp8_dense(int T, int N, int K) {
     char nm[96];
     int l0 = !mt_cuda_fp8_gemm(CU, y, 0, gqx, gsx, K, gqw, gsw, 1, K, T, N, K);
     snprintf(nm, sizeof nm, "gpu fp8 dense fwd %dx%dx%d (cuBLASLt)", T, N, K);
-    fp8_check(nm, y, 1, r0, a0, e0, (int64_t)T * N, l0, 1.0 / 4096);
+    fp8_check(nm, y, 1, r0, a0, e0, (int64_t)T * N, l0, 1.0 / 1024);
     int l1 = !mt_cuda_fp8_gemm(CU, gdx, 0, gqy, gsy, N, gqwt, gswt, 1, N, T, K, N);
     snprintf(nm, sizeof nm, "gpu fp8 dense dX %dx%dx%d (cuBLASLt)", T, K, N);
-    fp8_check(nm, gdx, 1, r1, a1, e1, (int64_t)T * K, l1, 1.0 / 4096);
+    fp8_check(nm, gdx, 1, r1, a1, e1, (int64_t)T * K, l1, 1.0 / 1024);
     int l2 = !mt_cuda_fp8_gemm(CU, gdw, 1, gqyt, gsyt, (int)Lp, gqxt, gsxt, 0, (int)Lp, N, K, nbT * 128);
     snprintf(nm, sizeof nm, "gpu fp8 dense dW %dx%dx%d (cuBLASLt)", N, K, T);
-    fp8_check(nm, gdw, 0, r2, a2, e2, (int64_t)N * K, l2, 1.0 / 4096);
+    fp8_check(nm, gdw, 0, r2, a2, e2, (int64_t)N * K, l2, 1.0 / 1024);
     void *ptrs[] = {gqx, gsx, gqw, gsw, gqwt, gswt, gqy, gsy, gqyt, gsyt, gqxt, gsxt, y, gdx, gdw};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) dfree(ptrs[i]);
     void *hp[] = {X, W, dY, qx, qw, qwt, qy, qyt, qxt, sx, sy, sw, swt, syt, sxt, dx, dw, dwt, dy, dyt, dxt, r0, a0, e0, r1, a1, e1, r2, a2, e2};
@@ -2506,11 +2507,11 @@ static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int simple
     }
     char nm[96];
     snprintf(nm, sizeof nm, "gpu fp8 grouped fwd E%d %dx%d %s", E, M, K, simple ? "simple" : "wgmma");
-    fp8_check(nm, o[0][0], 1, ry, ay, ey, (int64_t)R * M, ok, 1.0 / 4096);
+    fp8_check(nm, o[0][0], 1, ry, ay, ey, (int64_t)R * M, ok, 1.0 / 1024);
     snprintf(nm, sizeof nm, "gpu fp8 grouped dX E%d %dx%d %s", E, M, K, simple ? "simple" : "wgmma");
-    fp8_check(nm, o[0][1], 1, rx, ax, ex, (int64_t)R * K, ok, 1.0 / 4096);
+    fp8_check(nm, o[0][1], 1, rx, ax, ex, (int64_t)R * K, ok, 1.0 / 1024);
     snprintf(nm, sizeof nm, "gpu fp8 grouped dW E%d %dx%d %s", E, M, K, simple ? "simple" : "wgmma");
-    fp8_check(nm, o[0][2], 0, rw, aw, ew, (int64_t)E * M * K, ok, 1.0 / 4096);
+    fp8_check(nm, o[0][2], 0, rw, aw, ew, (int64_t)E * M * K, ok, 1.0 / 1024);
     /* reruns bitwise; rows past R untouched (still the poison) */
     const size_t bytes[3] = {2 * (size_t)Rmax * M, 2 * (size_t)Rmax * K, 4 * (size_t)E * M * K};
     int same = 1, untouched = 1;
