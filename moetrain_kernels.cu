@@ -7912,31 +7912,39 @@ static int gmm_simple(int mode, const Gmm &p, cudaStream_t st) {
 /* ---- grouped: the wgmma kernel -----------------------------------------------------------------
    Warp-specialized and persistent, after gg_tma_kernel: 384 threads, warpgroup 0's thread 0 issues
    the TMA loads, warpgroups 1 and 2 multiply; one CTA per SM, CTA b takes tiles b, b + grid, ...
-   A tile is 128 x 128 outputs (consumer c: rows 64 c + [0, 64)); a stage is one 128-long reduction
-   block, i.e. one scale block: A 128 rows x 128 bytes and B 128 rows x 128 bytes, both K-major with
-   the 128-byte swizzle (an e4m3 row of a block is exactly one 128-byte line); 6 stages (192 KB).
-   Per stage: 4 x wgmma m64n128k32 e4m3 into a fresh fp32 slice, wait, release the stage, then the
-   promotion acc += slice * (sa * sb) with the scales read (L1) while the products run.  The slice
-   and the accumulator are 64 + 64 registers: why 128 columns (n = 256 would need 256).
-   Tiles: modes 0/1 (expert, 128-row tile, 128-column tile), experts in order (per-expert tile
-   counts prefix-summed in shared memory, tile -> expert by binary search); mode 2 (expert, m tile,
-   k tile), the reduction over the expert's padded 128-blocks [P_e, P_e + roundup(n_e, 128)).  Rows
-   of a box past the expert's rows (or past the tensor: zeros) are loaded and multiplied but never
-   stored.  Each output element is produced by one thread in a fixed order: bitwise reproducible.
-   What bounds it is not measured yet (bench/fp8.cu); the notes in docs/FP8.md. */
-constexpr int WG_ST = 6;                          /* stages                                   */
-constexpr int WG_STAGE = 2 * 128 * 128;           /* A + B bytes of one stage (32 KB)         */
+   A tile is 128 x BN outputs (consumer c: rows 64 c + [0, 64)); a stage is one 128-long reduction
+   block, i.e. one scale block: A 128 rows x 128 bytes and B BN rows x 128 bytes, both K-major with
+   the 128-byte swizzle (an e4m3 row of a block is exactly one 128-byte line).
+   Per stage: 4 x wgmma m64nBNk32 e4m3 into a fresh fp32 slice, wait, release the stage, then the
+   promotion acc += slice * (sa * sb).  Slice and accumulator are BN / 2 + BN / 2 registers a thread:
+   BN = 128 (6 stages of 32 KB, the default) or 192 (5 of 40 KB: fewer operand bytes per product,
+   ragged last column tiles on mid's 1408 and 2048); n = 256 would need 256 registers.
+   Tiles: modes 0/1 (expert, 128-row tile, BN-column tile), experts in order (per-expert tile counts
+   prefix-summed in shared memory, tile -> expert by binary search); mode 2 (expert, m tile, k tile),
+   the reduction over the expert's padded 128-blocks [P_e, P_e + roundup(n_e, 128)).  Rows of a box
+   past the expert's rows (or past the tensor: zeros) are loaded and multiplied but never stored.
+   Each output element is produced by one thread in a fixed order: bitwise reproducible.
+   Not yet measured (bench/fp8.cu); what should make it faster: docs/FP8.md. */
 constexpr int WG_MAXE = 1024;
-constexpr size_t WG_SMEM = 1024 + (size_t)WG_ST * WG_STAGE + 2 * WG_ST * 8 + 2 * (WG_MAXE + 1) * sizeof(int);
+template <int BN>
+struct WgCfg {
+    static constexpr int ST = BN == 128 ? 6 : 5;                   /* stages                        */
+    static constexpr int STAGE = 128 * 128 + BN * 128;             /* A + B bytes of one stage      */
+    static constexpr size_t SMEM = 1024 + (size_t)ST * STAGE + 2 * ST * 8 + 2 * (WG_MAXE + 1) * sizeof(int);
+    static_assert(SMEM <= 232448, "shared memory");
+};
 
 struct WgParams {
     CUtensorMap ta, tb;
     Gmm p;
-    int mode, ncols, nct, ntm, nsm;
+    int mode, ncols, nct, ntm;
 };
 
-/* D[64 x 128] (+)= A(desc) B(desc), e4m3 x e4m3 -> f32, both K-major (the only FP8 form) */
-__device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+/* D[64 x N] (+)= A(desc) B(desc), e4m3 x e4m3 -> f32, both K-major (the only FP8 form) */
+template <int N>
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d);
+template <>
+__device__ __forceinline__ void wgmma_e4m3<128>(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
@@ -7952,7 +7960,27 @@ __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], uint64_t da, uin
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(da), "l"(db), "r"(scale_d));
 }
-
+template <>
+__device__ __forceinline__ void wgmma_e4m3<192>(float (&d)[96], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+        "}, %96, %97, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
 struct WgTile { int valid, e, r0, r1, c0, nk; long long k0; };
 
 /* mbar_wait that traps after ~10 s (2e10 cycles): a pipeline that lost a stage fails its launch (an error
@@ -7971,6 +7999,7 @@ __device__ __forceinline__ void wait_or_trap(uint32_t bar, uint32_t parity) {
 
 /* tile t: modes 0/1 rows [r0, r1) of expert e, reduction blocks from k0 = 0; mode 2 rows (m) [r0, r0 + 128),
    the reduction from column k0 (= P_e) of the transposed operands, nk blocks */
+template <int BN>
 __device__ __forceinline__ WgTile wg_tile(const WgParams &w, const int *s_offs, const int *s_pref, int T, int t) {
     WgTile ti;
     ti.valid = t < T; ti.e = 0; ti.r0 = 0; ti.r1 = 0; ti.c0 = 0; ti.nk = 0; ti.k0 = 0;
@@ -7985,27 +8014,29 @@ __device__ __forceinline__ WgTile wg_tile(const WgParams &w, const int *s_offs, 
         ti.e = lo;
         ti.r0 = s_offs[lo] + 128 * rt;
         ti.r1 = min(ti.r0 + 128, s_offs[lo + 1]);
-        ti.c0 = 128 * ct;
+        ti.c0 = BN * ct;
         ti.nk = kblocks(w.mode == 0 ? w.p.K : w.p.M);
     } else {
         const int per = w.ntm * w.nct, e = t / per, rem = t - e * per, mt = rem / w.nct;
         ti.e = e;
         ti.r0 = 128 * mt;
         ti.r1 = w.p.M;
-        ti.c0 = 128 * (rem - mt * w.nct);
+        ti.c0 = BN * (rem - mt * w.nct);
         ti.k0 = 128LL * s_pref[e];
         ti.nk = (s_offs[e + 1] - s_offs[e] + 127) / 128;
     }
     return ti;
 }
 
+template <int BN>
 __global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ WgParams w) {
     using namespace mt_ptx;
+    constexpr int ST = WgCfg<BN>::ST, STAGE = WgCfg<BN>::STAGE, NR = BN / 2, NJ = BN / 8;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x;
     const uint32_t raw = smem_u32(smem_raw), pad = (1024u - (raw & 1023u)) & 1023u, sbase = raw + pad;
-    const uint32_t full0 = sbase + (uint32_t)(WG_ST * WG_STAGE), empty0 = full0 + 8u * WG_ST;
-    int *s_offs = reinterpret_cast<int *>(smem_raw + pad + WG_ST * WG_STAGE + 2 * WG_ST * 8);
+    const uint32_t full0 = sbase + (uint32_t)(ST * STAGE), empty0 = full0 + 8u * ST;
+    int *s_offs = reinterpret_cast<int *>(smem_raw + pad + ST * STAGE + 2 * ST * 8);
     int *s_pref = s_offs + (WG_MAXE + 1);
     const Gmm &p = w.p;
     for (int i = tid; i <= p.E; i += blockDim.x) s_offs[i] = p.offs[i];
@@ -8019,7 +8050,7 @@ __global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ Wg
             acc += w.mode != 2 ? ((n + 127) / 128) * w.nct : (n + 127) / 128;
         }
         s_pref[p.E] = acc;
-        for (int s = 0; s < WG_ST; ++s) { mbar_init(full0 + 8u * s, 1); mbar_init(empty0 + 8u * s, 8); }
+        for (int s = 0; s < ST; ++s) { mbar_init(full0 + 8u * s, 1); mbar_init(empty0 + 8u * s, 8); }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -8030,13 +8061,13 @@ __global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ Wg
             int step = 0;
 #pragma unroll 1
             for (int t = blockIdx.x; t < T; t += gridDim.x) {
-                const WgTile ti = wg_tile(w, s_offs, s_pref, T, t);
+                const WgTile ti = wg_tile<BN>(w, s_offs, s_pref, T, t);
 #pragma unroll 1
                 for (int kb = 0; kb < ti.nk; ++kb, ++step) {
-                    const int s = step % WG_ST;
-                    const uint32_t sa = sbase + (uint32_t)(s * WG_STAGE), bar = full0 + 8u * s;
-                    wait_or_trap(empty0 + 8u * s, ((step / WG_ST) & 1) ^ 1);
-                    mbar_expect_tx(bar, (uint32_t)WG_STAGE);
+                    const int s = step % ST;
+                    const uint32_t sa = sbase + (uint32_t)(s * STAGE), bar = full0 + 8u * s;
+                    wait_or_trap(empty0 + 8u * s, ((step / ST) & 1) ^ 1);
+                    mbar_expect_tx(bar, (uint32_t)STAGE);
                     if (w.mode != 2) {
                         tma_load_2d(sa, &w.ta, bar, kb * 128, ti.r0);                       /* X / dY [Rmax][red]  */
                         tma_load_3d(sa + 16384u, &w.tb, bar, kb * 128, ti.c0, ti.e);        /* W / W^T [E][cols][red] */
@@ -8058,67 +8089,66 @@ __global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ Wg
     int step = 0;
 #pragma unroll 1
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
-        const WgTile ti = wg_tile(w, s_offs, s_pref, T, t);
+        const WgTile ti = wg_tile<BN>(w, s_offs, s_pref, T, t);
         const int ra = ti.r0 + 64 * c + 16 * (warp & 3) + g, rb = ra + 8;
-        float acc[64], tmp[64];
+        const int bnd = (ti.c0 / 128 + 1) * 128; /* modes 0/1: columns from here take the weight's next 128-block */
+        float acc[NR], tmp[NR];
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] = tmp[i] = 0.f;
+        for (int i = 0; i < NR; ++i) acc[i] = tmp[i] = 0.f;
 #pragma unroll 1
         for (int kb = 0; kb < ti.nk; ++kb, ++step) {
-            const int s = step % WG_ST;
-            const uint32_t sa = sbase + (uint32_t)(s * WG_STAGE);
-            wait_or_trap(full0 + 8u * s, (step / WG_ST) & 1);
+            const int s = step % ST;
+            const uint32_t sa = sbase + (uint32_t)(s * STAGE);
+            wait_or_trap(full0 + 8u * s, (step / ST) & 1);
             const uint64_t da = sw128_desc(sa + (uint32_t)c * 8192u, 16u, 1024u), db = sw128_desc(sa + 16384u, 16u, 1024u);
 #pragma unroll
-            for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
+            for (int i = 0; i < NR; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
             wgmma_fence();
-            wgmma_e4m3_n128(tmp, da, db, 0);
-            wgmma_e4m3_n128(tmp, da + 2, db + 2, 1);
-            wgmma_e4m3_n128(tmp, da + 4, db + 4, 1);
-            wgmma_e4m3_n128(tmp, da + 6, db + 6, 1);
+            wgmma_e4m3<BN>(tmp, da, db, 0);
+            wgmma_e4m3<BN>(tmp, da + 2, db + 2, 1);
+            wgmma_e4m3<BN>(tmp, da + 4, db + 4, 1);
+            wgmma_e4m3<BN>(tmp, da + 6, db + 6, 1);
             wgmma_commit();
-            /* the scales, while the products run */
-            float fa, fb, sb[32];
+            /* the row scales (and modes 0/1: the weight's one or two block scales), while the products run */
+            float xa, xb, w0 = 0.f, w1 = 0.f;
+            const float *sbr = nullptr;
             if (w.mode != 2) {
                 const float *sar = p.sa + (size_t)kb * p.Rmax;
-                const float wsc = __ldg(p.sb + ((size_t)ti.e * kblocks(w.ncols) + ti.c0 / 128) * ldsb + kb);
-                fa = (ra < ti.r1 ? __ldg(sar + ra) : 0.f) * wsc;
-                fb = (rb < ti.r1 ? __ldg(sar + rb) : 0.f) * wsc;
+                const float *wr = p.sb + ((size_t)ti.e * kblocks(w.ncols) + ti.c0 / 128) * ldsb + kb;
+                xa = ra < ti.r1 ? __ldg(sar + ra) : 0.f;
+                xb = rb < ti.r1 ? __ldg(sar + rb) : 0.f;
+                w0 = __ldg(wr);
+                if (BN > 128 && bnd < w.ncols) w1 = __ldg(wr + ldsb);
             } else {
                 const long long pb = ti.k0 / 128 + kb;
-                const float *sar = p.sa + (size_t)pb * p.M, *sbr = p.sb + (size_t)pb * p.K;
-                fa = ra < p.M ? __ldg(sar + ra) : 0.f;
-                fb = rb < p.M ? __ldg(sar + rb) : 0.f;
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    const int col = ti.c0 + 8 * j + 2 * q;
-                    sb[2 * j] = col < p.K ? __ldg(sbr + col) : 0.f;
-                    sb[2 * j + 1] = col + 1 < p.K ? __ldg(sbr + col + 1) : 0.f;
-                }
+                const float *sar = p.sa + (size_t)pb * p.M;
+                sbr = p.sb + (size_t)pb * p.K;
+                xa = ra < p.M ? __ldg(sar + ra) : 0.f;
+                xb = rb < p.M ? __ldg(sar + rb) : 0.f;
             }
             wgmma_wait<0>();
 #pragma unroll
-            for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
+            for (int i = 0; i < NR; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
             __syncwarp();
             if (lane == 0) mbar_arrive(empty0 + 8u * s);
             /* promotion: tmp[4 j + 2 h + b] is (row 8 h + g of the warp's 16, column 8 j + 2 q + b) */
-            if (w.mode != 2) {
 #pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    acc[4 * j] += tmp[4 * j] * fa; acc[4 * j + 1] += tmp[4 * j + 1] * fa;
-                    acc[4 * j + 2] += tmp[4 * j + 2] * fb; acc[4 * j + 3] += tmp[4 * j + 3] * fb;
+            for (int j = 0; j < NJ; ++j) {
+                const int col = ti.c0 + 8 * j + 2 * q;
+                float s0, s1;
+                if (w.mode != 2) {
+                    s0 = s1 = (BN > 128 && col >= bnd) ? w1 : w0;
+                } else {
+                    s0 = col < p.K ? __ldg(sbr + col) : 0.f;
+                    s1 = col + 1 < p.K ? __ldg(sbr + col + 1) : 0.f;
                 }
-            } else {
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    acc[4 * j] += tmp[4 * j] * (fa * sb[2 * j]); acc[4 * j + 1] += tmp[4 * j + 1] * (fa * sb[2 * j + 1]);
-                    acc[4 * j + 2] += tmp[4 * j + 2] * (fb * sb[2 * j]); acc[4 * j + 3] += tmp[4 * j + 3] * (fb * sb[2 * j + 1]);
-                }
+                acc[4 * j] += tmp[4 * j] * (xa * s0); acc[4 * j + 1] += tmp[4 * j + 1] * (xa * s1);
+                acc[4 * j + 2] += tmp[4 * j + 2] * (xb * s0); acc[4 * j + 3] += tmp[4 * j + 3] * (xb * s1);
             }
         }
         /* store (ncols % 16 == 0: a column pair is in or out together) */
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < NJ; ++j) {
             const int col = ti.c0 + 8 * j + 2 * q;
             if (col >= w.ncols) continue;
             if (w.mode != 2) {
@@ -8134,33 +8164,36 @@ __global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ Wg
     }
 }
 
-/* the operand maps: e4m3 bytes, boxes of 128 bytes x 128 rows (3-D for the weights: x 1 expert) */
+/* the operand maps: e4m3 bytes, boxes of 128 bytes x 128 rows (B: x BN rows; 3-D for the weights: x 1 expert);
+   returns 1 when tensor maps cannot be made (the caller takes the simple kernel) */
+template <int BN>
 static int gmm_wgmma(int mode, const Gmm &p, cudaStream_t st, int nsm) {
     mt_ptx::EncodeTiledFn enc = mt_ptx::tma_encoder();
-    if (!enc || p.E > WG_MAXE) return 1; /* no tensor maps: the caller takes the simple kernel */
+    if (!enc || p.E > WG_MAXE) return 1;
     WgParams w;
     memset(&w, 0, sizeof w);
     w.p = p;
     w.mode = mode;
     w.ncols = mode == 0 ? p.M : p.K;
-    w.nct = (w.ncols + 127) / 128;
+    w.nct = (w.ncols + BN - 1) / BN;
     w.ntm = (p.M + 127) / 128;
-    const cuuint32_t box2[2] = {128, 128}, box3[3] = {128, 128, 1};
+    const cuuint32_t boxa[2] = {128, 128}, boxb2[2] = {128, (cuuint32_t)BN}, boxb3[3] = {128, (cuuint32_t)BN, 1};
     int rc;
     if (mode != 2) {
         const int red = mode == 0 ? p.K : p.M;
         const cuuint64_t da[2] = {(cuuint64_t)red, (cuuint64_t)(p.Rmax > 0 ? p.Rmax : 1)}, sa[1] = {(cuuint64_t)red};
         const cuuint64_t db[3] = {(cuuint64_t)red, (cuuint64_t)w.ncols, (cuuint64_t)p.E}, sb[2] = {(cuuint64_t)red, (cuuint64_t)red * w.ncols};
-        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, sa, box2, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
-             mt_ptx::tma_map(enc, &w.tb, p.b, 3, db, sb, box3, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, sa, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
+             mt_ptx::tma_map(enc, &w.tb, p.b, 3, db, sb, boxb3, CU_TENSOR_MAP_DATA_TYPE_UINT8);
     } else {
         const cuuint64_t da[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.M}, db[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.K}, s1[1] = {(cuuint64_t)p.Lp};
-        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, s1, box2, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
-             mt_ptx::tma_map(enc, &w.tb, p.b, 2, db, s1, box2, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, s1, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
+             mt_ptx::tma_map(enc, &w.tb, p.b, 2, db, s1, boxb2, CU_TENSOR_MAP_DATA_TYPE_UINT8);
     }
     if (rc) return 1;
-    if (cudaFuncSetAttribute(k_gmm_wgmma, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)WG_SMEM) != cudaSuccess) return -1;
-    k_gmm_wgmma<<<nsm, 384, WG_SMEM, st>>>(w);
+    void (*kern)(const WgParams) = k_gmm_wgmma<BN>;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)WgCfg<BN>::SMEM) != cudaSuccess) return -1;
+    kern<<<nsm, 384, WgCfg<BN>::SMEM, st>>>(w);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 } /* namespace mt_fp8 */
@@ -8203,16 +8236,18 @@ int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const
         return mt__fail(c, "mt_cuda_fp8_gemm", d.why);
     return 0;
 }
-/* the experts' FP8 GEMM (mt_fp8::k_gmm_wgmma; simple = 1, or no tensor maps: k_gmm_simple); W [E][M][K]; mode 0: out Y [Rmax][M] bf16,
+/* the experts' FP8 GEMM: variant 0 k_gmm_wgmma<128> (the default), 2 k_gmm_wgmma<192>, 1 (or no tensor maps)
+   k_gmm_simple; W [E][M][K]; mode 0: out Y [Rmax][M] bf16,
    a = X rows (scales over Rmax rows), b = W weight; mode 1: out dX [Rmax][K] bf16, a = dY rows, b = W^T weight;
    mode 2: out dW [E][M][K] fp32, a = dY cols [M][Lp], b = X cols [K][Lp] */
 int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
-                    const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int simple) {
+                    const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant) {
     mt_fp8::Gmm p;
     p.out = out; p.a = a; p.b = b; p.sa = sa; p.sb = sb; p.offs = d_offs;
     p.E = E; p.M = M; p.K = K; p.Rmax = Rmax; p.Lp = Lp;
     int rc = 1;
-    if (!simple && mt_fp8::gmm_check(mode, p)) rc = mt_fp8::gmm_wgmma(mode, p, c->stream, c->n_sms);
+    if (variant != 1 && mt_fp8::gmm_check(mode, p))
+        rc = variant == 2 ? mt_fp8::gmm_wgmma<192>(mode, p, c->stream, c->n_sms) : mt_fp8::gmm_wgmma<128>(mode, p, c->stream, c->n_sms);
     if (rc > 0) rc = mt_fp8::gmm_simple(mode, p, c->stream);   /* asked for, or no tensor maps */
     if (rc) return mt__fail(c, "mt_cuda_fp8_gmm", "bad arguments or launch failure");
     return 0;

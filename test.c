@@ -2141,7 +2141,7 @@ int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, in
 int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const float *sa, int lda, const uint8_t *b,
                      const float *sb, int b_blk, int ldb, int Mr, int Nc, int K);
 int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
-                    const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int simple);
+                    const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant);
 
 /* e4m3 ("fn": bias 7, 3 mantissa bits, max 448, no infinities, S.1111.111 NaN): v rounded to nearest even,
    saturated at +-448 */
@@ -2444,7 +2444,8 @@ static void gpu_test_fp8_dense(int T, int N, int K) {
     for (size_t i = 0; i < sizeof hp / sizeof hp[0]; i++) free(hp[i]);
 }
 
-static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int simple) {
+static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int variant) {
+    static const char *vn[3] = {"wgmma", "simple", "wgmma192"};
     int32_t *offs = malloc(4 * (size_t)(E + 1));
     offs[0] = 0;
     for (int e = 0; e < E; e++) offs[e + 1] = offs[e] + cnt[e];
@@ -2501,16 +2502,16 @@ static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int simple
     void *o[2][3];
     for (int run = 0; run < 2; run++) {
         o[run][0] = dalloc(2 * (size_t)Rmax * M); o[run][1] = dalloc(2 * (size_t)Rmax * K); o[run][2] = dalloc(4 * (size_t)E * M * K);
-        ok &= !mt_cuda_fp8_gmm(CU, 0, o[run][0], qx, sx, qw, sw, (const int32_t *)goffs, E, M, K, Rmax, Lp, simple) &&
-              !mt_cuda_fp8_gmm(CU, 1, o[run][1], qy, sy, qwt, swt, (const int32_t *)goffs, E, M, K, Rmax, Lp, simple) &&
-              !mt_cuda_fp8_gmm(CU, 2, o[run][2], qyt, syt, qxt, sxt, (const int32_t *)goffs, E, M, K, Rmax, Lp, simple);
+        ok &= !mt_cuda_fp8_gmm(CU, 0, o[run][0], qx, sx, qw, sw, (const int32_t *)goffs, E, M, K, Rmax, Lp, variant) &&
+              !mt_cuda_fp8_gmm(CU, 1, o[run][1], qy, sy, qwt, swt, (const int32_t *)goffs, E, M, K, Rmax, Lp, variant) &&
+              !mt_cuda_fp8_gmm(CU, 2, o[run][2], qyt, syt, qxt, sxt, (const int32_t *)goffs, E, M, K, Rmax, Lp, variant);
     }
     char nm[96];
-    snprintf(nm, sizeof nm, "gpu fp8 grouped fwd E%d %dx%d %s", E, M, K, simple ? "simple" : "wgmma");
+    snprintf(nm, sizeof nm, "gpu fp8 grouped fwd E%d %dx%d %s", E, M, K, vn[variant]);
     fp8_check(nm, o[0][0], 1, ry, ay, ey, (int64_t)R * M, ok, 1.0 / 1024);
-    snprintf(nm, sizeof nm, "gpu fp8 grouped dX E%d %dx%d %s", E, M, K, simple ? "simple" : "wgmma");
+    snprintf(nm, sizeof nm, "gpu fp8 grouped dX E%d %dx%d %s", E, M, K, vn[variant]);
     fp8_check(nm, o[0][1], 1, rx, ax, ex, (int64_t)R * K, ok, 1.0 / 1024);
-    snprintf(nm, sizeof nm, "gpu fp8 grouped dW E%d %dx%d %s", E, M, K, simple ? "simple" : "wgmma");
+    snprintf(nm, sizeof nm, "gpu fp8 grouped dW E%d %dx%d %s", E, M, K, vn[variant]);
     fp8_check(nm, o[0][2], 0, rw, aw, ew, (int64_t)E * M * K, ok, 1.0 / 1024);
     /* reruns bitwise; rows past R untouched (still the poison) */
     const size_t bytes[3] = {2 * (size_t)Rmax * M, 2 * (size_t)Rmax * K, 4 * (size_t)E * M * K};
@@ -2524,8 +2525,8 @@ static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int simple
         }
         free(a); free(b);
     }
-    report(simple ? "gpu fp8 grouped simple: reruns, rows past R" : "gpu fp8 grouped wgmma: reruns, rows past R", same && untouched,
-           "%s %s", same ? "bitwise" : "DIFFER", untouched ? "untouched" : "rows past R written");
+    snprintf(nm, sizeof nm, "gpu fp8 grouped %s: reruns, rows past R", vn[variant]);
+    report(nm, same && untouched, "%s %s", same ? "bitwise" : "DIFFER", untouched ? "untouched" : "rows past R written");
     for (int run = 0; run < 2; run++) for (int i = 0; i < 3; i++) dfree(o[run][i]);
     void *dp[] = {gX, gY, t1, t2, gW, goffs, qx, qy, qw, qwt, qyt, qxt, sx, sy, sw, swt, syt, sxt};
     for (size_t i = 0; i < sizeof dp / sizeof dp[0]; i++) dfree(dp[i]);
@@ -2597,10 +2598,10 @@ int main(void) {
     {
         static const int f5[5] = {0, 17, 300, 128, 1}, f3[3] = {130, 0, 70};
         static const int f4[4] = {700, 1, 0, 385};
-        for (int simple = 0; simple < 2; simple++) {
-            GPU_RUN(gpu_test_fp8_grouped(5, 144, 272, f5, simple));   /* an empty expert, single rows, ragged tiles */
-            GPU_RUN(gpu_test_fp8_grouped(3, 256, 128, f3, simple));
-            GPU_RUN(gpu_test_fp8_grouped(4, 400, 656, f4, simple));   /* several tiles, a partial last reduction block */
+        for (int v = 0; v < 3; v++) {   /* k_gmm_wgmma<128>, k_gmm_simple, k_gmm_wgmma<192> */
+            GPU_RUN(gpu_test_fp8_grouped(5, 144, 272, f5, v));   /* an empty expert, single rows, ragged tiles */
+            GPU_RUN(gpu_test_fp8_grouped(3, 256, 128, f3, v));
+            GPU_RUN(gpu_test_fp8_grouped(4, 400, 656, f4, v));   /* several tiles, a partial last reduction block */
         }
     }
     GPU_RUN(gpu_test_loss_and_optimizer());

@@ -388,11 +388,11 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
     size_t wsn = 0;
     for (int m = 0; m < 3; ++m) wsn = std::max(wsn, mt_ggk::gg_workspace(m, E, M, K, Rmax, g_cu->n_sms));
     void *ws = dmal(wsn + 256);
-    int simple = 0;
+    int variant = 0;
     auto g8 = [&](int mode, void *o) {
-        const int rc = mode == 0 ? mt_cuda_fp8_gmm(g_cu, 0, o, qx, sx, qw, sw, doffs, E, M, K, Rmax, Lp, simple)
-                     : mode == 1 ? mt_cuda_fp8_gmm(g_cu, 1, o, qy, sy, qwt, swt, doffs, E, M, K, Rmax, Lp, simple)
-                                 : mt_cuda_fp8_gmm(g_cu, 2, o, qyt, syt, qxt, sxt, doffs, E, M, K, Rmax, Lp, simple);
+        const int rc = mode == 0 ? mt_cuda_fp8_gmm(g_cu, 0, o, qx, sx, qw, sw, doffs, E, M, K, Rmax, Lp, variant)
+                     : mode == 1 ? mt_cuda_fp8_gmm(g_cu, 1, o, qy, sy, qwt, swt, doffs, E, M, K, Rmax, Lp, variant)
+                                 : mt_cuda_fp8_gmm(g_cu, 2, o, qyt, syt, qxt, sxt, doffs, E, M, K, Rmax, Lp, variant);
         if (rc) fatal("%s", mt_cuda_error(g_cu));
     };
     auto g16 = [&](int mode, void *o) {
@@ -406,10 +406,11 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
     const double fl = 2.0 * R * M * K;
     char shape[64];
     snprintf(shape, sizeof shape, "E%d %dx%d R%d", E, M, K, R);
-    for (int mm = 0; mm < 6; ++mm) {
+    static const int vorder[3] = {0, 2, 1}; /* k_gmm_wgmma<128>, <192>, k_gmm_simple */
+    for (int mm = 0; mm < 9; ++mm) {
         const int mode = mm % 3;
-        simple = mm / 3;
-        if (simple && g_skip_simple) break;
+        variant = vorder[mm / 3];
+        if (variant == 1 && g_skip_simple) break;
         void *o0 = mode == 0 ? Y[0] : mode == 1 ? GX[0] : GW[0], *o1 = mode == 0 ? Y[1] : mode == 1 ? GX[1] : GW[1];
         void *ob = mode == 0 ? Yb : mode == 1 ? GXb : GWb;
         g8(mode, o0); g8(mode, o1); g16(mode, ob);
@@ -441,7 +442,7 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
         const Err e = reference(j, ncols, o0, mode == 2);
         const double n16 = reference(j, ncols, ob, mode == 2).nrm;
         const size_t bytes = mode == 0 ? 2 * (size_t)Rmax * M : mode == 1 ? 2 * (size_t)Rmax * K : 4 * (size_t)E * M * K;
-        static const char *mn[6] = {"fwd", "dX", "dW", "fwd simple", "dX simple", "dW simple"};
+        static const char *mn[9] = {"fwd", "dX", "dW", "fwd n192", "dX n192", "dW n192", "fwd simple", "dX simple", "dW simple"};
         row((std::string(name) + " " + mn[mm]).c_str(), shape, fl, time_ms([&] { g8(mode, o0); }), time_ms([&] { g16(mode, ob); }), e, n16,
             ndiff(o0, o1, bytes));
     }
@@ -473,7 +474,7 @@ int main() {
         dense_case("head", T, 102400, 2048);
     }
     if (!only || !strcmp(only, "grouped")) {
-        printf("-- grouped (experts: k_gmm_wgmma, then the simple mma.sync kernel k_gmm_simple) --\n");
+        printf("-- grouped (experts: k_gmm_wgmma with 128 x 128 tiles, then 128 x 192 (n192), then the simple mma.sync kernel) --\n");
         const std::vector<int> even(64, 768), skew = counts_skew(64, 49152, 7, 5.0);
         grouped_case("experts even", 64, 1408, 2048, even);
         grouped_case("experts even dn", 64, 2048, 1408, even);
