@@ -27,7 +27,9 @@
  * launches; TFLOP/s = 2 M N K / t; the bf16 kernel on the same bf16 data and shapes.  The quantizers are
  * timed on their own (GB/s of bf16 read + fp8 written).
  * Environment: FP8_QUICK=1 one timing round of 3 launches; FP8_ONLY=dense|grouped one family; FP8_NO_SIMPLE=1
- * skips the simple grouped kernel's rows.
+ * skips the simple grouped kernel's rows; FP8_VARIANT=v runs only grouped kernel v (0 k_gmm_wgmma<128>, 1 the simple
+ * kernel, 2 k_gmm_wgmma<192>).  A wgmma kernel whose pipeline stalls traps after ~10 s: the bench stops there with
+ * the CUDA error (FP8_VARIANT=1 then still measures the rest).
  */
 #define MOETRAIN_IMPLEMENTATION /* mt_errf and friends, for the kernels file */
 #include "../moetrain_kernels.cu"
@@ -208,6 +210,7 @@ static unsigned long long ndiff(const void *a, const void *b, size_t bytes) {
     return h;
 }
 static bool g_quick = false, g_skip_simple = false;
+static int g_variant = -1; /* FP8_VARIANT: only this grouped kernel */
 template <class F>
 static double time_ms(F f) {   /* median of rounds of launches, per launch */
     cudaEvent_t a, b;
@@ -411,6 +414,7 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
         const int mode = mm % 3;
         variant = vorder[mm / 3];
         if (variant == 1 && g_skip_simple) break;
+        if (g_variant >= 0 && variant != g_variant) continue;
         void *o0 = mode == 0 ? Y[0] : mode == 1 ? GX[0] : GW[0], *o1 = mode == 0 ? Y[1] : mode == 1 ? GX[1] : GW[1];
         void *ob = mode == 0 ? Yb : mode == 1 ? GXb : GWb;
         g8(mode, o0); g8(mode, o1); g16(mode, ob);
@@ -458,6 +462,7 @@ int main() {
     if (mt_cuda_create(&g_cu, 0, &err)) fatal("no GPU: %s", err.msg);
     g_quick = getenv("FP8_QUICK") != nullptr;
     g_skip_simple = getenv("FP8_NO_SIMPLE") != nullptr;
+    if (getenv("FP8_VARIANT")) g_variant = atoi(getenv("FP8_VARIANT"));
     const char *only = getenv("FP8_ONLY");
     printf("columns: kind, shape (out rows x out cols x reduction), FP8 TFLOP/s, bf16 TFLOP/s, speedup | normwise error vs the\n"
            "bf16 operands' float64 product (bf16 GEMM's beside it), max error / rms | arith, bound <= 1, apri <= %.3f | determinism\n",
