@@ -289,8 +289,15 @@ static void dense_case(const char *name, int T, int N, int K) {
     auto bf_x = [&]() { if (mt_cuda_matmul(g_cu, GXb, MT_BF16, dY, MT_BF16, W, MT_BF16, T, K, N, 0, 0, nullptr, nullptr)) fatal("%s", mt_cuda_error(g_cu)); };
     auto bf_w = [&]() { if (mt_cuda_matmul(g_cu, GWb, MT_F32, dY, MT_BF16, X, MT_BF16, N, K, T, 1, 0, nullptr, nullptr)) fatal("%s", mt_cuda_error(g_cu)); };
 
-    /* samples: 16 output rows spread over the range (outlier rows included: 7 and 1031 for dY's) */
-    auto rows = [](int n) { std::vector<int> v; for (int i = 0; i < 16; ++i) v.push_back((int)(((long long)n * i) / 16 + (i % 4 == 1 ? 7 : 0)) % n); return v; };
+    /* samples: 16 output rows spread over the range, a quarter of them dY's outlier rows (r % 1024 == 7) */
+    auto rows = [](int n) {
+        std::vector<int> v;
+        for (int i = 0; i < 16; ++i) {
+            const int r = (int)(((long long)n * i) / 16);
+            v.push_back(i % 4 == 1 ? std::min(n - 1, r / 1024 * 1024 + 7) : r);
+        }
+        return v;
+    };
     char shape[64];
     const double fl = 2.0 * T * N * K;
     if (okf) {
@@ -403,7 +410,8 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
         if (mt_ggk::gg_run(2, mode, o, a, b, doffs, E, M, K, Rmax, ws, g_cu->stream, nullptr, nullptr, nullptr, 0, g_cu->n_sms))
             fatal("bf16 grouped GEMM mode %d failed", mode);
     };
-    /* samples: modes 0/1 two rows of each of 8 experts (the heavy one included); mode 2 (expert, m) pairs */
+    /* samples: modes 0/1 two rows of each of 8 experts (the heavy one included) and an outlier row of dY where the
+       expert has one; mode 2 two (expert, m) pairs per expert */
     std::vector<int> se;
     for (int i = 0; i < 8; ++i) se.push_back((E * i) / 8 + (i == 2 ? E / 3 - (E * 2) / 8 : 0));
     const double fl = 2.0 * R * M * K;
@@ -427,9 +435,12 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
         for (int e : se) {
             const int n = offs[e + 1] - offs[e];
             if (n == 0) continue;
-            for (int u = 0; u < 2; ++u) {
+            int r7 = -1; /* an outlier row of dY in this expert, if any */
+            for (int r = offs[e]; r < offs[e + 1] && r7 < 0; ++r) if (r % 1024 == 7) r7 = r;
+            for (int u = 0; u < 3; ++u) {
+                if (u == 2 && (mode == 2 || r7 < 0)) continue;
                 if (mode != 2) {
-                    const int r = offs[e] + (u ? n - 1 : n / 3);
+                    const int r = u == 2 ? r7 : offs[e] + (u ? n - 1 : n / 3);
                     j.ao.push_back((long long)r * (mode == 0 ? K : M));
                     j.bo.push_back((long long)e * M * K);
                     j.yo.push_back((long long)r * ncols);
