@@ -14,6 +14,7 @@
 #   make bench      the benchmark table (bench/run.sh)
 #   make bench-attention  attention kernels: tests, then timing next to torch SDPA on cuDNN (bench/attention.sh)
 #   make bench_gg   the grouped expert GEMM's checks and timings (bench/grouped_gemm.cu), as ./bench_gg
+#   make bench_fp8  the FP8 GEMMs' errors, bounds and timings next to bf16 (bench/fp8.cu), as ./bench_fp8
 
 CC       ?= cc
 CXX      ?= c++
@@ -125,6 +126,11 @@ bench_gg: bench/grouped_gemm.cu bench/kernel_variants.cuh moetrain_kernels.cu $(
 	$(NVCC) $(NVFLAGS) -Xcompiler -Wno-format-truncation,-Wno-alloc-size-larger-than,-Wno-array-bounds $(if $(NCCL_INC),-I$(NCCL_INC)) -I. -c -o bench_gg.o bench/grouped_gemm.cu
 	$(CXX) -o $@ bench_gg.o $(CUDA_LDLIBS)
 
+# the FP8 GEMMs on mid's shapes (bench/fp8.cu: errors against float64, the bound, determinism, TFLOP/s next to bf16)
+bench_fp8: bench/fp8.cu moetrain_kernels.cu $(HEADERS)
+	$(NVCC) $(NVFLAGS) -Xcompiler -Wno-format-truncation,-Wno-alloc-size-larger-than,-Wno-array-bounds $(if $(NCCL_INC),-I$(NCCL_INC)) -I. -c -o bench_fp8.o bench/fp8.cu
+	$(CXX) -o $@ bench_fp8.o $(CUDA_LDLIBS)
+
 clean:
-	rm -f train precompile test_f32 test_f64 test_gpu bench_attention bench_gg *.o .cxx_check* .cuda_link*
+	rm -f train precompile test_f32 test_f64 test_gpu bench_attention bench_gg bench_fp8 *.o .cxx_check* .cuda_link*
 	rm -rf .san

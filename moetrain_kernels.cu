@@ -23,6 +23,7 @@
  *   8. router, permutation, expert exchange, grouped GEMM, combine
  *   9. cross-entropy
  *   10. optimizer: gradient norm, schedule, clip, AdamW, expert bias
+ *   11. FP8 (e4m3): quantizers, dense GEMM (cuBLASLt block-scaled), grouped GEMM
  */
 #include <cuda.h>            /* CUtensorMap (the encoder is reached through the runtime) */
 #include <cuda_runtime.h>
@@ -7808,4 +7809,765 @@ int mt_nccl_exchange(mt_cuda *c, void *comm, int P, const void *send, const int6
     return 0;
 }
 
+}  /* extern "C" */
+
+/* ========================================================================
+ * 11. FP8 (e4m3) GEMMs with DeepSeek-V3's fine-grained scaling
+ *
+ * What is here: the quantizers (bf16 -> e4m3 + fp32 scales), the dense FP8 GEMM through cuBLASLt's
+ * block-scaled FP8 (CUDA 12.9+, Hopper), and a grouped FP8 GEMM for the experts (offsets on the
+ * device).  No graph pass uses them yet; bench/fp8.cu measures them, test_gpu checks them.
+ *
+ * Format: e4m3 (1 sign, 4 exponent bits, bias 7, 3 mantissa bits, max 448, no infinities).  A
+ * block's scale is s = amax / 448 (fp32, IEEE division), an element's code q = e4m3(x / s): the
+ * fp32 quotient rounded to nearest even, saturated at +-448; a block with amax = 0 has s = 0 and all
+ * codes 0 (so it dequantizes to exact zeros and no 0/0 is ever formed).  Dequantized: q * s.
+ *
+ * Layouts (docs/FP8.md has the picture; they are the ones cuBLASLt reads for VEC128_32F and
+ * BLK128x128_32F):
+ *   rows   ("1 x 128", activations and gradients along their feature axis): x [R][C] -> q [R][C],
+ *          s[kb * R + r] for the 128 columns [128 kb, 128 kb + 128) of row r.
+ *   cols   ("128 x 1", along the token axis, for dW = dY^T X): x [R][C] with its rows grouped by
+ *          offs into E segments -> qt [C][Lp] (transposed), segment e's rows at columns [P_e, P_e +
+ *          n_e), P_e = sum_{j<e} roundup(n_j, 128), zero up to P_e + roundup(n_e, 128), so no
+ *          128-block straddles two experts; st[(p / 128) * C + c] for the 128 columns [p, p + 128)
+ *          of row c.  Lp = mt_cuda_fp8_tpad(Rmax, E) bounds every layout of R <= Rmax rows.
+ *   weight ("128 x 128"): w [E][N][K] -> q [E][N][K], s[e][nb][ldk] at (e * nbN + nb) * ldk + kb,
+ *          ldk = roundup(ceil(K / 128), 4) (cuBLASLt wants 16-byte aligned scale rows; the padding
+ *          entries are written 0).  transpose = 1 gives W^T for dX = dY W: q [E][K][N] and
+ *          s[e][kb][ldn] -- the same blocks with the same scales, transposed.
+ * GEMMs (both operands K-major, the only FP8 layout of Hopper's tensor cores):
+ *   dense  out[Mr][Nc] = sum_k A[Mr][k] B[Nc][k], A "rows"-quantized, B "weight" (forward: X, W;
+ *          dX: dY, W^T) or "rows" of the transposed tensors (dW: dY^T, X^T from the "cols" quantizer).
+ *   grouped (experts, W [E][M][K], offsets on the device as mt_cuda_gmm):
+ *          mode 0  Y[r][m]   = X[r][:] . W[e][m][:]       a = X rows,  b = W weight
+ *          mode 1  dX[r][k]  = dY[r][:] . W[e][:][k]      a = dY rows, b = W^T weight (transpose 1)
+ *          mode 2  dW[e][m][k] = sum_{r in e} dY[r][m] X[r][k]   a = dY cols, b = X cols;  fp32 out
+ * Accumulation: each 128-long slice of the reduction is summed in fp32 by the tensor cores, then
+ * promoted: acc += slice * (sa * sb) in fp32 (DeepSeek-V3's promotion every 128 products).
+ * ====================================================================== */
+#include <cuda_fp8.h>
+
+namespace mt_fp8 {
+typedef __nv_bfloat16 bf16;
+
+__host__ __device__ inline int kblocks(int n) { return (n + 127) / 128; }
+__host__ __device__ inline int ld_blk(int n) { return (kblocks(n) + 3) & ~3; }
+static inline long long tpad(int Rmax, int E) { return ((long long)Rmax + 127LL * E + 127) / 128 * 128; }
+
+__device__ __forceinline__ float scale_of(float amax) { return __fdiv_rn(amax, 448.f); }
+__device__ __forceinline__ uint32_t code(float x, float s) {
+    return s > 0.f ? (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(x, s), __NV_SATFINITE, __NV_E4M3) : 0u;
+}
+
+/* rows: one warp per (row, 128-column block), 4 columns a lane (C % 16 == 0: all 4 in or out) */
+__global__ void k_quant_rows(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__restrict__ x, int R, int C) {
+    const int nkb = kblocks(C);
+    const long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (w >= (long long)R * nkb) return;
+    const int lane = threadIdx.x & 31;
+    const int r = (int)(w / nkb), kb = (int)(w - (long long)r * nkb);
+    const int c = kb * 128 + lane * 4;
+    const bool in = c < C;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (in) {
+        const uint2 u = *reinterpret_cast<const uint2 *>(x + (size_t)r * C + c);
+        const __nv_bfloat162 p0 = *reinterpret_cast<const __nv_bfloat162 *>(&u.x), p1 = *reinterpret_cast<const __nv_bfloat162 *>(&u.y);
+        v[0] = __low2float(p0); v[1] = __high2float(p0); v[2] = __low2float(p1); v[3] = __high2float(p1);
+    }
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    amax = warp_max(amax);
+    const float sc = scale_of(amax);
+    if (in) {
+        const uint32_t b = code(v[0], sc) | (code(v[1], sc) << 8) | (code(v[2], sc) << 16) | (code(v[3], sc) << 24);
+        *reinterpret_cast<uint32_t *>(q + (size_t)r * C + c) = b;
+    }
+    if (lane == 0) s[(size_t)kb * R + r] = sc;
+}
+
+/* the segment and 128-row chunk of chunk slot `slot` (segments in order, chunks in order within each):
+   rows [r0, r0 + n) of x, columns [p, p + 128) of qt; n = -1 when the slot is past the last chunk */
+__device__ __forceinline__ void chunk_of(const int *offs, int E, int R, int slot, int &r0, int &n, long long &p) {
+    n = -1; r0 = 0; p = 0;
+    if (!offs) {
+        if (slot * 128LL < R) { r0 = slot * 128; n = min(128, R - r0); p = r0; }
+        return;
+    }
+    long long acc = 0, pe = 0;
+    for (int e = 0; e < E; ++e) {
+        const int b = offs[e], ne = max(0, offs[e + 1] - b), nc = (ne + 127) / 128;
+        if (slot < acc + nc) {
+            const int j = (int)(slot - acc);
+            r0 = b + 128 * j; n = min(128, ne - 128 * j); p = pe + 128LL * j;
+            return;
+        }
+        acc += nc; pe += 128LL * nc;
+    }
+}
+
+/* cols: CTA = one 128-row chunk x 64 columns, 256 threads; the tile goes through shared memory
+   (coalesced 128-byte reads of x's rows, 128-byte writes of qt's rows) */
+__global__ void __launch_bounds__(256) k_quant_cols(uint8_t *__restrict__ qt, float *__restrict__ st, const bf16 *__restrict__ x,
+                                                    const int *__restrict__ offs, int E, int R, int C, long long Lp) {
+    __shared__ float tile[128][65];
+    __shared__ float part[4][64];
+    __shared__ float sc[64];
+    __shared__ int s_r0, s_n;
+    __shared__ long long s_p;
+    const int tid = threadIdx.x;
+    if (tid == 0) { int r0, n; long long p; chunk_of(offs, E, R, blockIdx.x, r0, n, p); s_r0 = r0; s_n = n; s_p = p; }
+    __syncthreads();
+    const int r0 = s_r0, n = s_n;
+    const long long p = s_p;
+    if (n < 0) return;
+    const int c0 = blockIdx.y * 64, col = tid & 63, quarter = tid >> 6;
+    const bool cok = c0 + col < C;
+    float m = 0.f;
+    for (int i = quarter; i < 128; i += 4) {
+        const float v = (cok && i < n) ? bf(x[(size_t)(r0 + i) * C + c0 + col]) : 0.f;
+        tile[i][col] = v;
+        m = fmaxf(m, fabsf(v));
+    }
+    part[quarter][col] = m;
+    __syncthreads();
+    if (tid < 64) {
+        const float s = scale_of(fmaxf(fmaxf(part[0][tid], part[1][tid]), fmaxf(part[2][tid], part[3][tid])));
+        sc[tid] = s;
+        if (c0 + tid < C) st[(size_t)(p / 128) * C + c0 + tid] = s;
+    }
+    __syncthreads();
+    const int wd = tid & 31; /* rows 4 wd .. 4 wd + 3 of a column: one 32-bit word */
+    for (int cc = tid >> 5; cc < 64; cc += 8) {
+        if (c0 + cc >= C) break;
+        const float s = sc[cc];
+        const uint32_t b = code(tile[4 * wd][cc], s) | (code(tile[4 * wd + 1][cc], s) << 8) | (code(tile[4 * wd + 2][cc], s) << 16) |
+                           (code(tile[4 * wd + 3][cc], s) << 24);
+        *reinterpret_cast<uint32_t *>(qt + (size_t)(c0 + cc) * Lp + p + 4 * wd) = b;
+    }
+}
+
+/* weight: CTA = one 128 x 128 block (grid kb, nb, e), 256 threads; two passes over the block (amax,
+   then codes); the transposed form goes through shared memory */
+__global__ void __launch_bounds__(256) k_quant_weight(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__restrict__ w,
+                                                      int N, int K, int transpose) {
+    __shared__ float red[32];
+    __shared__ uint8_t tq[128][132];
+    const int kb = blockIdx.x, nb = blockIdx.y, e = blockIdx.z, tid = threadIdx.x;
+    const bf16 *we = w + (size_t)e * N * K;
+    float m = 0.f;
+    for (int i = tid; i < 128 * 128; i += 256) {
+        const int n = nb * 128 + (i >> 7), k = kb * 128 + (i & 127);
+        if (n < N && k < K) m = fmaxf(m, fabsf(bf(we[(size_t)n * K + k])));
+    }
+    const float sc = scale_of(block_max(m, red));
+    for (int i = tid; i < 128 * 128; i += 256) {
+        const int nl = i >> 7, kl = i & 127, n = nb * 128 + nl, k = kb * 128 + kl;
+        const bool ok = n < N && k < K;
+        const uint32_t b = ok ? code(bf(we[(size_t)n * K + k]), sc) : 0u;
+        if (!transpose) {
+            if (ok) q[((size_t)e * N + n) * K + k] = (uint8_t)b;
+        } else {
+            tq[kl][nl] = (uint8_t)b;
+        }
+    }
+    if (transpose) {
+        __syncthreads();
+        for (int i = tid; i < 128 * 128; i += 256) {
+            const int kl = i >> 7, nl = i & 127, n = nb * 128 + nl, k = kb * 128 + kl;
+            if (n < N && k < K) q[((size_t)e * K + k) * N + n] = tq[kl][nl];
+        }
+    }
+    if (tid == 0) {
+        if (!transpose) {
+            const int ld = ld_blk(K);
+            float *row = s + ((size_t)e * kblocks(N) + nb) * ld;
+            row[kb] = sc;
+            if (kb == kblocks(K) - 1) for (int j = kb + 1; j < ld; ++j) row[j] = 0.f;
+        } else {
+            const int ld = ld_blk(N);
+            float *row = s + ((size_t)e * kblocks(K) + kb) * ld;
+            row[nb] = sc;
+            if (nb == kblocks(N) - 1) for (int j = nb + 1; j < ld; ++j) row[j] = 0.f;
+        }
+    }
+}
+
+/* ---- dense: cuBLASLt block-scaled FP8 (VEC128_32F / BLK128x128_32F, Hopper, CUDA 12.9+) ----------
+   Row-major out[Mr][Nc] = A[Mr][:] . B[Nc][:] is, column-major, D (Nc x Mr) = B^T(T) A(N): cuBLASLt's
+   A is our B (TRANSA = T: the "TN" layout FP8 needs), its B is our A.  The scale pointers are set in
+   plan() (the heuristic sees the real ones) and again in run(). */
+struct Dense {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+    cublasLtMatmulAlgo_t algo;
+    size_t ws = 0;
+    char why[160] = "";
+    ~Dense() {
+        if (desc) cublasLtMatmulDescDestroy(desc);
+        if (la) cublasLtMatrixLayoutDestroy(la);
+        if (lb) cublasLtMatrixLayoutDestroy(lb);
+        if (lc) cublasLtMatrixLayoutDestroy(lc);
+    }
+    /* out_f32: fp32 output (dW), else bf16; b_blk: B has 128 x 128 block scales, else 1 x 128 */
+    bool set_scales(const float *sa, const float *sb) {
+        return cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof sb) == CUBLAS_STATUS_SUCCESS &&
+               cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof sa) == CUBLAS_STATUS_SUCCESS;
+    }
+    int plan(cublasLtHandle_t lt, int out_f32, int b_blk, int Mr, int Nc, int K, int lda, int ldb, const float *sa, const float *sb,
+             size_t ws_bytes) {
+        if (Mr < 1 || Nc < 1 || K < 1 || K % 16 || Nc % 16 || lda % 16 || ldb % 16 || lda < K || ldb < K) {
+            snprintf(why, sizeof why, "FP8 GEMM: K, Nc, lda, ldb must be multiples of 16 (Mr %d Nc %d K %d lda %d ldb %d)", Mr, Nc, K, lda, ldb);
+            return -1;
+        }
+        const cublasOperation_t tA = CUBLAS_OP_T, tB = CUBLAS_OP_N;
+        const int32_t ma = b_blk ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+        const int32_t mb = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+        const cudaDataType_t ot = out_f32 ? CUDA_R_32F : CUDA_R_16BF;
+        cublasLtMatmulPreference_t pref = nullptr;
+        cublasLtMatmulHeuristicResult_t hr;
+        int n = 0;
+        memset(&hr, 0, sizeof hr);
+        bool ok = cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &tA, sizeof tA) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tB, sizeof tB) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &ma, sizeof ma) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mb, sizeof mb) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, (uint64_t)K, (uint64_t)Nc, ldb) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, (uint64_t)K, (uint64_t)Mr, lda) == CUBLAS_STATUS_SUCCESS &&
+                  cublasLtMatrixLayoutCreate(&lc, ot, (uint64_t)Nc, (uint64_t)Mr, Nc) == CUBLAS_STATUS_SUCCESS;
+        if (!ok) { snprintf(why, sizeof why, "FP8 GEMM: cuBLASLt descriptors (this cuBLASLt has no block-scaled FP8?)"); return -1; }
+        ok = set_scales(sa, sb) &&
+             cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
+             cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes) == CUBLAS_STATUS_SUCCESS &&
+             cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &hr, &n) == CUBLAS_STATUS_SUCCESS && n > 0;
+        if (pref) cublasLtMatmulPreferenceDestroy(pref);
+        if (!ok) {
+            snprintf(why, sizeof why, "FP8 GEMM: cuBLASLt has no block-scaled FP8 algorithm for %d x %d x %d (%s B, %s out) on this device",
+                     Mr, Nc, K, b_blk ? "128x128" : "1x128", out_f32 ? "fp32" : "bf16");
+            return -1;
+        }
+        algo = hr.algo;
+        ws = hr.workspaceSize;
+        return 0;
+    }
+    int run(cublasLtHandle_t lt, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb, void *wsp,
+            size_t ws_bytes, cudaStream_t st) {
+        const float alpha = 1.f, beta = 0.f;
+        if (ws > ws_bytes) { snprintf(why, sizeof why, "FP8 GEMM: workspace %zu > %zu", ws, ws_bytes); return -1; }
+        if (!set_scales(sa, sb)) {
+            snprintf(why, sizeof why, "FP8 GEMM: setting the scale pointers");
+            return -1;
+        }
+        const cublasStatus_t r = cublasLtMatmul(lt, desc, &alpha, b, la, a, lb, &beta, out, lc, out, lc, &algo, wsp, ws, st);
+        if (r != CUBLAS_STATUS_SUCCESS) { snprintf(why, sizeof why, "FP8 GEMM: cublasLtMatmul status %d", (int)r); return -1; }
+        return 0;
+    }
+};
+
+/* ---- grouped: the simple kernel ----------------------------------------------------------------
+   "simple" because it is the correct baseline, not the fast one: no shared-memory staging, no TMA,
+   no wgmma.  mma.sync m16n8k32 (e4m3 x e4m3 -> fp32) with fragments read straight from global
+   memory (L1/L2 serve the reuse).  CTA: 4 warps, a 64 x 64 output tile, warp w rows 16 w + [0, 16),
+   8 n8 column slices.  Each 128-long reduction block: 4 k32 products into a fresh fp32 slice, then
+   promoted into the accumulator with the two scales.  Work: modes 0/1 (expert, 64-row tile) slots
+   in grid.x (a CTA finds its tile by walking offs; slots past the last tile exit), 64-column tiles
+   in grid.y; mode 2 (m tile, k tile) in grid.x, expert in grid.y; the reduction walks the expert's
+   padded 128-blocks in order.  Every output element is written by one thread with a fixed order:
+   bitwise reproducible.  Bounds: K, M multiples of 16 (whole 4-byte fragments); E <= 65535. */
+struct Gmm {
+    void *out;
+    const uint8_t *a, *b;
+    const float *sa, *sb;
+    const int *offs;
+    int E, M, K, Rmax;
+    long long Lp;
+};
+
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t ld4(const uint8_t *base, long long ld, int row, int nrows, long long k, long long kend) {
+    return (row < nrows && k < kend) ? __ldg(reinterpret_cast<const uint32_t *>(base + (size_t)row * ld + k)) : 0u;
+}
+
+template <int MODE>
+__global__ void __launch_bounds__(128) k_gmm_simple(const Gmm p) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, cq = lane & 3;
+    /* output tile: rows [r0, r1) (modes 0/1: tokens; mode 2: m of expert e), columns [c0, c0 + 64) */
+    int e = 0, r0 = 0, r1 = 0, c0 = 0, ncols;
+    long long k0 = 0, kend; /* the reduction range, in the operands' own column coordinates */
+    __shared__ int s_e, s_r0, s_r1;
+    __shared__ long long s_k0;
+    if (MODE != 2) {
+        if (tid == 0) {
+            int acc = 0, found = -1, b = 0, n = 0;
+            for (int i = 0; i < p.E && found < 0; ++i) {
+                b = p.offs[i]; n = max(0, p.offs[i + 1] - b);
+                const int nt = (n + 63) / 64;
+                if ((int)blockIdx.x < acc + nt) found = i; else acc += nt;
+            }
+            s_e = found;
+            s_r0 = found < 0 ? 0 : b + 64 * ((int)blockIdx.x - acc);
+            s_r1 = found < 0 ? 0 : min(b + 64 * ((int)blockIdx.x - acc) + 64, b + n);
+        }
+        __syncthreads();
+        if (s_e < 0) return;
+        e = s_e; r0 = s_r0; r1 = s_r1;
+        c0 = blockIdx.y * 64;
+        ncols = MODE == 0 ? p.M : p.K;
+        kend = MODE == 0 ? p.K : p.M;
+    } else {
+        e = blockIdx.y;
+        const int ntk = (p.K + 63) / 64;
+        r0 = (blockIdx.x / ntk) * 64; r1 = p.M;
+        c0 = (blockIdx.x % ntk) * 64;
+        ncols = p.K;
+        if (tid == 0) {
+            long long pe = 0;
+            for (int i = 0; i < e; ++i) pe += 128LL * ((max(0, p.offs[i + 1] - p.offs[i]) + 127) / 128);
+            s_k0 = pe;
+            s_r0 = max(0, p.offs[e + 1] - p.offs[e]);
+        }
+        __syncthreads();
+        k0 = s_k0;
+        kend = k0 + 128LL * ((s_r0 + 127) / 128);
+    }
+    /* operand rows: A row ra / rb (tile rows), B row = output column; ld: bytes per row */
+    const long long lda = MODE == 2 ? p.Lp : (MODE == 0 ? p.K : p.M);
+    const long long ldb = MODE == 2 ? p.Lp : (MODE == 0 ? p.K : p.M);
+    const uint8_t *A = p.a, *B = p.b;
+    if (MODE != 2) B += (size_t)e * p.M * p.K;
+    const int nbrows = MODE == 2 ? p.K : ncols; /* rows of B */
+    const int ra = r0 + 16 * warp + g, rb = ra + 8;
+    float acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    const int nkb = (int)((kend - k0 + 127) / 128);
+    const int ldsb = MODE == 0 ? ld_blk(p.K) : ld_blk(p.M); /* weight scales: per-row stride */
+#pragma unroll 1
+    for (int kb = 0; kb < nkb; ++kb) {
+        float t[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) t[j][0] = t[j][1] = t[j][2] = t[j][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            const long long k = k0 + 128LL * kb + 32 * ks + 4 * cq;
+            uint32_t a[4];
+            a[0] = ld4(A, lda, ra, r1, k, kend);
+            a[1] = ld4(A, lda, rb, r1, k, kend);
+            a[2] = ld4(A, lda, ra, r1, k + 16, kend);
+            a[3] = ld4(A, lda, rb, r1, k + 16, kend);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int col = c0 + 8 * j + g;
+                mma_e4m3(t[j], a, ld4(B, ldb, col, nbrows, k, kend), ld4(B, ldb, col, nbrows, k + 16, kend));
+            }
+        }
+        /* promotion: the slice times its scales into the fp32 accumulator */
+        if (MODE != 2) {
+            const float *sa = p.sa + (size_t)kb * p.Rmax;
+            const float xa = ra < r1 ? sa[ra] : 0.f, xb = rb < r1 ? sa[rb] : 0.f;
+            const float w = p.sb[((size_t)e * kblocks(ncols) + c0 / 128) * ldsb + kb];
+            const float fa = xa * w, fb = xb * w;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                acc[j][0] += t[j][0] * fa; acc[j][1] += t[j][1] * fa;
+                acc[j][2] += t[j][2] * fb; acc[j][3] += t[j][3] * fb;
+            }
+        } else {
+            const long long pb = k0 / 128 + kb;
+            const float *sa = p.sa + (size_t)pb * p.M, *sb = p.sb + (size_t)pb * p.K;
+            const float xa = ra < r1 ? sa[ra] : 0.f, xb = rb < r1 ? sa[rb] : 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int col = c0 + 8 * j + 2 * cq;
+                const float w0 = col < ncols ? sb[col] : 0.f, w1 = col + 1 < ncols ? sb[col + 1] : 0.f;
+                acc[j][0] += t[j][0] * (xa * w0); acc[j][1] += t[j][1] * (xa * w1);
+                acc[j][2] += t[j][2] * (xb * w0); acc[j][3] += t[j][3] * (xb * w1);
+            }
+        }
+    }
+    /* store: thread holds rows ra, rb, columns c0 + 8 j + 2 cq + {0, 1} (ncols % 16 == 0: both or neither) */
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int col = c0 + 8 * j + 2 * cq;
+        if (col >= ncols) continue;
+        if (MODE != 2) {
+            bf16 *y = (bf16 *)p.out;
+            if (ra < r1) *reinterpret_cast<__nv_bfloat162 *>(y + (size_t)ra * ncols + col) = __floats2bfloat162_rn(acc[j][0], acc[j][1]);
+            if (rb < r1) *reinterpret_cast<__nv_bfloat162 *>(y + (size_t)rb * ncols + col) = __floats2bfloat162_rn(acc[j][2], acc[j][3]);
+        } else {
+            float *dw = (float *)p.out + (size_t)e * p.M * p.K;
+            if (ra < r1) *reinterpret_cast<float2 *>(dw + (size_t)ra * p.K + col) = make_float2(acc[j][0], acc[j][1]);
+            if (rb < r1) *reinterpret_cast<float2 *>(dw + (size_t)rb * p.K + col) = make_float2(acc[j][2], acc[j][3]);
+        }
+    }
+}
+
+static bool gmm_check(int mode, const Gmm &p) {
+    if (mode < 0 || mode > 2 || p.E < 1 || p.E > 65535 || p.M < 16 || p.K < 16 || p.M % 16 || p.K % 16 || p.Rmax < 0) return false;
+    if (!p.out || !p.a || !p.b || !p.sa || !p.sb || !p.offs) return false;
+    if ((((uintptr_t)p.out) | ((uintptr_t)p.a) | ((uintptr_t)p.b)) & 15u) return false;
+    return mode != 2 || (p.Lp >= tpad(p.Rmax, p.E) && p.Lp % 16 == 0);
+}
+static int gmm_simple(int mode, const Gmm &p, cudaStream_t st) {
+    if (!gmm_check(mode, p)) return -1;
+    if (mode == 2) {
+        const dim3 grid((unsigned)(((p.M + 63) / 64) * ((p.K + 63) / 64)), (unsigned)p.E);
+        k_gmm_simple<2><<<grid, 128, 0, st>>>(p);
+    } else {
+        const int ncols = mode == 0 ? p.M : p.K;
+        const long long slots = (long long)(p.Rmax + 63) / 64 + p.E;
+        if (slots > INT_MAX || slots < 1) return -1;
+        const dim3 grid((unsigned)slots, (unsigned)((ncols + 63) / 64));
+        if (mode == 0) k_gmm_simple<0><<<grid, 128, 0, st>>>(p);
+        else k_gmm_simple<1><<<grid, 128, 0, st>>>(p);
+    }
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+/* ---- grouped: the wgmma kernel -----------------------------------------------------------------
+   Warp-specialized and persistent, after gg_tma_kernel: 384 threads, warpgroup 0's thread 0 issues
+   the TMA loads, warpgroups 1 and 2 multiply; one CTA per SM, CTA b takes tiles b, b + grid, ...
+   A tile is 128 x BN outputs (consumer c: rows 64 c + [0, 64)); a stage is one 128-long reduction
+   block, i.e. one scale block: A 128 rows x 128 bytes and B BN rows x 128 bytes, both K-major with
+   the 128-byte swizzle (an e4m3 row of a block is exactly one 128-byte line).
+   Per stage: 4 x wgmma m64nBNk32 e4m3 into a fresh fp32 slice, wait, release the stage, then the
+   promotion acc += slice * (sa * sb).  Slice and accumulator are BN / 2 + BN / 2 registers a thread:
+   BN = 128 (6 stages of 32 KB, the default) or 192 (5 of 40 KB: fewer operand bytes per product,
+   ragged last column tiles on mid's 1408 and 2048); n = 256 would need 256 registers.
+   Tiles: modes 0/1 (expert, 128-row tile, BN-column tile), experts in order (per-expert tile counts
+   prefix-summed in shared memory, tile -> expert by binary search); mode 2 (expert, m tile, k tile),
+   the reduction over the expert's padded 128-blocks [P_e, P_e + roundup(n_e, 128)).  Rows of a box
+   past the expert's rows (or past the tensor: zeros) are loaded and multiplied but never stored.
+   Each output element is produced by one thread in a fixed order: bitwise reproducible.
+   Not yet measured (bench/fp8.cu); what should make it faster: docs/FP8.md. */
+constexpr int WG_MAXE = 1024;
+template <int BN>
+struct WgCfg {
+    static constexpr int ST = BN == 128 ? 6 : 5;                   /* stages                        */
+    static constexpr int STAGE = 128 * 128 + BN * 128;             /* A + B bytes of one stage      */
+    static constexpr size_t SMEM = 1024 + (size_t)ST * STAGE + 2 * ST * 8 + 2 * (WG_MAXE + 1) * sizeof(int);
+    static_assert(SMEM <= 232448, "shared memory");
+};
+
+struct WgParams {
+    CUtensorMap ta, tb;
+    Gmm p;
+    int mode, ncols, nct, ntm;
+};
+
+/* D[64 x N] (+)= A(desc) B(desc), e4m3 x e4m3 -> f32, both K-major (the only FP8 form) */
+template <int N>
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d);
+template <>
+__device__ __forceinline__ void wgmma_e4m3<128>(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_e4m3<192>(float (&d)[96], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+        "}, %96, %97, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+struct WgTile { int valid, e, r0, r1, c0, nk; long long k0; };
+
+/* mbar_wait that traps after ~10 s (2e10 cycles): a pipeline that lost a stage fails its launch (an error
+   the caller sees) instead of hanging the process */
+__device__ __forceinline__ void wait_or_trap(uint32_t bar, uint32_t parity) {
+    const long long t0 = clock64();
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+        if (!done && clock64() - t0 > 20000000000LL) __trap();
+    } while (!done);
+}
+
+/* tile t: modes 0/1 rows [r0, r1) of expert e, reduction blocks from k0 = 0; mode 2 rows (m) [r0, r0 + 128),
+   the reduction from column k0 (= P_e) of the transposed operands, nk blocks */
+template <int BN>
+__device__ __forceinline__ WgTile wg_tile(const WgParams &w, const int *s_offs, const int *s_pref, int T, int t) {
+    WgTile ti;
+    ti.valid = t < T; ti.e = 0; ti.r0 = 0; ti.r1 = 0; ti.c0 = 0; ti.nk = 0; ti.k0 = 0;
+    if (!ti.valid) return ti;
+    if (w.mode != 2) {
+        int lo = 0, hi = w.p.E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_pref[mid] <= t) lo = mid; else hi = mid - 1;
+        }
+        const int local = t - s_pref[lo], rt = local / w.nct, ct = local - rt * w.nct;
+        ti.e = lo;
+        ti.r0 = s_offs[lo] + 128 * rt;
+        ti.r1 = min(ti.r0 + 128, s_offs[lo + 1]);
+        ti.c0 = BN * ct;
+        ti.nk = kblocks(w.mode == 0 ? w.p.K : w.p.M);
+    } else {
+        const int per = w.ntm * w.nct, e = t / per, rem = t - e * per, mt = rem / w.nct;
+        ti.e = e;
+        ti.r0 = 128 * mt;
+        ti.r1 = w.p.M;
+        ti.c0 = BN * (rem - mt * w.nct);
+        ti.k0 = 128LL * s_pref[e];
+        ti.nk = (s_offs[e + 1] - s_offs[e] + 127) / 128;
+    }
+    return ti;
+}
+
+template <int BN>
+__global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ WgParams w) {
+    using namespace mt_ptx;
+    constexpr int ST = WgCfg<BN>::ST, STAGE = WgCfg<BN>::STAGE, NR = BN / 2, NJ = BN / 8;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const int tid = threadIdx.x;
+    const uint32_t raw = smem_u32(smem_raw), pad = (1024u - (raw & 1023u)) & 1023u, sbase = raw + pad;
+    const uint32_t full0 = sbase + (uint32_t)(ST * STAGE), empty0 = full0 + 8u * ST;
+    int *s_offs = reinterpret_cast<int *>(smem_raw + pad + ST * STAGE + 2 * ST * 8);
+    int *s_pref = s_offs + (WG_MAXE + 1);
+    const Gmm &p = w.p;
+    for (int i = tid; i <= p.E; i += blockDim.x) s_offs[i] = p.offs[i];
+    __syncthreads();
+    if (tid == 0) {
+        /* modes 0/1: s_pref[e] = tiles before expert e (s_pref[E] = all); mode 2: 128-blocks before expert e */
+        int acc = 0;
+        for (int e = 0; e < p.E; ++e) {
+            s_pref[e] = acc;
+            const int n = max(0, s_offs[e + 1] - s_offs[e]);
+            acc += w.mode != 2 ? ((n + 127) / 128) * w.nct : (n + 127) / 128;
+        }
+        s_pref[p.E] = acc;
+        for (int s = 0; s < ST; ++s) { mbar_init(full0 + 8u * s, 1); mbar_init(empty0 + 8u * s, 8); }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int T = w.mode != 2 ? s_pref[p.E] : p.E * w.ntm * w.nct;
+    if (tid < 128) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid == 0) {   /* producer */
+            int step = 0;
+#pragma unroll 1
+            for (int t = blockIdx.x; t < T; t += gridDim.x) {
+                const WgTile ti = wg_tile<BN>(w, s_offs, s_pref, T, t);
+#pragma unroll 1
+                for (int kb = 0; kb < ti.nk; ++kb, ++step) {
+                    const int s = step % ST;
+                    const uint32_t sa = sbase + (uint32_t)(s * STAGE), bar = full0 + 8u * s;
+                    wait_or_trap(empty0 + 8u * s, ((step / ST) & 1) ^ 1);
+                    mbar_expect_tx(bar, (uint32_t)STAGE);
+                    if (w.mode != 2) {
+                        tma_load_2d(sa, &w.ta, bar, kb * 128, ti.r0);                       /* X / dY [Rmax][red]  */
+                        tma_load_3d(sa + 16384u, &w.tb, bar, kb * 128, ti.c0, ti.e);        /* W / W^T [E][cols][red] */
+                    } else {
+                        const int k = (int)(ti.k0 + 128LL * kb);
+                        tma_load_2d(sa, &w.ta, bar, k, ti.r0);                              /* dY^T [M][Lp] */
+                        tma_load_2d(sa + 16384u, &w.tb, bar, k, ti.c0);                     /* X^T [K][Lp]  */
+                    }
+                }
+            }
+        }
+        return;
+    }
+    /* consumers: warpgroup c = 0, 1; warp w of it holds rows 64 c + 16 w + g (+ 8), columns 8 j + 2 q + {0, 1} */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int ctid = tid - 128, c = __shfl_sync(0xffffffffu, ctid >> 7, 0), warp = ctid >> 5, lane = ctid & 31;
+    const int g = lane >> 2, q = lane & 3;
+    const int ldsb = w.mode == 0 ? ld_blk(p.K) : ld_blk(p.M);
+    int step = 0;
+#pragma unroll 1
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        const WgTile ti = wg_tile<BN>(w, s_offs, s_pref, T, t);
+        const int ra = ti.r0 + 64 * c + 16 * (warp & 3) + g, rb = ra + 8;
+        const int bnd = (ti.c0 / 128 + 1) * 128; /* modes 0/1: columns from here take the weight's next 128-block */
+        float acc[NR], tmp[NR];
+#pragma unroll
+        for (int i = 0; i < NR; ++i) acc[i] = tmp[i] = 0.f;
+#pragma unroll 1
+        for (int kb = 0; kb < ti.nk; ++kb, ++step) {
+            const int s = step % ST;
+            const uint32_t sa = sbase + (uint32_t)(s * STAGE);
+            wait_or_trap(full0 + 8u * s, (step / ST) & 1);
+            const uint64_t da = sw128_desc(sa + (uint32_t)c * 8192u, 16u, 1024u), db = sw128_desc(sa + 16384u, 16u, 1024u);
+#pragma unroll
+            for (int i = 0; i < NR; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
+            wgmma_fence();
+            wgmma_e4m3<BN>(tmp, da, db, 0);
+            wgmma_e4m3<BN>(tmp, da + 2, db + 2, 1);
+            wgmma_e4m3<BN>(tmp, da + 4, db + 4, 1);
+            wgmma_e4m3<BN>(tmp, da + 6, db + 6, 1);
+            wgmma_commit();
+            /* the row scales (and modes 0/1: the weight's one or two block scales), while the products run */
+            float xa, xb, w0 = 0.f, w1 = 0.f;
+            const float *sbr = nullptr;
+            if (w.mode != 2) {
+                const float *sar = p.sa + (size_t)kb * p.Rmax;
+                const float *wr = p.sb + ((size_t)ti.e * kblocks(w.ncols) + ti.c0 / 128) * ldsb + kb;
+                xa = ra < ti.r1 ? __ldg(sar + ra) : 0.f;
+                xb = rb < ti.r1 ? __ldg(sar + rb) : 0.f;
+                w0 = __ldg(wr);
+                if (BN > 128 && bnd < w.ncols) w1 = __ldg(wr + ldsb);
+            } else {
+                const long long pb = ti.k0 / 128 + kb;
+                const float *sar = p.sa + (size_t)pb * p.M;
+                sbr = p.sb + (size_t)pb * p.K;
+                xa = ra < p.M ? __ldg(sar + ra) : 0.f;
+                xb = rb < p.M ? __ldg(sar + rb) : 0.f;
+            }
+            wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < NR; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty0 + 8u * s);
+            /* promotion: tmp[4 j + 2 h + b] is (row 8 h + g of the warp's 16, column 8 j + 2 q + b) */
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const int col = ti.c0 + 8 * j + 2 * q;
+                float s0, s1;
+                if (w.mode != 2) {
+                    s0 = s1 = (BN > 128 && col >= bnd) ? w1 : w0;
+                } else {
+                    s0 = col < p.K ? __ldg(sbr + col) : 0.f;
+                    s1 = col + 1 < p.K ? __ldg(sbr + col + 1) : 0.f;
+                }
+                acc[4 * j] += tmp[4 * j] * (xa * s0); acc[4 * j + 1] += tmp[4 * j + 1] * (xa * s1);
+                acc[4 * j + 2] += tmp[4 * j + 2] * (xb * s0); acc[4 * j + 3] += tmp[4 * j + 3] * (xb * s1);
+            }
+        }
+        /* store (ncols % 16 == 0: a column pair is in or out together) */
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const int col = ti.c0 + 8 * j + 2 * q;
+            if (col >= w.ncols) continue;
+            if (w.mode != 2) {
+                bf16 *y = (bf16 *)p.out;
+                if (ra < ti.r1) *reinterpret_cast<__nv_bfloat162 *>(y + (size_t)ra * w.ncols + col) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+                if (rb < ti.r1) *reinterpret_cast<__nv_bfloat162 *>(y + (size_t)rb * w.ncols + col) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+            } else {
+                float *dw = (float *)p.out + (size_t)ti.e * p.M * p.K;
+                if (ra < p.M) *reinterpret_cast<float2 *>(dw + (size_t)ra * p.K + col) = make_float2(acc[4 * j], acc[4 * j + 1]);
+                if (rb < p.M) *reinterpret_cast<float2 *>(dw + (size_t)rb * p.K + col) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+            }
+        }
+    }
+}
+
+/* the operand maps: e4m3 bytes, boxes of 128 bytes x 128 rows (B: x BN rows; 3-D for the weights: x 1 expert);
+   returns 1 when tensor maps cannot be made (the caller takes the simple kernel) */
+template <int BN>
+static int gmm_wgmma(int mode, const Gmm &p, cudaStream_t st, int nsm) {
+    mt_ptx::EncodeTiledFn enc = mt_ptx::tma_encoder();
+    if (!enc || p.E > WG_MAXE) return 1;
+    WgParams w;
+    memset(&w, 0, sizeof w);
+    w.p = p;
+    w.mode = mode;
+    w.ncols = mode == 0 ? p.M : p.K;
+    w.nct = (w.ncols + BN - 1) / BN;
+    w.ntm = (p.M + 127) / 128;
+    const cuuint32_t boxa[2] = {128, 128}, boxb2[2] = {128, (cuuint32_t)BN}, boxb3[3] = {128, (cuuint32_t)BN, 1};
+    int rc;
+    if (mode != 2) {
+        const int red = mode == 0 ? p.K : p.M;
+        const cuuint64_t da[2] = {(cuuint64_t)red, (cuuint64_t)(p.Rmax > 0 ? p.Rmax : 1)}, sa[1] = {(cuuint64_t)red};
+        const cuuint64_t db[3] = {(cuuint64_t)red, (cuuint64_t)w.ncols, (cuuint64_t)p.E}, sb[2] = {(cuuint64_t)red, (cuuint64_t)red * w.ncols};
+        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, sa, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
+             mt_ptx::tma_map(enc, &w.tb, p.b, 3, db, sb, boxb3, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+    } else {
+        const cuuint64_t da[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.M}, db[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.K}, s1[1] = {(cuuint64_t)p.Lp};
+        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, s1, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
+             mt_ptx::tma_map(enc, &w.tb, p.b, 2, db, s1, boxb2, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+    }
+    if (rc) return 1;
+    void (*kern)(const WgParams) = k_gmm_wgmma<BN>;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)WgCfg<BN>::SMEM) != cudaSuccess) return -1;
+    kern<<<nsm, 384, WgCfg<BN>::SMEM, st>>>(w);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+} /* namespace mt_fp8 */
+
+extern "C" {
+long long mt_cuda_fp8_tpad(int Rmax, int E) { return mt_fp8::tpad(Rmax, E); }
+
+int mt_cuda_fp8_quant_rows(mt_cuda *c, uint8_t *q, float *s, const void *x, int R, int C) {
+    if (R < 0 || C < 16 || C % 16 || (((uintptr_t)x | (uintptr_t)q) & 15u)) return mt__fail(c, "fp8 quant rows", "C must be a multiple of 16, pointers 16-byte aligned");
+    if (R == 0) return 0;
+    const long long warps = (long long)R * mt_fp8::kblocks(C);
+    mt_fp8::k_quant_rows<<<mt__blocks(warps, 8), 256, 0, c->stream>>>(q, s, (const bf16 *)x, R, C);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_fp8_quant_cols(mt_cuda *c, uint8_t *qt, float *st, const void *x, const int32_t *d_offs, int E, int R, int C, long long Lp) {
+    if (R < 0 || C < 1 || E < 1 || Lp < mt_fp8::tpad(R, d_offs ? E : 1) || Lp % 16 || ((uintptr_t)qt & 15u))
+        return mt__fail(c, "fp8 quant cols", "bad sizes (Lp below mt_cuda_fp8_tpad(R, E), or not a multiple of 16)");
+    const long long slots = Lp / 128;
+    if (R == 0 || slots < 1) return 0;
+    const dim3 grid((unsigned)slots, (unsigned)((C + 63) / 64));
+    mt_fp8::k_quant_cols<<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)x, d_offs, E, R, C, Lp);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, int E, int N, int K, int transpose) {
+    if (E < 1 || E > 65535 || N < 1 || K < 1) return mt__fail(c, "fp8 quant weight", "bad sizes");
+    const dim3 grid((unsigned)mt_fp8::kblocks(K), (unsigned)mt_fp8::kblocks(N), (unsigned)E);
+    mt_fp8::k_quant_weight<<<grid, 256, 0, c->stream>>>(q, s, (const bf16 *)w, N, K, transpose);
+    LAUNCHED();
+    return 0;
+}
+/* out[Mr][Nc] (bf16, or fp32 when out_f32) = A[Mr][:K] . B[Nc][:K]; A rows-quantized (scales kb * Mr + r), B weight-
+   quantized (b_blk = 1) or rows-quantized (b_blk = 0, scales kb * Nc + n); lda, ldb: bytes per row */
+int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const float *sa, int lda, const uint8_t *b,
+                     const float *sb, int b_blk, int ldb, int Mr, int Nc, int K) {
+    mt_fp8::Dense d;
+    if (d.plan(c->lt, out_f32, b_blk, Mr, Nc, K, lda, ldb, sa, sb, c->lt_ws_bytes) ||
+        d.run(c->lt, out, a, sa, b, sb, c->lt_ws, c->lt_ws_bytes, c->stream))
+        return mt__fail(c, "mt_cuda_fp8_gemm", d.why);
+    return 0;
+}
+/* the experts' FP8 GEMM: variant 0 k_gmm_wgmma<128> (the default), 2 k_gmm_wgmma<192>, 1 (or no tensor maps)
+   k_gmm_simple; W [E][M][K]; mode 0: out Y [Rmax][M] bf16,
+   a = X rows (scales over Rmax rows), b = W weight; mode 1: out dX [Rmax][K] bf16, a = dY rows, b = W^T weight;
+   mode 2: out dW [E][M][K] fp32, a = dY cols [M][Lp], b = X cols [K][Lp] */
+int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
+                    const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant) {
+    mt_fp8::Gmm p;
+    p.out = out; p.a = a; p.b = b; p.sa = sa; p.sb = sb; p.offs = d_offs;
+    p.E = E; p.M = M; p.K = K; p.Rmax = Rmax; p.Lp = Lp;
+    int rc = 1;
+    if (variant != 1 && mt_fp8::gmm_check(mode, p))
+        rc = variant == 2 ? mt_fp8::gmm_wgmma<192>(mode, p, c->stream, c->n_sms) : mt_fp8::gmm_wgmma<128>(mode, p, c->stream, c->n_sms);
+    if (rc > 0) rc = mt_fp8::gmm_simple(mode, p, c->stream);   /* asked for, or no tensor maps */
+    if (rc) return mt__fail(c, "mt_cuda_fp8_gmm", "bad arguments or launch failure");
+    return 0;
+}
 }  /* extern "C" */
