@@ -129,7 +129,7 @@
  * CLIP               mt__check_optimizer  mt__optimizer                -                  -
  *                                         mt__exec_cpu                             mt_cuda_clip
  * ADAMW              mt__check_optimizer  mt__optimizer                -                  -
- *                                         mt_cpu_adamw                             mt_cuda_adamw, mt_cuda_adamw_multi
+ *                                         mt_cpu_adamw, mt_cpu_adamw_bf16          mt_cuda_adamw, mt_cuda_adamw_multi
  * EXPERT_BIAS_UPDATE mt__check_optimizer  mt__optimizer                -                  -
  *                                         mt_cpu_expert_bias_update                mt_cuda_expert_bias_update
  * ADD_RMSNORM        mt__check_dense      fuse: ADD + RMSNORM          -                  -
@@ -178,9 +178,11 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -376,7 +378,8 @@ int mt_mesh_groups_equal(const mt_mesh *m, uint32_t a, uint32_t b);
  * ====================================================================== */
 
 /* dtypes. F32 is the master/statistics precision (mt_real on the CPU
- * backend); BF16 appears only in CUDA-target graphs; I32 for indices. */
+ * backend); BF16 appears in CUDA-target graphs, and in any graph as AdamW
+ * moments (mt_pass_bf16_moments); I32 for indices. */
 enum { MT_F32 = 0, MT_BF16 = 1, MT_I32 = 2, MT_NDTYPES = 3 };
 
 /* roles: where a value lives and who owns it. */
@@ -491,7 +494,7 @@ typedef struct {
     X(ALLREDUCE, 1, 1, 0)        /* x -> x (in place); i0 mesh-dim mask, i1 group, i2 mean; f0 scale (0: none) */ \
     X(LR_SCHEDULE, 2, 1, 0)      /* hparams[16] f32, step[1] i32 -> lr[1] f32 */  \
     X(CLIP, 2, 2, 0)             /* sumsq[1], hparams -> coef[1], norm[1] */      \
-    X(ADAMW, 8, 4, 0)            /* p, g, m, v, lr, coef, hparams, step -> p, m, v, p_bf16 (optional) */ \
+    X(ADAMW, 8, 4, 0)            /* p, g, m, v (f32, or bf16: mt_pass_bf16_moments), lr, coef, hparams, step -> p, m, v, p_bf16 (optional) */ \
     X(EXPERT_BIAS_UPDATE, 2, 1, 0) /* bias[E], counts[E] i32 -> bias; f0 coeff */   \
     X(ADD_RMSNORM, 3, 3, 0)      /* fused: a, b, w -> h = a+b, y = rmsnorm(h), rstd; f0 eps */ \
     X(RMSNORM_BWD_ADD, 5, 2, 0)  /* fused: dy, x, w, rstd, acc -> acc + dx, dw */    \
@@ -625,9 +628,16 @@ typedef struct {
     int fold_rope;           /* CUDA graphs: MLA's RoPE assembly folded into the attention kernels (mt_pass_fold_rope) */
     int fuse_glu;            /* with fuse: the experts' gate and up GEMMs and their SwiGLU as one op (mt_pass_fuse_glu) */
     int64_t memory_budget;   /* bytes (persistent + arena, as planned); > 0: recompute the fewest blocks that fit it */
+    int moments;             /* the AdamW moments' dtype: MT_F32 (mt_passes_all and _none), or MT_BF16 (mt_pass_bf16_moments) */
 } mt_passes;
 int mt_pass_elide_collectives(mt_graph *g, mt_err *err); /* the expert exchange over one rank is a copy: gone */
 int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
+/* AdamW's two moments stored in bf16 (half their bytes); each ADAMW reads them into float, updates
+ * in float and stores them rounded to nearest even (mt_adamw_bf16_elem). Changes numerics: a run
+ * setting, not an optimization (mt_passes.moments; neither mt_passes_all nor _none turns it on).
+ * Before memory planning. Returns the number of moment values changed, -1 on error. */
+int mt_pass_bf16_moments(mt_graph *g, mt_err *err);
+int mt_graph_moments(const mt_graph *g);             /* the AdamW moments' dtype: MT_F32 (also with none), MT_BF16 */
 /* The routed experts' GMM (x, W_gate) -> g, GMM (x, W_up) -> u, SWIGLU (g, u) -> h become one GMM_GLU
  * (x, W_gate, offs, W_up) -> g, u, h: on CUDA one grouped GEMM whose tiles hold g's and u's same
  * columns, the SwiGLU in its epilogue; on the CPU the three ops in order. Bitwise the same results.
@@ -701,7 +711,7 @@ int mt_artifact_write(const mt_graph *g, uint8_t **bytes, size_t *len, mt_err *e
 int mt_artifact_save(const mt_graph *g, const char *path, mt_err *err);
 int mt_artifact_read(mt_graph *g, const uint8_t *bytes, size_t len, mt_err *err);
 int mt_artifact_load(mt_graph *g, const char *path, mt_err *err);
-uint64_t mt_fingerprint(const mt_graph *g);          /* config, mesh, format, kernels, target */
+uint64_t mt_fingerprint(const mt_graph *g);          /* config, mesh, format, kernels, target, recompute, moments */
 void mt_graph_dump(const mt_graph *g, FILE *f);      /* the readable plan */
 int mt_graph_dot(const mt_graph *g, const char *path, mt_err *err);   /* Graphviz: nodes by queue, edges by value */
 int mt_read_file(const char *path, uint8_t **bytes, size_t *len, mt_err *err);
@@ -801,6 +811,107 @@ void mt_cpu_ce_shard_backward(mt_real *dlogits, const mt_real *logits, const mt_
                               int N, int Vl, int v0);
 void mt_cpu_adamw(mt_real *p, mt_real *m, mt_real *v, const mt_real *g, int64_t n, double lr,
                   double coef, const float hp[MT_HP_COUNT], int step, int decay);
+/* AdamW with bf16 moments (m, v: bf16 bit patterns). The update is AdamW's, from the moments read
+ * back as floats; the new moments are stored rounded to nearest even, and the weight update uses
+ * them before that rounding. Float32 builds compute it in float with mt_adamw_bf16_elem, so the
+ * CUDA kernels give the same bits; float64 builds compute it in double and round the moments to
+ * bf16 straight from double (no float in between). */
+void mt_cpu_adamw_bf16(mt_real *p, uint16_t *m, uint16_t *v, const mt_real *g, int64_t n, double lr,
+                       double coef, const float hp[MT_HP_COUNT], int step, int decay);
+
+/* bf16 bits: from a float rounded to nearest even (a NaN stays a quiet NaN), and back (exact). */
+static inline MT_HOST_DEVICE uint16_t mt_bf16_round(float f) {
+    uint32_t u;
+#if defined(__CUDA_ARCH__)
+    u = __float_as_uint(f);
+#else
+    memcpy(&u, &f, 4);
+#endif
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline MT_HOST_DEVICE float mt_bf16_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float((uint32_t)h << 16);
+#else
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+/* Arithmetic rounded once per operation on both sides: CUDA would otherwise fuse a product and a
+ * sum into one FMA (one rounding); the C builds (-std=c11: no contraction) round each already. */
+static inline MT_HOST_DEVICE float mt__fmul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+static inline MT_HOST_DEVICE float mt__fadd(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+static inline MT_HOST_DEVICE float mt__fsub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fsub_rn(a, b);
+#else
+    return a - b;
+#endif
+}
+static inline MT_HOST_DEVICE float mt__fdiv(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fdiv_rn(a, b);
+#else
+    return a / b;
+#endif
+}
+static inline MT_HOST_DEVICE float mt__fsqrt(float a) {
+#if defined(__CUDA_ARCH__)
+    return __fsqrt_rn(a);
+#else
+    return sqrtf(a);
+#endif
+}
+static inline MT_HOST_DEVICE double mt__dpowi(double x, int n) {   /* x^n, n >= 0, by squaring: the same products everywhere */
+    double r = 1.0;
+    for (; n > 0; n >>= 1) {
+#if defined(__CUDA_ARCH__)
+        if (n & 1) r = __dmul_rn(r, x);
+        x = __dmul_rn(x, x);
+#else
+        if (n & 1) r = r * x;
+        x = x * x;
+#endif
+    }
+    return r;
+}
+/* One step's constants of AdamW with bf16 moments: bias corrections in double (powers by squaring,
+ * correctly rounded sqrt and division), rounded to float once. */
+typedef struct { float b1, b2, omb1, omb2, eps, keep, step_size, bc2s, coef; } mt_adamw_k;
+static inline MT_HOST_DEVICE void mt_adamw_bf16_setup(mt_adamw_k *k, const float *hp, float lr, float coef, int step, int decay) {
+    k->b1 = hp[MT_HP_BETA1]; k->b2 = hp[MT_HP_BETA2]; k->eps = hp[MT_HP_EPS]; k->coef = coef;
+    k->omb1 = mt__fsub(1.0f, k->b1); k->omb2 = mt__fsub(1.0f, k->b2);
+    k->keep = mt__fsub(1.0f, mt__fmul(lr, decay ? hp[MT_HP_WD] : 0.0f));   /* decoupled weight decay */
+    double bc1 = 1.0 - mt__dpowi((double)k->b1, step + 1), bc2 = 1.0 - mt__dpowi((double)k->b2, step + 1);
+    k->step_size = (float)((double)lr / bc1);
+    k->bc2s = (float)sqrt(bc2);
+}
+/* One element: p's new value returned, *m and *v (bf16) updated. The order of operations is fixed:
+ * g' = g coef; m' = b1 m + (1 - b1) g'; v' = b2 v + ((1 - b2) g') g'; p' = p keep - (step_size m') /
+ * (sqrt(v') / bc2s + eps), then m = bf16(m'), v = bf16(v'). */
+static inline MT_HOST_DEVICE float mt_adamw_bf16_elem(const mt_adamw_k *k, float p, float g, uint16_t *m, uint16_t *v) {
+    float gi = mt__fmul(g, k->coef);
+    float mi = mt__fadd(mt__fmul(k->b1, mt_bf16_float(*m)), mt__fmul(k->omb1, gi));
+    float vi = mt__fadd(mt__fmul(k->b2, mt_bf16_float(*v)), mt__fmul(mt__fmul(k->omb2, gi), gi));
+    *m = mt_bf16_round(mi); *v = mt_bf16_round(vi);
+    float den = mt__fadd(mt__fdiv(mt__fsqrt(vi), k->bc2s), k->eps);
+    return mt__fsub(mt__fmul(p, k->keep), mt__fdiv(mt__fmul(k->step_size, mi), den));
+}
 void mt_cpu_expert_bias_update(mt_real *bias, const int32_t *counts, int E, float coeff);
 
 /* ========================================================================
@@ -1023,13 +1134,19 @@ int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *
    multi-tensor launches: bitwise the nodes one by one */
 typedef struct { float *acc_out; const float *g; int64_t n; int squares; } mt_cuda_sumsq_item;
 int mt_cuda_sumsq_multi(mt_cuda *c, const float *acc_in, const mt_cuda_sumsq_item *it, int count, void *ws);
-typedef struct { float *p, *m, *v; void *p_bf16; const float *g; int64_t n; int decay; } mt_cuda_adamw_item;
+typedef struct {
+    float *p; void *m, *v;   /* m, v: f32, or bf16 with bf16_moments */
+    void *p_bf16; const float *g; int64_t n; int decay, bf16_moments;
+} mt_cuda_adamw_item;
 int mt_cuda_adamw_multi(mt_cuda *c, const mt_cuda_adamw_item *it, int count, const float *lr, const float *coef, const float *hp,
                         const int32_t *step);
 int mt_cuda_lr_schedule(mt_cuda *c, float *lr, const float *hp, const int32_t *step);
 int mt_cuda_clip(mt_cuda *c, float *coef, float *norm, const float *sumsq, const float *hp);
 int mt_cuda_adamw(mt_cuda *c, float *p, float *m, float *v, void *p_bf16, const float *g, int64_t n, const float *lr,
                   const float *coef, const float *hp, const int32_t *step, int decay);
+/* with bf16 moments m, v: mt_adamw_bf16_elem per element, bitwise mt_cpu_adamw_bf16 of a float32 build */
+int mt_cuda_adamw_bf16(mt_cuda *c, float *p, void *m, void *v, void *p_bf16, const float *g, int64_t n, const float *lr,
+                       const float *coef, const float *hp, const int32_t *step, int decay);
 int mt_cuda_expert_bias_update(mt_cuda *c, float *bias, const int32_t *counts, int E, float coeff);
 int mt_cuda_scale(mt_cuda *c, float *x, int64_t n, float s);
 /* expert-parallel exchange: rows of a [P, El] count table, src-major <-> expert-major */
@@ -2540,8 +2657,8 @@ static int mt__check_optimizer(mt__ck c) {
     case MT_OP_ADAMW: {
         MT__T(mt__int_attr(&c, 0, 0, 1));
         const mt_value *p = a, *gr = b, *m = mt__in(&c, 2), *v = mt__in(&c, 3);
-        if (p->dtype != MT_F32 || gr->dtype != MT_F32 || m->dtype != MT_F32 || v->dtype != MT_F32)
-            return mt_errf(err, "ADAMW: param, grad and moments of '%s' must be f32", p->name);
+        if (p->dtype != MT_F32 || gr->dtype != MT_F32 || (m->dtype != MT_F32 && m->dtype != MT_BF16) || v->dtype != m->dtype)
+            return mt_errf(err, "ADAMW: param and grad of '%s' must be f32, its moments both f32 or both bf16", p->name);
         MT__T(mt__same_numel(&c, p, gr)); MT__T(mt__same_numel(&c, p, m)); MT__T(mt__same_numel(&c, p, v));
         MT__T(mt__shape(&c, mt__in(&c, 4), "lr", 1, 1, 0, 0));
         MT__T(mt__shape(&c, mt__in(&c, 5), "coef", 1, 1, 0, 0));
@@ -4813,10 +4930,31 @@ out:
     return rc;
 }
 
-void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->fold_rope = 1; p->fuse_glu = 1; p->memory_budget = 0; }
-void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->fold_rope = 0; p->fuse_glu = 0; p->memory_budget = 0; }
+void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->fold_rope = 1; p->fuse_glu = 1; p->memory_budget = 0; p->moments = MT_F32; }
+void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->fold_rope = 0; p->fuse_glu = 0; p->memory_budget = 0; p->moments = MT_F32; }
+/* Every AdamW moment becomes bf16. The values only shrink, so a plan made before stays valid (if
+ * wasteful); mt_run_passes runs this first, before anything is planned. */
+int mt_pass_bf16_moments(mt_graph *g, mt_err *err) {
+    int n = 0;
+    (void)err;
+    for (int i = 0; i < g->n_values; i++) {
+        mt_value *v = &g->values[i];
+        if (v->role != MT_ROLE_OPT || v->dtype == MT_BF16) continue;
+        v->dtype = MT_BF16;
+        v->nbytes = mt_value_numel_max(g, v) * mt_dtype_bytes(g, MT_BF16);
+        n++;
+    }
+    return n;
+}
+int mt_graph_moments(const mt_graph *g) {
+    for (int i = 0; i < g->n_values; i++)
+        if (g->values[i].role == MT_ROLE_OPT) return g->values[i].dtype;
+    return MT_F32;
+}
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
     if (p->memory_budget < 0) return mt_errf(err, "memory budget %lld bytes is negative", (long long)p->memory_budget);
+    if (p->moments != MT_F32 && p->moments != MT_BF16) return mt_errf(err, "AdamW moments are f32 or bf16, not dtype %d", p->moments);
+    if (p->moments == MT_BF16 && mt_pass_bf16_moments(g, err) < 0) return -1;
     if (p->elide && mt_pass_elide_collectives(g, err)) return -1;
     if (p->memory_budget > 0) { if (mt__recompute_for_budget(g, p, err)) return -1; }   /* recompute, fusion, plan */
     else if (mt__late_passes(g, p, err)) return -1;
@@ -4958,7 +5096,9 @@ static void mt__fingerprint_text(const mt_graph *g, char *out, size_t n) {
     if (at > 0 && (size_t)at < n) at += snprintf(out + at, n - (size_t)at, " memory_budget=%lld recompute=", (long long)g->memory_budget);
     for (int i = 0; i < g->n_recompute && at > 0 && (size_t)at < n; i++)
         at += snprintf(out + at, n - (size_t)at, "%s%d", i ? "," : "", g->recompute[i].layer);
-    if (!g->n_recompute && at > 0 && (size_t)at < n) snprintf(out + at, n - (size_t)at, "none");
+    if (!g->n_recompute && at > 0 && (size_t)at < n) at += snprintf(out + at, n - (size_t)at, "none");
+    /* the AdamW moments' dtype, where it is not the default */
+    if (mt_graph_moments(g) == MT_BF16 && at > 0 && (size_t)at < n) snprintf(out + at, n - (size_t)at, " moments=bf16");
 }
 uint64_t mt_fingerprint(const mt_graph *g) {
     char text[4096];
@@ -5184,7 +5324,8 @@ static int mt__validate_values(const mt_graph *g, mt_err *err) {
         const mt_value *v = &g->values[i];
         if (!mt__fixstr_ok(v->name, MT_NAME_LEN)) return mt_errf(err, "value %d: bad name", i);
         if (v->dtype < 0 || v->dtype >= MT_NDTYPES) return mt_errf(err, "value '%s': bad dtype %d", v->name, v->dtype);
-        if (v->dtype == MT_BF16 && g->target.backend != MT_BACKEND_CUDA) return mt_errf(err, "value '%s': bf16 in a CPU graph", v->name);
+        if (v->dtype == MT_BF16 && g->target.backend != MT_BACKEND_CUDA && v->role != MT_ROLE_OPT)
+            return mt_errf(err, "value '%s': bf16 in a CPU graph (only AdamW moments may be)", v->name);
         if (v->role < 0 || v->role >= MT_NROLES) return mt_errf(err, "value '%s': bad role %d", v->name, v->role);
         if (v->ndim < 1 || v->ndim > MT_MAX_DIMS) return mt_errf(err, "value '%s': bad rank %d", v->name, v->ndim);
         if (v->init < MT_INIT_NONE || v->init > MT_INIT_NORMAL || !isfinite(v->init_std) || v->init_std < 0 || v->init_std > 100)
@@ -5758,6 +5899,9 @@ static void mt__dump_plan(const mt_graph *g, FILE *f) {
     fprintf(f, "  persistent %s, arena %s (naive %s, %.1f%% saved)\n", mt__human((double)g->persist_bytes, b1),
             mt__human((double)g->arena_bytes, b2), mt__human((double)g->naive_arena_bytes, b3),
             g->naive_arena_bytes ? 100.0 * (1.0 - (double)g->arena_bytes / (double)g->naive_arena_bytes) : 0.0);
+    int64_t opt = 0;
+    for (int i = 0; i < g->n_values; i++) opt += g->values[i].role == MT_ROLE_OPT ? g->values[i].nbytes : 0;
+    if (opt) fprintf(f, "  of the persistent: AdamW moments %s (%s)\n", mt__human((double)opt, b1), mt__dtype_names[mt_graph_moments(g)]);
     fprintf(f, "  constants %lld bytes (device-free: materialized on each rank's own device at bind)\n", (long long)g->consts_bytes);
     if (!g->tuned_for.device[0])
         fprintf(f, "\n== tuning: none (%s)\n", g->target.backend == MT_BACKEND_CUDA ? "each rank chooses its GEMM algorithms at bind" : "the CPU backend has nothing to tune");
@@ -6568,6 +6712,38 @@ void mt_cpu_adamw(mt_real *p, mt_real *m, mt_real *v, const mt_real *g, int64_t 
         m[i] = (mt_real)mi; v[i] = (mt_real)vi;
         double pi = (double)p[i] * (1 - lr * wd);
         p[i] = (mt_real)(pi - step_size * (double)m[i] / (sqrt((double)v[i]) / bc2_sqrt + eps));
+    }
+}
+/* A double rounded to nearest even bf16 in one rounding: to float by round-to-odd (24 bits keep
+ * the sticky information bf16's 8 need), then to bf16. */
+static uint16_t mt__bf16_from_double(double x) {
+    float f = (float)x;
+    if ((double)f != x && isfinite(f)) {
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        if (fabs((double)f) > fabs(x)) u--;   /* toward zero ... */
+        u |= 1u;                              /* ... and odd: inexact */
+        memcpy(&f, &u, 4);
+    }
+    return mt_bf16_round(f);
+}
+void mt_cpu_adamw_bf16(mt_real *p, uint16_t *m, uint16_t *v, const mt_real *g, int64_t n, double lr, double coef,
+                       const float hp[MT_HP_COUNT], int step, int decay) {
+    if (sizeof(mt_real) == sizeof(float)) {   /* the CUDA kernels' arithmetic, operation for operation */
+        mt_adamw_k k;
+        mt_adamw_bf16_setup(&k, hp, (float)lr, (float)coef, step, decay);
+        for (int64_t i = 0; i < n; i++) p[i] = (mt_real)mt_adamw_bf16_elem(&k, (float)p[i], (float)g[i], &m[i], &v[i]);
+        return;
+    }
+    double b1 = hp[MT_HP_BETA1], b2 = hp[MT_HP_BETA2], eps = hp[MT_HP_EPS], wd = decay ? hp[MT_HP_WD] : 0;
+    double bc1 = 1 - pow(b1, step + 1), bc2 = 1 - pow(b2, step + 1);
+    double step_size = lr / bc1, bc2_sqrt = sqrt(bc2);
+    for (int64_t i = 0; i < n; i++) {
+        double gi = (double)g[i] * coef;
+        double mi = b1 * mt_bf16_float(m[i]) + (1 - b1) * gi;
+        double vi = b2 * mt_bf16_float(v[i]) + (1 - b2) * gi * gi;
+        m[i] = mt__bf16_from_double(mi); v[i] = mt__bf16_from_double(vi);
+        p[i] = (mt_real)((double)p[i] * (1 - lr * wd) - step_size * mi / (sqrt(vi) / bc2_sqrt + eps));
     }
 }
 
@@ -7574,6 +7750,14 @@ int mt_runtime_init_params(mt_runtime *rt, uint64_t seed, mt_err *err) {
         const mt_value *v = &G->values[i];
         if (v->role != MT_ROLE_PARAM && v->role != MT_ROLE_OPT) continue;
         if (v->role == MT_ROLE_PARAM && v->param >= 0) continue;  /* compute shadows follow their master */
+        if (v->role == MT_ROLE_OPT && v->dtype == MT_BF16) {    /* bf16 moments: zeros (+0.0 is all bits 0) */
+            if (v->init != MT_INIT_ZERO && v->init != MT_INIT_NONE) { rc = mt_errf(err, "initializing '%s': bf16 state starts at zero", v->name); break; }
+            if (!cuda) { memset(rt->ptr[i], 0, (size_t)v->nbytes); continue; }
+#ifdef MT_CUDA
+            if (mt_cuda_memset(MT__CU(rt), rt->ptr[i], 0, (size_t)v->nbytes)) rc = mt_errf(err, "initializing '%s': %s", v->name, mt_cuda_error(MT__CU(rt)));
+#endif
+            continue;
+        }
         if (cuda && v->dtype != MT_F32) { rc = mt_errf(err, "initializing '%s': state on the device is f32, not %s", v->name, mt__dtype_names[v->dtype]); break; }
         int64_t n = mt_value_numel_logical(G, v), stored = mt_value_numel_max(G, v);
         int chunks = (v->flags & MT_VF_EXPERTS) ? (int)v->dims[0] : 1;
@@ -7802,8 +7986,12 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_ADAMW: {
         float hp[MT_HP_COUNT];
         for (int i = 0; i < MT_HP_COUNT; i++) hp[i] = (float)R_(6)[i];
-        mt_cpu_adamw(R_(0), R_(2), R_(3), R_(1), mt_value_numel_max(G, &G->values[n->in[0]]), (double)R_(4)[0],
-                     (double)R_(5)[0], hp, I_(7)[0], a[0]);
+        if (G->values[n->in[2]].dtype == MT_BF16)
+            mt_cpu_adamw_bf16(R_(0), (uint16_t *)P[n->in[2]], (uint16_t *)P[n->in[3]], R_(1),
+                              mt_value_numel_max(G, &G->values[n->in[0]]), (double)R_(4)[0], (double)R_(5)[0], hp, I_(7)[0], a[0]);
+        else
+            mt_cpu_adamw(R_(0), R_(2), R_(3), R_(1), mt_value_numel_max(G, &G->values[n->in[0]]), (double)R_(4)[0],
+                         (double)R_(5)[0], hp, I_(7)[0], a[0]);
         break;
     }
     case MT_OP_EXPERT_BIAS_UPDATE:
@@ -7964,8 +8152,12 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_LR_SCHEDULE: rc = mt_cuda_lr_schedule(c, FO(0), F_(0), I_(1)); break;
     case MT_OP_CLIP: rc = mt_cuda_clip(c, FO(0), FO(1), F_(0), F_(1)); break;
     case MT_OP_ADAMW:
-        rc = mt_cuda_adamw(c, F_(0), F_(2), F_(3), n->out[3] >= 0 ? VO(3) : NULL, F_(1), mt_value_numel_max(G, &G->values[n->in[0]]),
-                           F_(4), F_(5), F_(6), I_(7), a[0]);
+        if (G->values[n->in[2]].dtype == MT_BF16)
+            rc = mt_cuda_adamw_bf16(c, F_(0), V_(2), V_(3), n->out[3] >= 0 ? VO(3) : NULL, F_(1), mt_value_numel_max(G, &G->values[n->in[0]]),
+                                    F_(4), F_(5), F_(6), I_(7), a[0]);
+        else
+            rc = mt_cuda_adamw(c, F_(0), F_(2), F_(3), n->out[3] >= 0 ? VO(3) : NULL, F_(1), mt_value_numel_max(G, &G->values[n->in[0]]),
+                               F_(4), F_(5), F_(6), I_(7), a[0]);
         break;
     case MT_OP_EXPERT_BIAS_UPDATE: rc = mt_cuda_expert_bias_update(c, F_(0), I_(1), DIM(n->in[0], 0), n->fattr[0]); break;
     case MT_OP_ADD_RMSNORM:
@@ -8111,8 +8303,9 @@ static int mt__exec_cuda_multi(mt_runtime *rt, int i, int lim, mt_err *err) {
             const mt_node *n = &G->nodes[i + k];
             it[k].p = (float *)P[n->in[0]];
             it[k].g = (const float *)P[n->in[1]];
-            it[k].m = (float *)P[n->in[2]];
-            it[k].v = (float *)P[n->in[3]];
+            it[k].m = P[n->in[2]];
+            it[k].v = P[n->in[3]];
+            it[k].bf16_moments = G->values[n->in[2]].dtype == MT_BF16;
             it[k].p_bf16 = n->out[3] >= 0 ? P[n->out[3]] : NULL;
             it[k].n = mt_value_numel_max(G, &G->values[n->in[0]]);
             it[k].decay = n->iattr[0];

@@ -38,14 +38,30 @@ static inline void fill_normal(mt_real *x, int64_t n, double scale) { for (int64
 
 
 #if !MT_TEST_GPU
-static int compile_cpu(mt_graph *g, const mt_config *c, int kind, int planned, mt_err *err) {
+/* moments: the AdamW moments' dtype (MT_F32 or MT_BF16) */
+static int compile_cpu_moments(mt_graph *g, const mt_config *c, int kind, int planned, int moments, mt_err *err) {
     mt_mesh m;
     mt_target t;
     mt_passes p;
     mt_mesh_single(&m);
     mt_target_cpu(&t);
     if (planned) mt_passes_all(&p); else mt_passes_none(&p);
+    p.moments = moments;
     return mt_compile(g, c, &m, &t, kind, &p, err);
+}
+static int compile_cpu(mt_graph *g, const mt_config *c, int kind, int planned, mt_err *err) {
+    return compile_cpu_moments(g, c, kind, planned, MT_F32, err);
+}
+/* A value read as reals: bf16 (AdamW moments) widened exactly. */
+static int read_reals(mt_runtime *rt, int v, mt_real *out, mt_err *e) {
+    const mt_value *x = &mt_runtime_graph(rt)->values[v];
+    if (x->dtype != MT_BF16) return mt_runtime_read(rt, v, out, e);
+    int64_t n = mt_value_numel_max(mt_runtime_graph(rt), x);
+    uint16_t *h = (uint16_t *)malloc(2 * (size_t)n + 2);
+    int rc = mt_runtime_read(rt, v, h, e);
+    for (int64_t k = 0; k < n; k++) out[k] = (mt_real)mt_bf16_float(h[k]);
+    free(h);
+    return rc;
 }
 
 static mt_runtime *make_runtime(const mt_graph *g, int threads, int poison, uint64_t seed) {
@@ -75,7 +91,11 @@ static void make_batch(const mt_config *c, int step, int32_t *tok, int32_t *tgt)
  * builds): the step's own gradients go in, every parameter and both moments
  * come out. Nothing of the optimizer's code is reused: the learning-rate
  * schedule, global-norm clipping, bias corrections and decoupled weight
- * decay (matrices only) are spelled out below.
+ * decay (matrices only) are spelled out below. With bf16 moments the
+ * reference is the same update from the stored (bf16) moments; the stored
+ * results are that update's moments rounded to bf16 (relative error at most
+ * 2^-8, bf16's unit roundoff, on top of the arithmetic's), and the weights
+ * follow from the moments before that rounding.
  * ==================================================================== */
 /* linear warmup to lr (step 0 at lr / warmup), cosine to lr * min_lr_ratio at decay_steps, flat after */
 static double aw_lr(const mt_hparams *h, int step) {
@@ -86,18 +106,21 @@ static double aw_lr(const mt_hparams *h, int step) {
     return lo + (lr - lo) * 0.5 * (1 + cos(acos(-1.0) * t));
 }
 static double aw_rel(double x, double ref, double scale) { double d = fabs(x - ref); return d == 0 ? 0 : d / (scale > 0 ? scale : 1e-300); }
-static void test_adamw_reference(void) {
+static void test_adamw_reference_for(int moments) {
     enum { STEPS = 9, MAXP = 64 };
     mt_config c;
     mt_err e;
     mt_graph g;
+    char name[80];
+    int bf = moments == MT_BF16;
+    snprintf(name, sizeof name, "AdamW = textbook float64 reference%s", bf ? ", bf16 moments" : "");
     e.msg[0] = 0;
     mt_config_preset(&c, "tiny", &e);
     c.dim = 16; c.n_layers = 2; c.n_dense_layers = 1; c.n_heads = 2;
     c.kv_lora_rank = 8; c.qk_nope_head_dim = 4; c.qk_rope_head_dim = 2; c.v_head_dim = 4;
     c.inter_dim = 24; c.moe_inter_dim = 8; c.n_routed_experts = 4; c.top_k = 2; c.n_shared_experts = 1;
     c.vocab_size = 32; c.seq_len = 8; c.batch = 2; c.original_seq_len = 8;
-    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("AdamW = textbook float64 reference", 0, "%s", e.msg); return; }
+    if (compile_cpu_moments(&g, &c, MT_GRAPH_TRAIN, 1, moments, &e)) { report(name, 0, "%s", e.msg); return; }
     mt_runtime *rt = make_runtime(&g, 1, 1, 11);
     /* every trainable master has exactly one ADAMW node: (param, grad, exp_avg, exp_avg_sq) */
     int np = 0, cover = rt != NULL, n_train = 0;
@@ -113,6 +136,7 @@ static void test_adamw_reference(void) {
             if (nd->op != MT_OP_ADAMW || nd->in[0] != i) continue;
             if (found++ || np == MAXP) { cover = 0; break; }
             P[np].p = i; P[np].g = nd->in[1]; P[np].m = nd->in[2]; P[np].v = nd->in[3];
+            if (g.values[nd->in[2]].dtype != moments || g.values[nd->in[3]].dtype != moments) cover = 0;
             P[np].decay = x->ndim >= 2;   /* decay on matrices (and expert stacks), never on norms */
             P[np].n = mt_value_numel_max(&g, x);
             np++;
@@ -128,19 +152,19 @@ static void test_adamw_reference(void) {
     mt_hparams_default(&hp);
     hp.lr = 2e-2f; hp.min_lr_ratio = 0.25f; hp.warmup_steps = 3; hp.decay_steps = 7;   /* warmup, cosine, then flat */
     hp.beta1 = 0.8f; hp.beta2 = 0.97f; hp.eps = 1e-5f; hp.weight_decay = 0.3f; hp.grad_clip = 1.25f;
-    const double tol = 8 * (sizeof(mt_real) == 4 ? (double)FLT_EPSILON : DBL_EPSILON);
+    const double tol = 8 * (sizeof(mt_real) == 4 ? (double)FLT_EPSILON : DBL_EPSILON), ur = bf ? 1.0 / 256 : 0;   /* bf16's unit roundoff */
     double wp = 0, wm = 0, wv = 0, wn = 0, wl = 0;
     int ok = cover && np > 0, clipped = 0, decayed = 0;
     int32_t tok[16], tgt[16];
     for (int s = 0; s < STEPS && ok; s++) {
         for (int i = 0; i < np && ok; i++)
-            ok = !mt_runtime_read(rt, P[i].p, P[i].p0, &e) && !mt_runtime_read(rt, P[i].m, P[i].m0, &e) && !mt_runtime_read(rt, P[i].v, P[i].v0, &e);
+            ok = !mt_runtime_read(rt, P[i].p, P[i].p0, &e) && !read_reals(rt, P[i].m, P[i].m0, &e) && !read_reals(rt, P[i].v, P[i].v0, &e);
         mt_step_stats st;
         make_batch(&c, s, tok, tgt);
         ok = ok && !mt_runtime_step(rt, tok, tgt, s, &hp, &st, &e);
         for (int i = 0; i < np && ok; i++)
-            ok = !mt_runtime_read(rt, P[i].p, P[i].p1, &e) && !mt_runtime_read(rt, P[i].m, P[i].m1, &e) &&
-                 !mt_runtime_read(rt, P[i].v, P[i].v1, &e) && !mt_runtime_read(rt, P[i].g, P[i].g1, &e);
+            ok = !mt_runtime_read(rt, P[i].p, P[i].p1, &e) && !read_reals(rt, P[i].m, P[i].m1, &e) &&
+                 !read_reals(rt, P[i].v, P[i].v1, &e) && !mt_runtime_read(rt, P[i].g, P[i].g1, &e);
         if (!ok) break;
         /* the global gradient norm, clipped to grad_clip: torch's clip_grad_norm_ */
         double ss = 0;
@@ -157,26 +181,34 @@ static void test_adamw_reference(void) {
             for (int64_t k = 0; k < P[i].n; k++) {
                 double gk = coef * (double)P[i].g1[k], m0 = P[i].m0[k], v0 = P[i].v0[k], p0 = P[i].p0[k];
                 double m = b1 * m0 + (1 - b1) * gk, v = b2 * v0 + (1 - b2) * gk * gk;
-                /* the moments are stored in mt_real (as torch keeps them in the parameter's dtype); the update reads them back */
-                double mhat = (double)(mt_real)m / bc1, vhat = (double)(mt_real)v / bc2, upd = lr * mhat / (sqrt(vhat) + eps);
+                /* f32 moments are stored in mt_real (as torch keeps them in the parameter's dtype) and the update reads them back;
+                   bf16 moments: the update uses them before they are rounded for storage */
+                double mhat = (bf ? m : (double)(mt_real)m) / bc1, vhat = (bf ? v : (double)(mt_real)v) / bc2, upd = lr * mhat / (sqrt(vhat) + eps);
                 double p = p0 - lr * wd * p0 - upd;
-                /* errors relative to the terms' magnitudes (rounding of the stored scalars is amplified where m cancels) */
+                /* errors relative to the terms' magnitudes (rounding of the stored scalars is amplified where m cancels);
+                   bf16 moments: as a fraction of the bound their storage rounding adds, 2^-8 |x| on top of tol */
                 double mterms = fabs(b1 * m0) + fabs((1 - b1) * gk), uterms = lr * mterms / bc1 / (sqrt(vhat) + eps);
-                wm = fmax(wm, aw_rel(P[i].m1[k], m, mterms));
-                wv = fmax(wv, aw_rel(P[i].v1[k], v, v));
+                wm = fmax(wm, bf ? aw_rel(P[i].m1[k], m, ur * fabs(m) + tol * mterms) : aw_rel(P[i].m1[k], m, mterms));
+                wv = fmax(wv, bf ? aw_rel(P[i].v1[k], v, ur * v + tol * v) : aw_rel(P[i].v1[k], v, v));
                 wp = fmax(wp, aw_rel(P[i].p1[k], p, fabs(p0) + uterms));
                 if (P[i].p1[k] != P[i].p1[k] || P[i].m1[k] != P[i].m1[k] || P[i].v1[k] != P[i].v1[k]) wp = 1e30;
             }
         }
     }
-    ok = ok && wp <= tol && wm <= tol && wv <= tol && wl <= tol && wn <= tol && clipped > 0 && clipped < STEPS && decayed > 0 && decayed < np;
-    report("AdamW = textbook float64 reference", ok,
-           "%d of %d trainable tensors, %d steps (%d clipped; warmup, cosine, flat lr); worst relative error: weights %.1e, exp_avg %.1e, "
-           "exp_avg_sq %.1e, lr %.1e, grad norm %.1e (bound %.1e)%s%s", np, n_train, STEPS, clipped, wp, wm, wv, wl, wn, tol,
-           cover ? "" : "; NOT every trainable tensor has one ADAMW node", ok || !e.msg[0] ? "" : e.msg);
+    double mtol = bf ? 1 : tol;
+    ok = ok && wp <= tol && wm <= mtol && wv <= mtol && wl <= tol && wn <= tol && clipped > 0 && clipped < STEPS && decayed > 0 && decayed < np;
+    report(name, ok,
+           "%d of %d trainable tensors, %d steps (%d clipped; warmup, cosine, flat lr); worst relative error: weights %.1e, exp_avg %.2g, "
+           "exp_avg_sq %.2g, lr %.1e, grad norm %.1e (bound %.1e%s)%s%s", np, n_train, STEPS, clipped, wp, wm, wv, wl, wn, tol,
+           bf ? "; the moments' as a fraction of theirs, 2^-8 |x| + it" : "",
+           cover ? "" : "; NOT every trainable tensor has one ADAMW node (with the moments' dtype)", ok || !e.msg[0] ? "" : e.msg);
     for (int i = 0; i < np; i++) { free(P[i].p0); free(P[i].m0); free(P[i].v0); free(P[i].p1); free(P[i].m1); free(P[i].v1); free(P[i].g1); }
     mt_runtime_destroy(rt);
     mt_graph_free(&g);
+}
+static void test_adamw_reference(void) {
+    test_adamw_reference_for(MT_F32);
+    test_adamw_reference_for(MT_BF16);
 }
 
 #endif
