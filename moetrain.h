@@ -1173,7 +1173,8 @@ void *mt_cuda_stream_handle(mt_cuda *c);
  * DIR/model.safetensors     weights (F32; F64 in float64 builds); its
  *                           __metadata__ holds the config, the run state and
  *                           the name + checksum of the optimizer file
- * DIR/optimizer-stepN.safetensors   AdamW moments (exp_avg.*, exp_avg_sq.*)
+ * DIR/optimizer-stepN.safetensors   AdamW moments (exp_avg.*, exp_avg_sq.*), in the
+ *                           weights' dtype, or BF16 for a run with bf16 moments
  * DIR/config.json           transformers' DeepseekV3Config
  * Every file carries checksums of its header and data. Saving is atomic: a
  * failed or killed save leaves the previous checkpoint loadable. Weights fit
@@ -1195,6 +1196,7 @@ typedef struct {
     int64_t data_tokens;   /* length and hash of the token stream: a position means */
     uint64_t data_hash;    /* nothing in other data */
     int32_t has_settings;  /* read back: 0 if the checkpoint recorded only the step (mt_checkpoint_save) */
+    int32_t moments;       /* read back: the saved AdamW moments' dtype, MT_F32 or MT_BF16 (saving writes the graph's) */
 } mt_run_state;
 void mt_run_state_init(mt_run_state *r);                              /* zeros, default hparams */
 
@@ -1207,7 +1209,9 @@ int mt_checkpoint_prepare_dir(const char *dir, mt_err *err);          /* create 
                                                                          interrupted saves left (.tmp files, sharded saves' parts) */
 int mt_checkpoint_read_config(const char *dir, mt_config *c, mt_err *err);
 int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err); /* step, and settings if saved */
-int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err); /* step may be NULL */
+/* step may be NULL. Moments saved in the other dtype than the graph's convert: bf16 to f32 exactly, f32
+ * to bf16 rounded to nearest even (then not the saved run's exact continuation; train says so). */
+int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err);
 
 /* ========================================================================
  * 12. Data
@@ -8501,9 +8505,15 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
  * is written as E_local tensors "...experts.<global e>.gate_proj.weight".
  * ====================================================================== */
 
-typedef struct { char name[MT_NAME_LEN + 16]; int ndim; int64_t shape[3]; const mt_real *src; mt_real *dst; int64_t numel; } mt__tensor;
+typedef struct {
+    char name[MT_NAME_LEN + 16]; int ndim; int64_t shape[3]; const mt_real *src; mt_real *dst; int64_t numel;
+    int bf16;   /* stored as BF16 (bf16 moments; their staged reals are exact bf16 values) */
+} mt__tensor;
 /* Host copies of the values a checkpoint reads or writes (device values are
- * staged; CPU values too, for one code path). */
+ * staged; CPU values too, for one code path). Staged as reals whatever the
+ * value's dtype: bf16 moments widen exactly when read from the runtime and
+ * round to nearest even when written to it (mt__staged_read, _commit), so
+ * a file of either moment dtype loads into a graph of either. */
 typedef struct {
     int value; mt_real *buf;   /* the value's stored bytes */
     mt_real *whole; int64_t lo; /* an FSDP-sharded or tp-split value being loaded: the whole (EP-local) tensor, and this rank's
@@ -8521,6 +8531,30 @@ static int mt__part_slot_cmp(const void *a, const void *b) {
     return x->at != y->at ? (x->at < y->at ? -1 : 1) : x->rank - y->rank;
 }
 typedef struct { int world; const int *fd; const int64_t *off; mt__part_slot *slot; } mt__parts;
+static uint16_t mt__bf16_from_real(mt_real x) { return sizeof(mt_real) == 8 ? mt__bf16_from_double((double)x) : mt_bf16_round((float)x); }
+/* A value's bytes from the runtime into reals (buf: stored + 1 of them). */
+static int mt__staged_read(mt_runtime *rt, int i, mt_real *buf, mt_err *err) {
+    const mt_value *v = &rt->g.values[i];
+    if (v->dtype != MT_BF16) return mt_runtime_read(rt, i, buf, err);
+    int64_t stored = mt_value_numel_max(&rt->g, v);
+    uint16_t *h = (uint16_t *)MT_MALLOC((size_t)v->nbytes + 2);
+    if (!h) return mt_errf(err, "out of memory staging '%s'", v->name);
+    int rc = mt_runtime_read(rt, i, h, err);
+    for (int64_t k = 0; !rc && k < stored; k++) buf[k] = (mt_real)mt_bf16_float(h[k]);
+    MT_FREE(h);
+    return rc;
+}
+static int mt__staged_write(mt_runtime *rt, int i, const mt_real *buf, mt_err *err) {
+    const mt_value *v = &rt->g.values[i];
+    if (v->dtype != MT_BF16) return mt_runtime_write(rt, i, buf, err);
+    int64_t stored = mt_value_numel_max(&rt->g, v);
+    uint16_t *h = (uint16_t *)MT_MALLOC((size_t)v->nbytes + 2);
+    if (!h) return mt_errf(err, "out of memory staging '%s'", v->name);
+    for (int64_t k = 0; k < stored; k++) h[k] = mt__bf16_from_real(buf[k]);
+    int rc = mt_runtime_write(rt, i, h, err);
+    MT_FREE(h);
+    return rc;
+}
 static void mt__staged_free(mt__staged *st, int n) {
     for (int i = 0; i < n; i++) { MT_FREE(st[i].buf); MT_FREE(st[i].whole); }
     MT_FREE(st);
@@ -8569,13 +8603,14 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
                 sl[r].rank = r;
             }
             qsort(sl, (size_t)parts->world, sizeof *sl, mt__part_slot_cmp);
+            int bf = v->dtype == MT_BF16;   /* a part holds the value's bytes: bf16 moments widen to reals here */
             for (int k = 0; k < parts->world; k++) {
                 if (sl[k].at < 0 || (k && sl[k].at == sl[k - 1].at)) continue;
                 int r = sl[k].rank;
                 int64_t cnt = len - sl[k].lo < stored ? len - sl[k].lo : stored;
-                size_t nb = sizeof(mt_real) * (size_t)(cnt > 0 ? cnt : 0);
-                mt_real *tmp = NULL;   /* a row-parallel part's elements are spread over the whole tensor's rows */
-                if ((split & MT_VF_TP_COLS) && !(tmp = (mt_real *)MT_MALLOC(nb + sizeof(mt_real)))) goto oom;
+                size_t nb = (size_t)(bf ? 2 : sizeof(mt_real)) * (size_t)(cnt > 0 ? cnt : 0);
+                void *tmp = NULL;   /* a row-parallel part's elements are spread over the whole tensor's rows */
+                if (((split & MT_VF_TP_COLS) || bf) && !(tmp = MT_MALLOC(nb + sizeof(mt_real)))) goto oom;
                 char *dst = tmp ? (char *)tmp : (char *)(x->buf + sl[k].at);
                 for (size_t got = 0; got < nb;) {
                     ssize_t k = pread(parts->fd[r], dst + got, nb - got, (off_t)(parts->off[i] + (int64_t)got));
@@ -8585,16 +8620,19 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
                 if (tmp) {
                     int co[MT_NDIMS];
                     mt_mesh_coords(&G->mesh, r, co);
-                    for (int64_t j = 0; j < cnt; j++) x->buf[mt__tp_element(split, sl[k].lo + j, co[MT_DIM_TP], len, cols, tp)] = tmp[j];
+                    for (int64_t j = 0; j < cnt; j++) {
+                        mt_real y = bf ? (mt_real)mt_bf16_float(((const uint16_t *)tmp)[j]) : ((const mt_real *)tmp)[j];
+                        x->buf[(split & MT_VF_TP_COLS) ? mt__tp_element(split, sl[k].lo + j, co[MT_DIM_TP], len, cols, tp) : sl[k].at + j] = y;
+                    }
                     MT_FREE(tmp);
                 }
             }
             if (experts) chunks *= ep;
             base = x->buf;
         } else {
-            if (!(x->buf = (mt_real *)MT_MALLOC((size_t)v->nbytes + 1))) goto oom;
+            if (!(x->buf = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(stored + 1)))) goto oom;
             ns++;
-            if (mt_runtime_read(rt, i, x->buf, err)) goto fail;
+            if (mt__staged_read(rt, i, x->buf, err)) goto fail;
             base = x->buf;
             if ((v->shard && mt_mesh_group_size(&G->mesh, v->shard) > 1) || split) {
                 if (!(x->whole = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(len * tp + 1)))) goto oom;
@@ -8613,6 +8651,7 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
             y->src = base + c * per;
             y->dst = base + c * per;
             y->numel = per * tp;
+            y->bf16 = v->dtype == MT_BF16;
         }
     }
     *out = t; *n_out = n; *st_out = st; *n_st = ns;
@@ -8634,7 +8673,7 @@ static int mt__staged_commit(mt_runtime *rt, const mt__staged *st, int n, mt_err
             for (int64_t k = 0; k < stored; k++)
                 st[i].buf[k] = st[i].lo + k < len ? st[i].whole[mt__tp_element(split, st[i].lo + k, at, len, cols, tp)] : 0;
         }
-        if (mt_runtime_write(rt, st[i].value, st[i].buf, err)) return -1;
+        if (mt__staged_write(rt, st[i].value, st[i].buf, err)) return -1;
     }
     return 0;
 }
@@ -9013,14 +9052,14 @@ static int mt__st_open(mt__st *s, const char *path, int full, mt_err *err) {
 }
 
 /* Build a safetensors file in memory: the tensors (mt_real, written as F32,
- * or F64 in float64 builds) and the metadata members in meta (",\"k\":\"v\"..."),
- * then its two checksums. *data_sum: the data's checksum (names this file). */
+ * or F64 in float64 builds; BF16 where the tensor says so) and the metadata
+ * members in meta (",\"k\":\"v\"..."), then its two checksums. *data_sum: the
+ * data's checksum (names this file). */
 static int mt__st_build(mt__buf *out, const mt__tensor *t, int n, const mt__buf *meta, uint64_t *data_sum, mt_err *err) {
     mt__buf h;
     memset(&h, 0, sizeof h);
     memset(out, 0, sizeof *out);
-    int dt = sizeof(mt_real) == 8 ? MT__ST_F64 : MT__ST_F32;
-    int64_t esz = mt__st_esz(dt);
+    int real_dt = sizeof(mt_real) == 8 ? MT__ST_F64 : MT__ST_F32;
     mt__jfmt(&h, "{\"__metadata__\":{\"format\":\"pt\"");
     if (meta->n) mt__put(&h, meta->p, meta->n);
     mt__jfmt(&h, ",\"mt.header_sum\":\"");
@@ -9030,6 +9069,8 @@ static int mt__st_build(mt__buf *out, const mt__tensor *t, int n, const mt__buf 
     mt__jfmt(&h, "%016llx\"}", 0ULL);
     int64_t off = 0;
     for (int i = 0; i < n; i++) {
+        int dt = t[i].bf16 ? MT__ST_BF16 : real_dt;
+        int64_t esz = mt__st_esz(dt);
         mt__put(&h, ",", 1); mt__jstr_esc(&h, t[i].name);
         mt__jfmt(&h, ":{\"dtype\":\"%s\",\"shape\":[", mt__st_dtype_names[dt]);
         for (int d = 0; d < t[i].ndim; d++) mt__jfmt(&h, "%s%lld", d ? "," : "", (long long)t[i].shape[d]);
@@ -9051,9 +9092,10 @@ static int mt__st_build(mt__buf *out, const mt__tensor *t, int n, const mt__buf 
     if (h.oom || out->oom) { MT_FREE(h.p); MT_FREE(out->p); memset(out, 0, sizeof *out); return mt_errf(err, "out of memory building a checkpoint file"); }
     uint8_t *dst = out->p + data_at;
     for (int i = 0; i < n; i++)
-        for (int64_t k = 0; k < t[i].numel; k++, dst += esz) {
-            if (dt == MT__ST_F64) { double x = (double)t[i].src[k]; memcpy(dst, &x, 8); }
-            else { float x = (float)t[i].src[k]; memcpy(dst, &x, 4); }
+        for (int64_t k = 0; k < t[i].numel; k++) {
+            if (t[i].bf16) { uint16_t x = mt__bf16_from_real(t[i].src[k]); dst[0] = (uint8_t)x; dst[1] = (uint8_t)(x >> 8); dst += 2; }
+            else if (real_dt == MT__ST_F64) { double x = (double)t[i].src[k]; memcpy(dst, &x, 8); dst += 8; }
+            else { float x = (float)t[i].src[k]; memcpy(dst, &x, 4); dst += 4; }
         }
     out->n = data_at + (size_t)off;
     MT_FREE(h.p);
@@ -9225,6 +9267,7 @@ static void mt__meta_model(mt__buf *b, const mt_runtime *rt, int step, const mt_
             }
         }
     if (opt_name) {
+        mt__jmeta(b, "mt.moments", "%s", mt__dtype_names[mt_graph_moments(G)]);
         mt__jmeta(b, "mt.optimizer", "%s", opt_name);
         mt__jmeta(b, "mt.optimizer_sum", "%016llx", (unsigned long long)opt_sum);
     }
@@ -9384,7 +9427,7 @@ static int mt__checkpoint_save(mt_runtime *rt, const mt__parts *parts, const cha
 }
 
 /* A sharded run (world > 1) saves collectively, every rank calling: each
- * writes the bytes it stores (f32 masters and moments, in graph order) to
+ * writes the bytes it stores (f32 masters, f32 or bf16 moments, in graph order) to
  * DIR/.mt-part-R; after a barrier rank 0 assembles every tensor whole (FSDP
  * shards in their flat ranges, experts by global index) and writes the files
  * one rank would, so any mesh can load them; after a second barrier the parts
@@ -9407,7 +9450,10 @@ static int mt__part_write(mt_runtime *rt, const char *path, int step, mt_err *er
     for (int i = 0; i < G->n_values && !rc; i++) {
         const mt_value *v = &G->values[i];
         if (!mt__part_value(v)) continue;
-        if ((size_t)v->nbytes != sizeof(mt_real) * (size_t)mt_value_numel_max(G, v)) { rc = mt_errf(err, "'%s' is not stored as reals", v->name); break; }
+        if (v->nbytes != (v->dtype == MT_BF16 ? 2 : (int64_t)sizeof(mt_real)) * mt_value_numel_max(G, v)) {
+            rc = mt_errf(err, "'%s' is not stored as reals (or bf16 moments)", v->name);
+            break;
+        }
         void *nb = MT_REALLOC(buf, (size_t)v->nbytes + 1);
         if (!nb) { rc = mt_errf(err, "out of memory writing '%s'", path); break; }
         buf = nb;
@@ -9521,6 +9567,9 @@ int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err) {
     if (!sv || mt__parse_int(sv, 0, INT_MAX, &v)) rc = mt_errf(err, "'%s' records no step", path);
     else run->step = (int32_t)v;
     run->has_settings = !rc && mt__st_meta(&s, "mt.run.seed") != NULL;
+    const char *mo = mt__st_meta(&s, "mt.moments");   /* absent: saved before bf16 moments existed, so f32 */
+    if (!rc && mo && strcmp(mo, "f32") && strcmp(mo, "bf16")) rc = mt_errf(err, "'%s': bad mt.moments '%s'", path, mo);
+    run->moments = mo && !strcmp(mo, "bf16") ? MT_BF16 : MT_F32;
     for (int i = 0; !rc && run->has_settings && i < MT__N_RUN_FIELDS; i++) {
         char key[64];
         snprintf(key, sizeof key, "mt.run.%s", mt__run_fields[i].key);

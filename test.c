@@ -321,6 +321,7 @@ static int mr_run(mr_job *j, const mt_graph *g, int steps, mt_err *err) {
 /* The step graph of the small model for a mesh (per-data-parallel-rank batch b); overlap 0: that pass off.
  * mr_q_lora: the low-rank query path (q_a_proj, q_a_layernorm, q_b_proj) of that rank; 0: tiny's plain q_proj. */
 static int mr_q_lora = 0;
+static int mr_moments = MT_F32;   /* the AdamW moments' dtype of the graphs mr_compile_mesh makes */
 static int mr_compile_mesh(mt_graph *g, int rep, int shard, int tp, int ep, int b, int eager, int cuda, int overlap, mt_err *err) {
     mt_config c;
     mt_config_preset(&c, "tiny", err);
@@ -331,6 +332,7 @@ static int mr_compile_mesh(mt_graph *g, int rep, int shard, int tp, int ep, int 
     if (cuda) mt_target_cuda(&t, "sm_90a"); else mt_target_cpu(&t);
     if (eager) mt_passes_none(&p); else mt_passes_all(&p);
     if (!overlap) p.overlap = 0;
+    p.moments = mr_moments;
     if (mt_mesh_init(&m, rep, shard, tp, ep, err)) return -1;
     return mt_compile(g, &c, &m, &t, MT_GRAPH_TRAIN, &p, err);
 }
@@ -412,7 +414,8 @@ static void mr_equivalence(int rep, int shard, int ep, int steps, double tol1, d
     mt_graph g1, gm;
     int dp = rep * shard;
     char name[128];
-    snprintf(name, sizeof name, "%d ranks (dp_replicate %d, dp_shard %d, ep %d) = one rank on the global batch", dp, rep, shard, ep);
+    snprintf(name, sizeof name, "%d ranks (dp_replicate %d, dp_shard %d, ep %d) = one rank on the global batch%s", dp, rep, shard, ep,
+             mr_moments == MT_BF16 ? ", bf16 moments" : "");
     if (mr_compile(&g1, 1, 1, 1, 2 * dp, 0, &e) || mr_compile(&gm, rep, shard, ep, 2, 0, &e)) { report(name, 0, "%s", e.msg); return; }
     mr_job a, b;
     memset(&a, 0, sizeof a); memset(&b, 0, sizeof b);
@@ -2681,6 +2684,12 @@ static void test_multirank_f64(void) {
     mr_equivalence(1, 4, 4, 3, 2e-15, 2e-15, 5e-15, 5e-13);
     mr_equivalence(1, 8, 8, 3, 2e-15, 2e-15, 5e-15, 5e-13);
     mr_equivalence(2, 2, 2, 3, 2e-15, 2e-15, 5e-15, 5e-13);
+    mr_moments = MT_BF16;                    /* bf16 moments: FSDP shards of them too, the same bounds */
+    mr_equivalence(1, 2, 1, 3, 2e-15, 2e-15, 5e-15, 5e-13);
+    mr_equivalence(1, 4, 4, 3, 2e-15, 2e-15, 5e-15, 5e-13);
+    mr_equivalence(2, 2, 2, 3, 2e-15, 2e-15, 5e-15, 5e-13);
+    mr_equivalence(1, 4, 4, 20, 2e-15, 2e-15, 1e-14, 5e-13);
+    mr_moments = MT_F32;
     mr_equivalence_tp(1, 2, 1, 20, 1e-12);   /* tp 2 */
     mr_equivalence_tp(2, 2, 1, 20, 1e-12);   /* tp 2 x dp_shard 2 */
     mr_equivalence_tp(1, 2, 2, 20, 1e-12);   /* tp 2 x ep 2: experts across tp */
@@ -3717,12 +3726,34 @@ static void small_tiny(mt_config *c) {
     c->batch = 2; c->seq_len = 16; c->original_seq_len = 16;
 }
 
-static void test_resume_exact(void) {
+/* The optimizer file of a checkpoint: how many of its tensors have safetensors dtype `dtype` (of *n). */
+static int opt_file_dtype(const char *dir, int dtype, int *n) {
+    char path[700];
+    mt__st s, so;
+    mt_err e;
+    int k = 0;
+    *n = 0;
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    if (mt__st_open(&s, path, 0, &e)) return 0;
+    const char *o = mt__st_meta(&s, "mt.optimizer");
+    snprintf(path, sizeof path, "%s/%s", dir, o ? o : "none");
+    mt__st_free(&s);
+    if (mt__st_open(&so, path, 0, &e)) return 0;
+    for (int i = 0; i < so.n; i++) k += so.t[i].dtype == dtype;
+    *n = so.n;
+    mt__st_free(&so);
+    return k;
+}
+
+static void test_resume_exact_for(int moments) {
     mt_config c;
     mt_err e;
     mt_graph g;
+    int bf = moments == MT_BF16;
+    char name[80];
+    snprintf(name, sizeof name, "exact resume: 20 steps = 10 + save + load + 10%s", bf ? ", bf16 moments" : "");
     rc_tiny(&c);
-    if (compile_cpu(&g, &c, MT_GRAPH_TRAIN, 1, &e)) { report("exact resume", 0, "%s", e.msg); return; }
+    if (compile_cpu_moments(&g, &c, MT_GRAPH_TRAIN, 1, moments, &e)) { report(name, 0, "%s", e.msg); return; }
     mt_dataset d;
     mt_data_default(&d, &e);
     mt_hparams hp;
@@ -3742,17 +3773,73 @@ static void test_resume_exact(void) {
     ok = ok && !mt_checkpoint_save_run(b, dir, &rs, &e) && !mt_checkpoint_read_run(dir, &back, &e) && !mt_checkpoint_load(r, dir, &step, &e) &&
          step == H;
     int same_run = ok && back.has_settings && back.step == H && back.total_steps == S && back.seed == 7 && !memcmp(&back.hp, &hp, sizeof hp) &&
-                   back.data_tokens == d.n && back.data_hash == rs.data_hash && !strcmp(back.preset, "tiny");
+                   back.data_tokens == d.n && back.data_hash == rs.data_hash && !strcmp(back.preset, "tiny") && back.moments == moments;
+    int n_opt = 0, n_bf = opt_file_dtype(dir, MT__ST_BF16, &n_opt);   /* the moments keep their dtype on disk */
+    same_run &= n_opt > 20 && n_bf == (bf ? n_opt : 0);
     /* the resumed run: a fresh runtime (other init seed, 1 thread, poisoned arena) driven only by the checkpoint */
     ok = ok && !data_steps(r, &d, back.seed, back.step, back.total_steps - back.step, &back.hp, lc + H, nc + H);
     memcpy(lc, lb, sizeof(double) * H); memcpy(nc, nb, sizeof(double) * H);
     int same = ok && bitwise_equal(la, lc, S) && bitwise_equal(na, nc, S) && same_state(a, r);
-    report("exact resume: 20 steps = 10 + save + load + 10", same && same_run, "losses, grad norms, weights, moments bitwise; loss %.6f at step 11%s%s",
-           ok ? la[H] : 0.0, ok ? "" : ": ", ok ? "" : e.msg);
+    report(name, same && same_run, "losses, grad norms, weights, moments bitwise; loss %.6f at step 11; %d of %d optimizer tensors BF16%s%s",
+           ok ? la[H] : 0.0, n_bf, n_opt, ok ? "" : ": ", ok ? "" : e.msg);
     remove_tree(dir);
     mt_runtime_destroy(a); mt_runtime_destroy(b); mt_runtime_destroy(r);
     mt_data_free(&d);
     mt_graph_free(&g);
+}
+
+static void test_resume_exact(void) {
+    test_resume_exact_for(MT_F32);
+    test_resume_exact_for(MT_BF16);
+}
+
+/* Moments saved in one dtype load into a graph of the other: fp32 -> bf16 rounded to nearest even,
+ * bf16 -> fp32 exactly; weights bitwise either way; the run state says which dtype was saved. */
+static void test_checkpoint_moments(void) {
+    mt_config c;
+    mt_err e;
+    mt_graph gf, gb;
+    small_tiny(&c);
+    if (compile_cpu_moments(&gf, &c, MT_GRAPH_TRAIN, 1, MT_F32, &e) || compile_cpu_moments(&gb, &c, MT_GRAPH_TRAIN, 1, MT_BF16, &e)) {
+        report("checkpoint moments convert between fp32 and bf16", 0, "%s", e.msg);
+        return;
+    }
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    double l[4];
+    char d1[256], d2[256];
+    scratch_dir(d1, sizeof d1, "momf"); scratch_dir(d2, sizeof d2, "momb");
+    mt_runtime *a = make_runtime(&gf, 2, 0, 3), *b = make_runtime(&gb, 2, 0, 99), *x = make_runtime(&gb, 2, 0, 3), *y = make_runtime(&gf, 2, 0, 99);
+    mt_run_state r1, r2;
+    int ok = a && b && x && y && !run_steps(a, &c, 0, 3, l, &hp) && !mt_checkpoint_save(a, d1, 3, &e) && !mt_checkpoint_load(b, d1, NULL, &e) &&
+             !run_steps(x, &c, 0, 3, l, &hp) && !mt_checkpoint_save(x, d2, 3, &e) && !mt_checkpoint_load(y, d2, NULL, &e) &&
+             !mt_checkpoint_read_run(d1, &r1, &e) && !mt_checkpoint_read_run(d2, &r2, &e);
+    int64_t n = 0, rounded = 0, widened = 0, inexact = 0, params = 1;
+    for (int i = 0; ok && i < gf.n_values; i++) {
+        const mt_value *v = &gf.values[i];
+        int j = mt_graph_find(&gb, v->name);
+        if (j < 0) { ok = 0; break; }
+        if (v->role == MT_ROLE_PARAM && v->param < 0)
+            params &= !memcmp(mt_runtime_value(a, i), mt_runtime_value(b, j), (size_t)v->nbytes) &&
+                      !memcmp(mt_runtime_value(x, j), mt_runtime_value(y, i), (size_t)v->nbytes);
+        if (v->role != MT_ROLE_OPT) continue;
+        const float *f32 = (const float *)mt_runtime_value(a, i), *w32 = (const float *)mt_runtime_value(y, i);
+        const uint16_t *b16 = (const uint16_t *)mt_runtime_value(b, j), *x16 = (const uint16_t *)mt_runtime_value(x, j);
+        for (int64_t k = 0; k < mt_value_numel_max(&gf, v); k++, n++) {
+            rounded += b16[k] == mt_bf16_round(f32[k]);
+            widened += w32[k] == mt_bf16_float(x16[k]);
+            inexact += mt_bf16_float(b16[k]) != f32[k];
+        }
+    }
+    ok = ok && !run_steps(b, &c, 3, 1, l, &hp) && isfinite(l[0]) && !run_steps(y, &c, 3, 1, l + 1, &hp) && isfinite(l[1]);
+    report("checkpoint moments convert between fp32 and bf16", ok && n > 0 && rounded == n && widened == n && inexact > n / 2 && params &&
+           r1.moments == MT_F32 && r2.moments == MT_BF16,
+           "%lld moments: fp32 -> bf16 rounded to nearest even %lld (%lld of them inexact), bf16 -> fp32 exact %lld; weights %s; "
+           "saved dtype read back %s, %s%s", (long long)n, (long long)rounded, (long long)inexact, (long long)widened, params ? "bitwise" : "DIFFER",
+           r1.moments == MT_F32 ? "f32" : "?", r2.moments == MT_BF16 ? "bf16" : "?", ok ? "" : e.msg);
+    remove_tree(d1); remove_tree(d2);
+    mt_runtime_destroy(a); mt_runtime_destroy(b); mt_runtime_destroy(x); mt_runtime_destroy(y);
+    mt_graph_free(&gf); mt_graph_free(&gb);
 }
 
 /* Save, then saves that fail or are killed half-way: the last committed checkpoint always loads, whole. */
@@ -5100,6 +5187,14 @@ static void test_multirank(void) {
     mr_equivalence(1, 4, 4, 20, 1.1e-7, 1.1e-7, 2e-7, 2e-4);
     mr_equivalence(1, 8, 8, 20, 1.1e-7, 1.1e-7, 2e-7, 2e-4);
     mr_equivalence(2, 2, 2, 20, 1.1e-7, 1.1e-7, 2e-7, 2e-4);
+    /* bf16 moments: the reduced gradients' last-bit differences flip some moments' bf16 rounding (2^-8
+     * of the moment), so the weights drift further apart than with f32 moments (measured: losses 4.2e-7,
+     * grad norms 9.3e-7, weights 2.1e-3); float64's differences are too small to flip any (test_f64) */
+    mr_moments = MT_BF16;
+    mr_equivalence(1, 2, 1, 20, 1.1e-7, 1e-6, 2e-6, 5e-3);
+    mr_equivalence(1, 4, 4, 20, 1.1e-7, 1e-6, 2e-6, 5e-3);
+    mr_equivalence(2, 2, 2, 20, 1.1e-7, 1e-6, 2e-6, 5e-3);
+    mr_moments = MT_F32;
 
     /* RoPE folded into attention on many ranks (dp_shard 4, ep 2): bitwise the unfolded run */
     {
@@ -6231,6 +6326,7 @@ int main(void) {
     RUN(test_moe_edge_cases);
     RUN(test_checkpoint);
     RUN(test_resume_exact);
+    RUN(test_checkpoint_moments);
     RUN(test_checkpoint_atomic);
     RUN(test_checkpoint_refusals);
     RUN(test_checkpoint_stale_tmp);
