@@ -6071,6 +6071,65 @@ static void test_cli_sharded_checkpoint(void) {
     remove_tree(d);
 }
 
+/* --moments bf16 on the command line: (a) 4 ranks (dp_shard 4, ep 2), 8 = 4 + save + load + 4 bitwise (the
+ * resumed run takes the checkpoint's moments' dtype), every optimizer tensor BF16; (b) that checkpoint loaded
+ * by one rank and saved again: the same tensors, byte for byte; (c) resuming it with --moments fp32: said;
+ * (d) precompile --moments bf16 then train --graph = the in-process run, bitwise; the artifact's dtype is
+ * not overridden; malformed values refused. */
+static void test_cli_moments(void) {
+    static char a[1 << 16], b[1 << 16], m1[1 << 14], m2[1 << 14];
+    char d[256], p[600], q[600];
+    scratch_dir(d, sizeof d, "climo");
+    const char *four = "--nproc 4 --dp-shard 4 --ep 2", *run = "--preset tiny --seed 4 --warmup 2 --decay-steps 8";
+    int r1 = sh(a, sizeof a, "%strain %s %s --moments bf16 --steps 8 --metrics %s/m1.jsonl --save %s/full 2>&1", BIN, run, four, d, d);
+    int banner = strstr(a, "AdamW moments in bf16") != NULL;
+    int r2 = sh(b, sizeof b, "%strain %s %s --moments bf16 --steps 4 --save %s/half 2>&1", BIN, run, four, d);
+    int r3 = sh(b, sizeof b, "%strain %s %s --steps 8 --load %s/half --save %s/cont --metrics %s/m2.jsonl 2>&1", BIN, run, four, d, d, d);
+    int adopted = strstr(b, "AdamW moments in bf16") && !strstr(b, "changed from the saved run");
+    snprintf(p, sizeof p, "%s/m1.jsonl", d); metrics_core(p, 5, m1, sizeof m1);
+    snprintf(q, sizeof q, "%s/m2.jsonl", d); metrics_core(q, 1, m2, sizeof m2);
+    int same_metrics = n_lines(m1) == 4 && !strcmp(m1, m2);
+    snprintf(p, sizeof p, "%s/full/model.safetensors", d); snprintf(q, sizeof q, "%s/cont/model.safetensors", d);
+    int same_ck = same_file(p, q);
+    snprintf(p, sizeof p, "%s/full/optimizer-step8.safetensors", d); snprintf(q, sizeof q, "%s/cont/optimizer-step8.safetensors", d);
+    same_ck = same_ck && same_file(p, q);
+    snprintf(p, sizeof p, "%s/full", d);
+    int n_opt = 0, n_bf = opt_file_dtype(p, MT__ST_BF16, &n_opt);
+    report("CLI: --moments bf16, 4 ranks, 8 steps = 4 + --save + --load + 4, bitwise", !r1 && !r2 && !r3 && banner && adopted && same_metrics &&
+           same_ck && n_opt > 20 && n_bf == n_opt, "steps 5..8 %s; checkpoints %s; %d of %d optimizer tensors BF16; dtype %s on resuming %.200s",
+           same_metrics ? "identical" : "DIFFER", same_ck ? "byte-identical" : "DIFFER", n_bf, n_opt, adopted ? "kept" : "NOT kept",
+           r1 || r2 || r3 ? b : "");
+    /* (b) 4 ranks' bf16 parts assembled by rank 0, loaded by one rank, saved again */
+    int r4 = sh(a, sizeof a, "%strain %s --batch 32 --steps 4 --load %s/half --save %s/as1 2>&1", BIN, run, d, d);
+    int nm = 0, no = 0;
+    snprintf(p, sizeof p, "%s/half/model.safetensors", d); snprintf(q, sizeof q, "%s/as1/model.safetensors", d);
+    int same1 = !r4 && same_tensors(p, q, &nm);
+    snprintf(p, sizeof p, "%s/half/optimizer-step4.safetensors", d); snprintf(q, sizeof q, "%s/as1/optimizer-step4.safetensors", d);
+    same1 = same1 && same_tensors(p, q, &no);
+    report("CLI: a 4-rank bf16-moment checkpoint loads at 1 rank and saves again, tensor for tensor", same1, "%d weights, %d moments %s %.200s",
+           nm, no, same1 ? "equal" : "DIFFER", r4 ? a : "");
+    /* (c) another dtype on resuming: converted, and said */
+    int r5 = sh(a, sizeof a, "%strain %s %s --moments fp32 --steps 5 --load %s/half 2>&1", BIN, run, four, d);
+    int said = !r5 && strstr(a, "AdamW moments bf16 -> fp32 (the saved moments widened to fp32 exactly on loading)") &&
+               !strstr(a, "AdamW moments in bf16") && strstr(a, "step     5");
+    /* (d) the artifact */
+    int r6 = sh(b, sizeof b, "%sprecompile --preset tiny --moments bf16 -o %s/bf.mtg 2>&1", BIN, d);
+    int sized = !r6 && strstr(b, "AdamW moments 1.10 MiB (bf16)");
+    int r7 = sh(b, sizeof b, "%strain --graph %s/bf.mtg --seed 4 --steps 3 --metrics %s/g.jsonl 2>&1", BIN, d, d);
+    int r8 = sh(b, sizeof b, "%strain --preset tiny --moments bf16 --seed 4 --steps 3 --metrics %s/i.jsonl 2>&1", BIN, d);
+    snprintf(p, sizeof p, "%s/g.jsonl", d); metrics_core(p, 1, m1, sizeof m1);
+    snprintf(q, sizeof q, "%s/i.jsonl", d); metrics_core(q, 1, m2, sizeof m2);
+    int same_graph = !r7 && !r8 && n_lines(m1) == 3 && !strcmp(m1, m2);
+    int r9 = sh(b, sizeof b, "%strain --graph %s/bf.mtg --moments fp32 --steps 1 2>&1", BIN, d);
+    int fixed = r9 == 2 && strstr(b, "compiled with bf16 AdamW moments");
+    int r10 = sh(b, sizeof b, "%strain --moments fp16 --steps 1 2>&1", BIN), r11 = sh(b + 4096, sizeof b - 4096, "%sprecompile --moments x -o %s/x.mtg 2>&1", BIN, d);
+    int refused = r10 == 2 && strstr(b, "--moments takes fp32 or bf16") && r11 == 2 && strstr(b + 4096, "--moments takes fp32 or bf16");
+    report("CLI: --moments: a resume in fp32 said; precompile --moments bf16 + train --graph = in-process; refusals", said && sized && same_graph &&
+           fixed && refused, "resume note %s; precompile %s; 3 steps %s; --graph + --moments fp32 exit %d; malformed exit %d %d",
+           said ? "printed" : "MISSING", sized ? "sized the moments" : "NO moment size", same_graph ? "identical" : "DIFFER", r9, r10, r11);
+    remove_tree(d);
+}
+
 /* ======================================================================
  * activation recompute: the budget, many ranks, the artifact, the CLIs
  * ==================================================================== */
@@ -6352,6 +6411,7 @@ int main(void) {
     RUN(test_cli_data_format);
     RUN(test_cli_save_refuses);
     RUN(test_cli_sharded_checkpoint);
+    RUN(test_cli_moments);
     RUN(test_cli_tensor_parallel);
     RUN(test_cli_recompute);
 #undef RUN
