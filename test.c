@@ -1599,6 +1599,9 @@ static void gpu_test_loss_and_optimizer(void) {
 }
 
 static int gpu_same_params(const mt_graph *ga, mt_runtime *ra, const mt_graph *gb, mt_runtime *rb);
+static int gpu_compile(mt_graph *g, const mt_config *c, int cuda, int planned, mt_err *e);
+static mt_runtime *gpu_runtime(const mt_graph *g, int poison);
+static int gpu_steps(mt_runtime *rt, const mt_config *c, int n, double *loss, double *gnorm);
 
 /* The gradient norm's and AdamW's multi-tensor launches against one launch per tensor, bitwise:
  * more tensors than one launch's table holds, sums past one launch's partials (one 17M-float
@@ -1671,6 +1674,139 @@ static void gpu_test_multi_tensor(void) {
     dfree(Dhp); dfree(Dst); dfree(Dlr); dfree(Dcoef);
 }
 
+/* AdamW with bf16 moments: the CUDA kernels against mt_cpu_adamw_bf16 (this float32 build), bitwise in
+ * p, m and v (the header's mt_adamw_bf16_elem on both sides, one rounding per operation), p's bf16 copy
+ * its round to nearest even; the 4-wide and the element paths (lengths, alignments), steps 0, 7 and
+ * 100000, with and without decay, moments at zero, subnormal, large and ordinary; then multi-tensor
+ * launches mixing bf16 and f32 moments against one launch per tensor, bitwise. */
+static void gpu_test_adamw_bf16(void) {
+    mt_hparams h;
+    mt_hparams_default(&h);
+    h.weight_decay = 0.1f;
+    float hp[MT_HP_COUNT], lr = 3e-4f, coef = 0.7f;
+    mt_hparams_pack(&h, hp);
+    static const int32_t steps[3] = {0, 7, 100000};
+    int cases = 0, same_all = 1, ok = 1;
+    int64_t worst_at = -1;
+    for (int k = 0; k < 6 && ok; k++) {
+        int64_t n = k < 2 ? 100000 : k < 4 ? 100003 : 4096, off = k == 4 || k == 5 ? 1 : 0;   /* 4096 at an odd offset: unaligned */
+        int32_t step = steps[k % 3];
+        int decay = k % 2;
+        float *p = randn(n + off, 1), *g = randn(n + off, 0.1), *pc = (float *)malloc(4 * (size_t)(n + off));
+        uint16_t *m = (uint16_t *)malloc(2 * (size_t)(n + off)), *v = (uint16_t *)malloc(2 * (size_t)(n + off));
+        for (int64_t i = 0; i < n + off; i++) {
+            double r = mt_rng_normal(&R);
+            int kind = (int)(i % 5);   /* zero, subnormal, large, and twice ordinary */
+            m[i] = f2bf(kind == 0 ? 0.0f : kind == 1 ? (float)(r * 1e-39) : kind == 2 ? (float)(r * 1e3) : (float)(r * 0.01));
+            v[i] = f2bf(kind == 0 ? 0.0f : kind == 1 ? (float)fabs(r * 1e-39) : kind == 2 ? (float)fabs(r * 1e5) : (float)fabs(r * 1e-3));
+            if (i % 97 == 0) g[i] = 0;
+        }
+        memcpy(pc, p, 4 * (size_t)(n + off));
+        void *Dp = up(p, 4 * (size_t)(n + off)), *Dg = up(g, 4 * (size_t)(n + off)), *Dm = up(m, 2 * (size_t)(n + off)), *Dv = up(v, 2 * (size_t)(n + off));
+        void *Dp16 = dalloc(2 * (size_t)(n + off)), *Dhp = up(hp, sizeof hp), *Dst = up(&step, 4), *Dlr = up(&lr, 4), *Dcoef = up(&coef, 4);
+        ok = !mt_cuda_adamw_bf16(CU, (float *)Dp + off, (uint16_t *)Dm + off, (uint16_t *)Dv + off, (uint16_t *)Dp16 + off, (const float *)Dg + off, n,
+                                 (float *)Dlr, (float *)Dcoef, (float *)Dhp, (int32_t *)Dst, decay);
+        mt_cpu_adamw_bf16(pc + off, m + off, v + off, g + off, n, (double)lr, (double)coef, hp, step, decay);
+        float *gp = (float *)down(Dp, 4 * (size_t)(n + off));
+        uint16_t *gm = (uint16_t *)down(Dm, 2 * (size_t)(n + off)), *gv = (uint16_t *)down(Dv, 2 * (size_t)(n + off)), *g16 = (uint16_t *)down(Dp16, 2 * (size_t)(n + off));
+        int same = ok && !memcmp(gp + off, pc + off, 4 * (size_t)n) && !memcmp(gm + off, m + off, 2 * (size_t)n) && !memcmp(gv + off, v + off, 2 * (size_t)n);
+        for (int64_t i = 0; same && i < n; i++) same = g16[off + i] == f2bf(pc[off + i]);
+        for (int64_t i = 0; !same && worst_at < 0 && i < n; i++)
+            if (memcmp(gp + off + i, pc + off + i, 4) || gm[off + i] != m[off + i] || gv[off + i] != v[off + i]) worst_at = i;
+        same_all &= same;
+        cases++;
+        free(p); free(g); free(pc); free(m); free(v); free(gp); free(gm); free(gv); free(g16);
+        dfree(Dp); dfree(Dg); dfree(Dm); dfree(Dv); dfree(Dp16); dfree(Dhp); dfree(Dst); dfree(Dlr); dfree(Dcoef);
+    }
+    report("gpu AdamW, bf16 moments = CPU float32 reference, bitwise", ok && same_all,
+           "%d cases (n 100000, 100003, 4096 unaligned; steps 0, 7, 100000): weights, moments, bf16 copies; first difference at element %lld",
+           cases, (long long)worst_at);
+
+    /* multi-tensor launches, bf16 and f32 moments mixed, against one launch per tensor */
+    enum { NA = 70 };
+    static const int64_t sizes[] = {0, 1, 3, 17, 1000, 4096, 65536, 65537, 70001, 200003, 1100000, 3};
+    int32_t step = 9;
+    void *Dhp = up(hp, sizeof hp), *Dst = up(&step, 4), *Dlr = up(&lr, 4), *Dcoef = up(&coef, 4);
+    mt_cuda_adamw_item A[2][NA];
+    int64_t tot = 0, n_of[NA];
+    for (int k = 0; k < NA; k++) { n_of[k] = sizes[k % 12]; tot += n_of[k] + 1; }
+    float *p = randn(tot, 1), *g = randn(tot, 0.1), *m = randn(tot, 0.01), *v = (float *)malloc(4 * (size_t)tot);
+    for (int64_t i = 0; i < tot; i++) v[i] = (float)fabs(mt_rng_normal(&R)) * 1e-3f;
+    uint16_t *m16 = (uint16_t *)malloc(2 * (size_t)tot), *v16 = (uint16_t *)malloc(2 * (size_t)tot);
+    for (int64_t i = 0; i < tot; i++) { m16[i] = f2bf(m[i]); v16[i] = f2bf(v[i]); }
+    void *D[2][7];
+    for (int s = 0; s < 2; s++) {
+        D[s][0] = up(p, 4 * (size_t)tot); D[s][1] = up(g, 4 * (size_t)tot); D[s][2] = up(m, 4 * (size_t)tot); D[s][3] = up(v, 4 * (size_t)tot);
+        D[s][4] = dalloc(2 * (size_t)tot); D[s][5] = up(m16, 2 * (size_t)tot); D[s][6] = up(v16, 2 * (size_t)tot);
+        int64_t o = 0;
+        for (int k = 0; k < NA; k++) {
+            int64_t at = o + (k % 7 == 6 ? 1 : 0);   /* some unaligned */
+            int bf = k % 3 != 2;
+            A[s][k].p = (float *)D[s][0] + at; A[s][k].g = (const float *)D[s][1] + at;
+            A[s][k].m = bf ? (void *)((uint16_t *)D[s][5] + at) : (void *)((float *)D[s][2] + at);
+            A[s][k].v = bf ? (void *)((uint16_t *)D[s][6] + at) : (void *)((float *)D[s][3] + at);
+            A[s][k].bf16_moments = bf;
+            A[s][k].p_bf16 = k % 4 == 3 ? NULL : (void *)((uint16_t *)D[s][4] + at);
+            A[s][k].n = k % 7 == 6 && n_of[k] ? n_of[k] - 1 : n_of[k];
+            A[s][k].decay = k % 2;
+            o += n_of[k] + 1;
+        }
+    }
+    int oka = 1;
+    for (int k = 0; k < NA; k++)
+        oka = oka && !(A[0][k].bf16_moments ? mt_cuda_adamw_bf16(CU, A[0][k].p, A[0][k].m, A[0][k].v, A[0][k].p_bf16, A[0][k].g, A[0][k].n, (float *)Dlr,
+                                                                  (float *)Dcoef, (float *)Dhp, (int32_t *)Dst, A[0][k].decay)
+                                            : mt_cuda_adamw(CU, A[0][k].p, (float *)A[0][k].m, (float *)A[0][k].v, A[0][k].p_bf16, A[0][k].g, A[0][k].n,
+                                                            (float *)Dlr, (float *)Dcoef, (float *)Dhp, (int32_t *)Dst, A[0][k].decay));
+    oka = oka && !mt_cuda_adamw_multi(CU, A[1], NA, (float *)Dlr, (float *)Dcoef, (float *)Dhp, (int32_t *)Dst);
+    int same = oka, changed = 0;
+    for (int b = 0; b < 7 && same; b++) {
+        if (b == 1) continue;
+        size_t bytes = (b >= 4 ? 2 : 4) * (size_t)tot;
+        void *x = down(D[0][b], bytes), *y = down(D[1][b], bytes);
+        same = !memcmp(x, y, bytes);
+        if (b == 5) changed = memcmp(x, m16, bytes) != 0;
+        free(x); free(y);
+    }
+    report("gpu AdamW: multi-tensor launches, bf16 and f32 moments mixed = one per tensor, bitwise", same && changed, "%d tensors, %lld elements", NA,
+           (long long)tot);
+    for (int s = 0; s < 2; s++) for (int b = 0; b < 7; b++) dfree(D[s][b]);
+    free(p); free(g); free(m); free(v); free(m16); free(v16);
+    dfree(Dhp); dfree(Dst); dfree(Dlr); dfree(Dcoef);
+
+    /* whole steps with bf16 moments: half the moments' bytes; multi-tensor launches = one launch per node, bitwise */
+    mt_config c;
+    mt_err e;
+    mt_graph gf, gb;
+    mt_config_preset(&c, "tiny", &e);
+    if (gpu_compile(&gf, &c, 1, 1, &e) || gpu_compile(&gb, &c, 1, 5, &e)) { report("gpu steps with bf16 moments", 0, "%s", e.msg); return; }
+    int64_t of = 0, ob = 0;
+    for (int i = 0; i < gf.n_values; i++) of += gf.values[i].role == MT_ROLE_OPT ? gf.values[i].nbytes : 0;
+    for (int i = 0; i < gb.n_values; i++) ob += gb.values[i].role == MT_ROLE_OPT ? gb.values[i].nbytes : 0;
+    enum { S = 5 };
+    double l1[S] = {0}, l2[S] = {0}, lf[S] = {0};
+    mt_binding b;
+    mt_binding_single(&b);
+    b.one_launch_per_node = 1;
+    mt_runtime *r1 = gpu_runtime(&gb, 1), *r2 = NULL, *rf = gpu_runtime(&gf, 0);
+    int okw = r1 && rf && !gpu_steps(r1, &c, S, l1, NULL) && !mt_runtime_create(&r2, &gb, &b, &e) && !mt_runtime_init_params(r2, 5, &e) &&
+              !gpu_steps(r2, &c, S, l2, NULL) && !gpu_steps(rf, &c, S, lf, NULL);
+    int same_moments = okw;
+    for (int i = 0; same_moments && i < gb.n_values; i++) {
+        if (gb.values[i].role != MT_ROLE_OPT) continue;
+        size_t nb = (size_t)gb.values[i].nbytes;
+        void *x = malloc(nb), *y = malloc(nb);
+        same_moments = !mt_runtime_read(r1, i, x, &e) && !mt_runtime_read(r2, i, y, &e) && !memcmp(x, y, nb);
+        free(x); free(y);
+    }
+    double w = okw ? max_rel(l1, lf, S) : 1;
+    report("gpu steps with bf16 moments: multi-tensor = one launch per node, bitwise; near fp32 moments",
+           okw && of == 2 * ob && mt_runtime_multi_tensor_nodes(r1) > 0 && bitwise_equal(l1, l2, S) && gpu_same_params(&gb, r1, &gb, r2) &&
+           same_moments && w < 1e-3, "moments %lld -> %lld bytes; %d steps; worst rel loss vs fp32 moments %.1e", (long long)of, (long long)ob, S, w);
+    mt_runtime_destroy(r1); mt_runtime_destroy(r2); mt_runtime_destroy(rf);
+    mt_graph_free(&gf); mt_graph_free(&gb);
+}
+
 /* whole steps: CPU (f32) vs CUDA (bf16), bitwise determinism, artifact vs in-process */
 static int gpu_compile(mt_graph *g, const mt_config *c, int cuda, int planned, mt_err *e) {
     mt_mesh m;
@@ -1682,6 +1818,7 @@ static int gpu_compile(mt_graph *g, const mt_config *c, int cuda, int planned, m
     if (planned == 2) p.fuse = 0;   /* every pass but fusion: bitwise the eager step */
     if (planned == 3) p.overlap = 0;   /* every pass but overlap */
     if (planned == 4) p.fuse_glu = 0;  /* every pass but the gate/up + SwiGLU fusion */
+    if (planned == 5) p.moments = MT_BF16;   /* every pass, bf16 AdamW moments */
     return mt_compile(g, c, &m, &t, MT_GRAPH_TRAIN, &p, e);
 }
 static mt_runtime *gpu_runtime(const mt_graph *g, int poison) {
@@ -2128,12 +2265,14 @@ static int gpu_steps_from(mt_runtime *rt, const mt_config *c, int step0, int n, 
     free(tok); free(tgt);
     return rc;
 }
-static void gpu_test_resume(void) {
+static void gpu_test_resume(int moments) {
     mt_config c;
     mt_err e;
     mt_graph g;
+    char name[96];
+    snprintf(name, sizeof name, "gpu exact resume: 20 steps = 10 + save + load + 10%s", moments == MT_BF16 ? ", bf16 moments" : "");
     mt_config_preset(&c, "tiny", &e);
-    if (gpu_compile(&g, &c, 1, 1, &e)) { report("gpu exact resume", 0, "%s", e.msg); return; }
+    if (gpu_compile(&g, &c, 1, moments == MT_BF16 ? 5 : 1, &e)) { report(name, 0, "%s", e.msg); return; }
     mt_hparams hp;
     mt_hparams_default(&hp);
     hp.warmup_steps = 4; hp.decay_steps = 20;
@@ -2158,7 +2297,7 @@ static void gpu_test_resume(void) {
         same = !mt_runtime_read(a, i, x, &e) && !mt_runtime_read(r, i, y, &e) && !memcmp(x, y, (size_t)v->nbytes);
         free(x); free(y);
     }
-    report("gpu exact resume: 20 steps = 10 + save + load + 10", same, "losses, grad norms, weights (f32 and bf16), moments bitwise%s%s",
+    report(name, same && back.moments == moments, "losses, grad norms, weights (f32 and bf16), moments bitwise%s%s",
            ok ? "" : ": ", ok ? "" : e.msg);
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
@@ -2227,6 +2366,7 @@ int main(void) {
     }
     GPU_RUN(gpu_test_loss_and_optimizer());
     GPU_RUN(gpu_test_multi_tensor());
+    GPU_RUN(gpu_test_adamw_bf16());
     GPU_RUN(gpu_test_whole_steps());
     GPU_RUN(gpu_test_fold_rope_steps(0));
     GPU_RUN(gpu_test_fold_rope_steps(1));
@@ -2234,7 +2374,8 @@ int main(void) {
     GPU_RUN(gpu_test_doc_mask_steps());
     GPU_RUN(gpu_test_tuning());
     GPU_RUN(gpu_test_multi_rank());
-    GPU_RUN(gpu_test_resume());
+    GPU_RUN(gpu_test_resume(MT_F32));
+    GPU_RUN(gpu_test_resume(MT_BF16));
 #undef GPU_RUN
     mt_cuda_destroy(CU);
     printf("%d passed, %d failed\n", n_pass, n_fail);
