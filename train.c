@@ -378,6 +378,7 @@ static int checkpoint_config(opts *o, mt_config *cfg, int fixed_by_graph) {
 static int plan_resume(opts *o, mt_run_state *ck) {
     mt_err e;
     if (mt_checkpoint_read_run(o->load, ck, &e)) { fprintf(stderr, "train: %s\n", e.msg); return 1; }
+    if (!given(o, "moments") && !o->graph) o->moments_dt = ck->moments;   /* recorded with the moments (an artifact fixes them) */
     if (!ck->has_settings) {   /* saved without run settings (mt_checkpoint_save): this command line's */
         printf("resuming '%s' at step %d of %d; it records no run settings, so this command line's are used\n", o->load, ck->step, o->steps);
         return 0;
@@ -411,8 +412,7 @@ static int plan_resume(opts *o, mt_run_state *ck) {
     else if (o->hp.decay_steps != ck->hp.decay_steps) NOTE(" decay-steps %d -> %d;", ck->hp.decay_steps, o->hp.decay_steps);
     if (!given(o, "data")) o->data = ck->data[0] ? ck->data : NULL;
     if (o->eager != ck->eager) NOTE(" %s -> %s (on CUDA the two round differently);", ck->eager ? "eager" : "compiled", o->eager ? "eager" : "compiled");
-    if (!given(o, "moments") && !o->graph) o->moments_dt = ck->moments;   /* (an artifact fixes the moments' dtype) */
-    else if (o->moments_dt != ck->moments)
+    if (o->moments_dt != ck->moments)
         NOTE(" AdamW moments %s -> %s (the saved moments %s);", ck->moments == MT_BF16 ? "bf16" : "fp32", o->moments_dt == MT_BF16 ? "bf16" : "fp32",
              o->moments_dt == MT_BF16 ? "rounded to nearest even bf16 on loading" : "widened to fp32 exactly on loading");
 #undef NOTE
