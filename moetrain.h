@@ -635,7 +635,10 @@ int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, 
 /* AdamW's two moments stored in bf16 (half their bytes); each ADAMW reads them into float, updates
  * in float and stores them rounded to nearest even (mt_adamw_bf16_elem). Changes numerics: a run
  * setting, not an optimization (mt_passes.moments; neither mt_passes_all nor _none turns it on).
- * Before memory planning. Returns the number of moment values changed, -1 on error. */
+ * Rounding to nearest keeps a moment only while a step moves it by more than half its bf16 ulp
+ * (2^-9 to 2^-8 of it): beta2 = 0.95 (the default, DeepSeek-V3's) moves v by ~5% a step; with beta2 near
+ * 0.999 many steps' (1 - beta2) g^2 would be rounded away. Before memory planning. Returns the
+ * number of moment values changed, -1 on error. */
 int mt_pass_bf16_moments(mt_graph *g, mt_err *err);
 int mt_graph_moments(const mt_graph *g);             /* the AdamW moments' dtype: MT_F32 (also with none), MT_BF16 */
 /* The routed experts' GMM (x, W_gate) -> g, GMM (x, W_up) -> u, SWIGLU (g, u) -> h become one GMM_GLU
