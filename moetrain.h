@@ -129,7 +129,7 @@
  * CLIP               mt__check_optimizer  mt__optimizer                -                  -
  *                                         mt__exec_cpu                             mt_cuda_clip
  * ADAMW              mt__check_optimizer  mt__optimizer                -                  -
- *                                         mt_cpu_adamw                             mt_cuda_adamw, mt_cuda_adamw_multi
+ *                                         mt_cpu_adamw, mt_cpu_adamw_bf16          mt_cuda_adamw, mt_cuda_adamw_multi
  * EXPERT_BIAS_UPDATE mt__check_optimizer  mt__optimizer                -                  -
  *                                         mt_cpu_expert_bias_update                mt_cuda_expert_bias_update
  * ADD_RMSNORM        mt__check_dense      fuse: ADD + RMSNORM          -                  -
@@ -180,9 +180,11 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -382,7 +384,8 @@ int mt_mesh_groups_equal(const mt_mesh *m, uint32_t a, uint32_t b);
  * ====================================================================== */
 
 /* dtypes. F32 is the master/statistics precision (mt_real on the CPU
- * backend); BF16 appears only in CUDA-target graphs; I32 for indices. */
+ * backend); BF16 appears in CUDA-target graphs, and in any graph as AdamW
+ * moments (mt_pass_bf16_moments); I32 for indices. */
 enum { MT_F32 = 0, MT_BF16 = 1, MT_I32 = 2, MT_NDTYPES = 3 };
 
 /* roles: where a value lives and who owns it. */
@@ -497,7 +500,7 @@ typedef struct {
     X(ALLREDUCE, 1, 1, 0)        /* x -> x (in place); i0 mesh-dim mask, i1 group, i2 mean; f0 scale (0: none) */ \
     X(LR_SCHEDULE, 2, 1, 0)      /* hparams[16] f32, step[1] i32 -> lr[1] f32 */  \
     X(CLIP, 2, 2, 0)             /* sumsq[1], hparams -> coef[1], norm[1] */      \
-    X(ADAMW, 8, 4, 0)            /* p, g, m, v, lr, coef, hparams, step -> p, m, v, p_bf16 (optional) */ \
+    X(ADAMW, 8, 4, 0)            /* p, g, m, v (f32, or bf16: mt_pass_bf16_moments), lr, coef, hparams, step -> p, m, v, p_bf16 (optional) */ \
     X(EXPERT_BIAS_UPDATE, 2, 1, 0) /* bias[E], counts[E] i32 -> bias; f0 coeff */   \
     X(ADD_RMSNORM, 3, 3, 0)      /* fused: a, b, w -> h = a+b, y = rmsnorm(h), rstd; f0 eps */ \
     X(RMSNORM_BWD_ADD, 5, 2, 0)  /* fused: dy, x, w, rstd, acc -> acc + dx, dw */    \
@@ -632,9 +635,19 @@ typedef struct {
     int fold_rope;           /* CUDA graphs: MLA's RoPE assembly folded into the attention kernels (mt_pass_fold_rope) */
     int fuse_glu;            /* with fuse: the experts' gate and up GEMMs and their SwiGLU as one op (mt_pass_fuse_glu) */
     int64_t memory_budget;   /* bytes (persistent + arena, as planned); > 0: recompute the fewest blocks that fit it */
+    int moments;             /* the AdamW moments' dtype: MT_F32 (mt_passes_all and _none), or MT_BF16 (mt_pass_bf16_moments) */
 } mt_passes;
 int mt_pass_elide_collectives(mt_graph *g, mt_err *err); /* the expert exchange over one rank is a copy: gone */
 int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
+/* AdamW's two moments stored in bf16 (half their bytes); each ADAMW reads them into float, updates
+ * in float and stores them rounded to nearest even (mt_adamw_bf16_elem). Changes numerics: a run
+ * setting, not an optimization (mt_passes.moments; neither mt_passes_all nor _none turns it on).
+ * Rounding to nearest keeps a moment only while a step moves it by more than half its bf16 ulp
+ * (2^-9 to 2^-8 of it): beta2 = 0.95 (the default, DeepSeek-V3's) moves v by ~5% a step; with beta2 near
+ * 0.999 many steps' (1 - beta2) g^2 would be rounded away. Before memory planning. Returns the
+ * number of moment values changed, -1 on error. */
+int mt_pass_bf16_moments(mt_graph *g, mt_err *err);
+int mt_graph_moments(const mt_graph *g);             /* the AdamW moments' dtype: MT_F32 (also with none), MT_BF16 */
 /* The routed experts' GMM (x, W_gate) -> g, GMM (x, W_up) -> u, SWIGLU (g, u) -> h become one GMM_GLU
  * (x, W_gate, offs, W_up) -> g, u, h: on CUDA one grouped GEMM whose tiles hold g's and u's same
  * columns, the SwiGLU in its epilogue; on the CPU the three ops in order. Bitwise the same results.
@@ -708,7 +721,7 @@ int mt_artifact_write(const mt_graph *g, uint8_t **bytes, size_t *len, mt_err *e
 int mt_artifact_save(const mt_graph *g, const char *path, mt_err *err);
 int mt_artifact_read(mt_graph *g, const uint8_t *bytes, size_t len, mt_err *err);
 int mt_artifact_load(mt_graph *g, const char *path, mt_err *err);
-uint64_t mt_fingerprint(const mt_graph *g);          /* config, mesh, format, kernels, target */
+uint64_t mt_fingerprint(const mt_graph *g);          /* config, mesh, format, kernels, target, recompute, moments */
 void mt_graph_dump(const mt_graph *g, FILE *f);      /* the readable plan */
 int mt_graph_dot(const mt_graph *g, const char *path, mt_err *err);   /* Graphviz: nodes by queue, edges by value */
 int mt_read_file(const char *path, uint8_t **bytes, size_t *len, mt_err *err);
@@ -812,6 +825,107 @@ void mt_cpu_ce_shard_backward(mt_real *dlogits, const mt_real *logits, const mt_
 void mt_cpu_shift_tokens(int32_t *y, const int32_t *x, int N, int T, int k, int fill);
 void mt_cpu_adamw(mt_real *p, mt_real *m, mt_real *v, const mt_real *g, int64_t n, double lr,
                   double coef, const float hp[MT_HP_COUNT], int step, int decay);
+/* AdamW with bf16 moments (m, v: bf16 bit patterns). The update is AdamW's, from the moments read
+ * back as floats; the new moments are stored rounded to nearest even, and the weight update uses
+ * them before that rounding. Float32 builds compute it in float with mt_adamw_bf16_elem, so the
+ * CUDA kernels give the same bits; float64 builds compute it in double and round the moments to
+ * bf16 straight from double (no float in between). */
+void mt_cpu_adamw_bf16(mt_real *p, uint16_t *m, uint16_t *v, const mt_real *g, int64_t n, double lr,
+                       double coef, const float hp[MT_HP_COUNT], int step, int decay);
+
+/* bf16 bits: from a float rounded to nearest even (a NaN stays a quiet NaN), and back (exact). */
+static inline MT_HOST_DEVICE uint16_t mt_bf16_round(float f) {
+    uint32_t u;
+#if defined(__CUDA_ARCH__)
+    u = __float_as_uint(f);
+#else
+    memcpy(&u, &f, 4);
+#endif
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline MT_HOST_DEVICE float mt_bf16_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float((uint32_t)h << 16);
+#else
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+/* Arithmetic rounded once per operation on both sides: CUDA would otherwise fuse a product and a
+ * sum into one FMA (one rounding); the C builds (-std=c11: no contraction) round each already. */
+static inline MT_HOST_DEVICE float mt__fmul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+static inline MT_HOST_DEVICE float mt__fadd(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+static inline MT_HOST_DEVICE float mt__fsub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fsub_rn(a, b);
+#else
+    return a - b;
+#endif
+}
+static inline MT_HOST_DEVICE float mt__fdiv(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fdiv_rn(a, b);
+#else
+    return a / b;
+#endif
+}
+static inline MT_HOST_DEVICE float mt__fsqrt(float a) {
+#if defined(__CUDA_ARCH__)
+    return __fsqrt_rn(a);
+#else
+    return sqrtf(a);
+#endif
+}
+static inline MT_HOST_DEVICE double mt__dpowi(double x, int n) {   /* x^n, n >= 0, by squaring: the same products everywhere */
+    double r = 1.0;
+    for (; n > 0; n >>= 1) {
+#if defined(__CUDA_ARCH__)
+        if (n & 1) r = __dmul_rn(r, x);
+        x = __dmul_rn(x, x);
+#else
+        if (n & 1) r = r * x;
+        x = x * x;
+#endif
+    }
+    return r;
+}
+/* One step's constants of AdamW with bf16 moments: bias corrections in double (powers by squaring,
+ * correctly rounded sqrt and division), rounded to float once. */
+typedef struct { float b1, b2, omb1, omb2, eps, keep, step_size, bc2s, coef; } mt_adamw_k;
+static inline MT_HOST_DEVICE void mt_adamw_bf16_setup(mt_adamw_k *k, const float *hp, float lr, float coef, int step, int decay) {
+    k->b1 = hp[MT_HP_BETA1]; k->b2 = hp[MT_HP_BETA2]; k->eps = hp[MT_HP_EPS]; k->coef = coef;
+    k->omb1 = mt__fsub(1.0f, k->b1); k->omb2 = mt__fsub(1.0f, k->b2);
+    k->keep = mt__fsub(1.0f, mt__fmul(lr, decay ? hp[MT_HP_WD] : 0.0f));   /* decoupled weight decay */
+    double bc1 = 1.0 - mt__dpowi((double)k->b1, step + 1), bc2 = 1.0 - mt__dpowi((double)k->b2, step + 1);
+    k->step_size = (float)((double)lr / bc1);
+    k->bc2s = (float)sqrt(bc2);
+}
+/* One element: p's new value returned, *m and *v (bf16) updated. The order of operations is fixed:
+ * g' = g coef; m' = b1 m + (1 - b1) g'; v' = b2 v + ((1 - b2) g') g'; p' = p keep - (step_size m') /
+ * (sqrt(v') / bc2s + eps), then m = bf16(m'), v = bf16(v'). */
+static inline MT_HOST_DEVICE float mt_adamw_bf16_elem(const mt_adamw_k *k, float p, float g, uint16_t *m, uint16_t *v) {
+    float gi = mt__fmul(g, k->coef);
+    float mi = mt__fadd(mt__fmul(k->b1, mt_bf16_float(*m)), mt__fmul(k->omb1, gi));
+    float vi = mt__fadd(mt__fmul(k->b2, mt_bf16_float(*v)), mt__fmul(mt__fmul(k->omb2, gi), gi));
+    *m = mt_bf16_round(mi); *v = mt_bf16_round(vi);
+    float den = mt__fadd(mt__fdiv(mt__fsqrt(vi), k->bc2s), k->eps);
+    return mt__fsub(mt__fmul(p, k->keep), mt__fdiv(mt__fmul(k->step_size, mi), den));
+}
 void mt_cpu_expert_bias_update(mt_real *bias, const int32_t *counts, int E, float coeff);
 
 /* ========================================================================
@@ -1104,13 +1218,19 @@ int mt_cuda_sumsq(mt_cuda *c, float *acc_out, const float *acc_in, const float *
    multi-tensor launches: bitwise the nodes one by one */
 typedef struct { float *acc_out; const float *g; int64_t n; int squares; } mt_cuda_sumsq_item;
 int mt_cuda_sumsq_multi(mt_cuda *c, const float *acc_in, const mt_cuda_sumsq_item *it, int count, void *ws);
-typedef struct { float *p, *m, *v; void *p_bf16; const float *g; int64_t n; int decay; } mt_cuda_adamw_item;
+typedef struct {
+    float *p; void *m, *v;   /* m, v: f32, or bf16 with bf16_moments */
+    void *p_bf16; const float *g; int64_t n; int decay, bf16_moments;
+} mt_cuda_adamw_item;
 int mt_cuda_adamw_multi(mt_cuda *c, const mt_cuda_adamw_item *it, int count, const float *lr, const float *coef, const float *hp,
                         const int32_t *step);
 int mt_cuda_lr_schedule(mt_cuda *c, float *lr, const float *hp, const int32_t *step);
 int mt_cuda_clip(mt_cuda *c, float *coef, float *norm, const float *sumsq, const float *hp);
 int mt_cuda_adamw(mt_cuda *c, float *p, float *m, float *v, void *p_bf16, const float *g, int64_t n, const float *lr,
                   const float *coef, const float *hp, const int32_t *step, int decay);
+/* with bf16 moments m, v: mt_adamw_bf16_elem per element, bitwise mt_cpu_adamw_bf16 of a float32 build */
+int mt_cuda_adamw_bf16(mt_cuda *c, float *p, void *m, void *v, void *p_bf16, const float *g, int64_t n, const float *lr,
+                       const float *coef, const float *hp, const int32_t *step, int decay);
 int mt_cuda_expert_bias_update(mt_cuda *c, float *bias, const int32_t *counts, int E, float coeff);
 int mt_cuda_scale(mt_cuda *c, float *x, int64_t n, float s);
 /* expert-parallel exchange: rows of a [P, El] count table, src-major <-> expert-major */
@@ -1151,7 +1271,8 @@ void *mt_cuda_stream_handle(mt_cuda *c);
  * DIR/model.safetensors     weights (F32; F64 in float64 builds); its
  *                           __metadata__ holds the config, the run state and
  *                           the name + checksum of the optimizer file
- * DIR/optimizer-stepN.safetensors   AdamW moments (exp_avg.*, exp_avg_sq.*)
+ * DIR/optimizer-stepN.safetensors   AdamW moments (exp_avg.*, exp_avg_sq.*), in the
+ *                           weights' dtype, or BF16 for a run with bf16 moments
  * DIR/config.json           transformers' DeepseekV3Config
  * Every file carries checksums of its header and data. Saving is atomic: a
  * failed or killed save leaves the previous checkpoint loadable. Weights fit
@@ -1173,6 +1294,7 @@ typedef struct {
     int64_t data_tokens;   /* length and hash of the token stream: a position means */
     uint64_t data_hash;    /* nothing in other data */
     int32_t has_settings;  /* read back: 0 if the checkpoint recorded only the step (mt_checkpoint_save) */
+    int32_t moments;       /* read back: the saved AdamW moments' dtype, MT_F32 or MT_BF16 (saving writes the graph's) */
 } mt_run_state;
 void mt_run_state_init(mt_run_state *r);                              /* zeros, default hparams */
 
@@ -1185,7 +1307,9 @@ int mt_checkpoint_prepare_dir(const char *dir, mt_err *err);          /* create 
                                                                          interrupted saves left (.tmp files, sharded saves' parts) */
 int mt_checkpoint_read_config(const char *dir, mt_config *c, mt_err *err);
 int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err); /* step, and settings if saved */
-int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err); /* step may be NULL */
+/* step may be NULL. Moments saved in the other dtype than the graph's convert: bf16 to f32 exactly, f32
+ * to bf16 rounded to nearest even (then not the saved run's exact continuation; train says so). */
+int mt_checkpoint_load(mt_runtime *rt, const char *dir, int *step, mt_err *err);
 
 /* ========================================================================
  * 12. Data
@@ -2660,8 +2784,8 @@ static int mt__check_optimizer(mt__ck c) {
     case MT_OP_ADAMW: {
         MT__T(mt__int_attr(&c, 0, 0, 1));
         const mt_value *p = a, *gr = b, *m = mt__in(&c, 2), *v = mt__in(&c, 3);
-        if (p->dtype != MT_F32 || gr->dtype != MT_F32 || m->dtype != MT_F32 || v->dtype != MT_F32)
-            return mt_errf(err, "ADAMW: param, grad and moments of '%s' must be f32", p->name);
+        if (p->dtype != MT_F32 || gr->dtype != MT_F32 || (m->dtype != MT_F32 && m->dtype != MT_BF16) || v->dtype != m->dtype)
+            return mt_errf(err, "ADAMW: param and grad of '%s' must be f32, its moments both f32 or both bf16", p->name);
         MT__T(mt__same_numel(&c, p, gr)); MT__T(mt__same_numel(&c, p, m)); MT__T(mt__same_numel(&c, p, v));
         MT__T(mt__shape(&c, mt__in(&c, 4), "lr", 1, 1, 0, 0));
         MT__T(mt__shape(&c, mt__in(&c, 5), "coef", 1, 1, 0, 0));
@@ -5057,10 +5181,31 @@ out:
     return rc;
 }
 
-void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->fold_rope = 1; p->fuse_glu = 1; p->memory_budget = 0; }
-void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->fold_rope = 0; p->fuse_glu = 0; p->memory_budget = 0; }
+void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->fold_rope = 1; p->fuse_glu = 1; p->memory_budget = 0; p->moments = MT_F32; }
+void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->fold_rope = 0; p->fuse_glu = 0; p->memory_budget = 0; p->moments = MT_F32; }
+/* Every AdamW moment becomes bf16. The values only shrink, so a plan made before stays valid (if
+ * wasteful); mt_run_passes runs this first, before anything is planned. */
+int mt_pass_bf16_moments(mt_graph *g, mt_err *err) {
+    int n = 0;
+    (void)err;
+    for (int i = 0; i < g->n_values; i++) {
+        mt_value *v = &g->values[i];
+        if (v->role != MT_ROLE_OPT || v->dtype == MT_BF16) continue;
+        v->dtype = MT_BF16;
+        v->nbytes = mt_value_numel_max(g, v) * mt_dtype_bytes(g, MT_BF16);
+        n++;
+    }
+    return n;
+}
+int mt_graph_moments(const mt_graph *g) {
+    for (int i = 0; i < g->n_values; i++)
+        if (g->values[i].role == MT_ROLE_OPT) return g->values[i].dtype;
+    return MT_F32;
+}
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
     if (p->memory_budget < 0) return mt_errf(err, "memory budget %lld bytes is negative", (long long)p->memory_budget);
+    if (p->moments != MT_F32 && p->moments != MT_BF16) return mt_errf(err, "AdamW moments are f32 or bf16, not dtype %d", p->moments);
+    if (p->moments == MT_BF16 && mt_pass_bf16_moments(g, err) < 0) return -1;
     if (p->elide && mt_pass_elide_collectives(g, err)) return -1;
     if (p->memory_budget > 0) { if (mt__recompute_for_budget(g, p, err)) return -1; }   /* recompute, fusion, plan */
     else if (mt__late_passes(g, p, err)) return -1;
@@ -5202,7 +5347,9 @@ static void mt__fingerprint_text(const mt_graph *g, char *out, size_t n) {
     if (at > 0 && (size_t)at < n) at += snprintf(out + at, n - (size_t)at, " memory_budget=%lld recompute=", (long long)g->memory_budget);
     for (int i = 0; i < g->n_recompute && at > 0 && (size_t)at < n; i++)
         at += snprintf(out + at, n - (size_t)at, "%s%d", i ? "," : "", g->recompute[i].layer);
-    if (!g->n_recompute && at > 0 && (size_t)at < n) snprintf(out + at, n - (size_t)at, "none");
+    if (!g->n_recompute && at > 0 && (size_t)at < n) at += snprintf(out + at, n - (size_t)at, "none");
+    /* the AdamW moments' dtype, where it is not the default */
+    if (mt_graph_moments(g) == MT_BF16 && at > 0 && (size_t)at < n) snprintf(out + at, n - (size_t)at, " moments=bf16");
 }
 uint64_t mt_fingerprint(const mt_graph *g) {
     char text[4096];
@@ -5428,7 +5575,8 @@ static int mt__validate_values(const mt_graph *g, mt_err *err) {
         const mt_value *v = &g->values[i];
         if (!mt__fixstr_ok(v->name, MT_NAME_LEN)) return mt_errf(err, "value %d: bad name", i);
         if (v->dtype < 0 || v->dtype >= MT_NDTYPES) return mt_errf(err, "value '%s': bad dtype %d", v->name, v->dtype);
-        if (v->dtype == MT_BF16 && g->target.backend != MT_BACKEND_CUDA) return mt_errf(err, "value '%s': bf16 in a CPU graph", v->name);
+        if (v->dtype == MT_BF16 && g->target.backend != MT_BACKEND_CUDA && v->role != MT_ROLE_OPT)
+            return mt_errf(err, "value '%s': bf16 in a CPU graph (only AdamW moments may be)", v->name);
         if (v->role < 0 || v->role >= MT_NROLES) return mt_errf(err, "value '%s': bad role %d", v->name, v->role);
         if (v->ndim < 1 || v->ndim > MT_MAX_DIMS) return mt_errf(err, "value '%s': bad rank %d", v->name, v->ndim);
         if (v->init < MT_INIT_NONE || v->init > MT_INIT_NORMAL || !isfinite(v->init_std) || v->init_std < 0 || v->init_std > 100)
@@ -6002,6 +6150,9 @@ static void mt__dump_plan(const mt_graph *g, FILE *f) {
     fprintf(f, "  persistent %s, arena %s (naive %s, %.1f%% saved)\n", mt__human((double)g->persist_bytes, b1),
             mt__human((double)g->arena_bytes, b2), mt__human((double)g->naive_arena_bytes, b3),
             g->naive_arena_bytes ? 100.0 * (1.0 - (double)g->arena_bytes / (double)g->naive_arena_bytes) : 0.0);
+    int64_t opt = 0;
+    for (int i = 0; i < g->n_values; i++) opt += g->values[i].role == MT_ROLE_OPT ? g->values[i].nbytes : 0;
+    if (opt) fprintf(f, "  of the persistent: AdamW moments %s (%s)\n", mt__human((double)opt, b1), mt__dtype_names[mt_graph_moments(g)]);
     fprintf(f, "  constants %lld bytes (device-free: materialized on each rank's own device at bind)\n", (long long)g->consts_bytes);
     if (!g->tuned_for.device[0])
         fprintf(f, "\n== tuning: none (%s)\n", g->target.backend == MT_BACKEND_CUDA ? "each rank chooses its GEMM algorithms at bind" : "the CPU backend has nothing to tune");
@@ -6822,6 +6973,38 @@ void mt_cpu_adamw(mt_real *p, mt_real *m, mt_real *v, const mt_real *g, int64_t 
         p[i] = (mt_real)(pi - step_size * (double)m[i] / (sqrt((double)v[i]) / bc2_sqrt + eps));
     }
 }
+/* A double rounded to nearest even bf16 in one rounding: to float by round-to-odd (24 bits keep
+ * the sticky information bf16's 8 need), then to bf16. */
+static uint16_t mt__bf16_from_double(double x) {
+    float f = (float)x;
+    if ((double)f != x && isfinite(f)) {
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        if (fabs((double)f) > fabs(x)) u--;   /* toward zero ... */
+        u |= 1u;                              /* ... and odd: inexact */
+        memcpy(&f, &u, 4);
+    }
+    return mt_bf16_round(f);
+}
+void mt_cpu_adamw_bf16(mt_real *p, uint16_t *m, uint16_t *v, const mt_real *g, int64_t n, double lr, double coef,
+                       const float hp[MT_HP_COUNT], int step, int decay) {
+    if (sizeof(mt_real) == sizeof(float)) {   /* the CUDA kernels' arithmetic, operation for operation */
+        mt_adamw_k k;
+        mt_adamw_bf16_setup(&k, hp, (float)lr, (float)coef, step, decay);
+        for (int64_t i = 0; i < n; i++) p[i] = (mt_real)mt_adamw_bf16_elem(&k, (float)p[i], (float)g[i], &m[i], &v[i]);
+        return;
+    }
+    double b1 = hp[MT_HP_BETA1], b2 = hp[MT_HP_BETA2], eps = hp[MT_HP_EPS], wd = decay ? hp[MT_HP_WD] : 0;
+    double bc1 = 1 - pow(b1, step + 1), bc2 = 1 - pow(b2, step + 1);
+    double step_size = lr / bc1, bc2_sqrt = sqrt(bc2);
+    for (int64_t i = 0; i < n; i++) {
+        double gi = (double)g[i] * coef;
+        double mi = b1 * mt_bf16_float(m[i]) + (1 - b1) * gi;
+        double vi = b2 * mt_bf16_float(v[i]) + (1 - b2) * gi * gi;
+        m[i] = mt__bf16_from_double(mi); v[i] = mt__bf16_from_double(vi);
+        p[i] = (mt_real)((double)p[i] * (1 - lr * wd) - step_size * mi / (sqrt(vi) / bc2_sqrt + eps));
+    }
+}
 
 /* --- auxiliary-loss-free balancing: bias += coeff*sign(mean - count), centred --- */
 void mt_cpu_expert_bias_update(mt_real *bias, const int32_t *counts, int E, float coeff) {
@@ -7247,18 +7430,23 @@ int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *
  *    the same offs and recv (mt__backward_rule); EP_COUNTS has no gradient.
  *  - Rewritten: on ep = 1 mt_pass_elide_collectives removes all three and
  *    pins R to N*K; mt_pass_isolate_ep moves them to a communicator of their
- *    own (MT_CHANNEL_EP) when FSDP uses the same ranks; mt_pass_overlap
- *    (mt__ep_ahead) moves the work that does not depend on them ahead of
- *    the host synchronization; mt_pass_recompute re-runs them in a
- *    recomputed block (not counted as received rows). Over several ranks
- *    they need host counts (mt_node_syncs_host), so they run eagerly between
- *    captured CUDA graphs (mt_node_capturable).
+ *    own (MT_CHANNEL_EP) when FSDP uses the same ranks; mt_pass_overlap puts
+ *    the work that does not depend on them just after the leading counts and
+ *    dispatch (mt__ep_ahead) and the experts' weight gradients after the
+ *    backward's combine (mt__dw_behind); mt_pass_recompute re-runs them in a
+ *    recomputed block (not counted as received rows). The graph says they
+ *    may need host counts (mt_node_syncs_host, mt_node_capturable); the
+ *    runtime decides (mt__capturable): with the device-side engine nothing
+ *    does, and the whole step is one captured CUDA graph (rt->whole).
+ *  - The layout (which of my rows go where on which peer, both directions)
+ *    is one function, mt_ep_layout (section 9), that the device-side engine
+ *    runs on the GPU and test_ep_layout holds to the CPU engine's order.
  *  - Run: mt__exec_cpu and mt__exec_cuda hand them to mt__cpu_collective and
  *    mt__cuda_collective, which find the node's group (mt__find_group), then
- *    to the two engines below, one semantics:
+ *    to the engines below, one semantics:
  *      CPU (mt__cpu_ep): ranks are threads sharing an mt_world; each posts
  *      pointers to its rows and offsets and copies its peers' blocks itself.
- *      CUDA (mt__cuda_ep): EP_COUNTS forms the counts on the device
+ *      CUDA, host-synchronized (mt__cuda_ep): EP_COUNTS forms the counts on the device
  *      (mt_cuda_ep_counts), exchanges them (mt_nccl_exchange: ncclSend and
  *      ncclRecv per peer in one NCCL group) and copies offs and recv to the
  *      host (rt->host): the step's only host synchronization
@@ -7269,8 +7457,21 @@ int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *
  *      or back (combine); mt_cuda_ep_offsets_table writes roffs. On one rank
  *      without elision (eager graphs) mt__exec_cuda copies the rows itself
  *      (mt_cuda_ep_counts, mt_cuda_ep_offsets).
+ *      CUDA, device-side (gr->lsa, chosen at bind by mt__bind_exchange when
+ *      the arena is NCCL symmetric memory and NCCL's LSA team holds the whole
+ *      group; --ep-exchange): mt_cuda_lsa_counts trades count rows through a
+ *      control window and lays out both directions into the layer's plan
+ *      (rt->ep_plan); mt_cuda_lsa_rows writes each row straight into the
+ *      peer's xr or ys (the same arena offset on every rank) and writes roffs.
+ *      Every wait is bounded (the binding's timeout_s) and reported through
+ *      the error flag (MT_CUDA_FLAG_PEER). Symbolic rows stay at their bound:
+ *      the grouped GEMMs read the offsets, SwiGLU the live count
+ *      (rt->rows_dev). The kernels' protocol: moetrain_kernels.cu, "the
+ *      device-side expert exchange". Both CUDA engines give the same bits
+ *      (the grouped GEMMs take the planned row bound in both).
  *    The rows a rank's experts receive in the forward are counted in
- *    rt->recv_rows (mt_runtime_received_rows).
+ *    rt->recv_rows (mt_runtime_received_rows; device-side: a device counter
+ *    read after the step).
  * ====================================================================== */
 
 static int mt__check_offs(const int32_t *offs, int E, int64_t cap, const char *what, mt_err *err) {
@@ -7952,6 +8153,14 @@ int mt_runtime_init_params(mt_runtime *rt, uint64_t seed, mt_err *err) {
         const mt_value *v = &G->values[i];
         if (v->role != MT_ROLE_PARAM && v->role != MT_ROLE_OPT) continue;
         if (v->role == MT_ROLE_PARAM && v->param >= 0) continue;  /* compute shadows follow their master */
+        if (v->role == MT_ROLE_OPT && v->dtype == MT_BF16) {    /* bf16 moments: zeros (+0.0 is all bits 0) */
+            if (v->init != MT_INIT_ZERO && v->init != MT_INIT_NONE) { rc = mt_errf(err, "initializing '%s': bf16 state starts at zero", v->name); break; }
+            if (!cuda) { memset(rt->ptr[i], 0, (size_t)v->nbytes); continue; }
+#ifdef MT_CUDA
+            if (mt_cuda_memset(MT__CU(rt), rt->ptr[i], 0, (size_t)v->nbytes)) rc = mt_errf(err, "initializing '%s': %s", v->name, mt_cuda_error(MT__CU(rt)));
+#endif
+            continue;
+        }
         if (cuda && v->dtype != MT_F32) { rc = mt_errf(err, "initializing '%s': state on the device is f32, not %s", v->name, mt__dtype_names[v->dtype]); break; }
         int64_t n = mt_value_numel_logical(G, v), stored = mt_value_numel_max(G, v);
         int chunks = (v->flags & MT_VF_EXPERTS) ? (int)v->dims[0] : 1;
@@ -8195,8 +8404,12 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_ADAMW: {
         float hp[MT_HP_COUNT];
         for (int i = 0; i < MT_HP_COUNT; i++) hp[i] = (float)R_(6)[i];
-        mt_cpu_adamw(R_(0), R_(2), R_(3), R_(1), mt_value_numel_max(G, &G->values[n->in[0]]), (double)R_(4)[0],
-                     (double)R_(5)[0], hp, I_(7)[0], a[0]);
+        if (G->values[n->in[2]].dtype == MT_BF16)
+            mt_cpu_adamw_bf16(R_(0), (uint16_t *)P[n->in[2]], (uint16_t *)P[n->in[3]], R_(1),
+                              mt_value_numel_max(G, &G->values[n->in[0]]), (double)R_(4)[0], (double)R_(5)[0], hp, I_(7)[0], a[0]);
+        else
+            mt_cpu_adamw(R_(0), R_(2), R_(3), R_(1), mt_value_numel_max(G, &G->values[n->in[0]]), (double)R_(4)[0],
+                         (double)R_(5)[0], hp, I_(7)[0], a[0]);
         break;
     }
     case MT_OP_EXPERT_BIAS_UPDATE:
@@ -8373,8 +8586,12 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_LR_SCHEDULE: rc = mt_cuda_lr_schedule(c, FO(0), F_(0), I_(1)); break;
     case MT_OP_CLIP: rc = mt_cuda_clip(c, FO(0), FO(1), F_(0), F_(1)); break;
     case MT_OP_ADAMW:
-        rc = mt_cuda_adamw(c, F_(0), F_(2), F_(3), n->out[3] >= 0 ? VO(3) : NULL, F_(1), mt_value_numel_max(G, &G->values[n->in[0]]),
-                           F_(4), F_(5), F_(6), I_(7), a[0]);
+        if (G->values[n->in[2]].dtype == MT_BF16)
+            rc = mt_cuda_adamw_bf16(c, F_(0), V_(2), V_(3), n->out[3] >= 0 ? VO(3) : NULL, F_(1), mt_value_numel_max(G, &G->values[n->in[0]]),
+                                    F_(4), F_(5), F_(6), I_(7), a[0]);
+        else
+            rc = mt_cuda_adamw(c, F_(0), F_(2), F_(3), n->out[3] >= 0 ? VO(3) : NULL, F_(1), mt_value_numel_max(G, &G->values[n->in[0]]),
+                               F_(4), F_(5), F_(6), I_(7), a[0]);
         break;
     case MT_OP_EXPERT_BIAS_UPDATE: rc = mt_cuda_expert_bias_update(c, F_(0), I_(1), DIM(n->in[0], 0), n->fattr[0]); break;
     case MT_OP_ADD_RMSNORM:
@@ -8523,8 +8740,9 @@ static int mt__exec_cuda_multi(mt_runtime *rt, int i, int lim, mt_err *err) {
             const mt_node *n = &G->nodes[i + k];
             it[k].p = (float *)P[n->in[0]];
             it[k].g = (const float *)P[n->in[1]];
-            it[k].m = (float *)P[n->in[2]];
-            it[k].v = (float *)P[n->in[3]];
+            it[k].m = P[n->in[2]];
+            it[k].v = P[n->in[3]];
+            it[k].bf16_moments = G->values[n->in[2]].dtype == MT_BF16;
             it[k].p_bf16 = n->out[3] >= 0 ? P[n->out[3]] : NULL;
             it[k].n = mt_value_numel_max(G, &G->values[n->in[0]]);
             it[k].decay = n->iattr[0];
@@ -8783,9 +9001,15 @@ int mt_runtime_step(mt_runtime *rt, const int32_t *tokens, const int32_t *target
  * is written as E_local tensors "...experts.<global e>.gate_proj.weight".
  * ====================================================================== */
 
-typedef struct { char name[MT_NAME_LEN + 16]; int ndim; int64_t shape[3]; const mt_real *src; mt_real *dst; int64_t numel; } mt__tensor;
+typedef struct {
+    char name[MT_NAME_LEN + 16]; int ndim; int64_t shape[3]; const mt_real *src; mt_real *dst; int64_t numel;
+    int bf16;   /* stored as BF16 (bf16 moments; their staged reals are exact bf16 values) */
+} mt__tensor;
 /* Host copies of the values a checkpoint reads or writes (device values are
- * staged; CPU values too, for one code path). */
+ * staged; CPU values too, for one code path). Staged as reals whatever the
+ * value's dtype: bf16 moments widen exactly when read from the runtime and
+ * round to nearest even when written to it (mt__staged_read, _commit), so
+ * a file of either moment dtype loads into a graph of either. */
 typedef struct {
     int value; mt_real *buf;   /* the value's stored bytes */
     mt_real *whole; int64_t lo; /* an FSDP-sharded or tp-split value being loaded: the whole (EP-local) tensor, and this rank's
@@ -8803,6 +9027,30 @@ static int mt__part_slot_cmp(const void *a, const void *b) {
     return x->at != y->at ? (x->at < y->at ? -1 : 1) : x->rank - y->rank;
 }
 typedef struct { int world; const int *fd; const int64_t *off; mt__part_slot *slot; } mt__parts;
+static uint16_t mt__bf16_from_real(mt_real x) { return sizeof(mt_real) == 8 ? mt__bf16_from_double((double)x) : mt_bf16_round((float)x); }
+/* A value's bytes from the runtime into reals (buf: stored + 1 of them). */
+static int mt__staged_read(mt_runtime *rt, int i, mt_real *buf, mt_err *err) {
+    const mt_value *v = &rt->g.values[i];
+    if (v->dtype != MT_BF16) return mt_runtime_read(rt, i, buf, err);
+    int64_t stored = mt_value_numel_max(&rt->g, v);
+    uint16_t *h = (uint16_t *)MT_MALLOC((size_t)v->nbytes + 2);
+    if (!h) return mt_errf(err, "out of memory staging '%s'", v->name);
+    int rc = mt_runtime_read(rt, i, h, err);
+    for (int64_t k = 0; !rc && k < stored; k++) buf[k] = (mt_real)mt_bf16_float(h[k]);
+    MT_FREE(h);
+    return rc;
+}
+static int mt__staged_write(mt_runtime *rt, int i, const mt_real *buf, mt_err *err) {
+    const mt_value *v = &rt->g.values[i];
+    if (v->dtype != MT_BF16) return mt_runtime_write(rt, i, buf, err);
+    int64_t stored = mt_value_numel_max(&rt->g, v);
+    uint16_t *h = (uint16_t *)MT_MALLOC((size_t)v->nbytes + 2);
+    if (!h) return mt_errf(err, "out of memory staging '%s'", v->name);
+    for (int64_t k = 0; k < stored; k++) h[k] = mt__bf16_from_real(buf[k]);
+    int rc = mt_runtime_write(rt, i, h, err);
+    MT_FREE(h);
+    return rc;
+}
 static void mt__staged_free(mt__staged *st, int n) {
     for (int i = 0; i < n; i++) { MT_FREE(st[i].buf); MT_FREE(st[i].whole); }
     MT_FREE(st);
@@ -8851,13 +9099,14 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
                 sl[r].rank = r;
             }
             qsort(sl, (size_t)parts->world, sizeof *sl, mt__part_slot_cmp);
+            int bf = v->dtype == MT_BF16;   /* a part holds the value's bytes: bf16 moments widen to reals here */
             for (int k = 0; k < parts->world; k++) {
                 if (sl[k].at < 0 || (k && sl[k].at == sl[k - 1].at)) continue;
                 int r = sl[k].rank;
                 int64_t cnt = len - sl[k].lo < stored ? len - sl[k].lo : stored;
-                size_t nb = sizeof(mt_real) * (size_t)(cnt > 0 ? cnt : 0);
-                mt_real *tmp = NULL;   /* a row-parallel part's elements are spread over the whole tensor's rows */
-                if ((split & MT_VF_TP_COLS) && !(tmp = (mt_real *)MT_MALLOC(nb + sizeof(mt_real)))) goto oom;
+                size_t nb = (size_t)(bf ? 2 : sizeof(mt_real)) * (size_t)(cnt > 0 ? cnt : 0);
+                void *tmp = NULL;   /* a row-parallel part's elements are spread over the whole tensor's rows */
+                if (((split & MT_VF_TP_COLS) || bf) && !(tmp = MT_MALLOC(nb + sizeof(mt_real)))) goto oom;
                 char *dst = tmp ? (char *)tmp : (char *)(x->buf + sl[k].at);
                 for (size_t got = 0; got < nb;) {
                     ssize_t k = pread(parts->fd[r], dst + got, nb - got, (off_t)(parts->off[i] + (int64_t)got));
@@ -8867,16 +9116,19 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
                 if (tmp) {
                     int co[MT_NDIMS];
                     mt_mesh_coords(&G->mesh, r, co);
-                    for (int64_t j = 0; j < cnt; j++) x->buf[mt__tp_element(split, sl[k].lo + j, co[MT_DIM_TP], len, cols, tp)] = tmp[j];
+                    for (int64_t j = 0; j < cnt; j++) {
+                        mt_real y = bf ? (mt_real)mt_bf16_float(((const uint16_t *)tmp)[j]) : ((const mt_real *)tmp)[j];
+                        x->buf[(split & MT_VF_TP_COLS) ? mt__tp_element(split, sl[k].lo + j, co[MT_DIM_TP], len, cols, tp) : sl[k].at + j] = y;
+                    }
                     MT_FREE(tmp);
                 }
             }
             if (experts) chunks *= ep;
             base = x->buf;
         } else {
-            if (!(x->buf = (mt_real *)MT_MALLOC((size_t)v->nbytes + 1))) goto oom;
+            if (!(x->buf = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(stored + 1)))) goto oom;
             ns++;
-            if (mt_runtime_read(rt, i, x->buf, err)) goto fail;
+            if (mt__staged_read(rt, i, x->buf, err)) goto fail;
             base = x->buf;
             if ((v->shard && mt_mesh_group_size(&G->mesh, v->shard) > 1) || split) {
                 if (!(x->whole = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)(len * tp + 1)))) goto oom;
@@ -8895,6 +9147,7 @@ static int mt__tensors(mt_runtime *rt, int role, const char *prefix, const mt__p
             y->src = base + c * per;
             y->dst = base + c * per;
             y->numel = per * tp;
+            y->bf16 = v->dtype == MT_BF16;
         }
     }
     *out = t; *n_out = n; *st_out = st; *n_st = ns;
@@ -8916,7 +9169,7 @@ static int mt__staged_commit(mt_runtime *rt, const mt__staged *st, int n, mt_err
             for (int64_t k = 0; k < stored; k++)
                 st[i].buf[k] = st[i].lo + k < len ? st[i].whole[mt__tp_element(split, st[i].lo + k, at, len, cols, tp)] : 0;
         }
-        if (mt_runtime_write(rt, st[i].value, st[i].buf, err)) return -1;
+        if (mt__staged_write(rt, st[i].value, st[i].buf, err)) return -1;
     }
     return 0;
 }
@@ -9295,14 +9548,14 @@ static int mt__st_open(mt__st *s, const char *path, int full, mt_err *err) {
 }
 
 /* Build a safetensors file in memory: the tensors (mt_real, written as F32,
- * or F64 in float64 builds) and the metadata members in meta (",\"k\":\"v\"..."),
- * then its two checksums. *data_sum: the data's checksum (names this file). */
+ * or F64 in float64 builds; BF16 where the tensor says so) and the metadata
+ * members in meta (",\"k\":\"v\"..."), then its two checksums. *data_sum: the
+ * data's checksum (names this file). */
 static int mt__st_build(mt__buf *out, const mt__tensor *t, int n, const mt__buf *meta, uint64_t *data_sum, mt_err *err) {
     mt__buf h;
     memset(&h, 0, sizeof h);
     memset(out, 0, sizeof *out);
-    int dt = sizeof(mt_real) == 8 ? MT__ST_F64 : MT__ST_F32;
-    int64_t esz = mt__st_esz(dt);
+    int real_dt = sizeof(mt_real) == 8 ? MT__ST_F64 : MT__ST_F32;
     mt__jfmt(&h, "{\"__metadata__\":{\"format\":\"pt\"");
     if (meta->n) mt__put(&h, meta->p, meta->n);
     mt__jfmt(&h, ",\"mt.header_sum\":\"");
@@ -9312,6 +9565,8 @@ static int mt__st_build(mt__buf *out, const mt__tensor *t, int n, const mt__buf 
     mt__jfmt(&h, "%016llx\"}", 0ULL);
     int64_t off = 0;
     for (int i = 0; i < n; i++) {
+        int dt = t[i].bf16 ? MT__ST_BF16 : real_dt;
+        int64_t esz = mt__st_esz(dt);
         mt__put(&h, ",", 1); mt__jstr_esc(&h, t[i].name);
         mt__jfmt(&h, ":{\"dtype\":\"%s\",\"shape\":[", mt__st_dtype_names[dt]);
         for (int d = 0; d < t[i].ndim; d++) mt__jfmt(&h, "%s%lld", d ? "," : "", (long long)t[i].shape[d]);
@@ -9333,9 +9588,10 @@ static int mt__st_build(mt__buf *out, const mt__tensor *t, int n, const mt__buf 
     if (h.oom || out->oom) { MT_FREE(h.p); MT_FREE(out->p); memset(out, 0, sizeof *out); return mt_errf(err, "out of memory building a checkpoint file"); }
     uint8_t *dst = out->p + data_at;
     for (int i = 0; i < n; i++)
-        for (int64_t k = 0; k < t[i].numel; k++, dst += esz) {
-            if (dt == MT__ST_F64) { double x = (double)t[i].src[k]; memcpy(dst, &x, 8); }
-            else { float x = (float)t[i].src[k]; memcpy(dst, &x, 4); }
+        for (int64_t k = 0; k < t[i].numel; k++) {
+            if (t[i].bf16) { uint16_t x = mt__bf16_from_real(t[i].src[k]); dst[0] = (uint8_t)x; dst[1] = (uint8_t)(x >> 8); dst += 2; }
+            else if (real_dt == MT__ST_F64) { double x = (double)t[i].src[k]; memcpy(dst, &x, 8); dst += 8; }
+            else { float x = (float)t[i].src[k]; memcpy(dst, &x, 4); dst += 4; }
         }
     out->n = data_at + (size_t)off;
     MT_FREE(h.p);
@@ -9507,6 +9763,7 @@ static void mt__meta_model(mt__buf *b, const mt_runtime *rt, int step, const mt_
             }
         }
     if (opt_name) {
+        mt__jmeta(b, "mt.moments", "%s", mt__dtype_names[mt_graph_moments(G)]);
         mt__jmeta(b, "mt.optimizer", "%s", opt_name);
         mt__jmeta(b, "mt.optimizer_sum", "%016llx", (unsigned long long)opt_sum);
     }
@@ -9666,7 +9923,7 @@ static int mt__checkpoint_save(mt_runtime *rt, const mt__parts *parts, const cha
 }
 
 /* A sharded run (world > 1) saves collectively, every rank calling: each
- * writes the bytes it stores (f32 masters and moments, in graph order) to
+ * writes the bytes it stores (f32 masters, f32 or bf16 moments, in graph order) to
  * DIR/.mt-part-R; after a barrier rank 0 assembles every tensor whole (FSDP
  * shards in their flat ranges, experts by global index) and writes the files
  * one rank would, so any mesh can load them; after a second barrier the parts
@@ -9689,7 +9946,10 @@ static int mt__part_write(mt_runtime *rt, const char *path, int step, mt_err *er
     for (int i = 0; i < G->n_values && !rc; i++) {
         const mt_value *v = &G->values[i];
         if (!mt__part_value(v)) continue;
-        if ((size_t)v->nbytes != sizeof(mt_real) * (size_t)mt_value_numel_max(G, v)) { rc = mt_errf(err, "'%s' is not stored as reals", v->name); break; }
+        if (v->nbytes != (v->dtype == MT_BF16 ? 2 : (int64_t)sizeof(mt_real)) * mt_value_numel_max(G, v)) {
+            rc = mt_errf(err, "'%s' is not stored as reals (or bf16 moments)", v->name);
+            break;
+        }
         void *nb = MT_REALLOC(buf, (size_t)v->nbytes + 1);
         if (!nb) { rc = mt_errf(err, "out of memory writing '%s'", path); break; }
         buf = nb;
@@ -9804,6 +10064,9 @@ int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err) {
     if (!sv || mt__parse_int(sv, 0, INT_MAX, &v)) rc = mt_errf(err, "'%s' records no step", path);
     else run->step = (int32_t)v;
     run->has_settings = !rc && mt__st_meta(&s, "mt.run.seed") != NULL;
+    const char *mo = mt__st_meta(&s, "mt.moments");   /* absent: saved before bf16 moments existed, so f32 */
+    if (!rc && mo && strcmp(mo, "f32") && strcmp(mo, "bf16")) rc = mt_errf(err, "'%s': bad mt.moments '%s'", path, mo);
+    run->moments = mo && !strcmp(mo, "bf16") ? MT_BF16 : MT_F32;
     for (int i = 0; !rc && run->has_settings && i < MT__N_RUN_FIELDS; i++) {
         char key[64];
         snprintf(key, sizeof key, "mt.run.%s", mt__run_fields[i].key);

@@ -7186,14 +7186,16 @@ struct SumsqTab {
     int64_t n[MT_MULTI_SUMSQ];
     int sq[MT_MULTI_SUMSQ];
 };
-struct AdamwTab {
+struct AdamwTab {                             /* 3.7 KB: kernel parameters stay under the classic 4 KB */
     int count;
     int boff[MT_MULTI_ADAMW + 1];
-    float *p[MT_MULTI_ADAMW], *m[MT_MULTI_ADAMW], *v[MT_MULTI_ADAMW];
+    float *p[MT_MULTI_ADAMW];
+    void *m[MT_MULTI_ADAMW], *v[MT_MULTI_ADAMW];   /* f32, or bf16 where bf16m[e] */
     bf16 *p16[MT_MULTI_ADAMW];
     const float *g[MT_MULTI_ADAMW];
     int64_t n[MT_MULTI_ADAMW];
     int decay[MT_MULTI_ADAMW];
+    unsigned char bf16m[MT_MULTI_ADAMW];
 };
 __device__ __forceinline__ int multi_entry(const int *boff, int count) {   /* the tensor block blockIdx.x belongs to */
     int lo = 0, hi = count - 1;
@@ -7316,13 +7318,59 @@ __device__ __forceinline__ void adamw_elems(float *p, float *m, float *v, bf16 *
         if (p16) p16[i] = tobf(pi);
     }
 }
+/* AdamW with bf16 moments (mt_pass_bf16_moments): mt_adamw_bf16_elem (moetrain.h) per element, the
+ * float32 CPU build's operations one for one (each rounded once, no FMA), so p, m and v come out with
+ * its bits. 22 bytes an element move instead of fp32 moments' 30: the step is bandwidth-bound, so
+ * this is the saving. Four elements a step where aligned (float4 of p and g, 8 bytes of each moment). */
+__device__ __forceinline__ void adamw_elems_bf16(float *p, uint16_t *m, uint16_t *v, bf16 *p16, const float *g, int64_t n,
+                                                 const float *lrp, const float *coefp, const float *hp, const int32_t *step, int decay,
+                                                 int64_t lb, int64_t nb) {
+    mt_adamw_k k;
+    mt_adamw_bf16_setup(&k, hp, lrp[0], coefp[0], step[0], decay);
+    int64_t t = lb * (int64_t)blockDim.x + threadIdx.x, stride = nb * blockDim.x;
+    if (n % 4 == 0 && !(((uintptr_t)p | (uintptr_t)g) & 15) && !(((uintptr_t)m | (uintptr_t)v | (uintptr_t)p16) & 7)) {
+        for (int64_t i = t; i < n / 4; i += stride) {
+            float4 P = ((float4 *)p)[i], G = ((const float4 *)g)[i];
+            uint2 M = ((uint2 *)m)[i], V = ((uint2 *)v)[i];
+            float *pp = &P.x, *gg = &G.x;
+            uint16_t mm[4] = {(uint16_t)M.x, (uint16_t)(M.x >> 16), (uint16_t)M.y, (uint16_t)(M.y >> 16)};
+            uint16_t vv[4] = {(uint16_t)V.x, (uint16_t)(V.x >> 16), (uint16_t)V.y, (uint16_t)(V.y >> 16)};
+#pragma unroll
+            for (int j = 0; j < 4; j++) pp[j] = mt_adamw_bf16_elem(&k, pp[j], gg[j], &mm[j], &vv[j]);
+            ((float4 *)p)[i] = P;
+            ((uint2 *)m)[i] = make_uint2(mm[0] | (uint32_t)mm[1] << 16, mm[2] | (uint32_t)mm[3] << 16);
+            ((uint2 *)v)[i] = make_uint2(vv[0] | (uint32_t)vv[1] << 16, vv[2] | (uint32_t)vv[3] << 16);
+            if (p16) {
+                __nv_bfloat162 lo = __floats2bfloat162_rn(P.x, P.y), hi = __floats2bfloat162_rn(P.z, P.w);
+                uint2 u;
+                memcpy(&u.x, &lo, 4); memcpy(&u.y, &hi, 4);
+                ((uint2 *)p16)[i] = u;
+            }
+        }
+        return;
+    }
+    for (int64_t i = t; i < n; i += stride) {
+        float pi = mt_adamw_bf16_elem(&k, p[i], g[i], &m[i], &v[i]);
+        p[i] = pi;
+        if (p16) p16[i] = tobf(pi);
+    }
+}
 __global__ void k_adamw(float *p, float *m, float *v, bf16 *p16, const float *g, int64_t n, const float *lrp, const float *coefp,
                         const float *hp, const int32_t *step, int decay) {
     adamw_elems(p, m, v, p16, g, n, lrp, coefp, hp, step, decay, blockIdx.x, gridDim.x);
 }
+__global__ void k_adamw_bf16(float *p, uint16_t *m, uint16_t *v, bf16 *p16, const float *g, int64_t n, const float *lrp, const float *coefp,
+                             const float *hp, const int32_t *step, int decay) {
+    adamw_elems_bf16(p, m, v, p16, g, n, lrp, coefp, hp, step, decay, blockIdx.x, gridDim.x);
+}
 __global__ void k_adamw_multi(const __grid_constant__ AdamwTab t, const float *lrp, const float *coefp, const float *hp, const int32_t *step) {
     int e = multi_entry(t.boff, t.count), b0 = t.boff[e];
-    adamw_elems(t.p[e], t.m[e], t.v[e], t.p16[e], t.g[e], t.n[e], lrp, coefp, hp, step, t.decay[e], (int64_t)blockIdx.x - b0, t.boff[e + 1] - b0);
+    if (t.bf16m[e])
+        adamw_elems_bf16(t.p[e], (uint16_t *)t.m[e], (uint16_t *)t.v[e], t.p16[e], t.g[e], t.n[e], lrp, coefp, hp, step, t.decay[e],
+                         (int64_t)blockIdx.x - b0, t.boff[e + 1] - b0);
+    else
+        adamw_elems(t.p[e], (float *)t.m[e], (float *)t.v[e], t.p16[e], t.g[e], t.n[e], lrp, coefp, hp, step, t.decay[e],
+                    (int64_t)blockIdx.x - b0, t.boff[e + 1] - b0);
 }
 static unsigned mt__adamw_blocks(int64_t n) {
     unsigned gr = mt__blocks(n / 4 + 1, 256);
@@ -7332,6 +7380,13 @@ int mt_cuda_adamw(mt_cuda *c, float *p, float *m, float *v, void *p_bf16, const 
                   const float *coef, const float *hp, const int32_t *step, int decay) {
     if (n <= 0) return 0;
     k_adamw<<<mt__adamw_blocks(n), 256, 0, c->stream>>>(p, m, v, (bf16 *)p_bf16, g, n, lr, coef, hp, step, decay);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_adamw_bf16(mt_cuda *c, float *p, void *m, void *v, void *p_bf16, const float *g, int64_t n, const float *lr,
+                       const float *coef, const float *hp, const int32_t *step, int decay) {
+    if (n <= 0) return 0;
+    k_adamw_bf16<<<mt__adamw_blocks(n), 256, 0, c->stream>>>(p, (uint16_t *)m, (uint16_t *)v, (bf16 *)p_bf16, g, n, lr, coef, hp, step, decay);
     LAUNCHED();
     return 0;
 }
@@ -7346,7 +7401,7 @@ int mt_cuda_adamw_multi(mt_cuda *c, const mt_cuda_adamw_item *it, int count, con
             int e = t.count++;
             t.boff[e] = (int)nb;
             t.p[e] = it[i].p; t.m[e] = it[i].m; t.v[e] = it[i].v; t.p16[e] = (bf16 *)it[i].p_bf16; t.g[e] = it[i].g;
-            t.n[e] = it[i].n; t.decay[e] = it[i].decay;
+            t.n[e] = it[i].n; t.decay[e] = it[i].decay; t.bf16m[e] = it[i].bf16_moments != 0;
             nb += mt__adamw_blocks(it[i].n);
         }
         if (!t.count) continue;

@@ -38,6 +38,7 @@ static const opt_spec specs[] = {
     {"no-fold-rope", NULL, OPT_FLAG, 0, 0, "off", "CUDA: form MLA's Q, K, V apart instead of folding RoPE into attention"},
     {"no-fuse-glu", NULL, OPT_FLAG, 0, 0, "off", "the experts' gate and up GEMMs and their SwiGLU as three ops"},
     {"memory-budget", "GiB", OPT_FLOAT, 0, 1 << 20, "0: off", "recompute the fewest blocks' activations so the planned peak (persistent + arena) fits"},
+    {"moments", "DTYPE", OPT_STR, 0, 0, "fp32", "AdamW moments' dtype: fp32, or bf16 (half their bytes; the update in fp32)"},
     {"help", NULL, OPT_FLAG, 0, 0, "", "this text"},
 };
 #define N_SPECS ((int)(sizeof specs / sizeof specs[0]))
@@ -166,6 +167,9 @@ int main(int argc, char **argv) {
     if (flag[at("no-fold-rope")]) passes.fold_rope = 0;
     if (flag[at("no-fuse-glu")]) passes.fuse_glu = 0;
     passes.memory_budget = (int64_t)(fnum[at("memory-budget")] * 1073741824.0);
+    const char *moments = str[at("moments")];
+    if (moments && strcmp(moments, "fp32") && strcmp(moments, "bf16")) { fprintf(stderr, "precompile: --moments takes fp32 or bf16, not '%s'\n", moments); return 2; }
+    passes.moments = moments && !strcmp(moments, "bf16") ? MT_BF16 : MT_F32;
     mt_graph g;
     double t0 = mt_now();
     if (mt_config_validate(&cfg, &err)) { fprintf(stderr, "precompile: %s\n", err.msg); return 2; }
@@ -197,6 +201,9 @@ int main(int argc, char **argv) {
            (unsigned long long)mt_fingerprint(&g), t1 - t0);
     printf("memory: %s persistent + %s arena (naive arena %s)\n", mt__human((double)g.persist_bytes, h1),
            mt__human((double)g.arena_bytes, h2), mt__human((double)g.naive_arena_bytes, h3));
+    int64_t opt = 0;
+    for (int i = 0; i < g.n_values; i++) opt += g.values[i].role == MT_ROLE_OPT ? g.values[i].nbytes : 0;
+    if (opt) printf("  of the persistent: AdamW moments %s (%s)\n", mt__human((double)opt, h1), mt_graph_moments(&g) == MT_BF16 ? "bf16" : "fp32");
     if (g.memory_budget)
         printf("recompute: %d of %d blocks for a budget of %s (planned peak %s, without recompute %s); --dump lists them\n",
                g.n_recompute, g.cfg.n_layers, mt__human((double)g.memory_budget, h1), mt__human((double)mt_graph_peak_bytes(&g), h2),

@@ -26,11 +26,12 @@
 #include <sys/wait.h>
 
 typedef struct {
-    const char *preset, *graph, *data, *data_format, *metrics, *svg, *save, *load, *forward, *logits_out, *device, *ep_exchange;
+    const char *preset, *graph, *data, *data_format, *metrics, *svg, *save, *load, *forward, *logits_out, *device, *ep_exchange, *moments;
     int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_overlap, no_fold_rope, no_fuse_glu,
         attn_recompute_dq, one_launch_per_node, overwrite;
     int data_fmt;                                /* --data-format as MT_DATA_AUTO, _BIN or _RAW */
     int exchange;                                /* --ep-exchange as MT_EXCHANGE_AUTO, _HOST or _DEVICE */
+    int moments_dt;                              /* --moments as MT_F32 or MT_BF16 (an artifact's or a resumed checkpoint's) */
     int nproc, dp_replicate, dp_shard, tp, ep;   /* ranks; 0 = derive */
     int launch_check;                            /* meet at the rendezvous, say where the rank came from, stop */
     float timeout;                           /* seconds without progress before a rank gives up */
@@ -85,6 +86,8 @@ static const opt_spec specs[] = {
     {"eps", OPT_FLOAT, O_(hp.eps), 0, 1, 1, 0, "1e-8", "AdamW epsilon", NULL},
     {"weight-decay", OPT_FLOAT, O_(hp.weight_decay), 0, 10, 0, 0, "0.1", "AdamW weight decay", NULL},
     {"grad-clip", OPT_FLOAT, O_(hp.grad_clip), 0, 1e6, 0, 0, "1.0", "clip the global gradient norm to this (0: off)", NULL},
+    {"moments", OPT_STR, O_(moments), 0, 0, 0, 0, "fp32; a resumed run: the checkpoint's",
+     "AdamW moments' dtype: fp32, or bf16 (half their bytes; the update in fp32, stored rounded to nearest even)", "DTYPE"},
     {"metrics", OPT_STR, O_(metrics), 0, 0, 0, 0, "none", "JSON lines: step, loss (the next-token loss), mtp_loss (with --mtp-layers), grad_norm, lr, tokens_per_s, step_ms, expert_load", "FILE"},
     {"svg", OPT_STR, O_(svg), 0, 0, 0, 0, "none", "write the loss curve at the end", "FILE"},
     {"save", OPT_STR, O_(save), 0, 0, 0, 0, "none", "checkpoint directory: model.safetensors (Hugging Face names), config.json, optimizer", "DIR"},
@@ -249,6 +252,11 @@ static int parse_args(int argc, char **argv, opts *o) {
         return -1;
     }
     if (o->data_format && !o->data && !o->load) { fprintf(stderr, "train: --data-format needs --data FILE\n"); return -1; }
+    if (o->moments && strcmp(o->moments, "fp32") && strcmp(o->moments, "bf16")) {
+        fprintf(stderr, "train: --moments takes fp32 or bf16, not '%s'\n", o->moments);
+        return -1;
+    }
+    o->moments_dt = o->moments && !strcmp(o->moments, "bf16") ? MT_BF16 : MT_F32;
     o->config_from = o->graph ? o->graph : o->preset;
     return 0;
 }
@@ -383,6 +391,7 @@ static int checkpoint_config(opts *o, mt_config *cfg, int fixed_by_graph) {
 static int plan_resume(opts *o, mt_run_state *ck) {
     mt_err e;
     if (mt_checkpoint_read_run(o->load, ck, &e)) { fprintf(stderr, "train: %s\n", e.msg); return 1; }
+    if (!given(o, "moments") && !o->graph) o->moments_dt = ck->moments;   /* recorded with the moments (an artifact fixes them) */
     if (!ck->has_settings) {   /* saved without run settings (mt_checkpoint_save): this command line's */
         printf("resuming '%s' at step %d of %d; it records no run settings, so this command line's are used\n", o->load, ck->step, o->steps);
         return 0;
@@ -416,6 +425,9 @@ static int plan_resume(opts *o, mt_run_state *ck) {
     else if (o->hp.decay_steps != ck->hp.decay_steps) NOTE(" decay-steps %d -> %d;", ck->hp.decay_steps, o->hp.decay_steps);
     if (!given(o, "data")) o->data = ck->data[0] ? ck->data : NULL;
     if (o->eager != ck->eager) NOTE(" %s -> %s (on CUDA the two round differently);", ck->eager ? "eager" : "compiled", o->eager ? "eager" : "compiled");
+    if (o->moments_dt != ck->moments)
+        NOTE(" AdamW moments %s -> %s (the saved moments %s);", ck->moments == MT_BF16 ? "bf16" : "fp32", o->moments_dt == MT_BF16 ? "bf16" : "fp32",
+             o->moments_dt == MT_BF16 ? "rounded to nearest even bf16 on loading" : "widened to fp32 exactly on loading");
 #undef NOTE
     printf("resuming '%s' at step %d of %d (%s, seed %d, data %s)\n", o->load, ck->step, o->steps, o->config_from, o->seed,
            o->data ? o->data : "the embedded corpus");
@@ -1094,6 +1106,13 @@ int main(int argc, char **argv) {
             mt_graph_free(&g);
             return 2;
         }
+        if (given(&o, "moments") && o.moments_dt != mt_graph_moments(&g)) {
+            fprintf(stderr, "train: '%s' was compiled with %s AdamW moments; --moments %s cannot change them (re-run precompile with it)\n",
+                    o.graph, mt_graph_moments(&g) == MT_BF16 ? "bf16" : "fp32", o.moments);
+            mt_graph_free(&g);
+            return 2;
+        }
+        o.moments_dt = mt_graph_moments(&g);
         cfg = g.cfg;
         have_graph = 1;
     } else {
@@ -1176,15 +1195,17 @@ int main(int argc, char **argv) {
         if (o.no_fold_rope) passes.fold_rope = 0;
         if (o.no_fuse_glu) passes.fuse_glu = 0;
         passes.memory_budget = (int64_t)((double)o.memory_budget * 1073741824.0);
+        passes.moments = o.moments_dt;
         double t0 = mt_now();
         if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_TRAIN, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
 #ifdef MT_CUDA
         if (on_cuda && mt_tune(&g, world > 1 ? local_rank : o.gpu, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_graph_free(&g); return 1; }
 #endif
-        if (rank == 0) printf("compiled the step graph in %.2f s: %d nodes, %d values, %d of %d blocks recomputed\n", mt_now() - t0,
-                              g.n_nodes, g.n_values, g.n_recompute, g.cfg.n_layers);
+        if (rank == 0) printf("compiled the step graph in %.2f s: %d nodes, %d values, %d of %d blocks recomputed%s\n", mt_now() - t0,
+                              g.n_nodes, g.n_values, g.n_recompute, g.cfg.n_layers, o.moments_dt == MT_BF16 ? ", AdamW moments in bf16" : "");
     } else if (rank == 0) {
-        printf("loaded the step graph from %s: %d nodes, %d values\n", o.graph, g.n_nodes, g.n_values);
+        printf("loaded the step graph from %s: %d nodes, %d values%s\n", o.graph, g.n_nodes, g.n_values,
+               o.moments_dt == MT_BF16 ? ", AdamW moments in bf16" : "");
     }
 
     /* 4. data */
