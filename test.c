@@ -7174,8 +7174,10 @@ static void test_mtp(void) {
     }
     uint8_t *json = NULL;
     size_t jl = 0;
-    int cfg = rt_ok && !mt_read_file(TP("mtp_ckpt/config.json"), &json, &jl, &e) && strstr((const char *)json, "\"num_nextn_predict_layers\": 2,") &&
-              strstr((const char *)json, "\"num_hidden_layers\": 3,");
+    int cfg = rt_ok && !mt_read_file(TP("mtp_ckpt/config.json"), &json, &jl, &e);
+    uint8_t *z = cfg ? (uint8_t *)realloc(json, jl + 1) : NULL;   /* the file's bytes are not a C string */
+    if (z) { json = z; json[jl] = 0; }
+    cfg = z && strstr((const char *)json, "\"num_nextn_predict_layers\": 2,") && strstr((const char *)json, "\"num_hidden_layers\": 3,");
     free(json);
     report("MTP checkpoint: DeepSeek-V3's names on disk, config.json, round trip and resume bitwise", rt_ok && same && disk && cfg,
            "loss %.4f -> %.4f, MTP loss %.4f -> %.4f; names %s, config.json %s %s", la[0], la[5], ma[0], ma[5], disk ? "ok" : "WRONG",
