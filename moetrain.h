@@ -54,7 +54,8 @@
  *                forward op of a block; named only where it treats an op apart), isolate_ep
  *                (mt_pass_isolate_ep), overlap (mt_pass_overlap, mt_node_queue: a stream of its
  *                own), capture (mt_node_capturable: runs eagerly between captured CUDA graphs),
- *                tune (mt_tune); mt_pass_plan_memory and mt__validate_graph see every op;
+ *                tune (mt_tune), fp8 (mt_pass_fp8: FP8 inputs, quantized by the CPU and CUDA cases);
+ *                mt_pass_plan_memory and mt__validate_graph see every op;
  *   CPU, CUDA    what its case in mt__exec_cpu and mt__exec_cuda calls: an mt_cpu_* reference op
  *                (section 8), an mt_cuda_* launcher (moetrain_kernels.cu); collectives go through
  *                mt__cpu_collective and mt__cuda_collective to the engines of section 9, the
@@ -72,7 +73,7 @@
  *                                         mt_cpu_rmsnorm_forward                   mt_cuda_rmsnorm_forward
  * RMSNORM_BWD        mt__check_dense      <- RMSNORM                   -                  fuse
  *                                         mt_cpu_rmsnorm_backward                  mt_cuda_rmsnorm_backward
- * MATMUL             mt__check_dense      mt__linear, <- MATMUL        MATMUL x 2         fuse, tune
+ * MATMUL             mt__check_dense      mt__linear, <- MATMUL        MATMUL x 2         fuse, tune, fp8
  *                                         mt_cpu_matmul                            mt_cuda_matmul
  * SPLIT              mt__check_dense      mt__mla, <- CONCAT           CONCAT             -
  *                                         mt_cpu_split                             mt_cuda_split
@@ -106,11 +107,11 @@
  *                                         mt__cpu_ep                               mt__cuda_ep; ep = 1: mt_cuda_ep_offsets
  * EP_COMBINE         mt__check_moe        mt__moe, <- EP_DISPATCH      EP_DISPATCH        elide, isolate_ep, overlap, capture
  *                                         mt__cpu_ep                               mt__cuda_ep; ep = 1: mt_cuda_copy
- * GMM                mt__check_moe        mt__moe                      GMM_DX, GMM_DW     fuse_glu
+ * GMM                mt__check_moe        mt__moe                      GMM_DX, GMM_DW     fuse_glu, fp8
  *                                         mt_cpu_gmm                               mt_cuda_gmm (mode 0)
- * GMM_DX             mt__check_moe        <- GMM                       -                  fuse
+ * GMM_DX             mt__check_moe        <- GMM                       -                  fuse, fp8
  *                                         mt_cpu_gmm_dx                            mt_cuda_gmm (mode 1)
- * GMM_DW             mt__check_moe        <- GMM                       -                  fuse
+ * GMM_DW             mt__check_moe        <- GMM                       -                  fuse, fp8
  *                                         mt_cpu_gmm_dw                            mt_cuda_gmm (mode 2)
  * MOE_COMBINE        mt__check_moe        mt__moe                      MOE_COMBINE_BWD    -
  *                                         mt_cpu_moe_combine_forward               mt_cuda_moe_combine_forward
@@ -136,9 +137,9 @@
  *                                         mt_cpu_add_rmsnorm_forward               mt_cuda_add_rmsnorm_forward
  * RMSNORM_BWD_ADD    mt__check_dense      fuse: RMSNORM_BWD + ADD      -                  -
  *                                         mt_cpu_rmsnorm_backward_add              mt_cuda_rmsnorm_backward_add
- * MATMUL_ACC         mt__check_dense      fuse: MATMUL + ADD           -                  tune
+ * MATMUL_ACC         mt__check_dense      fuse: MATMUL + ADD           -                  tune, fp8
  *                                         mt_cpu_matmul + mt_cpu_add               mt_cuda_matmul (acc)
- * GMM_DX2            mt__check_moe        fuse: GMM_DX x 2 + ADD       -                  -
+ * GMM_DX2            mt__check_moe        fuse: GMM_DX x 2 + ADD       -                  fp8
  *                                         mt_cpu_gmm_dx + mt_cpu_gmm_dx_add        mt_cuda_gmm (mode 1, a2 b2)
  * GMM_DW_SQ          mt__check_moe        fuse: GMM_DW + SUMSQ         -                  -
  *                                         mt_cpu_gmm_dw + mt__exec_cpu             mt_cuda_gmm (mode 2, ssq)
@@ -156,7 +157,7 @@
  *                                         mt_cpu_mla_attention_backward            mt_cuda_mla_attention_backward
  * ROPE_PE_BWD        mt__check_attention  fold_rope: MLA_ROPE_BWD      -                  -
  *                                         mt_cpu_rope_pe_backward                  mt_cuda_rope_pe_backward
- * GMM_GLU            mt__check_moe        fuse_glu: GMM x 2 + SWIGLU   -                  -
+ * GMM_GLU            mt__check_moe        fuse_glu: GMM x 2 + SWIGLU   -                  fp8
  *                                         mt_cpu_gmm x 2 + mt_cpu_swiglu_forward   mt_cuda_gmm_glu
  * SP_GATHER          mt__check_collective mt__sp, <- SP_SCATTER        SP_SCATTER         overlap, capture
  *                                         mt__cpu_allgather                        mt_nccl_allgather
@@ -197,13 +198,14 @@ typedef MT_REAL mt_real;
 
 #define MT_VERSION_STRING "moetrain 0.1"
 #define MT_KERNELS_VERSION "moetrain-kernels 3"   /* bump when any kernel's numerics change (2: RoPE rotations with pinned roundings; 3: the SwiGLU's logistic with the approximate reciprocal) */
-#define MT_FORMAT_VERSION 8u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
+#define MT_FORMAT_VERSION 9u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
                                                       4: activation recompute: the recompute phase, the choice and budget in the plan; 5: tuning by GPU model;
                                                       6: RoPE folded into attention: ROPE_PE, MLA_ATTENTION(_BWD), ROPE_PE_BWD, 10 inputs a node;
                                                       7: tensor parallelism: SP_GATHER/SP_SCATTER, CE_STATS/CE_COMBINE/CE_SHARD_BWD, EMBED's
                                                          token slice, the TP_ROWS/TP_COLS value flags;
                                                       8: multi-token prediction: SHIFT_TOKENS, the loss ops' counted rows and weight,
-                                                         the config fields mtp_layers and mtp_weight) */
+                                                         the config fields mtp_layers and mtp_weight;
+                                                      9: FP8 GEMMs: a GEMM node's iattr[MT_IATTR_FP8]) */
 
 /* ========================================================================
  * 1. Basics
@@ -636,6 +638,7 @@ typedef struct {
     int fuse_glu;            /* with fuse: the experts' gate and up GEMMs and their SwiGLU as one op (mt_pass_fuse_glu) */
     int64_t memory_budget;   /* bytes (persistent + arena, as planned); > 0: recompute the fewest blocks that fit it */
     int moments;             /* the AdamW moments' dtype: MT_F32 (mt_passes_all and _none), or MT_BF16 (mt_pass_bf16_moments) */
+    int fp8;                 /* 1: the linear layers' GEMMs in FP8 (mt_pass_fp8; neither mt_passes_all nor _none turns it on) */
 } mt_passes;
 int mt_pass_elide_collectives(mt_graph *g, mt_err *err); /* the expert exchange over one rank is a copy: gone */
 int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
@@ -648,6 +651,23 @@ int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, 
  * number of moment values changed, -1 on error. */
 int mt_pass_bf16_moments(mt_graph *g, mt_err *err);
 int mt_graph_moments(const mt_graph *g);             /* the AdamW moments' dtype: MT_F32 (also with none), MT_BF16 */
+/* FP8 GEMMs, DeepSeek-V3's recipe (docs/FP8.md): the GEMMs of the linear layers, forward and both
+ * backward ones, take e4m3 inputs with one fp32 scale per block, amax / 448: activations and
+ * gradients per 1 x 128 tile along the GEMM's reduction axis (for a weight gradient that is the
+ * token axis, 128 tokens of one expert), weights per 128 x 128 block. Products accumulate in fp32
+ * (the CUDA kernels promote every 128 along K); outputs stay bf16 (weight gradients fp32); master
+ * weights, gradient reductions and AdamW are untouched. The embedding, the output head, the router
+ * and attention stay bf16, as do GEMMs whose sizes the FP8 kernels do not take (a reduction or
+ * output width not a multiple of 16). The pass marks GEMM-family nodes (MATMUL, MATMUL_ACC, GMM,
+ * GMM_DX, GMM_DW and what fusion makes of them) with iattr[MT_IATTR_FP8] = 1: CUDA runs them through
+ * the FP8 kernels (moetrain_kernels.cu section 11), quantizing their inputs into scratch; the CPU
+ * emulates them exactly as specified (quantize, dequantize, then its float GEMM), so the CPU graph is
+ * the FP8 step's reference. Changes numerics: a run setting. Before fusion. Returns the number of
+ * nodes marked, -1 on error. */
+#define MT_IATTR_FP8 7
+int mt_pass_fp8(mt_graph *g, mt_err *err);
+int mt_node_fp8(const mt_node *n);                   /* a GEMM-family node marked by mt_pass_fp8 */
+int mt_graph_fp8(const mt_graph *g);                 /* how many nodes run in FP8 (0: a bf16 step) */
 /* The routed experts' GMM (x, W_gate) -> g, GMM (x, W_up) -> u, SWIGLU (g, u) -> h become one GMM_GLU
  * (x, W_gate, offs, W_up) -> g, u, h: on CUDA one grouped GEMM whose tiles hold g's and u's same
  * columns, the SwiGLU in its epilogue; on the CPU the three ops in order. Bitwise the same results.
@@ -804,6 +824,16 @@ void mt_cpu_gmm_dx_add(mt_pool *pool, mt_real *dX, const mt_real *dY, const mt_r
                        const int32_t *offs, int E, int M, int K); /* dX += dY_e W_e, as an ADD after GMM_DX */
 void mt_cpu_gmm_dw(mt_pool *pool, mt_real *dW, const mt_real *dY, const mt_real *X,
                    const int32_t *offs, int E, int M, int K); /* dW_e = dY_e^T X_e */
+/* FP8 (e4m3) quantization as the CUDA kernels do it, each value replaced by what it dequantizes to:
+ * a block's scale s = amax / 448 (fp32), each x by e4m3(x / s) * s (round to nearest even, saturated
+ * at 448; s = 0: zeros). mt_e4m3 rounds one value. rows: [R,C] in 1 x 128 tiles along each row;
+ * cols: [R,C] in 128 x 1 tiles down each column, the rows grouped by offs[E+1] (NULL: one group),
+ * each group's tiles starting at its first row; blocks: E matrices [N,K] in 128 x 128 blocks. In
+ * place (y may be x). */
+double mt_e4m3(double x);
+void mt_cpu_fp8_rows(mt_real *y, const mt_real *x, int64_t R, int64_t C);
+void mt_cpu_fp8_cols(mt_real *y, const mt_real *x, const int32_t *offs, int E, int64_t R, int64_t C);
+void mt_cpu_fp8_blocks(mt_real *y, const mt_real *x, int64_t E, int64_t N, int64_t K);
 void mt_cpu_moe_combine_forward(mt_real *y, const mt_real *ys, const int32_t *slot,
                                 const mt_real *w, int N, int D, int K);
 void mt_cpu_moe_combine_backward(mt_real *dys, mt_real *dw, const mt_real *dy, const mt_real *ys,
@@ -1197,6 +1227,22 @@ int mt_cuda_gmm(mt_cuda *c, int mode, void *out, const void *a, const void *b, c
 int mt_cuda_gmm_glu(mt_cuda *c, void *g, void *u, void *h, const void *x, const void *wg, const void *wu, const int32_t *d_offs,
                     int E, int M, int K, int Rmax);
                 /* gate and up in one launch: g = X Wg^T, u = X Wu^T, h = silu(g) u (h may be NULL) */
+/* FP8 GEMMs (section 11 of moetrain_kernels.cu; layouts, bounds and kernels in docs/FP8.md). Quantizers from
+ * bf16: rows: x [R][C] -> q [R][C], scale of row r's block kb at s[kb * R + r]; cols: x [R][C], rows grouped by
+ * d_offs (NULL: one group) -> qt [C][Lp], each group's 128-token blocks padded with zero codes (Lp >=
+ * mt_cuda_fp8_tpad(R, E)); weight: w [E][N][K] -> q [E][N][K] (transpose 0) or its transpose [E][K][N], one
+ * scale per 128 x 128 block. Dense: out[Mr][Nc] (bf16, or fp32) = A[Mr][:K] . B[Nc][:K] through cuBLASLt's
+ * block-scaled FP8 (b_blk: B weight-quantized, else rows-quantized). Grouped: mode 0 Y [Rmax][M] = X W^T
+ * (a = X rows, b = W), 1 dX [Rmax][K] = dY W (a = dY rows, b = W transposed), 2 dW [E][M][K] fp32 (a = dY
+ * cols [M][Lp], b = X cols [K][Lp]); variant 0 the default kernel. */
+long long mt_cuda_fp8_tpad(int Rmax, int E);
+int mt_cuda_fp8_quant_rows(mt_cuda *c, uint8_t *q, float *s, const void *x, int R, int C);
+int mt_cuda_fp8_quant_cols(mt_cuda *c, uint8_t *qt, float *st, const void *x, const int32_t *d_offs, int E, int R, int C, long long Lp);
+int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, int E, int N, int K, int transpose);
+int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const float *sa, int lda, const uint8_t *b,
+                     const float *sb, int b_blk, int ldb, int Mr, int Nc, int K);
+int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
+                    const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant);
 int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32_t *slot, const float *w, int N, int D, int K);
 int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
                                  const float *w, int N, int D, int K);
@@ -1295,6 +1341,7 @@ typedef struct {
     uint64_t data_hash;    /* nothing in other data */
     int32_t has_settings;  /* read back: 0 if the checkpoint recorded only the step (mt_checkpoint_save) */
     int32_t moments;       /* read back: the saved AdamW moments' dtype, MT_F32 or MT_BF16 (saving writes the graph's) */
+    int32_t fp8;           /* read back: 1 if the run's linear layers ran in FP8 (mt_pass_fp8; saving writes the graph's) */
 } mt_run_state;
 void mt_run_state_init(mt_run_state *r);                              /* zeros, default hparams */
 
@@ -2806,6 +2853,34 @@ static int mt__check_optimizer(mt__ck c) {
     }
     return 0;
 }
+/* FP8 GEMMs (mt_pass_fp8): the ops it may mark, and the FP8 kernels' rules for such a node: a forward,
+ * input-gradient or weight-gradient form, every width a multiple of 16 (a grouped GEMM's rows may be
+ * anything), bf16 operands on CUDA. */
+static int mt__fp8_gemm_op(int op) {
+    return op == MT_OP_MATMUL || op == MT_OP_MATMUL_ACC || op == MT_OP_GMM || op == MT_OP_GMM_DX || op == MT_OP_GMM_DW ||
+           op == MT_OP_GMM_DX2 || op == MT_OP_GMM_GLU;
+}
+int mt_node_fp8(const mt_node *n) { return mt__fp8_gemm_op(n->op) && n->iattr[MT_IATTR_FP8] == 1; }
+static int mt__w16(const mt_value *x, int from) {   /* dims from `from` on: literal multiples of 16 */
+    for (int d = from; d < x->ndim; d++) if (x->dims[d] < 16 || x->dims[d] % 16) return 0;
+    return 1;
+}
+static int mt__fp8_shapes(const mt_graph *g, const mt_node *n) {
+    if (!mt__fp8_gemm_op(n->op)) return 0;
+    int ops[4] = {n->in[0], n->in[1], -1, -1};   /* the GEMM operands */
+    if (n->op == MT_OP_MATMUL || n->op == MT_OP_MATMUL_ACC) {
+        if (n->iattr[0] && n->iattr[1]) return 0;
+        if (!mt__w16(&g->values[n->in[0]], 0) || !mt__w16(&g->values[n->in[1]], 0) || !mt__w16(&g->values[n->out[0]], 0)) return 0;
+    } else {
+        const mt_value *W = &g->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];   /* [E, M, K] */
+        if (W->ndim != 3 || !mt__w16(W, 1)) return 0;
+        if (n->op == MT_OP_GMM_DX2) { ops[2] = n->in[3]; ops[3] = n->in[4]; }   /* shaped as the first pair (mt__check_moe) */
+        if (n->op == MT_OP_GMM_GLU) ops[2] = n->in[3];
+    }
+    for (int k = 0; k < 4; k++)
+        if (ops[k] >= 0 && g->target.backend == MT_BACKEND_CUDA && g->values[ops[k]].dtype != MT_BF16) return 0;
+    return 1;
+}
 int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
     MT__T(mt__check_refs(g, n, err));
     mt__ck c = {g, n, err};
@@ -2837,6 +2912,9 @@ int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err) {
         MT__T(mt__check_optimizer(c));
         break;
     }
+    /* the FP8 mark: only where the FP8 GEMMs can run the node */
+    if (n->iattr[MT_IATTR_FP8] && (!mt_node_fp8(n) || !mt__fp8_shapes(g, n)))
+        return mt_errf(err, "%s: FP8 mark %d where the FP8 GEMMs cannot run it", mt_ops[n->op].name, n->iattr[MT_IATTR_FP8]);
     /* every operand is an index (i32) or floating point, as the op says */
     uint32_t in_idx, out_idx;
     if (mt__index_operands(n->op, &in_idx, &out_idx) == 0) {
@@ -4593,7 +4671,8 @@ int mt_pass_fuse_glu(mt_graph *g, mt_err *err) {
         if (jg < 0 || ju < 0 || jg == ju) continue;
         mt_node *a = &g->nodes[jg], *b = &g->nodes[ju];
         if (a->op != MT_OP_GMM || b->op != MT_OP_GMM || a->in[0] != b->in[0] || a->in[2] != b->in[2] ||
-            a->phase != b->phase || a->phase != s->phase || a->queue != b->queue || a->queue != s->queue)
+            a->phase != b->phase || a->phase != s->phase || a->queue != b->queue || a->queue != s->queue ||
+            mt_node_fp8(a) != mt_node_fp8(b))
             continue;
         const mt_value *wg = &g->values[a->in[1]], *wu = &g->values[b->in[1]];
         if (wg->dtype != wu->dtype || memcmp(wg->dims, wu->dims, sizeof wg->dims) ||
@@ -4644,7 +4723,7 @@ int mt_pass_fuse_glu(mt_graph *g, mt_err *err) {
 int mt_pass_fuse(mt_graph *g, mt_err *err) {
     int w = 0;
     for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
-        if (g->nodes[i].op != MT_OP_GMM_DW) continue;
+        if (g->nodes[i].op != MT_OP_GMM_DW || mt_node_fp8(&g->nodes[i])) continue;   /* FP8: no such epilogue */
         int gv = g->nodes[i].out[0], ok = g->values[gv].role == MT_ROLE_GRAD && g->values[gv].dtype == MT_F32, sq = -1;
         for (int k = i + 1; k < g->n_nodes && ok; k++) {
             const mt_node *x = &g->nodes[k];
@@ -4686,7 +4765,7 @@ int mt_pass_fuse(mt_graph *g, mt_err *err) {
         mt_node *x = &g->nodes[j];
         if (x->op != MT_OP_GMM_DX) continue;
         const mt_value *wx = &g->values[x->in[1]], *wy = &g->values[y->in[1]];
-        if (x->in[2] != y->in[2] || x->phase != y->phase || wx->dtype != wy->dtype ||
+        if (x->in[2] != y->in[2] || x->phase != y->phase || wx->dtype != wy->dtype || mt_node_fp8(x) != mt_node_fp8(y) ||
             memcmp(wx->dims, wy->dims, sizeof wx->dims) || g->values[x->in[0]].dtype != g->values[y->in[0]].dtype ||
             mt__uses_after(g, i, y->out[0]) != 1 || mt__uses_after(g, j, xv) != 1)
             continue;
@@ -5181,8 +5260,8 @@ out:
     return rc;
 }
 
-void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->fold_rope = 1; p->fuse_glu = 1; p->memory_budget = 0; p->moments = MT_F32; }
-void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->fold_rope = 0; p->fuse_glu = 0; p->memory_budget = 0; p->moments = MT_F32; }
+void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->fold_rope = 1; p->fuse_glu = 1; p->memory_budget = 0; p->moments = MT_F32; p->fp8 = 0; }
+void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->fold_rope = 0; p->fuse_glu = 0; p->memory_budget = 0; p->moments = MT_F32; p->fp8 = 0; }
 /* Every AdamW moment becomes bf16. The values only shrink, so a plan made before stays valid (if
  * wasteful); mt_run_passes runs this first, before anything is planned. */
 int mt_pass_bf16_moments(mt_graph *g, mt_err *err) {
@@ -5202,10 +5281,62 @@ int mt_graph_moments(const mt_graph *g) {
         if (g->values[i].role == MT_ROLE_OPT) return g->values[i].dtype;
     return MT_F32;
 }
+/* --- the FP8 pass ---
+ * A GEMM is in FP8 when it multiplies by, or forms the gradient of, a linear layer's weight: the
+ * weight is the node's second input (forward Y = X W^T: MATMUL transB, GMM; the input gradient
+ * dX = dY W: MATMUL plain, GMM_DX) or its output (the weight gradient dW = dY^T X: MATMUL transA,
+ * GMM_DW). The weight is found by name: the value's name without what the builder adds around a
+ * parameter's ("d." in front of a gradient, "@bf16", "@full", "#2" behind). */
+int mt_graph_fp8(const mt_graph *g) {
+    int k = 0;
+    for (int i = 0; i < g->n_nodes; i++) k += mt_node_fp8(&g->nodes[i]);
+    return k;
+}
+static int mt__fp8_weight(const mt_graph *g, int v) {   /* the linear layer's weight value v stands for, or -1 */
+    char nm[MT_NAME_LEN];
+    const mt_value *x = &g->values[v];
+    const char *s = x->role == MT_ROLE_GRAD && x->param >= 0 ? g->values[x->param].name : x->name;
+    if (!strncmp(s, "d.", 2)) s += 2;
+    snprintf(nm, sizeof nm, "%s", s);
+    nm[strcspn(nm, "@#")] = 0;
+    int p = mt_graph_find(g, nm);
+    if (p < 0) return -1;
+    const mt_value *w = &g->values[p];
+    size_t L = strlen(nm);
+    if (w->role != MT_ROLE_PARAM || !(w->flags & MT_VF_TRAINABLE) || w->ndim < 2) return -1;
+    if (!strcmp(nm, "lm_head.weight") || strstr(nm, "embed_tokens") ||   /* the head, the embedding and the */
+        (L >= 16 && !strcmp(nm + L - 16, "mlp.gate.weight")))            /* router stay in higher precision */
+        return -1;
+    return p;
+}
+static int mt__fp8_fits(const mt_graph *g, const mt_node *n) {
+    int wv = -1;
+    switch (n->op) {
+    case MT_OP_MATMUL: case MT_OP_MATMUL_ACC:
+        if (!n->iattr[0]) wv = n->in[1];         /* forward (transB) or the input gradient (plain) */
+        else if (!n->iattr[1]) wv = n->out[0];   /* the weight gradient */
+        break;
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DX2: case MT_OP_GMM_GLU: wv = n->in[1]; break;
+    case MT_OP_GMM_DW: wv = n->out[0]; break;
+    }
+    return wv >= 0 && mt__fp8_weight(g, wv) >= 0 && mt__fp8_shapes(g, n);
+}
+int mt_pass_fp8(mt_graph *g, mt_err *err) {
+    int k = 0;
+    (void)err;
+    for (int i = 0; i < g->n_nodes; i++) {
+        mt_node *n = &g->nodes[i];
+        if (!mt__fp8_gemm_op(n->op) || n->iattr[MT_IATTR_FP8] || !mt__fp8_fits(g, n)) continue;
+        n->iattr[MT_IATTR_FP8] = 1;
+        k++;
+    }
+    return k;
+}
 int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
     if (p->memory_budget < 0) return mt_errf(err, "memory budget %lld bytes is negative", (long long)p->memory_budget);
     if (p->moments != MT_F32 && p->moments != MT_BF16) return mt_errf(err, "AdamW moments are f32 or bf16, not dtype %d", p->moments);
     if (p->moments == MT_BF16 && mt_pass_bf16_moments(g, err) < 0) return -1;
+    if (p->fp8 && mt_pass_fp8(g, err) < 0) return -1;
     if (p->elide && mt_pass_elide_collectives(g, err)) return -1;
     if (p->memory_budget > 0) { if (mt__recompute_for_budget(g, p, err)) return -1; }   /* recompute, fusion, plan */
     else if (mt__late_passes(g, p, err)) return -1;
@@ -5232,7 +5363,7 @@ int mt_tune(mt_graph *g, int device, mt_err *err) {
     int n = 0, rc = t ? mt_cuda_device_info(cu, &info) : mt_errf(err, "out of memory");
     for (int i = 0; !rc && i < g->n_nodes; i++) {
         const mt_node *x = &g->nodes[i];
-        if (x->op != MT_OP_MATMUL && x->op != MT_OP_MATMUL_ACC) continue;
+        if ((x->op != MT_OP_MATMUL && x->op != MT_OP_MATMUL_ACC) || mt_node_fp8(x)) continue;   /* FP8: not cuBLASLt's bf16 */
         const mt_value *a = &g->values[x->in[0]], *b = &g->values[x->in[1]];
         int64_t arows = mt_value_numel_max(g, a) / (a->dims[1] > 0 ? a->dims[1] : 1), brows = mt_value_numel_max(g, b) / (b->dims[1] > 0 ? b->dims[1] : 1);
         int ta = x->iattr[0], tb = x->iattr[1];
@@ -5349,7 +5480,9 @@ static void mt__fingerprint_text(const mt_graph *g, char *out, size_t n) {
         at += snprintf(out + at, n - (size_t)at, "%s%d", i ? "," : "", g->recompute[i].layer);
     if (!g->n_recompute && at > 0 && (size_t)at < n) at += snprintf(out + at, n - (size_t)at, "none");
     /* the AdamW moments' dtype, where it is not the default */
-    if (mt_graph_moments(g) == MT_BF16 && at > 0 && (size_t)at < n) snprintf(out + at, n - (size_t)at, " moments=bf16");
+    if (mt_graph_moments(g) == MT_BF16 && at > 0 && (size_t)at < n) at += snprintf(out + at, n - (size_t)at, " moments=bf16");
+    /* how many GEMMs run in FP8, where any do */
+    if (mt_graph_fp8(g) && at > 0 && (size_t)at < n) snprintf(out + at, n - (size_t)at, " fp8=%d", mt_graph_fp8(g));
 }
 uint64_t mt_fingerprint(const mt_graph *g) {
     char text[4096];
@@ -6043,7 +6176,8 @@ static void mt__dump_nodes(const mt_graph *g, FILE *f) {
         fprintf(f, " ->");
         for (int k = 0; k < n->n_out; k++) fprintf(f, "%s%s", k ? ", " : " ", n->out[k] >= 0 ? g->values[n->out[k]].name : "-");
         int na = 0;
-        for (int k = 0; k < MT_MAX_ATTR; k++) if (n->iattr[k] || (n->sym_mask >> k & 1)) na = k + 1;
+        for (int k = 0; k < MT_MAX_ATTR; k++)
+            if ((n->iattr[k] && !(k == MT_IATTR_FP8 && mt_node_fp8(n))) || (n->sym_mask >> k & 1)) na = k + 1;
         if (na) {
             fprintf(f, "  [");
             for (int k = 0; k < na; k++) {
@@ -6053,6 +6187,7 @@ static void mt__dump_nodes(const mt_graph *g, FILE *f) {
             fprintf(f, "]");
         }
         if (n->fattr[0] != 0) fprintf(f, " f=%g", (double)n->fattr[0]);
+        if (mt_node_fp8(n)) fprintf(f, " fp8");
         if (have_sc && sc.queue[i] != n->queue) fprintf(f, "  (runs on %s)", mt_queue_names[sc.queue[i]]);
         for (int k = have_sc ? sc.wait_at[i] : 0; have_sc && k < sc.wait_at[i + 1]; k++)
             fprintf(f, "%sn%d", k == sc.wait_at[i] ? "  wait " : ",", sc.wait[k]);
@@ -6846,6 +6981,57 @@ void mt_cpu_gmm_dw(mt_pool *pool, mt_real *dW, const mt_real *dY, const mt_real 
                    int M, int K) {
     mt__gmm g = {dW, dY, X, offs, E, M, K};
     mt_pool_for(pool, (int64_t)E * M, mt__gmm_dw_rows, &g);
+}
+
+/* --- FP8 (e4m3) quantization, as the CUDA kernels do it (docs/FP8.md) ---
+ * e4m3: normal values 1.mmm x 2^(e-7) for e = 1..15 (448 the largest finite), subnormals m x 2^-9. A
+ * value rounds to the nearest multiple of its binade's step (2^-9 below 2^-6), ties to even; beyond
+ * 448 it saturates. NaN stays NaN. */
+double mt_e4m3(double x) {
+    if (x != x) return x;
+    double a = fabs(x);
+    if (a >= 448.0) return copysign(448.0, x);
+    int e;
+    (void)frexp(a, &e);                        /* a = f 2^e, f in [0.5, 1): the step is 2^(e - 4) */
+    int sh = e - 4 < -9 ? -9 : e - 4;
+    return copysign(ldexp(rint(ldexp(a, -sh)), sh), x);
+}
+/* one block: y[i * stride] for i < n = e4m3(x / s) s with s = amax / 448 */
+static void mt__fp8_block(mt_real *y, const mt_real *x, int64_t n, int64_t stride) {
+    mt_real amax = 0;
+    for (int64_t i = 0; i < n; i++) { mt_real a = (mt_real)fabs((double)x[i * stride]); if (a > amax) amax = a; }   /* NaNs skipped */
+    mt_real s = amax / (mt_real)448;
+    for (int64_t i = 0; i < n; i++) y[i * stride] = s > 0 ? (mt_real)mt_e4m3((double)(x[i * stride] / s)) * s : (mt_real)0;
+}
+void mt_cpu_fp8_rows(mt_real *y, const mt_real *x, int64_t R, int64_t C) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t c = 0; c < C; c += 128) mt__fp8_block(y + r * C + c, x + r * C + c, C - c < 128 ? C - c : 128, 1);
+}
+void mt_cpu_fp8_cols(mt_real *y, const mt_real *x, const int32_t *offs, int E, int64_t R, int64_t C) {
+    for (int e = 0; e < (offs ? E : 1); e++) {
+        int64_t r0 = offs ? offs[e] : 0, r1 = offs ? offs[e + 1] : R;
+        for (int64_t r = r0; r < r1; r += 128)
+            for (int64_t c = 0; c < C; c++) mt__fp8_block(y + r * C + c, x + r * C + c, r1 - r < 128 ? r1 - r : 128, C);
+    }
+}
+void mt_cpu_fp8_blocks(mt_real *y, const mt_real *x, int64_t E, int64_t N, int64_t K) {
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t n0 = 0; n0 < N; n0 += 128)
+            for (int64_t k0 = 0; k0 < K; k0 += 128) {
+                int64_t bn = N - n0 < 128 ? N - n0 : 128, bk = K - k0 < 128 ? K - k0 : 128;
+                mt_real amax = 0;
+                for (int64_t i = 0; i < bn; i++)
+                    for (int64_t j = 0; j < bk; j++) {
+                        mt_real a = (mt_real)fabs((double)x[(e * N + n0 + i) * K + k0 + j]);
+                        if (a > amax) amax = a;
+                    }
+                mt_real s = amax / (mt_real)448;
+                for (int64_t i = 0; i < bn; i++)
+                    for (int64_t j = 0; j < bk; j++) {
+                        int64_t at = (e * N + n0 + i) * K + k0 + j;
+                        y[at] = s > 0 ? (mt_real)mt_e4m3((double)(x[at] / s)) * s : (mt_real)0;
+                    }
+            }
 }
 
 /* --- weighted combine back to token order: y[n] = sum_k w[n,k] ys[slot[n*K+k]] --- */
@@ -7806,6 +7992,7 @@ static int mt__bind_cpu(mt_runtime *rt, const mt_binding *b, mt_err *err) {
 }
 #ifdef MT_CUDA
 #define MT__CU(rt) ((mt_cuda *)(rt)->cu)
+static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, size_t *need, mt_err *err);
 /* Workspace the hungriest node needs (cuBLASLt has its own). */
 static size_t mt__cuda_scratch(const mt_graph *G, mt_cuda *cu) {
     size_t need = mt_cuda_sumsq_workspace();
@@ -7835,6 +8022,7 @@ static size_t mt__cuda_scratch(const mt_graph *G, mt_cuda *cu) {
             break;
         }
         }
+        if (mt_node_fp8(n)) mt__cuda_fp8(NULL, G, n, &w, NULL);   /* its quantized operands instead */
         if (w > need) need = w;
     }
     return need;
@@ -8254,9 +8442,26 @@ static int64_t mt__token_slice(const mt_runtime *rt, const mt_node *n) {
     const mt_value *x = &rt->g.values[n->op == MT_OP_EMBED ? n->out[0] : n->in[0]];
     return rt->sym[n->iattr[1]] * x->dims[0];
 }
+/* FP8 GEMMs (mt_pass_fp8): how a marked node's input i is quantized. ROWS: 1 x 128 tiles along each row
+ * (the GEMM reduces along the row); COLS: 128 x 1 tiles down each column, by expert where the node has
+ * offsets (it reduces over tokens: a weight gradient); BLOCKS: 128 x 128 (a weight); NONE: an addend. */
+enum { MT__Q8_NONE = 0, MT__Q8_ROWS, MT__Q8_COLS, MT__Q8_BLOCKS };
+static int mt__fp8_operand(const mt_node *n, int i) {
+    switch (n->op) {
+    case MT_OP_MATMUL: case MT_OP_MATMUL_ACC:
+        if (i > 1) return MT__Q8_NONE;
+        return n->iattr[0] ? MT__Q8_COLS : i == 0 ? MT__Q8_ROWS : MT__Q8_BLOCKS;
+    case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DX2: case MT_OP_GMM_GLU:
+        return i == 0 || (i == 3 && n->op == MT_OP_GMM_DX2) ? MT__Q8_ROWS : i == 1 || i == 3 || i == 4 ? MT__Q8_BLOCKS : MT__Q8_NONE;
+    case MT_OP_GMM_DW: return i < 2 ? MT__Q8_COLS : MT__Q8_NONE;
+    }
+    return MT__Q8_NONE;
+}
+static int mt__cpu_fp8(mt_runtime *rt, const mt_node *n, mt_err *err);
 static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
     mt_graph *G = &rt->g;
     void **P = rt->ptr;
+    if (mt_node_fp8(n)) return mt__cpu_fp8(rt, n, err);
 #define R_(i) ((mt_real *)P[n->in[i]])
 #define I_(i) ((int32_t *)P[n->in[i]])
 #define RO(i) ((mt_real *)P[n->out[i]])
@@ -8437,8 +8642,122 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
     }
     return 0;
 }
+/* An FP8 node on the CPU, the FP8 step's reference: each input it quantizes is replaced, for this node
+ * only, by a copy holding what its e4m3 codes and scales dequantize to (mt_cpu_fp8_*); then the node
+ * runs as a bf16 one would. */
+static int mt__cpu_fp8(mt_runtime *rt, const mt_node *n, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    void *saved[MT_MAX_IN];
+    mt_real *tmp[MT_MAX_IN] = {0};
+    int grouped = n->op != MT_OP_MATMUL && n->op != MT_OP_MATMUL_ACC, rc = 0;
+    const int32_t *offs = grouped ? (const int32_t *)rt->ptr[n->in[2]] : NULL;
+    int E = grouped ? (int)G->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]].dims[0] : 1;
+    for (int i = 0; i < n->n_in; i++) saved[i] = n->in[i] >= 0 ? rt->ptr[n->in[i]] : NULL;
+    for (int i = 0; i < n->n_in && !rc; i++) {
+        int how = mt__fp8_operand(n, i);
+        if (how == MT__Q8_NONE || n->in[i] < 0) continue;
+        const mt_value *v = &G->values[n->in[i]];
+        const mt_real *x = (const mt_real *)saved[i];
+        int64_t R = mt__nrows(rt, n->in[i]), C = mt__cols(rt, n->in[i]);
+        tmp[i] = (mt_real *)MT_MALLOC(sizeof(mt_real) * (size_t)mt_value_numel_max(G, v));
+        if (!tmp[i]) { rc = mt_errf(err, "%s (fp8): out of memory", mt_ops[n->op].name); break; }
+        if (how == MT__Q8_ROWS) mt_cpu_fp8_rows(tmp[i], x, R, C);
+        else if (how == MT__Q8_COLS) mt_cpu_fp8_cols(tmp[i], x, offs, E, R, C);
+        else mt_cpu_fp8_blocks(tmp[i], x, v->ndim == 3 ? v->dims[0] : 1, v->dims[v->ndim - 2], v->dims[v->ndim - 1]);
+    }
+    if (!rc) {
+        mt_node m = *n;
+        m.iattr[MT_IATTR_FP8] = 0;
+        for (int i = 0; i < n->n_in; i++) if (tmp[i]) rt->ptr[n->in[i]] = tmp[i];
+        rc = mt__exec_cpu(rt, &m, err);
+        for (int i = n->n_in - 1; i >= 0; i--) if (n->in[i] >= 0) rt->ptr[n->in[i]] = saved[i];
+    }
+    for (int i = 0; i < n->n_in; i++) MT_FREE(tmp[i]);
+    return rc;
+}
 
 #ifdef MT_CUDA
+/* An FP8 node on CUDA: its inputs quantized into the scratch in the kernels' layouts (docs/FP8.md), then
+ * the FP8 GEMM (mt_cuda_fp8_gemm for MATMUL, mt_cuda_fp8_gmm for the experts). MATMUL_ACC and GMM_DX2
+ * form their second term in the scratch and add it; GMM_GLU runs its two GEMMs on one quantized X and
+ * then its SwiGLU. With rt NULL nothing runs and *need gets the scratch bytes the node takes at the
+ * graph's bounds, by the same steps. Rounding: the quantizers' (docs/FP8.md), fp32 accumulation, one
+ * rounding to the output dtype, and for the sums one more (bf16) than the fused bf16 kernels make. */
+static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, size_t *need, mt_err *err) {
+    mt_cuda *c = rt ? MT__CU(rt) : NULL;
+    uint8_t *base = rt ? (uint8_t *)rt->scratch : NULL;
+    size_t used = 0;
+    void **P = rt ? rt->ptr : NULL;
+    int rc = 0;
+#define TAKE(bytes) (used = (used + 255) & ~(size_t)255, used += (size_t)(bytes), (void *)(base ? base + used - (size_t)(bytes) : NULL))
+#define KB(x) (((int64_t)(x) + 127) / 128)
+#define WSCALES(E, N, K, tr) ((size_t)(E) * (size_t)KB((tr) ? (K) : (N)) * (size_t)((KB((tr) ? (N) : (K)) + 3) / 4 * 4) * 4)
+    const mt_value *A = &G->values[n->in[0]];
+    int64_t rows = rt ? mt__nrows(rt, n->in[0]) : A->dims[0];
+    if (n->op == MT_OP_MATMUL || n->op == MT_OP_MATMUL_ACC) {
+        const mt_value *B = &G->values[n->in[1]], *O = &G->values[n->out[0]];
+        int f32 = O->dtype == MT_F32, acc = n->op == MT_OP_MATMUL_ACC;
+        size_t osz = (size_t)mt_dtype_bytes(G, O->dtype);
+        int Mr, Nc, K, lda, b_blk;
+        uint8_t *qa, *qb;
+        float *sa, *sb;
+        if (!n->iattr[0]) {   /* Y = X W^T (B = W [Nc, K]) or dX = dY W (B = W [K, Nc]): A in 1 x 128 tiles, W in blocks */
+            Mr = (int)rows; K = (int)A->dims[1]; Nc = (int)(n->iattr[1] ? B->dims[0] : B->dims[1]); lda = K; b_blk = 1;
+            qa = (uint8_t *)TAKE((size_t)Mr * K); sa = (float *)TAKE((size_t)KB(K) * Mr * 4);
+            qb = (uint8_t *)TAKE((size_t)Nc * K); sb = (float *)TAKE(WSCALES(1, B->dims[0], B->dims[1], !n->iattr[1]));
+            if (rt) rc = mt_cuda_fp8_quant_rows(c, qa, sa, P[n->in[0]], Mr, K) ||
+                         mt_cuda_fp8_quant_weight(c, qb, sb, P[n->in[1]], 1, (int)B->dims[0], (int)B->dims[1], !n->iattr[1]);
+        } else {              /* dW = dY^T X: both down the tokens, the reduction padded to 128 (the layout's last slot unused) */
+            int T = (int)rows;
+            long long Lp = mt_cuda_fp8_tpad(T, 1);
+            Mr = (int)A->dims[1]; Nc = (int)B->dims[1]; K = (T + 127) / 128 * 128; lda = (int)Lp; b_blk = 0;
+            qa = (uint8_t *)TAKE((size_t)Mr * Lp); sa = (float *)TAKE((size_t)(Lp / 128) * Mr * 4);
+            qb = (uint8_t *)TAKE((size_t)Nc * Lp); sb = (float *)TAKE((size_t)(Lp / 128) * Nc * 4);
+            if (rt) rc = mt_cuda_fp8_quant_cols(c, qa, sa, P[n->in[0]], NULL, 1, T, Mr, Lp) ||
+                         mt_cuda_fp8_quant_cols(c, qb, sb, P[n->in[1]], NULL, 1, T, Nc, Lp);
+        }
+        void *dst = acc ? TAKE((size_t)Mr * Nc * osz) : (rt ? P[n->out[0]] : NULL);
+        if (rt && !rc) rc = mt_cuda_fp8_gemm(c, dst, f32, qa, sa, lda, qb, sb, b_blk, lda, Mr, Nc, K);
+        if (rt && !rc && acc) rc = mt_cuda_add(c, P[n->out[0]], P[n->in[2]], dst, (int64_t)Mr * Nc, O->dtype);
+    } else {
+        int dw = n->op == MT_OP_GMM_DW;
+        const mt_value *W = &G->values[dw ? n->out[0] : n->in[1]];
+        int E = (int)W->dims[0], M = (int)W->dims[1], K = (int)W->dims[2];
+        int R = (int)(rt ? mt__gmm_bound(rt, n->in[0]) : mt_value_numel_max(G, A) / A->dims[1]);
+        const int32_t *offs = rt ? (const int32_t *)P[n->in[2]] : NULL;
+        if (dw) {             /* dW_e = dY_e^T X_e: both down the tokens, each expert's from its first row */
+            long long Lp = mt_cuda_fp8_tpad(R, E);
+            uint8_t *qa = (uint8_t *)TAKE((size_t)M * Lp), *qb = (uint8_t *)TAKE((size_t)K * Lp);
+            float *sa = (float *)TAKE((size_t)(Lp / 128) * M * 4), *sb = (float *)TAKE((size_t)(Lp / 128) * K * 4);
+            if (rt) rc = mt_cuda_fp8_quant_cols(c, qa, sa, P[n->in[0]], offs, E, R, M, Lp) ||
+                         mt_cuda_fp8_quant_cols(c, qb, sb, P[n->in[1]], offs, E, R, K, Lp) ||
+                         mt_cuda_fp8_gmm(c, 2, P[n->out[0]], qa, sa, qb, sb, offs, E, M, K, R, Lp, 0);
+        } else {              /* mode 0: Y = X W^T (X [R, K]); mode 1: dX = dY W (dY [R, M], W transposed) */
+            int mode = n->op == MT_OP_GMM || n->op == MT_OP_GMM_GLU ? 0 : 1, C = mode ? M : K;
+            uint8_t *qa = (uint8_t *)TAKE((size_t)R * C), *qb = (uint8_t *)TAKE((size_t)E * M * K);
+            float *sa = (float *)TAKE((size_t)KB(C) * R * 4), *sb = (float *)TAKE(WSCALES(E, M, K, mode));
+            void *second = n->op == MT_OP_GMM_DX2 ? TAKE((size_t)R * K * 2) : NULL;
+            for (int t = 0; rt && !rc && t < (n->op == MT_OP_GMM_DX2 || n->op == MT_OP_GMM_GLU ? 2 : 1); t++) {
+                int x = t && n->op == MT_OP_GMM_DX2 ? n->in[3] : n->in[0], w = t ? (n->op == MT_OP_GMM_DX2 ? n->in[4] : n->in[3]) : n->in[1];
+                void *out = t == 0 ? P[n->out[0]] : n->op == MT_OP_GMM_GLU ? P[n->out[1]] : second;
+                if (!t || n->op == MT_OP_GMM_DX2) rc = mt_cuda_fp8_quant_rows(c, qa, sa, P[x], R, C);
+                rc = rc || mt_cuda_fp8_quant_weight(c, qb, sb, P[w], E, M, K, mode) ||
+                     mt_cuda_fp8_gmm(c, mode, out, qa, sa, qb, sb, offs, E, M, K, R, 0, 0);
+            }
+            if (rt && !rc && n->op == MT_OP_GMM_DX2) rc = mt_cuda_add(c, P[n->out[0]], P[n->out[0]], second, (int64_t)R * K, MT_BF16);
+            if (rt && !rc && n->op == MT_OP_GMM_GLU && n->out[2] >= 0)
+                rc = mt_cuda_swiglu_forward(c, P[n->out[2]], P[n->out[0]], P[n->out[1]], (int64_t)R * M,
+                                            rt->rows_dev ? rt->rows_dev[n->in[0]] : NULL, M);
+        }
+    }
+#undef TAKE
+#undef KB
+#undef WSCALES
+    if (need) *need = used;
+    if (rc) return mt_errf(err, "%s (fp8): %s", mt_ops[n->op].name, mt_cuda_error(c));
+    return 0;
+}
+
 /* The loss ops' backward scale in float as the kernels take it: 1.0f / N for the plain mean. */
 static float mt__cuda_ce_scale(const mt_node *n, int N) { return (n->fattr[0] > 0 ? n->fattr[0] : 1.0f) / (float)mt__ce_count(n, N); }
 static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
@@ -8456,6 +8775,7 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
 #define RD(v) (rt->rows_dev ? rt->rows_dev[v] : NULL)
     const int *a = n->iattr;
     int rc = 0;
+    if (mt_node_fp8(n)) return mt__cuda_fp8(rt, G, n, NULL, err);
     switch (n->op) {
     case MT_OP_EMBED: rc = mt_cuda_embed_forward(c, VO(0), I_(0) + mt__token_slice(rt, n), V_(1), DIM(n->out[0], 0), DIM(n->in[1], 1)); break;
     case MT_OP_EMBED_BWD:
@@ -9762,6 +10082,7 @@ static void mt__meta_model(mt__buf *b, const mt_runtime *rt, int step, const mt_
             default: mt__jmeta(b, key, "%.*s", (int)mt__run_fields[i].cap - 1, p); break;
             }
         }
+    mt__jmeta(b, "mt.gemms", "%s", mt_graph_fp8(G) ? "fp8" : "bf16");   /* the linear layers' GEMMs (mt_pass_fp8) */
     if (opt_name) {
         mt__jmeta(b, "mt.moments", "%s", mt__dtype_names[mt_graph_moments(G)]);
         mt__jmeta(b, "mt.optimizer", "%s", opt_name);
@@ -10067,6 +10388,9 @@ int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err) {
     const char *mo = mt__st_meta(&s, "mt.moments");   /* absent: saved before bf16 moments existed, so f32 */
     if (!rc && mo && strcmp(mo, "f32") && strcmp(mo, "bf16")) rc = mt_errf(err, "'%s': bad mt.moments '%s'", path, mo);
     run->moments = mo && !strcmp(mo, "bf16") ? MT_BF16 : MT_F32;
+    const char *gm = mt__st_meta(&s, "mt.gemms");    /* absent: saved before FP8 existed, so bf16 */
+    if (!rc && gm && strcmp(gm, "bf16") && strcmp(gm, "fp8")) rc = mt_errf(err, "'%s': bad mt.gemms '%s'", path, gm);
+    run->fp8 = gm && !strcmp(gm, "fp8");
     for (int i = 0; !rc && run->has_settings && i < MT__N_RUN_FIELDS; i++) {
         char key[64];
         snprintf(key, sizeof key, "mt.run.%s", mt__run_fields[i].key);

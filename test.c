@@ -1850,6 +1850,8 @@ static int gpu_compile(mt_graph *g, const mt_config *c, int cuda, int planned, m
     if (planned == 3) p.overlap = 0;   /* every pass but overlap */
     if (planned == 4) p.fuse_glu = 0;  /* every pass but the gate/up + SwiGLU fusion */
     if (planned == 5) p.moments = MT_BF16;   /* every pass, bf16 AdamW moments */
+    if (planned == 6) p.fp8 = 1;             /* every pass, FP8 GEMMs */
+    if (planned == 7) { mt_passes_none(&p); p.fp8 = 1; }   /* FP8 GEMMs alone: no fusion, no plan */
     return mt_compile(g, c, &m, &t, MT_GRAPH_TRAIN, &p, e);
 }
 static mt_runtime *gpu_runtime(const mt_graph *g, int poison) {
@@ -1929,6 +1931,40 @@ static void gpu_test_mtp(void) {
     free(tok); free(tgt);
     for (int k = 0; k < 3; k++) mt_runtime_destroy(rt[k]);
     mt_graph_free(&gc); mt_graph_free(&gg);
+}
+
+/* The FP8 step (mt_pass_fp8) on the GPU: against the CPU's emulation (same quantization, other accumulation
+ * order), fused (MATMUL_ACC, GMM_GLU, GMM_DX2) against unfused, bitwise run to run, and not the bf16 step. */
+static void gpu_test_fp8_steps(void) {
+    mt_config c;
+    mt_err e;
+    mt_config_preset(&c, "tiny", &e);
+    c.qk_rope_head_dim = 16;   /* every linear layer's widths multiples of 16: all of them FP8 */
+    mt_graph gc, gf, gu, gb;
+    if (gpu_compile(&gc, &c, 0, 6, &e) || gpu_compile(&gf, &c, 1, 6, &e) || gpu_compile(&gu, &c, 1, 7, &e) || gpu_compile(&gb, &c, 1, 1, &e)) {
+        report("gpu FP8 steps", 0, "%s", e.msg);
+        return;
+    }
+    enum { S = 6 };
+    double l[5][S], g[5][S];
+    mt_runtime *rt[5] = {gpu_runtime(&gc, 0), gpu_runtime(&gf, 1), gpu_runtime(&gf, 0), gpu_runtime(&gu, 0), gpu_runtime(&gb, 0)};
+    int ok = 1;
+    for (int k = 0; k < 5; k++) ok = ok && rt[k] && !gpu_steps(rt[k], &c, S, l[k], g[k]);
+    double wl = 0, wg = 0, ul = 0;
+    for (int s = 0; ok && s < S; s++) {
+        wl = fmax(wl, fabs(l[1][s] - l[0][s]) / l[0][s]);
+        wg = fmax(wg, fabs(g[1][s] - g[0][s]) / g[0][s]);
+        ul = fmax(ul, fabs(l[3][s] - l[1][s]) / l[1][s]);
+    }
+    int nodes = mt_graph_fp8(&gf) > 0 && mt_graph_fp8(&gu) > mt_graph_fp8(&gf);
+    report("gpu FP8 steps vs the CPU's emulation, fused vs unfused", ok && nodes && wl < 2e-2 && wg < 1e-1 && ul < 2e-2 && l[1][S - 1] < l[1][0],
+           "loss %.5f -> %.5f (CPU %.5f -> %.5f); worst rel loss %.1e, grad norm %.1e; unfused loss %.1e; %d / %d FP8 nodes %s",
+           ok ? l[1][0] : 0, ok ? l[1][S - 1] : 0, ok ? l[0][0] : 0, ok ? l[0][S - 1] : 0, wl, wg, ul, mt_graph_fp8(&gf), mt_graph_fp8(&gu),
+           ok ? "" : e.msg);
+    report("gpu FP8 steps bitwise run to run (poisoned arena too), not bf16's", ok && bitwise_equal(l[1], l[2], S) && bitwise_equal(g[1], g[2], S) &&
+           !bitwise_equal(g[1], g[4], S), "grad norm step 0: fp8 %.9g, bf16 %.9g", ok ? g[1][0] : 0, ok ? g[4][0] : 0);
+    for (int k = 0; k < 5; k++) mt_runtime_destroy(rt[k]);
+    mt_graph_free(&gc); mt_graph_free(&gf); mt_graph_free(&gu); mt_graph_free(&gb);
 }
 
 static void gpu_test_whole_steps(void) {
@@ -2383,16 +2419,7 @@ static void gpu_test_resume(int moments) {
     mt_graph_free(&g);
 }
 
-/* ---- FP8 (e4m3) kernels: moetrain_kernels.cu section 11, against a CPU reference in float64 ------------
- * (No graph pass calls them yet; their declarations live here until it does.) */
-long long mt_cuda_fp8_tpad(int Rmax, int E);
-int mt_cuda_fp8_quant_rows(mt_cuda *c, uint8_t *q, float *s, const void *x, int R, int C);
-int mt_cuda_fp8_quant_cols(mt_cuda *c, uint8_t *qt, float *st, const void *x, const int32_t *d_offs, int E, int R, int C, long long Lp);
-int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, int E, int N, int K, int transpose);
-int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const float *sa, int lda, const uint8_t *b,
-                     const float *sb, int b_blk, int ldb, int Mr, int Nc, int K);
-int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
-                    const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant);
+/* ---- FP8 (e4m3) kernels: moetrain_kernels.cu section 11, against a CPU reference in float64 ------------ */
 
 /* e4m3 ("fn": bias 7, 3 mantissa bits, max 448, no infinities, S.1111.111 NaN): v rounded to nearest even,
    saturated at +-448 */
@@ -2849,6 +2876,7 @@ int main(void) {
     GPU_RUN(gpu_test_adamw_bf16());
     GPU_RUN(gpu_test_whole_steps());
     GPU_RUN(gpu_test_mtp());
+    GPU_RUN(gpu_test_fp8_steps());
     GPU_RUN(gpu_test_fold_rope_steps(0));
     GPU_RUN(gpu_test_fold_rope_steps(1));
     GPU_RUN(gpu_test_recompute());
@@ -7236,6 +7264,204 @@ static void test_mtp(void) {
     remove_tree(d2);
 }
 
+/* ======================================================================
+ * FP8 GEMMs (mt_pass_fp8): e4m3 rounding against the code table, the
+ * quantizers' tiles and bounds, which nodes the pass marks, and training
+ * with the CPU's emulation (the FP8 step's reference)
+ * ==================================================================== */
+static void test_fp8(void) {
+    /* (a) mt_e4m3 is the nearest of the 253 finite codes' values (ties: even mantissa), saturated at 448: decoded
+     * here from the bits, compared on random values over every binade, on every midpoint and next to it */
+    double tab[127];
+    int nt = 0;
+    for (int c = 0; c < 127; c++) {   /* the non-negative codes but NaN (0x7f) */
+        int e = c >> 3, m = c & 7;
+        tab[nt++] = e ? ldexp(1.0 + m / 8.0, e - 7) : ldexp(m / 8.0, -6);
+    }
+    int bad = 0, tried = 0;
+    double worst = 0;
+    for (int i = 0; i < 200000 + 2 * 126; i++) {
+        double x;
+        if (i < 200000) x = ldexp(mt_rng_uniform(&R) + 0.5, (int)(mt_rng_u64(&R) % 24) - 14) * (i & 1 ? -1 : 1);
+        else { int k = (i - 200000) / 2; x = (tab[k] + tab[k + 1]) / 2 * (i & 1 ? 1 + 1e-12 : 1); }
+        double a = fabs(x), best = 448;
+        int bk = 126;
+        for (int k = 0; k < nt; k++) {
+            double d = fabs(tab[k] - a), db = fabs(best - a);
+            if (d < db || (d == db && (k & 1) == 0)) { best = tab[k]; bk = k; }
+        }
+        (void)bk;
+        if (a >= 448) best = 448;
+        double want = x < 0 ? -best : best, got = mt_e4m3(x);
+        tried++;
+        if (got != want) { if (!bad) worst = x; bad++; }
+    }
+    int specials = mt_e4m3(1e9) == 448 && mt_e4m3(-500) == -448 && mt_e4m3(0.0) == 0 && isnan(mt_e4m3(NAN)) &&
+                   mt_e4m3(ldexp(1, -10)) == 0 && mt_e4m3(ldexp(3, -11)) == ldexp(1, -9) && mt_e4m3(ldexp(1, -9)) == ldexp(1, -9);
+    report("fp8: mt_e4m3 = the nearest code (ties even), saturating", !bad && specials, "%d values, %d wrong (first %.17g); specials %s", tried,
+           bad, worst, specials ? "ok" : "WRONG");
+
+    /* (b) the quantizers: every element within its tile's bound (half an e4m3 step: 2^-4 relative above the tile's
+     * smallest normal, s 2^-10 below), each tile's largest element kept to an ulp, tiles independent (an outlier
+     * changes only its own), and cols' groups each tiled from their first row */
+    enum { QR = 37, QC = 300 };
+    static mt_real x[QR * QC], y[QR * QC], z[QR * QC], y2[QR * QC];
+    fill_normal(x, QR * QC, 1.0);
+    x[5 * QC + 7] = 3e4; x[20 * QC + 250] = -1e-3;   /* an outlier in one row tile (and in one column tile) */
+    int within = 1, kept = 1, indep = 1, groups = 1;
+    mt_cpu_fp8_rows(y, x, QR, QC);
+    for (int r = 0; r < QR; r++)
+        for (int c0 = 0; c0 < QC; c0 += 128) {
+            int w = QC - c0 < 128 ? QC - c0 : 128;
+            double amax = 0;
+            for (int j = 0; j < w; j++) amax = fmax(amax, fabs((double)x[r * QC + c0 + j]));
+            double s = amax / 448;
+            for (int j = 0; j < w; j++) {
+                double xv = x[r * QC + c0 + j], yv = y[r * QC + c0 + j];
+                double lim = fmax(fabs(xv) * 0.0625, s * ldexp(1, -10)) * (1 + 1e-6) + 1e-30;
+                within &= fabs(yv - xv) <= lim;
+                if (fabs(xv) == amax) kept &= fabs(yv - xv) <= amax * 1e-6;
+            }
+        }
+    memcpy(z, x, sizeof x);
+    z[5 * QC + 7] = 0.5;   /* without the outlier: only that row's first tile may change */
+    mt_cpu_fp8_rows(y2, z, QR, QC);
+    for (int i = 0; i < QR * QC; i++)
+        if (i / QC != 5 || i % QC >= 128) indep &= y[i] == y2[i];
+    const int32_t offs[4] = {0, 3, 3, QR};   /* three groups, one empty */
+    mt_cpu_fp8_cols(y, x, offs, 3, QR, QC);
+    mt_cpu_fp8_cols(y2, x, NULL, 1, 3, QC);                      /* group 0 alone */
+    mt_cpu_fp8_cols(y2 + 3 * QC, x + 3 * QC, NULL, 1, QR - 3, QC); /* group 2 alone */
+    groups = !memcmp(y, y2, sizeof y);
+    mt_cpu_fp8_blocks(y, x, 1, QR, QC);
+    double bamax = 0;
+    for (int r = 0; r < QR; r++) for (int c = 128; c < 256; c++) bamax = fmax(bamax, fabs((double)x[r * QC + c]));
+    int blocks = 1;
+    for (int r = 0; r < QR; r++)
+        for (int c = 128; c < 256; c++)
+            blocks &= fabs((double)y[r * QC + c] - x[r * QC + c]) <= fmax(fabs((double)x[r * QC + c]) * 0.0625, bamax / 448 * ldexp(1, -10)) * (1 + 1e-6);
+    report("fp8: rows/cols/blocks quantizers: bounds, outliers, tiles", within && kept && indep && groups && blocks,
+           "within %d, tile max kept %d, tiles independent %d, groups tiled apart %d, 128x128 bound %d", within, kept, indep, groups, blocks);
+
+    /* (c) the pass marks the linear layers' GEMMs (forward, input and weight gradients, the experts' grouped ones
+     * and their fusions), never the head, the router or the embedding; the graph says so (fingerprint, dump) */
+    mt_config c;
+    mt_err e;
+    mt_graph g, gb;
+    mt_config_preset(&c, "tiny", &e);
+    c.batch = 2; c.seq_len = 32; c.qk_rope_head_dim = 16;   /* every linear layer's widths multiples of 16: all in FP8 */
+    mt_mesh m;
+    mt_target t;
+    mt_passes ps;
+    mt_mesh_single(&m);
+    mt_target_cpu(&t);
+    mt_passes_all(&ps);
+    ps.fp8 = 1;
+    int ok = !mt_compile(&g, &c, &m, &t, MT_GRAPH_TRAIN, &ps, &e);
+    ok = ok && !compile_cpu(&gb, &c, MT_GRAPH_TRAIN, 1, &e);
+    int marked = 0, gemm = 0, wrong = 0, fwd = 0, dx = 0, dw = 0, grouped = 0;
+    for (int i = 0; ok && i < g.n_nodes; i++) {
+        const mt_node *n = &g.nodes[i];
+        int mm = n->op == MT_OP_MATMUL || n->op == MT_OP_MATMUL_ACC;
+        if (!mm && n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX2 && n->op != MT_OP_GMM_GLU) {
+            wrong += n->iattr[MT_IATTR_FP8] != 0;
+            continue;
+        }
+        gemm++;
+        char names[4 * MT_NAME_LEN] = "";
+        for (int k = 0; k < n->n_in; k++) if (n->in[k] >= 0) strcat(names, g.values[n->in[k]].name);
+        strcat(names, g.values[n->out[0]].name);
+        int keep = strstr(names, "lm_head") || strstr(names, "mlp.gate.weight") || strstr(names, "embed");
+        if (mt_node_fp8(n) == keep) wrong++;
+        marked += mt_node_fp8(n);
+        if (mt_node_fp8(n)) {
+            if (!mm) grouped++;
+            else if (n->iattr[0]) dw++;
+            else if (n->iattr[1]) fwd++;
+            else dx++;
+        }
+    }
+    int said = ok && mt_graph_fp8(&g) == marked && mt_graph_fp8(&gb) == 0 && mt_fingerprint(&g) != mt_fingerprint(&gb);
+    /* the checker (artifacts) refuses a mark where the FP8 GEMMs cannot run: an attention node, a 2 = mark */
+    int refused = 0, tries = 0;
+    for (int i = 0; ok && i < g.n_nodes; i++) {
+        mt_node x = g.nodes[i];
+        if (x.op == MT_OP_ATTENTION || (x.op == MT_OP_GMM && mt_node_fp8(&x))) {
+            x.iattr[MT_IATTR_FP8] = x.op == MT_OP_GMM ? 2 : 1;
+            tries++;
+            refused += mt_check_node(&g, &x, &e) != 0 && strstr(e.msg, "FP8 mark") != NULL;
+        }
+    }
+    said = said && tries > 0 && refused == tries;
+    char *dump = NULL;
+    size_t dl = 0;
+    FILE *f = ok ? open_memstream(&dump, &dl) : NULL;
+    if (f) { mt_graph_dump(&g, f); fclose(f); }
+    said = said && dump && strstr(dump, " fp8\n");
+    free(dump);
+    report("fp8: the pass marks the linear layers' GEMMs, not head/router", ok && !wrong && fwd > 0 && dx > 0 && dw > 0 && grouped >= 6 * (c.n_layers - c.n_dense_layers) && said,
+           "%d of %d GEMM nodes marked (%d forward, %d dX, %d dW, %d grouped), %d wrong; fingerprint/dump/checker %s (%d of %d misplaced marks refused)",
+           marked, gemm, fwd, dx, dw, grouped, wrong, said ? "ok" : "WRONG", refused, tries);
+
+    /* (d) training with the emulation: deterministic (two runtimes, bitwise), close to the float step and not it */
+    mt_hparams hp;
+    mt_hparams_default(&hp);
+    mt_runtime *a = ok ? make_runtime(&g, 2, 0, 5) : NULL, *b = ok ? make_runtime(&g, 1, 1, 5) : NULL, *r = ok ? make_runtime(&gb, 2, 0, 5) : NULL;
+    int64_t N = (int64_t)c.batch * c.seq_len;
+    int32_t *tok = (int32_t *)malloc(4 * (size_t)N), *tgt = (int32_t *)malloc(4 * (size_t)N);
+    double la[40], lb[40], lr[40];
+    int run = a && b && r;
+    for (int s = 0; run && s < 40; s++) {
+        mt_step_stats sa, sb, sr;
+        memset(&sr, 0, sizeof sr);
+        make_batch(&c, s, tok, tgt);
+        run = !mt_runtime_step(a, tok, tgt, s, &hp, &sa, &e) && !mt_runtime_step(b, tok, tgt, s, &hp, &sb, &e) &&
+              !mt_runtime_step(r, tok, tgt, s, &hp, &sr, &e);
+        la[s] = sa.loss; lb[s] = sb.loss; lr[s] = sr.loss;
+    }
+    double d0 = run ? fabs(la[0] - lr[0]) / lr[0] : 1, dend = run ? fabs(la[39] - lr[39]) / lr[39] : 1;
+    report("fp8: CPU emulation trains, deterministic, near the float step", run && bitwise_equal(la, lb, 40) && la[0] != lr[0] && d0 < 0.01 &&
+           dend < 0.05 && la[39] < 0.6 * la[0], "loss %.4f -> %.4f (float %.4f -> %.4f): step 0 off by %.2e, step 39 by %.2e; two runs %s %s",
+           la[0], la[39], lr[0], lr[39], d0, dend, run && bitwise_equal(la, lb, 40) ? "bitwise" : "DIFFER", run ? "" : e.msg);
+    free(tok); free(tgt);
+    mt_runtime_destroy(a); mt_runtime_destroy(b); mt_runtime_destroy(r);
+    if (ok) { mt_graph_free(&g); mt_graph_free(&gb); }
+}
+
+/* The CLI: --fp8 over 4 thread-ranks (FSDP x EP), precompiled = in-process bitwise; the checkpoint records it and
+ * a resume continues exactly; a resume without --fp8 says the GEMMs changed. */
+static void test_cli_fp8(void) {
+    static char o[1 << 16], ma[1 << 14], mb[1 << 14], mc[1 << 14];
+    char d[256], p[600], q[600];
+    scratch_dir(d, sizeof d, "clifp8");
+    const char *run = "--preset tiny --qk-rope-head-dim 16";
+    int r1 = sh(o, sizeof o, "%sprecompile %s --fp8 --dp-shard 2 --ep 2 --tp 2 -o %s/f.mtg 2>&1", BIN, run, d);
+    int said = strstr(o, "fp8: ") != NULL;
+    int r2 = r1 ? -1 : sh(o, sizeof o, "%strain --graph %s/f.mtg --seed 4 --steps 6 --metrics %s/a.jsonl 2>&1", BIN, d, d);
+    int r3 = sh(o, sizeof o, "%strain %s --seed 4 --fp8 --nproc 4 --dp-shard 2 --ep 2 --tp 2 --steps 6 --metrics %s/b.jsonl 2>&1", BIN, run, d);
+    said = said && strstr(o, "GEMMs in FP8") != NULL;
+    snprintf(p, sizeof p, "%s/a.jsonl", d); snprintf(q, sizeof q, "%s/b.jsonl", d);
+    metrics_core(p, 1, ma, sizeof ma); metrics_core(q, 1, mb, sizeof mb);
+    report("CLI: precompile --fp8 (dp_shard 2 x tp 2 x ep 2) = in-process, bitwise", !r1 && !r2 && !r3 && n_lines(ma) == 6 && !strcmp(ma, mb) && said,
+           "%d steps; exit %d %d %d; said %d %.200s", n_lines(ma), r1, r2, r3, said, r3 ? o : "");
+    /* resume from step 3: steps 4..6 bitwise the uninterrupted run's; the checkpoint says fp8 */
+    int r0 = sh(o, sizeof o, "%strain %s --seed 4 --fp8 --nproc 4 --dp-shard 2 --ep 2 --tp 2 --steps 3 --decay-steps 6 --save %s/k3 2>&1", BIN, run, d);
+    int r4 = r0 ? -1 : sh(o, sizeof o, "%strain %s --seed 4 --fp8 --nproc 4 --dp-shard 2 --ep 2 --tp 2 --steps 6 --load %s/k3 --metrics %s/c.jsonl 2>&1", BIN, run, d, d);
+    snprintf(p, sizeof p, "%s/c.jsonl", d);
+    metrics_core(p, 4, mc, sizeof mc);
+    metrics_core(q, 4, mb, sizeof mb);
+    int exact = !r4 && n_lines(mc) == 3 && !strcmp(mc, mb) && !strstr(o, "not its exact continuation");
+    int r5 = sh(o, sizeof o, "%strain %s --nproc 4 --dp-shard 2 --ep 2 --tp 2 --steps 4 --load %s/k3 2>&1", BIN, run, d);
+    int noted = !r5 && strstr(o, "GEMMs fp8 -> bf16") != NULL;
+    int r6 = sh(o + 8192, sizeof o - 8192, "%strain --graph %s/f.mtg --steps 1 --fp8 --save %s/x 2>&1 && %sprecompile %s -o %s/b.mtg >/dev/null && "
+                "%strain --graph %s/b.mtg --fp8 --steps 1 2>&1", BIN, d, d, BIN, run, d, BIN, d);
+    int refused = r6 != 0 && strstr(o + 8192, "compiled with bf16 GEMMs; --fp8 cannot change them") != NULL;
+    report("CLI: an FP8 checkpoint resumes exactly; without --fp8 the change is named", exact && noted && refused,
+           "resumed steps %d (%s), note %s, bf16 artifact with --fp8 %s; exit %d %d %d %.200s", n_lines(mc), exact ? "bitwise" : "DIFFER",
+           noted ? "ok" : "MISSING", refused ? "refused" : "NOT REFUSED", r4, r5, r6, exact && noted ? o + 8192 : o);
+    remove_tree(d);
+}
+
 int main(void) {
     mt_rng_seed(&R, 42);
     if (getenv("MT_BIN")) BIN = getenv("MT_BIN");
@@ -7299,6 +7525,8 @@ int main(void) {
     RUN(test_cli_tensor_parallel);
     RUN(test_cli_recompute);
     RUN(test_mtp);
+    RUN(test_fp8);
+    RUN(test_cli_fp8);
 #undef RUN
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;

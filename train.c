@@ -28,7 +28,7 @@
 typedef struct {
     const char *preset, *graph, *data, *data_format, *metrics, *svg, *save, *load, *forward, *logits_out, *device, *ep_exchange, *moments;
     int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_overlap, no_fold_rope, no_fuse_glu,
-        attn_recompute_dq, one_launch_per_node, overwrite;
+        attn_recompute_dq, one_launch_per_node, overwrite, fp8;
     int data_fmt;                                /* --data-format as MT_DATA_AUTO, _BIN or _RAW */
     int exchange;                                /* --ep-exchange as MT_EXCHANGE_AUTO, _HOST or _DEVICE */
     int moments_dt;                              /* --moments as MT_F32 or MT_BF16 (an artifact's or a resumed checkpoint's) */
@@ -98,6 +98,7 @@ static const opt_spec specs[] = {
     {"forward", OPT_STR, O_(forward), 0, 0, 0, 0, "none", "forward only: FILE holds batch*(seq_len+1) int32 tokens; prints the loss", "FILE"},
     {"logits-out", OPT_STR, O_(logits_out), 0, 0, 0, 0, "none", "with --forward: write float32 logits [batch*seq_len, vocab]", "FILE"},
     {"eager", OPT_FLAG, O_(eager), 0, 0, 0, 0, "off", "no optimizing passes (the baseline)", NULL},
+    {"fp8", OPT_FLAG, O_(fp8), 0, 0, 0, 0, "off", "the linear layers' GEMMs in FP8, DeepSeek-V3's block scaling (docs/FP8.md; on the CPU emulated)", NULL},
     {"overlap", OPT_FLAG, O_(overlap), 0, 0, 0, 0, "on with several ranks", "collectives on their own CUDA streams: FSDP prefetch, EP ahead of its host sync", NULL},
     {"ep-exchange", OPT_STR, O_(ep_exchange), 0, 0, 0, 0, "auto", "CUDA, ep > 1: auto (device-side where every ep peer is load/store accessible, "
      "else host-synchronized NCCL), device (or refuse), host (bitwise the same steps)", "MODE"},
@@ -425,6 +426,7 @@ static int plan_resume(opts *o, mt_run_state *ck) {
     else if (o->hp.decay_steps != ck->hp.decay_steps) NOTE(" decay-steps %d -> %d;", ck->hp.decay_steps, o->hp.decay_steps);
     if (!given(o, "data")) o->data = ck->data[0] ? ck->data : NULL;
     if (o->eager != ck->eager) NOTE(" %s -> %s (on CUDA the two round differently);", ck->eager ? "eager" : "compiled", o->eager ? "eager" : "compiled");
+    if (o->fp8 != ck->fp8) NOTE(" GEMMs %s -> %s;", ck->fp8 ? "fp8" : "bf16", o->fp8 ? "fp8" : "bf16");
     if (o->moments_dt != ck->moments)
         NOTE(" AdamW moments %s -> %s (the saved moments %s);", ck->moments == MT_BF16 ? "bf16" : "fp32", o->moments_dt == MT_BF16 ? "bf16" : "fp32",
              o->moments_dt == MT_BF16 ? "rounded to nearest even bf16 on loading" : "widened to fp32 exactly on loading");
@@ -1113,6 +1115,12 @@ int main(int argc, char **argv) {
             return 2;
         }
         o.moments_dt = mt_graph_moments(&g);
+        if (o.fp8 && !mt_graph_fp8(&g)) {
+            fprintf(stderr, "train: '%s' was compiled with bf16 GEMMs; --fp8 cannot change them (re-run precompile with it)\n", o.graph);
+            mt_graph_free(&g);
+            return 2;
+        }
+        o.fp8 = mt_graph_fp8(&g) > 0;
         cfg = g.cfg;
         have_graph = 1;
     } else {
@@ -1196,17 +1204,20 @@ int main(int argc, char **argv) {
         if (o.no_fuse_glu) passes.fuse_glu = 0;
         passes.memory_budget = (int64_t)((double)o.memory_budget * 1073741824.0);
         passes.moments = o.moments_dt;
+        passes.fp8 = o.fp8;
         double t0 = mt_now();
         if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_TRAIN, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
 #ifdef MT_CUDA
         if (on_cuda && mt_tune(&g, world > 1 ? local_rank : o.gpu, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_graph_free(&g); return 1; }
 #endif
-        if (rank == 0) printf("compiled the step graph in %.2f s: %d nodes, %d values, %d of %d blocks recomputed%s\n", mt_now() - t0,
+        if (rank == 0) printf("compiled the step graph in %.2f s: %d nodes, %d values, %d of %d blocks recomputed%s", mt_now() - t0,
                               g.n_nodes, g.n_values, g.n_recompute, g.cfg.n_layers, o.moments_dt == MT_BF16 ? ", AdamW moments in bf16" : "");
     } else if (rank == 0) {
-        printf("loaded the step graph from %s: %d nodes, %d values%s\n", o.graph, g.n_nodes, g.n_values,
+        printf("loaded the step graph from %s: %d nodes, %d values%s", o.graph, g.n_nodes, g.n_values,
                o.moments_dt == MT_BF16 ? ", AdamW moments in bf16" : "");
     }
+    if (rank == 0 && mt_graph_fp8(&g)) printf(", %d GEMMs in FP8", mt_graph_fp8(&g));
+    if (rank == 0) printf("\n");
 
     /* 4. data */
     mt_dataset ds;
