@@ -8297,7 +8297,8 @@ static int gmm_simple(int mode, const Gmm &p, cudaStream_t st) {
    the reduction over the expert's padded 128-blocks [P_e, P_e + roundup(n_e, 128)).  Rows of a box
    past the expert's rows (or past the tensor: zeros) are loaded and multiplied but never stored.
    Each output element is produced by one thread in a fixed order: bitwise reproducible.
-   Not yet measured (bench/fp8.cu); what should make it faster: docs/FP8.md. */
+   Measured on an H200 (docs/FP8.md): 400-500 TFLOP/s forward and dX, 115-177 dW; k_gmm_fast below is what
+   should take it further. */
 constexpr int WG_MAXE = 1024;
 template <int BN>
 struct WgCfg {
@@ -8569,6 +8570,325 @@ static int gmm_wgmma(int mode, const Gmm &p, cudaStream_t st, int nsm) {
     kern<<<nsm, 384, WgCfg<BN>::SMEM, st>>>(w);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
+/* ---- grouped: the fast kernel ------------------------------------------------------------------
+   k_gmm_fast<BN> (variants 3 and 4): k_gmm_wgmma's pipeline with what kept its tensor cores waiting
+   taken off the critical path.
+   - Scales in shared memory with the stage: warp 1 of the producer warpgroup copies each stage's
+     scales (128 row scales of A; modes 0/1 the weight's one or two block scales, mode 2 the BN
+     column scales of X^T) with 4-byte cp.async and arrives on the stage's full barrier when they
+     land (cp.async.mbarrier.arrive.noinc: the barrier expects 1 TMA arrival + 32 of these).  The
+     consumers read them with ld.shared after the wait: no global load between the wgmma and the
+     promotion (k_gmm_wgmma's mode 2 made 32 dependent L1/L2 loads a thread per 128-block there).
+   - Tiles of 128 x BN with BN = 256 (modes 0/1, variant 4): each consumer warpgroup owns 64 rows
+     and multiplies them in two waves of m64n128k32 (columns 0-127, then 128-255) into one 64-register
+     slice, promoting after each wave: slice 64 + accumulator 128 registers.  A 256-column tile spans
+     exactly two of the weight's 128-blocks, one per wave.  While one warpgroup waits and promotes,
+     the other's wgmmas keep the tensor cores busy.  Mode 2 (fp32 out) takes BN = 128 in both
+     variants (a 128 x 256 fp32 staging tile does not fit beside the stages).
+   - The epilogue through shared memory: each consumer warp writes its 16 rows (bf16, or fp32 for
+     dW) into a padded staging tile (bank-conflict free) and issues one bulk copy per row
+     (cp.async.bulk global <- shared, rows past the expert or M skipped) and goes on with the next
+     tile at once; it waits for its previous copies to have read the staging rows before
+     overwriting them.  No CTA-wide barrier anywhere after the setup.
+   - Stage count from the shared memory left (BN 128: 5 stages, 4 in mode 2; BN 256: 3).
+   The arithmetic is k_gmm_wgmma's (the same slice order and promotion formula); each output element
+   is produced by one thread in a fixed order: bitwise reproducible. */
+struct FastParams {
+    WgParams w;
+    int st;                      /* stages                                            */
+    int pitch;                   /* staging row pitch, bytes                          */
+    uint32_t off_sc, off_stg, off_bar, off_offs; /* shared-memory offsets from the 1024-aligned base */
+};
+template <int BN>
+struct FastCfg {
+    static constexpr int NW = BN / 128;                   /* n128 waves per 128-block          */
+    static constexpr int AB = 128 * 128 + BN * 128;       /* operand bytes of a stage           */
+    static constexpr int SC = 128 + BN;                   /* scale floats of a stage            */
+};
+/* the layout for `mode` and E experts; st = 0 when not even 2 stages fit */
+template <int BN>
+static size_t fast_layout(int mode, int E, FastParams &f) {
+    typedef FastCfg<BN> C;
+    f.pitch = mode == 2 ? BN * 4 + 32 : BN * 2 + 16;
+    const size_t stg = (size_t)128 * f.pitch, fixed = 1024 + stg + (size_t)2 * (E + 1) * sizeof(int) + 16;
+    const size_t per = (size_t)C::AB + (size_t)C::SC * 4 + 16;
+    const size_t cap = 232448;
+    int st = fixed < cap ? (int)((cap - fixed) / per) : 0;
+    if (st > 8) st = 8;
+    f.st = st < 2 ? 0 : st;
+    f.off_sc = (uint32_t)((size_t)st * C::AB);
+    f.off_stg = f.off_sc + (uint32_t)((size_t)st * C::SC * 4);
+    f.off_bar = f.off_stg + (uint32_t)stg;
+    f.off_offs = f.off_bar + (uint32_t)(16 * st);
+    return (size_t)f.off_offs + (size_t)2 * (E + 1) * sizeof(int) + 1024;
+}
+
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+/* arrive on `bar` once this thread's earlier cp.asyncs have landed (the barrier's count includes it) */
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void bulk_store(void *gdst, uint32_t src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gdst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ float lds_f32(uint32_t a) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ void lds_v2(uint32_t a, float &x, float &y) {
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "r"(a) : "memory");
+}
+__device__ __forceinline__ void sts_b32(uint32_t a, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory"); }
+__device__ __forceinline__ void sts_v2(uint32_t a, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a), "f"(x), "f"(y) : "memory");
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&h);
+}
+
+template <int BN, bool DW>
+__global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ FastParams f) {
+    using namespace mt_ptx;
+    typedef FastCfg<BN> C;
+    constexpr int NW = C::NW, NR = BN / 2, NJ = BN / 8;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const WgParams &w = f.w;
+    const Gmm &p = w.p;
+    const int tid = threadIdx.x, ST = f.st;
+    const uint32_t raw = smem_u32(smem_raw), pad = (1024u - (raw & 1023u)) & 1023u, sbase = raw + pad;
+    const uint32_t scb = sbase + f.off_sc, stg = sbase + f.off_stg, full0 = sbase + f.off_bar, empty0 = full0 + 8u * ST;
+    int *s_offs = reinterpret_cast<int *>(smem_raw + pad + f.off_offs);
+    int *s_pref = s_offs + (p.E + 1);
+    for (int i = tid; i <= p.E; i += blockDim.x) s_offs[i] = p.offs[i];
+    __syncthreads();
+    if (tid == 0) {
+        int acc = 0;
+        for (int e = 0; e < p.E; ++e) {
+            s_pref[e] = acc;
+            const int n = max(0, s_offs[e + 1] - s_offs[e]);
+            acc += !DW ? ((n + 127) / 128) * w.nct : (n + 127) / 128;
+        }
+        s_pref[p.E] = acc;
+        for (int s = 0; s < ST; ++s) { mbar_init(full0 + 8u * s, 1 + 32); mbar_init(empty0 + 8u * s, 8); }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (tid < 128) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        const int T = !DW ? s_pref[p.E] : p.E * w.ntm * w.nct;   /* (read after the register split: nothing kept across it) */
+        const int ldsb = w.mode == 0 ? ld_blk(p.K) : ld_blk(p.M);
+        if (tid == 0) {   /* operands: TMA */
+            int stage = 0;
+            uint32_t phase = 0;
+#pragma unroll 1
+            for (int t = blockIdx.x; t < T; t += gridDim.x) {
+                const WgTile ti = wg_tile<BN>(w, s_offs, s_pref, T, t);
+#pragma unroll 1
+                for (int kb = 0; kb < ti.nk; ++kb) {
+                    const uint32_t sa = sbase + (uint32_t)(stage * C::AB), bar = full0 + 8u * stage;
+                    wait_or_trap(empty0 + 8u * stage, phase ^ 1);
+                    mbar_expect_tx(bar, (uint32_t)C::AB);
+                    if (!DW) {
+                        tma_load_2d(sa, &w.ta, bar, kb * 128, ti.r0);
+                        tma_load_3d(sa + 16384u, &w.tb, bar, kb * 128, ti.c0, ti.e);
+                    } else {
+                        const int k = (int)(ti.k0 + 128LL * kb);
+                        tma_load_2d(sa, &w.ta, bar, k, ti.r0);
+                        tma_load_2d(sa + 16384u, &w.tb, bar, k, ti.c0);
+                    }
+                    if (++stage == ST) { stage = 0; phase ^= 1; }
+                }
+            }
+        } else if (tid >= 32 && tid < 64) {   /* scales: cp.async, one arrival a lane */
+            const int lane = tid - 32;
+            int stage = 0;
+            uint32_t phase = 0;
+#pragma unroll 1
+            for (int t = blockIdx.x; t < T; t += gridDim.x) {
+                const WgTile ti = wg_tile<BN>(w, s_offs, s_pref, T, t);
+#pragma unroll 1
+                for (int kb = 0; kb < ti.nk; ++kb) {
+                    const uint32_t sc = scb + (uint32_t)(stage * C::SC * 4);
+                    wait_or_trap(empty0 + 8u * stage, phase ^ 1);
+                    if constexpr (!DW) {
+                        const float *sar = p.sa + (size_t)kb * p.Rmax;
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const int r = ti.r0 + lane + 32 * i;
+                            const bool ok = r < ti.r1;
+                            cp_async_4(sc + 4u * (lane + 32 * i), ok ? (const void *)(sar + r) : (const void *)p.sa, ok ? 4 : 0);
+                        }
+                        if (lane < NW) {
+                            const int nb = ti.c0 / 128 + lane;
+                            const bool ok = nb * 128 < w.ncols;
+                            const float *src = p.sb + ((size_t)ti.e * kblocks(w.ncols) + (ok ? nb : 0)) * ldsb + kb;
+                            cp_async_4(sc + 4u * (128 + lane), src, ok ? 4 : 0);
+                        }
+                    } else {
+                        const long long pb = ti.k0 / 128 + kb;
+                        const float *sar = p.sa + (size_t)pb * p.M, *sbr = p.sb + (size_t)pb * p.K;
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const int m = ti.r0 + lane + 32 * i;
+                            const bool ok = m < p.M;
+                            cp_async_4(sc + 4u * (lane + 32 * i), ok ? (const void *)(sar + m) : (const void *)p.sa, ok ? 4 : 0);
+                        }
+#pragma unroll
+                        for (int i = 0; i < BN / 32; ++i) {
+                            const int col = ti.c0 + lane + 32 * i;
+                            const bool ok = col < p.K;
+                            cp_async_4(sc + 4u * (128 + lane + 32 * i), ok ? (const void *)(sbr + col) : (const void *)p.sb, ok ? 4 : 0);
+                        }
+                    }
+                    cp_async_arrive_noinc(full0 + 8u * stage);
+                    if (++stage == ST) { stage = 0; phase ^= 1; }
+                }
+            }
+            asm volatile("cp.async.wait_all;\n" ::: "memory");   /* nothing in flight when the warp exits */
+        }
+        return;
+    }
+    /* consumers: warpgroup c = 0, 1 (rows 64 c + [0, 64) of the tile); warp wl of it rows 16 wl + g (+ 8) */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int T = !DW ? s_pref[p.E] : p.E * w.ntm * w.nct;
+    const int ctid = tid - 128, c = __shfl_sync(0xffffffffu, ctid >> 7, 0), wl = (ctid >> 5) & 3, lane = ctid & 31;
+    const int g = lane >> 2, q = lane & 3, wr0 = 64 * c + 16 * wl;   /* the warp's first row in the tile */
+    const int esz = DW ? 4 : 2;
+    int stage = 0;
+    uint32_t phase = 0;
+    float tmp[64];   /* one wave's slice (wgmma overwrites it: scale_d 0 on its first k32) */
+#pragma unroll
+    for (int i = 0; i < 64; ++i) tmp[i] = 0.f;
+#pragma unroll 1
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        const WgTile ti = wg_tile<BN>(w, s_offs, s_pref, T, t);
+        const bool wave1 = NW > 1 && ti.c0 + 128 < w.ncols;   /* the tile's second 128 columns hold outputs */
+        float acc[NR];
+#pragma unroll
+        for (int i = 0; i < NR; ++i) acc[i] = 0.f;
+#pragma unroll 1
+        for (int kb = 0; kb < ti.nk; ++kb) {
+            const uint32_t sa = sbase + (uint32_t)(stage * C::AB), sc = scb + (uint32_t)(stage * C::SC * 4);
+            wait_or_trap(full0 + 8u * stage, phase);
+            const float xa = lds_f32(sc + 4u * (wr0 + g)), xb = lds_f32(sc + 4u * (wr0 + g + 8));
+            float sw[NW];   /* modes 0/1: the weight's block scale of each wave */
+#pragma unroll
+            for (int v = 0; v < NW; ++v) sw[v] = DW ? 0.f : lds_f32(sc + 4u * (128 + v));
+            const uint64_t da = sw128_desc(sa + (uint32_t)c * 8192u, 16u, 1024u);
+#pragma unroll
+            for (int v = 0; v < NW; ++v) {
+                if (v > 0 && !wave1) break;
+                const uint64_t db = sw128_desc(sa + 16384u + (uint32_t)v * 16384u, 16u, 1024u);
+#pragma unroll
+                for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
+                wgmma_fence();
+                wgmma_e4m3<128>(tmp, da, db, 0);
+                wgmma_e4m3<128>(tmp, da + 2, db + 2, 1);
+                wgmma_e4m3<128>(tmp, da + 4, db + 4, 1);
+                wgmma_e4m3<128>(tmp, da + 6, db + 6, 1);
+                wgmma_commit();
+                wgmma_wait<0>();
+#pragma unroll
+                for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
+                /* promotion: tmp[4 j + 2 h + b] is (row 8 h + g of the warp's 16, column 128 v + 8 j + 2 q + b) */
+                if constexpr (!DW) {
+                    if (v == NW - 1 || !wave1) {   /* the stage's last wave: its operands and scales all read */
+                        __syncwarp();
+                        if (lane == 0) mbar_arrive(empty0 + 8u * stage);
+                    }
+                    const float fa = xa * sw[v], fb = xb * sw[v];
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) {
+                        acc[64 * v + 4 * j] += tmp[4 * j] * fa; acc[64 * v + 4 * j + 1] += tmp[4 * j + 1] * fa;
+                        acc[64 * v + 4 * j + 2] += tmp[4 * j + 2] * fb; acc[64 * v + 4 * j + 3] += tmp[4 * j + 3] * fb;
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) {
+                        float s0, s1;
+                        lds_v2(sc + 4u * (128 + 128 * v + 8 * j + 2 * q), s0, s1);
+                        acc[64 * v + 4 * j] += tmp[4 * j] * (xa * s0); acc[64 * v + 4 * j + 1] += tmp[4 * j + 1] * (xa * s1);
+                        acc[64 * v + 4 * j + 2] += tmp[4 * j + 2] * (xb * s0); acc[64 * v + 4 * j + 3] += tmp[4 * j + 3] * (xb * s1);
+                    }
+                }
+            }
+            if constexpr (DW) {   /* the column scales were read from the stage during the promotion */
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty0 + 8u * stage);
+            }
+            if (++stage == ST) { stage = 0; phase ^= 1; }
+        }
+        /* epilogue: this warp's 16 rows through the staging tile, one bulk copy a row */
+        if (lane < 16) bulk_wait_read0();   /* the previous tile's copies of these rows have read them */
+        __syncwarp();
+        const uint32_t r_g = stg + (uint32_t)((wr0 + g) * f.pitch), r_g8 = r_g + 8u * (uint32_t)f.pitch;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            if constexpr (!DW) {
+                const uint32_t o = (uint32_t)((8 * j + 2 * q) * 2);
+                sts_b32(r_g + o, pack_bf16(acc[4 * j], acc[4 * j + 1]));
+                sts_b32(r_g8 + o, pack_bf16(acc[4 * j + 2], acc[4 * j + 3]));
+            } else {
+                const uint32_t o = (uint32_t)((8 * j + 2 * q) * 4);
+                sts_v2(r_g + o, acc[4 * j], acc[4 * j + 1]);
+                sts_v2(r_g8 + o, acc[4 * j + 2], acc[4 * j + 3]);
+            }
+        }
+        fence_proxy_async();   /* the staging writes -> visible to the bulk copies (async proxy) */
+        __syncwarp();
+        if (lane < 16) {
+            const int row = ti.r0 + wr0 + lane;
+            if (row < ti.r1 && ti.c0 < w.ncols) {
+                const uint32_t bytes = (uint32_t)(min(BN, w.ncols - ti.c0) * esz);
+                char *dst = !DW ? (char *)p.out + ((size_t)row * w.ncols + ti.c0) * 2
+                                        : (char *)p.out + (((size_t)ti.e * p.M + row) * p.K + ti.c0) * 4;
+                bulk_store(dst, stg + (uint32_t)((wr0 + lane) * f.pitch), bytes);
+            }
+            bulk_commit();
+            if (t + (int)gridDim.x >= T) bulk_wait0();   /* the last tile: every copy done before the CTA ends */
+        }
+    }
+}
+
+template <int BN>
+static int gmm_fast(int mode, const Gmm &p, cudaStream_t st, int nsm) {
+    static_assert(BN == 128 || BN == 256, "tile width");
+    if (mode == 2 && BN != 128) return gmm_fast<128>(mode, p, st, nsm);   /* dW: 128 x 128 fp32 tiles */
+    mt_ptx::EncodeTiledFn enc = mt_ptx::tma_encoder();
+    if (!enc) return 1;
+    FastParams f;
+    memset(&f, 0, sizeof f);
+    WgParams &w = f.w;
+    w.p = p;
+    w.mode = mode;
+    w.ncols = mode == 0 ? p.M : p.K;
+    w.nct = (w.ncols + BN - 1) / BN;
+    w.ntm = (p.M + 127) / 128;
+    const size_t smem = fast_layout<BN>(mode, p.E, f);
+    if (f.st < 2) return 1;   /* too many experts for the offsets beside two stages: the simple kernel */
+    const cuuint32_t boxa[2] = {128, 128}, boxb2[2] = {128, (cuuint32_t)BN}, boxb3[3] = {128, (cuuint32_t)BN, 1};
+    int rc;
+    if (mode != 2) {
+        const int red = mode == 0 ? p.K : p.M;
+        const cuuint64_t da[2] = {(cuuint64_t)red, (cuuint64_t)(p.Rmax > 0 ? p.Rmax : 1)}, sa[1] = {(cuuint64_t)red};
+        const cuuint64_t db[3] = {(cuuint64_t)red, (cuuint64_t)w.ncols, (cuuint64_t)p.E}, sb[2] = {(cuuint64_t)red, (cuuint64_t)red * w.ncols};
+        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, sa, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
+             mt_ptx::tma_map(enc, &w.tb, p.b, 3, db, sb, boxb3, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+    } else {
+        const cuuint64_t da[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.M}, db[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.K}, s1[1] = {(cuuint64_t)p.Lp};
+        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, s1, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
+             mt_ptx::tma_map(enc, &w.tb, p.b, 2, db, s1, boxb2, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+    }
+    if (rc) return 1;
+    void (*kern)(const FastParams) = mode == 2 ? k_gmm_fast<128, true> : k_gmm_fast<BN, false>;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
+    kern<<<nsm, 384, smem, st>>>(f);
+    return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
 } /* namespace mt_fp8 */
 
 extern "C" {
@@ -8609,20 +8929,30 @@ int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const
         return mt__fail(c, "mt_cuda_fp8_gemm", d.why);
     return 0;
 }
-/* the experts' FP8 GEMM: variant 0 k_gmm_wgmma<128> (the default), 2 k_gmm_wgmma<192>, 1 (or no tensor maps)
-   k_gmm_simple; W [E][M][K]; mode 0: out Y [Rmax][M] bf16,
+/* the experts' FP8 GEMM: variant 0 k_gmm_wgmma<128> (the default), 2 k_gmm_wgmma<192>, 3 k_gmm_fast<128>,
+   4 k_gmm_fast<256> (mode 2: k_gmm_fast<128>), 1 (or no tensor maps) k_gmm_simple; W [E][M][K]; mode 0: out Y [Rmax][M] bf16,
    a = X rows (scales over Rmax rows), b = W weight; mode 1: out dX [Rmax][K] bf16, a = dY rows, b = W^T weight;
-   mode 2: out dW [E][M][K] fp32, a = dY cols [M][Lp], b = X cols [K][Lp] */
-int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
-                    const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant) {
+   mode 2: out dW [E][M][K] fp32, a = dY cols [M][Lp], b = X cols [K][Lp].  ctas: the persistent kernels' grid (0: one
+   CTA per multiprocessor; the tests take a few so that every CTA walks many tiles) */
+int mt_cuda_fp8_gmm_ctas(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
+                         const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant, int ctas) {
     mt_fp8::Gmm p;
     p.out = out; p.a = a; p.b = b; p.sa = sa; p.sb = sb; p.offs = d_offs;
     p.E = E; p.M = M; p.K = K; p.Rmax = Rmax; p.Lp = Lp;
+    const int n = ctas > 0 ? ctas : c->n_sms;
     int rc = 1;
-    if (variant != 1 && mt_fp8::gmm_check(mode, p))
-        rc = variant == 2 ? mt_fp8::gmm_wgmma<192>(mode, p, c->stream, c->n_sms) : mt_fp8::gmm_wgmma<128>(mode, p, c->stream, c->n_sms);
+    if (variant != 1 && mt_fp8::gmm_check(mode, p)) {
+        if (variant == 3 || (variant == 4 && mode == 2)) rc = mt_fp8::gmm_fast<128>(mode, p, c->stream, n);
+        else if (variant == 4) rc = mt_fp8::gmm_fast<256>(mode, p, c->stream, n);
+        else if (variant == 2) rc = mt_fp8::gmm_wgmma<192>(mode, p, c->stream, n);
+        else rc = mt_fp8::gmm_wgmma<128>(mode, p, c->stream, n);
+    }
     if (rc > 0) rc = mt_fp8::gmm_simple(mode, p, c->stream);   /* asked for, or no tensor maps */
     if (rc) return mt__fail(c, "mt_cuda_fp8_gmm", "bad arguments or launch failure");
     return 0;
+}
+int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
+                    const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant) {
+    return mt_cuda_fp8_gmm_ctas(c, mode, out, a, sa, b, sb, d_offs, E, M, K, Rmax, Lp, variant, 0);
 }
 }  /* extern "C" */
