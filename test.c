@@ -2420,6 +2420,9 @@ static void gpu_test_resume(int moments) {
 }
 
 /* ---- FP8 (e4m3) kernels: moetrain_kernels.cu section 11, against a CPU reference in float64 ------------ */
+/* (the grouped GEMM with its persistent grid given: the tests' few-CTA runs; not in the header) */
+int mt_cuda_fp8_gmm_ctas(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
+                         const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant, int ctas);
 
 /* e4m3 ("fn": bias 7, 3 mantissa bits, max 448, no infinities, S.1111.111 NaN): v rounded to nearest even,
    saturated at +-448 */
@@ -2723,8 +2726,10 @@ static void gpu_test_fp8_dense(int T, int N, int K) {
     for (size_t i = 0; i < sizeof hp / sizeof hp[0]; i++) free(hp[i]);
 }
 
-static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int variant) {
-    static const char *vn[3] = {"wgmma", "simple", "wgmma192"};
+/* ctas > 0: the persistent kernels on that many CTAs (each walks many tiles: the pipeline's phases and the
+   epilogue's staging carry over from tile to tile) */
+static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int variant, int ctas) {
+    static const char *vn[5] = {"wgmma", "simple", "wgmma192", "fast128", "fast256"};
     int32_t *offs = malloc(4 * (size_t)(E + 1));
     offs[0] = 0;
     for (int e = 0; e < E; e++) offs[e + 1] = offs[e] + cnt[e];
@@ -2781,16 +2786,17 @@ static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int varian
     void *o[2][3];
     for (int run = 0; run < 2; run++) {
         o[run][0] = dalloc(2 * (size_t)Rmax * M); o[run][1] = dalloc(2 * (size_t)Rmax * K); o[run][2] = dalloc(4 * (size_t)E * M * K);
-        ok &= !mt_cuda_fp8_gmm(CU, 0, o[run][0], qx, sx, qw, sw, (const int32_t *)goffs, E, M, K, Rmax, Lp, variant) &&
-              !mt_cuda_fp8_gmm(CU, 1, o[run][1], qy, sy, qwt, swt, (const int32_t *)goffs, E, M, K, Rmax, Lp, variant) &&
-              !mt_cuda_fp8_gmm(CU, 2, o[run][2], qyt, syt, qxt, sxt, (const int32_t *)goffs, E, M, K, Rmax, Lp, variant);
+        ok &= !mt_cuda_fp8_gmm_ctas(CU, 0, o[run][0], qx, sx, qw, sw, (const int32_t *)goffs, E, M, K, Rmax, Lp, variant, ctas) &&
+              !mt_cuda_fp8_gmm_ctas(CU, 1, o[run][1], qy, sy, qwt, swt, (const int32_t *)goffs, E, M, K, Rmax, Lp, variant, ctas) &&
+              !mt_cuda_fp8_gmm_ctas(CU, 2, o[run][2], qyt, syt, qxt, sxt, (const int32_t *)goffs, E, M, K, Rmax, Lp, variant, ctas);
     }
-    char nm[96];
-    snprintf(nm, sizeof nm, "gpu fp8 grouped fwd E%d %dx%d %s", E, M, K, vn[variant]);
+    char nm[96], cn[24] = "";
+    if (ctas > 0) snprintf(cn, sizeof cn, " on %d CTAs", ctas);
+    snprintf(nm, sizeof nm, "gpu fp8 grouped fwd E%d %dx%d %s%s", E, M, K, vn[variant], cn);
     fp8_check(nm, o[0][0], 1, ry, ay, ey, (int64_t)R * M, ok, 1.0 / 1024);
-    snprintf(nm, sizeof nm, "gpu fp8 grouped dX E%d %dx%d %s", E, M, K, vn[variant]);
+    snprintf(nm, sizeof nm, "gpu fp8 grouped dX E%d %dx%d %s%s", E, M, K, vn[variant], cn);
     fp8_check(nm, o[0][1], 1, rx, ax, ex, (int64_t)R * K, ok, 1.0 / 1024);
-    snprintf(nm, sizeof nm, "gpu fp8 grouped dW E%d %dx%d %s", E, M, K, vn[variant]);
+    snprintf(nm, sizeof nm, "gpu fp8 grouped dW E%d %dx%d %s%s", E, M, K, vn[variant], cn);
     fp8_check(nm, o[0][2], 0, rw, aw, ew, (int64_t)E * M * K, ok, 1.0 / 1024);
     /* reruns bitwise; rows past R untouched (still the poison) */
     const size_t bytes[3] = {2 * (size_t)Rmax * M, 2 * (size_t)Rmax * K, 4 * (size_t)E * M * K};
@@ -2804,7 +2810,7 @@ static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int varian
         }
         free(a); free(b);
     }
-    snprintf(nm, sizeof nm, "gpu fp8 grouped %s: reruns, rows past R", vn[variant]);
+    snprintf(nm, sizeof nm, "gpu fp8 grouped %s%s: reruns, rows past R", vn[variant], cn);
     report(nm, same && untouched, "%s %s", same ? "bitwise" : "DIFFER", untouched ? "untouched" : "rows past R written");
     for (int run = 0; run < 2; run++) for (int i = 0; i < 3; i++) dfree(o[run][i]);
     void *dp[] = {gX, gY, t1, t2, gW, goffs, qx, qy, qw, qwt, qyt, qxt, sx, sy, sw, swt, syt, sxt};
@@ -2892,11 +2898,16 @@ int main(void) {
     {
         static const int f5[5] = {0, 17, 300, 128, 1}, f3[3] = {130, 0, 70};
         static const int f4[4] = {700, 1, 0, 385};
-        static const int order[3] = {1, 0, 2};   /* k_gmm_simple, k_gmm_wgmma<128>, k_gmm_wgmma<192> */
-        for (int i = 0; i < 3; i++) {
-            GPU_RUN(gpu_test_fp8_grouped(5, 144, 272, f5, order[i]));   /* an empty expert, single rows, ragged tiles */
-            GPU_RUN(gpu_test_fp8_grouped(3, 256, 128, f3, order[i]));
-            GPU_RUN(gpu_test_fp8_grouped(4, 400, 656, f4, order[i]));   /* several tiles, a partial last reduction block */
+        /* k_gmm_simple, k_gmm_wgmma<128>, k_gmm_wgmma<192>, k_gmm_fast<128>, k_gmm_fast<256> (dW: <128>) */
+        static const int order[5] = {1, 0, 2, 3, 4};
+        for (int i = 0; i < 5; i++) {
+            GPU_RUN(gpu_test_fp8_grouped(5, 144, 272, f5, order[i], 0));   /* an empty expert, single rows, ragged tiles */
+            GPU_RUN(gpu_test_fp8_grouped(3, 256, 128, f3, order[i], 0));
+            GPU_RUN(gpu_test_fp8_grouped(4, 400, 656, f4, order[i], 0));   /* several tiles, a partial last reduction block */
+        }
+        for (int i = 1; i < 5; i++) {   /* the persistent kernels, each CTA many tiles */
+            GPU_RUN(gpu_test_fp8_grouped(5, 144, 272, f5, order[i], 2));
+            GPU_RUN(gpu_test_fp8_grouped(4, 400, 656, f4, order[i], 3));
         }
     }
 #undef GPU_RUN
