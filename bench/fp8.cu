@@ -27,9 +27,20 @@
  * launches; TFLOP/s = 2 M N K / t; the bf16 kernel on the same bf16 data and shapes.  The quantizers are
  * timed on their own (GB/s of bf16 read + fp8 written).
  * Environment: FP8_QUICK=1 one timing round of 3 launches; FP8_ONLY=dense|grouped one family; FP8_NO_SIMPLE=1
- * skips the simple grouped kernel's rows; FP8_VARIANT=v runs only grouped kernel v (0 k_gmm_wgmma<128>, 1 the simple
- * kernel, 2 k_gmm_wgmma<192>).  A wgmma kernel whose pipeline stalls traps after ~10 s: the bench stops there with
- * the CUDA error (FP8_VARIANT=1 then still measures the rest).
+ * skips the simple grouped kernel's rows; FP8_VARIANT=digits runs only those grouped kernels (e.g. FP8_VARIANT=34).
+ * Grouped kernels (mt_cuda_fp8_gmm's variant): 0 k_gmm_wgmma<128>, 2 k_gmm_wgmma<192>, 3 k_gmm_fast<128>,
+ * 4 k_gmm_fast<256> (its dW rows run k_gmm_fast<128>, the same kernel as variant 3), 1 k_gmm_simple.
+ * Without FP8_VARIANT each grouped variant runs in a process of its own (this binary again, FP8_CHILD=1): a wgmma
+ * kernel whose pipeline stalls traps after ~10 s and leaves its CUDA context unusable; its process then stops with the
+ * CUDA error, the other variants still run, and the table says which process stopped.  FP8_NO_ISOLATE=1 runs them all
+ * in this process (as FP8_VARIANT does).
+ *
+ * The grouped kernels on mid's expert shapes, every variant, the short table last (~1 minute on an H200):
+ *
+ *   make bench_fp8 && FP8_ONLY=grouped ./bench_fp8
+ *
+ * ends with "==== FP8 grouped GEMMs ..." (variant, mode, layout, FP8 and bf16 TFLOP/s, speedup, max error / bound,
+ * deterministic) and "FP8: all checks passed (0 failing rows)".
  */
 #define MOETRAIN_IMPLEMENTATION /* mt_errf and friends, for the kernels file */
 #include "../moetrain_kernels.cu"
@@ -40,18 +51,31 @@
 #include <string.h>
 #include <stdarg.h>
 #include <math.h>
+#include <unistd.h>
 #include <vector>
 #include <string>
 #include <algorithm>
 #include <random>
 
 static int g_fail = 0;
-static std::vector<std::string> g_table;
+static bool g_child = false;   /* FP8_CHILD: one grouped variant for a parent bench, table lines marked "@@ " */
+static std::vector<std::string> g_table, g_short;
+static void print_short() {   /* the grouped kernels' table: one line per (layout, variant, mode) */
+    if (g_child) {
+        for (const std::string &l : g_short) printf("@@ %s\n", l.c_str());
+        return;
+    }
+    printf("\n==== FP8 grouped GEMMs, mid's expert shapes: TFLOP/s, max error / bound (<= 1), determinism ====\n");
+    printf("%-10s %-5s %-16s %8s %8s %6s %8s %4s %s\n", "variant", "mode", "layout", "FP8", "bf16", "x", "err/bnd", "det", "");
+    for (const std::string &l : g_short) printf("%s\n", l.c_str());
+}
 static void fatal(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vfprintf(stdout, fmt, ap);
     va_end(ap);
+    if (!g_short.empty()) print_short();
+    if (g_child) printf("\n@@fail %d\n", g_fail + 1);
     printf("\nFP8: stopped (failures so far %d)\n", g_fail);
     exit(2);
 }
@@ -201,6 +225,24 @@ __global__ void k_diff(const uint32_t *a, const uint32_t *b, long long n, unsign
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) c += a[i] != b[i];
     if (c) atomicAdd(cnt, c);   /* an integer count: order-independent */
 }
+/* non-finite outputs among n (bf16, or fp32 when f32): the grouped outputs are poisoned with NaN before each kernel, so
+   this counts every element a kernel failed to write, sampled by the reference or not */
+__global__ void k_nonfinite(const void *y, long long n, int f32, unsigned long long *cnt) {
+    unsigned long long c = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float v = f32 ? ((const float *)y)[i] : __bfloat162float(((const bf16 *)y)[i]);
+        c += !isfinite(v);
+    }
+    if (c) atomicAdd(cnt, c);
+}
+static unsigned long long nonfinite(const void *y, size_t n, int f32) {
+    unsigned long long *d = (unsigned long long *)dmal(8), h = 0;
+    CK(cudaMemset(d, 0, 8));
+    k_nonfinite<<<1024, 256>>>(y, (long long)n, f32, d);
+    CK(cudaMemcpy(&h, d, 8, cudaMemcpyDeviceToHost));
+    CK(cudaFree(d));
+    return h;
+}
 static unsigned long long ndiff(const void *a, const void *b, size_t bytes) {
     unsigned long long *d = (unsigned long long *)dmal(8), h = 0;
     CK(cudaMemset(d, 0, 8));
@@ -210,7 +252,7 @@ static unsigned long long ndiff(const void *a, const void *b, size_t bytes) {
     return h;
 }
 static bool g_quick = false, g_skip_simple = false;
-static int g_variant = -1; /* FP8_VARIANT: only this grouped kernel */
+static std::string g_variants;   /* FP8_VARIANT: only these grouped kernels (digits, e.g. "34"); empty: all */
 template <class F>
 static double time_ms(F f) {   /* median of rounds of launches, per launch */
     cudaEvent_t a, b;
@@ -233,17 +275,18 @@ static double time_ms(F f) {   /* median of rounds of launches, per launch */
     return t[t.size() / 2];
 }
 
-static void row(const char *kind, const char *shape, double flops, double t8, double t16, const Err &e, double n16, unsigned long long nd) {
+static bool row(const char *kind, const char *shape, double flops, double t8, double t16, const Err &e, double n16, unsigned long long nd) {
     const double apri_max = 0.125 + 1.0 / 128;
     const bool ok = e.nonfinite == 0 && e.arith <= 1 && e.bound <= 1 && e.apri <= apri_max && nd == 0;
     if (!ok) g_fail++;
     char line[400];
-    snprintf(line, sizeof line, "%-18s %-22s %7.1f %7.1f %5.2fx | nrm %.4f (bf16 %.4f) max/rms %6.3f | arith %5.3f bound %5.3f apri %5.3f | %s %s",
+    snprintf(line, sizeof line, "%-30s %-22s %7.1f %7.1f %5.2fx | nrm %.4f (bf16 %.4f) max/rms %6.3f | arith %5.3f bound %5.3f apri %5.3f | %s %s",
              kind, shape, t8 > 0 ? flops / t8 * 1e-9 : 0.0, t16 > 0 ? flops / t16 * 1e-9 : 0.0, t8 > 0 && t16 > 0 ? t16 / t8 : 0.0, e.nrm, n16,
-             e.maxrms, e.arith, e.bound, e.apri, nd ? "DIFFERS" : "det", ok ? "ok" : "FAIL");
+             e.maxrms, e.arith, e.bound, e.apri, nd ? "DIFFERS" : "det", ok ? "ok" : e.nonfinite ? "FAIL (non-finite or unwritten outputs)" : "FAIL");
     printf("%s\n", line);
     fflush(stdout);
     g_table.push_back(line);
+    return ok;
 }
 
 /* ---- dense: Y = X W^T, dX = dY W, dW = dY^T X, T tokens ------------------------------------------------ */
@@ -373,7 +416,7 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
     q_rows(); q_cols(); q_w(); q_wt();
     if (mt_cuda_fp8_quant_rows(g_cu, qy, sy, dY, Rmax, M) || mt_cuda_fp8_quant_cols(g_cu, qyt, syt, dY, doffs, E, Rmax, M, Lp))
         fatal("%s", mt_cuda_error(g_cu));
-    {
+    if (!g_child || g_variants.find('0') != std::string::npos) {   /* (once, not in every variant's process) */
         const double bx = 3.0 * Rmax * K, bw = 3.0 * E * M * K;
         char line[300];
         snprintf(line, sizeof line, "%-18s quantize X %dx%d: rows %.0f GB/s, cols %.0f GB/s; W %dx%dx%d: %.0f GB/s, transposed %.0f GB/s", name, Rmax, K,
@@ -417,15 +460,23 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
     const double fl = 2.0 * R * M * K;
     char shape[64];
     snprintf(shape, sizeof shape, "E%d %dx%d R%d", E, M, K, R);
-    static const int vorder[3] = {0, 2, 1}; /* k_gmm_wgmma<128>, <192>, k_gmm_simple */
-    for (int mm = 0; mm < 9; ++mm) {
+    /* k_gmm_wgmma<128>, <192>, k_gmm_fast<128>, <256> (dW: <128>), k_gmm_simple */
+    static const int vorder[5] = {0, 2, 3, 4, 1};
+    static const char *vname[5] = {"wgmma128", "simple", "wgmma192", "fast128", "fast256"};
+    static const char *mname[3] = {"fwd", "dX", "dW"};
+    double t16[3] = {0, 0, 0}, n16s[3] = {0, 0, 0};   /* the bf16 kernel's time and error per mode (once) */
+    for (int mm = 0; mm < 15; ++mm) {
         const int mode = mm % 3;
         variant = vorder[mm / 3];
-        if (variant == 1 && g_skip_simple) break;
-        if (g_variant >= 0 && variant != g_variant) continue;
+        if (variant == 1 && g_skip_simple) continue;
+        if (!g_variants.empty() && g_variants.find((char)('0' + variant)) == std::string::npos) continue;
         void *o0 = mode == 0 ? Y[0] : mode == 1 ? GX[0] : GW[0], *o1 = mode == 0 ? Y[1] : mode == 1 ? GX[1] : GW[1];
         void *ob = mode == 0 ? Yb : mode == 1 ? GXb : GWb;
-        g8(mode, o0); g8(mode, o1); g16(mode, ob);
+        const size_t bytes = mode == 0 ? 2 * (size_t)Rmax * M : mode == 1 ? 2 * (size_t)Rmax * K : 4 * (size_t)E * M * K;
+        CK(cudaMemsetAsync(o0, 0xff, bytes, g_cu->stream));   /* NaN: what a kernel leaves unwritten fails the checks */
+        CK(cudaMemsetAsync(o1, 0xff, bytes, g_cu->stream));
+        g8(mode, o0); g8(mode, o1);
+        if (t16[mode] == 0) g16(mode, ob);
         CK(cudaStreamSynchronize(g_cu->stream));
         Job j;
         int ncols;
@@ -454,28 +505,69 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
                 }
             }
         }
-        const Err e = reference(j, ncols, o0, mode == 2);
-        const double n16 = reference(j, ncols, ob, mode == 2).nrm;
-        const size_t bytes = mode == 0 ? 2 * (size_t)Rmax * M : mode == 1 ? 2 * (size_t)Rmax * K : 4 * (size_t)E * M * K;
-        static const char *mn[9] = {"fwd", "dX", "dW", "fwd n192", "dX n192", "dW n192", "fwd simple", "dX simple", "dW simple"};
-        row((std::string(name) + " " + mn[mm]).c_str(), shape, fl, time_ms([&] { g8(mode, o0); }), time_ms([&] { g16(mode, ob); }), e, n16,
-            ndiff(o0, o1, bytes));
+        Err e = reference(j, ncols, o0, mode == 2);
+        e.nonfinite += (int)std::min(nonfinite(o0, bytes / (mode == 2 ? 4 : 2), mode == 2), (unsigned long long)INT_MAX / 2);
+        if (t16[mode] == 0) {
+            n16s[mode] = reference(j, ncols, ob, mode == 2).nrm;
+            t16[mode] = time_ms([&] { g16(mode, ob); });
+        }
+        const unsigned long long nd = ndiff(o0, o1, bytes);
+        const double t8 = time_ms([&] { g8(mode, o0); });
+        const bool ok = row((std::string(name) + " " + mname[mode] + " " + vname[variant]).c_str(), shape, fl, t8, t16[mode], e, n16s[mode], nd);
+        char sl[200];
+        snprintf(sl, sizeof sl, "%d %-8s %-5s %-16s %8.1f %8.1f %5.2fx %8.3f %4s %s", variant, vname[variant], mname[mode], name + 8, fl / t8 * 1e-9,
+                 fl / t16[mode] * 1e-9, t16[mode] / t8, std::max(e.arith, e.bound), nd ? "NO" : "yes", ok ? "ok" : "FAIL");
+        g_short.push_back(sl);
     }
     void *fr[] = {doffs, X, dY, W, qx, qy, qw, qwt, qyt, qxt, sx, sy, sw, swt, syt, sxt, Xd, dYd, Wd, Wtd, dYtd, Xtd, Y[0], Y[1], GX[0], GX[1], GW[0], GW[1], Yb, GXb, GWb, ws};
     for (void *p : fr) CK(cudaFree(p));
 }
 
+/* every grouped variant in a process of its own (this binary again, FP8_CHILD=1 FP8_VARIANT=v): a kernel that traps
+   (a stalled pipeline) leaves its CUDA context unusable, and would otherwise take the other variants' rows with it */
+static void run_children() {
+    char self[1024];
+    const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) fatal("readlink /proc/self/exe failed");
+    self[n] = 0;
+    static const int vo[5] = {0, 2, 3, 4, 1};
+    for (int v : vo) {
+        if (v == 1 && g_skip_simple) continue;
+        char cmd[1400], buf[2048];
+        snprintf(cmd, sizeof cmd, "FP8_CHILD=1 FP8_ONLY=grouped FP8_VARIANT=%d %s'%s' 2>&1", v, g_quick ? "FP8_QUICK=1 " : "", self);
+        fflush(stdout);
+        FILE *f = popen(cmd, "r");
+        if (!f) { printf("variant %d: could not start %s\n", v, self); g_fail++; continue; }
+        int cf = -1;
+        while (fgets(buf, sizeof buf, f)) {
+            if (!strncmp(buf, "@@fail ", 7)) { cf = atoi(buf + 7); continue; }
+            if (!strncmp(buf, "@@ ", 3)) { buf[strcspn(buf, "\n")] = 0; g_short.push_back(buf + 3); continue; }
+            fputs(buf, stdout);
+            fflush(stdout);
+        }
+        const int st = pclose(f);
+        if (cf > 0) g_fail += cf;
+        if (st != 0) {
+            if (cf <= 0) g_fail++;
+            char l[160];
+            snprintf(l, sizeof l, "%d (variant %d's process ended with status %d: the lines above say where)", v, v, st);
+            g_short.push_back(l);
+        }
+    }
+}
+
 int main() {
     mt_err err;
     char info[512];
+    g_child = getenv("FP8_CHILD") != nullptr;
     mt_cuda_describe(info, sizeof info);
-    printf("%s\n", info);
+    if (!g_child) printf("%s\n", info);
     if (mt_cuda_create(&g_cu, 0, &err)) fatal("no GPU: %s", err.msg);
     g_quick = getenv("FP8_QUICK") != nullptr;
     g_skip_simple = getenv("FP8_NO_SIMPLE") != nullptr;
-    if (getenv("FP8_VARIANT")) g_variant = atoi(getenv("FP8_VARIANT"));
+    if (getenv("FP8_VARIANT")) g_variants = getenv("FP8_VARIANT");
     const char *only = getenv("FP8_ONLY");
-    printf("columns: kind, shape (out rows x out cols x reduction), FP8 TFLOP/s, bf16 TFLOP/s, speedup | normwise error vs the\n"
+    if (!g_child) printf("columns: kind, shape (out rows x out cols x reduction), FP8 TFLOP/s, bf16 TFLOP/s, speedup | normwise error vs the\n"
            "bf16 operands' float64 product (bf16 GEMM's beside it), max error / rms | arith, bound <= 1, apri <= %.3f | determinism\n",
            0.125 + 1.0 / 128);
     const int T = 8192; /* mid: batch 2 x seq 4096 */
@@ -489,16 +581,27 @@ int main() {
         dense_case("shared down", T, 2048, 2816);
         dense_case("head", T, 102400, 2048);
     }
-    if (!only || !strcmp(only, "grouped")) {
-        printf("-- grouped (experts: k_gmm_wgmma with 128 x 128 tiles, then 128 x 192 (n192), then the simple mma.sync kernel) --\n");
+    if ((!only || !strcmp(only, "grouped")) && !g_child && g_variants.empty() && !getenv("FP8_NO_ISOLATE")) {
+        printf("-- grouped (experts; mt_cuda_fp8_gmm's variants 0 wgmma128, 2 wgmma192, 3 fast128, 4 fast256, 1 simple; "
+               "each in a process of its own) --\n");
+        run_children();
+    } else if (!only || !strcmp(only, "grouped")) {
+        if (!g_child) printf("-- grouped (experts) --\n");
         const std::vector<int> even(64, 768), skew = counts_skew(64, 49152, 7, 5.0);
         grouped_case("experts even", 64, 1408, 2048, even);
         grouped_case("experts even dn", 64, 2048, 1408, even);
         grouped_case("experts skew", 64, 1408, 2048, skew);
         grouped_case("experts skew dn", 64, 2048, 1408, skew);
     }
+    if (g_child) {
+        print_short();
+        printf("@@fail %d\n", g_fail);
+        mt_cuda_destroy(g_cu);
+        return g_fail ? 1 : 0;
+    }
     printf("\n==== FP8 summary (H200 expected: see docs/FP8.md) ====\n");
     for (const std::string &s : g_table) printf("%s\n", s.c_str());
+    if (!g_short.empty()) print_short();
     printf("FP8: %s (%d failing rows)\n", g_fail ? "FAIL" : "all checks passed", g_fail);
     mt_cuda_destroy(g_cu);
     return g_fail ? 1 : 0;
