@@ -8591,6 +8591,9 @@ static int gmm_wgmma(int mode, const Gmm &p, cudaStream_t st, int nsm) {
      tile at once; it waits for its previous copies to have read the staging rows before
      overwriting them.  No CTA-wide barrier anywhere after the setup.
    - Stage count from the shared memory left (BN 128: 5 stages, 4 in mode 2; BN 256: 3).
+   DIRECT (variant 5, BN 256; dW BN 128): the stores straight from the registers as k_gmm_wgmma's, no
+   staging tile, its memory taken as stages (4; dW 6): whether more bytes in flight beat the overlapped
+   epilogue is for the bench to say.
    The arithmetic is k_gmm_wgmma's (the same slice order and promotion formula); each output element
    is produced by one thread in a fixed order: bitwise reproducible. */
 struct FastParams {
@@ -8605,11 +8608,11 @@ struct FastCfg {
     static constexpr int AB = 128 * 128 + BN * 128;       /* operand bytes of a stage           */
     static constexpr int SC = 128 + BN;                   /* scale floats of a stage            */
 };
-/* the layout for `mode` and E experts; st = 0 when not even 2 stages fit */
+/* the layout for `mode` and E experts (direct: no staging tile); st = 0 when not even 2 stages fit */
 template <int BN>
-static size_t fast_layout(int mode, int E, FastParams &f) {
+static size_t fast_layout(int mode, int E, bool direct, FastParams &f) {
     typedef FastCfg<BN> C;
-    f.pitch = mode == 2 ? BN * 4 + 32 : BN * 2 + 16;
+    f.pitch = direct ? 0 : mode == 2 ? BN * 4 + 32 : BN * 2 + 16;
     const size_t stg = (size_t)128 * f.pitch, fixed = 1024 + stg + (size_t)2 * (E + 1) * sizeof(int) + 16;
     const size_t per = (size_t)C::AB + (size_t)C::SC * 4 + 16;
     const size_t cap = 232448;
@@ -8650,7 +8653,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t *>(&h);
 }
 
-template <int BN, bool DW>
+template <int BN, bool DW, bool DIRECT>
 __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ FastParams f) {
     using namespace mt_ptx;
     typedef FastCfg<BN> C;
@@ -8822,6 +8825,24 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
             }
             if (++stage == ST) { stage = 0; phase ^= 1; }
         }
+        if constexpr (DIRECT) {   /* epilogue: stores straight from the registers (k_gmm_wgmma's) */
+            const int ra = ti.r0 + wr0 + g, rb = ra + 8;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const int col = ti.c0 + 8 * j + 2 * q;
+                if (col >= w.ncols) continue;
+                if constexpr (!DW) {
+                    bf16 *y = (bf16 *)p.out;
+                    if (ra < ti.r1) *reinterpret_cast<uint32_t *>(y + (size_t)ra * w.ncols + col) = pack_bf16(acc[4 * j], acc[4 * j + 1]);
+                    if (rb < ti.r1) *reinterpret_cast<uint32_t *>(y + (size_t)rb * w.ncols + col) = pack_bf16(acc[4 * j + 2], acc[4 * j + 3]);
+                } else {
+                    float *dw = (float *)p.out + (size_t)ti.e * p.M * p.K;
+                    if (ra < p.M) *reinterpret_cast<float2 *>(dw + (size_t)ra * p.K + col) = make_float2(acc[4 * j], acc[4 * j + 1]);
+                    if (rb < p.M) *reinterpret_cast<float2 *>(dw + (size_t)rb * p.K + col) = make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+                }
+            }
+            continue;
+        }
         /* epilogue: this warp's 16 rows through the staging tile, one bulk copy a row */
         if (lane < 16) bulk_wait_read0();   /* the previous tile's copies of these rows have read them */
         __syncwarp();
@@ -8854,10 +8875,10 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
     }
 }
 
-template <int BN>
+template <int BN, bool DIRECT>
 static int gmm_fast(int mode, const Gmm &p, cudaStream_t st, int nsm) {
     static_assert(BN == 128 || BN == 256, "tile width");
-    if (mode == 2 && BN != 128) return gmm_fast<128>(mode, p, st, nsm);   /* dW: 128 x 128 fp32 tiles */
+    if (mode == 2 && BN != 128) return gmm_fast<128, DIRECT>(mode, p, st, nsm);   /* dW: 128 x 128 fp32 tiles */
     mt_ptx::EncodeTiledFn enc = mt_ptx::tma_encoder();
     if (!enc) return 1;
     FastParams f;
@@ -8868,7 +8889,7 @@ static int gmm_fast(int mode, const Gmm &p, cudaStream_t st, int nsm) {
     w.ncols = mode == 0 ? p.M : p.K;
     w.nct = (w.ncols + BN - 1) / BN;
     w.ntm = (p.M + 127) / 128;
-    const size_t smem = fast_layout<BN>(mode, p.E, f);
+    const size_t smem = fast_layout<BN>(mode, p.E, DIRECT, f);
     if (f.st < 2) return 1;   /* too many experts for the offsets beside two stages: the simple kernel */
     const cuuint32_t boxa[2] = {128, 128}, boxb2[2] = {128, (cuuint32_t)BN}, boxb3[3] = {128, (cuuint32_t)BN, 1};
     int rc;
@@ -8884,7 +8905,7 @@ static int gmm_fast(int mode, const Gmm &p, cudaStream_t st, int nsm) {
              mt_ptx::tma_map(enc, &w.tb, p.b, 2, db, s1, boxb2, CU_TENSOR_MAP_DATA_TYPE_UINT8);
     }
     if (rc) return 1;
-    void (*kern)(const FastParams) = mode == 2 ? k_gmm_fast<128, true> : k_gmm_fast<BN, false>;
+    void (*kern)(const FastParams) = mode == 2 ? k_gmm_fast<128, true, DIRECT> : k_gmm_fast<BN, false, DIRECT>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     kern<<<nsm, 384, smem, st>>>(f);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
@@ -8930,7 +8951,8 @@ int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const
     return 0;
 }
 /* the experts' FP8 GEMM: variant 0 k_gmm_wgmma<128> (the default), 2 k_gmm_wgmma<192>, 3 k_gmm_fast<128>,
-   4 k_gmm_fast<256> (mode 2: k_gmm_fast<128>), 1 (or no tensor maps) k_gmm_simple; W [E][M][K]; mode 0: out Y [Rmax][M] bf16,
+   4 k_gmm_fast<256> (mode 2: k_gmm_fast<128>), 5 the same as 4 with the stores straight from the registers
+   and the staging tile's memory as stages, 1 (or no tensor maps) k_gmm_simple; W [E][M][K]; mode 0: out Y [Rmax][M] bf16,
    a = X rows (scales over Rmax rows), b = W weight; mode 1: out dX [Rmax][K] bf16, a = dY rows, b = W^T weight;
    mode 2: out dW [E][M][K] fp32, a = dY cols [M][Lp], b = X cols [K][Lp].  ctas: the persistent kernels' grid (0: one
    CTA per multiprocessor; the tests take a few so that every CTA walks many tiles) */
@@ -8942,8 +8964,9 @@ int mt_cuda_fp8_gmm_ctas(mt_cuda *c, int mode, void *out, const uint8_t *a, cons
     const int n = ctas > 0 ? ctas : c->n_sms;
     int rc = 1;
     if (variant != 1 && mt_fp8::gmm_check(mode, p)) {
-        if (variant == 3 || (variant == 4 && mode == 2)) rc = mt_fp8::gmm_fast<128>(mode, p, c->stream, n);
-        else if (variant == 4) rc = mt_fp8::gmm_fast<256>(mode, p, c->stream, n);
+        if (variant == 3) rc = mt_fp8::gmm_fast<128, false>(mode, p, c->stream, n);
+        else if (variant == 4) rc = mt_fp8::gmm_fast<256, false>(mode, p, c->stream, n);   /* (dW: <128>) */
+        else if (variant == 5) rc = mt_fp8::gmm_fast<256, true>(mode, p, c->stream, n);    /* (dW: <128>) */
         else if (variant == 2) rc = mt_fp8::gmm_wgmma<192>(mode, p, c->stream, n);
         else rc = mt_fp8::gmm_wgmma<128>(mode, p, c->stream, n);
     }
