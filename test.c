@@ -2729,7 +2729,7 @@ static void gpu_test_fp8_dense(int T, int N, int K) {
 /* ctas > 0: the persistent kernels on that many CTAs (each walks many tiles: the pipeline's phases and the
    epilogue's staging carry over from tile to tile) */
 static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int variant, int ctas) {
-    static const char *vn[5] = {"wgmma", "simple", "wgmma192", "fast128", "fast256"};
+    static const char *vn[6] = {"wgmma", "simple", "wgmma192", "fast128", "fast256", "direct256"};
     int32_t *offs = malloc(4 * (size_t)(E + 1));
     offs[0] = 0;
     for (int e = 0; e < E; e++) offs[e + 1] = offs[e] + cnt[e];
@@ -2898,14 +2898,15 @@ int main(void) {
     {
         static const int f5[5] = {0, 17, 300, 128, 1}, f3[3] = {130, 0, 70};
         static const int f4[4] = {700, 1, 0, 385};
-        /* k_gmm_simple, k_gmm_wgmma<128>, k_gmm_wgmma<192>, k_gmm_fast<128>, k_gmm_fast<256> (dW: <128>) */
-        static const int order[5] = {1, 0, 2, 3, 4};
-        for (int i = 0; i < 5; i++) {
+        /* k_gmm_simple, k_gmm_wgmma<128>, k_gmm_wgmma<192>, k_gmm_fast<128>, k_gmm_fast<256> (dW: <128>), the latter
+           with direct stores */
+        static const int order[6] = {1, 0, 2, 3, 4, 5};
+        for (int i = 0; i < 6; i++) {
             GPU_RUN(gpu_test_fp8_grouped(5, 144, 272, f5, order[i], 0));   /* an empty expert, single rows, ragged tiles */
             GPU_RUN(gpu_test_fp8_grouped(3, 256, 128, f3, order[i], 0));
             GPU_RUN(gpu_test_fp8_grouped(4, 400, 656, f4, order[i], 0));   /* several tiles, a partial last reduction block */
         }
-        for (int i = 1; i < 5; i++) {   /* the persistent kernels, each CTA many tiles */
+        for (int i = 1; i < 6; i++) {   /* the persistent kernels, each CTA many tiles */
             GPU_RUN(gpu_test_fp8_grouped(5, 144, 272, f5, order[i], 2));
             GPU_RUN(gpu_test_fp8_grouped(4, 400, 656, f4, order[i], 3));
         }
