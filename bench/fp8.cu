@@ -29,7 +29,8 @@
  * Environment: FP8_QUICK=1 one timing round of 3 launches; FP8_ONLY=dense|grouped one family; FP8_NO_SIMPLE=1
  * skips the simple grouped kernel's rows; FP8_VARIANT=digits runs only those grouped kernels (e.g. FP8_VARIANT=34).
  * Grouped kernels (mt_cuda_fp8_gmm's variant): 0 k_gmm_wgmma<128>, 2 k_gmm_wgmma<192>, 3 k_gmm_fast<128>,
- * 4 k_gmm_fast<256> (its dW rows run k_gmm_fast<128>, the same kernel as variant 3), 1 k_gmm_simple.
+ * 4 k_gmm_fast<256> (its dW rows run k_gmm_fast<128>, the same kernel as variant 3), 5 the same with the stores
+ * straight from the registers and more stages (direct256), 1 k_gmm_simple.
  * Without FP8_VARIANT each grouped variant runs in a process of its own (this binary again, FP8_CHILD=1): a wgmma
  * kernel whose pipeline stalls traps after ~10 s and leaves its CUDA context unusable; its process then stops with the
  * CUDA error, the other variants still run, and the table says which process stopped.  FP8_NO_ISOLATE=1 runs them all
@@ -52,6 +53,7 @@
 #include <stdarg.h>
 #include <math.h>
 #include <unistd.h>
+#include <sys/wait.h>
 #include <vector>
 #include <string>
 #include <algorithm>
@@ -66,7 +68,7 @@ static void print_short() {   /* the grouped kernels' table: one line per (layou
         return;
     }
     printf("\n==== FP8 grouped GEMMs, mid's expert shapes: TFLOP/s, max error / bound (<= 1), determinism ====\n");
-    printf("%-10s %-5s %-16s %8s %8s %6s %8s %4s %s\n", "variant", "mode", "layout", "FP8", "bf16", "x", "err/bnd", "det", "");
+    printf("%-11s %-5s %-16s %8s %8s %6s %8s %4s %s\n", "variant", "mode", "layout", "FP8", "bf16", "x", "err/bnd", "det", "");
     for (const std::string &l : g_short) printf("%s\n", l.c_str());
 }
 static void fatal(const char *fmt, ...) {
@@ -460,12 +462,12 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
     const double fl = 2.0 * R * M * K;
     char shape[64];
     snprintf(shape, sizeof shape, "E%d %dx%d R%d", E, M, K, R);
-    /* k_gmm_wgmma<128>, <192>, k_gmm_fast<128>, <256> (dW: <128>), k_gmm_simple */
-    static const int vorder[5] = {0, 2, 3, 4, 1};
-    static const char *vname[5] = {"wgmma128", "simple", "wgmma192", "fast128", "fast256"};
+    /* k_gmm_wgmma<128>, <192>, k_gmm_fast<128>, <256> (dW: <128>), <256> with direct stores, k_gmm_simple */
+    static const int vorder[6] = {0, 2, 3, 4, 5, 1};
+    static const char *vname[6] = {"wgmma128", "simple", "wgmma192", "fast128", "fast256", "direct256"};
     static const char *mname[3] = {"fwd", "dX", "dW"};
     double t16[3] = {0, 0, 0}, n16s[3] = {0, 0, 0};   /* the bf16 kernel's time and error per mode (once) */
-    for (int mm = 0; mm < 15; ++mm) {
+    for (int mm = 0; mm < 18; ++mm) {
         const int mode = mm % 3;
         variant = vorder[mm / 3];
         if (variant == 1 && g_skip_simple) continue;
@@ -515,7 +517,7 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
         const double t8 = time_ms([&] { g8(mode, o0); });
         const bool ok = row((std::string(name) + " " + mname[mode] + " " + vname[variant]).c_str(), shape, fl, t8, t16[mode], e, n16s[mode], nd);
         char sl[200];
-        snprintf(sl, sizeof sl, "%d %-8s %-5s %-16s %8.1f %8.1f %5.2fx %8.3f %4s %s", variant, vname[variant], mname[mode], name + 8, fl / t8 * 1e-9,
+        snprintf(sl, sizeof sl, "%d %-9s %-5s %-16s %8.1f %8.1f %5.2fx %8.3f %4s %s", variant, vname[variant], mname[mode], name + 8, fl / t8 * 1e-9,
                  fl / t16[mode] * 1e-9, t16[mode] / t8, std::max(e.arith, e.bound), nd ? "NO" : "yes", ok ? "ok" : "FAIL");
         g_short.push_back(sl);
     }
@@ -530,7 +532,7 @@ static void run_children() {
     const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
     if (n <= 0) fatal("readlink /proc/self/exe failed");
     self[n] = 0;
-    static const int vo[5] = {0, 2, 3, 4, 1};
+    static const int vo[6] = {0, 2, 3, 4, 5, 1};
     for (int v : vo) {
         if (v == 1 && g_skip_simple) continue;
         char cmd[1400], buf[2048];
@@ -550,7 +552,8 @@ static void run_children() {
         if (st != 0) {
             if (cf <= 0) g_fail++;
             char l[160];
-            snprintf(l, sizeof l, "%d (variant %d's process ended with status %d: the lines above say where)", v, v, st);
+            if (WIFEXITED(st)) snprintf(l, sizeof l, "%d (variant %d's process exited with code %d: the lines above say where)", v, v, WEXITSTATUS(st));
+            else snprintf(l, sizeof l, "%d (variant %d's process ended by signal %d: the lines above say where)", v, v, WTERMSIG(st));
             g_short.push_back(l);
         }
     }
@@ -562,16 +565,20 @@ int main() {
     g_child = getenv("FP8_CHILD") != nullptr;
     mt_cuda_describe(info, sizeof info);
     if (!g_child) printf("%s\n", info);
-    if (mt_cuda_create(&g_cu, 0, &err)) fatal("no GPU: %s", err.msg);
     g_quick = getenv("FP8_QUICK") != nullptr;
     g_skip_simple = getenv("FP8_NO_SIMPLE") != nullptr;
     if (getenv("FP8_VARIANT")) g_variants = getenv("FP8_VARIANT");
     const char *only = getenv("FP8_ONLY");
+    const bool dense = !only || !strcmp(only, "dense"), grouped = !only || !strcmp(only, "grouped");
+    const bool isolate = grouped && !g_child && g_variants.empty() && !getenv("FP8_NO_ISOLATE");
+    /* the parent of isolated variants holds no CUDA context while they run (a GPU in exclusive-process mode
+       would refuse them one) */
+    if ((dense || !isolate) && mt_cuda_create(&g_cu, 0, &err)) fatal("no GPU: %s", err.msg);
     if (!g_child) printf("columns: kind, shape (out rows x out cols x reduction), FP8 TFLOP/s, bf16 TFLOP/s, speedup | normwise error vs the\n"
            "bf16 operands' float64 product (bf16 GEMM's beside it), max error / rms | arith, bound <= 1, apri <= %.3f | determinism\n",
            0.125 + 1.0 / 128);
     const int T = 8192; /* mid: batch 2 x seq 4096 */
-    if (!only || !strcmp(only, "dense")) {
+    if (dense) {
         printf("-- dense (cuBLASLt block-scaled FP8: X, dY 1x128, W 128x128; dW: dY^T, X^T 1x128 along tokens) --\n");
         dense_case("attn wq", T, 3072, 2048);
         dense_case("attn wo", T, 2048, 2048);
@@ -581,11 +588,12 @@ int main() {
         dense_case("shared down", T, 2048, 2816);
         dense_case("head", T, 102400, 2048);
     }
-    if ((!only || !strcmp(only, "grouped")) && !g_child && g_variants.empty() && !getenv("FP8_NO_ISOLATE")) {
-        printf("-- grouped (experts; mt_cuda_fp8_gmm's variants 0 wgmma128, 2 wgmma192, 3 fast128, 4 fast256, 1 simple; "
+    if (isolate) {
+        if (g_cu) { mt_cuda_destroy(g_cu); g_cu = nullptr; CK(cudaDeviceReset()); }
+        printf("-- grouped (experts; mt_cuda_fp8_gmm's variants 0 wgmma128, 2 wgmma192, 3 fast128, 4 fast256, 5 direct256, 1 simple; "
                "each in a process of its own) --\n");
         run_children();
-    } else if (!only || !strcmp(only, "grouped")) {
+    } else if (grouped) {
         if (!g_child) printf("-- grouped (experts) --\n");
         const std::vector<int> even(64, 768), skew = counts_skew(64, 49152, 7, 5.0);
         grouped_case("experts even", 64, 1408, 2048, even);
@@ -596,13 +604,13 @@ int main() {
     if (g_child) {
         print_short();
         printf("@@fail %d\n", g_fail);
-        mt_cuda_destroy(g_cu);
+        if (g_cu) mt_cuda_destroy(g_cu);
         return g_fail ? 1 : 0;
     }
     printf("\n==== FP8 summary (H200 expected: see docs/FP8.md) ====\n");
     for (const std::string &s : g_table) printf("%s\n", s.c_str());
     if (!g_short.empty()) print_short();
     printf("FP8: %s (%d failing rows)\n", g_fail ? "FAIL" : "all checks passed", g_fail);
-    mt_cuda_destroy(g_cu);
+    if (g_cu) mt_cuda_destroy(g_cu);
     return g_fail ? 1 : 0;
 }
