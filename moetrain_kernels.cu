@@ -7871,7 +7871,7 @@ int mt_nccl_exchange(mt_cuda *c, void *comm, int P, const void *send, const int6
  *
  * What is here: the quantizers (bf16 -> e4m3 + fp32 scales), the dense FP8 GEMM through cuBLASLt's
  * block-scaled FP8 (CUDA 12.9+, Hopper), and a grouped FP8 GEMM for the experts (offsets on the
- * device).  No graph pass uses them yet; bench/fp8.cu measures them, test_gpu checks them.
+ * device).  The graph pass --fp8 (moetrain.h) calls them; bench/fp8.cu measures them, test_gpu checks them.
  *
  * Format: e4m3 (1 sign, 4 exponent bits, bias 7, 3 mantissa bits, max 448, no infinities).  A
  * block's scale is s = amax / 448 (fp32, IEEE division), an element's code q = e4m3(x / s): the
