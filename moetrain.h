@@ -3241,9 +3241,11 @@ static int mt__moe(mt__builder *b, int x) {
     b->counts[b->n_moe] = counts; b->biases[b->n_moe] = bias; b->n_moe++;
     /* permute tokens into expert-major order, then the expert-parallel exchange: counts, then tokens
      * (identity when ep = 1). With b->chunks = C > 1 each chunk of rows [N*c/C, N*(c+1)/C) is permuted,
-     * exchanged, computed and combined apart, all chunks' dispatches first: chunk c's exchange travels
-     * on the EP stream while another chunk's experts compute (mt_pass_overlap keeps this order). A
-     * chunk's combine writes its rows and zeros (summed below), so the forward is the same bits. */
+     * exchanged, computed and combined apart: every chunk's permutation, then every chunk's counts and
+     * dispatch, then chunk by chunk the experts and their combine. Under mt_pass_overlap one chunk's
+     * exchange travels on the EP stream while another chunk's experts compute (the backward, derived in
+     * reverse, likewise). A chunk's combine writes its rows and zeros (summed below), so the forward is
+     * the same bits. */
     int C = b->chunks, xs[MT_MOE_CHUNKS_MAX], slot[MT_MOE_CHUNKS_MAX], offs[MT_MOE_CHUNKS_MAX], recv[MT_MOE_CHUNKS_MAX];
     int xr[MT_MOE_CHUNKS_MAX], roffs[MT_MOE_CHUNKS_MAX], back[MT_MOE_CHUNKS_MAX], part[MT_MOE_CHUNKS_MAX];
     char cn[MT_NAME_LEN];
@@ -4418,11 +4420,12 @@ static int mt__is_ep_sync(const mt_graph *g, const mt_node *n) {
 /* EP: in each (phase, layer) run, the nodes after its first expert exchange
  * that depend on no exchange (the shared experts; in the backward the router's
  * gradient) move up to just after the exchange nodes that lead the run (the
- * counts and the dispatch), so they run on the compute stream while the
- * tokens travel on the EP stream. A stable partition: "depends" is the
- * transitive closure of conflicts, so every conflict keeps its order and
- * results do not change. (The host-synchronized exchange blocks the host at
- * the counts; these nodes then still overlap the rows' all-to-all.) */
+ * counts and the dispatch: with MoE chunks, the first chunk's), so they run
+ * on the compute stream while the tokens travel on the EP stream. A stable
+ * partition: "depends" is the transitive closure of conflicts, so every
+ * conflict keeps its order and results do not change. (The host-synchronized
+ * exchange blocks the host at the counts; these nodes then still overlap the
+ * rows' all-to-all.) */
 static void mt__ep_ahead(mt_graph *g, mt_node *tmp, uint8_t *taint) {
     int n = g->n_nodes;
     for (int i = 0; i < n;) {
@@ -4436,7 +4439,8 @@ static void mt__ep_ahead(mt_graph *g, mt_node *tmp, uint8_t *taint) {
                 for (int k = f; k < j && !taint[j]; k++) taint[j] = taint[k] && mt__conflict(&g->nodes[k], &g->nodes[j]);
             }
             int w = 0, lead = f;
-            while (lead < e && g->nodes[lead].queue == MT_Q_EP && taint[lead]) lead++;   /* the exchange nodes that lead */
+            while (lead < e && g->nodes[lead].queue == MT_Q_EP && taint[lead])   /* the exchange nodes that lead, to the first dispatch */
+                if (g->nodes[lead++].op == MT_OP_EP_DISPATCH) break;
             for (int j = f; j < lead; j++) tmp[w++] = g->nodes[j];
             for (int j = lead; j < e; j++) if (!taint[j]) tmp[w++] = g->nodes[j];
             for (int j = lead; j < e; j++) if (taint[j]) tmp[w++] = g->nodes[j];
@@ -4445,9 +4449,10 @@ static void mt__ep_ahead(mt_graph *g, mt_node *tmp, uint8_t *taint) {
         i = e;
     }
 }
-/* EP, backward: the experts' weight gradients (GMM_DW) that come before an
- * exchange of their run and that nothing up to it depends on move to just after
- * it, so the gradient's exchange leaves as soon as its input is ready and
+/* EP, backward: the experts' weight gradients (GMM_DW, and the ADDs that sum
+ * their MoE chunks' parts) that come before an exchange of their run and that
+ * nothing up to it but each other depends on move to just after it, in their
+ * order, so the gradient's exchange leaves as soon as its input is ready and
  * travels while they compute. Only moves past nodes they do not conflict with. */
 static void mt__dw_behind(mt_graph *g, mt_node *tmp) {
     int n = g->n_nodes;
@@ -4457,12 +4462,17 @@ static void mt__dw_behind(mt_graph *g, mt_node *tmp) {
         int lo = p;   /* back to the run's start or its previous exchange */
         while (lo > 0 && g->nodes[lo - 1].phase == x->phase && g->nodes[lo - 1].layer == x->layer && !mt__is_ep_sync(g, &g->nodes[lo - 1])) lo--;
         int w = 0, m = 0;
-        uint8_t late[64] = {0};
-        for (int i = lo; i < p && i - lo < 64; i++) {
+        uint8_t dw[64] = {0}, late[64] = {0};
+        for (int i = lo; i < p && i - lo < 64; i++) {   /* weight gradients, and sums of two of them */
             const mt_node *d = &g->nodes[i];
-            if (d->op != MT_OP_GMM_DW && d->op != MT_OP_GMM_DW_SQ) continue;
+            int sums = 0;
+            for (int a = lo; a < i && d->op == MT_OP_ADD; a++) sums += dw[a - lo] && mt__reads(d, g->nodes[a].out[0]);
+            dw[i - lo] = d->op == MT_OP_GMM_DW || d->op == MT_OP_GMM_DW_SQ || sums == 2;
+        }
+        for (int i = p - 1; i >= lo; i--) {   /* last first: a node may pass the moved nodes that read it */
+            if (i - lo >= 64 || !dw[i - lo]) continue;
             int ok = 1;
-            for (int k = i + 1; k <= p && ok; k++) ok = (k - lo < 64 && late[k - lo]) || !mt__conflict(d, &g->nodes[k]);
+            for (int k = i + 1; k <= p && ok; k++) ok = (k - lo < 64 && late[k - lo]) || !mt__conflict(&g->nodes[i], &g->nodes[k]);
             late[i - lo] = (uint8_t)ok;
             m += ok;
         }
