@@ -7340,33 +7340,38 @@ static int mc_chunk(const mt_graph *g, const mt_node *n) {
 static int mc_is_expert_gemm(int op) {
     return op == MT_OP_GMM || op == MT_OP_GMM_GLU || op == MT_OP_GMM_DX || op == MT_OP_GMM_DX2 || op == MT_OP_GMM_DW || op == MT_OP_GMM_DW_SQ;
 }
-/* Does side-stream node x run while some compute node of list [lo, hi] may run (after[x] < j < done[x] for one of them)? */
-static int mc_under(const mt_schedule *s, const int32_t *list, int n, int x) {
-    for (int i = 0; i < n; i++) if (s->after[x] < list[i] && list[i] < s->done[x]) return 1;
-    return 0;
+/* May side-stream node x run while some (all: every) compute node of the list runs (after[x] < j < done[x])? */
+static int mc_under_all(const mt_schedule *s, const int32_t *list, int n, int x, int all) {
+    int k = 0;
+    for (int i = 0; i < n; i++) k += s->after[x] < list[i] && list[i] < s->done[x];
+    return all ? n > 0 && k == n : k > 0;
 }
+static int mc_under(const mt_schedule *s, const int32_t *list, int n, int x) { return mc_under_all(s, list, n, x, 0); }
 /* Every MoE layer's order, forward and backward: the exchange nodes in the order chunk 0 counts + dispatch, chunk 1
  * counts + dispatch, chunk 0's combine, chunk 1's combine (forward; backward: the gradient's dispatches of chunk 1
  * then 0, its combines of chunk 1 then 0), chunk 0's experts first (backward: chunk 1's), and by the schedule's events: chunk
  * 1's dispatch runs under chunk 0's expert GEMMs and chunk 0's combine under chunk 1's (backward: chunk 0's dispatch
- * under chunk 1's GEMMs, chunk 1's combine under chunk 0's). Returns the layers and phases that pass; why in `why`. */
+ * under chunk 1's GEMMs, chunk 1's combine under chunk 0's, chunk 0's under some, and without FSDP over the experts
+ * (edp 1) under all, weight-gradient GEMMs). Returns the layers
+ * and phases that pass; why in `why`. */
 static int mc_order(const mt_graph *g, char *why, size_t cap) {
     mt_schedule s;
     mt_err e;
     if (mt_schedule_build(g, &s, &e)) { snprintf(why, cap, "%s", e.msg); return 0; }
-    int good = 0;
+    int good = 0, edp1 = mt_mesh_group_size(&g->mesh, MT_DIMBIT(MT_DIM_EDP)) == 1;   /* (else reduce-scatters pin the sums) */
     why[0] = 0;
     for (int L = 0; L < g->cfg.n_layers; L++) {
         if (!mt_config_is_moe_layer(&g->cfg, L)) continue;
         for (int ph = MT_PHASE_FORWARD; ph <= MT_PHASE_BACKWARD; ph++) {
-            int32_t ex[8], gem[2][64];
-            int nex = 0, ng[2] = {0, 0}, exch[8], ok = 1;
+            int32_t ex[8], gem[2][64], dws[64];
+            int nex = 0, ng[2] = {0, 0}, ndw = 0, exch[8], ok = 1;
             for (int i = 0; i < g->n_nodes; i++) {
                 const mt_node *x = &g->nodes[i];
                 int ch = mc_chunk(g, x);
                 if (x->layer != L || x->phase != ph || ch < 0) continue;
                 if (mt_op_is_ep_exchange(x->op) && nex < 8) { ex[nex] = i; exch[nex++] = x->op * 2 + ch; }
                 if (mc_is_expert_gemm(x->op) && ng[ch] < 64) gem[ch][ng[ch]++] = i;
+                if ((x->op == MT_OP_GMM_DW || x->op == MT_OP_GMM_DW_SQ) && ndw < 64) dws[ndw++] = i;
             }
             const int C = MT_OP_EP_COUNTS * 2, D = MT_OP_EP_DISPATCH * 2, B = MT_OP_EP_COMBINE * 2;
             const int fwd[6] = {C, D, C + 1, D + 1, B, B + 1}, bwd[4] = {D + 1, D, B + 1, B};
@@ -7374,7 +7379,8 @@ static int mc_order(const mt_graph *g, char *why, size_t cap) {
             ok = nex == nw && ng[0] > 0 && ng[1] > 0 && (ph == MT_PHASE_FORWARD ? gem[0][0] < gem[1][0] : gem[1][0] < gem[0][0]);
             for (int k = 0; ok && k < nw; k++) ok = exch[k] == want[k];
             if (ok && ph == MT_PHASE_FORWARD) ok = mc_under(&s, gem[0], ng[0], ex[3]) && mc_under(&s, gem[1], ng[1], ex[4]);
-            if (ok && ph == MT_PHASE_BACKWARD) ok = mc_under(&s, gem[1], ng[1], ex[1]) && mc_under(&s, gem[0], ng[0], ex[2]);
+            if (ok && ph == MT_PHASE_BACKWARD)
+                ok = mc_under(&s, gem[1], ng[1], ex[1]) && mc_under(&s, gem[0], ng[0], ex[2]) && mc_under_all(&s, dws, ndw, ex[3], edp1);
             if (ok) good++;
             else if (!why[0]) snprintf(why, cap, "layer %d %s: %d exchange nodes, %d + %d expert GEMMs, not in order or not overlapped", L,
                                        ph == MT_PHASE_FORWARD ? "forward" : "backward", nex, ng[0], ng[1]);
