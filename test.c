@@ -2872,6 +2872,7 @@ int main(void) {
     if (mt_cuda_create(&CU, 0, &e)) { report("gpu present", 0, "%s", e.msg); printf("%d passed, %d failed\n", n_pass, n_fail); return 1; }
     if (getenv("MOETRAIN_TEST_MULTI_ONLY")) {   /* just the many-GPU part */
         gpu_test_multi_rank();
+        gpu_test_moe_chunks();
         mt_cuda_destroy(CU);
         printf("%d passed, %d failed\n", n_pass, n_fail);
         return n_fail ? 1 : 0;
