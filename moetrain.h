@@ -1302,6 +1302,7 @@ typedef struct {
     uint64_t data_hash;    /* nothing in other data */
     int32_t has_settings;  /* read back: 0 if the checkpoint recorded only the step (mt_checkpoint_save) */
     int32_t moments;       /* read back: the saved AdamW moments' dtype, MT_F32 or MT_BF16 (saving writes the graph's) */
+    int32_t moe_chunks;    /* read back: the saved run's MoE chunks (saving writes the graph's where not 1) */
 } mt_run_state;
 void mt_run_state_init(mt_run_state *r);                              /* zeros, default hparams */
 
@@ -9868,6 +9869,7 @@ static void mt__meta_model(mt__buf *b, const mt_runtime *rt, int step, const mt_
               G->mesh.size[MT_DIM_TP], G->mesh.size[MT_DIM_EP]);
     mt__jmeta(b, "mt.data_order", "a pure function of (seed, step, dp_rank, dp_size): every rank's data position is mt.step");
     mt__jmeta(b, "mt.rng", "none: a step draws no random numbers");
+    if (mt_graph_moe_chunks(G) > 1) mt__jmeta(b, "mt.moe_chunks", "%d", mt_graph_moe_chunks(G));   /* absent: 1 */
     if (run)   /* (has_settings is not written: it says whether these were read back) */
         for (int i = 0; i < MT__N_RUN_FIELDS; i++) {
             const char *p = (const char *)run + mt__run_fields[i].off;
@@ -10186,6 +10188,10 @@ int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err) {
     const char *mo = mt__st_meta(&s, "mt.moments");   /* absent: saved before bf16 moments existed, so f32 */
     if (!rc && mo && strcmp(mo, "f32") && strcmp(mo, "bf16")) rc = mt_errf(err, "'%s': bad mt.moments '%s'", path, mo);
     run->moments = mo && !strcmp(mo, "bf16") ? MT_BF16 : MT_F32;
+    const char *mc = mt__st_meta(&s, "mt.moe_chunks");   /* absent: 1 */
+    long long chunks = 1;
+    if (!rc && mc && mt__parse_int(mc, 1, MT_MOE_CHUNKS_MAX, &chunks)) rc = mt_errf(err, "'%s': bad mt.moe_chunks '%s'", path, mc);
+    run->moe_chunks = (int32_t)chunks;
     for (int i = 0; !rc && run->has_settings && i < MT__N_RUN_FIELDS; i++) {
         char key[64];
         snprintf(key, sizeof key, "mt.run.%s", mt__run_fields[i].key);

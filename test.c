@@ -7558,6 +7558,21 @@ static void test_moe_chunks(void) {
         report("CLI: precompile --moe-chunks 2 + train --graph = train --moe-chunks 2, 4 ranks, bitwise; refusals", same && said && fixed && r5 == 2 && r6 == 2,
                "3 steps %s; said %s; --graph + --moe-chunks 1 exit %d; out of range exit %d %d %.300s", same ? "identical" : "DIFFER", said ? "yes" : "NO",
                r4, r5, r6, same ? "" : o);
+        /* a resumed run takes the checkpoint's chunks: 8 steps = 4 + --save + --load (no --moe-chunks) + 4, bitwise */
+        int a1 = sh(o, sizeof o, "%strain %s %s --moe-chunks 2 --steps 8 --metrics %s/f.jsonl --save %s/full 2>&1", BIN, run, four, d, d);
+        int a2 = sh(o, sizeof o, "%strain %s %s --moe-chunks 2 --steps 4 --save %s/half 2>&1", BIN, run, four, d);
+        int a3 = sh(o, sizeof o, "%strain %s %s --steps 8 --load %s/half --save %s/cont --metrics %s/c.jsonl 2>&1", BIN, run, four, d, d, d);
+        int kept = strstr(o, "MoE in 2 chunks of tokens") && !strstr(o, "changed from the saved run");
+        snprintf(p, sizeof p, "%s/f.jsonl", d); metrics_core(p, 5, ma, sizeof ma);
+        snprintf(q, sizeof q, "%s/c.jsonl", d); metrics_core(q, 1, mb, sizeof mb);
+        int resumed = !a1 && !a2 && !a3 && n_lines(ma) == 4 && !strcmp(ma, mb);
+        snprintf(p, sizeof p, "%s/full/model.safetensors", d); snprintf(q, sizeof q, "%s/cont/model.safetensors", d);
+        resumed = resumed && same_file(p, q);
+        int a4 = sh(o, sizeof o, "%strain %s %s --moe-chunks 1 --steps 5 --load %s/half 2>&1", BIN, run, four, d);
+        int noted = !a4 && strstr(o, "MoE chunks 2 -> 1") && !strstr(o, "MoE in 2 chunks");
+        report("CLI: --moe-chunks 2, 4 ranks: 8 steps = 4 + --save + --load + 4, bitwise (the checkpoint's chunks kept); another said",
+               resumed && kept && noted, "steps 5..8 and weights %s; chunks %s on resuming; --moe-chunks 1 on resuming %s (exit %d %d %d %d) %.200s",
+               resumed ? "identical" : "DIFFER", kept ? "kept" : "NOT kept", noted ? "said" : "NOT said", a1, a2, a3, a4, resumed && kept && noted ? "" : o);
         remove_tree(d);
     }
 }

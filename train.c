@@ -114,7 +114,7 @@ static const opt_spec specs[] = {
     {"no-fuse-glu", OPT_FLAG, O_(no_fuse_glu), 0, 0, 0, 0, "off", "run the experts' gate and up GEMMs and their SwiGLU as three ops (same results; for comparison)", NULL},
     {"attn-recompute-dq", OPT_FLAG, O_(attn_recompute_dq), 0, 0, 0, 0, "off", "CUDA: the attention backward recomputes S and dP for dQ instead of storing dS (B*H*T^2 bytes less workspace; slower)", NULL},
     {"one-launch-per-node", OPT_FLAG, O_(one_launch_per_node), 0, 0, 0, 0, "off", "CUDA: launch the gradient norm's and AdamW's nodes one by one instead of as multi-tensor launches (same results; for comparison)", NULL},
-    {"moe-chunks", OPT_INT, O_(moe_chunks), 1, MT_MOE_CHUNKS_MAX, 0, 0, "1; an artifact: its own", "each MoE layer's routed experts in N chunks "
+    {"moe-chunks", OPT_INT, O_(moe_chunks), 1, MT_MOE_CHUNKS_MAX, 0, 0, "1; an artifact: its own; a resumed run: the checkpoint's", "each MoE layer's routed experts in N chunks "
      "of its tokens: with overlap one chunk's expert exchange travels while another's experts compute (results within rounding)", "N"},
     {"memory-budget", OPT_FLOAT, O_(memory_budget), 0, 1 << 20, 0, 0, "0: off", "recompute the fewest blocks' activations so the planned peak (persistent + arena) fits (compiling here; an artifact has its own)", "GiB"},
     {"nan-check", OPT_FLAG, O_(nan_check), 0, 0, 0, 0, "off", "check every op's output for NaN/Inf and name the first (slower)", NULL},
@@ -402,6 +402,7 @@ static int plan_resume(opts *o, mt_run_state *ck) {
     mt_err e;
     if (mt_checkpoint_read_run(o->load, ck, &e)) { fprintf(stderr, "train: %s\n", e.msg); return 1; }
     if (!given(o, "moments") && !o->graph) o->moments_dt = ck->moments;   /* recorded with the moments (an artifact fixes them) */
+    if (!given(o, "moe-chunks") && !o->graph) o->moe_chunks = ck->moe_chunks;   /* recorded with the weights (an artifact fixes them) */
     if (!ck->has_settings) {   /* saved without run settings (mt_checkpoint_save): this command line's */
         printf("resuming '%s' at step %d of %d; it records no run settings, so this command line's are used\n", o->load, ck->step, o->steps);
         return 0;
@@ -438,6 +439,8 @@ static int plan_resume(opts *o, mt_run_state *ck) {
     if (o->moments_dt != ck->moments)
         NOTE(" AdamW moments %s -> %s (the saved moments %s);", ck->moments == MT_BF16 ? "bf16" : "fp32", o->moments_dt == MT_BF16 ? "bf16" : "fp32",
              o->moments_dt == MT_BF16 ? "rounded to nearest even bf16 on loading" : "widened to fp32 exactly on loading");
+    if (given(o, "moe-chunks") && o->moe_chunks != ck->moe_chunks)
+        NOTE(" MoE chunks %d -> %d (the experts' weight gradients round differently);", ck->moe_chunks, o->moe_chunks);
 #undef NOTE
     printf("resuming '%s' at step %d of %d (%s, seed %d, data %s)\n", o->load, ck->step, o->steps, o->config_from, o->seed,
            o->data ? o->data : "the embedded corpus");
