@@ -486,16 +486,16 @@ typedef struct {
     X(ADD, 2, 1, 1)              /* a, b -> a+b */                                \
     X(ROUTER, 2, 4, 1)           /* logits[N,E] f32, bias[E] -> idx, w, scores, counts */ \
     X(ROUTER_BWD, 4, 1, 0)       /* scores, idx, w, dw -> dlogits[N,E] */         \
-    X(MOE_PERMUTE, 2, 3, 1)      /* x[N,D], idx[N,K] -> xs[NK,D], slot[NK], offs[E+1] */ \
-    X(MOE_PERMUTE_BWD, 2, 1, 0)  /* dxs, slot -> dx[N,D] */                       \
+    X(MOE_PERMUTE, 2, 3, 1)      /* x[N,D], idx[N,K] -> xs[nK,D], slot[nK], offs[E+1]: rows [i1, i1+n) (a chunk; n = N, i1 = 0: all); i0 E */ \
+    X(MOE_PERMUTE_BWD, 2, 1, 0)  /* dxs, slot -> dx[N,D]: rows [i1, i1+n), the others 0; i0 K */ \
     X(EP_COUNTS, 1, 1, 0)        /* offs[E+1] -> recv[ep,E_local] i32 (all-to-all) */ \
     X(EP_DISPATCH, 3, 2, 1)      /* xs, offs, recv -> xr[R,D], roffs[E_local+1] (all-to-all-v) */ \
     X(EP_COMBINE, 3, 1, 1)       /* yr[R,D], offs, recv -> ys[NK,D] (reverse all-to-all-v) */ \
     X(GMM, 3, 1, 1)              /* X[R,K], W[E,M,K], offs[E+1] -> Y[R,M] = X_e W_e^T */ \
     X(GMM_DX, 3, 1, 0)           /* dY[R,M], W[E,M,K], offs -> dX[R,K] = dY_e W_e */ \
     X(GMM_DW, 3, 1, 0)           /* dY[R,M], X[R,K], offs -> dW[E,M,K] = dY_e^T X_e */ \
-    X(MOE_COMBINE, 3, 1, 1)      /* ys[NK,D], slot[NK], w[N,K] -> y[N,D] */       \
-    X(MOE_COMBINE_BWD, 4, 2, 0)  /* dy, ys, slot, w -> dys, dw */                 \
+    X(MOE_COMBINE, 3, 1, 1)      /* ys[nK,D], slot[nK], w[N,K] -> y[N,D]: rows [i1, i1+n), the others 0 */ \
+    X(MOE_COMBINE_BWD, 4, 2, 0)  /* dy, ys, slot, w -> dys, dw[N,K] (rows [i1, i1+n), the others 0) */ \
     X(CROSS_ENTROPY, 2, 2, 1)    /* logits[N,V], targets[N] -> loss[1] f32, lse[N] f32; i1 rows counted (0: N), f0 weight (0: 1) */ \
     X(CROSS_ENTROPY_BWD, 3, 1, 0)/* logits, lse, targets -> dlogits; i1, f0 as CROSS_ENTROPY's */ \
     X(SUMSQ, 2, 1, 0)            /* g, acc_in (optional) -> acc_out[1] f32; i0 1: g holds squares */ \
@@ -624,6 +624,9 @@ int64_t mt_gmm_ssq_len(int64_t E, int64_t M, int64_t K);
  * forward with logits as an output. The memory layout is naive (eager). */
 int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target *t,
              int kind, mt_err *err);
+/* The same with each MoE layer's routed experts over `chunks` chunks of its tokens (mt_passes.moe_chunks). */
+int mt_build_chunked(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target *t,
+                     int kind, int chunks, mt_err *err);
 
 /* ========================================================================
  * 6. Passes
@@ -639,7 +642,11 @@ typedef struct {
     int64_t memory_budget;   /* bytes (persistent + arena, as planned); > 0: recompute the fewest blocks that fit it */
     int moments;             /* the AdamW moments' dtype: MT_F32 (mt_passes_all and _none), or MT_BF16 (mt_pass_bf16_moments) */
     int fp8;                 /* 1: the linear layers' GEMMs in FP8 (mt_pass_fp8; neither mt_passes_all nor _none turns it on) */
+    int moe_chunks;          /* mt_compile builds each MoE layer's routed experts over this many chunks of its tokens
+                                (1: all at once, the default; 0 counts as 1; up to MT_MOE_CHUNKS_MAX): see mt__moe */
 } mt_passes;
+#define MT_MOE_CHUNKS_MAX 4
+int mt_graph_moe_chunks(const mt_graph *g);          /* the chunks its MoE layers route in (1: whole), from its symbols */
 int mt_pass_elide_collectives(mt_graph *g, mt_err *err); /* the expert exchange over one rank is a copy: gone */
 int mt_pass_fuse(mt_graph *g, mt_err *err);          /* residual add + RMSNorm, forward and backward */
 /* AdamW's two moments stored in bf16 (half their bytes); each ADAMW reads them into float, updates
@@ -741,7 +748,7 @@ int mt_artifact_write(const mt_graph *g, uint8_t **bytes, size_t *len, mt_err *e
 int mt_artifact_save(const mt_graph *g, const char *path, mt_err *err);
 int mt_artifact_read(mt_graph *g, const uint8_t *bytes, size_t len, mt_err *err);
 int mt_artifact_load(mt_graph *g, const char *path, mt_err *err);
-uint64_t mt_fingerprint(const mt_graph *g);          /* config, mesh, format, kernels, target, recompute, moments */
+uint64_t mt_fingerprint(const mt_graph *g);          /* config, mesh, format, kernels, target, recompute, moments, MoE chunks */
 void mt_graph_dump(const mt_graph *g, FILE *f);      /* the readable plan */
 int mt_graph_dot(const mt_graph *g, const char *path, mt_err *err);   /* Graphviz: nodes by queue, edges by value */
 int mt_read_file(const char *path, uint8_t **bytes, size_t *len, mt_err *err);
@@ -1234,7 +1241,9 @@ int mt_cuda_gmm_glu(mt_cuda *c, void *g, void *u, void *h, const void *x, const 
  * scale per 128 x 128 block. Dense: out[Mr][Nc] (bf16, or fp32) = A[Mr][:K] . B[Nc][:K] through cuBLASLt's
  * block-scaled FP8 (b_blk: B weight-quantized, else rows-quantized). Grouped: mode 0 Y [Rmax][M] = X W^T
  * (a = X rows, b = W), 1 dX [Rmax][K] = dY W (a = dY rows, b = W transposed), 2 dW [E][M][K] fp32 (a = dY
- * cols [M][Lp], b = X cols [K][Lp]); variant 0 the default kernel. */
+ * cols [M][Lp], b = X cols [K][Lp]); variant: which kernel (docs/FP8.md); the graph pass runs MT_FP8_GMM_KERNEL,
+ * k_gmm_fast with 128 x 256 tiles (128 x 128 for dW), the fastest measured on an H200. */
+#define MT_FP8_GMM_KERNEL 4
 long long mt_cuda_fp8_tpad(int Rmax, int E);
 int mt_cuda_fp8_quant_rows(mt_cuda *c, uint8_t *q, float *s, const void *x, int R, int C);
 int mt_cuda_fp8_quant_cols(mt_cuda *c, uint8_t *qt, float *st, const void *x, const int32_t *d_offs, int E, int R, int C, long long Lp);
@@ -1342,6 +1351,7 @@ typedef struct {
     int32_t has_settings;  /* read back: 0 if the checkpoint recorded only the step (mt_checkpoint_save) */
     int32_t moments;       /* read back: the saved AdamW moments' dtype, MT_F32 or MT_BF16 (saving writes the graph's) */
     int32_t fp8;           /* read back: 1 if the run's linear layers ran in FP8 (mt_pass_fp8; saving writes the graph's) */
+    int32_t moe_chunks;    /* read back: the saved run's MoE chunks (saving writes the graph's where not 1) */
 } mt_run_state;
 void mt_run_state_init(mt_run_state *r);                              /* zeros, default hparams */
 
@@ -2270,6 +2280,14 @@ static int mt__persistent(const mt__ck *c, const mt_value *v) {
                        mt_ops[c->n->op].name, v->name);
     return 0;
 }
+/* MoE rows by token: nk = n * K rows (n tokens, K each) of tokens [i1, i1 + n) of N (mt__moe's chunks) */
+static int mt__row_chunk(const mt__ck *c, int64_t nk, int64_t K, int64_t N) {
+    int64_t r0 = c->n->iattr[1];
+    if (K < 1 || nk < 0 || nk % K || r0 < 0 || r0 + nk / K > N)
+        return mt_errf(c->err, "%s: %lld rows of %lld per token from token %lld are not tokens of %lld", mt_ops[c->n->op].name,
+                       (long long)nk, (long long)K, (long long)r0, (long long)N);
+    return 0;
+}
 static int mt__int_attr(const mt__ck *c, int i, int lo, int hi) {
     if (c->n->sym_mask & (1u << i)) return 0; /* checked at bind */
     int v = c->n->iattr[i];
@@ -2433,11 +2451,14 @@ static int mt__check_dense(mt__ck c) {
         if (a->dims[0] % n->iattr[0]) return mt_errf(err, "SHIFT_TOKENS: %lld tokens is not a multiple of seq_len %d", (long long)a->dims[0], n->iattr[0]);
         MT__T(mt__shape(&c, o, "y", 1, a->dims[0], 0, 0));
         break;
-    case MT_OP_SWIGLU: case MT_OP_ADD:
-        MT__T(mt__shape(&c, a, "a", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, b, "b", 2, a->dims[0], a->dims[1], 0));
-        MT__T(mt__shape(&c, o, "out", 2, a->dims[0], a->dims[1], 0));
+    case MT_OP_SWIGLU: case MT_OP_ADD: {   /* ADD also of 3-dim tensors: expert weight gradients (mt__moe's chunks) */
+        int nd = n->op == MT_OP_ADD && a->ndim == 3 ? 3 : 2;
+        int64_t d2 = nd == 3 ? a->dims[2] : 0;
+        MT__T(mt__shape(&c, a, "a", nd, MT__ANY, MT__ANY, nd == 3 ? MT__ANY : 0));
+        MT__T(mt__shape(&c, b, "b", nd, a->dims[0], a->dims[1], d2));
+        MT__T(mt__shape(&c, o, "out", nd, a->dims[0], a->dims[1], d2));
         break;
+    }
     case MT_OP_SWIGLU_BWD:
         MT__T(mt__shape(&c, a, "g", 2, MT__ANY, MT__ANY, 0));
         MT__T(mt__shape(&c, b, "u", 2, a->dims[0], a->dims[1], 0));
@@ -2611,8 +2632,9 @@ static int mt__check_moe(mt__ck c) {
         MT__T(mt__int_attr(&c, 0, 1, 4096));
         MT__T(mt__shape(&c, a, "x", 2, MT__ANY, MT__ANY, 0));
         MT__T(mt__is_index(&c, b, "idx", 1)); MT__T(mt__shape(&c, b, "idx", 2, a->dims[0], MT__ANY, 0));
-        int64_t NK = a->dims[0] * b->dims[1];
-        MT__T(mt__shape(&c, o, "xs", 2, NK, a->dims[1], 0));
+        MT__T(mt__shape(&c, o, "xs", 2, MT__ANY, a->dims[1], 0));
+        int64_t NK = o->dims[0];
+        MT__T(mt__row_chunk(&c, NK, b->dims[1], a->dims[0]));
         MT__T(mt__is_index(&c, mt__out(&c, 1), "slot", 1)); MT__T(mt__shape(&c, mt__out(&c, 1), "slot", 1, NK, 0, 0));
         MT__T(mt__is_index(&c, mt__out(&c, 2), "offs", 1)); MT__T(mt__shape(&c, mt__out(&c, 2), "offs", 1, n->iattr[0] + 1, 0, 0));
         break;
@@ -2621,8 +2643,8 @@ static int mt__check_moe(mt__ck c) {
         MT__T(mt__int_attr(&c, 0, 1, 64));
         MT__T(mt__shape(&c, a, "dxs", 2, MT__ANY, MT__ANY, 0));
         MT__T(mt__is_index(&c, b, "slot", 1)); MT__T(mt__shape(&c, b, "slot", 1, a->dims[0], 0, 0));
-        if (a->dims[0] % n->iattr[0]) return mt_errf(err, "MOE_PERMUTE_BWD: rows not a multiple of top_k");
-        MT__T(mt__shape(&c, o, "dx", 2, a->dims[0] / n->iattr[0], a->dims[1], 0));
+        MT__T(mt__shape(&c, o, "dx", 2, MT__ANY, a->dims[1], 0));
+        MT__T(mt__row_chunk(&c, a->dims[0], n->iattr[0], o->dims[0]));
         break;
     case MT_OP_EP_COUNTS: /* i0 mesh mask, i1 channel, i2 ep size, i3 E_local, i4 ep coord (symbol) */
         MT__T(mt__int_attr(&c, 1, 0, MT_CHANNEL_EP)); MT__T(mt__int_attr(&c, 2, 1, 4096)); MT__T(mt__int_attr(&c, 3, 1, 4096));
@@ -2691,15 +2713,14 @@ static int mt__check_moe(mt__ck c) {
         MT__T(mt__is_index(&c, b, "slot", 1)); MT__T(mt__shape(&c, b, "slot", 1, MT__ANY, 0, 0));
         MT__T(mt__shape(&c, mt__in(&c, 2), "w", 2, MT__ANY, MT__ANY, 0));
         MT__T(mt__shape(&c, a, "ys", 2, b->dims[0], MT__ANY, 0));
-        if (mt__in(&c, 2)->dims[0] * mt__in(&c, 2)->dims[1] != b->dims[0])
-            return mt_errf(err, "MOE_COMBINE: weights and slots disagree");
+        MT__T(mt__row_chunk(&c, b->dims[0], mt__in(&c, 2)->dims[1], mt__in(&c, 2)->dims[0]));
         MT__T(mt__shape(&c, o, "y", 2, mt__in(&c, 2)->dims[0], a->dims[1], 0));
         break;
     case MT_OP_MOE_COMBINE_BWD: {
         const mt_value *ys = b, *slot = mt__in(&c, 2), *w = mt__in(&c, 3);
         MT__T(mt__is_index(&c, slot, "slot", 1)); MT__T(mt__shape(&c, slot, "slot", 1, MT__ANY, 0, 0));
         MT__T(mt__shape(&c, w, "w", 2, MT__ANY, MT__ANY, 0));
-        if (w->dims[0] * w->dims[1] != slot->dims[0]) return mt_errf(err, "MOE_COMBINE_BWD: weights and slots disagree");
+        MT__T(mt__row_chunk(&c, slot->dims[0], w->dims[1], w->dims[0]));
         MT__T(mt__shape(&c, ys, "ys", 2, slot->dims[0], MT__ANY, 0));
         MT__T(mt__shape(&c, a, "dy", 2, w->dims[0], ys->dims[1], 0));
         MT__T(mt__shape(&c, o, "dys", 2, slot->dims[0], ys->dims[1], 0));
@@ -2958,7 +2979,8 @@ typedef struct {
     uint64_t *names; int names_cap, n_names;     /* hash set of value names */
     int cos, sin;            /* RoPE tables */
     int doc;                 /* document starts [N] i32 (doc_mask), else -1 */
-    int sym_coord[MT_NDIMS], sym_recv;
+    int sym_coord[MT_NDIMS], sym_recv[MT_MOE_CHUNKS_MAX];   /* sym_recv: per chunk of tokens */
+    int chunks;              /* each MoE layer's routed experts run over this many chunks of its tokens */
 } mt__builder;
 
 static int mt__grow(void **p, int *cap, int need, size_t elem) {
@@ -3298,28 +3320,45 @@ static int mt__moe(mt__builder *b, int x) {
     n.iattr[3] = c->n_expert_groups; n.iattr[4] = c->n_limited_groups; n.fattr[0] = c->route_scale;
     mt__push(b, &n);
     b->counts[b->n_moe] = counts; b->biases[b->n_moe] = bias; b->n_moe++;
-    /* permute tokens into expert-major order */
-    int xs = mt__act(b, "moe.xs", b->act, 2, N * K, D, 0);
-    int slot = mt__act(b, "moe.slot", MT_I32, 1, N * K, 0, 0);
-    int offs = mt__act(b, "moe.offs", MT_I32, 1, E + 1, 0, 0);
-    n = mt__node(b, MT_OP_MOE_PERMUTE);
-    n.in[0] = x; n.in[1] = idx; n.out[0] = xs; n.out[1] = slot; n.out[2] = offs; n.iattr[0] = (int)E;
-    mt__push(b, &n);
-    /* expert-parallel exchange: counts, then tokens (identity when ep = 1) */
-    int recv = mt__act(b, "moe.ep_recv_counts", MT_I32, 2, ep, El, 0);
-    n = mt__node(b, MT_OP_EP_COUNTS);
-    n.queue = MT_Q_EP; n.in[0] = offs; n.out[0] = recv;
-    n.iattr[0] = (int)MT_DIMBIT(MT_DIM_EP); n.iattr[2] = (int)ep; n.iattr[3] = (int)El;
-    n.iattr[4] = b->sym_coord[MT_DIM_EP]; n.sym_mask = 1u << 4;
-    mt__push(b, &n);
-    int64_t R = -(int64_t)b->sym_recv - 1;                /* tokens my experts receive */
-    int xr = mt__act(b, "moe.xr", b->act, 2, R, D, 0);
-    int roffs = mt__act(b, "moe.roffs", MT_I32, 1, El + 1, 0, 0);
-    n = mt__node(b, MT_OP_EP_DISPATCH);
-    n.queue = MT_Q_EP; n.in[0] = xs; n.in[1] = offs; n.in[2] = recv; n.out[0] = xr; n.out[1] = roffs;
-    n.iattr[0] = (int)MT_DIMBIT(MT_DIM_EP); n.iattr[2] = (int)ep; n.iattr[3] = (int)El;
-    n.iattr[4] = b->sym_coord[MT_DIM_EP]; n.sym_mask = 1u << 4;
-    mt__push(b, &n);
+    /* permute tokens into expert-major order, then the expert-parallel exchange: counts, then tokens
+     * (identity when ep = 1). With b->chunks = C > 1 each chunk of rows [N*c/C, N*(c+1)/C) is permuted,
+     * exchanged, computed and combined apart: every chunk's permutation, then every chunk's counts and
+     * dispatch, then chunk by chunk the experts and their combine. Under mt_pass_overlap one chunk's
+     * exchange travels on the EP stream while another chunk's experts compute (the backward, derived in
+     * reverse, likewise). A chunk's combine writes its rows and zeros (summed below), so the forward is
+     * the same bits. */
+    int C = b->chunks, xs[MT_MOE_CHUNKS_MAX], slot[MT_MOE_CHUNKS_MAX], offs[MT_MOE_CHUNKS_MAX], recv[MT_MOE_CHUNKS_MAX];
+    int xr[MT_MOE_CHUNKS_MAX], roffs[MT_MOE_CHUNKS_MAX], back[MT_MOE_CHUNKS_MAX], part[MT_MOE_CHUNKS_MAX];
+    char cn[MT_NAME_LEN];
+    if (N < C) return mt__fail(b, "%sfewer tokens than MoE chunks", "");
+#define MT__CN(s) (C == 1 ? (s) : (snprintf(cn, sizeof cn, "%s.c%d", (s), ch), cn))
+#define MT__ROW0(ch) (N * (ch) / C)
+    for (int ch = 0; ch < C; ch++) {
+        int64_t rows = MT__ROW0(ch + 1) - MT__ROW0(ch);
+        xs[ch] = mt__act(b, MT__CN("moe.xs"), b->act, 2, rows * K, D, 0);
+        slot[ch] = mt__act(b, MT__CN("moe.slot"), MT_I32, 1, rows * K, 0, 0);
+        offs[ch] = mt__act(b, MT__CN("moe.offs"), MT_I32, 1, E + 1, 0, 0);
+        n = mt__node(b, MT_OP_MOE_PERMUTE);
+        n.in[0] = x; n.in[1] = idx; n.out[0] = xs[ch]; n.out[1] = slot[ch]; n.out[2] = offs[ch];
+        n.iattr[0] = (int)E; n.iattr[1] = (int)MT__ROW0(ch);
+        mt__push(b, &n);
+    }
+    for (int ch = 0; ch < C; ch++) {
+        recv[ch] = mt__act(b, MT__CN("moe.ep_recv_counts"), MT_I32, 2, ep, El, 0);
+        n = mt__node(b, MT_OP_EP_COUNTS);
+        n.queue = MT_Q_EP; n.in[0] = offs[ch]; n.out[0] = recv[ch];
+        n.iattr[0] = (int)MT_DIMBIT(MT_DIM_EP); n.iattr[2] = (int)ep; n.iattr[3] = (int)El;
+        n.iattr[4] = b->sym_coord[MT_DIM_EP]; n.sym_mask = 1u << 4;
+        mt__push(b, &n);
+        int64_t R = -(int64_t)b->sym_recv[ch] - 1;        /* tokens my experts receive */
+        xr[ch] = mt__act(b, MT__CN("moe.xr"), b->act, 2, R, D, 0);
+        roffs[ch] = mt__act(b, MT__CN("moe.roffs"), MT_I32, 1, El + 1, 0, 0);
+        n = mt__node(b, MT_OP_EP_DISPATCH);
+        n.queue = MT_Q_EP; n.in[0] = xs[ch]; n.in[1] = offs[ch]; n.in[2] = recv[ch]; n.out[0] = xr[ch]; n.out[1] = roffs[ch];
+        n.iattr[0] = (int)MT_DIMBIT(MT_DIM_EP); n.iattr[2] = (int)ep; n.iattr[3] = (int)El;
+        n.iattr[4] = b->sym_coord[MT_DIM_EP]; n.sym_mask = 1u << 4;
+        mt__push(b, &n);
+    }
     /* grouped SwiGLU experts over my El local experts */
     int wg = mt__param(b, MT__PN("experts.*.gate_proj.weight"), MT_INIT_NORMAL, 0.02f,
                        MT_VF_TRAINABLE | MT_VF_DECAY | MT_VF_EXPERTS, b->act, 3, El, F, D);
@@ -3327,26 +3366,35 @@ static int mt__moe(mt__builder *b, int x) {
                        MT_VF_TRAINABLE | MT_VF_DECAY | MT_VF_EXPERTS, b->act, 3, El, F, D);
     int wd = mt__param(b, MT__PN("experts.*.down_proj.weight"), MT_INIT_NORMAL, out_std,
                        MT_VF_TRAINABLE | MT_VF_DECAY | MT_VF_EXPERTS, b->act, 3, El, D, F);
-    int gm[3] = {wg, wu, wd}, gout[3];
-    const char *gname[3] = {"moe.gate", "moe.up", "moe.yr"};
-    int gin = xr;
-    for (int i = 0; i < 3; i++) {
-        if (i == 2) gin = mt__binary(b, MT_OP_SWIGLU, gout[0], gout[1], "moe.h");
-        gout[i] = mt__act(b, gname[i], b->act, 2, R, i == 2 ? D : F, 0);
-        n = mt__node(b, MT_OP_GMM);
-        n.in[0] = gin; n.in[1] = gm[i]; n.in[2] = roffs; n.out[0] = gout[i];
+    for (int ch = 0; ch < C; ch++) {
+        int64_t R = -(int64_t)b->sym_recv[ch] - 1;
+        int gm[3] = {wg, wu, wd}, gout[3];
+        const char *gname[3] = {"moe.gate", "moe.up", "moe.yr"};
+        int gin = xr[ch];
+        for (int i = 0; i < 3; i++) {
+            if (i == 2) gin = mt__binary(b, MT_OP_SWIGLU, gout[0], gout[1], MT__CN("moe.h"));
+            gout[i] = mt__act(b, MT__CN(gname[i]), b->act, 2, R, i == 2 ? D : F, 0);
+            n = mt__node(b, MT_OP_GMM);
+            n.in[0] = gin; n.in[1] = gm[i]; n.in[2] = roffs[ch]; n.out[0] = gout[i];
+            mt__push(b, &n);
+        }
+        back[ch] = mt__act(b, MT__CN("moe.ys"), b->act, 2, (MT__ROW0(ch + 1) - MT__ROW0(ch)) * K, D, 0);
+        n = mt__node(b, MT_OP_EP_COMBINE);
+        n.queue = MT_Q_EP; n.in[0] = gout[2]; n.in[1] = offs[ch]; n.in[2] = recv[ch]; n.out[0] = back[ch];
+        n.iattr[0] = (int)MT_DIMBIT(MT_DIM_EP); n.iattr[2] = (int)ep; n.iattr[3] = (int)El;
+        n.iattr[4] = b->sym_coord[MT_DIM_EP]; n.sym_mask = 1u << 4;
         mt__push(b, &n);
     }
-    int ys = mt__act(b, "moe.ys", b->act, 2, N * K, D, 0);
-    n = mt__node(b, MT_OP_EP_COMBINE);
-    n.queue = MT_Q_EP; n.in[0] = gout[2]; n.in[1] = offs; n.in[2] = recv; n.out[0] = ys;
-    n.iattr[0] = (int)MT_DIMBIT(MT_DIM_EP); n.iattr[2] = (int)ep; n.iattr[3] = (int)El;
-    n.iattr[4] = b->sym_coord[MT_DIM_EP]; n.sym_mask = 1u << 4;
-    mt__push(b, &n);
-    int y = mt__act(b, "moe.routed", b->act, 2, N, D, 0);
-    n = mt__node(b, MT_OP_MOE_COMBINE);
-    n.in[0] = ys; n.in[1] = slot; n.in[2] = w; n.out[0] = y;
-    mt__push(b, &n);
+    for (int ch = 0; ch < C; ch++) {
+        part[ch] = mt__act(b, MT__CN("moe.routed"), b->act, 2, N, D, 0);
+        n = mt__node(b, MT_OP_MOE_COMBINE);
+        n.in[0] = back[ch]; n.in[1] = slot[ch]; n.in[2] = w; n.out[0] = part[ch]; n.iattr[1] = (int)MT__ROW0(ch);
+        mt__push(b, &n);
+    }
+    int y = part[0];
+    for (int ch = 1; ch < C; ch++) y = mt__binary(b, MT_OP_ADD, y, part[ch], "moe.routed");
+#undef MT__ROW0
+#undef MT__CN
     if (c->n_shared_experts > 0) {
         int s = mt__ffn(b, x, MT__PN("shared_experts."), c->n_shared_experts * c->moe_inter_dim, "moe.shared");
         y = mt__binary(b, MT_OP_ADD, y, s, "moe.out");
@@ -3685,7 +3733,7 @@ static void mt__backward_rule(mt__builder *b, const mt_node *f) {
         if (dy < 0 || dx < 0) return;
         n = mt__node(b, MT_OP_MOE_PERMUTE_BWD);
         n.in[0] = dy; n.in[1] = out[1]; n.out[0] = dx;
-        n.iattr[0] = (int)b->g->values[in[1]].dims[1];
+        n.iattr[0] = (int)b->g->values[in[1]].dims[1]; n.iattr[1] = f->iattr[1];   /* K, the chunk's first row */
         mt__push(b, &n); mt__acc(b, in[0], dx);
         return;
     }
@@ -3719,7 +3767,7 @@ static void mt__backward_rule(mt__builder *b, const mt_node *f) {
         if (dy < 0) return;
         n = mt__node(b, MT_OP_MOE_COMBINE_BWD);
         n.in[0] = dy; n.in[1] = in[0]; n.in[2] = in[1]; n.in[3] = in[2];
-        n.out[0] = mt__gout(b, in[0]); n.out[1] = mt__gout(b, in[2]);
+        n.out[0] = mt__gout(b, in[0]); n.out[1] = mt__gout(b, in[2]); n.iattr[1] = f->iattr[1];
         if (n.out[0] < 0 || n.out[1] < 0) { mt__fail(b, "internal error: MoE combine of '%s' lacks gradients", b->g->values[out[0]].name); return; }
         mt__push(b, &n); mt__acc(b, in[0], n.out[0]); mt__acc(b, in[2], n.out[1]);
         return;
@@ -3918,8 +3966,13 @@ static int mt__optimizer(mt__builder *b) {
 
 int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target *t, int kind,
              mt_err *err) {
+    return mt_build_chunked(g, c, m, t, kind, 1, err);
+}
+int mt_build_chunked(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target *t, int kind,
+                     int chunks, mt_err *err) {
     memset(g, 0, sizeof *g);
     if (mt_config_validate(c, err) || mt_mesh_validate(m, c, err)) return -1;
+    if (chunks < 1 || chunks > MT_MOE_CHUNKS_MAX) return mt_errf(err, "MoE chunks: %d, not 1 to %d", chunks, MT_MOE_CHUNKS_MAX);
     if (kind != MT_GRAPH_TRAIN && kind != MT_GRAPH_FORWARD) return mt_errf(err, "unknown graph kind %d", kind);
     if (kind == MT_GRAPH_FORWARD && m->size[MT_DIM_TP] > 1)
         return mt_errf(err, "a forward graph's logits are whole on every rank: build it with tp = 1 (tp = %d splits them)", m->size[MT_DIM_TP]);
@@ -3928,13 +3981,13 @@ int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target 
     mt__builder bb;
     memset(&bb, 0, sizeof bb);
     mt__builder *b = &bb;
-    b->g = g; b->err = err; b->layer = -1;
+    b->g = g; b->err = err; b->layer = -1; b->chunks = chunks;
     b->act = t->backend == MT_BACKEND_CUDA ? MT_BF16 : MT_F32;
     b->counts = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(c->n_layers + c->mtp_layers + 1));
     b->biases = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)(c->n_layers + c->mtp_layers + 1));
     /* symbols: one coordinate per mesh dimension, and the data-dependent
-     * number of tokens this rank's experts receive */
-    g->syms = (mt_symbol *)mt__calloc(sizeof(mt_symbol) * (MT_NDIMS + 1));
+     * number of tokens this rank's experts receive (per chunk of tokens) */
+    g->syms = (mt_symbol *)mt__calloc(sizeof(mt_symbol) * (MT_NDIMS + MT_MOE_CHUNKS_MAX));
     if (!g->syms || !b->counts || !b->biases) { mt_errf(err, "out of memory"); goto fail; }
     for (int d = 0; d < MT_NDIMS; d++) {
         mt_symbol *s = &g->syms[g->n_syms];
@@ -3942,12 +3995,14 @@ int mt_build(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target 
         s->kind = MT_SYM_COORD; s->mesh_dim = d; s->max = m->size[d] - 1;
         b->sym_coord[d] = g->n_syms++;
     }
-    {
+    for (int ch = 0; ch < chunks; ch++) {   /* mt__moe's chunk ch: rows [N*ch/C, N*(ch+1)/C) of N */
         mt_symbol *s = &g->syms[g->n_syms];
-        snprintf(s->name, sizeof s->name, "ep_recv_tokens");
+        int64_t N = (int64_t)c->batch * c->seq_len / m->size[MT_DIM_TP];
+        if (chunks == 1) snprintf(s->name, sizeof s->name, "ep_recv_tokens");
+        else snprintf(s->name, sizeof s->name, "ep_recv_tokens.c%d", ch);
         s->kind = MT_SYM_SIZE; s->mesh_dim = MT_DIM_EP;
-        s->max = (int64_t)c->batch * c->seq_len / m->size[MT_DIM_TP] * c->top_k * m->size[MT_DIM_EP];
-        b->sym_recv = g->n_syms++;
+        s->max = (N * (ch + 1) / chunks - N * ch / chunks) * c->top_k * m->size[MT_DIM_EP];
+        b->sym_recv[ch] = g->n_syms++;
     }
     if (kind == MT_GRAPH_TRAIN) {
         g->io[MT_IO_STEP] = mt__value(b, "step", MT_I32, MT_ROLE_INPUT, 1, 1, 0, 0);
@@ -4446,11 +4501,12 @@ static int mt__is_ep_sync(const mt_graph *g, const mt_node *n) {
 /* EP: in each (phase, layer) run, the nodes after its first expert exchange
  * that depend on no exchange (the shared experts; in the backward the router's
  * gradient) move up to just after the exchange nodes that lead the run (the
- * counts and the dispatch), so they run on the compute stream while the
- * tokens travel on the EP stream. A stable partition: "depends" is the
- * transitive closure of conflicts, so every conflict keeps its order and
- * results do not change. (The host-synchronized exchange blocks the host at
- * the counts; these nodes then still overlap the rows' all-to-all.) */
+ * counts and the dispatch: with MoE chunks, the first chunk's), so they run
+ * on the compute stream while the tokens travel on the EP stream. A stable
+ * partition: "depends" is the transitive closure of conflicts, so every
+ * conflict keeps its order and results do not change. (The host-synchronized
+ * exchange blocks the host at the counts; these nodes then still overlap the
+ * rows' all-to-all.) */
 static void mt__ep_ahead(mt_graph *g, mt_node *tmp, uint8_t *taint) {
     int n = g->n_nodes;
     for (int i = 0; i < n;) {
@@ -4464,7 +4520,8 @@ static void mt__ep_ahead(mt_graph *g, mt_node *tmp, uint8_t *taint) {
                 for (int k = f; k < j && !taint[j]; k++) taint[j] = taint[k] && mt__conflict(&g->nodes[k], &g->nodes[j]);
             }
             int w = 0, lead = f;
-            while (lead < e && g->nodes[lead].queue == MT_Q_EP && taint[lead]) lead++;   /* the exchange nodes that lead */
+            while (lead < e && g->nodes[lead].queue == MT_Q_EP && taint[lead])   /* the exchange nodes that lead, to the first dispatch */
+                if (g->nodes[lead++].op == MT_OP_EP_DISPATCH) break;
             for (int j = f; j < lead; j++) tmp[w++] = g->nodes[j];
             for (int j = lead; j < e; j++) if (!taint[j]) tmp[w++] = g->nodes[j];
             for (int j = lead; j < e; j++) if (taint[j]) tmp[w++] = g->nodes[j];
@@ -4473,9 +4530,10 @@ static void mt__ep_ahead(mt_graph *g, mt_node *tmp, uint8_t *taint) {
         i = e;
     }
 }
-/* EP, backward: the experts' weight gradients (GMM_DW) that come before an
- * exchange of their run and that nothing up to it depends on move to just after
- * it, so the gradient's exchange leaves as soon as its input is ready and
+/* EP, backward: the experts' weight gradients (GMM_DW, and the ADDs that sum
+ * their MoE chunks' parts) that come before an exchange of their run and that
+ * nothing up to it but each other depends on move to just after it, in their
+ * order, so the gradient's exchange leaves as soon as its input is ready and
  * travels while they compute. Only moves past nodes they do not conflict with. */
 static void mt__dw_behind(mt_graph *g, mt_node *tmp) {
     int n = g->n_nodes;
@@ -4485,12 +4543,17 @@ static void mt__dw_behind(mt_graph *g, mt_node *tmp) {
         int lo = p;   /* back to the run's start or its previous exchange */
         while (lo > 0 && g->nodes[lo - 1].phase == x->phase && g->nodes[lo - 1].layer == x->layer && !mt__is_ep_sync(g, &g->nodes[lo - 1])) lo--;
         int w = 0, m = 0;
-        uint8_t late[64] = {0};
-        for (int i = lo; i < p && i - lo < 64; i++) {
+        uint8_t dw[64] = {0}, late[64] = {0};
+        for (int i = lo; i < p && i - lo < 64; i++) {   /* weight gradients, and sums of two of them */
             const mt_node *d = &g->nodes[i];
-            if (d->op != MT_OP_GMM_DW && d->op != MT_OP_GMM_DW_SQ) continue;
+            int sums = 0;
+            for (int a = lo; a < i && d->op == MT_OP_ADD; a++) sums += dw[a - lo] && mt__reads(d, g->nodes[a].out[0]);
+            dw[i - lo] = d->op == MT_OP_GMM_DW || d->op == MT_OP_GMM_DW_SQ || sums == 2;
+        }
+        for (int i = p - 1; i >= lo; i--) {   /* last first: a node may pass the moved nodes that read it */
+            if (i - lo >= 64 || !dw[i - lo]) continue;
             int ok = 1;
-            for (int k = i + 1; k <= p && ok; k++) ok = (k - lo < 64 && late[k - lo]) || !mt__conflict(d, &g->nodes[k]);
+            for (int k = i + 1; k <= p && ok; k++) ok = (k - lo < 64 && late[k - lo]) || !mt__conflict(&g->nodes[i], &g->nodes[k]);
             late[i - lo] = (uint8_t)ok;
             m += ok;
         }
@@ -5260,8 +5323,8 @@ out:
     return rc;
 }
 
-void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->fold_rope = 1; p->fuse_glu = 1; p->memory_budget = 0; p->moments = MT_F32; p->fp8 = 0; }
-void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->fold_rope = 0; p->fuse_glu = 0; p->memory_budget = 0; p->moments = MT_F32; p->fp8 = 0; }
+void mt_passes_all(mt_passes *p) { p->elide = 1; p->fuse = 1; p->plan_memory = 1; p->capture = 1; p->isolate_ep = 1; p->overlap = 1; p->fold_rope = 1; p->fuse_glu = 1; p->memory_budget = 0; p->moments = MT_F32; p->fp8 = 0; p->moe_chunks = 1; }
+void mt_passes_none(mt_passes *p) { p->elide = 0; p->fuse = 0; p->plan_memory = 0; p->capture = 0; p->isolate_ep = 0; p->overlap = 0; p->fold_rope = 0; p->fuse_glu = 0; p->memory_budget = 0; p->moments = MT_F32; p->fp8 = 0; p->moe_chunks = 1; }
 /* Every AdamW moment becomes bf16. The values only shrink, so a plan made before stays valid (if
  * wasteful); mt_run_passes runs this first, before anything is planned. */
 int mt_pass_bf16_moments(mt_graph *g, mt_err *err) {
@@ -5275,6 +5338,11 @@ int mt_pass_bf16_moments(mt_graph *g, mt_err *err) {
         n++;
     }
     return n;
+}
+int mt_graph_moe_chunks(const mt_graph *g) {
+    int n = 0;
+    for (int s = 0; s < g->n_syms; s++) n += g->syms[s].kind == MT_SYM_SIZE && g->syms[s].mesh_dim == MT_DIM_EP;
+    return n > 1 ? n : 1;
 }
 int mt_graph_moments(const mt_graph *g) {
     for (int i = 0; i < g->n_values; i++)
@@ -5347,7 +5415,7 @@ int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
 }
 int mt_compile(mt_graph *g, const mt_config *c, const mt_mesh *m, const mt_target *t, int kind,
                const mt_passes *p, mt_err *err) {
-    if (mt_build(g, c, m, t, kind, err)) return -1;
+    if (mt_build_chunked(g, c, m, t, kind, p->moe_chunks > 0 ? p->moe_chunks : 1, err)) return -1;
     if (mt_run_passes(g, p, err)) { mt_graph_free(g); return -1; }
     return 0;
 }
@@ -5482,7 +5550,9 @@ static void mt__fingerprint_text(const mt_graph *g, char *out, size_t n) {
     /* the AdamW moments' dtype, where it is not the default */
     if (mt_graph_moments(g) == MT_BF16 && at > 0 && (size_t)at < n) at += snprintf(out + at, n - (size_t)at, " moments=bf16");
     /* how many GEMMs run in FP8, where any do */
-    if (mt_graph_fp8(g) && at > 0 && (size_t)at < n) snprintf(out + at, n - (size_t)at, " fp8=%d", mt_graph_fp8(g));
+    if (mt_graph_fp8(g) && at > 0 && (size_t)at < n) at += snprintf(out + at, n - (size_t)at, " fp8=%d", mt_graph_fp8(g));
+    /* the MoE layers' chunks of tokens, where not 1 */
+    if (mt_graph_moe_chunks(g) > 1 && at > 0 && (size_t)at < n) snprintf(out + at, n - (size_t)at, " moe_chunks=%d", mt_graph_moe_chunks(g));
 }
 uint64_t mt_fingerprint(const mt_graph *g) {
     char text[4096];
@@ -7609,6 +7679,12 @@ int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *
  *   EP_COMBINE   yr, offs, recv -> ys [N*K, D]: the reverse, each row back
  *                to where its sender had it
  *   MOE_COMBINE  ys, slot, w -> y: each token's K rows weighed and summed
+ * With mt_passes.moe_chunks = C > 1 (--moe-chunks) a layer runs MOE_PERMUTE to
+ * MOE_COMBINE once per chunk of its tokens (rows [N*c/C, N*(c+1)/C): their i1),
+ * each chunk with its own counts, plan and received-rows symbol
+ * ("ep_recv_tokens.c<c>"); every chunk's counts and dispatch come first, so a
+ * chunk's rows travel while another chunk's experts compute. The router and
+ * the layer's per-expert counts stay whole.
  * The three exchange nodes run on queue MT_Q_EP; iattr: i0 the mesh mask
  * (MT_DIM_EP), i1 the channel, i2 ep, i3 El, i4 the ep coordinate (a symbol).
  *  - Checked: mt__check_moe (the EP_* cases); mt_op_is_ep_exchange names them.
@@ -8458,6 +8534,16 @@ static int mt__fp8_operand(const mt_node *n, int i) {
     return MT__Q8_NONE;
 }
 static int mt__cpu_fp8(mt_runtime *rt, const mt_node *n, mt_err *err);
+/* A MoE op over a chunk of tokens (mt__moe): its n = nk / K tokens from row i1 of N. An output
+ * [N, cols] holds them there, and zeros (bytes 0, any dtype) in the other rows. */
+static int64_t mt__chunk_rows(const mt_graph *G, int nk_value, int K) {
+    return G->values[nk_value].dims[0] / K;
+}
+static void mt__zero_other_rows(uint8_t *p, int64_t row_bytes, const mt_node *n, int64_t rows, int64_t N) {
+    int64_t r0 = n->iattr[1];
+    memset(p, 0, (size_t)(r0 * row_bytes));
+    memset(p + (r0 + rows) * row_bytes, 0, (size_t)((N - r0 - rows) * row_bytes));
+}
 static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
     mt_graph *G = &rt->g;
     void **P = rt->ptr;
@@ -8526,13 +8612,19 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_ROUTER_BWD:
         mt_cpu_router_backward(RO(0), R_(0), I_(1), R_(2), R_(3), DIM(n->in[0], 0), DIM(n->in[0], 1), a[0], a[1], a[2], n->fattr[0]);
         break;
-    case MT_OP_MOE_PERMUTE:
-        if (mt_cpu_moe_permute(RO(0), IO(1), IO(2), R_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), DIM(n->in[1], 1), a[0]))
+    case MT_OP_MOE_PERMUTE: {   /* tokens [i1, i1 + n) */
+        int D = DIM(n->in[0], 1), K = DIM(n->in[1], 1);
+        if (mt_cpu_moe_permute(RO(0), IO(1), IO(2), R_(0) + (int64_t)a[1] * D, I_(1) + (int64_t)a[1] * K,
+                               (int)mt__chunk_rows(G, n->out[0], K), D, K, a[0]))
             return mt_errf(err, "MOE_PERMUTE: expert index out of range (or out of memory)");
         break;
-    case MT_OP_MOE_PERMUTE_BWD:
-        mt_cpu_moe_permute_backward(RO(0), R_(0), I_(1), DIM(n->out[0], 0), DIM(n->out[0], 1), a[0]);
+    }
+    case MT_OP_MOE_PERMUTE_BWD: {
+        int D = DIM(n->out[0], 1), rows = (int)mt__chunk_rows(G, n->in[0], a[0]);
+        mt__zero_other_rows((uint8_t *)RO(0), (int64_t)sizeof(mt_real) * D, n, rows, DIM(n->out[0], 0));
+        mt_cpu_moe_permute_backward(RO(0) + (int64_t)a[1] * D, R_(0), I_(1), rows, D, a[0]);
         break;
+    }
     case MT_OP_EP_COUNTS: case MT_OP_EP_DISPATCH: case MT_OP_EP_COMBINE:
     case MT_OP_ALLGATHER: case MT_OP_REDUCE_SCATTER: case MT_OP_SP_GATHER: case MT_OP_SP_SCATTER: return mt__cpu_collective(rt, n, err);
     case MT_OP_CE_STATS: mt_cpu_ce_stats(RO(0), R_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), (int)rt->sym[a[0]] * DIM(n->in[0], 1)); break;
@@ -8572,12 +8664,19 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
         }
         break;
     }
-    case MT_OP_MOE_COMBINE:
-        mt_cpu_moe_combine_forward(RO(0), R_(0), I_(1), R_(2), DIM(n->in[2], 0), DIM(n->in[0], 1), DIM(n->in[2], 1));
+    case MT_OP_MOE_COMBINE: {   /* tokens [i1, i1 + n) of y; its other rows 0 */
+        int D = DIM(n->in[0], 1), K = DIM(n->in[2], 1), rows = (int)mt__chunk_rows(G, n->in[1], K);
+        mt__zero_other_rows((uint8_t *)RO(0), (int64_t)sizeof(mt_real) * D, n, rows, DIM(n->in[2], 0));
+        mt_cpu_moe_combine_forward(RO(0) + (int64_t)a[1] * D, R_(0), I_(1), R_(2) + (int64_t)a[1] * K, rows, D, K);
         break;
-    case MT_OP_MOE_COMBINE_BWD:
-        mt_cpu_moe_combine_backward(RO(0), RO(1), R_(0), R_(1), I_(2), R_(3), DIM(n->in[3], 0), DIM(n->in[1], 1), DIM(n->in[3], 1));
+    }
+    case MT_OP_MOE_COMBINE_BWD: {
+        int D = DIM(n->in[1], 1), K = DIM(n->in[3], 1), rows = (int)mt__chunk_rows(G, n->in[2], K);
+        int64_t r0 = a[1];
+        mt__zero_other_rows((uint8_t *)RO(1), (int64_t)sizeof(mt_real) * K, n, rows, DIM(n->in[3], 0));
+        mt_cpu_moe_combine_backward(RO(0), RO(1) + r0 * K, R_(0) + r0 * D, R_(1), I_(2), R_(3) + r0 * K, rows, D, K);
         break;
+    }
     case MT_OP_CROSS_ENTROPY:
         mt_cpu_cross_entropy_forward(rt->pool, RO(0), RO(1), R_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), mt__ce_count(n, DIM(n->in[0], 0)));
         break;
@@ -8731,7 +8830,7 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
             float *sa = (float *)TAKE((size_t)(Lp / 128) * M * 4), *sb = (float *)TAKE((size_t)(Lp / 128) * K * 4);
             if (rt) rc = mt_cuda_fp8_quant_cols(c, qa, sa, P[n->in[0]], offs, E, R, M, Lp) ||
                          mt_cuda_fp8_quant_cols(c, qb, sb, P[n->in[1]], offs, E, R, K, Lp) ||
-                         mt_cuda_fp8_gmm(c, 2, P[n->out[0]], qa, sa, qb, sb, offs, E, M, K, R, Lp, 0);
+                         mt_cuda_fp8_gmm(c, 2, P[n->out[0]], qa, sa, qb, sb, offs, E, M, K, R, Lp, MT_FP8_GMM_KERNEL);
         } else {              /* mode 0: Y = X W^T (X [R, K]); mode 1: dX = dY W (dY [R, M], W transposed) */
             int mode = n->op == MT_OP_GMM || n->op == MT_OP_GMM_GLU ? 0 : 1, C = mode ? M : K;
             uint8_t *qa = (uint8_t *)TAKE((size_t)R * C), *qb = (uint8_t *)TAKE((size_t)E * M * K);
@@ -8742,7 +8841,7 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
                 void *out = t == 0 ? P[n->out[0]] : n->op == MT_OP_GMM_GLU ? P[n->out[1]] : second;
                 if (!t || n->op == MT_OP_GMM_DX2) rc = mt_cuda_fp8_quant_rows(c, qa, sa, P[x], R, C);
                 rc = rc || mt_cuda_fp8_quant_weight(c, qb, sb, P[w], E, M, K, mode) ||
-                     mt_cuda_fp8_gmm(c, mode, out, qa, sa, qb, sb, offs, E, M, K, R, 0, 0);
+                     mt_cuda_fp8_gmm(c, mode, out, qa, sa, qb, sb, offs, E, M, K, R, 0, MT_FP8_GMM_KERNEL);
             }
             if (rt && !rc && n->op == MT_OP_GMM_DX2) rc = mt_cuda_add(c, P[n->out[0]], P[n->out[0]], second, (int64_t)R * K, MT_BF16);
             if (rt && !rc && n->op == MT_OP_GMM_GLU && n->out[2] >= 0)
@@ -8758,6 +8857,11 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
     return 0;
 }
 
+static int mt__cuda_zero_other_rows(mt_cuda *c, void *p, int64_t row_bytes, const mt_node *n, int64_t rows, int64_t N) {   /* as mt__zero_other_rows */
+    int64_t r0 = n->iattr[1];
+    return mt_cuda_memset(c, p, 0, (size_t)(r0 * row_bytes)) ||
+           mt_cuda_memset(c, (uint8_t *)p + (r0 + rows) * row_bytes, 0, (size_t)((N - r0 - rows) * row_bytes));
+}
 /* The loss ops' backward scale in float as the kernels take it: 1.0f / N for the plain mean. */
 static float mt__cuda_ce_scale(const mt_node *n, int N) { return (n->fattr[0] > 0 ? n->fattr[0] : 1.0f) / (float)mt__ce_count(n, N); }
 static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
@@ -8851,10 +8955,19 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_ROUTER_BWD:
         rc = mt_cuda_router_backward(c, FO(0), F_(0), I_(1), F_(3), DIM(n->in[0], 0), DIM(n->in[0], 1), a[0], a[1], a[2], n->fattr[0]);
         break;
-    case MT_OP_MOE_PERMUTE:
-        rc = mt_cuda_moe_permute(c, VO(0), IO(1), IO(2), V_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), DIM(n->in[1], 1), a[0], rt->scratch);
+    case MT_OP_MOE_PERMUTE: {   /* tokens [i1, i1 + n) (mt__moe's chunks) */
+        int D = DIM(n->in[0], 1), K = DIM(n->in[1], 1);
+        rc = mt_cuda_moe_permute(c, VO(0), IO(1), IO(2), (uint8_t *)V_(0) + (int64_t)a[1] * D * mt_dtype_bytes(G, DT(n->in[0])),
+                                 I_(1) + (int64_t)a[1] * K, (int)mt__chunk_rows(G, n->out[0], K), D, K, a[0], rt->scratch);
         break;
-    case MT_OP_MOE_PERMUTE_BWD: rc = mt_cuda_moe_permute_backward(c, VO(0), V_(0), I_(1), DIM(n->out[0], 0), DIM(n->out[0], 1), a[0]); break;
+    }
+    case MT_OP_MOE_PERMUTE_BWD: {
+        int D = DIM(n->out[0], 1), rows = (int)mt__chunk_rows(G, n->in[0], a[0]);
+        int64_t row = D * mt_dtype_bytes(G, DT(n->out[0]));
+        rc = mt__cuda_zero_other_rows(c, VO(0), row, n, rows, DIM(n->out[0], 0)) ||
+             mt_cuda_moe_permute_backward(c, (uint8_t *)VO(0) + a[1] * row, V_(0), I_(1), rows, D, a[0]);
+        break;
+    }
     case MT_OP_EP_COUNTS:
         if (a[2] != 1) return mt__cuda_collective(rt, n, err);
         rc = mt_cuda_ep_counts(c, IO(0), I_(0), a[3], (int)rt->sym[a[4]] * a[3]);
@@ -8884,12 +8997,21 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
                          sq ? mt_value_numel_max(G, &G->values[n->out[1]]) : 0);
         break;
     }
-    case MT_OP_MOE_COMBINE:
-        rc = mt_cuda_moe_combine_forward(c, VO(0), V_(0), I_(1), F_(2), DIM(n->in[2], 0), DIM(n->in[0], 1), DIM(n->in[2], 1));
+    case MT_OP_MOE_COMBINE: {   /* tokens [i1, i1 + n) of y; its other rows 0 */
+        int D = DIM(n->in[0], 1), K = DIM(n->in[2], 1), rows = (int)mt__chunk_rows(G, n->in[1], K);
+        int64_t row = D * mt_dtype_bytes(G, DT(n->out[0]));
+        rc = mt__cuda_zero_other_rows(c, VO(0), row, n, rows, DIM(n->in[2], 0)) ||
+             mt_cuda_moe_combine_forward(c, (uint8_t *)VO(0) + a[1] * row, V_(0), I_(1), F_(2) + (int64_t)a[1] * K, rows, D, K);
         break;
-    case MT_OP_MOE_COMBINE_BWD:
-        rc = mt_cuda_moe_combine_backward(c, VO(0), FO(1), V_(0), V_(1), I_(2), F_(3), DIM(n->in[3], 0), DIM(n->in[1], 1), DIM(n->in[3], 1));
+    }
+    case MT_OP_MOE_COMBINE_BWD: {
+        int D = DIM(n->in[1], 1), K = DIM(n->in[3], 1), rows = (int)mt__chunk_rows(G, n->in[2], K);
+        int64_t r0 = a[1];
+        rc = mt__cuda_zero_other_rows(c, FO(1), (int64_t)sizeof(float) * K, n, rows, DIM(n->in[3], 0)) ||
+             mt_cuda_moe_combine_backward(c, VO(0), FO(1) + r0 * K, (uint8_t *)V_(0) + r0 * D * mt_dtype_bytes(G, DT(n->in[0])), V_(1), I_(2),
+                                          F_(3) + r0 * K, rows, D, K);
         break;
+    }
     case MT_OP_CROSS_ENTROPY:
         rc = mt_cuda_cross_entropy_forward(c, FO(0), FO(1), V_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), mt__ce_count(n, DIM(n->in[0], 0)),
                                            rt->scratch);
@@ -10069,6 +10191,7 @@ static void mt__meta_model(mt__buf *b, const mt_runtime *rt, int step, const mt_
               G->mesh.size[MT_DIM_TP], G->mesh.size[MT_DIM_EP]);
     mt__jmeta(b, "mt.data_order", "a pure function of (seed, step, dp_rank, dp_size): every rank's data position is mt.step");
     mt__jmeta(b, "mt.rng", "none: a step draws no random numbers");
+    if (mt_graph_moe_chunks(G) > 1) mt__jmeta(b, "mt.moe_chunks", "%d", mt_graph_moe_chunks(G));   /* absent: 1 */
     if (run)   /* (has_settings is not written: it says whether these were read back) */
         for (int i = 0; i < MT__N_RUN_FIELDS; i++) {
             const char *p = (const char *)run + mt__run_fields[i].off;
@@ -10391,6 +10514,10 @@ int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err) {
     const char *gm = mt__st_meta(&s, "mt.gemms");    /* absent: saved before FP8 existed, so bf16 */
     if (!rc && gm && strcmp(gm, "bf16") && strcmp(gm, "fp8")) rc = mt_errf(err, "'%s': bad mt.gemms '%s'", path, gm);
     run->fp8 = gm && !strcmp(gm, "fp8");
+    const char *mc = mt__st_meta(&s, "mt.moe_chunks");   /* absent: 1 */
+    long long chunks = 1;
+    if (!rc && mc && mt__parse_int(mc, 1, MT_MOE_CHUNKS_MAX, &chunks)) rc = mt_errf(err, "'%s': bad mt.moe_chunks '%s'", path, mc);
+    run->moe_chunks = (int32_t)chunks;
     for (int i = 0; !rc && run->has_settings && i < MT__N_RUN_FIELDS; i++) {
         char key[64];
         snprintf(key, sizeof key, "mt.run.%s", mt__run_fields[i].key);

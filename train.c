@@ -32,6 +32,7 @@ typedef struct {
     int data_fmt;                                /* --data-format as MT_DATA_AUTO, _BIN or _RAW */
     int exchange;                                /* --ep-exchange as MT_EXCHANGE_AUTO, _HOST or _DEVICE */
     int moments_dt;                              /* --moments as MT_F32 or MT_BF16 (an artifact's or a resumed checkpoint's) */
+    int moe_chunks;                              /* --moe-chunks: each MoE layer's routed experts over this many chunks of tokens */
     int nproc, dp_replicate, dp_shard, tp, ep;   /* ranks; 0 = derive */
     int launch_check;                            /* meet at the rendezvous, say where the rank came from, stop */
     float timeout;                           /* seconds without progress before a rank gives up */
@@ -57,6 +58,13 @@ typedef struct {
     const char *help;
     const char *meta;    /* what the value is, for --help (strings) */
 } opt_spec;
+
+/* ", MoE in N chunks of tokens" for the start-up line, or "" */
+static const char *chunks_note(const mt_graph *g, char *buf, size_t n) {
+    int c = mt_graph_moe_chunks(g);
+    if (c > 1) snprintf(buf, n, ", MoE in %d chunks of tokens", c); else buf[0] = 0;
+    return buf;
+}
 
 #define O_(f) offsetof(opts, f)
 static const opt_spec specs[] = {
@@ -107,6 +115,8 @@ static const opt_spec specs[] = {
     {"no-fuse-glu", OPT_FLAG, O_(no_fuse_glu), 0, 0, 0, 0, "off", "run the experts' gate and up GEMMs and their SwiGLU as three ops (same results; for comparison)", NULL},
     {"attn-recompute-dq", OPT_FLAG, O_(attn_recompute_dq), 0, 0, 0, 0, "off", "CUDA: the attention backward recomputes S and dP for dQ instead of storing dS (B*H*T^2 bytes less workspace; slower)", NULL},
     {"one-launch-per-node", OPT_FLAG, O_(one_launch_per_node), 0, 0, 0, 0, "off", "CUDA: launch the gradient norm's and AdamW's nodes one by one instead of as multi-tensor launches (same results; for comparison)", NULL},
+    {"moe-chunks", OPT_INT, O_(moe_chunks), 1, MT_MOE_CHUNKS_MAX, 0, 0, "1; an artifact: its own; a resumed run: the checkpoint's", "each MoE layer's routed experts in N chunks "
+     "of its tokens: with overlap one chunk's expert exchange travels while another's experts compute (results within rounding)", "N"},
     {"memory-budget", OPT_FLOAT, O_(memory_budget), 0, 1 << 20, 0, 0, "0: off", "recompute the fewest blocks' activations so the planned peak (persistent + arena) fits (compiling here; an artifact has its own)", "GiB"},
     {"nan-check", OPT_FLAG, O_(nan_check), 0, 0, 0, 0, "off", "check every op's output for NaN/Inf and name the first (slower)", NULL},
     {"threads", OPT_INT, O_(threads), 1, 64, 0, 0, "all cores", "CPU threads (results do not depend on it)", NULL},
@@ -393,6 +403,7 @@ static int plan_resume(opts *o, mt_run_state *ck) {
     mt_err e;
     if (mt_checkpoint_read_run(o->load, ck, &e)) { fprintf(stderr, "train: %s\n", e.msg); return 1; }
     if (!given(o, "moments") && !o->graph) o->moments_dt = ck->moments;   /* recorded with the moments (an artifact fixes them) */
+    if (!given(o, "moe-chunks") && !o->graph) o->moe_chunks = ck->moe_chunks;   /* recorded with the weights (an artifact fixes them) */
     if (!ck->has_settings) {   /* saved without run settings (mt_checkpoint_save): this command line's */
         printf("resuming '%s' at step %d of %d; it records no run settings, so this command line's are used\n", o->load, ck->step, o->steps);
         return 0;
@@ -430,6 +441,8 @@ static int plan_resume(opts *o, mt_run_state *ck) {
     if (o->moments_dt != ck->moments)
         NOTE(" AdamW moments %s -> %s (the saved moments %s);", ck->moments == MT_BF16 ? "bf16" : "fp32", o->moments_dt == MT_BF16 ? "bf16" : "fp32",
              o->moments_dt == MT_BF16 ? "rounded to nearest even bf16 on loading" : "widened to fp32 exactly on loading");
+    if (given(o, "moe-chunks") && o->moe_chunks != ck->moe_chunks)
+        NOTE(" MoE chunks %d -> %d (the experts' weight gradients round differently);", ck->moe_chunks, o->moe_chunks);
 #undef NOTE
     printf("resuming '%s' at step %d of %d (%s, seed %d, data %s)\n", o->load, ck->step, o->steps, o->config_from, o->seed,
            o->data ? o->data : "the embedded corpus");
@@ -1121,6 +1134,12 @@ int main(int argc, char **argv) {
             return 2;
         }
         o.fp8 = mt_graph_fp8(&g) > 0;
+        if (given(&o, "moe-chunks") && o.moe_chunks != mt_graph_moe_chunks(&g)) {
+            fprintf(stderr, "train: '%s' was compiled with %d MoE chunk%s; --moe-chunks %d cannot change that (re-run precompile with it)\n",
+                    o.graph, mt_graph_moe_chunks(&g), mt_graph_moe_chunks(&g) > 1 ? "s" : "", o.moe_chunks);
+            mt_graph_free(&g);
+            return 2;
+        }
         cfg = g.cfg;
         have_graph = 1;
     } else {
@@ -1205,16 +1224,20 @@ int main(int argc, char **argv) {
         passes.memory_budget = (int64_t)((double)o.memory_budget * 1073741824.0);
         passes.moments = o.moments_dt;
         passes.fp8 = o.fp8;
+        passes.moe_chunks = o.moe_chunks ? o.moe_chunks : 1;
         double t0 = mt_now();
         if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_TRAIN, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
 #ifdef MT_CUDA
         if (on_cuda && mt_tune(&g, world > 1 ? local_rank : o.gpu, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_graph_free(&g); return 1; }
 #endif
-        if (rank == 0) printf("compiled the step graph in %.2f s: %d nodes, %d values, %d of %d blocks recomputed%s", mt_now() - t0,
-                              g.n_nodes, g.n_values, g.n_recompute, g.cfg.n_layers, o.moments_dt == MT_BF16 ? ", AdamW moments in bf16" : "");
+        char note[64];
+        if (rank == 0) printf("compiled the step graph in %.2f s: %d nodes, %d values, %d of %d blocks recomputed%s%s", mt_now() - t0,
+                              g.n_nodes, g.n_values, g.n_recompute, g.cfg.n_layers, o.moments_dt == MT_BF16 ? ", AdamW moments in bf16" : "",
+                              chunks_note(&g, note, sizeof note));
     } else if (rank == 0) {
-        printf("loaded the step graph from %s: %d nodes, %d values%s", o.graph, g.n_nodes, g.n_values,
-               o.moments_dt == MT_BF16 ? ", AdamW moments in bf16" : "");
+        char note[64];
+        printf("loaded the step graph from %s: %d nodes, %d values%s%s", o.graph, g.n_nodes, g.n_values,
+               o.moments_dt == MT_BF16 ? ", AdamW moments in bf16" : "", chunks_note(&g, note, sizeof note));
     }
     if (rank == 0 && mt_graph_fp8(&g)) printf(", %d GEMMs in FP8", mt_graph_fp8(&g));
     if (rank == 0) printf("\n");

@@ -4,7 +4,7 @@
 # of one rank, a rank that hangs), ranks from srun's and mpirun's variables on
 # two one-GPU "nodes" over sockets, tensor parallelism, and the device-side
 # expert exchange (bitwise the host-synchronized one; the fallback over
-# sockets; a dead or hung peer in the middle of it). Prints "N passed,
+# sockets; a dead or hung peer in the middle of it; with MoE layers in 2 chunks of tokens). Prints "N passed,
 # N failed" last. REQUIRE_GPUS=N: fewer than N visible GPUs is a failure, not a skip.
 set -u
 n=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -21,7 +21,7 @@ T=${TMPDIR:-/tmp}/moetrain_mgpu; rm -rf "$T"; mkdir -p "$T"
 losses() { grep '^step' "$1" | sed 's/ | grad_norm.*//'; }
 core() { sed 's/,"tokens_per_s".*//' "$1"; }   # a metrics line's loss, grad norm and lr
 steps=6
-only=${ONLY:-1 2 3 4 5 6 7 8 9 10 11}   # which checks to run
+only=${ONLY:-1 2 3 4 5 6 7 8 9 10 11 12}   # which checks to run
 want() { case " $only " in *" $1 "*) return 0 ;; esac; return 1; }
 
 # 1. ./train alone: one rank per GPU, and the same losses as one GPU on the global batch (bf16: 2%)
@@ -224,6 +224,28 @@ for sig in KILL STOP; do
     [ $dev -eq 0 ] && [ $rk -ne 0 ] && [ "$left" -eq 0 ] && awk "BEGIN{exit !($dt < $lim)}"
     check "kill -$sig of a rank during device-side exchanges stops every rank" $? "(${dt} s, exit $rk, $(grep -m1 'stopping\|no progress\|did not answer' "$T/xk_$sig.log" | cut -c1-110))"
 done
+fi
+
+# 12. MoE layers in 2 chunks of tokens (--moe-chunks 2: two exchanges a layer in flight): the device-side exchange
+#    against the host-synchronized one on dp_shard 2 x ep 2, 10 steps, losses, grad norms, every weight and moment
+#    bitwise; and precompiled = in-process
+if want 12; then
+mc="--nproc 2 --dp-shard 2 --ep 2 --moe-chunks 2"
+./train --preset debug $mc --steps 10 --seed 1 --metrics "$T/c_d.jsonl" --save "$T/c_d" > "$T/c_d.log" 2>&1; rd=$?
+./train --preset debug $mc --ep-exchange host --steps 10 --seed 1 --metrics "$T/c_h.jsonl" --save "$T/c_h" > "$T/c_h.log" 2>&1; rh=$?
+core "$T/c_d.jsonl" > "$T/c_cd"; core "$T/c_h.jsonl" > "$T/c_ch"
+same=0; for f in "$T/c_d"/*.safetensors; do cmp -s "$f" "$T/c_h/$(basename "$f")" || same=1; done
+grep -q "MoE in 2 chunks of tokens" "$T/c_d.log" && grep -q "^expert exchange: device-side" "$T/c_d.log" &&
+    grep -q "graph: the step is one CUDA graph (captured at step 2), 0 host syncs" "$T/c_d.log" && grep -q "host_syncs=0" "$T/c_d.log" &&
+    grep -q "^expert exchange: host-synchronized" "$T/c_h.log"; banner=$?
+[ $rd -eq 0 ] && [ $rh -eq 0 ] && [ $banner -eq 0 ] && [ $same -eq 0 ] && [ "$(wc -l < "$T/c_cd")" -eq 10 ] && cmp -s "$T/c_cd" "$T/c_ch"
+check "debug $mc, 10 steps: device-side exchange = host-synchronized, losses, grad norms, weights bitwise" $? \
+    "(exit $rd $rh; $(grep -o 'median_step_ms=[^ ]*' "$T/c_d.log") vs $(grep -o 'median_step_ms=[^ ]*' "$T/c_h.log"))"
+./precompile --preset debug --device cuda --dp-shard 2 --ep 2 --moe-chunks 2 -o "$T/c.mtg" > "$T/c_p.log" 2>&1 &&
+    ./train --graph "$T/c.mtg" --nproc 2 --steps 10 --seed 1 --metrics "$T/c_g.jsonl" > "$T/c_g.log" 2>&1; rg=$?
+core "$T/c_g.jsonl" > "$T/c_cg"
+[ $rg -eq 0 ] && grep -q "MoE in 2 chunks of tokens" "$T/c_g.log" && [ "$(wc -l < "$T/c_cg")" -eq 10 ] && cmp -s "$T/c_cg" "$T/c_cd"
+check "--moe-chunks 2 from an artifact = in-process, bitwise" $? "(exit $rg)"
 fi
 
 cp "$T"/*.log "${OUT:-$T}/" 2>/dev/null
