@@ -1724,6 +1724,7 @@ static void gpu_test_multi_tensor(void) {
             A[s][k].p_bf16 = k % 4 == 3 ? NULL : (void *)((uint16_t *)D[s][4] + at);
             A[s][k].n = k % 7 == 6 && n_of[k] ? n_of[k] - 1 : n_of[k];
             A[s][k].decay = k % 2;
+            A[s][k].bf16_moments = 0;   /* f32 moments (the mixed case is below): the field is read */
             o += n_of[k] + 1;
         }
     }
@@ -1733,15 +1734,25 @@ static void gpu_test_multi_tensor(void) {
                                     (float *)Dcoef, (float *)Dhp, (int32_t *)Dst, A[0][k].decay);
     oka = oka && !mt_cuda_adamw_multi(CU, A[1], NA, (float *)Dlr, (float *)Dcoef, (float *)Dhp, (int32_t *)Dst);
     int same = oka, changed = 0;
+    char where[200] = "";
     for (int b = 0; b < 5 && same; b++) {
         if (b == 1) continue;
         size_t bytes = (b == 4 ? 2 : 4) * (size_t)tot;
         void *x = down(D[0][b], bytes), *y = down(D[1][b], bytes);
         same = !memcmp(x, y, bytes);
         if (b == 0) changed = memcmp(x, p, bytes) != 0;
+        for (int64_t i = 0; !same && !where[0] && i < (int64_t)bytes / (b == 4 ? 2 : 4); i++) {   /* the first difference, and its tensor */
+            uint32_t u = 0, w = 0;
+            memcpy(&u, (char *)x + i * (b == 4 ? 2 : 4), b == 4 ? 2 : 4); memcpy(&w, (char *)y + i * (b == 4 ? 2 : 4), b == 4 ? 2 : 4);
+            if (u == w) continue;
+            int k = 0;
+            for (int64_t o = 0; k < NA && o + n_of[k] + 1 <= i; k++) o += n_of[k] + 1;
+            snprintf(where, sizeof where, "; buffer %d (p m v - p16) element %lld (tensor %d): %08x one per tensor, %08x multi", b, (long long)i, k, u, w);
+        }
         free(x); free(y);
     }
-    report("gpu AdamW: multi-tensor launches = one per tensor, bitwise", same && changed, "%d tensors, %lld elements", NA, (long long)tot);
+    report("gpu AdamW: multi-tensor launches = one per tensor, bitwise", same && changed, "%d tensors, %lld elements%s%s", NA, (long long)tot,
+           oka ? "" : "; a launch failed: ", oka ? where : mt_cuda_error(CU));
     for (int s = 0; s < 2; s++) for (int b = 0; b < 5; b++) dfree(D[s][b]);
     free(p); free(g); free(m); free(v);
     dfree(Dhp); dfree(Dst); dfree(Dlr); dfree(Dcoef);
