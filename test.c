@@ -5907,6 +5907,26 @@ static int ov_same_run(const mr_job *a, const mr_job *b, int steps, int ranks) {
     return same;
 }
 
+/* overlap on vs off on thread-ranks (rep x shard, ep): some nodes reordered; losses, norms and every rank's
+ * weights over 5 steps bitwise */
+static void ov_on_off(const char *nm, int rep, int shard, int ep) {
+    mt_err e;
+    mt_graph a1, a0;
+    if (mr_compile_opts(&a1, rep, shard, ep, 2, 0, 0, 1, &e) || mr_compile_opts(&a0, rep, shard, ep, 2, 0, 0, 0, &e)) {
+        report(nm, 0, "%s", e.msg);
+        return;
+    }
+    mr_job ja, jb;
+    memset(&ja, 0, sizeof ja); memset(&jb, 0, sizeof jb);
+    ja.fail_rank = jb.fail_rank = -1;
+    int okr = mr_run(&ja, &a1, 5, &e) == 0 && mr_run(&jb, &a0, 5, &e) == 0;
+    int diff = 0;
+    for (int k = 0; k < a1.n_nodes; k++) diff += memcmp(&a1.nodes[k], &a0.nodes[k], sizeof(mt_node)) != 0;
+    report(nm, okr && diff > 0 && ov_same_run(&ja, &jb, 5, rep * shard), "%d nodes reordered; losses, norms, every rank's weights "
+           "over 5 steps; loss %.7f -> %.7f %s", diff, ja.loss[0], ja.loss[4], okr ? "" : e.msg);
+    mr_free(&ja); mr_free(&jb);
+    mt_graph_free(&a1); mt_graph_free(&a0);
+}
 static void test_overlap(void) {
     mt_err e;
     /* 1. the checker passes on the schedules the pass makes: 1 rank, 2 and 4 ranks, tiny and debug */
@@ -6030,25 +6050,10 @@ static void test_overlap(void) {
 
     int meshes[2][3] = {{1, 2, 2}, {1, 4, 2}};
     for (int i = 0; i < 2; i++) {
-        mt_graph a1, a0;
         char nm[128];
         int world = meshes[i][0] * meshes[i][1];
         snprintf(nm, sizeof nm, "overlap on vs off, %d thread-ranks (shard %d, ep %d): bitwise", world, meshes[i][1], meshes[i][2]);
-        if (mr_compile_opts(&a1, meshes[i][0], meshes[i][1], meshes[i][2], 2, 0, 0, 1, &e) ||
-            mr_compile_opts(&a0, meshes[i][0], meshes[i][1], meshes[i][2], 2, 0, 0, 0, &e)) {
-            report(nm, 0, "%s", e.msg);
-            continue;
-        }
-        mr_job ja, jb;
-        memset(&ja, 0, sizeof ja); memset(&jb, 0, sizeof jb);
-        ja.fail_rank = jb.fail_rank = -1;
-        int okr = mr_run(&ja, &a1, 5, &e) == 0 && mr_run(&jb, &a0, 5, &e) == 0;
-        int diff = 0;
-        for (int k = 0; k < a1.n_nodes; k++) diff += memcmp(&a1.nodes[k], &a0.nodes[k], sizeof(mt_node)) != 0;
-        report(nm, okr && diff > 0 && ov_same_run(&ja, &jb, 5, world), "%d nodes reordered; losses, norms, every rank's weights "
-               "over 5 steps; loss %.7f -> %.7f %s", diff, ja.loss[0], ja.loss[4], okr ? "" : e.msg);
-        mr_free(&ja); mr_free(&jb);
-        mt_graph_free(&a1); mt_graph_free(&a0);
+        ov_on_off(nm, meshes[i][0], meshes[i][1], meshes[i][2]);
     }
 }
 
@@ -7748,23 +7753,9 @@ static void test_moe_chunks(void) {
     }
     int meshes[2][2] = {{2, 2}, {4, 2}};
     for (int i = 0; i < 2; i++) {
-        mt_graph a1, a0;
         char nm[128];
         snprintf(nm, sizeof nm, "MoE in 2 chunks: overlap on vs off, %d thread-ranks (dp_shard %d, ep %d): bitwise", meshes[i][0], meshes[i][0], meshes[i][1]);
-        if (mr_compile_opts(&a1, 1, meshes[i][0], meshes[i][1], 2, 0, 0, 1, &e) || mr_compile_opts(&a0, 1, meshes[i][0], meshes[i][1], 2, 0, 0, 0, &e)) {
-            report(nm, 0, "%s", e.msg);
-            continue;
-        }
-        mr_job ja, jb;
-        memset(&ja, 0, sizeof ja); memset(&jb, 0, sizeof jb);
-        ja.fail_rank = jb.fail_rank = -1;
-        int okr = mr_run(&ja, &a1, 5, &e) == 0 && mr_run(&jb, &a0, 5, &e) == 0;
-        int diff = 0;
-        for (int k = 0; k < a1.n_nodes; k++) diff += memcmp(&a1.nodes[k], &a0.nodes[k], sizeof(mt_node)) != 0;
-        report(nm, okr && diff > 0 && ov_same_run(&ja, &jb, 5, meshes[i][0]), "%d nodes reordered; losses, norms, every rank's weights over 5 steps; "
-               "loss %.7f -> %.7f %s", diff, ja.loss[0], ja.loss[4], okr ? "" : e.msg);
-        mr_free(&ja); mr_free(&jb);
-        mt_graph_free(&a1); mt_graph_free(&a0);
+        ov_on_off(nm, 1, meshes[i][0], meshes[i][1]);
     }
     /* 5. the artifact carries the chunks: loaded = in-process, bitwise over 10 steps on 4 thread-ranks */
     {
