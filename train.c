@@ -1241,6 +1241,8 @@ int main(int argc, char **argv) {
     }
     if (rank == 0 && mt_graph_fp8(&g)) printf(", %d GEMMs in FP8", mt_graph_fp8(&g));
     if (rank == 0) printf("\n");
+    if (rank == 0 && o.fp8 && !mt_graph_fp8(&g))
+        printf("note: --fp8, but none of this model's GEMMs fits the FP8 kernels (widths multiples of 16): all run in bf16\n");
 
     /* 4. data */
     mt_dataset ds;
