@@ -1066,6 +1066,8 @@ typedef struct {
     int ep_exchange;   /* CUDA, ep > 1: MT_EXCHANGE_AUTO (device-side where the ep ranks are load/store accessible),
                           MT_EXCHANGE_HOST (host-synchronized NCCL), MT_EXCHANGE_DEVICE (device-side or refuse to bind) */
     double timeout_s;  /* CUDA: the longest a device-side wait for a peer lasts before the step fails (0: 600 s) */
+    int fp8_requantize; /* CUDA, FP8: every node quantizes its own operands (no sharing between nodes: the same
+                           bits, more passes; for comparisons) */
 } mt_binding;
 enum { MT_EXCHANGE_AUTO = 0, MT_EXCHANGE_HOST = 1, MT_EXCHANGE_DEVICE = 2 };
 void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
@@ -1101,6 +1103,7 @@ int mt_runtime_profile_comm(const mt_runtime *rt, double out[4]);
 void mt_runtime_set_profile(mt_runtime *rt, int on);
 void mt_runtime_set_nan_check(mt_runtime *rt, int on);         /* see mt_binding.nan_check */
 size_t mt_runtime_peak_bytes(const mt_runtime *rt);            /* device (or host) memory of the plan at peak */
+int mt_runtime_fp8_shared(const mt_runtime *rt);               /* CUDA, FP8: operands quantized once for several nodes */
 /* Host numbers across every rank of the world (logging): op 0 sum, 1 max. */
 int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *err);
 /* Host synchronizations in the last step (the expert exchange's counts) and
@@ -1238,7 +1241,8 @@ int mt_cuda_gmm_glu(mt_cuda *c, void *g, void *u, void *h, const void *x, const 
  * bf16: rows: x [R][C] -> q [R][C], scale of row r's block kb at s[kb * R + r]; cols: x [R][C], rows grouped by
  * d_offs (NULL: one group) -> qt [C][Lp], each group's 128-token blocks padded with zero codes (Lp >=
  * mt_cuda_fp8_tpad(R, E)); weight: w [E][N][K] -> q [E][N][K] (transpose 0) or its transpose [E][K][N], one
- * scale per 128 x 128 block. Dense: out[Mr][Nc] (bf16, or fp32) = A[Mr][:K] . B[Nc][:K] through cuBLASLt's
+ * scale per 128 x 128 block (quant_weight2: either or both, qt and st the transpose's, from one read; NULL: not
+ * that form). Dense: out[Mr][Nc] (bf16, or fp32) = A[Mr][:K] . B[Nc][:K] through cuBLASLt's
  * block-scaled FP8 (b_blk: B weight-quantized, else rows-quantized). Grouped: mode 0 Y [Rmax][M] = X W^T
  * (a = X rows, b = W), 1 dX [Rmax][K] = dY W (a = dY rows, b = W transposed), 2 dW [E][M][K] fp32 (a = dY
  * cols [M][Lp], b = X cols [K][Lp]); variant: which kernel (docs/FP8.md); the graph pass runs MT_FP8_GMM_KERNEL,
@@ -1248,6 +1252,7 @@ long long mt_cuda_fp8_tpad(int Rmax, int E);
 int mt_cuda_fp8_quant_rows(mt_cuda *c, uint8_t *q, float *s, const void *x, int R, int C);
 int mt_cuda_fp8_quant_cols(mt_cuda *c, uint8_t *qt, float *st, const void *x, const int32_t *d_offs, int E, int R, int C, long long Lp);
 int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, int E, int N, int K, int transpose);
+int mt_cuda_fp8_quant_weight2(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, const void *w, int E, int N, int K);
 int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const float *sa, int lda, const uint8_t *b,
                      const float *sb, int b_blk, int ldb, int Mr, int Nc, int K);
 int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
@@ -3328,7 +3333,7 @@ static int mt__moe(mt__builder *b, int x) {
      * reverse, likewise). A chunk's combine writes its rows and zeros (summed below), so the forward is
      * the same bits. */
     int C = b->chunks, xs[MT_MOE_CHUNKS_MAX], slot[MT_MOE_CHUNKS_MAX], offs[MT_MOE_CHUNKS_MAX], recv[MT_MOE_CHUNKS_MAX];
-    int xr[MT_MOE_CHUNKS_MAX], roffs[MT_MOE_CHUNKS_MAX], back[MT_MOE_CHUNKS_MAX], part[MT_MOE_CHUNKS_MAX];
+    int xr[MT_MOE_CHUNKS_MAX], roffs[MT_MOE_CHUNKS_MAX], back[MT_MOE_CHUNKS_MAX], part[MT_MOE_CHUNKS_MAX] = {0};
     char cn[MT_NAME_LEN];
     if (N < C) return mt__fail(b, "%sfewer tokens than MoE chunks", "");
 #define MT__CN(s) (C == 1 ? (s) : (snprintf(cn, sizeof cn, "%s.c%d", (s), ch), cn))
@@ -7389,6 +7394,13 @@ typedef struct {
     void *lsa;               /* CUDA: the device-side expert exchange over comm (mt_cuda_lsa), or NULL; the owner's */
 } mt__group;
 
+/* CUDA, FP8: an operand quantized once for several nodes (mt__q8_plan) */
+typedef struct mt__q8_slot {
+    int value, how, key;     /* what was quantized: the value, MT__Q8_*, and the layout's key (see mt__q8_key) */
+    uint8_t *q[2];           /* the codes: rows / cols / W in q[0], W^T in q[1]; NULL: the form no later node takes */
+    float *s[2];
+    void *mem;
+} mt__q8_slot;
 struct mt_runtime {
     mt_graph g;              /* the runtime's own copy of the graph */
     mt_binding bind;
@@ -7429,6 +7441,9 @@ struct mt_runtime {
     int whole;               /* CUDA: the step replays as one captured graph (every node capturable) */
     int warm;                /* CUDA, whole: a step ran eagerly (the next one is captured) */
     void *step_graph;
+    struct mt__q8_slot *q8;  /* CUDA, FP8: operands quantized once for several nodes (mt__q8_plan) */
+    int n_q8;
+    int32_t *q8_use;         /* CUDA, FP8: per (node, input < 5): its slot + 1, negated where it makes the slot; 0: none */
 };
 
 #ifdef MT_CUDA
@@ -8104,6 +8119,7 @@ static size_t mt__cuda_scratch(const mt_graph *G, mt_cuda *cu) {
     return need;
 }
 
+static int mt__q8_plan(mt_runtime *rt, mt_err *err);
 /* CUDA: everything device-bound, made on the binding's device (see DEVICE HOISTING above). */
 static int mt__bind_cuda(mt_runtime *rt, const mt_binding *b, mt_err *err) {
     const mt_graph *G = &rt->g;
@@ -8143,6 +8159,7 @@ static int mt__bind_cuda(mt_runtime *rt, const mt_binding *b, mt_err *err) {
         mt_cuda_malloc(cu, &rt->scratch, rt->scratch_bytes) || mt_cuda_memset(cu, rt->persist, 0, (size_t)G->persist_bytes) ||
         (rt->ep_stage_bytes && mt_cuda_malloc(cu, &rt->ep_stage, rt->ep_stage_bytes)))
         return mt_errf(err, "CUDA device %d: %s", b->device, mt_cuda_error(cu));
+    if (mt__q8_plan(rt, err)) return -1;
     if (b->world > 1 && mt_nccl_init(cu, &rt->world_comm, b->nccl_id, b->world, b->rank))
         return mt_errf(err, "rank %d (device %d): joining the NCCL world of %d: %s", b->rank, b->device, b->world, mt_cuda_error(cu));
     return 0;
@@ -8259,10 +8276,12 @@ void mt_runtime_destroy(mt_runtime *rt) {
         mt_cuda_free(MT__CU(rt), rt->persist); mt_cuda_free(MT__CU(rt), rt->scratch);
         if (rt->arena_symmetric) mt_cuda_free_symmetric(MT__CU(rt), rt->arena); else mt_cuda_free(MT__CU(rt), rt->arena);
         mt_cuda_free(MT__CU(rt), rt->ep_stage);
+        for (int i = 0; i < rt->n_q8; i++) mt_cuda_free(MT__CU(rt), rt->q8[i].mem);
         mt_cuda_destroy(MT__CU(rt));
     }
     mt_schedule_free(&rt->sched);
     MT_FREE(rt->ev_of); MT_FREE(rt->ev_used);
+    MT_FREE(rt->q8); MT_FREE(rt->q8_use);
 #endif
     MT_FREE(rt->ptr); MT_FREE(rt->rows); MT_FREE(rt->sym); MT_FREE(rt->counts);
     mt_graph_free(&rt->g);
@@ -8283,6 +8302,7 @@ void *mt_runtime_value(mt_runtime *rt, int v) { return (v >= 0 && v < rt->g.n_va
 int mt_runtime_n_moe_layers(const mt_runtime *rt) { return rt->n_moe; }
 int64_t mt_runtime_multi_tensor_nodes(const mt_runtime *rt) { return rt->multi_nodes; }
 int mt_runtime_backend(const mt_runtime *rt) { return rt->backend; }
+int mt_runtime_fp8_shared(const mt_runtime *rt) { return rt->n_q8; }
 size_t mt_runtime_peak_bytes(const mt_runtime *rt) {
 #ifdef MT_CUDA
     if (rt->backend == MT_BACKEND_CUDA) return mt_cuda_peak_bytes(MT__CU(rt));
@@ -8776,6 +8796,114 @@ static int mt__cpu_fp8(mt_runtime *rt, const mt_node *n, mt_err *err) {
 }
 
 #ifdef MT_CUDA
+/* FP8 operands quantized once (CUDA). Two nodes that quantize the same value the same way -- an
+ * activation in the same layout (the two expert weight gradients' X), or a weight in either of its
+ * forms (W for Y = X W^T, W^T for dX = dY W) -- share it: the first in node order quantizes into a slot
+ * (a weight: both forms the later nodes take, from one read), and the later ones read the slot. The plan
+ * follows from the node order alone, so captures and replays see the same, and the results are the same
+ * bits (the same quantizers on the same values). A value is written once a step, so the slot stays
+ * valid up to the value's last use. Slots are device memory outside the arena's plan: a weight's
+ * second form costs its E x N x K bytes (and counts in the peak the run reports). */
+/* node n's input i as mt__q8_plan keys it: how (MT__Q8_*; NONE: not quantized), the layout's key (the
+ * offsets for cols, 1 for a grouped node's rows: their row count is the bound), the weight's form */
+static int mt__q8_key(const mt_node *n, int i, int *key, int *form) {
+    int how = mt__fp8_operand(n, i);
+    int grouped = n->op != MT_OP_MATMUL && n->op != MT_OP_MATMUL_ACC;
+    *key = how == MT__Q8_COLS ? (grouped ? n->in[2] : -1) : how == MT__Q8_ROWS ? grouped : 0;
+    *form = how != MT__Q8_BLOCKS ? 0 : grouped ? !(n->op == MT_OP_GMM || n->op == MT_OP_GMM_GLU) : !n->iattr[1];
+    return how;
+}
+static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    if (!mt_graph_fp8(G) || rt->bind.fp8_requantize) return 0;
+    int n = G->n_nodes, nc = 0;
+    typedef struct { int value, how, key, first, forms, uses; } cand_t;
+    cand_t *cand = (cand_t *)mt__calloc(sizeof(cand_t) * (size_t)n * 5 + 1);
+    int32_t *of = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)n * 5 + 1);   /* per use: its candidate */
+    rt->q8_use = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)n * 5 + 1);
+    rt->q8 = (mt__q8_slot *)mt__calloc(sizeof(mt__q8_slot) * (size_t)n * 5 + 1);
+    if (!cand || !of || !rt->q8_use || !rt->q8) { MT_FREE(cand); MT_FREE(of); return mt_errf(err, "out of memory"); }
+    for (int k = 0; k < n; k++) {
+        const mt_node *nd = &G->nodes[k];
+        for (int i = 0; mt_node_fp8(nd) && i < 5 && i < nd->n_in; i++) {
+            int key, form, how = mt__q8_key(nd, i, &key, &form), c = 0;
+            of[k * 5 + i] = -1;
+            if (how == MT__Q8_NONE) continue;
+            while (c < nc && !(cand[c].value == nd->in[i] && cand[c].how == how && cand[c].key == key)) c++;
+            if (c == nc) cand[nc++] = (cand_t){nd->in[i], how, key, k * 5 + i, 0, 0};
+            else cand[c].forms |= 1 << form;   /* a later use: the form it reads is kept */
+            cand[c].uses++;
+            of[k * 5 + i] = c;
+        }
+    }
+    int rc = 0;
+    mt_cuda *cu = MT__CU(rt);
+    for (int c = 0; c < nc && !rc; c++) {
+        if (cand[c].uses < 2) continue;
+        const mt_node *nd = &G->nodes[cand[c].first / 5];
+        const mt_value *v = &G->values[cand[c].value];
+        int64_t C = v->dims[v->ndim - 1], R = mt_value_numel_max(G, v) / C, E = 1;
+        size_t qb[2] = {0, 0}, sb[2] = {0, 0};
+        if (cand[c].how == MT__Q8_ROWS) {
+            qb[0] = (size_t)(R * C); sb[0] = (size_t)((C + 127) / 128 * R * 4);
+        } else if (cand[c].how == MT__Q8_COLS) {
+            if (cand[c].key >= 0) E = G->values[nd->out[0]].dims[0];
+            long long Lp = mt_cuda_fp8_tpad((int)R, (int)E);
+            qb[0] = (size_t)(C * Lp); sb[0] = (size_t)(Lp / 128 * C * 4);
+        } else {
+            int64_t N = v->dims[v->ndim - 2];
+            if (v->ndim == 3) E = v->dims[0];
+            for (int f = 0; f < 2; f++) {   /* W [E][N][K = C], scales [E][KB(N)][ld(K)]; W^T [E][K][N], scales [E][KB(K)][ld(N)] */
+                if (!(cand[c].forms >> f & 1)) continue;
+                int64_t rows = f ? C : N, cols = f ? N : C;
+                qb[f] = (size_t)(E * N * C);
+                sb[f] = (size_t)(E * ((rows + 127) / 128) * (((cols + 127) / 128 + 3) / 4 * 4) * 4);
+            }
+        }
+        mt__q8_slot *sl = &rt->q8[rt->n_q8];
+        size_t at = 0, off[4];
+        for (int f = 0; f < 2; f++) { off[2 * f] = at; at = (at + qb[f] + 255) & ~(size_t)255; off[2 * f + 1] = at; at = (at + sb[f] + 255) & ~(size_t)255; }
+        if (mt_cuda_malloc(cu, &sl->mem, at)) { rc = mt_errf(err, "FP8 operand slots: %s", mt_cuda_error(cu)); break; }
+        sl->value = cand[c].value; sl->how = cand[c].how; sl->key = cand[c].key;
+        for (int f = 0; f < 2; f++)
+            if (qb[f]) { sl->q[f] = (uint8_t *)sl->mem + off[2 * f]; sl->s[f] = (float *)((uint8_t *)sl->mem + off[2 * f + 1]); }
+        rt->n_q8++;
+        for (int u = 0; u < n * 5; u++)
+            if (of[u] == c) rt->q8_use[u] = u == cand[c].first ? -rt->n_q8 : rt->n_q8;
+    }
+    MT_FREE(cand); MT_FREE(of);
+    return rc;
+}
+/* the slot node n's input i takes (NULL: none, it quantizes into the scratch); *make: it fills the slot */
+static mt__q8_slot *mt__q8_of(const mt_runtime *rt, const mt_node *n, int i, int *make) {
+    int u = rt->q8_use ? rt->q8_use[(n - rt->g.nodes) * 5 + i] : 0;
+    *make = u < 0;
+    return u ? &rt->q8[(u < 0 ? -u : u) - 1] : NULL;
+}
+/* node n's input i quantized into (*q, *s), or (*q, *s) pointed at the slot where an earlier node did */
+static int mt__q8_rows(mt_runtime *rt, const mt_node *n, int i, uint8_t **q, float **s, int R, int C) {
+    int make;
+    mt__q8_slot *sl = mt__q8_of(rt, n, i, &make);
+    if (sl) { *q = sl->q[0]; *s = sl->s[0]; }
+    return sl && !make ? 0 : mt_cuda_fp8_quant_rows(MT__CU(rt), *q, *s, rt->ptr[n->in[i]], R, C);
+}
+static int mt__q8_cols(mt_runtime *rt, const mt_node *n, int i, uint8_t **q, float **s, const int32_t *offs, int E, int R, int C, long long Lp) {
+    int make;
+    mt__q8_slot *sl = mt__q8_of(rt, n, i, &make);
+    if (sl) { *q = sl->q[0]; *s = sl->s[0]; }
+    return sl && !make ? 0 : mt_cuda_fp8_quant_cols(MT__CU(rt), *q, *s, rt->ptr[n->in[i]], offs, E, R, C, Lp);
+}
+static int mt__q8_weight(mt_runtime *rt, const mt_node *n, int i, uint8_t **q, float **s, int E, int N, int K, int form) {
+    int make;
+    mt__q8_slot *sl = mt__q8_of(rt, n, i, &make);
+    if (!sl) return mt_cuda_fp8_quant_weight(MT__CU(rt), *q, *s, rt->ptr[n->in[i]], E, N, K, form);
+    if (sl->q[form]) { *q = sl->q[form]; *s = sl->s[form]; }
+    if (!make) return 0;
+    uint8_t *q0 = form ? sl->q[0] : *q, *q1 = form ? *q : sl->q[1];
+    float *s0 = form ? sl->s[0] : *s, *s1 = form ? *s : sl->s[1];
+    return mt_cuda_fp8_quant_weight2(MT__CU(rt), q0, s0, q1, s1, rt->ptr[n->in[i]], E, N, K);
+}
+
 /* An FP8 node on CUDA: its inputs quantized into the scratch in the kernels' layouts (docs/FP8.md), then
  * the FP8 GEMM (mt_cuda_fp8_gemm for MATMUL, mt_cuda_fp8_gmm for the experts). MATMUL_ACC and GMM_DX2
  * form their second term in the scratch and add it; GMM_GLU runs its two GEMMs on one quantized X and
@@ -8804,16 +8932,15 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
             Mr = (int)rows; K = (int)A->dims[1]; Nc = (int)(n->iattr[1] ? B->dims[0] : B->dims[1]); lda = K; b_blk = 1;
             qa = (uint8_t *)TAKE((size_t)Mr * K); sa = (float *)TAKE((size_t)KB(K) * Mr * 4);
             qb = (uint8_t *)TAKE((size_t)Nc * K); sb = (float *)TAKE(WSCALES(1, B->dims[0], B->dims[1], !n->iattr[1]));
-            if (rt) rc = mt_cuda_fp8_quant_rows(c, qa, sa, P[n->in[0]], Mr, K) ||
-                         mt_cuda_fp8_quant_weight(c, qb, sb, P[n->in[1]], 1, (int)B->dims[0], (int)B->dims[1], !n->iattr[1]);
+            if (rt) rc = mt__q8_rows(rt, n, 0, &qa, &sa, Mr, K) ||
+                         mt__q8_weight(rt, n, 1, &qb, &sb, 1, (int)B->dims[0], (int)B->dims[1], !n->iattr[1]);
         } else {              /* dW = dY^T X: both down the tokens, the reduction padded to 128 (the layout's last slot unused) */
             int T = (int)rows;
             long long Lp = mt_cuda_fp8_tpad(T, 1);
             Mr = (int)A->dims[1]; Nc = (int)B->dims[1]; K = (T + 127) / 128 * 128; lda = (int)Lp; b_blk = 0;
             qa = (uint8_t *)TAKE((size_t)Mr * Lp); sa = (float *)TAKE((size_t)(Lp / 128) * Mr * 4);
             qb = (uint8_t *)TAKE((size_t)Nc * Lp); sb = (float *)TAKE((size_t)(Lp / 128) * Nc * 4);
-            if (rt) rc = mt_cuda_fp8_quant_cols(c, qa, sa, P[n->in[0]], NULL, 1, T, Mr, Lp) ||
-                         mt_cuda_fp8_quant_cols(c, qb, sb, P[n->in[1]], NULL, 1, T, Nc, Lp);
+            if (rt) rc = mt__q8_cols(rt, n, 0, &qa, &sa, NULL, 1, T, Mr, Lp) || mt__q8_cols(rt, n, 1, &qb, &sb, NULL, 1, T, Nc, Lp);
         }
         void *dst = acc ? TAKE((size_t)Mr * Nc * osz) : (rt ? P[n->out[0]] : NULL);
         if (rt && !rc) rc = mt_cuda_fp8_gemm(c, dst, f32, qa, sa, lda, qb, sb, b_blk, lda, Mr, Nc, K);
@@ -8828,20 +8955,22 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
             long long Lp = mt_cuda_fp8_tpad(R, E);
             uint8_t *qa = (uint8_t *)TAKE((size_t)M * Lp), *qb = (uint8_t *)TAKE((size_t)K * Lp);
             float *sa = (float *)TAKE((size_t)(Lp / 128) * M * 4), *sb = (float *)TAKE((size_t)(Lp / 128) * K * 4);
-            if (rt) rc = mt_cuda_fp8_quant_cols(c, qa, sa, P[n->in[0]], offs, E, R, M, Lp) ||
-                         mt_cuda_fp8_quant_cols(c, qb, sb, P[n->in[1]], offs, E, R, K, Lp) ||
+            if (rt) rc = mt__q8_cols(rt, n, 0, &qa, &sa, offs, E, R, M, Lp) || mt__q8_cols(rt, n, 1, &qb, &sb, offs, E, R, K, Lp) ||
                          mt_cuda_fp8_gmm(c, 2, P[n->out[0]], qa, sa, qb, sb, offs, E, M, K, R, Lp, MT_FP8_GMM_KERNEL);
         } else {              /* mode 0: Y = X W^T (X [R, K]); mode 1: dX = dY W (dY [R, M], W transposed) */
             int mode = n->op == MT_OP_GMM || n->op == MT_OP_GMM_GLU ? 0 : 1, C = mode ? M : K;
             uint8_t *qa = (uint8_t *)TAKE((size_t)R * C), *qb = (uint8_t *)TAKE((size_t)E * M * K);
             float *sa = (float *)TAKE((size_t)KB(C) * R * 4), *sb = (float *)TAKE(WSCALES(E, M, K, mode));
             void *second = n->op == MT_OP_GMM_DX2 ? TAKE((size_t)R * K * 2) : NULL;
+            uint8_t *xq = qa, *wq = qb;   /* the scratch's; a slot may stand in for either (mt__q8_plan) */
+            float *xs = sa, *ws = sb;
             for (int t = 0; rt && !rc && t < (n->op == MT_OP_GMM_DX2 || n->op == MT_OP_GMM_GLU ? 2 : 1); t++) {
-                int x = t && n->op == MT_OP_GMM_DX2 ? n->in[3] : n->in[0], w = t ? (n->op == MT_OP_GMM_DX2 ? n->in[4] : n->in[3]) : n->in[1];
+                int x = t && n->op == MT_OP_GMM_DX2 ? 3 : 0, w = t ? (n->op == MT_OP_GMM_DX2 ? 4 : 3) : 1;
                 void *out = t == 0 ? P[n->out[0]] : n->op == MT_OP_GMM_GLU ? P[n->out[1]] : second;
-                if (!t || n->op == MT_OP_GMM_DX2) rc = mt_cuda_fp8_quant_rows(c, qa, sa, P[x], R, C);
-                rc = rc || mt_cuda_fp8_quant_weight(c, qb, sb, P[w], E, M, K, mode) ||
-                     mt_cuda_fp8_gmm(c, mode, out, qa, sa, qb, sb, offs, E, M, K, R, 0, MT_FP8_GMM_KERNEL);
+                if (!t || n->op == MT_OP_GMM_DX2) { xq = qa; xs = sa; rc = mt__q8_rows(rt, n, x, &xq, &xs, R, C); }
+                wq = qb; ws = sb;
+                rc = rc || mt__q8_weight(rt, n, w, &wq, &ws, E, M, K, mode) ||
+                     mt_cuda_fp8_gmm(c, mode, out, xq, xs, wq, ws, offs, E, M, K, R, 0, MT_FP8_GMM_KERNEL);
             }
             if (rt && !rc && n->op == MT_OP_GMM_DX2) rc = mt_cuda_add(c, P[n->out[0]], P[n->out[0]], second, (int64_t)R * K, MT_BF16);
             if (rt && !rc && n->op == MT_OP_GMM_GLU && n->out[2] >= 0)

@@ -7915,29 +7915,40 @@ __device__ __forceinline__ uint32_t code(float x, float s) {
     return s > 0.f ? (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(x, s), __NV_SATFINITE, __NV_E4M3) : 0u;
 }
 
-/* rows: one warp per (row, 128-column block), 4 columns a lane (C % 16 == 0: all 4 in or out) */
+/* element i (0..7) of 8 bf16 held in one 16-byte word, as a float (exact) */
+__device__ __forceinline__ float el8(const uint4 &u, int i) {
+    const uint32_t w = i < 2 ? u.x : i < 4 ? u.y : i < 6 ? u.z : u.w;
+    return __uint_as_float(i & 1 ? (w & 0xffff0000u) : (w << 16));
+}
+__device__ __forceinline__ float amax8(const uint4 &u) {
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(el8(u, i)));
+    return m;
+}
+__device__ __forceinline__ uint4 ld8(const bf16 *p, bool ok) { return ok ? *reinterpret_cast<const uint4 *>(p) : make_uint4(0u, 0u, 0u, 0u); }
+/* the codes of 8 values (one 16-byte word) at scale s, as 8 bytes in order */
+__device__ __forceinline__ uint2 codes8(const uint4 &u, float s) {
+    return make_uint2(code(el8(u, 0), s) | code(el8(u, 1), s) << 8 | code(el8(u, 2), s) << 16 | code(el8(u, 3), s) << 24,
+                      code(el8(u, 4), s) | code(el8(u, 5), s) << 8 | code(el8(u, 6), s) << 16 | code(el8(u, 7), s) << 24);
+}
+
+/* rows: 16 lanes per (row, 128-column block), 8 columns a lane in one 16-byte load (C % 16 == 0: a lane's 8
+   are all in or all out) */
 __global__ void k_quant_rows(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__restrict__ x, int R, int C) {
     const int nkb = kblocks(C);
-    const long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (w >= (long long)R * nkb) return;
-    const int lane = threadIdx.x & 31;
-    const int r = (int)(w / nkb), kb = (int)(w - (long long)r * nkb);
-    const int c = kb * 128 + lane * 4;
-    const bool in = c < C;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (in) {
-        const uint2 u = *reinterpret_cast<const uint2 *>(x + (size_t)r * C + c);
-        const __nv_bfloat162 p0 = *reinterpret_cast<const __nv_bfloat162 *>(&u.x), p1 = *reinterpret_cast<const __nv_bfloat162 *>(&u.y);
-        v[0] = __low2float(p0); v[1] = __high2float(p0); v[2] = __low2float(p1); v[3] = __high2float(p1);
-    }
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-    amax = warp_max(amax);
+    const long long h = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 4;   /* this half-warp's block */
+    const bool any = h < (long long)R * nkb;
+    const int r = any ? (int)(h / nkb) : 0, kb = any ? (int)(h - (long long)r * nkb) : 0, l = threadIdx.x & 15;
+    const int c = kb * 128 + l * 8;
+    const bool in = any && c < C;
+    const uint4 v = ld8(x + (size_t)r * C + c, in);
+    float amax = amax8(v);
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float sc = scale_of(amax);
-    if (in) {
-        const uint32_t b = code(v[0], sc) | (code(v[1], sc) << 8) | (code(v[2], sc) << 16) | (code(v[3], sc) << 24);
-        *reinterpret_cast<uint32_t *>(q + (size_t)r * C + c) = b;
-    }
-    if (lane == 0) s[(size_t)kb * R + r] = sc;
+    if (in) *reinterpret_cast<uint2 *>(q + (size_t)r * C + c) = codes8(v, sc);
+    if (any && l == 0) s[(size_t)kb * R + r] = sc;
 }
 
 /* the segment and 128-row chunk of chunk slot `slot` (segments in order, chunks in order within each):
@@ -7960,13 +7971,16 @@ __device__ __forceinline__ void chunk_of(const int *offs, int E, int R, int slot
     }
 }
 
-/* cols: CTA = one 128-row chunk x 64 columns, 256 threads; the tile goes through shared memory
-   (coalesced 128-byte reads of x's rows, 128-byte writes of qt's rows) */
+/* cols: CTA = one 128-row chunk x 128 columns, 256 threads, C % 8 == 0. Thread (g = tid / 16, c8 = tid % 16)
+   reads rows 8 g .. 8 g + 7 of columns 8 c8 .. 8 c8 + 7 into registers (16-byte loads, one pass over x);
+   the columns' amax meet in shared memory, and so do the codes: column j's 128 as 32 words, word w at
+   index w ^ swz(j), so that neither the threads' writes nor a warp's read of a column conflict; a warp
+   then writes each column's 128 bytes of qt as one coalesced row. */
 __global__ void __launch_bounds__(256) k_quant_cols(uint8_t *__restrict__ qt, float *__restrict__ st, const bf16 *__restrict__ x,
                                                     const int *__restrict__ offs, int E, int R, int C, long long Lp) {
-    __shared__ float tile[128][65];
-    __shared__ float part[4][64];
-    __shared__ float sc[64];
+    __shared__ float part[16][128];   /* [g][column], column j of the tile at (j % 8) * 16 + j / 8 (no bank conflicts) */
+    __shared__ float sc[128];
+    __shared__ uint32_t qs[128][32];  /* [column][word of 4 rows' codes, swizzled] */
     __shared__ int s_r0, s_n;
     __shared__ long long s_p;
     const int tid = threadIdx.x;
@@ -7975,72 +7989,106 @@ __global__ void __launch_bounds__(256) k_quant_cols(uint8_t *__restrict__ qt, fl
     const int r0 = s_r0, n = s_n;
     const long long p = s_p;
     if (n < 0) return;
-    const int c0 = blockIdx.y * 64, col = tid & 63, quarter = tid >> 6;
-    const bool cok = c0 + col < C;
-    float m = 0.f;
-    for (int i = quarter; i < 128; i += 4) {
-        const float v = (cok && i < n) ? bf(x[(size_t)(r0 + i) * C + c0 + col]) : 0.f;
-        tile[i][col] = v;
-        m = fmaxf(m, fabsf(v));
+    const int c8 = tid & 15, g = tid >> 4, c = blockIdx.y * 128 + c8 * 8;
+    const bool cok = c < C;
+    uint4 v[8];
+    float m[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) m[k] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int i = 8 * g + j;
+        v[j] = ld8(x + (size_t)(r0 + i) * C + c, cok && i < n);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) m[k] = fmaxf(m[k], fabsf(el8(v[j], k)));
     }
-    part[quarter][col] = m;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) part[g][k * 16 + c8] = m[k];
     __syncthreads();
-    if (tid < 64) {
-        const float s = scale_of(fmaxf(fmaxf(part[0][tid], part[1][tid]), fmaxf(part[2][tid], part[3][tid])));
+    if (tid < 128) {
+        float a = 0.f;
+        for (int h = 0; h < 16; ++h) a = fmaxf(a, part[h][(tid & 7) * 16 + (tid >> 3)]);
+        const float s = scale_of(a);
         sc[tid] = s;
-        if (c0 + tid < C) st[(size_t)(p / 128) * C + c0 + tid] = s;
+        if (blockIdx.y * 128 + tid < C) st[(size_t)(p / 128) * C + blockIdx.y * 128 + tid] = s;
     }
     __syncthreads();
-    const int wd = tid & 31; /* rows 4 wd .. 4 wd + 3 of a column: one 32-bit word */
-    for (int cc = tid >> 5; cc < 64; cc += 8) {
-        if (c0 + cc >= C) break;
-        const float s = sc[cc];
-        const uint32_t b = code(tile[4 * wd][cc], s) | (code(tile[4 * wd + 1][cc], s) << 8) | (code(tile[4 * wd + 2][cc], s) << 16) |
-                           (code(tile[4 * wd + 3][cc], s) << 24);
-        *reinterpret_cast<uint32_t *>(qt + (size_t)(c0 + cc) * Lp + p + 4 * wd) = b;
+    const int swz = (c8 & 1) | (c8 >> 1) << 2;   /* swz(j) of this thread's columns (j / 8 = c8) */
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const float s = sc[c8 * 8 + k];
+        uint32_t lo = 0u, hi = 0u;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) { lo |= code(el8(v[j], k), s) << (8 * j); hi |= code(el8(v[j + 4], k), s) << (8 * j); }
+        qs[c8 * 8 + k][(2 * g) ^ swz] = lo;
+        qs[c8 * 8 + k][(2 * g + 1) ^ swz] = hi;
+    }
+    __syncthreads();
+    const int lane = tid & 31;
+    for (int j = tid >> 5; j < 128; j += 8) {
+        const int cj = j >> 3;
+        if (blockIdx.y * 128 + j < C)
+            *reinterpret_cast<uint32_t *>(qt + (size_t)(blockIdx.y * 128 + j) * Lp + p + 4 * lane) = qs[j][lane ^ ((cj & 1) | (cj >> 1) << 2)];
     }
 }
 
-/* weight: CTA = one 128 x 128 block (grid kb, nb, e), 256 threads; two passes over the block (amax,
-   then codes); the transposed form goes through shared memory */
-__global__ void __launch_bounds__(256) k_quant_weight(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__restrict__ w,
-                                                      int N, int K, int transpose) {
+/* weight: CTA = one 128 x 128 block (grid kb, nb, e), 256 threads, K % 8 == 0, N % 4 == 0. Thread (g = tid / 16,
+   c8 = tid % 16) reads rows 4 (g + 16 h) .. + 3, h = 0, 1, of columns 8 c8 .. 8 c8 + 7 (16-byte loads): one pass
+   over the block. The transposed form goes through shared memory as 32-bit words of 4 rows' codes, their word
+   index XOR-swizzled by the column's 8-group so that neither the writes nor the row reads conflict.
+   forms: bit 0 writes W to (q, s), bit 1 writes W^T to (qt, st); both from the one read. */
+__global__ void __launch_bounds__(256) k_quant_weight(uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
+                                                      float *__restrict__ st, const bf16 *__restrict__ w, int N, int K, int forms) {
     __shared__ float red[32];
-    __shared__ uint8_t tq[128][132];
+    __shared__ uint32_t tq[128][32];   /* [k in the block][word of 4 n, ^ 2 (k / 8)] */
     const int kb = blockIdx.x, nb = blockIdx.y, e = blockIdx.z, tid = threadIdx.x;
+    const int c8 = tid & 15, g = tid >> 4, k = kb * 128 + c8 * 8;
+    const bool kok = k < K;
     const bf16 *we = w + (size_t)e * N * K;
+    uint4 v[2][4];
     float m = 0.f;
-    for (int i = tid; i < 128 * 128; i += 256) {
-        const int n = nb * 128 + (i >> 7), k = kb * 128 + (i & 127);
-        if (n < N && k < K) m = fmaxf(m, fabsf(bf(we[(size_t)n * K + k])));
-    }
-    const float sc = scale_of(block_max(m, red));
-    for (int i = tid; i < 128 * 128; i += 256) {
-        const int nl = i >> 7, kl = i & 127, n = nb * 128 + nl, k = kb * 128 + kl;
-        const bool ok = n < N && k < K;
-        const uint32_t b = ok ? code(bf(we[(size_t)n * K + k]), sc) : 0u;
-        if (!transpose) {
-            if (ok) q[((size_t)e * N + n) * K + k] = (uint8_t)b;
-        } else {
-            tq[kl][nl] = (uint8_t)b;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int n = nb * 128 + 4 * (g + 16 * h) + r;
+            v[h][r] = ld8(we + (size_t)n * K + k, kok && n < N);
+            m = fmaxf(m, amax8(v[h][r]));
         }
+    const float sc = scale_of(block_max(m, red));
+    if (forms & 1) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int n = nb * 128 + 4 * (g + 16 * h) + r;
+                if (kok && n < N) *reinterpret_cast<uint2 *>(q + ((size_t)e * N + n) * K + k) = codes8(v[h][r], sc);
+            }
     }
-    if (transpose) {
+    if (forms & 2) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                tq[c8 * 8 + i][(g + 16 * h) ^ (2 * c8)] = code(el8(v[h][0], i), sc) | code(el8(v[h][1], i), sc) << 8 |
+                                                         code(el8(v[h][2], i), sc) << 16 | code(el8(v[h][3], i), sc) << 24;
         __syncthreads();
-        for (int i = tid; i < 128 * 128; i += 256) {
-            const int kl = i >> 7, nl = i & 127, n = nb * 128 + nl, k = kb * 128 + kl;
-            if (n < N && k < K) q[((size_t)e * K + k) * N + n] = tq[kl][nl];
+        const int lane = tid & 31, n = nb * 128 + 4 * lane;
+        for (int kl = tid >> 5; kl < 128; kl += 8) {
+            const int kk = kb * 128 + kl;
+            if (kk < K && n < N) *reinterpret_cast<uint32_t *>(qt + ((size_t)e * K + kk) * N + n) = tq[kl][lane ^ (2 * (kl >> 3))];
         }
     }
     if (tid == 0) {
-        if (!transpose) {
+        if (forms & 1) {
             const int ld = ld_blk(K);
             float *row = s + ((size_t)e * kblocks(N) + nb) * ld;
             row[kb] = sc;
             if (kb == kblocks(K) - 1) for (int j = kb + 1; j < ld; ++j) row[j] = 0.f;
-        } else {
+        }
+        if (forms & 2) {
             const int ld = ld_blk(N);
-            float *row = s + ((size_t)e * kblocks(K) + kb) * ld;
+            float *row = st + ((size_t)e * kblocks(K) + kb) * ld;
             row[nb] = sc;
             if (nb == kblocks(N) - 1) for (int j = nb + 1; j < ld; ++j) row[j] = 0.f;
         }
@@ -8918,27 +8966,32 @@ long long mt_cuda_fp8_tpad(int Rmax, int E) { return mt_fp8::tpad(Rmax, E); }
 int mt_cuda_fp8_quant_rows(mt_cuda *c, uint8_t *q, float *s, const void *x, int R, int C) {
     if (R < 0 || C < 16 || C % 16 || (((uintptr_t)x | (uintptr_t)q) & 15u)) return mt__fail(c, "fp8 quant rows", "C must be a multiple of 16, pointers 16-byte aligned");
     if (R == 0) return 0;
-    const long long warps = (long long)R * mt_fp8::kblocks(C);
-    mt_fp8::k_quant_rows<<<mt__blocks(warps, 8), 256, 0, c->stream>>>(q, s, (const bf16 *)x, R, C);
+    const long long halves = (long long)R * mt_fp8::kblocks(C);
+    mt_fp8::k_quant_rows<<<mt__blocks(halves, 16), 256, 0, c->stream>>>(q, s, (const bf16 *)x, R, C);
     LAUNCHED();
     return 0;
 }
 int mt_cuda_fp8_quant_cols(mt_cuda *c, uint8_t *qt, float *st, const void *x, const int32_t *d_offs, int E, int R, int C, long long Lp) {
-    if (R < 0 || C < 1 || E < 1 || Lp < mt_fp8::tpad(R, d_offs ? E : 1) || Lp % 16 || ((uintptr_t)qt & 15u))
-        return mt__fail(c, "fp8 quant cols", "bad sizes (Lp below mt_cuda_fp8_tpad(R, E), or not a multiple of 16)");
+    if (R < 0 || C < 8 || C % 8 || E < 1 || Lp < mt_fp8::tpad(R, d_offs ? E : 1) || Lp % 16 || (((uintptr_t)qt | (uintptr_t)x) & 15u))
+        return mt__fail(c, "fp8 quant cols", "bad sizes (C a multiple of 8, Lp a multiple of 16 and at least mt_cuda_fp8_tpad(R, E), "
+                                             "pointers 16-byte aligned)");
     const long long slots = Lp / 128;
     if (R == 0 || slots < 1) return 0;
-    const dim3 grid((unsigned)slots, (unsigned)((C + 63) / 64));
+    const dim3 grid((unsigned)slots, (unsigned)((C + 127) / 128));
     mt_fp8::k_quant_cols<<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)x, d_offs, E, R, C, Lp);
     LAUNCHED();
     return 0;
 }
-int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, int E, int N, int K, int transpose) {
-    if (E < 1 || E > 65535 || N < 1 || K < 1) return mt__fail(c, "fp8 quant weight", "bad sizes");
+int mt_cuda_fp8_quant_weight2(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, const void *w, int E, int N, int K) {
+    if (E < 1 || E > 65535 || N < 4 || N % 4 || K < 8 || K % 8 || (((uintptr_t)q | (uintptr_t)qt | (uintptr_t)w) & 15u) || (!q && !qt))
+        return mt__fail(c, "fp8 quant weight", "bad sizes (N a multiple of 4, K of 8, pointers 16-byte aligned)");
     const dim3 grid((unsigned)mt_fp8::kblocks(K), (unsigned)mt_fp8::kblocks(N), (unsigned)E);
-    mt_fp8::k_quant_weight<<<grid, 256, 0, c->stream>>>(q, s, (const bf16 *)w, N, K, transpose);
+    mt_fp8::k_quant_weight<<<grid, 256, 0, c->stream>>>(q, s, qt, st, (const bf16 *)w, N, K, (q ? 1 : 0) | (qt ? 2 : 0));
     LAUNCHED();
     return 0;
+}
+int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, int E, int N, int K, int transpose) {
+    return transpose ? mt_cuda_fp8_quant_weight2(c, NULL, NULL, q, s, w, E, N, K) : mt_cuda_fp8_quant_weight2(c, q, s, NULL, NULL, w, E, N, K);
 }
 /* out[Mr][Nc] (bf16, or fp32 when out_f32) = A[Mr][:K] . B[Nc][:K]; A rows-quantized (scales kb * Mr + r), B weight-
    quantized (b_blk = 1) or rows-quantized (b_blk = 0, scales kb * Nc + n); lda, ldb: bytes per row */

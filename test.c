@@ -2016,6 +2016,18 @@ static void gpu_test_fp8_steps(void) {
            ok ? "" : e.msg);
     report("gpu FP8 steps bitwise run to run (poisoned arena too), not bf16's", ok && bitwise_equal(l[1], l[2], S) && bitwise_equal(g[1], g[2], S) &&
            !bitwise_equal(g[1], g[4], S), "grad norm step 0: fp8 %.9g, bf16 %.9g", ok ? g[1][0] : 0, ok ? g[4][0] : 0);
+    {   /* operands quantized once for several nodes (weights in both forms, the weight gradients' shared X) = each node its own */
+        mt_binding b;
+        mt_runtime *rq = NULL;
+        double lq[S], gq[S];
+        mt_binding_single(&b);
+        b.fp8_requantize = 1;
+        int okq = ok && !mt_runtime_create(&rq, &gf, &b, &e) && !mt_runtime_init_params(rq, 5, &e) && !gpu_steps(rq, &c, S, lq, gq);
+        int shared = rt[2] ? mt_runtime_fp8_shared(rt[2]) : 0;
+        report("gpu FP8 shared operands = quantized by every node, bitwise", okq && shared > 0 && mt_runtime_fp8_shared(rq) == 0 &&
+               bitwise_equal(lq, l[2], S) && bitwise_equal(gq, g[2], S), "%d operands shared; loss step %d %.9g", shared, S - 1, okq ? lq[S - 1] : 0);
+        mt_runtime_destroy(rq);
+    }
     for (int k = 0; k < 5; k++) mt_runtime_destroy(rt[k]);
     mt_graph_free(&gc); mt_graph_free(&gf); mt_graph_free(&gu); mt_graph_free(&gb);
 }
@@ -2718,7 +2730,20 @@ static void gpu_test_fp8_quant(void) {
             free(gq); free(gs); free(q); free(s); free(dq);
             dfree(dw); dfree(dq8); dfree(ds);
         }
-        report("gpu fp8 quantize 128x128 weights (and W^T)", ok, "2 x 200 x 328: codes, scales, padding bitwise = CPU; worst rel %.4f", w1);
+        {   /* both forms from one read = one form at a time */
+            const size_t n0 = (size_t)E * nbN * fp8_ld(K), n1 = (size_t)E * nbK * fp8_ld(N), nq = (size_t)E * N * K;
+            void *dw = up_bf(w, (int64_t)nq), *a0 = dalloc(nq), *a1 = dalloc(nq), *b0 = dalloc(nq), *b1 = dalloc(nq);
+            void *x0 = dalloc(4 * n0), *x1 = dalloc(4 * n1), *y0 = dalloc(4 * n0), *y1 = dalloc(4 * n1);
+            ok &= !mt_cuda_fp8_quant_weight(CU, (uint8_t *)a0, (float *)x0, dw, E, N, K, 0) && !mt_cuda_fp8_quant_weight(CU, (uint8_t *)a1, (float *)x1, dw, E, N, K, 1) &&
+                  !mt_cuda_fp8_quant_weight2(CU, (uint8_t *)b0, (float *)y0, (uint8_t *)b1, (float *)y1, dw, E, N, K);
+            uint8_t *h[4] = {(uint8_t *)down(a0, nq), (uint8_t *)down(b0, nq), (uint8_t *)down(a1, nq), (uint8_t *)down(b1, nq)};
+            float *hs[4] = {(float *)down(x0, 4 * n0), (float *)down(y0, 4 * n0), (float *)down(x1, 4 * n1), (float *)down(y1, 4 * n1)};
+            ok &= !memcmp(h[0], h[1], nq) && !memcmp(h[2], h[3], nq) && !memcmp(hs[0], hs[1], 4 * n0) && !memcmp(hs[2], hs[3], 4 * n1);
+            for (int k = 0; k < 4; k++) { free(h[k]); free(hs[k]); }
+            dfree(dw); dfree(a0); dfree(a1); dfree(b0); dfree(b1); dfree(x0); dfree(x1); dfree(y0); dfree(y1);
+        }
+        report("gpu fp8 quantize 128x128 weights (and W^T)", ok, "2 x 200 x 328: codes, scales, padding bitwise = CPU; both forms in one pass = "
+               "one at a time; worst rel %.4f", w1);
         free(w);
     }
 }
