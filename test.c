@@ -7605,6 +7605,33 @@ static void test_cli_fp8(void) {
     report("CLI: an FP8 checkpoint resumes exactly; without --fp8 the change is named", exact && noted && refused,
            "resumed steps %d (%s), note %s, bf16 artifact with --fp8 %s; exit %d %d %d %.200s", n_lines(mc), exact ? "bitwise" : "DIFFER",
            noted ? "ok" : "MISSING", refused ? "refused" : "NOT REFUSED", r4, r5, r6, exact && noted ? o + 8192 : o);
+    /* a held-out set: --forward over 3 batches in one file = the mean of the 3 alone (the FP8 run's weights, a bf16 forward);
+       2.5 batches refused */
+    {
+        enum { B = 8, T = 64, NB = 3 };
+        int32_t tok[NB][B * (T + 1)];
+        uint64_t s = 7;
+        for (int k = 0; k < NB; k++)
+            for (int i = 0; i < B * (T + 1); i++) { s = s * 6364136223846793005ULL + 1442695040888963407ULL; tok[k][i] = (int32_t)(s >> 56); }
+        double one[NB] = {0}, all = -1;
+        int ok = 1, lines = 0;
+        for (int k = 0; k <= NB + 1 && ok; k++) {   /* k < NB: batch k alone; NB: all three; NB + 1: two and a half */
+            snprintf(p, sizeof p, "%s/h%d.i32", d, k);
+            FILE *f = fopen(p, "wb");
+            size_t n = k < NB ? sizeof tok[0] : k == NB ? sizeof tok : sizeof tok - sizeof tok[0] / 2;
+            ok = f && fwrite(k < NB ? tok[k] : tok[0], 1, n, f) == n && !fclose(f);
+            int r = sh(o, sizeof o, "%strain %s --load %s/k3 --forward %s 2>&1", BIN, run, d, p);
+            const char *at = strstr(o, "\nloss ") ? strstr(o, "\nloss ") + 1 : strncmp(o, "loss ", 5) ? NULL : o;
+            if (k < NB) ok = ok && !r && at && sscanf(at, "loss %lf", &one[k]) == 1;
+            else if (k == NB) {
+                ok = ok && !r && at && sscanf(at, "loss %lf", &all) == 1 && strstr(at, "(mean of 3 batches)");
+                for (const char *c = o; (c = strstr(c, "batch ")); c++) lines++;
+            } else ok = ok && r && strstr(o, "needs a multiple of");
+        }
+        double mean = (one[0] + one[1] + one[2]) / 3;
+        report("CLI: --forward over a held-out file of several batches = the batches' mean", ok && lines == NB && fabs(all - mean) <= 1e-6 * mean,
+               "%.9g vs %.9g (alone: %.5f %.5f %.5f); %d batch lines; 2.5 batches refused; %.200s", all, mean, one[0], one[1], one[2], lines, ok ? "" : o);
+    }
     remove_tree(d);
 }
 

@@ -103,7 +103,7 @@ static const opt_spec specs[] = {
     {"save-every", OPT_INT, O_(save_every), 0, 1 << 30, 0, 0, "0 (only at the end)", "also checkpoint every N steps", NULL},
     {"load", OPT_STR, O_(load), 0, 0, 0, 0, "none", "resume from a checkpoint: weights, AdamW state, step, data position, settings", "DIR"},
     {"adopt-config", OPT_FLAG, O_(adopt_config), 0, 0, 0, 0, "off", "with --load: take the checkpoint's model config where it differs", NULL},
-    {"forward", OPT_STR, O_(forward), 0, 0, 0, 0, "none", "forward only: FILE holds batch*(seq_len+1) int32 tokens; prints the loss", "FILE"},
+    {"forward", OPT_STR, O_(forward), 0, 0, 0, 0, "none", "forward only: FILE holds batch*(seq_len+1) int32 tokens, or several such batches (a held-out set); prints the loss (the batches' mean)", "FILE"},
     {"logits-out", OPT_STR, O_(logits_out), 0, 0, 0, 0, "none", "with --forward: write float32 logits [batch*seq_len, vocab]", "FILE"},
     {"eager", OPT_FLAG, O_(eager), 0, 0, 0, 0, "off", "no optimizing passes (the baseline)", NULL},
     {"fp8", OPT_FLAG, O_(fp8), 0, 0, 0, 0, "off", "the linear layers' GEMMs in FP8, DeepSeek-V3's block scaling (docs/FP8.md; on the CPU emulated)", NULL},
@@ -621,25 +621,32 @@ static int run_forward(const opts *o, mt_config cfg) {
     uint8_t *bytes; size_t len;
     if (mt_read_file(o->forward, &bytes, &len, &err)) { fprintf(stderr, "train: %s\n", err.msg); mt_runtime_destroy(rt); return 1; }
     int B = cfg.batch, T = cfg.seq_len;
-    size_t want = (size_t)B * (size_t)(T + 1) * 4;
-    if (len != want) {
-        fprintf(stderr, "train: '%s' has %zu bytes; --batch %d --seq-len %d needs %zu (int32 [batch, seq_len+1])\n", o->forward,
-                len, B, T, want);
+    size_t want = (size_t)B * (size_t)(T + 1) * 4, nb = len / want;   /* one batch, or several (a held-out set) */
+    if (!nb || len % want || (o->logits_out && nb != 1)) {
+        fprintf(stderr, "train: '%s' has %zu bytes; --batch %d --seq-len %d needs a multiple of %zu (int32 [batch, seq_len+1]%s)\n",
+                o->forward, len, B, T, want, o->logits_out ? ", one batch with --logits-out" : "");
         free(bytes); mt_runtime_destroy(rt);
         return 1;
     }
     int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T), *tgt_ = (int32_t *)malloc(sizeof(int32_t) * (size_t)B * T);
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            memcpy(&tok[b * T + t], bytes + 4 * ((size_t)b * (T + 1) + t), 4);
-            memcpy(&tgt_[b * T + t], bytes + 4 * ((size_t)b * (T + 1) + t + 1), 4);
-        }
-    free(bytes);
     mt_step_stats st;
     int rc = 0;
-    if (mt_runtime_step(rt, tok, tgt_, 0, NULL, &st, &err)) { fprintf(stderr, "train: %s\n", err.msg); rc = 1; }
+    double sum = 0;
+    for (size_t k = 0; k < nb && !rc; k++) {
+        const uint8_t *at = bytes + k * want;
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                memcpy(&tok[b * T + t], at + 4 * ((size_t)b * (T + 1) + t), 4);
+                memcpy(&tgt_[b * T + t], at + 4 * ((size_t)b * (T + 1) + t + 1), 4);
+            }
+        if (mt_runtime_step(rt, tok, tgt_, 0, NULL, &st, &err)) { fprintf(stderr, "train: batch %zu: %s\n", k, err.msg); rc = 1; }
+        sum += st.loss;
+        if (!rc && nb > 1) printf("batch %zu loss %.9g\n", k, st.loss);
+    }
+    free(bytes);
     if (!rc) {
-        printf("loss %.9g\n", st.loss);
+        if (nb > 1) printf("loss %.9g (mean of %zu batches)\n", sum / (double)nb, nb);
+        else printf("loss %.9g\n", st.loss);
         if (o->logits_out) {
             const mt_graph *G = mt_runtime_graph(rt);
             int lv = G->io[MT_IO_LOGITS];
