@@ -641,7 +641,8 @@ typedef struct {
     int fuse_glu;            /* with fuse: the experts' gate and up GEMMs and their SwiGLU as one op (mt_pass_fuse_glu) */
     int64_t memory_budget;   /* bytes (persistent + arena, as planned); > 0: recompute the fewest blocks that fit it */
     int moments;             /* the AdamW moments' dtype: MT_F32 (mt_passes_all and _none), or MT_BF16 (mt_pass_bf16_moments) */
-    int fp8;                 /* 1: the linear layers' GEMMs in FP8 (mt_pass_fp8; neither mt_passes_all nor _none turns it on) */
+    int fp8;                 /* MT_FP8_ALL: the linear layers' GEMMs in FP8; MT_FP8_NO_WGRAD: their forward and input-gradient
+                                GEMMs, the weight gradients in bf16 (mt_pass_fp8; neither mt_passes_all nor _none turns it on) */
     int moe_chunks;          /* mt_compile builds each MoE layer's routed experts over this many chunks of its tokens
                                 (1: all at once, the default; 0 counts as 1; up to MT_MOE_CHUNKS_MAX): see mt__moe */
 } mt_passes;
@@ -672,9 +673,12 @@ int mt_graph_moments(const mt_graph *g);             /* the AdamW moments' dtype
  * the FP8 step's reference. Changes numerics: a run setting. Before fusion. Returns the number of
  * nodes marked, -1 on error. */
 #define MT_IATTR_FP8 7
-int mt_pass_fp8(mt_graph *g, mt_err *err);
+enum { MT_FP8_OFF = 0, MT_FP8_ALL = 1, MT_FP8_NO_WGRAD = 2 };   /* mt_passes.fp8, mt_pass_fp8's mode */
+int mt_pass_fp8(mt_graph *g, int mode, mt_err *err);   /* MT_FP8_NO_WGRAD leaves the weight gradients' GEMMs bf16 */
 int mt_node_fp8(const mt_node *n);                   /* a GEMM-family node marked by mt_pass_fp8 */
 int mt_graph_fp8(const mt_graph *g);                 /* how many nodes run in FP8 (0: a bf16 step) */
+int mt_graph_fp8_mode(const mt_graph *g);            /* MT_FP8_OFF, _ALL, or _NO_WGRAD (FP8 nodes, none a weight gradient) */
+const char *mt_fp8_mode_name(int mode);              /* "bf16", "fp8", "fp8-bf16-wgrad" (checkpoints' mt.gemms) */
 /* The routed experts' GMM (x, W_gate) -> g, GMM (x, W_up) -> u, SWIGLU (g, u) -> h become one GMM_GLU
  * (x, W_gate, offs, W_up) -> g, u, h: on CUDA one grouped GEMM whose tiles hold g's and u's same
  * columns, the SwiGLU in its epilogue; on the CPU the three ops in order. Bitwise the same results.
@@ -1355,7 +1359,7 @@ typedef struct {
     uint64_t data_hash;    /* nothing in other data */
     int32_t has_settings;  /* read back: 0 if the checkpoint recorded only the step (mt_checkpoint_save) */
     int32_t moments;       /* read back: the saved AdamW moments' dtype, MT_F32 or MT_BF16 (saving writes the graph's) */
-    int32_t fp8;           /* read back: 1 if the run's linear layers ran in FP8 (mt_pass_fp8; saving writes the graph's) */
+    int32_t fp8;           /* read back: the run's FP8 mode, MT_FP8_* (mt_pass_fp8; saving writes the graph's) */
     int32_t moe_chunks;    /* read back: the saved run's MoE chunks (saving writes the graph's where not 1) */
 } mt_run_state;
 void mt_run_state_init(mt_run_state *r);                              /* zeros, default hparams */
@@ -5394,12 +5398,27 @@ static int mt__fp8_fits(const mt_graph *g, const mt_node *n) {
     }
     return wv >= 0 && mt__fp8_weight(g, wv) >= 0 && mt__fp8_shapes(g, n);
 }
-int mt_pass_fp8(mt_graph *g, mt_err *err) {
+static int mt__fp8_wgrad(const mt_node *n) {   /* a weight gradient's GEMM (dW = dY^T X) */
+    return n->op == MT_OP_GMM_DW || ((n->op == MT_OP_MATMUL || n->op == MT_OP_MATMUL_ACC) && n->iattr[0]);
+}
+const char *mt_fp8_mode_name(int mode) {
+    return mode == MT_FP8_ALL ? "fp8" : mode == MT_FP8_NO_WGRAD ? "fp8-bf16-wgrad" : "bf16";
+}
+int mt_graph_fp8_mode(const mt_graph *g) {
+    int any = 0, wgrad = 0;
+    for (int i = 0; i < g->n_nodes; i++) {
+        any |= mt_node_fp8(&g->nodes[i]);
+        wgrad |= mt_node_fp8(&g->nodes[i]) && mt__fp8_wgrad(&g->nodes[i]);
+    }
+    return !any ? MT_FP8_OFF : wgrad ? MT_FP8_ALL : MT_FP8_NO_WGRAD;
+}
+int mt_pass_fp8(mt_graph *g, int mode, mt_err *err) {
     int k = 0;
-    (void)err;
+    if (mode != MT_FP8_ALL && mode != MT_FP8_NO_WGRAD) return mt_errf(err, "FP8 pass: mode %d (MT_FP8_ALL or MT_FP8_NO_WGRAD)", mode);
     for (int i = 0; i < g->n_nodes; i++) {
         mt_node *n = &g->nodes[i];
         if (!mt__fp8_gemm_op(n->op) || n->iattr[MT_IATTR_FP8] || !mt__fp8_fits(g, n)) continue;
+        if (mode == MT_FP8_NO_WGRAD && mt__fp8_wgrad(n)) continue;
         n->iattr[MT_IATTR_FP8] = 1;
         k++;
     }
@@ -5409,7 +5428,7 @@ int mt_run_passes(mt_graph *g, const mt_passes *p, mt_err *err) {
     if (p->memory_budget < 0) return mt_errf(err, "memory budget %lld bytes is negative", (long long)p->memory_budget);
     if (p->moments != MT_F32 && p->moments != MT_BF16) return mt_errf(err, "AdamW moments are f32 or bf16, not dtype %d", p->moments);
     if (p->moments == MT_BF16 && mt_pass_bf16_moments(g, err) < 0) return -1;
-    if (p->fp8 && mt_pass_fp8(g, err) < 0) return -1;
+    if (p->fp8 && mt_pass_fp8(g, p->fp8, err) < 0) return -1;
     if (p->elide && mt_pass_elide_collectives(g, err)) return -1;
     if (p->memory_budget > 0) { if (mt__recompute_for_budget(g, p, err)) return -1; }   /* recompute, fusion, plan */
     else if (mt__late_passes(g, p, err)) return -1;
@@ -10334,7 +10353,7 @@ static void mt__meta_model(mt__buf *b, const mt_runtime *rt, int step, const mt_
             default: mt__jmeta(b, key, "%.*s", (int)mt__run_fields[i].cap - 1, p); break;
             }
         }
-    mt__jmeta(b, "mt.gemms", "%s", mt_graph_fp8(G) ? "fp8" : "bf16");   /* the linear layers' GEMMs (mt_pass_fp8) */
+    mt__jmeta(b, "mt.gemms", "%s", mt_fp8_mode_name(mt_graph_fp8_mode(G)));   /* the linear layers' GEMMs (mt_pass_fp8) */
     if (opt_name) {
         mt__jmeta(b, "mt.moments", "%s", mt__dtype_names[mt_graph_moments(G)]);
         mt__jmeta(b, "mt.optimizer", "%s", opt_name);
@@ -10641,8 +10660,10 @@ int mt_checkpoint_read_run(const char *dir, mt_run_state *run, mt_err *err) {
     if (!rc && mo && strcmp(mo, "f32") && strcmp(mo, "bf16")) rc = mt_errf(err, "'%s': bad mt.moments '%s'", path, mo);
     run->moments = mo && !strcmp(mo, "bf16") ? MT_BF16 : MT_F32;
     const char *gm = mt__st_meta(&s, "mt.gemms");    /* absent: saved before FP8 existed, so bf16 */
-    if (!rc && gm && strcmp(gm, "bf16") && strcmp(gm, "fp8")) rc = mt_errf(err, "'%s': bad mt.gemms '%s'", path, gm);
-    run->fp8 = gm && !strcmp(gm, "fp8");
+    int fm = MT_FP8_OFF;
+    while (gm && fm <= MT_FP8_NO_WGRAD && strcmp(gm, mt_fp8_mode_name(fm))) fm++;
+    if (!rc && gm && fm > MT_FP8_NO_WGRAD) rc = mt_errf(err, "'%s': bad mt.gemms '%s'", path, gm);
+    run->fp8 = gm && fm <= MT_FP8_NO_WGRAD ? fm : MT_FP8_OFF;
     const char *mc = mt__st_meta(&s, "mt.moe_chunks");   /* absent: 1 */
     long long chunks = 1;
     if (!rc && mc && mt__parse_int(mc, 1, MT_MOE_CHUNKS_MAX, &chunks)) rc = mt_errf(err, "'%s': bad mt.moe_chunks '%s'", path, mc);

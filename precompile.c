@@ -40,6 +40,7 @@ static const opt_spec specs[] = {
     {"memory-budget", "GiB", OPT_FLOAT, 0, 1 << 20, "0: off", "recompute the fewest blocks' activations so the planned peak (persistent + arena) fits"},
     {"moments", "DTYPE", OPT_STR, 0, 0, "fp32", "AdamW moments' dtype: fp32, or bf16 (half their bytes; the update in fp32)"},
     {"fp8", NULL, OPT_FLAG, 0, 0, "off", "the linear layers' GEMMs in FP8, DeepSeek-V3's block scaling (docs/FP8.md)"},
+    {"fp8-wgrad", "DTYPE", OPT_STR, 0, 0, "fp8", "with --fp8: the weight gradients' GEMMs in fp8 (DeepSeek-V3's recipe) or bf16"},
     {"moe-chunks", "N", OPT_INT, 1, MT_MOE_CHUNKS_MAX, "1", "each MoE layer's routed experts in N chunks of its tokens (with overlap: one chunk's exchange under another's experts)"},
     {"help", NULL, OPT_FLAG, 0, 0, "", "this text"},
 };
@@ -172,7 +173,12 @@ int main(int argc, char **argv) {
     const char *moments = str[at("moments")];
     if (moments && strcmp(moments, "fp32") && strcmp(moments, "bf16")) { fprintf(stderr, "precompile: --moments takes fp32 or bf16, not '%s'\n", moments); return 2; }
     passes.moments = moments && !strcmp(moments, "bf16") ? MT_BF16 : MT_F32;
-    passes.fp8 = flag[at("fp8")];
+    const char *wgrad = str[at("fp8-wgrad")];
+    if (wgrad && ((strcmp(wgrad, "fp8") && strcmp(wgrad, "bf16")) || !flag[at("fp8")])) {
+        fprintf(stderr, "precompile: --fp8-wgrad takes fp8 or bf16, with --fp8 (not '%s')\n", wgrad);
+        return 2;
+    }
+    passes.fp8 = !flag[at("fp8")] ? MT_FP8_OFF : wgrad && !strcmp(wgrad, "bf16") ? MT_FP8_NO_WGRAD : MT_FP8_ALL;
     passes.moe_chunks = num[at("moe-chunks")] ? num[at("moe-chunks")] : 1;
     mt_graph g;
     double t0 = mt_now();
@@ -208,7 +214,9 @@ int main(int argc, char **argv) {
     int64_t opt = 0;
     for (int i = 0; i < g.n_values; i++) opt += g.values[i].role == MT_ROLE_OPT ? g.values[i].nbytes : 0;
     if (opt) printf("  of the persistent: AdamW moments %s (%s)\n", mt__human((double)opt, h1), mt_graph_moments(&g) == MT_BF16 ? "bf16" : "fp32");
-    if (mt_graph_fp8(&g)) printf("fp8: %d GEMMs with e4m3 inputs (the embedding, output head, router and attention in bf16)\n", mt_graph_fp8(&g));
+    if (mt_graph_fp8(&g))
+        printf("fp8: %d GEMMs with e4m3 inputs (the embedding, output head, router and attention in bf16%s)\n", mt_graph_fp8(&g),
+               mt_graph_fp8_mode(&g) == MT_FP8_NO_WGRAD ? ", and the weight gradients" : "");
     if (mt_graph_moe_chunks(&g) > 1) printf("MoE: each layer's routed experts in %d chunks of tokens\n", mt_graph_moe_chunks(&g));
     if (g.memory_budget)
         printf("recompute: %d of %d blocks for a budget of %s (planned peak %s, without recompute %s); --dump lists them\n",

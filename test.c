@@ -1905,6 +1905,7 @@ static int gpu_compile(mt_graph *g, const mt_config *c, int cuda, int planned, m
     if (planned == 5) p.moments = MT_BF16;   /* every pass, bf16 AdamW moments */
     if (planned == 6) p.fp8 = 1;             /* every pass, FP8 GEMMs */
     if (planned == 7) { mt_passes_none(&p); p.fp8 = 1; }   /* FP8 GEMMs alone: no fusion, no plan */
+    if (planned == 8) p.fp8 = MT_FP8_NO_WGRAD;          /* every pass, FP8 GEMMs but the weight gradients' */
     return mt_compile(g, c, &m, &t, MT_GRAPH_TRAIN, &p, e);
 }
 static mt_runtime *gpu_runtime(const mt_graph *g, int poison) {
@@ -2027,6 +2028,21 @@ static void gpu_test_fp8_steps(void) {
         report("gpu FP8 shared operands = quantized by every node, bitwise", okq && shared > 0 && mt_runtime_fp8_shared(rq) == 0 &&
                bitwise_equal(lq, l[2], S) && bitwise_equal(gq, g[2], S), "%d operands shared; loss step %d %.9g", shared, S - 1, okq ? lq[S - 1] : 0);
         mt_runtime_destroy(rq);
+    }
+    {   /* --fp8-wgrad bf16 against its CPU emulation */
+        mt_graph hc, hg;
+        double lc[S], gcn[S], lg[S], ggn[S], w8 = 1, g8 = 1;
+        int okw = !gpu_compile(&hc, &c, 0, 8, &e) && !gpu_compile(&hg, &c, 1, 8, &e);
+        mt_runtime *qc = okw ? gpu_runtime(&hc, 0) : NULL, *qg = okw ? gpu_runtime(&hg, 0) : NULL;
+        okw = okw && qc && qg && !gpu_steps(qc, &c, S, lc, gcn) && !gpu_steps(qg, &c, S, lg, ggn);
+        for (int s = 0; okw && s < S; s++) {
+            w8 = s ? fmax(w8, fabs(lg[s] - lc[s]) / lc[s]) : fabs(lg[s] - lc[s]) / lc[s];
+            g8 = s ? fmax(g8, fabs(ggn[s] - gcn[s]) / gcn[s]) : fabs(ggn[s] - gcn[s]) / gcn[s];
+        }
+        report("gpu FP8 steps with bf16 weight gradients vs the CPU's emulation", okw && mt_graph_fp8_mode(&hg) == MT_FP8_NO_WGRAD && w8 < 2e-2 && g8 < 1e-1 &&
+               !bitwise_equal(lg, l[1], S), "worst rel loss %.1e, grad norm %.1e; %d FP8 nodes (all: %d)", w8, g8, okw ? mt_graph_fp8(&hg) : 0, mt_graph_fp8(&gf));
+        mt_runtime_destroy(qc); mt_runtime_destroy(qg);
+        if (okw) { mt_graph_free(&hc); mt_graph_free(&hg); }
     }
     for (int k = 0; k < 5; k++) mt_runtime_destroy(rt[k]);
     mt_graph_free(&gc); mt_graph_free(&gf); mt_graph_free(&gu); mt_graph_free(&gb);
@@ -7548,6 +7564,23 @@ static void test_fp8(void) {
     report("fp8: the pass marks the linear layers' GEMMs, not head/router", ok && !wrong && fwd > 0 && dx > 0 && dw > 0 && grouped >= 6 * (c.n_layers - c.n_dense_layers) && said,
            "%d of %d GEMM nodes marked (%d forward, %d dX, %d dW, %d grouped), %d wrong; fingerprint/dump/checker %s (%d of %d misplaced marks refused)",
            marked, gemm, fwd, dx, dw, grouped, wrong, said ? "ok" : "WRONG", refused, tries);
+    {   /* MT_FP8_NO_WGRAD: the same marks but the weight gradients'; the modes as the graph and the checkpoint name them */
+        mt_graph gw;
+        ps.fp8 = MT_FP8_NO_WGRAD;
+        int okw = ok && !mt_compile(&gw, &c, &m, &t, MT_GRAPH_TRAIN, &ps, &e), wmarked = 0, expect = 0, wgrads = 0;
+        ps.fp8 = MT_FP8_ALL;
+#define WG(x) ((x)->op == MT_OP_GMM_DW || (x)->op == MT_OP_GMM_DW_SQ || (((x)->op == MT_OP_MATMUL || (x)->op == MT_OP_MATMUL_ACC) && (x)->iattr[0]))
+        for (int i = 0; okw && i < g.n_nodes; i++) expect += mt_node_fp8(&g.nodes[i]) && !WG(&g.nodes[i]);
+        for (int i = 0; okw && i < gw.n_nodes; i++) { wmarked += mt_node_fp8(&gw.nodes[i]); wgrads += mt_node_fp8(&gw.nodes[i]) && WG(&gw.nodes[i]); }
+#undef WG
+        int same = okw && wmarked == expect && !wgrads;
+        int bad = okw ? mt_pass_fp8(&gw, 3, &e) : 0;
+        report("fp8: --fp8-wgrad bf16 marks the forward and dX GEMMs only", okw && same && mt_graph_fp8_mode(&gw) == MT_FP8_NO_WGRAD &&
+               mt_graph_fp8_mode(&g) == MT_FP8_ALL && mt_graph_fp8_mode(&gb) == MT_FP8_OFF && bad < 0 && !strcmp(mt_fp8_mode_name(MT_FP8_NO_WGRAD), "fp8-bf16-wgrad"),
+               "%d marked, %d expected (--fp8's marks but the weight gradients'), %d weight gradients marked; mode 3 refused: %s", wmarked,
+               expect, wgrads, bad < 0 ? e.msg : "NOT REFUSED");
+        if (okw) mt_graph_free(&gw);
+    }
 
     /* (d) training with the emulation: deterministic (two runtimes, bitwise), close to the float step and not it */
     mt_hparams hp;
@@ -7605,6 +7638,26 @@ static void test_cli_fp8(void) {
     report("CLI: an FP8 checkpoint resumes exactly; without --fp8 the change is named", exact && noted && refused,
            "resumed steps %d (%s), note %s, bf16 artifact with --fp8 %s; exit %d %d %d %.200s", n_lines(mc), exact ? "bitwise" : "DIFFER",
            noted ? "ok" : "MISSING", refused ? "refused" : "NOT REFUSED", r4, r5, r6, exact && noted ? o + 8192 : o);
+    /* --fp8-wgrad bf16: said at start, artifact = in-process bitwise, recorded in the checkpoint and named on a change; refused without --fp8 */
+    {
+        static char w1[1 << 14], w2[1 << 14];
+        int a1 = sh(o, sizeof o, "%sprecompile %s --fp8 --fp8-wgrad bf16 -o %s/w.mtg 2>&1", BIN, run, d);
+        int saidp = strstr(o, "and the weight gradients") != NULL;
+        int a2 = a1 ? -1 : sh(o, sizeof o, "%strain --graph %s/w.mtg --seed 4 --steps 3 --metrics %s/w1.jsonl 2>&1", BIN, d, d);
+        int a3 = sh(o, sizeof o, "%strain %s --seed 4 --fp8 --fp8-wgrad bf16 --steps 3 --decay-steps 6 --metrics %s/w2.jsonl --save %s/w3 2>&1",
+                    BIN, run, d, d);
+        int saidt = strstr(o, "GEMMs in FP8 (weight gradients in bf16)") != NULL;
+        snprintf(p, sizeof p, "%s/w1.jsonl", d); snprintf(q, sizeof q, "%s/w2.jsonl", d);
+        metrics_core(p, 1, w1, sizeof w1); metrics_core(q, 1, w2, sizeof w2);
+        int same = !a1 && !a2 && !a3 && n_lines(w1) == 3 && !strcmp(w1, w2);
+        int a4 = sh(o, sizeof o, "%strain %s --fp8 --steps 4 --load %s/w3 2>&1", BIN, run, d);
+        int named = !a4 && strstr(o, "GEMMs fp8-bf16-wgrad -> fp8") != NULL;
+        int a5 = sh(o + 8192, sizeof o - 8192, "%strain %s --fp8-wgrad bf16 --steps 1 2>&1", BIN, run);
+        int refused = a5 != 0 && strstr(o + 8192, "with --fp8") != NULL;
+        report("CLI: --fp8-wgrad bf16: artifact = in-process, checkpoint names it", same && saidp && saidt && named && refused,
+               "%d steps %s; said %d %d; resume note %s; without --fp8 %s; exit %d %d %d %d %.200s", n_lines(w1), same ? "bitwise" : "DIFFER",
+               saidp, saidt, named ? "ok" : "MISSING", refused ? "refused" : "NOT REFUSED", a1, a2, a3, a4, named ? "" : o);
+    }
     /* a held-out set: --forward over 3 batches in one file = the mean of the 3 alone (the FP8 run's weights, a bf16 forward);
        2.5 batches refused */
     {

@@ -26,12 +26,14 @@
 #include <sys/wait.h>
 
 typedef struct {
-    const char *preset, *graph, *data, *data_format, *metrics, *svg, *save, *load, *forward, *logits_out, *device, *ep_exchange, *moments;
+    const char *preset, *graph, *data, *data_format, *metrics, *svg, *save, *load, *forward, *logits_out, *device, *ep_exchange, *moments,
+        *fp8_wgrad;
     int steps, log_every, threads, eager, seed, gpu, profile, save_every, nan_check, adopt_config, overlap, no_overlap, no_fold_rope, no_fuse_glu,
         attn_recompute_dq, one_launch_per_node, overwrite, fp8;
     int data_fmt;                                /* --data-format as MT_DATA_AUTO, _BIN or _RAW */
     int exchange;                                /* --ep-exchange as MT_EXCHANGE_AUTO, _HOST or _DEVICE */
     int moments_dt;                              /* --moments as MT_F32 or MT_BF16 (an artifact's or a resumed checkpoint's) */
+    int fp8_mode;                                /* --fp8 [--fp8-wgrad]: MT_FP8_OFF, _ALL or _NO_WGRAD (an artifact's) */
     int moe_chunks;                              /* --moe-chunks: each MoE layer's routed experts over this many chunks of tokens */
     int nproc, dp_replicate, dp_shard, tp, ep;   /* ranks; 0 = derive */
     int launch_check;                            /* meet at the rendezvous, say where the rank came from, stop */
@@ -107,6 +109,7 @@ static const opt_spec specs[] = {
     {"logits-out", OPT_STR, O_(logits_out), 0, 0, 0, 0, "none", "with --forward: write float32 logits [batch*seq_len, vocab]", "FILE"},
     {"eager", OPT_FLAG, O_(eager), 0, 0, 0, 0, "off", "no optimizing passes (the baseline)", NULL},
     {"fp8", OPT_FLAG, O_(fp8), 0, 0, 0, 0, "off", "the linear layers' GEMMs in FP8, DeepSeek-V3's block scaling (docs/FP8.md; on the CPU emulated)", NULL},
+    {"fp8-wgrad", OPT_STR, O_(fp8_wgrad), 0, 0, 0, 0, "fp8", "with --fp8: the weight gradients' GEMMs in fp8 (DeepSeek-V3's recipe), or bf16 (faster on an H200 today: docs/FP8.md)", "DTYPE"},
     {"overlap", OPT_FLAG, O_(overlap), 0, 0, 0, 0, "on with several ranks", "collectives on their own CUDA streams: FSDP prefetch, EP ahead of its host sync", NULL},
     {"ep-exchange", OPT_STR, O_(ep_exchange), 0, 0, 0, 0, "auto", "CUDA, ep > 1: auto (device-side where every ep peer is load/store accessible, "
      "else host-synchronized NCCL), device (or refuse), host (bitwise the same steps)", "MODE"},
@@ -268,6 +271,11 @@ static int parse_args(int argc, char **argv, opts *o) {
         return -1;
     }
     o->moments_dt = o->moments && !strcmp(o->moments, "bf16") ? MT_BF16 : MT_F32;
+    if (o->fp8_wgrad && ((strcmp(o->fp8_wgrad, "fp8") && strcmp(o->fp8_wgrad, "bf16")) || !o->fp8)) {
+        fprintf(stderr, "train: --fp8-wgrad takes fp8 or bf16, with --fp8 (not '%s'%s)\n", o->fp8_wgrad, o->fp8 ? "" : " without --fp8");
+        return -1;
+    }
+    o->fp8_mode = !o->fp8 ? MT_FP8_OFF : o->fp8_wgrad && !strcmp(o->fp8_wgrad, "bf16") ? MT_FP8_NO_WGRAD : MT_FP8_ALL;
     o->config_from = o->graph ? o->graph : o->preset;
     return 0;
 }
@@ -437,7 +445,7 @@ static int plan_resume(opts *o, mt_run_state *ck) {
     else if (o->hp.decay_steps != ck->hp.decay_steps) NOTE(" decay-steps %d -> %d;", ck->hp.decay_steps, o->hp.decay_steps);
     if (!given(o, "data")) o->data = ck->data[0] ? ck->data : NULL;
     if (o->eager != ck->eager) NOTE(" %s -> %s (on CUDA the two round differently);", ck->eager ? "eager" : "compiled", o->eager ? "eager" : "compiled");
-    if (o->fp8 != ck->fp8) NOTE(" GEMMs %s -> %s;", ck->fp8 ? "fp8" : "bf16", o->fp8 ? "fp8" : "bf16");
+    if (o->fp8_mode != ck->fp8) NOTE(" GEMMs %s -> %s;", mt_fp8_mode_name(ck->fp8), mt_fp8_mode_name(o->fp8_mode));
     if (o->moments_dt != ck->moments)
         NOTE(" AdamW moments %s -> %s (the saved moments %s);", ck->moments == MT_BF16 ? "bf16" : "fp32", o->moments_dt == MT_BF16 ? "bf16" : "fp32",
              o->moments_dt == MT_BF16 ? "rounded to nearest even bf16 on loading" : "widened to fp32 exactly on loading");
@@ -1140,7 +1148,14 @@ int main(int argc, char **argv) {
             mt_graph_free(&g);
             return 2;
         }
-        o.fp8 = mt_graph_fp8(&g) > 0;
+        if (o.fp8_wgrad && o.fp8_mode != mt_graph_fp8_mode(&g)) {
+            fprintf(stderr, "train: '%s' was compiled with GEMMs %s; --fp8-wgrad %s cannot change them (re-run precompile with it)\n",
+                    o.graph, mt_fp8_mode_name(mt_graph_fp8_mode(&g)), o.fp8_wgrad);
+            mt_graph_free(&g);
+            return 2;
+        }
+        o.fp8_mode = mt_graph_fp8_mode(&g);
+        o.fp8 = o.fp8_mode != MT_FP8_OFF;
         if (given(&o, "moe-chunks") && o.moe_chunks != mt_graph_moe_chunks(&g)) {
             fprintf(stderr, "train: '%s' was compiled with %d MoE chunk%s; --moe-chunks %d cannot change that (re-run precompile with it)\n",
                     o.graph, mt_graph_moe_chunks(&g), mt_graph_moe_chunks(&g) > 1 ? "s" : "", o.moe_chunks);
@@ -1230,7 +1245,7 @@ int main(int argc, char **argv) {
         if (o.no_fuse_glu) passes.fuse_glu = 0;
         passes.memory_budget = (int64_t)((double)o.memory_budget * 1073741824.0);
         passes.moments = o.moments_dt;
-        passes.fp8 = o.fp8;
+        passes.fp8 = o.fp8_mode;
         passes.moe_chunks = o.moe_chunks ? o.moe_chunks : 1;
         double t0 = mt_now();
         if (mt_compile(&g, &cfg, &mesh, &tgt, MT_GRAPH_TRAIN, &passes, &err)) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
@@ -1246,7 +1261,8 @@ int main(int argc, char **argv) {
         printf("loaded the step graph from %s: %d nodes, %d values%s%s", o.graph, g.n_nodes, g.n_values,
                o.moments_dt == MT_BF16 ? ", AdamW moments in bf16" : "", chunks_note(&g, note, sizeof note));
     }
-    if (rank == 0 && mt_graph_fp8(&g)) printf(", %d GEMMs in FP8", mt_graph_fp8(&g));
+    if (rank == 0 && mt_graph_fp8(&g))
+        printf(", %d GEMMs in FP8%s", mt_graph_fp8(&g), mt_graph_fp8_mode(&g) == MT_FP8_NO_WGRAD ? " (weight gradients in bf16)" : "");
     if (rank == 0) printf("\n");
     if (rank == 0 && o.fp8 && !mt_graph_fp8(&g))
         printf("note: --fp8, but none of this model's GEMMs fits the FP8 kernels (widths multiples of 16): all run in bf16\n");
