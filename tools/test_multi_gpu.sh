@@ -4,7 +4,7 @@
 # of one rank, a rank that hangs), ranks from srun's and mpirun's variables on
 # two one-GPU "nodes" over sockets, tensor parallelism, and the device-side
 # expert exchange (bitwise the host-synchronized one; the fallback over
-# sockets; a dead or hung peer in the middle of it; with MoE layers in 2 chunks of tokens). Prints "N passed,
+# sockets; a dead or hung peer in the middle of it; with MoE layers in 2 chunks of tokens; with FP8 GEMMs). Prints "N passed,
 # N failed" last. REQUIRE_GPUS=N: fewer than N visible GPUs is a failure, not a skip.
 set -u
 n=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -21,7 +21,7 @@ T=${TMPDIR:-/tmp}/moetrain_mgpu; rm -rf "$T"; mkdir -p "$T"
 losses() { grep '^step' "$1" | sed 's/ | grad_norm.*//'; }
 core() { sed 's/,"tokens_per_s".*//' "$1"; }   # a metrics line's loss, grad norm and lr
 steps=6
-only=${ONLY:-1 2 3 4 5 6 7 8 9 10 11 12}   # which checks to run
+only=${ONLY:-1 2 3 4 5 6 7 8 9 10 11 12 13}   # which checks to run
 want() { case " $only " in *" $1 "*) return 0 ;; esac; return 1; }
 
 # 1. ./train alone: one rank per GPU, and the same losses as one GPU on the global batch (bf16: 2%)
@@ -246,6 +246,31 @@ check "debug $mc, 10 steps: device-side exchange = host-synchronized, losses, gr
 core "$T/c_g.jsonl" > "$T/c_cg"
 [ $rg -eq 0 ] && grep -q "MoE in 2 chunks of tokens" "$T/c_g.log" && [ "$(wc -l < "$T/c_cg")" -eq 10 ] && cmp -s "$T/c_cg" "$T/c_cd"
 check "--moe-chunks 2 from an artifact = in-process, bitwise" $? "(exit $rg)"
+fi
+
+# 13. FP8 GEMMs (--fp8; operands quantized once for several nodes) on dp_shard 2 x ep 2: the device-side exchange
+#    against the host-synchronized one, 10 steps, losses, grad norms, weights bitwise; precompiled = in-process;
+#    --fp8-wgrad bf16 from an artifact = in-process
+if want 13; then
+f8="--nproc 2 --dp-shard 2 --ep 2 --fp8"
+./train --preset debug $f8 --steps 10 --seed 1 --metrics "$T/f_d.jsonl" --save "$T/f_d" > "$T/f_d.log" 2>&1; rd=$?
+./train --preset debug $f8 --ep-exchange host --steps 10 --seed 1 --metrics "$T/f_h.jsonl" --save "$T/f_h" > "$T/f_h.log" 2>&1; rh=$?
+core "$T/f_d.jsonl" > "$T/f_cd"; core "$T/f_h.jsonl" > "$T/f_ch"
+same=0; for f in "$T/f_d"/*.safetensors; do cmp -s "$f" "$T/f_h/$(basename "$f")" || same=1; done
+grep -q "GEMMs in FP8" "$T/f_d.log" && grep -q "^expert exchange: device-side" "$T/f_d.log" && grep -q "host_syncs=0" "$T/f_d.log"; banner=$?
+[ $rd -eq 0 ] && [ $rh -eq 0 ] && [ $banner -eq 0 ] && [ $same -eq 0 ] && [ "$(wc -l < "$T/f_cd")" -eq 10 ] && cmp -s "$T/f_cd" "$T/f_ch"
+check "debug $f8, 10 steps: device-side exchange = host-synchronized, losses, grad norms, weights bitwise" $? \
+    "(exit $rd $rh; $(grep -o 'median_step_ms=[^ ]*' "$T/f_d.log") vs $(grep -o 'median_step_ms=[^ ]*' "$T/f_h.log"))"
+./precompile --preset debug --device cuda --dp-shard 2 --ep 2 --fp8 -o "$T/f.mtg" > "$T/f_p.log" 2>&1 &&
+    ./train --graph "$T/f.mtg" --nproc 2 --steps 10 --seed 1 --metrics "$T/f_g.jsonl" > "$T/f_g.log" 2>&1; rg=$?
+core "$T/f_g.jsonl" > "$T/f_cg"
+./precompile --preset debug --device cuda --dp-shard 2 --ep 2 --fp8 --fp8-wgrad bf16 -o "$T/w.mtg" > "$T/w_p.log" 2>&1 &&
+    ./train --graph "$T/w.mtg" --nproc 2 --steps 10 --seed 1 --metrics "$T/w_g.jsonl" > "$T/w_g.log" 2>&1; rw=$?
+./train --preset debug $f8 --fp8-wgrad bf16 --steps 10 --seed 1 --metrics "$T/w_i.jsonl" > "$T/w_i.log" 2>&1; ri=$?
+core "$T/w_g.jsonl" > "$T/w_cg"; core "$T/w_i.jsonl" > "$T/w_ci"
+[ $rg -eq 0 ] && [ "$(wc -l < "$T/f_cg")" -eq 10 ] && cmp -s "$T/f_cg" "$T/f_cd" && [ $rw -eq 0 ] && [ $ri -eq 0 ] &&
+    grep -q "weight gradients in bf16" "$T/w_g.log" && [ "$(wc -l < "$T/w_cg")" -eq 10 ] && cmp -s "$T/w_cg" "$T/w_ci" && ! cmp -s "$T/w_ci" "$T/f_cd"
+check "--fp8 and --fp8 --fp8-wgrad bf16 from artifacts = in-process, bitwise" $? "(exit $rg $rw $ri)"
 fi
 
 cp "$T"/*.log "${OUT:-$T}/" 2>/dev/null
