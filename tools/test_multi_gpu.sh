@@ -21,6 +21,15 @@ T=${TMPDIR:-/tmp}/moetrain_mgpu; rm -rf "$T"; mkdir -p "$T"
 losses() { grep '^step' "$1" | sed 's/ | grad_norm.*//'; }
 core() { sed 's/,"tokens_per_s".*//' "$1"; }   # a metrics line's loss, grad norm and lr
 steps=6
+# dev_host P FLAGS...: debug, 10 steps, the device-side exchange ($T/P_d) and the host-synchronized one ($T/P_h);
+# sets rd and rh (exits) and same (0: every saved tensor file equal), writes the metrics' cores to $T/P_cd, $T/P_ch
+dev_host() {
+    p=$1; shift
+    ./train --preset debug "$@" --steps 10 --seed 1 --metrics "$T/${p}_d.jsonl" --save "$T/${p}_d" > "$T/${p}_d.log" 2>&1; rd=$?
+    ./train --preset debug "$@" --ep-exchange host --steps 10 --seed 1 --metrics "$T/${p}_h.jsonl" --save "$T/${p}_h" > "$T/${p}_h.log" 2>&1; rh=$?
+    core "$T/${p}_d.jsonl" > "$T/${p}_cd"; core "$T/${p}_h.jsonl" > "$T/${p}_ch"
+    same=0; for f in "$T/${p}_d"/*.safetensors; do cmp -s "$f" "$T/${p}_h/$(basename "$f")" || same=1; done
+}
 only=${ONLY:-1 2 3 4 5 6 7 8 9 10 11 12 13}   # which checks to run
 want() { case " $only " in *" $1 "*) return 0 ;; esac; return 1; }
 
@@ -231,10 +240,7 @@ fi
 #    bitwise; and precompiled = in-process
 if want 12; then
 mc="--nproc 2 --dp-shard 2 --ep 2 --moe-chunks 2"
-./train --preset debug $mc --steps 10 --seed 1 --metrics "$T/c_d.jsonl" --save "$T/c_d" > "$T/c_d.log" 2>&1; rd=$?
-./train --preset debug $mc --ep-exchange host --steps 10 --seed 1 --metrics "$T/c_h.jsonl" --save "$T/c_h" > "$T/c_h.log" 2>&1; rh=$?
-core "$T/c_d.jsonl" > "$T/c_cd"; core "$T/c_h.jsonl" > "$T/c_ch"
-same=0; for f in "$T/c_d"/*.safetensors; do cmp -s "$f" "$T/c_h/$(basename "$f")" || same=1; done
+dev_host c $mc
 grep -q "MoE in 2 chunks of tokens" "$T/c_d.log" && grep -q "^expert exchange: device-side" "$T/c_d.log" &&
     grep -q "graph: the step is one CUDA graph (captured at step 2), 0 host syncs" "$T/c_d.log" && grep -q "host_syncs=0" "$T/c_d.log" &&
     grep -q "^expert exchange: host-synchronized" "$T/c_h.log"; banner=$?
@@ -253,10 +259,7 @@ fi
 #    --fp8-wgrad bf16 from an artifact = in-process
 if want 13; then
 f8="--nproc 2 --dp-shard 2 --ep 2 --fp8"
-./train --preset debug $f8 --steps 10 --seed 1 --metrics "$T/f_d.jsonl" --save "$T/f_d" > "$T/f_d.log" 2>&1; rd=$?
-./train --preset debug $f8 --ep-exchange host --steps 10 --seed 1 --metrics "$T/f_h.jsonl" --save "$T/f_h" > "$T/f_h.log" 2>&1; rh=$?
-core "$T/f_d.jsonl" > "$T/f_cd"; core "$T/f_h.jsonl" > "$T/f_ch"
-same=0; for f in "$T/f_d"/*.safetensors; do cmp -s "$f" "$T/f_h/$(basename "$f")" || same=1; done
+dev_host f $f8
 grep -q "GEMMs in FP8" "$T/f_d.log" && grep -q "^expert exchange: device-side" "$T/f_d.log" && grep -q "host_syncs=0" "$T/f_d.log"; banner=$?
 [ $rd -eq 0 ] && [ $rh -eq 0 ] && [ $banner -eq 0 ] && [ $same -eq 0 ] && [ "$(wc -l < "$T/f_cd")" -eq 10 ] && cmp -s "$T/f_cd" "$T/f_ch"
 check "debug $f8, 10 steps: device-side exchange = host-synchronized, losses, grad norms, weights bitwise" $? \
