@@ -198,14 +198,15 @@ typedef MT_REAL mt_real;
 
 #define MT_VERSION_STRING "moetrain 0.1"
 #define MT_KERNELS_VERSION "moetrain-kernels 3"   /* bump when any kernel's numerics change (2: RoPE rotations with pinned roundings; 3: the SwiGLU's logistic with the approximate reciprocal) */
-#define MT_FORMAT_VERSION 9u                       /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
+#define MT_FORMAT_VERSION 10u                      /* artifact format (2: doc_mask, eot_id, DOC_STARTS; 3: value shard masks, ALLGATHER/REDUCE_SCATTER;
                                                       4: activation recompute: the recompute phase, the choice and budget in the plan; 5: tuning by GPU model;
                                                       6: RoPE folded into attention: ROPE_PE, MLA_ATTENTION(_BWD), ROPE_PE_BWD, 10 inputs a node;
                                                       7: tensor parallelism: SP_GATHER/SP_SCATTER, CE_STATS/CE_COMBINE/CE_SHARD_BWD, EMBED's
                                                          token slice, the TP_ROWS/TP_COLS value flags;
                                                       8: multi-token prediction: SHIFT_TOKENS, the loss ops' counted rows and weight,
                                                          the config fields mtp_layers and mtp_weight;
-                                                      9: FP8 GEMMs: a GEMM node's iattr[MT_IATTR_FP8]) */
+                                                      9: FP8 GEMMs: a GEMM node's iattr[MT_IATTR_FP8];
+                                                      10: EMBED/EMBED_BWD on FSDP shards (iattr 2, 3), SP_GATHER of token ids) */
 
 /* ========================================================================
  * 1. Basics
@@ -470,8 +471,8 @@ typedef struct {
  * differentiate, rewrite and run it.
  *   X(name, n_in, n_out, differentiable) */
 #define MT_OPS(X)                                                                 \
-    X(EMBED, 2, 1, 1)            /* tokens[N] i32, wte[V,D] -> x[N,D] */          \
-    X(EMBED_BWD, 2, 1, 0)        /* dx[N,D], tokens -> dwte[V,D] */               \
+    X(EMBED, 2, 1, 1)            /* tokens[N] i32, wte[V,D] -> x[N,D]; i2 > 1: wte my shard of S = i2 (i3 coord) */ \
+    X(EMBED_BWD, 2, 1, 0)        /* dx[N,D], tokens -> dwte[V,D]; i2, i3 as EMBED's */ \
     X(RMSNORM, 2, 2, 1)          /* x[N,D], w[D] -> y[N,D], rstd[N] f32; f0 eps */\
     X(RMSNORM_BWD, 4, 2, 0)      /* dy, x, w, rstd -> dx, dw */                   \
     X(MATMUL, 2, 1, 1)           /* A, B -> C = op(A) op(B); i0 transA i1 transB */\
@@ -517,7 +518,7 @@ typedef struct {
     X(MLA_ATTENTION_BWD, 10, 3, 0) /* fold_rope: q, kv, qr, kr, O, lse, dO, dstart (optional), cos, sin -> dq, dkv, dkr[N,H*dr] */ \
     X(ROPE_PE_BWD, 3, 1, 0)      /* fold_rope: dkr, cos, sin -> dkpe[N,dr] (the heads' kr gradients rotated back and summed) */ \
     X(GMM_GLU, 4, 3, 0)          /* fused: X, Wg, offs, Wu -> g = X_e Wg_e^T, u = X_e Wu_e^T, h = silu(g) u (one launch) */ \
-    X(SP_GATHER, 1, 1, 1)        /* x[n,D] -> y[n*S,D]: the group's rows in group order; i0 mesh-dim mask, i1 group */ \
+    X(SP_GATHER, 1, 1, 1)        /* x[n,D] (or [n]) -> y[n*S,D]: the group's rows in group order; i0 mesh-dim mask, i1 group */ \
     X(SP_SCATTER, 1, 1, 1)       /* x[n*S,D] -> y[n,D]: my rows of the group's sum; i0 mask, i1 group */ \
     X(CE_STATS, 2, 1, 0)         /* logits[N,Vl] (a vocab shard), targets[N] -> st[N,3] f32: max, sum exp(x - max), target logit; i0 coord (symbol) */ \
     X(CE_COMBINE, 3, 2, 1)       /* st[S*N,3] (every shard's), logits (for the backward), targets -> loss[1] f32, lse[N] f32; i1, f0 as CROSS_ENTROPY's */ \
@@ -762,7 +763,11 @@ int mt_read_file(const char *path, uint8_t **bytes, size_t *len, mt_err *err);
  * ====================================================================== */
 
 void mt_cpu_embed_forward(mt_real *x, const int32_t *tok, const mt_real *wte, int N, int D);
+/* from elements [lo, lo + len) of the [V,D] table (an FSDP shard, wte[0] = element lo); -0.0 elsewhere */
+void mt_cpu_embed_forward_range(mt_real *x, const int32_t *tok, const mt_real *wte, int N, int D, int64_t lo, int64_t len);
 void mt_cpu_embed_backward(mt_real *dwte, const mt_real *dx, const int32_t *tok, int N, int V, int D);
+/* elements [lo, lo + len) of the [V,D] gradient (row-major; past V*D: 0), summed in token order */
+void mt_cpu_embed_backward_range(mt_real *dw, const mt_real *dx, const int32_t *tok, int N, int D, int64_t lo, int64_t len);
 void mt_cpu_rmsnorm_forward(mt_real *y, mt_real *rstd, const mt_real *x, const mt_real *w,
                             int N, int D, float eps);
 void mt_cpu_rmsnorm_backward(mt_real *dx, mt_real *dw, const mt_real *dy, const mt_real *x,
@@ -1172,7 +1177,12 @@ int mt_cuda_init_fill(mt_cuda *c, float *dst, int64_t stored, int64_t lo, int64_
                       const uint64_t *keys, int64_t first_chunk, const float *table, float std);
 size_t mt_cuda_embed_backward_workspace(int N, int D);
 int mt_cuda_embed_forward(mt_cuda *c, void *x, const int32_t *tok, const void *wte, int N, int D);
+/* from elements [lo, lo + len) of the [V,D] table (an FSDP shard, wte's first element is lo); -0.0 elsewhere */
+int mt_cuda_embed_forward_range(mt_cuda *c, void *x, const int32_t *tok, const void *wte, int N, int D, long long lo, long long len);
 int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_t *tok, int N, int V, int D, void *ws);
+/* elements [lo, lo + len) of the [V,D] gradient (an FSDP shard; past V*D: 0): the same sums as the whole one's */
+int mt_cuda_embed_backward_range(mt_cuda *c, float *dw, const void *dx, const int32_t *tok, int N, int V, int D,
+                                 long long lo, long long len, void *ws);
 size_t mt_cuda_rmsnorm_backward_workspace(int N, int D);
 int mt_cuda_rmsnorm_forward(mt_cuda *c, void *y, float *rstd, const void *x, const float *w, int N, int D, float eps);
 int mt_cuda_rmsnorm_backward(mt_cuda *c, void *dx, float *dw, const void *dy, const void *x, const float *w,
@@ -2388,6 +2398,20 @@ static int mt__check_dense(mt__ck c) {
     case MT_OP_EMBED: case MT_OP_EMBED_BWD: {   /* i0 parts (0, 1: all tokens), i1 which part (a symbol): rows [i1*n, (i1+1)*n) */
         MT__T(mt__int_attr(&c, 0, 0, 4096));
         int64_t parts = n->iattr[0] > 1 ? n->iattr[0] : 1;
+        const mt_value *tab = n->op == MT_OP_EMBED ? b : o;   /* the table, or its gradient */
+        if (n->iattr[2] > 1) {   /* i2 shards S, i3 mine (a symbol): the table is my FSDP shard, the tokens every rank's */
+            MT__T(mt__int_attr(&c, 2, 0, 4096));
+            int sy = n->iattr[3];
+            if (parts > 1 || !(n->sym_mask & 8u) || sy < 0 || sy >= c.g->n_syms || c.g->syms[sy].kind != MT_SYM_COORD ||
+                c.g->syms[sy].max != n->iattr[2] - 1)
+                return mt_errf(err, "%s: a table in %d shards needs this rank's coordinate over %d ranks (and one token slice)", oi->name,
+                               n->iattr[2], n->iattr[2]);
+            if (!tab || !tab->shard || (tab->flags & MT_VF_GATHERED) || mt_mesh_group_size(&c.g->mesh, tab->shard) != n->iattr[2] ||
+                tab->shard != MT_DIMBIT(c.g->syms[sy].mesh_dim))
+                return mt_errf(err, "%s: '%s' is not a shard over the %d ranks of the coordinate", oi->name, tab ? tab->name : "-", n->iattr[2]);
+        } else if (tab && tab->shard && !(tab->flags & MT_VF_GATHERED)) {
+            return mt_errf(err, "%s: '%s' is a shard: name the shards (i2) and this rank's (i3)", oi->name, tab->name);
+        }
         if (parts > 1 && (!(n->sym_mask & 2u) || n->iattr[1] < 0 || n->iattr[1] >= c.g->n_syms || c.g->syms[n->iattr[1]].kind != MT_SYM_COORD ||
                           c.g->syms[n->iattr[1]].max != parts - 1))
             return mt_errf(err, "%s: a token slice of %lld parts needs a coordinate symbol over %lld ranks", oi->name, (long long)parts, (long long)parts);
@@ -2804,8 +2828,12 @@ static int mt__check_collective(mt__ck c) {
         if (!mt_mesh_mask_valid(mask)) return mt_errf(err, "%s: mesh mask 0x%x mixes bases", oi->name, n->iattr[0]);
         int64_t S = mt_mesh_group_size(&g->mesh, mask);
         const mt_value *part = n->op == MT_OP_SP_GATHER ? a : o, *whole = n->op == MT_OP_SP_GATHER ? o : a;
-        MT__T(mt__shape(&c, part, "part", 2, MT__ANY, MT__ANY, 0));
-        MT__T(mt__shape(&c, whole, "whole", 2, part->dims[0] * S, part->dims[1], 0));
+        if (n->op == MT_OP_SP_GATHER && part && part->ndim == 1) {   /* token ids [n] -> [n*S] */
+            MT__T(mt__shape(&c, whole, "whole", 1, part->dims[0] * S, 0, 0));
+        } else {
+            MT__T(mt__shape(&c, part, "part", 2, MT__ANY, MT__ANY, 0));
+            MT__T(mt__shape(&c, whole, "whole", 2, part->dims[0] * S, part->dims[1], 0));
+        }
         if (part->dtype != whole->dtype) return mt_errf(err, "%s: '%s' and '%s' differ in dtype", oi->name, part->name, whole->name);
         if (part->dims[0] < 0 || part->shard || whole->shard) return mt_errf(err, "%s: '%s' must be a plain, fixed-size activation", oi->name, part->name);
         break;
@@ -3105,13 +3133,15 @@ static uint32_t mt__fsdp_mask(const mt_graph *g, uint32_t flags) {
     return mt_mesh_group_size(&g->mesh, m) > 1 ? m : 0;
 }
 
-/* A parameter (f32 master). Returns the id the forward computes with: the
- * master itself, or on a bf16 target a bf16 shadow that AdamW refreshes.
- * Under FSDP the master, its shadow, gradient and moments are this rank's
- * flat shard, and the forward computes with the whole weight, all-gathered
- * (bf16 on the GPU) right here, just before its first use. */
-static int mt__param(mt__builder *b, const char *name, int init, float std, uint32_t flags,
-                     int compute_dtype, int ndim, int64_t d0, int64_t d1, int64_t d2) {
+/* A parameter (f32 master). mt__param returns the id the forward computes
+ * with: the master itself, or on a bf16 target a bf16 shadow that AdamW
+ * refreshes. Under FSDP the master, its shadow, gradient and moments are
+ * this rank's flat shard, and the forward computes with the whole weight,
+ * all-gathered (bf16 on the GPU) right there, just before its first use.
+ * mt__param_shard stops short of the gather (the embedding may look its
+ * rows up in the shards: mt__embed). */
+static int mt__param_shard(mt__builder *b, const char *name, int init, float std, uint32_t flags,
+                           int compute_dtype, int ndim, int64_t d0, int64_t d1, int64_t d2) {
     int p = mt__value(b, name, MT_F32, MT_ROLE_PARAM, ndim, d0, d1, d2);
     if (p < 0) return -1;
     mt_value *v = &b->g->values[p];
@@ -3133,15 +3163,26 @@ static int mt__param(mt__builder *b, const char *name, int init, float std, uint
         mt__set_shard(b, s, 0, shard);
         b->vi[s].req = 1; b->vi[s].master = p;
     }
-    if (!shard) return s;
-    snprintf(nm, sizeof nm, "%.*s@full", MT_NAME_LEN - 8, name);
-    int full = mt__value(b, nm, compute_dtype, MT_ROLE_ACT, ndim, d0, d1, d2);
-    mt__set_shard(b, full, MT_VF_GATHERED, shard);
+    return s;
+}
+/* The whole weight of shard s (a parameter or its shadow), all-gathered here; s itself when whole. */
+static int mt__gather(mt__builder *b, int s) {
+    if (s < 0 || b->failed || !b->g->values[s].shard) return s;
+    const mt_value w = b->g->values[s];
+    int m = b->vi[s].master >= 0 ? b->vi[s].master : s;
+    char nm[MT_NAME_LEN];
+    snprintf(nm, sizeof nm, "%.*s@full", MT_NAME_LEN - 8, b->g->values[m].name);
+    int full = mt__value(b, nm, w.dtype, MT_ROLE_ACT, w.ndim, w.dims[0], w.dims[1], w.dims[2]);
+    mt__set_shard(b, full, MT_VF_GATHERED, w.shard);
     mt_node n = mt__node(b, MT_OP_ALLGATHER);
-    n.queue = MT_Q_DP; n.in[0] = s; n.out[0] = full; n.iattr[0] = (int)shard;
+    n.queue = MT_Q_DP; n.in[0] = s; n.out[0] = full; n.iattr[0] = (int)w.shard;
     mt__push(b, &n);
     if (full >= 0) b->vi[full].shard_of = s;
     return full;
+}
+static int mt__param(mt__builder *b, const char *name, int init, float std, uint32_t flags,
+                     int compute_dtype, int ndim, int64_t d0, int64_t d1, int64_t d2) {
+    return mt__gather(b, mt__param_shard(b, name, init, std, flags, compute_dtype, ndim, d0, d1, d2));
 }
 static int mt__weight(mt__builder *b, const char *name, float std, int64_t rows, int64_t cols) {
     return mt__param(b, name, MT_INIT_NORMAL, std, MT_VF_TRAINABLE | MT_VF_DECAY, b->act, 2, rows, cols, 0);
@@ -3451,12 +3492,17 @@ static int mt__const(mt__builder *b, const char *name, const mt_real *data, int6
 
 /* The cross-entropy of logits [N,V] (under tp [N,V/tp], this rank's vocab entries) against targets
  * into loss[1]: the mean over `count` rows (0: all N; targets < 0 are left out), its gradient
- * scaled by `weight` (0: 1). Under tp each rank's row statistics (max, sum of exp, the target's
- * logit where it holds it) are gathered over tp and combined in rank order (every rank the same
- * bits), so the whole [N,V] logits never exist on one rank. */
+ * scaled by `weight` (0: 1). The step's loss is the mean over the DP ranks: the gradient's seed
+ * carries that 1/DP too, so that every gradient leaves the backward already the rank's share
+ * (the reductions only add; nothing rescales the gradients after them). Under tp each rank's row
+ * statistics (max, sum of exp, the target's logit where it holds it) are gathered over tp and
+ * combined in rank order (every rank the same bits), so the whole [N,V] logits never exist on
+ * one rank. */
 static int mt__cross_entropy(mt__builder *b, int logits, int targets, int loss, int count, float weight) {
     mt_graph *g = b->g;
     int64_t N = (int64_t)g->cfg.batch * g->cfg.seq_len;
+    int dp = mt_mesh_group_size(&g->mesh, MT_DIMBIT(MT_DIM_DP_REPLICATE) | MT_DIMBIT(MT_DIM_DP_SHARD));
+    if (dp > 1) weight = (weight > 0 ? weight : 1.0f) / (float)dp;
     int lse = mt__act(b, "loss.lse", MT_F32, 1, N, 0, 0);
     mt_node n;
     if (mt__tp(b) == 1) {
@@ -3493,12 +3539,49 @@ static int mt__shift_tokens(mt__builder *b, int x, int k, int fill, const char *
 static int mt__embed(mt__builder *b, int tokens, int wte, const char *name) {
     const mt_config *c = &b->g->cfg;
     int tp = mt__tp(b);
+    const mt_value w = b->g->values[wte];
+    if (w.shard && !(w.flags & MT_VF_GATHERED)) {   /* rows looked up in the shards (mt__embed_in_shards) */
+        int S = mt_mesh_group_size(&b->g->mesh, w.shard);
+        int64_t N = (int64_t)c->batch * c->seq_len;
+        char nm[MT_NAME_LEN];
+        snprintf(nm, sizeof nm, "%.*s.tokens_all", MT_NAME_LEN - 12, name);
+        int tk = mt__act(b, nm, MT_I32, 1, N * S, 0, 0);
+        snprintf(nm, sizeof nm, "%.*s.parts", MT_NAME_LEN - 8, name);
+        int part = mt__act(b, nm, b->act, 2, N * S, c->dim, 0);
+        int x = mt__act(b, name, b->act, 2, N, c->dim, 0);
+        mt_node n = mt__node(b, MT_OP_SP_GATHER);
+        n.queue = MT_Q_DP; n.in[0] = tokens; n.out[0] = tk; n.iattr[0] = (int)w.shard;
+        mt__push(b, &n);
+        n = mt__node(b, MT_OP_EMBED);
+        n.in[0] = tk; n.in[1] = wte; n.out[0] = part;
+        n.iattr[2] = S; n.iattr[3] = b->sym_coord[MT_DIM_DP_SHARD]; n.sym_mask = 8u;
+        mt__push(b, &n);
+        n = mt__node(b, MT_OP_SP_SCATTER);
+        n.queue = MT_Q_DP; n.in[0] = part; n.out[0] = x; n.iattr[0] = (int)w.shard;
+        mt__push(b, &n);
+        return x;
+    }
     int x = mt__act(b, name, b->act, 2, (int64_t)c->batch * c->seq_len / tp, c->dim, 0);
     mt_node n = mt__node(b, MT_OP_EMBED);
     n.in[0] = tokens; n.in[1] = wte; n.out[0] = x;
     if (tp > 1) { n.iattr[0] = tp; n.iattr[1] = b->sym_coord[MT_DIM_TP]; n.sym_mask = 2u; }
     mt__push(b, &n);
     return x;
+}
+/* The embedding under FSDP, two ways. Gather the whole table (V*D) for the lookup and reduce-scatter
+ * its whole f32 gradient. Or look the rows up in the shards: every rank's token ids all-gathered, each
+ * rank fills the rows of its shard (-0.0 elsewhere: x + -0.0 = x, bitwise) and a reduce-scatter over
+ * the shards hands every rank its own tokens' rows, exactly the table's; the backward all-gathers
+ * the token gradients and each rank sums those that fall in its shard into its shard's gradient.
+ * That moves S*N*D activations each way instead of the table, and the backward no longer ends on the
+ * table's reduce-scatter: the second where S*N < V (mid on 2 GPUs: 16,384 tokens, 102,400 entries),
+ * with one token slice (tp = 1) and the table sharded over dp_shard alone. */
+static int mt__embed_in_shards(const mt__builder *b, int wte) {
+    const mt_graph *g = b->g;
+    const mt_value *w = &g->values[wte];
+    int64_t S = mt_mesh_group_size(&g->mesh, w->shard);
+    return mt__tp(b) == 1 && w->shard == MT_DIMBIT(MT_DIM_DP_SHARD) && S > 1 &&
+           S * (int64_t)g->cfg.batch * g->cfg.seq_len < (int64_t)g->cfg.vocab_size;
 }
 
 /* Multi-token prediction (DeepSeek-V3 section 2.2), depths k = 1..D in layers L+k-1 (Hugging Face
@@ -3558,8 +3641,9 @@ static int mt__forward(mt__builder *b) {
         b->sin = mt__const(b, "rope.sin", cs + c->seq_len * half, c->seq_len, half);
         MT_FREE(cs);
     }
-    int wte = mt__param(b, "model.embed_tokens.weight", MT_INIT_NORMAL, 1.0f,
-                        MT_VF_TRAINABLE | MT_VF_DECAY, b->act, 2, V, D, 0);
+    int wte = mt__param_shard(b, "model.embed_tokens.weight", MT_INIT_NORMAL, 1.0f,
+                              MT_VF_TRAINABLE | MT_VF_DECAY, b->act, 2, V, D, 0);
+    if (wte >= 0 && !mt__embed_in_shards(b, wte)) wte = mt__gather(b, wte);
     int x = mt__embed(b, g->io[MT_IO_TOKENS], wte, "embed");   /* under tp: this rank's slice of the tokens */
     mt_node n;
     b->doc = -1;
@@ -3839,6 +3923,10 @@ static int mt__regather(mt__builder *b, int full) {
     return again;
 }
 
+/* Whether op's backward rule reads its input k; an FSDP weight it does not read is not gathered
+ * again for the backward (the embedding's backward needs the token ids, not the table). */
+static int mt__backward_reads(int op, int k) { return !(op == MT_OP_EMBED && k == 1); }
+
 static int mt__backward(mt__builder *b) {
     mt_graph *g = b->g;
     int n_fwd = g->n_forward_nodes;
@@ -3851,7 +3939,8 @@ static int mt__backward(mt__builder *b) {
         if (!any) continue;
         b->layer = f.layer;
         for (int k = 0; k < f.n_in; k++)
-            if (f.op != MT_OP_ALLGATHER && f.in[k] >= 0 && b->vi[f.in[k]].shard_of >= 0) f.in[k] = mt__regather(b, f.in[k]);
+            if (f.op != MT_OP_ALLGATHER && f.in[k] >= 0 && b->vi[f.in[k]].shard_of >= 0 && mt__backward_reads(f.op, k))
+                f.in[k] = mt__regather(b, f.in[k]);
         mt__backward_rule(b, &f);
     }
     b->layer = -1;
@@ -3869,12 +3958,11 @@ static int mt__optimizer(mt__builder *b) {
     int tp = mt__tp(b);
     uint32_t tp_dim = tp > 1 ? MT_DIMBIT(MT_DIM_TP) : 0;   /* replicated weights' partial gradients, and counts, add over tp */
     /* The loss is the mean over the data-parallel ranks, so every gradient is
-     * the sum of the ranks' gradients over DP. A sharded gradient was summed
-     * over its shard dims by the reduce-scatter; an expert's gradient already
-     * holds the tokens of its whole ep group. What remains is a sum over the
-     * ranks that hold the same part, then the 1/DP. */
-    int dp = mt_mesh_group_size(&g->mesh, dense_dims);
-    float inv_dp = dp > 1 ? 1.0f / (float)dp : 0.0f;
+     * the sum of the ranks' gradients over DP, each already scaled by 1/DP at
+     * the loss (mt__cross_entropy). A sharded gradient was summed over its
+     * shard dims by the reduce-scatter; an expert's gradient already holds the
+     * tokens of its whole ep group. What remains is a sum over the ranks that
+     * hold the same part: an all-reduce where that group has several ranks. */
     mt_node n;
     /* the logged loss is the mean over data-parallel ranks */
     n = mt__node(b, MT_OP_ALLREDUCE);
@@ -3889,11 +3977,11 @@ static int mt__optimizer(mt__builder *b) {
     for (int i = 0; i < b->n_params && !b->failed; i++) {
         int p = b->params[i], gv = b->vi[p].grad;
         if (gv < 0) return mt__fail(b, "internal error: parameter '%s' received no gradient", g->values[p].name);
-        n = mt__node(b, MT_OP_ALLREDUCE);         /* sum over the ranks that hold the same part of p, / DP */
-        n.queue = MT_Q_DP; n.in[0] = n.out[0] = gv;
         uint32_t fl = g->values[p].flags;
-        n.iattr[0] = (int)(((fl & MT_VF_EXPERTS) ? expert_dims : dense_dims | ((fl & MT_VF_TP) ? 0 : tp_dim)) & ~g->values[p].shard);
-        n.fattr[0] = inv_dp;
+        uint32_t over = ((fl & MT_VF_EXPERTS) ? expert_dims : dense_dims | ((fl & MT_VF_TP) ? 0 : tp_dim)) & ~g->values[p].shard;
+        if (mt_mesh_group_size(&g->mesh, over) == 1) continue;
+        n = mt__node(b, MT_OP_ALLREDUCE);         /* sum over the ranks that hold the same part of p */
+        n.queue = MT_Q_DP; n.in[0] = n.out[0] = gv; n.iattr[0] = (int)over;
         mt__push(b, &n);
     }
     /* The global gradient norm, fixed order. dp_shard ranks hold disjoint parts of the gradients
@@ -6458,12 +6546,22 @@ void mt_graph_dump(const mt_graph *g, FILE *f) {
 void mt_cpu_embed_forward(mt_real *x, const int32_t *tok, const mt_real *wte, int N, int D) {
     for (int n = 0; n < N; n++) memcpy(x + (int64_t)n * D, wte + (int64_t)tok[n] * D, sizeof(mt_real) * (size_t)D);
 }
+void mt_cpu_embed_forward_range(mt_real *x, const int32_t *tok, const mt_real *wte, int N, int D, int64_t lo, int64_t len) {
+    for (int n = 0; n < N; n++) {
+        int64_t r0 = (int64_t)tok[n] * D;
+        mt_real *y = x + (int64_t)n * D;
+        for (int64_t d = 0; d < D; d++) y[d] = r0 + d >= lo && r0 + d < lo + len ? wte[r0 + d - lo] : (mt_real)-0.0;
+    }
+}
 void mt_cpu_embed_backward(mt_real *dwte, const mt_real *dx, const int32_t *tok, int N, int V, int D) {
-    memset(dwte, 0, sizeof(mt_real) * (size_t)V * (size_t)D);
+    mt_cpu_embed_backward_range(dwte, dx, tok, N, D, 0, (int64_t)V * D);
+}
+void mt_cpu_embed_backward_range(mt_real *dw, const mt_real *dx, const int32_t *tok, int N, int D, int64_t lo, int64_t len) {
+    memset(dw, 0, sizeof(mt_real) * (size_t)len);
     for (int n = 0; n < N; n++) {               /* token order: deterministic */
-        mt_real *row = dwte + (int64_t)tok[n] * D;
+        int64_t r0 = (int64_t)tok[n] * D, d0 = lo > r0 ? lo - r0 : 0, d1 = lo + len - r0 < D ? lo + len - r0 : D;
         const mt_real *g = dx + (int64_t)n * D;
-        for (int d = 0; d < D; d++) row[d] += g[d];
+        for (int64_t d = d0; d < d1; d++) dw[r0 + d - lo] += g[d];
     }
 }
 
@@ -7575,8 +7673,8 @@ static int mt__cpu_allreduce(mt_runtime *rt, const mt__group *gr, void *buf, int
 }
 
 /* out[k*L .. (k+1)*L) = member k's shard */
-static int mt__cpu_allgather(mt_runtime *rt, const mt__group *gr, const void *in, void *out, int64_t L, mt_err *err) {
-    size_t bytes = sizeof(mt_real) * (size_t)L;
+static int mt__cpu_allgather(mt_runtime *rt, const mt__group *gr, const void *in, void *out, int64_t L, int dtype, mt_err *err) {
+    size_t bytes = (dtype == MT_I32 ? 4 : sizeof(mt_real)) * (size_t)L;
     if (mt__cpu_post(rt, gr, in, NULL, err)) return -1;
     for (int k = 0; k < gr->size; k++) memcpy((uint8_t *)out + (size_t)k * bytes, mt__peer(rt, gr, k, 0, in), bytes);
     return mt__cpu_done(rt, gr, err);
@@ -7610,12 +7708,12 @@ static int mt__cpu_collective(mt_runtime *rt, const mt_node *n, mt_err *err) {
     case MT_OP_ALLREDUCE:
         return mt__cpu_allreduce(rt, gr, rt->ptr[n->in[0]], mt_value_numel_max(G, a), a->dtype, n->iattr[2], n->fattr[0], err);
     case MT_OP_ALLGATHER:
-        return mt__cpu_allgather(rt, gr, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), err);
+        return mt__cpu_allgather(rt, gr, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), a->dtype, err);
     case MT_OP_REDUCE_SCATTER:
         return mt__cpu_reduce_scatter(rt, gr, (const mt_real *)rt->ptr[n->in[0]], (mt_real *)rt->ptr[n->out[0]],
                                       mt_value_numel_logical(G, a), mt_value_numel_max(G, &G->values[n->out[0]]), n->fattr[0], err);
     case MT_OP_SP_GATHER:
-        return mt__cpu_allgather(rt, gr, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), err);
+        return mt__cpu_allgather(rt, gr, rt->ptr[n->in[0]], rt->ptr[n->out[0]], mt_value_numel_max(G, a), a->dtype, err);
     case MT_OP_SP_SCATTER:
         return mt__cpu_reduce_scatter(rt, gr, (const mt_real *)rt->ptr[n->in[0]], (mt_real *)rt->ptr[n->out[0]],
                                       mt_value_numel_max(G, a), mt_value_numel_max(G, &G->values[n->out[0]]), 0.0f, err);
@@ -8594,8 +8692,22 @@ static int mt__exec_cpu(mt_runtime *rt, const mt_node *n, mt_err *err) {
 #define DIM(v, d) ((int)G->values[v].dims[d])
     const int *a = n->iattr;
     switch (n->op) {
-    case MT_OP_EMBED: mt_cpu_embed_forward(RO(0), I_(0) + mt__token_slice(rt, n), R_(1), DIM(n->out[0], 0), DIM(n->in[1], 1)); break;
-    case MT_OP_EMBED_BWD: mt_cpu_embed_backward(RO(0), R_(0), I_(1) + mt__token_slice(rt, n), DIM(n->in[0], 0), DIM(n->out[0], 0), DIM(n->out[0], 1)); break;
+    case MT_OP_EMBED:
+        if (n->iattr[2] > 1) {   /* the rows in my shard */
+            int64_t L = mt_value_numel_max(G, &G->values[n->in[1]]);
+            mt_cpu_embed_forward_range(RO(0), I_(0), R_(1), DIM(n->out[0], 0), DIM(n->in[1], 1), rt->sym[n->iattr[3]] * L, L);
+        } else {
+            mt_cpu_embed_forward(RO(0), I_(0) + mt__token_slice(rt, n), R_(1), DIM(n->out[0], 0), DIM(n->in[1], 1));
+        }
+        break;
+    case MT_OP_EMBED_BWD:
+        if (n->iattr[2] > 1) {   /* my FSDP shard of the gradient */
+            int64_t L = mt_value_numel_max(G, &G->values[n->out[0]]);
+            mt_cpu_embed_backward_range(RO(0), R_(0), I_(1), DIM(n->in[0], 0), DIM(n->out[0], 1), rt->sym[n->iattr[3]] * L, L);
+        } else {
+            mt_cpu_embed_backward(RO(0), R_(0), I_(1) + mt__token_slice(rt, n), DIM(n->in[0], 0), DIM(n->out[0], 0), DIM(n->out[0], 1));
+        }
+        break;
     case MT_OP_RMSNORM: mt_cpu_rmsnorm_forward(RO(0), RO(1), R_(0), R_(1), (int)mt__nrows(rt, n->in[0]), DIM(n->in[0], 1), n->fattr[0]); break;
     case MT_OP_RMSNORM_BWD: mt_cpu_rmsnorm_backward(RO(0), RO(1), R_(0), R_(1), R_(2), R_(3), (int)mt__nrows(rt, n->in[1]), DIM(n->in[1], 1)); break;
     case MT_OP_MATMUL: case MT_OP_MATMUL_ACC: {
@@ -9029,10 +9141,18 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
     int rc = 0;
     if (mt_node_fp8(n)) return mt__cuda_fp8(rt, G, n, NULL, err);
     switch (n->op) {
-    case MT_OP_EMBED: rc = mt_cuda_embed_forward(c, VO(0), I_(0) + mt__token_slice(rt, n), V_(1), DIM(n->out[0], 0), DIM(n->in[1], 1)); break;
-    case MT_OP_EMBED_BWD:
-        rc = mt_cuda_embed_backward(c, FO(0), V_(0), I_(1) + mt__token_slice(rt, n), DIM(n->in[0], 0), DIM(n->out[0], 0), DIM(n->out[0], 1), rt->scratch);
+    case MT_OP_EMBED: {
+        int64_t L = mt_value_numel_max(G, &G->values[n->in[1]]), lo = n->iattr[2] > 1 ? rt->sym[n->iattr[3]] * L : 0;
+        rc = n->iattr[2] > 1 ? mt_cuda_embed_forward_range(c, VO(0), I_(0), V_(1), DIM(n->out[0], 0), DIM(n->in[1], 1), lo, L)
+                             : mt_cuda_embed_forward(c, VO(0), I_(0) + mt__token_slice(rt, n), V_(1), DIM(n->out[0], 0), DIM(n->in[1], 1));
         break;
+    }
+    case MT_OP_EMBED_BWD: {
+        int64_t L = mt_value_numel_max(G, &G->values[n->out[0]]), lo = n->iattr[2] > 1 ? rt->sym[n->iattr[3]] * L : 0;
+        rc = mt_cuda_embed_backward_range(c, FO(0), V_(0), I_(1) + mt__token_slice(rt, n), DIM(n->in[0], 0), DIM(n->out[0], 0),
+                                          DIM(n->out[0], 1), lo, L, rt->scratch);
+        break;
+    }
     case MT_OP_CE_STATS: rc = mt_cuda_ce_stats(c, FO(0), V_(0), I_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), (int)rt->sym[a[0]] * DIM(n->in[0], 1)); break;
     case MT_OP_CE_COMBINE:
         rc = mt_cuda_ce_combine(c, FO(0), FO(1), F_(0), I_(2), DIM(n->in[0], 0) / DIM(n->in[1], 0), DIM(n->in[1], 0),

@@ -844,6 +844,7 @@ int mt_cuda_concat(mt_cuda *c, void *x, const void *x1, const void *x2, int N, i
  * 4. embedding
  * The backward sums the rows of each token id in token order: a stable
  * radix sort of (token, position) groups them, then one block per group.
+ * It writes the whole [V,D] gradient or a flat range of it (an FSDP shard).
  * ====================================================================== */
 
 __global__ void k_embed(bf16 *x, const int32_t *tok, const bf16 *wte, int D) {
@@ -857,6 +858,23 @@ int mt_cuda_embed_forward(mt_cuda *c, void *x, const int32_t *tok, const void *w
     LAUNCHED();
     return 0;
 }
+/* a shard's rows: elements [lo, hi) of the table, -0.0 outside (the reduce-scatter's other terms) */
+__global__ void k_embed_range(bf16 *x, const int32_t *tok, const bf16 *wte, int D, long long lo, long long hi) {
+    int n = blockIdx.x;
+    long long r0 = (long long)tok[n] * D;
+    bf16 *y = x + (int64_t)n * D;
+    if (r0 + D <= lo || r0 >= hi) {   /* the row lies outside: -0.0 */
+        for (int d = threadIdx.x; d < D; d += blockDim.x) y[d] = __float2bfloat16(-0.0f);
+        return;
+    }
+    for (int d = threadIdx.x; d < D; d += blockDim.x) y[d] = r0 + d >= lo && r0 + d < hi ? wte[r0 + d - lo] : __float2bfloat16(-0.0f);
+}
+int mt_cuda_embed_forward_range(mt_cuda *c, void *x, const int32_t *tok, const void *wte, int N, int D, long long lo, long long len) {
+    if (N <= 0) return 0;
+    k_embed_range<<<N, 128, 0, c->stream>>>((bf16 *)x, tok, (const bf16 *)wte, D, lo, lo + len);
+    LAUNCHED();
+    return 0;
+}
 __global__ void k_iota(int32_t *v, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) v[i] = i;
@@ -865,8 +883,16 @@ __global__ void k_iota(int32_t *v, int n) {
  * equal tokens into part[run start]; pass 2: each token's first position sums
  * its runs' partials in order. Both orders are fixed: deterministic. */
 #define MT_EMB_CHUNK 32
-__global__ void k_embed_bwd_part(float *part, const bf16 *dx, const int32_t *keys, const int32_t *pos, int N, int D) {
+/* An FSDP shard of the gradient keeps its elements [lo, hi) of the [V,D] table: a chunk whose sorted
+ * tokens all lie outside is skipped, and only elements inside are stored, at dw[index - lo]. The
+ * whole table is lo = 0, hi = V*D. */
+__device__ __forceinline__ bool embed_chunk_outside(const int32_t *keys, int i0, int i1, int D, long long lo, long long hi) {
+    return (long long)(keys[i1 - 1] + 1) * D <= lo || (long long)keys[i0] * D >= hi;
+}
+__global__ void k_embed_bwd_part(float *part, const bf16 *dx, const int32_t *keys, const int32_t *pos, int N, int D,
+                                 long long lo, long long hi) {
     int i0 = blockIdx.x * MT_EMB_CHUNK, i1 = min(N, i0 + MT_EMB_CHUNK);
+    if (embed_chunk_outside(keys, i0, i1, D, lo, hi)) return;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float acc = 0;
         int start = i0;
@@ -876,14 +902,16 @@ __global__ void k_embed_bwd_part(float *part, const bf16 *dx, const int32_t *key
         }
     }
 }
-__global__ void k_embed_bwd(float *dwte, const float *part, const int32_t *keys, int N, int D) {
+__global__ void k_embed_bwd(float *dw, const float *part, const int32_t *keys, int N, int D, long long lo, long long hi) {
     int i = blockIdx.x;
     if (i > 0 && keys[i] == keys[i - 1]) return;       /* not the first of its token */
     int v = keys[i];
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        long long at = (long long)v * D + d;
+        if (at < lo || at >= hi) continue;
         float acc = 0;
         for (int j = i; j < N && keys[j] == v; j = (j / MT_EMB_CHUNK + 1) * MT_EMB_CHUNK) acc += part[(int64_t)j * D + d];
-        dwte[(int64_t)v * D + d] = acc;
+        dw[at - lo] = acc;
     }
 }
 }  /* extern "C": the 16-byte variants use the row helpers (templates) */
@@ -891,8 +919,10 @@ __global__ void k_embed_bwd(float *dwte, const float *part, const int32_t *keys,
  * multiple of 8 and aligned rows; every column sums in the same order as above (bitwise the same). The rows of a
  * step of MT_EMB_STEP positions are loaded before any partial is stored. */
 #define MT_EMB_STEP 4
-__global__ void __launch_bounds__(256) k_embed_bwd_part8(float *part, const bf16 *dx, const int32_t *keys, const int32_t *pos, int N, int D) {
+__global__ void __launch_bounds__(256) k_embed_bwd_part8(float *part, const bf16 *dx, const int32_t *keys, const int32_t *pos, int N, int D,
+                                                         long long lo, long long hi) {
     int i0 = blockIdx.x * MT_EMB_CHUNK, i1 = min(N, i0 + MT_EMB_CHUNK);
+    if (embed_chunk_outside(keys, i0, i1, D, lo, hi)) return;
     for (int d = threadIdx.x * 8; d < D; d += blockDim.x * 8) {
         float acc[8];
 #pragma unroll
@@ -923,17 +953,19 @@ __global__ void __launch_bounds__(256) k_embed_bwd_part8(float *part, const bf16
         }
     }
 }
-__global__ void __launch_bounds__(256) k_embed_bwd4(float *dwte, const float *part, const int32_t *keys, int N, int D) {
+__global__ void __launch_bounds__(256) k_embed_bwd4(float *dw, const float *part, const int32_t *keys, int N, int D, long long lo, long long hi) {
     int i = blockIdx.x;
     if (i > 0 && keys[i] == keys[i - 1]) return;       /* not the first of its token */
     int v = keys[i];
     for (int d = threadIdx.x * 4; d < D; d += blockDim.x * 4) {
+        long long at = (long long)v * D + d;           /* lo, hi and D multiples of 4: the 4 lie inside or outside together */
+        if (at < lo || at >= hi) continue;
         float4 acc = make_float4(0, 0, 0, 0);
         for (int j = i; j < N && keys[j] == v; j = (j / MT_EMB_CHUNK + 1) * MT_EMB_CHUNK) {
             float4 p = *(const float4 *)(part + (int64_t)j * D + d);
             acc.x += p.x; acc.y += p.y; acc.z += p.z; acc.w += p.w;
         }
-        *(float4 *)(dwte + (int64_t)v * D + d) = acc;
+        *(float4 *)(dw + (at - lo)) = acc;
     }
 }
 extern "C" {
@@ -943,8 +975,14 @@ size_t mt_cuda_embed_backward_workspace(int N, int D) {
     return mt__al(tmp) + 3 * mt__al((size_t)N * 4) + mt__al((size_t)N * D * 4);
 }
 int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_t *tok, int N, int V, int D, void *ws) {
-    CK(cudaMemsetAsync(dwte, 0, (size_t)V * D * 4, c->stream));
-    if (N <= 0) return 0;
+    return mt_cuda_embed_backward_range(c, dwte, dx, tok, N, V, D, 0, (long long)V * D, ws);
+}
+int mt_cuda_embed_backward_range(mt_cuda *c, float *dw, const void *dx, const int32_t *tok, int N, int V, int D,
+                                 long long lo, long long len, void *ws) {
+    if (lo < 0 || len < 0) return mt__fail(c, "mt_cuda_embed_backward_range", "negative range");
+    CK(cudaMemsetAsync(dw, 0, (size_t)len * 4, c->stream));
+    if (N <= 0 || len == 0) return 0;
+    long long hi = lo + len;
     size_t tmp = 0;
     cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, N);
     char *w = (char *)ws;
@@ -955,16 +993,16 @@ int mt_cuda_embed_backward(mt_cuda *c, float *dwte, const void *dx, const int32_
     while ((1 << bits) < V && bits < 31) bits++;
     CK(cub::DeviceRadixSort::SortPairs(w, tmp, tok, keys, iota, pos, N, 0, bits, c->stream));
     float *part = (float *)(pos + mt__al((size_t)N * 4) / 4);
-    if (mt__rows16(D, 2, dx, part, dwte)) {
-        k_embed_bwd_part8<<<(N + MT_EMB_CHUNK - 1) / MT_EMB_CHUNK, 256, 0, c->stream>>>(part, (const bf16 *)dx, keys, pos, N, D);
+    if (mt__rows16(D, 2, dx, part, dw) && lo % 4 == 0 && len % 4 == 0) {
+        k_embed_bwd_part8<<<(N + MT_EMB_CHUNK - 1) / MT_EMB_CHUNK, 256, 0, c->stream>>>(part, (const bf16 *)dx, keys, pos, N, D, lo, hi);
         LAUNCHED();
-        k_embed_bwd4<<<N, 256, 0, c->stream>>>(dwte, part, keys, N, D);
+        k_embed_bwd4<<<N, 256, 0, c->stream>>>(dw, part, keys, N, D, lo, hi);
         LAUNCHED();
         return 0;
     }
-    k_embed_bwd_part<<<(N + MT_EMB_CHUNK - 1) / MT_EMB_CHUNK, 256, 0, c->stream>>>(part, (const bf16 *)dx, keys, pos, N, D);
+    k_embed_bwd_part<<<(N + MT_EMB_CHUNK - 1) / MT_EMB_CHUNK, 256, 0, c->stream>>>(part, (const bf16 *)dx, keys, pos, N, D, lo, hi);
     LAUNCHED();
-    k_embed_bwd<<<N, 256, 0, c->stream>>>(dwte, part, keys, N, D);
+    k_embed_bwd<<<N, 256, 0, c->stream>>>(dw, part, keys, N, D, lo, hi);
     LAUNCHED();
     return 0;
 }
