@@ -4880,6 +4880,23 @@ int mt_pass_fuse_glu(mt_graph *g, mt_err *err) {
  *    Only where every all-reduce of that gradient is over one rank (the
  *    norm is of the reduced gradient). Not on the CPU, whose SUMSQ sums in
  *    double and stays the reference. */
+/* The node fusion pairs with node i: the next one, past collectives on streams of their own that
+ * neither read node i's outputs nor write what it reads (under FSDP the gathers of the next block's
+ * weights sit between a block's residual add and the next block's norm). */
+static int mt__fuse_next(const mt_graph *g, int i) {
+    const mt_node *a = &g->nodes[i];
+    int j = i + 1;
+    for (; j < g->n_nodes; j++) {
+        const mt_node *x = &g->nodes[j];
+        int dep = !mt__is_collective(x->op) || x->queue == MT_Q_COMPUTE;
+        for (int k = 0; k < x->n_in && !dep; k++)
+            for (int o = 0; o < a->n_out; o++) dep |= x->in[k] >= 0 && x->in[k] == a->out[o];
+        for (int k = 0; k < x->n_out && !dep; k++)
+            for (int m = 0; m < a->n_in; m++) dep |= x->out[k] >= 0 && x->out[k] == a->in[m];
+        if (dep) break;
+    }
+    return j;
+}
 int mt_pass_fuse(mt_graph *g, mt_err *err) {
     int w = 0;
     for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
@@ -4942,9 +4959,13 @@ int mt_pass_fuse(mt_graph *g, mt_err *err) {
     for (int i = 0; i < g->n_nodes; i++) if (g->nodes[i].op >= 0) g->nodes[w++] = g->nodes[i];
     g->n_nodes = w;
     w = 0;
+    /* pairs: a node and the next one (mt__fuse_next); the fused node takes the second's place, after the
+     * collectives skipped between them */
+#define MT__FUSED(f) do { for (int k_ = i + 1; k_ < j; k_++) g->nodes[w++] = g->nodes[k_]; g->nodes[w++] = (f); i = j; } while (0)
     for (int i = 0; i < g->n_nodes; i++) {
-        mt_node *a = &g->nodes[i], *b = i + 1 < g->n_nodes ? &g->nodes[i + 1] : NULL;
-        const mt_node *c3 = i + 2 < g->n_nodes ? &g->nodes[i + 2] : NULL;
+        int j = mt__fuse_next(g, i), j3 = j < g->n_nodes ? mt__fuse_next(g, j) : j;
+        mt_node *a = &g->nodes[i], *b = j < g->n_nodes ? &g->nodes[j] : NULL;
+        const mt_node *c3 = j3 < g->n_nodes ? &g->nodes[j3] : NULL;
         if (b && a->op == MT_OP_MATMUL && b->op == MT_OP_ADD && a->phase == b->phase &&
             (b->in[0] == a->out[0]) != (b->in[1] == a->out[0]) &&
             !(c3 && c3->op == MT_OP_RMSNORM && c3->in[0] == b->out[0]) && mt__uses_after(g, i, a->out[0]) == 1) {
@@ -4955,8 +4976,7 @@ int mt_pass_fuse(mt_graph *g, mt_err *err) {
                 f.n_in = mt_ops[f.op].n_in;
                 f.in[f.n_in - 1] = acc;
                 f.out[0] = b->out[0];
-                g->nodes[w++] = f;
-                i++;
+                MT__FUSED(f);
                 continue;
             }
         }
@@ -4967,8 +4987,7 @@ int mt_pass_fuse(mt_graph *g, mt_err *err) {
             f.out[1] = b->out[0]; f.out[2] = b->out[1];
             f.fattr[0] = b->fattr[0];
             f.layer = b->layer;
-            g->nodes[w++] = f;
-            i++;
+            MT__FUSED(f);
             continue;
         }
         /* RMSNORM_BWD -> dx, then ADD(acc, dx) or ADD(dx, acc): dx is used nowhere else */
@@ -4980,13 +4999,13 @@ int mt_pass_fuse(mt_graph *g, mt_err *err) {
                 f.op = MT_OP_RMSNORM_BWD_ADD; f.n_in = 5; f.n_out = 2;
                 f.in[4] = b->in[0] == dx ? b->in[1] : b->in[0];
                 f.out[0] = b->out[0];
-                g->nodes[w++] = f;
-                i++;
+                MT__FUSED(f);
                 continue;
             }
         }
         g->nodes[w++] = *a;
     }
+#undef MT__FUSED
     int fwd = 0;
     g->n_nodes = w;
     for (int i = 0; i < g->n_nodes; i++) fwd += g->nodes[i].phase == MT_PHASE_FORWARD;
@@ -7558,6 +7577,9 @@ struct mt_runtime {
     int whole;               /* CUDA: the step replays as one captured graph (every node capturable) */
     int warm;                /* CUDA, whole: a step ran eagerly (the next one is captured) */
     void *step_graph;
+    int ran;                 /* CUDA: a step ran (a profiled step may then be captured) */
+    int prof_capture;        /* CUDA: the profiled step is being captured; its events are read after the replay */
+    void *prof_graph;        /* CUDA: the profiled step, its events included, when every node is capturable */
     struct mt__q8_slot *q8;  /* CUDA, FP8: operands quantized once for several nodes (mt__q8_plan) */
     int n_q8;
     int32_t *q8_use;         /* CUDA, FP8: per (node, input < 5): its slot + 1, negated where it makes the slot; 0: none */
@@ -8374,7 +8396,8 @@ void mt_runtime_destroy(mt_runtime *rt) {
     for (int i = 0; rt->cu && rt->graphs && i < rt->g.n_nodes; i++) mt_cuda_graph_destroy(rt->graphs[i]);
     MT_FREE(rt->graphs);
     mt_cuda_graph_destroy(rt->step_graph);
-    rt->step_graph = NULL;
+    mt_cuda_graph_destroy(rt->prof_graph);
+    rt->step_graph = rt->prof_graph = NULL;
     for (int i = 0; rt->cu && rt->groups && i < rt->n_groups; i++)
         if (rt->groups[i].owner == i) mt_cuda_lsa_destroy(MT__CU(rt), (mt_cuda_lsa *)rt->groups[i].lsa, 0);
     for (int v = 0; rt->cu && rt->ep_plan && v < rt->g.n_values; v++) mt_cuda_free(MT__CU(rt), rt->ep_plan[v]);
@@ -9417,7 +9440,9 @@ static int mt__nan_check(mt_runtime *rt, int node, int step, mt_err *err) {
  * accumulator, ADAMW nodes of the same lr, clip coefficient, hyperparameters and step. Runs nodes
  * [i, j), 2 <= j - i, j <= lim, as one batch and returns j; returns 0 (nothing run) where node i
  * starts no such run. The launches do what the nodes' own would, so the bits are the same. */
-static int mt__exec_cuda_multi(mt_runtime *rt, int i, int lim, mt_err *err) {
+/* The end of the run from node i (before lim) that one multi-tensor launch takes: a chain of SUMSQ, or
+ * ADAMW nodes with the same step scalars; 0 where there is none of 2 nodes or more. */
+static int mt__multi_run(const mt_runtime *rt, int i, int lim) {
     const mt_graph *G = &rt->g;
     const mt_node *a = &G->nodes[i];
     if (rt->bind.one_launch_per_node || (a->op != MT_OP_SUMSQ && a->op != MT_OP_ADAMW)) return 0;
@@ -9428,7 +9453,13 @@ static int mt__exec_cuda_multi(mt_runtime *rt, int i, int lim, mt_err *err) {
         if (a->op == MT_OP_SUMSQ && b->in[1] != G->nodes[j - 1].out[0]) break;
         if (a->op == MT_OP_ADAMW && (b->in[4] != a->in[4] || b->in[5] != a->in[5] || b->in[6] != a->in[6] || b->in[7] != a->in[7])) break;
     }
-    if (j - i < 2) return 0;
+    return j - i < 2 ? 0 : j;
+}
+static int mt__exec_cuda_multi(mt_runtime *rt, int i, int lim, mt_err *err) {
+    const mt_graph *G = &rt->g;
+    const mt_node *a = &G->nodes[i];
+    int j = mt__multi_run(rt, i, lim);
+    if (!j) return 0;
     void **P = rt->ptr;
     int rc, cnt = j - i;
     if (a->op == MT_OP_SUMSQ) {
@@ -9488,6 +9519,7 @@ static int mt__capturable(const mt_runtime *rt, const mt_node *n) {
  * the memory plan stays safe.
  * Profiling times the compute stream; time it spends waiting for another
  * stream is charged to the op it waited for (the exposed communication). */
+static int mt__cuda_prof_read(mt_runtime *rt, int step, mt_err *err);
 static int mt__cuda_issue(mt_runtime *rt, int step, int use_graphs, mt_err *err) {
     mt_graph *G = &rt->g;
     mt_cuda *cu = MT__CU(rt);
@@ -9540,17 +9572,35 @@ static int mt__cuda_issue(mt_runtime *rt, int step, int use_graphs, mt_err *err)
             i = end;
             continue;
         }
+        /* a run launched together (mt__exec_cuda_multi); with streams, one that no other stream waits
+         * inside of: it waits for what all its nodes wait for, and its last node's event stands for it */
+        int to = 0;
+        if (!rt->bind.nan_check) {
+            int lim = n;
+            if (multi) for (lim = i + 1; lim < n && S->queue[lim] == q && !rt->ev_used[lim - 1];) lim++;
+            to = mt__multi_run(rt, i, lim);
+        }
         if (multi) {
             CU_(mt_cuda_set_queue(cu, q));
             if (prof && q == MT_Q_COMPUTE) CU_(mt_cuda_event_record(cu, 3 * i + 1));   /* before its waits */
-            for (int w = S->wait_at[i]; w < S->wait_at[i + 1]; w++) CU_(mt_cuda_queue_wait(cu, rt->ev_of[S->wait[w]]));
+            for (int k = i; k < (to ? to : i + 1); k++)
+                for (int w = S->wait_at[k]; w < S->wait_at[k + 1]; w++) CU_(mt_cuda_queue_wait(cu, rt->ev_of[S->wait[w]]));
             if (prof) CU_(mt_cuda_event_record(cu, 3 * i + 2));   /* after them (on a side stream: its start) */
         }
-        int to = multi || rt->bind.nan_check ? 0 : mt__exec_cuda_multi(rt, i, n, &e);   /* a run launched together */
+        if (to) to = mt__exec_cuda_multi(rt, i, to, &e);
         if (to < 0 || (!to && mt__exec_cuda(rt, &G->nodes[i], &e)))
             return mt_errf(err, "step %d, node %d (%s, layer %d): %s", step, i, mt_ops[G->nodes[i].op].name, G->nodes[i].layer, e.msg);
         if (to) {   /* profiled: the run's time is its first node's */
-            for (int k = i; prof && k < to; k++) CU_(mt_cuda_event_record(cu, k + 1));
+            for (int k = i; prof && !multi && k < to; k++) CU_(mt_cuda_event_record(cu, k + 1));
+            if (multi) {
+                for (int k = i; prof && k < to; k++) {
+                    if (k > i) { CU_(mt_cuda_event_record(cu, 3 * k + 1)); CU_(mt_cuda_event_record(cu, 3 * k + 2)); }
+                    CU_(mt_cuda_event_record(cu, 3 * k + 3));
+                }
+                if (rt->ev_used[to - 1]) CU_(mt_cuda_queue_record(cu, to - 1));
+                last[q] = to - 1;
+                CU_(mt_cuda_set_queue(cu, MT_Q_COMPUTE));
+            }
             i = to;
             continue;
         }
@@ -9572,9 +9622,19 @@ static int mt__cuda_issue(mt_runtime *rt, int step, int use_graphs, mt_err *err)
                 }
                 CU_(mt_cuda_queue_wait(cu, last[q]));
             }
-    if (prof) {   /* per op; and the step's compute, communication, and communication the compute stream waited for */
-        CU_(mt_cuda_event_record(cu, 3 * n + 1));
-        CU_(mt_cuda_sync(cu));
+    if (prof) CU_(mt_cuda_event_record(cu, 3 * n + 1));
+#undef CU_
+    return prof && !rt->prof_capture ? mt__cuda_prof_read(rt, step, err) : 0;
+}
+/* The profiled step's events, once it ran: per op; and the step's compute, communication, and
+ * communication the compute stream waited for. */
+static int mt__cuda_prof_read(mt_runtime *rt, int step, mt_err *err) {
+    mt_graph *G = &rt->g;
+    mt_cuda *cu = MT__CU(rt);
+    int n = G->n_nodes, multi = G->overlap && rt->ev_of && !rt->bind.nan_check;
+    const mt_schedule *S = &rt->sched;
+    if (mt_cuda_sync(cu)) return mt_errf(err, "step %d: %s", step, mt_cuda_error(cu));
+    {
         double *ps = rt->prof_step;
         ps[0] += mt_cuda_event_ms(cu, 0, 3 * n + 1);
         for (int i = 0; i < n; i++) {
@@ -9602,16 +9662,39 @@ static int mt__cuda_issue(mt_runtime *rt, int step, int use_graphs, mt_err *err)
         }
         ps[4] += 1;
     }
-#undef CU_
     return 0;
 }
 /* The step: with rt->whole one graph, captured on the second step (the host
  * issues every node once, streams and events included; the first runs
  * eagerly) and replayed after; else issued node by node, with the capturable
- * regions replayed. */
+ * regions replayed. A profiled step, after a first step and where every node
+ * can be captured, is one graph too, its events recorded inside it: it runs
+ * as the unprofiled step does, not at the pace of a host issuing node by node. */
+static int mt__cuda_run_step(mt_runtime *rt, int step, mt_err *err);
 static int mt__cuda_run(mt_runtime *rt, int step, mt_err *err) {
+    int rc = mt__cuda_run_step(rt, step, err);
+    if (!rc) rt->ran = 1;
+    return rc;
+}
+static int mt__cuda_run_step(mt_runtime *rt, int step, mt_err *err) {
     mt_cuda *cu = MT__CU(rt);
     int plain = !rt->bind.profile && !rt->bind.nan_check;
+    if (rt->bind.profile && !rt->bind.nan_check && rt->g.capture && rt->ran) {
+        int all = 1;
+        for (int i = 0; all && i < rt->g.n_nodes; i++) all = mt__capturable(rt, &rt->g.nodes[i]);
+        if (all && !rt->prof_graph) {
+            if (mt_cuda_events(cu, 3 * rt->g.n_nodes + 2) || mt_cuda_capture_begin(cu)) return mt_errf(err, "step %d: %s", step, mt_cuda_error(cu));
+            rt->prof_capture = 1;
+            int rc = mt__cuda_issue(rt, step, 0, err);
+            rt->prof_capture = 0;
+            if (rc) { mt_cuda_capture_end(cu, NULL); return -1; }
+            if (mt_cuda_capture_end(cu, &rt->prof_graph)) return mt_errf(err, "step %d: capturing the profiled step: %s", step, mt_cuda_error(cu));
+        }
+        if (all) {
+            if (mt_cuda_graph_launch(cu, rt->prof_graph)) return mt_errf(err, "step %d: %s", step, mt_cuda_error(cu));
+            return mt__cuda_prof_read(rt, step, err);
+        }
+    }
     if (!rt->whole || !plain) return mt__cuda_issue(rt, step, rt->g.capture && plain, err);
     if (!rt->warm) {   /* the first step eagerly: NCCL connects its peers lazily, which a capture may not do */
         rt->warm = 1;

@@ -334,8 +334,11 @@ int mt_cuda_events(mt_cuda *c, int n) {
     for (; c->n_ev < n; c->n_ev++) CK(cudaEventCreate(&c->ev[c->n_ev]));
     return 0;
 }
-int mt_cuda_event_record(mt_cuda *c, int i) {
-    CK(cudaEventRecord(c->ev[i], c->stream));
+int mt_cuda_event_record(mt_cuda *c, int i) {   /* a timing event: in a stream capture, a record node of the graph */
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    CK(cudaStreamIsCapturing(c->stream, &st));
+    if (st == cudaStreamCaptureStatusActive) CK(cudaEventRecordWithFlags(c->ev[i], c->stream, cudaEventRecordExternal));
+    else CK(cudaEventRecord(c->ev[i], c->stream));
     return 0;
 }
 float mt_cuda_event_ms(mt_cuda *c, int i, int j) {
