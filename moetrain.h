@@ -1461,7 +1461,13 @@ int mt_rdv_poll(mt_rdv *r, int ms, int *who, char *why, size_t n);
 void mt_rdv_fail(mt_rdv *r, const char *why);            /* this rank failed: tell every rank */
 void mt_rdv_done(mt_rdv *r);                             /* this rank finished its work */
 void mt_rdv_close(mt_rdv *r);
-int mt_free_port(mt_err *err);                           /* a free TCP port on this host (for self-launch) */
+int mt_free_port(mt_err *err);                           /* a free TCP port on this host */
+/* Self-launch without a race for the port: the launcher listens first (a socket on a free port, *port),
+ * starts its ranks, and rank 0 serves the rendezvous on that inherited socket (mt_rdv_open_on), so no
+ * other process can take the port between choosing it and listening on it. Returns the socket, -1 on error. */
+int mt_rdv_listen(int *port, mt_err *err);
+/* mt_rdv_open for rank 0 on a socket that listens already (mt_rdv_listen's, on port) */
+int mt_rdv_open_on(mt_rdv **r, int listen_fd, int port, int world, uint8_t *blob, size_t len, double timeout_s, mt_err *err);
 
 /* Where this process's rank comes from: the variables of the launcher that
  * started it, read through get (getenv-like; ctx is passed through) so that any
@@ -11403,8 +11409,40 @@ void mt_rdv_close(mt_rdv *r) {
     MT_FREE(r);
 }
 
+int mt_rdv_listen(int *port, mt_err *err) {
+    int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET; a.sin_addr.s_addr = htonl(INADDR_ANY); a.sin_port = 0;
+    socklen_t len = sizeof a;
+    if (ls < 0 || setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) || bind(ls, (struct sockaddr *)&a, sizeof a) ||
+        listen(ls, 128) || getsockname(ls, (struct sockaddr *)&a, &len)) {
+        mt_errf(err, "cannot listen on a free TCP port: %s", strerror(errno));
+        if (ls >= 0) close(ls);
+        return -1;
+    }
+    *port = ntohs(a.sin_port);
+    return ls;
+}
+static int mt__rdv_open(mt_rdv **out, const char *addr, int port, int rank, int world, uint8_t *blob, size_t len,
+                        double timeout_s, int listen_fd, mt_err *err);
 int mt_rdv_open(mt_rdv **out, const char *addr, int port, int rank, int world, uint8_t *blob, size_t len,
                 double timeout_s, mt_err *err) {
+    return mt__rdv_open(out, addr, port, rank, world, blob, len, timeout_s, -1, err);
+}
+int mt_rdv_open_on(mt_rdv **out, int listen_fd, int port, int world, uint8_t *blob, size_t len, double timeout_s, mt_err *err) {
+    struct sockaddr_in a;
+    socklen_t alen = sizeof a;
+    int acc = 0;
+    socklen_t ol = sizeof acc;
+    *out = NULL;
+    if (listen_fd < 0 || getsockname(listen_fd, (struct sockaddr *)&a, &alen) || a.sin_family != AF_INET || ntohs(a.sin_port) != port ||
+        getsockopt(listen_fd, SOL_SOCKET, SO_ACCEPTCONN, &acc, &ol) || !acc)
+        return mt_errf(err, "rank 0: descriptor %d is not a socket listening on port %d", listen_fd, port);
+    return mt__rdv_open(out, "", port, 0, world, blob, len, timeout_s, listen_fd, err);
+}
+static int mt__rdv_open(mt_rdv **out, const char *addr, int port, int rank, int world, uint8_t *blob, size_t len,
+                        double timeout_s, int listen_fd, mt_err *err) {
     *out = NULL;
     if (world < 1 || rank < 0 || rank >= world) return mt_errf(err, "rank %d outside a world of %d", rank, world);
     if (port < 1 || port > 65535) return mt_errf(err, "MASTER_PORT %d is not a TCP port", port);
@@ -11420,12 +11458,12 @@ int mt_rdv_open(mt_rdv **out, const char *addr, int port, int rank, int world, u
     mt__frame f;
     const size_t piece = sizeof f.text;
     if (rank == 0) {
-        int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+        int ls = listen_fd >= 0 ? listen_fd : socket(AF_INET, SOCK_STREAM, 0), one = 1;
         struct sockaddr_in a;
         memset(&a, 0, sizeof a);
         a.sin_family = AF_INET; a.sin_addr.s_addr = htonl(INADDR_ANY); a.sin_port = htons((uint16_t)port);
-        if (ls < 0 || setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) || bind(ls, (struct sockaddr *)&a, sizeof a) ||
-            listen(ls, world)) {
+        if (listen_fd < 0 && (ls < 0 || setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) || bind(ls, (struct sockaddr *)&a, sizeof a) ||
+                              listen(ls, world))) {
             mt_errf(err, "rank 0 cannot listen on port %d: %s (another job on it? set MASTER_PORT)", port, strerror(errno));
             if (ls >= 0) close(ls);
             mt_rdv_close(r);

@@ -5769,12 +5769,14 @@ static void test_fuzz(void) {
 /* The launch layer without GPUs: ranks as forked processes meeting at a
  * rendezvous; an orderly end, a rank that reports a failure, and a rank
  * killed with SIGKILL, which the others must learn of within seconds. */
-static int rdv_child(int port, int rank, int world, int mode) {
+static int rdv_child(int port, int rank, int world, int mode, int lfd) {
     mt_err e;
     uint8_t blob[300];
     for (int i = 0; i < 300; i++) blob[i] = rank == 0 ? (uint8_t)(i * 7 + 1) : 0;
     mt_rdv *r;
-    if (mt_rdv_open(&r, "127.0.0.1", port, rank, world, blob, sizeof blob, 20, &e)) return 90;
+    if (lfd >= 0 && rank) close(lfd);
+    if (lfd >= 0 && !rank ? mt_rdv_open_on(&r, lfd, port, world, blob, sizeof blob, 20, &e)
+                          : mt_rdv_open(&r, "127.0.0.1", port, rank, world, blob, sizeof blob, 20, &e)) return 90;
     for (int i = 0; i < 300; i++) if (blob[i] != (uint8_t)(i * 7 + 1)) return 91;
     if (mode == 1 && rank == 2) raise(SIGKILL);                          /* dies without a word */
     if (mode == 2 && rank == 1) { mt_rdv_fail(r, "boom"); mt_rdv_close(r); return 50; }
@@ -5793,17 +5795,20 @@ static int rdv_child(int port, int rank, int world, int mode) {
     }
     return 94;
 }
-static int rdv_world(int world, int mode, int *codes, double *secs) {
+/* listen: as train's own launcher, which listens before it starts its ranks and hands rank 0 the socket */
+static int rdv_world_on(int world, int mode, int listen, int *codes, double *secs) {
     mt_err e;
-    int port = mt_free_port(&e);
-    if (port < 0) return -1;
+    int port = 0, lfd = listen ? mt_rdv_listen(&port, &e) : -1;
+    if (!listen) port = mt_free_port(&e);
+    if (port <= 0 || (listen && lfd < 0)) return -1;
     pid_t pid[8];
     fflush(stdout);
     double t0 = mt_now();
     for (int r = 0; r < world; r++) {
         pid[r] = fork();
-        if (pid[r] == 0) _exit(rdv_child(port, r, world, mode));
+        if (pid[r] == 0) _exit(rdv_child(port, r, world, mode, lfd));
     }
+    if (lfd >= 0) close(lfd);
     for (int r = 0; r < world; r++) {
         int st;
         waitpid(pid[r], &st, 0);
@@ -5812,9 +5817,23 @@ static int rdv_world(int world, int mode, int *codes, double *secs) {
     *secs = mt_now() - t0;
     return 0;
 }
+static int rdv_world(int world, int mode, int *codes, double *secs) { return rdv_world_on(world, mode, 0, codes, secs); }
 static void test_launch_rendezvous(void) {
-    int c[8];
+    int c[8] = {0};
     double t;
+    {   /* the launcher's own socket: rank 0 serves on it; while it listens nobody else can take the port */
+        mt_err e;
+        int port = 0, lfd = mt_rdv_listen(&port, &e), busy = 0, bad = 0;
+        if (lfd >= 0) {
+            mt_rdv *r = NULL;
+            busy = mt_rdv_open(&r, "127.0.0.1", port, 0, 2, (uint8_t *)&port, sizeof port, 1, &e) != 0 && strstr(e.msg, "cannot listen");
+            bad = mt_rdv_open_on(&r, 0, port, 2, (uint8_t *)&port, sizeof port, 1, &e) != 0 && strstr(e.msg, "not a socket listening");
+            close(lfd);
+        }
+        int ok = lfd >= 0 && busy && bad && rdv_world_on(3, 0, 1, c, &t) == 0 && c[0] == 0 && c[1] == 0 && c[2] == 0;
+        report("rendezvous: rank 0 on the launcher's listening socket; the port held, a bad descriptor refused", ok,
+               "port %d, busy %d, bad %d, exit %d %d %d", port, busy, bad, c[0], c[1], c[2]);
+    }
     int ok = rdv_world(4, 0, c, &t) == 0 && c[0] == 0 && c[1] == 0 && c[2] == 0 && c[3] == 0;
     report("rendezvous: 4 processes share rank 0's blob and end in order", ok, "exit %d %d %d %d, %.2f s", c[0], c[1], c[2], c[3], t);
     ok = rdv_world(4, 2, c, &t) == 0 && c[0] == 11 && c[1] == 50 && c[2] == 11 && c[3] == 11;

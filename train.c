@@ -973,6 +973,12 @@ static void *watchdog(void *arg) {
     return NULL;
 }
 
+/* The rendezvous; rank 0 of our own ranks serves it on the socket the launcher listens on (mt_rdv_listen). */
+static int rdv_open(mt_rdv **r, const char *addr, int port, int rank, int world, uint8_t *blob, size_t len, double timeout, mt_err *err) {
+    const char *lfd = rank == 0 && getenv("MOETRAIN_SUPERVISED") ? getenv("MOETRAIN_RDV_FD") : NULL;
+    return lfd ? mt_rdv_open_on(r, atoi(lfd), port, world, blob, len, timeout, err) : mt_rdv_open(r, addr, port, rank, world, blob, len, timeout, err);
+}
+
 /* One rank of a multi-process world (a launcher set RANK, WORLD_SIZE, ...). */
 static int process_rank(job_t *j, int rank, const char *addr, int port) {
     mt_err err;
@@ -981,7 +987,7 @@ static int process_rank(job_t *j, int rank, const char *addr, int port) {
 #ifdef MT_CUDA
     if (rank == 0 && mt_nccl_unique_id(j->nccl_id, &err)) { fprintf(stderr, "train: rank 0: %s\n", err.msg); return 1; }
 #endif
-    if (mt_rdv_open(&j->rdv, addr, port, rank, j->world, j->nccl_id, sizeof j->nccl_id, j->o->timeout, &err)) {
+    if (rdv_open(&j->rdv, addr, port, rank, j->world, j->nccl_id, sizeof j->nccl_id, j->o->timeout, &err)) {
         fprintf(stderr, "train: rank %d: %s\n", rank, err.msg);
         return 1;
     }
@@ -1009,8 +1015,8 @@ static void on_signal(int s) { g_signal = s; }
 static int supervise(int argc, char **argv, int n) {
     (void)argc;
     mt_err err;
-    int port = mt_free_port(&err);
-    if (port < 0) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
+    int port = 0, lfd = mt_rdv_listen(&port, &err);   /* rank 0 serves on this socket: the port is ours from now on */
+    if (lfd < 0) { fprintf(stderr, "train: %s\n", err.msg); return 1; }
     pid_t parent = getpid(), *pid = (pid_t *)calloc((size_t)n, sizeof(pid_t));
     int *alive = (int *)calloc((size_t)n, sizeof(int));
     char v[32];
@@ -1025,6 +1031,8 @@ static int supervise(int argc, char **argv, int n) {
             snprintf(v, sizeof v, "%d", n); setenv("WORLD_SIZE", v, 1); setenv("LOCAL_WORLD_SIZE", v, 1);
             snprintf(v, sizeof v, "%d", port); setenv("MASTER_PORT", v, 1);
             setenv("MASTER_ADDR", "127.0.0.1", 1);
+            if (r == 0) { snprintf(v, sizeof v, "%d", lfd); setenv("MOETRAIN_RDV_FD", v, 1); }
+            else close(lfd);
             setenv("MOETRAIN_SUPERVISED", "1", 1);   /* our own ranks: no launch line of their own */
             execv("/proc/self/exe", argv);
             fprintf(stderr, "train: rank %d: exec: %s\n", r, strerror(errno));
@@ -1032,6 +1040,7 @@ static int supervise(int argc, char **argv, int n) {
         }
         alive[r] = 1;
     }
+    close(lfd);   /* rank 0 has it */
     signal(SIGINT, on_signal); signal(SIGTERM, on_signal);
     int failed = 0, left = n, forwarded = 0;
     double deadline = 0;
@@ -1078,7 +1087,7 @@ static int launch_check(const mt_launch *L, double timeout) {
     if (L->rank == 0) snprintf(blob, sizeof blob, "%s, pid %d", host, (int)getpid());
     mt_err err;
     mt_rdv *r;
-    if (mt_rdv_open(&r, L->addr, L->port, L->rank, L->world, (uint8_t *)blob, sizeof blob, timeout, &err)) {
+    if (rdv_open(&r, L->addr, L->port, L->rank, L->world, (uint8_t *)blob, sizeof blob, timeout, &err)) {
         fprintf(stderr, "train: rank %d: %s\n", L->rank, err.msg);
         return 1;
     }
