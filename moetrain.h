@@ -7536,9 +7536,8 @@ typedef struct {
     void *lsa;               /* CUDA: the device-side expert exchange over comm (mt_cuda_lsa), or NULL; the owner's */
 } mt__group;
 
-/* CUDA, FP8: an operand quantized once for several nodes (mt__q8_plan) */
+/* CUDA, FP8: an operand quantized once for several nodes (mt__q8_plan; which operand: rt->q8_use) */
 typedef struct mt__q8_slot {
-    int value, how, key;     /* what was quantized: the value, MT__Q8_*, and the layout's key (see mt__q8_key) */
     uint8_t *q[2];           /* the codes: rows / cols / W in q[0], W^T in q[1]; NULL: the form no later node takes */
     float *s[2];
     void *mem;
@@ -8964,6 +8963,12 @@ static int mt__cpu_fp8(mt_runtime *rt, const mt_node *n, mt_err *err) {
  * bits (the same quantizers on the same values). A value is written once a step, so the slot stays
  * valid up to the value's last use. Slots are device memory outside the arena's plan: a weight's
  * second form costs its E x N x K bytes (and counts in the peak the run reports). */
+/* The bytes of the 128 x 128 block scales of E weights W [N][K] (tr = 0) or of their transposes W^T
+ * [K][N] (tr = 1): [E][rows / 128][ld] floats, rows the form's rows, ld its column blocks rounded up to 4. */
+static size_t mt__fp8_wscale_bytes(int64_t E, int64_t N, int64_t K, int tr) {
+    int64_t rows = tr ? K : N, cols = tr ? N : K;
+    return (size_t)E * (size_t)((rows + 127) / 128) * (size_t)(((cols + 127) / 128 + 3) / 4 * 4) * 4;
+}
 /* node n's input i as mt__q8_plan keys it: how (MT__Q8_*; NONE: not quantized), the layout's key (the
  * offsets for cols, 1 for a grouped node's rows: their row count is the bound), the weight's form */
 static int mt__q8_key(const mt_node *n, int i, int *key, int *form) {
@@ -9013,18 +9018,16 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
         } else {
             int64_t N = v->dims[v->ndim - 2];
             if (v->ndim == 3) E = v->dims[0];
-            for (int f = 0; f < 2; f++) {   /* W [E][N][K = C], scales [E][KB(N)][ld(K)]; W^T [E][K][N], scales [E][KB(K)][ld(N)] */
+            for (int f = 0; f < 2; f++) {   /* W [E][N][K = C], W^T [E][K][N] */
                 if (!(cand[c].forms >> f & 1)) continue;
-                int64_t rows = f ? C : N, cols = f ? N : C;
                 qb[f] = (size_t)(E * N * C);
-                sb[f] = (size_t)(E * ((rows + 127) / 128) * (((cols + 127) / 128 + 3) / 4 * 4) * 4);
+                sb[f] = mt__fp8_wscale_bytes(E, N, C, f);
             }
         }
         mt__q8_slot *sl = &rt->q8[rt->n_q8];
         size_t at = 0, off[4];
         for (int f = 0; f < 2; f++) { off[2 * f] = at; at = (at + qb[f] + 255) & ~(size_t)255; off[2 * f + 1] = at; at = (at + sb[f] + 255) & ~(size_t)255; }
         if (mt_cuda_malloc(cu, &sl->mem, at)) { rc = mt_errf(err, "FP8 operand slots: %s", mt_cuda_error(cu)); break; }
-        sl->value = cand[c].value; sl->how = cand[c].how; sl->key = cand[c].key;
         for (int f = 0; f < 2; f++)
             if (qb[f]) { sl->q[f] = (uint8_t *)sl->mem + off[2 * f]; sl->s[f] = (float *)((uint8_t *)sl->mem + off[2 * f + 1]); }
         rt->n_q8++;
@@ -9078,7 +9081,6 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
     int rc = 0;
 #define TAKE(bytes) (used = (used + 255) & ~(size_t)255, used += (size_t)(bytes), (void *)(base ? base + used - (size_t)(bytes) : NULL))
 #define KB(x) (((int64_t)(x) + 127) / 128)
-#define WSCALES(E, N, K, tr) ((size_t)(E) * (size_t)KB((tr) ? (K) : (N)) * (size_t)((KB((tr) ? (N) : (K)) + 3) / 4 * 4) * 4)
     const mt_value *A = &G->values[n->in[0]];
     int64_t rows = rt ? mt__nrows(rt, n->in[0]) : A->dims[0];
     if (n->op == MT_OP_MATMUL || n->op == MT_OP_MATMUL_ACC) {
@@ -9091,7 +9093,7 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
         if (!n->iattr[0]) {   /* Y = X W^T (B = W [Nc, K]) or dX = dY W (B = W [K, Nc]): A in 1 x 128 tiles, W in blocks */
             Mr = (int)rows; K = (int)A->dims[1]; Nc = (int)(n->iattr[1] ? B->dims[0] : B->dims[1]); lda = K; b_blk = 1;
             qa = (uint8_t *)TAKE((size_t)Mr * K); sa = (float *)TAKE((size_t)KB(K) * Mr * 4);
-            qb = (uint8_t *)TAKE((size_t)Nc * K); sb = (float *)TAKE(WSCALES(1, B->dims[0], B->dims[1], !n->iattr[1]));
+            qb = (uint8_t *)TAKE((size_t)Nc * K); sb = (float *)TAKE(mt__fp8_wscale_bytes(1, B->dims[0], B->dims[1], !n->iattr[1]));
             if (rt) rc = mt__q8_rows(rt, n, 0, &qa, &sa, Mr, K) ||
                          mt__q8_weight(rt, n, 1, &qb, &sb, 1, (int)B->dims[0], (int)B->dims[1], !n->iattr[1]);
         } else {              /* dW = dY^T X: both down the tokens, the reduction padded to 128 (the layout's last slot unused) */
@@ -9120,7 +9122,7 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
         } else {              /* mode 0: Y = X W^T (X [R, K]); mode 1: dX = dY W (dY [R, M], W transposed) */
             int mode = n->op == MT_OP_GMM || n->op == MT_OP_GMM_GLU ? 0 : 1, C = mode ? M : K;
             uint8_t *qa = (uint8_t *)TAKE((size_t)R * C), *qb = (uint8_t *)TAKE((size_t)E * M * K);
-            float *sa = (float *)TAKE((size_t)KB(C) * R * 4), *sb = (float *)TAKE(WSCALES(E, M, K, mode));
+            float *sa = (float *)TAKE((size_t)KB(C) * R * 4), *sb = (float *)TAKE(mt__fp8_wscale_bytes(E, M, K, mode));
             void *second = n->op == MT_OP_GMM_DX2 ? TAKE((size_t)R * K * 2) : NULL;
             uint8_t *xq = qa, *wq = qb;   /* the scratch's; a slot may stand in for either (mt__q8_plan) */
             float *xs = sa, *ws = sb;
@@ -9140,7 +9142,6 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
     }
 #undef TAKE
 #undef KB
-#undef WSCALES
     if (need) *need = used;
     if (rc) return mt_errf(err, "%s (fp8): %s", mt_ops[n->op].name, mt_cuda_error(c));
     return 0;
