@@ -1113,6 +1113,7 @@ void mt_runtime_set_profile(mt_runtime *rt, int on);
 void mt_runtime_set_nan_check(mt_runtime *rt, int on);         /* see mt_binding.nan_check */
 size_t mt_runtime_peak_bytes(const mt_runtime *rt);            /* device (or host) memory of the plan at peak */
 int mt_runtime_fp8_shared(const mt_runtime *rt);               /* CUDA, FP8: operands quantized once for several nodes */
+int mt_runtime_fp8_by_optimizer(const mt_runtime *rt);         /* CUDA, FP8: weights whose FP8 forms AdamW writes */
 /* Host numbers across every rank of the world (logging): op 0 sum, 1 max. */
 int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *err);
 /* Host synchronizations in the last step (the expert exchange's counts) and
@@ -1266,7 +1267,15 @@ long long mt_cuda_fp8_tpad(int Rmax, int E);
 int mt_cuda_fp8_quant_rows(mt_cuda *c, uint8_t *q, float *s, const void *x, int R, int C);
 int mt_cuda_fp8_quant_cols(mt_cuda *c, uint8_t *qt, float *st, const void *x, const int32_t *d_offs, int E, int R, int C, long long Lp);
 int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, int E, int N, int K, int transpose);
-int mt_cuda_fp8_quant_weight2(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, const void *w, int E, int N, int K);
+/* both forms from one read; skip: where given and *skip != 0 on the device, nothing is done (the forms are there) */
+int mt_cuda_fp8_quant_weight2(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, const void *w, int E, int N, int K,
+                              const int *skip);
+/* AdamW (fp32 or bf16 moments, as mt_cuda_adamw / _bf16, the same bits) on a weight p [E][N][K] that also writes
+   its bf16 value's FP8 forms, W to (q, s) and W^T to (qt, st) (either NULL: not that form), as quant_weight2 would
+   from p_bf16 (which may be NULL: not written); then *fresh = 1 */
+int mt_cuda_adamw_fp8(mt_cuda *c, float *p, void *m, void *v, int bf16_moments, void *p_bf16, const float *g, int E, int N, int K,
+                      const float *lr, const float *coef, const float *hp, const int32_t *step, int decay, uint8_t *q, float *s,
+                      uint8_t *qt, float *st, int *fresh);
 int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const float *sa, int lda, const uint8_t *b,
                      const float *sb, int b_blk, int ldb, int Mr, int Nc, int K);
 int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
@@ -7541,6 +7550,10 @@ typedef struct mt__q8_slot {
     uint8_t *q[2];           /* the codes: rows / cols / W in q[0], W^T in q[1]; NULL: the form no later node takes */
     float *s[2];
     void *mem;
+    int value;               /* the value quantized */
+    int adamw;               /* a weight AdamW updates: that ADAMW node, which writes the forms (mt_cuda_adamw_fp8); else -1 */
+    int shadow;              /* with adamw: the bf16 weight is also read elsewhere, so AdamW still writes it */
+    int *fresh;              /* with adamw, on the device: 1 while the forms hold the weight (no node quantizes it) */
 } mt__q8_slot;
 struct mt_runtime {
     mt_graph g;              /* the runtime's own copy of the graph */
@@ -8264,6 +8277,8 @@ static size_t mt__cuda_scratch(const mt_graph *G, mt_cuda *cu) {
 }
 
 static int mt__q8_plan(mt_runtime *rt, mt_err *err);
+static int mt__q8_stale(mt_runtime *rt, mt_err *err);
+static int mt__q8_unwritten(const mt_runtime *rt, int v);
 /* CUDA: everything device-bound, made on the binding's device (see DEVICE HOISTING above). */
 static int mt__bind_cuda(mt_runtime *rt, const mt_binding *b, mt_err *err) {
     const mt_graph *G = &rt->g;
@@ -8448,6 +8463,11 @@ int mt_runtime_n_moe_layers(const mt_runtime *rt) { return rt->n_moe; }
 int64_t mt_runtime_multi_tensor_nodes(const mt_runtime *rt) { return rt->multi_nodes; }
 int mt_runtime_backend(const mt_runtime *rt) { return rt->backend; }
 int mt_runtime_fp8_shared(const mt_runtime *rt) { return rt->n_q8; }
+int mt_runtime_fp8_by_optimizer(const mt_runtime *rt) {
+    int k = 0;
+    for (int i = 0; i < rt->n_q8; i++) k += rt->q8[i].adamw >= 0;
+    return k;
+}
 size_t mt_runtime_peak_bytes(const mt_runtime *rt) {
 #ifdef MT_CUDA
     if (rt->backend == MT_BACKEND_CUDA) return mt_cuda_peak_bytes(MT__CU(rt));
@@ -8461,6 +8481,10 @@ int mt_runtime_read(mt_runtime *rt, int v, void *dst, mt_err *err) {
     if (rt->backend == MT_BACKEND_CPU) { memcpy(dst, rt->ptr[v], n); return 0; }
 #ifdef MT_CUDA
     if (mt_cuda_use(MT__CU(rt))) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
+    const mt_value *x = &rt->g.values[v];
+    if (mt__q8_unwritten(rt, v) &&   /* a bf16 weight AdamW leaves to its FP8 forms: from its master first */
+        mt_cuda_cast(MT__CU(rt), rt->ptr[v], x->dtype, rt->ptr[x->param], MT_F32, mt_value_numel_max(&rt->g, x)))
+        return mt_errf(err, "refreshing '%s': %s", x->name, mt_cuda_error(MT__CU(rt)));
     if (mt_cuda_copy(MT__CU(rt), dst, rt->ptr[v], n, 1)) return mt_errf(err, "reading '%s': %s", rt->g.values[v].name, mt_cuda_error(MT__CU(rt)));
 #endif
     return 0;
@@ -8472,6 +8496,7 @@ int mt_runtime_write(mt_runtime *rt, int v, const void *src, mt_err *err) {
 #ifdef MT_CUDA
     if (mt_cuda_use(MT__CU(rt))) return mt_errf(err, "%s", mt_cuda_error(MT__CU(rt)));
     if (mt_cuda_copy(MT__CU(rt), rt->ptr[v], src, n, 0)) return mt_errf(err, "writing '%s': %s", rt->g.values[v].name, mt_cuda_error(MT__CU(rt)));
+    if (rt->g.values[v].role == MT_ROLE_PARAM) return mt__q8_stale(rt, err);   /* FP8 forms of the old weights */
 #endif
     return 0;
 }
@@ -8488,6 +8513,7 @@ int mt_runtime_sync_shadows(mt_runtime *rt, mt_err *err) {
         if (mt_cuda_cast(MT__CU(rt), rt->ptr[i], v->dtype, rt->ptr[v->param], MT_F32, mt_value_numel_max(G, v)))
             return mt_errf(err, "refreshing '%s': %s", v->name, mt_cuda_error(MT__CU(rt)));
     }
+    return mt__q8_stale(rt, err);
 #endif
     return 0;
 }
@@ -8962,7 +8988,8 @@ static int mt__cpu_fp8(mt_runtime *rt, const mt_node *n, mt_err *err) {
  * follows from the node order alone, so captures and replays see the same, and the results are the same
  * bits (the same quantizers on the same values). A value is written once a step, so the slot stays
  * valid up to the value's last use. Slots are device memory outside the arena's plan: a weight's
- * second form costs its E x N x K bytes (and counts in the peak the run reports). */
+ * second form costs its E x N x K bytes (and counts in the peak the run reports); a weight AdamW
+ * quantizes (below) keeps both forms, and its bf16 copy is not written where nothing else reads it. */
 /* The bytes of the 128 x 128 block scales of E weights W [N][K] (tr = 0) or of their transposes W^T
  * [K][N] (tr = 1): [E][rows / 128][ld] floats, rows the form's rows, ld its column blocks rounded up to 4. */
 static size_t mt__fp8_wscale_bytes(int64_t E, int64_t N, int64_t K, int tr) {
@@ -8982,7 +9009,7 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
     const mt_graph *G = &rt->g;
     if (!mt_graph_fp8(G) || rt->bind.fp8_requantize) return 0;
     int n = G->n_nodes, nc = 0;
-    typedef struct { int value, how, key, first, forms, uses; } cand_t;
+    typedef struct { int value, how, key, first, forms, uses, adamw; } cand_t;
     cand_t *cand = (cand_t *)mt__calloc(sizeof(cand_t) * (size_t)n * 5 + 1);
     int32_t *of = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)n * 5 + 1);   /* per use: its candidate */
     rt->q8_use = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)n * 5 + 1);
@@ -8995,16 +9022,33 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
             of[k * 5 + i] = -1;
             if (how == MT__Q8_NONE) continue;
             while (c < nc && !(cand[c].value == nd->in[i] && cand[c].how == how && cand[c].key == key)) c++;
-            if (c == nc) cand[nc++] = (cand_t){nd->in[i], how, key, k * 5 + i, 0, 0};
+            if (c == nc) cand[nc++] = (cand_t){nd->in[i], how, key, k * 5 + i, 0, 0, -1};
             else cand[c].forms |= 1 << form;   /* a later use: the form it reads is kept */
             cand[c].uses++;
             of[k * 5 + i] = c;
         }
     }
+    /* A weight that an ADAMW node writes (its bf16 copy, out[3]) and nothing else does: that node writes the
+     * forms after each update, every form any node reads (the first node's too), and the first node quantizes
+     * only while the slot is stale (after the host writes the weights: mt__q8_stale). */
+    for (int c = 0; c < nc; c++) {
+        int ad = -1, other = 0;
+        for (int k = 0; cand[c].how == MT__Q8_BLOCKS && k < n; k++)
+            for (int o = 0; o < G->nodes[k].n_out; o++)
+                if (G->nodes[k].out[o] == cand[c].value) {
+                    if (G->nodes[k].op == MT_OP_ADAMW && o == 3 && ad < 0) ad = k; else other = 1;
+                }
+        if (ad < 0 || other || ad < cand[c].first / 5) continue;
+        const mt_node *f = &G->nodes[cand[c].first / 5];
+        int key, form;
+        mt__q8_key(f, cand[c].first % 5, &key, &form);
+        cand[c].forms |= 1 << form;
+        cand[c].adamw = ad;
+    }
     int rc = 0;
     mt_cuda *cu = MT__CU(rt);
     for (int c = 0; c < nc && !rc; c++) {
-        if (cand[c].uses < 2) continue;
+        if (cand[c].uses < 2 && cand[c].adamw < 0) continue;
         const mt_node *nd = &G->nodes[cand[c].first / 5];
         const mt_value *v = &G->values[cand[c].value];
         int64_t C = v->dims[v->ndim - 1], R = mt_value_numel_max(G, v) / C, E = 1;
@@ -9027,15 +9071,43 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
         mt__q8_slot *sl = &rt->q8[rt->n_q8];
         size_t at = 0, off[4];
         for (int f = 0; f < 2; f++) { off[2 * f] = at; at = (at + qb[f] + 255) & ~(size_t)255; off[2 * f + 1] = at; at = (at + sb[f] + 255) & ~(size_t)255; }
-        if (mt_cuda_malloc(cu, &sl->mem, at)) { rc = mt_errf(err, "FP8 operand slots: %s", mt_cuda_error(cu)); break; }
+        if (mt_cuda_malloc(cu, &sl->mem, at + 256)) { rc = mt_errf(err, "FP8 operand slots: %s", mt_cuda_error(cu)); break; }
         for (int f = 0; f < 2; f++)
             if (qb[f]) { sl->q[f] = (uint8_t *)sl->mem + off[2 * f]; sl->s[f] = (float *)((uint8_t *)sl->mem + off[2 * f + 1]); }
+        sl->value = cand[c].value; sl->adamw = cand[c].adamw; sl->shadow = 0; sl->fresh = NULL;
+        if (sl->adamw >= 0) {
+            sl->fresh = (int *)((uint8_t *)sl->mem + at);
+            if (mt_cuda_memset(cu, sl->fresh, 0, sizeof(int))) { rc = mt_errf(err, "FP8 operand slots: %s", mt_cuda_error(cu)); break; }
+            for (int k = 0; k < n; k++)   /* a read not through this slot keeps the bf16 weight written */
+                for (int i = 0; i < G->nodes[k].n_in; i++)
+                    sl->shadow |= G->nodes[k].in[i] == cand[c].value && !(i < 5 && of[k * 5 + i] == c);
+        }
         rt->n_q8++;
         for (int u = 0; u < n * 5; u++)
             if (of[u] == c) rt->q8_use[u] = u == cand[c].first ? -rt->n_q8 : rt->n_q8;
     }
     MT_FREE(cand); MT_FREE(of);
     return rc;
+}
+/* the weight slots AdamW refills are stale: the host wrote the weights (their first reader quantizes again) */
+static int mt__q8_stale(mt_runtime *rt, mt_err *err) {
+    for (int i = 0; i < rt->n_q8; i++)
+        if (rt->q8[i].fresh && mt_cuda_memset(MT__CU(rt), rt->q8[i].fresh, 0, sizeof(int)))
+            return mt_errf(err, "FP8 operand slots: %s", mt_cuda_error(MT__CU(rt)));
+    return 0;
+}
+/* bf16 weight v is not written by its ADAMW node (no node reads it but through the forms AdamW writes) */
+static int mt__q8_unwritten(const mt_runtime *rt, int v) {
+    for (int i = 0; i < rt->n_q8; i++)
+        if (rt->q8[i].value == v && rt->q8[i].adamw >= 0 && !rt->q8[i].shadow) return 1;
+    return 0;
+}
+/* the slot whose forms ADAMW node n writes, or NULL */
+static const mt__q8_slot *mt__q8_refill(const mt_runtime *rt, const mt_node *n) {
+    int k = (int)(n - rt->g.nodes);
+    for (int i = 0; n->op == MT_OP_ADAMW && i < rt->n_q8; i++)
+        if (rt->q8[i].adamw == k) return &rt->q8[i];
+    return NULL;
 }
 /* the slot node n's input i takes (NULL: none, it quantizes into the scratch); *make: it fills the slot */
 static mt__q8_slot *mt__q8_of(const mt_runtime *rt, const mt_node *n, int i, int *make) {
@@ -9064,7 +9136,7 @@ static int mt__q8_weight(mt_runtime *rt, const mt_node *n, int i, uint8_t **q, f
     if (!make) return 0;
     uint8_t *q0 = form ? sl->q[0] : *q, *q1 = form ? *q : sl->q[1];
     float *s0 = form ? sl->s[0] : *s, *s1 = form ? *s : sl->s[1];
-    return mt_cuda_fp8_quant_weight2(MT__CU(rt), q0, s0, q1, s1, rt->ptr[n->in[i]], E, N, K);
+    return mt_cuda_fp8_quant_weight2(MT__CU(rt), q0, s0, q1, s1, rt->ptr[n->in[i]], E, N, K, sl->fresh);
 }
 
 /* An FP8 node on CUDA: its inputs quantized into the scratch in the kernels' layouts (docs/FP8.md), then
@@ -9325,7 +9397,15 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         return mt__cuda_collective(rt, n, err);
     case MT_OP_LR_SCHEDULE: rc = mt_cuda_lr_schedule(c, FO(0), F_(0), I_(1)); break;
     case MT_OP_CLIP: rc = mt_cuda_clip(c, FO(0), FO(1), F_(0), F_(1)); break;
-    case MT_OP_ADAMW:
+    case MT_OP_ADAMW: {
+        const mt__q8_slot *sl = mt__q8_refill(rt, n);
+        if (sl) {   /* and the weight's FP8 forms (mt__q8_plan) */
+            const mt_value *W = &G->values[n->out[3]];
+            int E = W->ndim == 3 ? DIM(n->out[3], 0) : 1, Nw = DIM(n->out[3], W->ndim - 2), K = DIM(n->out[3], W->ndim - 1);
+            rc = mt_cuda_adamw_fp8(c, F_(0), V_(2), V_(3), DT(n->in[2]) == MT_BF16, sl->shadow ? VO(3) : NULL, F_(1), E, Nw, K, F_(4),
+                                   F_(5), F_(6), I_(7), a[0], sl->q[0], sl->s[0], sl->q[1], sl->s[1], sl->fresh);
+            break;
+        }
         if (G->values[n->in[2]].dtype == MT_BF16)
             rc = mt_cuda_adamw_bf16(c, F_(0), V_(2), V_(3), n->out[3] >= 0 ? VO(3) : NULL, F_(1), mt_value_numel_max(G, &G->values[n->in[0]]),
                                     F_(4), F_(5), F_(6), I_(7), a[0]);
@@ -9333,6 +9413,7 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
             rc = mt_cuda_adamw(c, F_(0), F_(2), F_(3), n->out[3] >= 0 ? VO(3) : NULL, F_(1), mt_value_numel_max(G, &G->values[n->in[0]]),
                                F_(4), F_(5), F_(6), I_(7), a[0]);
         break;
+    }
     case MT_OP_EXPERT_BIAS_UPDATE: rc = mt_cuda_expert_bias_update(c, F_(0), I_(1), DIM(n->in[0], 0), n->fattr[0]); break;
     case MT_OP_ADD_RMSNORM:
         rc = mt_cuda_add_rmsnorm_forward(c, VO(0), VO(1), FO(2), V_(0), V_(1), F_(2), (int)mt__nrows(rt, n->in[0]), DIM(n->in[0], 1), n->fattr[0]);
@@ -9452,11 +9533,11 @@ static int mt__nan_check(mt_runtime *rt, int node, int step, mt_err *err) {
 static int mt__multi_run(const mt_runtime *rt, int i, int lim) {
     const mt_graph *G = &rt->g;
     const mt_node *a = &G->nodes[i];
-    if (rt->bind.one_launch_per_node || (a->op != MT_OP_SUMSQ && a->op != MT_OP_ADAMW)) return 0;
+    if (rt->bind.one_launch_per_node || (a->op != MT_OP_SUMSQ && a->op != MT_OP_ADAMW) || mt__q8_refill(rt, a)) return 0;
     int j = i + 1;
     for (; j < lim; j++) {
         const mt_node *b = &G->nodes[j];
-        if (b->op != a->op) break;
+        if (b->op != a->op || mt__q8_refill(rt, b)) break;
         if (a->op == MT_OP_SUMSQ && b->in[1] != G->nodes[j - 1].out[0]) break;
         if (a->op == MT_OP_ADAMW && (b->in[4] != a->in[4] || b->in[5] != a->in[5] || b->in[6] != a->in[6] || b->in[7] != a->in[7])) break;
     }

@@ -7320,25 +7320,35 @@ int mt_cuda_clip(mt_cuda *c, float *coef, float *norm, const float *sumsq, const
     LAUNCHED();
     return 0;
 }
+/* AdamW with fp32 moments, one step's constants and one element (every kernel that updates a weight with
+ * fp32 moments takes these, so they all give the same bits) */
+struct AdamwF32 { float b1, b2, eps, wd, lr, coef, bc2s, step_size; };
+__device__ __forceinline__ AdamwF32 adamw_f32_setup(const float *lrp, const float *coefp, const float *hp, const int32_t *step, int decay) {
+    AdamwF32 k;
+    k.b1 = hp[MT_HP_BETA1]; k.b2 = hp[MT_HP_BETA2]; k.eps = hp[MT_HP_EPS]; k.wd = decay ? hp[MT_HP_WD] : 0.0f;
+    k.lr = lrp[0]; k.coef = coefp[0];
+    int ts = step[0] + 1;
+    float bc1 = 1.0f - powf(k.b1, (float)ts);
+    k.bc2s = sqrtf(1.0f - powf(k.b2, (float)ts)); k.step_size = k.lr / bc1;
+    return k;
+}
+__device__ __forceinline__ float adamw_f32_elem(const AdamwF32 &k, float p, float g, float &m, float &v) {
+    float gi = g * k.coef;
+    m = k.b1 * m + (1 - k.b1) * gi;
+    v = k.b2 * v + (1 - k.b2) * gi * gi;
+    return p * (1 - k.lr * k.wd) - k.step_size * m / (sqrtf(v) / k.bc2s + k.eps);
+}
 /* AdamW on the elements block lb of nb covers (grid-stride over float4 when aligned) */
 __device__ __forceinline__ void adamw_elems(float *p, float *m, float *v, bf16 *p16, const float *g, int64_t n, const float *lrp,
                                             const float *coefp, const float *hp, const int32_t *step, int decay, int64_t lb, int64_t nb) {
-    float b1 = hp[MT_HP_BETA1], b2 = hp[MT_HP_BETA2], eps = hp[MT_HP_EPS], wd = decay ? hp[MT_HP_WD] : 0.0f;
-    float lr = lrp[0], coef = coefp[0];
-    int ts = step[0] + 1;
-    float bc1 = 1.0f - powf(b1, (float)ts), bc2s = sqrtf(1.0f - powf(b2, (float)ts)), step_size = lr / bc1;
+    const AdamwF32 k = adamw_f32_setup(lrp, coefp, hp, step, decay);
     int64_t t = lb * (int64_t)blockDim.x + threadIdx.x, stride = nb * blockDim.x;
     if (n % 4 == 0 && !(((uintptr_t)p | (uintptr_t)m | (uintptr_t)v | (uintptr_t)g) & 15) && !((uintptr_t)p16 & 7)) {
         for (int64_t i = t; i < n / 4; i += stride) {
             float4 P = ((float4 *)p)[i], G = ((const float4 *)g)[i], Mv = ((float4 *)m)[i], Vv = ((float4 *)v)[i];
             float *pp = &P.x, *gg = &G.x, *mm = &Mv.x, *vv = &Vv.x;
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                float gi = gg[k] * coef;
-                mm[k] = b1 * mm[k] + (1 - b1) * gi;
-                vv[k] = b2 * vv[k] + (1 - b2) * gi * gi;
-                pp[k] = pp[k] * (1 - lr * wd) - step_size * mm[k] / (sqrtf(vv[k]) / bc2s + eps);
-            }
+            for (int j = 0; j < 4; j++) pp[j] = adamw_f32_elem(k, pp[j], gg[j], mm[j], vv[j]);
             ((float4 *)p)[i] = P; ((float4 *)m)[i] = Mv; ((float4 *)v)[i] = Vv;
             if (p16) {
                 __nv_bfloat162 lo = __floats2bfloat162_rn(P.x, P.y), hi = __floats2bfloat162_rn(P.z, P.w);
@@ -7350,12 +7360,8 @@ __device__ __forceinline__ void adamw_elems(float *p, float *m, float *v, bf16 *
         return;
     }
     for (int64_t i = t; i < n; i += stride) {
-        float gi = g[i] * coef;
-        float mi = b1 * m[i] + (1 - b1) * gi, vi = b2 * v[i] + (1 - b2) * gi * gi;
-        m[i] = mi; v[i] = vi;
-        float pi = p[i] * (1 - lr * wd);
-        pi = pi - step_size * mi / (sqrtf(vi) / bc2s + eps);
-        p[i] = pi;
+        float mi = m[i], vi = v[i], pi = adamw_f32_elem(k, p[i], g[i], mi, vi);
+        m[i] = mi; v[i] = vi; p[i] = pi;
         if (p16) p16[i] = tobf(pi);
     }
 }
@@ -7956,6 +7962,11 @@ __device__ __forceinline__ uint32_t code(float x, float s) {
     return s > 0.f ? (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(x, s), __NV_SATFINITE, __NV_E4M3) : 0u;
 }
 
+/* two floats as the bf16 pair of one 32-bit word (rounded to nearest even, the first in the low half) */
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&h);
+}
 /* element i (0..7) of 8 bf16 held in one 16-byte word, as a float (exact) */
 __device__ __forceinline__ float el8(const uint4 &u, int i) {
     const uint32_t w = i < 2 ? u.x : i < 4 ? u.y : i < 6 ? u.z : u.w;
@@ -8017,7 +8028,7 @@ __device__ __forceinline__ void chunk_of(const int *offs, int E, int R, int slot
    the columns' amax meet in shared memory, and so do the codes: column j's 128 as 32 words, word w at
    index w ^ swz(j), so that neither the threads' writes nor a warp's read of a column conflict; a warp
    then writes each column's 128 bytes of qt as one coalesced row. */
-__global__ void __launch_bounds__(256) k_quant_cols(uint8_t *__restrict__ qt, float *__restrict__ st, const bf16 *__restrict__ x,
+__global__ void __launch_bounds__(256, 4) k_quant_cols(uint8_t *__restrict__ qt, float *__restrict__ st, const bf16 *__restrict__ x,
                                                     const int *__restrict__ offs, int E, int R, int C, long long Lp) {
     __shared__ float part[16][128];   /* [g][column], column j of the tile at (j % 8) * 16 + j / 8 (no bank conflicts) */
     __shared__ float sc[128];
@@ -8074,45 +8085,48 @@ __global__ void __launch_bounds__(256) k_quant_cols(uint8_t *__restrict__ qt, fl
 }
 
 /* weight: CTA = one 128 x 128 block (grid kb, nb, e), 256 threads, K % 8 == 0, N % 4 == 0. Thread (g = tid / 16,
-   c8 = tid % 16) reads rows 4 (g + 16 h) .. + 3, h = 0, 1, of columns 8 c8 .. 8 c8 + 7 (16-byte loads): one pass
-   over the block. The transposed form goes through shared memory as 32-bit words of 4 rows' codes, their word
-   index XOR-swizzled by the column's 8-group so that neither the writes nor the row reads conflict.
-   forms: bit 0 writes W to (q, s), bit 1 writes W^T to (qt, st); both from the one read. */
-__global__ void __launch_bounds__(256) k_quant_weight(uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
-                                                      float *__restrict__ st, const bf16 *__restrict__ w, int N, int K, int forms) {
-    __shared__ float red[32];
-    __shared__ uint32_t tq[128][32];   /* [k in the block][word of 4 n, ^ 2 (k / 8)] */
+   c8 = tid % 16) holds rows 4 (g + 16 h) .. + 3, h = 0, 1, of columns 8 c8 .. 8 c8 + 7 (16-byte words, zeros outside
+   the weight): one pass over the block. The transposed form goes through shared memory as 32-bit words of 4 rows'
+   codes, their word index XOR-swizzled by the column's 8-group so that neither the writes nor the row reads conflict.
+   forms: bit 0 writes W to (q, s), bit 1 writes W^T to (qt, st). weight_block_out quantizes the block so held (m: the
+   thread's amax); k_quant_weight reads it from w (bf16), k_adamw_q8 forms it from AdamW's update. */
+__device__ __forceinline__ void weight_block_out(const uint4 (&v)[2][4], float m, uint8_t *__restrict__ q, float *__restrict__ s,
+                                                 uint8_t *__restrict__ qt, float *__restrict__ st, int N, int K, int forms,
+                                                 uint32_t (*tq)[32], float *red) {
+    /* shared: tq [128][32] (k in the block, word of 4 n ^ 2 (k / 8)), red [32] */
     const int kb = blockIdx.x, nb = blockIdx.y, e = blockIdx.z, tid = threadIdx.x;
     const int c8 = tid & 15, g = tid >> 4, k = kb * 128 + c8 * 8;
     const bool kok = k < K;
-    const bf16 *we = w + (size_t)e * N * K;
-    uint4 v[2][4];
-    float m = 0.f;
+    const float sc = scale_of(block_max(m, red));
+    uint2 cw[2][4];   /* the codes, each value's once: row (h, r)'s 8 columns, byte j = column j */
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int n = nb * 128 + 4 * (g + 16 * h) + r;
-            v[h][r] = ld8(we + (size_t)n * K + k, kok && n < N);
-            m = fmaxf(m, amax8(v[h][r]));
-        }
-    const float sc = scale_of(block_max(m, red));
+        for (int r = 0; r < 4; ++r) cw[h][r] = codes8(v[h][r], sc);
     if (forms & 1) {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int n = nb * 128 + 4 * (g + 16 * h) + r;
-                if (kok && n < N) *reinterpret_cast<uint2 *>(q + ((size_t)e * N + n) * K + k) = codes8(v[h][r], sc);
+                if (kok && n < N) *reinterpret_cast<uint2 *>(q + ((size_t)e * N + n) * K + k) = cw[h][r];
             }
     }
-    if (forms & 2) {
+    if (forms & 2) {   /* column i's word: its 4 rows' codes, a 4 x 4 byte transpose of each half of the rows' words */
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int i = 0; i < 8; ++i)
-                tq[c8 * 8 + i][(g + 16 * h) ^ (2 * c8)] = code(el8(v[h][0], i), sc) | code(el8(v[h][1], i), sc) << 8 |
-                                                         code(el8(v[h][2], i), sc) << 16 | code(el8(v[h][3], i), sc) << 24;
+            for (int half = 0; half < 2; ++half) {
+                const uint32_t a = half ? cw[h][0].y : cw[h][0].x, b = half ? cw[h][1].y : cw[h][1].x;
+                const uint32_t c = half ? cw[h][2].y : cw[h][2].x, d = half ? cw[h][3].y : cw[h][3].x;
+                const uint32_t t0 = __byte_perm(a, b, 0x5140), t1 = __byte_perm(a, b, 0x7362);   /* a0 b0 a1 b1, a2 b2 a3 b3 */
+                const uint32_t u0 = __byte_perm(c, d, 0x5140), u1 = __byte_perm(c, d, 0x7362);
+                const int i = c8 * 8 + 4 * half, wd = (g + 16 * h) ^ (2 * c8);
+                tq[i][wd] = __byte_perm(t0, u0, 0x5410);
+                tq[i + 1][wd] = __byte_perm(t0, u0, 0x7632);
+                tq[i + 2][wd] = __byte_perm(t1, u1, 0x5410);
+                tq[i + 3][wd] = __byte_perm(t1, u1, 0x7632);
+            }
         __syncthreads();
         const int lane = tid & 31, n = nb * 128 + 4 * lane;
         for (int kl = tid >> 5; kl < 128; kl += 8) {
@@ -8134,6 +8148,97 @@ __global__ void __launch_bounds__(256) k_quant_weight(uint8_t *__restrict__ q, f
             if (nb == kblocks(N) - 1) for (int j = nb + 1; j < ld; ++j) row[j] = 0.f;
         }
     }
+}
+/* skip: where given and nonzero, nothing is done (the slot already holds these forms: k_adamw_q8 wrote them) */
+__global__ void __launch_bounds__(256, 4) k_quant_weight(uint8_t *__restrict__ q, float *__restrict__ s, uint8_t *__restrict__ qt,
+                                                      float *__restrict__ st, const bf16 *__restrict__ w, int N, int K, int forms,
+                                                      const int *skip) {
+    if (skip && *skip) return;
+    const int kb = blockIdx.x, nb = blockIdx.y, e = blockIdx.z, tid = threadIdx.x;
+    const int c8 = tid & 15, g = tid >> 4, k = kb * 128 + c8 * 8;
+    const bool kok = k < K;
+    const bf16 *we = w + (size_t)e * N * K;
+    uint4 v[2][4];
+    float m = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int n = nb * 128 + 4 * (g + 16 * h) + r;
+            v[h][r] = ld8(we + (size_t)n * K + k, kok && n < N);
+            m = fmaxf(m, amax8(v[h][r]));
+        }
+    __shared__ uint32_t tq[128][32];
+    __shared__ float red[32];
+    weight_block_out(v, m, q, s, qt, st, N, K, forms, tq, red);
+}
+
+/* AdamW on a weight whose FP8 forms a slot keeps (mt__q8_plan), one CTA per 128 x 128 block of p [E][N][K] (k_quant_weight's
+   grid): first AdamW over the block, each warp a row at a time, 4 elements a lane (float4 of p and g, the moments' 4),
+   each element updated as adamw_elems / adamw_elems_bf16 update it (adamw_f32_elem, mt_adamw_bf16_elem), p16 written
+   where given, and the bf16 values kept in shared memory (zeros outside the weight); then each thread takes
+   k_quant_weight's share of the block from there and weight_block_out quantizes it: the codes and scales
+   k_quant_weight would make from p16, without a second pass over the weight. fresh[0] = 1 at the end: the slot holds
+   the new weight's forms. */
+template <bool BF16M>
+__global__ void __launch_bounds__(256, 4) k_adamw_q8(float *__restrict__ p, void *__restrict__ m, void *__restrict__ v, bf16 *__restrict__ p16,
+                                                  const float *__restrict__ gr, int N, int K, const float *lrp, const float *coefp,
+                                                  const float *hp, const int32_t *step, int decay, uint8_t *__restrict__ q,
+                                                  float *__restrict__ s, uint8_t *__restrict__ qt, float *__restrict__ st, int forms,
+                                                  int *fresh) {
+    __shared__ uint4 tile[128 * 16];   /* the block's bf16 values, row-major (16 words a row); then weight_block_out's */
+    const int kb = blockIdx.x, nb = blockIdx.y, e = blockIdx.z, tid = threadIdx.x, lane = tid & 31;
+    AdamwF32 kf;
+    mt_adamw_k kb16;
+    if constexpr (BF16M) mt_adamw_bf16_setup(&kb16, hp, lrp[0], coefp[0], step[0], decay);
+    else kf = adamw_f32_setup(lrp, coefp, hp, step, decay);
+    const int k = kb * 128 + 4 * lane;
+#pragma unroll 4
+    for (int it = 0; it < 16; ++it) {
+        const int rl = 8 * it + (tid >> 5), n = nb * 128 + rl;
+        uint2 b = make_uint2(0u, 0u);
+        if (n < N && k < K) {
+            const size_t i = ((size_t)e * N + n) * K + k;
+            float4 P = *reinterpret_cast<const float4 *>(p + i);
+            const float4 G = *reinterpret_cast<const float4 *>(gr + i);
+            float *pp = &P.x;
+            const float *gg = &G.x;
+            if constexpr (BF16M) {
+                uint2 M = *reinterpret_cast<const uint2 *>((const uint16_t *)m + i), V = *reinterpret_cast<const uint2 *>((const uint16_t *)v + i);
+                uint16_t mm[4] = {(uint16_t)M.x, (uint16_t)(M.x >> 16), (uint16_t)M.y, (uint16_t)(M.y >> 16)};
+                uint16_t vv[4] = {(uint16_t)V.x, (uint16_t)(V.x >> 16), (uint16_t)V.y, (uint16_t)(V.y >> 16)};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) pp[j] = mt_adamw_bf16_elem(&kb16, pp[j], gg[j], &mm[j], &vv[j]);
+                *reinterpret_cast<uint2 *>((uint16_t *)m + i) = make_uint2(mm[0] | (uint32_t)mm[1] << 16, mm[2] | (uint32_t)mm[3] << 16);
+                *reinterpret_cast<uint2 *>((uint16_t *)v + i) = make_uint2(vv[0] | (uint32_t)vv[1] << 16, vv[2] | (uint32_t)vv[3] << 16);
+            } else {
+                float4 M = *reinterpret_cast<const float4 *>((const float *)m + i), V = *reinterpret_cast<const float4 *>((const float *)v + i);
+                float *mm = &M.x, *vv = &V.x;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) pp[j] = adamw_f32_elem(kf, pp[j], gg[j], mm[j], vv[j]);
+                *reinterpret_cast<float4 *>((float *)m + i) = M;
+                *reinterpret_cast<float4 *>((float *)v + i) = V;
+            }
+            *reinterpret_cast<float4 *>(p + i) = P;
+            b = make_uint2(pack_bf16(P.x, P.y), pack_bf16(P.z, P.w));
+            if (p16) *reinterpret_cast<uint2 *>(p16 + i) = b;
+        }
+        reinterpret_cast<uint2 *>(tile)[rl * 32 + lane] = b;
+    }
+    __syncthreads();
+    const int c8 = tid & 15, g = tid >> 4;
+    uint4 w[2][4];
+    float amax = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            w[h][r] = tile[(4 * (g + 16 * h) + r) * 16 + c8];
+            amax = fmaxf(amax, amax8(w[h][r]));
+        }
+    __syncthreads();   /* the tile's memory is weight_block_out's from here */
+    weight_block_out(w, amax, q, s, qt, st, N, K, forms, reinterpret_cast<uint32_t (*)[32]>(tile), reinterpret_cast<float *>(tile) + 128 * 32);
+    if (fresh && tid == 0 && kb == 0 && nb == 0 && e == 0) *fresh = 1;
 }
 
 /* ---- dense: cuBLASLt block-scaled FP8 (VEC128_32F / BLK128x128_32F, Hopper, CUDA 12.9+) ----------
@@ -8737,10 +8842,6 @@ __device__ __forceinline__ void sts_b32(uint32_t a, uint32_t v) { asm volatile("
 __device__ __forceinline__ void sts_v2(uint32_t a, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a), "f"(x), "f"(y) : "memory");
 }
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t *>(&h);
-}
 
 template <int BN, bool DW, bool DIRECT>
 __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ FastParams f) {
@@ -9023,16 +9124,32 @@ int mt_cuda_fp8_quant_cols(mt_cuda *c, uint8_t *qt, float *st, const void *x, co
     LAUNCHED();
     return 0;
 }
-int mt_cuda_fp8_quant_weight2(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, const void *w, int E, int N, int K) {
+int mt_cuda_fp8_quant_weight2(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, const void *w, int E, int N, int K,
+                              const int *skip) {
     if (E < 1 || E > 65535 || N < 4 || N % 4 || K < 8 || K % 8 || (((uintptr_t)q | (uintptr_t)qt | (uintptr_t)w) & 15u) || (!q && !qt))
         return mt__fail(c, "fp8 quant weight", "bad sizes (N a multiple of 4, K of 8, pointers 16-byte aligned)");
     const dim3 grid((unsigned)mt_fp8::kblocks(K), (unsigned)mt_fp8::kblocks(N), (unsigned)E);
-    mt_fp8::k_quant_weight<<<grid, 256, 0, c->stream>>>(q, s, qt, st, (const bf16 *)w, N, K, (q ? 1 : 0) | (qt ? 2 : 0));
+    mt_fp8::k_quant_weight<<<grid, 256, 0, c->stream>>>(q, s, qt, st, (const bf16 *)w, N, K, (q ? 1 : 0) | (qt ? 2 : 0), skip);
     LAUNCHED();
     return 0;
 }
 int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, int E, int N, int K, int transpose) {
-    return transpose ? mt_cuda_fp8_quant_weight2(c, NULL, NULL, q, s, w, E, N, K) : mt_cuda_fp8_quant_weight2(c, q, s, NULL, NULL, w, E, N, K);
+    return transpose ? mt_cuda_fp8_quant_weight2(c, NULL, NULL, q, s, w, E, N, K, NULL) : mt_cuda_fp8_quant_weight2(c, q, s, NULL, NULL, w, E, N, K, NULL);
+}
+int mt_cuda_adamw_fp8(mt_cuda *c, float *p, void *m, void *v, int bf16_moments, void *p_bf16, const float *g, int E, int N, int K,
+                      const float *lr, const float *coef, const float *hp, const int32_t *step, int decay, uint8_t *q, float *s,
+                      uint8_t *qt, float *st, int *fresh) {
+    if (E < 1 || E > 65535 || N < 4 || N % 4 || K < 8 || K % 8 || (!q && !qt) ||
+        (((uintptr_t)q | (uintptr_t)qt | (uintptr_t)p | (uintptr_t)g | (uintptr_t)m | (uintptr_t)v | (uintptr_t)p_bf16) & 15u))
+        return mt__fail(c, "AdamW with FP8 weight forms", "bad sizes (N a multiple of 4, K of 8, pointers 16-byte aligned)");
+    const dim3 grid((unsigned)mt_fp8::kblocks(K), (unsigned)mt_fp8::kblocks(N), (unsigned)E);
+    const int forms = (q ? 1 : 0) | (qt ? 2 : 0);
+    if (bf16_moments)
+        mt_fp8::k_adamw_q8<true><<<grid, 256, 0, c->stream>>>(p, m, v, (bf16 *)p_bf16, g, N, K, lr, coef, hp, step, decay, q, s, qt, st, forms, fresh);
+    else
+        mt_fp8::k_adamw_q8<false><<<grid, 256, 0, c->stream>>>(p, m, v, (bf16 *)p_bf16, g, N, K, lr, coef, hp, step, decay, q, s, qt, st, forms, fresh);
+    LAUNCHED();
+    return 0;
 }
 /* out[Mr][Nc] (bf16, or fp32 when out_f32) = A[Mr][:K] . B[Nc][:K]; A rows-quantized (scales kb * Mr + r), B weight-
    quantized (b_blk = 1) or rows-quantized (b_blk = 0, scales kb * Nc + n); lda, ldb: bytes per row */

@@ -1951,6 +1951,7 @@ static int gpu_compile(mt_graph *g, const mt_config *c, int cuda, int planned, m
     if (planned == 6) p.fp8 = 1;             /* every pass, FP8 GEMMs */
     if (planned == 7) { mt_passes_none(&p); p.fp8 = 1; }   /* FP8 GEMMs alone: no fusion, no plan */
     if (planned == 8) p.fp8 = MT_FP8_NO_WGRAD;          /* every pass, FP8 GEMMs but the weight gradients' */
+    if (planned == 9) { p.fp8 = 1; p.moments = MT_BF16; }   /* every pass, FP8 GEMMs, bf16 AdamW moments */
     return mt_compile(g, c, &m, &t, MT_GRAPH_TRAIN, &p, e);
 }
 static mt_runtime *gpu_runtime(const mt_graph *g, int poison) {
@@ -2073,6 +2074,36 @@ static void gpu_test_fp8_steps(void) {
         report("gpu FP8 shared operands = quantized by every node, bitwise", okq && shared > 0 && mt_runtime_fp8_shared(rq) == 0 &&
                bitwise_equal(lq, l[2], S) && bitwise_equal(gq, g[2], S), "%d operands shared; loss step %d %.9g", shared, S - 1, okq ? lq[S - 1] : 0);
         mt_runtime_destroy(rq);
+    }
+    for (int bm = 0; bm < 2; bm++) {   /* weights' forms written by AdamW; new weights from the host make them stale */
+        mt_graph gm;
+        mt_binding b;
+        mt_runtime *ra = NULL, *rb = NULL;
+        double la[2][3], ga[2][3], lb[2][3], gb2[2][3];
+        int compiled = !gpu_compile(&gm, &c, 1, bm ? 9 : 6, &e), okm = compiled;
+        mt_binding_single(&b);
+        okm = okm && !mt_runtime_create(&ra, &gm, &b, &e) && !mt_runtime_init_params(ra, 5, &e);
+        b.fp8_requantize = 1;
+        okm = okm && !mt_runtime_create(&rb, &gm, &b, &e) && !mt_runtime_init_params(rb, 5, &e);
+        for (int r = 0; okm && r < 2; r++)
+            okm = !gpu_steps(ra, &c, 3, la[r], ga[r]) && !gpu_steps(rb, &c, 3, lb[r], gb2[r]) &&
+                  (r || (!mt_runtime_init_params(ra, 9, &e) && !mt_runtime_init_params(rb, 9, &e)));
+        int by = okm ? mt_runtime_fp8_by_optimizer(ra) : 0, copies = 0, same = okm;
+        for (int i = 0; same && i < gm.n_values; i++) {   /* the bf16 weights read back: the same (refreshed where AdamW left them) */
+            const mt_value *v = &gm.values[i];
+            if (v->role != MT_ROLE_PARAM || v->param < 0) continue;
+            void *x = malloc((size_t)v->nbytes), *y = malloc((size_t)v->nbytes);
+            same = !mt_runtime_read(ra, i, x, &e) && !mt_runtime_read(rb, i, y, &e) && !memcmp(x, y, (size_t)v->nbytes);
+            copies++;
+            free(x); free(y);
+        }
+        report(bm ? "gpu FP8 weights quantized by AdamW = by every node, bitwise; new weights from the host (bf16 moments)"
+                  : "gpu FP8 weights quantized by AdamW = by every node, bitwise; new weights from the host",
+               okm && by > 0 && same && bitwise_equal(la[0], lb[0], 3) && bitwise_equal(ga[0], gb2[0], 3) && bitwise_equal(la[1], lb[1], 3) &&
+               bitwise_equal(ga[1], gb2[1], 3) && !bitwise_equal(la[0], la[1], 3),
+               "%d weights by AdamW; 3 steps, new weights, 3 steps; %d bf16 weights read back the same %s", by, copies, okm ? "" : e.msg);
+        mt_runtime_destroy(ra); mt_runtime_destroy(rb);
+        if (compiled) mt_graph_free(&gm);
     }
     {   /* --fp8-wgrad bf16 against its CPU emulation */
         mt_graph hc, hg;
@@ -2796,7 +2827,7 @@ static void gpu_test_fp8_quant(void) {
             void *dw = up_bf(w, (int64_t)nq), *a0 = dalloc(nq), *a1 = dalloc(nq), *b0 = dalloc(nq), *b1 = dalloc(nq);
             void *x0 = dalloc(4 * n0), *x1 = dalloc(4 * n1), *y0 = dalloc(4 * n0), *y1 = dalloc(4 * n1);
             ok &= !mt_cuda_fp8_quant_weight(CU, (uint8_t *)a0, (float *)x0, dw, E, N, K, 0) && !mt_cuda_fp8_quant_weight(CU, (uint8_t *)a1, (float *)x1, dw, E, N, K, 1) &&
-                  !mt_cuda_fp8_quant_weight2(CU, (uint8_t *)b0, (float *)y0, (uint8_t *)b1, (float *)y1, dw, E, N, K);
+                  !mt_cuda_fp8_quant_weight2(CU, (uint8_t *)b0, (float *)y0, (uint8_t *)b1, (float *)y1, dw, E, N, K, NULL);
             uint8_t *h[4] = {(uint8_t *)down(a0, nq), (uint8_t *)down(b0, nq), (uint8_t *)down(a1, nq), (uint8_t *)down(b1, nq)};
             float *hs[4] = {(float *)down(x0, 4 * n0), (float *)down(y0, 4 * n0), (float *)down(x1, 4 * n1), (float *)down(y1, 4 * n1)};
             ok &= !memcmp(h[0], h[1], nq) && !memcmp(h[2], h[3], nq) && !memcmp(hs[0], hs[1], 4 * n0) && !memcmp(hs[2], hs[3], 4 * n1);
@@ -2806,6 +2837,74 @@ static void gpu_test_fp8_quant(void) {
         report("gpu fp8 quantize 128x128 weights (and W^T)", ok, "2 x 200 x 328: codes, scales, padding bitwise = CPU; both forms in one pass = "
                "one at a time; worst rel %.4f", w1);
         free(w);
+    }
+    /* AdamW writing the weight's FP8 forms = AdamW, then the quantizer on its bf16 copy; a fresh slot's quantizer does nothing */
+    for (int bm = 0; bm < 2; bm++) {
+        const int E = 3, N = 204, K = 264, nbN = 2, nbK = 3;
+        const size_t n = (size_t)E * N * K, n0 = (size_t)E * nbN * fp8_ld(K), n1 = (size_t)E * nbK * fp8_ld(N), mb = bm ? 2 : 4;
+        float *p = fp8_data(E * N, K, 0.05, 1), *g = fp8_data(E * N, K, 0.01, 0), *m = fp8_data(E * N, K, 0.001, 0);
+        float *v = (float *)malloc(4 * n);
+        uint16_t *m16 = (uint16_t *)malloc(2 * n), *v16 = (uint16_t *)malloc(2 * n);
+        for (size_t i = 0; i < n; i++) { v[i] = m[i] * m[i] + 1e-6f; m16[i] = mt_bf16_round(m[i]); v16[i] = mt_bf16_round(v[i]); }
+        mt_hparams h;
+        mt_hparams_default(&h);
+        float hp[MT_HP_COUNT], lr = 3e-3f, coef = 0.75f;
+        mt_hparams_pack(&h, hp);
+        int32_t step = 4, one = 1;
+        void *Dhp = up(hp, sizeof hp), *Dlr = up(&lr, 4), *Dcoef = up(&coef, 4), *Dst = up(&step, 4), *Dg = up(g, 4 * n);
+        void *P[2], *M[2], *V[2], *B16[2], *Q0[2], *S0[2], *Q1[2], *S1[2], *fresh = up(&one, 4);
+        int zero = 0, fr = -1;
+        for (int k = 0; k < 2; k++) {
+            P[k] = up(p, 4 * n); M[k] = bm ? up(m16, 2 * n) : up(m, 4 * n); V[k] = bm ? up(v16, 2 * n) : up(v, 4 * n);
+            B16[k] = dalloc(2 * n); Q0[k] = dalloc(n); Q1[k] = dalloc(n); S0[k] = dalloc(4 * n0); S1[k] = dalloc(4 * n1);
+        }
+        mt_cuda_copy(CU, fresh, &zero, 4, 0);
+        ok = !(bm ? mt_cuda_adamw_bf16(CU, (float *)P[0], M[0], V[0], B16[0], (float *)Dg, (int64_t)n, (float *)Dlr, (float *)Dcoef, (float *)Dhp,
+                                       (int32_t *)Dst, 1)
+                  : mt_cuda_adamw(CU, (float *)P[0], (float *)M[0], (float *)V[0], B16[0], (float *)Dg, (int64_t)n, (float *)Dlr, (float *)Dcoef,
+                                  (float *)Dhp, (int32_t *)Dst, 1)) &&
+             !mt_cuda_fp8_quant_weight2(CU, (uint8_t *)Q0[0], (float *)S0[0], (uint8_t *)Q1[0], (float *)S1[0], B16[0], E, N, K, NULL) &&
+             !mt_cuda_adamw_fp8(CU, (float *)P[1], M[1], V[1], bm, B16[1], (float *)Dg, E, N, K, (float *)Dlr, (float *)Dcoef, (float *)Dhp,
+                                (int32_t *)Dst, 1, (uint8_t *)Q0[1], (float *)S0[1], (uint8_t *)Q1[1], (float *)S1[1], (int *)fresh);
+        mt_cuda_copy(CU, &fr, fresh, 4, 1);
+        int same = ok && fr == 1;
+        const void *a[7] = {P[0], M[0], V[0], B16[0], Q0[0], Q1[0], S0[0]}, *b[7] = {P[1], M[1], V[1], B16[1], Q0[1], Q1[1], S0[1]};
+        const size_t nb[7] = {4 * n, mb * n, mb * n, 2 * n, n, n, 4 * n0};
+        int differ = 0;   /* bit k: buffer k differs (p, m, v, bf16 copy, W, W^T, their scales) */
+        for (int k = 0; k < 8 && ok; k++) {
+            size_t bytes = k < 7 ? nb[k] : 4 * n1;
+            void *x = down(k < 7 ? a[k] : S1[0], bytes), *y = down(k < 7 ? b[k] : S1[1], bytes);
+            differ |= memcmp(x, y, bytes) ? 1 << k : 0;
+            free(x); free(y);
+        }
+        same &= !differ;
+        /* fresh: the quantizer leaves the forms alone (poisoned: nothing written) */
+        mt_cuda_memset(CU, Q0[0], 0x5a, n);
+        int skipped = !mt_cuda_fp8_quant_weight2(CU, (uint8_t *)Q0[0], (float *)S0[0], (uint8_t *)Q1[0], (float *)S1[0], B16[1], E, N, K, (int *)fresh);
+        uint8_t *q0 = (uint8_t *)down(Q0[0], n);
+        for (size_t i = 0; i < n && skipped; i++) skipped = q0[i] == 0x5a;
+        free(q0);
+        /* without the bf16 copy: the same forms */
+        int nocopy = 1;
+        {
+            void *P2 = up(p, 4 * n), *M2 = bm ? up(m16, 2 * n) : up(m, 4 * n), *V2 = bm ? up(v16, 2 * n) : up(v, 4 * n), *Q2 = dalloc(n);
+            int rc = mt_cuda_adamw_fp8(CU, (float *)P2, M2, V2, bm, NULL, (float *)Dg, E, N, K, (float *)Dlr, (float *)Dcoef, (float *)Dhp,
+                                       (int32_t *)Dst, 1, (uint8_t *)Q2, (float *)S0[0], NULL, NULL, NULL);
+            uint8_t *u = (uint8_t *)down(Q2, n), *w2 = (uint8_t *)down(Q0[1], n);
+            size_t bad = 0, first = 0;
+            for (size_t i = 0; i < n; i++) if (u[i] != w2[i] && !bad++) first = i;
+            nocopy = !rc && !bad;
+            if (!nocopy) printf("  no bf16 copy: rc %d (%s), %zu bytes differ, the first at %zu: %02x against %02x\n", rc, rc ? mt_cuda_error(CU) : "",
+                                bad, first, bad ? u[first] : 0, bad ? w2[first] : 0);
+            free(u); free(w2);
+            dfree(P2); dfree(M2); dfree(V2); dfree(Q2);
+        }
+        report(bm ? "gpu AdamW with FP8 weight forms = AdamW + quantizer, bitwise (bf16 moments)" : "gpu AdamW with FP8 weight forms = AdamW + quantizer, bitwise",
+               same && skipped && nocopy, "3 x 204 x 264: p, m, v, bf16 copy, W, W^T and their scales (launched %d, differ: mask %d, flag %d); a fresh slot's "
+               "quantizer writes nothing %d; no bf16 copy, the same W %d", ok, differ, fr, skipped, nocopy);
+        for (int k = 0; k < 2; k++) { dfree(P[k]); dfree(M[k]); dfree(V[k]); dfree(B16[k]); dfree(Q0[k]); dfree(Q1[k]); dfree(S0[k]); dfree(S1[k]); }
+        dfree(Dhp); dfree(Dlr); dfree(Dcoef); dfree(Dst); dfree(Dg); dfree(fresh);
+        free(p); free(g); free(m); free(v); free(m16); free(v16);
     }
 }
 
