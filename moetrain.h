@@ -141,7 +141,7 @@
  *                                         mt_cpu_matmul + mt_cpu_add               mt_cuda_matmul (acc)
  * GMM_DX2            mt__check_moe        fuse: GMM_DX x 2 + ADD       -                  fp8
  *                                         mt_cpu_gmm_dx + mt_cpu_gmm_dx_add        mt_cuda_gmm (mode 1, a2 b2)
- * GMM_DW_SQ          mt__check_moe        fuse: GMM_DW + SUMSQ         -                  -
+ * GMM_DW_SQ          mt__check_moe        fuse: GMM_DW + SUMSQ         -                  fp8
  *                                         mt_cpu_gmm_dw + mt__exec_cpu             mt_cuda_gmm (mode 2, ssq)
  * DOC_STARTS         mt__check_dense      mt__forward                  -                  -
  *                                         mt_cpu_doc_starts                        mt_cuda_doc_starts
@@ -613,8 +613,10 @@ int64_t mt_value_numel_max(const mt_graph *g, const mt_value *v);  /* stored ele
 int64_t mt_value_numel_logical(const mt_graph *g, const mt_value *v); /* elements of the logical shape */
 int mt_graph_find(const mt_graph *g, const char *name);           /* value id or -1 */
 int mt_check_node(const mt_graph *g, const mt_node *n, mt_err *err); /* arity + shapes */
-/* GMM_DW_SQ's partial sums: 8 per 128 x 256 output tile of the grouped GEMM, at least 1024 */
+/* GMM_DW_SQ's partial sums: 8 per 128 x 256 output tile of the grouped GEMM, at least 1024; in FP8
+ * (mt_node_fp8), 8 per 128 x 128 tile of the FP8 kernel (mt_gmm_ssq_len_fp8) */
 int64_t mt_gmm_ssq_len(int64_t E, int64_t M, int64_t K);
+int64_t mt_gmm_ssq_len_fp8(int64_t E, int64_t M, int64_t K);
 
 /* ========================================================================
  * 5. Builder
@@ -1280,6 +1282,11 @@ int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const
                      const float *sb, int b_blk, int ldb, int Mr, int Nc, int K);
 int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
                     const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant);
+/* mode 2 (dW) with ssq (or NULL): the partial sums of dW^2 that GMM_DW_SQ's SUMSQ adds up, ssq_len >=
+   mt_gmm_ssq_len_fp8 entries: the fast kernels (variants 3-5) sum each warp's part of each tile while it is
+   in registers (8 a 128 x 128 tile, the rest zero), the others in a pass over dW after it; ctas as _ctas */
+int mt_cuda_fp8_gmm_dw(mt_cuda *c, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb, const int32_t *d_offs,
+                       int E, int M, int K, int Rmax, long long Lp, int variant, int ctas, float *ssq, int64_t ssq_len);
 int mt_cuda_moe_combine_forward(mt_cuda *c, void *y, const void *ys, const int32_t *slot, const float *w, int N, int D, int K);
 int mt_cuda_moe_combine_backward(mt_cuda *c, void *dys, float *dw, const void *dy, const void *ys, const int32_t *slot,
                                  const float *w, int N, int D, int K);
@@ -2219,6 +2226,10 @@ int64_t mt_gmm_ssq_len(int64_t E, int64_t M, int64_t K) {
     int64_t t8 = E * ((M + 127) / 128) * ((K + 255) / 256) * 8;
     return t8 > 1024 ? t8 : 1024;
 }
+int64_t mt_gmm_ssq_len_fp8(int64_t E, int64_t M, int64_t K) {
+    int64_t t8 = E * ((M + 127) / 128) * ((K + 127) / 128) * 8;
+    return t8 > 1024 ? t8 : 1024;
+}
 int64_t mt_value_numel_logical(const mt_graph *g, const mt_value *v) {
     int64_t n = 1;
     for (int i = 0; i < v->ndim; i++) n *= mt__dim_max(g, v->dims[i]);
@@ -2751,7 +2762,7 @@ static int mt__check_moe(mt__ck c) {
             MT__T(mt__shape(&c, b, "X", 2, a->dims[0], K, 0));
             if (n->op == MT_OP_GMM_DW_SQ) {
                 const mt_value *q = mt__out(&c, 1);
-                MT__T(mt__shape(&c, q, "ssq", 1, mt_gmm_ssq_len(E, M, K), 0, 0));
+                MT__T(mt__shape(&c, q, "ssq", 1, mt_node_fp8(n) ? mt_gmm_ssq_len_fp8(E, M, K) : mt_gmm_ssq_len(E, M, K), 0, 0));
                 if (q->dtype != MT_F32 || o->dtype != MT_F32) return mt_errf(err, "GMM_DW_SQ: dW and ssq must be f32");
             }
         }
@@ -2931,7 +2942,7 @@ static int mt__check_optimizer(mt__ck c) {
  * anything), bf16 operands on CUDA. */
 static int mt__fp8_gemm_op(int op) {
     return op == MT_OP_MATMUL || op == MT_OP_MATMUL_ACC || op == MT_OP_GMM || op == MT_OP_GMM_DX || op == MT_OP_GMM_DW ||
-           op == MT_OP_GMM_DX2 || op == MT_OP_GMM_GLU;
+           op == MT_OP_GMM_DX2 || op == MT_OP_GMM_GLU || op == MT_OP_GMM_DW_SQ;
 }
 int mt_node_fp8(const mt_node *n) { return mt__fp8_gemm_op(n->op) && n->iattr[MT_IATTR_FP8] == 1; }
 static int mt__w16(const mt_value *x, int from) {   /* dims from `from` on: literal multiples of 16 */
@@ -2945,7 +2956,7 @@ static int mt__fp8_shapes(const mt_graph *g, const mt_node *n) {
         if (n->iattr[0] && n->iattr[1]) return 0;
         if (!mt__w16(&g->values[n->in[0]], 0) || !mt__w16(&g->values[n->in[1]], 0) || !mt__w16(&g->values[n->out[0]], 0)) return 0;
     } else {
-        const mt_value *W = &g->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]];   /* [E, M, K] */
+        const mt_value *W = &g->values[n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ ? n->out[0] : n->in[1]];   /* [E, M, K] */
         if (W->ndim != 3 || !mt__w16(W, 1)) return 0;
         if (n->op == MT_OP_GMM_DX2) { ops[2] = n->in[3]; ops[3] = n->in[4]; }   /* shaped as the first pair (mt__check_moe) */
         if (n->op == MT_OP_GMM_GLU) ops[2] = n->in[3];
@@ -4915,7 +4926,7 @@ static int mt__fuse_next(const mt_graph *g, int i) {
 int mt_pass_fuse(mt_graph *g, mt_err *err) {
     int w = 0;
     for (int i = 0; g->target.backend == MT_BACKEND_CUDA && i < g->n_nodes; i++) {
-        if (g->nodes[i].op != MT_OP_GMM_DW || mt_node_fp8(&g->nodes[i])) continue;   /* FP8: no such epilogue */
+        if (g->nodes[i].op != MT_OP_GMM_DW) continue;
         int gv = g->nodes[i].out[0], ok = g->values[gv].role == MT_ROLE_GRAD && g->values[gv].dtype == MT_F32, sq = -1;
         for (int k = i + 1; k < g->n_nodes && ok; k++) {
             const mt_node *x = &g->nodes[k];
@@ -4940,7 +4951,7 @@ int mt_pass_fuse(mt_graph *g, mt_err *err) {
         memset(v, 0, sizeof *v);
         memcpy(v->name, nm, sizeof nm);
         v->dtype = MT_F32; v->role = MT_ROLE_SCRATCH; v->ndim = 1;
-        v->dims[0] = mt_gmm_ssq_len(W->dims[0], W->dims[1], W->dims[2]);
+        v->dims[0] = (mt_node_fp8(&g->nodes[i]) ? mt_gmm_ssq_len_fp8 : mt_gmm_ssq_len)(W->dims[0], W->dims[1], W->dims[2]);
         v->param = -1; v->offset = -1; v->data_offset = -1;
         v->nbytes = v->dims[0] * 4;
         mt_node *d = &g->nodes[i];
@@ -5516,12 +5527,12 @@ static int mt__fp8_fits(const mt_graph *g, const mt_node *n) {
         else if (!n->iattr[1]) wv = n->out[0];   /* the weight gradient */
         break;
     case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DX2: case MT_OP_GMM_GLU: wv = n->in[1]; break;
-    case MT_OP_GMM_DW: wv = n->out[0]; break;
+    case MT_OP_GMM_DW: case MT_OP_GMM_DW_SQ: wv = n->out[0]; break;
     }
     return wv >= 0 && mt__fp8_weight(g, wv) >= 0 && mt__fp8_shapes(g, n);
 }
 static int mt__fp8_wgrad(const mt_node *n) {   /* a weight gradient's GEMM (dW = dY^T X) */
-    return n->op == MT_OP_GMM_DW || ((n->op == MT_OP_MATMUL || n->op == MT_OP_MATMUL_ACC) && n->iattr[0]);
+    return n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ || ((n->op == MT_OP_MATMUL || n->op == MT_OP_MATMUL_ACC) && n->iattr[0]);
 }
 const char *mt_fp8_mode_name(int mode) {
     return mode == MT_FP8_ALL ? "fp8" : mode == MT_FP8_NO_WGRAD ? "fp8-bf16-wgrad" : "bf16";
@@ -8720,7 +8731,7 @@ static int mt__fp8_operand(const mt_node *n, int i) {
         return n->iattr[0] ? MT__Q8_COLS : i == 0 ? MT__Q8_ROWS : MT__Q8_BLOCKS;
     case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DX2: case MT_OP_GMM_GLU:
         return i == 0 || (i == 3 && n->op == MT_OP_GMM_DX2) ? MT__Q8_ROWS : i == 1 || i == 3 || i == 4 ? MT__Q8_BLOCKS : MT__Q8_NONE;
-    case MT_OP_GMM_DW: return i < 2 ? MT__Q8_COLS : MT__Q8_NONE;
+    case MT_OP_GMM_DW: case MT_OP_GMM_DW_SQ: return i < 2 ? MT__Q8_COLS : MT__Q8_NONE;
     }
     return MT__Q8_NONE;
 }
@@ -9180,7 +9191,7 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
         if (rt && !rc) rc = mt_cuda_fp8_gemm(c, dst, f32, qa, sa, lda, qb, sb, b_blk, lda, Mr, Nc, K);
         if (rt && !rc && acc) rc = mt_cuda_add(c, P[n->out[0]], P[n->in[2]], dst, (int64_t)Mr * Nc, O->dtype);
     } else {
-        int dw = n->op == MT_OP_GMM_DW;
+        int dw = n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ;
         const mt_value *W = &G->values[dw ? n->out[0] : n->in[1]];
         int E = (int)W->dims[0], M = (int)W->dims[1], K = (int)W->dims[2];
         int R = (int)(rt ? mt__gmm_bound(rt, n->in[0]) : mt_value_numel_max(G, A) / A->dims[1]);
@@ -9189,8 +9200,10 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
             long long Lp = mt_cuda_fp8_tpad(R, E);
             uint8_t *qa = (uint8_t *)TAKE((size_t)M * Lp), *qb = (uint8_t *)TAKE((size_t)K * Lp);
             float *sa = (float *)TAKE((size_t)(Lp / 128) * M * 4), *sb = (float *)TAKE((size_t)(Lp / 128) * K * 4);
+            int sq = n->op == MT_OP_GMM_DW_SQ;   /* with the partial sums of dW^2 the gradient norm takes */
             if (rt) rc = mt__q8_cols(rt, n, 0, &qa, &sa, offs, E, R, M, Lp) || mt__q8_cols(rt, n, 1, &qb, &sb, offs, E, R, K, Lp) ||
-                         mt_cuda_fp8_gmm(c, 2, P[n->out[0]], qa, sa, qb, sb, offs, E, M, K, R, Lp, MT_FP8_GMM_KERNEL);
+                         mt_cuda_fp8_gmm_dw(c, P[n->out[0]], qa, sa, qb, sb, offs, E, M, K, R, Lp, MT_FP8_GMM_KERNEL, 0,
+                                            sq ? (float *)P[n->out[1]] : NULL, sq ? mt_value_numel_max(G, &G->values[n->out[1]]) : 0);
         } else {              /* mode 0: Y = X W^T (X [R, K]); mode 1: dX = dY W (dY [R, M], W transposed) */
             int mode = n->op == MT_OP_GMM || n->op == MT_OP_GMM_GLU ? 0 : 1, C = mode ? M : K;
             uint8_t *qa = (uint8_t *)TAKE((size_t)R * C), *qb = (uint8_t *)TAKE((size_t)E * M * K);

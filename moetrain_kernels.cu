@@ -8330,6 +8330,7 @@ struct Gmm {
     const int *offs;
     int E, M, K, Rmax;
     long long Lp;
+    float *ssq;   /* mode 2, k_gmm_fast: each consumer warp's sum of its dW^2 at [tile * 8 + warp] (mt_cuda_fp8_gmm_dw), or NULL */
 };
 
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -9015,6 +9016,20 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
             }
             if (++stage == ST) { stage = 0; phase ^= 1; }
         }
+        if constexpr (DW) {   /* the gradient norm's part: the squares of what this warp stores, in a fixed order */
+            if (p.ssq) {
+                const int ra = ti.r0 + wr0 + g, rb = ra + 8;
+                float ss = 0.f;
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    if (ti.c0 + 8 * j + 2 * q >= w.ncols) continue;
+                    if (ra < p.M) ss += acc[4 * j] * acc[4 * j] + acc[4 * j + 1] * acc[4 * j + 1];
+                    if (rb < p.M) ss += acc[4 * j + 2] * acc[4 * j + 2] + acc[4 * j + 3] * acc[4 * j + 3];
+                }
+                ss = warp_sum(ss);   /* (a butterfly: every lane the same bits) */
+                if (lane == 0) p.ssq[(size_t)t * 8 + 4 * c + wl] = ss;
+            }
+        }
         if constexpr (DIRECT) {   /* epilogue: stores straight from the registers (k_gmm_wgmma's) */
             const int ra = ti.r0 + wr0 + g, rb = ra + 8;
 #pragma unroll
@@ -9102,6 +9117,17 @@ static int gmm_fast(int mode, const Gmm &p, cudaStream_t st, int nsm) {
 }
 } /* namespace mt_fp8 */
 
+/* dW's partial sums of squares where no epilogue formed them: block b of gridDim.x sums the squares of its
+   contiguous share of x in a fixed order (block_sum) into ssq[b]; the entries past gridDim.x are zeroed */
+__global__ void __launch_bounds__(256) k_sq_parts(float *ssq, const float *x, int64_t n, int64_t len) {
+    __shared__ float sh[32];
+    const int64_t per = (n + gridDim.x - 1) / gridDim.x, lo = per * blockIdx.x, hi = lo + per < n ? lo + per : n;
+    float s = 0.f;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) s += x[i] * x[i];
+    s = block_sum(s, sh);
+    if (threadIdx.x == 0) ssq[blockIdx.x] = s;
+    for (int64_t i = gridDim.x + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += (int64_t)gridDim.x * blockDim.x) ssq[i] = 0.f;
+}
 extern "C" {
 long long mt_cuda_fp8_tpad(int Rmax, int E) { return mt_fp8::tpad(Rmax, E); }
 
@@ -9171,7 +9197,7 @@ int mt_cuda_fp8_gmm_ctas(mt_cuda *c, int mode, void *out, const uint8_t *a, cons
                          const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant, int ctas) {
     mt_fp8::Gmm p;
     p.out = out; p.a = a; p.b = b; p.sa = sa; p.sb = sb; p.offs = d_offs;
-    p.E = E; p.M = M; p.K = K; p.Rmax = Rmax; p.Lp = Lp;
+    p.E = E; p.M = M; p.K = K; p.Rmax = Rmax; p.Lp = Lp; p.ssq = nullptr;
     const int n = ctas > 0 ? ctas : c->n_sms;
     int rc = 1;
     if (variant != 1 && mt_fp8::gmm_check(mode, p)) {
@@ -9188,5 +9214,38 @@ int mt_cuda_fp8_gmm_ctas(mt_cuda *c, int mode, void *out, const uint8_t *a, cons
 int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
                     const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant) {
     return mt_cuda_fp8_gmm_ctas(c, mode, out, a, sa, b, sb, d_offs, E, M, K, Rmax, Lp, variant, 0);
+}
+int mt_cuda_fp8_gmm_dw(mt_cuda *c, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb, const int32_t *d_offs,
+                       int E, int M, int K, int Rmax, long long Lp, int variant, int ctas, float *ssq, int64_t ssq_len) {
+    mt_fp8::Gmm p;
+    memset(&p, 0, sizeof p);
+    p.out = out; p.a = a; p.b = b; p.sa = sa; p.sb = sb; p.offs = d_offs;
+    p.E = E; p.M = M; p.K = K; p.Rmax = Rmax; p.Lp = Lp;
+    const long long tiles = (long long)E * mt_fp8::kblocks(M) * mt_fp8::kblocks(K), need = tiles * 8 > 1024 ? tiles * 8 : 1024;
+    if (ssq && ssq_len < need) return mt__fail(c, "mt_cuda_fp8_gmm_dw", "fewer partial sums than tiles x 8");
+    const int n = ctas > 0 ? ctas : c->n_sms;
+    int rc = 1;
+    bool fused = false;
+    if (variant >= 3 && variant <= 5 && mt_fp8::gmm_check(2, p)) {
+        p.ssq = ssq;
+        rc = variant == 3 ? mt_fp8::gmm_fast<128, false>(2, p, c->stream, n) : variant == 4 ? mt_fp8::gmm_fast<256, false>(2, p, c->stream, n)
+                                                                                           : mt_fp8::gmm_fast<256, true>(2, p, c->stream, n);
+        fused = rc == 0;
+        p.ssq = nullptr;
+    } else if (variant != 1 && mt_fp8::gmm_check(2, p)) {
+        rc = variant == 2 ? mt_fp8::gmm_wgmma<192>(2, p, c->stream, n) : mt_fp8::gmm_wgmma<128>(2, p, c->stream, n);
+    }
+    if (rc > 0) rc = mt_fp8::gmm_simple(2, p, c->stream);
+    if (rc) return mt__fail(c, "mt_cuda_fp8_gmm_dw", "bad arguments or launch failure");
+    if (!ssq) return 0;
+    if (fused) {   /* entries past the tiles' */
+        if (ssq_len > tiles * 8 && cudaMemsetAsync(ssq + tiles * 8, 0, (size_t)(ssq_len - tiles * 8) * sizeof(float), c->stream) != cudaSuccess)
+            return mt__fail(c, "mt_cuda_fp8_gmm_dw", "zeroing the partial sums");
+        return 0;
+    }
+    const int64_t nel = (int64_t)E * M * K;   /* another kernel: the partial sums in a pass over dW */
+    k_sq_parts<<<(unsigned)(ssq_len < 1024 ? ssq_len : 1024), 256, 0, c->stream>>>(ssq, (const float *)out, nel, ssq_len);
+    LAUNCHED();
+    return 0;
 }
 }  /* extern "C" */

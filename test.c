@@ -3084,6 +3084,25 @@ static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int varian
     }
     snprintf(nm, sizeof nm, "gpu fp8 grouped %s%s: reruns, rows past R", vn[variant], cn);
     report(nm, same && untouched, "%s %s", same ? "bitwise" : "DIFFER", untouched ? "untouched" : "rows past R written");
+    {   /* dW with the partial sums of its squares (GMM_DW_SQ): dW bitwise the plain call's, the partials add up to sum(dW^2),
+           the entries past the tiles' 0 (the buffer poisoned, 37 more than needed) */
+        const int64_t len = mt_gmm_ssq_len_fp8(E, M, K) + 37, nw = (int64_t)E * M * K;
+        void *dws = dalloc(4 * (size_t)nw);
+        float *ssq = dalloc(4 * (size_t)len);
+        int oks = ok && !mt_cuda_fp8_gmm_dw(CU, dws, qyt, syt, qxt, sxt, (const int32_t *)goffs, E, M, K, Rmax, Lp, variant, ctas, ssq, len);
+        float *w1 = down(o[0][2], 4 * (size_t)nw), *w2 = down(dws, 4 * (size_t)nw), *hs = down(ssq, 4 * (size_t)len);
+        double want = 0, got = 0;
+        int finite = 1;
+        for (int64_t i = 0; i < nw; i++) want += (double)w1[i] * w1[i];
+        for (int64_t i = 0; i < len; i++) { got += hs[i]; finite &= isfinite(hs[i]); }
+        int bw = oks && !memcmp(w1, w2, 4 * (size_t)nw);
+        double rel = fabs(got - want) / (want > 0 ? want : 1);
+        snprintf(nm, sizeof nm, "gpu fp8 grouped dW + sum of squares %s%s", vn[variant], cn);
+        report(nm, bw && finite && rel < 1e-5, "dW %s; partials %.9g against %.9g (rel %.1e), %s", bw ? "bitwise" : "DIFFER", got, want, rel,
+               finite ? "all finite" : "NOT ALL WRITTEN");
+        free(w1); free(w2); free(hs);
+        dfree(dws); dfree(ssq);
+    }
     for (int run = 0; run < 2; run++) for (int i = 0; i < 3; i++) dfree(o[run][i]);
     void *dp[] = {gX, gY, t1, t2, gW, goffs, qx, qy, qw, qwt, qyt, qxt, sx, sy, sw, swt, syt, sxt};
     for (size_t i = 0; i < sizeof dp / sizeof dp[0]; i++) dfree(dp[i]);
@@ -7757,7 +7776,8 @@ static void test_fp8(void) {
     for (int i = 0; ok && i < g.n_nodes; i++) {
         const mt_node *n = &g.nodes[i];
         int mm = n->op == MT_OP_MATMUL || n->op == MT_OP_MATMUL_ACC;
-        if (!mm && n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX2 && n->op != MT_OP_GMM_GLU) {
+        if (!mm && n->op != MT_OP_GMM && n->op != MT_OP_GMM_DX && n->op != MT_OP_GMM_DW && n->op != MT_OP_GMM_DX2 && n->op != MT_OP_GMM_GLU &&
+            n->op != MT_OP_GMM_DW_SQ) {
             wrong += n->iattr[MT_IATTR_FP8] != 0;
             continue;
         }
@@ -7812,6 +7832,36 @@ static void test_fp8(void) {
                "%d marked, %d expected (--fp8's marks but the weight gradients'), %d weight gradients marked; mode 3 refused: %s", wmarked,
                expect, wgrads, bad < 0 ? e.msg : "NOT REFUSED");
         if (okw) mt_graph_free(&gw);
+    }
+    {   /* CUDA target: the FP8 expert weight gradients sum their squares in their epilogue (GMM_DW_SQ, FP8, the FP8
+           kernel's partials); with bf16 weight gradients the bf16 GMM_DW_SQ forms as before */
+        mt_target tc;
+        mt_target_cuda(&tc, "sm_90a");
+        int nsq[2] = {0, 0}, nfp8[2] = {0, 0}, lens[2] = {0, 0}, parts[2] = {0, 0}, okc = ok;
+        for (int k = 0; k < 2 && okc; k++) {
+            mt_graph gc;
+            ps.fp8 = k ? MT_FP8_NO_WGRAD : MT_FP8_ALL;
+            int compiled = !mt_compile(&gc, &c, &m, &tc, MT_GRAPH_TRAIN, &ps, &e);
+            okc = compiled;
+            for (int i = 0; okc && i < gc.n_nodes; i++) {
+                const mt_node *x = &gc.nodes[i];
+                okc &= !mt_check_node(&gc, x, &e);
+                parts[k] += x->op == MT_OP_SUMSQ && x->iattr[0];
+                if (x->op != MT_OP_GMM_DW_SQ) { okc &= x->op != MT_OP_GMM_DW; continue; }
+                const mt_value *W = &gc.values[x->out[0]];
+                int64_t want = (k ? mt_gmm_ssq_len : mt_gmm_ssq_len_fp8)(W->dims[0], W->dims[1], W->dims[2]);
+                nsq[k]++; nfp8[k] += mt_node_fp8(x); lens[k] += gc.values[x->out[1]].dims[0] == want;
+            }
+            if (compiled) mt_graph_free(&gc);
+        }
+        ps.fp8 = MT_FP8_ALL;
+        int nmoe = c.n_layers - c.n_dense_layers;
+        report("fp8 (CUDA target): the weight gradients' GEMMs sum their squares, FP8 or bf16", okc && nsq[0] == 3 * nmoe && nfp8[0] == nsq[0] &&
+               lens[0] == nsq[0] && parts[0] == nsq[0] && nsq[1] == 3 * nmoe && !nfp8[1] && lens[1] == nsq[1] && parts[1] == nsq[1] &&
+               mt_gmm_ssq_len_fp8(64, 1408, 2048) == 64 * 11 * 16 * 8 && mt_gmm_ssq_len(64, 1408, 2048) == 64 * 11 * 8 * 8 &&
+               mt_gmm_ssq_len_fp8(8, 272, 336) == 1024,
+               "--fp8: %d GMM_DW_SQ, %d FP8, %d of the FP8 length, %d SUMSQ of partials; --fp8-wgrad bf16: %d, %d, %d, %d%s%s", nsq[0], nfp8[0],
+               lens[0], parts[0], nsq[1], nfp8[1], lens[1], parts[1], okc ? "" : ": ", okc ? "" : e.msg);
     }
 
     /* (d) training with the emulation: deterministic (two runtimes, bitwise), close to the float step and not it */
