@@ -1079,7 +1079,13 @@ typedef struct {
     double timeout_s;  /* CUDA: the longest a device-side wait for a peer lasts before the step fails (0: 600 s) */
     int fp8_requantize; /* CUDA, FP8: every node quantizes its own operands (no sharing between nodes: the same
                            bits, more passes; for comparisons) */
+    int64_t fp8_adamw_min; /* CUDA, FP8: the fewest elements of a weight whose FP8 forms its AdamW writes
+                              (0: MT_FP8_ADAMW_MIN); a smaller one is updated with the others in one
+                              multi-tensor launch and quantized by its first reader */
 } mt_binding;
+/* A launch of its own per weight costs a small one more than it saves: debug's 50-odd weights took
+ * ADAMW from 0.35 to 1.65 ms. 2^24: mid's experts and dense FFN; its attention and shared experts not. */
+#define MT_FP8_ADAMW_MIN ((int64_t)1 << 24)
 enum { MT_EXCHANGE_AUTO = 0, MT_EXCHANGE_HOST = 1, MT_EXCHANGE_DEVICE = 2 };
 void mt_binding_single(mt_binding *b);   /* rank 0 of 1, device 0 */
 
@@ -9042,8 +9048,10 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
     /* A weight that an ADAMW node writes (its bf16 copy, out[3]) and nothing else does: that node writes the
      * forms after each update, every form any node reads (the first node's too), and the first node quantizes
      * only while the slot is stale (after the host writes the weights: mt__q8_stale). */
+    int64_t minel = rt->bind.fp8_adamw_min > 0 ? rt->bind.fp8_adamw_min : MT_FP8_ADAMW_MIN;
     for (int c = 0; c < nc; c++) {
         int ad = -1, other = 0;
+        if (mt_value_numel_max(G, &G->values[cand[c].value]) < minel) continue;
         for (int k = 0; cand[c].how == MT__Q8_BLOCKS && k < n; k++)
             for (int o = 0; o < G->nodes[k].n_out; o++)
                 if (G->nodes[k].out[o] == cand[c].value) {
