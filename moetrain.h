@@ -8282,7 +8282,7 @@ static size_t mt__cuda_scratch(const mt_graph *G, mt_cuda *cu) {
         case MT_OP_MOE_PERMUTE: w = mt_cuda_moe_permute_workspace(a->dims[0] * b->dims[1]); break;
         case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {
             const mt_value *W = &G->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
-            int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DW ? 2 : 1;
+            int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ ? 2 : 1;
             w = mt_cuda_gmm_workspace(cu, mode, (int)W->dims[0], (int)W->dims[1], (int)W->dims[2], (int)mt_value_numel_max(G, a) / (int)a->dims[1]);
             break;
         }
@@ -8972,7 +8972,7 @@ static int mt__cpu_fp8(mt_runtime *rt, const mt_node *n, mt_err *err) {
     mt_real *tmp[MT_MAX_IN] = {0};
     int grouped = n->op != MT_OP_MATMUL && n->op != MT_OP_MATMUL_ACC, rc = 0;
     const int32_t *offs = grouped ? (const int32_t *)rt->ptr[n->in[2]] : NULL;
-    int E = grouped ? (int)G->values[n->op == MT_OP_GMM_DW ? n->out[0] : n->in[1]].dims[0] : 1;
+    int E = grouped ? (int)G->values[n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ ? n->out[0] : n->in[1]].dims[0] : 1;
     for (int i = 0; i < n->n_in; i++) saved[i] = n->in[i] >= 0 ? rt->ptr[n->in[i]] : NULL;
     for (int i = 0; i < n->n_in && !rc; i++) {
         int how = mt__fp8_operand(n, i);
