@@ -7958,8 +7958,28 @@ __host__ __device__ inline int ld_blk(int n) { return (kblocks(n) + 3) & ~3; }
 static inline long long tpad(int Rmax, int E) { return ((long long)Rmax + 127LL * E + 127) / 128 * 128; }
 
 __device__ __forceinline__ float scale_of(float amax) { return __fdiv_rn(amax, 448.f); }
-__device__ __forceinline__ uint32_t code(float x, float s) {
-    return s > 0.f ? (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(x, s), __NV_SATFINITE, __NV_E4M3) : 0u;
+/* A block's scale with its reciprocal r = fp32(1 / s); r = 0 where s is outside [2^-125, 2^125] (or 0, or not
+   finite): there every quotient is a division. */
+struct Q8s { float s, r; };
+__device__ __forceinline__ Q8s q8s(float s) { return {s, s >= 0x1p-125f && s <= 0x1p125f ? __frcp_rn(s) : 0.f}; }
+/* fp32(x / s) without the division: y = fp32(x r), then one correction by the residual x - y s, which an fma forms
+   exactly: fp32(y + (x - y s) r) is the rounded quotient (Markstein's correction with a correctly rounded
+   reciprocal) wherever the quotient is a normal float, and the codes of smaller quotients are all +-0, the sign kept
+   from x. The residual is exact only for |x| >= 2^-100; smaller (and NaN) x divide. No x in the block exceeds its
+   amax, so an infinite x has s infinite and r = 0. */
+__device__ __noinline__ float quot_div(float x, float s) { return __fdiv_rn(x, s); }   /* the rare path, out of line */
+__device__ __forceinline__ float quot(float x, Q8s k) {
+    if (k.r == 0.f || !(fabsf(x) >= 0x1p-100f)) return quot_div(x, k.s);
+    const float y = __fmul_rn(x, k.r);
+    return copysignf(__fmaf_rn(__fmaf_rn(-k.s, y, x), k.r, y), x);
+}
+/* the codes of a and b at scale s, e4m3(fp32(x / s)) rounded to nearest even and saturated (0 where s is not > 0),
+   as one 16-bit word, a's in the low byte */
+__device__ __forceinline__ uint32_t code2(float a, float b, Q8s k) {
+    if (!(k.s > 0.f)) return 0u;
+    uint16_t h;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(quot(b, k)), "f"(quot(a, k)));
+    return h;
 }
 
 /* two floats as the bf16 pair of one 32-bit word (rounded to nearest even, the first in the low half) */
@@ -7980,46 +8000,70 @@ __device__ __forceinline__ float amax8(const uint4 &u) {
 }
 __device__ __forceinline__ uint4 ld8(const bf16 *p, bool ok) { return ok ? *reinterpret_cast<const uint4 *>(p) : make_uint4(0u, 0u, 0u, 0u); }
 /* the codes of 8 values (one 16-byte word) at scale s, as 8 bytes in order */
-__device__ __forceinline__ uint2 codes8(const uint4 &u, float s) {
-    return make_uint2(code(el8(u, 0), s) | code(el8(u, 1), s) << 8 | code(el8(u, 2), s) << 16 | code(el8(u, 3), s) << 24,
-                      code(el8(u, 4), s) | code(el8(u, 5), s) << 8 | code(el8(u, 6), s) << 16 | code(el8(u, 7), s) << 24);
+__device__ __forceinline__ uint2 codes8(const uint4 &u, Q8s k) {
+    return make_uint2(code2(el8(u, 0), el8(u, 1), k) | code2(el8(u, 2), el8(u, 3), k) << 16,
+                      code2(el8(u, 4), el8(u, 5), k) | code2(el8(u, 6), el8(u, 7), k) << 16);
 }
 
-/* rows: 16 lanes per (row, 128-column block), 8 columns a lane in one 16-byte load (C % 16 == 0: a lane's 8
-   are all in or all out) */
+/* rows: one warp a row, each half-warp a 128-column block (half-warp j of step i: block 2 i + j), 8 columns a lane in
+   one 16-byte load (C % 16 == 0: a lane's 8 are all in or all out); a lane's loads of 8 steps (16 blocks, 2048
+   columns) in flight together */
 __global__ void k_quant_rows(uint8_t *__restrict__ q, float *__restrict__ s, const bf16 *__restrict__ x, int R, int C) {
-    const int nkb = kblocks(C);
-    const long long h = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 4;   /* this half-warp's block */
-    const bool any = h < (long long)R * nkb;
-    const int r = any ? (int)(h / nkb) : 0, kb = any ? (int)(h - (long long)r * nkb) : 0, l = threadIdx.x & 15;
-    const int c = kb * 128 + l * 8;
-    const bool in = any && c < C;
-    const uint4 v = ld8(x + (size_t)r * C + c, in);
-    float amax = amax8(v);
+    const int lane = threadIdx.x & 31, l = lane & 15, nkb = kblocks(C);
+    const long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (r >= R) return;   /* the whole warp */
+    const bf16 *xr = x + r * C;
+    uint8_t *qr = q + r * C;
+    for (int kb0 = 0; kb0 < nkb; kb0 += 16) {
+        uint4 v[8];
 #pragma unroll
-    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float sc = scale_of(amax);
-    if (in) *reinterpret_cast<uint2 *>(q + (size_t)r * C + c) = codes8(v, sc);
-    if (any && l == 0) s[(size_t)kb * R + r] = sc;
+        for (int i = 0; i < 8; ++i) {
+            const int c = (kb0 + 2 * i + (lane >> 4)) * 128 + l * 8;
+            v[i] = ld8(xr + c, c < C);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int kb = kb0 + 2 * i + (lane >> 4), c = kb * 128 + l * 8;
+            float amax = amax8(v[i]);
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            const float sc = scale_of(amax);
+            if (c < C) *reinterpret_cast<uint2 *>(qr + c) = codes8(v[i], q8s(sc));
+            if (l == 0 && kb < nkb) s[(size_t)kb * R + r] = sc;
+        }
+    }
 }
 
-/* the segment and 128-row chunk of chunk slot `slot` (segments in order, chunks in order within each):
-   rows [r0, r0 + n) of x, columns [p, p + 128) of qt; n = -1 when the slot is past the last chunk */
-__device__ __forceinline__ void chunk_of(const int *offs, int E, int R, int slot, int &r0, int &n, long long &p) {
-    n = -1; r0 = 0; p = 0;
+/* the segment and 128-row chunk of chunk slot `slot` (segments in order, chunks in order within each), found by one
+   warp (every lane gets it): rows [r0, r0 + n) of x, columns [p, p + 128) of qt (p = 128 slot: the chunks lie end to
+   end); n = -1 when the slot is past the last chunk. The lanes take 32 segments at a time, count their chunks and
+   scan the counts; the first lane whose running count passes the slot holds it. */
+__device__ __forceinline__ void chunk_of(const int *offs, int E, int R, int slot, int lane, int &r0, int &n, long long &p) {
+    n = -1; r0 = 0; p = 128LL * slot;
     if (!offs) {
-        if (slot * 128LL < R) { r0 = slot * 128; n = min(128, R - r0); p = r0; }
+        if (slot * 128LL < R) { r0 = slot * 128; n = min(128, R - r0); }
         return;
     }
-    long long acc = 0, pe = 0;
-    for (int e = 0; e < E; ++e) {
-        const int b = offs[e], ne = max(0, offs[e + 1] - b), nc = (ne + 127) / 128;
-        if (slot < acc + nc) {
-            const int j = (int)(slot - acc);
-            r0 = b + 128 * j; n = min(128, ne - 128 * j); p = pe + 128LL * j;
+    int acc = 0;   /* the chunks of the segments before this group of 32 */
+    for (int e0 = 0; e0 < E; e0 += 32) {
+        const int e = e0 + lane;
+        int b = 0, ne = 0;
+        if (e < E) { b = offs[e]; ne = max(0, offs[e + 1] - b); }
+        const int nc = (ne + 127) / 128;
+        int inc = nc;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, inc, o);
+            if (lane >= o) inc += v;
+        }
+        const unsigned hit = __ballot_sync(0xffffffffu, slot < acc + inc);
+        if (hit) {
+            const int l = __ffs(hit) - 1, first = acc + __shfl_sync(0xffffffffu, inc - nc, l), j = slot - first;
+            r0 = __shfl_sync(0xffffffffu, b, l) + 128 * j;
+            n = min(128, __shfl_sync(0xffffffffu, ne, l) - 128 * j);
             return;
         }
-        acc += nc; pe += 128LL * nc;
+        acc += __shfl_sync(0xffffffffu, inc, 31);
     }
 }
 
@@ -8031,12 +8075,17 @@ __device__ __forceinline__ void chunk_of(const int *offs, int E, int R, int slot
 __global__ void __launch_bounds__(256, 4) k_quant_cols(uint8_t *__restrict__ qt, float *__restrict__ st, const bf16 *__restrict__ x,
                                                     const int *__restrict__ offs, int E, int R, int C, long long Lp) {
     __shared__ float part[16][128];   /* [g][column], column j of the tile at (j % 8) * 16 + j / 8 (no bank conflicts) */
-    __shared__ float sc[128];
+    __shared__ float sc[128], rc[128];   /* the columns' scales and their reciprocals */
     __shared__ uint32_t qs[128][32];  /* [column][word of 4 rows' codes, swizzled] */
     __shared__ int s_r0, s_n;
     __shared__ long long s_p;
     const int tid = threadIdx.x;
-    if (tid == 0) { int r0, n; long long p; chunk_of(offs, E, R, blockIdx.x, r0, n, p); s_r0 = r0; s_n = n; s_p = p; }
+    if (tid < 32) {
+        int r0, n;
+        long long p;
+        chunk_of(offs, E, R, blockIdx.x, tid, r0, n, p);
+        if (tid == 0) { s_r0 = r0; s_n = n; s_p = p; }
+    }
     __syncthreads();
     const int r0 = s_r0, n = s_n;
     const long long p = s_p;
@@ -8062,16 +8111,16 @@ __global__ void __launch_bounds__(256, 4) k_quant_cols(uint8_t *__restrict__ qt,
         for (int h = 0; h < 16; ++h) a = fmaxf(a, part[h][(tid & 7) * 16 + (tid >> 3)]);
         const float s = scale_of(a);
         sc[tid] = s;
+        rc[tid] = q8s(s).r;
         if (blockIdx.y * 128 + tid < C) st[(size_t)(p / 128) * C + blockIdx.y * 128 + tid] = s;
     }
     __syncthreads();
     const int swz = (c8 & 1) | (c8 >> 1) << 2;   /* swz(j) of this thread's columns (j / 8 = c8) */
-#pragma unroll
+#pragma unroll 2   /* fully unrolled, ptxas spilled 88 bytes at the 64 registers of 4 CTAs an SM */
     for (int k = 0; k < 8; ++k) {
-        const float s = sc[c8 * 8 + k];
-        uint32_t lo = 0u, hi = 0u;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) { lo |= code(el8(v[j], k), s) << (8 * j); hi |= code(el8(v[j + 4], k), s) << (8 * j); }
+        const Q8s s = {sc[c8 * 8 + k], rc[c8 * 8 + k]};
+        const uint32_t lo = code2(el8(v[0], k), el8(v[1], k), s) | code2(el8(v[2], k), el8(v[3], k), s) << 16;
+        const uint32_t hi = code2(el8(v[4], k), el8(v[5], k), s) | code2(el8(v[6], k), el8(v[7], k), s) << 16;
         qs[c8 * 8 + k][(2 * g) ^ swz] = lo;
         qs[c8 * 8 + k][(2 * g + 1) ^ swz] = hi;
     }
@@ -8098,11 +8147,12 @@ __device__ __forceinline__ void weight_block_out(const uint4 (&v)[2][4], float m
     const int c8 = tid & 15, g = tid >> 4, k = kb * 128 + c8 * 8;
     const bool kok = k < K;
     const float sc = scale_of(block_max(m, red));
+    const Q8s ks = q8s(sc);
     uint2 cw[2][4];   /* the codes, each value's once: row (h, r)'s 8 columns, byte j = column j */
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) cw[h][r] = codes8(v[h][r], sc);
+        for (int r = 0; r < 4; ++r) cw[h][r] = codes8(v[h][r], ks);
     if (forms & 1) {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
@@ -9134,8 +9184,7 @@ long long mt_cuda_fp8_tpad(int Rmax, int E) { return mt_fp8::tpad(Rmax, E); }
 int mt_cuda_fp8_quant_rows(mt_cuda *c, uint8_t *q, float *s, const void *x, int R, int C) {
     if (R < 0 || C < 16 || C % 16 || (((uintptr_t)x | (uintptr_t)q) & 15u)) return mt__fail(c, "fp8 quant rows", "C must be a multiple of 16, pointers 16-byte aligned");
     if (R == 0) return 0;
-    const long long halves = (long long)R * mt_fp8::kblocks(C);
-    mt_fp8::k_quant_rows<<<mt__blocks(halves, 16), 256, 0, c->stream>>>(q, s, (const bf16 *)x, R, C);
+    mt_fp8::k_quant_rows<<<mt__blocks(R, 8), 256, 0, c->stream>>>(q, s, (const bf16 *)x, R, C);   /* a warp a row */
     LAUNCHED();
     return 0;
 }
