@@ -1852,6 +1852,11 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+/* mbar_arrive by the lane that passes `lane == 0`, predicated rather than branched around (no divergent path
+   between a wgmma and its wait) */
+__device__ __forceinline__ void mbar_arrive_lane0(uint32_t bar, int lane) {
+    asm volatile("{\n.reg .pred p;\nsetp.eq.s32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar), "r"(lane) : "memory");
+}
 /* named CTA barriers (id 1..15; id 0 is __syncthreads) over n threads: sync waits, arrive does not */
 __device__ __forceinline__ void named_bar_sync(int id, int n) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
@@ -8894,6 +8899,33 @@ __device__ __forceinline__ void sts_v2(uint32_t a, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a), "f"(x), "f"(y) : "memory");
 }
 
+/* dW's 128-block: the four m64n128k32 of the stage at sa into the slice t (the warpgroup's rows at da0), committed */
+__device__ __forceinline__ void dw_issue(float (&t)[64], uint32_t sa, uint32_t da0) {
+    using namespace mt_ptx;
+    const uint64_t da = sw128_desc(sa + da0, 16u, 1024u), db = sw128_desc(sa + 16384u, 16u, 1024u);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(t[i])::"memory");
+    wgmma_fence();
+    wgmma_e4m3<128>(t, da, db, 0);
+    wgmma_e4m3<128>(t, da + 2, db + 2, 1);
+    wgmma_e4m3<128>(t, da + 4, db + 4, 1);
+    wgmma_e4m3<128>(t, da + 6, db + 6, 1);
+    wgmma_commit();
+}
+/* dW's promotion of a finished slice: acc += t (sa_row sb_col), the scales from the stage's (at sc); t[4 j + 2 h + b] is
+   row 8 h + g of the warp's 16 (wr0 + ...), column 8 j + 2 q + b */
+__device__ __forceinline__ void dw_promote(float (&acc)[64], float (&t)[64], uint32_t sc, int wr0, int g, int q) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(t[i])::"memory");
+    const float xa = lds_f32(sc + 4u * (wr0 + g)), xb = lds_f32(sc + 4u * (wr0 + g + 8));
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        float s0, s1;
+        lds_v2(sc + 4u * (128 + 8 * j + 2 * q), s0, s1);
+        acc[4 * j] += t[4 * j] * (xa * s0); acc[4 * j + 1] += t[4 * j + 1] * (xa * s1);
+        acc[4 * j + 2] += t[4 * j + 2] * (xb * s0); acc[4 * j + 3] += t[4 * j + 3] * (xb * s1);
+    }
+}
 template <int BN, bool DW, bool DIRECT>
 __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ FastParams f) {
     using namespace mt_ptx;
@@ -9005,8 +9037,11 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
     int stage = 0;
     uint32_t phase = 0;
     float tmp[64];   /* one wave's slice (wgmma overwrites it: scale_d 0 on its first k32) */
+    float tmp2[DW ? 64 : 1];   /* dW: the next 128-block's slice */
 #pragma unroll
     for (int i = 0; i < 64; ++i) tmp[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < (DW ? 64 : 1); ++i) tmp2[i] = 0.f;
 #pragma unroll 1
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         const WgTile ti = wg_tile<BN>(w, s_offs, s_pref, T, t);
@@ -9014,57 +9049,98 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
         float acc[NR];
 #pragma unroll
         for (int i = 0; i < NR; ++i) acc[i] = 0.f;
-#pragma unroll 1
-        for (int kb = 0; kb < ti.nk; ++kb) {
-            const uint32_t sa = sbase + (uint32_t)(stage * C::AB), sc = scb + (uint32_t)(stage * C::SC * 4);
-            wait_or_trap(full0 + 8u * stage, phase);
-            const float xa = lds_f32(sc + 4u * (wr0 + g)), xb = lds_f32(sc + 4u * (wr0 + g + 8));
-            float sw[NW];   /* modes 0/1: the weight's block scale of each wave */
-#pragma unroll
-            for (int v = 0; v < NW; ++v) sw[v] = DW ? 0.f : lds_f32(sc + 4u * (128 + v));
-            const uint64_t da = sw128_desc(sa + (uint32_t)c * 8192u, 16u, 1024u);
-#pragma unroll
-            for (int v = 0; v < NW; ++v) {
-                if (v > 0 && !wave1) break;
-                const uint64_t db = sw128_desc(sa + 16384u + (uint32_t)v * 16384u, 16u, 1024u);
-#pragma unroll
-                for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
-                wgmma_fence();
-                wgmma_e4m3<128>(tmp, da, db, 0);
-                wgmma_e4m3<128>(tmp, da + 2, db + 2, 1);
-                wgmma_e4m3<128>(tmp, da + 4, db + 4, 1);
-                wgmma_e4m3<128>(tmp, da + 6, db + 6, 1);
-                wgmma_commit();
+        if constexpr (DW) {
+            /* dW: a 128-block's wgmmas run while the block before it is promoted, two slices in turn (tmp, tmp2):
+               wait for block kb's stage, issue it, promote block kb - 1 into acc and release its stage, wait for the
+               wgmmas. Nothing but the promotion's straight-line code runs while they are in flight (ptxas serializes
+               wgmmas with a barrier wait or a branch between issue and wait). The same products and promotion order
+               as one block at a time. */
+            const uint32_t da0 = (uint32_t)c * 8192u;
+            if (ti.nk > 0) {   /* (an empty expert's tiles have no blocks: zeros) */
+                uint32_t st_a = stage, st_b;
+                wait_or_trap(full0 + 8u * stage, phase);
+                dw_issue(tmp, sbase + (uint32_t)(stage * C::AB), da0);
+                if (++stage == ST) { stage = 0; phase ^= 1; }
                 wgmma_wait<0>();
-#pragma unroll
-                for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
-                /* promotion: tmp[4 j + 2 h + b] is (row 8 h + g of the warp's 16, column 128 v + 8 j + 2 q + b) */
-                if constexpr (!DW) {
-                    if (v == NW - 1 || !wave1) {   /* the stage's last wave: its operands and scales all read */
-                        __syncwarp();
-                        if (lane == 0) mbar_arrive(empty0 + 8u * stage);
-                    }
-                    const float fa = xa * sw[v], fb = xb * sw[v];
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) {
-                        acc[64 * v + 4 * j] += tmp[4 * j] * fa; acc[64 * v + 4 * j + 1] += tmp[4 * j + 1] * fa;
-                        acc[64 * v + 4 * j + 2] += tmp[4 * j + 2] * fb; acc[64 * v + 4 * j + 3] += tmp[4 * j + 3] * fb;
-                    }
+                int kb = 1;
+#pragma unroll 1
+                for (; kb + 1 < ti.nk; kb += 2) {   /* tmp: block kb - 1, done */
+                    st_b = stage;
+                    wait_or_trap(full0 + 8u * stage, phase);
+                    dw_issue(tmp2, sbase + (uint32_t)(stage * C::AB), da0);
+                    if (++stage == ST) { stage = 0; phase ^= 1; }
+                    dw_promote(acc, tmp, scb + (uint32_t)(st_a * C::SC * 4), wr0, g, q);
+                    __syncwarp();
+                    mbar_arrive_lane0(empty0 + 8u * st_a, lane);
+                    wgmma_wait<0>();
+                    st_a = stage;
+                    wait_or_trap(full0 + 8u * stage, phase);
+                    dw_issue(tmp, sbase + (uint32_t)(stage * C::AB), da0);
+                    if (++stage == ST) { stage = 0; phase ^= 1; }
+                    dw_promote(acc, tmp2, scb + (uint32_t)(st_b * C::SC * 4), wr0, g, q);
+                    __syncwarp();
+                    mbar_arrive_lane0(empty0 + 8u * st_b, lane);
+                    wgmma_wait<0>();
+                }
+                if (kb < ti.nk) {   /* one block left: tmp2 */
+                    st_b = stage;
+                    wait_or_trap(full0 + 8u * stage, phase);
+                    dw_issue(tmp2, sbase + (uint32_t)(stage * C::AB), da0);
+                    if (++stage == ST) { stage = 0; phase ^= 1; }
+                    dw_promote(acc, tmp, scb + (uint32_t)(st_a * C::SC * 4), wr0, g, q);
+                    __syncwarp();
+                    mbar_arrive_lane0(empty0 + 8u * st_a, lane);
+                    wgmma_wait<0>();
+                    dw_promote(acc, tmp2, scb + (uint32_t)(st_b * C::SC * 4), wr0, g, q);
+                    __syncwarp();
+                    mbar_arrive_lane0(empty0 + 8u * st_b, lane);
                 } else {
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) {
-                        float s0, s1;
-                        lds_v2(sc + 4u * (128 + 128 * v + 8 * j + 2 * q), s0, s1);
-                        acc[64 * v + 4 * j] += tmp[4 * j] * (xa * s0); acc[64 * v + 4 * j + 1] += tmp[4 * j + 1] * (xa * s1);
-                        acc[64 * v + 4 * j + 2] += tmp[4 * j + 2] * (xb * s0); acc[64 * v + 4 * j + 3] += tmp[4 * j + 3] * (xb * s1);
-                    }
+                    dw_promote(acc, tmp, scb + (uint32_t)(st_a * C::SC * 4), wr0, g, q);
+                    __syncwarp();
+                    mbar_arrive_lane0(empty0 + 8u * st_a, lane);
                 }
             }
-            if constexpr (DW) {   /* the column scales were read from the stage during the promotion */
-                __syncwarp();
-                if (lane == 0) mbar_arrive(empty0 + 8u * stage);
+        } else {
+#pragma unroll 1
+            for (int kb = 0; kb < ti.nk; ++kb) {
+                const uint32_t sa = sbase + (uint32_t)(stage * C::AB), sc = scb + (uint32_t)(stage * C::SC * 4);
+                wait_or_trap(full0 + 8u * stage, phase);
+                const float xa = lds_f32(sc + 4u * (wr0 + g)), xb = lds_f32(sc + 4u * (wr0 + g + 8));
+                float sw[NW];   /* modes 0/1: the weight's block scale of each wave */
+#pragma unroll
+                for (int v = 0; v < NW; ++v) sw[v] = DW ? 0.f : lds_f32(sc + 4u * (128 + v));
+                const uint64_t da = sw128_desc(sa + (uint32_t)c * 8192u, 16u, 1024u);
+#pragma unroll
+                for (int v = 0; v < NW; ++v) {
+                    if (v > 0 && !wave1) break;
+                    const uint64_t db = sw128_desc(sa + 16384u + (uint32_t)v * 16384u, 16u, 1024u);
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
+                    wgmma_fence();
+                    wgmma_e4m3<128>(tmp, da, db, 0);
+                    wgmma_e4m3<128>(tmp, da + 2, db + 2, 1);
+                    wgmma_e4m3<128>(tmp, da + 4, db + 4, 1);
+                    wgmma_e4m3<128>(tmp, da + 6, db + 6, 1);
+                    wgmma_commit();
+                    wgmma_wait<0>();
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
+                    /* promotion: tmp[4 j + 2 h + b] is (row 8 h + g of the warp's 16, column 128 v + 8 j + 2 q + b) */
+                    if constexpr (!DW) {
+                        if (v == NW - 1 || !wave1) {   /* the stage's last wave: its operands and scales all read */
+                            __syncwarp();
+                            if (lane == 0) mbar_arrive(empty0 + 8u * stage);
+                        }
+                        const float fa = xa * sw[v], fb = xb * sw[v];
+#pragma unroll
+                        for (int j = 0; j < 16; ++j) {
+                            acc[64 * v + 4 * j] += tmp[4 * j] * fa; acc[64 * v + 4 * j + 1] += tmp[4 * j + 1] * fa;
+                            acc[64 * v + 4 * j + 2] += tmp[4 * j + 2] * fb; acc[64 * v + 4 * j + 3] += tmp[4 * j + 3] * fb;
+                        }
+                    }
+                }
+                if (++stage == ST) { stage = 0; phase ^= 1; }
             }
-            if (++stage == ST) { stage = 0; phase ^= 1; }
         }
         if constexpr (DW) {   /* the gradient norm's part: the squares of what this warp stores, in a fixed order */
             if (p.ssq) {
