@@ -8899,10 +8899,9 @@ __device__ __forceinline__ void sts_v2(uint32_t a, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a), "f"(x), "f"(y) : "memory");
 }
 
-/* dW's 128-block: the four m64n128k32 of the stage at sa into the slice t (the warpgroup's rows at da0), committed */
-__device__ __forceinline__ void dw_issue(float (&t)[64], uint32_t sa, uint32_t da0) {
+/* one 128-block of a wave: the four m64n128k32 (k 32 each) of operands da, db into the slice t, committed */
+__device__ __forceinline__ void slice_issue(float (&t)[64], uint64_t da, uint64_t db) {
     using namespace mt_ptx;
-    const uint64_t da = sw128_desc(sa + da0, 16u, 1024u), db = sw128_desc(sa + 16384u, 16u, 1024u);
 #pragma unroll
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(t[i])::"memory");
     wgmma_fence();
@@ -8911,6 +8910,10 @@ __device__ __forceinline__ void dw_issue(float (&t)[64], uint32_t sa, uint32_t d
     wgmma_e4m3<128>(t, da + 4, db + 4, 1);
     wgmma_e4m3<128>(t, da + 6, db + 6, 1);
     wgmma_commit();
+}
+/* dW's 128-block: the stage at sa into the slice t (the warpgroup's rows at da0) */
+__device__ __forceinline__ void dw_issue(float (&t)[64], uint32_t sa, uint32_t da0) {
+    slice_issue(t, mt_ptx::sw128_desc(sa + da0, 16u, 1024u), mt_ptx::sw128_desc(sa + 16384u, 16u, 1024u));
 }
 /* dW's promotion of a finished slice: acc += t (sa_row sb_col), the scales from the stage's (at sc); t[4 j + 2 h + b] is
    row 8 h + g of the warp's 16 (wr0 + ...), column 8 j + 2 q + b */
@@ -9113,15 +9116,7 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
 #pragma unroll
                 for (int v = 0; v < NW; ++v) {
                     if (v > 0 && !wave1) break;
-                    const uint64_t db = sw128_desc(sa + 16384u + (uint32_t)v * 16384u, 16u, 1024u);
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
-                    wgmma_fence();
-                    wgmma_e4m3<128>(tmp, da, db, 0);
-                    wgmma_e4m3<128>(tmp, da + 2, db + 2, 1);
-                    wgmma_e4m3<128>(tmp, da + 4, db + 4, 1);
-                    wgmma_e4m3<128>(tmp, da + 6, db + 6, 1);
-                    wgmma_commit();
+                    slice_issue(tmp, da, sw128_desc(sa + 16384u + (uint32_t)v * 16384u, 16u, 1024u));
                     wgmma_wait<0>();
 #pragma unroll
                     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
