@@ -8929,6 +8929,29 @@ __device__ __forceinline__ void dw_promote(float (&acc)[64], float (&t)[64], uin
         acc[4 * j + 2] += t[4 * j + 2] * (xb * s0); acc[4 * j + 3] += t[4 * j + 3] * (xb * s1);
     }
 }
+/* the dW consumers' view of the stage ring */
+struct DwRing {
+    uint32_t full0, empty0, sbase, scb, da0;
+    int ab, scbytes, st, wr0, g, q, lane;
+};
+/* promote slice t (its block at stage st) into acc and release the stage */
+__device__ __forceinline__ void dw_done(const DwRing &r, float (&acc)[64], float (&t)[64], uint32_t st) {
+    dw_promote(acc, t, r.scb + st * (uint32_t)r.scbytes, r.wr0, r.g, r.q);
+    __syncwarp();
+    mt_ptx::mbar_arrive_lane0(r.empty0 + 8u * st, r.lane);
+}
+/* dW's step: issue the next block (the ring's stage) into nxt, promote cur (the block before, at stage *st) while
+   its wgmmas run, wait for them; *st becomes nxt's stage */
+__device__ __forceinline__ void dw_step(const DwRing &r, float (&acc)[64], float (&nxt)[64], float (&cur)[64], uint32_t &st,
+                                        int &stage, uint32_t &phase) {
+    const uint32_t sn = (uint32_t)stage;
+    wait_or_trap(r.full0 + 8u * sn, phase);
+    dw_issue(nxt, r.sbase + sn * (uint32_t)r.ab, r.da0);
+    if (++stage == r.st) { stage = 0; phase ^= 1; }
+    dw_done(r, acc, cur, st);
+    mt_ptx::wgmma_wait<0>();
+    st = sn;
+}
 template <int BN, bool DW, bool DIRECT>
 __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ FastParams f) {
     using namespace mt_ptx;
@@ -9060,47 +9083,23 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
                as one block at a time. */
             const uint32_t da0 = (uint32_t)c * 8192u;
             if (ti.nk > 0) {   /* (an empty expert's tiles have no blocks: zeros) */
-                uint32_t st_a = stage, st_b;
+                uint32_t st = stage;   /* the stage of the block in the slice last issued */
                 wait_or_trap(full0 + 8u * stage, phase);
                 dw_issue(tmp, sbase + (uint32_t)(stage * C::AB), da0);
                 if (++stage == ST) { stage = 0; phase ^= 1; }
                 wgmma_wait<0>();
+                const DwRing r = {full0, empty0, sbase, scb, da0, C::AB, C::SC * 4, ST, wr0, g, q, lane};
                 int kb = 1;
 #pragma unroll 1
-                for (; kb + 1 < ti.nk; kb += 2) {   /* tmp: block kb - 1, done */
-                    st_b = stage;
-                    wait_or_trap(full0 + 8u * stage, phase);
-                    dw_issue(tmp2, sbase + (uint32_t)(stage * C::AB), da0);
-                    if (++stage == ST) { stage = 0; phase ^= 1; }
-                    dw_promote(acc, tmp, scb + (uint32_t)(st_a * C::SC * 4), wr0, g, q);
-                    __syncwarp();
-                    mbar_arrive_lane0(empty0 + 8u * st_a, lane);
-                    wgmma_wait<0>();
-                    st_a = stage;
-                    wait_or_trap(full0 + 8u * stage, phase);
-                    dw_issue(tmp, sbase + (uint32_t)(stage * C::AB), da0);
-                    if (++stage == ST) { stage = 0; phase ^= 1; }
-                    dw_promote(acc, tmp2, scb + (uint32_t)(st_b * C::SC * 4), wr0, g, q);
-                    __syncwarp();
-                    mbar_arrive_lane0(empty0 + 8u * st_b, lane);
-                    wgmma_wait<0>();
+                for (; kb + 1 < ti.nk; kb += 2) {
+                    dw_step(r, acc, tmp2, tmp, st, stage, phase);
+                    dw_step(r, acc, tmp, tmp2, st, stage, phase);
                 }
-                if (kb < ti.nk) {   /* one block left: tmp2 */
-                    st_b = stage;
-                    wait_or_trap(full0 + 8u * stage, phase);
-                    dw_issue(tmp2, sbase + (uint32_t)(stage * C::AB), da0);
-                    if (++stage == ST) { stage = 0; phase ^= 1; }
-                    dw_promote(acc, tmp, scb + (uint32_t)(st_a * C::SC * 4), wr0, g, q);
-                    __syncwarp();
-                    mbar_arrive_lane0(empty0 + 8u * st_a, lane);
-                    wgmma_wait<0>();
-                    dw_promote(acc, tmp2, scb + (uint32_t)(st_b * C::SC * 4), wr0, g, q);
-                    __syncwarp();
-                    mbar_arrive_lane0(empty0 + 8u * st_b, lane);
+                if (kb < ti.nk) {   /* one block left */
+                    dw_step(r, acc, tmp2, tmp, st, stage, phase);
+                    dw_done(r, acc, tmp2, st);
                 } else {
-                    dw_promote(acc, tmp, scb + (uint32_t)(st_a * C::SC * 4), wr0, g, q);
-                    __syncwarp();
-                    mbar_arrive_lane0(empty0 + 8u * st_a, lane);
+                    dw_done(r, acc, tmp, st);
                 }
             }
         } else {
