@@ -9110,7 +9110,7 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
                 const float xa = lds_f32(sc + 4u * (wr0 + g)), xb = lds_f32(sc + 4u * (wr0 + g + 8));
                 float sw[NW];   /* modes 0/1: the weight's block scale of each wave */
 #pragma unroll
-                for (int v = 0; v < NW; ++v) sw[v] = DW ? 0.f : lds_f32(sc + 4u * (128 + v));
+                for (int v = 0; v < NW; ++v) sw[v] = lds_f32(sc + 4u * (128 + v));
                 const uint64_t da = sw128_desc(sa + (uint32_t)c * 8192u, 16u, 1024u);
 #pragma unroll
                 for (int v = 0; v < NW; ++v) {
@@ -9120,17 +9120,15 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
 #pragma unroll
                     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
                     /* promotion: tmp[4 j + 2 h + b] is (row 8 h + g of the warp's 16, column 128 v + 8 j + 2 q + b) */
-                    if constexpr (!DW) {
-                        if (v == NW - 1 || !wave1) {   /* the stage's last wave: its operands and scales all read */
-                            __syncwarp();
-                            if (lane == 0) mbar_arrive(empty0 + 8u * stage);
-                        }
-                        const float fa = xa * sw[v], fb = xb * sw[v];
+                    if (v == NW - 1 || !wave1) {   /* the stage's last wave: its operands and scales all read */
+                        __syncwarp();
+                        if (lane == 0) mbar_arrive(empty0 + 8u * stage);
+                    }
+                    const float fa = xa * sw[v], fb = xb * sw[v];
 #pragma unroll
-                        for (int j = 0; j < 16; ++j) {
-                            acc[64 * v + 4 * j] += tmp[4 * j] * fa; acc[64 * v + 4 * j + 1] += tmp[4 * j + 1] * fa;
-                            acc[64 * v + 4 * j + 2] += tmp[4 * j + 2] * fb; acc[64 * v + 4 * j + 3] += tmp[4 * j + 3] * fb;
-                        }
+                    for (int j = 0; j < 16; ++j) {
+                        acc[64 * v + 4 * j] += tmp[4 * j] * fa; acc[64 * v + 4 * j + 1] += tmp[4 * j + 1] * fa;
+                        acc[64 * v + 4 * j + 2] += tmp[4 * j + 2] * fb; acc[64 * v + 4 * j + 3] += tmp[4 * j + 3] * fb;
                     }
                 }
                 if (++stage == ST) { stage = 0; phase ^= 1; }
