@@ -7326,7 +7326,8 @@ int mt_cuda_clip(mt_cuda *c, float *coef, float *norm, const float *sumsq, const
     return 0;
 }
 /* AdamW with fp32 moments, one step's constants and one element (every kernel that updates a weight with
- * fp32 moments takes these, so they all give the same bits) */
+ * fp32 moments takes these, so they all give the same bits: each operation spelled out, fmas included, so that no
+ * kernel's surroundings change how the compiler contracts them) */
 struct AdamwF32 { float b1, b2, eps, wd, lr, coef, bc2s, step_size; };
 __device__ __forceinline__ AdamwF32 adamw_f32_setup(const float *lrp, const float *coefp, const float *hp, const int32_t *step, int decay) {
     AdamwF32 k;
@@ -7338,10 +7339,11 @@ __device__ __forceinline__ AdamwF32 adamw_f32_setup(const float *lrp, const floa
     return k;
 }
 __device__ __forceinline__ float adamw_f32_elem(const AdamwF32 &k, float p, float g, float &m, float &v) {
-    float gi = g * k.coef;
-    m = k.b1 * m + (1 - k.b1) * gi;
-    v = k.b2 * v + (1 - k.b2) * gi * gi;
-    return p * (1 - k.lr * k.wd) - k.step_size * m / (sqrtf(v) / k.bc2s + k.eps);
+    const float gi = __fmul_rn(g, k.coef), c1 = __fsub_rn(1.f, k.b1), c2 = __fsub_rn(1.f, k.b2);
+    m = __fmaf_rn(k.b1, m, __fmul_rn(c1, gi));
+    v = __fmaf_rn(k.b2, v, __fmul_rn(__fmul_rn(c2, gi), gi));
+    const float den = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.bc2s), k.eps);
+    return __fmaf_rn(p, __fsub_rn(1.f, __fmul_rn(k.lr, k.wd)), -__fdiv_rn(__fmul_rn(k.step_size, m), den));
 }
 /* AdamW on the elements block lb of nb covers (grid-stride over float4 when aligned) */
 __device__ __forceinline__ void adamw_elems(float *p, float *m, float *v, bf16 *p16, const float *g, int64_t n, const float *lrp,
@@ -8235,6 +8237,8 @@ __global__ void __launch_bounds__(256, 4) k_quant_weight(uint8_t *__restrict__ q
    k_quant_weight's share of the block from there and weight_block_out quantizes it: the codes and scales
    k_quant_weight would make from p16, without a second pass over the weight. fresh[0] = 1 at the end: the slot holds
    the new weight's forms. */
+template <bool BF16M> struct MomOf { typedef float4 T; };   /* 4 elements of a moment */
+template <> struct MomOf<true> { typedef uint2 T; };
 template <bool BF16M>
 __global__ void __launch_bounds__(256, 4) k_adamw_q8(float *__restrict__ p, void *__restrict__ m, void *__restrict__ v, bf16 *__restrict__ p16,
                                                   const float *__restrict__ gr, int N, int K, const float *lrp, const float *coefp,
@@ -8248,37 +8252,54 @@ __global__ void __launch_bounds__(256, 4) k_adamw_q8(float *__restrict__ p, void
     if constexpr (BF16M) mt_adamw_bf16_setup(&kb16, hp, lrp[0], coefp[0], step[0], decay);
     else kf = adamw_f32_setup(lrp, coefp, hp, step, decay);
     const int k = kb * 128 + 4 * lane;
-#pragma unroll 4
+    /* row 8 it + warp of the block: its loads (zeros outside the weight) issued a row ahead of its update, so that
+       each warp has two rows' loads in flight (at 4 CTAs an SM, one row a warp left DRAM a third idle) */
+    typedef typename MomOf<BF16M>::T Mom;
+    struct Row { float4 P, G; Mom M, V; bool ok; size_t i; };
+    auto load = [&](int it, bool any) {
+        Row r;
+        const int n = nb * 128 + 8 * it + (tid >> 5);
+        r.ok = any && n < N && k < K;
+        r.i = ((size_t)e * N + (r.ok ? n : 0)) * K + (r.ok ? k : 0);
+        const float4 z4 = make_float4(0.f, 0.f, 0.f, 0.f);
+        Mom zm;
+        memset(&zm, 0, sizeof zm);
+        r.P = r.ok ? *reinterpret_cast<const float4 *>(p + r.i) : z4;
+        r.G = r.ok ? *reinterpret_cast<const float4 *>(gr + r.i) : z4;
+        r.M = r.ok ? reinterpret_cast<const Mom *>(m)[r.i / 4] : zm;
+        r.V = r.ok ? reinterpret_cast<const Mom *>(v)[r.i / 4] : zm;
+        return r;
+    };
+    Row cur = load(0, true);
+#pragma unroll 1
     for (int it = 0; it < 16; ++it) {
-        const int rl = 8 * it + (tid >> 5), n = nb * 128 + rl;
+        const Row nxt = load(it + 1, it + 1 < 16);
         uint2 b = make_uint2(0u, 0u);
-        if (n < N && k < K) {
-            const size_t i = ((size_t)e * N + n) * K + k;
-            float4 P = *reinterpret_cast<const float4 *>(p + i);
-            const float4 G = *reinterpret_cast<const float4 *>(gr + i);
+        if (cur.ok) {
+            float4 P = cur.P;
             float *pp = &P.x;
-            const float *gg = &G.x;
+            const float *gg = &cur.G.x;
             if constexpr (BF16M) {
-                uint2 M = *reinterpret_cast<const uint2 *>((const uint16_t *)m + i), V = *reinterpret_cast<const uint2 *>((const uint16_t *)v + i);
-                uint16_t mm[4] = {(uint16_t)M.x, (uint16_t)(M.x >> 16), (uint16_t)M.y, (uint16_t)(M.y >> 16)};
-                uint16_t vv[4] = {(uint16_t)V.x, (uint16_t)(V.x >> 16), (uint16_t)V.y, (uint16_t)(V.y >> 16)};
+                uint16_t mm[4] = {(uint16_t)cur.M.x, (uint16_t)(cur.M.x >> 16), (uint16_t)cur.M.y, (uint16_t)(cur.M.y >> 16)};
+                uint16_t vv[4] = {(uint16_t)cur.V.x, (uint16_t)(cur.V.x >> 16), (uint16_t)cur.V.y, (uint16_t)(cur.V.y >> 16)};
 #pragma unroll
                 for (int j = 0; j < 4; ++j) pp[j] = mt_adamw_bf16_elem(&kb16, pp[j], gg[j], &mm[j], &vv[j]);
-                *reinterpret_cast<uint2 *>((uint16_t *)m + i) = make_uint2(mm[0] | (uint32_t)mm[1] << 16, mm[2] | (uint32_t)mm[3] << 16);
-                *reinterpret_cast<uint2 *>((uint16_t *)v + i) = make_uint2(vv[0] | (uint32_t)vv[1] << 16, vv[2] | (uint32_t)vv[3] << 16);
+                reinterpret_cast<uint2 *>(m)[cur.i / 4] = make_uint2(mm[0] | (uint32_t)mm[1] << 16, mm[2] | (uint32_t)mm[3] << 16);
+                reinterpret_cast<uint2 *>(v)[cur.i / 4] = make_uint2(vv[0] | (uint32_t)vv[1] << 16, vv[2] | (uint32_t)vv[3] << 16);
             } else {
-                float4 M = *reinterpret_cast<const float4 *>((const float *)m + i), V = *reinterpret_cast<const float4 *>((const float *)v + i);
+                float4 M = cur.M, V = cur.V;
                 float *mm = &M.x, *vv = &V.x;
 #pragma unroll
                 for (int j = 0; j < 4; ++j) pp[j] = adamw_f32_elem(kf, pp[j], gg[j], mm[j], vv[j]);
-                *reinterpret_cast<float4 *>((float *)m + i) = M;
-                *reinterpret_cast<float4 *>((float *)v + i) = V;
+                reinterpret_cast<float4 *>(m)[cur.i / 4] = M;
+                reinterpret_cast<float4 *>(v)[cur.i / 4] = V;
             }
-            *reinterpret_cast<float4 *>(p + i) = P;
+            *reinterpret_cast<float4 *>(p + cur.i) = P;
             b = make_uint2(pack_bf16(P.x, P.y), pack_bf16(P.z, P.w));
-            if (p16) *reinterpret_cast<uint2 *>(p16 + i) = b;
+            if (p16) *reinterpret_cast<uint2 *>(p16 + cur.i) = b;
         }
-        reinterpret_cast<uint2 *>(tile)[rl * 32 + lane] = b;
+        reinterpret_cast<uint2 *>(tile)[(8 * it + (tid >> 5)) * 32 + lane] = b;
+        cur = nxt;
     }
     __syncthreads();
     const int c8 = tid & 15, g = tid >> 4;
