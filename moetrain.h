@@ -1288,6 +1288,11 @@ int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const
                      const float *sb, int b_blk, int ldb, int Mr, int Nc, int K);
 int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
                     const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant);
+/* modes 0/1 with a second pair in the same fp32 accumulators, one rounding: out = a b + a2 b2 (GMM_DX2); ctas as
+   mt_cuda_fp8_gmm_ctas's (0: one CTA a multiprocessor) */
+int mt_cuda_fp8_gmm2(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
+                     const uint8_t *a2, const float *sa2, const uint8_t *b2, const float *sb2, const int32_t *d_offs, int E, int M,
+                     int K, int Rmax, int variant, int ctas);
 /* mode 2 (dW) with ssq (or NULL): the partial sums of dW^2 that GMM_DW_SQ's SUMSQ adds up, ssq_len >=
    mt_gmm_ssq_len_fp8 entries: the fast kernels (variants 3-5) sum each warp's part of each tile while it is
    in registers (8 a 128 x 128 tile, the rest zero), the others in a pass over dW after it; ctas as _ctas */
@@ -9159,11 +9164,12 @@ static int mt__q8_weight(mt_runtime *rt, const mt_node *n, int i, uint8_t **q, f
 }
 
 /* An FP8 node on CUDA: its inputs quantized into the scratch in the kernels' layouts (docs/FP8.md), then
- * the FP8 GEMM (mt_cuda_fp8_gemm for MATMUL, mt_cuda_fp8_gmm for the experts). MATMUL_ACC and GMM_DX2
- * form their second term in the scratch and add it; GMM_GLU runs its two GEMMs on one quantized X and
- * then its SwiGLU. With rt NULL nothing runs and *need gets the scratch bytes the node takes at the
- * graph's bounds, by the same steps. Rounding: the quantizers' (docs/FP8.md), fp32 accumulation, one
- * rounding to the output dtype, and for the sums one more (bf16) than the fused bf16 kernels make. */
+ * the FP8 GEMM (mt_cuda_fp8_gemm for MATMUL, mt_cuda_fp8_gmm for the experts). GMM_DX2 runs both pairs
+ * into one accumulator (mt_cuda_fp8_gmm2); MATMUL_ACC forms its product in the scratch and adds it;
+ * GMM_GLU runs its two GEMMs on one quantized X and then its SwiGLU. With rt NULL nothing runs and *need
+ * gets the scratch bytes the node takes at the graph's bounds, by the same steps. Rounding: the
+ * quantizers' (docs/FP8.md), fp32 accumulation, one rounding to the output dtype, and for MATMUL_ACC's
+ * sum one more (bf16) than the fused bf16 kernel makes. */
 static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, size_t *need, mt_err *err) {
     mt_cuda *c = rt ? MT__CU(rt) : NULL;
     uint8_t *base = rt ? (uint8_t *)rt->scratch : NULL;
@@ -9212,22 +9218,28 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
             if (rt) rc = mt__q8_cols(rt, n, 0, &qa, &sa, offs, E, R, M, Lp) || mt__q8_cols(rt, n, 1, &qb, &sb, offs, E, R, K, Lp) ||
                          mt_cuda_fp8_gmm_dw(c, P[n->out[0]], qa, sa, qb, sb, offs, E, M, K, R, Lp, MT_FP8_GMM_KERNEL, 0,
                                             sq ? (float *)P[n->out[1]] : NULL, sq ? mt_value_numel_max(G, &G->values[n->out[1]]) : 0);
+        } else if (n->op == MT_OP_GMM_DX2) {   /* dX = dY W + dY2 W2: both pairs quantized, one GEMM over both */
+            uint8_t *q[2], *w[2];
+            float *s[2], *ws[2];
+            for (int t = 0; t < 2; t++) {
+                q[t] = (uint8_t *)TAKE((size_t)R * M); s[t] = (float *)TAKE((size_t)KB(M) * R * 4);
+                w[t] = (uint8_t *)TAKE((size_t)E * M * K); ws[t] = (float *)TAKE(mt__fp8_wscale_bytes(E, M, K, 1));
+                if (rt && !rc) rc = mt__q8_rows(rt, n, t ? 3 : 0, &q[t], &s[t], R, M) || mt__q8_weight(rt, n, t ? 4 : 1, &w[t], &ws[t], E, M, K, 1);
+            }
+            if (rt && !rc) rc = mt_cuda_fp8_gmm2(c, 1, P[n->out[0]], q[0], s[0], w[0], ws[0], q[1], s[1], w[1], ws[1], offs, E, M, K, R,
+                                                 MT_FP8_GMM_KERNEL, 0);
         } else {              /* mode 0: Y = X W^T (X [R, K]); mode 1: dX = dY W (dY [R, M], W transposed) */
             int mode = n->op == MT_OP_GMM || n->op == MT_OP_GMM_GLU ? 0 : 1, C = mode ? M : K;
             uint8_t *qa = (uint8_t *)TAKE((size_t)R * C), *qb = (uint8_t *)TAKE((size_t)E * M * K);
             float *sa = (float *)TAKE((size_t)KB(C) * R * 4), *sb = (float *)TAKE(mt__fp8_wscale_bytes(E, M, K, mode));
-            void *second = n->op == MT_OP_GMM_DX2 ? TAKE((size_t)R * K * 2) : NULL;
             uint8_t *xq = qa, *wq = qb;   /* the scratch's; a slot may stand in for either (mt__q8_plan) */
             float *xs = sa, *ws = sb;
-            for (int t = 0; rt && !rc && t < (n->op == MT_OP_GMM_DX2 || n->op == MT_OP_GMM_GLU ? 2 : 1); t++) {
-                int x = t && n->op == MT_OP_GMM_DX2 ? 3 : 0, w = t ? (n->op == MT_OP_GMM_DX2 ? 4 : 3) : 1;
-                void *out = t == 0 ? P[n->out[0]] : n->op == MT_OP_GMM_GLU ? P[n->out[1]] : second;
-                if (!t || n->op == MT_OP_GMM_DX2) { xq = qa; xs = sa; rc = mt__q8_rows(rt, n, x, &xq, &xs, R, C); }
+            for (int t = 0; rt && !rc && t < (n->op == MT_OP_GMM_GLU ? 2 : 1); t++) {
+                if (!t) rc = mt__q8_rows(rt, n, 0, &xq, &xs, R, C);
                 wq = qb; ws = sb;
-                rc = rc || mt__q8_weight(rt, n, w, &wq, &ws, E, M, K, mode) ||
-                     mt_cuda_fp8_gmm(c, mode, out, xq, xs, wq, ws, offs, E, M, K, R, 0, MT_FP8_GMM_KERNEL);
+                rc = rc || mt__q8_weight(rt, n, t ? 3 : 1, &wq, &ws, E, M, K, mode) ||
+                     mt_cuda_fp8_gmm(c, mode, P[n->out[t]], xq, xs, wq, ws, offs, E, M, K, R, 0, MT_FP8_GMM_KERNEL);
             }
-            if (rt && !rc && n->op == MT_OP_GMM_DX2) rc = mt_cuda_add(c, P[n->out[0]], P[n->out[0]], second, (int64_t)R * K, MT_BF16);
             if (rt && !rc && n->op == MT_OP_GMM_GLU && n->out[2] >= 0)
                 rc = mt_cuda_swiglu_forward(c, P[n->out[2]], P[n->out[0]], P[n->out[1]], (int64_t)R * M,
                                             rt->rows_dev ? rt->rows_dev[n->in[0]] : NULL, M);

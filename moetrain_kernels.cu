@@ -8407,7 +8407,16 @@ struct Gmm {
     int E, M, K, Rmax;
     long long Lp;
     float *ssq;   /* mode 2, k_gmm_fast: each consumer warp's sum of its dW^2 at [tile * 8 + warp] (mt_cuda_fp8_gmm_dw), or NULL */
+    /* modes 0/1, a second pair (a2: NULL for none) in the same accumulators: out = a b + a2 b2, the operands of each
+       pair in a / b's layouts and shapes; its reduction blocks follow the first pair's */
+    const uint8_t *a2, *b2;
+    const float *sa2, *sb2;
 };
+/* reduction block kb of a modes 0/1 tile whose pairs have nk1 blocks each: the block within its pair, and which pair */
+__device__ __forceinline__ int pair_kb(int kb, int nk1, bool &second) {
+    second = kb >= nk1;
+    return second ? kb - nk1 : kb;
+}
 
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
@@ -8463,17 +8472,20 @@ __global__ void __launch_bounds__(128) k_gmm_simple(const Gmm p) {
     /* operand rows: A row ra / rb (tile rows), B row = output column; ld: bytes per row */
     const long long lda = MODE == 2 ? p.Lp : (MODE == 0 ? p.K : p.M);
     const long long ldb = MODE == 2 ? p.Lp : (MODE == 0 ? p.K : p.M);
-    const uint8_t *A = p.a, *B = p.b;
-    if (MODE != 2) B += (size_t)e * p.M * p.K;
+    const uint8_t *A = p.a, *B = p.b, *B2 = p.b2;
+    if (MODE != 2) { B += (size_t)e * p.M * p.K; if (B2) B2 += (size_t)e * p.M * p.K; }
     const int nbrows = MODE == 2 ? p.K : ncols; /* rows of B */
     const int ra = r0 + 16 * warp + g, rb = ra + 8;
     float acc[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    const int nkb = (int)((kend - k0 + 127) / 128);
+    const int nkb1 = (int)((kend - k0 + 127) / 128), nkb = MODE != 2 && p.a2 ? 2 * nkb1 : nkb1;
     const int ldsb = MODE == 0 ? ld_blk(p.K) : ld_blk(p.M); /* weight scales: per-row stride */
 #pragma unroll 1
-    for (int kb = 0; kb < nkb; ++kb) {
+    for (int kb2 = 0; kb2 < nkb; ++kb2) {
+        bool sec = false;
+        const int kb = MODE != 2 ? pair_kb(kb2, nkb1, sec) : kb2;
+        const uint8_t *Ak = sec ? p.a2 : A, *Bk = sec ? B2 : B;
         float t[8][4];
 #pragma unroll
         for (int j = 0; j < 8; ++j) t[j][0] = t[j][1] = t[j][2] = t[j][3] = 0.f;
@@ -8481,21 +8493,21 @@ __global__ void __launch_bounds__(128) k_gmm_simple(const Gmm p) {
         for (int ks = 0; ks < 4; ++ks) {
             const long long k = k0 + 128LL * kb + 32 * ks + 4 * cq;
             uint32_t a[4];
-            a[0] = ld4(A, lda, ra, r1, k, kend);
-            a[1] = ld4(A, lda, rb, r1, k, kend);
-            a[2] = ld4(A, lda, ra, r1, k + 16, kend);
-            a[3] = ld4(A, lda, rb, r1, k + 16, kend);
+            a[0] = ld4(Ak, lda, ra, r1, k, kend);
+            a[1] = ld4(Ak, lda, rb, r1, k, kend);
+            a[2] = ld4(Ak, lda, ra, r1, k + 16, kend);
+            a[3] = ld4(Ak, lda, rb, r1, k + 16, kend);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const int col = c0 + 8 * j + g;
-                mma_e4m3(t[j], a, ld4(B, ldb, col, nbrows, k, kend), ld4(B, ldb, col, nbrows, k + 16, kend));
+                mma_e4m3(t[j], a, ld4(Bk, ldb, col, nbrows, k, kend), ld4(Bk, ldb, col, nbrows, k + 16, kend));
             }
         }
         /* promotion: the slice times its scales into the fp32 accumulator */
         if (MODE != 2) {
-            const float *sa = p.sa + (size_t)kb * p.Rmax;
+            const float *sa = (sec ? p.sa2 : p.sa) + (size_t)kb * p.Rmax;
             const float xa = ra < r1 ? sa[ra] : 0.f, xb = rb < r1 ? sa[rb] : 0.f;
-            const float w = p.sb[((size_t)e * kblocks(ncols) + c0 / 128) * ldsb + kb];
+            const float w = (sec ? p.sb2 : p.sb)[((size_t)e * kblocks(ncols) + c0 / 128) * ldsb + kb];
             const float fa = xa * w, fb = xb * w;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -8536,6 +8548,7 @@ static bool gmm_check(int mode, const Gmm &p) {
     if (mode < 0 || mode > 2 || p.E < 1 || p.E > 65535 || p.M < 16 || p.K < 16 || p.M % 16 || p.K % 16 || p.Rmax < 0) return false;
     if (!p.out || !p.a || !p.b || !p.sa || !p.sb || !p.offs) return false;
     if ((((uintptr_t)p.out) | ((uintptr_t)p.a) | ((uintptr_t)p.b)) & 15u) return false;
+    if (p.a2 && (mode == 2 || !p.b2 || !p.sa2 || !p.sb2 || ((((uintptr_t)p.a2) | ((uintptr_t)p.b2)) & 15u))) return false;
     return mode != 2 || (p.Lp >= tpad(p.Rmax, p.E) && p.Lp % 16 == 0);
 }
 static int gmm_simple(int mode, const Gmm &p, cudaStream_t st) {
@@ -8581,6 +8594,7 @@ struct WgCfg {
 
 struct WgParams {
     CUtensorMap ta, tb;
+    CUtensorMap ta2, tb2;   /* the second pair's (p.a2) */
     Gmm p;
     int mode, ncols, nct, ntm;
 };
@@ -8660,7 +8674,7 @@ __device__ __forceinline__ WgTile wg_tile(const WgParams &w, const int *s_offs, 
         ti.r0 = s_offs[lo] + 128 * rt;
         ti.r1 = min(ti.r0 + 128, s_offs[lo + 1]);
         ti.c0 = BN * ct;
-        ti.nk = kblocks(w.mode == 0 ? w.p.K : w.p.M);
+        ti.nk = kblocks(w.mode == 0 ? w.p.K : w.p.M) * (w.p.a2 ? 2 : 1);   /* (two pairs: pair_kb) */
     } else {
         const int per = w.ntm * w.nct, e = t / per, rem = t - e * per, mt = rem / w.nct;
         ti.e = e;
@@ -8700,6 +8714,7 @@ __global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ Wg
     }
     __syncthreads();
     const int T = w.mode != 2 ? s_pref[p.E] : p.E * w.ntm * w.nct;
+    const int nk1 = kblocks(w.mode == 0 ? p.K : p.M);   /* modes 0/1: a pair's reduction blocks */
     if (tid < 128) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (tid == 0) {   /* producer */
@@ -8714,8 +8729,10 @@ __global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ Wg
                     wait_or_trap(empty0 + 8u * s, ((step / ST) & 1) ^ 1);
                     mbar_expect_tx(bar, (uint32_t)STAGE);
                     if (w.mode != 2) {
-                        tma_load_2d(sa, &w.ta, bar, kb * 128, ti.r0);                       /* X / dY [Rmax][red]  */
-                        tma_load_3d(sa + 16384u, &w.tb, bar, kb * 128, ti.c0, ti.e);        /* W / W^T [E][cols][red] */
+                        bool sec;
+                        const int kl = pair_kb(kb, nk1, sec);
+                        tma_load_2d(sa, sec ? &w.ta2 : &w.ta, bar, kl * 128, ti.r0);                /* X / dY [Rmax][red]  */
+                        tma_load_3d(sa + 16384u, sec ? &w.tb2 : &w.tb, bar, kl * 128, ti.c0, ti.e); /* W / W^T [E][cols][red] */
                     } else {
                         const int k = (int)(ti.k0 + 128LL * kb);
                         tma_load_2d(sa, &w.ta, bar, k, ti.r0);                              /* dY^T [M][Lp] */
@@ -8758,8 +8775,10 @@ __global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ Wg
             float xa, xb, w0 = 0.f, w1 = 0.f;
             const float *sbr = nullptr;
             if (w.mode != 2) {
-                const float *sar = p.sa + (size_t)kb * p.Rmax;
-                const float *wr = p.sb + ((size_t)ti.e * kblocks(w.ncols) + ti.c0 / 128) * ldsb + kb;
+                bool sec;
+                const int kl = pair_kb(kb, nk1, sec);
+                const float *sar = (sec ? p.sa2 : p.sa) + (size_t)kl * p.Rmax;
+                const float *wr = (sec ? p.sb2 : p.sb) + ((size_t)ti.e * kblocks(w.ncols) + ti.c0 / 128) * ldsb + kl;
                 xa = ra < ti.r1 ? __ldg(sar + ra) : 0.f;
                 xb = rb < ti.r1 ? __ldg(sar + rb) : 0.f;
                 w0 = __ldg(wr);
@@ -8809,8 +8828,27 @@ __global__ void __launch_bounds__(384, 1) k_gmm_wgmma(const __grid_constant__ Wg
     }
 }
 
-/* the operand maps: e4m3 bytes, boxes of 128 bytes x 128 rows (B: x BN rows; 3-D for the weights: x 1 expert);
-   returns 1 when tensor maps cannot be made (the caller takes the simple kernel) */
+/* the operand maps (and the second pair's, p.a2): e4m3 bytes, boxes of 128 bytes x 128 rows (B: x BN rows; 3-D for
+   the weights: x 1 expert); nonzero when they cannot be made */
+template <int BN>
+static int wg_maps(mt_ptx::EncodeTiledFn enc, WgParams &w, int mode, const Gmm &p) {
+    const cuuint32_t boxa[2] = {128, 128}, boxb2[2] = {128, (cuuint32_t)BN}, boxb3[3] = {128, (cuuint32_t)BN, 1};
+    if (mode == 2) {
+        const cuuint64_t da[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.M}, db[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.K}, s1[1] = {(cuuint64_t)p.Lp};
+        return mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, s1, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
+               mt_ptx::tma_map(enc, &w.tb, p.b, 2, db, s1, boxb2, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+    }
+    const int red = mode == 0 ? p.K : p.M;
+    const cuuint64_t da[2] = {(cuuint64_t)red, (cuuint64_t)(p.Rmax > 0 ? p.Rmax : 1)}, sa[1] = {(cuuint64_t)red};
+    const cuuint64_t db[3] = {(cuuint64_t)red, (cuuint64_t)w.ncols, (cuuint64_t)p.E}, sb[2] = {(cuuint64_t)red, (cuuint64_t)red * w.ncols};
+    int rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, sa, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
+             mt_ptx::tma_map(enc, &w.tb, p.b, 3, db, sb, boxb3, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+    if (p.a2)
+        rc |= mt_ptx::tma_map(enc, &w.ta2, p.a2, 2, da, sa, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
+              mt_ptx::tma_map(enc, &w.tb2, p.b2, 3, db, sb, boxb3, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+    return rc;
+}
+/* returns 1 when tensor maps cannot be made (the caller takes the simple kernel) */
 template <int BN>
 static int gmm_wgmma(int mode, const Gmm &p, cudaStream_t st, int nsm) {
     mt_ptx::EncodeTiledFn enc = mt_ptx::tma_encoder();
@@ -8822,20 +8860,7 @@ static int gmm_wgmma(int mode, const Gmm &p, cudaStream_t st, int nsm) {
     w.ncols = mode == 0 ? p.M : p.K;
     w.nct = (w.ncols + BN - 1) / BN;
     w.ntm = (p.M + 127) / 128;
-    const cuuint32_t boxa[2] = {128, 128}, boxb2[2] = {128, (cuuint32_t)BN}, boxb3[3] = {128, (cuuint32_t)BN, 1};
-    int rc;
-    if (mode != 2) {
-        const int red = mode == 0 ? p.K : p.M;
-        const cuuint64_t da[2] = {(cuuint64_t)red, (cuuint64_t)(p.Rmax > 0 ? p.Rmax : 1)}, sa[1] = {(cuuint64_t)red};
-        const cuuint64_t db[3] = {(cuuint64_t)red, (cuuint64_t)w.ncols, (cuuint64_t)p.E}, sb[2] = {(cuuint64_t)red, (cuuint64_t)red * w.ncols};
-        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, sa, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
-             mt_ptx::tma_map(enc, &w.tb, p.b, 3, db, sb, boxb3, CU_TENSOR_MAP_DATA_TYPE_UINT8);
-    } else {
-        const cuuint64_t da[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.M}, db[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.K}, s1[1] = {(cuuint64_t)p.Lp};
-        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, s1, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
-             mt_ptx::tma_map(enc, &w.tb, p.b, 2, db, s1, boxb2, CU_TENSOR_MAP_DATA_TYPE_UINT8);
-    }
-    if (rc) return 1;
+    if (wg_maps<BN>(enc, w, mode, p)) return 1;
     void (*kern)(const WgParams) = k_gmm_wgmma<BN>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)WgCfg<BN>::SMEM) != cudaSuccess) return -1;
     kern<<<nsm, 384, WgCfg<BN>::SMEM, st>>>(w);
@@ -9003,7 +9028,7 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
     if (tid < 128) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         const int T = !DW ? s_pref[p.E] : p.E * w.ntm * w.nct;   /* (read after the register split: nothing kept across it) */
-        const int ldsb = w.mode == 0 ? ld_blk(p.K) : ld_blk(p.M);
+        const int ldsb = w.mode == 0 ? ld_blk(p.K) : ld_blk(p.M), nk1 = kblocks(w.mode == 0 ? p.K : p.M);
         if (tid == 0) {   /* operands: TMA */
             int stage = 0;
             uint32_t phase = 0;
@@ -9016,8 +9041,10 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
                     wait_or_trap(empty0 + 8u * stage, phase ^ 1);
                     mbar_expect_tx(bar, (uint32_t)C::AB);
                     if (!DW) {
-                        tma_load_2d(sa, &w.ta, bar, kb * 128, ti.r0);
-                        tma_load_3d(sa + 16384u, &w.tb, bar, kb * 128, ti.c0, ti.e);
+                        bool sec;
+                        const int kl = pair_kb(kb, nk1, sec);
+                        tma_load_2d(sa, sec ? &w.ta2 : &w.ta, bar, kl * 128, ti.r0);
+                        tma_load_3d(sa + 16384u, sec ? &w.tb2 : &w.tb, bar, kl * 128, ti.c0, ti.e);
                     } else {
                         const int k = (int)(ti.k0 + 128LL * kb);
                         tma_load_2d(sa, &w.ta, bar, k, ti.r0);
@@ -9038,7 +9065,9 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
                     const uint32_t sc = scb + (uint32_t)(stage * C::SC * 4);
                     wait_or_trap(empty0 + 8u * stage, phase ^ 1);
                     if constexpr (!DW) {
-                        const float *sar = p.sa + (size_t)kb * p.Rmax;
+                        bool sec;
+                        const int kl = pair_kb(kb, nk1, sec);
+                        const float *sar = (sec ? p.sa2 : p.sa) + (size_t)kl * p.Rmax;
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const int r = ti.r0 + lane + 32 * i;
@@ -9048,7 +9077,7 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
                         if (lane < NW) {
                             const int nb = ti.c0 / 128 + lane;
                             const bool ok = nb * 128 < w.ncols;
-                            const float *src = p.sb + ((size_t)ti.e * kblocks(w.ncols) + (ok ? nb : 0)) * ldsb + kb;
+                            const float *src = (sec ? p.sb2 : p.sb) + ((size_t)ti.e * kblocks(w.ncols) + (ok ? nb : 0)) * ldsb + kl;
                             cp_async_4(sc + 4u * (128 + lane), src, ok ? 4 : 0);
                         }
                     } else {
@@ -9235,20 +9264,7 @@ static int gmm_fast(int mode, const Gmm &p, cudaStream_t st, int nsm) {
     w.ntm = (p.M + 127) / 128;
     const size_t smem = fast_layout<BN>(mode, p.E, DIRECT, f);
     if (f.st < 2) return 1;   /* too many experts for the offsets beside two stages: the simple kernel */
-    const cuuint32_t boxa[2] = {128, 128}, boxb2[2] = {128, (cuuint32_t)BN}, boxb3[3] = {128, (cuuint32_t)BN, 1};
-    int rc;
-    if (mode != 2) {
-        const int red = mode == 0 ? p.K : p.M;
-        const cuuint64_t da[2] = {(cuuint64_t)red, (cuuint64_t)(p.Rmax > 0 ? p.Rmax : 1)}, sa[1] = {(cuuint64_t)red};
-        const cuuint64_t db[3] = {(cuuint64_t)red, (cuuint64_t)w.ncols, (cuuint64_t)p.E}, sb[2] = {(cuuint64_t)red, (cuuint64_t)red * w.ncols};
-        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, sa, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
-             mt_ptx::tma_map(enc, &w.tb, p.b, 3, db, sb, boxb3, CU_TENSOR_MAP_DATA_TYPE_UINT8);
-    } else {
-        const cuuint64_t da[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.M}, db[2] = {(cuuint64_t)p.Lp, (cuuint64_t)p.K}, s1[1] = {(cuuint64_t)p.Lp};
-        rc = mt_ptx::tma_map(enc, &w.ta, p.a, 2, da, s1, boxa, CU_TENSOR_MAP_DATA_TYPE_UINT8) |
-             mt_ptx::tma_map(enc, &w.tb, p.b, 2, db, s1, boxb2, CU_TENSOR_MAP_DATA_TYPE_UINT8);
-    }
-    if (rc) return 1;
+    if (wg_maps<BN>(enc, w, mode, p)) return 1;
     void (*kern)(const FastParams) = mode == 2 ? k_gmm_fast<128, true, DIRECT> : k_gmm_fast<BN, false, DIRECT>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     kern<<<nsm, 384, smem, st>>>(f);
@@ -9331,11 +9347,7 @@ int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const
    a = X rows (scales over Rmax rows), b = W weight; mode 1: out dX [Rmax][K] bf16, a = dY rows, b = W^T weight;
    mode 2: out dW [E][M][K] fp32, a = dY cols [M][Lp], b = X cols [K][Lp].  ctas: the persistent kernels' grid (0: one
    CTA per multiprocessor; the tests take a few so that every CTA walks many tiles) */
-int mt_cuda_fp8_gmm_ctas(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
-                         const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant, int ctas) {
-    mt_fp8::Gmm p;
-    p.out = out; p.a = a; p.b = b; p.sa = sa; p.sb = sb; p.offs = d_offs;
-    p.E = E; p.M = M; p.K = K; p.Rmax = Rmax; p.Lp = Lp; p.ssq = nullptr;
+static int fp8_gmm_run(mt_cuda *c, int mode, const mt_fp8::Gmm &p, int variant, int ctas) {
     const int n = ctas > 0 ? ctas : c->n_sms;
     int rc = 1;
     if (variant != 1 && mt_fp8::gmm_check(mode, p)) {
@@ -9349,9 +9361,28 @@ int mt_cuda_fp8_gmm_ctas(mt_cuda *c, int mode, void *out, const uint8_t *a, cons
     if (rc) return mt__fail(c, "mt_cuda_fp8_gmm", "bad arguments or launch failure");
     return 0;
 }
+int mt_cuda_fp8_gmm_ctas(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
+                         const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant, int ctas) {
+    mt_fp8::Gmm p;
+    memset(&p, 0, sizeof p);
+    p.out = out; p.a = a; p.b = b; p.sa = sa; p.sb = sb; p.offs = d_offs;
+    p.E = E; p.M = M; p.K = K; p.Rmax = Rmax; p.Lp = Lp;
+    return fp8_gmm_run(c, mode, p, variant, ctas);
+}
 int mt_cuda_fp8_gmm(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
                     const int32_t *d_offs, int E, int M, int K, int Rmax, long long Lp, int variant) {
     return mt_cuda_fp8_gmm_ctas(c, mode, out, a, sa, b, sb, d_offs, E, M, K, Rmax, Lp, variant, 0);
+}
+int mt_cuda_fp8_gmm2(mt_cuda *c, int mode, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb,
+                     const uint8_t *a2, const float *sa2, const uint8_t *b2, const float *sb2, const int32_t *d_offs, int E, int M,
+                     int K, int Rmax, int variant, int ctas) {
+    if (mode != 0 && mode != 1) return mt__fail(c, "mt_cuda_fp8_gmm2", "two pairs are for modes 0 and 1");
+    mt_fp8::Gmm p;
+    memset(&p, 0, sizeof p);
+    p.out = out; p.a = a; p.b = b; p.sa = sa; p.sb = sb; p.offs = d_offs;
+    p.a2 = a2; p.b2 = b2; p.sa2 = sa2; p.sb2 = sb2;
+    p.E = E; p.M = M; p.K = K; p.Rmax = Rmax;
+    return fp8_gmm_run(c, mode, p, variant, ctas);
 }
 int mt_cuda_fp8_gmm_dw(mt_cuda *c, void *out, const uint8_t *a, const float *sa, const uint8_t *b, const float *sb, const int32_t *d_offs,
                        int E, int M, int K, int Rmax, long long Lp, int variant, int ctas, float *ssq, int64_t ssq_len) {

@@ -3229,6 +3229,46 @@ static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int varian
         free(w1); free(w2); free(hs);
         dfree(dws); dfree(ssq);
     }
+    {   /* two pairs in one accumulator (GMM_DX2): dX = dY W + dY2 W2, the second pair other data at other scales */
+        float *dY2 = fp8_data(R, M, 0.5, 0), *W2 = fp8_data(E * M, K, 0.02, 0);
+        double *dy2 = malloc(8 * (size_t)R * M), *dw2 = malloc(8 * (size_t)E * M * K);
+        double *r2 = malloc(8 * (size_t)R * K), *a2 = malloc(8 * (size_t)R * K), *e2 = malloc(8 * (size_t)R * K);
+        fp8_ref_rows(tq, ts, dy2, dY2, R, M);
+        fp8_ref_weight(tq, ts, dw2, W2, E, M, K, 0);
+        for (int e = 0; e < E; e++)
+            for (int r = offs[e]; r < offs[e + 1]; r++)
+                for (int k = 0; k < K; k++) {
+                    const size_t i = (size_t)r * K + k;
+                    double s2 = rx[i], a = ax[i], x = ex[i];
+                    for (int m = 0; m < M; m++) {
+                        const size_t iy = (size_t)r * M + m, iw = ((size_t)e * M + m) * K + k;
+                        s2 += dy2[iy] * dw2[iw]; a += fabs(dy2[iy] * dw2[iw]); x += (double)dY2[iy] * W2[iw];
+                    }
+                    r2[i] = s2; a2[i] = a; e2[i] = x;
+                }
+        void *gY2 = dalloc(2 * (size_t)Rmax * M), *t3 = up_bf(dY2, (int64_t)R * M), *gW2 = up_bf(W2, (int64_t)E * M * K);
+        mt_cuda_copy(CU, gY2, t3, 2 * (size_t)R * M, 2);
+        uint8_t *qy2 = dalloc((size_t)Rmax * M), *qwt2 = dalloc((size_t)E * M * K);
+        float *sy2 = dalloc(4 * (size_t)Rmax * nbM), *swt2 = dalloc(4 * (size_t)E * nbK * fp8_ld(M));
+        void *o2[2] = {dalloc(2 * (size_t)Rmax * K), dalloc(2 * (size_t)Rmax * K)};
+        int ok2 = ok && !mt_cuda_fp8_quant_rows(CU, qy2, sy2, gY2, Rmax, M) && !mt_cuda_fp8_quant_weight(CU, qwt2, swt2, gW2, E, M, K, 1);
+        for (int run = 0; run < 2; run++)
+            ok2 = ok2 && !mt_cuda_fp8_gmm2(CU, 1, o2[run], qy, sy, qwt, swt, qy2, sy2, qwt2, swt2, (const int32_t *)goffs, E, M, K, Rmax,
+                                           variant, ctas);
+        snprintf(nm, sizeof nm, "gpu fp8 grouped dX of two pairs E%d %dx%d %s%s", E, M, K, vn[variant], cn);
+        fp8_check(nm, o2[0], 1, r2, a2, e2, (int64_t)R * K, ok2, 1.0 / 512);
+        const size_t nb = 2 * (size_t)Rmax * K;
+        unsigned char *h0 = down(o2[0], nb), *h1 = down(o2[1], nb);
+        int same2 = !memcmp(h0, h1, nb), untouched2 = 1;
+        for (size_t j = 2 * (size_t)R * K; j < nb; j++) untouched2 &= h0[j] == 0xff;
+        snprintf(nm, sizeof nm, "gpu fp8 grouped dX of two pairs %s%s: reruns, rows past R", vn[variant], cn);
+        report(nm, ok2 && same2 && untouched2, "%s, %s", same2 ? "bitwise" : "DIFFER", untouched2 ? "untouched" : "rows past R written");
+        free(h0); free(h1);
+        void *dq[] = {gY2, t3, gW2, qy2, qwt2, sy2, swt2, o2[0], o2[1]};
+        for (size_t i = 0; i < sizeof dq / sizeof dq[0]; i++) dfree(dq[i]);
+        void *hq[] = {dY2, W2, dy2, dw2, r2, a2, e2};
+        for (size_t i = 0; i < sizeof hq / sizeof hq[0]; i++) free(hq[i]);
+    }
     for (int run = 0; run < 2; run++) for (int i = 0; i < 3; i++) dfree(o[run][i]);
     void *dp[] = {gX, gY, t1, t2, gW, goffs, qx, qy, qw, qwt, qyt, qxt, sx, sy, sw, swt, syt, sxt};
     for (size_t i = 0; i < sizeof dp / sizeof dp[0]; i++) dfree(dp[i]);
