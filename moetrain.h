@@ -1121,6 +1121,7 @@ void mt_runtime_set_profile(mt_runtime *rt, int on);
 void mt_runtime_set_nan_check(mt_runtime *rt, int on);         /* see mt_binding.nan_check */
 size_t mt_runtime_peak_bytes(const mt_runtime *rt);            /* device (or host) memory of the plan at peak */
 int mt_runtime_fp8_shared(const mt_runtime *rt);               /* CUDA, FP8: operands quantized once for several nodes */
+int mt_runtime_fp8_both(const mt_runtime *rt);                 /* CUDA, FP8: of those, activations whose rows and columns one read makes */
 int mt_runtime_fp8_by_optimizer(const mt_runtime *rt);         /* CUDA, FP8: weights whose FP8 forms AdamW writes */
 /* Host numbers across every rank of the world (logging): op 0 sum, 1 max. */
 int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *err);
@@ -1274,6 +1275,10 @@ int mt_cuda_gmm_glu(mt_cuda *c, void *g, void *u, void *h, const void *x, const 
 long long mt_cuda_fp8_tpad(int Rmax, int E);
 int mt_cuda_fp8_quant_rows(mt_cuda *c, uint8_t *q, float *s, const void *x, int R, int C);
 int mt_cuda_fp8_quant_cols(mt_cuda *c, uint8_t *qt, float *st, const void *x, const int32_t *d_offs, int E, int R, int C, long long Lp);
+/* cols and rows from one read: quant_cols' (qt, st) and, for the rows of the groups' 128-row chunks, quant_rows' (q, s)
+   over Rq >= R rows (C a multiple of 16) */
+int mt_cuda_fp8_quant_both(mt_cuda *c, uint8_t *q, float *s, int Rq, uint8_t *qt, float *st, const void *x, const int32_t *d_offs, int E,
+                           int R, int C, long long Lp);
 int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, int E, int N, int K, int transpose);
 /* both forms from one read; skip: where given and *skip != 0 on the device, nothing is done (the forms are there) */
 int mt_cuda_fp8_quant_weight2(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, const void *w, int E, int N, int K,
@@ -7576,6 +7581,8 @@ typedef struct mt__q8_slot {
     int adamw;               /* a weight AdamW updates: that ADAMW node, which writes the forms (mt_cuda_adamw_fp8); else -1 */
     int shadow;              /* with adamw: the bf16 weight is also read elsewhere, so AdamW still writes it */
     int *fresh;              /* with adamw, on the device: 1 while the forms hold the weight (no node quantizes it) */
+    int rows_node, cols_node;/* an activation read both by rows and down the tokens: its rows in q[0], its columns in q[1],
+                                both made by the first reader from one read (the nodes whose shapes they take); else -1 */
 } mt__q8_slot;
 struct mt_runtime {
     mt_graph g;              /* the runtime's own copy of the graph */
@@ -7623,6 +7630,7 @@ struct mt_runtime {
     struct mt__q8_slot *q8;  /* CUDA, FP8: operands quantized once for several nodes (mt__q8_plan) */
     int n_q8;
     int32_t *q8_use;         /* CUDA, FP8: per (node, input < 5): its slot + 1, negated where it makes the slot; 0: none */
+    void *q8_pool;           /* CUDA, FP8: the activations' slots, packed by their lifetimes in the step (mt__q8_plan) */
 };
 
 #ifdef MT_CUDA
@@ -8459,6 +8467,7 @@ void mt_runtime_destroy(mt_runtime *rt) {
         if (rt->arena_symmetric) mt_cuda_free_symmetric(MT__CU(rt), rt->arena); else mt_cuda_free(MT__CU(rt), rt->arena);
         mt_cuda_free(MT__CU(rt), rt->ep_stage);
         for (int i = 0; i < rt->n_q8; i++) mt_cuda_free(MT__CU(rt), rt->q8[i].mem);
+        mt_cuda_free(MT__CU(rt), rt->q8_pool);
         mt_cuda_destroy(MT__CU(rt));
     }
     mt_schedule_free(&rt->sched);
@@ -8485,6 +8494,11 @@ int mt_runtime_n_moe_layers(const mt_runtime *rt) { return rt->n_moe; }
 int64_t mt_runtime_multi_tensor_nodes(const mt_runtime *rt) { return rt->multi_nodes; }
 int mt_runtime_backend(const mt_runtime *rt) { return rt->backend; }
 int mt_runtime_fp8_shared(const mt_runtime *rt) { return rt->n_q8; }
+int mt_runtime_fp8_both(const mt_runtime *rt) {
+    int k = 0;
+    for (int i = 0; i < rt->n_q8; i++) k += rt->q8[i].rows_node >= 0;
+    return k;
+}
 int mt_runtime_fp8_by_optimizer(const mt_runtime *rt) {
     int k = 0;
     for (int i = 0; i < rt->n_q8; i++) k += rt->q8[i].adamw >= 0;
@@ -9031,7 +9045,7 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
     const mt_graph *G = &rt->g;
     if (!mt_graph_fp8(G) || rt->bind.fp8_requantize) return 0;
     int n = G->n_nodes, nc = 0;
-    typedef struct { int value, how, key, first, forms, uses, adamw; } cand_t;
+    typedef struct { int value, how, key, first, forms, uses, adamw, twin; } cand_t;
     cand_t *cand = (cand_t *)mt__calloc(sizeof(cand_t) * (size_t)n * 5 + 1);
     int32_t *of = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)n * 5 + 1);   /* per use: its candidate */
     rt->q8_use = (int32_t *)mt__calloc(sizeof(int32_t) * (size_t)n * 5 + 1);
@@ -9044,7 +9058,7 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
             of[k * 5 + i] = -1;
             if (how == MT__Q8_NONE) continue;
             while (c < nc && !(cand[c].value == nd->in[i] && cand[c].how == how && cand[c].key == key)) c++;
-            if (c == nc) cand[nc++] = (cand_t){nd->in[i], how, key, k * 5 + i, 0, 0, -1};
+            if (c == nc) cand[nc++] = (cand_t){nd->in[i], how, key, k * 5 + i, 0, 0, -1, -1};
             else cand[c].forms |= 1 << form;   /* a later use: the form it reads is kept */
             cand[c].uses++;
             of[k * 5 + i] = c;
@@ -9069,16 +9083,46 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
         cand[c].forms |= 1 << form;
         cand[c].adamw = ad;
     }
+    /* An activation quantized both by rows and down the tokens (an expert GEMM's input and its weight gradient's, dY
+     * of a dX and a dW): one slot holds both forms, and the first reader makes both from one read (mt__q8_both).
+     * The rows' and the columns' layouts must agree: grouped rows with columns grouped by offsets computed before
+     * that first reader, plain rows with plain columns. */
+    for (int c = 0; c < nc; c++) {
+        if (cand[c].how != MT__Q8_ROWS) continue;
+        for (int d = 0; d < nc; d++) {
+            if (cand[d].how != MT__Q8_COLS || cand[d].value != cand[c].value || cand[d].twin >= 0 || (cand[c].key == 1) != (cand[d].key >= 0))
+                continue;
+            const mt_value *v = &G->values[cand[c].value];
+            if (v->dims[v->ndim - 1] % 16) continue;
+            int first = (cand[c].first < cand[d].first ? cand[c].first : cand[d].first) / 5, made = cand[d].key < 0;
+            for (int k = 0; k < first && !made; k++)
+                for (int o = 0; o < G->nodes[k].n_out; o++) made |= G->nodes[k].out[o] == cand[d].key;
+            if (!made) continue;
+            cand[c].twin = d; cand[d].twin = c;
+            break;
+        }
+    }
     int rc = 0;
     mt_cuda *cu = MT__CU(rt);
+    typedef struct { size_t off[4], qb[2], bytes, at; int lo, hi; } lay_t;   /* a slot's layout and lifetime (nodes) */
+    lay_t *lay = (lay_t *)mt__calloc(sizeof(lay_t) * (size_t)n * 5 + 1);
+    if (!lay) { MT_FREE(cand); MT_FREE(of); return mt_errf(err, "out of memory"); }
     for (int c = 0; c < nc && !rc; c++) {
-        if (cand[c].uses < 2 && cand[c].adamw < 0) continue;
+        if (cand[c].how == MT__Q8_COLS && cand[c].twin >= 0) continue;   /* in its rows' slot */
+        if (cand[c].uses < 2 && cand[c].adamw < 0 && cand[c].twin < 0) continue;
         const mt_node *nd = &G->nodes[cand[c].first / 5];
         const mt_value *v = &G->values[cand[c].value];
         int64_t C = v->dims[v->ndim - 1], R = mt_value_numel_max(G, v) / C, E = 1;
         size_t qb[2] = {0, 0}, sb[2] = {0, 0};
+        int t = cand[c].twin;
         if (cand[c].how == MT__Q8_ROWS) {
             qb[0] = (size_t)(R * C); sb[0] = (size_t)((C + 127) / 128 * R * 4);
+            if (t >= 0) {   /* the columns beside them, laid out as the column reader's */
+                const mt_node *cn = &G->nodes[cand[t].first / 5];
+                int64_t Ec = cand[t].key >= 0 ? G->values[cn->out[0]].dims[0] : 1;
+                long long Lp = mt_cuda_fp8_tpad((int)R, (int)Ec);
+                qb[1] = (size_t)(C * Lp); sb[1] = (size_t)(Lp / 128 * C * 4);
+            }
         } else if (cand[c].how == MT__Q8_COLS) {
             if (cand[c].key >= 0) E = G->values[nd->out[0]].dims[0];
             long long Lp = mt_cuda_fp8_tpad((int)R, (int)E);
@@ -9093,23 +9137,69 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
             }
         }
         mt__q8_slot *sl = &rt->q8[rt->n_q8];
-        size_t at = 0, off[4];
-        for (int f = 0; f < 2; f++) { off[2 * f] = at; at = (at + qb[f] + 255) & ~(size_t)255; off[2 * f + 1] = at; at = (at + sb[f] + 255) & ~(size_t)255; }
-        if (mt_cuda_malloc(cu, &sl->mem, at + 256)) { rc = mt_errf(err, "FP8 operand slots: %s", mt_cuda_error(cu)); break; }
-        for (int f = 0; f < 2; f++)
-            if (qb[f]) { sl->q[f] = (uint8_t *)sl->mem + off[2 * f]; sl->s[f] = (float *)((uint8_t *)sl->mem + off[2 * f + 1]); }
-        sl->value = cand[c].value; sl->adamw = cand[c].adamw; sl->shadow = 0; sl->fresh = NULL;
-        if (sl->adamw >= 0) {
-            sl->fresh = (int *)((uint8_t *)sl->mem + at);
-            if (mt_cuda_memset(cu, sl->fresh, 0, sizeof(int))) { rc = mt_errf(err, "FP8 operand slots: %s", mt_cuda_error(cu)); break; }
-            for (int k = 0; k < n; k++)   /* a read not through this slot keeps the bf16 weight written */
-                for (int i = 0; i < G->nodes[k].n_in; i++)
-                    sl->shadow |= G->nodes[k].in[i] == cand[c].value && !(i < 5 && of[k * 5 + i] == c);
+        lay_t *L = &lay[rt->n_q8];
+        size_t at = 0;
+        for (int f = 0; f < 2; f++) {
+            L->off[2 * f] = at; at = (at + qb[f] + 255) & ~(size_t)255;
+            L->off[2 * f + 1] = at; at = (at + sb[f] + 255) & ~(size_t)255;
+            L->qb[f] = qb[f];
         }
+        L->at = at; L->bytes = at + 256; L->lo = n; L->hi = -1;
+        sl->value = cand[c].value; sl->adamw = cand[c].adamw; sl->shadow = 0; sl->fresh = NULL; sl->mem = NULL;
+        sl->rows_node = t >= 0 ? cand[c].first / 5 : -1;
+        sl->cols_node = t >= 0 ? cand[t].first / 5 : -1;
+        for (int k = 0; sl->adamw >= 0 && k < n; k++)   /* a read not through this slot keeps the bf16 weight written */
+            for (int i = 0; i < G->nodes[k].n_in; i++)
+                sl->shadow |= G->nodes[k].in[i] == cand[c].value && !(i < 5 && of[k * 5 + i] == c);
         rt->n_q8++;
+        int first = t >= 0 && cand[t].first < cand[c].first ? cand[t].first : cand[c].first;
         for (int u = 0; u < n * 5; u++)
-            if (of[u] == c) rt->q8_use[u] = u == cand[c].first ? -rt->n_q8 : rt->n_q8;
+            if (of[u] == c || (t >= 0 && of[u] == t)) {
+                rt->q8_use[u] = u == first ? -rt->n_q8 : rt->n_q8;
+                if (u / 5 < L->lo) L->lo = u / 5;
+                if (u / 5 > L->hi) L->hi = u / 5;
+            }
     }
+    /* Memory: a weight's slot (read across steps: AdamW writes its forms for the next one) is its own allocation; the
+     * activations' slots live from their first reader to their last within a step, so they share one pool, larger
+     * first, each at the lowest offset no slot alive at the same time takes (the backward's of one layer reuse the
+     * next one's). */
+    size_t *pos = (size_t *)mt__calloc(sizeof(size_t) * (size_t)rt->n_q8 + 1), pool = 0;
+    char *placed = (char *)mt__calloc((size_t)rt->n_q8 + 1);
+    if (!pos || !placed) rc = rc ? rc : mt_errf(err, "out of memory");
+    for (int k = 0; !rc && k < rt->n_q8; k++) {
+        int b = -1;   /* the largest activation slot not yet placed */
+        for (int i = 0; i < rt->n_q8; i++)
+            if (rt->q8[i].adamw < 0 && !placed[i] && (b < 0 || lay[i].bytes > lay[b].bytes)) b = i;
+        if (b < 0) break;
+        size_t o = 0;
+        for (int moved = 1; moved;) {
+            moved = 0;
+            for (int j = 0; j < rt->n_q8; j++)
+                if (placed[j] && lay[j].lo <= lay[b].hi && lay[b].lo <= lay[j].hi && pos[j] < o + lay[b].bytes && o < pos[j] + lay[j].bytes) {
+                    o = pos[j] + lay[j].bytes;
+                    moved = 1;
+                }
+        }
+        pos[b] = o; placed[b] = 1;
+        if (o + lay[b].bytes > pool) pool = o + lay[b].bytes;
+    }
+    if (!rc && pool && mt_cuda_malloc(cu, &rt->q8_pool, pool)) rc = mt_errf(err, "FP8 operand slots: %s", mt_cuda_error(cu));
+    for (int i = 0; !rc && i < rt->n_q8; i++) {
+        mt__q8_slot *sl = &rt->q8[i];
+        uint8_t *base;
+        if (sl->adamw >= 0) {
+            if (mt_cuda_malloc(cu, &sl->mem, lay[i].bytes)) { rc = mt_errf(err, "FP8 operand slots: %s", mt_cuda_error(cu)); break; }
+            base = (uint8_t *)sl->mem;
+            sl->fresh = (int *)(base + lay[i].at);
+            if (mt_cuda_memset(cu, sl->fresh, 0, sizeof(int))) { rc = mt_errf(err, "FP8 operand slots: %s", mt_cuda_error(cu)); break; }
+        } else {
+            base = (uint8_t *)rt->q8_pool + pos[i];
+        }
+        for (int f = 0; f < 2; f++)
+            if (lay[i].qb[f]) { sl->q[f] = base + lay[i].off[2 * f]; sl->s[f] = (float *)(base + lay[i].off[2 * f + 1]); }
+    }
+    MT_FREE(pos); MT_FREE(placed); MT_FREE(lay);
     MT_FREE(cand); MT_FREE(of);
     return rc;
 }
@@ -9139,17 +9229,45 @@ static mt__q8_slot *mt__q8_of(const mt_runtime *rt, const mt_node *n, int i, int
     *make = u < 0;
     return u ? &rt->q8[(u < 0 ? -u : u) - 1] : NULL;
 }
+/* the row count node n's FP8 kernel takes for its rows operands (mt__cuda_fp8) */
+static int mt__q8_nrows(mt_runtime *rt, const mt_node *n) {
+    return (int)(n->op == MT_OP_MATMUL || n->op == MT_OP_MATMUL_ACC ? mt__nrows(rt, n->in[0]) : mt__gmm_bound(rt, n->in[0]));
+}
+/* the layout of the columns node n (a weight gradient's GEMM) takes: the groups' offsets (NULL: one group), their count,
+   the rows and the padded length, as mt__cuda_fp8 sets them */
+static void mt__q8_cols_of(mt_runtime *rt, const mt_node *n, const int32_t **offs, int *E, int *R, long long *Lp) {
+    int dense = n->op == MT_OP_MATMUL || n->op == MT_OP_MATMUL_ACC;
+    *offs = dense ? NULL : (const int32_t *)rt->ptr[n->in[2]];
+    *E = dense ? 1 : (int)rt->g.values[n->out[0]].dims[0];
+    *R = mt__q8_nrows(rt, n);
+    *Lp = mt_cuda_fp8_tpad(*R, *E);
+}
+/* a slot's two forms of an activation (rows_node set), made from one read */
+static int mt__q8_both(mt_runtime *rt, const mt__q8_slot *sl, int C) {
+    const int32_t *offs;
+    int E, R, Rq = mt__q8_nrows(rt, &rt->g.nodes[sl->rows_node]);
+    long long Lp;
+    mt__q8_cols_of(rt, &rt->g.nodes[sl->cols_node], &offs, &E, &R, &Lp);
+    const void *x = rt->ptr[sl->value];
+    if (Rq >= R && (offs || Rq == R))
+        return mt_cuda_fp8_quant_both(MT__CU(rt), sl->q[0], sl->s[0], Rq, sl->q[1], sl->s[1], x, offs, E, R, C, Lp);
+    return mt_cuda_fp8_quant_rows(MT__CU(rt), sl->q[0], sl->s[0], x, Rq, C) ||   /* (shapes the one-read kernel does not take) */
+           mt_cuda_fp8_quant_cols(MT__CU(rt), sl->q[1], sl->s[1], x, offs, E, R, C, Lp);
+}
 /* node n's input i quantized into (*q, *s), or (*q, *s) pointed at the slot where an earlier node did */
 static int mt__q8_rows(mt_runtime *rt, const mt_node *n, int i, uint8_t **q, float **s, int R, int C) {
     int make;
     mt__q8_slot *sl = mt__q8_of(rt, n, i, &make);
     if (sl) { *q = sl->q[0]; *s = sl->s[0]; }
+    if (sl && make && sl->rows_node >= 0) return mt__q8_both(rt, sl, C);
     return sl && !make ? 0 : mt_cuda_fp8_quant_rows(MT__CU(rt), *q, *s, rt->ptr[n->in[i]], R, C);
 }
 static int mt__q8_cols(mt_runtime *rt, const mt_node *n, int i, uint8_t **q, float **s, const int32_t *offs, int E, int R, int C, long long Lp) {
     int make;
     mt__q8_slot *sl = mt__q8_of(rt, n, i, &make);
-    if (sl) { *q = sl->q[0]; *s = sl->s[0]; }
+    int f = sl && sl->rows_node >= 0;   /* (a slot of both forms: the columns are its second) */
+    if (sl) { *q = sl->q[f]; *s = sl->s[f]; }
+    if (sl && make && f) return mt__q8_both(rt, sl, C);
     return sl && !make ? 0 : mt_cuda_fp8_quant_cols(MT__CU(rt), *q, *s, rt->ptr[n->in[i]], offs, E, R, C, Lp);
 }
 static int mt__q8_weight(mt_runtime *rt, const mt_node *n, int i, uint8_t **q, float **s, int E, int N, int K, int form) {

@@ -8078,9 +8078,15 @@ __device__ __forceinline__ void chunk_of(const int *offs, int E, int R, int slot
    reads rows 8 g .. 8 g + 7 of columns 8 c8 .. 8 c8 + 7 into registers (16-byte loads, one pass over x);
    the columns' amax meet in shared memory, and so do the codes: column j's 128 as 32 words, word w at
    index w ^ swz(j), so that neither the threads' writes nor a warp's read of a column conflict; a warp
-   then writes each column's 128 bytes of qt as one coalesced row. */
+   then writes each column's 128 bytes of qt as one coalesced row.
+   ROWS: the rows form too, from the same registers (one read of x for both): a row's 128 columns of the tile are
+   one 1 x 128 block, held by the 16 lanes of a half-warp; their amax meet by shuffles, and each lane writes its 8
+   codes to q (row-major [.][C], the scale of row r's block kb at s[kb * Rq + r]) as k_quant_rows would: the same
+   codes and scales, for the rows of the chunks (rows outside every chunk are not written). */
+template <bool ROWS>
 __global__ void __launch_bounds__(256, 4) k_quant_cols(uint8_t *__restrict__ qt, float *__restrict__ st, const bf16 *__restrict__ x,
-                                                    const int *__restrict__ offs, int E, int R, int C, long long Lp) {
+                                                    const int *__restrict__ offs, int E, int R, int C, long long Lp,
+                                                    uint8_t *__restrict__ q, float *__restrict__ s, int Rq) {
     __shared__ float part[16][128];   /* [g][column], column j of the tile at (j % 8) * 16 + j / 8 (no bank conflicts) */
     __shared__ float sc[128], rc[128];   /* the columns' scales and their reciprocals */
     __shared__ uint32_t qs[128][32];  /* [column][word of 4 rows' codes, swizzled] */
@@ -8112,6 +8118,20 @@ __global__ void __launch_bounds__(256, 4) k_quant_cols(uint8_t *__restrict__ qt,
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) part[g][k * 16 + c8] = m[k];
+    if constexpr (ROWS) {   /* row 8 g + j: its block's amax over the half-warp, then this lane's 8 codes */
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = 8 * g + j;
+            float a = amax8(v[j]);
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+            const float sr = scale_of(a);
+            if (i < n) {
+                if (cok) *reinterpret_cast<uint2 *>(q + (size_t)(r0 + i) * C + c) = codes8(v[j], q8s(sr));
+                if (c8 == 0) s[(size_t)blockIdx.y * Rq + r0 + i] = sr;
+            }
+        }
+    }
     __syncthreads();
     if (tid < 128) {
         float a = 0.f;
@@ -9300,7 +9320,20 @@ int mt_cuda_fp8_quant_cols(mt_cuda *c, uint8_t *qt, float *st, const void *x, co
     const long long slots = Lp / 128;
     if (R == 0 || slots < 1) return 0;
     const dim3 grid((unsigned)slots, (unsigned)((C + 127) / 128));
-    mt_fp8::k_quant_cols<<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)x, d_offs, E, R, C, Lp);
+    mt_fp8::k_quant_cols<false><<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)x, d_offs, E, R, C, Lp, nullptr, nullptr, 0);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_fp8_quant_both(mt_cuda *c, uint8_t *q, float *s, int Rq, uint8_t *qt, float *st, const void *x, const int32_t *d_offs, int E,
+                           int R, int C, long long Lp) {
+    if (R < 0 || C < 16 || C % 16 || E < 1 || Lp < mt_fp8::tpad(R, d_offs ? E : 1) || Lp % 16 || Rq < R ||
+        (((uintptr_t)qt | (uintptr_t)q | (uintptr_t)x) & 15u))
+        return mt__fail(c, "fp8 quant both", "bad sizes (C a multiple of 16, Lp a multiple of 16 and at least mt_cuda_fp8_tpad(R, E), "
+                                             "Rq >= R, pointers 16-byte aligned)");
+    const long long slots = Lp / 128;
+    if (R == 0 || slots < 1) return 0;
+    const dim3 grid((unsigned)slots, (unsigned)((C + 127) / 128));
+    mt_fp8::k_quant_cols<true><<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)x, d_offs, E, R, C, Lp, q, s, Rq);
     LAUNCHED();
     return 0;
 }

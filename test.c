@@ -2070,9 +2070,10 @@ static void gpu_test_fp8_steps(void) {
         mt_binding_single(&b);
         b.fp8_requantize = 1;
         int okq = ok && !mt_runtime_create(&rq, &gf, &b, &e) && !mt_runtime_init_params(rq, 5, &e) && !gpu_steps(rq, &c, S, lq, gq);
-        int shared = rt[2] ? mt_runtime_fp8_shared(rt[2]) : 0;
-        report("gpu FP8 shared operands = quantized by every node, bitwise", okq && shared > 0 && mt_runtime_fp8_shared(rq) == 0 &&
-               bitwise_equal(lq, l[2], S) && bitwise_equal(gq, g[2], S), "%d operands shared; loss step %d %.9g", shared, S - 1, okq ? lq[S - 1] : 0);
+        int shared = rt[2] ? mt_runtime_fp8_shared(rt[2]) : 0, both = rt[2] ? mt_runtime_fp8_both(rt[2]) : 0;
+        report("gpu FP8 shared operands = quantized by every node, bitwise", okq && shared > 0 && both > 0 && mt_runtime_fp8_shared(rq) == 0 &&
+               bitwise_equal(lq, l[2], S) && bitwise_equal(gq, g[2], S), "%d operands shared (%d activations' rows and columns from one read); "
+               "loss step %d %.9g", shared, both, S - 1, okq ? lq[S - 1] : 0);
         mt_runtime_destroy(rq);
     }
     for (int bm = 0; bm < 2; bm++) {   /* weights' forms written by AdamW; new weights from the host make them stale */
@@ -2790,6 +2791,53 @@ static float *fp8_midpoint_rows(int rows, long *naive) {
     }
     return x;
 }
+/* cols and rows from one read (mt_cuda_fp8_quant_both): the columns bitwise quant_cols' (the CPU's), the rows of every
+   chunk bitwise quant_rows' (the CPU's) at Rq > R rows, the rows past the groups untouched. Expert layouts as the
+   column test's (5 experts, one empty; 70, every fifth empty) and one group (offsets NULL); ragged column blocks */
+static void gpu_test_fp8_quant_both(void) {
+    for (int t = 0; t < 3; t++) {
+        static const int cnt5[5] = {0, 17, 300, 128, 1};
+        const int E = t == 1 ? 70 : t == 0 ? 5 : 1, C = t == 1 ? 48 : t == 0 ? 272 : 160, nkb = (C + 127) / 128;
+        int32_t offs[71] = {0};
+        long long used = 0;
+        for (int e = 0; e < E; e++) {
+            const int n = t == 1 ? (e % 5 == 2 ? 0 : (e * 37 + 11) % 300) : t == 0 ? cnt5[e] : 300;
+            offs[e + 1] = offs[e] + n;
+            used += 128LL * ((n + 127) / 128);
+        }
+        const int R = offs[E], Rq = R + 14;
+        const long long Lp = mt_cuda_fp8_tpad(R, E);
+        float *x = fp8_data(R, C, 1, t);
+        for (int c = 0; c < 8; c++) x[(size_t)(R - 1) * C + c] = 0;
+        uint8_t *qt = (uint8_t *)calloc((size_t)C * Lp, 1), *q = (uint8_t *)malloc((size_t)R * C);
+        float *st = (float *)calloc((size_t)(Lp / 128) * C, 4), *s = (float *)malloc(4 * (size_t)R * nkb);
+        double *dq = (double *)malloc(8 * (size_t)R * C);
+        fp8_ref_cols(qt, st, dq, x, offs, E, C, Lp);
+        fp8_ref_rows(q, s, dq, x, R, C);
+        void *dx = dalloc(2 * (size_t)Rq * C), *tx = up_bf(x, (int64_t)R * C), *doffs = up(offs, 4 * (E + 1));
+        mt_cuda_copy(CU, dx, tx, 2 * (size_t)R * C, 2);
+        void *dqt = dalloc((size_t)C * Lp), *dst = dalloc(4 * (size_t)(Lp / 128) * C), *dq8 = dalloc((size_t)Rq * C), *ds = dalloc(4 * (size_t)Rq * nkb);
+        int ok = !mt_cuda_fp8_quant_both(CU, (uint8_t *)dq8, (float *)ds, Rq, (uint8_t *)dqt, (float *)dst, dx, t == 2 ? NULL : (const int32_t *)doffs,
+                                         E, R, C, Lp);
+        uint8_t *gqt = (uint8_t *)down(dqt, (size_t)C * Lp), *gq = (uint8_t *)down(dq8, (size_t)Rq * C);
+        float *gst = (float *)down(dst, 4 * (size_t)(Lp / 128) * C), *gs = (float *)down(ds, 4 * (size_t)Rq * nkb);
+        int okc = ok, okr = ok, untouched = 1;
+        for (int c = 0; c < C; c++) okc &= !memcmp(gqt + (size_t)c * Lp, qt + (size_t)c * Lp, (size_t)used);
+        okc &= !memcmp(gst, st, 4 * (size_t)(used / 128) * C);
+        okr &= !memcmp(gq, q, (size_t)R * C);
+        for (int kb = 0; kb < nkb; kb++) {
+            okr &= !memcmp(gs + (size_t)kb * Rq, s + (size_t)kb * R, 4 * (size_t)R);
+            for (int r = R; r < Rq; r++) untouched &= ((const uint32_t *)gs)[(size_t)kb * Rq + r] == 0xffffffffu;
+        }
+        for (size_t i = (size_t)R * C; i < (size_t)Rq * C; i++) untouched &= gq[i] == 0xff;
+        char nm[96];
+        snprintf(nm, sizeof nm, "gpu fp8 quantize rows and token blocks in one read, %s", t == 2 ? "one group" : t ? "70 experts" : "5 experts");
+        report(nm, okc && okr && untouched && fp8_within(&(double){0}), "%d x %d: cols %s, rows %s (scales over %d rows), rows past the groups %s", R, C,
+               okc ? "bitwise = CPU" : "DIFFER", okr ? "bitwise = CPU" : "DIFFER", Rq, untouched ? "untouched" : "WRITTEN");
+        free(gqt); free(gq); free(gst); free(gs); free(qt); free(q); free(st); free(s); free(dq); free(x);
+        dfree(dx); dfree(tx); dfree(doffs); dfree(dqt); dfree(dst); dfree(dq8); dfree(ds);
+    }
+}
 static void gpu_test_fp8_quant(void) {
     /* rows: 37 x 320 (a half-wide last block), outlier columns, zero blocks; then 129 x 16 */
     int ok = 1;
@@ -3352,6 +3400,7 @@ int main(void) {
     GPU_RUN(gpu_test_resume(MT_BF16));
     /* FP8 last: a kernel that traps (k_gmm_wgmma's stalled pipeline) leaves the context unusable */
     GPU_RUN(gpu_test_fp8_quant());
+    GPU_RUN(gpu_test_fp8_quant_both());
     GPU_RUN(gpu_test_fp8_dense(200, 272, 336));   /* partial 128-blocks in every dimension */
     GPU_RUN(gpu_test_fp8_dense(256, 256, 384));
     {
