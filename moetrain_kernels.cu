@@ -8011,6 +8011,33 @@ __device__ __forceinline__ uint2 codes8(const uint4 &u, Q8s k) {
     return make_uint2(code2(el8(u, 0), el8(u, 1), k) | code2(el8(u, 2), el8(u, 3), k) << 16,
                       code2(el8(u, 4), el8(u, 5), k) | code2(el8(u, 6), el8(u, 7), k) << 16);
 }
+/* The same codes without quot's checks, for a thread whose values are none of them odd (odd8: tiny and not zero, or
+   NaN) at a scale with a reciprocal (k.r != 0, so s > 0): there the correction is the IEEE quotient (quot), zero
+   included (+-0, the sign of x). One test for a thread's values instead of one per value and per form; the kernels
+   that write two forms of each value (k_quant_cols<true>) were bound by those instructions. */
+__device__ __forceinline__ bool odd8(const uint4 &u) {
+    bool b = false;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float a = fabsf(el8(u, i));
+        b |= !(a >= 0x1p-100f) && a != 0.f;
+    }
+    return b;
+}
+__device__ __forceinline__ float quot_fast(float x, Q8s k) {
+    const float y = __fmul_rn(x, k.r);
+    return copysignf(__fmaf_rn(__fmaf_rn(-k.s, y, x), k.r, y), x);
+}
+__device__ __forceinline__ uint32_t code2_fast(float a, float b, Q8s k) {
+    uint16_t h;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(quot_fast(b, k)), "f"(quot_fast(a, k)));
+    return h;
+}
+__device__ __forceinline__ uint2 codes8_fast(const uint4 &u, Q8s k) {
+    return make_uint2(code2_fast(el8(u, 0), el8(u, 1), k) | code2_fast(el8(u, 2), el8(u, 3), k) << 16,
+                      code2_fast(el8(u, 4), el8(u, 5), k) | code2_fast(el8(u, 6), el8(u, 7), k) << 16);
+}
+__device__ __noinline__ uint2 codes8_exact(uint4 u, Q8s k) { return codes8(u, k); }   /* the rare path, out of line */
 
 /* rows: one warp a row, each half-warp a 128-column block (half-warp j of step i: block 2 i + j), 8 columns a lane in
    one 16-byte load (C % 16 == 0: a lane's 8 are all in or all out); a lane's loads of 8 steps (16 blocks, 2048
@@ -8035,7 +8062,8 @@ __global__ void k_quant_rows(uint8_t *__restrict__ q, float *__restrict__ s, con
 #pragma unroll
             for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
             const float sc = scale_of(amax);
-            if (c < C) *reinterpret_cast<uint2 *>(qr + c) = codes8(v[i], q8s(sc));
+            const Q8s ks = q8s(sc);
+            if (c < C) *reinterpret_cast<uint2 *>(qr + c) = !odd8(v[i]) && ks.r != 0.f ? codes8_fast(v[i], ks) : codes8_exact(v[i], ks);
             if (l == 0 && kb < nkb) s[(size_t)kb * R + r] = sc;
         }
     }
@@ -8118,6 +8146,9 @@ __global__ void __launch_bounds__(256, 4) k_quant_cols(uint8_t *__restrict__ qt,
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) part[g][k * 16 + c8] = m[k];
+    bool odd = false;   /* (codes8_fast) */
+#pragma unroll
+    for (int j = 0; j < 8; ++j) odd |= odd8(v[j]);
     if constexpr (ROWS) {   /* row 8 g + j: its block's amax over the half-warp, then this lane's 8 codes */
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -8126,8 +8157,9 @@ __global__ void __launch_bounds__(256, 4) k_quant_cols(uint8_t *__restrict__ qt,
 #pragma unroll
             for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
             const float sr = scale_of(a);
+            const Q8s ks = q8s(sr);
             if (i < n) {
-                if (cok) *reinterpret_cast<uint2 *>(q + (size_t)(r0 + i) * C + c) = codes8(v[j], q8s(sr));
+                if (cok) *reinterpret_cast<uint2 *>(q + (size_t)(r0 + i) * C + c) = !odd && ks.r != 0.f ? codes8_fast(v[j], ks) : codes8_exact(v[j], ks);
                 if (c8 == 0) s[(size_t)blockIdx.y * Rq + r0 + i] = sr;
             }
         }
@@ -8143,13 +8175,27 @@ __global__ void __launch_bounds__(256, 4) k_quant_cols(uint8_t *__restrict__ qt,
     }
     __syncthreads();
     const int swz = (c8 & 1) | (c8 >> 1) << 2;   /* swz(j) of this thread's columns (j / 8 = c8) */
-#pragma unroll 2   /* fully unrolled, ptxas spilled 88 bytes at the 64 registers of 4 CTAs an SM */
-    for (int k = 0; k < 8; ++k) {
-        const Q8s s = {sc[c8 * 8 + k], rc[c8 * 8 + k]};
-        const uint32_t lo = code2(el8(v[0], k), el8(v[1], k), s) | code2(el8(v[2], k), el8(v[3], k), s) << 16;
-        const uint32_t hi = code2(el8(v[4], k), el8(v[5], k), s) | code2(el8(v[6], k), el8(v[7], k), s) << 16;
-        qs[c8 * 8 + k][(2 * g) ^ swz] = lo;
-        qs[c8 * 8 + k][(2 * g + 1) ^ swz] = hi;
+    bool fast = !odd;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) fast &= rc[c8 * 8 + k] != 0.f;
+    if (fast) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const Q8s s = {sc[c8 * 8 + k], rc[c8 * 8 + k]};
+            const uint32_t lo = code2_fast(el8(v[0], k), el8(v[1], k), s) | code2_fast(el8(v[2], k), el8(v[3], k), s) << 16;
+            const uint32_t hi = code2_fast(el8(v[4], k), el8(v[5], k), s) | code2_fast(el8(v[6], k), el8(v[7], k), s) << 16;
+            qs[c8 * 8 + k][(2 * g) ^ swz] = lo;
+            qs[c8 * 8 + k][(2 * g + 1) ^ swz] = hi;
+        }
+    } else {
+#pragma unroll 1
+        for (int k = 0; k < 8; ++k) {
+            const Q8s s = {sc[c8 * 8 + k], rc[c8 * 8 + k]};
+            const uint32_t lo = code2(el8(v[0], k), el8(v[1], k), s) | code2(el8(v[2], k), el8(v[3], k), s) << 16;
+            const uint32_t hi = code2(el8(v[4], k), el8(v[5], k), s) | code2(el8(v[6], k), el8(v[7], k), s) << 16;
+            qs[c8 * 8 + k][(2 * g) ^ swz] = lo;
+            qs[c8 * 8 + k][(2 * g + 1) ^ swz] = hi;
+        }
     }
     __syncthreads();
     const int lane = tid & 31;
@@ -8176,10 +8222,15 @@ __device__ __forceinline__ void weight_block_out(const uint4 (&v)[2][4], float m
     const float sc = scale_of(block_max(m, red));
     const Q8s ks = q8s(sc);
     uint2 cw[2][4];   /* the codes, each value's once: row (h, r)'s 8 columns, byte j = column j */
+    bool fast = ks.r != 0.f;   /* (codes8_fast) */
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) cw[h][r] = codes8(v[h][r], ks);
+        for (int r = 0; r < 4; ++r) fast &= !odd8(v[h][r]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) cw[h][r] = fast ? codes8_fast(v[h][r], ks) : codes8_exact(v[h][r], ks);
     if (forms & 1) {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
