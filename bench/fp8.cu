@@ -415,14 +415,18 @@ static void grouped_case(const char *name, int E, int M, int K, const std::vecto
     auto q_cols = [&]() { if (mt_cuda_fp8_quant_cols(g_cu, qxt, sxt, X, doffs, E, Rmax, K, Lp)) fatal("%s", mt_cuda_error(g_cu)); };
     auto q_w = [&]() { if (mt_cuda_fp8_quant_weight(g_cu, qw, sw, W, E, M, K, 0)) fatal("%s", mt_cuda_error(g_cu)); };
     auto q_wt = [&]() { if (mt_cuda_fp8_quant_weight(g_cu, qwt, swt, W, E, M, K, 1)) fatal("%s", mt_cuda_error(g_cu)); };
-    q_rows(); q_cols(); q_w(); q_wt();
+    auto q_both = [&]() {   /* both forms from one read (into the rows' and columns' buffers, rewritten below) */
+        if (mt_cuda_fp8_quant_both(g_cu, qx, sx, Rmax, qxt, sxt, X, doffs, E, Rmax, K, Lp)) fatal("%s", mt_cuda_error(g_cu));
+    };
+    q_both(); q_rows(); q_cols(); q_w(); q_wt();
     if (mt_cuda_fp8_quant_rows(g_cu, qy, sy, dY, Rmax, M) || mt_cuda_fp8_quant_cols(g_cu, qyt, syt, dY, doffs, E, Rmax, M, Lp))
         fatal("%s", mt_cuda_error(g_cu));
     if (!g_child || g_variants.find('0') != std::string::npos) {   /* (once, not in every variant's process) */
         const double bx = 3.0 * Rmax * K, bw = 3.0 * E * M * K;
         char line[300];
-        snprintf(line, sizeof line, "%-18s quantize X %dx%d: rows %.0f GB/s, cols %.0f GB/s; W %dx%dx%d: %.0f GB/s, transposed %.0f GB/s", name, Rmax, K,
-                 bx / time_ms(q_rows) * 1e-6, bx / time_ms(q_cols) * 1e-6, E, M, K, bw / time_ms(q_w) * 1e-6, bw / time_ms(q_wt) * 1e-6);
+        snprintf(line, sizeof line, "%-18s quantize X %dx%d: rows %.0f GB/s, cols %.0f GB/s, both %.0f GB/s; W %dx%dx%d: %.0f GB/s, transposed %.0f GB/s",
+                 name, Rmax, K, bx / time_ms(q_rows) * 1e-6, bx / time_ms(q_cols) * 1e-6, 4.0 * Rmax * K / time_ms(q_both) * 1e-6, E, M, K,
+                 bw / time_ms(q_w) * 1e-6, bw / time_ms(q_wt) * 1e-6);
         printf("%s\n", line);
         g_table.push_back(line);
     }
