@@ -8024,6 +8024,21 @@ __device__ __forceinline__ bool odd8(const uint4 &u) {
     }
     return b;
 }
+/* odd8 on a word of two |x| (bf16, sign bits cleared), as bits 15 and 31: each half h is odd where 1 <= h < 0x0d80
+   (|x| < 2^-100 and not zero) or h > 0x7f80 (NaN); each sum below stays inside its half (h <= 0x7fff) */
+__device__ __forceinline__ uint32_t odd2(uint32_t w) {
+    const uint32_t big = w + 0x72807280u, nonzero = w + 0x7fff7fffu, nan = w + 0x007f007fu;
+    return (nonzero & ~big) | nan;
+}
+/* the larger of two bf16 pairs, half by half; a NaN half loses to the other (fmaxf's rule) */
+__device__ __forceinline__ uint32_t hmax2u(uint32_t a, uint32_t b) {
+    __nv_bfloat162 x, y;
+    memcpy(&x, &a, 4); memcpy(&y, &b, 4);
+    const __nv_bfloat162 z = __hmax2(x, y);
+    uint32_t r;
+    memcpy(&r, &z, 4);
+    return r;
+}
 __device__ __forceinline__ float quot_fast(float x, Q8s k) {
     const float y = __fmul_rn(x, k.r);
     return copysignf(__fmaf_rn(__fmaf_rn(-k.s, y, x), k.r, y), x);
@@ -8134,34 +8149,60 @@ __global__ void __launch_bounds__(256, 4) k_quant_cols(uint8_t *__restrict__ qt,
     const int c8 = tid & 15, g = tid >> 4, c = blockIdx.y * 128 + c8 * 8;
     const bool cok = c < C;
     uint4 v[8];
-    float m[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) m[k] = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const int i = 8 * g + j;
         v[j] = ld8(x + (size_t)(r0 + i) * C + c, cok && i < n);
+    }
+    /* The amax and the oddity test on bf16 pairs (|x|: the sign bits cleared): a column's amax over the thread's 8
+       rows, a row's over its 8 columns (ra), from 0 and skipping NaN as fmaxf does, each value tested by odd2 */
+    uint32_t mw[4] = {0u, 0u, 0u, 0u}, oddw = 0u;
+    float ra[8];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) m[k] = fmaxf(m[k], fabsf(el8(v[j], k)));
+    for (int j = 0; j < 8; ++j) {
+        const uint32_t w[4] = {v[j].x & 0x7fff7fffu, v[j].y & 0x7fff7fffu, v[j].z & 0x7fff7fffu, v[j].w & 0x7fff7fffu};
+        uint32_t r2 = 0u;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            mw[t] = hmax2u(mw[t], w[t]);
+            r2 = hmax2u(r2, w[t]);
+            oddw |= odd2(w[t]);
+        }
+        ra[j] = fmaxf(__uint_as_float(r2 << 16), __uint_as_float(r2 & 0xffff0000u));
     }
 #pragma unroll
-    for (int k = 0; k < 8; ++k) part[g][k * 16 + c8] = m[k];
-    bool odd = false;   /* (codes8_fast) */
+    for (int t = 0; t < 4; ++t) {
+        part[g][(2 * t) * 16 + c8] = __uint_as_float(mw[t] << 16);
+        part[g][(2 * t + 1) * 16 + c8] = __uint_as_float(mw[t] & 0xffff0000u);
+    }
+    const bool odd = (oddw & 0x80008000u) != 0u;   /* (codes8_fast) */
+    if constexpr (ROWS) {
+        /* Row 8 g + j's amax over the half-warp, reduced so that lanes 2 j and 2 j + 1 of it end with it (each
+           exchange halves the rows a lane keeps: 8 shuffles, not 32); those lanes form its scale and reciprocal,
+           and every lane takes all 8 back. The same maxima, so the same scales as k_quant_rows. */
+        const int b3 = (c8 >> 3) & 1, b2 = (c8 >> 2) & 1, b1 = (c8 >> 1) & 1;
+        float k4[4], k2[2];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) odd |= odd8(v[j]);
-    if constexpr (ROWS) {   /* row 8 g + j: its block's amax over the half-warp, then this lane's 8 codes */
+        for (int t = 0; t < 4; ++t) {
+            const float keep = b3 ? ra[t + 4] : ra[t], send = b3 ? ra[t] : ra[t + 4];
+            k4[t] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 8));
+        }
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const float keep = b2 ? k4[t + 2] : k4[t], send = b2 ? k4[t] : k4[t + 2];
+            k2[t] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 4));
+        }
+        float a = fmaxf(b1 ? k2[1] : k2[0], __shfl_xor_sync(0xffffffffu, b1 ? k2[0] : k2[1], 2));
+        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+        const float sr = scale_of(a), rr = q8s(sr).r;
+        const int im = 8 * g + (c8 >> 1);   /* the row this lane's scale is */
+        if (!(c8 & 1) && im < n) s[(size_t)blockIdx.y * Rq + r0 + im] = sr;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const int i = 8 * g + j;
-            float a = amax8(v[j]);
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-            const float sr = scale_of(a);
-            const Q8s ks = q8s(sr);
-            if (i < n) {
-                if (cok) *reinterpret_cast<uint2 *>(q + (size_t)(r0 + i) * C + c) = !odd && ks.r != 0.f ? codes8_fast(v[j], ks) : codes8_exact(v[j], ks);
-                if (c8 == 0) s[(size_t)blockIdx.y * Rq + r0 + i] = sr;
-            }
+            const int i = 8 * g + j, src = (tid & 16) | (2 * j);
+            const Q8s ks = {__shfl_sync(0xffffffffu, sr, src), __shfl_sync(0xffffffffu, rr, src)};
+            if (i < n && cok)
+                *reinterpret_cast<uint2 *>(q + (size_t)(r0 + i) * C + c) = !odd && ks.r != 0.f ? codes8_fast(v[j], ks) : codes8_exact(v[j], ks);
         }
     }
     __syncthreads();
