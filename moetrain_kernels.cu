@@ -8015,20 +8015,15 @@ __device__ __forceinline__ uint2 codes8(const uint4 &u, Q8s k) {
    NaN) at a scale with a reciprocal (k.r != 0, so s > 0): there the correction is the IEEE quotient (quot), zero
    included (+-0, the sign of x). One test for a thread's values instead of one per value and per form; the kernels
    that write two forms of each value (k_quant_cols<true>) were bound by those instructions. */
-__device__ __forceinline__ bool odd8(const uint4 &u) {
-    bool b = false;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const float a = fabsf(el8(u, i));
-        b |= !(a >= 0x1p-100f) && a != 0.f;
-    }
-    return b;
-}
-/* odd8 on a word of two |x| (bf16, sign bits cleared), as bits 15 and 31: each half h is odd where 1 <= h < 0x0d80
+/* the oddity of a word of two |x| (bf16, sign bits cleared), as bits 15 and 31: each half h is odd where 1 <= h < 0x0d80
    (|x| < 2^-100 and not zero) or h > 0x7f80 (NaN); each sum below stays inside its half (h <= 0x7fff) */
 __device__ __forceinline__ uint32_t odd2(uint32_t w) {
     const uint32_t big = w + 0x72807280u, nonzero = w + 0x7fff7fffu, nan = w + 0x007f007fu;
     return (nonzero & ~big) | nan;
+}
+__device__ __forceinline__ bool odd8(const uint4 &u) {
+    const uint32_t m = 0x7fff7fffu;
+    return ((odd2(u.x & m) | odd2(u.y & m) | odd2(u.z & m) | odd2(u.w & m)) & 0x80008000u) != 0u;
 }
 /* the larger of two bf16 pairs, half by half; a NaN half loses to the other (fmaxf's rule) */
 __device__ __forceinline__ uint32_t hmax2u(uint32_t a, uint32_t b) {
