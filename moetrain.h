@@ -1123,6 +1123,7 @@ size_t mt_runtime_peak_bytes(const mt_runtime *rt);            /* device (or hos
 int mt_runtime_fp8_shared(const mt_runtime *rt);               /* CUDA, FP8: operands quantized once for several nodes */
 int mt_runtime_fp8_both(const mt_runtime *rt);                 /* CUDA, FP8: of those, activations whose rows and columns one read makes */
 int mt_runtime_fp8_by_optimizer(const mt_runtime *rt);         /* CUDA, FP8: weights whose FP8 forms AdamW writes */
+int mt_runtime_fp8_by_swiglu(const mt_runtime *rt);            /* CUDA, FP8: activations whose forms their SwiGLU writes */
 /* Host numbers across every rank of the world (logging): op 0 sum, 1 max. */
 int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *err);
 /* Host synchronizations in the last step (the expert exchange's counts) and
@@ -1279,6 +1280,11 @@ int mt_cuda_fp8_quant_cols(mt_cuda *c, uint8_t *qt, float *st, const void *x, co
    over Rq >= R rows (C a multiple of 16) */
 int mt_cuda_fp8_quant_both(mt_cuda *c, uint8_t *q, float *s, int Rq, uint8_t *qt, float *st, const void *x, const int32_t *d_offs, int E,
                            int R, int C, long long Lp);
+/* quant_both of what a SwiGLU kernel would write, without writing it: dh NULL, h = SwiGLU(g, u) into (q, s, qt, st);
+   else its backward from g, u and dh, dgate's forms into (q, s, qt, st) and dup's into (q2, s2, qt2, st2). The bits of
+   mt_cuda_swiglu_forward / _backward then quant_both (without groups: Rq = R) */
+int mt_cuda_fp8_quant_swiglu(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, uint8_t *q2, float *s2, uint8_t *qt2, float *st2,
+                             const void *g, const void *u, const void *dh, const int32_t *d_offs, int E, int R, int C, long long Lp, int Rq);
 int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, int E, int N, int K, int transpose);
 /* both forms from one read; skip: where given and *skip != 0 on the device, nothing is done (the forms are there) */
 int mt_cuda_fp8_quant_weight2(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, const void *w, int E, int N, int K,
@@ -7583,6 +7589,8 @@ typedef struct mt__q8_slot {
     int *fresh;              /* with adamw, on the device: 1 while the forms hold the weight (no node quantizes it) */
     int rows_node, cols_node;/* an activation read both by rows and down the tokens: its rows in q[0], its columns in q[1],
                                 both made by the first reader from one read (the nodes whose shapes they take); else -1 */
+    int producer;            /* with rows_node: the SwiGLU node (SWIGLU, SWIGLU_BWD, an FP8 GMM_GLU) that writes both forms
+                                in place of the bf16 value, which nothing else reads (mt__q8_swiglu); else -1 */
 } mt__q8_slot;
 struct mt_runtime {
     mt_graph g;              /* the runtime's own copy of the graph */
@@ -8499,6 +8507,11 @@ int mt_runtime_fp8_both(const mt_runtime *rt) {
     for (int i = 0; i < rt->n_q8; i++) k += rt->q8[i].rows_node >= 0;
     return k;
 }
+int mt_runtime_fp8_by_swiglu(const mt_runtime *rt) {
+    int k = 0;
+    for (int i = 0; i < rt->n_q8; i++) k += rt->q8[i].producer >= 0;
+    return k;
+}
 int mt_runtime_fp8_by_optimizer(const mt_runtime *rt) {
     int k = 0;
     for (int i = 0; i < rt->n_q8; i++) k += rt->q8[i].adamw >= 0;
@@ -9148,6 +9161,7 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
         sl->value = cand[c].value; sl->adamw = cand[c].adamw; sl->shadow = 0; sl->fresh = NULL; sl->mem = NULL;
         sl->rows_node = t >= 0 ? cand[c].first / 5 : -1;
         sl->cols_node = t >= 0 ? cand[t].first / 5 : -1;
+        sl->producer = -1;
         for (int k = 0; sl->adamw >= 0 && k < n; k++)   /* a read not through this slot keeps the bf16 weight written */
             for (int i = 0; i < G->nodes[k].n_in; i++)
                 sl->shadow |= G->nodes[k].in[i] == cand[c].value && !(i < 5 && of[k * 5 + i] == c);
@@ -9159,6 +9173,48 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
                 if (u / 5 < L->lo) L->lo = u / 5;
                 if (u / 5 > L->hi) L->hi = u / 5;
             }
+    }
+    /* A slot of both forms whose value a SwiGLU makes (an expert's or a dense FFN's h, the backward's dgate and dup) and
+     * that no node reads but through the slot: the SwiGLU node writes the forms in place of its bf16 output
+     * (mt__q8_swiglu), so the value is neither written nor read back. Its grouping offsets must be made before it;
+     * a SWIGLU_BWD, whose one kernel makes both outputs, takes both or neither. */
+    for (int i = 0; !rc && i < rt->n_q8; i++) {
+        mt__q8_slot *sl = &rt->q8[i];
+        if (sl->rows_node < 0) continue;
+        int pk = -1, po = -1, ok = 1;
+        for (int k = 0; k < n && pk < 0; k++)
+            for (int o = 0; o < G->nodes[k].n_out; o++) if (G->nodes[k].out[o] == sl->value) { pk = k; po = o; }
+        const mt_node *pn = pk >= 0 ? &G->nodes[pk] : NULL, *cn = &G->nodes[sl->cols_node];
+        if (!pn || !((pn->op == MT_OP_SWIGLU && po == 0) || (pn->op == MT_OP_SWIGLU_BWD && po < 2) ||
+                     (pn->op == MT_OP_GMM_GLU && mt_node_fp8(pn) && po == 2)))
+            continue;
+        if (cn->op != MT_OP_MATMUL && cn->op != MT_OP_MATMUL_ACC) {   /* the columns' offsets, made before the SwiGLU */
+            int made = 0;
+            for (int k = 0; k < pk && !made; k++)
+                for (int o = 0; o < G->nodes[k].n_out; o++) made |= G->nodes[k].out[o] == cn->in[2];
+            ok = made;
+        }
+        for (int k = 0; ok && k < n; k++)   /* every read through the slot */
+            for (int j = 0; j < G->nodes[k].n_in; j++)
+                if (G->nodes[k].in[j] == sl->value) {
+                    int u = j < 5 ? rt->q8_use[k * 5 + j] : 0;
+                    ok &= (u < 0 ? -u : u) == i + 1;
+                }
+        if (ok) sl->producer = pk;
+    }
+    for (int i = 0; !rc && i < rt->n_q8; i++) {   /* a SWIGLU_BWD's two outputs both, or neither */
+        mt__q8_slot *sl = &rt->q8[i];
+        if (sl->producer < 0 || G->nodes[sl->producer].op != MT_OP_SWIGLU_BWD) continue;
+        int both = 0;
+        for (int j = 0; j < rt->n_q8; j++) both += rt->q8[j].producer == sl->producer;
+        if (both != 2)
+            for (int j = 0; j < rt->n_q8; j++) if (rt->q8[j].producer == sl->producer && j != i) rt->q8[j].producer = -1;
+        if (both != 2) sl->producer = -1;
+    }
+    for (int i = 0; !rc && i < rt->n_q8; i++) {   /* its readers read; it lives from the SwiGLU */
+        if (rt->q8[i].producer < 0) continue;
+        for (int u = 0; u < n * 5; u++) if (rt->q8_use[u] == -(i + 1)) rt->q8_use[u] = i + 1;
+        if (rt->q8[i].producer < lay[i].lo) lay[i].lo = rt->q8[i].producer;
     }
     /* Memory: a weight's slot (read across steps: AdamW writes its forms for the next one) is its own allocation; the
      * activations' slots live from their first reader to their last within a step, so they share one pool, larger
@@ -9253,6 +9309,41 @@ static int mt__q8_both(mt_runtime *rt, const mt__q8_slot *sl, int C) {
         return mt_cuda_fp8_quant_both(MT__CU(rt), sl->q[0], sl->s[0], Rq, sl->q[1], sl->s[1], x, offs, E, R, C, Lp);
     return mt_cuda_fp8_quant_rows(MT__CU(rt), sl->q[0], sl->s[0], x, Rq, C) ||   /* (shapes the one-read kernel does not take) */
            mt_cuda_fp8_quant_cols(MT__CU(rt), sl->q[1], sl->s[1], x, offs, E, R, C, Lp);
+}
+/* the slot whose forms node n writes in place of its output o (mt__q8_plan), or NULL */
+static const mt__q8_slot *mt__q8_made_by(const mt_runtime *rt, const mt_node *n, int o) {
+    int k = (int)(n - rt->g.nodes);
+    for (int i = 0; o >= 0 && o < n->n_out && i < rt->n_q8; i++)
+        if (rt->q8[i].producer == k && rt->q8[i].value == n->out[o]) return &rt->q8[i];
+    return NULL;
+}
+/* A SwiGLU node (h = SwiGLU(g, u) in out[o]; or with dh its backward, dgate and dup in out[0], out[1]) whose outputs'
+ * slots it produces: their forms from one kernel that never writes the bf16 values (mt_cuda_fp8_quant_swiglu). *done = 0
+ * where it produces none; where the slots' shapes do not fit that kernel, or under nan_check (which reads the outputs),
+ * the node runs as usual and then fills them (done = 1). */
+static int mt__q8_swiglu(mt_runtime *rt, const mt_node *n, int o, const void *g, const void *u, const void *dh, int64_t elems, int *done) {
+    const mt__q8_slot *a = mt__q8_made_by(rt, n, dh ? 0 : o), *b = dh ? mt__q8_made_by(rt, n, 1) : NULL;
+    mt_cuda *c = MT__CU(rt);
+    *done = 0;
+    if (!a || (dh && !b)) return 0;
+    *done = 1;
+    const int32_t *offs[2] = {NULL, NULL};
+    int E[2] = {1, 1}, R[2] = {0, 0}, Rq[2] = {0, 0}, C = (int)mt__cols(rt, a->value), same = 1;
+    long long Lp[2] = {0, 0};
+    for (int t = 0; t < (dh ? 2 : 1); t++) {
+        const mt__q8_slot *sl = t ? b : a;
+        mt__q8_cols_of(rt, &rt->g.nodes[sl->cols_node], &offs[t], &E[t], &R[t], &Lp[t]);
+        Rq[t] = mt__q8_nrows(rt, &rt->g.nodes[sl->rows_node]);
+        same &= Rq[t] >= R[t] && (offs[t] || Rq[t] == R[t]);
+    }
+    if (dh) same &= offs[0] == offs[1] && E[0] == E[1] && R[0] == R[1] && Lp[0] == Lp[1] && Rq[0] == Rq[1] && (int)mt__cols(rt, b->value) == C;
+    if (same && !rt->bind.nan_check)
+        return mt_cuda_fp8_quant_swiglu(c, a->q[0], a->s[0], a->q[1], a->s[1], b ? b->q[0] : NULL, b ? b->s[0] : NULL, b ? b->q[1] : NULL,
+                                        b ? b->s[1] : NULL, g, u, dh, offs[0], E[0], R[0], C, Lp[0], Rq[0]);
+    const int32_t *live = rt->rows_dev ? rt->rows_dev[n->in[0]] : NULL;   /* (as the plain nodes run them) */
+    int rc = dh ? mt_cuda_swiglu_backward(c, rt->ptr[n->out[0]], rt->ptr[n->out[1]], g, u, dh, elems, live, C)
+                : mt_cuda_swiglu_forward(c, rt->ptr[n->out[o]], g, u, elems, live, C);
+    return rc || mt__q8_both(rt, a, C) || (b && mt__q8_both(rt, b, C));
 }
 /* node n's input i quantized into (*q, *s), or (*q, *s) pointed at the slot where an earlier node did */
 static int mt__q8_rows(mt_runtime *rt, const mt_node *n, int i, uint8_t **q, float **s, int R, int C) {
@@ -9358,7 +9449,9 @@ static int mt__cuda_fp8(mt_runtime *rt, const mt_graph *G, const mt_node *n, siz
                 rc = rc || mt__q8_weight(rt, n, t ? 3 : 1, &wq, &ws, E, M, K, mode) ||
                      mt_cuda_fp8_gmm(c, mode, P[n->out[t]], xq, xs, wq, ws, offs, E, M, K, R, 0, MT_FP8_GMM_KERNEL);
             }
-            if (rt && !rc && n->op == MT_OP_GMM_GLU && n->out[2] >= 0)
+            int done = 0;
+            if (rt && !rc && n->op == MT_OP_GMM_GLU && n->out[2] >= 0 &&
+                !(rc = mt__q8_swiglu(rt, n, 2, P[n->out[0]], P[n->out[1]], NULL, (int64_t)R * M, &done)) && !done)
                 rc = mt_cuda_swiglu_forward(c, P[n->out[2]], P[n->out[0]], P[n->out[1]], (int64_t)R * M,
                                             rt->rows_dev ? rt->rows_dev[n->in[0]] : NULL, M);
         }
@@ -9461,13 +9554,19 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
                                             n->fattr[0]);
         break;
     case MT_OP_DOC_STARTS: rc = mt_cuda_doc_starts(c, IO(0), I_(0), DIM(n->in[0], 0), a[0], a[1]); break;
-    case MT_OP_SWIGLU:   /* rows: the bound, or (device-side exchange) what the device says */
-        rc = mt_cuda_swiglu_forward(c, VO(0), V_(0), V_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0]), RD(n->in[0]), mt__cols(rt, n->in[0]));
+    case MT_OP_SWIGLU: {   /* rows: the bound, or (device-side exchange) what the device says */
+        int done = 0;   /* (FP8: or its readers' forms in its place) */
+        if (!(rc = mt__q8_swiglu(rt, n, 0, V_(0), V_(1), NULL, mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0]), &done)) && !done)
+            rc = mt_cuda_swiglu_forward(c, VO(0), V_(0), V_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0]), RD(n->in[0]), mt__cols(rt, n->in[0]));
         break;
-    case MT_OP_SWIGLU_BWD:
-        rc = mt_cuda_swiglu_backward(c, VO(0), VO(1), V_(0), V_(1), V_(2), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0]), RD(n->in[0]),
-                                     mt__cols(rt, n->in[0]));
+    }
+    case MT_OP_SWIGLU_BWD: {
+        int done = 0;
+        if (!(rc = mt__q8_swiglu(rt, n, 0, V_(0), V_(1), V_(2), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0]), &done)) && !done)
+            rc = mt_cuda_swiglu_backward(c, VO(0), VO(1), V_(0), V_(1), V_(2), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0]), RD(n->in[0]),
+                                         mt__cols(rt, n->in[0]));
         break;
+    }
     case MT_OP_ADD: rc = mt_cuda_add(c, VO(0), V_(0), V_(1), mt__nrows(rt, n->in[0]) * mt__cols(rt, n->in[0]), DT(n->in[0])); break;
     case MT_OP_ROUTER:
         rc = mt_cuda_router_forward(c, IO(0), FO(1), FO(2), IO(3), F_(0), F_(1), DIM(n->in[0], 0), DIM(n->in[0], 1), a[0], a[1], a[2],

@@ -737,9 +737,9 @@ __global__ void k_swiglu(bf16 *h, const bf16 *g, const bf16 *u, int64_t n, const
     for (int64_t i = t; i < n; i += stride) h[i] = tobf(swiglu1(bf(g[i]), bf(u[i])));
 }
 __device__ __forceinline__ void swiglu1_bwd(float x, float y, float d, float &dg, float &du) {
-    float s = sigm(x);
-    dg = d * y * s * (1.0f + x * (1.0f - s));
-    du = d * x * s;
+    const float s = sigm(x);   /* (each rounding spelled out: k_quant_cols<., Q8_SWIGLU_BWD> makes the same bits) */
+    dg = __fmul_rn(__fmul_rn(__fmul_rn(d, y), s), __fmaf_rn(x, 1.0f - s, 1.0f));
+    du = __fmul_rn(__fmul_rn(d, x), s);
 }
 __global__ void k_swiglu_bwd(bf16 *dg, bf16 *du, const bf16 *g, const bf16 *u, const bf16 *dh, int64_t n, const int32_t *rows,
                              int64_t cols) {
@@ -8120,11 +8120,51 @@ __device__ __forceinline__ void chunk_of(const int *offs, int E, int R, int slot
    ROWS: the rows form too, from the same registers (one read of x for both): a row's 128 columns of the tile are
    one 1 x 128 block, held by the 16 lanes of a half-warp; their amax meet by shuffles, and each lane writes its 8
    codes to q (row-major [.][C], the scale of row r's block kb at s[kb * Rq + r]) as k_quant_rows would: the same
-   codes and scales, for the rows of the chunks (rows outside every chunk are not written). */
-template <bool ROWS>
-__global__ void __launch_bounds__(256, 4) k_quant_cols(uint8_t *__restrict__ qt, float *__restrict__ st, const bf16 *__restrict__ x,
-                                                    const int *__restrict__ offs, int E, int R, int C, long long Lp,
-                                                    uint8_t *__restrict__ q, float *__restrict__ s, int Rq) {
+   codes and scales, for the rows of the chunks (rows outside every chunk are not written).
+   SRC: what the tile holds. Q8_X: x. Q8_SWIGLU: the SwiGLU of gate x and up u, as k_swiglu would write it (bf16), never
+   written itself: its two forms are what its readers take. Q8_SWIGLU_BWD: its backward from x, u and dh, dgate then dup
+   (k_swiglu_bwd's), each quantized in turn; dup's forms in (q2, s2, qt2, st2). The same bits as those kernels then
+   k_quant_cols<true>. */
+enum { Q8_X = 0, Q8_SWIGLU = 1, Q8_SWIGLU_BWD = 2 };
+/* 8 bf16 of the SwiGLU from gate and up as 16-byte words, and of its backward's dgate (du = 0) or dup from gate, up
+   and dh: the values and roundings of k_swiglu and k_swiglu_bwd */
+__device__ __forceinline__ uint4 swiglu8(const uint4 &g, const uint4 &u) {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = pack_bf16(swiglu1(el8(g, 2 * k), el8(u, 2 * k)), swiglu1(el8(g, 2 * k + 1), el8(u, 2 * k + 1)));
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ uint4 swiglu8_bwd(const uint4 &g, const uint4 &u, const uint4 &d, int du) {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float a[2], b[2];
+        swiglu1_bwd(el8(g, 2 * k), el8(u, 2 * k), el8(d, 2 * k), a[0], b[0]);
+        swiglu1_bwd(el8(g, 2 * k + 1), el8(u, 2 * k + 1), el8(d, 2 * k + 1), a[1], b[1]);
+        w[k] = du ? pack_bf16(b[0], b[1]) : pack_bf16(a[0], a[1]);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+/* k_quant_cols' codes of a thread's 8 columns (8 c8 + k) over its 8 rows (v) into the staging tile qs, two words of 4
+   rows' codes a column; FAST: codes8_fast's coding, where none of the values is odd and every scale has a reciprocal */
+template <bool FAST>
+__device__ __forceinline__ void col_codes(const uint4 (&v)[8], const float *sc, const float *rc, uint32_t (*qs)[32], int c8, int g, int swz) {
+#pragma unroll(FAST ? 8 : 1)
+    for (int k = 0; k < 8; ++k) {
+        const Q8s s = {sc[c8 * 8 + k], rc[c8 * 8 + k]};
+        uint32_t w[4];
+#pragma unroll
+        for (int h = 0; h < 4; ++h) w[h] = FAST ? code2_fast(el8(v[2 * h], k), el8(v[2 * h + 1], k), s) : code2(el8(v[2 * h], k), el8(v[2 * h + 1], k), s);
+        qs[c8 * 8 + k][(2 * g) ^ swz] = w[0] | w[1] << 16;
+        qs[c8 * 8 + k][(2 * g + 1) ^ swz] = w[2] | w[3] << 16;
+    }
+}
+template <bool ROWS, int SRC = Q8_X>
+__global__ void __launch_bounds__(256, 4)
+    k_quant_cols(uint8_t *__restrict__ qt, float *__restrict__ st, const bf16 *__restrict__ x, const int *__restrict__ offs, int E, int R,
+                 int C, long long Lp, uint8_t *__restrict__ q, float *__restrict__ s, int Rq, const bf16 *__restrict__ u = nullptr,
+                 const bf16 *__restrict__ dh = nullptr, uint8_t *__restrict__ q2 = nullptr, float *__restrict__ s2 = nullptr,
+                 uint8_t *__restrict__ qt2 = nullptr, float *__restrict__ st2 = nullptr) {
     __shared__ float part[16][128];   /* [g][column], column j of the tile at (j % 8) * 16 + j / 8 (no bank conflicts) */
     __shared__ float sc[128], rc[128];   /* the columns' scales and their reciprocals */
     __shared__ uint32_t qs[128][32];  /* [column][word of 4 rows' codes, swizzled] */
@@ -8143,102 +8183,96 @@ __global__ void __launch_bounds__(256, 4) k_quant_cols(uint8_t *__restrict__ qt,
     if (n < 0) return;
     const int c8 = tid & 15, g = tid >> 4, c = blockIdx.y * 128 + c8 * 8;
     const bool cok = c < C;
-    uint4 v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int i = 8 * g + j;
-        v[j] = ld8(x + (size_t)(r0 + i) * C + c, cok && i < n);
-    }
-    /* The amax and the oddity test on bf16 pairs (|x|: the sign bits cleared): a column's amax over the thread's 8
-       rows, a row's over its 8 columns (ra), from 0 and skipping NaN as fmaxf does, each value tested by odd2 */
-    uint32_t mw[4] = {0u, 0u, 0u, 0u}, oddw = 0u;
-    float ra[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const uint32_t w[4] = {v[j].x & 0x7fff7fffu, v[j].y & 0x7fff7fffu, v[j].z & 0x7fff7fffu, v[j].w & 0x7fff7fffu};
-        uint32_t r2 = 0u;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            mw[t] = hmax2u(mw[t], w[t]);
-            r2 = hmax2u(r2, w[t]);
-            oddw |= odd2(w[t]);
-        }
-        ra[j] = fmaxf(__uint_as_float(r2 << 16), __uint_as_float(r2 & 0xffff0000u));
-    }
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        part[g][(2 * t) * 16 + c8] = __uint_as_float(mw[t] << 16);
-        part[g][(2 * t + 1) * 16 + c8] = __uint_as_float(mw[t] & 0xffff0000u);
-    }
-    const bool odd = (oddw & 0x80008000u) != 0u;   /* (codes8_fast) */
-    if constexpr (ROWS) {
-        /* Row 8 g + j's amax over the half-warp, reduced so that lanes 2 j and 2 j + 1 of it end with it (each
-           exchange halves the rows a lane keeps: 8 shuffles, not 32); those lanes form its scale and reciprocal,
-           and every lane takes all 8 back. The same maxima, so the same scales as k_quant_rows. */
-        const int b3 = (c8 >> 3) & 1, b2 = (c8 >> 2) & 1, b1 = (c8 >> 1) & 1;
-        float k4[4], k2[2];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const float keep = b3 ? ra[t + 4] : ra[t], send = b3 ? ra[t] : ra[t + 4];
-            k4[t] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 8));
-        }
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-            const float keep = b2 ? k4[t + 2] : k4[t], send = b2 ? k4[t] : k4[t + 2];
-            k2[t] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 4));
-        }
-        float a = fmaxf(b1 ? k2[1] : k2[0], __shfl_xor_sync(0xffffffffu, b1 ? k2[0] : k2[1], 2));
-        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
-        const float sr = scale_of(a), rr = q8s(sr).r;
-        const int im = 8 * g + (c8 >> 1);   /* the row this lane's scale is */
-        if (!(c8 & 1) && im < n) s[(size_t)blockIdx.y * Rq + r0 + im] = sr;
+    constexpr int NO = SRC == Q8_SWIGLU_BWD ? 2 : 1;   /* the outputs quantized, one after the other */
+#pragma unroll 1
+    for (int out = 0; out < NO; ++out) {   /* (the shared arrays' last readers of one output pass its barriers before the next writes) */
+        uint4 v[8];   /* (the backward reads its inputs again for dup, from L2: registers for one output keep 4 CTAs an SM) */
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const int i = 8 * g + j, src = (tid & 16) | (2 * j);
-            const Q8s ks = {__shfl_sync(0xffffffffu, sr, src), __shfl_sync(0xffffffffu, rr, src)};
-            if (i < n && cok)
-                *reinterpret_cast<uint2 *>(q + (size_t)(r0 + i) * C + c) = !odd && ks.r != 0.f ? codes8_fast(v[j], ks) : codes8_exact(v[j], ks);
+            const int i = 8 * g + j;
+            const size_t o = (size_t)(r0 + i) * C + c;
+            const bool ok = cok && i < n;
+            const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+            if constexpr (SRC == Q8_X) v[j] = ld8(x + o, ok);
+            else if constexpr (SRC == Q8_SWIGLU) v[j] = ok ? swiglu8(ld8(x + o, true), ld8(u + o, true)) : z;
+            else v[j] = ok ? swiglu8_bwd(ld8(x + o, true), ld8(u + o, true), ld8(dh + o, true), out) : z;
         }
-    }
-    __syncthreads();
-    if (tid < 128) {
-        float a = 0.f;
-        for (int h = 0; h < 16; ++h) a = fmaxf(a, part[h][(tid & 7) * 16 + (tid >> 3)]);
-        const float s = scale_of(a);
-        sc[tid] = s;
-        rc[tid] = q8s(s).r;
-        if (blockIdx.y * 128 + tid < C) st[(size_t)(p / 128) * C + blockIdx.y * 128 + tid] = s;
-    }
-    __syncthreads();
-    const int swz = (c8 & 1) | (c8 >> 1) << 2;   /* swz(j) of this thread's columns (j / 8 = c8) */
-    bool fast = !odd;
+        uint8_t *const qo = out ? q2 : q, *const qto = out ? qt2 : qt;
+        float *const so = out ? s2 : s, *const sto = out ? st2 : st;
+        /* The amax and the oddity test on bf16 pairs (|x|: the sign bits cleared): a column's amax over the thread's 8
+           rows, a row's over its 8 columns (ra), from 0 and skipping NaN as fmaxf does, each value tested by odd2 */
+        uint32_t mw[4] = {0u, 0u, 0u, 0u}, oddw = 0u;
+        float ra[8];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) fast &= rc[c8 * 8 + k] != 0.f;
-    if (fast) {
+        for (int j = 0; j < 8; ++j) {
+            const uint32_t w[4] = {v[j].x & 0x7fff7fffu, v[j].y & 0x7fff7fffu, v[j].z & 0x7fff7fffu, v[j].w & 0x7fff7fffu};
+            uint32_t r2 = 0u;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const Q8s s = {sc[c8 * 8 + k], rc[c8 * 8 + k]};
-            const uint32_t lo = code2_fast(el8(v[0], k), el8(v[1], k), s) | code2_fast(el8(v[2], k), el8(v[3], k), s) << 16;
-            const uint32_t hi = code2_fast(el8(v[4], k), el8(v[5], k), s) | code2_fast(el8(v[6], k), el8(v[7], k), s) << 16;
-            qs[c8 * 8 + k][(2 * g) ^ swz] = lo;
-            qs[c8 * 8 + k][(2 * g + 1) ^ swz] = hi;
+            for (int t = 0; t < 4; ++t) {
+                mw[t] = hmax2u(mw[t], w[t]);
+                r2 = hmax2u(r2, w[t]);
+                oddw |= odd2(w[t]);
+            }
+            ra[j] = fmaxf(__uint_as_float(r2 << 16), __uint_as_float(r2 & 0xffff0000u));
         }
-    } else {
-#pragma unroll 1
-        for (int k = 0; k < 8; ++k) {
-            const Q8s s = {sc[c8 * 8 + k], rc[c8 * 8 + k]};
-            const uint32_t lo = code2(el8(v[0], k), el8(v[1], k), s) | code2(el8(v[2], k), el8(v[3], k), s) << 16;
-            const uint32_t hi = code2(el8(v[4], k), el8(v[5], k), s) | code2(el8(v[6], k), el8(v[7], k), s) << 16;
-            qs[c8 * 8 + k][(2 * g) ^ swz] = lo;
-            qs[c8 * 8 + k][(2 * g + 1) ^ swz] = hi;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            part[g][(2 * t) * 16 + c8] = __uint_as_float(mw[t] << 16);
+            part[g][(2 * t + 1) * 16 + c8] = __uint_as_float(mw[t] & 0xffff0000u);
         }
-    }
-    __syncthreads();
-    const int lane = tid & 31;
-    for (int j = tid >> 5; j < 128; j += 8) {
-        const int cj = j >> 3;
-        if (blockIdx.y * 128 + j < C)
-            *reinterpret_cast<uint32_t *>(qt + (size_t)(blockIdx.y * 128 + j) * Lp + p + 4 * lane) = qs[j][lane ^ ((cj & 1) | (cj >> 1) << 2)];
+        const bool odd = (oddw & 0x80008000u) != 0u;   /* (codes8_fast) */
+        if constexpr (ROWS) {
+            /* Row 8 g + j's amax over the half-warp, reduced so that lanes 2 j and 2 j + 1 of it end with it (each
+               exchange halves the rows a lane keeps: 8 shuffles, not 32); those lanes form its scale and reciprocal,
+               and every lane takes all 8 back. The same maxima, so the same scales as k_quant_rows. */
+            const int b3 = (c8 >> 3) & 1, b2 = (c8 >> 2) & 1, b1 = (c8 >> 1) & 1;
+            float k4[4], k2[2];
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                const float keep = b3 ? ra[t + 4] : ra[t], send = b3 ? ra[t] : ra[t + 4];
+                k4[t] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 8));
+            }
+#pragma unroll
+            for (int t = 0; t < 2; ++t) {
+                const float keep = b2 ? k4[t + 2] : k4[t], send = b2 ? k4[t] : k4[t + 2];
+                k2[t] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 4));
+            }
+            float a = fmaxf(b1 ? k2[1] : k2[0], __shfl_xor_sync(0xffffffffu, b1 ? k2[0] : k2[1], 2));
+            a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+            const float sr = scale_of(a), rr = q8s(sr).r;
+            const int im = 8 * g + (c8 >> 1);   /* the row this lane's scale is */
+            if (!(c8 & 1) && im < n) so[(size_t)blockIdx.y * Rq + r0 + im] = sr;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int i = 8 * g + j, src = (tid & 16) | (2 * j);
+                const Q8s ks = {__shfl_sync(0xffffffffu, sr, src), __shfl_sync(0xffffffffu, rr, src)};
+                if (i < n && cok)
+                    *reinterpret_cast<uint2 *>(qo + (size_t)(r0 + i) * C + c) = !odd && ks.r != 0.f ? codes8_fast(v[j], ks) : codes8_exact(v[j], ks);
+            }
+        }
+        __syncthreads();
+        if (tid < 128) {
+            float a = 0.f;
+            for (int h = 0; h < 16; ++h) a = fmaxf(a, part[h][(tid & 7) * 16 + (tid >> 3)]);
+            const float s = scale_of(a);
+            sc[tid] = s;
+            rc[tid] = q8s(s).r;
+            if (blockIdx.y * 128 + tid < C) sto[(size_t)(p / 128) * C + blockIdx.y * 128 + tid] = s;
+        }
+        __syncthreads();
+        const int swz = (c8 & 1) | (c8 >> 1) << 2;   /* swz(j) of this thread's columns (j / 8 = c8) */
+        bool fast = !odd;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) fast &= rc[c8 * 8 + k] != 0.f;
+        if (fast) col_codes<true>(v, sc, rc, qs, c8, g, swz);
+        else col_codes<false>(v, sc, rc, qs, c8, g, swz);
+        __syncthreads();
+        const int lane = tid & 31;
+        for (int j = tid >> 5; j < 128; j += 8) {
+            const int cj = j >> 3;
+            if (blockIdx.y * 128 + j < C)
+                *reinterpret_cast<uint32_t *>(qto + (size_t)(blockIdx.y * 128 + j) * Lp + p + 4 * lane) = qs[j][lane ^ ((cj & 1) | (cj >> 1) << 2)];
+        }
     }
 }
 
@@ -9421,6 +9455,22 @@ int mt_cuda_fp8_quant_both(mt_cuda *c, uint8_t *q, float *s, int Rq, uint8_t *qt
     if (R == 0 || slots < 1) return 0;
     const dim3 grid((unsigned)slots, (unsigned)((C + 127) / 128));
     mt_fp8::k_quant_cols<true><<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)x, d_offs, E, R, C, Lp, q, s, Rq);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_fp8_quant_swiglu(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, uint8_t *q2, float *s2, uint8_t *qt2, float *st2,
+                             const void *g, const void *u, const void *dh, const int32_t *d_offs, int E, int R, int C, long long Lp, int Rq) {
+    if (R < 0 || C < 16 || C % 16 || E < 1 || Lp < mt_fp8::tpad(R, d_offs ? E : 1) || Lp % 16 || Rq < R || (!d_offs && Rq != R) ||
+        (((uintptr_t)qt | (uintptr_t)q | (uintptr_t)g | (uintptr_t)u | (uintptr_t)dh | (uintptr_t)(dh ? qt2 : qt) | (uintptr_t)(dh ? q2 : q)) & 15u))
+        return mt__fail(c, "fp8 quant swiglu", "bad sizes (C a multiple of 16, Lp a multiple of 16 and at least mt_cuda_fp8_tpad(R, E), "
+                                               "Rq >= R (= R without groups), pointers 16-byte aligned)");
+    const long long slots = Lp / 128;
+    if (R == 0 || slots < 1) return 0;
+    const dim3 grid((unsigned)slots, (unsigned)((C + 127) / 128));
+    if (!dh) mt_fp8::k_quant_cols<true, mt_fp8::Q8_SWIGLU><<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)g, d_offs, E, R, C, Lp, q, s, Rq,
+                                                                                       (const bf16 *)u);
+    else mt_fp8::k_quant_cols<true, mt_fp8::Q8_SWIGLU_BWD><<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)g, d_offs, E, R, C, Lp, q, s, Rq,
+                                                                                       (const bf16 *)u, (const bf16 *)dh, q2, s2, qt2, st2);
     LAUNCHED();
     return 0;
 }

@@ -2071,9 +2071,11 @@ static void gpu_test_fp8_steps(void) {
         b.fp8_requantize = 1;
         int okq = ok && !mt_runtime_create(&rq, &gf, &b, &e) && !mt_runtime_init_params(rq, 5, &e) && !gpu_steps(rq, &c, S, lq, gq);
         int shared = rt[2] ? mt_runtime_fp8_shared(rt[2]) : 0, both = rt[2] ? mt_runtime_fp8_both(rt[2]) : 0;
-        report("gpu FP8 shared operands = quantized by every node, bitwise", okq && shared > 0 && both > 0 && mt_runtime_fp8_shared(rq) == 0 &&
-               bitwise_equal(lq, l[2], S) && bitwise_equal(gq, g[2], S), "%d operands shared (%d activations' rows and columns from one read); "
-               "loss step %d %.9g", shared, both, S - 1, okq ? lq[S - 1] : 0);
+        int sw = rt[2] ? mt_runtime_fp8_by_swiglu(rt[2]) : 0, swu = rt[3] ? mt_runtime_fp8_by_swiglu(rt[3]) : 0;
+        report("gpu FP8 shared operands = quantized by every node, bitwise", okq && shared > 0 && both > 0 && sw > 0 && swu > 0 &&
+               mt_runtime_fp8_shared(rq) == 0 && mt_runtime_fp8_by_swiglu(rq) == 0 && bitwise_equal(lq, l[2], S) && bitwise_equal(gq, g[2], S),
+               "%d operands shared (%d activations' rows and columns from one read, %d of them written by their SwiGLU; unfused graph %d); "
+               "loss step %d %.9g", shared, both, sw, swu, S - 1, okq ? lq[S - 1] : 0);
         mt_runtime_destroy(rq);
     }
     for (int bm = 0; bm < 2; bm++) {   /* weights' forms written by AdamW; new weights from the host make them stale */
@@ -2838,6 +2840,56 @@ static void gpu_test_fp8_quant_both(void) {
         dfree(dx); dfree(tx); dfree(doffs); dfree(dqt); dfree(dst); dfree(dq8); dfree(ds);
     }
 }
+/* the forms a SwiGLU writes in place of its output (mt_cuda_fp8_quant_swiglu): forward h and backward dgate, dup, bitwise
+   mt_cuda_swiglu_forward / _backward's bf16 output quantized by quant_both; the same expert layouts and one group.
+   Gates of -80 (up 1) give values below 2^-100, which the quantizer codes by the exact division; outlier rows 100x. */
+static void gpu_test_fp8_quant_swiglu(void) {
+    for (int t = 0; t < 3; t++) {
+        static const int cnt5[5] = {0, 17, 300, 128, 1};
+        const int E = t == 1 ? 70 : t == 0 ? 5 : 1, C = t == 1 ? 48 : t == 0 ? 272 : 160, nkb = (C + 127) / 128;
+        int32_t offs[71] = {0};
+        for (int e = 0; e < E; e++) offs[e + 1] = offs[e] + (t == 1 ? (e % 5 == 2 ? 0 : (e * 37 + 11) % 300) : t == 0 ? cnt5[e] : 300);
+        const int R = offs[E], Rq = t == 2 ? R : R + 14;
+        const long long Lp = mt_cuda_fp8_tpad(R, E);
+        const int64_t n = (int64_t)R * C;
+        float *g = fp8_data(R, C, 2, t), *u = fp8_data(R, C, 1, 0), *d = fp8_data(R, C, 1, 1);
+        for (int64_t i = 5; i < n; i += 97) { g[i] = -80; u[i] = 1; d[i] = 1; }
+        void *dg = up_bf(g, n), *du = up_bf(u, n), *dd = up_bf(d, n), *doffs = up(offs, 4 * (E + 1));
+        const int32_t *o = t == 2 ? NULL : (const int32_t *)doffs;
+        const size_t bq = (size_t)Rq * C, bs = 4 * (size_t)Rq * nkb, bqt = (size_t)C * Lp, bst = 4 * (size_t)(Lp / 128) * C;
+        void *x[3], *q[2][3], *sc[2][3], *qt[2][3], *st[2][3];   /* [reference, fused][h, dgate, dup] */
+        for (int k = 0; k < 3; k++) x[k] = dalloc(2 * (size_t)n);
+        for (int f = 0; f < 2; f++)
+            for (int k = 0; k < 3; k++) { q[f][k] = dalloc(bq); sc[f][k] = dalloc(bs); qt[f][k] = dalloc(bqt); st[f][k] = dalloc(bst); }
+        int ok = !mt_cuda_swiglu_forward(CU, x[0], dg, du, n, NULL, C) && !mt_cuda_swiglu_backward(CU, x[1], x[2], dg, du, dd, n, NULL, C);
+        for (int k = 0; ok && k < 3; k++)
+            ok = !mt_cuda_fp8_quant_both(CU, (uint8_t *)q[0][k], (float *)sc[0][k], Rq, (uint8_t *)qt[0][k], (float *)st[0][k], x[k], o, E, R, C, Lp);
+        ok = ok && !mt_cuda_fp8_quant_swiglu(CU, (uint8_t *)q[1][0], (float *)sc[1][0], (uint8_t *)qt[1][0], (float *)st[1][0], NULL, NULL, NULL, NULL,
+                                             dg, du, NULL, o, E, R, C, Lp, Rq) &&
+             !mt_cuda_fp8_quant_swiglu(CU, (uint8_t *)q[1][1], (float *)sc[1][1], (uint8_t *)qt[1][1], (float *)st[1][1], (uint8_t *)q[1][2],
+                                       (float *)sc[1][2], (uint8_t *)qt[1][2], (float *)st[1][2], dg, du, dd, o, E, R, C, Lp, Rq);
+        int same[3] = {ok, ok, ok}, odd = 0;
+        for (int k = 0; ok && k < 3; k++) {
+            void *a[4] = {down(q[0][k], bq), down(sc[0][k], bs), down(qt[0][k], bqt), down(st[0][k], bst)};
+            void *b[4] = {down(q[1][k], bq), down(sc[1][k], bs), down(qt[1][k], bqt), down(st[1][k], bst)};
+            const size_t sz[4] = {bq, bs, bqt, bst};
+            for (int j = 0; j < 4; j++) same[k] &= !memcmp(a[j], b[j], sz[j]);
+            uint16_t *h = (uint16_t *)down(x[k], 2 * (size_t)n);
+            for (int64_t i = 0; i < n; i++) odd += (h[i] & 0x7fff) > 0 && (h[i] & 0x7fff) < 0x0d80;
+            free(h);
+            for (int j = 0; j < 4; j++) { free(a[j]); free(b[j]); }
+        }
+        char nm[96];
+        snprintf(nm, sizeof nm, "gpu fp8 forms from the SwiGLU and its backward, %s", t == 2 ? "one group" : t ? "70 experts" : "5 experts");
+        report(nm, ok && same[0] && same[1] && same[2] && odd > 0, "%d x %d: h %s, dgate %s, dup %s (against the bf16 kernels, then quant_both); "
+               "%d values below 2^-100", R, C, same[0] ? "bitwise" : "DIFFER", same[1] ? "bitwise" : "DIFFER", same[2] ? "bitwise" : "DIFFER", odd);
+        for (int k = 0; k < 3; k++) dfree(x[k]);
+        for (int f = 0; f < 2; f++)
+            for (int k = 0; k < 3; k++) { dfree(q[f][k]); dfree(sc[f][k]); dfree(qt[f][k]); dfree(st[f][k]); }
+        dfree(dg); dfree(du); dfree(dd); dfree(doffs);
+        free(g); free(u); free(d);
+    }
+}
 static void gpu_test_fp8_quant(void) {
     /* rows: 37 x 320 (a half-wide last block), outlier columns, zero blocks; then 129 x 16 */
     int ok = 1;
@@ -3401,6 +3453,7 @@ int main(void) {
     /* FP8 last: a kernel that traps (k_gmm_wgmma's stalled pipeline) leaves the context unusable */
     GPU_RUN(gpu_test_fp8_quant());
     GPU_RUN(gpu_test_fp8_quant_both());
+    GPU_RUN(gpu_test_fp8_quant_swiglu());
     GPU_RUN(gpu_test_fp8_dense(200, 272, 336));   /* partial 128-blocks in every dimension */
     GPU_RUN(gpu_test_fp8_dense(256, 256, 384));
     {

@@ -761,6 +761,10 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
                mt__human((double)G->persist_bytes, h1), mt__human((double)G->arena_bytes, h2),
                mt__human((double)G->naive_arena_bytes, h3), G->planned ? "planned" : "eager",
                on_gpu ? "CUDA bf16" : "CPU fp32", cfg->vocab_size, log((double)cfg->vocab_size));
+        if (on_gpu && mt_runtime_fp8_shared(rt))
+            printf("fp8 operands: %d quantized once for several GEMMs (%d activations in both forms from one read, %d of them "
+                   "written by their SwiGLU; %d weights by AdamW)\n", mt_runtime_fp8_shared(rt), mt_runtime_fp8_both(rt),
+                   mt_runtime_fp8_by_swiglu(rt), mt_runtime_fp8_by_optimizer(rt));
         if (world > 1) {
             printf("ranks: %d (%s) | mesh", world, w ? "CPU threads" : on_gpu ? "one process per GPU, NCCL" : "processes");
             for (int d = 0; d < MT_NDIMS; d++) printf(" %s=%d", mt_dim_names[d], G->mesh.size[d]);
