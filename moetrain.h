@@ -9203,13 +9203,10 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
         if (ok) sl->producer = pk;
     }
     for (int i = 0; !rc && i < rt->n_q8; i++) {   /* a SWIGLU_BWD's two outputs both, or neither */
-        mt__q8_slot *sl = &rt->q8[i];
-        if (sl->producer < 0 || G->nodes[sl->producer].op != MT_OP_SWIGLU_BWD) continue;
-        int both = 0;
-        for (int j = 0; j < rt->n_q8; j++) both += rt->q8[j].producer == sl->producer;
-        if (both != 2)
-            for (int j = 0; j < rt->n_q8; j++) if (rt->q8[j].producer == sl->producer && j != i) rt->q8[j].producer = -1;
-        if (both != 2) sl->producer = -1;
+        int pk = rt->q8[i].producer, both = 0;
+        if (pk < 0 || G->nodes[pk].op != MT_OP_SWIGLU_BWD) continue;
+        for (int j = 0; j < rt->n_q8; j++) both += rt->q8[j].producer == pk;
+        if (both != 2) rt->q8[i].producer = -1;
     }
     for (int i = 0; !rc && i < rt->n_q8; i++) {   /* its readers read; it lives from the SwiGLU */
         if (rt->q8[i].producer < 0) continue;

@@ -8112,8 +8112,9 @@ __device__ __forceinline__ void chunk_of(const int *offs, int E, int R, int slot
     }
 }
 
-/* cols: CTA = one 128-row chunk x 128 columns, 256 threads, C % 8 == 0. Thread (g = tid / 16, c8 = tid % 16)
-   reads rows 8 g .. 8 g + 7 of columns 8 c8 .. 8 c8 + 7 into registers (16-byte loads, one pass over x);
+/* cols: CTA = one 128-row chunk x 128 columns, 16 x 128 / RPT threads (RPT = 8: 256), C % 8 == 0. Thread (g = tid / 16,
+   c8 = tid % 16) reads rows RPT g .. RPT g + RPT - 1 of columns 8 c8 .. 8 c8 + 7 into registers (16-byte loads, one pass
+   over x; RPT = 4 takes twice the threads, so that each has its loads in flight where it reads three inputs);
    the columns' amax meet in shared memory, and so do the codes: column j's 128 as 32 words, word w at
    index w ^ swz(j), so that neither the threads' writes nor a warp's read of a column conflict; a warp
    then writes each column's 128 bytes of qt as one coalesced row.
@@ -8145,27 +8146,32 @@ __device__ __forceinline__ uint4 swiglu8_bwd(const uint4 &g, const uint4 &u, con
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
-/* k_quant_cols' codes of a thread's 8 columns (8 c8 + k) over its 8 rows (v) into the staging tile qs, two words of 4
-   rows' codes a column; FAST: codes8_fast's coding, where none of the values is odd and every scale has a reciprocal */
-template <bool FAST>
-__device__ __forceinline__ void col_codes(const uint4 (&v)[8], const float *sc, const float *rc, uint32_t (*qs)[32], int c8, int g, int swz) {
+/* k_quant_cols' codes of a thread's 8 columns (8 c8 + k) over its RPT rows (v) into the staging tile qs, RPT / 4 words
+   of 4 rows' codes a column (word RPT / 4 g + h), the word index XOR-swizzled by col_swz of the column's 8-group so that
+   neither a warp's writes (2 row groups x 16 column groups) nor its reads of one column conflict; FAST: codes8_fast's
+   coding, where none of the values is odd and every scale has a reciprocal */
+template <int W>
+__device__ __forceinline__ int col_swz(int c8) { return W == 2 ? (c8 & 1) | (c8 >> 1) << 2 : c8 << 1; }
+template <bool FAST, int RPT>
+__device__ __forceinline__ void col_codes(const uint4 (&v)[RPT], const float *sc, const float *rc, uint32_t (*qs)[32], int c8, int g, int swz) {
 #pragma unroll(FAST ? 8 : 1)
     for (int k = 0; k < 8; ++k) {
         const Q8s s = {sc[c8 * 8 + k], rc[c8 * 8 + k]};
-        uint32_t w[4];
+        uint32_t w[RPT / 2];
 #pragma unroll
-        for (int h = 0; h < 4; ++h) w[h] = FAST ? code2_fast(el8(v[2 * h], k), el8(v[2 * h + 1], k), s) : code2(el8(v[2 * h], k), el8(v[2 * h + 1], k), s);
-        qs[c8 * 8 + k][(2 * g) ^ swz] = w[0] | w[1] << 16;
-        qs[c8 * 8 + k][(2 * g + 1) ^ swz] = w[2] | w[3] << 16;
+        for (int h = 0; h < RPT / 2; ++h) w[h] = FAST ? code2_fast(el8(v[2 * h], k), el8(v[2 * h + 1], k), s) : code2(el8(v[2 * h], k), el8(v[2 * h + 1], k), s);
+#pragma unroll
+        for (int h = 0; h < RPT / 4; ++h) qs[c8 * 8 + k][(RPT / 4 * g + h) ^ swz] = w[2 * h] | w[2 * h + 1] << 16;
     }
 }
-template <bool ROWS, int SRC = Q8_X>
-__global__ void __launch_bounds__(256, 4)
+template <bool ROWS, int SRC = Q8_X, int RPT = 8>
+__global__ void __launch_bounds__(2048 / RPT, RPT / 2)
     k_quant_cols(uint8_t *__restrict__ qt, float *__restrict__ st, const bf16 *__restrict__ x, const int *__restrict__ offs, int E, int R,
                  int C, long long Lp, uint8_t *__restrict__ q, float *__restrict__ s, int Rq, const bf16 *__restrict__ u = nullptr,
                  const bf16 *__restrict__ dh = nullptr, uint8_t *__restrict__ q2 = nullptr, float *__restrict__ s2 = nullptr,
                  uint8_t *__restrict__ qt2 = nullptr, float *__restrict__ st2 = nullptr) {
-    __shared__ float part[16][128];   /* [g][column], column j of the tile at (j % 8) * 16 + j / 8 (no bank conflicts) */
+    constexpr int NG = 128 / RPT, NT = 16 * NG, W = RPT / 4;   /* row groups, threads, words of codes a thread and column */
+    __shared__ float part[NG][128];   /* [g][column], column j of the tile at (j % 8) * 16 + j / 8 (no bank conflicts) */
     __shared__ float sc[128], rc[128];   /* the columns' scales and their reciprocals */
     __shared__ uint32_t qs[128][32];  /* [column][word of 4 rows' codes, swizzled] */
     __shared__ int s_r0, s_n;
@@ -8186,10 +8192,10 @@ __global__ void __launch_bounds__(256, 4)
     constexpr int NO = SRC == Q8_SWIGLU_BWD ? 2 : 1;   /* the outputs quantized, one after the other */
 #pragma unroll 1
     for (int out = 0; out < NO; ++out) {   /* (the shared arrays' last readers of one output pass its barriers before the next writes) */
-        uint4 v[8];   /* (the backward reads its inputs again for dup, from L2: registers for one output keep 4 CTAs an SM) */
+        uint4 v[RPT];   /* (the backward reads its inputs again for dup, from L2: registers for one output) */
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int i = 8 * g + j;
+        for (int j = 0; j < RPT; ++j) {
+            const int i = RPT * g + j;
             const size_t o = (size_t)(r0 + i) * C + c;
             const bool ok = cok && i < n;
             const uint4 z = make_uint4(0u, 0u, 0u, 0u);
@@ -8202,9 +8208,9 @@ __global__ void __launch_bounds__(256, 4)
         /* The amax and the oddity test on bf16 pairs (|x|: the sign bits cleared): a column's amax over the thread's 8
            rows, a row's over its 8 columns (ra), from 0 and skipping NaN as fmaxf does, each value tested by odd2 */
         uint32_t mw[4] = {0u, 0u, 0u, 0u}, oddw = 0u;
-        float ra[8];
+        float ra[RPT];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < RPT; ++j) {
             const uint32_t w[4] = {v[j].x & 0x7fff7fffu, v[j].y & 0x7fff7fffu, v[j].z & 0x7fff7fffu, v[j].w & 0x7fff7fffu};
             uint32_t r2 = 0u;
 #pragma unroll
@@ -8222,29 +8228,35 @@ __global__ void __launch_bounds__(256, 4)
         }
         const bool odd = (oddw & 0x80008000u) != 0u;   /* (codes8_fast) */
         if constexpr (ROWS) {
-            /* Row 8 g + j's amax over the half-warp, reduced so that lanes 2 j and 2 j + 1 of it end with it (each
-               exchange halves the rows a lane keeps: 8 shuffles, not 32); those lanes form its scale and reciprocal,
-               and every lane takes all 8 back. The same maxima, so the same scales as k_quant_rows. */
-            const int b3 = (c8 >> 3) & 1, b2 = (c8 >> 2) & 1, b1 = (c8 >> 1) & 1;
-            float k4[4], k2[2];
+            /* Row RPT g + j's amax over the half-warp, reduced so that the 16 / RPT lanes j * 16 / RPT + [0, 16 / RPT) end
+               with it (each exchange halves the rows a lane keeps: 2 RPT - 2 shuffles, not 4 RPT, then the lanes that hold
+               the same row meet); the first of them forms its scale and reciprocal, and every lane takes all RPT back.
+               The same maxima, so the same scales as k_quant_rows. */
+            float a = 0.f;
+            {
+                float kr[RPT];
 #pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                const float keep = b3 ? ra[t + 4] : ra[t], send = b3 ? ra[t] : ra[t + 4];
-                k4[t] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 8));
-            }
+                for (int j = 0; j < RPT; ++j) kr[j] = ra[j];
 #pragma unroll
-            for (int t = 0; t < 2; ++t) {
-                const float keep = b2 ? k4[t + 2] : k4[t], send = b2 ? k4[t] : k4[t + 2];
-                k2[t] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 4));
+                for (int m = RPT / 2, o = 8; m >= 1; m /= 2, o /= 2) {   /* keep m of the 2 m rows: the upper half where bit o is set */
+                    const bool up = (c8 & o) != 0;
+#pragma unroll
+                    for (int t = 0; t < m; ++t) {
+                        const float keep = up ? kr[t + m] : kr[t], send = up ? kr[t] : kr[t + m];
+                        kr[t] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, o));
+                    }
+                }
+                a = kr[0];
+#pragma unroll
+                for (int o = 8 / RPT; o >= 1; o /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
             }
-            float a = fmaxf(b1 ? k2[1] : k2[0], __shfl_xor_sync(0xffffffffu, b1 ? k2[0] : k2[1], 2));
-            a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+            constexpr int LR = 16 / RPT;   /* lanes a row */
             const float sr = scale_of(a), rr = q8s(sr).r;
-            const int im = 8 * g + (c8 >> 1);   /* the row this lane's scale is */
-            if (!(c8 & 1) && im < n) so[(size_t)blockIdx.y * Rq + r0 + im] = sr;
+            const int im = RPT * g + c8 / LR;   /* the row this lane's scale is */
+            if (c8 % LR == 0 && im < n) so[(size_t)blockIdx.y * Rq + r0 + im] = sr;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int i = 8 * g + j, src = (tid & 16) | (2 * j);
+            for (int j = 0; j < RPT; ++j) {
+                const int i = RPT * g + j, src = (tid & 16) | (LR * j);
                 const Q8s ks = {__shfl_sync(0xffffffffu, sr, src), __shfl_sync(0xffffffffu, rr, src)};
                 if (i < n && cok)
                     *reinterpret_cast<uint2 *>(qo + (size_t)(r0 + i) * C + c) = !odd && ks.r != 0.f ? codes8_fast(v[j], ks) : codes8_exact(v[j], ks);
@@ -8253,25 +8265,24 @@ __global__ void __launch_bounds__(256, 4)
         __syncthreads();
         if (tid < 128) {
             float a = 0.f;
-            for (int h = 0; h < 16; ++h) a = fmaxf(a, part[h][(tid & 7) * 16 + (tid >> 3)]);
+            for (int h = 0; h < NG; ++h) a = fmaxf(a, part[h][(tid & 7) * 16 + (tid >> 3)]);
             const float s = scale_of(a);
             sc[tid] = s;
             rc[tid] = q8s(s).r;
             if (blockIdx.y * 128 + tid < C) sto[(size_t)(p / 128) * C + blockIdx.y * 128 + tid] = s;
         }
         __syncthreads();
-        const int swz = (c8 & 1) | (c8 >> 1) << 2;   /* swz(j) of this thread's columns (j / 8 = c8) */
+        const int swz = col_swz<W>(c8);   /* this thread's columns' (j / 8 = c8) */
         bool fast = !odd;
 #pragma unroll
         for (int k = 0; k < 8; ++k) fast &= rc[c8 * 8 + k] != 0.f;
-        if (fast) col_codes<true>(v, sc, rc, qs, c8, g, swz);
-        else col_codes<false>(v, sc, rc, qs, c8, g, swz);
+        if (fast) col_codes<true, RPT>(v, sc, rc, qs, c8, g, swz);
+        else col_codes<false, RPT>(v, sc, rc, qs, c8, g, swz);
         __syncthreads();
         const int lane = tid & 31;
-        for (int j = tid >> 5; j < 128; j += 8) {
-            const int cj = j >> 3;
+        for (int j = tid >> 5; j < 128; j += NT / 32) {
             if (blockIdx.y * 128 + j < C)
-                *reinterpret_cast<uint32_t *>(qto + (size_t)(blockIdx.y * 128 + j) * Lp + p + 4 * lane) = qs[j][lane ^ ((cj & 1) | (cj >> 1) << 2)];
+                *reinterpret_cast<uint32_t *>(qto + (size_t)(blockIdx.y * 128 + j) * Lp + p + 4 * lane) = qs[j][lane ^ col_swz<W>(j >> 3)];
         }
     }
 }
@@ -9469,7 +9480,7 @@ int mt_cuda_fp8_quant_swiglu(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, floa
     const dim3 grid((unsigned)slots, (unsigned)((C + 127) / 128));
     if (!dh) mt_fp8::k_quant_cols<true, mt_fp8::Q8_SWIGLU><<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)g, d_offs, E, R, C, Lp, q, s, Rq,
                                                                                        (const bf16 *)u);
-    else mt_fp8::k_quant_cols<true, mt_fp8::Q8_SWIGLU_BWD><<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)g, d_offs, E, R, C, Lp, q, s, Rq,
+    else mt_fp8::k_quant_cols<true, mt_fp8::Q8_SWIGLU_BWD, 4><<<grid, 512, 0, c->stream>>>(   /* (4 rows a thread: 12 loads, all in flight) */qt, st, (const bf16 *)g, d_offs, E, R, C, Lp, q, s, Rq,
                                                                                        (const bf16 *)u, (const bf16 *)dh, q2, s2, qt2, st2);
     LAUNCHED();
     return 0;
