@@ -8123,28 +8123,30 @@ __device__ __forceinline__ void chunk_of(const int *offs, int E, int R, int slot
    codes to q (row-major [.][C], the scale of row r's block kb at s[kb * Rq + r]) as k_quant_rows would: the same
    codes and scales, for the rows of the chunks (rows outside every chunk are not written).
    SRC: what the tile holds. Q8_X: x. Q8_SWIGLU: the SwiGLU of gate x and up u, as k_swiglu would write it (bf16), never
-   written itself: its two forms are what its readers take. Q8_SWIGLU_BWD: its backward from x, u and dh, dgate then dup
-   (k_swiglu_bwd's), each quantized in turn; dup's forms in (q2, s2, qt2, st2). The same bits as those kernels then
+   written itself: its two forms are what its readers take. Q8_SWIGLU_BWD: its backward from x, u and dh, dgate and dup
+   (k_swiglu_bwd's) from one read, quantized in turn; dup's forms in (q2, s2, qt2, st2). The same bits as those kernels then
    k_quant_cols<true>. */
 enum { Q8_X = 0, Q8_SWIGLU = 1, Q8_SWIGLU_BWD = 2 };
-/* 8 bf16 of the SwiGLU from gate and up as 16-byte words, and of its backward's dgate (du = 0) or dup from gate, up
-   and dh: the values and roundings of k_swiglu and k_swiglu_bwd */
+/* 8 bf16 of the SwiGLU from gate and up as 16-byte words, and of its backward's dgate and dup from gate, up and dh:
+   the values and roundings of k_swiglu and k_swiglu_bwd */
 __device__ __forceinline__ uint4 swiglu8(const uint4 &g, const uint4 &u) {
     uint32_t w[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) w[k] = pack_bf16(swiglu1(el8(g, 2 * k), el8(u, 2 * k)), swiglu1(el8(g, 2 * k + 1), el8(u, 2 * k + 1)));
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
-__device__ __forceinline__ uint4 swiglu8_bwd(const uint4 &g, const uint4 &u, const uint4 &d, int du) {
-    uint32_t w[4];
+__device__ __forceinline__ void swiglu8_bwd(const uint4 &g, const uint4 &u, const uint4 &d, uint4 &dg, uint4 &du) {
+    uint32_t a[4], b[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        float a[2], b[2];
-        swiglu1_bwd(el8(g, 2 * k), el8(u, 2 * k), el8(d, 2 * k), a[0], b[0]);
-        swiglu1_bwd(el8(g, 2 * k + 1), el8(u, 2 * k + 1), el8(d, 2 * k + 1), a[1], b[1]);
-        w[k] = du ? pack_bf16(b[0], b[1]) : pack_bf16(a[0], a[1]);
+        float x[2], y[2];
+        swiglu1_bwd(el8(g, 2 * k), el8(u, 2 * k), el8(d, 2 * k), x[0], y[0]);
+        swiglu1_bwd(el8(g, 2 * k + 1), el8(u, 2 * k + 1), el8(d, 2 * k + 1), x[1], y[1]);
+        a[k] = pack_bf16(x[0], x[1]);
+        b[k] = pack_bf16(y[0], y[1]);
     }
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    dg = make_uint4(a[0], a[1], a[2], a[3]);
+    du = make_uint4(b[0], b[1], b[2], b[3]);
 }
 /* k_quant_cols' codes of a thread's 8 columns (8 c8 + k) over its RPT rows (v) into the staging tile qs, RPT / 4 words
    of 4 rows' codes a column (word RPT / 4 g + h), the word index XOR-swizzled by col_swz of the column's 8-group so that
@@ -8190,9 +8192,10 @@ __global__ void __launch_bounds__(2048 / RPT, RPT / 2)
     const int c8 = tid & 15, g = tid >> 4, c = blockIdx.y * 128 + c8 * 8;
     const bool cok = c < C;
     constexpr int NO = SRC == Q8_SWIGLU_BWD ? 2 : 1;   /* the outputs quantized, one after the other */
+    uint4 vd[NO > 1 ? RPT : 1];   /* dup, held while dgate is quantized */
 #pragma unroll 1
     for (int out = 0; out < NO; ++out) {   /* (the shared arrays' last readers of one output pass its barriers before the next writes) */
-        uint4 v[RPT];   /* (the backward reads its inputs again for dup, from L2: registers for one output) */
+        uint4 v[RPT];
 #pragma unroll
         for (int j = 0; j < RPT; ++j) {
             const int i = RPT * g + j;
@@ -8201,7 +8204,9 @@ __global__ void __launch_bounds__(2048 / RPT, RPT / 2)
             const uint4 z = make_uint4(0u, 0u, 0u, 0u);
             if constexpr (SRC == Q8_X) v[j] = ld8(x + o, ok);
             else if constexpr (SRC == Q8_SWIGLU) v[j] = ok ? swiglu8(ld8(x + o, true), ld8(u + o, true)) : z;
-            else v[j] = ok ? swiglu8_bwd(ld8(x + o, true), ld8(u + o, true), ld8(dh + o, true), out) : z;
+            else if (out) v[j] = vd[j];
+            else if (ok) swiglu8_bwd(ld8(x + o, true), ld8(u + o, true), ld8(dh + o, true), v[j], vd[j]);
+            else v[j] = vd[j] = z;
         }
         uint8_t *const qo = out ? q2 : q, *const qto = out ? qt2 : qt;
         float *const so = out ? s2 : s, *const sto = out ? st2 : st;
