@@ -8210,7 +8210,7 @@ __global__ void __launch_bounds__(2048 / RPT, RPT / 2)
         }
         uint8_t *const qo = out ? q2 : q, *const qto = out ? qt2 : qt;
         float *const so = out ? s2 : s, *const sto = out ? st2 : st;
-        /* The amax and the oddity test on bf16 pairs (|x|: the sign bits cleared): a column's amax over the thread's 8
+        /* The amax and the oddity test on bf16 pairs (|x|: the sign bits cleared): a column's amax over the thread's RPT
            rows, a row's over its 8 columns (ra), from 0 and skipping NaN as fmaxf does, each value tested by odd2 */
         uint32_t mw[4] = {0u, 0u, 0u, 0u}, oddw = 0u;
         float ra[RPT];
@@ -8237,24 +8237,18 @@ __global__ void __launch_bounds__(2048 / RPT, RPT / 2)
                with it (each exchange halves the rows a lane keeps: 2 RPT - 2 shuffles, not 4 RPT, then the lanes that hold
                the same row meet); the first of them forms its scale and reciprocal, and every lane takes all RPT back.
                The same maxima, so the same scales as k_quant_rows. */
-            float a = 0.f;
-            {
-                float kr[RPT];
 #pragma unroll
-                for (int j = 0; j < RPT; ++j) kr[j] = ra[j];
+            for (int m = RPT / 2, o = 8; m >= 1; m /= 2, o /= 2) {   /* keep m of the 2 m rows in ra: the upper half where bit o is set */
+                const bool up = (c8 & o) != 0;
 #pragma unroll
-                for (int m = RPT / 2, o = 8; m >= 1; m /= 2, o /= 2) {   /* keep m of the 2 m rows: the upper half where bit o is set */
-                    const bool up = (c8 & o) != 0;
-#pragma unroll
-                    for (int t = 0; t < m; ++t) {
-                        const float keep = up ? kr[t + m] : kr[t], send = up ? kr[t] : kr[t + m];
-                        kr[t] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, o));
-                    }
+                for (int t = 0; t < m; ++t) {
+                    const float keep = up ? ra[t + m] : ra[t], send = up ? ra[t] : ra[t + m];
+                    ra[t] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, o));
                 }
-                a = kr[0];
-#pragma unroll
-                for (int o = 8 / RPT; o >= 1; o /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
             }
+            float a = ra[0];
+#pragma unroll
+            for (int o = 8 / RPT; o >= 1; o /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
             constexpr int LR = 16 / RPT;   /* lanes a row */
             const float sr = scale_of(a), rr = q8s(sr).r;
             const int im = RPT * g + c8 / LR;   /* the row this lane's scale is */
