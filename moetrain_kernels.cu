@@ -8746,6 +8746,7 @@ struct WgCfg {
 struct WgParams {
     CUtensorMap ta, tb;
     CUtensorMap ta2, tb2;   /* the second pair's (p.a2) */
+    CUtensorMap to;         /* k_gmm_fast's dW in 128 x 256 tiles: the output fp32 [E][M][K], 16 rows x 32 columns a box */
     Gmm p;
     int mode, ncols, nct, ntm;
 };
@@ -9030,10 +9031,15 @@ static int gmm_wgmma(int mode, const Gmm &p, cudaStream_t st, int nsm) {
      and multiplies them in two waves of m64n128k32 (columns 0-127, then 128-255) into one 64-register
      slice, promoting after each wave: slice 64 + accumulator 128 registers.  A 256-column tile spans
      exactly two of the weight's 128-blocks, one per wave.  While one warpgroup waits and promotes,
-     the other's wgmmas keep the tensor cores busy.  Mode 2 (fp32 out) takes BN = 128 in both
-     variants (a 128 x 256 fp32 staging tile does not fit beside the stages).
-   - The epilogue through shared memory: each consumer warp writes its 16 rows (bf16, or fp32 for
-     dW) into a padded staging tile (bank-conflict free) and issues one bulk copy per row
+     the other's wgmmas keep the tensor cores busy.  Mode 2 (dW, fp32 out) in 128 x 256 tiles
+     (variants 4 and 5, where the tiles still fill the GPU: dw_wide) promotes each wave with its 128
+     column scales the same way; a 128 x 256 fp32 staging tile does not fit beside the stages, so
+     variant 4 stores a warp's rows a 128-column half at a time, through TMA boxes.  Variant 3's dW
+     (128 x 128) instead runs a 128-block's wgmmas while the block before it is promoted, two slices
+     in turn (dw_step): 64 + 64 + 64 registers.  The 128 x 256 tile reads 2/3 of the operand bytes a
+     product from L2 (at 1,000 TFLOP/s the 128 x 128 tiles' operands would need ~7.8 TB/s of it).
+   - The epilogue through shared memory (modes 0/1, and dW in 128 x 128 tiles): each consumer warp
+     writes its 16 rows into a padded staging tile (bank-conflict free) and issues one bulk copy per row
      (cp.async.bulk global <- shared, rows past the expert or M skipped) and goes on with the next
      tile at once; it waits for its previous copies to have read the staging rows before
      overwriting them.  No CTA-wide barrier anywhere after the setup.
@@ -9059,15 +9065,16 @@ struct FastCfg {
 template <int BN>
 static size_t fast_layout(int mode, int E, bool direct, FastParams &f) {
     typedef FastCfg<BN> C;
-    f.pitch = direct ? 0 : mode == 2 ? BN * 4 + 32 : BN * 2 + 16;
-    const size_t stg = (size_t)128 * f.pitch, fixed = 1024 + stg + (size_t)2 * (E + 1) * sizeof(int) + 16;
+    /* the staging tile's row pitch (bytes); dW in 128 x 256 tiles: 128 fp32 columns (a half of the tile) in TMA boxes */
+    f.pitch = direct ? 0 : mode == 2 ? (BN > 128 ? 128 * 4 : 128 * 4 + 32) : BN * 2 + 16;
+    const size_t stg = (size_t)128 * f.pitch, fixed = 2048 + stg + (size_t)2 * (E + 1) * sizeof(int) + 16;
     const size_t per = (size_t)C::AB + (size_t)C::SC * 4 + 16;
     const size_t cap = 232448;
     int st = fixed < cap ? (int)((cap - fixed) / per) : 0;
     if (st > 8) st = 8;
     f.st = st < 2 ? 0 : st;
     f.off_sc = (uint32_t)((size_t)st * C::AB);
-    f.off_stg = f.off_sc + (uint32_t)((size_t)st * C::SC * 4);
+    f.off_stg = (f.off_sc + (uint32_t)((size_t)st * C::SC * 4) + 1023u) & ~1023u;   /* (the 128-byte swizzle's 1 KB pattern) */
     f.off_bar = f.off_stg + (uint32_t)stg;
     f.off_offs = f.off_bar + (uint32_t)(16 * st);
     return (size_t)f.off_offs + (size_t)2 * (E + 1) * sizeof(int) + 1024;
@@ -9240,7 +9247,7 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
                             const bool ok = m < p.M;
                             cp_async_4(sc + 4u * (lane + 32 * i), ok ? (const void *)(sar + m) : (const void *)p.sa, ok ? 4 : 0);
                         }
-#pragma unroll
+#pragma unroll 1   /* (unrolled, 8 columns' addresses at once spill the producer's 40 registers) */
                         for (int i = 0; i < BN / 32; ++i) {
                             const int col = ti.c0 + lane + 32 * i;
                             const bool ok = col < p.K;
@@ -9264,11 +9271,12 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
     int stage = 0;
     uint32_t phase = 0;
     float tmp[64];   /* one wave's slice (wgmma overwrites it: scale_d 0 on its first k32) */
-    float tmp2[DW ? 64 : 1];   /* dW: the next 128-block's slice */
+    constexpr bool DW2 = DW && BN == 128;   /* dW in 128 x 128 tiles: two slices in turn */
+    float tmp2[DW2 ? 64 : 1];   /* the next 128-block's slice */
 #pragma unroll
     for (int i = 0; i < 64; ++i) tmp[i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < (DW ? 64 : 1); ++i) tmp2[i] = 0.f;
+    for (int i = 0; i < (DW2 ? 64 : 1); ++i) tmp2[i] = 0.f;
 #pragma unroll 1
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         const WgTile ti = wg_tile<BN>(w, s_offs, s_pref, T, t);
@@ -9276,7 +9284,7 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
         float acc[NR];
 #pragma unroll
         for (int i = 0; i < NR; ++i) acc[i] = 0.f;
-        if constexpr (DW) {
+        if constexpr (DW2) {
             /* dW: a 128-block's wgmmas run while the block before it is promoted, two slices in turn (tmp, tmp2):
                wait for block kb's stage, issue it, promote block kb - 1 into acc and release its stage, wait for the
                wgmmas. Nothing but the promotion's straight-line code runs while they are in flight (ptxas serializes
@@ -9309,9 +9317,9 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
                 const uint32_t sa = sbase + (uint32_t)(stage * C::AB), sc = scb + (uint32_t)(stage * C::SC * 4);
                 wait_or_trap(full0 + 8u * stage, phase);
                 const float xa = lds_f32(sc + 4u * (wr0 + g)), xb = lds_f32(sc + 4u * (wr0 + g + 8));
-                float sw[NW];   /* modes 0/1: the weight's block scale of each wave */
+                float sw[NW];   /* modes 0/1: the weight's block scale of each wave (dW: a scale a column, below) */
 #pragma unroll
-                for (int v = 0; v < NW; ++v) sw[v] = lds_f32(sc + 4u * (128 + v));
+                for (int v = 0; v < NW; ++v) sw[v] = DW ? 0.f : lds_f32(sc + 4u * (128 + v));
                 const uint64_t da = sw128_desc(sa + (uint32_t)c * 8192u, 16u, 1024u);
 #pragma unroll
                 for (int v = 0; v < NW; ++v) {
@@ -9321,15 +9329,30 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
 #pragma unroll
                     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(tmp[i])::"memory");
                     /* promotion: tmp[4 j + 2 h + b] is (row 8 h + g of the warp's 16, column 128 v + 8 j + 2 q + b) */
-                    if (v == NW - 1 || !wave1) {   /* the stage's last wave: its operands and scales all read */
-                        __syncwarp();
-                        if (lane == 0) mbar_arrive(empty0 + 8u * stage);
-                    }
-                    const float fa = xa * sw[v], fb = xb * sw[v];
+                    const bool last = v == NW - 1 || !wave1;   /* the stage's last wave */
+                    if constexpr (!DW) {
+                        if (last) {   /* its operands and scales all read */
+                            __syncwarp();
+                            if (lane == 0) mbar_arrive(empty0 + 8u * stage);
+                        }
+                        const float fa = xa * sw[v], fb = xb * sw[v];
 #pragma unroll
-                    for (int j = 0; j < 16; ++j) {
-                        acc[64 * v + 4 * j] += tmp[4 * j] * fa; acc[64 * v + 4 * j + 1] += tmp[4 * j + 1] * fa;
-                        acc[64 * v + 4 * j + 2] += tmp[4 * j + 2] * fb; acc[64 * v + 4 * j + 3] += tmp[4 * j + 3] * fb;
+                        for (int j = 0; j < 16; ++j) {
+                            acc[64 * v + 4 * j] += tmp[4 * j] * fa; acc[64 * v + 4 * j + 1] += tmp[4 * j + 1] * fa;
+                            acc[64 * v + 4 * j + 2] += tmp[4 * j + 2] * fb; acc[64 * v + 4 * j + 3] += tmp[4 * j + 3] * fb;
+                        }
+                    } else {   /* dW: dw_promote's products, the column scales read from the stage here */
+#pragma unroll
+                        for (int j = 0; j < 16; ++j) {
+                            float s0, s1;
+                            lds_v2(sc + 4u * (128 + 128 * v + 8 * j + 2 * q), s0, s1);
+                            acc[64 * v + 4 * j] += tmp[4 * j] * (xa * s0); acc[64 * v + 4 * j + 1] += tmp[4 * j + 1] * (xa * s1);
+                            acc[64 * v + 4 * j + 2] += tmp[4 * j + 2] * (xb * s0); acc[64 * v + 4 * j + 3] += tmp[4 * j + 3] * (xb * s1);
+                        }
+                        if (last) {
+                            __syncwarp();
+                            if (lane == 0) mbar_arrive(empty0 + 8u * stage);
+                        }
                     }
                 }
                 if (++stage == ST) { stage = 0; phase ^= 1; }
@@ -9367,6 +9390,40 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
             }
             continue;
         }
+        if constexpr (DW && BN > 128) {
+            /* dW's epilogue: the warp's 16 rows a 128-column half at a time through its 8 KB of the staging tile, as four
+               16 x 32 boxes (2 KB, 128 bytes a row, the 16-byte chunks XOR-swizzled by the row), each written by one TMA
+               store that clips what lies past M and K. Row g (g + 8) of the warp sits at box row sr = 2 (g % 4) + g / 4
+               (+ 8), undone by the map's 5-D view (launch_pp's, the bf16 kernel's dW): a half-warp's 64-bit stores
+               (rows 0-3) then meet 8 distinct chunks, 1 wavefront instead of 2. (One bulk copy a row instead costs a
+               serialized loop of 16 copies a half, which ptxas forms for a per-lane address: ~13% of the kernel's
+               samples in ncu.) */
+            const uint32_t reg = stg + (uint32_t)(wr0 * f.pitch);
+            const int sr = 2 * (g & 3) + (g >> 2);
+#pragma unroll
+            for (int h = 0; h < NW; ++h) {
+                const int ch = ti.c0 + 128 * h;
+                if (ch >= w.ncols) break;
+                if (lane == 0) bulk_wait_read0();   /* the stores before have read the boxes */
+                __syncwarp();
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    const uint32_t a = reg + (uint32_t)((j >> 2) * 2048 + sr * 128 + (((2 * (j & 3) + (q >> 1)) ^ sr) << 4) + (q & 1) * 8);
+                    sts_v2(a, acc[64 * h + 4 * j], acc[64 * h + 4 * j + 1]);
+                    sts_v2(a + 1024u, acc[64 * h + 4 * j + 2], acc[64 * h + 4 * j + 3]);
+                }
+                fence_proxy_async();
+                __syncwarp();
+                if (lane == 0) {
+#pragma unroll
+                    for (int b = 0; b < 4; ++b)
+                        if (ch + 32 * b < w.ncols) tma_store_5d(&w.to, reg + (uint32_t)(b * 2048), ch + 32 * b, 0, 0, (ti.r0 + wr0) >> 3, ti.e);
+                    bulk_commit();
+                }
+            }
+            if (lane == 0 && t + (int)gridDim.x >= T) bulk_wait0();
+            continue;
+        }
         /* epilogue: this warp's 16 rows through the staging tile, one bulk copy a row */
         if (lane < 16) bulk_wait_read0();   /* the previous tile's copies of these rows have read them */
         __syncwarp();
@@ -9399,10 +9456,14 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
     }
 }
 
+/* dW in 128 x 256 tiles where they still give each of the n CTAs 4 or more (mid: 42-47 on an H200); fewer, wider tiles
+   would leave multiprocessors idle (debug's experts: 16 tiles against 32) */
+static bool dw_wide(const Gmm &p, int n) { return (long long)p.E * kblocks(p.M) * ((p.K + 255) / 256) >= 4LL * n; }
 template <int BN, bool DIRECT>
 static int gmm_fast(int mode, const Gmm &p, cudaStream_t st, int nsm) {
     static_assert(BN == 128 || BN == 256, "tile width");
-    if (mode == 2 && BN != 128) return gmm_fast<128, DIRECT>(mode, p, st, nsm);   /* dW: 128 x 128 fp32 tiles */
+    if constexpr (BN > 128)
+        if (mode == 2 && !dw_wide(p, nsm)) return gmm_fast<128, DIRECT>(mode, p, st, nsm);
     mt_ptx::EncodeTiledFn enc = mt_ptx::tma_encoder();
     if (!enc) return 1;
     FastParams f;
@@ -9416,7 +9477,14 @@ static int gmm_fast(int mode, const Gmm &p, cudaStream_t st, int nsm) {
     const size_t smem = fast_layout<BN>(mode, p.E, DIRECT, f);
     if (f.st < 2) return 1;   /* too many experts for the offsets beside two stages: the simple kernel */
     if (wg_maps<BN>(enc, w, mode, p)) return 1;
-    void (*kern)(const FastParams) = mode == 2 ? k_gmm_fast<128, true, DIRECT> : k_gmm_fast<BN, false, DIRECT>;
+    if (mode == 2 && BN > 128 && !DIRECT) {   /* the output's boxes (k_gmm_fast's dW epilogue): K, 2 rows 4 apart, 4 rows 1 apart, M / 8, E */
+        const cuuint64_t r = (cuuint64_t)p.K * 4, d[5] = {(cuuint64_t)p.K, 2, 4, (cuuint64_t)(p.M / 8), (cuuint64_t)p.E};
+        const cuuint64_t s[4] = {4 * r, r, 8 * r, (cuuint64_t)p.M * r};
+        const cuuint32_t box[5] = {32, 2, 4, 2, 1};
+        if (mt_ptx::tma_map(enc, &w.to, p.out, 5, d, s, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32))
+            return gmm_fast<128, DIRECT>(mode, p, st, nsm);   /* (a driver without the view: 128-wide tiles) */
+    }
+    void (*kern)(const FastParams) = mode == 2 ? k_gmm_fast<BN, true, DIRECT> : k_gmm_fast<BN, false, DIRECT>;
     if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return -1;
     kern<<<nsm, 384, smem, st>>>(f);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
@@ -9522,7 +9590,7 @@ int mt_cuda_fp8_gemm(mt_cuda *c, void *out, int out_f32, const uint8_t *a, const
     return 0;
 }
 /* the experts' FP8 GEMM: variant 0 k_gmm_wgmma<128> (the default), 2 k_gmm_wgmma<192>, 3 k_gmm_fast<128>,
-   4 k_gmm_fast<256> (mode 2: k_gmm_fast<128>), 5 the same as 4 with the stores straight from the registers
+   4 k_gmm_fast<256> (dW: where dw_wide, else <128>), 5 the same as 4 with the stores straight from the registers
    and the staging tile's memory as stages, 1 (or no tensor maps) k_gmm_simple; W [E][M][K]; mode 0: out Y [Rmax][M] bf16,
    a = X rows (scales over Rmax rows), b = W weight; mode 1: out dX [Rmax][K] bf16, a = dY rows, b = W^T weight;
    mode 2: out dW [E][M][K] fp32, a = dY cols [M][Lp], b = X cols [K][Lp].  ctas: the persistent kernels' grid (0: one
@@ -9532,8 +9600,8 @@ static int fp8_gmm_run(mt_cuda *c, int mode, const mt_fp8::Gmm &p, int variant, 
     int rc = 1;
     if (variant != 1 && mt_fp8::gmm_check(mode, p)) {
         if (variant == 3) rc = mt_fp8::gmm_fast<128, false>(mode, p, c->stream, n);
-        else if (variant == 4) rc = mt_fp8::gmm_fast<256, false>(mode, p, c->stream, n);   /* (dW: <128>) */
-        else if (variant == 5) rc = mt_fp8::gmm_fast<256, true>(mode, p, c->stream, n);    /* (dW: <128>) */
+        else if (variant == 4) rc = mt_fp8::gmm_fast<256, false>(mode, p, c->stream, n);
+        else if (variant == 5) rc = mt_fp8::gmm_fast<256, true>(mode, p, c->stream, n);
         else if (variant == 2) rc = mt_fp8::gmm_wgmma<192>(mode, p, c->stream, n);
         else rc = mt_fp8::gmm_wgmma<128>(mode, p, c->stream, n);
     }
@@ -9576,6 +9644,11 @@ int mt_cuda_fp8_gmm_dw(mt_cuda *c, void *out, const uint8_t *a, const float *sa,
     int rc = 1;
     bool fused = false;
     if (variant >= 3 && variant <= 5 && mt_fp8::gmm_check(2, p)) {
+        /* the fast kernels write 8 partials a tile; those past the fewest tiles they may run (variants 4, 5: 128 x 256
+           where dw_wide) are zeroed first, and a kernel with more tiles writes over the zeros */
+        const long long t8 = 8 * (variant != 3 && mt_fp8::dw_wide(p, n) ? (long long)E * mt_fp8::kblocks(M) * ((K + 255) / 256) : tiles);
+        if (ssq && ssq_len > t8 && cudaMemsetAsync(ssq + t8, 0, (size_t)(ssq_len - t8) * sizeof(float), c->stream) != cudaSuccess)
+            return mt__fail(c, "mt_cuda_fp8_gmm_dw", "zeroing the partial sums");
         p.ssq = ssq;
         rc = variant == 3 ? mt_fp8::gmm_fast<128, false>(2, p, c->stream, n) : variant == 4 ? mt_fp8::gmm_fast<256, false>(2, p, c->stream, n)
                                                                                            : mt_fp8::gmm_fast<256, true>(2, p, c->stream, n);
@@ -9587,11 +9660,7 @@ int mt_cuda_fp8_gmm_dw(mt_cuda *c, void *out, const uint8_t *a, const float *sa,
     if (rc > 0) rc = mt_fp8::gmm_simple(2, p, c->stream);
     if (rc) return mt__fail(c, "mt_cuda_fp8_gmm_dw", "bad arguments or launch failure");
     if (!ssq) return 0;
-    if (fused) {   /* entries past the tiles' */
-        if (ssq_len > tiles * 8 && cudaMemsetAsync(ssq + tiles * 8, 0, (size_t)(ssq_len - tiles * 8) * sizeof(float), c->stream) != cudaSuccess)
-            return mt__fail(c, "mt_cuda_fp8_gmm_dw", "zeroing the partial sums");
-        return 0;
-    }
+    if (fused) return 0;
     const int64_t nel = (int64_t)E * M * K;   /* another kernel: the partial sums in a pass over dW */
     k_sq_parts<<<(unsigned)(ssq_len < 1024 ? ssq_len : 1024), 256, 0, c->stream>>>(ssq, (const float *)out, nel, ssq_len);
     LAUNCHED();

@@ -29,7 +29,7 @@
  * Environment: FP8_QUICK=1 one timing round of 3 launches; FP8_ONLY=dense|grouped one family; FP8_NO_SIMPLE=1
  * skips the simple grouped kernel's rows; FP8_VARIANT=digits runs only those grouped kernels (e.g. FP8_VARIANT=34).
  * Grouped kernels (mt_cuda_fp8_gmm's variant): 0 k_gmm_wgmma<128>, 2 k_gmm_wgmma<192>, 3 k_gmm_fast<128>,
- * 4 k_gmm_fast<256> (its dW rows run k_gmm_fast<128>, the same kernel as variant 3), 5 the same with the stores
+ * 4 k_gmm_fast<256> (dW too in 128 x 256 tiles; variant 3's dW is 128 x 128), 5 the same with the stores
  * straight from the registers and more stages (direct256), 1 k_gmm_simple.
  * Without FP8_VARIANT each grouped variant runs in a process of its own (this binary again, FP8_CHILD=1): a wgmma
  * kernel whose pipeline stalls traps after ~10 s and leaves its CUDA context unusable; its process then stops with the
