@@ -9119,19 +9119,24 @@ __device__ __forceinline__ void slice_issue(float (&t)[64], uint64_t da, uint64_
 __device__ __forceinline__ void dw_issue(float (&t)[64], uint32_t sa, uint32_t da0) {
     slice_issue(t, mt_ptx::sw128_desc(sa + da0, 16u, 1024u), mt_ptx::sw128_desc(sa + 16384u, 16u, 1024u));
 }
-/* dW's promotion of a finished slice: acc += t (sa_row sb_col), the scales from the stage's (at sc); t[4 j + 2 h + b] is
-   row 8 h + g of the warp's 16 (wr0 + ...), column 8 j + 2 q + b */
+/* dW's promotion of wave v's slice t: acc[64 v + ...] += t (xa | xb) sb_col, the column scales from the stage's (at sc);
+   t[4 j + 2 h + b] is row 8 h + g of the warp's 16 (row scale xa for h = 0, xb for h = 1), column 128 v + 8 j + 2 q + b */
+template <int N>
+__device__ __forceinline__ void dw_scale_add(float (&acc)[N], const float (&t)[64], uint32_t sc, float xa, float xb, int v, int q) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        float s0, s1;
+        lds_v2(sc + 4u * (128 + 128 * v + 8 * j + 2 * q), s0, s1);
+        acc[64 * v + 4 * j] += t[4 * j] * (xa * s0); acc[64 * v + 4 * j + 1] += t[4 * j + 1] * (xa * s1);
+        acc[64 * v + 4 * j + 2] += t[4 * j + 2] * (xb * s0); acc[64 * v + 4 * j + 3] += t[4 * j + 3] * (xb * s1);
+    }
+}
+/* a 128 x 128 tile's promotion of a finished slice (its row scales read here; the warp's rows start at wr0) */
 __device__ __forceinline__ void dw_promote(float (&acc)[64], float (&t)[64], uint32_t sc, int wr0, int g, int q) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(t[i])::"memory");
     const float xa = lds_f32(sc + 4u * (wr0 + g)), xb = lds_f32(sc + 4u * (wr0 + g + 8));
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-        float s0, s1;
-        lds_v2(sc + 4u * (128 + 8 * j + 2 * q), s0, s1);
-        acc[4 * j] += t[4 * j] * (xa * s0); acc[4 * j + 1] += t[4 * j + 1] * (xa * s1);
-        acc[4 * j + 2] += t[4 * j + 2] * (xb * s0); acc[4 * j + 3] += t[4 * j + 3] * (xb * s1);
-    }
+    dw_scale_add(acc, t, sc, xa, xb, 0, q);
 }
 /* the dW consumers' view of the stage ring */
 struct DwRing {
@@ -9341,14 +9346,8 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
                             acc[64 * v + 4 * j] += tmp[4 * j] * fa; acc[64 * v + 4 * j + 1] += tmp[4 * j + 1] * fa;
                             acc[64 * v + 4 * j + 2] += tmp[4 * j + 2] * fb; acc[64 * v + 4 * j + 3] += tmp[4 * j + 3] * fb;
                         }
-                    } else {   /* dW: dw_promote's products, the column scales read from the stage here */
-#pragma unroll
-                        for (int j = 0; j < 16; ++j) {
-                            float s0, s1;
-                            lds_v2(sc + 4u * (128 + 128 * v + 8 * j + 2 * q), s0, s1);
-                            acc[64 * v + 4 * j] += tmp[4 * j] * (xa * s0); acc[64 * v + 4 * j + 1] += tmp[4 * j + 1] * (xa * s1);
-                            acc[64 * v + 4 * j + 2] += tmp[4 * j + 2] * (xb * s0); acc[64 * v + 4 * j + 3] += tmp[4 * j + 3] * (xb * s1);
-                        }
+                    } else {   /* dW: a scale a column, read from the stage, which is released after */
+                        dw_scale_add(acc, tmp, sc, xa, xb, v, q);
                         if (last) {
                             __syncwarp();
                             if (lane == 0) mbar_arrive(empty0 + 8u * stage);
@@ -9458,7 +9457,8 @@ __global__ void __launch_bounds__(384, 1) k_gmm_fast(const __grid_constant__ Fas
 
 /* dW in 128 x 256 tiles where they still give each of the n CTAs 4 or more (mid: 42-47 on an H200); fewer, wider tiles
    would leave multiprocessors idle (debug's experts: 16 tiles against 32) */
-static bool dw_wide(const Gmm &p, int n) { return (long long)p.E * kblocks(p.M) * ((p.K + 255) / 256) >= 4LL * n; }
+static long long dw_tiles(const Gmm &p, int bn) { return (long long)p.E * kblocks(p.M) * ((p.K + bn - 1) / bn); }
+static bool dw_wide(const Gmm &p, int n) { return dw_tiles(p, 256) >= 4LL * n; }
 template <int BN, bool DIRECT>
 static int gmm_fast(int mode, const Gmm &p, cudaStream_t st, int nsm) {
     static_assert(BN == 128 || BN == 256, "tile width");
@@ -9638,7 +9638,7 @@ int mt_cuda_fp8_gmm_dw(mt_cuda *c, void *out, const uint8_t *a, const float *sa,
     memset(&p, 0, sizeof p);
     p.out = out; p.a = a; p.b = b; p.sa = sa; p.sb = sb; p.offs = d_offs;
     p.E = E; p.M = M; p.K = K; p.Rmax = Rmax; p.Lp = Lp;
-    const long long tiles = (long long)E * mt_fp8::kblocks(M) * mt_fp8::kblocks(K), need = tiles * 8 > 1024 ? tiles * 8 : 1024;
+    const long long tiles = mt_fp8::dw_tiles(p, 128), need = tiles * 8 > 1024 ? tiles * 8 : 1024;
     if (ssq && ssq_len < need) return mt__fail(c, "mt_cuda_fp8_gmm_dw", "fewer partial sums than tiles x 8");
     const int n = ctas > 0 ? ctas : c->n_sms;
     int rc = 1;
@@ -9646,7 +9646,7 @@ int mt_cuda_fp8_gmm_dw(mt_cuda *c, void *out, const uint8_t *a, const float *sa,
     if (variant >= 3 && variant <= 5 && mt_fp8::gmm_check(2, p)) {
         /* the fast kernels write 8 partials a tile; those past the fewest tiles they may run (variants 4, 5: 128 x 256
            where dw_wide) are zeroed first, and a kernel with more tiles writes over the zeros */
-        const long long t8 = 8 * (variant != 3 && mt_fp8::dw_wide(p, n) ? (long long)E * mt_fp8::kblocks(M) * ((K + 255) / 256) : tiles);
+        const long long t8 = 8 * (variant != 3 && mt_fp8::dw_wide(p, n) ? mt_fp8::dw_tiles(p, 256) : tiles);
         if (ssq && ssq_len > t8 && cudaMemsetAsync(ssq + t8, 0, (size_t)(ssq_len - t8) * sizeof(float), c->stream) != cudaSuccess)
             return mt__fail(c, "mt_cuda_fp8_gmm_dw", "zeroing the partial sums");
         p.ssq = ssq;
