@@ -1124,6 +1124,7 @@ int mt_runtime_fp8_shared(const mt_runtime *rt);               /* CUDA, FP8: ope
 int mt_runtime_fp8_both(const mt_runtime *rt);                 /* CUDA, FP8: of those, activations whose rows and columns one read makes */
 int mt_runtime_fp8_by_optimizer(const mt_runtime *rt);         /* CUDA, FP8: weights whose FP8 forms AdamW writes */
 int mt_runtime_fp8_by_swiglu(const mt_runtime *rt);            /* CUDA, FP8: activations whose forms their SwiGLU writes */
+int mt_runtime_fp8_by_moe(const mt_runtime *rt);               /* ... the MoE permutation or the combine's backward writes */
 /* Host numbers across every rank of the world (logging): op 0 sum, 1 max. */
 int mt_runtime_allreduce_host(mt_runtime *rt, double *x, int n, int op, mt_err *err);
 /* Host synchronizations in the last step (the expert exchange's counts) and
@@ -1285,6 +1286,17 @@ int mt_cuda_fp8_quant_both(mt_cuda *c, uint8_t *q, float *s, int Rq, uint8_t *qt
    mt_cuda_swiglu_forward / _backward then quant_both (without groups: Rq = R) */
 int mt_cuda_fp8_quant_swiglu(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, uint8_t *q2, float *s2, uint8_t *qt2, float *st2,
                              const void *g, const void *u, const void *dh, const int32_t *d_offs, int E, int R, int C, long long Lp, int Rq);
+/* quant_both of rows gathered by map: row r is row map[r] / topk of x, times w[map[r]] rounded to bf16 where w is given */
+int mt_cuda_fp8_quant_gather(mt_cuda *c, uint8_t *q, float *s, int Rq, uint8_t *qt, float *st, const void *x, const int32_t *map,
+                             const float *w, int topk, const int32_t *d_offs, int E, int R, int C, long long Lp);
+/* mt_cuda_moe_permute writing xs's two forms (quant_both over Rq rows, columns Lp long) in place of xs; and
+   mt_cuda_moe_combine_backward writing dys's forms in place of dys (map: N K ints of scratch). The same bits as the
+   plain kernel then mt_cuda_fp8_quant_both. */
+int mt_cuda_moe_permute_fp8(mt_cuda *c, int32_t *slot, int32_t *offs, const void *x, const int32_t *idx, int N, int D, int K, int E,
+                            void *ws, uint8_t *q, float *s, int Rq, uint8_t *qt, float *st, long long Lp);
+int mt_cuda_moe_combine_backward_fp8(mt_cuda *c, float *dw, const void *dy, const void *ys, const int32_t *slot, const float *w, int N,
+                                     int D, int K, int32_t *map, uint8_t *q, float *s, int Rq, uint8_t *qt, float *st,
+                                     const int32_t *d_offs, int E, long long Lp);
 int mt_cuda_fp8_quant_weight(mt_cuda *c, uint8_t *q, float *s, const void *w, int E, int N, int K, int transpose);
 /* both forms from one read; skip: where given and *skip != 0 on the device, nothing is done (the forms are there) */
 int mt_cuda_fp8_quant_weight2(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, const void *w, int E, int N, int K,
@@ -8301,6 +8313,7 @@ static size_t mt__cuda_scratch(const mt_graph *G, mt_cuda *cu) {
         case MT_OP_CROSS_ENTROPY: w = mt_cuda_cross_entropy_workspace((int)a->dims[0]); break;
         case MT_OP_CE_COMBINE: w = mt_cuda_cross_entropy_workspace((int)G->values[n->in[1]].dims[0]); break;
         case MT_OP_MOE_PERMUTE: w = mt_cuda_moe_permute_workspace(a->dims[0] * b->dims[1]); break;
+        case MT_OP_MOE_COMBINE_BWD: w = (size_t)mt_value_numel_max(G, &G->values[n->in[2]]) * 4; break;   /* (mt__q8_moe's map) */
         case MT_OP_GMM: case MT_OP_GMM_DX: case MT_OP_GMM_DW: case MT_OP_GMM_DX2: case MT_OP_GMM_DW_SQ: {
             const mt_value *W = &G->values[(n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ) ? n->out[0] : n->in[1]];
             int mode = n->op == MT_OP_GMM ? 0 : n->op == MT_OP_GMM_DW || n->op == MT_OP_GMM_DW_SQ ? 2 : 1;
@@ -8507,11 +8520,16 @@ int mt_runtime_fp8_both(const mt_runtime *rt) {
     for (int i = 0; i < rt->n_q8; i++) k += rt->q8[i].rows_node >= 0;
     return k;
 }
-int mt_runtime_fp8_by_swiglu(const mt_runtime *rt) {
+static int mt__q8_by(const mt_runtime *rt, int moe) {
     int k = 0;
-    for (int i = 0; i < rt->n_q8; i++) k += rt->q8[i].producer >= 0;
+    for (int i = 0; i < rt->n_q8; i++) {
+        int p = rt->q8[i].producer, op = p >= 0 ? rt->g.nodes[p].op : -1;
+        k += p >= 0 && (op == MT_OP_MOE_PERMUTE || op == MT_OP_MOE_COMBINE_BWD) == moe;
+    }
     return k;
 }
+int mt_runtime_fp8_by_swiglu(const mt_runtime *rt) { return mt__q8_by(rt, 0); }
+int mt_runtime_fp8_by_moe(const mt_runtime *rt) { return mt__q8_by(rt, 1); }
 int mt_runtime_fp8_by_optimizer(const mt_runtime *rt) {
     int k = 0;
     for (int i = 0; i < rt->n_q8; i++) k += rt->q8[i].adamw >= 0;
@@ -9174,10 +9192,12 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
                 if (u / 5 > L->hi) L->hi = u / 5;
             }
     }
-    /* A slot of both forms whose value a SwiGLU makes (an expert's or a dense FFN's h, the backward's dgate and dup) and
-     * that no node reads but through the slot: the SwiGLU node writes the forms in place of its bf16 output
-     * (mt__q8_swiglu), so the value is neither written nor read back. Its grouping offsets must be made before it;
-     * a SWIGLU_BWD, whose one kernel makes both outputs, takes both or neither. */
+    /* A slot of both forms whose value a SwiGLU makes (an expert's or a dense FFN's h, the backward's dgate and dup), or
+     * the MoE permutation (the experts' input rows) or the combine's backward (the down projection's dY), and that no
+     * node reads but through the slot: that node writes the forms in place of its bf16 output (mt__q8_swiglu,
+     * mt__q8_moe), so the value is neither written nor read back. Its grouping offsets must be made before it (the
+     * permutation's own: it sorts before it gathers); a SWIGLU_BWD, whose one kernel makes both outputs, takes both or
+     * neither. */
     for (int i = 0; !rc && i < rt->n_q8; i++) {
         mt__q8_slot *sl = &rt->q8[i];
         if (sl->rows_node < 0) continue;
@@ -9186,9 +9206,13 @@ static int mt__q8_plan(mt_runtime *rt, mt_err *err) {
             for (int o = 0; o < G->nodes[k].n_out; o++) if (G->nodes[k].out[o] == sl->value) { pk = k; po = o; }
         const mt_node *pn = pk >= 0 ? &G->nodes[pk] : NULL, *cn = &G->nodes[sl->cols_node];
         if (!pn || !((pn->op == MT_OP_SWIGLU && po == 0) || (pn->op == MT_OP_SWIGLU_BWD && po < 2) ||
-                     (pn->op == MT_OP_GMM_GLU && mt_node_fp8(pn) && po == 2)))
+                     (pn->op == MT_OP_GMM_GLU && mt_node_fp8(pn) && po == 2) || (pn->op == MT_OP_MOE_PERMUTE && po == 0) ||
+                     (pn->op == MT_OP_MOE_COMBINE_BWD && po == 0)))
             continue;
-        if (cn->op != MT_OP_MATMUL && cn->op != MT_OP_MATMUL_ACC) {   /* the columns' offsets, made before the SwiGLU */
+        if (cn->op == MT_OP_MATMUL || cn->op == MT_OP_MATMUL_ACC) {
+            if (pn->op == MT_OP_MOE_PERMUTE || pn->op == MT_OP_MOE_COMBINE_BWD) continue;   /* (their rows are routed: grouped readers) */
+        } else if (!(pn->op == MT_OP_MOE_PERMUTE && pn->out[2] == cn->in[2])) {   /* the columns' offsets, made before the producer
+                                                                                     (or by the permutation itself, before it gathers) */
             int made = 0;
             for (int k = 0; k < pk && !made; k++)
                 for (int o = 0; o < G->nodes[k].n_out; o++) made |= G->nodes[k].out[o] == cn->in[2];
@@ -9341,6 +9365,30 @@ static int mt__q8_swiglu(mt_runtime *rt, const mt_node *n, int o, const void *g,
     int rc = dh ? mt_cuda_swiglu_backward(c, rt->ptr[n->out[0]], rt->ptr[n->out[1]], g, u, dh, elems, live, C)
                 : mt_cuda_swiglu_forward(c, rt->ptr[n->out[o]], g, u, elems, live, C);
     return rc || mt__q8_both(rt, a, C) || (b && mt__q8_both(rt, b, C));
+}
+/* The MoE permutation (x the tokens, idx their experts; its slot and offsets written too) or the combine's backward
+ * (x = dy, with ys, slot, w and dw) writing its output's slot (mt__q8_plan) in place of the bf16 rows, from one kernel
+ * that gathers them (mt_cuda_moe_permute_fp8, _combine_backward_fp8). *done = 0 where it produces none; where the slot's
+ * layout does not fit that kernel, or under nan_check (which reads the output), the node runs as usual and then fills it. */
+static int mt__q8_moe(mt_runtime *rt, const mt_node *n, const void *x, const int32_t *idx, const void *ys, const int32_t *slot,
+                      const float *w, float *dw, int N, int D, int K, int E, int *done) {
+    const mt__q8_slot *sl = mt__q8_made_by(rt, n, 0);
+    mt_cuda *c = MT__CU(rt);
+    *done = 0;
+    if (!sl) return 0;
+    *done = 1;
+    const int32_t *offs;
+    int Eg, R, Rq = mt__q8_nrows(rt, &rt->g.nodes[sl->rows_node]), perm = n->op == MT_OP_MOE_PERMUTE;
+    long long Lp;
+    mt__q8_cols_of(rt, &rt->g.nodes[sl->cols_node], &offs, &Eg, &R, &Lp);
+    int32_t *own = perm ? (int32_t *)rt->ptr[n->out[2]] : NULL, *slot_out = perm ? (int32_t *)rt->ptr[n->out[1]] : NULL;
+    if (offs && Rq >= R && (int64_t)R >= (int64_t)N * K && mt__cols(rt, sl->value) == D && !rt->bind.nan_check && (!perm || offs == own))
+        return perm ? mt_cuda_moe_permute_fp8(c, slot_out, own, x, idx, N, D, K, E, rt->scratch, sl->q[0], sl->s[0], Rq, sl->q[1], sl->s[1], Lp)
+                    : mt_cuda_moe_combine_backward_fp8(c, dw, x, ys, slot, w, N, D, K, (int32_t *)rt->scratch, sl->q[0], sl->s[0], Rq,
+                                                       sl->q[1], sl->s[1], offs, Eg, Lp);
+    int rc = perm ? mt_cuda_moe_permute(c, rt->ptr[n->out[0]], slot_out, own, x, idx, N, D, K, E, rt->scratch)
+                  : mt_cuda_moe_combine_backward(c, rt->ptr[n->out[0]], dw, x, ys, slot, w, N, D, K);
+    return rc || mt__q8_both(rt, sl, D);
 }
 /* node n's input i quantized into (*q, *s), or (*q, *s) pointed at the slot where an earlier node did */
 static int mt__q8_rows(mt_runtime *rt, const mt_node *n, int i, uint8_t **q, float **s, int R, int C) {
@@ -9573,9 +9621,10 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         rc = mt_cuda_router_backward(c, FO(0), F_(0), I_(1), F_(3), DIM(n->in[0], 0), DIM(n->in[0], 1), a[0], a[1], a[2], n->fattr[0]);
         break;
     case MT_OP_MOE_PERMUTE: {   /* tokens [i1, i1 + n) (mt__moe's chunks) */
-        int D = DIM(n->in[0], 1), K = DIM(n->in[1], 1);
-        rc = mt_cuda_moe_permute(c, VO(0), IO(1), IO(2), (uint8_t *)V_(0) + (int64_t)a[1] * D * mt_dtype_bytes(G, DT(n->in[0])),
-                                 I_(1) + (int64_t)a[1] * K, (int)mt__chunk_rows(G, n->out[0], K), D, K, a[0], rt->scratch);
+        int D = DIM(n->in[0], 1), K = DIM(n->in[1], 1), rows = (int)mt__chunk_rows(G, n->out[0], K), done = 0;
+        const void *x = (uint8_t *)V_(0) + (int64_t)a[1] * D * mt_dtype_bytes(G, DT(n->in[0]));
+        if (!(rc = mt__q8_moe(rt, n, x, I_(1) + (int64_t)a[1] * K, NULL, NULL, NULL, NULL, rows, D, K, a[0], &done)) && !done)
+            rc = mt_cuda_moe_permute(c, VO(0), IO(1), IO(2), x, I_(1) + (int64_t)a[1] * K, rows, D, K, a[0], rt->scratch);
         break;
     }
     case MT_OP_MOE_PERMUTE_BWD: {
@@ -9622,11 +9671,12 @@ static int mt__exec_cuda(mt_runtime *rt, const mt_node *n, mt_err *err) {
         break;
     }
     case MT_OP_MOE_COMBINE_BWD: {
-        int D = DIM(n->in[1], 1), K = DIM(n->in[3], 1), rows = (int)mt__chunk_rows(G, n->in[2], K);
+        int D = DIM(n->in[1], 1), K = DIM(n->in[3], 1), rows = (int)mt__chunk_rows(G, n->in[2], K), done = 0;
         int64_t r0 = a[1];
-        rc = mt__cuda_zero_other_rows(c, FO(1), (int64_t)sizeof(float) * K, n, rows, DIM(n->in[3], 0)) ||
-             mt_cuda_moe_combine_backward(c, VO(0), FO(1) + r0 * K, (uint8_t *)V_(0) + r0 * D * mt_dtype_bytes(G, DT(n->in[0])), V_(1), I_(2),
-                                          F_(3) + r0 * K, rows, D, K);
+        const void *dy = (uint8_t *)V_(0) + r0 * D * mt_dtype_bytes(G, DT(n->in[0]));
+        if (!(rc = mt__cuda_zero_other_rows(c, FO(1), (int64_t)sizeof(float) * K, n, rows, DIM(n->in[3], 0))) &&
+            !(rc = mt__q8_moe(rt, n, dy, NULL, V_(1), I_(2), F_(3) + r0 * K, FO(1) + r0 * K, rows, D, K, 0, &done)) && !done)
+            rc = mt_cuda_moe_combine_backward(c, VO(0), FO(1) + r0 * K, dy, V_(1), I_(2), F_(3) + r0 * K, rows, D, K);
         break;
     }
     case MT_OP_CROSS_ENTROPY:

@@ -5103,7 +5103,8 @@ __global__ void __launch_bounds__(256) k_combine(bf16 *y, const bf16 *ys, const 
     }
 }
 /* dys[slot[n, k]] = w[n, k] dy[n]; dw[n, k] = <dy[n], ys[slot[n, k]]> (each lane sums its chunks in order, then a
- * fixed butterfly across the warp). One warp per token; dy's first chunks stay in registers across k. */
+ * fixed butterfly across the warp). One warp per token; dy's first chunks stay in registers across k. dys NULL: dw
+ * alone (dys's FP8 forms are made from dy and w by mt_cuda_moe_combine_backward_fp8). */
 template <bool V, int U>
 __global__ void __launch_bounds__(128) k_combine_bwd(bf16 *dys, float *dw, const bf16 *dy, const bf16 *ys, const int32_t *slot, const float *w,
                                                      int N, int D, int K) {
@@ -5137,7 +5138,7 @@ __global__ void __launch_bounds__(128) k_combine_bwd(bf16 *dys, float *dw, const
                 unpack8(yf, cy[i]);
 #pragma unroll
                 for (int j = 0; j < 8; j++) { part += gf[j] * yf[j]; gf[j] *= wk; }
-                st8<V>(dst, d, D, gf);
+                if (dys) st8<V>(dst, d, D, gf);
             }
         }
         for (int d = (lane + 32 * U) * 8; d < D; d += 256) {
@@ -5146,7 +5147,7 @@ __global__ void __launch_bounds__(128) k_combine_bwd(bf16 *dys, float *dw, const
             unpack8(yf, ld8<V>(src, d, D));
 #pragma unroll
             for (int j = 0; j < 8; j++) { part += gf[j] * yf[j]; gf[j] *= wk; }
-            st8<V>(dst, d, D, gf);
+            if (dys) st8<V>(dst, d, D, gf);
         }
         part = warp_sum(part);
         if (lane == 0) dw[n * K + k] = part;
@@ -5158,11 +5159,11 @@ size_t mt_cuda_moe_permute_workspace(int64_t NK) {
     cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, (int)NK);
     return mt__al(tmp) + 3 * mt__al((size_t)NK * 4);
 }
-int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, const void *x, const int32_t *idx, int N, int D,
-                        int K, int E, void *ws) {
-    int64_t NK = (int64_t)N * K;
+/* the permutation's order: the experts' counts and offsets, and perm (in ws) the assignments sorted by expert, stable */
+static int moe_sort(mt_cuda *c, int32_t *offs, const int32_t *idx, int64_t NK, int E, void *ws, int32_t **perm_out) {
     int32_t *cnt = offs + 1;
     CK(cudaMemsetAsync(offs, 0, (size_t)(E + 1) * 4, c->stream));
+    *perm_out = NULL;
     if (NK <= 0) return 0;
     size_t tmp = 0;
     cub::DeviceRadixSort::SortPairs(NULL, tmp, (const int32_t *)NULL, (int32_t *)NULL, (const int32_t *)NULL, (int32_t *)NULL, (int)NK);
@@ -5178,6 +5179,15 @@ int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, cons
     int bits = 1;
     while ((1 << bits) < E && bits < 31) bits++;
     CK(cub::DeviceRadixSort::SortPairs(w, tmp, idx, keys, iota, perm, (int)NK, 0, bits, c->stream));
+    *perm_out = perm;
+    return 0;
+}
+int mt_cuda_moe_permute(mt_cuda *c, void *xs, int32_t *slot, int32_t *offs, const void *x, const int32_t *idx, int N, int D,
+                        int K, int E, void *ws) {
+    int64_t NK = (int64_t)N * K;
+    int32_t *perm;
+    if (moe_sort(c, offs, idx, NK, E, ws, &perm)) return -1;
+    if (NK <= 0) return 0;
 #define MT__GATHER(V, U) k_gather_rows<V, U><<<mt__blocks(NK, 8), 256, 0, c->stream>>>((bf16 *)xs, slot, (const bf16 *)x, perm, NK, K, D)
     MT__ROWS_DISPATCH(MT__GATHER, mt__rows16(D, 2, xs, x));
 #undef MT__GATHER
@@ -8125,8 +8135,16 @@ __device__ __forceinline__ void chunk_of(const int *offs, int E, int R, int slot
    SRC: what the tile holds. Q8_X: x. Q8_SWIGLU: the SwiGLU of gate x and up u, as k_swiglu would write it (bf16), never
    written itself: its two forms are what its readers take. Q8_SWIGLU_BWD: its backward from x, u and dh, dgate and dup
    (k_swiglu_bwd's) from one read, quantized in turn; dup's forms in (q2, s2, qt2, st2). The same bits as those kernels then
-   k_quant_cols<true>. */
-enum { Q8_X = 0, Q8_SWIGLU = 1, Q8_SWIGLU_BWD = 2 };
+   k_quant_cols<true>. Q8_GATHER: row r of the tile is row map[r] / topk of x (the MoE permutation's k_gather_rows, never
+   written); Q8_GATHER_W: that row times wt[map[r]], rounded to bf16 (the combine's backward, k_combine_bwd's dys). */
+enum { Q8_X = 0, Q8_SWIGLU = 1, Q8_SWIGLU_BWD = 2, Q8_GATHER = 3, Q8_GATHER_W = 4 };
+/* 8 bf16 times w, rounded to bf16 (k_combine_bwd's `gf[j] *= wk` then st8) */
+__device__ __forceinline__ uint4 mul8(const uint4 &u, float w) {
+    uint32_t r[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) r[k] = pack_bf16(el8(u, 2 * k) * w, el8(u, 2 * k + 1) * w);
+    return make_uint4(r[0], r[1], r[2], r[3]);
+}
 /* 8 bf16 of the SwiGLU from gate and up as 16-byte words, and of its backward's dgate and dup from gate, up and dh:
    the values and roundings of k_swiglu and k_swiglu_bwd */
 __device__ __forceinline__ uint4 swiglu8(const uint4 &g, const uint4 &u) {
@@ -8171,7 +8189,8 @@ __global__ void __launch_bounds__(2048 / RPT, RPT / 2)
     k_quant_cols(uint8_t *__restrict__ qt, float *__restrict__ st, const bf16 *__restrict__ x, const int *__restrict__ offs, int E, int R,
                  int C, long long Lp, uint8_t *__restrict__ q, float *__restrict__ s, int Rq, const bf16 *__restrict__ u = nullptr,
                  const bf16 *__restrict__ dh = nullptr, uint8_t *__restrict__ q2 = nullptr, float *__restrict__ s2 = nullptr,
-                 uint8_t *__restrict__ qt2 = nullptr, float *__restrict__ st2 = nullptr) {
+                 uint8_t *__restrict__ qt2 = nullptr, float *__restrict__ st2 = nullptr, const int32_t *__restrict__ map = nullptr,
+                 const float *__restrict__ wt = nullptr, int topk = 1) {
     constexpr int NG = 128 / RPT, NT = 16 * NG, W = RPT / 4;   /* row groups, threads, words of codes a thread and column */
     __shared__ float part[NG][128];   /* [g][column], column j of the tile at (j % 8) * 16 + j / 8 (no bank conflicts) */
     __shared__ float sc[128], rc[128];   /* the columns' scales and their reciprocals */
@@ -8204,6 +8223,11 @@ __global__ void __launch_bounds__(2048 / RPT, RPT / 2)
             const uint4 z = make_uint4(0u, 0u, 0u, 0u);
             if constexpr (SRC == Q8_X) v[j] = ld8(x + o, ok);
             else if constexpr (SRC == Q8_SWIGLU) v[j] = ok ? swiglu8(ld8(x + o, true), ld8(u + o, true)) : z;
+            else if constexpr (SRC == Q8_GATHER || SRC == Q8_GATHER_W) {
+                const int a = ok ? map[r0 + i] : 0;
+                const uint4 t = ld8(x + (size_t)(a / topk) * C + c, ok);
+                v[j] = SRC == Q8_GATHER || !ok ? t : mul8(t, wt[a]);
+            }
             else if (out) v[j] = vd[j];
             else if (ok) swiglu8_bwd(ld8(x + o, true), ld8(u + o, true), ld8(dh + o, true), v[j], vd[j]);
             else v[j] = vd[j] = z;
@@ -9489,6 +9513,11 @@ static int gmm_fast(int mode, const Gmm &p, cudaStream_t st, int nsm) {
     kern<<<nsm, 384, smem, st>>>(f);
     return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
+/* dst[src[i]] = i for i < n: a permutation's inverse (the permutation's slot from its order, the combine's order from slot) */
+__global__ void k_invert(int32_t *__restrict__ dst, const int32_t *__restrict__ src, int64_t n) {
+    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i < n) dst[src[i]] = (int32_t)i;
+}
 } /* namespace mt_fp8 */
 
 /* dW's partial sums of squares where no epilogue formed them: block b of gridDim.x sums the squares of its
@@ -9551,6 +9580,42 @@ int mt_cuda_fp8_quant_swiglu(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, floa
                                                                                        (const bf16 *)u, (const bf16 *)dh, q2, s2, qt2, st2);
     LAUNCHED();
     return 0;
+}
+int mt_cuda_fp8_quant_gather(mt_cuda *c, uint8_t *q, float *s, int Rq, uint8_t *qt, float *st, const void *x, const int32_t *map,
+                             const float *w, int topk, const int32_t *d_offs, int E, int R, int C, long long Lp) {
+    if (R < 0 || C < 16 || C % 16 || E < 1 || topk < 1 || Lp < mt_fp8::tpad(R, d_offs ? E : 1) || Lp % 16 || Rq < R || (!d_offs && Rq != R) ||
+        !map || (((uintptr_t)qt | (uintptr_t)q | (uintptr_t)x) & 15u))
+        return mt__fail(c, "fp8 quant gather", "bad sizes (C a multiple of 16, Lp a multiple of 16 and at least mt_cuda_fp8_tpad(R, E), "
+                                               "Rq >= R (= R without groups), topk >= 1, a map, pointers 16-byte aligned)");
+    const long long slots = Lp / 128;
+    if (R == 0 || slots < 1) return 0;
+    const dim3 grid((unsigned)slots, (unsigned)((C + 127) / 128));
+    if (!w) mt_fp8::k_quant_cols<true, mt_fp8::Q8_GATHER><<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)x, d_offs, E, R, C, Lp, q, s, Rq,
+                                                                                      nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, map, nullptr, topk);
+    else mt_fp8::k_quant_cols<true, mt_fp8::Q8_GATHER_W><<<grid, 256, 0, c->stream>>>(qt, st, (const bf16 *)x, d_offs, E, R, C, Lp, q, s, Rq,
+                                                                                     nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, map, w, topk);
+    LAUNCHED();
+    return 0;
+}
+int mt_cuda_moe_permute_fp8(mt_cuda *c, int32_t *slot, int32_t *offs, const void *x, const int32_t *idx, int N, int D, int K, int E,
+                            void *ws, uint8_t *q, float *s, int Rq, uint8_t *qt, float *st, long long Lp) {
+    const int64_t NK = (int64_t)N * K;
+    int32_t *perm;
+    if (moe_sort(c, offs, idx, NK, E, ws, &perm)) return -1;
+    if (NK <= 0) return 0;
+    mt_fp8::k_invert<<<mt__blocks(NK, 256), 256, 0, c->stream>>>(slot, perm, NK);
+    LAUNCHED();
+    return mt_cuda_fp8_quant_gather(c, q, s, Rq, qt, st, x, perm, NULL, K, offs, E, (int)NK, D, Lp);
+}
+int mt_cuda_moe_combine_backward_fp8(mt_cuda *c, float *dw, const void *dy, const void *ys, const int32_t *slot, const float *w, int N,
+                                     int D, int K, int32_t *map, uint8_t *q, float *s, int Rq, uint8_t *qt, float *st,
+                                     const int32_t *d_offs, int E, long long Lp) {
+    const int64_t NK = (int64_t)N * K;
+    if (N <= 0) return 0;
+    if (mt_cuda_moe_combine_backward(c, NULL, dw, dy, ys, slot, w, N, D, K)) return -1;
+    mt_fp8::k_invert<<<mt__blocks(NK, 256), 256, 0, c->stream>>>(map, slot, NK);
+    LAUNCHED();
+    return mt_cuda_fp8_quant_gather(c, q, s, Rq, qt, st, dy, map, w, K, d_offs, E, (int)NK, D, Lp);
 }
 int mt_cuda_fp8_quant_weight2(mt_cuda *c, uint8_t *q, float *s, uint8_t *qt, float *st, const void *w, int E, int N, int K,
                               const int *skip) {

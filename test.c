@@ -1952,6 +1952,7 @@ static int gpu_compile(mt_graph *g, const mt_config *c, int cuda, int planned, m
     if (planned == 7) { mt_passes_none(&p); p.fp8 = 1; }   /* FP8 GEMMs alone: no fusion, no plan */
     if (planned == 8) p.fp8 = MT_FP8_NO_WGRAD;          /* every pass, FP8 GEMMs but the weight gradients' */
     if (planned == 9) { p.fp8 = 1; p.moments = MT_BF16; }   /* every pass, FP8 GEMMs, bf16 AdamW moments */
+    if (planned == 10) { p.fp8 = 1; p.moe_chunks = 2; }    /* every pass, FP8 GEMMs, each MoE layer in 2 chunks of tokens */
     return mt_compile(g, c, &m, &t, MT_GRAPH_TRAIN, &p, e);
 }
 static mt_runtime *gpu_runtime(const mt_graph *g, int poison) {
@@ -2072,11 +2073,33 @@ static void gpu_test_fp8_steps(void) {
         int okq = ok && !mt_runtime_create(&rq, &gf, &b, &e) && !mt_runtime_init_params(rq, 5, &e) && !gpu_steps(rq, &c, S, lq, gq);
         int shared = rt[2] ? mt_runtime_fp8_shared(rt[2]) : 0, both = rt[2] ? mt_runtime_fp8_both(rt[2]) : 0;
         int sw = rt[2] ? mt_runtime_fp8_by_swiglu(rt[2]) : 0, swu = rt[3] ? mt_runtime_fp8_by_swiglu(rt[3]) : 0;
-        report("gpu FP8 shared operands = quantized by every node, bitwise", okq && shared > 0 && both > 0 && sw > 0 && swu > 0 &&
-               mt_runtime_fp8_shared(rq) == 0 && mt_runtime_fp8_by_swiglu(rq) == 0 && bitwise_equal(lq, l[2], S) && bitwise_equal(gq, g[2], S),
-               "%d operands shared (%d activations' rows and columns from one read, %d of them written by their SwiGLU; unfused graph %d); "
-               "loss step %d %.9g", shared, both, sw, swu, S - 1, okq ? lq[S - 1] : 0);
+        int mo = rt[2] ? mt_runtime_fp8_by_moe(rt[2]) : 0;
+        report("gpu FP8 shared operands = quantized by every node, bitwise", okq && shared > 0 && both > 0 && sw > 0 && swu > 0 && mo > 0 &&
+               mt_runtime_fp8_shared(rq) == 0 && mt_runtime_fp8_by_swiglu(rq) == 0 && mt_runtime_fp8_by_moe(rq) == 0 &&
+               bitwise_equal(lq, l[2], S) && bitwise_equal(gq, g[2], S),
+               "%d operands shared (%d activations' rows and columns from one read, %d of them written by their SwiGLU, %d by the MoE "
+               "permutation or the combine's backward; unfused graph %d by a SwiGLU); loss step %d %.9g", shared, both, sw, mo, swu, S - 1,
+               okq ? lq[S - 1] : 0);
         mt_runtime_destroy(rq);
+    }
+    {   /* the MoE in 2 chunks: each chunk's permutation and combine backward write its slots = quantized by every node */
+        mt_graph gk;
+        mt_binding b;
+        mt_runtime *ra = NULL, *rb = NULL;
+        double la[S], ga[S], lb[S], gb2[S];
+        int compiled = !gpu_compile(&gk, &c, 1, 10, &e), okk = compiled;
+        mt_binding_single(&b);
+        okk = okk && !mt_runtime_create(&ra, &gk, &b, &e) && !mt_runtime_init_params(ra, 5, &e);
+        b.fp8_requantize = 1;
+        okk = okk && !mt_runtime_create(&rb, &gk, &b, &e) && !mt_runtime_init_params(rb, 5, &e);
+        okk = okk && !gpu_steps(ra, &c, S, la, ga) && !gpu_steps(rb, &c, S, lb, gb2);
+        int mo = okk ? mt_runtime_fp8_by_moe(ra) : 0;
+        report("gpu FP8 with the MoE in 2 chunks: the permutation's and combine's forms = quantized by every node, bitwise",
+               okk && mt_graph_moe_chunks(&gk) == 2 && mo >= 4 * c.n_layers - 4 * c.n_dense_layers && bitwise_equal(la, lb, S) &&
+               bitwise_equal(ga, gb2, S), "%d slots written by the chunks' permutations and combine backwards; loss step %d %.9g %s", mo,
+               S - 1, okk ? la[S - 1] : 0, okk ? "" : e.msg);
+        mt_runtime_destroy(ra); mt_runtime_destroy(rb);
+        if (compiled) mt_graph_free(&gk);
     }
     for (int bm = 0; bm < 2; bm++) {   /* weights' forms written by AdamW; new weights from the host make them stale */
         mt_graph gm;
@@ -2890,6 +2913,73 @@ static void gpu_test_fp8_quant_swiglu(void) {
         free(g); free(u); free(d);
     }
 }
+/* the forms the MoE permutation and the combine's backward write in place of their routed rows (mt_cuda_moe_permute_fp8,
+   mt_cuda_moe_combine_backward_fp8): bitwise the plain kernels' xs / dys quantized by quant_both, and the same slot,
+   offsets and router-weight gradient. N tokens, top-k K, E experts (expert 3 empty, one expert past 128 rows), C columns
+   with a ragged last block; weights in (0, 1] that round the products; rows past the groups untouched. */
+static void gpu_test_fp8_moe_forms(void) {
+    for (int t = 0; t < 2; t++) {
+        const int N = t ? 300 : 77, K = t ? 6 : 2, E = t ? 8 : 5, C = t ? 272 : 160, nkb = (C + 127) / 128;
+        const int NK = N * K, Rq = NK + 9;
+        const long long Lp = mt_cuda_fp8_tpad(NK, E);
+        int32_t *idx = (int32_t *)malloc(4 * (size_t)NK);
+        float *w = (float *)malloc(4 * (size_t)NK);
+        for (int i = 0; i < NK; i++) {
+            int e = (i / K * 7 + i % K * 13 + (i % 5 == 0 ? 0 : 1)) % E;
+            idx[i] = e == 3 ? (i % 2 ? 1 : 0) : e;
+            w[i] = (float)((i * 37 % 101) + 1) / 101.0f;
+        }
+        float *x = fp8_data(N, C, 1, t), *dy = fp8_data(N, C, 2, !t), *ys = fp8_data(NK, C, 1, 0);
+        void *dx = up_bf(x, (int64_t)N * C), *ddy = up_bf(dy, (int64_t)N * C), *dys_in = up_bf(ys, (int64_t)NK * C);
+        void *didx = up(idx, 4 * (size_t)NK), *dw = up(w, 4 * (size_t)NK);
+        void *ws = dalloc(mt_cuda_moe_permute_workspace(NK)), *map = dalloc(4 * (size_t)NK);
+        const size_t bq = (size_t)Rq * C, bs = 4 * (size_t)Rq * nkb, bqt = (size_t)C * Lp, bst = 4 * (size_t)(Lp / 128) * C;
+        void *xs = dalloc(2 * (size_t)NK * C), *dxs = dalloc(2 * (size_t)NK * C), *slot[2], *offs[2], *gw[2], *q[2][2], *sc[2][2], *qt[2][2], *st[2][2];
+        for (int f = 0; f < 2; f++) {
+            slot[f] = dalloc(4 * (size_t)NK); offs[f] = dalloc(4 * (size_t)(E + 1)); gw[f] = dalloc(4 * (size_t)NK);
+            for (int k = 0; k < 2; k++) { q[f][k] = dalloc(bq); sc[f][k] = dalloc(bs); qt[f][k] = dalloc(bqt); st[f][k] = dalloc(bst); }
+        }
+        /* [0]: the plain kernels then quant_both; [1]: fused. k = 0 the permutation's xs, k = 1 the combine backward's dys */
+        int ok = !mt_cuda_moe_permute(CU, xs, (int32_t *)slot[0], (int32_t *)offs[0], dx, (const int32_t *)didx, N, C, K, E, ws) &&
+                 !mt_cuda_fp8_quant_both(CU, (uint8_t *)q[0][0], (float *)sc[0][0], Rq, (uint8_t *)qt[0][0], (float *)st[0][0], xs,
+                                         (const int32_t *)offs[0], E, NK, C, Lp) &&
+                 !mt_cuda_moe_combine_backward(CU, dxs, (float *)gw[0], ddy, dys_in, (const int32_t *)slot[0], (const float *)dw, N, C, K) &&
+                 !mt_cuda_fp8_quant_both(CU, (uint8_t *)q[0][1], (float *)sc[0][1], Rq, (uint8_t *)qt[0][1], (float *)st[0][1], dxs,
+                                         (const int32_t *)offs[0], E, NK, C, Lp) &&
+                 !mt_cuda_moe_permute_fp8(CU, (int32_t *)slot[1], (int32_t *)offs[1], dx, (const int32_t *)didx, N, C, K, E, ws,
+                                          (uint8_t *)q[1][0], (float *)sc[1][0], Rq, (uint8_t *)qt[1][0], (float *)st[1][0], Lp) &&
+                 !mt_cuda_moe_combine_backward_fp8(CU, (float *)gw[1], ddy, dys_in, (const int32_t *)slot[1], (const float *)dw, N, C, K,
+                                                   (int32_t *)map, (uint8_t *)q[1][1], (float *)sc[1][1], Rq, (uint8_t *)qt[1][1],
+                                                   (float *)st[1][1], (const int32_t *)offs[1], E, Lp);
+        int same[2] = {ok, ok}, meta = ok, untouched = ok;
+        const size_t sz[4] = {bq, bs, bqt, bst};
+        for (int k = 0; ok && k < 2; k++) {
+            void *a[4] = {down(q[0][k], bq), down(sc[0][k], bs), down(qt[0][k], bqt), down(st[0][k], bst)};
+            void *b[4] = {down(q[1][k], bq), down(sc[1][k], bs), down(qt[1][k], bqt), down(st[1][k], bst)};
+            for (int j = 0; j < 4; j++) same[k] &= !memcmp(a[j], b[j], sz[j]);
+            for (size_t i = (size_t)NK * C; i < bq; i++) untouched &= ((uint8_t *)b[0])[i] == 0xff;
+            for (int j = 0; j < 4; j++) { free(a[j]); free(b[j]); }
+        }
+        const size_t mb[3] = {4 * (size_t)NK, 4 * (size_t)(E + 1), 4 * (size_t)NK};
+        void *const *mv[3] = {slot, offs, gw};
+        for (int j = 0; ok && j < 3; j++) {
+            void *a = down(mv[j][0], mb[j]), *b = down(mv[j][1], mb[j]);
+            meta &= !memcmp(a, b, mb[j]);
+            free(a); free(b);
+        }
+        char nm[96];
+        snprintf(nm, sizeof nm, "gpu fp8 forms from the MoE permutation and the combine's backward, %d x top-%d", N, K);
+        report(nm, ok && same[0] && same[1] && meta && untouched, "%d routed rows x %d: xs %s, dys %s (against the plain kernels, then quant_both); "
+               "slot, offsets, dw %s; rows past the groups %s", NK, C, same[0] ? "bitwise" : "DIFFER", same[1] ? "bitwise" : "DIFFER",
+               meta ? "bitwise" : "DIFFER", untouched ? "untouched" : "WRITTEN");
+        for (int f = 0; f < 2; f++) {
+            dfree(slot[f]); dfree(offs[f]); dfree(gw[f]);
+            for (int k = 0; k < 2; k++) { dfree(q[f][k]); dfree(sc[f][k]); dfree(qt[f][k]); dfree(st[f][k]); }
+        }
+        dfree(xs); dfree(dxs); dfree(dx); dfree(ddy); dfree(dys_in); dfree(didx); dfree(dw); dfree(ws); dfree(map);
+        free(idx); free(w); free(x); free(dy); free(ys);
+    }
+}
 static void gpu_test_fp8_quant(void) {
     /* rows: 37 x 320 (a half-wide last block), outlier columns, zero blocks; then 129 x 16 */
     int ok = 1;
@@ -3454,6 +3544,7 @@ int main(void) {
     GPU_RUN(gpu_test_fp8_quant());
     GPU_RUN(gpu_test_fp8_quant_both());
     GPU_RUN(gpu_test_fp8_quant_swiglu());
+    GPU_RUN(gpu_test_fp8_moe_forms());
     GPU_RUN(gpu_test_fp8_dense(200, 272, 336));   /* partial 128-blocks in every dimension */
     GPU_RUN(gpu_test_fp8_dense(256, 256, 384));
     {

@@ -763,8 +763,9 @@ static int train_rank(job_t *j, int rank, mt_world *w, mt_err *err) {
                on_gpu ? "CUDA bf16" : "CPU fp32", cfg->vocab_size, log((double)cfg->vocab_size));
         if (on_gpu && mt_runtime_fp8_shared(rt))
             printf("fp8 operands: %d quantized once for several GEMMs (%d activations in both forms from one read, %d of them "
-                   "written by their SwiGLU; %d weights by AdamW)\n", mt_runtime_fp8_shared(rt), mt_runtime_fp8_both(rt),
-                   mt_runtime_fp8_by_swiglu(rt), mt_runtime_fp8_by_optimizer(rt));
+                   "written by their SwiGLU, %d by the MoE permutation or the combine's backward; %d weights by AdamW)\n",
+                   mt_runtime_fp8_shared(rt), mt_runtime_fp8_both(rt), mt_runtime_fp8_by_swiglu(rt), mt_runtime_fp8_by_moe(rt),
+                   mt_runtime_fp8_by_optimizer(rt));
         if (world > 1) {
             printf("ranks: %d (%s) | mesh", world, w ? "CPU threads" : on_gpu ? "one process per GPU, NCCL" : "processes");
             for (int d = 0; d < MT_NDIMS; d++) printf(" %s=%d", mt_dim_names[d], G->mesh.size[d]);
