@@ -109,7 +109,7 @@ static const opt_spec specs[] = {
     {"logits-out", OPT_STR, O_(logits_out), 0, 0, 0, 0, "none", "with --forward: write float32 logits [batch*seq_len, vocab]", "FILE"},
     {"eager", OPT_FLAG, O_(eager), 0, 0, 0, 0, "off", "no optimizing passes (the baseline)", NULL},
     {"fp8", OPT_FLAG, O_(fp8), 0, 0, 0, 0, "off", "the linear layers' GEMMs in FP8, DeepSeek-V3's block scaling (docs/FP8.md; on the CPU emulated)", NULL},
-    {"fp8-wgrad", OPT_STR, O_(fp8_wgrad), 0, 0, 0, 0, "fp8", "with --fp8: the weight gradients' GEMMs in fp8 (DeepSeek-V3's recipe), or bf16 (1.4% slower on mid, H200: docs/FP8.md)", "DTYPE"},
+    {"fp8-wgrad", OPT_STR, O_(fp8_wgrad), 0, 0, 0, 0, "fp8", "with --fp8: the weight gradients' GEMMs in fp8 (DeepSeek-V3's recipe), or bf16 (1.2% slower on mid, H200: docs/FP8.md)", "DTYPE"},
     {"overlap", OPT_FLAG, O_(overlap), 0, 0, 0, 0, "on with several ranks", "collectives on their own CUDA streams: FSDP prefetch, EP ahead of its host sync", NULL},
     {"ep-exchange", OPT_STR, O_(ep_exchange), 0, 0, 0, 0, "auto", "CUDA, ep > 1: auto (device-side where every ep peer is load/store accessible, "
      "else host-synchronized NCCL), device (or refuse), host (bitwise the same steps)", "MODE"},
