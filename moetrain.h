@@ -1117,6 +1117,9 @@ void mt_runtime_profile(const mt_runtime *rt, double ms[MT_NOPS], int64_t calls[
  * step, ms of the step, of compute, of communication (collectives and the expert exchange, each timed on
  * its own stream), and of communication the compute stream waited for (exposed). 0 without profiled steps. */
 int mt_runtime_profile_comm(const mt_runtime *rt, double out[4]);
+/* CUDA, after profiled steps: the (at most k) nodes on other streams the compute stream waited for longest,
+ * longest first, and those waits in ms per step; returns how many. */
+int mt_runtime_profile_waits(const mt_runtime *rt, int k, int32_t *node, double *ms);
 void mt_runtime_set_profile(mt_runtime *rt, int on);
 void mt_runtime_set_nan_check(mt_runtime *rt, int on);         /* see mt_binding.nan_check */
 size_t mt_runtime_peak_bytes(const mt_runtime *rt);            /* device (or host) memory of the plan at peak */
@@ -3078,6 +3081,7 @@ typedef struct {
     int doc;                 /* document starts [N] i32 (doc_mask), else -1 */
     int sym_coord[MT_NDIMS], sym_recv[MT_MOE_CHUNKS_MAX];   /* sym_recv: per chunk of tokens */
     int chunks;              /* each MoE layer's routed experts run over this many chunks of its tokens */
+    int keep_from;           /* backward: a gathered weight read by the forward at or after this node keeps its copy */
 } mt__builder;
 
 static int mt__grow(void **p, int *cap, int need, size_t elem) {
@@ -3968,9 +3972,17 @@ static void mt__backward_rule(mt__builder *b, const mt_node *f) {
 
 /* FSDP reshards after the forward: the backward gathers a weight again just
  * before its first backward use, so the forward's copy dies with the
- * forward. The re-gathered copy sends its gradient to the original. */
+ * forward. The re-gathered copy sends its gradient to the original.
+ * Except at the turn: a weight the forward reads in its last block or after
+ * (that block's, the final norm's, the output head's) keeps its forward copy
+ * for the backward, which starts right there: gathering it again could not
+ * be prefetched (mid, 2 H200s: 2.5 ms a step the compute stream waited). */
 static int mt__regather(mt__builder *b, int full) {
     if (b->vi[full].again >= 0) return b->vi[full].again;
+    const mt_graph *g = b->g;
+    for (int i = g->n_forward_nodes - 1; i >= b->keep_from; i--)
+        for (int k = 0; k < g->nodes[i].n_in; k++)
+            if (g->nodes[i].in[k] == full) { b->vi[full].again = full; return full; }
     const mt_value w = b->g->values[full];
     int again = mt__value(b, w.name, w.dtype, MT_ROLE_ACT, w.ndim, w.dims[0], w.dims[1], w.dims[2]);
     if (again < 0) return full;
@@ -3989,8 +4001,11 @@ static int mt__backward_reads(int op, int k) { return !(op == MT_OP_EMBED && k =
 
 static int mt__backward(mt__builder *b) {
     mt_graph *g = b->g;
-    int n_fwd = g->n_forward_nodes;
+    int n_fwd = g->n_forward_nodes, last = -1;
     b->phase = MT_PHASE_BACKWARD;
+    for (int i = 0; i < n_fwd; i++) if (g->nodes[i].layer > last) last = g->nodes[i].layer;
+    b->keep_from = n_fwd;   /* the first forward node of the last block (the highest layer: MTP's, if any) */
+    for (int i = 0; i < n_fwd; i++) if (g->nodes[i].layer == last) { b->keep_from = i; break; }
     for (int i = n_fwd - 1; i >= 0 && !b->failed; i--) {
         mt_node f = g->nodes[i];   /* copy: pushing may move the array */
         if (!mt_ops[f.op].differentiable) continue;
@@ -5218,7 +5233,8 @@ int mt_pass_isolate_ep(mt_graph *g, mt_err *err) {
  *  - Re-run collectives (the expert exchange, FSDP all-gathers) run on every
  *    rank alike: all ranks run the same rewritten graph. A weight that the
  *    backward gathers again anyway (FSDP, mt__regather) is gathered once,
- *    before the recompute, and serves both.
+ *    before the recompute, and serves both; one it does not gather again
+ *    (the last block's) is read from the forward's copy.
  * It runs before fusion, while blocks are still apart (fusion joins a
  * block's last add to the next block's first norm); the clones then fuse as
  * the forward did, and compute bitwise what the forward computed. */
@@ -5308,8 +5324,8 @@ static int mt__recompute_block(mt_graph *g, int layer, int64_t *saved, mt_err *e
             if (j < nn) {
                 map[c.out[0]] = g->nodes[j].out[0];
                 if (j >= ins) move[j] = 1;
-                continue;
-            }
+            }   /* else the backward reads the forward's copy (mt__regather keeps it): so do the clones */
+            continue;
         }
         c.phase = MT_PHASE_RECOMPUTE;
         for (int k = 0; k < c.n_in; k++) if (c.in[k] >= 0 && map[c.in[k]] >= 0) c.in[k] = map[c.in[k]];
@@ -7622,6 +7638,7 @@ struct mt_runtime {
     int64_t multi_nodes;      /* CUDA: nodes issued within multi-tensor launches (mt__exec_cuda_multi), all steps */
     double prof_ms[MT_NOPS];  /* binding.profile: time per op */
     double prof_step[5];      /* binding.profile, CUDA: step, compute, communication, exposed communication (ms), steps */
+    double *prof_wait;        /* binding.profile, CUDA, per node: ms the compute stream waited for it */
     int64_t prof_calls[MT_NOPS];
     mt__group *groups; int n_groups;
     void *world_comm;        /* NCCL: every rank, in rank order */
@@ -8466,6 +8483,7 @@ void mt_runtime_destroy(mt_runtime *rt) {
        then the exchange's windows, then the communicators */
     for (int i = 0; rt->cu && rt->graphs && i < rt->g.n_nodes; i++) mt_cuda_graph_destroy(rt->graphs[i]);
     MT_FREE(rt->graphs);
+    MT_FREE(rt->prof_wait);
     mt_cuda_graph_destroy(rt->step_graph);
     mt_cuda_graph_destroy(rt->prof_graph);
     rt->step_graph = rt->prof_graph = NULL;
@@ -8509,6 +8527,18 @@ int mt_runtime_profile_comm(const mt_runtime *rt, double out[4]) {
     double k = rt->prof_step[4];
     for (int i = 0; i < 4; i++) out[i] = k > 0 ? rt->prof_step[i] / k : 0;
     return k > 0;
+}
+int mt_runtime_profile_waits(const mt_runtime *rt, int k, int32_t *node, double *ms) {
+    int n = 0;
+    double steps = rt->prof_step[4];
+    for (int i = 0; rt->prof_wait && steps > 0 && i < rt->g.n_nodes; i++) {
+        double t = rt->prof_wait[i] / steps;
+        if (t <= 0) continue;
+        int at = n < k ? n++ : k;   /* insertion into the k longest so far, longest first */
+        while (at > 0 && ms[at - 1] < t) { if (at < k) { ms[at] = ms[at - 1]; node[at] = node[at - 1]; } at--; }
+        if (at < k) { ms[at] = t; node[at] = i; }
+    }
+    return n;
 }
 void *mt_runtime_value(mt_runtime *rt, int v) { return (v >= 0 && v < rt->g.n_values) ? rt->ptr[v] : NULL; }
 int mt_runtime_n_moe_layers(const mt_runtime *rt) { return rt->n_moe; }
@@ -10019,6 +10049,8 @@ static int mt__cuda_prof_read(mt_runtime *rt, int step, mt_err *err) {
     int n = G->n_nodes, multi = G->overlap && rt->ev_of && !rt->bind.nan_check;
     const mt_schedule *S = &rt->sched;
     if (mt_cuda_sync(cu)) return mt_errf(err, "step %d: %s", step, mt_cuda_error(cu));
+    if (multi && !rt->prof_wait && !(rt->prof_wait = (double *)mt__calloc(sizeof(double) * (size_t)(n + 1))))
+        return mt_errf(err, "out of memory");
     {
         double *ps = rt->prof_step;
         ps[0] += mt_cuda_event_ms(cu, 0, 3 * n + 1);
@@ -10042,6 +10074,7 @@ static int mt__cuda_prof_read(mt_runtime *rt, int step, mt_err *err) {
             if (waited >= 0) {
                 double stall = mt_cuda_event_ms(cu, 3 * i + 1, 3 * i + 2);
                 rt->prof_ms[G->nodes[waited].op] += stall;
+                if (rt->prof_wait) rt->prof_wait[waited] += stall;
                 if (S->queue[waited] != MT_Q_COMPUTE && mt__is_collective(G->nodes[waited].op)) ps[3] += stall;
             }
         }

@@ -598,6 +598,14 @@ static void print_profile(mt_runtime *rt, const opts *o, double step_ms) {
     if (mt_runtime_profile_comm(rt, cm) && cm[0] > 0)
         printf("communication: %.3f ms a step on its streams, %.3f ms exposed (the compute stream waited: %.1f%% of the %.3f ms "
                "profiled step); compute %.3f ms\n", cm[2], cm[3], 100 * cm[3] / cm[0], cm[0], cm[1]);
+    int32_t wn[5];
+    double wms[5];
+    int nw = mt_runtime_profile_waits(rt, 5, wn, wms);
+    for (int k = 0; k < nw; k++) {   /* where the exposed time went */
+        const mt_node *n = &G->nodes[wn[k]];
+        printf("%s %s '%s' (layer %d) %.3f ms%s", k ? ";" : "  waited longest for:", mt_ops[n->op].name,
+               n->out[0] >= 0 ? G->values[n->out[0]].name : "", n->layer, wms[k], k == nw - 1 ? "\n" : "");
+    }
 }
 
 static int run_forward(const opts *o, mt_config cfg) {
