@@ -3064,7 +3064,8 @@ typedef struct {
     int32_t master;          /* for a compute shadow: its f32 master; else -1 */
     int32_t req;             /* depends on a trainable param */
     int32_t shard_of;        /* for an all-gathered weight: the shard it was gathered from; else -1 */
-    int32_t again;           /* its re-gather for the backward (FSDP reshards after the forward), or -1 */
+    int32_t again;           /* what the backward reads for it: its re-gather (FSDP reshards after the forward),
+                                itself where the forward's copy is kept (mt__regather), or -1 before the first ask */
 } mt__vinfo;
 typedef struct {
     mt_graph *g;
