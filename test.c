@@ -3470,6 +3470,10 @@ int main(void) {
     mt_err e;
     mt_rng_seed(&R, 42);
     setenv("NCCL_NVLS_ENABLE", "0", 0);
+    /* Thread-ranks on GPUs share one process: a kernel loaded lazily (CUDA's default) may wait for the
+     * process's GPUs to go idle while another rank's exchange kernel spins for this rank's signal. The
+     * in-process two-GPU tests stalled once in 23 runs with lazy loading; load every module at start. */
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
     char info[512];
     mt_cuda_describe(info, sizeof info);
     printf("%s\n", info);
