@@ -258,7 +258,10 @@ static int mr_rank(void *ctx, int rank, mt_world *w, mt_err *err) {
     mt_binding_single(&b);
     b.rank = rank; b.world = mt_mesh_world(&g->mesh); b.n_threads = 1;
     if (g->target.backend == MT_BACKEND_CPU) { b.cpu_world = b.world > 1 ? w : NULL; b.device = rank; }   /* a virtual device per rank */
-    else { b.device = rank; b.local_rank = rank; memcpy(b.nccl_id, j->nccl_id, sizeof b.nccl_id); }
+    else {   /* device-side waits for a peer end after 30 s (not 600): a stalled exchange fails, naming the peer */
+        b.device = rank; b.local_rank = rank; b.timeout_s = 30;
+        memcpy(b.nccl_id, j->nccl_id, sizeof b.nccl_id);
+    }
     mt_runtime *rt;
     int rc = mt_runtime_create(&rt, g, &b, err);
     if (rc) { snprintf(j->err[rank], sizeof j->err[rank], "%s", err->msg); return -1; }
