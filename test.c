@@ -3475,7 +3475,7 @@ int main(void) {
     setenv("NCCL_NVLS_ENABLE", "0", 0);
     /* Thread-ranks on GPUs share one process: a kernel loaded lazily (CUDA's default) may wait for the
      * process's GPUs to go idle while another rank's exchange kernel spins for this rank's signal. The
-     * in-process two-GPU tests stalled once in 23 runs with lazy loading; load every module at start. */
+     * in-process two-GPU tests stalled in 2 of 28 runs with lazy loading; load every module at start. */
     setenv("CUDA_MODULE_LOADING", "EAGER", 0);
     char info[512];
     mt_cuda_describe(info, sizeof info);
@@ -7772,8 +7772,8 @@ static int mr_compile_rc(mt_graph *g, int shard, int ep, int n, int64_t budget, 
 }
 /* FSDP at the turn from forward to backward: the weights the forward reads in its last block and after
  * (that block's, the final norm's, the output head's) keep their forward copies for the backward, which
- * reads them there; every earlier block's weights are gathered again. Then, with a budget, recompute of the
- * last block reads those copies too (no collective re-run for them). */
+ * reads them there; every earlier block's weights are gathered again. (Recompute: test_recompute_multirank
+ * checks it gathers nothing itself and stays bitwise.) */
 static void test_fsdp_turn(void) {
     mt_err e;
     mt_graph g;
