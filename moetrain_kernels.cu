@@ -7591,11 +7591,15 @@ int mt_cuda_ep_regroup(mt_cuda *c, void *dst, const void *src, const int32_t *re
  *           "data k", wait, read the [P][E] matrix into the layer's plan and
  *           lay out both directions (mt_ep_layout).
  *   rows    k_lsa_ready (one block: "ready k": the destination value is free
- *           here, this node's waits are met), k_lsa_rows (every block waits
- *           for every peer's ready, then warps copy whole rows into the peers'
+ *           here, this node's waits are met; then wait for every peer's
+ *           ready), k_lsa_rows (warps copy whole rows into the peers'
  *           destination values; the last block to finish tells every peer
  *           "data k"), k_lsa_finish (wait for every peer's data; dispatch
  *           writes roffs; round k done).
+ * Only one-block kernels wait. A copy whose every block waited for the
+ * peers' ready (one block per SM) could hold every SM while a kernel the
+ * peer needs first (an FSDP collective) found no room to start: two GPUs
+ * with two MoE chunks stalled so until the timeout, now and then.
  * Signals are release stores and acquire loads at system scope after a
  * system fence. Every wait is bounded (the binding's timeout): a peer that
  * died or hangs sets the error flag (MT_CUDA_FLAG_PEER + its index) and the
@@ -7687,14 +7691,18 @@ __global__ void __launch_bounds__(MT_LSA_THREADS) k_lsa_counts(LsaArgs a, const 
     if (threadIdx.x == 32) mt_ep_layout(plan, P, El, a.me, 0, plan + P * E + 2 * E + 1, plan + P * E + 3 * E + 2);
     if (threadIdx.x == 0) *a.epoch = k;
 }
-__global__ void k_lsa_ready(LsaArgs a) { lsa_signal(a, 0, *a.epoch + 1); }
+__global__ void k_lsa_ready(LsaArgs a) {
+    const unsigned long long k = *a.epoch + 1;
+    lsa_signal(a, 0, k);
+    lsa_wait(a, 0, k);   /* a late peer flags; k_lsa_rows then copies nothing */
+}
 __global__ void __launch_bounds__(MT_LSA_THREADS) k_lsa_rows(LsaArgs a, int dispatch, const uint8_t *src, size_t dst_off,
                                                              int64_t row_bytes, const int32_t *plan, int El, int64_t cap) {
     extern __shared__ int32_t tab[];    /* chunk starts [E+1], destinations [E] */
     __shared__ int last;
     const int P = a.P, C = a.E;
     const unsigned long long k = *a.epoch + 1;
-    if (!lsa_wait(a, 0, k)) return;
+    if (*(volatile int *)a.flag) return;   /* k_lsa_ready waited for every peer's ready, or flagged */
     const int32_t *ps = plan + P * C + (dispatch ? 0 : 2 * C + 1);
     for (int i = threadIdx.x; i < 2 * C + 1; i += blockDim.x) tab[i] = ps[i];
     __syncthreads();
