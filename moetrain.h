@@ -1050,9 +1050,9 @@ int mt_world_failed(mt_world *w, char *why, size_t n);  /* the failed rank, or -
 /* Run fn(ctx, rank, world) on n thread-ranks sharing one world and join them.
  * A rank whose fn fails marks the world failed; the first failure is returned,
  * naming its rank. Thread-ranks on GPUs (one process, a GPU each): run with
- * CUDA_MODULE_LOADING=EAGER. Lazy loading may make one rank's first launch of a
+ * CUDA_MODULE_LOADING=EAGER: lazy loading may make one rank's first launch of a
  * kernel wait for the process's GPUs to go idle while another rank's expert
- * exchange spins for that rank's signal: a stall up to the binding's timeout. */
+ * exchange waits for that rank. */
 typedef int (*mt_rank_fn)(void *ctx, int rank, mt_world *w, mt_err *err);
 int mt_run_thread_ranks(int n, mt_rank_fn fn, void *ctx, mt_err *err);
 

@@ -3469,13 +3469,55 @@ static void gpu_test_fp8_grouped(int E, int M, int K, const int *cnt, int varian
     for (size_t i = 0; i < sizeof hp / sizeof hp[0]; i++) free(hp[i]);
 }
 
+/* SIGUSR2 prints every thread's stack to stderr (tools/stall_check.sh sends it to a run that stalls): the
+ * signalled thread hands SIGUSR1 to each thread of the process in turn; each prints its own frames, which
+ * `addr2line -f -e test_gpu OFFSET` names (the binary's frames show as test_gpu(+OFFSET)). */
+#include <execinfo.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+extern long syscall(long number, ...);
+static void stack_print_mine(int sig) {
+    (void)sig;
+    void *pc[64];
+    char head[64];
+    int n = backtrace(pc, 64), l = snprintf(head, sizeof head, "--- thread %ld\n", syscall(SYS_gettid));
+    if (write(2, head, (size_t)l) < 0) return;
+    backtrace_symbols_fd(pc, n, 2);
+}
+static void stack_print_all(int sig) {
+    (void)sig;
+    DIR *d = opendir("/proc/self/task");
+    struct dirent *t;
+    struct timespec pause = {0, 100000000};
+    while (d && (t = readdir(d)) != NULL) {
+        long tid = atol(t->d_name);
+        if (tid <= 0) continue;
+        syscall(SYS_tgkill, (long)getpid(), tid, SIGUSR1);
+        nanosleep(&pause, NULL);
+    }
+    if (d) closedir(d);
+}
+static void stack_dump_install(void) {
+    void *pc[4];
+    backtrace(pc, 4);   /* loads the unwinder now, not inside a handler */
+    struct sigaction a;
+    memset(&a, 0, sizeof a);
+    sigemptyset(&a.sa_mask);
+    a.sa_flags = SA_RESTART;
+    a.sa_handler = stack_print_mine;
+    sigaction(SIGUSR1, &a, NULL);
+    a.sa_handler = stack_print_all;
+    sigaction(SIGUSR2, &a, NULL);
+}
+
 int main(void) {
     mt_err e;
     mt_rng_seed(&R, 42);
     setenv("NCCL_NVLS_ENABLE", "0", 0);
+    stack_dump_install();
     /* Thread-ranks on GPUs share one process: a kernel loaded lazily (CUDA's default) may wait for the
-     * process's GPUs to go idle while another rank's exchange kernel spins for this rank's signal. The
-     * in-process two-GPU tests stalled in 2 of 28 runs with lazy loading; load every module at start. */
+     * process's GPUs to go idle while another rank's exchange waits for this rank; load every module at start. */
     setenv("CUDA_MODULE_LOADING", "EAGER", 0);
     char info[512];
     mt_cuda_describe(info, sizeof info);
