@@ -4,7 +4,7 @@
 # usage: sh tools/stall_check.sh [RUNS] [SECONDS]   (defaults 50 and 90; ./test_gpu built, 2+ GPUs visible)
 # ./test_gpu loads CUDA modules eagerly unless CUDA_MODULE_LOADING is set: CUDA_MODULE_LOADING=LAZY sh
 # tools/stall_check.sh runs the same loop with lazy loading, to compare. The tests bound a device-side wait for
-# a peer at 30 s: a stall there ends as a FAIL naming the peer; one that outlasts SECONDS is on the host.
+# a peer at 30 s: a stall there ends as a FAIL naming the peer, though the run may take a minute more to end.
 # A stalled run gets SIGUSR2 (./test_gpu prints every thread's stack to its log, kept as stall_RUN_TEST.log under
 # ${TMPDIR:-/tmp}/moetrain_stall) and 60 s more to end on its own (a device-side wait ends at 30 s) before it is
 # killed. STALL_TESTS picks the tests (default "moe_chunks multi_rank").
